@@ -1,0 +1,3 @@
+from powerinfer_tools.cli import main
+
+main()

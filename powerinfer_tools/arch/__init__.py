@@ -1,0 +1,38 @@
+"""Architecture adapters: pick the one a transformers config belongs to."""
+from __future__ import annotations
+
+from powerinfer_tools.arch.bamboo import Bamboo
+from powerinfer_tools.arch.base import Arch, Dims, install_taps, is_active
+from powerinfer_tools.arch.falcon import Falcon
+from powerinfer_tools.arch.llama_family import is_bamboo
+from powerinfer_tools.arch.llama_relu import LlamaRelu
+from powerinfer_tools.arch.llama_silu import LlamaSilu
+from powerinfer_tools.arch.opt import Opt
+from powerinfer_tools.errors import UserError
+
+ADAPTERS: tuple[type[Arch], ...] = (LlamaRelu, LlamaSilu, Bamboo, Falcon, Opt)
+
+__all__ = ["ADAPTERS", "Arch", "Dims", "for_config", "config_class_for", "install_taps", "is_active"]
+
+
+def supported() -> str:
+    return "; ".join(f"{a.name}: {a.description}" for a in ADAPTERS)
+
+
+def for_config(config) -> Arch:
+    """The adapter for a config, or a UserError naming the supported architectures."""
+    for adapter in ADAPTERS:
+        if adapter.matches(config):
+            return adapter(config)
+    act = getattr(config, "hidden_act", None) or getattr(config, "activation", None) or "?"
+    raise UserError(f"unsupported architecture '{config.model_type}' (activation {act}); supported: {supported()}")
+
+
+def config_class_for(raw: dict):
+    """A transformers config class for raw config.json contents that transformers cannot map itself."""
+    from types import SimpleNamespace
+
+    if is_bamboo(SimpleNamespace(model_type=raw.get("model_type"), architectures=raw.get("architectures"))):
+        from transformers import MistralConfig
+        return MistralConfig
+    return None

@@ -1,0 +1,60 @@
+"""Atomic outputs: build under a temporary name beside the target, rename on success.
+
+An interrupted or failed run leaves the previous output (or nothing) under the final name,
+never a half-written file.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from powerinfer_tools.errors import UserError
+
+
+@contextlib.contextmanager
+def atomic_file(final: str | os.PathLike):
+    """Yield a temporary path in the target's directory; move it to `final` if the block succeeds."""
+    final = Path(final)
+    if final.is_dir():
+        raise UserError(f"output path {final} is a directory")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.replace(tmp, final)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def check_output_dir(final: Path, force: bool) -> None:
+    """Refuse an existing non-empty directory unless `force` (then it is replaced on success)."""
+    if final.exists() and not final.is_dir():
+        raise UserError(f"output path {final} exists and is not a directory")
+    if final.is_dir() and any(final.iterdir()) and not force:
+        raise UserError(f"output directory {final} exists and is not empty (use --force to replace it)")
+
+
+@contextlib.contextmanager
+def atomic_dir(final: str | os.PathLike, force: bool = False):
+    """Yield a temporary directory beside `final`; it replaces `final` only if the block succeeds."""
+    final = Path(final)
+    check_output_dir(final, force)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+    try:
+        yield tmp
+        if final.exists():
+            old = final.with_name(f".{final.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,57 @@
+"""The `pi-tools` command line. Every subcommand lives in powerinfer_tools.commands.<name>."""
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from powerinfer_tools import __version__
+from powerinfer_tools.errors import UserError
+
+app = typer.Typer(
+    name="pi-tools",
+    help="Make and run sparsity-aware (PowerInfer) LLMs: profile -> train-predictor -> convert -> run.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", help="Print the version and exit.")):
+    if version:
+        typer.echo(f"powerinfer-tools {__version__}")
+        raise typer.Exit()
+
+
+def _register() -> None:
+    from powerinfer_tools.commands import profile
+
+    app.command("profile", no_args_is_help=True)(profile.profile)
+
+
+_register()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: bad input becomes one line on stderr and exit status 1, never a traceback."""
+    try:
+        app(args=argv, standalone_mode=False)
+    except UserError as exc:
+        print(f"pi-tools: error: {exc}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print("pi-tools: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        sys.exit(1)
+    except Exception as exc:  # click usage errors carry their own formatting
+        import click
+
+        if isinstance(exc, click.ClickException):
+            exc.show()
+            sys.exit(exc.exit_code)
+        raise

@@ -1,0 +1,59 @@
+"""Reading and writing PowerInfer's GGUF flavour with gguf-py.
+
+PowerInfer's files are GGUF v3 with the magic `PWRI` in place of `GGUF`; everything after the
+first four bytes is plain GGUF. gguf-py writes GGUF, so writers patch the magic afterwards, and
+the reader below accepts either magic.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from powerinfer_tools.errors import UserError
+
+GGUF_MAGIC = b"GGUF"
+PWRI_MAGIC = b"PWRI"
+
+
+def read_magic(path: str | os.PathLike) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(4)
+
+
+def set_pwri_magic(path: str | os.PathLike) -> None:
+    """Turn a GGUF file written by gguf-py into a PowerInfer file (the version field stays 3)."""
+    with open(path, "r+b") as f:
+        if f.read(4) != GGUF_MAGIC:
+            raise ValueError(f"{path} is not a GGUF file")
+        f.seek(0)
+        f.write(PWRI_MAGIC)
+
+
+def open_reader(path: str | os.PathLike):
+    """A gguf.GGUFReader over a GGUF or PWRI file; bad files raise UserError with one line."""
+    import gguf
+
+    class PwriReader(gguf.GGUFReader):
+        def _get(self, offset, dtype, count=1, override_order=None):
+            if offset == 0 and count == 1 and bytes(self.data[:4]) == PWRI_MAGIC:
+                return np.array([gguf.GGUF_MAGIC], dtype=np.uint32)
+            return super()._get(offset, dtype, count, override_order)
+
+    if not os.path.isfile(path):
+        raise UserError(f"no such file: {path}")
+    magic = read_magic(path)
+    if magic not in (GGUF_MAGIC, PWRI_MAGIC):
+        raise UserError(f"{path}: not a GGUF/PowerInfer file (magic {magic!r})")
+    try:
+        return PwriReader(path)
+    except (ValueError, IndexError, KeyError, OverflowError, MemoryError) as exc:
+        raise UserError(f"{path}: damaged GGUF file ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+
+
+def field(reader, key: str, default=None):
+    """The value of metadata `key` (str, number or list), or `default` when absent."""
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()

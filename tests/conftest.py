@@ -1,0 +1,26 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_models import KINDS, make_tiny  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """tiny_model_dir(kind) -> Path of a saved tiny random model (built once per session)."""
+    cache = {}
+
+    def get(kind: str) -> Path:
+        if kind not in cache:
+            cache[kind] = make_tiny(kind, tmp_path_factory.mktemp(kind.replace("-", "_")))
+        return cache[kind]
+
+    return get
+
+
+@pytest.fixture(params=KINDS)
+def tiny_kind(request):
+    return request.param

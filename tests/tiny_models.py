@@ -1,0 +1,108 @@
+"""Tiny random-weight models of every supported architecture, saved as Hugging Face directories.
+
+Each comes with a real tokenizer trained on a slice of tiny-shakespeare: SentencePiece for the
+Llama family (as Llama checkpoints ship), byte-level BPE for Falcon and OPT.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+KINDS = ("llama-relu", "llama-silu", "bamboo", "falcon", "falcon7b", "opt")
+HIDDEN, N_FF, N_LAYER, N_HEAD, N_KV = 64, 256, 2, 4, 2
+
+
+def training_text() -> str:
+    path = DATA / "tinyshakespeare.txt"
+    if path.is_file():
+        return path.read_text()[:200_000]
+    words = "the of and to in a is that for it as was with be by on not he this are or his from".split()
+    return " ".join(words[(i * 7919) % len(words)] for i in range(40_000))
+
+
+def _spm_tokenizer(out: Path) -> int:
+    import sentencepiece as spm
+
+    work = out / ".spm"
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "text.txt").write_text(training_text())
+    spm.SentencePieceTrainer.train(input=str(work / "text.txt"), model_prefix=str(work / "sp"), vocab_size=384,
+                                   model_type="bpe", byte_fallback=True, unk_id=0, bos_id=1, eos_id=2,
+                                   pad_id=-1, minloglevel=2)
+    shutil.copy(work / "sp.model", out / "tokenizer.model")
+    shutil.rmtree(work)
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "add_bos_token": True, "add_eos_token": False}))
+    return 384
+
+
+def _bpe_tokenizer(out: Path) -> int:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([training_text()], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>")
+    fast.save_pretrained(out)
+    return len(fast)
+
+
+def _config(kind: str, vocab: int):
+    from transformers import FalconConfig, LlamaConfig, MistralConfig, OPTConfig
+
+    common = dict(vocab_size=vocab, hidden_size=HIDDEN, num_hidden_layers=N_LAYER, num_attention_heads=N_HEAD)
+    if kind in ("llama-relu", "llama-silu"):
+        return LlamaConfig(**common, intermediate_size=N_FF, num_key_value_heads=N_KV,
+                           hidden_act="relu" if kind == "llama-relu" else "silu", max_position_embeddings=256,
+                           rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                           bos_token_id=1, eos_token_id=2)
+    if kind == "bamboo":
+        return MistralConfig(**common, intermediate_size=N_FF, num_key_value_heads=N_KV, hidden_act="relu",
+                             max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-5,
+                             sliding_window=None, architectures=["BambooForCausalLM"],
+                             bos_token_id=1, eos_token_id=2)
+    if kind == "falcon":
+        return FalconConfig(**common, num_kv_heads=N_KV, new_decoder_architecture=True, parallel_attn=True,
+                            bias=False, activation="relu", ffn_hidden_size=N_FF, max_position_embeddings=256,
+                            bos_token_id=0, eos_token_id=0)
+    if kind == "falcon7b":
+        return FalconConfig(**common, multi_query=True, new_decoder_architecture=False, parallel_attn=True,
+                            bias=False, activation="relu", ffn_hidden_size=N_FF, max_position_embeddings=256,
+                            bos_token_id=0, eos_token_id=0)
+    if kind == "opt":
+        return OPTConfig(vocab_size=vocab, hidden_size=HIDDEN, num_hidden_layers=N_LAYER,
+                         num_attention_heads=N_HEAD, ffn_dim=N_FF, word_embed_proj_dim=HIDDEN,
+                         max_position_embeddings=256, do_layer_norm_before=True, activation_function="relu",
+                         bos_token_id=0, eos_token_id=0, pad_token_id=1)
+    raise ValueError(kind)
+
+
+def make_tiny(kind: str, out: Path, seed: int = 0) -> Path:
+    """Write a tiny random model of `kind` (see KINDS) with its tokenizer into `out`."""
+    from transformers import AutoModelForCausalLM, MistralForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = _spm_tokenizer(out) if kind in ("llama-relu", "llama-silu", "bamboo") else _bpe_tokenizer(out)
+    config = _config(kind, vocab)
+    torch.manual_seed(seed)
+    model_class = MistralForCausalLM if kind == "bamboo" else AutoModelForCausalLM
+    model = model_class._from_config(config) if kind == "bamboo" else model_class.from_config(config)
+    with torch.no_grad():  # wider weights than the 0.02 init so activations and logits are not all tiny
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(out, safe_serialization=True)
+    if kind == "bamboo":  # save_pretrained names the Mistral class; a Bamboo checkpoint names its own
+        cfg = json.loads((out / "config.json").read_text())
+        cfg["architectures"] = ["BambooForCausalLM"]
+        (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out

@@ -27,6 +27,7 @@ from powerinfer_tools.errors import UserError
 
 FORMAT = "powerinfer-tools.profile/1"
 DEFAULT_TARGET_SPARSITY = 0.25
+DEFAULT_SEQ_LEN = 512
 CALIBRATION_VALUES = 1 << 20   # |a| values kept per layer to place a threshold
 CALIBRATION_TOKENS = 8192      # tokens of the first pass that place thresholds
 SHARD_ROWS = 4096
@@ -38,7 +39,7 @@ class ProfileOptions:
     out: Path
     calib: list[Path] = field(default_factory=list)
     tokens: int = 32768
-    seq_len: int = 512
+    seq_len: int | None = None   # default: min(512, the model's context length)
     batch: int = 4
     device: str = "cpu"
     dtype: str = "float32"
@@ -178,14 +179,15 @@ def _context_length(config) -> int | None:
 def run_profile(opts: ProfileOptions) -> dict:
     """Profile a model; writes opts.out atomically and returns the profile.json contents."""
     check_output_dir(opts.out, opts.force)
-    if opts.tokens <= 0 or opts.seq_len <= 1 or opts.batch <= 0 or opts.max_samples < 0:
-        raise UserError("--tokens, --seq-len (>1), --batch must be positive and --max-samples non-negative")
     source = models.resolve(opts.model)
     config = models.load_config(source)
     adapter = arch_mod.for_config(config)
     ctx = _context_length(config)
-    if ctx is not None and opts.seq_len > ctx:
-        raise UserError(f"--seq-len {opts.seq_len} is larger than the model's context length {ctx}")
+    seq_len = opts.seq_len or min(DEFAULT_SEQ_LEN, ctx or DEFAULT_SEQ_LEN)
+    if opts.tokens <= 0 or seq_len <= 1 or opts.batch <= 0 or opts.max_samples < 0:
+        raise UserError("--tokens, --seq-len (>1), --batch must be positive and --max-samples non-negative")
+    if ctx is not None and seq_len > ctx:
+        raise UserError(f"--seq-len {seq_len} is larger than the model's context length {ctx}")
     texts = [calibration.read_text(p) for p in opts.calib]   # validate input before the slow load
     dims = adapter.dims()
     targets = _per_layer_targets(opts.target_sparsity, dims.n_layer) if adapter.thresholded else None
@@ -195,11 +197,11 @@ def run_profile(opts: ProfileOptions) -> dict:
     model, adapter = models.load_model(source, device=opts.device, dtype=opts.dtype)
     tokenizer = models.load_tokenizer(source)
     if texts:
-        seqs = calibration.sequences_from_text(tokenizer, texts, opts.seq_len, opts.tokens)
+        seqs = calibration.sequences_from_text(tokenizer, texts, seq_len, opts.tokens)
         calib_desc = [str(p) for p in opts.calib]
     else:
         print("pi-tools profile: no --calib given: data-free calibration on text the model generates itself")
-        seqs = calibration.self_generated(model, tokenizer, opts.seq_len, opts.tokens, opts.seed)
+        seqs = calibration.self_generated(model, tokenizer, seq_len, opts.tokens, opts.seed)
         calib_desc = "self-generated"
 
     thresholds = ([0.0] * dims.n_layer if targets is None

@@ -36,7 +36,8 @@ def profile(
     calib: Optional[List[Path]] = typer.Option(None, "--calib", help="Calibration text file (repeatable). "
                                                "Without it: data-free, on text the model generates itself."),
     tokens: int = typer.Option(32768, help="Tokens to profile."),
-    seq_len: int = typer.Option(512, "--seq-len", help="Tokens per sequence."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sequence. Default: 512, or the "
+                                          "model's context length if shorter."),
     batch: int = typer.Option(4, help="Sequences per forward pass."),
     device: str = typer.Option("cpu", help="cpu, cuda, or auto (accelerate device_map spreads a large "
                                              "model over GPUs and CPU)."),

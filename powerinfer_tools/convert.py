@@ -262,6 +262,7 @@ def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predic
     return {
         "out": str(out_path), "model": source.spec, "arch": adapter.name, "gguf_arch": adapter.gguf_arch,
         "outtype": outtype, "tensors": len(tensors), "predictors": predictors is not None,
+        "thresholded": adapter.thresholded, "activation_thresholds": activation_thresholds,
         "types": dict(Counter(t.qtype.name for t in tensors)), "bytes_in": int(bytes_in),
         "bytes_out": out_path.stat().st_size, "seconds": round(time.time() - started, 2),
     }

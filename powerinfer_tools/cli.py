@@ -39,7 +39,11 @@ _register()
 def main(argv: list[str] | None = None) -> None:
     """Entry point: bad input becomes one line on stderr and exit status 1, never a traceback."""
     try:
-        app(args=argv, standalone_mode=False)
+        code = app(args=argv, standalone_mode=False)
+        if isinstance(code, int) and code:  # typer returns Exit codes, e.g. 130 after Ctrl-C, in this mode
+            if code == 130:
+                print("pi-tools: interrupted", file=sys.stderr)
+            sys.exit(code)
     except UserError as exc:
         print(f"pi-tools: error: {exc}", file=sys.stderr)
         sys.exit(1)

@@ -129,14 +129,26 @@ def tensor_type(name: str, shape: tuple[int, ...], outtype: str):
     return qtype if shape[-1] % block == 0 else gguf.GGMLQuantizationType.F16
 
 
+ENCODE_ROWS = 4096  # rows converted at a time: bounds the temporaries of casting and quantizing
+
+
 def encode(data: np.ndarray, qtype) -> np.ndarray:
+    """`data` (float32, maybe a transposed view) in the file's type, C order, built block by block so
+    that the only full-size temporaries are the input and the (smaller) output."""
     import gguf
 
-    if qtype == gguf.GGMLQuantizationType.F32:
-        return data.astype(np.float32, copy=False)
-    if qtype == gguf.GGMLQuantizationType.F16:
-        return data.astype(np.float16)
-    return gguf.quants.quantize(data.astype(np.float32, copy=False), qtype)
+    if qtype == gguf.GGMLQuantizationType.F32 and data.flags.c_contiguous:
+        return data
+    if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+        out = np.empty(data.shape, np.float32 if qtype == gguf.GGMLQuantizationType.F32 else np.float16)
+    else:
+        out = np.empty(gguf.quants.quant_shape_to_byte_shape(data.shape, qtype), np.uint8)
+    rows = data.reshape(-1, data.shape[-1]) if data.flags.c_contiguous else data
+    flat = out.reshape(-1, out.shape[-1])
+    for r in range(0, rows.shape[0], ENCODE_ROWS):
+        block = np.ascontiguousarray(rows[r:r + ENCODE_ROWS], dtype=np.float32)
+        flat[r:r + ENCODE_ROWS] = block if out.dtype != np.uint8 else gguf.quants.quantize(block, qtype)
+    return out
 
 
 def encoded_nbytes(shape: tuple[int, ...], qtype) -> int:
@@ -189,7 +201,7 @@ def _write_metadata(writer, adapter, source, weights, outtype, predictors, activ
         writer.add_key_value("powerinfer.sparse_threshold", predictors.sparse_threshold, f32)
         writer.add_key_value("powerinfer.predictor_thresholds", predictors.thresholds, gguf.GGUFValueType.ARRAY,
                              sub_type=f32)
-    write_vocab(writer, source, n_vocab)
+    write_vocab(writer, source, n_vocab, getattr(weights, "reader", None))
 
 
 def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predictors_dir: str | Path | None = None,

@@ -120,10 +120,17 @@ class LlamaCppGgufSource(WeightSource):
         import gguf
 
         tensor = self.tensors[name]
-        data = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-        data = data.reshape(self.shapes[name])
+        shape = self.shapes[name]
+        raw = tensor.data.reshape(-1, tensor.data.shape[-1]) if tensor.data.ndim > 1 else tensor.data[None]
+        data = np.empty((raw.shape[0], shape[-1]), np.float32)
+        for r in range(0, raw.shape[0], _DEQUANT_ROWS):  # bounded temporaries, not a whole-tensor copy
+            data[r:r + _DEQUANT_ROWS] = gguf.quants.dequantize(raw[r:r + _DEQUANT_ROWS], tensor.tensor_type)
+        data = data.reshape(shape)
         reorder = self.reorders[name]
-        return reorder(data) if reorder is not None else np.array(data)
+        return reorder(data) if reorder is not None else data
+
+
+_DEQUANT_ROWS = 4096
 
 
 def open_weights(source: ModelSource, config) -> WeightSource:

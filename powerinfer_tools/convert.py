@@ -75,10 +75,9 @@ def load_predictors(directory: str | Path, dims: arch.Dims) -> Predictors:
             state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
         except Exception as exc:  # zip/pickle errors of a damaged file
             raise UserError(f"cannot read {path}: {str(exc).splitlines()[0]}") from None
-        fc1, fc2 = state.get("fc1.weight") if isinstance(state, dict) else None, \
-            state.get("fc2.weight") if isinstance(state, dict) else None
-        if fc1 is None or fc2 is None:
+        if not isinstance(state, dict) or "fc1.weight" not in state or "fc2.weight" not in state:
             raise UserError(f"{path}: expected a state dict with fc1.weight and fc2.weight")
+        fc1, fc2 = state["fc1.weight"], state["fc2.weight"]
         rank = fc1.shape[0]
         if tuple(fc1.shape) != (rank, dims.n_embd) or tuple(fc2.shape) != (dims.n_ff, rank):
             raise UserError(f"{path}: predictor shapes fc1 {tuple(fc1.shape)}, fc2 {tuple(fc2.shape)} do not match "
@@ -166,8 +165,8 @@ def plan(adapter: arch.Arch, weights, predictors: Predictors | None, outtype: st
         shape = tmap.out_shape(weights.shapes[stored])
         planned.append(PlannedTensor(tmap.name, shape, tensor_type(tmap.name, shape, outtype),
                                      lambda t=tmap, s=stored: t.apply(weights.load(s)), stored))
+    dims = adapter.dims()
     for i, path in enumerate(predictors.files if predictors else []):
-        dims = adapter.dims()
         for key, shape in (("fc1.weight", (predictors.ranks[i], dims.n_embd)),
                            ("fc2.weight", (dims.n_ff, predictors.ranks[i]))):
             name = f"blk.{i}.{key}"
@@ -187,12 +186,11 @@ def _write_metadata(writer, adapter, source, weights, outtype, predictors, activ
 
     from powerinfer_tools.tokenizer import write_vocab
 
-    writer.add_name(Path(source.spec).stem if source.spec != "smollm2" else "SmolLM2-135M-Instruct")
+    writer.add_name(source.path.stem)
     writer.add_file_type(_file_type(outtype))
     if outtype in ("q8_0", "q4_0"):
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     adapter.write_hparams(writer)
-    n_layer = adapter.dims().n_layer
     f32 = gguf.GGUFValueType.FLOAT32
     writer.add_key_value("powerinfer.ffn_activation", adapter.activation, gguf.GGUFValueType.STRING)
     writer.add_key_value("powerinfer.activation_thresholds", activation_thresholds, gguf.GGUFValueType.ARRAY,

@@ -130,7 +130,6 @@ def activation_dir(profile_dir: str | Path) -> Path:
 def load_activation_counts(profile_dir: str | Path, n_ff: np.ndarray) -> list[np.ndarray]:
     """Per-layer activation counts, checked against the model's shape: one finite, non-negative value per neuron."""
     import torch
-    from tqdm import tqdm
 
     folder = activation_dir(profile_dir)
     found = sorted(int(m.group(1)) for p in folder.iterdir() if (m := re.fullmatch(r"activation_(\d+)\.pt", p.name)))
@@ -138,7 +137,7 @@ def load_activation_counts(profile_dir: str | Path, n_ff: np.ndarray) -> list[np
         raise UserError(f"{folder}: activation files for layers {_ranges(found)}, but the model has "
                         f"{len(n_ff)} layers (0-{len(n_ff) - 1})")
     counts = []
-    for i in tqdm(range(len(n_ff)), desc="activation counts", unit="layer", leave=False):
+    for i in range(len(n_ff)):
         path = folder / f"activation_{i}.pt"
         try:
             value = torch.load(path, map_location="cpu", weights_only=True)

@@ -16,8 +16,8 @@ def plan(
     vram_budget: float = typer.Option(..., "--vram-budget", help="GiB of VRAM to use; 0 gives an all-CPU plan."),
     ctx_size: int = typer.Option(placement.DEFAULT_CTX_SIZE, "--ctx-size", "-c",
                                  help="Context length the KV cache is sized for."),
-    out: Path = typer.Option(None, "--out", "-o", help="Output gpu-index file [default: MODEL.generated.gpuidx, "
-                             "where PowerInfer's engine looks]; a JSON summary goes to OUT.json."),
+    out: Path = typer.Option(None, "--out", "-o", help="Output gpu-index file (default: MODEL.generated.gpuidx "
+                             "beside the model, where PowerInfer's engine looks); a JSON summary goes to OUT.json."),
     min_layer_neurons: str = typer.Option("auto", "--min-layer-neurons",
                                           help="A layer that offloads anything offloads at least this many "
                                           "neurons: 'auto' (from the split-overhead cost model) or N."),

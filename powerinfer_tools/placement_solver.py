@@ -199,7 +199,8 @@ def solve(inst: Instance, time_limit: float = 20.0, gap: float = 1e-6) -> Soluti
     if L == 0 or not np.any(inst.layer_bytes + inst.min_neurons * inst.neuron_bytes <= inst.capacity):
         return _solution(inst, np.zeros(L, dtype=np.int64), "nothing-fits", start)
 
-    scale = max(float(sum(p[-1] for p in inst.prefix)), 1.0)  # t in units of the total count
+    # t in units of 1e-5 of all activations: HiGHS' absolute row tolerance (1e-7) then stays far below one count
+    scale = max(float(sum(p[-1] for p in inst.prefix)) / 1e5, 1.0)
     lines = _initial_lines(inst, [np.sort(c)[::-1] for c in inst.counts], base.k)
     capacity = inst.capacity
     iterations = 0

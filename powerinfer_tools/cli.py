@@ -26,11 +26,9 @@ def _root(version: bool = typer.Option(False, "--version", help="Print the versi
 
 
 def _register() -> None:
-    from powerinfer_tools.commands import convert, inspect, profile
+    from powerinfer_tools.commands import profile
 
     app.command("profile", no_args_is_help=True)(profile.profile)
-    app.command("convert", no_args_is_help=True)(convert.convert)
-    app.command("inspect", no_args_is_help=True)(inspect.inspect)
 
 
 _register()
@@ -39,11 +37,7 @@ _register()
 def main(argv: list[str] | None = None) -> None:
     """Entry point: bad input becomes one line on stderr and exit status 1, never a traceback."""
     try:
-        code = app(args=argv, standalone_mode=False)
-        if isinstance(code, int) and code:  # typer returns Exit codes, e.g. 130 after Ctrl-C, in this mode
-            if code == 130:
-                print("pi-tools: interrupted", file=sys.stderr)
-            sys.exit(code)
+        code = app(args=argv, standalone_mode=False)  # returns the exit code of an Exit (Ctrl-C: 130)
     except UserError as exc:
         print(f"pi-tools: error: {exc}", file=sys.stderr)
         sys.exit(1)
@@ -61,3 +55,7 @@ def main(argv: list[str] | None = None) -> None:
             exc.show()
             sys.exit(exc.exit_code)
         raise
+    if isinstance(code, int) and code:
+        if code == 130:
+            print("pi-tools: interrupted", file=sys.stderr)
+        sys.exit(code)

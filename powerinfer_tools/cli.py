@@ -38,7 +38,7 @@ _register()
 def main(argv: list[str] | None = None) -> None:
     """Entry point: bad input becomes one line on stderr and exit status 1, never a traceback."""
     try:
-        app(args=argv, standalone_mode=False)
+        code = app(args=argv, standalone_mode=False)  # returns the exit code of an Exit (Ctrl-C: 130)
     except UserError as exc:
         print(f"pi-tools: error: {exc}", file=sys.stderr)
         sys.exit(1)
@@ -56,3 +56,7 @@ def main(argv: list[str] | None = None) -> None:
             exc.show()
             sys.exit(exc.exit_code)
         raise
+    if isinstance(code, int) and code:
+        if code == 130:
+            print("pi-tools: interrupted", file=sys.stderr)
+        sys.exit(code)

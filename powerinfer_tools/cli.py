@@ -26,11 +26,12 @@ def _root(version: bool = typer.Option(False, "--version", help="Print the versi
 
 
 def _register() -> None:
-    from powerinfer_tools.commands import convert, inspect, profile
+    from powerinfer_tools.commands import convert, inspect, plan, profile
 
     app.command("profile", no_args_is_help=True)(profile.profile)
     app.command("convert", no_args_is_help=True)(convert.convert)
     app.command("inspect", no_args_is_help=True)(inspect.inspect)
+    app.command("plan", no_args_is_help=True)(plan.plan)
 
 
 _register()

@@ -6,6 +6,10 @@ from typing import Optional
 
 import typer
 
+from powerinfer_tools import placement
+from powerinfer_tools.commands.plan import report, write_plan
+from powerinfer_tools.errors import UserError
+
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
@@ -23,6 +27,10 @@ def convert(
     outtype: str = typer.Option("f16", "--outtype", "-t", help="Weight type: f32, f16, q8_0 or q4_0. Norms and "
                                                                 "biases stay f32; predictors f32 (f16 unless f32)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    vram_budget: Optional[float] = typer.Option(
+        None, "--vram-budget", help="GiB of VRAM: after writing the model, place its hot neurons (as `pi-tools "
+                                    "plan` does, with its defaults) and write OUT.generated.gpuidx beside it. "
+                                    "Needs --profile."),
 ):
     """Convert a model (+ predictors) to a PowerInfer GGUF (magic PWRI) that PowerInfer and `pi-tools run` load.
 
@@ -36,9 +44,15 @@ def convert(
       pi-tools convert -m ./ReluLLaMA-7B -p ./ReluLLaMA-7B-pred -t q4_0 -o relullama.q4_0.powerinfer.gguf
 
       pi-tools convert -m ./tiny-llama -t f32 -o dense.gguf   # no predictors: dense / gate-only use
+
+      pi-tools convert -m smollm2 -p pred --profile prof -t q4_0 -o s.powerinfer.gguf --vram-budget 0.5
     """
     from powerinfer_tools.convert import convert_model
 
+    if vram_budget is not None:
+        if profile is None:
+            raise UserError("--vram-budget needs --profile (its activation counts decide the hot neurons)")
+        placement.activation_dir(profile)  # fail before converting, not after
     summary = convert_model(model, out, outtype=outtype.lower(), predictors_dir=predictors, profile_dir=profile,
                             progress=not quiet)
     if summary["thresholded"] and profile is None:
@@ -50,3 +64,11 @@ def convert(
     typer.echo(f"bytes: {_mib(summary['bytes_in'])} in the source -> {_mib(summary['bytes_out'])} written "
                f"({summary['bytes_out'] / max(summary['bytes_in'], 1):.2f}x) in {summary['seconds']:.1f} s")
     typer.echo(f"wrote {out}")
+    if vram_budget is not None:
+        try:
+            result = placement.plan_for_model(profile, out, vram_budget * placement.GIB)
+        except UserError as exc:
+            raise UserError(f"wrote {out}, but no GPU plan: {exc}") from None
+        gpuidx, plan_summary = write_plan(result, placement.default_gpuidx_path(out))
+        report(result)
+        typer.echo(f"wrote {gpuidx} and {plan_summary}")

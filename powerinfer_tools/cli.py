@@ -26,12 +26,13 @@ def _root(version: bool = typer.Option(False, "--version", help="Print the versi
 
 
 def _register() -> None:
-    from powerinfer_tools.commands import convert, inspect, plan, profile
+    from powerinfer_tools.commands import bench, convert, inspect, plan, profile
 
     app.command("profile", no_args_is_help=True)(profile.profile)
     app.command("convert", no_args_is_help=True)(convert.convert)
     app.command("inspect", no_args_is_help=True)(inspect.inspect)
     app.command("plan", no_args_is_help=True)(plan.plan)
+    app.command("bench", no_args_is_help=True)(bench.bench)
 
 
 _register()

@@ -30,8 +30,10 @@ def set_pwri_magic(path: str | os.PathLike) -> None:
         f.write(PWRI_MAGIC)
 
 
-def open_reader(path: str | os.PathLike):
-    """A gguf.GGUFReader over a GGUF or PWRI file; bad files raise UserError with one line."""
+def open_reader(path: str | os.PathLike, writable: bool = False):
+    """A gguf.GGUFReader over a GGUF or PWRI file; bad files raise UserError with one line.
+
+    `writable` maps the file read-write: assigning into a field's parts changes the file in place."""
     import gguf
 
     class PwriReader(gguf.GGUFReader):
@@ -46,7 +48,7 @@ def open_reader(path: str | os.PathLike):
     if magic not in (GGUF_MAGIC, PWRI_MAGIC):
         raise UserError(f"{path}: not a GGUF/PowerInfer file (magic {magic!r})")
     try:
-        return PwriReader(path)
+        return PwriReader(path, "r+" if writable else "r")
     except (ValueError, IndexError, KeyError, OverflowError, MemoryError) as exc:
         raise UserError(f"{path}: damaged GGUF file ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
 

@@ -1,0 +1,466 @@
+"""`pi-tools bench`: llama-bench-style prompt (pp) and generation (tg) speed of our engine in each FFN
+mode, side by side with llama.cpp and transformers/PyTorch on the same weights and thread count.
+
+Method. Every contestant is timed on the same token ids (real text, so that sparse modes see real
+activations), and the repeats are interleaved: round r times every contestant once before round r+1
+starts. On a shared machine the load drifts; interleaving lets ratios be taken within a round
+(paired), and the reported ratio is the median of the per-round ratios. Speeds are medians with the
+sample standard deviation beside them.
+
+Sparse modes are measured at fixed FFN sparsity levels by rewriting the per-layer thresholds of a
+working copy of the file (sparsity_levels.py), and each run is set against the byte model
+(byte_model.py): predicted speedup over our dense mode, achieved / predicted, and achieved / the
+physical limit of the measured memory read bandwidth.
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from powerinfer_tools import bench_files as files_mod
+from powerinfer_tools import byte_model, machine, models, sparsity_levels
+from powerinfer_tools.bench_runners import EngineRunner, LlamaCppRunner, TorchRunner, open_engine
+from powerinfer_tools.errors import UserError
+
+MODES = ("dense", "gate", "predictor", "auto")
+SPARSE_MODES = ("gate", "predictor", "auto")
+PEERS = ("llama.cpp", "torch")
+SWEEP_LEVELS = (0.3, 0.5, 0.7, 0.8, 0.9, 0.95)
+CALIBRATION_SEQS, CALIBRATION_LEN = 4, 256
+AGREEMENT_TOKENS = 64
+
+# issue 7's targets: (what, threshold)
+TARGETS = {
+    "dense_tg_vs_llamacpp": 1.0, "dense_pp_vs_llamacpp": 0.8, "achieved_over_predicted": 0.85,
+    "of_physical_limit": 0.6, "gate@0.5_vs_llamacpp": 1.2, "gate@0.7_vs_llamacpp": 1.35,
+    "predictor@0.9_vs_llamacpp": 1.8,
+}
+
+
+@dataclass
+class BenchOptions:
+    model: str
+    outtype: str = "q4_0"
+    threads: int = 2
+    repeats: int = 5
+    modes: tuple[str, ...] = MODES
+    peers: tuple[str, ...] = PEERS
+    sparsity: float | None = None          # main table at this FFN sparsity (None: the file's thresholds)
+    sweep: bool = False
+    sweep_levels: tuple[float, ...] = SWEEP_LEVELS
+    sweep_repeats: int = 3
+    n_prompt: int = 512
+    n_gen: int = 128
+    batch: int = 512                       # our engine's prompt batch (llama.cpp's n_ubatch is 512)
+    predictors: Path | None = None
+    profile: Path | None = None
+    text: Path | None = None
+    work_dir: Path | None = None
+    peer_python: str | None = None
+    progress: bool = True
+    command: str = ""
+    log: list[str] = field(default_factory=list)
+
+
+def default_work_dir() -> Path:
+    from powerinfer_tools.default_model import cache_dir
+
+    return cache_dir() / "bench"
+
+
+def default_text() -> Path | None:
+    """The project's calibration text when it is around (a checkout beside ../shared/data)."""
+    here = Path(__file__).resolve()
+    for base in (here.parents[1] / ".." / "shared" / "data", Path("/work/shared/data")):
+        candidate = base / "wikitext-2-valid.txt"
+        if candidate.is_file():
+            return candidate.resolve()
+    return None
+
+
+# ---- statistics ---------------------------------------------------------------------------------
+
+def summarize(tokens: int, seconds: list[float]) -> dict:
+    tps = [tokens / s for s in seconds]
+    return {"tokens": tokens, "seconds": seconds, "tps": tps, "median": statistics.median(tps),
+            "stdev": statistics.stdev(tps) if len(tps) > 1 else 0.0}
+
+
+def paired_ratio(a: list[float], b: list[float]) -> float | None:
+    """Median over rounds of speed(a) / speed(b), from per-round seconds (b's time / a's time)."""
+    pairs = [tb / ta for ta, tb in zip(a, b) if ta > 0 and tb > 0]
+    return statistics.median(pairs) if pairs else None
+
+
+# ---- the measurement loop -----------------------------------------------------------------------
+
+def _time_rounds(runners: list, tests: dict[str, list[int]], rounds: int, desc: str, progress: bool) -> dict:
+    """{label: {test: [seconds per round]}}, every runner once per round, in a fixed order."""
+    for r in runners:  # warm-up: page in weights, spin up thread pools
+        r.pp(tests.get("pp", tests["tg"])[:32])
+        r.tg(tests["tg"][:8])
+    times = {r.label: {t: [] for t in tests} for r in runners}
+    with tqdm(total=rounds * len(runners) * len(tests), desc=desc, unit="run", disable=not progress) as bar:
+        for _ in range(rounds):
+            for r in runners:
+                for test, tokens in tests.items():
+                    times[r.label][test].append(getattr(r, test)(tokens))
+                    bar.update()
+    return times
+
+
+def _layer_sparsity(stats: dict | None) -> dict | None:
+    if not stats:
+        return None
+    layers = [l for l in stats["layers"] if l["tokens"]]
+    computed = sum(l["computed_density"] for l in layers) / len(layers)
+    predicted = [l["predicted_density"] for l in layers if l.get("predicted_density") is not None]
+    return {"ffn_sparsity": 1.0 - computed, "rule_density": stats.get("density"),
+            "gate_rows_read": sum(predicted) / len(predicted) if predicted else 1.0}
+
+
+def _entry(runner, times: dict, n_prompt: int, n_gen: int, target: float | None) -> dict:
+    entry = {"label": runner.label, "backend": runner.backend, "mode": runner.mode, "target_sparsity": target}
+    if "pp" in times:
+        entry["pp"] = summarize(n_prompt, times["pp"])
+    entry["tg"] = summarize(n_gen, times["tg"])
+    if isinstance(runner, EngineRunner):
+        entry["stats"] = runner.last_stats
+        entry["sparsity"] = _layer_sparsity(runner.last_stats)
+    return entry
+
+
+def _add_derived(entries: list[dict], times: dict, mb: byte_model.ModelBytes, bandwidth: float, n_gen: int) -> None:
+    """Ratios to llama.cpp and to our dense mode (paired by round), and the byte model's view."""
+    llama = times.get("llama.cpp")
+    dense = times.get("ours dense")
+    position = (n_gen - 1) / 2  # mean cache position over the generated tokens
+    dense_bytes = byte_model.token_bytes(mb, None, position)["total"]
+    for e in entries:
+        mine = times[e["label"]]
+        if llama is not None and e["backend"] != "llama.cpp":
+            e["vs_llamacpp"] = {t: paired_ratio(mine[t], llama[t]) for t in mine if t in llama}
+        if e["backend"] != "ours":
+            continue
+        layers = e["stats"]["layers"] if e.get("stats") else None
+        parts = byte_model.token_bytes(mb, layers, position)
+        e["bytes_per_token"] = parts
+        e["limit_tps"] = bandwidth / parts["total"]
+        e["of_limit"] = e["tg"]["median"] / e["limit_tps"]
+        if dense is not None:
+            e["predicted_speedup"] = dense_bytes / parts["total"]
+            e["achieved_speedup"] = paired_ratio(mine["tg"], dense["tg"])
+            e["achieved_over_predicted"] = e["achieved_speedup"] / e["predicted_speedup"]
+
+
+# ---- orchestration ------------------------------------------------------------------------------
+
+def _bench_tokens(opts: BenchOptions, tokenizer, text: str | None, hf_model) -> tuple[list[int], list[int]]:
+    """Prompt and generation token ids: consecutive stretches of the text (or of self-generated text)."""
+    from powerinfer_tools import calibration
+
+    need = opts.n_prompt + opts.n_gen
+    if text is not None:
+        seqs = calibration.sequences_from_text(tokenizer, [text], need, need)
+    else:
+        seqs = calibration.self_generated(hf_model, tokenizer, need, need)
+    ids = seqs[0].tolist()
+    if len(ids) < need:
+        raise UserError(f"the benchmark text gives {len(ids)} tokens, {need} are needed")
+    bos = ids[:1] if tokenizer.bos_token_id is not None else []
+    return ids[:opts.n_prompt], bos + ids[opts.n_prompt:opts.n_prompt + opts.n_gen - len(bos)]
+
+
+def _check_options(opts: BenchOptions) -> None:
+    for m in opts.modes:
+        if m not in MODES:
+            raise UserError(f"unknown mode {m!r} in --modes (choose from {', '.join(MODES)})")
+    for p in opts.peers:
+        if p not in PEERS:
+            raise UserError(f"unknown peer {p!r} in --peers (choose from {', '.join(PEERS)})")
+    if opts.threads < 1 or opts.repeats < 1 or opts.sweep_repeats < 1:
+        raise UserError("--threads and --repeats must be at least 1")
+    if opts.n_prompt < 2 or opts.n_gen < 2:
+        raise UserError("--n-prompt and --n-gen must be at least 2")
+    for s in ([opts.sparsity] if opts.sparsity is not None else []) + list(opts.sweep_levels if opts.sweep else []):
+        if not 0.0 <= s < 1.0:
+            raise UserError(f"sparsity levels must be in [0, 1), got {s}")
+    if opts.sweep and not set(opts.modes) & set(SPARSE_MODES):
+        raise UserError("--sweep-sparsity needs a sparse mode in --modes (gate, predictor or auto)")
+
+
+def _thresholds_at(sample, logits, level: float) -> dict:
+    return {"activation": sparsity_levels.activation_thresholds(sample, level) if sample.thresholded else None,
+            "predictor": sparsity_levels.predictor_thresholds(logits, level) if logits is not None else None}
+
+
+def run_bench(opts: BenchOptions) -> dict:
+    """Build the files, measure, and return the whole record (JSON-ready)."""
+    _check_options(opts)
+    work_dir = Path(opts.work_dir or default_work_dir())
+    started = time.time()
+    record: dict = {"format": "powerinfer-tools.bench/1", "command": opts.command,
+                    "settings": {"model": opts.model, "outtype": opts.outtype, "threads": opts.threads,
+                                 "repeats": opts.repeats, "n_prompt": opts.n_prompt, "n_gen": opts.n_gen,
+                                 "batch": opts.batch, "modes": list(opts.modes), "peers": list(opts.peers),
+                                 "sparsity": opts.sparsity}}
+    record["machine"] = machine.machine_record(opts.threads)
+    bandwidth = record["machine"]["read_bandwidth"][str(opts.threads)]
+
+    files = files_mod.bench_files(opts.model, opts.outtype, work_dir, opts.predictors, opts.profile, opts.progress)
+    record["files"] = {"powerinfer": str(files.powerinfer), "llamacpp": str(files.llamacpp),
+                       "powerinfer_bytes": files.powerinfer.stat().st_size,
+                       "llamacpp_bytes": files.llamacpp.stat().st_size, "built": files.manifest}
+    mb = byte_model.model_bytes(files.powerinfer)
+    has_predictor = any(l.predictor for l in mb.layers)
+
+    source = models.resolve(opts.model)
+    tokenizer = models.load_tokenizer(source)
+    text_path = opts.text or default_text()
+    text = None
+    if text_path is not None:
+        from powerinfer_tools.calibration import read_text
+        text = read_text(text_path)
+    need_calibration = opts.sparsity is not None or opts.sweep
+    hf_model = adapter = None
+    if need_calibration or text is None or "torch" in opts.peers:
+        hf_model, adapter = models.load_model(source)
+    prompt, gen = _bench_tokens(opts, tokenizer, text, hf_model)
+    record["tokens"] = {"text": str(text_path) if text is not None else "self-generated",
+                        "prompt": len(prompt), "generated": len(gen)}
+
+    sample = logits = None
+    if need_calibration:
+        from powerinfer_tools.calibration import self_generated, sequences_from_text
+        seqs = (sequences_from_text(tokenizer, [text[len(text) // 2:]], CALIBRATION_LEN,
+                                    CALIBRATION_SEQS * CALIBRATION_LEN) if text is not None else
+                self_generated(hf_model, tokenizer, CALIBRATION_LEN, CALIBRATION_SEQS * CALIBRATION_LEN))
+        sample = sparsity_levels.collect(hf_model, adapter, seqs)
+        if has_predictor:
+            logits = sparsity_levels.predictor_logits(sample, sparsity_levels.predictor_weights(files.powerinfer))
+        record["calibration_tokens"] = int(seqs.numel())
+
+    modes = [m for m in opts.modes if m != "predictor" or has_predictor]
+    if len(modes) < len(opts.modes):
+        opts.log.append("predictor mode skipped: the file has no predictors (give --predictors DIR)")
+    n_ctx = max(opts.n_prompt, opts.n_gen) + 8
+    peers = []
+    try:
+        if "llama.cpp" in opts.peers:
+            peers.append(LlamaCppRunner(files.llamacpp, opts.threads, n_ctx, opts.peer_python))
+            record["llamacpp"] = peers[-1].info()
+        if "torch" in opts.peers:
+            peers.append(TorchRunner(opts.model, opts.threads, hf_model))
+
+        # main table
+        model_file = files.powerinfer
+        if opts.sparsity is not None:
+            model_file = files_mod.working_copy(files.powerinfer, work_dir)
+            files_mod.set_thresholds(model_file, **_thresholds_at(sample, logits, opts.sparsity))
+        engine_model = open_engine(model_file, opts.threads, n_ctx, opts.batch)
+        try:
+            ours = [EngineRunner(engine_model, m) for m in modes]
+            record["engine"] = {k: engine_model.info[k] for k in ("isa", "threads", "n_batch", "weight_type")}
+            record["thresholds"] = {"activation": engine_model.info["activation_thresholds"],
+                                    "predictor": engine_model.info["predictor_thresholds"]}
+            if peers and isinstance(peers[0], LlamaCppRunner) and "dense" in modes:
+                probe = gen[:AGREEMENT_TOKENS]
+                a, b = ours[modes.index("dense")].argmax(probe), peers[0].argmax(probe)
+                record["agreement"] = {"tokens": len(probe), "top1_ours_dense_vs_llamacpp":
+                                       sum(x == y for x, y in zip(a, b)) / len(probe)}
+            runners = peers[:1] + ours + peers[1:]
+            times = _time_rounds(runners, {"pp": prompt, "tg": gen}, opts.repeats, "bench", opts.progress)
+            entries = [_entry(r, times[r.label], len(prompt), len(gen), opts.sparsity) for r in runners]
+        finally:
+            engine_model.close()
+        _add_derived(entries, times, mb, bandwidth, len(gen))
+        record["runs"] = entries
+
+        if opts.sweep:
+            record["sweep"] = _sweep(opts, files, work_dir, sample, logits, peers, modes, gen, mb, bandwidth)
+        if "llama.cpp" in opts.peers:
+            record["llamacpp"]["peak_rss_bytes"] = peers[0].info()["peak_rss_bytes"]
+    finally:
+        for p in peers:
+            p.close()
+    record["targets"] = check_targets(record)
+    record["notes"] = opts.log
+    record["seconds"] = round(time.time() - started, 1)
+    return record
+
+
+def _sweep(opts, files, work_dir, sample, logits, peers, modes, gen, mb, bandwidth) -> list[dict]:
+    """tg of every sparse mode at each sparsity level, paired per round with our dense and llama.cpp dense."""
+    copy = files_mod.working_copy(files.powerinfer, work_dir)
+    sparse = [m for m in modes if m in SPARSE_MODES and (m != "gate" or sample.thresholded)]
+    if "gate" in modes and not sample.thresholded:
+        opts.log.append("gate mode not swept: a ReLU-family model's gate sparsity is fixed by the model")
+    llama = [p for p in peers if isinstance(p, LlamaCppRunner)]
+    n_ctx = len(gen) + 8
+    out = []
+    for level in opts.sweep_levels:
+        files_mod.set_thresholds(copy, **_thresholds_at(sample, logits, level))
+        engine_model = open_engine(copy, opts.threads, n_ctx, opts.batch)
+        try:
+            runners = llama + [EngineRunner(engine_model, m) for m in ["dense"] + sparse]
+            times = _time_rounds(runners, {"tg": gen}, opts.sweep_repeats, f"sweep {level:.2f}", opts.progress)
+            entries = [_entry(r, times[r.label], 0, len(gen), level) for r in runners]
+        finally:
+            engine_model.close()
+        _add_derived(entries, times, mb, bandwidth, len(gen))
+        out.extend(entries)
+    return out
+
+
+# ---- targets ------------------------------------------------------------------------------------
+
+def check_targets(record: dict) -> list[dict]:
+    """issue 7's targets that this run measured: value, goal, met."""
+    checks = []
+
+    def add(name: str, value: float | None, where: str) -> None:
+        if value is not None:
+            goal = TARGETS[name.split(" ")[0]]
+            checks.append({"target": name, "where": where, "value": value, "goal": goal, "met": value >= goal})
+
+    for e in record.get("runs", []):
+        if e["label"] == "ours dense" and "vs_llamacpp" in e:
+            add("dense_tg_vs_llamacpp", e["vs_llamacpp"].get("tg"), "main")
+            add("dense_pp_vs_llamacpp", e["vs_llamacpp"].get("pp"), "main")
+    for where, entries in (("main", record.get("runs", [])), ("sweep", record.get("sweep", []))):
+        for e in entries:
+            if e["backend"] != "ours":
+                continue
+            at = f"{e['mode']}@{e['target_sparsity']}" if e["target_sparsity"] is not None else e["mode"]
+            if e["mode"] != "dense" and e.get("achieved_over_predicted") is not None:
+                add(f"achieved_over_predicted {at}", e["achieved_over_predicted"], where)
+            add(f"of_physical_limit {at}", e.get("of_limit"), where)
+            key = f"{e['mode']}@{e['target_sparsity']}_vs_llamacpp"
+            if key in TARGETS and "vs_llamacpp" in e:
+                add(key, e["vs_llamacpp"].get("tg"), where)
+    return checks
+
+
+# ---- reporting ----------------------------------------------------------------------------------
+
+def _f(v, fmt="{:.2f}", none="–"):
+    return none if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
+
+
+def _speed(s: dict | None) -> str:
+    return "–" if not s else f"{s['median']:.1f} ± {s['stdev']:.1f}"
+
+
+def _mib(b) -> str:
+    return _f(b / 2**20 if b is not None else None, "{:.1f}")
+
+
+def render_markdown(record: dict) -> str:
+    st, m = record["settings"], record["machine"]
+    bw = m.get("read_bandwidth", {})
+    lines = [f"`{record['command']}`" if record.get("command") else "", "",
+             f"Machine: {m['cpu']}, {m['cores']} cores ({', '.join(m['simd'])}); read bandwidth "
+             + ", ".join(f"{_f(v / 1e9, '{:.1f}')} GB/s ({k} thread{'s' if k != '1' else ''})" for k, v in bw.items())
+             + (f"; load average {', '.join(f'{x:.1f}' for x in m['load_average'])}" if m.get("load_average") else ""),
+             f"Model: {st['model']} {st['outtype']}, {st['threads']} threads, {st['repeats']} interleaved repeats "
+             f"(median ± stdev); text: {record['tokens']['text']}; our kernels: {record.get('engine', {}).get('isa')}",
+             ""]
+    if "llamacpp" in record:
+        lc = record["llamacpp"]
+        lines.append(f"llama.cpp: llama-cpp-python {lc.get('llama_cpp_python')}; "
+                     f"{lc.get('system_info', '').splitlines()[0] if lc.get('system_info') else ''}")
+        if "agreement" in record:
+            lines.append(f"Same weights check: greedy top-1 of ours dense vs llama.cpp over "
+                         f"{record['agreement']['tokens']} tokens: {record['agreement']['top1_ours_dense_vs_llamacpp']:.3f}")
+        lines.append("")
+    pp_n, tg_n = st["n_prompt"], st["n_gen"]
+    lines += [f"| engine | FFN sparsity | pp{pp_n} t/s | tg{tg_n} t/s | pp vs llama.cpp | tg vs llama.cpp | "
+              "MiB/token | predicted vs dense | achieved / predicted | of limit |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for e in record.get("runs", []):
+        sp = e.get("sparsity")
+        vs = e.get("vs_llamacpp", {})
+        lines.append("| " + " | ".join([
+            e["label"], _f(sp["ffn_sparsity"] if sp else None), _speed(e.get("pp")), _speed(e["tg"]),
+            _f(vs.get("pp"), "{:.2f}x"), _f(vs.get("tg"), "{:.2f}x"),
+            _mib(e["bytes_per_token"]["total"]) if "bytes_per_token" in e else "–",
+            _f(e.get("predicted_speedup"), "{:.2f}x"), _f(e.get("achieved_over_predicted"), "{:.0%}"),
+            _f(e.get("of_limit"), "{:.0%}")]) + " |")
+    if record.get("sweep"):
+        lines += ["", f"Sparsity sweep (tg{tg_n}, thresholds recalibrated per level):", "",
+                  "| target | engine | FFN sparsity | gate rows read | tg t/s | vs llama.cpp | vs ours dense | "
+                  "predicted | achieved / predicted | of limit |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for e in record["sweep"]:
+            if e["backend"] != "ours":
+                continue
+            sp = e.get("sparsity") or {}
+            lines.append("| " + " | ".join([
+                _f(e["target_sparsity"]), e["label"], _f(sp.get("ffn_sparsity")), _f(sp.get("gate_rows_read")),
+                _speed(e["tg"]), _f(e.get("vs_llamacpp", {}).get("tg"), "{:.2f}x"),
+                _f(e.get("achieved_speedup"), "{:.2f}x"), _f(e.get("predicted_speedup"), "{:.2f}x"),
+                _f(e.get("achieved_over_predicted"), "{:.0%}"), _f(e.get("of_limit"), "{:.0%}")]) + " |")
+    if record.get("targets"):
+        lines += ["", "| target | measured | goal | met |", "|---|---|---|---|"]
+        for t in record["targets"]:
+            lines.append(f"| {t['target']} ({t['where']}) | {t['value']:.2f} | {t['goal']:.2f} | "
+                         f"{'yes' if t['met'] else '**no**'} |")
+    for note in record.get("notes", []):
+        lines.append(f"\nNote: {note}")
+    return "\n".join(lines).strip() + "\n"
+
+
+def plot_sweep(record: dict, png: Path) -> None:
+    """tokens/s against FFN sparsity per sparse mode, with dense lines and the byte model's prediction."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UserError("--png needs matplotlib (pip install 'powerinfer-tools[bench]')") from None
+    from powerinfer_tools.atomic import atomic_file
+
+    sweep = record.get("sweep") or []
+    if not sweep:
+        raise UserError("--png draws the sparsity sweep: add --sweep-sparsity")
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    by_label: dict[str, list[dict]] = {}
+    for e in sweep:
+        by_label.setdefault(e["label"], []).append(e)
+    for label, entries in by_label.items():
+        xs = [e["target_sparsity"] for e in entries]
+        ys = [e["tg"]["median"] for e in entries]
+        if entries[0]["mode"] == "dense":
+            ax.axhline(statistics.median(ys), ls="--", color="grey" if entries[0]["backend"] == "ours" else "black",
+                       label=f"{label} (median)")
+            continue
+        line, = ax.plot(xs, ys, marker="o", label=label)
+        dense = [d for d in sweep if d["label"] == "ours dense"]
+        if dense and all(e.get("predicted_speedup") for e in entries):
+            base = statistics.median(d["tg"]["median"] for d in dense)
+            ax.plot(xs, [base * e["predicted_speedup"] for e in entries], ls=":", color=line.get_color(),
+                    label=f"{label}: byte model")
+    st = record["settings"]
+    ax.set_xlabel("FFN sparsity (target level)")
+    ax.set_ylabel(f"tg{st['n_gen']} tokens/s")
+    ax.set_title(f"{Path(st['model']).name} {st['outtype']}, {st['threads']} threads")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    png = Path(png)
+    with atomic_file(png) as tmp:
+        fig.savefig(tmp, format="png", dpi=120)
+    plt.close(fig)
+
+
+def write_json(record: dict, path: Path) -> None:
+    from powerinfer_tools.atomic import atomic_file
+
+    with atomic_file(path) as tmp:
+        tmp.write_text(json.dumps(record, indent=1))

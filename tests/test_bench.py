@@ -1,0 +1,267 @@
+"""pi-tools bench: the two files (same weights), threshold rewriting, sparsity calibration, byte model,
+statistics and reporting, and a small end-to-end run on a tiny model (timings are never asserted)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from convert_helpers import write_predictors
+from tiny_models import HIDDEN, N_FF, N_LAYER
+
+from powerinfer_tools import arch, bench, byte_model, machine, models, sparsity_levels
+from powerinfer_tools.bench_files import bench_files, set_thresholds, thresholds, working_copy
+from powerinfer_tools.errors import UserError
+from powerinfer_tools.gguf_io import open_reader, read_magic
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def silu_files(tiny_model_dir, tmp_path_factory):
+    """q8_0 bench files of the tiny llama-silu model, with random predictors (rank 16)."""
+    work = tmp_path_factory.mktemp("bench_work")
+    pred = write_predictors(work / "pred", N_LAYER, HIDDEN, N_FF)
+    model = str(tiny_model_dir("llama-silu"))
+    return model, bench_files(model, "q8_0", work, predictors=pred, progress=False), work
+
+
+@pytest.mark.parametrize("outtype", ["q4_0", "q8_0"])
+def test_llamacpp_file_holds_the_same_weights(tiny_model_dir, tmp_path, outtype):
+    import gguf
+
+    from powerinfer_tools.convert import encode
+
+    model = str(tiny_model_dir("llama-silu"))
+    files = bench_files(model, outtype, tmp_path, predictors=write_predictors(tmp_path / "p", N_LAYER, HIDDEN, N_FF),
+                        progress=False)
+    assert read_magic(files.powerinfer) == b"PWRI" and read_magic(files.llamacpp) == b"GGUF"
+    ours = {t.name: t for t in open_reader(files.powerinfer).tensors}
+    plain_reader = gguf.GGUFReader(files.llamacpp)
+    plain = {t.name: t for t in plain_reader.tensors}
+    assert not any(".fc1." in n or ".fc2." in n or "ffn_down_t" in n for n in plain)
+    assert not any(k.startswith("powerinfer.") for k in plain_reader.fields)
+    source = models.resolve(model)
+    hf = models.load_model(source)[0].state_dict()
+    for name, t in ours.items():
+        if ".fc1." in name or ".fc2." in name:
+            continue
+        if ".ffn_down_t." in name:
+            layer = int(name.split(".")[1])
+            p = plain[name.replace("ffn_down_t", "ffn_down")]
+            assert p.tensor_type == t.tensor_type
+            expected = encode(hf[f"model.layers.{layer}.mlp.down_proj.weight"].numpy(), t.tensor_type)
+            assert np.array_equal(np.asarray(p.data), expected), name  # same source, same quantizer
+        else:
+            assert np.array_equal(np.asarray(plain[name].data), np.asarray(t.data)), name  # byte copies
+    for key in ("llama.block_count", "llama.rope.freq_base", "tokenizer.ggml.tokens"):
+        assert plain_reader.fields[key].contents() == open_reader(files.powerinfer).fields[key].contents()
+    # cached: a second call reuses the files
+    again = bench_files(model, outtype, tmp_path, predictors=tmp_path / "p", progress=False)
+    assert again.powerinfer == files.powerinfer and again.powerinfer.stat().st_mtime_ns == \
+        files.powerinfer.stat().st_mtime_ns
+
+
+def test_llamacpp_file_refuses_other_architectures(tiny_model_dir, tmp_path):
+    with pytest.raises(UserError, match="llama.cpp comparison supports"):
+        bench_files(str(tiny_model_dir("falcon")), "q8_0", tmp_path, progress=False)
+
+
+def test_thresholds_rewritten_in_place_on_a_copy(silu_files, tmp_path):
+    _, files, _ = silu_files
+    before = thresholds(files.powerinfer)
+    copy = working_copy(files.powerinfer, tmp_path)
+    act, pred = [0.125, 0.5], [-1.5, 3.25]
+    set_thresholds(copy, activation=act, predictor=pred)
+    assert thresholds(copy) == {"activation": act, "predictor": pred}
+    assert thresholds(files.powerinfer) == before
+    assert read_magic(copy) == b"PWRI"
+    with pytest.raises(UserError, match="entries"):
+        set_thresholds(copy, activation=[0.1])
+
+
+def test_calibrated_thresholds_reach_the_sparsity(silu_files):
+    model_path, files, work = silu_files
+    hf, adapter = models.load_model(models.resolve(model_path))
+    seqs = torch.randint(3, 200, (3, 40), generator=torch.Generator().manual_seed(1))
+    sample = sparsity_levels.collect(hf, adapter, seqs)
+    logits = sparsity_levels.predictor_logits(sample, sparsity_levels.predictor_weights(files.powerinfer))
+    # independent recount: a second forward pass, predictors from their .pt files evaluated in torch
+    acts, inputs = {}, {}
+    handles = arch.install_taps(adapter, hf, on_input=lambda i, x: inputs.setdefault(i, []).append(x),
+                                on_activation=lambda i, a: acts.setdefault(i, []).append(a))
+    with torch.no_grad():
+        for row in seqs:
+            hf(input_ids=row[None], use_cache=False)
+    for h in handles:
+        h.remove()
+    for level in (0.3, 0.7, 0.9):
+        act = sparsity_levels.activation_thresholds(sample, level)
+        pred = sparsity_levels.predictor_thresholds(logits, level)
+        for i in range(N_LAYER):
+            a = torch.cat([t.reshape(-1, N_FF) for t in acts[i]])
+            assert abs(float((~arch.is_active(adapter, a, act[i])).float().mean()) - level) < 0.01
+            state = torch.load(work / "pred" / f"model_{i}.pt", weights_only=True)
+            x = torch.cat([t.reshape(-1, HIDDEN) for t in inputs[i]])
+            z = torch.relu(x @ state["fc1.weight"].T) @ state["fc2.weight"].T
+            # the file stores the predictors in f16: a few logits may cross the threshold
+            assert abs(float((z <= pred[i]).float().mean()) - level) < 0.02
+
+
+def test_relu_models_have_no_activation_threshold_to_set():
+    sample = sparsity_levels.ActivationSample([np.ones(4, np.float32)], [np.ones((1, 4), np.float32)], False)
+    with pytest.raises(UserError, match="ReLU-family"):
+        sparsity_levels.activation_thresholds(sample, 0.5)
+
+
+def test_byte_model_counts_rows_used(silu_files):
+    _, files, _ = silu_files
+    mb = byte_model.model_bytes(files.powerinfer)
+    tensors = {t.name: int(t.n_bytes) for t in open_reader(files.powerinfer).tensors}
+    kv = 2 * HIDDEN // 4 * 2 * 4  # K and V of 2 kv heads of d_head 16, f32
+    assert mb.kv_per_position == kv
+    ffn = sum(v for n, v in tensors.items() if ".ffn_gate." in n or ".ffn_up." in n or ".ffn_down_t." in n)
+    pred = sum(v for n, v in tensors.items() if ".fc1." in n or ".fc2." in n)
+    rest = sum(v for n, v in tensors.items() if n.startswith("blk.")) - ffn - pred
+    emb_row = tensors["token_embd.weight"] // (open_reader(files.powerinfer).tensors[0].shape[-1])
+    dense = byte_model.token_bytes(mb, None, position=10)
+    assert dense["total"] == rest + ffn + tensors["output.weight"] + emb_row + 10 * kv * N_LAYER
+    # gate mode, half the up/down rows used: gate read whole, up and down halved
+    gate_stats = [{"tokens": 4, "computed_density": 0.5, "predicted_density": None, "modes": {"gate": 4}}] * N_LAYER
+    gate = byte_model.token_bytes(mb, gate_stats, position=10)
+    up_down = sum(v for n, v in tensors.items() if ".ffn_up." in n or ".ffn_down_t." in n)
+    assert gate["ffn"] == pytest.approx(ffn - up_down / 2)
+    # predictor mode, 20% predicted, 10% used: predictor read, 20% of gate, 10% of up/down
+    pred_stats = [{"tokens": 4, "computed_density": 0.1, "predicted_density": 0.2, "modes": {"predictor": 4}}] * N_LAYER
+    p = byte_model.token_bytes(mb, pred_stats, position=0)
+    gate_bytes = ffn - up_down
+    assert p["predictor"] == pred
+    assert p["ffn"] == pytest.approx(0.2 * gate_bytes + 0.1 * up_down)
+
+
+def test_paired_ratio_and_summary():
+    # per-round seconds: a twice as fast as b in every round, whatever the drift between rounds
+    assert bench.paired_ratio([1.0, 2.0, 4.0], [2.0, 4.0, 8.0]) == pytest.approx(2.0)
+    s = bench.summarize(128, [1.0, 2.0, 4.0])
+    assert s["median"] == pytest.approx(64.0) and s["tps"] == [128.0, 64.0, 32.0]
+
+
+def test_read_bandwidth_is_measured():
+    bw = machine.read_bandwidth(2, buffer_bytes=64 << 20, passes=2)
+    assert 1e8 < bw < 1e13
+    rec = machine.machine_record(2, measure_bandwidth=False)
+    assert rec["cores"] >= 1 and isinstance(rec["simd"], list)
+
+
+def _record(tg_llama, tg_dense, tg_gate, pp_ratio, achieved_over_predicted):
+    runs = [{"label": "llama.cpp", "backend": "llama.cpp", "mode": "dense", "target_sparsity": None,
+             "tg": {"median": tg_llama, "stdev": 1.0}, "pp": {"median": 100.0, "stdev": 1.0}},
+            {"label": "ours dense", "backend": "ours", "mode": "dense", "target_sparsity": None,
+             "tg": {"median": tg_dense, "stdev": 1.0}, "pp": {"median": 100 * pp_ratio, "stdev": 1.0},
+             "vs_llamacpp": {"tg": tg_dense / tg_llama, "pp": pp_ratio}, "of_limit": 0.7,
+             "sparsity": {"ffn_sparsity": 0.0}, "bytes_per_token": {"total": 2**20}, "predicted_speedup": 1.0}]
+    sweep = [{"label": "ours gate", "backend": "ours", "mode": "gate", "target_sparsity": 0.5,
+              "tg": {"median": tg_gate, "stdev": 1.0}, "vs_llamacpp": {"tg": tg_gate / tg_llama},
+              "achieved_speedup": tg_gate / tg_dense, "predicted_speedup": 1.3,
+              "achieved_over_predicted": achieved_over_predicted, "of_limit": 0.5,
+              "sparsity": {"ffn_sparsity": 0.5, "gate_rows_read": 1.0}}]
+    return {"settings": {"model": "m", "outtype": "q4_0", "threads": 2, "repeats": 3, "n_prompt": 512, "n_gen": 128},
+            "machine": {"cpu": "cpu", "cores": 2, "simd": ["avx2"], "read_bandwidth": {"2": 1e10}},
+            "tokens": {"text": "t"}, "runs": runs, "sweep": sweep, "command": "pi-tools bench -m m"}
+
+
+def test_targets_and_markdown():
+    rec = _record(tg_llama=100.0, tg_dense=105.0, tg_gate=118.0, pp_ratio=0.7, achieved_over_predicted=0.9)
+    targets = {t["target"]: t for t in bench.check_targets(rec)}
+    assert targets["dense_tg_vs_llamacpp"]["met"] and not targets["dense_pp_vs_llamacpp"]["met"]
+    assert not targets["gate@0.5_vs_llamacpp"]["met"]            # 1.18 < 1.2
+    assert targets["achieved_over_predicted gate@0.5"]["met"]     # 0.9 >= 0.85
+    assert targets["of_physical_limit dense"]["met"] and not targets["of_physical_limit gate@0.5"]["met"]
+    rec["targets"] = list(targets.values())
+    md = bench.render_markdown(rec)
+    assert "| ours dense | 0.00 | 70.0 ± 1.0 | 105.0 ± 1.0 | 0.70x | 1.05x |" in md
+    assert "| 0.50 | ours gate | 0.50 | 1.00 | 118.0 ± 1.0 | 1.18x | 1.12x | 1.30x | 90% | 50% |" in md
+    assert "| gate@0.5_vs_llamacpp (sweep) | 1.18 | 1.20 | **no** |" in md
+
+
+def test_sweep_plot(tmp_path):
+    rec = _record(100.0, 105.0, 118.0, 0.9, 0.9)
+    rec["sweep"] = rec["runs"][:2] + rec["sweep"]
+    for e in rec["sweep"]:
+        e.setdefault("target_sparsity", 0.5)
+    bench.plot_sweep(rec, tmp_path / "s.png")
+    assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _cli(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "powerinfer_tools", "bench", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["-m", "/nonexistent/model"], "model not found"),
+    (["-m", "smollm2", "--png", "x.png"], "--png draws the sparsity sweep"),
+    (["-m", "smollm2", "--modes", "dense,fast"], "unknown mode 'fast'"),
+    (["-m", "smollm2", "--peers", "vllm"], "unknown peer 'vllm'"),
+    (["-m", "smollm2", "--sweep-sparsity", "--sweep-levels", "0.5,1.5"], "sparsity levels must be in"),
+])
+def test_cli_bad_input(args, message):
+    r = _cli(*args)
+    assert r.returncode == 1 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_cli_help_has_examples():
+    r = _cli("--help")
+    assert r.returncode == 0 and "Examples" in r.stdout and "--sweep-sparsity" in r.stdout
+
+
+def _peer_python() -> str | None:
+    """A Python with llama-cpp-python: $PI_BENCH_PEER_PYTHON, or this one when it has it."""
+    env = os.environ.get("PI_BENCH_PEER_PYTHON")
+    if env:
+        return env
+    try:
+        import llama_cpp  # noqa: F401
+        return sys.executable
+    except ImportError:
+        return None
+
+
+def test_bench_end_to_end_tiny(silu_files, tmp_path):
+    """Our engine in every mode + torch (+ llama.cpp when available) on the tiny model, with a sweep:
+    the record is complete and the engine's measured sparsity follows the rewritten thresholds."""
+    engine = pytest.importorskip("engine")
+    if not hasattr(engine, "Model"):
+        pytest.skip("the C++ engine package is not in this tree")
+    model, files, work = silu_files
+    peer = _peer_python()
+    opts = bench.BenchOptions(model=model, outtype="q8_0", threads=2, repeats=2, n_prompt=24, n_gen=12, batch=16,
+                              predictors=work / "pred", work_dir=work, sweep=True, sweep_levels=(0.5, 0.8),
+                              sweep_repeats=1, peers=("llama.cpp", "torch") if peer else ("torch",),
+                              peer_python=peer, progress=False, text=ROOT / "README.md")
+    rec = bench.run_bench(opts)
+    labels = [e["label"] for e in rec["runs"]]
+    assert {"ours dense", "ours gate", "ours predictor", "ours auto"} <= set(labels)
+    assert any(label.startswith("torch") for label in labels)
+    for e in rec["runs"]:
+        assert e["tg"]["median"] > 0 and len(e["tg"]["tps"]) == 2
+    by_key = {(e["label"], e["target_sparsity"]): e for e in rec["sweep"]}
+    for level in (0.5, 0.8):
+        gate = by_key[("ours gate", level)]
+        assert abs(gate["sparsity"]["ffn_sparsity"] - level) < 0.15  # calibrated on other tokens
+        pred = by_key[("ours predictor", level)]
+        assert abs(pred["sparsity"]["gate_rows_read"] - (1 - level)) < 0.15
+        assert gate["predicted_speedup"] > 1.0
+    if peer:
+        assert rec["agreement"]["top1_ours_dense_vs_llamacpp"] >= 0.9
+    md = bench.render_markdown(rec)
+    assert "ours predictor" in md and "Sparsity sweep" in md
+    bench.write_json(rec, tmp_path / "r.json")
+    assert json.loads((tmp_path / "r.json").read_text())["format"] == "powerinfer-tools.bench/1"

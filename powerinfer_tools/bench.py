@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from powerinfer_tools import bench_files as files_mod
 from powerinfer_tools import byte_model, machine, models, sparsity_levels
-from powerinfer_tools.bench_runners import EngineRunner, LlamaCppRunner, TorchRunner, open_engine
+from powerinfer_tools.bench_runners import EngineRunner, LlamaCppRunner, TorchRunner, best_llamacpp, open_engine
 from powerinfer_tools.errors import UserError
 
 MODES = ("dense", "gate", "predictor", "auto")
@@ -63,6 +63,7 @@ class BenchOptions:
     text: Path | None = None
     work_dir: Path | None = None
     peer_python: str | None = None
+    llamacpp_wait: str | None = None       # OMP_WAIT_POLICY of the llama.cpp peer; None: the faster of both
     progress: bool = True
     command: str = ""
     log: list[str] = field(default_factory=list)
@@ -253,8 +254,10 @@ def run_bench(opts: BenchOptions) -> dict:
     peers = []
     try:
         if "llama.cpp" in opts.peers:
-            peers.append(LlamaCppRunner(files.llamacpp, opts.threads, n_ctx, opts.peer_python))
-            record["llamacpp"] = peers[-1].info()
+            runner, probe = best_llamacpp(files.llamacpp, opts.threads, n_ctx, opts.peer_python, gen[:16],
+                                          opts.llamacpp_wait)
+            peers.append(runner)
+            record["llamacpp"] = dict(runner.info(), omp_wait_probe_seconds=probe)
         if "torch" in opts.peers:
             peers.append(TorchRunner(opts.model, opts.threads, hf_model))
 
@@ -373,7 +376,8 @@ def render_markdown(record: dict) -> str:
              ""]
     if "llamacpp" in record:
         lc = record["llamacpp"]
-        lines.append(f"llama.cpp: llama-cpp-python {lc.get('llama_cpp_python')}; "
+        lines.append(f"llama.cpp: llama-cpp-python {lc.get('llama_cpp_python')}, OMP_WAIT_POLICY "
+                     f"{lc.get('omp_wait_policy')}; "
                      f"{lc.get('system_info', '').splitlines()[0] if lc.get('system_info') else ''}")
         if "agreement" in record:
             lines.append(f"Same weights check: greedy top-1 of ours dense vs llama.cpp over "

@@ -66,18 +66,28 @@ def open_engine(path: Path, threads: int, n_ctx: int, batch: int):
         raise UserError(f"our engine cannot open {path}: {exc}") from None
 
 
+OMP_WAIT_POLICIES = ("active", "passive")
+
+
 class LlamaCppRunner:
-    """llama.cpp through llama-cpp-python, in a worker process of `python` (which must have it installed)."""
+    """llama.cpp through llama-cpp-python, in a worker process of `python` (which must have it installed).
+
+    llama.cpp's CPU backend synchronises its threads with OpenMP; `omp_wait` sets OMP_WAIT_POLICY (None:
+    the environment's, else OpenMP's default). Spinning waits win on an idle machine and lose badly on an
+    oversubscribed one, so `best_llamacpp` tries both and keeps the faster.
+    """
 
     backend = "llama.cpp"
     mode = "dense"
     label = "llama.cpp"
 
-    def __init__(self, path: Path, threads: int, n_ctx: int, python: str | None = None):
+    def __init__(self, path: Path, threads: int, n_ctx: int, python: str | None = None, omp_wait: str | None = None):
         python = python or sys.executable
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        if omp_wait is not None:
+            env["OMP_WAIT_POLICY"] = omp_wait.upper()
         try:
-            self.proc = subprocess.Popen([python, str(WORKER), str(path), str(threads), str(n_ctx)],
+            self.proc = subprocess.Popen([python, "-I", str(WORKER), str(path), str(threads), str(n_ctx)],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                          text=True, env=env)
         except OSError as exc:
@@ -123,6 +133,25 @@ class LlamaCppRunner:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+
+
+def best_llamacpp(path: Path, threads: int, n_ctx: int, python: str | None, probe: list[int],
+                  omp_wait: str | None = None) -> tuple[LlamaCppRunner, dict]:
+    """The llama.cpp peer with the OpenMP wait policy (given, or the faster on `probe` tg) and the probe times."""
+    if omp_wait is not None or "OMP_WAIT_POLICY" in os.environ:
+        return LlamaCppRunner(path, threads, n_ctx, python, omp_wait), {}
+    seconds, best = {}, None
+    for policy in OMP_WAIT_POLICIES:
+        runner = LlamaCppRunner(path, threads, n_ctx, python, policy)
+        runner.tg(probe[:4])  # warm-up
+        seconds[policy] = runner.tg(probe)
+        if best is None or seconds[policy] < seconds[best[0]]:
+            if best is not None:
+                best[1].close()
+            best = (policy, runner)
+        else:
+            runner.close()
+    return best[1], seconds
 
 
 class TorchRunner:

@@ -1,6 +1,7 @@
 """llama.cpp side of `pi-tools bench`, run as a script by any Python that has llama-cpp-python.
 
 It imports nothing from powerinfer_tools, so it can run in a separate environment (--peer-python).
+Run it with `python -I` (powerinfer_tools/ holds an inspect.py that would shadow the standard one).
 Protocol: one JSON request per stdin line, one JSON reply per stdout line.
   {"op": "pp", "tokens": [...]}      -> {"seconds": s}   prompt of len(tokens) from an empty cache, one batch
   {"op": "tg", "tokens": [...]}      -> {"seconds": s}   one token at a time from an empty cache
@@ -9,6 +10,7 @@ Protocol: one JSON request per stdin line, one JSON reply per stdout line.
 Errors reply {"error": "..."}; the script exits at end of input.
 """
 import json
+import os
 import resource
 import sys
 import time
@@ -21,6 +23,7 @@ def main() -> int:
     path, threads, n_ctx = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     try:
         import llama_cpp
+        import numpy as np
     except ImportError as exc:
         print(json.dumps({"error": f"llama-cpp-python is not installed in {sys.executable} ({exc})"}), flush=True)
         return 1
@@ -51,11 +54,13 @@ def main() -> int:
                 llm.reset()
                 choices = []
                 for token in req["tokens"]:
-                    llm.eval([token])
-                    choices.append(int(llm.scores[llm.n_tokens - 1].argmax()))
+                    llm.eval([token])  # keeps only the last token's logits (logits_all=False)
+                    logits = np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(llm.n_vocab(),))
+                    choices.append(int(logits.argmax()))
                 reply = {"argmax": choices}
             elif op == "info":
                 reply = {"llama_cpp_python": llama_cpp.__version__,
+                         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default (active)"),
                          "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip(),
                          "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
             else:

@@ -22,6 +22,14 @@ def _levels(value: str) -> tuple[float, ...]:
         raise UserError(f"--sweep-levels takes comma-separated numbers, got {value!r}") from None
 
 
+def _wait_policy(value: str | None) -> str | None:
+    from powerinfer_tools.bench_runners import OMP_WAIT_POLICIES
+
+    if value is not None and value.lower() not in OMP_WAIT_POLICIES:
+        raise UserError(f"--llamacpp-wait must be one of {', '.join(OMP_WAIT_POLICIES)}, got {value!r}")
+    return value.lower() if value else None
+
+
 def bench(
     model: str = typer.Option(..., "--model", "-m", help="Source model: HF directory, llama .gguf file, or "
                                                          "'smollm2'. Both engines' files are built from it."),
@@ -49,6 +57,9 @@ def bench(
                                             "(default: ~/.cache/powerinfer-tools/bench)."),
     peer_python: Optional[str] = typer.Option(None, "--peer-python", help="Python with llama-cpp-python to run "
                                               "the llama.cpp peer (default: this Python)."),
+    llamacpp_wait: Optional[str] = typer.Option(None, "--llamacpp-wait", help="OMP_WAIT_POLICY of the llama.cpp "
+                                                "peer: active or passive. Default: the faster of both on a short "
+                                                "probe (spinning collapses on an oversubscribed machine)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the full record (samples, machine, "
                                             "byte model, targets) as JSON."),
     png: Optional[Path] = typer.Option(None, "--png", help="Draw the sweep (tokens/s vs sparsity) as PNG."),
@@ -80,7 +91,7 @@ def bench(
                         peers=_csv(peers), sparsity=sparsity, sweep=sweep_sparsity, sweep_levels=_levels(sweep_levels),
                         sweep_repeats=sweep_repeats, n_prompt=n_prompt, n_gen=n_gen, batch=batch,
                         predictors=predictors, profile=profile, text=text, work_dir=work_dir,
-                        peer_python=peer_python, progress=not quiet,
+                        peer_python=peer_python, llamacpp_wait=_wait_policy(llamacpp_wait), progress=not quiet,
                         command="pi-tools " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "")
     record = run_bench(opts)
     table = render_markdown(record)

@@ -130,10 +130,11 @@ class _Recorder:
             self.buffers[i]["x"].append(rows.detach().to(torch.float16).cpu())
 
     def on_activation(self, i: int, a: torch.Tensor):
-        active = arch_mod.is_active(self.adapter, a, self.thresholds[i])
+        size = a.detach().abs()
+        active = size > self.thresholds[i] if self.adapter.thresholded else a != 0
         flat = active.reshape(-1, active.shape[-1])
-        self.counts[i] += flat.sum(0, dtype=torch.int64).cpu()
-        self.magnitude[i] += (a.detach().abs() * active).reshape(-1, a.shape[-1]).sum(0, dtype=torch.float64).cpu()
+        self.counts[i] += flat.sum(0).cpu()
+        self.magnitude[i] += (size * active).reshape(-1, a.shape[-1]).sum(0).double().cpu()
         if self.pick is not None and len(self.pick):
             mask = flat[self.pick.to(flat.device)].cpu().numpy()
             buf = self.buffers[i]

@@ -158,7 +158,8 @@ caption { caption-side: bottom; color: #555; text-align: left; padding-top: .3em
 """
 
 
-def _render_table(table: Table) -> str:
+def table_html(table: Table) -> str:
+    """A Table as an HTML <table> (also displayable in a notebook with IPython.display.HTML)."""
     head = "".join(f"<th>{html.escape(c)}</th>" for c in table.columns)
     body = "\n".join("<tr>" + "".join(f"<td>{fmt(v)}</td>" for v in row) + "</tr>" for row in table.rows)
     caption = f"<caption>{html.escape(table.caption)}</caption>" if table.caption else ""
@@ -172,7 +173,7 @@ def _render_section(section: Section) -> str:
         parts.append(f'<figure><img id="{fig_id}" alt="{html.escape(caption)}" '
                      f'src="data:image/png;base64,{png_base64(fig)}"><figcaption>{html.escape(caption)}'
                      f"</figcaption></figure>")
-    parts.extend(_render_table(t) for t in section.tables)
+    parts.extend(table_html(t) for t in section.tables)
     parts.append("</section>")
     return "\n".join(parts)
 

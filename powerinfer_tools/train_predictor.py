@@ -12,7 +12,6 @@ recall at a fixed threshold can be bought by predicting more, recall at a fixed 
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -26,8 +25,7 @@ from powerinfer_tools.errors import UserError
 from powerinfer_tools.predictor import (Predictor, layer_metrics, neuron_weights, recall_at_density,
                                         threshold_for_recall)
 
-PROFILE_FORMAT = "powerinfer-tools.profile/1"
-MIN_RANK = 8
+MIN_RANK = 4
 
 
 # ---- the profile directory -------------------------------------------------------------------------
@@ -87,21 +85,13 @@ class Profile:
 
 
 def read_profile(path: Path) -> Profile:
-    path = Path(path)
-    meta_path = path / "profile.json"
-    if not meta_path.is_file():
-        raise UserError(f"{path} is not a profile directory (no profile.json; make one with 'pi-tools profile')")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UserError(f"{meta_path} is not valid JSON: {exc}") from None
-    if meta.get("format") != PROFILE_FORMAT:
-        raise UserError(f"{meta_path}: format {meta.get('format')!r}, expected {PROFILE_FORMAT!r}")
-    model = meta.get("model") or {}
-    missing = [k for k in ("n_layer", "n_embd", "n_ff") if k not in model]
+    from powerinfer_tools.profile import load_profile
+
+    meta = load_profile(path)
+    missing = [k for k in ("n_layer", "n_embd", "n_ff") if k not in (meta.get("model") or {})]
     if missing:
-        raise UserError(f"{meta_path}: model block lacks {', '.join(missing)}")
-    return Profile(path, meta)
+        raise UserError(f"{Path(path) / 'profile.json'}: model block lacks {', '.join(missing)}")
+    return Profile(Path(path), meta)
 
 
 @dataclass
@@ -292,14 +282,14 @@ def train_one(train: LayerSamples, held: LayerSamples, rank: int, settings: Trai
 # ---- choosing the rank ------------------------------------------------------------------------------
 
 def rank_ladder(n_embd: int, n_ff: int, cap: int) -> list[int]:
-    """Candidate ranks 8, 12, 16, 24, 32, 48, ... (steps of about 1.5x) up to cap (<= n_embd)."""
-    cap = max(MIN_RANK, min(cap, n_embd, n_ff))
-    ladder, r = [], MIN_RANK
+    """Candidate ranks 4, 6, 8, 12, 16, 24, ... (steps of about 1.5x) up to cap (<= n_embd), and cap."""
+    cap = max(1, min(cap, n_embd, n_ff))
+    ladder = {cap}
+    r = MIN_RANK
     while r <= cap:
-        ladder.append(r)
-        ladder.append(r * 3 // 2)
+        ladder.update(x for x in (r, r * 3 // 2) if x <= cap)
         r *= 2
-    return sorted({r for r in ladder if r <= cap} | {cap})
+    return sorted(ladder)
 
 
 def difficulty(stats: dict, density: float) -> float:
@@ -313,7 +303,7 @@ def difficulty(stats: dict, density: float) -> float:
 
 def budget_rank(profile: Profile, fraction: float) -> int:
     """The rank whose predictor costs `fraction` of one FFN block."""
-    return max(MIN_RANK, int(fraction * profile.ffn_params() / (profile.n_embd + profile.n_ff)))
+    return max(1, int(fraction * profile.ffn_params() / (profile.n_embd + profile.n_ff)))
 
 
 def search_rank(train: LayerSamples, held: LayerSamples, ladder: list[int], start: int,
@@ -397,14 +387,18 @@ def _measure(layer: int, model: Predictor, threshold: float, samples: LayerSampl
     return LayerResult(layer, model, threshold, metrics, trained.epochs if trained else None, tried or {})
 
 
+def check_rank(rank: int | None, n_embd: int) -> None:
+    if rank is not None and not 1 <= rank <= n_embd:
+        raise UserError(f"--rank {rank} is out of range: it must be between 1 and n_embd={n_embd} "
+                        "(a larger rank cannot see more than the n_embd-dimensional input)")
+
+
 def train_layers(profile: Profile, layers: list[int], rank: int | None, settings: TrainSettings,
                  max_fraction: float, held_out_fraction: float = 0.2, progress=None) -> list[LayerResult]:
     """Train every requested layer (fixed `rank`, or None for the adaptive search under the byte cap)
     and measure the chosen predictors on each layer's held-out sequences."""
     n_embd, n_ff = profile.n_embd, profile.n_ff
-    if rank is not None and not 1 <= rank <= n_embd:
-        raise UserError(f"--rank {rank} is out of range: it must be between 1 and n_embd={n_embd} "
-                        "(a larger rank cannot see more than the n_embd-dimensional input)")
+    check_rank(rank, n_embd)
     per_layer_budget = budget_rank(profile, max_fraction)
     ladder = rank_ladder(n_embd, n_ff, 2 * per_layer_budget)
     options: dict[int, dict[int, Trained]] = {}

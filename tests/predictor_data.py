@@ -15,9 +15,11 @@ from safetensors.numpy import save_file
 
 
 def write_profile(out: Path, *, n_layer=2, n_embd=32, n_ff=128, rows=4096, seq_len=64, signal_rank=4,
-                  bias=0.5, shuffled=False, seed=0, shard_rows=1024, config_hash="synthetic-a",
+                  bias=0.5, shuffled=False, seed=0, data_seed=None, shard_rows=1024, config_hash="synthetic-a",
                   rule="nonzero") -> Path:
-    rng = np.random.default_rng(seed)
+    """`seed` fixes the layer weights (the "model"), `data_seed` the rows (the "calibration text")."""
+    weights_rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(seed if data_seed is None else 1000 + data_seed)
     out = Path(out)
     for sub in ("activation", "magnitude", "samples"):
         (out / sub).mkdir(parents=True, exist_ok=True)
@@ -26,9 +28,10 @@ def write_profile(out: Path, *, n_layer=2, n_embd=32, n_ff=128, rows=4096, seq_l
     layer_stats = []
     for layer in range(n_layer):
         x = rng.standard_normal((rows, n_embd)).astype(np.float32)
-        w = rng.standard_normal((n_embd, signal_rank)) @ rng.standard_normal((signal_rank, n_ff)) / np.sqrt(
-            n_embd * signal_rank)
-        a = np.maximum(x @ w - bias * rng.random(n_ff) * (x @ w).std(), 0.0)
+        w = weights_rng.standard_normal((n_embd, signal_rank)) @ weights_rng.standard_normal((signal_rank, n_ff))
+        w /= np.sqrt(n_embd * signal_rank)
+        offset = bias * weights_rng.random(n_ff) * np.linalg.norm(w, axis=0)
+        a = np.maximum(x @ w - offset, 0.0)
         if shuffled:
             a = a[rng.permutation(rows)]
         active = a > 0

@@ -34,6 +34,12 @@ def _device(name: str) -> str:
     raise UserError(f"device {name!r} is not available here (use cpu)")
 
 
+def _layer_bar(total: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="layer", file=sys.stderr, dynamic_ncols=True)
+
+
 def _write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, allow_nan=True) + "\n")
 
@@ -98,7 +104,6 @@ def train_predictor(
       pi-tools train-predictor test-profile --out smollm2-predictors --evaluate --report eval.json
     """
     import torch
-    from tqdm import tqdm
 
     from powerinfer_tools import train_predictor as tp
     from powerinfer_tools.atomic import atomic_dir, atomic_file, check_output_dir
@@ -115,28 +120,20 @@ def train_predictor(
         raise UserError("need --epochs >= 1, --threads >= 1, 0 < --held-out < 1, --max-density-ratio >= 1 "
                         "and 0 < --max-predictor-fraction <= 1")
     torch.set_num_threads(threads)
-    bar = tqdm(total=len(selected), desc="evaluate" if evaluate else "train-predictor", unit="layer",
-               file=sys.stderr, dynamic_ncols=True)
-
-    def progress(layer, chosen, tried):
-        if chosen is not None:
-            bar.set_postfix_str(f"layer {layer}: rank {chosen.rank}, held-out recall@budget "
-                                f"{chosen.recall_at_budget:.3f} (tried {sorted(tried)})")
-        bar.update(1)
 
     if evaluate:
         if out is None:
             raise UserError("--evaluate needs --out DIR: the predictor directory to measure")
-        predictors = read_predictor_dir(out)
-        if profile.thresholded and predictors.activation_thresholds is not None \
-                and list(predictors.activation_thresholds) != list(profile.meta.get("thresholds") or []):
-            typer.echo("note: this profile's |a| thresholds differ from those the predictors were trained "
-                       "with; 'active' is measured by this profile's thresholds", err=True)
         if report is not None and report.is_dir():
             raise UserError(f"--report {report} is a directory")
-        results = tp.evaluate_layers(profile, predictors, selected, progress)
-        bar.close()
+        predictors = read_predictor_dir(out)
+        with _layer_bar(len(selected), "evaluate") as bar:
+            results = tp.evaluate_layers(profile, predictors, selected, lambda *_: bar.update(1))
         typer.echo(tp.format_table(results))
+        if profile.thresholded and predictors.activation_thresholds is not None \
+                and list(predictors.activation_thresholds) != list(profile.meta.get("thresholds") or []):
+            typer.echo("note: 'active' was measured with this profile's |a| thresholds, which differ from "
+                       "those of the profile the predictors were trained on", err=True)
         if report is not None:
             with atomic_file(report) as tmp:
                 _write_json(tmp, _report("evaluate", profile, results, {"predictors": str(out)}))
@@ -145,10 +142,17 @@ def train_predictor(
     out = out or profile.path.with_name(profile.path.name + "-predictors")
     check_output_dir(out, force)   # before minutes of training, not after
     fixed_rank = _parse_rank(rank)
+    tp.check_rank(fixed_rank, profile.n_embd)
     settings = tp.TrainSettings(target_recall=target_recall, max_density_ratio=max_density_ratio, epochs=epochs,
                                 device=_device(device), seed=seed)
-    results = tp.train_layers(profile, selected, fixed_rank, settings, max_predictor_fraction, held_out, progress)
-    bar.close()
+    with _layer_bar(len(selected), "train-predictor") as bar:
+        def progress(layer, chosen, tried):
+            bar.set_postfix_str(f"layer {layer}: rank {chosen.rank} (tried {sorted(tried)}), "
+                                f"held-out recall@budget {chosen.recall_at_budget:.3f}")
+            bar.update(1)
+
+        results = tp.train_layers(profile, selected, fixed_rank, settings, max_predictor_fraction, held_out,
+                                  progress)
     with atomic_dir(out, force) as tmp:
         for r in results:
             save_predictor(r.model, model_file(tmp, r.layer))

@@ -26,9 +26,10 @@ def _root(version: bool = typer.Option(False, "--version", help="Print the versi
 
 
 def _register() -> None:
-    from powerinfer_tools.commands import profile, report
+    from powerinfer_tools.commands import profile, report, train_predictor
 
     app.command("profile", no_args_is_help=True)(profile.profile)
+    app.command("train-predictor", no_args_is_help=True)(train_predictor.train_predictor)
     app.command("report", no_args_is_help=True)(report.report)
 
 

@@ -16,6 +16,8 @@ from powerinfer_tools.cli import main
 from powerinfer_tools.profile import ProfileOptions, run_profile
 
 LOCALITY_FIGURES = ("fig-cumulative", "fig-hot-coverage", "fig-sparsity")
+PREDICTOR_FIGURES = ("fig-predictor-quality", "fig-predictor-density")
+PLACEMENT_FIGURES = ("fig-gpu-share", "fig-budget")
 
 
 class PageParser(HTMLParser):
@@ -103,6 +105,37 @@ def tiny_profile(tiny_model_dir, tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def tiny_predictors(tiny_profile):
+    """Predictors trained by train-predictor on the tiny profile (small rank, few epochs)."""
+    out = tiny_profile.with_name("pred")
+    main_ok(["train-predictor", str(tiny_profile), "-o", str(out), "--rank", "8", "--epochs", "2",
+             "--threads", "1"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_plan(tiny_profile):
+    """A placement of the tiny profile on a PowerInfer file of the same shape, at a budget that fits
+    about half of the neurons."""
+    from placement_fixtures import write_model
+
+    profile = json.loads((tiny_profile / "profile.json").read_text())
+    model = write_model(tiny_profile.with_name("tiny.powerinfer.gguf"), profile["model"]["n_layer"],
+                        profile["model"]["n_ff"], "Q8_0")
+    gpuidx = tiny_profile.with_name("tiny.gpuidx")
+    main_ok(["plan", "--profile", str(tiny_profile), "-m", str(model), "--vram-budget", str(120 * 1024 / 2**30),
+             "--ctx-size", "16", "--reserve-mib", "0", "--min-layer-neurons", "1", "-o", str(gpuidx)])
+    return gpuidx
+
+
+def main_ok(args) -> None:
+    try:
+        main(args)
+    except SystemExit as exc:
+        assert exc.code == 0, f"pi-tools {' '.join(args)} failed"
+
+
 # ---- locality -----------------------------------------------------------------------------------------
 
 def test_locality_on_known_counts():
@@ -163,6 +196,50 @@ def test_report_figures_and_tables(tiny_profile, tmp_path, capsys):
             assert_cell(cells[f"neurons for {share:.0%}"], layer.neurons_for[share])
 
 
+def test_report_with_predictors_and_plan(tiny_profile, tiny_predictors, tiny_plan, tmp_path, capsys):
+    out = tmp_path / "report.html"
+    code, _, stderr = run_cli(["report", str(tiny_profile), "--predictors", str(tiny_predictors),
+                               "--plan", str(tiny_plan), "-o", str(out)], capsys)
+    assert code == 0, stderr
+    page = parse_page(out)
+    assert "Not included" not in out.read_text()
+    for fig in LOCALITY_FIGURES + PREDICTOR_FIGURES + PLACEMENT_FIGURES:
+        png_shape(page.images[fig])
+
+    pred = json.loads((tiny_predictors / "report.json").read_text())
+    rows = table_dicts(page.tables["tbl-predictors"])
+    assert len(rows) == len(pred["layers"]) > 0
+    for cells, row in zip(rows, pred["layers"]):
+        assert_cell(cells["layer"], row["layer"])
+        assert_cell(cells["rank"], row["rank"])
+        for key in ("threshold", "recall", "precision", "true_density", "predicted_density"):
+            assert_cell(cells[key.replace("_", " ")], float(row[key]))
+
+    plan = json.loads(tiny_plan.with_name(tiny_plan.name + ".json").read_text())
+    assert 0 < plan["gpu_neurons"] < plan["neurons"], "the fixture budget should place some neurons, not all"
+    rows = table_dicts(page.tables["tbl-placement"])
+    assert len(rows) == len(plan["layers"])
+    for cells, row in zip(rows, plan["layers"]):
+        for column, key in (("layer", "layer"), ("n_ff", "n_ff"), ("min neurons", "min_neurons"),
+                            ("gpu neurons", "gpu_neurons")):
+            assert_cell(cells[column], row[key])
+        assert_cell(cells["gpu share"], row["gpu_neurons"] / row["n_ff"])
+        assert_cell(cells["served fraction"], float(row["served_fraction"]))
+    budget = {cells["part"]: cells for cells in table_dicts(page.tables["tbl-budget"])}
+    assert len(budget) == len(plan["breakdown_bytes"])
+    for part, nbytes in plan["breakdown_bytes"].items():
+        cells = budget[part.replace("_", " ")]
+        assert_cell(cells["bytes"], nbytes)
+        assert_cell(cells["share of budget"], nbytes / plan["vram_budget"])
+
+    # the plan summary may be given directly, the predictors as their report file
+    again = tmp_path / "again.html"
+    code, _, stderr = run_cli(["report", str(tiny_profile), "-p", str(tiny_predictors / "report.json"),
+                               "--plan", str(tiny_plan) + ".json", "-o", str(again)], capsys)
+    assert code == 0, stderr
+    assert parse_page(again).tables == page.tables
+
+
 def _bad(args, capsys, expect):
     code, _, stderr = run_cli(args, capsys)
     assert code == 1
@@ -179,4 +256,25 @@ def test_report_bad_input(tiny_profile, tmp_path, capsys):
     (broken / "profile.json").write_text((tiny_profile / "profile.json").read_text())
     _bad(["report", str(broken), "-o", str(out)], capsys, "missing activation file")
     _bad(["report", str(tiny_profile), "-o", str(tmp_path)], capsys, "is a directory")
+    _bad(["report", str(tiny_profile), "-p", str(tmp_path), "-o", str(out)], capsys, "no such predictor report")
+    _bad(["report", str(tiny_profile), "--plan", str(tmp_path / "x.gpuidx"), "-o", str(out)], capsys,
+         "no such plan summary")
+    assert not out.exists()
+
+
+def test_report_refuses_inputs_of_another_model(tiny_profile, tiny_predictors, tiny_plan, tmp_path, capsys):
+    out = tmp_path / "report.html"
+    pred = json.loads((tiny_predictors / "report.json").read_text())
+    pred["model"]["config_hash"] = "0" * 64
+    other = tmp_path / "other-report.json"
+    other.write_text(json.dumps(pred))
+    _bad(["report", str(tiny_profile), "-p", str(other), "-o", str(out)], capsys, "config hash")
+    plan = json.loads(tiny_plan.with_name(tiny_plan.name + ".json").read_text())
+    plan["layers"] = plan["layers"][:-1]
+    short = tmp_path / "short.json"
+    short.write_text(json.dumps(plan))
+    _bad(["report", str(tiny_profile), "--plan", str(short), "-o", str(out)], capsys, "do not match")
+    (tmp_path / "garbled.json").write_text("{not json")
+    _bad(["report", str(tiny_profile), "--plan", str(tmp_path / "garbled.json"), "-o", str(out)], capsys,
+         "not valid JSON")
     assert not out.exists()

@@ -2,6 +2,7 @@
 weights) and a profile directory of activation counts, without running the converter or the profiler."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -61,12 +62,14 @@ def write_model(path: Path, n_layer: int = 3, n_ff: int = 128, qtype: str = "Q8_
 
 
 def write_profile(folder: Path, counts: list[np.ndarray], tokens: int | None = None) -> Path:
-    """DIR/activation/activation_{i}.pt as the profiler writes them (int64), and profile.json's token count."""
+    """DIR/activation/activation_{i}.pt as the profiler writes them (int64), and profile.json's token count
+    and (ReLU-family) zero thresholds."""
     (folder / "activation").mkdir(parents=True, exist_ok=True)
     for i, c in enumerate(counts):
         torch.save(torch.as_tensor(c), folder / "activation" / f"activation_{i}.pt")
     if tokens is not None:
-        (folder / "profile.json").write_text(f'{{"format": "powerinfer-tools.profile/1", "tokens": {tokens}}}')
+        (folder / "profile.json").write_text(json.dumps({"format": "powerinfer-tools.profile/1", "tokens": tokens,
+                                                         "rule": "nonzero", "thresholds": [0.0] * len(counts)}))
     return folder
 
 

@@ -207,3 +207,28 @@ def test_library_errors_are_user_errors(model, profile, tmp_path):
     not_a_model.write_bytes(b"nope" * 10)
     with pytest.raises(UserError, match="magic"):
         placement.plan_for_model(profile, not_a_model, 10**9)
+
+
+def test_convert_with_vram_budget_writes_gpuidx_beside_the_model(tiny_model_dir, tmp_path, capsys):
+    from convert_helpers import write_predictors
+    from tiny_models import HIDDEN, N_FF as TINY_FF, N_LAYER as TINY_LAYERS
+
+    predictors = write_predictors(tmp_path / "pred", TINY_LAYERS, HIDDEN, TINY_FF)
+    prof = write_profile(tmp_path / "prof", power_law_counts(TINY_LAYERS, TINY_FF), tokens=4096)
+    out = tmp_path / "tiny.powerinfer.gguf"
+    assert run_cli("convert", "-m", tiny_model_dir("llama-relu"), "-p", predictors, "--profile", prof, "-t", "q8_0",
+                   "-o", out, "-q", "--vram-budget", 0.5) == 0
+    assert "VRAM budget breakdown" in capsys.readouterr().out
+    direct = placement.plan_for_model(prof, out, 0.5 * placement.GIB)
+    reader = open_reader(f"{out}.generated.gpuidx")
+    assert reader.fields["split.vram_capacity"].contents() == direct.breakdown["ffn"] > 0
+    for i, idx in enumerate(direct.gpu_index):
+        bucket = next(t for t in reader.tensors if t.name == f"blk.{i}.gpu_bucket")
+        assert np.array_equal(np.asarray(bucket.data), idx)
+
+
+def test_convert_vram_budget_without_profile_fails_before_converting(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "never.powerinfer.gguf"
+    code = run_cli("convert", "-m", tiny_model_dir("llama-relu"), "-t", "q8_0", "-o", out, "-q", "--vram-budget", 1)
+    expect_one_line_error(capsys, code, "--vram-budget needs --profile")
+    assert not out.exists()

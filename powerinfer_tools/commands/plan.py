@@ -45,12 +45,17 @@ def plan(
                                       min_layer_neurons=min_layer_neurons,
                                       reserve_bytes=int(reserve_mib * placement.MIB),
                                       offload_output=offload_output, dense=dense, time_limit=time_limit)
-    out = out or placement.default_gpuidx_path(model)
+    out, summary = write_plan(result, out or placement.default_gpuidx_path(model))
+    report(result)
+    typer.echo(f"wrote {out} and {summary}")
+
+
+def write_plan(result: placement.Plan, out: Path) -> tuple[Path, Path]:
+    """The gpu-index file and its JSON summary (OUT.json)."""
     summary = Path(f"{out}.json")
     placement.write_gpuidx(result, out)
     placement.write_summary(result, summary)
-    report(result)
-    typer.echo(f"wrote {out} and {summary}")
+    return Path(out), summary
 
 
 def report(result: placement.Plan) -> None:

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 TOKENS = 512                       # 8 sequences of 64 tokens: enough for a held-out split
 # notebook -> how many figures it must display
-FIGURES = {"activation_locality.ipynb": 3}
+FIGURES = {"activation_locality.ipynb": 3, "predictor_quality.ipynb": 2, "placement.ipynb": 2}
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,7 @@ def notebook_env(tmp_path_factory):
     profile is made once), and this checkout first on the path."""
     if not (DATA / "wikitext-2-valid.txt").is_file():
         pytest.skip("shared data (../shared/data) not present")
-    env = {"PI_NB_TOKENS": str(TOKENS), "PI_NB_DATA": str(DATA),
+    env = {"PI_NB_TOKENS": str(TOKENS), "PI_NB_RANK": "16", "PI_NB_DATA": str(DATA),
            "PI_NB_WORK": str(tmp_path_factory.mktemp("notebooks")),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     saved = {key: os.environ.get(key) for key in env}

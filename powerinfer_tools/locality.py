@@ -50,7 +50,6 @@ class LayerLocality:
     neurons_for: dict[float, float]       # activation share -> share of neurons needed for it
     neuron_share: np.ndarray              # the curve, x
     activation_share: np.ndarray          # the curve, y
-    frequency: np.ndarray                 # per-neuron activation frequency (count / tokens)
 
 
 @dataclass
@@ -63,8 +62,7 @@ def layer_locality(layer: int, counts: torch.Tensor, tokens: int) -> LayerLocali
     neurons, activation = cumulative_share(counts)
     return LayerLocality(layer=layer, sparsity=sparsity(counts, tokens), hot=skew(counts),
                          neurons_for={s: neuron_share_for(counts, s) for s in COVERAGE_TARGETS},
-                         neuron_share=neurons, activation_share=activation,
-                         frequency=counts.double().numpy() / tokens)
+                         neuron_share=neurons, activation_share=activation)
 
 
 def analyse(directory: str | Path) -> Locality:

@@ -27,7 +27,7 @@ def training_text() -> str:
     rng = random.Random(0)
     letters = "etaoinshrdlucmfwypvbgkqjxz"
     words = ["".join(rng.choice(letters[:rng.randint(8, 26)]) for _ in range(rng.randint(2, 9))) for _ in range(3000)]
-    return " ".join(rng.choice(words) for _ in range(40_000))
+    return "\n".join(" ".join(rng.choice(words) for _ in range(20)) for _ in range(2000))
 
 
 def _spm_tokenizer(out: Path) -> int:

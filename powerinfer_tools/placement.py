@@ -137,7 +137,8 @@ def load_activation_counts(profile_dir: str | Path, n_ff: np.ndarray) -> list[np
 
 # Synthetic counts, for a plan before any profile exists (the dry run) and the solver benchmark: neuron of rank r
 # (1 = hottest) of a layer of n fires on a share min(1, base * (r / n)^-a) of tokens. With a = 0.9 about 95% of
-# the layer's activations are zero, and its hottest 20% of neurons fire 70% of the activations.
+# the layer's activations are zero, and its hottest 20% of neurons fire 68% of the activations (the middle of the
+# exponents the solver benchmark draws from, docs/placement.md).
 SYNTHETIC_EXPONENT = 0.9
 SYNTHETIC_BASE_RATE = 0.01
 SYNTHETIC_TOKENS = 32768
@@ -358,9 +359,9 @@ def write_gpuidx(plan: Plan, path: str | Path) -> None:
         set_pwri_magic(tmp)
 
 
-def write_summary(plan: Plan, path: str | Path) -> None:
+def write_summary(plan: Plan, path: str | Path, extra: dict | None = None) -> None:
     with atomic_file(path) as tmp:
-        Path(tmp).write_text(json.dumps(plan.summary(), indent=2) + "\n")
+        Path(tmp).write_text(json.dumps(plan.summary() | (extra or {}), indent=2) + "\n")
 
 
 def default_gpuidx_path(model_path: str | Path) -> Path:

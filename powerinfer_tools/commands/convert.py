@@ -28,7 +28,7 @@ def convert(
         None, "--profile", help="Profile directory: its per-layer activation thresholds (SiLU/GELU models) are "
                                 "stored as powerinfer.activation_thresholds. ReLU models store 0."),
     outtype: Optional[str] = typer.Option(None, "--outtype", "-t", help="Weight type: f32, f16, q8_0 or q4_0 "
-                                          "[default: f16; with --dry-run: f16,q8_0,q4_0, a comma-separated list]. "
+                                          "(default f16; with --dry-run f16,q8_0,q4_0, a comma-separated list). "
                                           "Norms and biases stay f32; predictors f32 (f16 unless f32)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
     vram_budget: Optional[float] = typer.Option(
@@ -38,8 +38,8 @@ def convert(
     dry_run: bool = typer.Option(False, "--dry-run", help="Write nothing: report the file's size by part and "
                                  "outtype, and the KV cache, from the model's config alone (no weights needed)."),
     predictor_rank: Optional[int] = typer.Option(
-        None, "--predictor-rank", help="With --dry-run: the predictors' rank [default: train-predictor's cap, "
-                                       "10% of the FFN parameters]; 0 for a file without predictors."),
+        None, "--predictor-rank", help="With --dry-run: the predictors' rank (default: train-predictor's cap, "
+                                       "10% of the FFN parameters); 0 for a file without predictors."),
 ):
     """Convert a model (+ predictors) to a PowerInfer GGUF (magic PWRI) that PowerInfer and `pi-tools run` load.
 

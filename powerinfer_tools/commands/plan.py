@@ -42,8 +42,8 @@ def plan(
     outtype: str = typer.Option("q4_0", "--outtype", "-t", help="With --dry-run: the weight type the model would be "
                                 "converted to (f32, f16, q8_0, q4_0)."),
     predictor_rank: Optional[int] = typer.Option(
-        None, "--predictor-rank", help="With --dry-run: the predictors' rank [default: train-predictor's cap, 10% "
-                                       "of the FFN parameters]; 0 for none."),
+        None, "--predictor-rank", help="With --dry-run: the predictors' rank (default: train-predictor's cap, 10% "
+                                       "of the FFN parameters); 0 for none."),
     exponent: float = typer.Option(placement.SYNTHETIC_EXPONENT, "--power-law-exponent",
                                    help="With --dry-run and no --profile: exponent a of the assumed activation "
                                    "rate min(1, 0.01 (rank/n_ff)^-a); larger is more skewed."),

@@ -156,6 +156,25 @@ def size_report(model: ConfigModel, outtype: str, predictor_rank: int | None = N
                       source_bytes=sum(model.shapes.stored_bytes.values()))
 
 
+def describe(model: ConfigModel, report: SizeReport) -> str:
+    """One line: the model's shape as the file will state it, and its checkpoint's size."""
+    d, arch_name = model.adapter.dims(), report.costs.arch
+    n_head = report.hparams[f"{arch_name}.attention.head_count"]
+    n_kv = report.hparams.get(f"{arch_name}.attention.head_count_kv", n_head)
+    return (f"{model.spec}: {model.adapter.name} -> {arch_name}, {d.n_layer} layers, n_embd {d.n_embd}, "
+            f"n_ff {d.n_ff}, {n_head} heads / {n_kv} KV heads, context {report.context_length}; "
+            f"checkpoint {placement.human_bytes(report.source_bytes)}")
+
+
+def predictor_note(model: ConfigModel, report: SizeReport) -> str:
+    """Which predictors the sizes include, and why that rank."""
+    if report.predictor_rank == 0:
+        return "none (--predictor-rank 0)"
+    cap = predictor_rank_cap(model.adapter)
+    why = "train-predictor's cap: 10% of the FFN parameters" if report.predictor_rank == cap else "--predictor-rank"
+    return f"rank {report.predictor_rank} in every layer ({why})"
+
+
 @dataclass
 class DryRunPlan:
     report: SizeReport

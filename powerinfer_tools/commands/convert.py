@@ -108,8 +108,8 @@ def report_sizes(model: str, outtypes: list[str], predictor_rank: int | None) ->
     config_model = dry_run.load(model)
     reports = [dry_run.size_report(config_model, t, predictor_rank) for t in outtypes]
     first = reports[0]
-    typer.echo(describe(config_model, first))
-    typer.echo(f"predictors: {predictor_line(config_model, first)}")
+    typer.echo(dry_run.describe(config_model, first))
+    typer.echo(f"predictors: {dry_run.predictor_note(config_model, first)}")
     rows = [("FFN (gate/up/down)", "ffn"), ("attention, norms, biases", "attention"), ("predictors", "predictors"),
             ("output head + norm", "output"), ("token/position embeddings", "embeddings"),
             ("header + padding", "header")]
@@ -124,23 +124,3 @@ def report_sizes(model: str, outtypes: list[str], predictor_rank: int | None) ->
     typer.echo("KV cache (f16, any outtype): " + ", ".join(
         f"ctx {c}: {placement.human_bytes(first.kv_cache_bytes(c))}" for c in contexts))
     typer.echo("dry run: nothing written")
-
-
-def describe(config_model, report) -> str:
-    """One line: the model's shape, and its checkpoint's size."""
-    d, c = config_model.adapter.dims(), report.costs
-    n_head = report.hparams[f"{c.arch}.attention.head_count"]
-    n_kv = report.hparams.get(f"{c.arch}.attention.head_count_kv", n_head)
-    return (f"{config_model.spec}: {config_model.adapter.name} -> {c.arch}, {d.n_layer} layers, n_embd {d.n_embd}, "
-            f"n_ff {d.n_ff}, {n_head} heads / {n_kv} KV heads, context {report.context_length}; "
-            f"checkpoint {placement.human_bytes(report.source_bytes)}")
-
-
-def predictor_line(config_model, report) -> str:
-    from powerinfer_tools import dry_run
-
-    if report.predictor_rank == 0:
-        return "none (--predictor-rank 0)"
-    cap = dry_run.predictor_rank_cap(config_model.adapter)
-    why = "train-predictor's cap: 10% of the FFN parameters" if report.predictor_rank == cap else "--predictor-rank"
-    return f"rank {report.predictor_rank} in every layer ({why})"

@@ -69,7 +69,6 @@ def plan(
     if dry_run:
         from powerinfer_tools import dry_run as dry
 
-        placement.check_options(vram_budget * placement.GIB, ctx_size, options["reserve_bytes"], dense)
         config_model = dry.load(model)
         result = dry.plan_from_config(config_model, outtype.lower(), vram_budget * placement.GIB, profile,
                                       predictor_rank, exponent, **options)
@@ -96,11 +95,12 @@ def dry_run_summary(result) -> dict:
 
 
 def report_dry_run(config_model, result) -> None:
-    from powerinfer_tools.commands.convert import describe, predictor_line
+    from powerinfer_tools import dry_run
 
     r = result.report
-    typer.echo(f"dry run (nothing converted): {describe(config_model, r)}")
-    typer.echo(f"{r.outtype} file {placement.human_bytes(r.file_bytes)}; predictors: {predictor_line(config_model, r)}")
+    typer.echo(f"dry run (nothing converted): {dry_run.describe(config_model, r)}")
+    typer.echo(f"{r.outtype} file {placement.human_bytes(r.file_bytes)}; "
+               f"predictors: {dry_run.predictor_note(config_model, r)}")
     if result.assumption:
         typer.echo(result.assumption)
     report(result.plan)

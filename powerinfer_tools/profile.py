@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -380,15 +382,41 @@ def load_profile(directory: str | Path) -> dict:
     return profile
 
 
-def load_activation_counts(directory: str | Path, n_layer: int) -> list[torch.Tensor]:
-    """activation_{i}.pt for every layer (PowerInfer's layout), loaded safely."""
-    out = []
+def activation_dir(directory: str | Path) -> Path:
+    """DIR/activation of a profile; a bare directory of activation_{i}.pt files (as PowerInfer ships) also works."""
+    directory = Path(directory)
+    if (directory / "activation").is_dir():
+        return directory / "activation"
+    if (directory / "activation_0.pt").is_file():
+        return directory
+    raise UserError(f"{directory}: no activation/ directory (run `pi-tools profile --out {directory}` first)")
+
+
+def load_activation_counts(directory: str | Path, n_layer: int,
+                           n_ff: Sequence[int] | None = None) -> list[torch.Tensor]:
+    """activation_{i}.pt of every layer (PowerInfer's layout), loaded safely and checked against the model:
+    files for exactly layers 0..n_layer-1, each a 1-D real tensor of finite, non-negative counts, one per
+    neuron (n_ff[i] of them, when given)."""
+    folder = activation_dir(directory)
+    found = sorted(int(m.group(1)) for p in folder.iterdir() if (m := re.fullmatch(r"activation_(\d+)\.pt", p.name)))
+    if found != list(range(n_layer)):
+        listed = f"{found[0]}-{found[-1]} ({len(found)} files)" if found else "none"
+        raise UserError(f"{folder}: activation files for layers {listed}, but the model has "
+                        f"{n_layer} layers (0-{n_layer - 1})")
+    counts = []
     for i in range(n_layer):
-        path = Path(directory) / "activation" / f"activation_{i}.pt"
-        if not path.is_file():
-            raise UserError(f"missing activation file {path}")
+        path = folder / f"activation_{i}.pt"
         try:
-            out.append(torch.load(path, weights_only=True))
-        except Exception as exc:  # pickle errors come in many types
-            raise UserError(f"cannot load {path} safely: {str(exc).splitlines()[0]}") from None
-    return out
+            value = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # torch raises many types for damaged or non-tensor files
+            raise UserError(f"{path}: unreadable ({type(exc).__name__})") from None
+        if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.is_complex() or value.dtype == torch.bool:
+            raise UserError(f"{path}: expected a 1-D real tensor of counts")
+        if n_ff is not None and value.numel() != n_ff[i]:
+            raise UserError(f"{path}: {value.numel()} counts, but layer {i} of the model has {n_ff[i]} neurons")
+        if not bool(torch.isfinite(value).all()):
+            raise UserError(f"{path}: counts contain NaN or infinity")
+        if bool((value < 0).any()):
+            raise UserError(f"{path}: counts contain negative values (min {float(value.min()):g})")
+        counts.append(value)
+    return counts

@@ -26,9 +26,11 @@ def _root(version: bool = typer.Option(False, "--version", help="Print the versi
 
 
 def _register() -> None:
-    from powerinfer_tools.commands import profile
+    from powerinfer_tools.commands import convert, inspect, profile
 
     app.command("profile", no_args_is_help=True)(profile.profile)
+    app.command("convert", no_args_is_help=True)(convert.convert)
+    app.command("inspect", no_args_is_help=True)(inspect.inspect)
 
 
 _register()

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+DATA = next((p for p in (Path(__file__).resolve().parents[1].parent / "shared" / "data", Path("/work/shared/data"))
+             if p.is_dir()), Path("/work/shared/data"))
 KINDS = ("llama-relu", "llama-silu", "bamboo", "falcon", "falcon7b", "opt")
 HIDDEN, N_FF, N_LAYER, N_HEAD, N_KV = 64, 256, 2, 4, 2
 
@@ -21,7 +22,7 @@ def training_text() -> str:
     if path.is_file():
         return path.read_text()[:200_000]
     words = "the of and to in a is that for it as was with be by on not he this are or his from".split()
-    return " ".join(words[(i * 7919) % len(words)] for i in range(40_000))
+    return "\n".join(" ".join(words[(i * 7919 + j) % len(words)] for j in range(40)) for i in range(1000))
 
 
 def _spm_tokenizer(out: Path) -> int:

@@ -55,14 +55,35 @@ def hf_model(model_dir: Path):
     return models.load_model(models.resolve(str(model_dir)))
 
 
-def hf_logits(model_dir: Path, tokens: list[int], mask_fn=None) -> np.ndarray:
+Q8_INPUT_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "lm_head")
+
+
+def q8_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """x through gguf-py's q8_0 quantizer and back (along the last dimension)."""
+    import gguf
+
+    q = gguf.quants.quantize(x.detach().float().numpy(), gguf.GGMLQuantizationType.Q8_0)
+    return torch.from_numpy(gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0).astype(np.float32))
+
+
+def hf_logits(model_dir: Path, tokens: list[int], mask_fn=None, weights_from: Path | None = None,
+              q8_inputs: bool = False) -> np.ndarray:
     """transformers' logits [len(tokens), vocab]; mask_fn(layer, x_pred, a) -> a' sparsifies the FFN
-    activation of each layer from its predictor input x_pred (the residual entering the FFN block)."""
+    activation of each layer from its predictor input x_pred (the residual entering the FFN block);
+    weights_from: run with the weights stored in that converted file instead; q8_inputs: round the
+    inputs of the projections that the engine multiplies as q8_0 blocks (all but the down projection)."""
     model, adapter = hf_model(model_dir)
+    if weights_from is not None:
+        c = model.config
+        load_file_weights(model, weights_from, c.num_attention_heads, c.num_key_value_heads)
     handles = []
+    if q8_inputs:
+        for name, module in model.named_modules():
+            if name.split(".")[-1] in Q8_INPUT_LINEARS:
+                handles.append(module.register_forward_pre_hook(lambda mod, args: (q8_round_trip(args[0]),)))
     if mask_fn is not None:
         inputs = {}
-        handles = arch.install_taps(adapter, model, on_input=lambda i, x: inputs.__setitem__(i, x),
+        handles += arch.install_taps(adapter, model, on_input=lambda i, x: inputs.__setitem__(i, x),
                                     on_activation=lambda i, a: mask_fn(i, inputs[i], a))
     try:
         with torch.no_grad():
@@ -70,6 +91,39 @@ def hf_logits(model_dir: Path, tokens: list[int], mask_fn=None) -> np.ndarray:
     finally:
         for h in handles:
             h.remove()
+
+
+def load_file_weights(model, path: Path, n_head: int, n_kv: int) -> None:
+    """Overwrite a Llama-family transformers model's weights with the (dequantized) weights of a
+    converted file, undoing the converter's q/k row permutation and the down transpose."""
+    from convert_helpers import read_tensors
+
+    def unrope(w, heads):
+        d = w.shape[0] // heads
+        perm = [h * d + r // 2 + (r % 2) * (d // 2) for h in range(heads) for r in range(d)]
+        out = np.empty_like(w)
+        out[perm] = w
+        return out
+
+    names = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+             "output.weight": "lm_head.weight"}
+    per_layer = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+                 "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+                 "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                 "ffn_down_t": "mlp.down_proj"}
+    state = model.state_dict()
+    with torch.no_grad():
+        for name, (_, w) in read_tensors(path).items():
+            if name.startswith("blk."):
+                _, i, kind, _ = name.split(".")
+                if kind not in per_layer:
+                    continue
+                target = f"model.layers.{i}.{per_layer[kind]}.weight"
+                w = {"attn_q": lambda: unrope(w, n_head), "attn_k": lambda: unrope(w, n_kv),
+                     "ffn_down_t": lambda: w.T}.get(kind, lambda: w)()
+            else:
+                target = names[name]
+            state[target].copy_(torch.from_numpy(np.ascontiguousarray(w)))
 
 
 def max_rel_err(got: np.ndarray, ref: np.ndarray) -> float:

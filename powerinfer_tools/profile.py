@@ -160,6 +160,34 @@ class _Recorder:
         self.buffers[i] = {"x": [], "mask": [], "seq": [], "pos": []}
 
 
+def profile_pass(model, adapter, seqs: torch.Tensor, thresholds: list[float], batch: int,
+                 chosen: np.ndarray, sample_dir: Path) -> tuple[_Recorder, float]:
+    """One sparsified pass over `seqs`, recording counts and the rows at flat indices `chosen`."""
+    n_seq, seq_len = seqs.shape
+    rec = _Recorder(adapter, thresholds, sample_dir, sparsify=True)
+    handles = arch_mod.install_taps(adapter, model, on_input=rec.on_input, on_activation=rec.on_activation)
+    device = next(model.parameters()).device
+    t0 = time.perf_counter()
+    try:
+        with torch.no_grad(), tqdm(total=seqs.numel(), desc="profiling", unit="tok", unit_scale=True) as bar:
+            for start in range(0, n_seq, batch):
+                rows = seqs[start:start + batch]
+                lo, hi = start * seq_len, (start + len(rows)) * seq_len
+                sel = chosen[(chosen >= lo) & (chosen < hi)]
+                rec.pick = torch.from_numpy(sel - lo)
+                rec.pick_seq = torch.from_numpy(sel // seq_len)
+                rec.pick_pos = torch.from_numpy(sel % seq_len)
+                model(input_ids=rows.to(device), use_cache=False)
+                bar.update(rows.numel())
+    finally:
+        for h in handles:
+            h.remove()
+    elapsed = time.perf_counter() - t0
+    for i in range(len(rec.counts)):
+        rec.flush(i)
+    return rec, elapsed
+
+
 def _model_identity(spec: str, source, config, adapter) -> dict:
     dims = adapter.dims()
     return {"source": str(source.path) if spec != "smollm2" else "smollm2", "arch": adapter.name,
@@ -213,28 +241,7 @@ def run_profile(opts: ProfileOptions) -> dict:
     chosen = np.sort(rng.choice(n_total, size=min(opts.max_samples, n_total), replace=False))
 
     with atomic_dir(opts.out, force=opts.force) as tmp:
-        rec = _Recorder(adapter, thresholds, tmp / "samples", sparsify=True)
-        handles = arch_mod.install_taps(adapter, model, on_input=rec.on_input, on_activation=rec.on_activation)
-        device = next(model.parameters()).device
-        t0 = time.perf_counter()
-        try:
-            with torch.no_grad(), tqdm(total=n_total, desc="profiling", unit="tok", unit_scale=True) as bar:
-                for start in range(0, n_seq, opts.batch):
-                    batch = seqs[start:start + opts.batch]
-                    lo, hi = start * seq_len, (start + len(batch)) * seq_len
-                    sel = chosen[(chosen >= lo) & (chosen < hi)]
-                    rec.pick = torch.from_numpy(sel - lo)
-                    rec.pick_seq = torch.from_numpy(sel // seq_len)
-                    rec.pick_pos = torch.from_numpy(sel % seq_len)
-                    model(input_ids=batch.to(device), use_cache=False)
-                    bar.update(batch.numel())
-        finally:
-            for h in handles:
-                h.remove()
-        elapsed = time.perf_counter() - t0
-        for i in range(dims.n_layer):
-            rec.flush(i)
-
+        rec, elapsed = profile_pass(model, adapter, seqs, thresholds, opts.batch, chosen, tmp / "samples")
         (tmp / "activation").mkdir()
         (tmp / "magnitude").mkdir()
         layers = []

@@ -26,11 +26,13 @@ def _root(version: bool = typer.Option(False, "--version", help="Print the versi
 
 
 def _register() -> None:
-    from powerinfer_tools.commands import convert, inspect, profile
+    from powerinfer_tools.commands import convert, inspect, perplexity, profile, run
 
     app.command("profile", no_args_is_help=True)(profile.profile)
     app.command("convert", no_args_is_help=True)(convert.convert)
     app.command("inspect", no_args_is_help=True)(inspect.inspect)
+    app.command("run", no_args_is_help=True)(run.run)
+    app.command("perplexity", no_args_is_help=True)(perplexity.perplexity)
 
 
 _register()

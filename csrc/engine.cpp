@@ -26,6 +26,7 @@ const uint8_t *column_slice(const uint8_t *row, uint32_t type, int64_t c0) {
 float silu(float x) { return x / (1.0f + std::exp(-x)); }
 
 const int64_t kDefaultCtx = 4096;
+const int64_t kGrain = 1 << 16;  // multiply-adds below which a chunk is not worth handing to another thread
 const int64_t kDefaultBatch = 64;
 
 }  // namespace
@@ -130,15 +131,15 @@ void Engine::matmul(const Matrix &W, Operand &x, int64_t n_tok, float *out, int6
     prepare(x, n_tok, W.type);
     const TypeKernels &k = ks_->for_type(W.type);
     const int n = int(W.cols);
-    auto job = [&](int ith, int nth) {
+    auto job = [&](int chunk, int n_chunks, int) {
         int64_t r0, r1;
-        split_range(W.rows, ith, nth, &r0, &r1);
+        split_range(W.rows, chunk, n_chunks, &r0, &r1);
         for (int64_t r = r0; r < r1; ++r) {
             const uint8_t *row = W.row(r);
             for (int64_t t = 0; t < n_tok; ++t) out[t * ldo + r] = k.dot(n, row, x.at(t, W.type));
         }
     };
-    pool_->run(job);
+    pool_->run(pool_->chunks_for(W.rows * W.cols * n_tok, kGrain), job);
 }
 
 void Engine::rmsnorm(const float *x, const Matrix &w, int64_t n_tok, float *out) const {
@@ -245,10 +246,10 @@ void Engine::attention(int64_t il, int64_t n_tok) {
     const float scale = 1.0f / std::sqrt(float(D));
     const int64_t group = H / HKV;
     const TypeKernels &kf = ks_->f32;
-    auto job = [&](int ith, int nth) {
-        float *sc = scores_.data() + int64_t(ith) * n_ctx_;
+    auto job = [&](int chunk, int n_chunks, int thread) {
+        float *sc = scores_.data() + int64_t(thread) * n_ctx_;
         int64_t w0, w1;
-        split_range(n_tok * H, ith, nth, &w0, &w1);
+        split_range(n_tok * H, chunk, n_chunks, &w0, &w1);
         for (int64_t w = w0; w < w1; ++w) {
             const int64_t t = w / H, h = w % H, kvh = h / group, n_keys = n_past_ + t + 1;
             const float *qv = q_.data() + t * Q + h * D;
@@ -268,7 +269,7 @@ void Engine::attention(int64_t il, int64_t n_tok) {
             for (int64_t j = 0; j < n_keys; ++j) kf.axpy(int(D), sc[j] * inv, vc + j * KV + kvh * D, out);
         }
     };
-    pool_->run(job);
+    pool_->run(int(std::min<int64_t>(n_tok * H, pool_->chunks_for(n_tok * H * (n_past_ + n_tok) * D * 2, kGrain))), job);
     op_att_.q_ready = false;
     matmul(L.wo, op_att_, n_tok, tmp_.data(), E);
     for (int64_t i = 0; i < n_tok * E; ++i) x_[size_t(i)] += tmp_[size_t(i)];
@@ -346,13 +347,13 @@ void Engine::predictor_select(const Layer &L, const FfnTier &T, int64_t n_tok) {
     const Matrix &fc2 = T.fc2;
     const TypeKernels &k = ks_->for_type(fc2.type);
     const float thr = L.pred_threshold;
-    auto job = [&](int ith, int nth) {
+    auto job = [&](int chunk, int n_chunks, int) {
         int64_t r0, r1;
-        split_range(n, ith, nth, &r0, &r1);
+        split_range(n, chunk, n_chunks, &r0, &r1);
         for (int64_t r = r0; r < r1; ++r)
             for (int64_t t = 0; t < n_tok; ++t) mask_[size_t(t * F + r)] = k.dot(int(R), fc2.row(r), hid.at(t, fc2.type)) > thr;
     };
-    pool_->run(job);
+    pool_->run(pool_->chunks_for(n * R * n_tok, kGrain), job);
 }
 
 void Engine::true_mask(const Layer &L, const FfnTier &T, int64_t n_tok, uint8_t *out) {
@@ -362,9 +363,9 @@ void Engine::true_mask(const Layer &L, const FfnTier &T, int64_t n_tok, uint8_t 
     const TypeKernels &kg = ks_->for_type(L.gate.type), &ku = ks_->for_type(L.up.type);
     const Activation act = hp_.activation;
     const float thr = L.act_threshold;
-    auto job = [&](int ith, int nth) {
+    auto job = [&](int chunk, int n_chunks, int) {
         int64_t r0, r1;
-        split_range(n, ith, nth, &r0, &r1);
+        split_range(n, chunk, n_chunks, &r0, &r1);
         for (int64_t r = r0; r < r1; ++r) {
             for (int64_t t = 0; t < n_tok; ++t) {
                 const float g = kg.dot(int(E), T.row(T.gate, r), op_xn_.at(t, L.gate.type));
@@ -376,7 +377,7 @@ void Engine::true_mask(const Layer &L, const FfnTier &T, int64_t n_tok, uint8_t 
             }
         }
     };
-    pool_->run(job);
+    pool_->run(pool_->chunks_for(n * E * n_tok, kGrain), job);
 }
 
 void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n_tok, float *y, LayerStats &st,
@@ -431,9 +432,9 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
     const TypeKernels &kg = ks_->for_type(L.gate.type), &ku = ks_->for_type(L.up.type);
     const bool dense = mode == TierMode::Dense, all_up = mode == TierMode::Dense || mode == TierMode::DenseRule;
     std::atomic<int64_t> n_active{0}, n_computed{0};
-    auto gate_up = [&](int ith, int nth) {
+    auto gate_up = [&](int chunk, int n_chunks, int) {
         int64_t i0, i1, active = 0, computed = 0;
-        split_range(n_rows_, ith, nth, &i0, &i1);
+        split_range(n_rows_, chunk, n_chunks, &i0, &i1);
         for (int64_t i = i0; i < i1; ++i) {
             const int64_t r = rows_[size_t(i)];
             const uint8_t *grow = T.row(T.gate, r), *urow = T.row(T.up, r);
@@ -474,7 +475,7 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
         n_active += active;
         n_computed += computed;
     };
-    pool_->run(gate_up);
+    pool_->run(pool_->chunks_for(n_rows_ * E * n_tok * 2, kGrain), gate_up);
     st.active += double(n_active.load());
     st.computed += double(n_computed.load());
     if (!is_cold) st.hot_active += double(n_active.load());
@@ -493,13 +494,13 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
     const uint32_t dtype = T.down_t.type;
     const TypeKernels &kd = ks_->for_type(dtype);
     const int64_t align = column_align(dtype);
-    auto down = [&](int ith, int nth) {
+    auto down = [&](int chunk, int n_chunks, int thread) {
         int64_t c0, c1;
-        split_range(E, ith, nth, &c0, &c1, align);
+        split_range(E, chunk, n_chunks, &c0, &c1, align);
         if (c0 >= c1) return;
         const int cn = int(c1 - c0);
         for (int64_t t = 0; t < n_tok; ++t) std::fill(y + t * E + c0, y + t * E + c1, 0.0f);
-        float *buf = rowbuf_.data() + int64_t(ith) * E;
+        float *buf = rowbuf_.data() + int64_t(thread) * E;
         for (int64_t i = 0; i < n_used; ++i) {
             const int64_t r = rows_[size_t(i)];
             const uint8_t *slice = column_slice(T.row(T.down_t, r), dtype, c0);
@@ -516,7 +517,8 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
             }
         }
     };
-    pool_->run(down);
+    const int64_t column_units = (E + align - 1) / align;
+    pool_->run(int(std::min<int64_t>(column_units, pool_->chunks_for(n_used * E * n_tok, kGrain))), down);
     times_.ffn += seconds_since(t0);
 }
 

@@ -1,5 +1,7 @@
-// A persistent pool: n-1 workers plus the calling thread run one job at a time, split by index.
-// Starting a job allocates nothing; workers spin briefly for the next job, then sleep.
+// A persistent pool: n-1 workers plus the calling thread run one job at a time. A job is cut into
+// chunks that threads claim from a shared counter, so a worker the OS has descheduled never holds
+// the others up: whoever is running takes the remaining chunks. Starting a job allocates nothing;
+// workers spin briefly for the next job, then sleep.
 #pragma once
 
 #include <atomic>
@@ -20,26 +22,37 @@ public:
 
     int size() const { return n_; }
 
-    // Calls f(ith, nth) once for each ith in [0, nth) across the pool and returns when all are done.
+    // Calls f(chunk, n_chunks, thread) once for each chunk in [0, n_chunks) and returns when all are
+    // done; `thread` in [0, size()) identifies the caller's per-thread scratch.
     template <class F>
-    void run(F &f) {
-        run_raw([](void *ctx, int ith, int nth) { (*static_cast<F *>(ctx))(ith, nth); }, &f);
+    void run(int n_chunks, F &f) {
+        run_raw(n_chunks, [](void *ctx, int c, int nc, int t) { (*static_cast<F *>(ctx))(c, nc, t); }, &f);
+    }
+
+    // Chunks for `work` units of at least `grain` units each: up to 4 per thread, 1 for small work.
+    int chunks_for(int64_t work, int64_t grain) const {
+        const int64_t c = grain > 0 ? work / grain : work;
+        return int(c < 1 ? 1 : (c > 4 * n_ ? 4 * n_ : c));
     }
 
 private:
-    using Fn = void (*)(void *, int, int);
-    void run_raw(Fn fn, void *ctx);
-    void worker(int ith);
+    using Fn = void (*)(void *, int, int, int);
+    void run_raw(int n_chunks, Fn fn, void *ctx);
+    void worker(int thread);
+    // Claims and runs chunks of the job of generation `gen` until none are left.
+    void drain(uint32_t gen, int thread);
 
     int n_;
     std::vector<std::thread> threads_;
     std::mutex mu_;
     std::condition_variable cv_;
-    std::atomic<uint64_t> generation_{0};
-    std::atomic<int> pending_{0};
+    // high 32 bits: job generation; low 32 bits: next unclaimed chunk
+    std::atomic<uint64_t> state_{0};
+    std::atomic<Fn> fn_{nullptr};
+    std::atomic<void *> ctx_{nullptr};
+    std::atomic<int> n_chunks_{0};
+    std::atomic<int> done_{0};
     std::atomic<bool> stop_{false};
-    Fn fn_ = nullptr;
-    void *ctx_ = nullptr;
 };
 
 // [begin, end) of the ith of nth near-equal parts of [0, n), optionally aligned to `align`.

@@ -14,6 +14,12 @@ from pathlib import Path
 from powerinfer_tools.errors import UserError
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_file(final: str | os.PathLike):
     """Yield a temporary path in the target's directory; move it to `final` if the block succeeds."""
@@ -23,6 +29,7 @@ def atomic_file(final: str | os.PathLike):
     final.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
     os.close(fd)
+    os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; outputs get the usual permissions
     try:
         yield Path(tmp)
         os.replace(tmp, final)

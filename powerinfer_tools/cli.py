@@ -26,13 +26,18 @@ def _root(version: bool = typer.Option(False, "--version", help="Print the versi
 
 
 def _register() -> None:
-    from powerinfer_tools.commands import bench, convert, inspect, plan, profile
+    from powerinfer_tools.commands import (bench, convert, inspect, perplexity, plan, profile, report, run,
+                                           train_predictor)
 
     app.command("profile", no_args_is_help=True)(profile.profile)
+    app.command("train-predictor", no_args_is_help=True)(train_predictor.train_predictor)
     app.command("convert", no_args_is_help=True)(convert.convert)
-    app.command("inspect", no_args_is_help=True)(inspect.inspect)
     app.command("plan", no_args_is_help=True)(plan.plan)
+    app.command("run", no_args_is_help=True)(run.run)
+    app.command("perplexity", no_args_is_help=True)(perplexity.perplexity)
     app.command("bench", no_args_is_help=True)(bench.bench)
+    app.command("inspect", no_args_is_help=True)(inspect.inspect)
+    app.command("report", no_args_is_help=True)(report.report)
 
 
 _register()

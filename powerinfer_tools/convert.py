@@ -45,10 +45,15 @@ def _file_type(outtype: str):
 class Predictors:
     """A validated predictor directory (docs/formats.md, "Predictor directory")."""
 
-    files: list[Path]
+    files: list[Path]             # empty for predictors known by their ranks only (the dry run)
     ranks: list[int]
     thresholds: list[float]       # per-layer logit thresholds
     sparse_threshold: float       # PowerInfer's single global threshold
+
+    @classmethod
+    def at_rank(cls, n_layer: int, rank: int) -> Predictors:
+        """Predictors of one rank in every layer, shapes only: what a dry run sizes."""
+        return cls([], [rank] * n_layer, [0.0] * n_layer, 0.0)
 
 
 def load_predictors(directory: str | Path, dims: arch.Dims) -> Predictors:
@@ -165,13 +170,14 @@ def plan(adapter: arch.Arch, weights, predictors: Predictors | None, outtype: st
         shape = tmap.out_shape(weights.shapes[stored])
         planned.append(PlannedTensor(tmap.name, shape, tensor_type(tmap.name, shape, outtype),
                                      lambda t=tmap, s=stored: t.apply(weights.load(s)), stored))
-    dims = adapter.dims()
-    for i, path in enumerate(predictors.files if predictors else []):
-        for key, shape in (("fc1.weight", (predictors.ranks[i], dims.n_embd)),
-                           ("fc2.weight", (dims.n_ff, predictors.ranks[i]))):
-            name = f"blk.{i}.{key}"
-            planned.append(PlannedTensor(name, shape, tensor_type(name, shape, outtype),
-                                         lambda p=path, k=key: _load_predictor(p, k), str(path)))
+    if predictors is not None:
+        dims = adapter.dims()
+        for i, rank in enumerate(predictors.ranks):
+            path = predictors.files[i] if predictors.files else None
+            for key, shape in (("fc1.weight", (rank, dims.n_embd)), ("fc2.weight", (dims.n_ff, rank))):
+                name = f"blk.{i}.{key}"
+                planned.append(PlannedTensor(name, shape, tensor_type(name, shape, outtype),
+                                             lambda p=path, k=key: _load_predictor(p, k), str(path)))
     return planned
 
 
@@ -181,12 +187,13 @@ def _load_predictor(path: Path, key: str) -> np.ndarray:
     return torch.load(path, map_location="cpu", weights_only=True)[key].float().numpy()
 
 
-def _write_metadata(writer, adapter, source, weights, outtype, predictors, activation_thresholds, n_vocab):
+def add_header(writer, adapter: arch.Arch, name: str, outtype: str, predictors: Predictors | None,
+               activation_thresholds: list[float], tensors: list[PlannedTensor], add_vocab) -> None:
+    """Everything the file holds before its tensor data: metadata, the vocabulary (`add_vocab(writer)`, or
+    nothing when None) and the tensor table. Shared with the dry run, which measures it."""
     import gguf
 
-    from powerinfer_tools.tokenizer import write_vocab
-
-    writer.add_name(source.path.stem)
+    writer.add_name(name)
     writer.add_file_type(_file_type(outtype))
     if outtype in ("q8_0", "q4_0"):
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -199,7 +206,21 @@ def _write_metadata(writer, adapter, source, weights, outtype, predictors, activ
         writer.add_key_value("powerinfer.sparse_threshold", predictors.sparse_threshold, f32)
         writer.add_key_value("powerinfer.predictor_thresholds", predictors.thresholds, gguf.GGUFValueType.ARRAY,
                              sub_type=f32)
-    write_vocab(writer, source, n_vocab, getattr(weights, "reader", None))
+    if add_vocab is not None:
+        add_vocab(writer)
+    for t in tensors:
+        nbytes = encoded_nbytes(t.shape, t.qtype)
+        if t.qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            dtype = np.float32 if t.qtype == gguf.GGMLQuantizationType.F32 else np.float16
+            writer.add_tensor_info(t.name, t.shape, np.dtype(dtype), nbytes)
+        else:
+            byte_shape = gguf.quants.quant_shape_to_byte_shape(t.shape, t.qtype)
+            writer.add_tensor_info(t.name, byte_shape, np.dtype(np.uint8), nbytes, raw_dtype=t.qtype)
+
+
+def n_vocab_of(tensors: list[PlannedTensor]) -> int:
+    """Rows of the token embedding: the vocabulary is padded to it."""
+    return next(t.shape[0] for t in tensors if t.name == "token_embd.weight")
 
 
 def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predictors_dir: str | Path | None = None,
@@ -212,6 +233,7 @@ def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predic
     from tqdm import tqdm
 
     from powerinfer_tools.source_weights import open_weights
+    from powerinfer_tools.tokenizer import write_vocab
 
     started = time.time()
     if outtype not in OUTTYPES:
@@ -232,20 +254,13 @@ def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predic
         activation_thresholds = [0.0] * dims.n_layer  # ReLU-family: active means a != 0
     weights = open_weights(source, config)
     tensors = plan(adapter, weights, predictors, outtype)
-    n_vocab = next(t.shape[0] for t in tensors if t.name == "token_embd.weight")
+    n_vocab = n_vocab_of(tensors)
 
     with atomic_file(out_path) as tmp:
         writer = gguf.GGUFWriter(tmp, adapter.gguf_arch)
         try:
-            _write_metadata(writer, adapter, source, weights, outtype, predictors, activation_thresholds, n_vocab)
-            for t in tensors:
-                nbytes = encoded_nbytes(t.shape, t.qtype)
-                if t.qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-                    dtype = np.float32 if t.qtype == gguf.GGMLQuantizationType.F32 else np.float16
-                    writer.add_tensor_info(t.name, t.shape, np.dtype(dtype), nbytes)
-                else:
-                    byte_shape = gguf.quants.quant_shape_to_byte_shape(t.shape, t.qtype)
-                    writer.add_tensor_info(t.name, byte_shape, np.dtype(np.uint8), nbytes, raw_dtype=t.qtype)
+            add_header(writer, adapter, source.path.stem, outtype, predictors, activation_thresholds, tensors,
+                       lambda w: write_vocab(w, source, n_vocab, getattr(weights, "reader", None)))
             writer.write_header_to_file()
             writer.write_kv_data_to_file()
             writer.write_ti_data_to_file()

@@ -20,8 +20,10 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -74,35 +76,42 @@ class ModelCosts:
 def model_costs(model_path: str | Path) -> ModelCosts:
     """Read a PowerInfer GGUF's metadata and tensor table (no tensor data) into per-part byte costs."""
     reader = open_reader(model_path)
-    arch = gguf_field(reader, "general.architecture")
+    tensors = ((t.name, tuple(int(n) for n in reversed(t.shape)), int(t.n_bytes)) for t in reader.tensors)
+    return costs_from_tensors(str(model_path), lambda key, default=None: gguf_field(reader, key, default), tensors)
+
+
+def costs_from_tensors(label: str, hparam: Callable[..., Any],
+                       tensors: Iterable[tuple[str, tuple[int, ...], int]]) -> ModelCosts:
+    """Per-part byte costs from a tensor table: (name, numpy shape, bytes at the file's types) per tensor, and
+    `hparam(key, default)` giving the file's metadata. Shared by a converted file and the config-only dry run."""
+    arch = hparam("general.architecture")
     if not arch:
-        raise UserError(f"{model_path}: no general.architecture: not a converted model file")
-    n_embd = gguf_field(reader, f"{arch}.embedding_length")
-    n_layer = gguf_field(reader, f"{arch}.block_count")
-    n_head = gguf_field(reader, f"{arch}.attention.head_count")
+        raise UserError(f"{label}: no general.architecture: not a converted model file")
+    n_embd = hparam(f"{arch}.embedding_length")
+    n_layer = hparam(f"{arch}.block_count")
+    n_head = hparam(f"{arch}.attention.head_count")
     if n_embd is None or n_layer is None or n_head is None:
-        raise UserError(f"{model_path}: missing {arch}.embedding_length/block_count/attention.head_count")
-    n_kv = gguf_field(reader, f"{arch}.attention.head_count_kv", n_head)
+        raise UserError(f"{label}: missing {arch}.embedding_length/block_count/attention.head_count")
+    n_kv = hparam(f"{arch}.attention.head_count_kv", n_head)
     n_ff = np.zeros(n_layer, np.int64)
     neuron = np.zeros(n_layer, np.int64)
     attention = np.zeros(n_layer, np.int64)
     predictor = np.zeros(n_layer, np.int64)
     output = 0
-    for t in reader.tensors:
-        nbytes = int(t.n_bytes)
-        if OUTPUT_TENSORS.match(t.name):
+    for name, shape, nbytes in tensors:
+        if OUTPUT_TENSORS.match(name):
             output += nbytes
             continue
-        m = LAYER_TENSOR.match(t.name)
+        m = LAYER_TENSOR.match(name)
         if not m:
             continue  # token_embd and friends stay on the CPU
         i, part = int(m.group(1)), m.group(2)
         if i >= n_layer:
-            raise UserError(f"{model_path}: tensor {t.name} beyond block_count {n_layer}")
+            raise UserError(f"{label}: tensor {name} beyond block_count {n_layer}")
         if part in FFN_SPLIT_TENSORS:
-            rows = int(t.shape[-1]) if len(t.shape) == 2 else 0  # GGUF lists ne: columns first
+            rows = int(shape[0]) if len(shape) == 2 else 0
             if rows == 0 or (n_ff[i] and rows != n_ff[i]):
-                raise UserError(f"{model_path}: {t.name} has shape {list(t.shape)[::-1]}, expected (n_ff, n_embd)")
+                raise UserError(f"{label}: {name} has shape {list(shape)}, expected (n_ff, n_embd)")
             n_ff[i] = rows
             neuron[i] += nbytes // rows  # rows are contiguous and equally sized at any quantization
         elif part in PREDICTOR_TENSORS:
@@ -111,53 +120,40 @@ def model_costs(model_path: str | Path) -> ModelCosts:
             attention[i] += nbytes
     missing = np.flatnonzero(n_ff == 0)
     if missing.size:
-        raise UserError(f"{model_path}: layer {missing[0]} has no ffn_up/ffn_down_t rows: not a converted PowerInfer model")
-    return ModelCosts(path=str(model_path), arch=str(arch), n_embd=int(n_embd),
+        raise UserError(f"{label}: layer {missing[0]} has no ffn_up/ffn_down_t rows: not a converted PowerInfer model")
+    return ModelCosts(path=label, arch=str(arch), n_embd=int(n_embd),
                       n_embd_gqa=int(n_embd) * int(n_kv) // int(n_head), n_ff=n_ff, neuron_bytes=neuron,
                       attention_bytes=attention, predictor_bytes=predictor, output_bytes=int(output))
 
 
-def activation_dir(profile_dir: str | Path) -> Path:
-    """DIR/activation of a profile; a bare directory of activation_{i}.pt files (as PowerInfer ships) also works."""
-    profile_dir = Path(profile_dir)
-    if (profile_dir / "activation").is_dir():
-        return profile_dir / "activation"
-    if (profile_dir / "activation_0.pt").is_file():
-        return profile_dir
-    raise UserError(f"{profile_dir}: no activation/ directory (run `pi-tools profile --out {profile_dir}` first)")
-
-
 def load_activation_counts(profile_dir: str | Path, n_ff: np.ndarray) -> list[np.ndarray]:
-    """Per-layer activation counts, checked against the model's shape: one finite, non-negative value per neuron."""
+    """Per-layer activation counts as float64, checked against the model's shape (profile.py's loader)."""
     import torch
 
-    folder = activation_dir(profile_dir)
-    found = sorted(int(m.group(1)) for p in folder.iterdir() if (m := re.fullmatch(r"activation_(\d+)\.pt", p.name)))
-    if found != list(range(len(n_ff))):
-        raise UserError(f"{folder}: activation files for layers {_ranges(found)}, but the model has "
-                        f"{len(n_ff)} layers (0-{len(n_ff) - 1})")
-    counts = []
-    for i in range(len(n_ff)):
-        path = folder / f"activation_{i}.pt"
-        try:
-            value = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # torch raises many types for damaged or non-tensor files
-            raise UserError(f"{path}: unreadable ({type(exc).__name__})") from None
-        if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.is_complex() or value.dtype == torch.bool:
-            raise UserError(f"{path}: expected a 1-D real tensor of counts")
-        c = value.to(torch.float64).numpy()
-        if c.size != n_ff[i]:
-            raise UserError(f"{path}: {c.size} counts, but layer {i} of the model has {n_ff[i]} neurons")
-        if not np.all(np.isfinite(c)):
-            raise UserError(f"{path}: counts contain NaN or infinity")
-        if np.any(c < 0):
-            raise UserError(f"{path}: counts contain negative values (min {c.min():g})")
-        counts.append(c)
-    return counts
+    from powerinfer_tools.profile import load_activation_counts as load_counts
+
+    return [c.to(torch.float64).numpy() for c in load_counts(profile_dir, len(n_ff), [int(n) for n in n_ff])]
 
 
-def _ranges(values: list[int]) -> str:
-    return f"{values[0]}-{values[-1]} ({len(values)} files)" if values else "none"
+# Synthetic counts, for a plan before any profile exists (the dry run) and the solver benchmark: neuron of rank r
+# (1 = hottest) of a layer of n fires on a share min(1, base * (r / n)^-a) of tokens. With a = 0.9 about 95% of
+# the layer's activations are zero, and its hottest 20% of neurons fire 68% of the activations (the middle of the
+# exponents the solver benchmark draws from, docs/placement.md).
+SYNTHETIC_EXPONENT = 0.9
+SYNTHETIC_BASE_RATE = 0.01
+SYNTHETIC_TOKENS = 32768
+
+
+def power_law_rates(n_ff: int, exponent: float = SYNTHETIC_EXPONENT,
+                    base_rate: float = SYNTHETIC_BASE_RATE) -> np.ndarray:
+    """Per-token activation rate of each neuron of a layer, hottest first (the power law above)."""
+    return np.minimum(1.0, base_rate * (np.arange(1, n_ff + 1) / n_ff) ** -exponent)
+
+
+def synthetic_counts(n_ff: Sequence[int], exponent: float = SYNTHETIC_EXPONENT,
+                     tokens: int = SYNTHETIC_TOKENS) -> list[np.ndarray]:
+    """Expected counts over `tokens` tokens under the power law, per layer in neuron order = hottest first."""
+    return [np.rint(tokens * power_law_rates(int(n), exponent)) for n in n_ff]
 
 
 def profiled_tokens(profile_dir: str | Path, counts: list[np.ndarray]) -> float:
@@ -256,6 +252,15 @@ def plan_for_model(profile_dir: str | Path, model_path: str | Path, vram_budget_
                    reserve_bytes: int = DEFAULT_RESERVE_BYTES, offload_output: bool = True, dense: str = "all",
                    time_limit: float = 20.0) -> Plan:
     """The best placement of a converted model's neurons for a VRAM budget (the converter's one-line entry)."""
+    check_options(vram_budget_bytes, ctx_size, reserve_bytes, dense)
+    costs = model_costs(model_path)
+    counts = load_activation_counts(profile_dir, costs.n_ff)
+    return plan_placement(costs, counts, profiled_tokens(profile_dir, counts), vram_budget_bytes, ctx_size,
+                          min_layer_neurons, reserve_bytes, offload_output, dense, time_limit)
+
+
+def check_options(vram_budget_bytes: float, ctx_size: int, reserve_bytes: int, dense: str) -> None:
+    """Reject impossible settings before any file is read."""
     if not math.isfinite(vram_budget_bytes) or vram_budget_bytes < 0:
         raise UserError(f"VRAM budget must be a non-negative number of bytes, not {vram_budget_bytes}")
     if ctx_size < 1:
@@ -264,12 +269,19 @@ def plan_for_model(profile_dir: str | Path, model_path: str | Path, vram_budget_
         raise UserError(f"the reserve must be non-negative, not {reserve_bytes}")
     if dense not in DENSE_POLICIES:
         raise UserError(f"dense policy must be one of {', '.join(DENSE_POLICIES)}, not {dense!r}")
+
+
+def plan_placement(costs: ModelCosts, counts: list[np.ndarray], tokens: float, vram_budget_bytes: int,
+                   ctx_size: int = DEFAULT_CTX_SIZE, min_layer_neurons: str | int = "auto",
+                   reserve_bytes: int = DEFAULT_RESERVE_BYTES, offload_output: bool = True, dense: str = "all",
+                   time_limit: float = 20.0) -> Plan:
+    """The best placement for byte costs (from a file or from shapes) and per-layer activation counts over
+    `tokens` tokens."""
+    check_options(vram_budget_bytes, ctx_size, reserve_bytes, dense)
     vram_budget_bytes = int(vram_budget_bytes)
-    costs = model_costs(model_path)
-    counts = load_activation_counts(profile_dir, costs.n_ff)
     mins = parse_min_layer_neurons(min_layer_neurons)
     if mins == "auto":
-        min_neurons = auto_min_neurons(counts, costs, profiled_tokens(profile_dir, counts))
+        min_neurons = auto_min_neurons(counts, costs, tokens)
     else:
         min_neurons = np.minimum(np.full(costs.n_layer, mins, np.int64), costs.n_ff)
     fixed, per_layer = fixed_costs(costs, ctx_size, reserve_bytes, offload_output, dense)
@@ -296,7 +308,7 @@ def plan_for_model(profile_dir: str | Path, model_path: str | Path, vram_budget_
     breakdown["ffn"] = int(np.sum(sol.k * costs.neuron_bytes))
     breakdown["free"] = vram_budget_bytes - sum(breakdown.values())
     assert breakdown["free"] >= 0, "solver exceeded the budget"
-    return Plan(model=str(model_path), vram_budget=vram_budget_bytes, ctx_size=ctx_size, dense=dense,
+    return Plan(model=costs.path, vram_budget=vram_budget_bytes, ctx_size=ctx_size, dense=dense,
                 offload_output=offload_output, n_ff=costs.n_ff, gpu_neurons=sol.k, gpu_index=gpu_index,
                 min_neurons=inst.min_neurons, served=np.array([p[k] for p, k in zip(inst.prefix, sol.k)]),
                 total=np.array([p[-1] for p in inst.prefix]), breakdown=breakdown,
@@ -347,9 +359,9 @@ def write_gpuidx(plan: Plan, path: str | Path) -> None:
         set_pwri_magic(tmp)
 
 
-def write_summary(plan: Plan, path: str | Path) -> None:
+def write_summary(plan: Plan, path: str | Path, extra: dict | None = None) -> None:
     with atomic_file(path) as tmp:
-        Path(tmp).write_text(json.dumps(plan.summary(), indent=2) + "\n")
+        Path(tmp).write_text(json.dumps(plan.summary() | (extra or {}), indent=2) + "\n")
 
 
 def default_gpuidx_path(model_path: str | Path) -> Path:

@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Scale benchmark for the placement solver: synthetic power-law activation counts shaped like Llama-2-70B
-(80 layers x 28672 neurons) and Falcon-40B (60 x 32768), q4_0 rows, against PowerInfer's formulation and greedy.
+(80 layers x 28672 neurons) and Falcon-40B (60 x 32768), q4_0 byte costs from their bundled configs (the dry run's
+shapes, without predictors), against PowerInfer's formulation and greedy.
 
 PowerInfer's formulation (powerinfer-py/solver.py) is re-implemented here from its description, with scipy's
 HiGHS in place of cvxopt/GLPK (cvxopt is not installed here): each layer's sorted counts summed in groups of
@@ -23,23 +24,19 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from powerinfer_tools import placement, placement_solver  # noqa: E402
+from powerinfer_tools import dry_run, placement, placement_solver  # noqa: E402
 
-Q4_0_ROW = 8192 // 32 * 18  # bytes of one 8192-wide row at q4_0
-SHAPES = {  # name: (layers, neurons, n_embd, rows per neuron, dense bytes per layer at q4_0)
-    "Llama-2-70B": (80, 28672, 8192, 3, (8192 + 1024 + 1024 + 8192) * Q4_0_ROW),
-    "Falcon-40B": (60, 32768, 8192, 2, (8192 + 1024 + 1024 + 8192) * Q4_0_ROW),
-}
-TOKENS = 32768
+MODELS = {"Llama-2-70B": "relullama-70b", "Falcon-40B": "relufalcon-40b"}  # bundled configs (dry_run)
+TOKENS = placement.SYNTHETIC_TOKENS
 GROUP = 256
 
 
 def synthetic_counts(n_layer: int, n_ff: int, rng) -> list[np.ndarray]:
-    """Per layer: activation rate 0.01 * (rank / n_ff)^-a, capped at 1, a in [0.75, 1.05] (mean rate 4-20%,
-    the hottest few percent always active), as binomial counts over TOKENS tokens."""
+    """Per layer: placement's power-law rate with an exponent a in [0.75, 1.05] (mean rate 4-20%, the hottest few
+    percent always active), as binomial counts over TOKENS tokens in random neuron order."""
     out = []
     for _ in range(n_layer):
-        rate = np.minimum(1.0, 0.01 * (np.arange(1, n_ff + 1) / n_ff) ** -rng.uniform(0.75, 1.05))
+        rate = placement.power_law_rates(n_ff, rng.uniform(0.75, 1.05))
         out.append(rng.permutation(rng.binomial(TOKENS, rate)).astype(np.int64))
     return out
 
@@ -75,18 +72,19 @@ def powerinfer_formulation(inst: placement_solver.Instance, time_limit: float = 
                                       start)
 
 
-def instance(name: str, fraction: float, rng, with_ffn: bool) -> placement_solver.Instance:
-    n_layer, n_ff, n_embd, rows, dense = SHAPES[name]
+def q4_0_costs(name: str) -> placement.ModelCosts:
+    """Byte costs of the model converted to q4_0 without predictors, from its bundled config's shapes."""
+    return dry_run.size_report(dry_run.load(MODELS[name]), "q4_0", predictor_rank=0).costs
+
+
+def instance(costs: placement.ModelCosts, fraction: float, rng, with_ffn: bool) -> placement_solver.Instance:
+    n_layer, n_ff = costs.n_layer, int(costs.n_ff[0])
     counts = synthetic_counts(n_layer, n_ff, rng)
-    neuron_bytes = np.full(n_layer, rows * Q4_0_ROW)
-    costs = placement.ModelCosts(path=name, arch="synthetic", n_embd=n_embd, n_embd_gqa=1024,
-                                 n_ff=np.full(n_layer, n_ff), neuron_bytes=neuron_bytes,
-                                 attention_bytes=np.full(n_layer, dense), predictor_bytes=np.zeros(n_layer, int),
-                                 output_bytes=0)
     mins = placement.auto_min_neurons(counts, costs, TOKENS)
-    layer_bytes = np.full(n_layer, dense + costs.kv_bytes_per_layer(512)) if with_ffn else np.zeros(n_layer)
-    capacity = int(fraction * n_layer * (n_ff * neuron_bytes[0] + layer_bytes[0]))
-    return placement_solver.Instance(counts, neuron_bytes, layer_bytes, mins, capacity)
+    dense = costs.attention_bytes + costs.kv_bytes_per_layer(512)
+    layer_bytes = dense if with_ffn else np.zeros(n_layer, np.int64)
+    capacity = int(fraction * (np.sum(costs.n_ff * costs.neuron_bytes) + np.sum(layer_bytes)))
+    return placement_solver.Instance(counts, costs.neuron_bytes, layer_bytes, mins, capacity)
 
 
 def main() -> None:
@@ -100,9 +98,10 @@ def main() -> None:
     args = ap.parse_args()
     print("| model | FFN capacity | method | seconds | served | vs ours | ours' proved bound gap |")
     print("|---|---|---|---|---|---|---|")
-    for name in SHAPES:
+    for name in MODELS:
+        costs = q4_0_costs(name)
         for fraction in map(float, args.fractions.split(",")):
-            inst = instance(name, fraction, np.random.default_rng(args.seed), args.with_ffn)
+            inst = instance(costs, fraction, np.random.default_rng(args.seed), args.with_ffn)
             total = float(sum(p[-1] for p in inst.prefix))
             ours = placement_solver.solve(inst, time_limit=args.time_limit)
             bound = ours.details.get("upper_bound", ours.value)

@@ -184,7 +184,7 @@ def test_smollm2_profile_on_wikitext(tmp_path, capsys):
     assert profile["model"]["n_layer"] == 30 and profile["model"]["n_ff"] == 1536
     assert len(list((out / "activation").glob("activation_*.pt"))) == 30
     for layer in profile["layers"]:
-        assert abs(layer["sparsity"] - 0.25) < 0.05
+        assert abs(layer["sparsity"] - 0.2) < 0.05
 
 
 def test_interrupted_profile_resumes_without_double_counting(tiny_model_dir, tmp_path, capsys, monkeypatch):

@@ -45,7 +45,7 @@ def profile(
     target_sparsity: Optional[str] = typer.Option(
         None, "--target-sparsity",
         help="SiLU/GELU models: fraction of activations below each layer's threshold; one value or one per "
-             "layer, comma-separated. Default 0.25 (SmolLM2 loses little there). Ignored for ReLU models."),
+             "layer, comma-separated. Default 0.2 (SmolLM2: +2.1% perplexity). Ignored for ReLU models."),
     max_samples: int = typer.Option(8192, "--max-samples", help="Predictor training rows kept per layer."),
     seed: int = typer.Option(0, help="Random seed (row sampling, data-free generation)."),
     force: bool = typer.Option(False, "--force", help="Replace a non-empty output directory."),

@@ -184,6 +184,31 @@ pi_status pi_kernel_axpy(const char *isa, int32_t type, int32_t n, float a, cons
     });
 }
 
+pi_status pi_kernel_dot4(const char *isa, int32_t type, int32_t n, const void *const *w, const void *x, float *out) {
+    return guarded([&] {
+        check_kernel_args(type, n);
+        need(w, "w");
+        for (int r = 0; r < 4; ++r) need(w[r], "a row of w");
+        need(x, "x");
+        need(out, "out");
+        kernel_set(isa).for_type(uint32_t(type)).dot4(n, w, x, out);
+    });
+}
+
+pi_status pi_kernel_axpy_rows(const char *isa, int32_t type, int32_t n, int32_t n_rows, const void *const *w,
+                              int32_t col0, const float *a, float *y) {
+    return guarded([&] {
+        check_kernel_args(type, n);
+        check_kernel_args(type, col0);
+        if (n_rows < 0) pi::fail(PI_ERR_ARGUMENT, "n_rows must be >= 0");
+        need(w, "w");
+        for (int32_t r = 0; r < n_rows; ++r) need(w[r], "a row of w");
+        need(a, "a");
+        need(y, "y");
+        kernel_set(isa).for_type(uint32_t(type)).axpy_rows(n, n_rows, w, col0, a, y);
+    });
+}
+
 pi_status pi_kernel_to_float(const char *isa, int32_t type, int32_t n, const void *w, float *out) {
     return guarded([&] {
         check_kernel_args(type, n);

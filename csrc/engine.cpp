@@ -90,6 +90,8 @@ Engine::Engine(const std::string &path, const pi_options &opts)
     truth_.assign(size_t(B * F), 0);
     rows_.assign(size_t(F), 0);
     row_users_.assign(size_t(F), 0);
+    down_rows_.assign(size_t(F), nullptr);
+    down_coef_.assign(size_t(F), 0.0f);
     q_x_.resize(size_t(B * (E / QK)));
     q_xn_.resize(size_t(B * (E / QK)));
     q_att_.resize(size_t(B * (Q / QK)));
@@ -134,7 +136,16 @@ void Engine::matmul(const Matrix &W, Operand &x, int64_t n_tok, float *out, int6
     auto job = [&](int chunk, int n_chunks, int) {
         int64_t r0, r1;
         split_range(W.rows, chunk, n_chunks, &r0, &r1);
-        for (int64_t r = r0; r < r1; ++r) {
+        int64_t r = r0;
+        for (; r + 4 <= r1; r += 4) {  // 4 rows per pass over each token's operand
+            const void *rows[4] = {W.row(r), W.row(r + 1), W.row(r + 2), W.row(r + 3)};
+            float o[4];
+            for (int64_t t = 0; t < n_tok; ++t) {
+                k.dot4(n, rows, x.at(t, W.type), o);
+                for (int j = 0; j < 4; ++j) out[t * ldo + r + j] = o[j];
+            }
+        }
+        for (; r < r1; ++r) {
             const uint8_t *row = W.row(r);
             for (int64_t t = 0; t < n_tok; ++t) out[t * ldo + r] = k.dot(n, row, x.at(t, W.type));
         }
@@ -432,6 +443,87 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
     const TypeKernels &kg = ks_->for_type(L.gate.type), &ku = ks_->for_type(L.up.type);
     const bool dense = mode == TierMode::Dense, all_up = mode == TierMode::Dense || mode == TierMode::DenseRule;
     std::atomic<int64_t> n_active{0}, n_computed{0};
+    // The rule's verdict from the gate alone, and the activation a it leaves.
+    auto gate_rule = [&](float g, float *a) {
+        if (act == Activation::Silu) {
+            *a = silu(g);
+            return std::fabs(*a) > thr;
+        }
+        *a = std::max(g, 0.0f);
+        return g > 0.0f;
+    };
+    // h from a and the up projection u; whether the neuron passes the full rule.
+    auto finish = [&](bool first_pass, float a, float u, float *h) {
+        if (act == Activation::DRelu) {
+            *h = a * std::max(u, 0.0f);
+            return *h > 0.0f;
+        }
+        *h = a * u;
+        return first_pass;
+    };
+    // One token: gate rows 4 at a time (dot4), up rows of the neurons that need them queued and taken
+    // 4 at a time as well. Per row the arithmetic is the batch path's (dot4 rows equal dot).
+    auto gate_up_one = [&](int chunk, int n_chunks, int) {
+        int64_t i0, i1, active = 0, computed = 0;
+        split_range(n_rows_, chunk, n_chunks, &i0, &i1);
+        const void *xg = op_xn_.at(0, L.gate.type), *xu = op_xn_.at(0, L.up.type);
+        int64_t pend[4];
+        float pend_a[4];
+        bool pend_first[4];
+        int n_pend = 0;
+        auto settle = [&](int64_t r, bool first_pass, float a, float u) {
+            float h;
+            const bool pass = finish(first_pass, a, u, &h);
+            active += pass;
+            if (dense || pass) {
+                mask_[size_t(r)] = 2;
+                ++computed;
+                h_[size_t(r)] = h;
+            } else {
+                mask_[size_t(r)] = 1;
+            }
+        };
+        auto flush = [&]() {
+            if (n_pend == 4) {
+                const void *rows[4] = {T.row(T.up, pend[0]), T.row(T.up, pend[1]), T.row(T.up, pend[2]),
+                                       T.row(T.up, pend[3])};
+                float u[4];
+                ku.dot4(int(E), rows, xu, u);
+                for (int j = 0; j < 4; ++j) settle(pend[j], pend_first[j], pend_a[j], u[j]);
+            } else {
+                for (int j = 0; j < n_pend; ++j)
+                    settle(pend[j], pend_first[j], pend_a[j], ku.dot(int(E), T.row(T.up, pend[j]), xu));
+            }
+            n_pend = 0;
+        };
+        for (int64_t i = i0; i < i1; i += 4) {
+            const int m = int(std::min<int64_t>(4, i1 - i));
+            float g[4];
+            if (m == 4) {
+                const void *rows[4] = {T.row(T.gate, rows_[size_t(i)]), T.row(T.gate, rows_[size_t(i + 1)]),
+                                       T.row(T.gate, rows_[size_t(i + 2)]), T.row(T.gate, rows_[size_t(i + 3)])};
+                kg.dot4(int(E), rows, xg, g);
+            } else {
+                for (int j = 0; j < m; ++j) g[j] = kg.dot(int(E), T.row(T.gate, rows_[size_t(i + j)]), xg);
+            }
+            for (int j = 0; j < m; ++j) {
+                const int64_t r = rows_[size_t(i + j)];
+                float a;
+                const bool first_pass = gate_rule(g[j], &a);
+                if (first_pass || all_up) {
+                    pend[n_pend] = r;
+                    pend_a[n_pend] = a;
+                    pend_first[n_pend++] = first_pass;
+                    if (n_pend == 4) flush();
+                } else {
+                    mask_[size_t(r)] = 1;  // fails on the gate alone: h would be 0
+                }
+            }
+        }
+        flush();
+        n_active += active;
+        n_computed += computed;
+    };
     auto gate_up = [&](int chunk, int n_chunks, int) {
         int64_t i0, i1, active = 0, computed = 0;
         split_range(n_rows_, chunk, n_chunks, &i0, &i1);
@@ -441,27 +533,10 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
             for (int64_t t = 0; t < n_tok; ++t) {
                 uint8_t &m = mask_[size_t(t * F + r)];
                 if (!m) continue;
-                const float g = kg.dot(int(E), grow, op_xn_.at(t, L.gate.type));
-                float a = 0.0f;
-                bool first_pass;  // the rule's verdict from the gate alone
-                if (act == Activation::Silu) {
-                    a = silu(g);
-                    first_pass = std::fabs(a) > thr;
-                } else {
-                    a = std::max(g, 0.0f);
-                    first_pass = g > 0.0f;
-                }
-                float h = 0.0f;
+                float a, h = 0.0f;
+                const bool first_pass = gate_rule(kg.dot(int(E), grow, op_xn_.at(t, L.gate.type)), &a);
                 bool pass = first_pass;
-                if (first_pass || all_up) {
-                    const float u = ku.dot(int(E), urow, op_xn_.at(t, L.up.type));
-                    if (act == Activation::DRelu) {
-                        h = a * std::max(u, 0.0f);
-                        pass = h > 0.0f;
-                    } else {
-                        h = a * u;
-                    }
-                }
+                if (first_pass || all_up) pass = finish(first_pass, a, ku.dot(int(E), urow, op_xn_.at(t, L.up.type)), &h);
                 active += pass;
                 if (dense || pass) {
                     m = 2;
@@ -475,7 +550,8 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
         n_active += active;
         n_computed += computed;
     };
-    pool_->run(pool_->chunks_for(n_rows_ * E * n_tok * 2, kGrain), gate_up);
+    if (n_tok == 1) pool_->run(pool_->chunks_for(n_rows_ * E * 2, kGrain), gate_up_one);
+    else pool_->run(pool_->chunks_for(n_rows_ * E * n_tok * 2, kGrain), gate_up);
     st.active += double(n_active.load());
     st.computed += double(n_computed.load());
     if (!is_cold) st.hot_active += double(n_active.load());
@@ -494,12 +570,23 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
     const uint32_t dtype = T.down_t.type;
     const TypeKernels &kd = ks_->for_type(dtype);
     const int64_t align = column_align(dtype);
+    if (n_tok == 1) {  // one token: every used row through axpy_rows, y slices held in registers
+        for (int64_t i = 0; i < n_used; ++i) {
+            const int64_t r = rows_[size_t(i)];
+            down_rows_[size_t(i)] = T.row(T.down_t, r);
+            down_coef_[size_t(i)] = h_[size_t(r)];
+        }
+    }
     auto down = [&](int chunk, int n_chunks, int thread) {
         int64_t c0, c1;
         split_range(E, chunk, n_chunks, &c0, &c1, align);
         if (c0 >= c1) return;
         const int cn = int(c1 - c0);
         for (int64_t t = 0; t < n_tok; ++t) std::fill(y + t * E + c0, y + t * E + c1, 0.0f);
+        if (n_tok == 1) {
+            kd.axpy_rows(cn, int(n_used), down_rows_.data(), int(c0), down_coef_.data(), y + c0);
+            return;
+        }
         float *buf = rowbuf_.data() + int64_t(thread) * E;
         for (int64_t i = 0; i < n_used; ++i) {
             const int64_t r = rows_[size_t(i)];

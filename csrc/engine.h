@@ -98,6 +98,8 @@ private:
     Operand op_x_, op_xn_, op_att_, op_hid_;
     std::vector<uint8_t> mask_, truth_;  // [batch][n_ff]
     std::vector<int32_t> rows_, row_users_;  // [n_ff]
+    std::vector<const void *> down_rows_;    // [n_ff] down_t rows used by the one token of a decode step
+    std::vector<float> down_coef_;           // [n_ff] their coefficients h
     int64_t n_rows_ = 0;
 
     // auto mode: measured densities per layer (exponential moving averages over tokens)

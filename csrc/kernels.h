@@ -19,6 +19,11 @@ struct TypeKernels {
     void (*axpy)(int n, float a, const void *w, float *y);
     // out[i] = w[i]
     void (*to_float)(int n, const void *w, float *out);
+    // out[r] = dot(n, w[r], x) for 4 rows sharing one operand (each row bit-identical to dot)
+    void (*dot4)(int n, const void *const *w, const void *x, float *out);
+    // y[i] += sum_r a[r] * w[r][col0 + i], i < n, rows in order: bit-identical to n_rows axpy calls, but y
+    // stays in registers across rows (col0 and n multiples of the block size)
+    void (*axpy_rows)(int n, int n_rows, const void *const *w, int col0, const float *a, float *y);
 };
 
 struct KernelSet {
@@ -36,6 +41,29 @@ struct KernelSet {
         }
     }
 };
+
+// Byte offset of element `col` (a multiple of the block size) in a row of `type`.
+inline size_t element_offset(uint32_t type, int64_t col) {
+    switch (type) {
+        case TYPE_F16: return size_t(col) * 2;
+        case TYPE_Q4_0: return size_t(col / QK) * sizeof(BlockQ4_0);
+        case TYPE_Q8_0: return size_t(col / QK) * sizeof(BlockQ8_0);
+        default: return size_t(col) * 4;
+    }
+}
+
+// dot4 and axpy_rows composed from a set's dot and axpy: the reference definition, and the
+// implementation where a set has nothing faster.
+template <float (*Dot)(int, const void *, const void *)>
+void dot4_by_rows(int n, const void *const *w, const void *x, float *out) {
+    for (int r = 0; r < 4; ++r) out[r] = Dot(n, w[r], x);
+}
+
+template <void (*Axpy)(int, float, const void *, float *), uint32_t Type>
+void axpy_rows_by_row(int n, int n_rows, const void *const *w, int col0, const float *a, float *y) {
+    const size_t off = element_offset(Type, col0);
+    for (int r = 0; r < n_rows; ++r) Axpy(n, a[r], static_cast<const uint8_t *>(w[r]) + off, y);
+}
 
 // Whether the activation operand of `type` is q8_0 blocks (else f32).
 inline bool act_is_q8(uint32_t type) { return type == TYPE_Q4_0 || type == TYPE_Q8_0; }

@@ -33,71 +33,126 @@ PI_AVX2 inline __m256i unpack_q4_0(const uint8_t *qs) {
     return _mm256_sub_epi8(_mm256_and_si256(both, _mm256_set1_epi8(0x0f)), _mm256_set1_epi8(8));
 }
 
-PI_AVX2 float dot_f32(int n, const void *w, const void *x) {
-    const float *a = static_cast<const float *>(w), *b = static_cast<const float *>(x);
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps(),
-           acc3 = _mm256_setzero_ps();
+PI_AVX2 inline __m256i block_values(const BlockQ4_0 &b) { return unpack_q4_0(b.qs); }
+PI_AVX2 inline __m256i block_values(const BlockQ8_0 &b) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b.qs));
+}
+
+// The dot kernels are written for R rows sharing the operand x (R = 1: dot, R = 4: dot4). Each row
+// keeps its own accumulators and reduction, so a row's result does not depend on R.
+
+template <int R>
+PI_AVX2 inline void dot_f32_rows(int n, const void *const *w, const void *x, float *out) {
+    const float *b = static_cast<const float *>(x);
+    const float *a[R];
+    __m256 acc[R][4];
+    for (int r = 0; r < R; ++r) {
+        a[r] = static_cast<const float *>(w[r]);
+        for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
+    }
     int i = 0;
     for (; i + 32 <= n; i += 32) {
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
-        acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 16), _mm256_loadu_ps(b + i + 16), acc2);
-        acc3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 24), _mm256_loadu_ps(b + i + 24), acc3);
-    }
-    for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    float sum = hsum(_mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3)));
-    for (; i < n; ++i) sum += a[i] * b[i];
-    return sum;
-}
-
-PI_AVX2 float dot_f16(int n, const void *w, const void *x) {
-    const uint16_t *a = static_cast<const uint16_t *>(w);
-    const float *b = static_cast<const float *>(x);
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    int i = 0;
-    for (; i + 16 <= n; i += 16) {
-        const __m256 w0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(a + i)));
-        const __m256 w1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(a + i + 8)));
-        acc0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(b + i), acc0);
-        acc1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(b + i + 8), acc1);
+        const __m256 b0 = _mm256_loadu_ps(b + i), b1 = _mm256_loadu_ps(b + i + 8), b2 = _mm256_loadu_ps(b + i + 16),
+                     b3 = _mm256_loadu_ps(b + i + 24);
+        for (int r = 0; r < R; ++r) {
+            acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(a[r] + i), b0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(a[r] + i + 8), b1, acc[r][1]);
+            acc[r][2] = _mm256_fmadd_ps(_mm256_loadu_ps(a[r] + i + 16), b2, acc[r][2]);
+            acc[r][3] = _mm256_fmadd_ps(_mm256_loadu_ps(a[r] + i + 24), b3, acc[r][3]);
+        }
     }
     for (; i + 8 <= n; i += 8) {
-        const __m256 w0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(a + i)));
-        acc0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(b + i), acc0);
+        const __m256 b0 = _mm256_loadu_ps(b + i);
+        for (int r = 0; r < R; ++r) acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(a[r] + i), b0, acc[r][0]);
     }
-    float sum = hsum(_mm256_add_ps(acc0, acc1));
-    for (; i < n; ++i) sum += f16_to_f32(a[i]) * b[i];
-    return sum;
+    for (int r = 0; r < R; ++r) {
+        float sum = hsum(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), _mm256_add_ps(acc[r][2], acc[r][3])));
+        for (int k = i; k < n; ++k) sum += a[r][k] * b[k];
+        out[r] = sum;
+    }
 }
 
-PI_AVX2 float dot_q8_0(int n, const void *w, const void *x) {
-    const BlockQ8_0 *a = static_cast<const BlockQ8_0 *>(w), *b = static_cast<const BlockQ8_0 *>(x);
-    __m256 acc = _mm256_setzero_ps();
-    for (int k = 0; k < n / QK; ++k) {
-        const __m256i qa = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(a[k].qs));
-        const __m256i qb = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b[k].qs));
-        const __m256 d = _mm256_set1_ps(f16_to_f32(a[k].d) * f16_to_f32(b[k].d));
-        acc = _mm256_fmadd_ps(d, dot_i8x32(qa, qb), acc);
-    }
-    return hsum(acc);
+PI_AVX2 inline __m256 load8_f16(const uint16_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p)));
 }
 
-PI_AVX2 float dot_q4_0(int n, const void *w, const void *x) {
-    const BlockQ4_0 *a = static_cast<const BlockQ4_0 *>(w);
+template <int R>
+PI_AVX2 inline void dot_f16_rows(int n, const void *const *w, const void *x, float *out) {
+    const float *b = static_cast<const float *>(x);
+    const uint16_t *a[R];
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) {
+        a[r] = static_cast<const uint16_t *>(w[r]);
+        acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    }
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m256 b0 = _mm256_loadu_ps(b + i), b1 = _mm256_loadu_ps(b + i + 8);
+        for (int r = 0; r < R; ++r) {
+            acc[r][0] = _mm256_fmadd_ps(load8_f16(a[r] + i), b0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(load8_f16(a[r] + i + 8), b1, acc[r][1]);
+        }
+    }
+    for (; i + 8 <= n; i += 8) {
+        const __m256 b0 = _mm256_loadu_ps(b + i);
+        for (int r = 0; r < R; ++r) acc[r][0] = _mm256_fmadd_ps(load8_f16(a[r] + i), b0, acc[r][0]);
+    }
+    for (int r = 0; r < R; ++r) {
+        float sum = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+        for (int k = i; k < n; ++k) sum += f16_to_f32(a[r][k]) * b[k];
+        out[r] = sum;
+    }
+}
+
+// q4_0 and q8_0 rows against q8_0 blocks of x: integer products per block, scaled by the two f16
+// scales (converted with F16C: exact, as f16_to_f32).
+template <class Block, int R>
+PI_AVX2 inline void dot_q_rows(int n, const void *const *w, const void *x, float *out) {
     const BlockQ8_0 *b = static_cast<const BlockQ8_0 *>(x);
-    __m256 acc = _mm256_setzero_ps();
-    for (int k = 0; k < n / QK; ++k) {
-        const __m256i qa = unpack_q4_0(a[k].qs);
-        const __m256i qb = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b[k].qs));
-        const __m256 d = _mm256_set1_ps(f16_to_f32(a[k].d) * f16_to_f32(b[k].d));
-        acc = _mm256_fmadd_ps(d, dot_i8x32(qa, qb), acc);
+    const Block *a[R];
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) {
+        a[r] = static_cast<const Block *>(w[r]);
+        acc[r] = _mm256_setzero_ps();
     }
-    return hsum(acc);
+    for (int k = 0; k < n / QK; ++k) {
+        const __m256i qb = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b[k].qs));
+        const float db = _cvtsh_ss(b[k].d);
+        for (int r = 0; r < R; ++r) {
+            const __m256 d = _mm256_set1_ps(_cvtsh_ss(a[r][k].d) * db);
+            acc[r] = _mm256_fmadd_ps(d, dot_i8x32(block_values(a[r][k]), qb), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
 }
 
-// 8 signed bytes at p, widened to floats.
-PI_AVX2 inline __m256 i8x8_to_f32(const int8_t *p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(p))));
+PI_AVX2 float dot_f32(int n, const void *w, const void *x) {
+    float out;
+    dot_f32_rows<1>(n, &w, x, &out);
+    return out;
+}
+PI_AVX2 void dot4_f32(int n, const void *const *w, const void *x, float *out) { dot_f32_rows<4>(n, w, x, out); }
+PI_AVX2 float dot_f16(int n, const void *w, const void *x) {
+    float out;
+    dot_f16_rows<1>(n, &w, x, &out);
+    return out;
+}
+PI_AVX2 void dot4_f16(int n, const void *const *w, const void *x, float *out) { dot_f16_rows<4>(n, w, x, out); }
+PI_AVX2 float dot_q4_0(int n, const void *w, const void *x) {
+    float out;
+    dot_q_rows<BlockQ4_0, 1>(n, &w, x, &out);
+    return out;
+}
+PI_AVX2 void dot4_q4_0(int n, const void *const *w, const void *x, float *out) {
+    dot_q_rows<BlockQ4_0, 4>(n, w, x, out);
+}
+PI_AVX2 float dot_q8_0(int n, const void *w, const void *x) {
+    float out;
+    dot_q_rows<BlockQ8_0, 1>(n, &w, x, &out);
+    return out;
+}
+PI_AVX2 void dot4_q8_0(int n, const void *const *w, const void *x, float *out) {
+    dot_q_rows<BlockQ8_0, 4>(n, w, x, out);
 }
 
 PI_AVX2 void to_float_f32(int n, const void *w, float *out) {
@@ -115,23 +170,44 @@ PI_AVX2 void to_float_f16(int n, const void *w, float *out) {
     for (; i < n; ++i) out[i] = f16_to_f32(a[i]);
 }
 
-PI_AVX2 void to_float_q8_0(int n, const void *w, float *out) {
-    const BlockQ8_0 *a = static_cast<const BlockQ8_0 *>(w);
+// The 32 values of a quantized block as 4 vectors of 8 floats, q * d (exactly to_float's values).
+PI_AVX2 inline void spread(__m256i q, __m256 d, __m256 v[4]) {
+    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    v[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), d);
+    v[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), d);
+    v[2] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), d);
+    v[3] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), d);
+}
+
+template <class Block>
+PI_AVX2 inline void block_floats(const Block &b, __m256 v[4]) {
+    spread(block_values(b), _mm256_set1_ps(_cvtsh_ss(b.d)), v);
+}
+
+template <class Block>
+PI_AVX2 inline void to_float_q(int n, const void *w, float *out) {
+    const Block *a = static_cast<const Block *>(w);
+    __m256 v[4];
     for (int k = 0; k < n / QK; ++k) {
-        const __m256 d = _mm256_set1_ps(f16_to_f32(a[k].d));
-        for (int j = 0; j < QK; j += 8) _mm256_storeu_ps(out + k * QK + j, _mm256_mul_ps(i8x8_to_f32(a[k].qs + j), d));
+        block_floats(a[k], v);
+        for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + k * QK + 8 * j, v[j]);
     }
 }
 
-PI_AVX2 void to_float_q4_0(int n, const void *w, float *out) {
-    const BlockQ4_0 *a = static_cast<const BlockQ4_0 *>(w);
-    alignas(32) int8_t q[QK];
+template <class Block>
+PI_AVX2 inline void axpy_q(int n, float a, const void *w, float *y) {
+    const Block *b = static_cast<const Block *>(w);
+    const __m256 va = _mm256_set1_ps(a);
+    __m256 v[4];
     for (int k = 0; k < n / QK; ++k) {
-        _mm256_store_si256(reinterpret_cast<__m256i *>(q), unpack_q4_0(a[k].qs));
-        const __m256 d = _mm256_set1_ps(f16_to_f32(a[k].d));
-        for (int j = 0; j < QK; j += 8) _mm256_storeu_ps(out + k * QK + j, _mm256_mul_ps(i8x8_to_f32(q + j), d));
+        block_floats(b[k], v);
+        float *yk = y + k * QK;
+        for (int j = 0; j < 4; ++j) _mm256_storeu_ps(yk + 8 * j, _mm256_fmadd_ps(va, v[j], _mm256_loadu_ps(yk + 8 * j)));
     }
 }
+
+PI_AVX2 void to_float_q8_0(int n, const void *w, float *out) { to_float_q<BlockQ8_0>(n, w, out); }
+PI_AVX2 void to_float_q4_0(int n, const void *w, float *out) { to_float_q<BlockQ4_0>(n, w, out); }
 
 PI_AVX2 void axpy_f32(int n, float a, const void *w, float *y) {
     const float *b = static_cast<const float *>(w);
@@ -146,39 +222,100 @@ PI_AVX2 void axpy_f16(int n, float a, const void *w, float *y) {
     const uint16_t *b = static_cast<const uint16_t *>(w);
     const __m256 va = _mm256_set1_ps(a);
     int i = 0;
-    for (; i + 8 <= n; i += 8) {
-        const __m256 wb = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(b + i)));
-        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, wb, _mm256_loadu_ps(y + i)));
-    }
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, load8_f16(b + i), _mm256_loadu_ps(y + i)));
     for (; i < n; ++i) y[i] += a * f16_to_f32(b[i]);
 }
 
-PI_AVX2 void axpy_q8_0(int n, float a, const void *w, float *y) {
-    const BlockQ8_0 *b = static_cast<const BlockQ8_0 *>(w);
-    const __m256 va = _mm256_set1_ps(a);
-    for (int k = 0; k < n / QK; ++k) {
-        const __m256 d = _mm256_set1_ps(f16_to_f32(b[k].d));
-        float *yk = y + k * QK;
-        for (int j = 0; j < QK; j += 8) {
-            const __m256 wv = _mm256_mul_ps(i8x8_to_f32(b[k].qs + j), d);
-            _mm256_storeu_ps(yk + j, _mm256_fmadd_ps(va, wv, _mm256_loadu_ps(yk + j)));
+PI_AVX2 void axpy_q8_0(int n, float a, const void *w, float *y) { axpy_q<BlockQ8_0>(n, a, w, y); }
+PI_AVX2 void axpy_q4_0(int n, float a, const void *w, float *y) { axpy_q<BlockQ4_0>(n, a, w, y); }
+
+// axpy_rows: rows go in groups of kRowGroup (a few KB, L1-resident); for each group, y[c, c+64) lives
+// in 8 registers while the group's rows add into it, and the next group's slices are prefetched while
+// the first column chunk runs. Every element still sums the rows in order, as the single-row axpy, so
+// the result is bit-identical; columns left over (fewer than 8 floats) go through that axpy.
+constexpr int kRowGroup = 32;
+
+PI_AVX2 inline void prefetch_slice(const void *p, int bytes) {
+    for (int off = 0; off < bytes; off += 64) _mm_prefetch(static_cast<const char *>(p) + off, _MM_HINT_T0);
+}
+
+PI_AVX2 inline __m256 load8(const float *p) { return _mm256_loadu_ps(p); }
+PI_AVX2 inline __m256 load8(const uint16_t *p) { return load8_f16(p); }
+
+template <class T, void (*Axpy)(int, float, const void *, float *)>
+PI_AVX2 inline void axpy_rows_float(int n, int n_rows, const void *const *w, int col0, const float *a, float *y) {
+    for (int g = 0; g < n_rows; g += kRowGroup) {
+        const int ge = n_rows < g + kRowGroup ? n_rows : g + kRowGroup;
+        for (int r = ge; r < n_rows && r < ge + kRowGroup; ++r)
+            prefetch_slice(static_cast<const T *>(w[r]) + col0, n * int(sizeof(T)));
+        int c = 0;
+        for (; c + 64 <= n; c += 64) {
+            __m256 acc[8];
+            for (int j = 0; j < 8; ++j) acc[j] = _mm256_loadu_ps(y + c + 8 * j);
+            for (int r = g; r < ge; ++r) {
+                const T *row = static_cast<const T *>(w[r]) + col0 + c;
+                const __m256 va = _mm256_set1_ps(a[r]);
+                for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(va, load8(row + 8 * j), acc[j]);
+            }
+            for (int j = 0; j < 8; ++j) _mm256_storeu_ps(y + c + 8 * j, acc[j]);
+        }
+        for (; c + 8 <= n; c += 8) {
+            __m256 acc = _mm256_loadu_ps(y + c);
+            for (int r = g; r < ge; ++r)
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(a[r]), load8(static_cast<const T *>(w[r]) + col0 + c), acc);
+            _mm256_storeu_ps(y + c, acc);
+        }
+        if (c < n)
+            for (int r = g; r < ge; ++r) Axpy(n - c, a[r], static_cast<const T *>(w[r]) + col0 + c, y + c);
+    }
+}
+
+template <class Block>
+PI_AVX2 inline void axpy_rows_q(int n, int n_rows, const void *const *w, int col0, const float *a, float *y) {
+    const int k0 = col0 / QK;
+    __m256 v[4];
+    for (int g = 0; g < n_rows; g += kRowGroup) {
+        const int ge = n_rows < g + kRowGroup ? n_rows : g + kRowGroup;
+        for (int r = ge; r < n_rows && r < ge + kRowGroup; ++r)
+            prefetch_slice(static_cast<const Block *>(w[r]) + k0, n / QK * int(sizeof(Block)));
+        int c = 0;
+        for (; c + 2 * QK <= n; c += 2 * QK) {
+            __m256 acc[8];
+            for (int j = 0; j < 8; ++j) acc[j] = _mm256_loadu_ps(y + c + 8 * j);
+            for (int r = g; r < ge; ++r) {
+                const Block *b = static_cast<const Block *>(w[r]) + k0 + c / QK;
+                const __m256 va = _mm256_set1_ps(a[r]);
+                block_floats(b[0], v);
+                for (int j = 0; j < 4; ++j) acc[j] = _mm256_fmadd_ps(va, v[j], acc[j]);
+                block_floats(b[1], v);
+                for (int j = 0; j < 4; ++j) acc[4 + j] = _mm256_fmadd_ps(va, v[j], acc[4 + j]);
+            }
+            for (int j = 0; j < 8; ++j) _mm256_storeu_ps(y + c + 8 * j, acc[j]);
+        }
+        if (c < n) {  // one block left
+            __m256 acc[4];
+            for (int j = 0; j < 4; ++j) acc[j] = _mm256_loadu_ps(y + c + 8 * j);
+            for (int r = g; r < ge; ++r) {
+                block_floats(static_cast<const Block *>(w[r])[k0 + c / QK], v);
+                const __m256 va = _mm256_set1_ps(a[r]);
+                for (int j = 0; j < 4; ++j) acc[j] = _mm256_fmadd_ps(va, v[j], acc[j]);
+            }
+            for (int j = 0; j < 4; ++j) _mm256_storeu_ps(y + c + 8 * j, acc[j]);
         }
     }
 }
 
-PI_AVX2 void axpy_q4_0(int n, float a, const void *w, float *y) {
-    const BlockQ4_0 *b = static_cast<const BlockQ4_0 *>(w);
-    const __m256 va = _mm256_set1_ps(a);
-    alignas(32) int8_t q[QK];
-    for (int k = 0; k < n / QK; ++k) {
-        _mm256_store_si256(reinterpret_cast<__m256i *>(q), unpack_q4_0(b[k].qs));
-        const __m256 d = _mm256_set1_ps(f16_to_f32(b[k].d));
-        float *yk = y + k * QK;
-        for (int j = 0; j < QK; j += 8) {
-            const __m256 wv = _mm256_mul_ps(i8x8_to_f32(q + j), d);
-            _mm256_storeu_ps(yk + j, _mm256_fmadd_ps(va, wv, _mm256_loadu_ps(yk + j)));
-        }
-    }
+PI_AVX2 void axpy_rows_f32(int n, int n_rows, const void *const *w, int col0, const float *a, float *y) {
+    axpy_rows_float<float, axpy_f32>(n, n_rows, w, col0, a, y);
+}
+PI_AVX2 void axpy_rows_f16(int n, int n_rows, const void *const *w, int col0, const float *a, float *y) {
+    axpy_rows_float<uint16_t, axpy_f16>(n, n_rows, w, col0, a, y);
+}
+PI_AVX2 void axpy_rows_q8_0(int n, int n_rows, const void *const *w, int col0, const float *a, float *y) {
+    axpy_rows_q<BlockQ8_0>(n, n_rows, w, col0, a, y);
+}
+PI_AVX2 void axpy_rows_q4_0(int n, int n_rows, const void *const *w, int col0, const float *a, float *y) {
+    axpy_rows_q<BlockQ4_0>(n, n_rows, w, col0, a, y);
 }
 
 // Round half away from zero (roundf), exactly: t = trunc(v); v - t is exact in float.
@@ -221,10 +358,10 @@ PI_AVX2 void quantize_q8_0(int n, const float *x, void *out) {
 
 const KernelSet kAvx2 = {
     "avx2",
-    {dot_f32, axpy_f32, to_float_f32},
-    {dot_f16, axpy_f16, to_float_f16},
-    {dot_q4_0, axpy_q4_0, to_float_q4_0},
-    {dot_q8_0, axpy_q8_0, to_float_q8_0},
+    {dot_f32, axpy_f32, to_float_f32, dot4_f32, axpy_rows_f32},
+    {dot_f16, axpy_f16, to_float_f16, dot4_f16, axpy_rows_f16},
+    {dot_q4_0, axpy_q4_0, to_float_q4_0, dot4_q4_0, axpy_rows_q4_0},
+    {dot_q8_0, axpy_q8_0, to_float_q8_0, dot4_q8_0, axpy_rows_q8_0},
     quantize_q8_0,
 };
 

@@ -121,12 +121,15 @@ void quantize_q8_0(int n, const float *x, void *out) {
     }
 }
 
+#define PI_TYPE_KERNELS(T, TYPE) \
+    {dot_##T, axpy_##T, to_float_##T, dot4_by_rows<dot_##T>, axpy_rows_by_row<axpy_##T, TYPE>}
+
 const KernelSet kScalar = {
     "scalar",
-    {dot_f32, axpy_f32, to_float_f32},
-    {dot_f16, axpy_f16, to_float_f16},
-    {dot_q4_0, axpy_q4_0, to_float_q4_0},
-    {dot_q8_0, axpy_q8_0, to_float_q8_0},
+    PI_TYPE_KERNELS(f32, TYPE_F32),
+    PI_TYPE_KERNELS(f16, TYPE_F16),
+    PI_TYPE_KERNELS(q4_0, TYPE_Q4_0),
+    PI_TYPE_KERNELS(q8_0, TYPE_Q8_0),
     quantize_q8_0,
 };
 

@@ -40,6 +40,26 @@ def axpy(isa: str, wtype: str, n: int, a: float, w: np.ndarray, y: np.ndarray) -
     return y
 
 
+def dot4(isa: str, wtype: str, n: int, rows: list[np.ndarray], x: np.ndarray) -> np.ndarray:
+    """The dots of 4 stored rows with one operand x (as `dot`), in one call."""
+    rows = [_raw(r) for r in rows]
+    ptrs = (ctypes.c_void_p * 4)(*[r.ctypes.data for r in rows])
+    x, out = np.ascontiguousarray(x), np.zeros(4, dtype=np.float32)
+    check(lib().pi_kernel_dot4(isa.encode(), TYPE_IDS[wtype], n, ptrs, _ptr(x), _ptr(out)))
+    return out
+
+
+def axpy_rows(isa: str, wtype: str, n: int, rows: list[np.ndarray], col0: int, a: np.ndarray,
+              y: np.ndarray) -> np.ndarray:
+    """y + sum_r a[r] * rows[r][col0:col0 + n] (rows stored as wtype), in one call."""
+    rows = [_raw(r) for r in rows]
+    ptrs = (ctypes.c_void_p * max(1, len(rows)))(*[r.ctypes.data for r in rows])
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    y = np.array(y, dtype=np.float32, copy=True)
+    check(lib().pi_kernel_axpy_rows(isa.encode(), TYPE_IDS[wtype], n, len(rows), ptrs, col0, _ptr(a), _ptr(y)))
+    return y
+
+
 def to_float(isa: str, wtype: str, n: int, w: np.ndarray) -> np.ndarray:
     w, out = _raw(w), np.zeros(n, dtype=np.float32)
     check(lib().pi_kernel_to_float(isa.encode(), TYPE_IDS[wtype], n, _ptr(w), _ptr(out)))

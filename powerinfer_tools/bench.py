@@ -422,12 +422,10 @@ def render_markdown(record: dict) -> str:
 
 def plot_sweep(record: dict, png: Path) -> None:
     """tokens/s against FFN sparsity per sparse mode, with dense lines and the byte model's prediction."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise UserError("--png needs matplotlib (pip install 'powerinfer-tools[bench]')") from None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     from powerinfer_tools.atomic import atomic_file
 
     sweep = record.get("sweep") or []

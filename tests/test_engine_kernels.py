@@ -116,3 +116,57 @@ def test_best_kernel_set_is_available():
     assert kernels.available(kernels.selected())
     assert kernels.available("scalar")
     assert not kernels.available("no-such-isa")
+
+
+@pytest.mark.parametrize("isa", ["scalar"] + SIMD)
+@pytest.mark.parametrize("wtype,n", CASES)
+def test_dot4_is_four_dots(isa, wtype, n):
+    """dot4 (the multi-row kernel) gives each row exactly the set's own dot, and the scalar reference's
+    value within rounding."""
+    rng = np.random.default_rng(3000 + n)
+    rows = [stored(wtype, rng.normal(0, 1, n) * rng.uniform(0.1, 5)) for _ in range(4)]
+    x, xv = operand(wtype, rng.normal(0, 1, n))
+    got = kernels.dot4(isa, wtype, n, rows, x)
+    np.testing.assert_array_equal(got, np.array([kernels.dot(isa, wtype, n, r, x) for r in rows], np.float32))
+    for r, g in zip(rows, got):
+        scale = float(np.abs(values(wtype, r) * xv).sum())
+        assert abs(g - kernels.dot("scalar", wtype, n, r, x)) <= 1e-5 * scale + 1e-30
+
+
+def _axpy_rows_case(wtype: str, n: int, seed: int):
+    """Rows wider than n (the slice starts at col0, a block multiple), coefficients, and y."""
+    rng = np.random.default_rng(seed)
+    block = 32 if wtype in QTYPES else 1
+    col0 = block * int(rng.integers(0, 3))
+    n_rows = int(rng.choice([1, 3, 7, 33, 70]))  # 33, 70: several row groups of the SIMD kernels
+    width = col0 + n + block * int(rng.integers(0, 2))
+    rows = [stored(wtype, rng.normal(0, 1, width)) for _ in range(n_rows)]
+    return rows, col0, rng.normal(0, 1, n_rows).astype(np.float32), rng.normal(0, 1, n).astype(np.float32)
+
+
+@pytest.mark.parametrize("isa", ["scalar"] + SIMD)
+@pytest.mark.parametrize("wtype,n", CASES + [("q4_0", 64), ("q8_0", 128), ("f32", 64), ("f16", 200)])
+def test_axpy_rows_is_a_sequence_of_axpys(isa, wtype, n):
+    """axpy_rows (y held in registers across rows) equals the set's own axpy applied row after row, bit for
+    bit, and the scalar reference within rounding, on slices that start inside the row."""
+    rows, col0, a, y = _axpy_rows_case(wtype, n, 4000 + n)
+    width = len(values(wtype, rows[0]))
+    block = 32 if wtype in QTYPES else 1
+    expect = y.copy()
+    for r, ar in zip(rows, a):
+        piece = r.reshape(-1)[col0 // block * (r.nbytes // (width // block)):] if wtype in QTYPES else r[col0:]
+        expect = kernels.axpy(isa, wtype, n, float(ar), np.ascontiguousarray(piece), expect)
+    got = kernels.axpy_rows(isa, wtype, n, rows, col0, a, y)
+    np.testing.assert_array_equal(got, expect)
+    exact = y.astype(np.float64) + sum(float(ar) * values(wtype, r)[col0:col0 + n] for r, ar in zip(rows, a))
+    ref = kernels.axpy_rows("scalar", wtype, n, rows, col0, a, y)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ref, exact, rtol=1e-4, atol=1e-4)
+
+
+def test_axpy_rows_checks_its_arguments():
+    from engine import EngineError
+
+    w = stored("q4_0", np.ones(64))
+    with pytest.raises(EngineError, match="multiple of the block size"):
+        kernels.axpy_rows("scalar", "q4_0", 32, [w], 16, np.ones(1), np.zeros(32))

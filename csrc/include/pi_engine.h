@@ -95,6 +95,12 @@ const char *pi_isa_selected(void);
  * f32/f16 weights and q8_0 blocks for q4_0/q8_0 weights. n must be a multiple of the block size. */
 pi_status pi_kernel_dot(const char *isa, int32_t type, int32_t n, const void *w, const void *x, float *out);
 pi_status pi_kernel_axpy(const char *isa, int32_t type, int32_t n, float a, const void *w, float *y);
+/* out[r] = dot of row w[r] with x, for 4 rows (each bit-identical to pi_kernel_dot). */
+pi_status pi_kernel_dot4(const char *isa, int32_t type, int32_t n, const void *const *w, const void *x, float *out);
+/* y[i] += sum_r a[r] * w[r][col0 + i] for i < n (bit-identical to n_rows pi_kernel_axpy calls in order);
+ * n and col0 multiples of the block size. */
+pi_status pi_kernel_axpy_rows(const char *isa, int32_t type, int32_t n, int32_t n_rows, const void *const *w,
+                              int32_t col0, const float *a, float *y);
 pi_status pi_kernel_to_float(const char *isa, int32_t type, int32_t n, const void *w, float *out);
 pi_status pi_kernel_quantize_q8_0(const char *isa, int32_t n, const float *x, void *out);
 

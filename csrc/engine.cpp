@@ -130,12 +130,25 @@ void Engine::prepare(Operand &x, int64_t n_tok, uint32_t type) {
 }
 
 void Engine::matmul(const Matrix &W, Operand &x, int64_t n_tok, float *out, int64_t ldo) {
-    prepare(x, n_tok, W.type);
-    const TypeKernels &k = ks_->for_type(W.type);
-    const int n = int(W.cols);
-    auto job = [&](int chunk, int n_chunks, int) {
-        int64_t r0, r1;
-        split_range(W.rows, chunk, n_chunks, &r0, &r1);
+    const MatmulTarget one[1] = {{&W, out, ldo}};
+    matmul(one, 1, x, n_tok);
+}
+
+// Several matrices against one operand in a single pool job (q, k and v): their rows are split as one
+// range, so the threads synchronise once instead of once per matrix.
+void Engine::matmul(const MatmulTarget *targets, int n_targets, Operand &x, int64_t n_tok) {
+    int64_t total = 0, work = 0;
+    for (int i = 0; i < n_targets; ++i) {
+        prepare(x, n_tok, targets[i].W->type);
+        total += targets[i].W->rows;
+        work += targets[i].W->rows * targets[i].W->cols * n_tok;
+    }
+    auto rows_of = [&](const MatmulTarget &tg, int64_t r0, int64_t r1) {
+        const Matrix &W = *tg.W;
+        const TypeKernels &k = ks_->for_type(W.type);
+        const int n = int(W.cols);
+        float *out = tg.out;
+        const int64_t ldo = tg.ldo;
         int64_t r = r0;
         for (; r + 4 <= r1; r += 4) {  // 4 rows per pass over each token's operand
             const void *rows[4] = {W.row(r), W.row(r + 1), W.row(r + 2), W.row(r + 3)};
@@ -150,7 +163,18 @@ void Engine::matmul(const Matrix &W, Operand &x, int64_t n_tok, float *out, int6
             for (int64_t t = 0; t < n_tok; ++t) out[t * ldo + r] = k.dot(n, row, x.at(t, W.type));
         }
     };
-    pool_->run(pool_->chunks_for(W.rows * W.cols * n_tok, kGrain), job);
+    auto job = [&](int chunk, int n_chunks, int) {
+        int64_t g0, g1;
+        split_range(total, chunk, n_chunks, &g0, &g1);
+        int64_t base = 0;
+        for (int i = 0; i < n_targets && g0 < g1; ++i) {
+            const int64_t rows = targets[i].W->rows;
+            const int64_t r0 = std::max<int64_t>(g0 - base, 0), r1 = std::min<int64_t>(g1 - base, rows);
+            if (r0 < r1) rows_of(targets[i], r0, r1);
+            base += rows;
+        }
+    };
+    pool_->run(pool_->chunks_for(work, kGrain), job);
 }
 
 void Engine::rmsnorm(const float *x, const Matrix &w, int64_t n_tok, float *out) const {
@@ -229,9 +253,8 @@ void Engine::attention(int64_t il, int64_t n_tok) {
     const int64_t Q = H * D, KV = HKV * D, half = hp_.n_rot / 2;
     rmsnorm(x_.data(), L.attn_norm, n_tok, xn_.data());
     op_xn_.q_ready = false;
-    matmul(L.wq, op_xn_, n_tok, q_.data(), Q);
-    matmul(L.wk, op_xn_, n_tok, k_.data(), KV);
-    matmul(L.wv, op_xn_, n_tok, v_.data(), KV);
+    const MatmulTarget qkv[3] = {{&L.wq, q_.data(), Q}, {&L.wk, k_.data(), KV}, {&L.wv, v_.data(), KV}};
+    matmul(qkv, 3, op_xn_, n_tok);
 
     // RoPE, llama.cpp "normal" mode: adjacent pairs (the converter permuted q/k rows to match).
     auto rope = [&](float *vec, int64_t n_heads, int64_t pos) {

@@ -72,7 +72,13 @@ private:
                   bool is_cold);
     void predictor_select(const Layer &L, const FfnTier &T, int64_t n_tok);
     void true_mask(const Layer &L, const FfnTier &T, int64_t n_tok, uint8_t *out);
+    struct MatmulTarget {
+        const Matrix *W;
+        float *out;
+        int64_t ldo;
+    };
     void matmul(const Matrix &W, Operand &x, int64_t n_tok, float *out, int64_t ldo);
+    void matmul(const MatmulTarget *targets, int n_targets, Operand &x, int64_t n_tok);
     void prepare(Operand &x, int64_t n_tok, uint32_t type);
     void rmsnorm(const float *x, const Matrix &w, int64_t n_tok, float *out) const;
 

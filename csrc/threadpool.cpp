@@ -9,8 +9,9 @@ inline void cpu_relax() {
 #endif
 }
 
-constexpr int kWorkerSpins = 4000;  // ~0.1 ms of pause before sleeping on the condition variable
-constexpr int kMainSpins = 2000;    // before yielding while a worker finishes a claimed chunk
+constexpr int kWorkerSpins = 100;  // a few microseconds of pause before sleeping on the condition variable:
+                                   // spinning longer burns the CPU share a shared machine gives us
+constexpr int kMainSpins = 100;    // before yielding while a worker finishes a claimed chunk
 
 }  // namespace
 
@@ -31,15 +32,16 @@ ThreadPool::~ThreadPool() {
 void ThreadPool::drain(uint32_t gen, int thread) {
     for (;;) {
         uint64_t s = state_.load(std::memory_order_acquire);
-        if (uint32_t(s >> 32) != gen) return;  // a later job: this one is finished
-        // Read the job before claiming: a successful claim proves these belong to generation `gen`.
+        if (state_gen(s) != gen) return;  // a later job: this one is finished
+        // The chunk count travels in the same word as the claim counter, so a claim is checked against
+        // its own job's count. fn/ctx are read before claiming: a successful claim of a chunk of job
+        // `gen` proves the job was still open, so the caller had not yet published the next one.
         const Fn fn = fn_.load(std::memory_order_acquire);
         void *ctx = ctx_.load(std::memory_order_acquire);
-        const int nc = n_chunks_.load(std::memory_order_acquire);
-        const uint32_t chunk = uint32_t(s);
-        if (int(chunk) >= nc) return;
+        const int nc = state_chunks(s), chunk = state_next(s);
+        if (chunk >= nc) return;
         if (!state_.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel)) continue;
-        fn(ctx, int(chunk), nc, thread);
+        fn(ctx, chunk, nc, thread);
         done_.fetch_add(1, std::memory_order_acq_rel);
     }
 }
@@ -50,14 +52,14 @@ void ThreadPool::run_raw(int n_chunks, Fn fn, void *ctx) {
         for (int c = 0; c < n_chunks; ++c) fn(ctx, c, n_chunks, 0);
         return;
     }
-    const uint32_t gen = uint32_t(state_.load(std::memory_order_relaxed) >> 32) + 1;
+    if (n_chunks > kMaxChunks) n_chunks = kMaxChunks;
+    const uint32_t gen = state_gen(state_.load(std::memory_order_relaxed)) + 1;
     fn_.store(fn, std::memory_order_relaxed);
     ctx_.store(ctx, std::memory_order_relaxed);
-    n_chunks_.store(n_chunks, std::memory_order_relaxed);
     done_.store(0, std::memory_order_relaxed);
     {
         std::lock_guard<std::mutex> lock(mu_);  // pairs with the sleepers' predicate check
-        state_.store(uint64_t(gen) << 32, std::memory_order_release);
+        state_.store(make_state(gen, n_chunks), std::memory_order_release);
     }
     cv_.notify_all();
     drain(gen, 0);
@@ -70,15 +72,15 @@ void ThreadPool::run_raw(int n_chunks, Fn fn, void *ctx) {
 void ThreadPool::worker(int thread) {
     uint32_t seen = 0;
     for (;;) {
-        uint32_t gen = uint32_t(state_.load(std::memory_order_acquire) >> 32);
+        uint32_t gen = state_gen(state_.load(std::memory_order_acquire));
         for (int spins = 0; gen == seen && spins < kWorkerSpins && !stop_.load(std::memory_order_relaxed); ++spins) {
             cpu_relax();
-            gen = uint32_t(state_.load(std::memory_order_acquire) >> 32);
+            gen = state_gen(state_.load(std::memory_order_acquire));
         }
         if (gen == seen) {
             std::unique_lock<std::mutex> lock(mu_);
-            cv_.wait(lock, [&] { return stop_.load() || uint32_t(state_.load() >> 32) != seen; });
-            gen = uint32_t(state_.load() >> 32);
+            cv_.wait(lock, [&] { return stop_.load() || state_gen(state_.load()) != seen; });
+            gen = state_gen(state_.load());
         }
         if (stop_.load()) return;
         seen = gen;

@@ -46,11 +46,15 @@ private:
     std::vector<std::thread> threads_;
     std::mutex mu_;
     std::condition_variable cv_;
-    // high 32 bits: job generation; low 32 bits: next unclaimed chunk
+    // bits 63..32: job generation; 31..16: the job's chunk count; 15..0: next unclaimed chunk
+    static constexpr int kMaxChunks = 0xffff;
+    static uint64_t make_state(uint32_t gen, int n_chunks) { return uint64_t(gen) << 32 | uint64_t(n_chunks) << 16; }
+    static uint32_t state_gen(uint64_t s) { return uint32_t(s >> 32); }
+    static int state_chunks(uint64_t s) { return int((s >> 16) & 0xffff); }
+    static int state_next(uint64_t s) { return int(s & 0xffff); }
     std::atomic<uint64_t> state_{0};
     std::atomic<Fn> fn_{nullptr};
     std::atomic<void *> ctx_{nullptr};
-    std::atomic<int> n_chunks_{0};
     std::atomic<int> done_{0};
     std::atomic<bool> stop_{false};
 };

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from powerinfer_tools import bench_files as files_mod
 from powerinfer_tools import byte_model, machine, models, sparsity_levels
-from powerinfer_tools.bench_runners import EngineRunner, LlamaCppRunner, TorchRunner, best_llamacpp, open_engine
+from powerinfer_tools.bench_runners import Runner, Worker, best_llamacpp
 from powerinfer_tools.errors import UserError
 
 MODES = ("dense", "gate", "predictor", "auto")
@@ -87,10 +87,14 @@ def default_text() -> Path | None:
 
 # ---- statistics ---------------------------------------------------------------------------------
 
-def summarize(tokens: int, seconds: list[float]) -> dict:
-    tps = [tokens / s for s in seconds]
-    return {"tokens": tokens, "seconds": seconds, "tps": tps, "median": statistics.median(tps),
-            "stdev": statistics.stdev(tps) if len(tps) > 1 else 0.0}
+def summarize(tokens: int, times: dict) -> dict:
+    """Speeds from per-round wall and CPU seconds: tokens/s, and tokens per CPU-second (the worker
+    process's CPU time, all threads: what the run cost, whatever share of the machine it got)."""
+    tps = [tokens / s for s in times["wall"]]
+    cpu = [tokens / s for s in times["cpu"]]
+    return {"tokens": tokens, "seconds": times["wall"], "cpu_seconds": times["cpu"], "tps": tps,
+            "median": statistics.median(tps), "stdev": statistics.stdev(tps) if len(tps) > 1 else 0.0,
+            "cpu_tps": cpu, "cpu_median": statistics.median(cpu)}
 
 
 def paired_ratio(a: list[float], b: list[float]) -> float | None:
@@ -102,16 +106,18 @@ def paired_ratio(a: list[float], b: list[float]) -> float | None:
 # ---- the measurement loop -----------------------------------------------------------------------
 
 def _time_rounds(runners: list, tests: dict[str, list[int]], rounds: int, desc: str, progress: bool) -> dict:
-    """{label: {test: [seconds per round]}}, every runner once per round, in a fixed order."""
+    """{label: {test: {"wall": [...], "cpu": [...]}}}, every runner once per round, in a fixed order."""
     for r in runners:  # warm-up: page in weights, spin up thread pools
         r.pp(tests.get("pp", tests["tg"])[:32])
         r.tg(tests["tg"][:8])
-    times = {r.label: {t: [] for t in tests} for r in runners}
+    times = {r.label: {t: {"wall": [], "cpu": []} for t in tests} for r in runners}
     with tqdm(total=rounds * len(runners) * len(tests), desc=desc, unit="run", disable=not progress) as bar:
         for _ in range(rounds):
             for r in runners:
                 for test, tokens in tests.items():
-                    times[r.label][test].append(getattr(r, test)(tokens))
+                    wall, cpu = getattr(r, test)(tokens)
+                    times[r.label][test]["wall"].append(wall)
+                    times[r.label][test]["cpu"].append(cpu)
                     bar.update()
     return times
 
@@ -131,10 +137,20 @@ def _entry(runner, times: dict, n_prompt: int, n_gen: int, target: float | None)
     if "pp" in times:
         entry["pp"] = summarize(n_prompt, times["pp"])
     entry["tg"] = summarize(n_gen, times["tg"])
-    if isinstance(runner, EngineRunner):
+    if runner.backend == "ours":
         entry["stats"] = runner.last_stats
         entry["sparsity"] = _layer_sparsity(runner.last_stats)
     return entry
+
+
+def _ratios(mine: dict, other: dict) -> dict:
+    """Paired speed ratios per test, by wall time and by CPU time."""
+    out = {}
+    for t in mine:
+        if t in other:
+            out[t] = paired_ratio(mine[t]["wall"], other[t]["wall"])
+            out[f"{t}_cpu"] = paired_ratio(mine[t]["cpu"], other[t]["cpu"])
+    return out
 
 
 def _add_derived(entries: list[dict], times: dict, mb: byte_model.ModelBytes, bandwidth: float, n_gen: int) -> None:
@@ -146,7 +162,7 @@ def _add_derived(entries: list[dict], times: dict, mb: byte_model.ModelBytes, ba
     for e in entries:
         mine = times[e["label"]]
         if llama is not None and e["backend"] != "llama.cpp":
-            e["vs_llamacpp"] = {t: paired_ratio(mine[t], llama[t]) for t in mine if t in llama}
+            e["vs_llamacpp"] = _ratios(mine, llama)
         if e["backend"] != "ours":
             continue
         layers = e["stats"]["layers"] if e.get("stats") else None
@@ -156,7 +172,7 @@ def _add_derived(entries: list[dict], times: dict, mb: byte_model.ModelBytes, ba
         e["of_limit"] = e["tg"]["median"] / e["limit_tps"]
         if dense is not None:
             e["predicted_speedup"] = dense_bytes / parts["total"]
-            e["achieved_speedup"] = paired_ratio(mine["tg"], dense["tg"])
+            e["achieved_speedup"] = paired_ratio(mine["tg"]["wall"], dense["tg"]["wall"])
             e["achieved_over_predicted"] = e["achieved_speedup"] / e["predicted_speedup"]
 
 
@@ -230,7 +246,7 @@ def run_bench(opts: BenchOptions) -> dict:
         text = read_text(text_path)
     need_calibration = opts.sparsity is not None or opts.sweep
     hf_model = adapter = None
-    if need_calibration or text is None or "torch" in opts.peers:
+    if need_calibration or text is None:
         hf_model, adapter = models.load_model(source)
     prompt, gen = _bench_tokens(opts, tokenizer, text, hf_model)
     record["tokens"] = {"text": str(text_path) if text is not None else "self-generated",
@@ -251,71 +267,75 @@ def run_bench(opts: BenchOptions) -> dict:
     if len(modes) < len(opts.modes):
         opts.log.append("predictor mode skipped: the file has no predictors (give --predictors DIR)")
     n_ctx = max(opts.n_prompt, opts.n_gen) + 8
-    peers = []
+    workers: list[Worker] = []
     try:
+        llama = []
         if "llama.cpp" in opts.peers:
-            runner, probe = best_llamacpp(files.llamacpp, opts.threads, n_ctx, opts.peer_python, gen[:16],
+            worker, probe = best_llamacpp(files.llamacpp, opts.threads, n_ctx, opts.peer_python, gen[:16],
                                           opts.llamacpp_wait)
-            peers.append(runner)
-            record["llamacpp"] = dict(runner.info(), omp_wait_probe_seconds=probe)
+            workers.append(worker)
+            llama = [Runner(worker, "llama.cpp")]
+            record["llamacpp"] = dict(worker.ask(op="info"), omp_wait_probe_seconds=probe)
+        torch_runner = []
         if "torch" in opts.peers:
-            peers.append(TorchRunner(opts.model, opts.threads, hf_model))
+            workers.append(Worker("torch", opts.model, opts.threads, n_ctx))
+            torch_runner = [Runner(workers[-1], f"torch {workers[-1].ask(op='info')['torch']} f32")]
 
         # main table
         model_file = files.powerinfer
         if opts.sparsity is not None:
             model_file = files_mod.working_copy(files.powerinfer, work_dir)
             files_mod.set_thresholds(model_file, **_thresholds_at(sample, logits, opts.sparsity))
-        engine_model = open_engine(model_file, opts.threads, n_ctx, opts.batch)
-        try:
-            ours = [EngineRunner(engine_model, m) for m in modes]
-            record["engine"] = {k: engine_model.info[k] for k in ("isa", "threads", "n_batch", "weight_type")}
-            record["thresholds"] = {"activation": engine_model.info["activation_thresholds"],
-                                    "predictor": engine_model.info["predictor_thresholds"]}
-            if peers and isinstance(peers[0], LlamaCppRunner) and "dense" in modes:
-                probe = gen[:AGREEMENT_TOKENS]
-                a, b = ours[modes.index("dense")].argmax(probe), peers[0].argmax(probe)
-                record["agreement"] = {"tokens": len(probe), "top1_ours_dense_vs_llamacpp":
-                                       sum(x == y for x, y in zip(a, b)) / len(probe)}
-            runners = peers[:1] + ours + peers[1:]
-            times = _time_rounds(runners, {"pp": prompt, "tg": gen}, opts.repeats, "bench", opts.progress)
-            entries = [_entry(r, times[r.label], len(prompt), len(gen), opts.sparsity) for r in runners]
-        finally:
-            engine_model.close()
+        ours_worker = Worker("ours", model_file, opts.threads, n_ctx, opts.batch)
+        workers.append(ours_worker)
+        info = ours_worker.ask(op="info")
+        record["engine"] = {k: info[k] for k in ("isa", "threads", "n_batch", "weight_type")}
+        record["thresholds"] = {"activation": info["activation_thresholds"], "predictor": info["predictor_thresholds"]}
+        ours = [Runner(ours_worker, f"ours {m}", m) for m in modes]
+        if llama and "dense" in modes:
+            probe = gen[:AGREEMENT_TOKENS]
+            a, b = ours[modes.index("dense")].argmax(probe), llama[0].argmax(probe)
+            record["agreement"] = {"tokens": len(probe), "top1_ours_dense_vs_llamacpp":
+                                   sum(x == y for x, y in zip(a, b)) / len(probe)}
+        runners = llama + ours + torch_runner
+        times = _time_rounds(runners, {"pp": prompt, "tg": gen}, opts.repeats, "bench", opts.progress)
+        entries = [_entry(r, times[r.label], len(prompt), len(gen), opts.sparsity) for r in runners]
+        record["engine"]["peak_rss_bytes"] = ours_worker.ask(op="info")["peak_rss_bytes"]
+        record["engine"]["kv_cache_bytes"] = mb.kv_per_position * len(mb.layers) * n_ctx
+        ours_worker.close()
         _add_derived(entries, times, mb, bandwidth, len(gen))
         record["runs"] = entries
 
         if opts.sweep:
-            record["sweep"] = _sweep(opts, files, work_dir, sample, logits, peers, modes, gen, mb, bandwidth)
-        if "llama.cpp" in opts.peers:
-            record["llamacpp"]["peak_rss_bytes"] = peers[0].info()["peak_rss_bytes"]
+            record["sweep"] = _sweep(opts, files, work_dir, sample, logits, llama, modes, gen, mb, bandwidth)
+        if llama:
+            record["llamacpp"]["peak_rss_bytes"] = llama[0].worker.ask(op="info")["peak_rss_bytes"]
     finally:
-        for p in peers:
-            p.close()
+        for w in workers:
+            w.close()
     record["targets"] = check_targets(record)
     record["notes"] = opts.log
     record["seconds"] = round(time.time() - started, 1)
     return record
 
 
-def _sweep(opts, files, work_dir, sample, logits, peers, modes, gen, mb, bandwidth) -> list[dict]:
+def _sweep(opts, files, work_dir, sample, logits, llama, modes, gen, mb, bandwidth) -> list[dict]:
     """tg of every sparse mode at each sparsity level, paired per round with our dense and llama.cpp dense."""
     copy = files_mod.working_copy(files.powerinfer, work_dir)
     sparse = [m for m in modes if m in SPARSE_MODES and (m != "gate" or sample.thresholded)]
     if "gate" in modes and not sample.thresholded:
         opts.log.append("gate mode not swept: a ReLU-family model's gate sparsity is fixed by the model")
-    llama = [p for p in peers if isinstance(p, LlamaCppRunner)]
     n_ctx = len(gen) + 8
     out = []
     for level in opts.sweep_levels:
         files_mod.set_thresholds(copy, **_thresholds_at(sample, logits, level))
-        engine_model = open_engine(copy, opts.threads, n_ctx, opts.batch)
+        worker = Worker("ours", copy, opts.threads, n_ctx, opts.batch)
         try:
-            runners = llama + [EngineRunner(engine_model, m) for m in ["dense"] + sparse]
+            runners = llama + [Runner(worker, f"ours {m}", m) for m in ["dense"] + sparse]
             times = _time_rounds(runners, {"tg": gen}, opts.sweep_repeats, f"sweep {level:.2f}", opts.progress)
             entries = [_entry(r, times[r.label], 0, len(gen), level) for r in runners]
         finally:
-            engine_model.close()
+            worker.close()
         _add_derived(entries, times, mb, bandwidth, len(gen))
         out.extend(entries)
     return out
@@ -324,7 +344,9 @@ def _sweep(opts, files, work_dir, sample, logits, peers, modes, gen, mb, bandwid
 # ---- targets ------------------------------------------------------------------------------------
 
 def check_targets(record: dict) -> list[dict]:
-    """issue 7's targets that this run measured: value, goal, met."""
+    """issue 7's targets that this run measured: value, goal, met. Speed ratios to llama.cpp are checked
+    by wall time and, separately, by CPU time (what each engine spent, whatever share of a shared
+    machine it got)."""
     checks = []
 
     def add(name: str, value: float | None, where: str) -> None:
@@ -334,8 +356,9 @@ def check_targets(record: dict) -> list[dict]:
 
     for e in record.get("runs", []):
         if e["label"] == "ours dense" and "vs_llamacpp" in e:
-            add("dense_tg_vs_llamacpp", e["vs_llamacpp"].get("tg"), "main")
-            add("dense_pp_vs_llamacpp", e["vs_llamacpp"].get("pp"), "main")
+            for test in ("tg", "pp"):
+                add(f"dense_{test}_vs_llamacpp", e["vs_llamacpp"].get(test), "main")
+                add(f"dense_{test}_vs_llamacpp (CPU time)", e["vs_llamacpp"].get(f"{test}_cpu"), "main")
     for where, entries in (("main", record.get("runs", [])), ("sweep", record.get("sweep", []))):
         for e in entries:
             if e["backend"] != "ours":
@@ -347,6 +370,7 @@ def check_targets(record: dict) -> list[dict]:
             key = f"{e['mode']}@{e['target_sparsity']}_vs_llamacpp"
             if key in TARGETS and "vs_llamacpp" in e:
                 add(key, e["vs_llamacpp"].get("tg"), where)
+                add(f"{key} (CPU time)", e["vs_llamacpp"].get("tg_cpu"), where)
     return checks
 
 
@@ -372,7 +396,8 @@ def render_markdown(record: dict) -> str:
              + ", ".join(f"{_f(v / 1e9, '{:.1f}')} GB/s ({k} thread{'s' if k != '1' else ''})" for k, v in bw.items())
              + (f"; load average {', '.join(f'{x:.1f}' for x in m['load_average'])}" if m.get("load_average") else ""),
              f"Model: {st['model']} {st['outtype']}, {st['threads']} threads, {st['repeats']} interleaved repeats "
-             f"(median ± stdev); text: {record['tokens']['text']}; our kernels: {record.get('engine', {}).get('isa')}",
+             f"(median ± stdev; t/CPU-s: tokens per CPU-second of the engine's process); "
+             f"text: {record['tokens']['text']}; our kernels: {record.get('engine', {}).get('isa')}",
              ""]
     if "llamacpp" in record:
         lc = record["llamacpp"]
@@ -382,34 +407,44 @@ def render_markdown(record: dict) -> str:
         if "agreement" in record:
             lines.append(f"Same weights check: greedy top-1 of ours dense vs llama.cpp over "
                          f"{record['agreement']['tokens']} tokens: {record['agreement']['top1_ours_dense_vs_llamacpp']:.3f}")
-        lines.append("")
+    eng = record.get("engine", {})
+    if "peak_rss_bytes" in eng:
+        lines.append(f"Peak RSS of the worker processes (Python included): ours {_mib(eng['peak_rss_bytes'])} MiB "
+                     f"(file {_mib(record['files']['powerinfer_bytes'])} MiB + KV cache {_mib(eng['kv_cache_bytes'])} "
+                     f"MiB)" + (f", llama.cpp {_mib(record['llamacpp']['peak_rss_bytes'])} MiB"
+                                if "peak_rss_bytes" in record.get("llamacpp", {}) else ""))
+    lines.append("")
     pp_n, tg_n = st["n_prompt"], st["n_gen"]
-    lines += [f"| engine | FFN sparsity | pp{pp_n} t/s | tg{tg_n} t/s | pp vs llama.cpp | tg vs llama.cpp | "
-              "MiB/token | predicted vs dense | achieved / predicted | of limit |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| engine | FFN sparsity | pp{pp_n} t/s | tg{tg_n} t/s | tg{tg_n} t/CPU-s | pp vs llama.cpp | "
+              "tg vs llama.cpp | tg vs llama.cpp, CPU | MiB/token | predicted vs dense | achieved / predicted | "
+              "of limit |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in record.get("runs", []):
         sp = e.get("sparsity")
         vs = e.get("vs_llamacpp", {})
         lines.append("| " + " | ".join([
             e["label"], _f(sp["ffn_sparsity"] if sp else None), _speed(e.get("pp")), _speed(e["tg"]),
-            _f(vs.get("pp"), "{:.2f}x"), _f(vs.get("tg"), "{:.2f}x"),
+            _f(e["tg"].get("cpu_median"), "{:.1f}"), _f(vs.get("pp"), "{:.2f}x"), _f(vs.get("tg"), "{:.2f}x"),
+            _f(vs.get("tg_cpu"), "{:.2f}x"),
             _mib(e["bytes_per_token"]["total"]) if "bytes_per_token" in e else "–",
             _f(e.get("predicted_speedup"), "{:.2f}x"), _f(e.get("achieved_over_predicted"), "{:.0%}"),
             _f(e.get("of_limit"), "{:.0%}")]) + " |")
     if record.get("sweep"):
         lines += ["", f"Sparsity sweep (tg{tg_n}, thresholds recalibrated per level):", "",
-                  "| target | engine | FFN sparsity | gate rows read | tg t/s | vs llama.cpp | vs ours dense | "
-                  "predicted | achieved / predicted | of limit |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| target | engine | FFN sparsity | gate rows read | tg t/s | tg t/CPU-s | vs llama.cpp | "
+                  "vs llama.cpp, CPU | vs ours dense | predicted | achieved / predicted | of limit |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for e in record["sweep"]:
             if e["backend"] != "ours":
                 continue
             sp = e.get("sparsity") or {}
+            vs = e.get("vs_llamacpp", {})
             lines.append("| " + " | ".join([
                 _f(e["target_sparsity"]), e["label"], _f(sp.get("ffn_sparsity")), _f(sp.get("gate_rows_read")),
-                _speed(e["tg"]), _f(e.get("vs_llamacpp", {}).get("tg"), "{:.2f}x"),
-                _f(e.get("achieved_speedup"), "{:.2f}x"), _f(e.get("predicted_speedup"), "{:.2f}x"),
-                _f(e.get("achieved_over_predicted"), "{:.0%}"), _f(e.get("of_limit"), "{:.0%}")]) + " |")
+                _speed(e["tg"]), _f(e["tg"].get("cpu_median"), "{:.1f}"), _f(vs.get("tg"), "{:.2f}x"),
+                _f(vs.get("tg_cpu"), "{:.2f}x"), _f(e.get("achieved_speedup"), "{:.2f}x"),
+                _f(e.get("predicted_speedup"), "{:.2f}x"), _f(e.get("achieved_over_predicted"), "{:.0%}"),
+                _f(e.get("of_limit"), "{:.0%}")]) + " |")
     if record.get("targets"):
         lines += ["", "| target | measured | goal | met |", "|---|---|---|---|"]
         for t in record["targets"]:

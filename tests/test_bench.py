@@ -149,8 +149,9 @@ def test_byte_model_counts_rows_used(silu_files):
 def test_paired_ratio_and_summary():
     # per-round seconds: a twice as fast as b in every round, whatever the drift between rounds
     assert bench.paired_ratio([1.0, 2.0, 4.0], [2.0, 4.0, 8.0]) == pytest.approx(2.0)
-    s = bench.summarize(128, [1.0, 2.0, 4.0])
+    s = bench.summarize(128, {"wall": [1.0, 2.0, 4.0], "cpu": [0.5, 1.0, 1.0]})
     assert s["median"] == pytest.approx(64.0) and s["tps"] == [128.0, 64.0, 32.0]
+    assert s["cpu_median"] == pytest.approx(128.0)
 
 
 def test_read_bandwidth_is_measured():
@@ -162,13 +163,17 @@ def test_read_bandwidth_is_measured():
 
 def _record(tg_llama, tg_dense, tg_gate, pp_ratio, achieved_over_predicted):
     runs = [{"label": "llama.cpp", "backend": "llama.cpp", "mode": "dense", "target_sparsity": None,
-             "tg": {"median": tg_llama, "stdev": 1.0}, "pp": {"median": 100.0, "stdev": 1.0}},
+             "tg": {"median": tg_llama, "stdev": 1.0, "cpu_median": 2 * tg_llama},
+             "pp": {"median": 100.0, "stdev": 1.0}},
             {"label": "ours dense", "backend": "ours", "mode": "dense", "target_sparsity": None,
-             "tg": {"median": tg_dense, "stdev": 1.0}, "pp": {"median": 100 * pp_ratio, "stdev": 1.0},
-             "vs_llamacpp": {"tg": tg_dense / tg_llama, "pp": pp_ratio}, "of_limit": 0.7,
+             "tg": {"median": tg_dense, "stdev": 1.0, "cpu_median": 2 * tg_dense},
+             "pp": {"median": 100 * pp_ratio, "stdev": 1.0},
+             "vs_llamacpp": {"tg": tg_dense / tg_llama, "pp": pp_ratio, "tg_cpu": 1.5, "pp_cpu": 0.5},
+             "of_limit": 0.7,
              "sparsity": {"ffn_sparsity": 0.0}, "bytes_per_token": {"total": 2**20}, "predicted_speedup": 1.0}]
     sweep = [{"label": "ours gate", "backend": "ours", "mode": "gate", "target_sparsity": 0.5,
-              "tg": {"median": tg_gate, "stdev": 1.0}, "vs_llamacpp": {"tg": tg_gate / tg_llama},
+              "tg": {"median": tg_gate, "stdev": 1.0, "cpu_median": 2 * tg_gate},
+              "vs_llamacpp": {"tg": tg_gate / tg_llama, "tg_cpu": 1.3},
               "achieved_speedup": tg_gate / tg_dense, "predicted_speedup": 1.3,
               "achieved_over_predicted": achieved_over_predicted, "of_limit": 0.5,
               "sparsity": {"ffn_sparsity": 0.5, "gate_rows_read": 1.0}}]
@@ -181,13 +186,15 @@ def test_targets_and_markdown():
     rec = _record(tg_llama=100.0, tg_dense=105.0, tg_gate=118.0, pp_ratio=0.7, achieved_over_predicted=0.9)
     targets = {t["target"]: t for t in bench.check_targets(rec)}
     assert targets["dense_tg_vs_llamacpp"]["met"] and not targets["dense_pp_vs_llamacpp"]["met"]
+    assert targets["dense_tg_vs_llamacpp (CPU time)"]["met"] and not targets["dense_pp_vs_llamacpp (CPU time)"]["met"]
     assert not targets["gate@0.5_vs_llamacpp"]["met"]            # 1.18 < 1.2
+    assert targets["gate@0.5_vs_llamacpp (CPU time)"]["met"]     # 1.3 >= 1.2
     assert targets["achieved_over_predicted gate@0.5"]["met"]     # 0.9 >= 0.85
     assert targets["of_physical_limit dense"]["met"] and not targets["of_physical_limit gate@0.5"]["met"]
     rec["targets"] = list(targets.values())
     md = bench.render_markdown(rec)
-    assert "| ours dense | 0.00 | 70.0 ± 1.0 | 105.0 ± 1.0 | 0.70x | 1.05x |" in md
-    assert "| 0.50 | ours gate | 0.50 | 1.00 | 118.0 ± 1.0 | 1.18x | 1.12x | 1.30x | 90% | 50% |" in md
+    assert "| ours dense | 0.00 | 70.0 ± 1.0 | 105.0 ± 1.0 | 210.0 | 0.70x | 1.05x | 1.50x |" in md
+    assert "| 0.50 | ours gate | 0.50 | 1.00 | 118.0 ± 1.0 | 236.0 | 1.18x | 1.30x | 1.12x | 1.30x | 90% | 50% |" in md
     assert "| gate@0.5_vs_llamacpp (sweep) | 1.18 | 1.20 | **no** |" in md
 
 

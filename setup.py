@@ -25,6 +25,8 @@ engine = Extension(
     "engine._pi_engine",
     sources=sources,
     include_dirs=["csrc", "csrc/include"],
+    # headers and the shared x86 kernel bodies: a change to any of them rebuilds the library
+    depends=sorted(glob.glob("csrc/*.h") + glob.glob("csrc/*.inc") + glob.glob("csrc/include/*.h")),
     language="c++",
     extra_compile_args=["-std=c++17", "-O3", "-fPIC", "-pthread"],
     extra_link_args=["-pthread"],

@@ -547,26 +547,53 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
         n_active += active;
         n_computed += computed;
     };
+    // A batch: rows in groups of 4; for each token, the group's gates (and ups) through dot4 when all 4
+    // rows need them, one dot at a time otherwise.
     auto gate_up = [&](int chunk, int n_chunks, int) {
         int64_t i0, i1, active = 0, computed = 0;
         split_range(n_rows_, chunk, n_chunks, &i0, &i1);
-        for (int64_t i = i0; i < i1; ++i) {
-            const int64_t r = rows_[size_t(i)];
-            const uint8_t *grow = T.row(T.gate, r), *urow = T.row(T.up, r);
+        for (int64_t i = i0; i < i1; i += 4) {
+            const int m = int(std::min<int64_t>(4, i1 - i));
+            int64_t r[4];
+            const void *grows[4], *urows[4];
+            for (int j = 0; j < m; ++j) {
+                r[j] = rows_[size_t(i + j)];
+                grows[j] = T.row(T.gate, r[j]);
+                urows[j] = T.row(T.up, r[j]);
+            }
             for (int64_t t = 0; t < n_tok; ++t) {
-                uint8_t &m = mask_[size_t(t * F + r)];
-                if (!m) continue;
-                float a, h = 0.0f;
-                const bool first_pass = gate_rule(kg.dot(int(E), grow, op_xn_.at(t, L.gate.type)), &a);
-                bool pass = first_pass;
-                if (first_pass || all_up) pass = finish(first_pass, a, ku.dot(int(E), urow, op_xn_.at(t, L.up.type)), &h);
-                active += pass;
-                if (dense || pass) {
-                    m = 2;
-                    ++computed;
-                    h_[size_t(t * F + r)] = h;
-                } else {
-                    m = 1;
+                uint8_t *mt = mask_.data() + t * F;
+                const void *xg = op_xn_.at(t, L.gate.type), *xu = op_xn_.at(t, L.up.type);
+                float g[4], a[4], u[4], h[4] = {0, 0, 0, 0};
+                bool first[4], need_up[4];
+                int n_gate = 0, n_up = 0;
+                for (int j = 0; j < m; ++j) n_gate += mt[r[j]] != 0;
+                if (n_gate == 4) kg.dot4(int(E), grows, xg, g);
+                else
+                    for (int j = 0; j < m; ++j)
+                        if (mt[r[j]]) g[j] = kg.dot(int(E), grows[j], xg);
+                for (int j = 0; j < m; ++j) {
+                    if (!mt[r[j]]) continue;
+                    first[j] = gate_rule(g[j], &a[j]);
+                    need_up[j] = first[j] || all_up;
+                    n_up += need_up[j];
+                }
+                if (n_up == 4) ku.dot4(int(E), urows, xu, u);
+                else
+                    for (int j = 0; j < m; ++j)
+                        if (mt[r[j]] && need_up[j]) u[j] = ku.dot(int(E), urows[j], xu);
+                for (int j = 0; j < m; ++j) {
+                    uint8_t &mk = mt[r[j]];
+                    if (!mk) continue;
+                    const bool pass = need_up[j] ? finish(first[j], a[j], u[j], &h[j]) : first[j];
+                    active += pass;
+                    if (dense || pass) {
+                        mk = 2;
+                        ++computed;
+                        h_[size_t(t * F + r[j])] = h[j];
+                    } else {
+                        mk = 1;
+                    }
                 }
             }
         }

@@ -71,8 +71,9 @@ inline bool act_is_q8(uint32_t type) { return type == TYPE_Q4_0 || type == TYPE_
 const KernelSet &scalar_kernels();
 // nullptr when the build or the CPU lacks the instruction set.
 const KernelSet *avx2_kernels();
+const KernelSet *avx512_kernels();
 
-// "scalar", "avx2"; nullptr when unknown or unavailable.
+// "scalar", "avx2", "avx512"; nullptr when unknown or unavailable.
 const KernelSet *kernels_named(const char *isa);
 // The best available set, selected on first use.
 const KernelSet &best_kernels();

@@ -18,7 +18,7 @@ class Model:
     ctx_size: KV cache length (default: min(training context, 4096)); gpuidx: optional PowerInfer
     .gpuidx file whose neurons form the hot tier; recall_check: also compute the true activation mask
     in predictor mode to report recall; batch_size: tokens per forward batch of a prompt;
-    isa: force a kernel set ("scalar", "avx2") instead of the best available one.
+    isa: force a kernel set ("scalar", "avx2", "avx512") instead of the best available one.
     """
 
     def __init__(self, path: str | os.PathLike, threads: int | None = None, sparse_mode: str = "dense",

@@ -10,7 +10,7 @@ from engine import kernels
 
 Q = gguf.GGMLQuantizationType
 QTYPES = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0}
-SIMD = [isa for isa in ("avx2",) if kernels.available(isa)]
+SIMD = [isa for isa in ("avx2", "avx512") if kernels.available(isa)]
 FLOAT_SIZES = [1, 7, 8, 13, 31, 33, 100, 257, 1023]
 BLOCK_SIZES = [32, 96, 160, 224, 1056, 4128]
 

@@ -17,7 +17,7 @@ from engine import kernels
 
 N_PROMPT, N_DECODE = 64, 16
 TOKENS = random_tokens(N_PROMPT + N_DECODE, 384, seed=1)
-ISAS = ["scalar"] + [i for i in ("avx2",) if kernels.available(i)]
+ISAS = ["scalar"] + [i for i in ("avx2", "avx512") if kernels.available(i)]
 
 
 def run(path, mode="dense", tokens=TOKENS, **kw):

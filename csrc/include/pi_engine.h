@@ -44,7 +44,7 @@ typedef struct {
     int32_t ffn_mode;        /* pi_ffn_mode */
     int32_t recall_check;    /* != 0: also compute the true mask to measure predictor recall */
     const char *gpuidx_path; /* optional PowerInfer .gpuidx file: its neurons form the hot tier */
-    const char *isa;         /* optional kernel set: "scalar", "avx2"; NULL: best available */
+    const char *isa;         /* optional kernel set: "scalar", "avx2", "avx512"; NULL: best available */
 } pi_options;
 
 typedef struct {

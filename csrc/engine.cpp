@@ -1,5 +1,7 @@
 #include "engine.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -60,6 +62,7 @@ Engine::Engine(const std::string &path, const pi_options &opts)
 
     const int64_t E = hp_.n_embd, F = hp_.n_ff, L = hp_.n_layer, B = n_batch_;
     const int64_t Q = hp_.n_head * hp_.d_head, KV = hp_.n_head_kv * hp_.d_head, R = std::max<int64_t>(model_->max_rank(), 1);
+    check_working_memory(threads);
     k_cache_.assign(size_t(L * n_ctx_ * KV), 0.0f);
     v_cache_.assign(size_t(L * n_ctx_ * KV), 0.0f);
     history_.assign(size_t(n_ctx_), 0);
@@ -106,6 +109,23 @@ Engine::Engine(const std::string &path, const pi_options &opts)
     ema_predicted_.assign(size_t(L), 1.0);
     predicted_seen_.assign(size_t(L), false);
     stats_.assign(size_t(L), LayerStats{});
+}
+
+void Engine::check_working_memory(int64_t threads) const {
+    // Every buffer below is sized by the file's hyperparameters and ctx_size: add them up (in doubles,
+    // no overflow) and refuse before allocating when they exceed the machine's memory, so a file that
+    // declares a huge model fails with a message instead of an out-of-memory kill.
+    const double E = double(hp_.n_embd), F = double(hp_.n_ff), L = double(hp_.n_layer), B = double(n_batch_);
+    const double Q = double(hp_.n_head * hp_.d_head), KV = double(hp_.n_head_kv * hp_.d_head);
+    const double R = double(std::max<int64_t>(model_->max_rank(), 1)), C = double(n_ctx_), T = double(threads);
+    const double floats = 2 * L * C * KV + C * double(hp_.n_rot) + B * (5 * E + 2 * Q + 2 * KV + 2 * F + R) +
+                          double(hp_.n_vocab) + T * (C + E);
+    const double bytes = 4 * floats + C * 4 + B * F * 2 + F * 8 + L * 32;
+    const double available = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE));
+    if (available > 0 && bytes > available)
+        fail(PI_ERR_MEMORY, model_->path() + ": the KV cache and work buffers would need " +
+                                std::to_string(bytes / double(1 << 30)).substr(0, 8) + " GiB for ctx_size " +
+                                std::to_string(n_ctx_) + ", more than this machine's memory; lower ctx_size");
 }
 
 void Engine::set_ffn_mode(int32_t mode) {

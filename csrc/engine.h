@@ -64,6 +64,8 @@ public:
     void reset_stats();
 
 private:
+    // Refuses (PI_ERR_MEMORY) before allocating when the buffers the hyperparameters imply exceed RAM.
+    void check_working_memory(int64_t threads) const;
     void forward(const int32_t *tokens, int64_t n_tok, float *logits, int64_t ld_logits, bool all_logits);
     void attention(int64_t il, int64_t n_tok);
     void ffn(int64_t il, int64_t n_tok);

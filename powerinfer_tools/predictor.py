@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from powerinfer_tools.errors import UserError
+from powerinfer_tools.safe_load import load_pt
 
 CONFIG_FORMAT = "powerinfer-tools.predictors/1"
 STATE_KEYS = ("fc1.weight", "fc2.weight")
@@ -71,13 +72,7 @@ def save_predictor(model: Predictor, path: Path) -> None:
 
 def load_predictor(path: Path) -> Predictor:
     """Read a model_{i}.pt with weights_only=True (a pickle from elsewhere must not run code)."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise UserError(f"predictor file not found: {path}") from None
-    except Exception as exc:  # torch raises pickle/zip errors of many types for a damaged file
-        raise UserError(f"cannot read predictor {path}: {str(exc).splitlines()[0]}") from None
-    return Predictor.from_state(state, str(path))
+    return Predictor.from_state(load_pt(path, "predictor"), str(path))
 
 
 @dataclass

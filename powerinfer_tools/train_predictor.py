@@ -22,6 +22,7 @@ import torch
 
 from powerinfer_tools import arch as arch_registry
 from powerinfer_tools.errors import UserError
+from powerinfer_tools.safe_load import load_pt
 from powerinfer_tools.predictor import (Predictor, layer_metrics, neuron_weights, recall_at_density,
                                         threshold_for_recall)
 
@@ -75,10 +76,7 @@ class Profile:
         path = self.path / kind / f"{kind}_{layer}.pt"
         if not path.is_file():
             raise UserError(f"profile {self.path} is missing {kind}/{path.name}")
-        try:
-            vec = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # damaged file: pickle/zip errors of many types
-            raise UserError(f"cannot read {path}: {str(exc).splitlines()[0]}") from None
+        vec = load_pt(path, f"{kind} file")
         if not isinstance(vec, torch.Tensor) or vec.shape != (self.n_ff,):
             raise UserError(f"{path}: expected a tensor of shape ({self.n_ff},)")
         return vec.to(dtype)

@@ -3,7 +3,8 @@
 # product does not): builds csrc/fuzz/fuzz_load.cpp with the engine sources into build/fuzz/, then
 # fuzzes for SECONDS (default 120) from the seed corpus tests/fuzz_corpus/. Inputs found along the way
 # go to build/fuzz/corpus/ (not the repository); a crashing input is written to build/fuzz/crashes/
-# and the script exits non-zero: minimize it, fix the loader, keep it under tests/fuzz_regressions/.
+# and the script exits non-zero: minimize it, fix the loader, keep it under tests/fuzz_regressions/
+# (tests/test_fuzz_inputs.py loads it; fuzzing reuses it as a seed).
 #
 #   scripts/fuzz_engine.sh [SECONDS] [JOBS]      e.g. scripts/fuzz_engine.sh 600 2
 set -euo pipefail

@@ -53,9 +53,7 @@ Engine::Engine(const std::string &path, const pi_options &opts)
     if (threads > 256) fail(PI_ERR_ARGUMENT, "threads must be at most 256");
     n_ctx_ = opts.ctx_size > 0 ? opts.ctx_size : std::min(hp_.n_ctx_train, kDefaultCtx);
     if (n_ctx_ > (int64_t(1) << 20)) fail(PI_ERR_ARGUMENT, "ctx_size is too large");
-    if (hp_.learned_pos && n_ctx_ > hp_.n_ctx_train)
-        fail(PI_ERR_ARGUMENT, "ctx_size " + std::to_string(n_ctx_) + " exceeds the " + std::to_string(hp_.n_ctx_train) +
-                                  " positions of this model's learned position table");
+    if (hp_.learned_pos) n_ctx_ = std::min(n_ctx_, hp_.n_ctx_train);  // no position beyond the learned table
     n_batch_ = opts.batch_size > 0 ? std::min<int64_t>(opts.batch_size, 4096) : kDefaultBatch;
     n_batch_ = std::min(n_batch_, n_ctx_);
     recall_check_ = opts.recall_check != 0;

@@ -235,12 +235,13 @@ void Model::bind_ffn(int64_t i, Layer &l) {
     const GgufFile &f = *file_;
     const int64_t E = hp_.n_embd, F = hp_.n_ff;
     const bool all_biases = hp_.arch == "opt";
-    l.up = bind(blk(i, "ffn_up.weight"), F, E, false);
-    l.up_b = bind_vector(blk(i, "ffn_up.bias"), F, all_biases);
     if (hp_.gated) {
         l.gate = bind(blk(i, "ffn_gate.weight"), F, E, false);
         l.gate_b = bind_vector(blk(i, "ffn_gate.bias"), F, false);
-    } else {  // the activation rule reads up's output
+    }
+    l.up = bind(blk(i, "ffn_up.weight"), F, E, false);
+    l.up_b = bind_vector(blk(i, "ffn_up.bias"), F, all_biases);
+    if (!hp_.gated) {  // the activation rule reads up's output
         l.gate = l.up;
         l.gate_b = l.up_b;
     }

@@ -55,6 +55,7 @@ Engine::Engine(const std::string &path, const pi_options &opts)
     if (threads > 256) fail(PI_ERR_ARGUMENT, "threads must be at most 256");
     n_ctx_ = opts.ctx_size > 0 ? opts.ctx_size : std::min(hp_.n_ctx_train, kDefaultCtx);
     if (n_ctx_ > (int64_t(1) << 20)) fail(PI_ERR_ARGUMENT, "ctx_size is too large");
+    if (hp_.learned_pos) n_ctx_ = std::min(n_ctx_, hp_.n_ctx_train);  // no position beyond the learned table
     n_batch_ = opts.batch_size > 0 ? std::min<int64_t>(opts.batch_size, 4096) : kDefaultBatch;
     n_batch_ = std::min(n_batch_, n_ctx_);
     recall_check_ = opts.recall_check != 0;
@@ -162,16 +163,34 @@ void Engine::matmul(const Matrix &W, Operand &x, int64_t n_tok, float *out, int6
     pool_->run(pool_->chunks_for(W.rows * W.cols * n_tok, kGrain), job);
 }
 
-void Engine::rmsnorm(const float *x, const Matrix &w, int64_t n_tok, float *out) const {
+void Engine::norm(const float *x, const Matrix &w, const Matrix &b, int64_t n_tok, float *out) const {
     const int64_t E = hp_.n_embd;
-    const float *wv = reinterpret_cast<const float *>(w.data);
+    const float *wv = w.floats(), *bv = b.floats();
     for (int64_t t = 0; t < n_tok; ++t) {
         const float *xt = x + t * E;
-        double ss = 0.0;
-        for (int64_t i = 0; i < E; ++i) ss += double(xt[i]) * double(xt[i]);
-        const float scale = 1.0f / std::sqrt(float(ss / double(E)) + hp_.norm_eps);
-        for (int64_t i = 0; i < E; ++i) out[t * E + i] = wv[i] * (xt[i] * scale);
+        float *ot = out + t * E;
+        if (hp_.norm == NormKind::Rms) {
+            double ss = 0.0;
+            for (int64_t i = 0; i < E; ++i) ss += double(xt[i]) * double(xt[i]);
+            const float scale = 1.0f / std::sqrt(float(ss / double(E)) + hp_.norm_eps);
+            for (int64_t i = 0; i < E; ++i) ot[i] = wv[i] * (xt[i] * scale);
+        } else {  // LayerNorm: (x - mean) / sqrt(var + eps) * w + b
+            double sum = 0.0;
+            for (int64_t i = 0; i < E; ++i) sum += double(xt[i]);
+            const double mean = sum / double(E);
+            double ss = 0.0;
+            for (int64_t i = 0; i < E; ++i) ss += (double(xt[i]) - mean) * (double(xt[i]) - mean);
+            const float scale = 1.0f / std::sqrt(float(ss / double(E)) + hp_.norm_eps);
+            for (int64_t i = 0; i < E; ++i) ot[i] = wv[i] * (float(double(xt[i]) - mean) * scale) + (bv ? bv[i] : 0.0f);
+        }
     }
+}
+
+void Engine::add_bias(float *y, const Matrix &b, int64_t n_tok, int64_t ld) const {
+    const float *bv = b.floats();
+    if (!bv) return;
+    for (int64_t t = 0; t < n_tok; ++t)
+        for (int64_t i = 0; i < b.cols; ++i) y[t * ld + i] += bv[i];
 }
 
 void Engine::eval(const int32_t *tokens, int32_t n, float *logits, bool all_logits) {
@@ -209,13 +228,24 @@ void Engine::forward(const int32_t *tokens, int64_t n_tok, float *logits, int64_
     auto t0 = Clock::now();
     const TypeKernels &ke = ks_->for_type(model_->tok_embd().type);
     for (int64_t t = 0; t < n_tok; ++t) ke.to_float(int(E), model_->tok_embd().row(tokens[t]), x_.data() + t * E);
+    if (hp_.learned_pos) {
+        const Matrix &pe = model_->pos_embd();
+        const TypeKernels &kp = ks_->for_type(pe.type);
+        for (int64_t t = 0; t < n_tok; ++t) {
+            kp.to_float(int(E), pe.row(n_past_ + t + hp_.pos_offset), tmp_.data());
+            for (int64_t i = 0; i < E; ++i) x_[size_t(t * E + i)] += tmp_[size_t(i)];
+        }
+    }
     times_.embed += seconds_since(t0);
 
     for (int64_t il = 0; il < hp_.n_layer; ++il) {
+        // attention's output lands in tmp_; a parallel block adds it after the FFN has read the layer input
         t0 = Clock::now();
         attention(il, n_tok);
+        if (!hp_.parallel_block) add_residual(tmp_.data(), n_tok);
         times_.attention += seconds_since(t0);
         ffn(il, n_tok);
+        if (hp_.parallel_block) add_residual(tmp_.data(), n_tok);
     }
     for (int64_t t = 0; t < n_tok; ++t) history_[size_t(n_past_ + t)] = tokens[t];
     n_past_ += n_tok;
@@ -224,7 +254,7 @@ void Engine::forward(const int32_t *tokens, int64_t n_tok, float *logits, int64_
     t0 = Clock::now();
     // Only the rows whose logits are wanted go through the head: all of them, or the last one.
     const int64_t first = logits ? 0 : n_tok - 1;
-    rmsnorm(x_.data() + first * E, model_->output_norm(), n_tok - first, xn_.data());
+    norm(x_.data() + first * E, model_->output_norm(), model_->output_norm_b(), n_tok - first, xn_.data());
     op_xn_.q_ready = false;
     float *out = logits ? logits : last_logits_.data();
     matmul(model_->output(), op_xn_, n_tok - first, out, ld_logits);
@@ -236,21 +266,28 @@ void Engine::attention(int64_t il, int64_t n_tok) {
     const Layer &L = model_->layers()[size_t(il)];
     const int64_t E = hp_.n_embd, D = hp_.d_head, H = hp_.n_head, HKV = hp_.n_head_kv;
     const int64_t Q = H * D, KV = HKV * D, half = hp_.n_rot / 2;
-    rmsnorm(x_.data(), L.attn_norm, n_tok, xn_.data());
+    norm(x_.data(), L.attn_norm, L.attn_norm_b, n_tok, xn_.data());
     op_xn_.q_ready = false;
     matmul(L.wq, op_xn_, n_tok, q_.data(), Q);
     matmul(L.wk, op_xn_, n_tok, k_.data(), KV);
     matmul(L.wv, op_xn_, n_tok, v_.data(), KV);
+    add_bias(q_.data(), L.bq, n_tok, Q);
+    add_bias(k_.data(), L.bk, n_tok, KV);
+    add_bias(v_.data(), L.bv, n_tok, KV);
 
-    // RoPE, llama.cpp "normal" mode: adjacent pairs (the converter permuted q/k rows to match).
+    // RoPE on the first n_rot dims of each head: llama.cpp "normal" mode rotates adjacent pairs (the
+    // converter permuted llama's q/k rows to match), NeoX mode (falcon) pairs i with i + n_rot/2.
+    const bool neox = hp_.rope == RopeKind::NeoX;
     auto rope = [&](float *vec, int64_t n_heads, int64_t pos) {
+        if (hp_.rope == RopeKind::None) return;
         const float *c = rope_cos_.data() + pos * half, *s = rope_sin_.data() + pos * half;
         for (int64_t h = 0; h < n_heads; ++h) {
             float *v = vec + h * D;
             for (int64_t i = 0; i < half; ++i) {
-                const float x0 = v[2 * i], x1 = v[2 * i + 1];
-                v[2 * i] = x0 * c[i] - x1 * s[i];
-                v[2 * i + 1] = x0 * s[i] + x1 * c[i];
+                const int64_t i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
+                const float x0 = v[i0], x1 = v[i1];
+                v[i0] = x0 * c[i] - x1 * s[i];
+                v[i1] = x0 * s[i] + x1 * c[i];
             }
         }
     };
@@ -292,7 +329,11 @@ void Engine::attention(int64_t il, int64_t n_tok) {
     pool_->run(int(std::min<int64_t>(n_tok * H, pool_->chunks_for(n_tok * H * (n_past_ + n_tok) * D * 2, kGrain))), job);
     op_att_.q_ready = false;
     matmul(L.wo, op_att_, n_tok, tmp_.data(), E);
-    for (int64_t i = 0; i < n_tok * E; ++i) x_[size_t(i)] += tmp_[size_t(i)];
+    add_bias(tmp_.data(), L.bo, n_tok, E);
+}
+
+void Engine::add_residual(const float *y, int64_t n_tok) {
+    for (int64_t i = 0; i < n_tok * hp_.n_embd; ++i) x_[size_t(i)] += y[i];
 }
 
 TierMode Engine::choose_cold_mode(int64_t il) const {
@@ -306,7 +347,7 @@ TierMode Engine::choose_cold_mode(int64_t il) const {
     // auto: bytes one token reads, per mode, at the densities measured so far in this layer
     const Layer &L = model_->layers()[size_t(il)];
     const double n = double(L.cold.size());
-    const double g = double(L.gate.row_bytes), ud = double(L.up.row_bytes + L.down_t.row_bytes);
+    const double g = double(L.gate.row_bytes), ud = double((hp_.gated ? L.up.row_bytes : 0) + L.down_t.row_bytes);
     const double gather = 1.1;  // gathered rows stream a little worse than a dense sweep
     const double rho = ema_active_[size_t(il)];
     const double cost_dense = n * (g + ud);
@@ -326,9 +367,13 @@ void Engine::ffn(int64_t il, int64_t n_tok) {
     const Layer &L = model_->layers()[size_t(il)];
     LayerStats &st = stats_[size_t(il)];
     const int64_t E = hp_.n_embd;
-    rmsnorm(x_.data(), L.ffn_norm, n_tok, xn_.data());
-    op_xn_.q_ready = false;
-    op_x_.q_ready = false;  // the predictor's input: the residual entering the FFN block
+    if (L.ffn_norm.data != L.attn_norm.data) {  // falcon 7B: attention's norm output is the FFN's too
+        norm(x_.data(), L.ffn_norm, L.ffn_norm_b, n_tok, xn_.data());
+        op_xn_.q_ready = false;
+    }
+    // The predictor's input, x_ as it stands: the residual entering the FFN block (llama family,
+    // opt), or the layer's input in a parallel block (falcon), as PowerInfer feeds them.
+    op_x_.q_ready = false;
     const double active_before = st.active, predicted_before = st.predicted, cold_before = st.cold_tokens;
 
     // Hot tier first (a device backend would run it concurrently), then the cold tier.
@@ -341,7 +386,10 @@ void Engine::ffn(int64_t il, int64_t n_tok) {
     } else {
         std::fill(y_cold_.begin(), y_cold_.begin() + n_tok * E, 0.0f);
     }
-    for (int64_t i = 0; i < n_tok * E; ++i) x_[size_t(i)] += has_hot ? y_hot_[size_t(i)] + y_cold_[size_t(i)] : y_cold_[size_t(i)];
+    if (has_hot)
+        for (int64_t i = 0; i < n_tok * E; ++i) y_cold_[size_t(i)] += y_hot_[size_t(i)];
+    add_bias(y_cold_.data(), L.down_b, n_tok, E);
+    add_residual(y_cold_.data(), n_tok);
     st.tokens += double(n_tok);
 
     // auto mode's view of this layer (an EMA over tokens)
@@ -383,16 +431,18 @@ void Engine::true_mask(const Layer &L, const FfnTier &T, int64_t n_tok, uint8_t 
     const TypeKernels &kg = ks_->for_type(L.gate.type), &ku = ks_->for_type(L.up.type);
     const Activation act = hp_.activation;
     const float thr = L.act_threshold;
+    const float *gb = L.gate_b.floats(), *ub = L.up_b.floats();
     auto job = [&](int chunk, int n_chunks, int) {
         int64_t r0, r1;
         split_range(n, chunk, n_chunks, &r0, &r1);
         for (int64_t r = r0; r < r1; ++r) {
+            const int32_t id = T.ids[size_t(r)];
             for (int64_t t = 0; t < n_tok; ++t) {
-                const float g = kg.dot(int(E), T.row(T.gate, r), op_xn_.at(t, L.gate.type));
+                const float g = kg.dot(int(E), T.row(T.gate, r), op_xn_.at(t, L.gate.type)) + (gb ? gb[id] : 0.0f);
                 bool on;
                 if (act == Activation::Relu) on = g > 0.0f;
                 else if (act == Activation::Silu) on = std::fabs(silu(g)) > thr;
-                else on = g > 0.0f && ku.dot(int(E), T.row(T.up, r), op_xn_.at(t, L.up.type)) > 0.0f;
+                else on = g > 0.0f && ku.dot(int(E), T.row(T.up, r), op_xn_.at(t, L.up.type)) + (ub ? ub[id] : 0.0f) > 0.0f;
                 out[size_t(t * F + r)] = on;
             }
         }
@@ -451,17 +501,20 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
     prepare(op_xn_, n_tok, L.up.type);
     const TypeKernels &kg = ks_->for_type(L.gate.type), &ku = ks_->for_type(L.up.type);
     const bool dense = mode == TierMode::Dense, all_up = mode == TierMode::Dense || mode == TierMode::DenseRule;
+    const bool gated = hp_.gated;
+    const float *gb = L.gate_b.floats(), *ub = L.up_b.floats();
     std::atomic<int64_t> n_active{0}, n_computed{0};
     auto gate_up = [&](int chunk, int n_chunks, int) {
         int64_t i0, i1, active = 0, computed = 0;
         split_range(n_rows_, chunk, n_chunks, &i0, &i1);
         for (int64_t i = i0; i < i1; ++i) {
             const int64_t r = rows_[size_t(i)];
+            const int32_t id = T.ids[size_t(r)];
             const uint8_t *grow = T.row(T.gate, r), *urow = T.row(T.up, r);
             for (int64_t t = 0; t < n_tok; ++t) {
                 uint8_t &m = mask_[size_t(t * F + r)];
                 if (!m) continue;
-                const float g = kg.dot(int(E), grow, op_xn_.at(t, L.gate.type));
+                const float g = kg.dot(int(E), grow, op_xn_.at(t, L.gate.type)) + (gb ? gb[id] : 0.0f);
                 float a = 0.0f;
                 bool first_pass;  // the rule's verdict from the gate alone
                 if (act == Activation::Silu) {
@@ -471,10 +524,10 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
                     a = std::max(g, 0.0f);
                     first_pass = g > 0.0f;
                 }
-                float h = 0.0f;
+                float h = gated ? 0.0f : a;  // ungated: the activation is the neuron's output
                 bool pass = first_pass;
-                if (first_pass || all_up) {
-                    const float u = ku.dot(int(E), urow, op_xn_.at(t, L.up.type));
+                if (gated && (first_pass || all_up)) {
+                    const float u = ku.dot(int(E), urow, op_xn_.at(t, L.up.type)) + (ub ? ub[id] : 0.0f);
                     if (act == Activation::DRelu) {
                         h = a * std::max(u, 0.0f);
                         pass = h > 0.0f;

@@ -76,7 +76,11 @@ private:
     void true_mask(const Layer &L, const FfnTier &T, int64_t n_tok, uint8_t *out);
     void matmul(const Matrix &W, Operand &x, int64_t n_tok, float *out, int64_t ldo);
     void prepare(Operand &x, int64_t n_tok, uint32_t type);
-    void rmsnorm(const float *x, const Matrix &w, int64_t n_tok, float *out) const;
+    // RMSNorm or LayerNorm (hp_.norm) of n_tok rows; b may be empty.
+    void norm(const float *x, const Matrix &w, const Matrix &b, int64_t n_tok, float *out) const;
+    // y[t][i] += b[i] for each of n_tok rows ld apart (nothing when b is absent)
+    void add_bias(float *y, const Matrix &b, int64_t n_tok, int64_t ld) const;
+    void add_residual(const float *y, int64_t n_tok);
 
     std::unique_ptr<Model> model_;
     const KernelSet *ks_;

@@ -10,8 +10,10 @@ import torch
 
 from convert_helpers import write_predictors
 from powerinfer_tools.profile import partial_dir
-from test_profile import TEXT, run_cli
-from tiny_models import HIDDEN, N_FF, N_LAYER
+from cli_helpers import run_cli
+from tiny_models import DATA, HIDDEN, N_FF, N_LAYER
+
+TEXT = DATA / "tinyshakespeare.txt"
 
 PROFILE_ARGS = ["--calib", str(TEXT), "--tokens", "512", "--seq-len", "64", "--batch", "1", "--max-samples", "64"]
 
@@ -67,8 +69,7 @@ def test_activation_file(profile_dir, tmp_path, capsys):
     shutil.copytree(profile_dir, profile)
     path = profile / "activation" / "activation_1.pt"
     marker = plant(path, tmp_path, "activation")
-    code, _, stderr = run_cli(["train-predictor", str(profile), "-o", str(tmp_path / "pred"), "--epochs", "1"],
-                              capsys)
+    code, _, stderr = run_cli(capsys, "train-predictor", profile, "-o", tmp_path / "pred", "--epochs", "1")
     assert_refused(code, stderr, path, marker)
     assert not (tmp_path / "pred").exists()
 
@@ -78,8 +79,7 @@ def test_predictor_file(tiny_model_dir, tmp_path, capsys):
     path = preds / "model_1.pt"
     marker = plant(path, tmp_path, "predictor")
     out = tmp_path / "m.gguf"
-    code, _, stderr = run_cli(["convert", "-m", str(tiny_model_dir("llama-relu")), "--predictors", str(preds),
-                               "-o", str(out), "-q"], capsys)
+    code, _, stderr = run_cli(capsys, "convert", "-m", tiny_model_dir("llama-relu"), "--predictors", preds, "-o", out, "-q")
     assert_refused(code, stderr, path, marker)
     assert not out.exists()
 
@@ -106,11 +106,11 @@ def test_profile_checkpoint(tiny_model_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(profile_mod, "profile_pass", interrupted_pass)
     out = tmp_path / "profile"
     args = ["profile", "-m", str(tiny_model_dir("llama-relu")), "-o", str(out), *PROFILE_ARGS]
-    code, _, _ = run_cli(args, capsys)
+    code, _, _ = run_cli(capsys, *args)
     path = partial_dir(out) / "checkpoint.pt"
     assert code == 130 and path.is_file()
     monkeypatch.setattr(profile_mod, "profile_pass", real_pass)
     marker = plant(path, tmp_path, "checkpoint")
-    code, _, stderr = run_cli(args + ["--resume"], capsys)
+    code, _, stderr = run_cli(capsys, *args, "--resume")
     assert_refused(code, stderr, path, marker)
     assert not out.exists()

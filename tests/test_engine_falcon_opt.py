@@ -15,7 +15,7 @@ import torch
 from convert_helpers import read_fields, read_tensors, write_predictors
 from engine_helpers import engine_prompt_then_decode, hf_logits, max_rel_err, random_tokens, write_gpuidx
 from test_engine_bad_input import rewrite
-from test_profile import run_cli
+from cli_helpers import run_cli
 from tiny_models import N_FF, N_LAYER, training_text
 
 import engine
@@ -184,10 +184,10 @@ def test_pipeline_profile_train_convert_run(kind, tmp_path, model_dir, capsys):
              ["convert", "-m", src, "--predictors", str(pred), "--profile", str(prof), "-t", "f32", "-o", str(out),
               "-q"]]
     for args in steps:
-        code, _, err = run_cli(args, capsys)
+        code, _, err = run_cli(capsys, *args)
         assert code == 0, (args[0], err)
-    code, text_out, err = run_cli(["run", "-m", str(out), "-p", "ROMEO:", "-n", "8", "--temp", "0", "-t", "2",
-                                   "--sparse-mode", "predictor"], capsys)
+    code, text_out, err = run_cli(capsys, *["run", "-m", str(out), "-p", "ROMEO:", "-n", "8", "--temp", "0", "-t", "2",
+                                   "--sparse-mode", "predictor"])
     assert code == 0, err
     assert text_out.startswith("ROMEO:") and "ffn: mode predictor" in err
     with engine.Model(out, threads=2, sparse_mode="predictor", recall_check=True) as m:

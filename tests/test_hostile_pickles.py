@@ -79,7 +79,8 @@ def test_predictor_file(tiny_model_dir, tmp_path, capsys):
     path = preds / "model_1.pt"
     marker = plant(path, tmp_path, "predictor")
     out = tmp_path / "m.gguf"
-    code, _, stderr = run_cli(capsys, "convert", "-m", tiny_model_dir("llama-relu"), "--predictors", preds, "-o", out, "-q")
+    code, _, stderr = run_cli(capsys, "convert", "-m", tiny_model_dir("llama-relu"), "--predictors", preds,
+                              "-o", out, "-q")
     assert_refused(code, stderr, path, marker)
     assert not out.exists()
 

@@ -39,7 +39,8 @@ def interrupt_when(proc: subprocess.Popen, ready, sig: int, timeout: float = 120
         chunk = proc.stderr.read()
         seen += chunk or b""
         if proc.poll() is not None:
-            pytest.fail(f"the run ended (exit {proc.returncode}) before it could be interrupted:\n{seen.decode()[-2000:]}")
+            pytest.fail(f"the run ended (exit {proc.returncode}) before it could be interrupted:\n"
+                        f"{seen.decode()[-2000:]}")
         if ready(seen.decode("utf-8", "replace")):
             proc.send_signal(sig)
             break

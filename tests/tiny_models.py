@@ -11,7 +11,9 @@ from pathlib import Path
 
 import torch
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+# ../shared/data beside the checkout; a git worktree elsewhere falls back to the machine's copy
+DATA = next((d for d in (Path(__file__).resolve().parents[1].parent / "shared" / "data", Path("/work/shared/data"))
+             if d.is_dir()), Path(__file__).resolve().parents[1].parent / "shared" / "data")
 KINDS = ("llama-relu", "llama-silu", "bamboo", "falcon", "falcon7b", "opt")
 HIDDEN, N_FF, N_LAYER, N_HEAD, N_KV = 64, 256, 2, 4, 2
 

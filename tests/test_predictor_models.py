@@ -1,0 +1,45 @@
+"""End to end on real (tiny, random-weight) models: profile -> train-predictor -> evaluate on other text."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tiny_models import DATA
+
+from powerinfer_tools.cli import main
+
+TRAIN_TEXT, EVAL_TEXT = DATA / "wikitext-2-valid.txt", DATA / "wikitext-2-raw-test.txt"
+
+
+def cli(*args):
+    main([str(a) for a in args])
+
+
+@pytest.mark.parametrize("kind, target", [("llama-relu", 0.99), ("llama-silu", 0.95)])
+def test_profile_train_evaluate(kind, target, tiny_model_dir, tmp_path, capsys):
+    if not (TRAIN_TEXT.is_file() and EVAL_TEXT.is_file()):
+        pytest.skip("shared data not present")
+    model = tiny_model_dir(kind)
+    for name, text in (("train", TRAIN_TEXT), ("eval", EVAL_TEXT)):
+        cli("profile", "-m", model, "--calib", text, "--tokens", 1536, "--seq-len", 32, "--max-samples", 1536,
+            "-o", tmp_path / name)
+    cli("train-predictor", tmp_path / "train", "--out", tmp_path / "pred", "--threads", 1)
+    capsys.readouterr()
+    cli("train-predictor", tmp_path / "eval", "--out", tmp_path / "pred", "--evaluate", "--report", tmp_path / "e.json")
+    assert "mean" in capsys.readouterr().out
+
+    trained = json.loads((tmp_path / "pred" / "report.json").read_text())
+    evaluated = json.loads((tmp_path / "e.json").read_text())
+    config = json.loads((tmp_path / "pred" / "config.json").read_text())
+    assert trained["settings"]["target_recall"] == target          # per-rule default
+    assert config["rule"] == ("nonzero" if kind == "llama-relu" else "threshold")
+    assert trained["predictor_fraction"] <= 0.1 + 1e-9
+    for held, fresh in zip(trained["layers"], evaluated["layers"]):
+        assert held["recall"] >= target                              # calibrated on the held-out sequences
+        assert held["predicted_density"] < 0.99                      # ... without predicting every neuron
+        assert held["auc"] > (0.85 if kind == "llama-relu" else 0.55)
+        assert fresh["recall"] >= target - 0.03                      # other text, thresholds carried over
+        assert abs(fresh["predicted_density"] - held["predicted_density"]) < 0.1
+        state = torch.load(tmp_path / "pred" / f"model_{held['layer']}.pt", weights_only=True)
+        assert state["fc1.weight"].shape == (held["rank"], 64)

@@ -307,7 +307,7 @@ def budget_rank(profile: Profile, fraction: float) -> int:
 
 
 def search_rank(train: LayerSamples, held: LayerSamples, ladder: list[int], start: int,
-                settings: TrainSettings, on_trained=None) -> dict[int, Trained]:
+                settings: TrainSettings) -> dict[int, Trained]:
     """Train rungs of the ladder from `start`: down while the layer still meets its target (recall
     at the density budget >= target recall), up while it does not. Returns every trained rung."""
     trained: dict[int, Trained] = {}
@@ -316,8 +316,6 @@ def search_rank(train: LayerSamples, held: LayerSamples, ladder: list[int], star
         r = ladder[i]
         if r not in trained:
             trained[r] = train_one(train, held, r, settings)
-            if on_trained:
-                on_trained(trained[r])
         return trained[r].recall_at_budget >= settings.target_recall
 
     i = start
@@ -371,13 +369,13 @@ class LayerResult:
     threshold: float
     metrics: dict
     epochs: int | None = None                    # None when only evaluated
-    tried: dict = field(default_factory=dict)   # rank -> held-out recall at the density budget
+    tried: dict = field(default_factory=dict)   # rank -> held-out numbers of that rank's predictor
 
     def report(self) -> dict:
         out = {"layer": self.layer, "rank": self.model.rank, "params": self.model.params(),
                "threshold": self.threshold, **self.metrics}
         if self.epochs is not None:
-            out.update(epochs=self.epochs, recall_at_budget_by_rank={str(r): v for r, v in self.tried.items()})
+            out.update(epochs=self.epochs, ranks_tried=self.tried)
         return out
 
 
@@ -424,7 +422,9 @@ def train_layers(profile: Profile, layers: list[int], rank: int | None, settings
                             int(max_fraction * profile.ffn_params() * len(layers)))
     return [_measure(layer, chosen[layer].model, chosen[layer].threshold, held_sets[layer],
                      profile.neuron_weights(layer), chosen[layer],
-                     {r: t.recall_at_budget for r, t in sorted(options[layer].items())})
+                     {str(r): {"recall_at_budget": t.recall_at_budget, "density_at_target": t.density_at_target,
+                               "epochs": t.epochs, "held_out_recall_at_budget_by_epoch": t.history}
+                      for r, t in sorted(options[layer].items())})
             for layer in layers]
 
 

@@ -147,8 +147,8 @@ def train_predictor(
                                 device=_device(device), seed=seed)
     with _layer_bar(len(selected), "train-predictor") as bar:
         def progress(layer, chosen, tried):
-            bar.set_postfix_str(f"layer {layer}: rank {chosen.rank} (tried {sorted(tried)}), "
-                                f"held-out recall@budget {chosen.recall_at_budget:.3f}")
+            bar.set_postfix_str(f"layer {layer}: ranks tried {sorted(tried)}, picked {chosen.rank} (before the "
+                                f"byte cap), held-out recall@budget {chosen.recall_at_budget:.3f}")
             bar.update(1)
 
         results = tp.train_layers(profile, selected, fixed_rank, settings, max_predictor_fraction, held_out,

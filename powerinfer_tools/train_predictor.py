@@ -342,28 +342,29 @@ def choose(trained: dict[int, Trained], settings: TrainSettings) -> Trained:
     return min(meeting, key=lambda t: t.rank)
 
 
-def fit_budget(options: dict[int, dict[int, Trained]], chosen: dict[int, Trained], n_embd: int, n_ff: int,
-               budget_params: int) -> dict[int, Trained]:
-    """Step layers down to smaller trained ranks until the total fits, each time taking the step that
-    loses the least held-out recall (at the density budget) per parameter saved."""
-    chosen = dict(chosen)
-
-    def total() -> int:
-        return sum(t.rank * (n_embd + n_ff) for t in chosen.values())
-
-    while total() > budget_params:
-        steps = []
-        for layer, current in chosen.items():
-            smaller = [t for t in options[layer].values() if t.rank < current.rank]
-            if smaller:
-                nxt = max(smaller, key=lambda t: t.rank)
-                loss = max(0.0, current.recall_at_budget - nxt.recall_at_budget)
-                steps.append((loss / ((current.rank - nxt.rank) * (n_embd + n_ff)), layer, nxt))
-        if not steps:
-            break
-        _, layer, nxt = min(steps, key=lambda s: s[:2])
-        chosen[layer] = nxt
-    return chosen
+def next_growth(options: dict[int, dict[int, Trained]], chosen: dict[int, Trained], ladder: list[int],
+                settings: TrainSettings, cost: int, leftover: int) -> tuple[int, int] | None:
+    """(layer, rank) of the most promising affordable step up, or None: among layers that miss the
+    target and whose last step up still gained >= min_gain, the one whose last gain per parameter
+    was largest (a layer with a single rung tried goes first), if its next rung fits `leftover`."""
+    best = None
+    for layer, current in chosen.items():
+        larger = [r for r in ladder if r > current.rank]
+        if current.recall_at_budget >= settings.target_recall or not larger \
+                or (larger[0] - current.rank) * cost > leftover or any(r > current.rank for r in options[layer]):
+            continue
+        smaller = [t for t in options[layer].values() if t.rank < current.rank]
+        if smaller:
+            below = max(smaller, key=lambda t: t.rank)
+            gain = current.recall_at_budget - below.recall_at_budget
+            if gain < settings.min_gain:
+                continue
+            priority = gain / ((current.rank - below.rank) * cost)
+        else:
+            priority = math.inf
+        if best is None or priority > best[0]:
+            best = (priority, layer, larger[0])
+    return best[1:] if best else None
 
 
 # ---- whole runs ---------------------------------------------------------------------------------------
@@ -399,39 +400,55 @@ def check_rank(rank: int | None, n_embd: int) -> None:
 
 def train_layers(profile: Profile, layers: list[int], rank: int | None, settings: TrainSettings,
                  max_fraction: float, held_out_fraction: float = 0.2, progress=None) -> list[LayerResult]:
-    """Train every requested layer (fixed `rank`, or None for the adaptive search under the byte cap)
-    and measure the chosen predictors on each layer's held-out sequences."""
+    """Train every requested layer and measure the chosen predictors on its held-out sequences.
+
+    Fixed `rank`: one predictor per layer. `rank` None (adaptive): first each layer searches the
+    ranks up to its equal share of the byte cap; then the cap left over by layers that needed less
+    is spent step by step where the last step up gained the most held-out recall per parameter.
+    `progress(layer, chosen, tried, growing)` is called after each layer and each growth step."""
     n_embd, n_ff = profile.n_embd, profile.n_ff
     check_rank(rank, n_embd)
-    per_layer_budget = budget_rank(profile, max_fraction)
-    ladder = rank_ladder(n_embd, n_ff, 2 * per_layer_budget)
+    cost = n_embd + n_ff                                   # parameters per unit of rank
+    share = min(budget_rank(profile, max_fraction), n_embd)
+    ladder = rank_ladder(n_embd, n_ff, n_embd)
     options: dict[int, dict[int, Trained]] = {}
     chosen: dict[int, Trained] = {}
-    held_sets: dict[int, LayerSamples] = {}
-    for layer in layers:
+
+    def split(layer: int) -> tuple[LayerSamples, LayerSamples]:
         samples = load_samples(profile, layer)
         train_rows, held_rows = split_by_sequence(samples.seq, held_out_fraction, settings.seed)
-        train, held = samples.subset(train_rows), samples.subset(held_rows)
+        return samples.subset(train_rows), samples.subset(held_rows)
+
+    for layer in layers:
+        train, held = split(layer)
         if rank is not None:
             options[layer] = {rank: train_one(train, held, rank, settings)}
         else:
-            density = float(samples.active.float().mean())
-            guess = per_layer_budget * difficulty(profile.layer_stats(layer), density)
-            start = max(i for i, r in enumerate(ladder) if r <= max(guess, ladder[0]))
-            options[layer] = search_rank(train, held, ladder, start, settings)
+            first = [r for r in ladder if r < share] + [share]
+            guess = share * difficulty(profile.layer_stats(layer), float(train.active.float().mean()))
+            start = max(i for i, r in enumerate(first) if r <= max(guess, first[0]))
+            options[layer] = search_rank(train, held, first, start, settings)
         chosen[layer] = choose(options[layer], settings)
-        held_sets[layer] = held
         if progress:
-            progress(layer, chosen[layer], options[layer])
+            progress(layer, chosen[layer], options[layer], False)
     if rank is None:
-        chosen = fit_budget(options, chosen, n_embd, n_ff,
-                            int(max_fraction * profile.ffn_params() * len(layers)))
-    return [_measure(layer, chosen[layer].model, chosen[layer].threshold, held_sets[layer],
-                     profile.neuron_weights(layer), settings.max_density_ratio, chosen[layer],
-                     {str(r): {"recall_at_budget": t.recall_at_budget, "density_at_target": t.density_at_target,
-                               "epochs": t.epochs, "held_out_recall_at_budget_by_epoch": t.history}
-                      for r, t in sorted(options[layer].items())})
-            for layer in layers]
+        leftover = int(max_fraction * profile.ffn_params() * len(layers)) - sum(t.rank * cost for t in chosen.values())
+        while (step := next_growth(options, chosen, ladder, settings, cost, leftover)) is not None:
+            layer, bigger = step
+            options[layer][bigger] = train_one(*split(layer), bigger, settings)
+            previous, chosen[layer] = chosen[layer], choose(options[layer], settings)
+            leftover -= (chosen[layer].rank - previous.rank) * cost
+            if progress:
+                progress(layer, chosen[layer], options[layer], True)
+    results = []
+    for layer in layers:
+        _, held = split(layer)
+        tried = {str(r): {"recall_at_budget": t.recall_at_budget, "density_at_target": t.density_at_target,
+                          "epochs": t.epochs, "held_out_recall_at_budget_by_epoch": t.history}
+                 for r, t in sorted(options[layer].items())}
+        results.append(_measure(layer, chosen[layer].model, chosen[layer].threshold, held,
+                                profile.neuron_weights(layer), settings.max_density_ratio, chosen[layer], tried))
+    return results
 
 
 def check_same_model(profile: Profile, predictors) -> None:

@@ -24,6 +24,15 @@ def run_cli(capsys, *args) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Small matrices on a shared 2-core machine: a second thread only adds contention (as the CLI's --threads)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def learnable(tmp_path_factory):
     return write_profile(tmp_path_factory.mktemp("learnable") / "prof", seed=1)
@@ -140,6 +149,21 @@ def test_weighted_recall_uses_mean_magnitude_per_neuron(learnable):
     sums = torch.load(learnable / "magnitude" / "magnitude_0.pt", weights_only=True).numpy()
     np.testing.assert_allclose(weights[counts > 0], sums[counts > 0] / counts[counts > 0], rtol=1e-6)
     assert (weights[counts == 0] == 0).all()
+
+
+def test_leftover_budget_goes_to_the_layer_that_needs_it(tmp_path):
+    """Layer 0's signal has rank 2, layer 1's rank 8: under a cap of 7 rank units a layer, layer 0
+    needs less than its share and layer 1 grows past its share into what layer 0 left."""
+    profile = tp.read_profile(write_profile(tmp_path / "prof", seed=3, signal_rank=[2, 8]))
+    share = tp.budget_rank(profile, 0.1)
+    grown = []
+    results = tp.train_layers(profile, [0, 1], None, tp.TrainSettings(target_recall=0.99), 0.1,
+                              progress=lambda layer, chosen, tried, growing: grown.append(growing))
+    easy, hard = results
+    assert share == 7 and easy.model.rank < share < hard.model.rank
+    assert any(grown)
+    assert (easy.model.rank + hard.model.rank) * (32 + 128) <= 0.1 * 2 * 3 * 32 * 128
+    assert easy.metrics["density_ratio"] < 1.3
 
 
 def test_rank_ladder_and_budget():

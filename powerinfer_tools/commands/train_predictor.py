@@ -147,9 +147,11 @@ def train_predictor(
     settings = tp.TrainSettings(target_recall=target_recall, max_density_ratio=max_density_ratio, epochs=epochs,
                                 device=_device(device), seed=seed)
     with _layer_bar(len(selected), "train-predictor") as bar:
-        def progress(layer, chosen, tried):
-            bar.set_postfix_str(f"layer {layer}: ranks tried {sorted(tried)}, picked {chosen.rank} (before the "
-                                f"byte cap), held-out recall@budget {chosen.recall_at_budget:.3f}")
+        def progress(layer, chosen, tried, growing):
+            if growing:   # spending the byte cap left over: one more step on the bar
+                bar.total += 1
+            bar.set_postfix_str(f"layer {layer}: ranks tried {sorted(tried)}, picked {chosen.rank}, "
+                                f"held-out recall@budget {chosen.recall_at_budget:.3f}")
             bar.update(1)
 
         results = tp.train_layers(profile, selected, fixed_rank, settings, max_predictor_fraction, held_out,

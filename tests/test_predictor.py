@@ -225,3 +225,17 @@ def test_existing_output_is_not_replaced_without_force(learnable, trained, capsy
     code, _, err = run_cli(capsys, learnable, "--out", trained, "--rank", "8")
     assert code == 1 and "--force" in err
     assert (trained / "model_0.pt").read_bytes() == before
+
+
+@pytest.mark.parametrize("args, fragment", [(("--rank", "big"), "'auto' or a positive integer"),
+                                            (("--rank", "0"), "out of range"),
+                                            (("--target-recall", "1.5"), "--target-recall"),
+                                            (("--device", "tpu"), "not available")])
+def test_bad_options(learnable, tmp_path, capsys, args, fragment):
+    code, _, err = run_cli(capsys, learnable, "--out", tmp_path / "p", *args)
+    assert_clean_failure(code, err, tmp_path / "p", fragment)
+
+
+def test_not_a_profile_directory(tmp_path, capsys):
+    code, _, err = run_cli(capsys, tmp_path, "--out", tmp_path / "p")
+    assert_clean_failure(code, err, tmp_path / "p", "not a profile directory")

@@ -11,19 +11,23 @@ from pathlib import Path
 
 import torch
 
-# ../shared/data beside the checkout; a git worktree elsewhere falls back to the machine's copy
-DATA = next((d for d in (Path(__file__).resolve().parents[1].parent / "shared" / "data", Path("/work/shared/data"))
-             if d.is_dir()), Path(__file__).resolve().parents[1].parent / "shared" / "data")
+DATA = next((p for p in (Path(__file__).resolve().parents[1].parent / "shared" / "data", Path("/work/shared/data"))
+             if p.is_dir()), Path("/work/shared/data"))
 KINDS = ("llama-relu", "llama-silu", "bamboo", "falcon", "falcon7b", "opt")
 HIDDEN, N_FF, N_LAYER, N_HEAD, N_KV = 64, 256, 2, 4, 2
 
 
 def training_text() -> str:
+    """A slice of tiny-shakespeare, or (without the shared data) deterministic pseudo-words."""
     path = DATA / "tinyshakespeare.txt"
     if path.is_file():
         return path.read_text()[:200_000]
-    words = "the of and to in a is that for it as was with be by on not he this are or his from".split()
-    return " ".join(words[(i * 7919) % len(words)] for i in range(40_000))
+    import random
+
+    rng = random.Random(0)
+    letters = "etaoinshrdlucmfwypvbgkqjxz"
+    words = ["".join(rng.choice(letters[:rng.randint(8, 26)]) for _ in range(rng.randint(2, 9))) for _ in range(3000)]
+    return "\n".join(" ".join(rng.choice(words) for _ in range(20)) for _ in range(2000))
 
 
 def _spm_tokenizer(out: Path) -> int:

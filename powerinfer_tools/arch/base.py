@@ -8,9 +8,11 @@ Profiling, sparsified evaluation and the converter go through these two hook poi
 """
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 ACTIVE_IF_NONZERO = ("relu", "drelu")
@@ -21,6 +23,40 @@ class Dims:
     n_layer: int
     n_embd: int
     n_ff: int
+
+
+@dataclass(frozen=True)
+class TensorMap:
+    """One tensor of the PowerInfer file and how it is made from a Hugging Face tensor.
+
+    `reorder` permutes rows (shape unchanged: llama q/k rope order, Falcon's fused QKV);
+    `transpose` stores the matrix transposed (`ffn_down_t`: row j = neuron j's output vector).
+    """
+
+    name: str
+    source: str
+    reorder: Callable[[np.ndarray], np.ndarray] | None = None
+    transpose: bool = False
+
+    def apply(self, data: np.ndarray) -> np.ndarray:
+        """The file's layout of `data`; a transposed *view* (the encoder copies it row block by block)."""
+        if self.reorder is not None:
+            data = self.reorder(data)
+        return data.T if self.transpose else data
+
+    def out_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(reversed(shape)) if self.transpose else tuple(shape)
+
+
+def optional_maps(available: Collection[str], pairs) -> list[TensorMap]:
+    """TensorMaps for (file name, source name) pairs whose source exists (biases, optional norms)."""
+    return [TensorMap(name, source) for name, source in pairs if source in available]
+
+
+def rope_theta(config, default: float = 10000.0) -> float:
+    """RoPE base frequency, from transformers 5's `rope_parameters` or the older `rope_theta`."""
+    params = getattr(config, "rope_parameters", None) or {}
+    return float(params.get("rope_theta") or getattr(config, "rope_theta", None) or default)
 
 
 class Arch:
@@ -58,6 +94,16 @@ class Arch:
 
     def prepare(self, model) -> None:
         """Adjust a freshly loaded model so that its forward is the architecture's (default: no-op)."""
+
+    # ---- conversion to a PowerInfer GGUF ----------------------------------------------------------
+    def tensor_maps(self, available: Collection[str]) -> list[TensorMap]:
+        """The file's model tensors in write order; `available` = the source's tensor names, which
+        decide optional tensors (biases, a second layer norm) and whether the output head is tied."""
+        raise NotImplementedError
+
+    def write_hparams(self, writer) -> None:
+        """Write the `{arch}.*` hyperparameters PowerInfer's loader reads (gguf.GGUFWriter)."""
+        raise NotImplementedError
 
     # ---- hook points ----------------------------------------------------------------------------
     def layers(self, model) -> list:

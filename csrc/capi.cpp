@@ -1,0 +1,205 @@
+// The C API: every entry point catches everything, so no call aborts the process on bad input.
+#include <cstring>
+#include <new>
+#include <string>
+
+#include "common.h"
+#include "engine.h"
+#include "kernels.h"
+#include "pi_engine.h"
+
+struct pi_engine {
+    pi::Engine engine;
+    pi_engine(const std::string &path, const pi_options &o) : engine(path, o) {}
+};
+
+namespace {
+
+thread_local std::string g_last_error;
+
+template <class F>
+pi_status guarded(F &&f) {
+    try {
+        f();
+        g_last_error.clear();
+        return PI_OK;
+    } catch (const pi::EngineFailure &e) {
+        g_last_error = e.what();
+        return e.status;
+    } catch (const std::bad_alloc &) {
+        g_last_error = "out of memory";
+        return PI_ERR_MEMORY;
+    } catch (const std::length_error &) {
+        g_last_error = "out of memory (requested size too large)";
+        return PI_ERR_MEMORY;
+    } catch (const std::exception &e) {
+        g_last_error = std::string("internal error: ") + e.what();
+        return PI_ERR_INTERNAL;
+    } catch (...) {
+        g_last_error = "internal error";
+        return PI_ERR_INTERNAL;
+    }
+}
+
+void need(const void *p, const char *what) {
+    if (!p) pi::fail(PI_ERR_ARGUMENT, std::string(what) + " is NULL");
+}
+
+const pi::KernelSet &kernel_set(const char *isa) {
+    const pi::KernelSet *k = pi::kernels_named(isa);
+    if (!k) pi::fail(PI_ERR_UNSUPPORTED, std::string("kernel set '") + (isa ? isa : "") + "' is not available");
+    return *k;
+}
+
+void check_kernel_args(int32_t type, int32_t n) {
+    if (!pi::type_computable(uint32_t(type))) pi::fail(PI_ERR_ARGUMENT, "type " + std::to_string(type) + " has no kernels");
+    if (n < 0 || n % int32_t(pi::type_size(uint32_t(type)).block) != 0)
+        pi::fail(PI_ERR_ARGUMENT, "n must be a non-negative multiple of the block size");
+}
+
+}  // namespace
+
+extern "C" {
+
+const char *pi_last_error(void) { return g_last_error.c_str(); }
+int32_t pi_api_version(void) { return PI_ENGINE_API_VERSION; }
+
+void pi_options_default(pi_options *o) {
+    if (!o) return;
+    std::memset(o, 0, sizeof *o);
+    o->ffn_mode = PI_FFN_DENSE;
+}
+
+void pi_sampling_default(pi_sampling *p) {
+    if (!p) return;
+    p->temperature = 0.8f;
+    p->top_k = 40;
+    p->top_p = 0.95f;
+    p->repeat_penalty = 1.0f;
+    p->repeat_last_n = 64;
+}
+
+pi_status pi_open(const char *path, const pi_options *opts, pi_engine **out) {
+    return guarded([&] {
+        need(path, "path");
+        need(out, "out");
+        *out = nullptr;
+        pi_options o;
+        pi_options_default(&o);
+        if (opts) o = *opts;
+        *out = new pi_engine(path, o);
+    });
+}
+
+void pi_close(pi_engine *e) { delete e; }
+
+pi_status pi_info_json(pi_engine *e, const char **json) {
+    return guarded([&] {
+        need(e, "engine");
+        need(json, "json");
+        *json = e->engine.info_json().c_str();
+    });
+}
+
+pi_status pi_set_ffn_mode(pi_engine *e, int32_t mode) {
+    return guarded([&] {
+        need(e, "engine");
+        e->engine.set_ffn_mode(mode);
+    });
+}
+
+pi_status pi_set_recall_check(pi_engine *e, int32_t enabled) {
+    return guarded([&] {
+        need(e, "engine");
+        e->engine.set_recall_check(enabled != 0);
+    });
+}
+
+pi_status pi_eval(pi_engine *e, const int32_t *tokens, int32_t n, float *logits, int32_t all_logits) {
+    return guarded([&] {
+        need(e, "engine");
+        e->engine.eval(tokens, n, logits, all_logits != 0);
+    });
+}
+
+int32_t pi_n_past(const pi_engine *e) { return e ? e->engine.n_past() : -1; }
+
+pi_status pi_truncate(pi_engine *e, int32_t n_keep) {
+    return guarded([&] {
+        need(e, "engine");
+        e->engine.truncate(n_keep);
+    });
+}
+
+pi_status pi_sample(pi_engine *e, const pi_sampling *params, int32_t *token) {
+    return guarded([&] {
+        need(e, "engine");
+        need(params, "params");
+        need(token, "token");
+        *token = e->engine.sample(*params);
+    });
+}
+
+pi_status pi_set_seed(pi_engine *e, uint64_t seed) {
+    return guarded([&] {
+        need(e, "engine");
+        e->engine.set_seed(seed);
+    });
+}
+
+pi_status pi_stats_json(pi_engine *e, const char **json) {
+    return guarded([&] {
+        need(e, "engine");
+        need(json, "json");
+        *json = e->engine.stats_json().c_str();
+    });
+}
+
+pi_status pi_stats_reset(pi_engine *e) {
+    return guarded([&] {
+        need(e, "engine");
+        e->engine.reset_stats();
+    });
+}
+
+int32_t pi_isa_available(const char *isa) { return isa && pi::kernels_named(isa) ? 1 : 0; }
+const char *pi_isa_selected(void) { return pi::best_kernels().isa; }
+
+pi_status pi_kernel_dot(const char *isa, int32_t type, int32_t n, const void *w, const void *x, float *out) {
+    return guarded([&] {
+        check_kernel_args(type, n);
+        need(w, "w");
+        need(x, "x");
+        need(out, "out");
+        *out = kernel_set(isa).for_type(uint32_t(type)).dot(n, w, x);
+    });
+}
+
+pi_status pi_kernel_axpy(const char *isa, int32_t type, int32_t n, float a, const void *w, float *y) {
+    return guarded([&] {
+        check_kernel_args(type, n);
+        need(w, "w");
+        need(y, "y");
+        kernel_set(isa).for_type(uint32_t(type)).axpy(n, a, w, y);
+    });
+}
+
+pi_status pi_kernel_to_float(const char *isa, int32_t type, int32_t n, const void *w, float *out) {
+    return guarded([&] {
+        check_kernel_args(type, n);
+        need(w, "w");
+        need(out, "out");
+        kernel_set(isa).for_type(uint32_t(type)).to_float(n, w, out);
+    });
+}
+
+pi_status pi_kernel_quantize_q8_0(const char *isa, int32_t n, const float *x, void *out) {
+    return guarded([&] {
+        check_kernel_args(pi::TYPE_Q8_0, n);
+        need(x, "x");
+        need(out, "out");
+        kernel_set(isa).quantize_q8_0(n, x, out);
+    });
+}
+
+}  // extern "C"

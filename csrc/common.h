@@ -1,0 +1,24 @@
+// Shared basics of the engine: the exception that carries a pi_status to the C API boundary.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "pi_engine.h"
+
+namespace pi {
+
+// Thrown anywhere inside the engine; the C API turns it into a status code and pi_last_error().
+struct EngineFailure : std::runtime_error {
+    pi_status status;
+    EngineFailure(pi_status s, const std::string &msg) : std::runtime_error(msg), status(s) {}
+};
+
+[[noreturn]] inline void fail(pi_status status, const std::string &msg) { throw EngineFailure(status, msg); }
+
+inline void require(bool ok, pi_status status, const std::string &msg) {
+    if (!ok) fail(status, msg);
+}
+
+}  // namespace pi

@@ -1,0 +1,681 @@
+#include "engine.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <thread>
+
+#include "common.h"
+
+namespace pi {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// Columns per thread in axpy work: a multiple of the block so slices start on block boundaries.
+int64_t column_align(uint32_t type) { return type_size(type).block == 1 ? 16 : QK; }
+
+const uint8_t *column_slice(const uint8_t *row, uint32_t type, int64_t c0) {
+    const TypeSize ts = type_size(type);
+    return row + size_t(c0 / ts.block) * ts.bytes;
+}
+
+float silu(float x) { return x / (1.0f + std::exp(-x)); }
+
+const int64_t kDefaultCtx = 4096;
+const int64_t kGrain = 1 << 16;  // multiply-adds below which a chunk is not worth handing to another thread
+const int64_t kDefaultBatch = 64;
+
+}  // namespace
+
+const char *tier_mode_name(TierMode m) {
+    switch (m) {
+        case TierMode::Dense: return "dense";
+        case TierMode::DenseRule: return "dense_rule";
+        case TierMode::Gate: return "gate";
+        case TierMode::Predictor: return "predictor";
+        case TierMode::Oracle: return "oracle";
+    }
+    return "?";
+}
+
+Engine::Engine(const std::string &path, const pi_options &opts)
+    : model_(std::make_unique<Model>(path, opts.gpuidx_path ? opts.gpuidx_path : "")),
+      hp_(model_->hp()),
+      sampler_(model_->hp().n_vocab) {
+    ks_ = kernels_named(opts.isa);
+    if (!ks_) fail(PI_ERR_UNSUPPORTED, std::string("kernel set '") + opts.isa + "' is not available on this CPU/build");
+    int threads = opts.threads;
+    if (threads <= 0) threads = int(std::max(1u, std::thread::hardware_concurrency()));
+    if (threads > 256) fail(PI_ERR_ARGUMENT, "threads must be at most 256");
+    n_ctx_ = opts.ctx_size > 0 ? opts.ctx_size : std::min(hp_.n_ctx_train, kDefaultCtx);
+    if (n_ctx_ > (int64_t(1) << 20)) fail(PI_ERR_ARGUMENT, "ctx_size is too large");
+    if (hp_.learned_pos) n_ctx_ = std::min(n_ctx_, hp_.n_ctx_train);  // no position beyond the learned table
+    n_batch_ = opts.batch_size > 0 ? std::min<int64_t>(opts.batch_size, 4096) : kDefaultBatch;
+    n_batch_ = std::min(n_batch_, n_ctx_);
+    recall_check_ = opts.recall_check != 0;
+    set_ffn_mode(opts.ffn_mode);
+
+    const int64_t E = hp_.n_embd, F = hp_.n_ff, L = hp_.n_layer, B = n_batch_;
+    const int64_t Q = hp_.n_head * hp_.d_head, KV = hp_.n_head_kv * hp_.d_head, R = std::max<int64_t>(model_->max_rank(), 1);
+    k_cache_.assign(size_t(L * n_ctx_ * KV), 0.0f);
+    v_cache_.assign(size_t(L * n_ctx_ * KV), 0.0f);
+    history_.assign(size_t(n_ctx_), 0);
+
+    const int64_t half = hp_.n_rot / 2;
+    rope_cos_.resize(size_t(n_ctx_ * half));
+    rope_sin_.resize(size_t(n_ctx_ * half));
+    for (int64_t i = 0; i < half; ++i) {
+        // float32 steps, as transformers builds inv_freq and the angles
+        const float inv = 1.0f / std::pow(hp_.rope_base, float(2 * i) / float(hp_.n_rot));
+        for (int64_t p = 0; p < n_ctx_; ++p) {
+            const float angle = (float(p) * hp_.rope_freq_scale) * inv;
+            rope_cos_[size_t(p * half + i)] = float(std::cos(double(angle)));
+            rope_sin_[size_t(p * half + i)] = float(std::sin(double(angle)));
+        }
+    }
+
+    for (std::vector<float> *b : {&x_, &xn_, &tmp_, &y_hot_, &y_cold_}) b->assign(size_t(B * E), 0.0f);
+    q_.assign(size_t(B * Q), 0.0f);
+    att_.assign(size_t(B * Q), 0.0f);
+    k_.assign(size_t(B * KV), 0.0f);
+    v_.assign(size_t(B * KV), 0.0f);
+    g_.assign(size_t(B * F), 0.0f);
+    h_.assign(size_t(B * F), 0.0f);
+    hid_.assign(size_t(B * R), 0.0f);
+    last_logits_.assign(size_t(hp_.n_vocab), 0.0f);
+    mask_.assign(size_t(B * F), 0);
+    truth_.assign(size_t(B * F), 0);
+    rows_.assign(size_t(F), 0);
+    row_users_.assign(size_t(F), 0);
+    q_x_.resize(size_t(B * (E / QK)));
+    q_xn_.resize(size_t(B * (E / QK)));
+    q_att_.resize(size_t(B * (Q / QK)));
+    q_hid_.resize(size_t(B * (R / QK)));
+    op_x_ = {x_.data(), E, q_x_.data(), false};
+    op_xn_ = {xn_.data(), E, q_xn_.data(), false};
+    op_att_ = {att_.data(), Q, q_att_.data(), false};
+    op_hid_ = {hid_.data(), R, q_hid_.data(), false};
+
+    pool_ = std::make_unique<ThreadPool>(threads);
+    scores_.assign(size_t(threads * n_ctx_), 0.0f);
+    rowbuf_.assign(size_t(threads * E), 0.0f);
+    ema_active_.assign(size_t(L), 1.0);
+    ema_predicted_.assign(size_t(L), 1.0);
+    predicted_seen_.assign(size_t(L), false);
+    stats_.assign(size_t(L), LayerStats{});
+}
+
+void Engine::set_ffn_mode(int32_t mode) {
+    if (mode < PI_FFN_DENSE || mode > PI_FFN_ORACLE) fail(PI_ERR_ARGUMENT, "unknown FFN mode " + std::to_string(mode));
+    if (mode == PI_FFN_PREDICTOR && !model_->has_predictor())
+        fail(PI_ERR_ARGUMENT, model_->path() + " has no predictors: predictor mode needs a file converted with --predictors");
+    mode_ = mode;
+}
+
+void Engine::truncate(int32_t n_keep) {
+    if (n_keep < 0 || n_keep > n_past_) fail(PI_ERR_ARGUMENT, "cannot keep " + std::to_string(n_keep) + " of " +
+                                                                  std::to_string(n_past_) + " cached tokens");
+    n_past_ = n_keep;
+}
+
+void Engine::prepare(Operand &x, int64_t n_tok, uint32_t type) {
+    if (!act_is_q8(type) || x.q_ready) return;
+    for (int64_t t = 0; t < n_tok; ++t) ks_->quantize_q8_0(int(x.n), x.f + t * x.n, x.q + t * (x.n / QK));
+    x.q_ready = true;
+}
+
+void Engine::matmul(const Matrix &W, Operand &x, int64_t n_tok, float *out, int64_t ldo) {
+    prepare(x, n_tok, W.type);
+    const TypeKernels &k = ks_->for_type(W.type);
+    const int n = int(W.cols);
+    auto job = [&](int chunk, int n_chunks, int) {
+        int64_t r0, r1;
+        split_range(W.rows, chunk, n_chunks, &r0, &r1);
+        for (int64_t r = r0; r < r1; ++r) {
+            const uint8_t *row = W.row(r);
+            for (int64_t t = 0; t < n_tok; ++t) out[t * ldo + r] = k.dot(n, row, x.at(t, W.type));
+        }
+    };
+    pool_->run(pool_->chunks_for(W.rows * W.cols * n_tok, kGrain), job);
+}
+
+void Engine::norm(const float *x, const Matrix &w, const Matrix &b, int64_t n_tok, float *out) const {
+    const int64_t E = hp_.n_embd;
+    const float *wv = w.floats(), *bv = b.floats();
+    for (int64_t t = 0; t < n_tok; ++t) {
+        const float *xt = x + t * E;
+        float *ot = out + t * E;
+        if (hp_.norm == NormKind::Rms) {
+            double ss = 0.0;
+            for (int64_t i = 0; i < E; ++i) ss += double(xt[i]) * double(xt[i]);
+            const float scale = 1.0f / std::sqrt(float(ss / double(E)) + hp_.norm_eps);
+            for (int64_t i = 0; i < E; ++i) ot[i] = wv[i] * (xt[i] * scale);
+        } else {  // LayerNorm: (x - mean) / sqrt(var + eps) * w + b
+            double sum = 0.0;
+            for (int64_t i = 0; i < E; ++i) sum += double(xt[i]);
+            const double mean = sum / double(E);
+            double ss = 0.0;
+            for (int64_t i = 0; i < E; ++i) ss += (double(xt[i]) - mean) * (double(xt[i]) - mean);
+            const float scale = 1.0f / std::sqrt(float(ss / double(E)) + hp_.norm_eps);
+            for (int64_t i = 0; i < E; ++i) ot[i] = wv[i] * (float(double(xt[i]) - mean) * scale) + (bv ? bv[i] : 0.0f);
+        }
+    }
+}
+
+void Engine::add_bias(float *y, const Matrix &b, int64_t n_tok, int64_t ld) const {
+    const float *bv = b.floats();
+    if (!bv) return;
+    for (int64_t t = 0; t < n_tok; ++t)
+        for (int64_t i = 0; i < b.cols; ++i) y[t * ld + i] += bv[i];
+}
+
+void Engine::eval(const int32_t *tokens, int32_t n, float *logits, bool all_logits) {
+    if (n <= 0) fail(PI_ERR_ARGUMENT, "eval needs at least one token");
+    if (!tokens) fail(PI_ERR_ARGUMENT, "tokens is NULL");
+    if (n_past_ + n > n_ctx_)
+        fail(PI_ERR_ARGUMENT, "context full: " + std::to_string(n_past_) + " cached + " + std::to_string(n) +
+                                  " new tokens exceed ctx_size " + std::to_string(n_ctx_));
+    for (int32_t i = 0; i < n; ++i)
+        if (tokens[i] < 0 || tokens[i] >= hp_.n_vocab)
+            fail(PI_ERR_ARGUMENT, "token id " + std::to_string(tokens[i]) + " is outside the vocabulary (0.." +
+                                      std::to_string(hp_.n_vocab - 1) + ")");
+    const auto t0 = Clock::now();
+    for (int64_t done = 0; done < n;) {
+        const int64_t chunk = std::min<int64_t>(n_batch_, n - done);
+        const bool last = done + chunk == n;
+        float *out = nullptr;
+        if (all_logits && logits) out = logits + done * hp_.n_vocab;
+        forward(tokens + done, chunk, out, hp_.n_vocab, all_logits || last);
+        done += chunk;
+    }
+    if (logits && !all_logits) std::memcpy(logits, last_logits_.data(), size_t(hp_.n_vocab) * sizeof(float));
+    const double dt = seconds_since(t0);
+    if (n == 1) {
+        decode_tokens_ += 1;
+        decode_seconds_ += dt;
+    } else {
+        batch_tokens_ += n;
+        batch_seconds_ += dt;
+    }
+}
+
+void Engine::forward(const int32_t *tokens, int64_t n_tok, float *logits, int64_t ld_logits, bool want_logits) {
+    const int64_t E = hp_.n_embd, V = hp_.n_vocab;
+    auto t0 = Clock::now();
+    const TypeKernels &ke = ks_->for_type(model_->tok_embd().type);
+    for (int64_t t = 0; t < n_tok; ++t) ke.to_float(int(E), model_->tok_embd().row(tokens[t]), x_.data() + t * E);
+    if (hp_.learned_pos) {
+        const Matrix &pe = model_->pos_embd();
+        const TypeKernels &kp = ks_->for_type(pe.type);
+        for (int64_t t = 0; t < n_tok; ++t) {
+            kp.to_float(int(E), pe.row(n_past_ + t + hp_.pos_offset), tmp_.data());
+            for (int64_t i = 0; i < E; ++i) x_[size_t(t * E + i)] += tmp_[size_t(i)];
+        }
+    }
+    times_.embed += seconds_since(t0);
+
+    for (int64_t il = 0; il < hp_.n_layer; ++il) {
+        // attention's output lands in tmp_; a parallel block adds it after the FFN has read the layer input
+        t0 = Clock::now();
+        attention(il, n_tok);
+        if (!hp_.parallel_block) add_residual(tmp_.data(), n_tok);
+        times_.attention += seconds_since(t0);
+        ffn(il, n_tok);
+        if (hp_.parallel_block) add_residual(tmp_.data(), n_tok);
+    }
+    for (int64_t t = 0; t < n_tok; ++t) history_[size_t(n_past_ + t)] = tokens[t];
+    n_past_ += n_tok;
+
+    if (!want_logits) return;
+    t0 = Clock::now();
+    // Only the rows whose logits are wanted go through the head: all of them, or the last one.
+    const int64_t first = logits ? 0 : n_tok - 1;
+    norm(x_.data() + first * E, model_->output_norm(), model_->output_norm_b(), n_tok - first, xn_.data());
+    op_xn_.q_ready = false;
+    float *out = logits ? logits : last_logits_.data();
+    matmul(model_->output(), op_xn_, n_tok - first, out, ld_logits);
+    if (logits) std::memcpy(last_logits_.data(), logits + (n_tok - 1) * ld_logits, size_t(V) * sizeof(float));
+    times_.output += seconds_since(t0);
+}
+
+void Engine::attention(int64_t il, int64_t n_tok) {
+    const Layer &L = model_->layers()[size_t(il)];
+    const int64_t E = hp_.n_embd, D = hp_.d_head, H = hp_.n_head, HKV = hp_.n_head_kv;
+    const int64_t Q = H * D, KV = HKV * D, half = hp_.n_rot / 2;
+    norm(x_.data(), L.attn_norm, L.attn_norm_b, n_tok, xn_.data());
+    op_xn_.q_ready = false;
+    matmul(L.wq, op_xn_, n_tok, q_.data(), Q);
+    matmul(L.wk, op_xn_, n_tok, k_.data(), KV);
+    matmul(L.wv, op_xn_, n_tok, v_.data(), KV);
+    add_bias(q_.data(), L.bq, n_tok, Q);
+    add_bias(k_.data(), L.bk, n_tok, KV);
+    add_bias(v_.data(), L.bv, n_tok, KV);
+
+    // RoPE on the first n_rot dims of each head: llama.cpp "normal" mode rotates adjacent pairs (the
+    // converter permuted llama's q/k rows to match), NeoX mode (falcon) pairs i with i + n_rot/2.
+    const bool neox = hp_.rope == RopeKind::NeoX;
+    auto rope = [&](float *vec, int64_t n_heads, int64_t pos) {
+        if (hp_.rope == RopeKind::None) return;
+        const float *c = rope_cos_.data() + pos * half, *s = rope_sin_.data() + pos * half;
+        for (int64_t h = 0; h < n_heads; ++h) {
+            float *v = vec + h * D;
+            for (int64_t i = 0; i < half; ++i) {
+                const int64_t i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
+                const float x0 = v[i0], x1 = v[i1];
+                v[i0] = x0 * c[i] - x1 * s[i];
+                v[i1] = x0 * s[i] + x1 * c[i];
+            }
+        }
+    };
+    float *kc = k_cache_.data() + il * n_ctx_ * KV, *vc = v_cache_.data() + il * n_ctx_ * KV;
+    for (int64_t t = 0; t < n_tok; ++t) {
+        const int64_t pos = n_past_ + t;
+        rope(q_.data() + t * Q, H, pos);
+        rope(k_.data() + t * KV, HKV, pos);
+        std::memcpy(kc + pos * KV, k_.data() + t * KV, size_t(KV) * sizeof(float));
+        std::memcpy(vc + pos * KV, v_.data() + t * KV, size_t(KV) * sizeof(float));
+    }
+
+    const float scale = 1.0f / std::sqrt(float(D));
+    const int64_t group = H / HKV;
+    const TypeKernels &kf = ks_->f32;
+    auto job = [&](int chunk, int n_chunks, int thread) {
+        float *sc = scores_.data() + int64_t(thread) * n_ctx_;
+        int64_t w0, w1;
+        split_range(n_tok * H, chunk, n_chunks, &w0, &w1);
+        for (int64_t w = w0; w < w1; ++w) {
+            const int64_t t = w / H, h = w % H, kvh = h / group, n_keys = n_past_ + t + 1;
+            const float *qv = q_.data() + t * Q + h * D;
+            float mx = -INFINITY;
+            for (int64_t j = 0; j < n_keys; ++j) {
+                sc[j] = kf.dot(int(D), kc + j * KV + kvh * D, qv) * scale;
+                mx = std::max(mx, sc[j]);
+            }
+            float sum = 0.0f;
+            for (int64_t j = 0; j < n_keys; ++j) {
+                sc[j] = std::exp(sc[j] - mx);
+                sum += sc[j];
+            }
+            float *out = att_.data() + t * Q + h * D;
+            std::fill(out, out + D, 0.0f);
+            const float inv = 1.0f / sum;
+            for (int64_t j = 0; j < n_keys; ++j) kf.axpy(int(D), sc[j] * inv, vc + j * KV + kvh * D, out);
+        }
+    };
+    pool_->run(int(std::min<int64_t>(n_tok * H, pool_->chunks_for(n_tok * H * (n_past_ + n_tok) * D * 2, kGrain))), job);
+    op_att_.q_ready = false;
+    matmul(L.wo, op_att_, n_tok, tmp_.data(), E);
+    add_bias(tmp_.data(), L.bo, n_tok, E);
+}
+
+void Engine::add_residual(const float *y, int64_t n_tok) {
+    for (int64_t i = 0; i < n_tok * hp_.n_embd; ++i) x_[size_t(i)] += y[i];
+}
+
+TierMode Engine::choose_cold_mode(int64_t il) const {
+    switch (mode_) {
+        case PI_FFN_DENSE: return TierMode::Dense;
+        case PI_FFN_GATE: return TierMode::Gate;
+        case PI_FFN_PREDICTOR: return TierMode::Predictor;
+        case PI_FFN_ORACLE: return TierMode::Oracle;
+        default: break;
+    }
+    // auto: bytes one token reads, per mode, at the densities measured so far in this layer
+    const Layer &L = model_->layers()[size_t(il)];
+    const double n = double(L.cold.size());
+    const double g = double(L.gate.row_bytes), ud = double((hp_.gated ? L.up.row_bytes : 0) + L.down_t.row_bytes);
+    const double gather = 1.1;  // gathered rows stream a little worse than a dense sweep
+    const double rho = ema_active_[size_t(il)];
+    const double cost_dense = n * (g + ud);
+    const double cost_gate = n * g + gather * rho * n * ud;
+    TierMode best = cost_gate < cost_dense ? TierMode::Gate : TierMode::DenseRule;
+    double best_cost = std::min(cost_gate, cost_dense);
+    if (model_->has_predictor()) {
+        const double pi_density = predicted_seen_[size_t(il)] ? ema_predicted_[size_t(il)] : std::min(1.0, 1.2 * rho + 0.02);
+        const double cost_pred = double(L.fc1.bytes()) + n * double(L.fc2.row_bytes) +
+                                 gather * (pi_density * n * g + rho * n * ud);
+        if (cost_pred < best_cost) best = TierMode::Predictor;
+    }
+    return best;
+}
+
+void Engine::ffn(int64_t il, int64_t n_tok) {
+    const Layer &L = model_->layers()[size_t(il)];
+    LayerStats &st = stats_[size_t(il)];
+    const int64_t E = hp_.n_embd;
+    if (L.ffn_norm.data != L.attn_norm.data) {  // falcon 7B: attention's norm output is the FFN's too
+        norm(x_.data(), L.ffn_norm, L.ffn_norm_b, n_tok, xn_.data());
+        op_xn_.q_ready = false;
+    }
+    // The predictor's input, x_ as it stands: the residual entering the FFN block (llama family,
+    // opt), or the layer's input in a parallel block (falcon), as PowerInfer feeds them.
+    op_x_.q_ready = false;
+    const double active_before = st.active, predicted_before = st.predicted, cold_before = st.cold_tokens;
+
+    // Hot tier first (a device backend would run it concurrently), then the cold tier.
+    const TierMode cold_mode = choose_cold_mode(il);
+    const bool has_hot = L.hot.size() > 0;
+    if (has_hot) ffn_tier(L, L.hot, mode_ == PI_FFN_DENSE ? TierMode::Dense : TierMode::DenseRule, n_tok, y_hot_.data(), st, false);
+    if (L.cold.size() > 0) {
+        ffn_tier(L, L.cold, cold_mode, n_tok, y_cold_.data(), st, true);
+        st.mode_tokens[int(cold_mode)] += double(n_tok);
+    } else {
+        std::fill(y_cold_.begin(), y_cold_.begin() + n_tok * E, 0.0f);
+    }
+    if (has_hot)
+        for (int64_t i = 0; i < n_tok * E; ++i) y_cold_[size_t(i)] += y_hot_[size_t(i)];
+    add_bias(y_cold_.data(), L.down_b, n_tok, E);
+    add_residual(y_cold_.data(), n_tok);
+    st.tokens += double(n_tok);
+
+    // auto mode's view of this layer (an EMA over tokens)
+    const double a = 0.2, nc = double(std::max<int64_t>(L.cold.size(), 1));
+    const double act_rate = (st.active - active_before) / double(n_tok) / double(hp_.n_ff);
+    if (cold_mode != TierMode::Predictor) ema_active_[size_t(il)] = (1 - a) * ema_active_[size_t(il)] + a * act_rate;
+    if (st.cold_tokens > cold_before) {
+        const double pred_rate = (st.predicted - predicted_before) / (st.cold_tokens - cold_before) / nc;
+        ema_predicted_[size_t(il)] = predicted_seen_[size_t(il)] ? (1 - a) * ema_predicted_[size_t(il)] + a * pred_rate : pred_rate;
+        predicted_seen_[size_t(il)] = true;
+    }
+}
+
+void Engine::predictor_select(const Layer &L, const FfnTier &T, int64_t n_tok) {
+    const int64_t F = hp_.n_ff, R = L.fc1.rows, n = T.size();
+    // hidden = relu(fc1 x); neuron j selected when fc2_j . hidden > threshold
+    matmul(L.fc1, op_x_, n_tok, hid_.data(), R);
+    for (int64_t i = 0; i < n_tok * R; ++i) hid_[size_t(i)] = std::max(hid_[size_t(i)], 0.0f);
+    Operand hid = op_hid_;
+    hid.n = R;
+    hid.q_ready = false;
+    prepare(hid, n_tok, L.fc2.type);
+    const Matrix &fc2 = T.fc2;
+    const TypeKernels &k = ks_->for_type(fc2.type);
+    const float thr = L.pred_threshold;
+    auto job = [&](int chunk, int n_chunks, int) {
+        int64_t r0, r1;
+        split_range(n, chunk, n_chunks, &r0, &r1);
+        for (int64_t r = r0; r < r1; ++r)
+            for (int64_t t = 0; t < n_tok; ++t) mask_[size_t(t * F + r)] = k.dot(int(R), fc2.row(r), hid.at(t, fc2.type)) > thr;
+    };
+    pool_->run(pool_->chunks_for(n * R * n_tok, kGrain), job);
+}
+
+void Engine::true_mask(const Layer &L, const FfnTier &T, int64_t n_tok, uint8_t *out) {
+    const int64_t F = hp_.n_ff, E = hp_.n_embd, n = T.size();
+    prepare(op_xn_, n_tok, L.gate.type);
+    prepare(op_xn_, n_tok, L.up.type);
+    const TypeKernels &kg = ks_->for_type(L.gate.type), &ku = ks_->for_type(L.up.type);
+    const Activation act = hp_.activation;
+    const float thr = L.act_threshold;
+    const float *gb = L.gate_b.floats(), *ub = L.up_b.floats();
+    auto job = [&](int chunk, int n_chunks, int) {
+        int64_t r0, r1;
+        split_range(n, chunk, n_chunks, &r0, &r1);
+        for (int64_t r = r0; r < r1; ++r) {
+            const int32_t id = T.ids[size_t(r)];
+            for (int64_t t = 0; t < n_tok; ++t) {
+                const float g = kg.dot(int(E), T.row(T.gate, r), op_xn_.at(t, L.gate.type)) + (gb ? gb[id] : 0.0f);
+                bool on;
+                if (act == Activation::Relu) on = g > 0.0f;
+                else if (act == Activation::Silu) on = std::fabs(silu(g)) > thr;
+                else on = g > 0.0f && ku.dot(int(E), T.row(T.up, r), op_xn_.at(t, L.up.type)) + (ub ? ub[id] : 0.0f) > 0.0f;
+                out[size_t(t * F + r)] = on;
+            }
+        }
+    };
+    pool_->run(pool_->chunks_for(n * E * n_tok, kGrain), job);
+}
+
+void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n_tok, float *y, LayerStats &st,
+                      bool is_cold) {
+    const int64_t F = hp_.n_ff, E = hp_.n_embd, n = T.size();
+    const Activation act = hp_.activation;
+    const float thr = L.act_threshold;
+    auto t0 = Clock::now();
+
+    // Stage A: which neurons each token computes (mask_ 1 = compute the gate).
+    if (mode == TierMode::Predictor) {
+        predictor_select(L, T, n_tok);
+        if (recall_check_) true_mask(L, T, n_tok, truth_.data());
+    } else if (mode == TierMode::Oracle) {
+        true_mask(L, T, n_tok, truth_.data());
+        std::memcpy(mask_.data(), truth_.data(), size_t(n_tok * F));
+    } else {
+        for (int64_t t = 0; t < n_tok; ++t) std::fill(mask_.begin() + t * F, mask_.begin() + t * F + n, 1);
+    }
+    if (is_cold) {
+        if (mode == TierMode::Predictor || mode == TierMode::Oracle) {
+            double selected = 0, tp = 0, pos = 0;
+            const bool have_truth = mode == TierMode::Oracle || recall_check_;
+            for (int64_t t = 0; t < n_tok; ++t)
+                for (int64_t r = 0; r < n; ++r) {
+                    const uint8_t m = mask_[size_t(t * F + r)];
+                    selected += m;
+                    if (have_truth) {
+                        const uint8_t tr = truth_[size_t(t * F + r)];
+                        pos += tr;
+                        tp += tr & m;
+                    }
+                }
+            st.predicted += selected;
+            st.cold_tokens += double(n_tok);
+            st.true_pos += tp;
+            st.positives += pos;
+        }
+        times_.predictor += seconds_since(t0);
+        t0 = Clock::now();
+    }
+
+    // Stage B/C: gate (and up) for the selected rows; mask_ becomes 2 where up/down are used.
+    n_rows_ = 0;
+    for (int64_t r = 0; r < n; ++r) {
+        bool any = false;
+        for (int64_t t = 0; t < n_tok && !any; ++t) any = mask_[size_t(t * F + r)] != 0;
+        if (any) rows_[size_t(n_rows_++)] = int32_t(r);
+    }
+    prepare(op_xn_, n_tok, L.gate.type);
+    prepare(op_xn_, n_tok, L.up.type);
+    const TypeKernels &kg = ks_->for_type(L.gate.type), &ku = ks_->for_type(L.up.type);
+    const bool dense = mode == TierMode::Dense, all_up = mode == TierMode::Dense || mode == TierMode::DenseRule;
+    const bool gated = hp_.gated;
+    const float *gb = L.gate_b.floats(), *ub = L.up_b.floats();
+    std::atomic<int64_t> n_active{0}, n_computed{0};
+    auto gate_up = [&](int chunk, int n_chunks, int) {
+        int64_t i0, i1, active = 0, computed = 0;
+        split_range(n_rows_, chunk, n_chunks, &i0, &i1);
+        for (int64_t i = i0; i < i1; ++i) {
+            const int64_t r = rows_[size_t(i)];
+            const int32_t id = T.ids[size_t(r)];
+            const uint8_t *grow = T.row(T.gate, r), *urow = T.row(T.up, r);
+            for (int64_t t = 0; t < n_tok; ++t) {
+                uint8_t &m = mask_[size_t(t * F + r)];
+                if (!m) continue;
+                const float g = kg.dot(int(E), grow, op_xn_.at(t, L.gate.type)) + (gb ? gb[id] : 0.0f);
+                float a = 0.0f;
+                bool first_pass;  // the rule's verdict from the gate alone
+                if (act == Activation::Silu) {
+                    a = silu(g);
+                    first_pass = std::fabs(a) > thr;
+                } else {
+                    a = std::max(g, 0.0f);
+                    first_pass = g > 0.0f;
+                }
+                float h = gated ? 0.0f : a;  // ungated: the activation is the neuron's output
+                bool pass = first_pass;
+                if (gated && (first_pass || all_up)) {
+                    const float u = ku.dot(int(E), urow, op_xn_.at(t, L.up.type)) + (ub ? ub[id] : 0.0f);
+                    if (act == Activation::DRelu) {
+                        h = a * std::max(u, 0.0f);
+                        pass = h > 0.0f;
+                    } else {
+                        h = a * u;
+                    }
+                }
+                active += pass;
+                if (dense || pass) {
+                    m = 2;
+                    ++computed;
+                    h_[size_t(t * F + r)] = h;
+                } else {
+                    m = 1;
+                }
+            }
+        }
+        n_active += active;
+        n_computed += computed;
+    };
+    pool_->run(pool_->chunks_for(n_rows_ * E * n_tok * 2, kGrain), gate_up);
+    st.active += double(n_active.load());
+    st.computed += double(n_computed.load());
+    if (!is_cold) st.hot_active += double(n_active.load());
+
+    // Stage D: y = sum over used rows of h * down_t row; each thread owns a slice of the columns.
+    int64_t n_used = 0;
+    for (int64_t i = 0; i < n_rows_; ++i) {
+        const int64_t r = rows_[size_t(i)];
+        int32_t users = 0;
+        for (int64_t t = 0; t < n_tok; ++t) users += mask_[size_t(t * F + r)] == 2;
+        if (users) {
+            rows_[size_t(n_used)] = int32_t(r);
+            row_users_[size_t(n_used++)] = users;
+        }
+    }
+    const uint32_t dtype = T.down_t.type;
+    const TypeKernels &kd = ks_->for_type(dtype);
+    const int64_t align = column_align(dtype);
+    auto down = [&](int chunk, int n_chunks, int thread) {
+        int64_t c0, c1;
+        split_range(E, chunk, n_chunks, &c0, &c1, align);
+        if (c0 >= c1) return;
+        const int cn = int(c1 - c0);
+        for (int64_t t = 0; t < n_tok; ++t) std::fill(y + t * E + c0, y + t * E + c1, 0.0f);
+        float *buf = rowbuf_.data() + int64_t(thread) * E;
+        for (int64_t i = 0; i < n_used; ++i) {
+            const int64_t r = rows_[size_t(i)];
+            const uint8_t *slice = column_slice(T.row(T.down_t, r), dtype, c0);
+            if (row_users_[size_t(i)] == 1) {  // one token: straight from the stored type
+                for (int64_t t = 0; t < n_tok; ++t)
+                    if (mask_[size_t(t * F + r)] == 2) {
+                        kd.axpy(cn, h_[size_t(t * F + r)], slice, y + t * E + c0);
+                        break;
+                    }
+            } else {  // several tokens share the row: widen it once (same arithmetic as the fused axpy)
+                kd.to_float(cn, slice, buf);
+                for (int64_t t = 0; t < n_tok; ++t)
+                    if (mask_[size_t(t * F + r)] == 2) ks_->f32.axpy(cn, h_[size_t(t * F + r)], buf, y + t * E + c0);
+            }
+        }
+    };
+    const int64_t column_units = (E + align - 1) / align;
+    pool_->run(int(std::min<int64_t>(column_units, pool_->chunks_for(n_used * E * n_tok, kGrain))), down);
+    times_.ffn += seconds_since(t0);
+}
+
+int32_t Engine::sample(const pi_sampling &p) {
+    if (n_past_ == 0) fail(PI_ERR_ARGUMENT, "nothing evaluated yet: call pi_eval before pi_sample");
+    if (!(p.temperature >= 0.0f || p.temperature < 0.0f)) fail(PI_ERR_ARGUMENT, "temperature is NaN");
+    if (!(p.repeat_penalty > 0.0f)) fail(PI_ERR_ARGUMENT, "repeat_penalty must be > 0");
+    if (!(p.top_p > 0.0f)) fail(PI_ERR_ARGUMENT, "top_p must be > 0");
+    return sampler_.sample(last_logits_.data(), p, history_.data(), n_past_, rng_);
+}
+
+void Engine::reset_stats() {
+    stats_.assign(stats_.size(), LayerStats{});
+    times_ = PhaseTimes{};
+    batch_tokens_ = batch_seconds_ = decode_tokens_ = decode_seconds_ = 0;
+}
+
+namespace {
+
+std::string num(double v) {
+    if (!std::isfinite(v)) return "null";
+    char b[64];
+    std::snprintf(b, sizeof b, "%.9g", v);
+    return b;
+}
+
+std::string quoted(const std::string &s) {
+    std::string out = "\"";
+    for (char c : s) {
+        if (c == '"' || c == '\\') out += '\\';
+        if (static_cast<unsigned char>(c) < 0x20) {
+            char b[8];
+            std::snprintf(b, sizeof b, "\\u%04x", c);
+            out += b;
+            continue;
+        }
+        out += c;
+    }
+    return out + "\"";
+}
+
+const char *mode_name(int32_t m) {
+    static const char *names[] = {"dense", "gate", "predictor", "auto", "oracle"};
+    return m >= 0 && m <= 4 ? names[m] : "?";
+}
+
+const char *activation_name(Activation a) {
+    return a == Activation::Relu ? "relu" : a == Activation::Silu ? "silu" : "drelu";
+}
+
+}  // namespace
+
+const std::string &Engine::info_json() {
+    const HParams &h = hp_;
+    const Layer &l0 = model_->layers()[0];
+    json_ = "{\"path\": " + quoted(model_->path()) + ", \"magic\": " + quoted(model_->pwri() ? "PWRI" : "GGUF") +
+            ", \"arch\": " + quoted(h.arch) + ", \"activation\": " + quoted(activation_name(h.activation)) +
+            ", \"n_vocab\": " + num(double(h.n_vocab)) + ", \"n_embd\": " + num(double(h.n_embd)) +
+            ", \"n_layer\": " + num(double(h.n_layer)) + ", \"n_ff\": " + num(double(h.n_ff)) +
+            ", \"n_head\": " + num(double(h.n_head)) + ", \"n_head_kv\": " + num(double(h.n_head_kv)) +
+            ", \"n_ctx_train\": " + num(double(h.n_ctx_train)) + ", \"n_ctx\": " + num(double(n_ctx_)) +
+            ", \"n_batch\": " + num(double(n_batch_)) + ", \"rope_base\": " + num(h.rope_base) +
+            ", \"bos\": " + num(double(h.bos)) + ", \"eos\": " + num(double(h.eos)) +
+            ", \"weight_type\": " + quoted(type_size(l0.up.type).name) +
+            ", \"has_predictor\": " + (model_->has_predictor() ? "true" : "false") +
+            ", \"hot_neurons\": " + num(double(model_->hot_neurons())) +
+            ", \"threads\": " + num(pool_->size()) + ", \"isa\": " + quoted(ks_->isa) +
+            ", \"ffn_mode\": " + quoted(mode_name(mode_)) + ", \"recall_check\": " + (recall_check_ ? "true" : "false") +
+            ", \"activation_thresholds\": [";
+    for (size_t i = 0; i < model_->layers().size(); ++i) json_ += (i ? ", " : "") + num(model_->layers()[i].act_threshold);
+    json_ += "], \"predictor_thresholds\": [";
+    for (size_t i = 0; i < model_->layers().size(); ++i) json_ += (i ? ", " : "") + num(model_->layers()[i].pred_threshold);
+    json_ += "]}";
+    return json_;
+}
+
+const std::string &Engine::stats_json() {
+    json_ = "{\"ffn_mode\": " + quoted(mode_name(mode_)) + ", \"batch_tokens\": " + num(batch_tokens_) +
+            ", \"batch_seconds\": " + num(batch_seconds_) + ", \"decode_tokens\": " + num(decode_tokens_) +
+            ", \"decode_seconds\": " + num(decode_seconds_) + ", \"phases\": {\"embed\": " + num(times_.embed) +
+            ", \"attention\": " + num(times_.attention) + ", \"predictor\": " + num(times_.predictor) +
+            ", \"ffn\": " + num(times_.ffn) + ", \"output\": " + num(times_.output) + "}, \"layers\": [";
+    const double F = double(hp_.n_ff);
+    for (size_t i = 0; i < stats_.size(); ++i) {
+        const LayerStats &s = stats_[i];
+        const Layer &L = model_->layers()[i];
+        const double nc = double(L.cold.size());
+        json_ += std::string(i ? ", " : "") + "{\"layer\": " + num(double(i)) + ", \"tokens\": " + num(s.tokens) +
+                 ", \"density\": " + num(s.tokens > 0 ? s.active / s.tokens / F : NAN) +
+                 ", \"computed_density\": " + num(s.tokens > 0 ? s.computed / s.tokens / F : NAN) +
+                 ", \"hot_neurons\": " + num(double(L.hot.size())) +
+                 ", \"hot_density\": " + num(s.tokens > 0 && L.hot.size() ? s.hot_active / s.tokens / double(L.hot.size()) : NAN) +
+                 ", \"predicted_density\": " + num(s.cold_tokens > 0 && nc > 0 ? s.predicted / s.cold_tokens / nc : NAN) +
+                 ", \"recall\": " + num(s.positives > 0 ? s.true_pos / s.positives : NAN) + ", \"modes\": {";
+        bool first = true;
+        for (int m = 0; m < 5; ++m) {
+            if (s.mode_tokens[m] == 0) continue;
+            json_ += std::string(first ? "" : ", ") + quoted(tier_mode_name(TierMode(m))) + ": " + num(s.mode_tokens[m]);
+            first = false;
+        }
+        json_ += "}}";
+    }
+    json_ += "]}";
+    return json_;
+}
+
+}  // namespace pi

@@ -1,0 +1,119 @@
+// The inference context: a loaded Model, the KV cache, preallocated scratch, the thread pool, the
+// FFN modes, statistics and sampling. Everything the decode loop touches is allocated here, once.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kernels.h"
+#include "model.h"
+#include "sampler.h"
+#include "threadpool.h"
+
+namespace pi {
+
+// How one FFN tier is computed for one layer and batch.
+enum class TierMode { Dense, DenseRule, Gate, Predictor, Oracle };
+const char *tier_mode_name(TierMode m);
+
+// A row-major [tokens, n] activation matrix plus, on demand, its q8_0 quantization: the operand of
+// dot products against rows of any weight type.
+struct Operand {
+    const float *f = nullptr;
+    int64_t n = 0;
+    BlockQ8_0 *q = nullptr;  // capacity for the batch, allocated by the engine
+    bool q_ready = false;
+    const void *at(int64_t t, uint32_t type) const {
+        return act_is_q8(type) ? static_cast<const void *>(q + t * (n / QK)) : static_cast<const void *>(f + t * n);
+    }
+};
+
+struct LayerStats {
+    double tokens = 0;        // tokens through this layer's FFN
+    double active = 0;        // neurons passing the activation rule (all tiers)
+    double hot_active = 0;    // of which in the hot tier
+    double computed = 0;      // neurons whose up/down rows were used
+    double cold_tokens = 0;   // token-tier pairs scored by the predictor
+    double predicted = 0;     // cold neurons selected by the predictor
+    double true_pos = 0;      // selected and truly active (recall check / oracle)
+    double positives = 0;     // truly active cold neurons (recall check / oracle)
+    double mode_tokens[5] = {0, 0, 0, 0, 0};  // per TierMode, for the cold tier
+};
+
+struct PhaseTimes {
+    double embed = 0, attention = 0, predictor = 0, ffn = 0, output = 0;
+};
+
+class Engine {
+public:
+    Engine(const std::string &path, const pi_options &opts);
+
+    const Model &model() const { return *model_; }
+    void set_ffn_mode(int32_t mode);
+    void set_recall_check(bool on) { recall_check_ = on; }
+    void eval(const int32_t *tokens, int32_t n, float *logits, bool all_logits);
+    int32_t n_past() const { return int32_t(n_past_); }
+    void truncate(int32_t n_keep);
+    int32_t sample(const pi_sampling &p);
+    void set_seed(uint64_t seed) { rng_.seed_with(seed); }
+    const std::string &info_json();
+    const std::string &stats_json();
+    void reset_stats();
+
+private:
+    void forward(const int32_t *tokens, int64_t n_tok, float *logits, int64_t ld_logits, bool all_logits);
+    void attention(int64_t il, int64_t n_tok);
+    void ffn(int64_t il, int64_t n_tok);
+    TierMode choose_cold_mode(int64_t il) const;
+    void ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n_tok, float *y, LayerStats &st,
+                  bool is_cold);
+    void predictor_select(const Layer &L, const FfnTier &T, int64_t n_tok);
+    void true_mask(const Layer &L, const FfnTier &T, int64_t n_tok, uint8_t *out);
+    void matmul(const Matrix &W, Operand &x, int64_t n_tok, float *out, int64_t ldo);
+    void prepare(Operand &x, int64_t n_tok, uint32_t type);
+    // RMSNorm or LayerNorm (hp_.norm) of n_tok rows; b may be empty.
+    void norm(const float *x, const Matrix &w, const Matrix &b, int64_t n_tok, float *out) const;
+    // y[t][i] += b[i] for each of n_tok rows ld apart (nothing when b is absent)
+    void add_bias(float *y, const Matrix &b, int64_t n_tok, int64_t ld) const;
+    void add_residual(const float *y, int64_t n_tok);
+
+    std::unique_ptr<Model> model_;
+    const KernelSet *ks_;
+    std::unique_ptr<ThreadPool> pool_;
+    HParams hp_;
+    int64_t n_ctx_, n_batch_;
+    int32_t mode_;
+    bool recall_check_;
+
+    // KV cache [layer][pos][n_head_kv * d_head]
+    std::vector<float> k_cache_, v_cache_;
+    int64_t n_past_ = 0;
+    std::vector<int32_t> history_;
+    std::vector<float> rope_cos_, rope_sin_;  // [pos][n_rot/2]
+
+    // scratch, [batch, ...]
+    std::vector<float> x_, xn_, q_, k_, v_, att_, tmp_, y_hot_, y_cold_, g_, h_, hid_, last_logits_;
+    std::vector<float> scores_;  // [threads][n_ctx]
+    std::vector<float> rowbuf_;  // [threads][n_embd]
+    std::vector<BlockQ8_0> q_x_, q_xn_, q_att_, q_hid_;
+    Operand op_x_, op_xn_, op_att_, op_hid_;
+    std::vector<uint8_t> mask_, truth_;  // [batch][n_ff]
+    std::vector<int32_t> rows_, row_users_;  // [n_ff]
+    int64_t n_rows_ = 0;
+
+    // auto mode: measured densities per layer (exponential moving averages over tokens)
+    std::vector<double> ema_active_, ema_predicted_;
+    std::vector<bool> predicted_seen_;
+
+    std::vector<LayerStats> stats_;
+    PhaseTimes times_;
+    double batch_tokens_ = 0, batch_seconds_ = 0, decode_tokens_ = 0, decode_seconds_ = 0;
+    Sampler sampler_;
+    Rng rng_;
+    std::string json_;
+};
+
+}  // namespace pi

@@ -1,0 +1,105 @@
+/* pi_engine: the C API of the bundled PowerInfer-style inference engine.
+ *
+ * Opaque handles, status codes and a thread-local error string. No call aborts or exits the
+ * process on bad input: every failure returns a non-zero pi_status and leaves a one-line message
+ * readable with pi_last_error().
+ */
+#ifndef PI_ENGINE_H
+#define PI_ENGINE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define PI_ENGINE_API_VERSION 1
+
+typedef enum {
+    PI_OK = 0,
+    PI_ERR_IO = 1,          /* file missing, unreadable, mmap failed */
+    PI_ERR_FORMAT = 2,      /* the file contradicts the GGUF/PowerInfer format or itself */
+    PI_ERR_UNSUPPORTED = 3, /* valid file, but an architecture/type/feature this build cannot run */
+    PI_ERR_ARGUMENT = 4,    /* bad argument (token id out of range, context full, ...) */
+    PI_ERR_MEMORY = 5,      /* allocation failed */
+    PI_ERR_INTERNAL = 6
+} pi_status;
+
+/* How the FFN of each layer is computed (see docs: dense is the exact reference). */
+typedef enum {
+    PI_FFN_DENSE = 0,     /* every neuron, no threshold */
+    PI_FFN_GATE = 1,      /* gate exactly, then up/down only for neurons passing the activation rule */
+    PI_FFN_PREDICTOR = 2, /* predictor logits above the layer threshold select neurons (PowerInfer) */
+    PI_FFN_AUTO = 3,      /* per layer, the cheapest of the above by the cost model at measured density */
+    PI_FFN_ORACLE = 4     /* predictor path with the predictor replaced by the true mask (testing) */
+} pi_ffn_mode;
+
+typedef struct pi_engine pi_engine;
+
+typedef struct {
+    int32_t threads;         /* worker threads including the caller; <= 0: hardware concurrency */
+    int32_t ctx_size;        /* KV cache length; <= 0: min(training context, 4096) */
+    int32_t batch_size;      /* tokens per forward batch (prompt processing); <= 0: 64 */
+    int32_t ffn_mode;        /* pi_ffn_mode */
+    int32_t recall_check;    /* != 0: also compute the true mask to measure predictor recall */
+    const char *gpuidx_path; /* optional PowerInfer .gpuidx file: its neurons form the hot tier */
+    const char *isa;         /* optional kernel set: "scalar", "avx2"; NULL: best available */
+} pi_options;
+
+typedef struct {
+    float temperature;     /* <= 0: greedy */
+    int32_t top_k;         /* <= 0: no top-k cut */
+    float top_p;           /* >= 1: no nucleus cut */
+    float repeat_penalty;  /* 1: off (llama.cpp rule: divide positive logits, multiply negative ones) */
+    int32_t repeat_last_n; /* how many of the latest tokens the penalty looks at */
+} pi_sampling;
+
+/* Thread-local message of the last failing call in this thread ("" when none). */
+const char *pi_last_error(void);
+int32_t pi_api_version(void);
+
+void pi_options_default(pi_options *opts);
+void pi_sampling_default(pi_sampling *params);
+
+pi_status pi_open(const char *path, const pi_options *opts, pi_engine **out);
+void pi_close(pi_engine *engine);
+
+/* JSON object describing the model and the run settings (owned by the engine, valid until the next
+ * pi_info/pi_stats_json call on it). */
+pi_status pi_info_json(pi_engine *engine, const char **json);
+
+pi_status pi_set_ffn_mode(pi_engine *engine, int32_t mode);
+pi_status pi_set_recall_check(pi_engine *engine, int32_t enabled);
+
+/* Run `n` tokens after the `pi_n_past` already in the cache. `logits` receives n * n_vocab floats
+ * when all_logits != 0, else the n_vocab logits of the last token; it may be NULL. */
+pi_status pi_eval(pi_engine *engine, const int32_t *tokens, int32_t n, float *logits, int32_t all_logits);
+int32_t pi_n_past(const pi_engine *engine);
+/* Keep only the first n_keep cached tokens. */
+pi_status pi_truncate(pi_engine *engine, int32_t n_keep);
+
+/* Sample the next token from the logits of the last evaluated token. */
+pi_status pi_sample(pi_engine *engine, const pi_sampling *params, int32_t *token);
+pi_status pi_set_seed(pi_engine *engine, uint64_t seed);
+
+/* Statistics since open or the last pi_stats_reset, as JSON (owned by the engine). */
+pi_status pi_stats_json(pi_engine *engine, const char **json);
+pi_status pi_stats_reset(pi_engine *engine);
+
+/* ---- kernel access for tests: run one kernel of a named instruction set on caller buffers ---- */
+/* 1 when the kernel set `isa` exists in this build and the CPU runs it. */
+int32_t pi_isa_available(const char *isa);
+const char *pi_isa_selected(void);
+/* Weight types: GGML ids (0 f32, 1 f16, 2 q4_0, 8 q8_0). The activation operand of dot is f32 for
+ * f32/f16 weights and q8_0 blocks for q4_0/q8_0 weights. n must be a multiple of the block size. */
+pi_status pi_kernel_dot(const char *isa, int32_t type, int32_t n, const void *w, const void *x, float *out);
+pi_status pi_kernel_axpy(const char *isa, int32_t type, int32_t n, float a, const void *w, float *y);
+pi_status pi_kernel_to_float(const char *isa, int32_t type, int32_t n, const void *w, float *out);
+pi_status pi_kernel_quantize_q8_0(const char *isa, int32_t n, const float *x, void *out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* PI_ENGINE_H */

@@ -1,0 +1,354 @@
+#include "model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "common.h"
+#include "types.h"
+
+namespace pi {
+namespace {
+
+std::string shape_str(int64_t rows, int64_t cols) {
+    return "(" + std::to_string(rows) + ", " + std::to_string(cols) + ")";
+}
+
+std::string blk(int64_t i, const char *suffix) { return "blk." + std::to_string(i) + "." + suffix; }
+
+}  // namespace
+
+Model::Model(const std::string &path, const std::string &gpuidx_path) {
+    file_ = std::make_unique<GgufFile>(path);
+    read_hparams();
+    bind_tensors();
+    build_tiers(gpuidx_path);
+}
+
+void Model::read_hparams() {
+    const GgufFile &f = *file_;
+    const std::string &p = f.path();
+    hp_.arch = f.get_string("general.architecture");
+    const std::string &a = hp_.arch;
+    if (a != "llama" && a != "bamboo" && a != "falcon" && a != "opt")
+        fail(PI_ERR_UNSUPPORTED, p + ": unsupported architecture '" + a + "' (this engine runs llama, bamboo, falcon and opt)");
+    const bool llama_family = a == "llama" || a == "bamboo";
+    hp_.norm = llama_family ? NormKind::Rms : NormKind::Layer;
+    hp_.rope = a == "opt" ? RopeKind::None : a == "falcon" ? RopeKind::NeoX : RopeKind::Adjacent;
+    hp_.gated = llama_family;
+    hp_.parallel_block = a == "falcon";
+    hp_.learned_pos = a == "opt";
+    hp_.pos_offset = a == "opt" ? 2 : 0;  // OPT's learned table starts its positions at row 2
+    const int64_t big = int64_t(1) << 20;
+    hp_.n_embd = f.get_int(a + ".embedding_length", 1, 1 << 16);
+    hp_.n_layer = f.get_int(a + ".block_count", 1, 4096);
+    hp_.n_ff = f.get_int(a + ".feed_forward_length", 1, big);
+    hp_.n_head = f.get_int(a + ".attention.head_count", 1, hp_.n_embd);
+    hp_.n_head_kv = f.get_int_or(a + ".attention.head_count_kv", hp_.n_head, 1, hp_.n_head);
+    hp_.n_ctx_train = f.get_int_or(a + ".context_length", 2048, 1, int64_t(1) << 24);
+    if (hp_.n_embd % hp_.n_head != 0)
+        fail(PI_ERR_FORMAT, p + ": embedding_length " + std::to_string(hp_.n_embd) + " is not a multiple of head_count " +
+                                std::to_string(hp_.n_head));
+    if (hp_.n_head % hp_.n_head_kv != 0)
+        fail(PI_ERR_FORMAT, p + ": head_count " + std::to_string(hp_.n_head) + " is not a multiple of head_count_kv " +
+                                std::to_string(hp_.n_head_kv));
+    hp_.d_head = hp_.n_embd / hp_.n_head;
+    hp_.n_rot = f.get_int_or(a + ".rope.dimension_count", hp_.d_head, 2, hp_.d_head);
+    if (hp_.n_rot % 2 != 0) fail(PI_ERR_FORMAT, p + ": rope.dimension_count must be even");
+    const std::string eps_key = a + (llama_family ? ".attention.layer_norm_rms_epsilon" : ".attention.layer_norm_epsilon");
+    const double eps = f.get_float_or(eps_key, -1.0);
+    if (!(eps > 0.0 && eps < 1.0)) fail(PI_ERR_FORMAT, p + ": " + eps_key + " is missing or outside (0, 1)");
+    hp_.norm_eps = float(eps);
+    const double base = f.get_float_or(a + ".rope.freq_base", 10000.0);
+    if (!(base > 1.0)) fail(PI_ERR_FORMAT, p + ": rope.freq_base must be > 1");
+    hp_.rope_base = float(base);
+    if (f.has(a + ".rope.scaling.type")) {
+        const std::string kind = f.get_string(a + ".rope.scaling.type");
+        if (kind == "linear") {
+            const double factor = f.get_float_or(a + ".rope.scaling.factor", 1.0);
+            if (!(factor >= 1.0 && factor <= 1024.0)) fail(PI_ERR_FORMAT, p + ": rope.scaling.factor out of range");
+            hp_.rope_freq_scale = float(1.0 / factor);
+        } else if (kind != "none") {
+            fail(PI_ERR_UNSUPPORTED, p + ": rope scaling '" + kind + "' is not supported (none, linear)");
+        }
+    }
+    if (a == "falcon" && f.has("falcon.tensor_data_layout") && f.get_string("falcon.tensor_data_layout") != "jploski")
+        fail(PI_ERR_UNSUPPORTED, p + ": falcon.tensor_data_layout '" + f.get_string("falcon.tensor_data_layout") +
+                                     "' is not supported (jploski: fused QKV as all q heads, then k heads, then v heads)");
+    if (file_->tensor("rope_freqs.weight"))
+        fail(PI_ERR_UNSUPPORTED, p + ": per-dimension rope frequencies (rope_freqs.weight) are not supported");
+
+    std::string act = a == "bamboo" ? "drelu" : a == "llama" ? "silu" : "relu";
+    if (f.has("powerinfer.ffn_activation")) act = f.get_string("powerinfer.ffn_activation");
+    if ((a == "llama" || !llama_family) && act == "relu") hp_.activation = Activation::Relu;
+    else if (a == "llama" && act == "silu") hp_.activation = Activation::Silu;
+    else if (a == "bamboo" && act == "drelu") hp_.activation = Activation::DRelu;
+    else fail(PI_ERR_UNSUPPORTED, p + ": FFN activation '" + act + "' is not supported for architecture " + a);
+}
+
+Matrix Model::bind_optional(const std::string &name, int64_t rows, int64_t cols, bool f32_only, bool *found) const {
+    const std::string &p = file_->path();
+    const GgufTensor *t = file_->tensor(name);
+    *found = t != nullptr;
+    if (!t) return Matrix{};
+    const bool vector = rows == 1;
+    bool ok = int64_t(t->ne[0]) == cols && (vector || int64_t(t->ne[1]) == rows);
+    for (uint32_t d = vector ? 1 : 2; d < 4; ++d) ok = ok && t->ne[d] == 1;
+    if (!ok) {
+        std::string got = "(";
+        for (int d = int(t->n_dims) - 1; d >= 0; --d) got += std::to_string(t->ne[d]) + (d ? ", " : ")");
+        fail(PI_ERR_FORMAT, p + ": tensor " + name + " has shape " + got + ", the hyperparameters say " +
+                                (vector ? "(" + std::to_string(cols) + ",)" : shape_str(rows, cols)));
+    }
+    const TypeSize ts = type_size(t->type);
+    if (f32_only && t->type != TYPE_F32)
+        fail(PI_ERR_UNSUPPORTED, p + ": tensor " + name + " has type " + ts.name + "; it must be f32");
+    if (!type_computable(t->type))
+        fail(PI_ERR_UNSUPPORTED, p + ": tensor " + name + " has type " + ts.name +
+                                     "; this engine computes with f32, f16, q8_0 and q4_0");
+    Matrix m;
+    m.type = t->type;
+    m.rows = rows;
+    m.cols = cols;
+    m.row_bytes = size_t(cols) / ts.block * ts.bytes;
+    m.data = t->data;
+    return m;
+}
+
+Matrix Model::bind_vector(const std::string &name, int64_t n, bool required) const {
+    bool found = false;
+    Matrix m = bind_optional(name, 1, n, true, &found);
+    if (!found && required) fail(PI_ERR_FORMAT, file_->path() + ": tensor " + name + " is missing");
+    return m;
+}
+
+Matrix Model::bind(const std::string &name, int64_t rows, int64_t cols, bool f32_only) const {
+    bool found = false;
+    Matrix m = bind_optional(name, rows, cols, f32_only, &found);
+    if (!found) fail(PI_ERR_FORMAT, file_->path() + ": tensor " + name + " is missing");
+    return m;
+}
+
+void Model::bind_tensors() {
+    const GgufFile &f = *file_;
+    const std::string &p = f.path();
+    const GgufTensor *emb = f.tensor("token_embd.weight");
+    if (!emb) fail(PI_ERR_FORMAT, p + ": tensor token_embd.weight is missing");
+    if (emb->n_dims != 2 || emb->ne[1] < 1 || emb->ne[1] > (uint64_t(1) << 24))
+        fail(PI_ERR_FORMAT, p + ": tensor token_embd.weight is not a (n_vocab, n_embd) matrix");
+    hp_.n_vocab = int64_t(emb->ne[1]);
+    const int64_t V = hp_.n_vocab, E = hp_.n_embd, F = hp_.n_ff, L = hp_.n_layer;
+    if (f.has(hp_.arch + ".vocab_size")) f.get_int(hp_.arch + ".vocab_size", V, V);
+    if (const GgufValue *toks = f.find("tokenizer.ggml.tokens"))
+        if (toks->type == GV_ARRAY && int64_t(toks->array_count) != V)
+            fail(PI_ERR_FORMAT, p + ": the vocabulary has " + std::to_string(toks->array_count) +
+                                    " tokens but token_embd.weight has " + std::to_string(V) + " rows");
+    hp_.bos = f.get_int_or("tokenizer.ggml.bos_token_id", -1, -1, V - 1);
+    hp_.eos = f.get_int_or("tokenizer.ggml.eos_token_id", -1, -1, V - 1);
+
+    tok_embd_ = bind("token_embd.weight", V, E, false);
+    const bool layer_norm = hp_.norm == NormKind::Layer;
+    output_norm_ = bind_vector("output_norm.weight", E, true);
+    output_norm_b_ = bind_vector("output_norm.bias", E, layer_norm);
+    if (hp_.learned_pos) pos_embd_ = bind("position_embd.weight", hp_.n_ctx_train + hp_.pos_offset, E, false);
+    bool has_output = false;
+    output_ = bind_optional("output.weight", V, E, false, &has_output);
+    if (!has_output) output_ = tok_embd_;  // tied embeddings in a plain GGUF file
+
+    std::vector<float> act_thr(size_t(L), 0.0f), pred_thr(size_t(L), 0.0f);
+    if (f.has("powerinfer.activation_thresholds")) act_thr = f.get_f32_array("powerinfer.activation_thresholds", uint64_t(L));
+    for (float t : act_thr)
+        if (t < 0.0f) fail(PI_ERR_FORMAT, p + ": powerinfer.activation_thresholds holds a negative value");
+    if (f.has("powerinfer.predictor_thresholds")) {
+        pred_thr = f.get_f32_array("powerinfer.predictor_thresholds", uint64_t(L));
+    } else if (f.has("powerinfer.sparse_threshold")) {
+        std::fill(pred_thr.begin(), pred_thr.end(), float(f.get_float_or("powerinfer.sparse_threshold", 0.0)));
+    }
+
+    has_predictor_ = f.tensor(blk(0, "fc1.weight")) != nullptr;
+    layers_.resize(size_t(L));
+    for (int64_t i = 0; i < L; ++i) {
+        Layer &l = layers_[size_t(i)];
+        bind_attention(i, l);
+        bind_ffn(i, l);
+        l.act_threshold = hp_.activation == Activation::Silu ? act_thr[size_t(i)] : 0.0f;
+        l.pred_threshold = pred_thr[size_t(i)];
+        const std::string fc1 = blk(i, "fc1.weight"), fc2 = blk(i, "fc2.weight");
+        if (has_predictor_) {
+            const GgufTensor *t1 = f.tensor(fc1);
+            if (!t1) fail(PI_ERR_FORMAT, p + ": tensor " + fc1 + " is missing (layer 0 has a predictor)");
+            if (t1->n_dims != 2 || t1->ne[1] < 1 || t1->ne[1] > uint64_t(F))
+                fail(PI_ERR_FORMAT, p + ": tensor " + fc1 + " is not a (rank, n_embd) matrix with rank <= n_ff");
+            const int64_t rank = int64_t(t1->ne[1]);
+            l.fc1 = bind(fc1, rank, E, false);
+            l.fc2 = bind(fc2, F, rank, false);
+        } else if (f.tensor(fc1) || f.tensor(fc2)) {
+            fail(PI_ERR_FORMAT, p + ": layer " + std::to_string(i) + " has a predictor but layer 0 has none");
+        }
+    }
+}
+
+void Model::bind_attention(int64_t i, Layer &l) {
+    const int64_t E = hp_.n_embd, Q = hp_.n_head * hp_.d_head, KV = hp_.n_head_kv * hp_.d_head;
+    const bool layer_norm = hp_.norm == NormKind::Layer, all_biases = hp_.arch == "opt";
+    l.attn_norm = bind_vector(blk(i, "attn_norm.weight"), E, true);
+    l.attn_norm_b = bind_vector(blk(i, "attn_norm.bias"), E, layer_norm);
+    if (hp_.parallel_block) {
+        // PowerInfer's falcon: attn_norm (ln_mlp, or the 7B's only norm) feeds the FFN; attn_norm_2
+        // (ln_attn, new decoder only) feeds attention.
+        l.ffn_norm = l.attn_norm;
+        l.ffn_norm_b = l.attn_norm_b;
+        bool has_norm_2 = false;
+        const Matrix norm_2 = bind_optional(blk(i, "attn_norm_2.weight"), 1, E, true, &has_norm_2);
+        if (has_norm_2) {
+            l.attn_norm = norm_2;
+            l.attn_norm_b = bind_vector(blk(i, "attn_norm_2.bias"), E, true);
+        }
+        const Matrix qkv = bind(blk(i, "attn_qkv.weight"), Q + 2 * KV, E, false);
+        l.wq = qkv.rows_view(0, Q);
+        l.wk = qkv.rows_view(Q, KV);
+        l.wv = qkv.rows_view(Q + KV, KV);
+        const Matrix qkv_b = bind_vector(blk(i, "attn_qkv.bias"), Q + 2 * KV, false);
+        const float *b = qkv_b.floats();
+        if (b) {  // the bias vector split the same way as the rows
+            l.bq = qkv_b;
+            l.bk = qkv_b;
+            l.bk.data = reinterpret_cast<const uint8_t *>(b + Q);
+            l.bv = qkv_b;
+            l.bv.data = reinterpret_cast<const uint8_t *>(b + Q + KV);
+        }
+    } else {
+        l.ffn_norm = bind_vector(blk(i, "ffn_norm.weight"), E, true);
+        l.ffn_norm_b = bind_vector(blk(i, "ffn_norm.bias"), E, layer_norm);
+        l.wq = bind(blk(i, "attn_q.weight"), Q, E, false);
+        l.wk = bind(blk(i, "attn_k.weight"), KV, E, false);
+        l.wv = bind(blk(i, "attn_v.weight"), KV, E, false);
+        l.bq = bind_vector(blk(i, "attn_q.bias"), Q, all_biases);
+        l.bk = bind_vector(blk(i, "attn_k.bias"), KV, all_biases);
+        l.bv = bind_vector(blk(i, "attn_v.bias"), KV, all_biases);
+    }
+    l.wo = bind(blk(i, "attn_output.weight"), E, Q, false);
+    l.bo = bind_vector(blk(i, "attn_output.bias"), E, all_biases);
+}
+
+void Model::bind_ffn(int64_t i, Layer &l) {
+    const GgufFile &f = *file_;
+    const int64_t E = hp_.n_embd, F = hp_.n_ff;
+    const bool all_biases = hp_.arch == "opt";
+    if (hp_.gated) {
+        l.gate = bind(blk(i, "ffn_gate.weight"), F, E, false);
+        l.gate_b = bind_vector(blk(i, "ffn_gate.bias"), F, false);
+    }
+    l.up = bind(blk(i, "ffn_up.weight"), F, E, false);
+    l.up_b = bind_vector(blk(i, "ffn_up.bias"), F, all_biases);
+    if (!hp_.gated) {  // the activation rule reads up's output
+        l.gate = l.up;
+        l.gate_b = l.up_b;
+    }
+    if (!f.tensor(blk(i, "ffn_down_t.weight")) && f.tensor(blk(i, "ffn_down.weight")))
+        fail(PI_ERR_UNSUPPORTED, f.path() + ": tensor " + blk(i, "ffn_down_t.weight") +
+                                     " is missing (this file has ffn_down: convert the model with pi-tools convert)");
+    l.down_t = bind(blk(i, "ffn_down_t.weight"), F, E, false);
+    l.down_b = bind_vector(blk(i, "ffn_down_t.bias"), E, all_biases);
+}
+
+void Model::build_tiers(const std::string &gpuidx_path) {
+    const int64_t F = hp_.n_ff, L = hp_.n_layer;
+    std::vector<std::vector<uint8_t>> is_hot(size_t(L), std::vector<uint8_t>(size_t(F), 0));
+    if (!gpuidx_path.empty()) {
+        GgufFile g(gpuidx_path);
+        const std::string &p = g.path();
+        const std::string arch = g.get_string("general.architecture");
+        if (arch != "generic.gpu_index")
+            fail(PI_ERR_FORMAT, p + ": not a GPU index file (architecture '" + arch + "', expected generic.gpu_index)");
+        const int64_t blocks = g.get_int("generic.gpu_index.block_count", 0, 1 << 20);
+        if (blocks != L)
+            fail(PI_ERR_FORMAT, p + ": GPU index is for a model with " + std::to_string(blocks) + " layers; " +
+                                    file_->path() + " has " + std::to_string(L));
+        for (int64_t i = 0; i < L; ++i) {
+            const std::string name = blk(i, "gpu_idx");
+            const GgufTensor *t = g.tensor(name);
+            if (!t) fail(PI_ERR_FORMAT, p + ": tensor " + name + " is missing");
+            if (t->type != TYPE_I32 || t->n_dims != 1)
+                fail(PI_ERR_FORMAT, p + ": tensor " + name + " must be a 1-D i32 vector");
+            if (int64_t(t->ne[0]) != F)
+                fail(PI_ERR_FORMAT, p + ": GPU index is for a model with n_ff " + std::to_string(t->ne[0]) + "; " +
+                                        file_->path() + " has n_ff " + std::to_string(F));
+            int64_t n_hot = 0;
+            for (int64_t j = 0; j < F; ++j) {
+                int32_t v;
+                std::memcpy(&v, t->data + 4 * j, 4);
+                if (v != 0 && v != 1) fail(PI_ERR_FORMAT, p + ": tensor " + name + " holds a value other than 0 and 1");
+                is_hot[size_t(i)][size_t(j)] = uint8_t(v);
+                n_hot += v;
+            }
+            const std::string bname = blk(i, "gpu_bucket");
+            if (const GgufTensor *b = g.tensor(bname)) {
+                if (b->type != TYPE_I32 || b->n_dims != 1 || int64_t(b->ne[0]) != n_hot)
+                    fail(PI_ERR_FORMAT, p + ": tensor " + bname + " must list the " + std::to_string(n_hot) +
+                                            " neurons that " + name + " marks");
+                int32_t prev = -1;
+                for (int64_t k = 0; k < n_hot; ++k) {
+                    int32_t v;
+                    std::memcpy(&v, b->data + 4 * k, 4);
+                    if (v <= prev || v >= F || !is_hot[size_t(i)][size_t(v)])
+                        fail(PI_ERR_FORMAT, p + ": tensor " + bname + " is not the sorted list of " + name + "'s neurons");
+                    prev = v;
+                }
+            }
+        }
+    }
+    for (int64_t i = 0; i < L; ++i) {
+        Layer &l = layers_[size_t(i)];
+        for (int32_t j = 0; j < int32_t(F); ++j) (is_hot[size_t(i)][size_t(j)] ? l.hot : l.cold).ids.push_back(j);
+        // Cold tier: rows stay in the mapping, gathered by id.
+        l.cold.gate = l.gate;
+        l.cold.up = l.up;
+        l.cold.down_t = l.down_t;
+        l.cold.packed = false;
+        l.cold.fc2 = l.fc2;
+        const int64_t nh = l.hot.size();
+        if (has_predictor_ && nh > 0) {  // the predictor only ever scores cold neurons: pack their rows
+            const int64_t nc = l.cold.size();
+            l.cold.fc2_storage.resize(size_t(nc) * l.fc2.row_bytes);
+            for (int64_t r = 0; r < nc; ++r)
+                std::memcpy(l.cold.fc2_storage.data() + size_t(r) * l.fc2.row_bytes, l.fc2.row(l.cold.ids[size_t(r)]),
+                            l.fc2.row_bytes);
+            l.cold.fc2.rows = nc;
+            l.cold.fc2.data = l.cold.fc2_storage.data();
+        }
+        // Hot tier: packed contiguous copies, gate | up | down_t.
+        l.hot.packed = true;
+        if (nh == 0) continue;
+        const Matrix *src[3] = {&l.up, &l.down_t, &l.gate};
+        Matrix *dst[3] = {&l.hot.up, &l.hot.down_t, &l.hot.gate};
+        const int n_packed = hp_.gated ? 3 : 2;  // ungated: gate is up
+        size_t total = 0;
+        for (int k = 0; k < n_packed; ++k) total += size_t(nh) * src[k]->row_bytes;
+        l.hot.storage.resize(total);
+        uint8_t *at = l.hot.storage.data();
+        for (int k = 0; k < n_packed; ++k) {
+            *dst[k] = *src[k];
+            dst[k]->rows = nh;
+            dst[k]->data = at;
+            for (int64_t r = 0; r < nh; ++r) std::memcpy(at + size_t(r) * src[k]->row_bytes, src[k]->row(l.hot.ids[size_t(r)]),
+                                                         src[k]->row_bytes);
+            at += size_t(nh) * src[k]->row_bytes;
+        }
+        if (!hp_.gated) l.hot.gate = l.hot.up;
+    }
+}
+
+int64_t Model::hot_neurons() const {
+    int64_t n = 0;
+    for (const Layer &l : layers_) n += l.hot.size();
+    return n;
+}
+
+int64_t Model::max_rank() const {
+    int64_t r = 0;
+    for (const Layer &l : layers_) r = std::max(r, l.fc1.rows);
+    return r;
+}
+
+}  // namespace pi

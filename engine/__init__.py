@@ -1,0 +1,11 @@
+"""Python binding of the bundled C++ engine (csrc/): load a PowerInfer GGUF file and run it.
+
+    with engine.Model("model.powerinfer.gguf", threads=2, sparse_mode="gate") as m:
+        logits = m.eval(tokens)
+        for token in m.generate(tokens, 32):
+            ...
+"""
+from engine._lib import FFN_MODES, EngineError, library_path
+from engine.model import Model
+
+__all__ = ["Model", "EngineError", "FFN_MODES", "library_path"]

@@ -1,0 +1,100 @@
+"""Finding and binding the compiled engine (csrc/, built as engine/_pi_engine*.so) with ctypes.
+
+The library is looked up inside this package, where `pip install` / `setup.py build_ext --inplace`
+put it; the environment variable PI_ENGINE_LIB names another build to use instead.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from functools import lru_cache
+from pathlib import Path
+
+LIBRARY_ENV = "PI_ENGINE_LIB"
+API_VERSION = 1
+
+FFN_MODES = {"dense": 0, "gate": 1, "predictor": 2, "auto": 3, "oracle": 4}
+
+
+class EngineError(RuntimeError):
+    """A failure reported by the engine (bad file, bad argument, ...), carrying its one-line message."""
+
+    def __init__(self, message: str, status: int = 0):
+        super().__init__(message)
+        self.status = status
+
+
+class Options(ctypes.Structure):
+    _fields_ = [("threads", ctypes.c_int32), ("ctx_size", ctypes.c_int32), ("batch_size", ctypes.c_int32),
+                ("ffn_mode", ctypes.c_int32), ("recall_check", ctypes.c_int32), ("gpuidx_path", ctypes.c_char_p),
+                ("isa", ctypes.c_char_p)]
+
+
+class Sampling(ctypes.Structure):
+    _fields_ = [("temperature", ctypes.c_float), ("top_k", ctypes.c_int32), ("top_p", ctypes.c_float),
+                ("repeat_penalty", ctypes.c_float), ("repeat_last_n", ctypes.c_int32)]
+
+
+def library_path() -> Path:
+    override = os.environ.get(LIBRARY_ENV)
+    if override:
+        path = Path(override)
+        if not path.is_file():
+            raise EngineError(f"{LIBRARY_ENV}={override} does not name a file")
+        return path
+    here = Path(__file__).resolve().parent
+    found = sorted(here.glob("_pi_engine*.so")) + sorted(here.glob("_pi_engine*.dylib")) + sorted(here.glob("_pi_engine*.pyd"))
+    if not found:
+        raise EngineError(f"the compiled engine is missing from {here}: reinstall with `pip install .` or run "
+                          "`python setup.py build_ext --inplace` in the source tree")
+    return found[0]
+
+
+_P = ctypes.c_void_p
+_I32 = ctypes.c_int32
+_SIGNATURES = {
+    "pi_last_error": (ctypes.c_char_p, []),
+    "pi_api_version": (_I32, []),
+    "pi_options_default": (None, [ctypes.POINTER(Options)]),
+    "pi_sampling_default": (None, [ctypes.POINTER(Sampling)]),
+    "pi_open": (_I32, [ctypes.c_char_p, ctypes.POINTER(Options), ctypes.POINTER(_P)]),
+    "pi_close": (None, [_P]),
+    "pi_info_json": (_I32, [_P, ctypes.POINTER(ctypes.c_char_p)]),
+    "pi_set_ffn_mode": (_I32, [_P, _I32]),
+    "pi_set_recall_check": (_I32, [_P, _I32]),
+    "pi_eval": (_I32, [_P, _P, _I32, _P, _I32]),
+    "pi_n_past": (_I32, [_P]),
+    "pi_truncate": (_I32, [_P, _I32]),
+    "pi_sample": (_I32, [_P, ctypes.POINTER(Sampling), ctypes.POINTER(_I32)]),
+    "pi_set_seed": (_I32, [_P, ctypes.c_uint64]),
+    "pi_stats_json": (_I32, [_P, ctypes.POINTER(ctypes.c_char_p)]),
+    "pi_stats_reset": (_I32, [_P]),
+    "pi_isa_available": (_I32, [ctypes.c_char_p]),
+    "pi_isa_selected": (ctypes.c_char_p, []),
+    "pi_kernel_dot": (_I32, [ctypes.c_char_p, _I32, _I32, _P, _P, ctypes.POINTER(ctypes.c_float)]),
+    "pi_kernel_axpy": (_I32, [ctypes.c_char_p, _I32, _I32, ctypes.c_float, _P, _P]),
+    "pi_kernel_to_float": (_I32, [ctypes.c_char_p, _I32, _I32, _P, _P]),
+    "pi_kernel_quantize_q8_0": (_I32, [ctypes.c_char_p, _I32, _P, _P]),
+}
+
+
+@lru_cache(maxsize=1)
+def lib() -> ctypes.CDLL:
+    path = library_path()
+    try:
+        handle = ctypes.CDLL(str(path))
+    except OSError as exc:
+        raise EngineError(f"cannot load the engine library {path}: {exc}") from None
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        fn = getattr(handle, name)
+        fn.restype = restype
+        fn.argtypes = argtypes
+    if handle.pi_api_version() != API_VERSION:
+        raise EngineError(f"{path} speaks engine API {handle.pi_api_version()}, this package expects {API_VERSION}: rebuild it")
+    return handle
+
+
+def check(status: int) -> None:
+    """Raise EngineError with the engine's message when a call failed."""
+    if status != 0:
+        raise EngineError(lib().pi_last_error().decode("utf-8", "replace"), status)

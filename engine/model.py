@@ -1,0 +1,156 @@
+"""engine.Model: one loaded PowerInfer/GGUF file with its KV cache, driven from Python."""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from engine._lib import FFN_MODES, EngineError, Options, Sampling, check, lib
+
+
+class Model:
+    """A model file opened by the C++ engine.
+
+    threads: worker threads (default: all cores); sparse_mode: dense | gate | predictor | auto | oracle;
+    ctx_size: KV cache length (default: min(training context, 4096)); gpuidx: optional PowerInfer
+    .gpuidx file whose neurons form the hot tier; recall_check: also compute the true activation mask
+    in predictor mode to report recall; batch_size: tokens per forward batch of a prompt;
+    isa: force a kernel set ("scalar", "avx2") instead of the best available one.
+    """
+
+    def __init__(self, path: str | os.PathLike, threads: int | None = None, sparse_mode: str = "dense",
+                 ctx_size: int | None = None, gpuidx: str | os.PathLike | None = None, recall_check: bool = False,
+                 batch_size: int | None = None, isa: str | None = None):
+        self._handle = None
+        opts = Options()
+        lib().pi_options_default(ctypes.byref(opts))
+        opts.threads = threads or os.cpu_count() or 1
+        opts.ctx_size = ctx_size or 0
+        opts.batch_size = batch_size or 0
+        opts.ffn_mode = _mode_id(sparse_mode)
+        opts.recall_check = int(recall_check)
+        opts.gpuidx_path = os.fsencode(gpuidx) if gpuidx is not None else None
+        opts.isa = isa.encode() if isa else None
+        handle = ctypes.c_void_p()
+        check(lib().pi_open(os.fsencode(path), ctypes.byref(opts), ctypes.byref(handle)))
+        self._handle = handle
+        self.path = str(path)
+        self.info = self._json(lib().pi_info_json)
+        self.n_vocab: int = self.info["n_vocab"]
+        self.n_ctx: int = self.info["n_ctx"]
+        self._last = np.zeros(self.n_vocab, dtype=np.float32)
+
+    # ---- lifetime ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        if self._handle is not None:
+            lib().pi_close(self._handle)
+            self._handle = None
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the library may already be gone
+            pass
+
+    def _h(self):
+        if self._handle is None:
+            raise EngineError("the model is closed")
+        return self._handle
+
+    def _json(self, fn) -> dict:
+        out = ctypes.c_char_p()
+        check(fn(self._h(), ctypes.byref(out)))
+        return json.loads(out.value.decode())
+
+    # ---- settings ---------------------------------------------------------------------------------
+    @property
+    def sparse_mode(self) -> str:
+        return self._json(lib().pi_info_json)["ffn_mode"]
+
+    @sparse_mode.setter
+    def sparse_mode(self, mode: str) -> None:
+        check(lib().pi_set_ffn_mode(self._h(), _mode_id(mode)))
+
+    def set_recall_check(self, enabled: bool) -> None:
+        check(lib().pi_set_recall_check(self._h(), int(enabled)))
+
+    # ---- evaluation -------------------------------------------------------------------------------
+    @property
+    def n_past(self) -> int:
+        return int(lib().pi_n_past(self._h()))
+
+    def reset(self, n_keep: int = 0) -> None:
+        """Forget cached tokens after the first n_keep."""
+        check(lib().pi_truncate(self._h(), n_keep))
+
+    def eval(self, tokens: Iterable[int], all_logits: bool = True) -> np.ndarray:
+        """Run tokens after the cached ones; logits [len(tokens), n_vocab] (or [n_vocab] of the last)."""
+        toks = np.ascontiguousarray(np.fromiter(tokens, dtype=np.int64), dtype=np.int64)
+        if toks.size == 0:
+            raise EngineError("eval needs at least one token")
+        if toks.min() < 0 or toks.max() >= self.n_vocab:
+            raise EngineError(f"token id outside the vocabulary (0..{self.n_vocab - 1})")
+        toks = toks.astype(np.int32)
+        out = np.empty((toks.size, self.n_vocab) if all_logits else self.n_vocab, dtype=np.float32)
+        check(lib().pi_eval(self._h(), toks.ctypes.data_as(ctypes.c_void_p), toks.size,
+                            out.ctypes.data_as(ctypes.c_void_p), int(all_logits)))
+        return out
+
+    def sample(self, temperature: float = 0.0, top_k: int = 40, top_p: float = 0.95,
+               repeat_penalty: float = 1.0, repeat_last_n: int = 64) -> int:
+        """Next token from the last evaluated logits (greedy when temperature <= 0)."""
+        params = Sampling(temperature, top_k, top_p, repeat_penalty, repeat_last_n)
+        token = ctypes.c_int32()
+        check(lib().pi_sample(self._h(), ctypes.byref(params), ctypes.byref(token)))
+        return int(token.value)
+
+    def seed(self, seed: int) -> None:
+        check(lib().pi_set_seed(self._h(), ctypes.c_uint64(seed & 0xFFFFFFFFFFFFFFFF)))
+
+    def generate(self, prompt: Iterable[int], max_tokens: int, temperature: float = 0.0, top_k: int = 40,
+                 top_p: float = 0.95, repeat_penalty: float = 1.0, repeat_last_n: int = 64,
+                 seed: int | None = None, stop: Iterable[int] = ()) -> Iterator[int]:
+        """Yield up to max_tokens sampled token ids after `prompt` (appended to the cache), stopping
+        after a token in `stop` or when the context is full."""
+        prompt = list(prompt)
+        if seed is not None:
+            self.seed(seed)
+        stop = set(stop)
+        if prompt:
+            self.eval(prompt, all_logits=False)
+        for _ in range(max_tokens):
+            token = self.sample(temperature, top_k, top_p, repeat_penalty, repeat_last_n)
+            yield token
+            if token in stop or self.n_past >= self.n_ctx:
+                return
+            self.eval([token], all_logits=False)
+
+    # ---- statistics -------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Per-layer FFN density, predictor recall, time per phase and tokens/s since the last reset."""
+        s = self._json(lib().pi_stats_json)
+        s["prompt_tokens_per_second"] = s["batch_tokens"] / s["batch_seconds"] if s["batch_seconds"] else None
+        s["decode_tokens_per_second"] = s["decode_tokens"] / s["decode_seconds"] if s["decode_seconds"] else None
+        layers = [l for l in s["layers"] if l["tokens"]]
+        s["density"] = float(np.mean([l["density"] for l in layers])) if layers else None
+        recalls = [l["recall"] for l in layers if l["recall"] is not None]
+        s["recall"] = float(np.mean(recalls)) if recalls else None
+        return s
+
+    def reset_stats(self) -> None:
+        check(lib().pi_stats_reset(self._h()))
+
+
+def _mode_id(mode: str) -> int:
+    if mode not in FFN_MODES:
+        raise EngineError(f"unknown sparse mode {mode!r} (choose from {', '.join(FFN_MODES)})")
+    return FFN_MODES[mode]

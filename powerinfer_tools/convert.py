@@ -1,0 +1,293 @@
+"""Hugging Face model (+ predictors, + profile) -> PowerInfer GGUF (docs/formats.md, "Model file").
+
+The file is planned first (names, shapes, types: known from the source's headers without reading
+data), so that gguf-py can write the header and tensor table; then each tensor is loaded,
+transformed (architecture adapter's TensorMap), cast or quantized and written before the next is
+read. Peak memory is therefore about one source tensor in float32 plus its encoded copy.
+The file is built under a temporary name and renamed at the end (atomic.py), then its magic
+becomes `PWRI`.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from powerinfer_tools import arch, models
+from powerinfer_tools.atomic import atomic_file
+from powerinfer_tools.errors import UserError
+from powerinfer_tools.gguf_io import set_pwri_magic
+
+OUTTYPES = ("f32", "f16", "q8_0", "q4_0")
+
+
+def _qtype(outtype: str):
+    import gguf
+
+    return {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
+            "q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}[outtype]
+
+
+def _file_type(outtype: str):
+    import gguf
+
+    return {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+            "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[outtype]
+
+
+@dataclass
+class Predictors:
+    """A validated predictor directory (docs/formats.md, "Predictor directory")."""
+
+    files: list[Path]             # empty for predictors known by their ranks only (the dry run)
+    ranks: list[int]
+    thresholds: list[float]       # per-layer logit thresholds
+    sparse_threshold: float       # PowerInfer's single global threshold
+
+    @classmethod
+    def at_rank(cls, n_layer: int, rank: int) -> Predictors:
+        """Predictors of one rank in every layer, shapes only: what a dry run sizes."""
+        return cls([], [rank] * n_layer, [0.0] * n_layer, 0.0)
+
+
+def load_predictors(directory: str | Path, dims: arch.Dims) -> Predictors:
+    """Check every layer's predictor against the model's shapes before anything is written."""
+    import torch
+
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise UserError(f"predictor directory not found: {directory}")
+    config_path = directory / "config.json"
+    config = {}
+    if config_path.is_file():
+        try:
+            config = json.loads(config_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{config_path}: invalid JSON ({exc.msg})") from None
+    files, ranks = [], []
+    for i in range(dims.n_layer):
+        path = directory / f"model_{i}.pt"
+        if not path.is_file():
+            raise UserError(f"{directory}: predictor of layer {i} is missing ({path.name}); "
+                            f"the model has {dims.n_layer} layers")
+        try:
+            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except Exception as exc:  # zip/pickle errors of a damaged file
+            raise UserError(f"cannot read {path}: {str(exc).splitlines()[0]}") from None
+        if not isinstance(state, dict) or "fc1.weight" not in state or "fc2.weight" not in state:
+            raise UserError(f"{path}: expected a state dict with fc1.weight and fc2.weight")
+        fc1, fc2 = state["fc1.weight"], state["fc2.weight"]
+        rank = fc1.shape[0]
+        if tuple(fc1.shape) != (rank, dims.n_embd) or tuple(fc2.shape) != (dims.n_ff, rank):
+            raise UserError(f"{path}: predictor shapes fc1 {tuple(fc1.shape)}, fc2 {tuple(fc2.shape)} do not match "
+                            f"the model (expected fc1 [rank, {dims.n_embd}], fc2 [{dims.n_ff}, rank])")
+        files.append(path)
+        ranks.append(rank)
+    layers = {entry.get("layer"): entry for entry in config.get("layers", [])}
+    if layers and set(layers) != set(range(dims.n_layer)):
+        raise UserError(f"{config_path}: 'layers' must list layers 0..{dims.n_layer - 1}")
+    thresholds = [float(layers[i].get("threshold", 0.0)) if layers else 0.0 for i in range(dims.n_layer)]
+    return Predictors(files, ranks, thresholds, float(config.get("sparse_threshold", 0.0)))
+
+
+def load_activation_thresholds(profile_dir: str | Path, n_layer: int) -> list[float]:
+    """Per-layer |a| thresholds a profile calibrated (0 for ReLU-family models)."""
+    path = Path(profile_dir) / "profile.json"
+    if not path.is_file():
+        raise UserError(f"profile not found: {path}")
+    try:
+        thresholds = json.loads(path.read_text()).get("thresholds")
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path}: invalid JSON ({exc.msg})") from None
+    if not isinstance(thresholds, list) or len(thresholds) != n_layer:
+        raise UserError(f"{path}: 'thresholds' must list {n_layer} per-layer values (the model's layers)")
+    return [float(t) for t in thresholds]
+
+
+@dataclass
+class PlannedTensor:
+    name: str
+    shape: tuple[int, ...]            # numpy shape in the file (before quantization)
+    qtype: object                     # gguf.GGMLQuantizationType
+    load: Callable[[], np.ndarray]    # float32 data in the file's layout
+    source: str                       # what it is made from (bytes accounting)
+
+
+def tensor_type(name: str, shape: tuple[int, ...], outtype: str):
+    """Norms and biases f32; predictors f32 (f16 in f16/quantized files); matrices the outtype,
+    f16 where a row does not split into whole quantization blocks."""
+    import gguf
+
+    if len(shape) == 1:
+        return gguf.GGMLQuantizationType.F32
+    if name.endswith((".fc1.weight", ".fc2.weight")):
+        return gguf.GGMLQuantizationType.F32 if outtype == "f32" else gguf.GGMLQuantizationType.F16
+    qtype = _qtype(outtype)
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    return qtype if shape[-1] % block == 0 else gguf.GGMLQuantizationType.F16
+
+
+ENCODE_ROWS = 4096  # rows converted at a time: bounds the temporaries of casting and quantizing
+
+
+def encode(data: np.ndarray, qtype) -> np.ndarray:
+    """`data` (float32, maybe a transposed view) in the file's type, C order, built block by block so
+    that the only full-size temporaries are the input and the (smaller) output."""
+    import gguf
+
+    if qtype == gguf.GGMLQuantizationType.F32 and data.flags.c_contiguous:
+        return data
+    if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+        out = np.empty(data.shape, np.float32 if qtype == gguf.GGMLQuantizationType.F32 else np.float16)
+    else:
+        out = np.empty(gguf.quants.quant_shape_to_byte_shape(data.shape, qtype), np.uint8)
+    rows = data.reshape(-1, data.shape[-1]) if data.flags.c_contiguous else data
+    flat = out.reshape(-1, out.shape[-1])
+    for r in range(0, rows.shape[0], ENCODE_ROWS):
+        block = np.ascontiguousarray(rows[r:r + ENCODE_ROWS], dtype=np.float32)
+        flat[r:r + ENCODE_ROWS] = block if out.dtype != np.uint8 else gguf.quants.quantize(block, qtype)
+    return out
+
+
+def encoded_nbytes(shape: tuple[int, ...], qtype) -> int:
+    import gguf
+
+    return int(np.prod(gguf.quants.quant_shape_to_byte_shape(shape, qtype), dtype=np.int64))
+
+
+def plan(adapter: arch.Arch, weights, predictors: Predictors | None, outtype: str) -> list[PlannedTensor]:
+    planned = []
+    for tmap in adapter.tensor_maps(weights.names_with_prefixes()):
+        stored = weights.find(tmap.source)
+        if stored is None:
+            raise UserError(f"the model has no tensor {tmap.source} (needed for {tmap.name})")
+        shape = tmap.out_shape(weights.shapes[stored])
+        planned.append(PlannedTensor(tmap.name, shape, tensor_type(tmap.name, shape, outtype),
+                                     lambda t=tmap, s=stored: t.apply(weights.load(s)), stored))
+    if predictors is not None:
+        dims = adapter.dims()
+        for i, rank in enumerate(predictors.ranks):
+            path = predictors.files[i] if predictors.files else None
+            for key, shape in (("fc1.weight", (rank, dims.n_embd)), ("fc2.weight", (dims.n_ff, rank))):
+                name = f"blk.{i}.{key}"
+                planned.append(PlannedTensor(name, shape, tensor_type(name, shape, outtype),
+                                             lambda p=path, k=key: _load_predictor(p, k), str(path)))
+    return planned
+
+
+def _load_predictor(path: Path, key: str) -> np.ndarray:
+    import torch
+
+    return torch.load(path, map_location="cpu", weights_only=True)[key].float().numpy()
+
+
+def add_header(writer, adapter: arch.Arch, name: str, outtype: str, predictors: Predictors | None,
+               activation_thresholds: list[float], tensors: list[PlannedTensor], add_vocab) -> None:
+    """Everything the file holds before its tensor data: metadata, the vocabulary (`add_vocab(writer)`, or
+    nothing when None) and the tensor table. Shared with the dry run, which measures it."""
+    import gguf
+
+    writer.add_name(name)
+    writer.add_file_type(_file_type(outtype))
+    if outtype in ("q8_0", "q4_0"):
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    adapter.write_hparams(writer)
+    f32 = gguf.GGUFValueType.FLOAT32
+    writer.add_key_value("powerinfer.ffn_activation", adapter.activation, gguf.GGUFValueType.STRING)
+    writer.add_key_value("powerinfer.activation_thresholds", activation_thresholds, gguf.GGUFValueType.ARRAY,
+                         sub_type=f32)
+    if predictors is not None:
+        writer.add_key_value("powerinfer.sparse_threshold", predictors.sparse_threshold, f32)
+        writer.add_key_value("powerinfer.predictor_thresholds", predictors.thresholds, gguf.GGUFValueType.ARRAY,
+                             sub_type=f32)
+    if add_vocab is not None:
+        add_vocab(writer)
+    for t in tensors:
+        nbytes = encoded_nbytes(t.shape, t.qtype)
+        if t.qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            dtype = np.float32 if t.qtype == gguf.GGMLQuantizationType.F32 else np.float16
+            writer.add_tensor_info(t.name, t.shape, np.dtype(dtype), nbytes)
+        else:
+            byte_shape = gguf.quants.quant_shape_to_byte_shape(t.shape, t.qtype)
+            writer.add_tensor_info(t.name, byte_shape, np.dtype(np.uint8), nbytes, raw_dtype=t.qtype)
+
+
+def n_vocab_of(tensors: list[PlannedTensor]) -> int:
+    """Rows of the token embedding: the vocabulary is padded to it."""
+    return next(t.shape[0] for t in tensors if t.name == "token_embd.weight")
+
+
+def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predictors_dir: str | Path | None = None,
+                  profile_dir: str | Path | None = None, progress: bool = True) -> dict:
+    """Write the PowerInfer GGUF of `model` (a --model spec) to `out_path`; returns a summary dict.
+
+    Without `predictors_dir` the file has no fc1/fc2 tensors (dense / gate-only use of our engine).
+    """
+    import gguf
+    from tqdm import tqdm
+
+    from powerinfer_tools.source_weights import open_weights
+    from powerinfer_tools.tokenizer import write_vocab
+
+    started = time.time()
+    if outtype not in OUTTYPES:
+        raise UserError(f"unknown outtype '{outtype}' (choose from {', '.join(OUTTYPES)})")
+    out_path = Path(out_path)
+    if out_path.is_dir():
+        raise UserError(f"output path {out_path} is a directory")
+    source = models.resolve(model)
+    config = models.load_config(source)
+    adapter = arch.for_config(config)
+    dims = adapter.dims()
+    predictors = load_predictors(predictors_dir, dims) if predictors_dir is not None else None
+    if profile_dir is not None:
+        activation_thresholds = load_activation_thresholds(profile_dir, dims.n_layer)
+    else:
+        activation_thresholds = [0.0] * dims.n_layer
+    if not adapter.thresholded:
+        activation_thresholds = [0.0] * dims.n_layer  # ReLU-family: active means a != 0
+    weights = open_weights(source, config)
+    tensors = plan(adapter, weights, predictors, outtype)
+    n_vocab = n_vocab_of(tensors)
+
+    with atomic_file(out_path) as tmp:
+        writer = gguf.GGUFWriter(tmp, adapter.gguf_arch)
+        try:
+            add_header(writer, adapter, source.path.stem, outtype, predictors, activation_thresholds, tensors,
+                       lambda w: write_vocab(w, source, n_vocab, getattr(weights, "reader", None)))
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            for t in tqdm(tensors, desc=f"convert {outtype}", unit="tensor", disable=not progress):
+                data = t.load()
+                if data.shape != t.shape:
+                    raise UserError(f"{t.name}: source data has shape {data.shape}, expected {t.shape}")
+                writer.write_tensor_data(encode(data, t.qtype))
+                del data
+            writer.close()
+        except OSError as exc:
+            writer.close()
+            if exc.errno == errno.ENOSPC:
+                raise UserError(f"disk full while writing {out_path}; nothing was written") from None
+            raise UserError(f"cannot write {out_path}: {exc.strerror or exc}") from None
+        except BaseException:
+            writer.close()
+            raise
+        set_pwri_magic(tmp)
+
+    sources_used = {t.source for t in tensors}
+    bytes_in = sum(weights.stored_bytes.get(s, 0) for s in sources_used) + \
+        sum(Path(s).stat().st_size for s in sources_used if s not in weights.stored_bytes)
+    return {
+        "out": str(out_path), "model": source.spec, "arch": adapter.name, "gguf_arch": adapter.gguf_arch,
+        "outtype": outtype, "tensors": len(tensors), "predictors": predictors is not None,
+        "thresholded": adapter.thresholded, "activation_thresholds": activation_thresholds,
+        "types": dict(Counter(t.qtype.name for t in tensors)), "bytes_in": int(bytes_in),
+        "bytes_out": out_path.stat().st_size, "seconds": round(time.time() - started, 2),
+    }

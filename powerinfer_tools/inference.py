@@ -1,0 +1,170 @@
+"""Running a converted file with the bundled engine: opening it with one-line errors, perplexity over
+non-overlapping windows, incremental detokenization and llama.cpp-style timing lines.
+
+`pi-tools run` and `pi-tools perplexity` are thin layers over this; the caller decides which file
+and which GPU index to run (see `resolve_model_file`), so model building and VRAM planning can be
+put in front without touching the engine side.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from powerinfer_tools.errors import UserError
+
+SPARSE_MODES = ("dense", "gate", "predictor", "auto", "oracle")
+
+
+@dataclass(frozen=True)
+class EngineTarget:
+    """What the engine opens: a converted model file and, optionally, the GPU index splitting its FFN."""
+
+    model: Path
+    gpuidx: Path | None = None
+
+
+def resolve_model_file(spec: str, gpuidx: str | os.PathLike | None = None, vram_budget_gib: float | None = None,
+                       profile: str | os.PathLike | None = None, ctx_size: int = 512) -> EngineTarget:
+    """What --model (+ --gpuidx / --vram-budget) names: a converted file, or `smollm2`, built on first use.
+
+    With a VRAM budget and no explicit GPU index, the plan cached beside the model
+    (MODEL.generated.gpuidx, where PowerInfer looks) is reused when it was solved for that budget;
+    otherwise one is solved from the profile and cached there.
+    """
+    from powerinfer_tools import default_model, pipeline
+
+    if spec == default_model.NAME:
+        path = pipeline.build_default_model()
+        profile = profile or pipeline.default_model_dir() / "profile"
+    else:
+        path = Path(spec).expanduser()
+        if not path.is_file():
+            raise UserError(f"model file not found: {spec} (give a file written by 'pi-tools convert', "
+                            f"or '{default_model.NAME}')")
+    if gpuidx is not None:
+        gpuidx = Path(gpuidx).expanduser()
+        if not gpuidx.is_file():
+            raise UserError(f"GPU index not found: {gpuidx}")
+    elif vram_budget_gib is not None:
+        gpuidx = cached_plan(path, vram_budget_gib, profile, ctx_size)
+    return EngineTarget(path, gpuidx)
+
+
+def cached_plan(model: Path, vram_budget_gib: float, profile: str | os.PathLike | None, ctx_size: int) -> Path:
+    """MODEL.generated.gpuidx for this budget: reused when its summary says so, else solved and written."""
+    import json
+
+    from powerinfer_tools import placement
+
+    budget = int(vram_budget_gib * placement.GIB)
+    path = placement.default_gpuidx_path(model)
+    summary = path.with_name(path.name + ".json")
+    if path.is_file() and summary.is_file():
+        try:
+            saved = json.loads(summary.read_text())
+        except json.JSONDecodeError:
+            saved = {}
+        if saved.get("vram_budget") == budget and saved.get("ctx_size") == ctx_size:
+            return path
+    if profile is None:
+        raise UserError(f"--vram-budget: no plan for {vram_budget_gib} GiB is cached beside {model.name}; "
+                        "give --profile DIR (the profile the model was converted from) to solve one")
+    plan = placement.plan_for_model(profile, model, budget, ctx_size=ctx_size)
+    placement.write_gpuidx(plan, path)
+    placement.write_summary(plan, summary)
+    print(f"pi-tools: solved a placement for {vram_budget_gib} GiB -> {path}", file=sys.stderr)
+    return path
+
+
+def open_engine(target: EngineTarget, threads: int | None = None, sparse_mode: str = "dense",
+                ctx_size: int | None = None, recall_check: bool = False):
+    """engine.Model for the target; engine failures become UserError with the engine's message."""
+    import engine
+
+    if sparse_mode not in SPARSE_MODES:
+        raise UserError(f"unknown --sparse-mode {sparse_mode!r} (choose from {', '.join(SPARSE_MODES)})")
+    if threads is not None and threads < 1:
+        raise UserError("--threads must be at least 1")
+    try:
+        return engine.Model(target.model, threads=threads, sparse_mode=sparse_mode, ctx_size=ctx_size,
+                            gpuidx=target.gpuidx, recall_check=recall_check)
+    except engine.EngineError as exc:
+        raise UserError(str(exc)) from None
+
+
+def load_tokenizer(path: Path):
+    from powerinfer_tools.tokenizer import tokenizer_from_file
+
+    return tokenizer_from_file(path)
+
+
+def window_nll(logits: np.ndarray, ids: np.ndarray) -> float:
+    """Summed negative log-likelihood of ids[1:] under logits[:-1] (float64 log-softmax)."""
+    z = logits[:-1].astype(np.float64)
+    z -= z.max(axis=1, keepdims=True)
+    log_norm = np.log(np.exp(z).sum(axis=1))
+    return float((log_norm - z[np.arange(len(ids) - 1), ids[1:]]).sum())
+
+
+def perplexity(model, windows: np.ndarray, progress: bool = True) -> dict:
+    """exp(mean NLL) over windows [n, L], every token but each window's first predicted, each window
+    evaluated from an empty cache (as transformers' reference does)."""
+    from tqdm import tqdm
+
+    nll, count = 0.0, 0
+    bar = tqdm(windows, desc="perplexity", unit="window", disable=not progress)
+    for ids in bar:
+        model.reset()
+        nll += window_nll(model.eval(ids.tolist()), ids)
+        count += len(ids) - 1
+        bar.set_postfix(ppl=f"{math.exp(nll / count):.3f}")
+    return {"perplexity": math.exp(nll / count), "tokens": int(count), "windows": int(len(windows))}
+
+
+class StreamDecoder:
+    """Turns generated ids into text pieces as they arrive. Decoding after the prompt's ids keeps the
+    word-boundary spaces SentencePiece attaches to tokens; incomplete UTF-8 sequences are held back."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids)
+        self.printed = len(self._text())
+
+    def _text(self) -> str:
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        text = self._text()
+        if text.endswith("\ufffd"):
+            return ""
+        piece, self.printed = text[self.printed:], len(text)
+        return piece
+
+
+def timing_lines(stats: dict, load_seconds: float) -> list[str]:
+    """llama.cpp's closing timings, plus the FFN density and where the time went."""
+    def rate(tokens, seconds, unit):
+        ms = 1000 * seconds
+        per = ms / tokens if tokens else float("nan")
+        tps = tokens / seconds if seconds else float("nan")
+        return f"{ms:10.2f} ms / {int(tokens):5d} {unit} ({per:8.2f} ms per token, {tps:8.2f} tokens per second)"
+
+    phases = stats["phases"]
+    total = sum(phases.values()) or 1.0
+    share = ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in phases.items())
+    density = stats.get("density")
+    lines = [f"llama_print_timings:        load time = {1000 * load_seconds:10.2f} ms",
+             f"llama_print_timings: prompt eval time = {rate(stats['batch_tokens'], stats['batch_seconds'], 'tokens')}",
+             f"llama_print_timings:        eval time = {rate(stats['decode_tokens'], stats['decode_seconds'], 'runs  ')}",
+             f"ffn: mode {stats['ffn_mode']}, density {density:.3f} (neurons passing the activation rule)"
+             if density is not None else f"ffn: mode {stats['ffn_mode']}",
+             f"time: {share}"]
+    if stats.get("recall") is not None:
+        lines.append(f"predictor recall: {stats['recall']:.4f}")
+    return lines

@@ -1,0 +1,149 @@
+"""The vocabulary inside a PowerInfer GGUF: written from a model's tokenizer, read back as a
+transformers tokenizer.
+
+Writing uses llama.cpp's `tokenizer.ggml.*` keys: SentencePiece models (`tokenizer.model`) as
+`llama` (pieces, scores, token types), byte-level BPE (`tokenizer.json`) as `gpt2` (byte-level
+spelled tokens and merges); special token ids, add-BOS/EOS flags and the chat template come from
+gguf-py's SpecialVocab. A GGUF source (the default SmolLM2) has these keys already: they are copied.
+
+Reading (`tokenizer_from_file`) rebuilds the tokenizer from those keys alone, with transformers'
+GGUF tokenizer builders, so `pi-tools run` needs neither the original model directory nor the hub.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from powerinfer_tools.errors import UserError
+from powerinfer_tools.models import ModelSource
+
+
+def write_vocab(writer, source: ModelSource, n_vocab: int, gguf_reader=None) -> str:
+    """Add the source's vocabulary (padded to the embedding's n_vocab rows); returns its kind.
+    `gguf_reader`: an open reader of a GGUF source, to avoid parsing its metadata twice."""
+    if source.gguf_file is not None:
+        from powerinfer_tools.gguf_io import open_reader
+
+        return _copy_gguf_vocab(writer, gguf_reader or open_reader(source.path), source.path)
+    directory = source.directory
+    if (directory / "tokenizer.model").is_file():
+        kind, tokens, scores, types = "llama", *_sentencepiece_tokens(directory)
+    elif (directory / "tokenizer.json").is_file() or (directory / "vocab.json").is_file():
+        kind, tokens, scores, types = "gpt2", *_byte_level_tokens(directory)
+    else:
+        raise UserError(f"{directory} has no tokenizer (tokenizer.model or tokenizer.json)")
+    if len(tokens) > n_vocab:
+        raise UserError(f"the tokenizer has {len(tokens)} tokens but the model's embedding only {n_vocab} rows")
+    import gguf
+
+    for i in range(len(tokens), n_vocab):  # embedding rows the tokenizer never produces
+        tokens.append(f"[PAD{i}]".encode())
+        scores.append(-1000.0)
+        types.append(gguf.TokenType.USER_DEFINED)
+    writer.add_tokenizer_model(kind)
+    writer.add_token_list(tokens)
+    if kind == "llama":
+        writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    special = gguf.SpecialVocab(directory, load_merges=kind == "gpt2", n_vocab=n_vocab)
+    special.add_special_token.update(_added_special_tokens(directory))
+    special.add_to_gguf(writer, quiet=True)
+    return kind
+
+
+def _sentencepiece_tokens(directory: Path):
+    import gguf
+
+    vocab = gguf.SentencePieceVocab(directory)
+    tokens, scores, types = [], [], []
+    for text, score, token_type in vocab.all_tokens():
+        tokens.append(text)
+        scores.append(score)
+        types.append(token_type)
+    return tokens, scores, types
+
+
+def _byte_level_tokens(directory: Path):
+    """Tokens in their byte-level spelling; added tokens CONTROL when special, else USER_DEFINED."""
+    import gguf
+
+    tok = _hf_tokenizer(directory)
+    by_id = {i: t for t, i in tok.get_vocab().items()}
+    added = tok.added_tokens_decoder
+    tokens, types = [], []
+    for i in range(max(by_id) + 1):
+        if i not in by_id:
+            tokens.append(f"[PAD{i}]".encode())
+            types.append(gguf.TokenType.USER_DEFINED)
+            continue
+        tokens.append(by_id[i].encode())
+        if i in added:
+            types.append(gguf.TokenType.CONTROL if added[i].special else gguf.TokenType.USER_DEFINED)
+        else:
+            types.append(gguf.TokenType.NORMAL)
+    return tokens, [0.0] * len(tokens), types
+
+
+def _hf_tokenizer(directory: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(directory)
+    except (OSError, ValueError, KeyError) as exc:
+        raise UserError(f"cannot load the tokenizer of {directory}: {str(exc).splitlines()[0]}") from None
+
+
+def _added_special_tokens(directory: Path) -> dict[str, bool]:
+    """Whether the HF tokenizer adds BOS / EOS, observed rather than read from config defaults."""
+    tok = _hf_tokenizer(directory)
+    with_special = tok("a").input_ids
+    plain = tok("a", add_special_tokens=False).input_ids
+    flags = {}
+    if tok.bos_token_id is not None:
+        flags["bos"] = with_special[:1] == [tok.bos_token_id] and plain[:1] != [tok.bos_token_id]
+    if tok.eos_token_id is not None:
+        flags["eos"] = with_special[-1:] == [tok.eos_token_id] and plain[-1:] != [tok.eos_token_id]
+    return flags
+
+
+def _copy_gguf_vocab(writer, reader, path: Path) -> str:
+    """Carry every `tokenizer.*` key of a GGUF source over unchanged."""
+    for key, fld in reader.fields.items():
+        if key.startswith("tokenizer."):
+            sub_type = fld.types[-1] if len(fld.types) > 1 else None
+            writer.add_key_value(key, fld.contents(), fld.types[0], sub_type=sub_type)
+    kind = reader.fields.get("tokenizer.ggml.model")
+    if kind is None:
+        raise UserError(f"{path} has no vocabulary (tokenizer.ggml.model)")
+    return kind.contents()
+
+
+def tokenizer_from_file(path: str | os.PathLike):
+    """A transformers fast tokenizer built from the vocabulary stored in a GGUF or PowerInfer file."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        _SPECIAL_TOKENS,
+        GGUF_TOKENIZER_MAPPING,
+        convert_gguf_tokenizer,
+    )
+
+    from powerinfer_tools.gguf_io import field, open_reader
+
+    reader = open_reader(path)
+    meta = {key: fld.contents() for key, fld in reader.fields.items() if key.startswith("tokenizer.")}
+    if "tokenizer.ggml.tokens" not in meta:
+        raise UserError(f"{path} stores no vocabulary (tokenizer.ggml.tokens)")
+    grouped = {group: {name: meta[f"tokenizer.{key}"] for key, name in renames.items() if f"tokenizer.{key}" in meta}
+               for group, renames in GGUF_TOKENIZER_MAPPING.items()}
+    tokenizer_dict, init_kwargs = grouped["tokenizer"], grouped["tokenizer_config"]
+    if tokenizer_dict.get("tokenizer_type") == "llama":
+        init_kwargs.setdefault("add_bos_token", True)  # llama.cpp's default for SentencePiece vocabularies
+    for name, key in _SPECIAL_TOKENS.items():
+        token_id = meta.get(f"tokenizer.ggml.{key}")
+        if token_id is not None:
+            init_kwargs[name] = tokenizer_dict["tokens"][token_id]
+    try:
+        backend, extra = convert_gguf_tokenizer(field(reader, "general.architecture", ""), tokenizer_dict)
+    except (ValueError, KeyError) as exc:
+        raise UserError(f"{path}: cannot build a tokenizer from its vocabulary ({exc})") from None
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **init_kwargs, **extra)

@@ -1,0 +1,156 @@
+"""Shared by the engine tests: tiny models converted once per session, transformers reference
+logits (optionally with the FFN sparsified exactly as an engine mode defines it), gpuidx files."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from convert_helpers import write_predictors
+
+from powerinfer_tools import arch, models
+from powerinfer_tools.convert import convert_model
+from powerinfer_tools.gguf_io import set_pwri_magic
+
+
+@pytest.fixture(scope="session")
+def converted(tiny_model_dir, tmp_path_factory):
+    """converted(kind, outtype="f32", predictors=False, thresholds=None) -> path of the tiny model as a
+    PowerInfer file; predictors: random ones (threshold 0); thresholds: per-layer |a| thresholds."""
+    import json
+
+    cache = {}
+    root = tmp_path_factory.mktemp("engine_models")
+
+    def get(kind: str, outtype: str = "f32", predictors: bool = False, thresholds: tuple | None = None) -> Path:
+        key = (kind, outtype, predictors, thresholds)
+        if key not in cache:
+            src = tiny_model_dir(kind)
+            pred_dir = profile_dir = None
+            if thresholds is not None:  # the one profile.json field the converter reads
+                profile_dir = root / f"profile_{kind}_{len(cache)}"
+                profile_dir.mkdir()
+                (profile_dir / "profile.json").write_text(json.dumps({"thresholds": list(thresholds)}))
+            if predictors:
+                config = models.load_config(models.resolve(str(src)))
+                dims = arch.for_config(config).dims()
+                pred_dir = write_predictors(root / f"pred_{kind}", dims.n_layer, dims.n_embd, dims.n_ff, rank=32,
+                                            thresholds=[0.0] * dims.n_layer)
+            out = root / f"{kind}.{outtype}.{len(cache)}.gguf"
+            convert_model(str(src), out, outtype=outtype, predictors_dir=pred_dir, profile_dir=profile_dir,
+                          progress=False)
+            cache[key] = out
+        return cache[key]
+
+    return get
+
+
+def random_tokens(n: int, vocab: int, seed: int = 0) -> list[int]:
+    return np.random.default_rng(seed).integers(3, vocab, size=n).tolist()
+
+
+def hf_model(model_dir: Path):
+    return models.load_model(models.resolve(str(model_dir)))
+
+
+Q8_INPUT_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "lm_head")
+
+
+def q8_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """x through gguf-py's q8_0 quantizer and back (along the last dimension)."""
+    import gguf
+
+    q = gguf.quants.quantize(x.detach().float().numpy(), gguf.GGMLQuantizationType.Q8_0)
+    return torch.from_numpy(gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0).astype(np.float32))
+
+
+def hf_logits(model_dir: Path, tokens: list[int], mask_fn=None, weights_from: Path | None = None,
+              q8_inputs: bool = False) -> np.ndarray:
+    """transformers' logits [len(tokens), vocab]; mask_fn(layer, x_pred, a) -> a' sparsifies the FFN
+    activation of each layer from its predictor input x_pred (the residual entering the FFN block);
+    weights_from: run with the weights stored in that converted file instead; q8_inputs: round the
+    inputs of the projections that the engine multiplies as q8_0 blocks (all but the down projection)."""
+    model, adapter = hf_model(model_dir)
+    if weights_from is not None:
+        c = model.config
+        load_file_weights(model, weights_from, c.num_attention_heads, c.num_key_value_heads)
+    handles = []
+    if q8_inputs:
+        for name, module in model.named_modules():
+            if name.split(".")[-1] in Q8_INPUT_LINEARS:
+                handles.append(module.register_forward_pre_hook(lambda mod, args: (q8_round_trip(args[0]),)))
+    if mask_fn is not None:
+        inputs = {}
+        handles += arch.install_taps(adapter, model, on_input=lambda i, x: inputs.__setitem__(i, x),
+                                    on_activation=lambda i, a: mask_fn(i, inputs[i], a))
+    try:
+        with torch.no_grad():
+            return model(torch.tensor([tokens])).logits[0].float().numpy()
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def load_file_weights(model, path: Path, n_head: int, n_kv: int) -> None:
+    """Overwrite a Llama-family transformers model's weights with the (dequantized) weights of a
+    converted file, undoing the converter's q/k row permutation and the down transpose."""
+    from convert_helpers import read_tensors
+
+    def unrope(w, heads):
+        d = w.shape[0] // heads
+        perm = [h * d + r // 2 + (r % 2) * (d // 2) for h in range(heads) for r in range(d)]
+        out = np.empty_like(w)
+        out[perm] = w
+        return out
+
+    names = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+             "output.weight": "lm_head.weight"}
+    per_layer = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+                 "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+                 "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                 "ffn_down_t": "mlp.down_proj"}
+    state = model.state_dict()
+    with torch.no_grad():
+        for name, (_, w) in read_tensors(path).items():
+            if name.startswith("blk."):
+                _, i, kind, _ = name.split(".")
+                if kind not in per_layer:
+                    continue
+                target = f"model.layers.{i}.{per_layer[kind]}.weight"
+                w = {"attn_q": lambda: unrope(w, n_head), "attn_k": lambda: unrope(w, n_kv),
+                     "ffn_down_t": lambda: w.T}.get(kind, lambda: w)()
+            else:
+                target = names[name]
+            state[target].copy_(torch.from_numpy(np.ascontiguousarray(w)))
+
+
+def max_rel_err(got: np.ndarray, ref: np.ndarray) -> float:
+    """max |got - ref| over max |ref|: the error relative to the logits' scale."""
+    return float(np.abs(got - ref).max() / np.abs(ref).max())
+
+
+def engine_prompt_then_decode(model, tokens: list[int], n_prompt: int) -> np.ndarray:
+    """Logits of every position: the first n_prompt tokens as one batch, the rest one at a time."""
+    rows = [model.eval(tokens[:n_prompt])]
+    rows += [model.eval([t])[None, 0] for t in tokens[n_prompt:]]
+    return np.concatenate(rows)
+
+
+def write_gpuidx(path: Path, hot: list[np.ndarray], vram_bytes: int = 1 << 30) -> Path:
+    """A PowerInfer GPU index (docs/formats.md) marking hot[i] (bool [n_ff]) of each layer."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "generic.gpu_index")
+    writer.add_uint32("generic.gpu_index.block_count", len(hot))
+    writer.add_uint64("split.vram_capacity", vram_bytes)
+    for i, mask in enumerate(hot):
+        writer.add_tensor(f"blk.{i}.gpu_idx", mask.astype(np.int32))
+        writer.add_tensor(f"blk.{i}.gpu_bucket", np.flatnonzero(mask).astype(np.int32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    set_pwri_magic(path)
+    return path

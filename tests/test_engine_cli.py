@@ -1,0 +1,93 @@
+"""pi-tools run / perplexity on tiny converted models: streamed text equals the engine's greedy
+tokens decoded, perplexity equals transformers' on the same windows (dense and thresholded), and
+bad input gives one line and exit status 1."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from engine_helpers import converted  # noqa: F401
+from test_profile import run_cli
+from tiny_models import training_text
+
+import engine
+from powerinfer_tools import evaluate, models
+from powerinfer_tools.calibration import sequences_from_text
+from powerinfer_tools.tokenizer import tokenizer_from_file
+
+PROMPT = "ROMEO: But soft, what light"
+
+
+def test_run_streams_the_greedy_continuation(converted, capsys):
+    path = converted("llama-relu")
+    code, out, err = run_cli(["run", "-m", str(path), "-p", PROMPT, "-n", "12", "--temp", "0", "-t", "2",
+                              "--sparse-mode", "gate"], capsys)
+    assert code == 0, err
+    tok = tokenizer_from_file(path)
+    ids = tok(PROMPT)["input_ids"]
+    with engine.Model(path, threads=2) as m:
+        gen = [t for t in m.generate(ids, 12)]
+    gen = gen[:gen.index(tok.eos_token_id)] if tok.eos_token_id in gen else gen
+    expect = tok.decode(ids + gen, skip_special_tokens=True)[len(tok.decode(ids, skip_special_tokens=True)):]
+    assert out == PROMPT + expect + "\n"
+    assert "prompt eval time" in err and "eval time" in err and "ffn: mode gate, density" in err
+
+
+def test_run_chat_template_and_seeded_sampling(converted, capsys):
+    path = converted("llama-silu")
+    args = ["run", "-m", str(path), "-p", PROMPT, "-n", "10", "--temp", "1.0", "--seed", "3"]
+    first, second = run_cli(args, capsys), run_cli(args, capsys)
+    assert first[0] == 0 and first[1] == second[1]
+    code, _, err = run_cli(args + ["--chat"], capsys)  # the tiny SentencePiece vocabulary has no template
+    assert code == 1 and "no chat template" in err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["-m", "/no/such.gguf"], "model file not found"),
+    (["--sparse-mode", "fast"], "unknown --sparse-mode"),
+    (["--sparse-mode", "predictor"], "has no predictors"),
+    (["-t", "0"], "--threads must be at least 1"),
+    (["--gpuidx", "/no/such.gpuidx"], "GPU index not found"),
+])
+def test_run_bad_input(args, message, converted, capsys):
+    base = {"-m": str(converted("llama-relu"))}
+    argv = ["run", "-p", "hi"] + (args if "-m" in args else ["-m", base["-m"]] + args)
+    code, out, err = run_cli(argv, capsys)
+    assert code == 1
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def corpus(tmp_path):
+    path = tmp_path / "text.txt"
+    path.write_text(training_text()[:60_000])
+    return path
+
+
+@pytest.mark.parametrize("mode,thresholds", [("dense", None), ("gate", (0.05, 0.08))])
+def test_perplexity_equals_transformers_on_the_same_windows(mode, thresholds, tmp_path, converted, tiny_model_dir,
+                                                            capsys):
+    path = converted("llama-silu", thresholds=thresholds)
+    text = corpus(tmp_path)
+    code, out, err = run_cli(["perplexity", "-m", str(path), "-f", str(text), "--ctx", "64", "--chunks", "6",
+                              "--sparse-mode", mode, "--json", "-q"], capsys)
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["windows"] == 6 and result["tokens"] == 6 * 63
+    source = models.resolve(str(tiny_model_dir("llama-silu")))
+    model, adapter = models.load_model(source)
+    seqs = sequences_from_text(tokenizer_from_file(path), [text.read_text()], 64, 64 * 6)
+    ref = evaluate.perplexity(model, adapter, seqs, thresholds=list(thresholds) if thresholds else None)
+    assert result["perplexity"] == pytest.approx(ref, rel=1e-4)
+    if thresholds:
+        assert result["perplexity"] != pytest.approx(evaluate.perplexity(model, adapter, seqs), rel=1e-3)
+        assert 0 < result["density"] < 1
+
+
+def test_perplexity_bad_input(tmp_path, converted, capsys):
+    path = converted("llama-relu")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    for args, message in [(["-f", str(empty)], "is empty"), (["-f", str(corpus(tmp_path)), "--ctx", "1"], "--ctx"),
+                          (["-f", str(corpus(tmp_path)), "--ctx", "100000"], "shorter than one sequence")]:
+        code, _, err = run_cli(["perplexity", "-m", str(path)] + args, capsys)
+        assert code == 1 and message in err and len(err.strip().splitlines()) == 1, err

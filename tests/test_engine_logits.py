@@ -1,0 +1,265 @@
+"""The engine against transformers on tiny random models (f32): dense logits, every sparse mode
+against the rule it defines (applied to transformers' FFN activations), exactness of the oracle and
+gate modes, hot/cold tiers, statistics, quantized types, sampling."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.stats
+import torch
+from convert_helpers import read_fields, read_tensors
+from engine_helpers import (converted, engine_prompt_then_decode, hf_logits, max_rel_err,  # noqa: F401
+                            random_tokens, write_gpuidx)
+from tiny_models import N_FF, N_LAYER
+
+import engine
+from engine import kernels
+
+N_PROMPT, N_DECODE = 64, 16
+TOKENS = random_tokens(N_PROMPT + N_DECODE, 384, seed=1)
+ISAS = ["scalar"] + [i for i in ("avx2",) if kernels.available(i)]
+
+
+def run(path, mode="dense", tokens=TOKENS, **kw):
+    with engine.Model(path, threads=2, sparse_mode=mode, **kw) as m:
+        logits = engine_prompt_then_decode(m, tokens, N_PROMPT)
+        return logits, m.stats()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    cache = {}
+
+    def get(kind):
+        if kind not in cache:
+            cache[kind] = hf_logits(tiny_model_dir(kind), TOKENS)
+        return cache[kind]
+
+    return get
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kind", ["llama-relu", "llama-silu", "bamboo"])
+def test_dense_matches_transformers(kind, isa, converted, reference):
+    logits, stats = run(converted(kind), isa=isa)
+    assert logits.shape == (N_PROMPT + N_DECODE, 384)
+    assert max_rel_err(logits, reference(kind)) <= 1e-4
+    assert stats["batch_tokens"] == N_PROMPT and stats["decode_tokens"] == N_DECODE
+
+
+@pytest.mark.parametrize("kind", ["llama-relu", "bamboo"])
+def test_oracle_and_gate_equal_dense_on_relu_models(kind, converted):
+    path = converted(kind, predictors=True)
+    dense, dense_stats = run(path, "dense")
+    for mode in ("oracle", "gate"):
+        logits, stats = run(path, mode)
+        assert np.array_equal(logits, dense), mode  # bit for bit: the skipped neurons contribute exact zeros
+        for a, b in zip(stats["layers"], dense_stats["layers"]):
+            assert a["density"] == pytest.approx(b["density"])
+            assert a["computed_density"] <= b["computed_density"]
+    oracle = run(path, "oracle")[1]
+    assert all(l["recall"] == 1.0 for l in oracle["layers"])
+    assert oracle["density"] < 0.9  # the sparse paths did skip neurons
+
+
+def silu_rule(thresholds):
+    return lambda i, x, a: a * (a.abs() > thresholds[i])
+
+
+def test_gate_mode_applies_silu_thresholds(tiny_model_dir, converted):
+    thresholds = (0.05, 0.08)
+    path = converted("llama-silu", thresholds=thresholds)
+    ref = hf_logits(tiny_model_dir("llama-silu"), TOKENS, mask_fn=silu_rule(thresholds))
+    dense = hf_logits(tiny_model_dir("llama-silu"), TOKENS)
+    logits, stats = run(path, "gate")
+    assert max_rel_err(logits, ref) <= 1e-4
+    assert max_rel_err(logits, dense) > 1e-3  # the thresholds did change the model
+    assert 0.05 < stats["density"] < 0.95
+    # dense mode ignores the thresholds
+    assert max_rel_err(run(path, "dense")[0], dense) <= 1e-4
+
+
+def predictor_rule(path, kind, thresholds=None):
+    """The predictor mode's FFN in torch: a neuron counts when the file's predictor selects it (logit >
+    the layer threshold) and, for SiLU, |a| passes the activation threshold."""
+    tensors = read_tensors(path)
+    pred_thr = read_fields(path)["powerinfer.predictor_thresholds"]
+
+    def mask(i, x, a):
+        fc1 = torch.from_numpy(tensors[f"blk.{i}.fc1.weight"][1])
+        fc2 = torch.from_numpy(tensors[f"blk.{i}.fc2.weight"][1])
+        selected = (torch.relu(x @ fc1.T) @ fc2.T) > pred_thr[i]
+        keep = selected & (a.abs() > thresholds[i]) if thresholds else selected
+        return a * keep
+    return mask
+
+
+@pytest.mark.parametrize("kind", ["llama-relu", "bamboo"])
+def test_predictor_mode_matches_its_rule(kind, tiny_model_dir, converted):
+    path = converted(kind, predictors=True)
+    ref = hf_logits(tiny_model_dir(kind), TOKENS, mask_fn=predictor_rule(path, kind))
+    with engine.Model(path, threads=2, sparse_mode="predictor", recall_check=True) as m:
+        logits = engine_prompt_then_decode(m, TOKENS, N_PROMPT)
+        stats = m.stats()
+    assert max_rel_err(logits, ref) <= 1e-4
+    for layer in stats["layers"]:  # random predictors: about half selected, recall about a half
+        assert 0.2 < layer["predicted_density"] < 0.8
+        assert 0.2 < layer["recall"] < 0.8
+    assert stats["phases"]["predictor"] > 0
+
+
+def test_predictor_recall_equals_independent_count(tiny_model_dir, converted):
+    path = converted("llama-relu", predictors=True)
+    tensors = read_tensors(path)
+    hits, positives, selected = np.zeros(N_LAYER), np.zeros(N_LAYER), np.zeros(N_LAYER)
+
+    def count(i, x, a):
+        fc1 = torch.from_numpy(tensors[f"blk.{i}.fc1.weight"][1])
+        fc2 = torch.from_numpy(tensors[f"blk.{i}.fc2.weight"][1])
+        sel = (torch.relu(x @ fc1.T) @ fc2.T) > 0
+        true = a > 0
+        hits[i] += (sel & true).sum().item()
+        positives[i] += true.sum().item()
+        selected[i] += sel.sum().item()
+        return a * sel  # the predictor mode's model, so later layers see what the engine sees
+
+    hf_logits(tiny_model_dir("llama-relu"), TOKENS, mask_fn=count)
+    _, stats = run(path, "predictor", recall_check=True)
+    for i, layer in enumerate(stats["layers"]):
+        assert layer["recall"] == pytest.approx(hits[i] / positives[i], abs=2e-3)
+        assert layer["predicted_density"] == pytest.approx(selected[i] / len(TOKENS) / N_FF, abs=2e-3)
+
+
+def test_auto_without_predictor_equals_gate(converted):
+    path = converted("llama-silu", thresholds=(0.05, 0.08))
+    gate, _ = run(path, "gate")
+    auto, stats = run(path, "auto")
+    assert np.array_equal(auto, gate)
+    modes = set().union(*(l["modes"] for l in stats["layers"]))
+    assert modes <= {"gate", "dense_rule"} and "gate" in modes  # sparse enough for gate to win
+
+
+def test_hot_cold_tiers(tmp_path, tiny_model_dir, converted):
+    path = converted("llama-relu", predictors=True)
+    rng = np.random.default_rng(3)
+    hot = [rng.random(N_FF) < 0.3 for _ in range(N_LAYER)]
+    gpuidx = write_gpuidx(tmp_path / "m.gpuidx", hot)
+    dense, _ = run(path, "dense")
+    oracle, stats = run(path, "oracle", gpuidx=gpuidx)
+    assert max_rel_err(oracle, dense) <= 1e-5  # two partial sums instead of one: rounding only
+    for i, layer in enumerate(stats["layers"]):
+        assert layer["hot_neurons"] == hot[i].sum()
+    # predictor mode: hot neurons always computed, cold ones as the predictor says
+    rule = predictor_rule(path, "llama-relu")
+    hot_t = [torch.from_numpy(h) for h in hot]
+    ref = hf_logits(tiny_model_dir("llama-relu"), TOKENS,
+                    mask_fn=lambda i, x, a: torch.where(hot_t[i], a, rule(i, x, a)))
+    with engine.Model(path, threads=2, sparse_mode="predictor", gpuidx=gpuidx) as m:
+        assert m.info["hot_neurons"] == sum(h.sum() for h in hot)
+        assert max_rel_err(engine_prompt_then_decode(m, TOKENS, N_PROMPT), ref) <= 1e-4
+
+
+def test_dense_density_is_the_fraction_of_active_neurons(tiny_model_dir, converted):
+    active = np.zeros(N_LAYER)
+
+    def count(i, x, a):
+        active[i] += (a > 0).float().mean().item()
+        return a
+
+    hf_logits(tiny_model_dir("llama-relu"), TOKENS, mask_fn=count)
+    _, stats = run(converted("llama-relu"), "dense")
+    for i, layer in enumerate(stats["layers"]):
+        assert layer["density"] == pytest.approx(active[i], abs=1e-3)
+        assert layer["computed_density"] == 1.0
+    assert stats["decode_tokens_per_second"] > 0 and stats["prompt_tokens_per_second"] > 0
+    assert set(stats["phases"]) == {"embed", "attention", "predictor", "ffn", "output"}
+
+
+@pytest.mark.parametrize("outtype", ["f16", "q8_0", "q4_0"])
+def test_quantized_files_match_their_dequantized_weights(outtype, tiny_model_dir, converted):
+    """Against transformers running the file's own (dequantized) weights, and for q8_0/q4_0 with the
+    projection inputs rounded through q8_0 as the engine's integer dot products do (llama.cpp's way).
+    f16 is exact up to rounding; with 8-bit inputs, float rounding differences flip a few of the
+    roundings, so the bound is looser (without the input rounding the error is about twice as large)."""
+    path = converted("llama-silu", outtype)
+    ref = hf_logits(tiny_model_dir("llama-silu"), TOKENS, weights_from=path, q8_inputs=outtype != "f16")
+    for isa in ISAS:
+        got, _ = run(path, isa=isa)
+        assert max_rel_err(got, ref) <= (1e-4 if outtype == "f16" else 2e-2), isa
+        assert (got.argmax(1) == ref.argmax(1)).mean() >= 0.97, isa
+
+
+def test_eval_cache_semantics(converted):
+    path = converted("llama-relu")
+    with engine.Model(path, threads=1, ctx_size=80, batch_size=7) as m:  # batches of 7: chunking
+        full = m.eval(TOKENS)
+        assert m.n_past == 80
+        with pytest.raises(engine.EngineError, match="context full"):
+            m.eval([5])
+        m.reset(10)
+        np.testing.assert_allclose(m.eval(TOKENS[10:20]), full[10:20], rtol=0, atol=1e-5)
+        last = m.eval(TOKENS[20:30], all_logits=False)
+        np.testing.assert_allclose(last, full[29], rtol=0, atol=1e-5)
+        with pytest.raises(engine.EngineError, match="outside the vocabulary"):
+            m.eval([384])
+        with pytest.raises(engine.EngineError, match="keep"):
+            m.reset(31)
+        with pytest.raises(engine.EngineError, match="unknown sparse mode"):
+            m.sparse_mode = "fast"
+        with pytest.raises(engine.EngineError, match="no predictors"):
+            m.sparse_mode = "predictor"
+    with pytest.raises(engine.EngineError, match="closed"):
+        m.eval([1])
+
+
+def test_greedy_generation_follows_the_logits(converted):
+    path = converted("llama-silu")
+    with engine.Model(path, threads=2) as m:
+        out = list(m.generate(TOKENS[:8], 12))
+    with engine.Model(path, threads=2) as m:
+        expect, seq = [], list(TOKENS[:8])
+        for _ in range(12):
+            tok = int(m.eval(seq)[-1].argmax())
+            m.reset()
+            expect.append(tok)
+            seq.append(tok)
+    assert out == expect
+
+
+def test_sampling_distribution_and_cuts(converted):
+    with engine.Model(converted("llama-silu"), threads=1) as m:
+        logits = m.eval(TOKENS[:5], all_logits=False).astype(np.float64)
+        m.seed(11)
+        draws = np.array([m.sample(temperature=1.5, top_k=0, top_p=1.0) for _ in range(20000)])
+        counts = np.bincount(draws, minlength=logits.size)
+
+        def chi2_pvalue(temperature):
+            p = np.exp((logits - logits.max()) / temperature)
+            expected = p / p.sum() * draws.size
+            return scipy.stats.chisquare(counts, expected).pvalue
+
+        assert chi2_pvalue(1.5) > 1e-3  # the draws follow softmax(logits / T) ...
+        assert chi2_pvalue(1.2) < 1e-6  # ... and the test tells a different temperature apart
+        order = np.argsort(-logits)
+        top5 = {m.sample(temperature=1.0, top_k=5, top_p=1.0) for _ in range(500)}
+        assert top5 <= set(order[:5].tolist()) and len(top5) > 1
+        ps = np.exp(logits - logits.max())
+        ps = ps[order] / ps.sum()
+        nucleus = set(order[:np.searchsorted(np.cumsum(ps), 0.5) + 1].tolist())
+        assert {m.sample(temperature=1.0, top_k=0, top_p=0.5) for _ in range(500)} <= nucleus
+        assert m.sample(temperature=1.0, top_k=1) == int(logits.argmax())
+
+
+def test_seeded_generation_is_reproducible_and_penalty_applies(converted):
+    path = converted("llama-silu")
+
+    def gen(seed, **kw):
+        with engine.Model(path, threads=2) as m:
+            return list(m.generate(TOKENS[:4], 24, temperature=0.9, seed=seed, **kw))
+
+    assert gen(5) == gen(5)
+    assert gen(5) != gen(6)
+    with engine.Model(path, threads=2) as m:  # a huge penalty forbids repeats within the window
+        out = list(m.generate(TOKENS[:4], 30, temperature=0.0, repeat_penalty=1e6, repeat_last_n=64))
+    window = TOKENS[:4] + out
+    assert len(set(out)) == len(out) and not set(out) & set(TOKENS[:4]), window

@@ -1,0 +1,60 @@
+"""The vocabulary written into a converted file rebuilds (tokenizer_from_file, no hub, no model
+directory) a tokenizer that encodes and decodes text exactly as the model's own HF tokenizer."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer, LlamaTokenizer
+
+from powerinfer_tools.convert import convert_model
+from powerinfer_tools.errors import UserError
+from powerinfer_tools.tokenizer import tokenizer_from_file
+
+
+def sample_text() -> str:
+    for data in (Path(__file__).resolve().parents[2] / "shared" / "data", Path("/work/shared/data")):
+        if (data / "wikitext-2-valid.txt").is_file():
+            real = (data / "wikitext-2-valid.txt").read_text()[:4000]
+            break
+    else:
+        real = "The quick brown fox jumps over the lazy dog. " * 20
+    return real + "\n\n  two  spaces, tabs\tand newlines\n ünïcödé 日本語 emoji 🙂 1234567 x=y+z;"
+
+
+@pytest.mark.parametrize("kind,model", [("llama-relu", "llama"), ("bamboo", "llama"), ("falcon", "gpt2"),
+                                        ("opt", "gpt2")])
+def test_round_trip_matches_hf_tokenizer(kind, model, tiny_model_dir, tmp_path):
+    src = tiny_model_dir(kind)
+    out = tmp_path / "m.gguf"
+    convert_model(str(src), out, "f32", progress=False)
+    # The class the checkpoint declares (tokenizer_config.json). AutoTokenizer would give the Mistral-typed
+    # bamboo a generic backend that applies the tiny SentencePiece model's NFKC/whitespace-collapsing
+    # normalizer, which neither LlamaTokenizer nor llama.cpp (the file's semantics) apply.
+    ref = LlamaTokenizer.from_pretrained(src) if model == "llama" else AutoTokenizer.from_pretrained(src)
+    tok = tokenizer_from_file(out)
+    from convert_helpers import read_fields
+
+    assert read_fields(out)["tokenizer.ggml.model"] == model
+    text = sample_text()
+    ids = ref(text).input_ids
+    assert tok(text).input_ids == ids
+    assert tok(text, add_special_tokens=False).input_ids == ref(text, add_special_tokens=False).input_ids
+    assert tok.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True)
+    assert tok.bos_token == ref.bos_token and tok.eos_token == ref.eos_token
+    if model == "llama":
+        assert ids[0] == ref.bos_token_id  # the add-BOS flag survived
+
+
+def test_file_without_vocabulary_is_refused(tmp_path):
+    import gguf
+
+    path = tmp_path / "novocab.gguf"
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    with pytest.raises(UserError, match="no vocabulary"):
+        tokenizer_from_file(path)

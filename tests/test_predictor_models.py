@@ -23,7 +23,7 @@ def test_profile_train_evaluate(kind, target, tiny_model_dir, tmp_path, capsys):
     model = tiny_model_dir(kind)
     for name, text in (("train", TRAIN_TEXT), ("eval", EVAL_TEXT)):
         cli("profile", "-m", model, "--calib", text, "--tokens", 1536, "--seq-len", 32, "--max-samples", 1536,
-            "-o", tmp_path / name)
+            "--target-sparsity", 0.5, "-o", tmp_path / name)     # (ignored by the ReLU model)
     cli("train-predictor", tmp_path / "train", "--out", tmp_path / "pred", "--threads", 1)
     capsys.readouterr()
     cli("train-predictor", tmp_path / "eval", "--out", tmp_path / "pred", "--evaluate", "--report", tmp_path / "e.json")
@@ -38,7 +38,7 @@ def test_profile_train_evaluate(kind, target, tiny_model_dir, tmp_path, capsys):
     for held, fresh in zip(trained["layers"], evaluated["layers"]):
         assert held["recall"] >= target                              # calibrated on the held-out sequences
         assert held["predicted_density"] < 0.99                      # ... without predicting every neuron
-        assert held["auc"] > (0.85 if kind == "llama-relu" else 0.55)
+        assert held["auc"] > (0.85 if kind == "llama-relu" else 0.65)   # measured ~0.89 and ~0.75
         assert fresh["recall"] >= target - 0.03                      # other text, thresholds carried over
         assert abs(fresh["predicted_density"] - held["predicted_density"]) < 0.1
         state = torch.load(tmp_path / "pred" / f"model_{held['layer']}.pt", weights_only=True)

@@ -165,8 +165,9 @@ def neuron_weights(activation_counts: torch.Tensor, magnitude_sums: torch.Tensor
 
 
 def layer_metrics(logits: torch.Tensor, labels: torch.Tensor, threshold: float,
-                  weights: np.ndarray | None, seed: int = 0) -> dict:
-    """Held-out metrics of one layer at one threshold, pooled over (row, neuron) pairs."""
+                  weights: np.ndarray | None, budget_ratio: float, seed: int = 0) -> dict:
+    """Held-out metrics of one layer at one threshold, pooled over (row, neuron) pairs, plus the
+    threshold-free recall when `budget_ratio` x the true density may be predicted active."""
     from sklearn.metrics import precision_recall_fscore_support, recall_score, roc_auc_score
 
     y_true = labels.numpy().ravel()
@@ -180,6 +181,7 @@ def layer_metrics(logits: torch.Tensor, labels: torch.Tensor, threshold: float,
         "predicted_density": float(y_pred.mean()),
     }
     out["density_ratio"] = out["predicted_density"] / out["true_density"] if out["true_density"] else math.inf
+    out["recall_at_budget"] = recall_at_density(logits, labels, min(1.0, budget_ratio * out["true_density"]))
     if weights is not None:
         sample_weight = np.broadcast_to(weights.astype(np.float64), labels.shape).ravel()
         out["weighted_recall"] = float(recall_score(y_true, y_pred, sample_weight=sample_weight, zero_division=0))

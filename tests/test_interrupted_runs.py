@@ -67,8 +67,8 @@ def wide_model(tiny_model_dir, tmp_path_factory) -> Path:
     for name in ("tokenizer.model", "tokenizer_config.json"):
         shutil.copy(src / name, out / name)
     config = LlamaConfig.from_pretrained(src)
-    config.hidden_size, config.intermediate_size, config.num_hidden_layers = 256, 1024, 8
-    config.head_dim = 256 // config.num_attention_heads
+    config.hidden_size, config.intermediate_size, config.num_hidden_layers = 384, 1536, 16
+    config.head_dim = 384 // config.num_attention_heads
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)
     return out

@@ -14,6 +14,12 @@ from pathlib import Path
 from powerinfer_tools.errors import UserError
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_file(final: str | os.PathLike):
     """Yield a temporary path in the target's directory; move it to `final` if the block succeeds."""
@@ -23,6 +29,7 @@ def atomic_file(final: str | os.PathLike):
     final.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
     os.close(fd)
+    os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; outputs get the usual permissions
     try:
         yield Path(tmp)
         os.replace(tmp, final)
@@ -39,6 +46,18 @@ def check_output_dir(final: Path, force: bool) -> None:
         raise UserError(f"output directory {final} exists and is not empty (use --force to replace it)")
 
 
+def publish_dir(tmp: Path, final: Path) -> None:
+    """Move a finished directory into place, replacing `final` (renames only; no copy)."""
+    if final.exists():
+        old = final.with_name(f".{final.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+
+
 @contextlib.contextmanager
 def atomic_dir(final: str | os.PathLike, force: bool = False):
     """Yield a temporary directory beside `final`; it replaces `final` only if the block succeeds."""
@@ -48,13 +67,6 @@ def atomic_dir(final: str | os.PathLike, force: bool = False):
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     try:
         yield tmp
-        if final.exists():
-            old = final.with_name(f".{final.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
+        publish_dir(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -26,13 +26,17 @@ def _root(version: bool = typer.Option(False, "--version", help="Print the versi
 
 
 def _register() -> None:
-    from powerinfer_tools.commands import convert, inspect, perplexity, profile, run
+    from powerinfer_tools.commands import (convert, inspect, perplexity, plan, profile, report, run,
+                                           train_predictor)
 
     app.command("profile", no_args_is_help=True)(profile.profile)
+    app.command("train-predictor", no_args_is_help=True)(train_predictor.train_predictor)
     app.command("convert", no_args_is_help=True)(convert.convert)
-    app.command("inspect", no_args_is_help=True)(inspect.inspect)
+    app.command("plan", no_args_is_help=True)(plan.plan)
     app.command("run", no_args_is_help=True)(run.run)
     app.command("perplexity", no_args_is_help=True)(perplexity.perplexity)
+    app.command("inspect", no_args_is_help=True)(inspect.inspect)
+    app.command("report", no_args_is_help=True)(report.report)
 
 
 _register()
@@ -41,7 +45,7 @@ _register()
 def main(argv: list[str] | None = None) -> None:
     """Entry point: bad input becomes one line on stderr and exit status 1, never a traceback."""
     try:
-        app(args=argv, standalone_mode=False)
+        code = app(args=argv, standalone_mode=False)  # returns the exit code of an Exit (Ctrl-C: 130)
     except UserError as exc:
         print(f"pi-tools: error: {exc}", file=sys.stderr)
         sys.exit(1)
@@ -59,3 +63,7 @@ def main(argv: list[str] | None = None) -> None:
             exc.show()
             sys.exit(exc.exit_code)
         raise
+    if isinstance(code, int) and code:
+        if code == 130:
+            print("pi-tools: interrupted", file=sys.stderr)
+        sys.exit(code)

@@ -45,10 +45,15 @@ def _file_type(outtype: str):
 class Predictors:
     """A validated predictor directory (docs/formats.md, "Predictor directory")."""
 
-    files: list[Path]
+    files: list[Path]             # empty for predictors known by their ranks only (the dry run)
     ranks: list[int]
     thresholds: list[float]       # per-layer logit thresholds
     sparse_threshold: float       # PowerInfer's single global threshold
+
+    @classmethod
+    def at_rank(cls, n_layer: int, rank: int) -> Predictors:
+        """Predictors of one rank in every layer, shapes only: what a dry run sizes."""
+        return cls([], [rank] * n_layer, [0.0] * n_layer, 0.0)
 
 
 def load_predictors(directory: str | Path, dims: arch.Dims) -> Predictors:
@@ -75,10 +80,9 @@ def load_predictors(directory: str | Path, dims: arch.Dims) -> Predictors:
             state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
         except Exception as exc:  # zip/pickle errors of a damaged file
             raise UserError(f"cannot read {path}: {str(exc).splitlines()[0]}") from None
-        fc1, fc2 = state.get("fc1.weight") if isinstance(state, dict) else None, \
-            state.get("fc2.weight") if isinstance(state, dict) else None
-        if fc1 is None or fc2 is None:
+        if not isinstance(state, dict) or "fc1.weight" not in state or "fc2.weight" not in state:
             raise UserError(f"{path}: expected a state dict with fc1.weight and fc2.weight")
+        fc1, fc2 = state["fc1.weight"], state["fc2.weight"]
         rank = fc1.shape[0]
         if tuple(fc1.shape) != (rank, dims.n_embd) or tuple(fc2.shape) != (dims.n_ff, rank):
             raise UserError(f"{path}: predictor shapes fc1 {tuple(fc1.shape)}, fc2 {tuple(fc2.shape)} do not match "
@@ -129,14 +133,26 @@ def tensor_type(name: str, shape: tuple[int, ...], outtype: str):
     return qtype if shape[-1] % block == 0 else gguf.GGMLQuantizationType.F16
 
 
+ENCODE_ROWS = 4096  # rows converted at a time: bounds the temporaries of casting and quantizing
+
+
 def encode(data: np.ndarray, qtype) -> np.ndarray:
+    """`data` (float32, maybe a transposed view) in the file's type, C order, built block by block so
+    that the only full-size temporaries are the input and the (smaller) output."""
     import gguf
 
-    if qtype == gguf.GGMLQuantizationType.F32:
-        return data.astype(np.float32, copy=False)
-    if qtype == gguf.GGMLQuantizationType.F16:
-        return data.astype(np.float16)
-    return gguf.quants.quantize(data.astype(np.float32, copy=False), qtype)
+    if qtype == gguf.GGMLQuantizationType.F32 and data.flags.c_contiguous:
+        return data
+    if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+        out = np.empty(data.shape, np.float32 if qtype == gguf.GGMLQuantizationType.F32 else np.float16)
+    else:
+        out = np.empty(gguf.quants.quant_shape_to_byte_shape(data.shape, qtype), np.uint8)
+    rows = data.reshape(-1, data.shape[-1]) if data.flags.c_contiguous else data
+    flat = out.reshape(-1, out.shape[-1])
+    for r in range(0, rows.shape[0], ENCODE_ROWS):
+        block = np.ascontiguousarray(rows[r:r + ENCODE_ROWS], dtype=np.float32)
+        flat[r:r + ENCODE_ROWS] = block if out.dtype != np.uint8 else gguf.quants.quantize(block, qtype)
+    return out
 
 
 def encoded_nbytes(shape: tuple[int, ...], qtype) -> int:
@@ -154,13 +170,14 @@ def plan(adapter: arch.Arch, weights, predictors: Predictors | None, outtype: st
         shape = tmap.out_shape(weights.shapes[stored])
         planned.append(PlannedTensor(tmap.name, shape, tensor_type(tmap.name, shape, outtype),
                                      lambda t=tmap, s=stored: t.apply(weights.load(s)), stored))
-    for i, path in enumerate(predictors.files if predictors else []):
+    if predictors is not None:
         dims = adapter.dims()
-        for key, shape in (("fc1.weight", (predictors.ranks[i], dims.n_embd)),
-                           ("fc2.weight", (dims.n_ff, predictors.ranks[i]))):
-            name = f"blk.{i}.{key}"
-            planned.append(PlannedTensor(name, shape, tensor_type(name, shape, outtype),
-                                         lambda p=path, k=key: _load_predictor(p, k), str(path)))
+        for i, rank in enumerate(predictors.ranks):
+            path = predictors.files[i] if predictors.files else None
+            for key, shape in (("fc1.weight", (rank, dims.n_embd)), ("fc2.weight", (dims.n_ff, rank))):
+                name = f"blk.{i}.{key}"
+                planned.append(PlannedTensor(name, shape, tensor_type(name, shape, outtype),
+                                             lambda p=path, k=key: _load_predictor(p, k), str(path)))
     return planned
 
 
@@ -170,17 +187,17 @@ def _load_predictor(path: Path, key: str) -> np.ndarray:
     return torch.load(path, map_location="cpu", weights_only=True)[key].float().numpy()
 
 
-def _write_metadata(writer, adapter, source, weights, outtype, predictors, activation_thresholds, n_vocab):
+def add_header(writer, adapter: arch.Arch, name: str, outtype: str, predictors: Predictors | None,
+               activation_thresholds: list[float], tensors: list[PlannedTensor], add_vocab) -> None:
+    """Everything the file holds before its tensor data: metadata, the vocabulary (`add_vocab(writer)`, or
+    nothing when None) and the tensor table. Shared with the dry run, which measures it."""
     import gguf
 
-    from powerinfer_tools.tokenizer import write_vocab
-
-    writer.add_name(Path(source.spec).stem if source.spec != "smollm2" else "SmolLM2-135M-Instruct")
+    writer.add_name(name)
     writer.add_file_type(_file_type(outtype))
     if outtype in ("q8_0", "q4_0"):
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     adapter.write_hparams(writer)
-    n_layer = adapter.dims().n_layer
     f32 = gguf.GGUFValueType.FLOAT32
     writer.add_key_value("powerinfer.ffn_activation", adapter.activation, gguf.GGUFValueType.STRING)
     writer.add_key_value("powerinfer.activation_thresholds", activation_thresholds, gguf.GGUFValueType.ARRAY,
@@ -189,7 +206,21 @@ def _write_metadata(writer, adapter, source, weights, outtype, predictors, activ
         writer.add_key_value("powerinfer.sparse_threshold", predictors.sparse_threshold, f32)
         writer.add_key_value("powerinfer.predictor_thresholds", predictors.thresholds, gguf.GGUFValueType.ARRAY,
                              sub_type=f32)
-    write_vocab(writer, source, n_vocab)
+    if add_vocab is not None:
+        add_vocab(writer)
+    for t in tensors:
+        nbytes = encoded_nbytes(t.shape, t.qtype)
+        if t.qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            dtype = np.float32 if t.qtype == gguf.GGMLQuantizationType.F32 else np.float16
+            writer.add_tensor_info(t.name, t.shape, np.dtype(dtype), nbytes)
+        else:
+            byte_shape = gguf.quants.quant_shape_to_byte_shape(t.shape, t.qtype)
+            writer.add_tensor_info(t.name, byte_shape, np.dtype(np.uint8), nbytes, raw_dtype=t.qtype)
+
+
+def n_vocab_of(tensors: list[PlannedTensor]) -> int:
+    """Rows of the token embedding: the vocabulary is padded to it."""
+    return next(t.shape[0] for t in tensors if t.name == "token_embd.weight")
 
 
 def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predictors_dir: str | Path | None = None,
@@ -202,6 +233,7 @@ def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predic
     from tqdm import tqdm
 
     from powerinfer_tools.source_weights import open_weights
+    from powerinfer_tools.tokenizer import write_vocab
 
     started = time.time()
     if outtype not in OUTTYPES:
@@ -222,20 +254,13 @@ def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predic
         activation_thresholds = [0.0] * dims.n_layer  # ReLU-family: active means a != 0
     weights = open_weights(source, config)
     tensors = plan(adapter, weights, predictors, outtype)
-    n_vocab = next(t.shape[0] for t in tensors if t.name == "token_embd.weight")
+    n_vocab = n_vocab_of(tensors)
 
     with atomic_file(out_path) as tmp:
         writer = gguf.GGUFWriter(tmp, adapter.gguf_arch)
         try:
-            _write_metadata(writer, adapter, source, weights, outtype, predictors, activation_thresholds, n_vocab)
-            for t in tensors:
-                nbytes = encoded_nbytes(t.shape, t.qtype)
-                if t.qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-                    dtype = np.float32 if t.qtype == gguf.GGMLQuantizationType.F32 else np.float16
-                    writer.add_tensor_info(t.name, t.shape, np.dtype(dtype), nbytes)
-                else:
-                    byte_shape = gguf.quants.quant_shape_to_byte_shape(t.shape, t.qtype)
-                    writer.add_tensor_info(t.name, byte_shape, np.dtype(np.uint8), nbytes, raw_dtype=t.qtype)
+            add_header(writer, adapter, source.path.stem, outtype, predictors, activation_thresholds, tensors,
+                       lambda w: write_vocab(w, source, n_vocab, getattr(weights, "reader", None)))
             writer.write_header_to_file()
             writer.write_kv_data_to_file()
             writer.write_ti_data_to_file()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,16 +28,57 @@ class EngineTarget:
     gpuidx: Path | None = None
 
 
-def resolve_model_file(spec: str, gpuidx: str | os.PathLike | None = None) -> EngineTarget:
-    """A --model argument naming an existing converted file (+ an explicit or adjacent .gpuidx)."""
-    path = Path(spec).expanduser()
-    if not path.is_file():
-        raise UserError(f"model file not found: {spec} (give a file written by 'pi-tools convert')")
+def resolve_model_file(spec: str, gpuidx: str | os.PathLike | None = None, vram_budget_gib: float | None = None,
+                       profile: str | os.PathLike | None = None, ctx_size: int = 512) -> EngineTarget:
+    """What --model (+ --gpuidx / --vram-budget) names: a converted file, or `smollm2`, built on first use.
+
+    With a VRAM budget and no explicit GPU index, the plan cached beside the model
+    (MODEL.generated.gpuidx, where PowerInfer looks) is reused when it was solved for that budget;
+    otherwise one is solved from the profile and cached there.
+    """
+    from powerinfer_tools import default_model, pipeline
+
+    if spec == default_model.NAME:
+        path = pipeline.build_default_model()
+        profile = profile or pipeline.default_model_dir() / "profile"
+    else:
+        path = Path(spec).expanduser()
+        if not path.is_file():
+            raise UserError(f"model file not found: {spec} (give a file written by 'pi-tools convert', "
+                            f"or '{default_model.NAME}')")
     if gpuidx is not None:
         gpuidx = Path(gpuidx).expanduser()
         if not gpuidx.is_file():
             raise UserError(f"GPU index not found: {gpuidx}")
+    elif vram_budget_gib is not None:
+        gpuidx = cached_plan(path, vram_budget_gib, profile, ctx_size)
     return EngineTarget(path, gpuidx)
+
+
+def cached_plan(model: Path, vram_budget_gib: float, profile: str | os.PathLike | None, ctx_size: int) -> Path:
+    """MODEL.generated.gpuidx for this budget: reused when its summary says so, else solved and written."""
+    import json
+
+    from powerinfer_tools import placement
+
+    budget = int(vram_budget_gib * placement.GIB)
+    path = placement.default_gpuidx_path(model)
+    summary = path.with_name(path.name + ".json")
+    if path.is_file() and summary.is_file():
+        try:
+            saved = json.loads(summary.read_text())
+        except json.JSONDecodeError:
+            saved = {}
+        if saved.get("vram_budget") == budget and saved.get("ctx_size") == ctx_size:
+            return path
+    if profile is None:
+        raise UserError(f"--vram-budget: no plan for {vram_budget_gib} GiB is cached beside {model.name}; "
+                        "give --profile DIR (the profile the model was converted from) to solve one")
+    plan = placement.plan_for_model(profile, model, budget, ctx_size=ctx_size)
+    placement.write_gpuidx(plan, path)
+    placement.write_summary(plan, summary)
+    print(f"pi-tools: solved a placement for {vram_budget_gib} GiB -> {path}", file=sys.stderr)
+    return path
 
 
 def open_engine(target: EngineTarget, threads: int | None = None, sparse_mode: str = "dense",

@@ -67,20 +67,35 @@ def _quiet_transformers():
 
 def load_config(source: ModelSource):
     """The transformers config of a model (architectures our adapters map to a known class)."""
-    from powerinfer_tools import arch
-
-    _quiet_transformers()
     if source.gguf_file is None:
-        raw = json.loads((source.directory / "config.json").read_text())
-        config_class = arch.config_class_for(raw)
-        if config_class is not None:
-            return config_class.from_pretrained(source.directory)
+        return load_config_file(source.directory / "config.json", source.spec)
     from transformers import AutoConfig
 
+    _quiet_transformers()
     try:
         return AutoConfig.from_pretrained(source.directory, **source.hf_kwargs())
     except (ValueError, KeyError, OSError) as exc:
         raise UserError(f"cannot read the config of {source.spec}: {str(exc).splitlines()[0]}") from None
+
+
+def load_config_file(path: Path, spec: str):
+    """The transformers config in a config.json (all a dry run needs of a model)."""
+    from transformers import AutoConfig
+
+    from powerinfer_tools import arch
+
+    _quiet_transformers()
+    try:
+        raw = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"cannot read the config of {spec}: {path}: {exc}") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"cannot read the config of {spec}: {path} does not hold a JSON object")
+    config_class = arch.config_class_for(raw) or AutoConfig
+    try:
+        return config_class.from_pretrained(path)
+    except (ValueError, KeyError, OSError, TypeError) as exc:
+        raise UserError(f"cannot read the config of {spec}: {str(exc).splitlines()[0]}") from None
 
 
 def load_model(source: ModelSource, device: str = "cpu", dtype: str = "float32"):

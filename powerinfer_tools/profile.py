@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
+import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,15 +26,16 @@ from tqdm import tqdm
 
 from powerinfer_tools import arch as arch_mod
 from powerinfer_tools import calibration, models
-from powerinfer_tools.atomic import atomic_dir, check_output_dir
+from powerinfer_tools.atomic import check_output_dir, publish_dir
 from powerinfer_tools.errors import UserError
 
 FORMAT = "powerinfer-tools.profile/1"
-DEFAULT_TARGET_SPARSITY = 0.25
+DEFAULT_TARGET_SPARSITY = 0.2   # SmolLM2: +2.1% wikitext-2 perplexity (docs/profile.md)
 DEFAULT_SEQ_LEN = 512
 CALIBRATION_VALUES = 1 << 20   # |a| values kept per layer to place a threshold
 CALIBRATION_TOKENS = 8192      # tokens of the first pass that place thresholds
 SHARD_ROWS = 4096
+CHECKPOINT_BATCHES = 8      # batches between resumable checkpoints
 
 
 @dataclass
@@ -47,6 +52,7 @@ class ProfileOptions:
     max_samples: int = 8192
     seed: int = 0
     force: bool = False
+    resume: bool = False
 
 
 def skew(counts: torch.Tensor) -> dict[str, float]:
@@ -126,10 +132,11 @@ class _Recorder:
             self.buffers[i]["x"].append(rows.detach().to(torch.float16).cpu())
 
     def on_activation(self, i: int, a: torch.Tensor):
-        active = arch_mod.is_active(self.adapter, a, self.thresholds[i])
+        size = a.detach().abs()
+        active = size > self.thresholds[i] if self.adapter.thresholded else a != 0
         flat = active.reshape(-1, active.shape[-1])
-        self.counts[i] += flat.sum(0, dtype=torch.int64).cpu()
-        self.magnitude[i] += (a.detach().abs() * active).reshape(-1, a.shape[-1]).sum(0, dtype=torch.float64).cpu()
+        self.counts[i] += flat.sum(0).cpu()
+        self.magnitude[i] += (size * active).reshape(-1, a.shape[-1]).sum(0).double().cpu()
         if self.pick is not None and len(self.pick):
             mask = flat[self.pick.to(flat.device)].cpu().numpy()
             buf = self.buffers[i]
@@ -142,6 +149,21 @@ class _Recorder:
         if self.sparsify and self.adapter.thresholded:
             return a * active
         return None
+
+    def state(self) -> dict:
+        """Everything needed to continue after the rows flushed so far (call flush_all first)."""
+        return {"counts": torch.stack(self.counts), "magnitude": torch.stack(self.magnitude),
+                "rows": torch.tensor(self.rows), "shards": torch.tensor(self.shards)}
+
+    def load_state(self, state: dict) -> None:
+        self.counts = list(state["counts"].clone())
+        self.magnitude = list(state["magnitude"].clone())
+        self.rows = state["rows"].tolist()
+        self.shards = state["shards"].tolist()
+
+    def flush_all(self) -> None:
+        for i in range(len(self.buffers)):
+            self.flush(i)
 
     def flush(self, i: int) -> None:
         buf = self.buffers[i]
@@ -161,16 +183,22 @@ class _Recorder:
 
 
 def profile_pass(model, adapter, seqs: torch.Tensor, thresholds: list[float], batch: int,
-                 chosen: np.ndarray, sample_dir: Path) -> tuple[_Recorder, float]:
-    """One sparsified pass over `seqs`, recording counts and the rows at flat indices `chosen`."""
+                 chosen: np.ndarray, sample_dir: Path, rec: _Recorder | None = None, start_seq: int = 0,
+                 checkpoint=None) -> tuple[_Recorder, float]:
+    """A sparsified pass over seqs[start_seq:], recording counts and the rows at flat indices `chosen`.
+
+    `checkpoint(rec, next_seq)` is called every CHECKPOINT_BATCHES batches after all rows are flushed,
+    so an interrupted pass can continue from `next_seq` without counting anything twice.
+    """
     n_seq, seq_len = seqs.shape
-    rec = _Recorder(adapter, thresholds, sample_dir, sparsify=True)
+    rec = rec or _Recorder(adapter, thresholds, sample_dir, sparsify=True)
     handles = arch_mod.install_taps(adapter, model, on_input=rec.on_input, on_activation=rec.on_activation)
     device = next(model.parameters()).device
     t0 = time.perf_counter()
     try:
-        with torch.no_grad(), tqdm(total=seqs.numel(), desc="profiling", unit="tok", unit_scale=True) as bar:
-            for start in range(0, n_seq, batch):
+        with torch.no_grad(), tqdm(total=seqs.numel(), initial=start_seq * seq_len, desc="profiling", unit="tok",
+                                   unit_scale=True) as bar:
+            for n_batch, start in enumerate(range(start_seq, n_seq, batch), 1):
                 rows = seqs[start:start + batch]
                 lo, hi = start * seq_len, (start + len(rows)) * seq_len
                 sel = chosen[(chosen >= lo) & (chosen < hi)]
@@ -179,13 +207,33 @@ def profile_pass(model, adapter, seqs: torch.Tensor, thresholds: list[float], ba
                 rec.pick_pos = torch.from_numpy(sel % seq_len)
                 model(input_ids=rows.to(device), use_cache=False)
                 bar.update(rows.numel())
+                if checkpoint is not None and n_batch % CHECKPOINT_BATCHES == 0 and start + batch < n_seq:
+                    rec.flush_all()
+                    checkpoint(rec, start + len(rows))
     finally:
         for h in handles:
             h.remove()
     elapsed = time.perf_counter() - t0
-    for i in range(len(rec.counts)):
-        rec.flush(i)
+    rec.flush_all()
     return rec, elapsed
+
+
+def partial_dir(out: Path) -> Path:
+    """Where an unfinished profile of `out` lives until it is complete (kept for --resume)."""
+    return out.parent / f".{out.name}.partial"
+
+
+def _save_checkpoint(work: Path, rec: _Recorder, next_seq: int) -> None:
+    tmp = work / "checkpoint.pt.tmp"
+    torch.save({**rec.state(), "next_seq": torch.tensor(next_seq)}, tmp)
+    os.replace(tmp, work / "checkpoint.pt")
+
+
+def _load_safe(path: Path) -> dict:
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception as exc:  # a damaged or hostile checkpoint
+        raise UserError(f"cannot load {path} safely: {str(exc).splitlines()[0]}") from None
 
 
 def _model_identity(spec: str, source, config, adapter) -> dict:
@@ -205,7 +253,11 @@ def _context_length(config) -> int | None:
 
 
 def run_profile(opts: ProfileOptions) -> dict:
-    """Profile a model; writes opts.out atomically and returns the profile.json contents."""
+    """Profile a model into opts.out and return the profile.json contents.
+
+    Work happens in partial_dir(opts.out), checkpointed every few batches; the finished directory is
+    renamed into place, so an interrupted run never leaves a partial profile under the final name.
+    """
     check_output_dir(opts.out, opts.force)
     source = models.resolve(opts.model)
     config = models.load_config(source)
@@ -223,6 +275,59 @@ def run_profile(opts: ProfileOptions) -> dict:
         raise UserError("--device cuda: no CUDA device is available")
 
     model, adapter = models.load_model(source, device=opts.device, dtype=opts.dtype)
+    work = partial_dir(opts.out)
+    identity = {"model": _model_identity(opts.model, source, config, adapter), "calib": [str(p) for p in opts.calib],
+                "tokens": opts.tokens, "seq_len": seq_len, "targets": targets, "max_samples": opts.max_samples,
+                "seed": opts.seed}
+    if opts.resume:
+        plan = _resume_plan(work, identity)
+        print(f"pi-tools profile: resuming {opts.out} from sequence {plan['next_seq']} of {len(plan['seqs'])}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+        plan = _fresh_plan(model, adapter, source, texts, seq_len, targets, opts)
+        work.mkdir(parents=True)
+        torch.save({"seqs": plan["seqs"], "thresholds": torch.tensor(plan["thresholds"], dtype=torch.float64),
+                    "chosen": torch.from_numpy(plan["chosen"])}, work / "inputs.pt")
+        (work / "identity.json").write_text(json.dumps({**identity, "calibration": plan["calibration"]}))
+
+    seqs, thresholds, chosen = plan["seqs"], plan["thresholds"], plan["chosen"]
+    rec = _Recorder(adapter, thresholds, work / "samples", sparsify=True)
+    if plan.get("state"):
+        rec.load_state(plan["state"])
+    rec, elapsed = profile_pass(model, adapter, seqs, thresholds, opts.batch, chosen, work / "samples", rec=rec,
+                                start_seq=plan["next_seq"], checkpoint=lambda r, nxt: _save_checkpoint(work, r, nxt))
+    n_seq, seq_len = seqs.shape
+    n_total = n_seq * seq_len
+    (work / "activation").mkdir(exist_ok=True)
+    (work / "magnitude").mkdir(exist_ok=True)
+    layers = []
+    for i in range(dims.n_layer):
+        torch.save(rec.counts[i].clone(), work / "activation" / f"activation_{i}.pt")
+        torch.save(rec.magnitude[i].float().clone(), work / "magnitude" / f"magnitude_{i}.pt")
+        density = float(rec.counts[i].sum()) / (n_total * dims.n_ff)
+        layers.append({"layer": i, "sparsity": 1.0 - density, **skew(rec.counts[i])})
+    done = (n_seq - plan["next_seq"]) * seq_len
+    profile = {
+        "format": FORMAT,
+        "model": identity["model"],
+        "rule": "threshold" if adapter.thresholded else "nonzero",
+        "thresholds": thresholds,
+        "target_sparsity": targets,
+        "tokens": n_total, "sequences": n_seq, "seq_len": seq_len, "calibration": plan["calibration"],
+        "samples": {"rows": int(len(chosen)), "x_dtype": "float16", "shard_rows": SHARD_ROWS},
+        "tokens_per_second": done / elapsed if elapsed > 0 and done else None,
+        "layers": layers,
+    }
+    (work / "profile.json").write_text(json.dumps(profile, indent=2))
+    for scratch in ("inputs.pt", "identity.json", "checkpoint.pt"):
+        (work / scratch).unlink(missing_ok=True)
+    check_output_dir(opts.out, opts.force)
+    publish_dir(work, opts.out)
+    return profile
+
+
+def _fresh_plan(model, adapter, source, texts, seq_len, targets, opts) -> dict:
+    """Calibration sequences, thresholds and the sampled row positions of a new profile."""
     tokenizer = models.load_tokenizer(source)
     if texts:
         seqs = calibration.sequences_from_text(tokenizer, texts, seq_len, opts.tokens)
@@ -231,38 +336,35 @@ def run_profile(opts: ProfileOptions) -> dict:
         print("pi-tools profile: no --calib given: data-free calibration on text the model generates itself")
         seqs = calibration.self_generated(model, tokenizer, seq_len, opts.tokens, opts.seed)
         calib_desc = "self-generated"
-
-    thresholds = ([0.0] * dims.n_layer if targets is None
+    n_layer = adapter.dims().n_layer
+    thresholds = ([0.0] * n_layer if targets is None
                   else calibrate_thresholds(model, adapter, seqs, targets, opts.batch, opts.seed))
-
-    n_seq, seq_len = seqs.shape
-    n_total = n_seq * seq_len
     rng = np.random.default_rng(opts.seed)
-    chosen = np.sort(rng.choice(n_total, size=min(opts.max_samples, n_total), replace=False))
+    chosen = np.sort(rng.choice(seqs.numel(), size=min(opts.max_samples, seqs.numel()), replace=False))
+    return {"seqs": seqs, "thresholds": thresholds, "chosen": chosen, "calibration": calib_desc, "next_seq": 0}
 
-    with atomic_dir(opts.out, force=opts.force) as tmp:
-        rec, elapsed = profile_pass(model, adapter, seqs, thresholds, opts.batch, chosen, tmp / "samples")
-        (tmp / "activation").mkdir()
-        (tmp / "magnitude").mkdir()
-        layers = []
-        for i in range(dims.n_layer):
-            torch.save(rec.counts[i].clone(), tmp / "activation" / f"activation_{i}.pt")
-            torch.save(rec.magnitude[i].float().clone(), tmp / "magnitude" / f"magnitude_{i}.pt")
-            density = float(rec.counts[i].sum()) / (n_total * dims.n_ff)
-            layers.append({"layer": i, "sparsity": 1.0 - density, **skew(rec.counts[i])})
-        profile = {
-            "format": FORMAT,
-            "model": _model_identity(opts.model, source, config, adapter),
-            "rule": "threshold" if adapter.thresholded else "nonzero",
-            "thresholds": thresholds,
-            "target_sparsity": targets,
-            "tokens": n_total, "sequences": n_seq, "seq_len": seq_len, "calibration": calib_desc,
-            "samples": {"rows": int(len(chosen)), "x_dtype": "float16", "shard_rows": SHARD_ROWS},
-            "tokens_per_second": n_total / elapsed if elapsed > 0 else None,
-            "layers": layers,
-        }
-        (tmp / "profile.json").write_text(json.dumps(profile, indent=2))
-    return profile
+
+def _resume_plan(work: Path, identity: dict) -> dict:
+    """The saved plan and progress of an interrupted profile, checked against the current options."""
+    if not (work / "identity.json").is_file() or not (work / "inputs.pt").is_file():
+        raise UserError(f"nothing to resume: no interrupted profile at {work}")
+    saved = json.loads((work / "identity.json").read_text())
+    calib = saved.pop("calibration")
+    if json.loads(json.dumps(identity)) != saved:
+        raise UserError("--resume: the interrupted profile was started with other options or another model; "
+                        "rerun without --resume to start over")
+    inputs = _load_safe(work / "inputs.pt")
+    plan = {"seqs": inputs["seqs"], "thresholds": inputs["thresholds"].tolist(), "chosen": inputs["chosen"].numpy(),
+            "calibration": calib, "next_seq": 0, "state": None}
+    if (work / "checkpoint.pt").is_file():
+        state = _load_safe(work / "checkpoint.pt")
+        plan["next_seq"], plan["state"] = int(state.pop("next_seq")), state
+        for i, n in enumerate(state["shards"].tolist()):   # drop shards written after the checkpoint
+            for shard in sorted((work / "samples" / f"layer_{i}").glob("shard_*.safetensors"))[n:]:
+                shard.unlink()
+    else:
+        shutil.rmtree(work / "samples", ignore_errors=True)
+    return plan
 
 
 def load_profile(directory: str | Path) -> dict:
@@ -280,15 +382,41 @@ def load_profile(directory: str | Path) -> dict:
     return profile
 
 
-def load_activation_counts(directory: str | Path, n_layer: int) -> list[torch.Tensor]:
-    """activation_{i}.pt for every layer (PowerInfer's layout), loaded safely."""
-    out = []
+def activation_dir(directory: str | Path) -> Path:
+    """DIR/activation of a profile; a bare directory of activation_{i}.pt files (as PowerInfer ships) also works."""
+    directory = Path(directory)
+    if (directory / "activation").is_dir():
+        return directory / "activation"
+    if (directory / "activation_0.pt").is_file():
+        return directory
+    raise UserError(f"{directory}: no activation/ directory (run `pi-tools profile --out {directory}` first)")
+
+
+def load_activation_counts(directory: str | Path, n_layer: int,
+                           n_ff: Sequence[int] | None = None) -> list[torch.Tensor]:
+    """activation_{i}.pt of every layer (PowerInfer's layout), loaded safely and checked against the model:
+    files for exactly layers 0..n_layer-1, each a 1-D real tensor of finite, non-negative counts, one per
+    neuron (n_ff[i] of them, when given)."""
+    folder = activation_dir(directory)
+    found = sorted(int(m.group(1)) for p in folder.iterdir() if (m := re.fullmatch(r"activation_(\d+)\.pt", p.name)))
+    if found != list(range(n_layer)):
+        listed = f"{found[0]}-{found[-1]} ({len(found)} files)" if found else "none"
+        raise UserError(f"{folder}: activation files for layers {listed}, but the model has "
+                        f"{n_layer} layers (0-{n_layer - 1})")
+    counts = []
     for i in range(n_layer):
-        path = Path(directory) / "activation" / f"activation_{i}.pt"
-        if not path.is_file():
-            raise UserError(f"missing activation file {path}")
+        path = folder / f"activation_{i}.pt"
         try:
-            out.append(torch.load(path, weights_only=True))
-        except Exception as exc:  # pickle errors come in many types
-            raise UserError(f"cannot load {path} safely: {str(exc).splitlines()[0]}") from None
-    return out
+            value = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # torch raises many types for damaged or non-tensor files
+            raise UserError(f"{path}: unreadable ({type(exc).__name__})") from None
+        if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.is_complex() or value.dtype == torch.bool:
+            raise UserError(f"{path}: expected a 1-D real tensor of counts")
+        if n_ff is not None and value.numel() != n_ff[i]:
+            raise UserError(f"{path}: {value.numel()} counts, but layer {i} of the model has {n_ff[i]} neurons")
+        if not bool(torch.isfinite(value).all()):
+            raise UserError(f"{path}: counts contain NaN or infinity")
+        if bool((value < 0).any()):
+            raise UserError(f"{path}: counts contain negative values (min {float(value.min()):g})")
+        counts.append(value)
+    return counts

@@ -120,10 +120,46 @@ class LlamaCppGgufSource(WeightSource):
         import gguf
 
         tensor = self.tensors[name]
-        data = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-        data = data.reshape(self.shapes[name])
+        shape = self.shapes[name]
+        raw = tensor.data.reshape(-1, tensor.data.shape[-1]) if tensor.data.ndim > 1 else tensor.data[None]
+        data = np.empty((raw.shape[0], shape[-1]), np.float32)
+        for r in range(0, raw.shape[0], _DEQUANT_ROWS):  # bounded temporaries, not a whole-tensor copy
+            data[r:r + _DEQUANT_ROWS] = gguf.quants.dequantize(raw[r:r + _DEQUANT_ROWS], tensor.tensor_type)
+        data = data.reshape(shape)
         reorder = self.reorders[name]
-        return reorder(data) if reorder is not None else np.array(data)
+        return reorder(data) if reorder is not None else data
+
+
+_DEQUANT_ROWS = 4096
+
+
+class MetaShapes(WeightSource):
+    """The tensors a checkpoint of `config` holds, names and shapes only: the model is built on torch's meta
+    device (no memory, no weights), so transformers itself says what the checkpoint would contain. A tied
+    output head is listed once, under the embedding's name, as save_pretrained stores it."""
+
+    def __init__(self, adapter, config):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        model_class = adapter.model_class() or AutoModelForCausalLM
+        with torch.device("meta"):
+            model = model_class._from_config(config) if model_class is not AutoModelForCausalLM \
+                else model_class.from_config(config)
+        dtype = getattr(config, "dtype", None) or torch.float32
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        element = torch.empty((), dtype=dtype).element_size()
+        self.shapes, self.stored_bytes, seen = {}, {}, set()
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            if id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            self.shapes[name] = tuple(tensor.shape)
+            self.stored_bytes[name] = tensor.numel() * element
+
+    def load(self, name: str) -> np.ndarray:
+        raise RuntimeError(f"{name}: a shapes-only source has no data (dry run)")
 
 
 def open_weights(source: ModelSource, config) -> WeightSource:

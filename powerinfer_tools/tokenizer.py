@@ -18,10 +18,13 @@ from powerinfer_tools.errors import UserError
 from powerinfer_tools.models import ModelSource
 
 
-def write_vocab(writer, source: ModelSource, n_vocab: int) -> str:
-    """Add the source's vocabulary (padded to the embedding's n_vocab rows); returns its kind."""
+def write_vocab(writer, source: ModelSource, n_vocab: int, gguf_reader=None) -> str:
+    """Add the source's vocabulary (padded to the embedding's n_vocab rows); returns its kind.
+    `gguf_reader`: an open reader of a GGUF source, to avoid parsing its metadata twice."""
     if source.gguf_file is not None:
-        return _copy_gguf_vocab(writer, source.path)
+        from powerinfer_tools.gguf_io import open_reader
+
+        return _copy_gguf_vocab(writer, gguf_reader or open_reader(source.path), source.path)
     directory = source.directory
     if (directory / "tokenizer.model").is_file():
         kind, tokens, scores, types = "llama", *_sentencepiece_tokens(directory)
@@ -103,11 +106,8 @@ def _added_special_tokens(directory: Path) -> dict[str, bool]:
     return flags
 
 
-def _copy_gguf_vocab(writer, path: Path) -> str:
+def _copy_gguf_vocab(writer, reader, path: Path) -> str:
     """Carry every `tokenizer.*` key of a GGUF source over unchanged."""
-    from powerinfer_tools.gguf_io import open_reader
-
-    reader = open_reader(path)
     for key, fld in reader.fields.items():
         if key.startswith("tokenizer."):
             sub_type = fld.types[-1] if len(fld.types) > 1 else None

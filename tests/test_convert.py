@@ -228,3 +228,23 @@ def test_without_predictors_is_dense_file(tiny_model_dir, tmp_path):
     names = set(read_tensors(out))
     assert not any(".fc1." in n or ".fc2." in n for n in names) and "blk.1.ffn_down_t.weight" in names
     assert "powerinfer.predictor_thresholds" not in read_fields(out)
+
+
+def test_pytorch_bin_checkpoint_converts_like_safetensors(tiny_model_dir, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file as load_torch
+
+    src = tiny_model_dir("opt")
+    bin_dir = tmp_path / "bin"
+    shutil.copytree(src, bin_dir, ignore=shutil.ignore_patterns("*.safetensors"))
+    # OPT's own checkpoints name tensors without the `model.` prefix of the causal-LM class
+    state = {k.removeprefix("model."): v for k, v in load_torch(src / "model.safetensors").items()}
+    torch.save(state, bin_dir / "pytorch_model.bin")
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    convert_model(str(src), a, "q8_0", progress=False)
+    convert_model(str(bin_dir), b, "q8_0", progress=False)
+    got_a, got_b = read_tensors(a), read_tensors(b)
+    assert set(got_a) == set(got_b)
+    for name in got_a:
+        np.testing.assert_array_equal(got_a[name][1], got_b[name][1], err_msg=name)

@@ -18,11 +18,16 @@ HIDDEN, N_FF, N_LAYER, N_HEAD, N_KV = 64, 256, 2, 4, 2
 
 
 def training_text() -> str:
+    """A slice of tiny-shakespeare, or (without the shared data) deterministic pseudo-words."""
     path = DATA / "tinyshakespeare.txt"
     if path.is_file():
         return path.read_text()[:200_000]
-    words = "the of and to in a is that for it as was with be by on not he this are or his from".split()
-    return "\n".join(" ".join(words[(i * 7919 + j) % len(words)] for j in range(40)) for i in range(1000))
+    import random
+
+    rng = random.Random(0)
+    letters = "etaoinshrdlucmfwypvbgkqjxz"
+    words = ["".join(rng.choice(letters[:rng.randint(8, 26)]) for _ in range(rng.randint(2, 9))) for _ in range(3000)]
+    return "\n".join(" ".join(rng.choice(words) for _ in range(20)) for _ in range(2000))
 
 
 def _spm_tokenizer(out: Path) -> int:

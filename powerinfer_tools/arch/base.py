@@ -39,9 +39,10 @@ class TensorMap:
     transpose: bool = False
 
     def apply(self, data: np.ndarray) -> np.ndarray:
+        """The file's layout of `data`; a transposed *view* (the encoder copies it row block by block)."""
         if self.reorder is not None:
             data = self.reorder(data)
-        return np.ascontiguousarray(data.T) if self.transpose else data
+        return data.T if self.transpose else data
 
     def out_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(reversed(shape)) if self.transpose else tuple(shape)

@@ -12,7 +12,8 @@ from powerinfer_tools.errors import UserError
 
 
 def perplexity(
-    model: str = typer.Option(..., "--model", "-m", help="Model file written by 'pi-tools convert'."),
+    model: str = typer.Option(..., "--model", "-m", help="Model file written by 'pi-tools convert', or 'smollm2' "
+                              "(the embedded default, built through the pipeline on first use)."),
     text_file: Path = typer.Option(..., "--file", "-f", help="UTF-8 text to score."),
     ctx: int = typer.Option(512, "--ctx", "-c", help="Window length in tokens (each starts with BOS when the model "
                                                       "has one; windows do not overlap)."),
@@ -20,6 +21,11 @@ def perplexity(
     sparse_mode: str = typer.Option("dense", "--sparse-mode", help="FFN mode: dense, gate, predictor, auto, oracle."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Threads. Default: all cores."),
     gpuidx: Optional[Path] = typer.Option(None, "--gpuidx", help="GPU index: hot neurons computed densely."),
+    vram_budget: Optional[float] = typer.Option(None, "--vram-budget", help="GiB of VRAM (as PowerInfer's "
+                                                "--vram-budget): reuse the plan cached beside the model for this "
+                                                "budget, or solve one from --profile."),
+    profile: Optional[Path] = typer.Option(None, "--profile", help="Profile directory, to solve a plan for "
+                                           "--vram-budget (known for 'smollm2')."),
     recall: bool = typer.Option(False, "--recall", help="In predictor mode, also compute the true activation masks "
                                                          "and report the predictor's recall (slower)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
@@ -44,7 +50,7 @@ def perplexity(
         raise UserError("--ctx must be at least 2")
     if chunks < 0:
         raise UserError("--chunks must be >= 0")
-    target = inference.resolve_model_file(model, gpuidx)
+    target = inference.resolve_model_file(model, gpuidx, vram_budget, profile, ctx)
     text = read_text(text_file)
     tokenizer = inference.load_tokenizer(target.model)
     n_tokens = ctx * chunks if chunks else len(text)  # len(text) bounds the token count from above

@@ -45,10 +45,12 @@ def profile(
     target_sparsity: Optional[str] = typer.Option(
         None, "--target-sparsity",
         help="SiLU/GELU models: fraction of activations below each layer's threshold; one value or one per "
-             "layer, comma-separated. Default 0.25 (SmolLM2 loses little there). Ignored for ReLU models."),
+             "layer, comma-separated. Default 0.2 (SmolLM2: +2.1% perplexity). Ignored for ReLU models."),
     max_samples: int = typer.Option(8192, "--max-samples", help="Predictor training rows kept per layer."),
     seed: int = typer.Option(0, help="Random seed (row sampling, data-free generation)."),
     force: bool = typer.Option(False, "--force", help="Replace a non-empty output directory."),
+    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted profile of the same --out "
+                                "with the same options (nothing is counted twice)."),
 ):
     """Profile FFN activations on calibration text: per-neuron activation counts (PowerInfer's
     activation_{i}.pt), activation thresholds, and predictor training rows.
@@ -69,7 +71,7 @@ def profile(
         raise UserError(f"--device must be cpu, cuda or auto, got {device!r}")
     opts = ProfileOptions(model=model, out=out, calib=list(calib or []), tokens=tokens, seq_len=seq_len,
                           batch=batch, device=device, dtype=dtype, target_sparsity=_parse_targets(target_sparsity),
-                          max_samples=max_samples, seed=seed, force=force)
+                          max_samples=max_samples, seed=seed, force=force, resume=resume)
     result = run_profile(opts)
     print_summary(result)
     typer.echo(f"wrote {out}")

@@ -13,7 +13,8 @@ from powerinfer_tools.errors import UserError
 
 
 def run(
-    model: str = typer.Option(..., "--model", "-m", help="Model file written by 'pi-tools convert'."),
+    model: str = typer.Option(..., "--model", "-m", help="Model file written by 'pi-tools convert', or 'smollm2' "
+                              "(the embedded default, built through the pipeline on first use)."),
     prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text."),
     n_predict: int = typer.Option(128, "--n-predict", "-n", help="Tokens to generate (stops early at end of text)."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Threads. Default: all cores."),
@@ -22,6 +23,11 @@ def run(
                                     "oracle (true mask; for testing)."),
     gpuidx: Optional[Path] = typer.Option(None, "--gpuidx", help="GPU index (.gpuidx from 'pi-tools plan'): its "
                                           "neurons form the hot tier, computed densely without the predictor."),
+    vram_budget: Optional[float] = typer.Option(None, "--vram-budget", help="GiB of VRAM (as PowerInfer's "
+                                                "--vram-budget): reuse the plan cached beside the model for this "
+                                                "budget, or solve one from --profile."),
+    profile: Optional[Path] = typer.Option(None, "--profile", help="Profile directory, to solve a plan for "
+                                           "--vram-budget (known for 'smollm2')."),
     ctx_size: int = typer.Option(2048, "--ctx-size", "-c", help="Context length (KV cache)."),
     temp: float = typer.Option(0.8, "--temp", help="Sampling temperature; 0 = greedy."),
     top_k: int = typer.Option(40, "--top-k", help="Keep the k most likely tokens; 0 = off."),
@@ -38,7 +44,11 @@ def run(
 
     Examples:
 
+      pi-tools run -m smollm2 -p "The capital of France is" -n 32 --temp 0   # builds it once, then cached
+
       pi-tools run -m smollm2.powerinfer.gguf -p "The capital of France is" -n 32 --temp 0
+
+      pi-tools run -m smollm2 --vram-budget 0.3 -p "Hello"   # hot/cold split solved for 0.3 GiB
 
       pi-tools run -m smollm2.powerinfer.gguf -p "Write a haiku about the sea" --chat --sparse-mode gate -t 2
 
@@ -48,7 +58,7 @@ def run(
 
     if n_predict < 0:
         raise UserError("--n-predict must be >= 0")
-    target = inference.resolve_model_file(model, gpuidx)
+    target = inference.resolve_model_file(model, gpuidx, vram_budget, profile, ctx_size)
     started = time.perf_counter()
     tokenizer = inference.load_tokenizer(target.model)
     llm = inference.open_engine(target, threads=threads, sparse_mode=sparse_mode, ctx_size=ctx_size)

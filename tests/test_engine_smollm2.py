@@ -3,7 +3,6 @@ transformers'; converted to q8_0, top-1 agreement with transformers over 2k wiki
 points of what the q8_0 weights allow (see the test: >= 99% is not reachable on this model)."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,17 +12,10 @@ import engine
 from powerinfer_tools import models
 from powerinfer_tools.calibration import sequences_from_text
 from powerinfer_tools.convert import convert_model
+from tiny_models import DATA
 from powerinfer_tools.tokenizer import tokenizer_from_file
 
 pytestmark = pytest.mark.slow
-
-
-def shared_data(name: str) -> Path:
-    here = Path(__file__).resolve().parents[1]
-    for root in (here.parent / "shared" / "data", Path("/work/shared/data")):
-        if (root / name).is_file():
-            return root / name
-    pytest.skip(f"{name} not available")
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +56,10 @@ def test_q8_0_top1_agreement_on_wikitext(smollm2, smollm2_file):
     from engine_helpers import load_file_weights
 
     path = smollm2_file("q8_0")
-    text = shared_data("wikitext-2-raw-test.txt").read_text()[:200_000]
+    path = DATA / "wikitext-2-raw-test.txt"
+    if not path.is_file():
+        pytest.skip("shared data not present")
+    text = path.read_text()[:200_000]
     windows = sequences_from_text(tokenizer_from_file(path), [text], 512, 2048)
     assert windows.shape == (4, 512)
     with torch.no_grad():

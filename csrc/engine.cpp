@@ -1,5 +1,7 @@
 #include "engine.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -53,6 +55,7 @@ Engine::Engine(const std::string &path, const pi_options &opts)
     if (threads > 256) fail(PI_ERR_ARGUMENT, "threads must be at most 256");
     n_ctx_ = opts.ctx_size > 0 ? opts.ctx_size : std::min(hp_.n_ctx_train, kDefaultCtx);
     if (n_ctx_ > (int64_t(1) << 20)) fail(PI_ERR_ARGUMENT, "ctx_size is too large");
+    if (hp_.learned_pos) n_ctx_ = std::min(n_ctx_, hp_.n_ctx_train);  // no position beyond the learned table
     n_batch_ = opts.batch_size > 0 ? std::min<int64_t>(opts.batch_size, 4096) : kDefaultBatch;
     n_batch_ = std::min(n_batch_, n_ctx_);
     recall_check_ = opts.recall_check != 0;
@@ -60,6 +63,7 @@ Engine::Engine(const std::string &path, const pi_options &opts)
 
     const int64_t E = hp_.n_embd, F = hp_.n_ff, L = hp_.n_layer, B = n_batch_;
     const int64_t Q = hp_.n_head * hp_.d_head, KV = hp_.n_head_kv * hp_.d_head, R = std::max<int64_t>(model_->max_rank(), 1);
+    check_working_memory(threads);
     k_cache_.assign(size_t(L * n_ctx_ * KV), 0.0f);
     v_cache_.assign(size_t(L * n_ctx_ * KV), 0.0f);
     history_.assign(size_t(n_ctx_), 0);
@@ -108,6 +112,23 @@ Engine::Engine(const std::string &path, const pi_options &opts)
     ema_predicted_.assign(size_t(L), 1.0);
     predicted_seen_.assign(size_t(L), false);
     stats_.assign(size_t(L), LayerStats{});
+}
+
+void Engine::check_working_memory(int64_t threads) const {
+    // Every buffer below is sized by the file's hyperparameters and ctx_size: add them up (in doubles,
+    // no overflow) and refuse before allocating when they exceed the machine's memory, so a file that
+    // declares a huge model fails with a message instead of an out-of-memory kill.
+    const double E = double(hp_.n_embd), F = double(hp_.n_ff), L = double(hp_.n_layer), B = double(n_batch_);
+    const double Q = double(hp_.n_head * hp_.d_head), KV = double(hp_.n_head_kv * hp_.d_head);
+    const double R = double(std::max<int64_t>(model_->max_rank(), 1)), C = double(n_ctx_), T = double(threads);
+    const double floats = 2 * L * C * KV + C * double(hp_.n_rot) + B * (5 * E + 2 * Q + 2 * KV + 2 * F + R) +
+                          double(hp_.n_vocab) + T * (C + E);
+    const double bytes = 4 * floats + C * 4 + B * F * 2 + F * 8 + L * 32;
+    const double available = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE));
+    if (available > 0 && bytes > available)
+        fail(PI_ERR_MEMORY, model_->path() + ": the KV cache and work buffers would need " +
+                                std::to_string(bytes / double(1 << 30)).substr(0, 8) + " GiB for ctx_size " +
+                                std::to_string(n_ctx_) + ", more than this machine's memory; lower ctx_size");
 }
 
 void Engine::set_ffn_mode(int32_t mode) {
@@ -177,16 +198,34 @@ void Engine::matmul(const MatmulTarget *targets, int n_targets, Operand &x, int6
     pool_->run(pool_->chunks_for(work, kGrain), job);
 }
 
-void Engine::rmsnorm(const float *x, const Matrix &w, int64_t n_tok, float *out) const {
+void Engine::norm(const float *x, const Matrix &w, const Matrix &b, int64_t n_tok, float *out) const {
     const int64_t E = hp_.n_embd;
-    const float *wv = reinterpret_cast<const float *>(w.data);
+    const float *wv = w.floats(), *bv = b.floats();
     for (int64_t t = 0; t < n_tok; ++t) {
         const float *xt = x + t * E;
-        double ss = 0.0;
-        for (int64_t i = 0; i < E; ++i) ss += double(xt[i]) * double(xt[i]);
-        const float scale = 1.0f / std::sqrt(float(ss / double(E)) + hp_.norm_eps);
-        for (int64_t i = 0; i < E; ++i) out[t * E + i] = wv[i] * (xt[i] * scale);
+        float *ot = out + t * E;
+        if (hp_.norm == NormKind::Rms) {
+            double ss = 0.0;
+            for (int64_t i = 0; i < E; ++i) ss += double(xt[i]) * double(xt[i]);
+            const float scale = 1.0f / std::sqrt(float(ss / double(E)) + hp_.norm_eps);
+            for (int64_t i = 0; i < E; ++i) ot[i] = wv[i] * (xt[i] * scale);
+        } else {  // LayerNorm: (x - mean) / sqrt(var + eps) * w + b
+            double sum = 0.0;
+            for (int64_t i = 0; i < E; ++i) sum += double(xt[i]);
+            const double mean = sum / double(E);
+            double ss = 0.0;
+            for (int64_t i = 0; i < E; ++i) ss += (double(xt[i]) - mean) * (double(xt[i]) - mean);
+            const float scale = 1.0f / std::sqrt(float(ss / double(E)) + hp_.norm_eps);
+            for (int64_t i = 0; i < E; ++i) ot[i] = wv[i] * (float(double(xt[i]) - mean) * scale) + (bv ? bv[i] : 0.0f);
+        }
     }
+}
+
+void Engine::add_bias(float *y, const Matrix &b, int64_t n_tok, int64_t ld) const {
+    const float *bv = b.floats();
+    if (!bv) return;
+    for (int64_t t = 0; t < n_tok; ++t)
+        for (int64_t i = 0; i < b.cols; ++i) y[t * ld + i] += bv[i];
 }
 
 void Engine::eval(const int32_t *tokens, int32_t n, float *logits, bool all_logits) {
@@ -224,13 +263,24 @@ void Engine::forward(const int32_t *tokens, int64_t n_tok, float *logits, int64_
     auto t0 = Clock::now();
     const TypeKernels &ke = ks_->for_type(model_->tok_embd().type);
     for (int64_t t = 0; t < n_tok; ++t) ke.to_float(int(E), model_->tok_embd().row(tokens[t]), x_.data() + t * E);
+    if (hp_.learned_pos) {
+        const Matrix &pe = model_->pos_embd();
+        const TypeKernels &kp = ks_->for_type(pe.type);
+        for (int64_t t = 0; t < n_tok; ++t) {
+            kp.to_float(int(E), pe.row(n_past_ + t + hp_.pos_offset), tmp_.data());
+            for (int64_t i = 0; i < E; ++i) x_[size_t(t * E + i)] += tmp_[size_t(i)];
+        }
+    }
     times_.embed += seconds_since(t0);
 
     for (int64_t il = 0; il < hp_.n_layer; ++il) {
+        // attention's output lands in tmp_; a parallel block adds it after the FFN has read the layer input
         t0 = Clock::now();
         attention(il, n_tok);
+        if (!hp_.parallel_block) add_residual(tmp_.data(), n_tok);
         times_.attention += seconds_since(t0);
         ffn(il, n_tok);
+        if (hp_.parallel_block) add_residual(tmp_.data(), n_tok);
     }
     for (int64_t t = 0; t < n_tok; ++t) history_[size_t(n_past_ + t)] = tokens[t];
     n_past_ += n_tok;
@@ -239,7 +289,7 @@ void Engine::forward(const int32_t *tokens, int64_t n_tok, float *logits, int64_
     t0 = Clock::now();
     // Only the rows whose logits are wanted go through the head: all of them, or the last one.
     const int64_t first = logits ? 0 : n_tok - 1;
-    rmsnorm(x_.data() + first * E, model_->output_norm(), n_tok - first, xn_.data());
+    norm(x_.data() + first * E, model_->output_norm(), model_->output_norm_b(), n_tok - first, xn_.data());
     op_xn_.q_ready = false;
     float *out = logits ? logits : last_logits_.data();
     matmul(model_->output(), op_xn_, n_tok - first, out, ld_logits);
@@ -251,20 +301,27 @@ void Engine::attention(int64_t il, int64_t n_tok) {
     const Layer &L = model_->layers()[size_t(il)];
     const int64_t E = hp_.n_embd, D = hp_.d_head, H = hp_.n_head, HKV = hp_.n_head_kv;
     const int64_t Q = H * D, KV = HKV * D, half = hp_.n_rot / 2;
-    rmsnorm(x_.data(), L.attn_norm, n_tok, xn_.data());
+    norm(x_.data(), L.attn_norm, L.attn_norm_b, n_tok, xn_.data());
     op_xn_.q_ready = false;
     const MatmulTarget qkv[3] = {{&L.wq, q_.data(), Q}, {&L.wk, k_.data(), KV}, {&L.wv, v_.data(), KV}};
     matmul(qkv, 3, op_xn_, n_tok);
+    add_bias(q_.data(), L.bq, n_tok, Q);
+    add_bias(k_.data(), L.bk, n_tok, KV);
+    add_bias(v_.data(), L.bv, n_tok, KV);
 
-    // RoPE, llama.cpp "normal" mode: adjacent pairs (the converter permuted q/k rows to match).
+    // RoPE on the first n_rot dims of each head: llama.cpp "normal" mode rotates adjacent pairs (the
+    // converter permuted llama's q/k rows to match), NeoX mode (falcon) pairs i with i + n_rot/2.
+    const bool neox = hp_.rope == RopeKind::NeoX;
     auto rope = [&](float *vec, int64_t n_heads, int64_t pos) {
+        if (hp_.rope == RopeKind::None) return;
         const float *c = rope_cos_.data() + pos * half, *s = rope_sin_.data() + pos * half;
         for (int64_t h = 0; h < n_heads; ++h) {
             float *v = vec + h * D;
             for (int64_t i = 0; i < half; ++i) {
-                const float x0 = v[2 * i], x1 = v[2 * i + 1];
-                v[2 * i] = x0 * c[i] - x1 * s[i];
-                v[2 * i + 1] = x0 * s[i] + x1 * c[i];
+                const int64_t i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
+                const float x0 = v[i0], x1 = v[i1];
+                v[i0] = x0 * c[i] - x1 * s[i];
+                v[i1] = x0 * s[i] + x1 * c[i];
             }
         }
     };
@@ -306,7 +363,11 @@ void Engine::attention(int64_t il, int64_t n_tok) {
     pool_->run(int(std::min<int64_t>(n_tok * H, pool_->chunks_for(n_tok * H * (n_past_ + n_tok) * D * 2, kGrain))), job);
     op_att_.q_ready = false;
     matmul(L.wo, op_att_, n_tok, tmp_.data(), E);
-    for (int64_t i = 0; i < n_tok * E; ++i) x_[size_t(i)] += tmp_[size_t(i)];
+    add_bias(tmp_.data(), L.bo, n_tok, E);
+}
+
+void Engine::add_residual(const float *y, int64_t n_tok) {
+    for (int64_t i = 0; i < n_tok * hp_.n_embd; ++i) x_[size_t(i)] += y[i];
 }
 
 TierMode Engine::choose_cold_mode(int64_t il) const {
@@ -320,7 +381,7 @@ TierMode Engine::choose_cold_mode(int64_t il) const {
     // auto: bytes one token reads, per mode, at the densities measured so far in this layer
     const Layer &L = model_->layers()[size_t(il)];
     const double n = double(L.cold.size());
-    const double g = double(L.gate.row_bytes), ud = double(L.up.row_bytes + L.down_t.row_bytes);
+    const double g = double(L.gate.row_bytes), ud = double((hp_.gated ? L.up.row_bytes : 0) + L.down_t.row_bytes);
     const double gather = 1.1;  // gathered rows stream a little worse than a dense sweep
     const double rho = ema_active_[size_t(il)];
     const double cost_dense = n * (g + ud);
@@ -340,9 +401,13 @@ void Engine::ffn(int64_t il, int64_t n_tok) {
     const Layer &L = model_->layers()[size_t(il)];
     LayerStats &st = stats_[size_t(il)];
     const int64_t E = hp_.n_embd;
-    rmsnorm(x_.data(), L.ffn_norm, n_tok, xn_.data());
-    op_xn_.q_ready = false;
-    op_x_.q_ready = false;  // the predictor's input: the residual entering the FFN block
+    if (L.ffn_norm.data != L.attn_norm.data) {  // falcon 7B: attention's norm output is the FFN's too
+        norm(x_.data(), L.ffn_norm, L.ffn_norm_b, n_tok, xn_.data());
+        op_xn_.q_ready = false;
+    }
+    // The predictor's input, x_ as it stands: the residual entering the FFN block (llama family,
+    // opt), or the layer's input in a parallel block (falcon), as PowerInfer feeds them.
+    op_x_.q_ready = false;
     const double active_before = st.active, predicted_before = st.predicted, cold_before = st.cold_tokens;
 
     // Hot tier first (a device backend would run it concurrently), then the cold tier.
@@ -355,7 +420,10 @@ void Engine::ffn(int64_t il, int64_t n_tok) {
     } else {
         std::fill(y_cold_.begin(), y_cold_.begin() + n_tok * E, 0.0f);
     }
-    for (int64_t i = 0; i < n_tok * E; ++i) x_[size_t(i)] += has_hot ? y_hot_[size_t(i)] + y_cold_[size_t(i)] : y_cold_[size_t(i)];
+    if (has_hot)
+        for (int64_t i = 0; i < n_tok * E; ++i) y_cold_[size_t(i)] += y_hot_[size_t(i)];
+    add_bias(y_cold_.data(), L.down_b, n_tok, E);
+    add_residual(y_cold_.data(), n_tok);
     st.tokens += double(n_tok);
 
     // auto mode's view of this layer (an EMA over tokens)
@@ -397,16 +465,18 @@ void Engine::true_mask(const Layer &L, const FfnTier &T, int64_t n_tok, uint8_t 
     const TypeKernels &kg = ks_->for_type(L.gate.type), &ku = ks_->for_type(L.up.type);
     const Activation act = hp_.activation;
     const float thr = L.act_threshold;
+    const float *gb = L.gate_b.floats(), *ub = L.up_b.floats();
     auto job = [&](int chunk, int n_chunks, int) {
         int64_t r0, r1;
         split_range(n, chunk, n_chunks, &r0, &r1);
         for (int64_t r = r0; r < r1; ++r) {
+            const int32_t id = T.ids[size_t(r)];
             for (int64_t t = 0; t < n_tok; ++t) {
-                const float g = kg.dot(int(E), T.row(T.gate, r), op_xn_.at(t, L.gate.type));
+                const float g = kg.dot(int(E), T.row(T.gate, r), op_xn_.at(t, L.gate.type)) + (gb ? gb[id] : 0.0f);
                 bool on;
                 if (act == Activation::Relu) on = g > 0.0f;
                 else if (act == Activation::Silu) on = std::fabs(silu(g)) > thr;
-                else on = g > 0.0f && ku.dot(int(E), T.row(T.up, r), op_xn_.at(t, L.up.type)) > 0.0f;
+                else on = g > 0.0f && ku.dot(int(E), T.row(T.up, r), op_xn_.at(t, L.up.type)) + (ub ? ub[id] : 0.0f) > 0.0f;
                 out[size_t(t * F + r)] = on;
             }
         }
@@ -465,7 +535,11 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
     prepare(op_xn_, n_tok, L.up.type);
     const TypeKernels &kg = ks_->for_type(L.gate.type), &ku = ks_->for_type(L.up.type);
     const bool dense = mode == TierMode::Dense, all_up = mode == TierMode::Dense || mode == TierMode::DenseRule;
+    const bool gated = hp_.gated;
+    const float *gb = L.gate_b.floats(), *ub = L.up_b.floats();
     std::atomic<int64_t> n_active{0}, n_computed{0};
+    // The pre-activation of neuron slot r (the gate of a gated FFN, up otherwise) plus its bias.
+    auto with_bias = [&](float v, const float *bias, int64_t r) { return bias ? v + bias[T.ids[size_t(r)]] : v; };
     // The rule's verdict from the gate alone, and the activation a it leaves.
     auto gate_rule = [&](float g, float *a) {
         if (act == Activation::Silu) {
@@ -484,38 +558,41 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
         *h = a * u;
         return first_pass;
     };
+    // Record neuron slot r of token t: mask 2 (down row used, coefficient h) or 1.
+    auto settle = [&](int64_t t, int64_t r, bool pass, float h, int64_t &active, int64_t &computed) {
+        uint8_t &m = mask_[size_t(t * F + r)];
+        active += pass;
+        if (dense || pass) {
+            m = 2;
+            ++computed;
+            h_[size_t(t * F + r)] = h;
+        } else {
+            m = 1;
+        }
+    };
     // One token: gate rows 4 at a time (dot4), up rows of the neurons that need them queued and taken
     // 4 at a time as well. Per row the arithmetic is the batch path's (dot4 rows equal dot).
     auto gate_up_one = [&](int chunk, int n_chunks, int) {
         int64_t i0, i1, active = 0, computed = 0;
         split_range(n_rows_, chunk, n_chunks, &i0, &i1);
-        const void *xg = op_xn_.at(0, L.gate.type), *xu = op_xn_.at(0, L.up.type);
+        const void *xg = op_xn_.at(0, L.gate.type), *xu = gated ? op_xn_.at(0, L.up.type) : nullptr;
         int64_t pend[4];
         float pend_a[4];
         bool pend_first[4];
         int n_pend = 0;
-        auto settle = [&](int64_t r, bool first_pass, float a, float u) {
-            float h;
-            const bool pass = finish(first_pass, a, u, &h);
-            active += pass;
-            if (dense || pass) {
-                mask_[size_t(r)] = 2;
-                ++computed;
-                h_[size_t(r)] = h;
-            } else {
-                mask_[size_t(r)] = 1;
-            }
-        };
         auto flush = [&]() {
+            float u[4];
             if (n_pend == 4) {
                 const void *rows[4] = {T.row(T.up, pend[0]), T.row(T.up, pend[1]), T.row(T.up, pend[2]),
                                        T.row(T.up, pend[3])};
-                float u[4];
                 ku.dot4(int(E), rows, xu, u);
-                for (int j = 0; j < 4; ++j) settle(pend[j], pend_first[j], pend_a[j], u[j]);
             } else {
-                for (int j = 0; j < n_pend; ++j)
-                    settle(pend[j], pend_first[j], pend_a[j], ku.dot(int(E), T.row(T.up, pend[j]), xu));
+                for (int j = 0; j < n_pend; ++j) u[j] = ku.dot(int(E), T.row(T.up, pend[j]), xu);
+            }
+            for (int j = 0; j < n_pend; ++j) {
+                float h;
+                const bool pass = finish(pend_first[j], pend_a[j], with_bias(u[j], ub, pend[j]), &h);
+                settle(0, pend[j], pass, h, active, computed);
             }
             n_pend = 0;
         };
@@ -532,18 +609,20 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
             for (int j = 0; j < m; ++j) {
                 const int64_t r = rows_[size_t(i + j)];
                 float a;
-                const bool first_pass = gate_rule(g[j], &a);
-                if (first_pass || all_up) {
+                const bool first_pass = gate_rule(with_bias(g[j], gb, r), &a);
+                if (!gated) {
+                    settle(0, r, first_pass, a, active, computed);  // ungated: the activation is the output
+                } else if (first_pass || all_up) {
                     pend[n_pend] = r;
                     pend_a[n_pend] = a;
                     pend_first[n_pend++] = first_pass;
                     if (n_pend == 4) flush();
                 } else {
-                    mask_[size_t(r)] = 1;  // fails on the gate alone: h would be 0
+                    settle(0, r, false, 0.0f, active, computed);  // fails on the gate alone: h would be 0
                 }
             }
         }
-        flush();
+        if (n_pend) flush();
         n_active += active;
         n_computed += computed;
     };
@@ -559,12 +638,12 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
             for (int j = 0; j < m; ++j) {
                 r[j] = rows_[size_t(i + j)];
                 grows[j] = T.row(T.gate, r[j]);
-                urows[j] = T.row(T.up, r[j]);
+                urows[j] = gated ? T.row(T.up, r[j]) : nullptr;
             }
             for (int64_t t = 0; t < n_tok; ++t) {
-                uint8_t *mt = mask_.data() + t * F;
-                const void *xg = op_xn_.at(t, L.gate.type), *xu = op_xn_.at(t, L.up.type);
-                float g[4], a[4], u[4], h[4] = {0, 0, 0, 0};
+                const uint8_t *mt = mask_.data() + t * F;
+                const void *xg = op_xn_.at(t, L.gate.type), *xu = gated ? op_xn_.at(t, L.up.type) : nullptr;
+                float g[4], a[4], u[4];
                 bool first[4], need_up[4];
                 int n_gate = 0, n_up = 0;
                 for (int j = 0; j < m; ++j) n_gate += mt[r[j]] != 0;
@@ -573,27 +652,21 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
                     for (int j = 0; j < m; ++j)
                         if (mt[r[j]]) g[j] = kg.dot(int(E), grows[j], xg);
                 for (int j = 0; j < m; ++j) {
+                    need_up[j] = false;
                     if (!mt[r[j]]) continue;
-                    first[j] = gate_rule(g[j], &a[j]);
-                    need_up[j] = first[j] || all_up;
+                    first[j] = gate_rule(with_bias(g[j], gb, r[j]), &a[j]);
+                    need_up[j] = gated && (first[j] || all_up);
                     n_up += need_up[j];
                 }
                 if (n_up == 4) ku.dot4(int(E), urows, xu, u);
                 else
                     for (int j = 0; j < m; ++j)
-                        if (mt[r[j]] && need_up[j]) u[j] = ku.dot(int(E), urows[j], xu);
+                        if (need_up[j]) u[j] = ku.dot(int(E), urows[j], xu);
                 for (int j = 0; j < m; ++j) {
-                    uint8_t &mk = mt[r[j]];
-                    if (!mk) continue;
-                    const bool pass = need_up[j] ? finish(first[j], a[j], u[j], &h[j]) : first[j];
-                    active += pass;
-                    if (dense || pass) {
-                        mk = 2;
-                        ++computed;
-                        h_[size_t(t * F + r[j])] = h[j];
-                    } else {
-                        mk = 1;
-                    }
+                    if (!mt[r[j]]) continue;
+                    float h = gated ? 0.0f : a[j];  // ungated: the activation is the neuron's output
+                    const bool pass = need_up[j] ? finish(first[j], a[j], with_bias(u[j], ub, r[j]), &h) : first[j];
+                    settle(t, r[j], pass, h, active, computed);
                 }
             }
         }

@@ -64,6 +64,8 @@ public:
     void reset_stats();
 
 private:
+    // Refuses (PI_ERR_MEMORY) before allocating when the buffers the hyperparameters imply exceed RAM.
+    void check_working_memory(int64_t threads) const;
     void forward(const int32_t *tokens, int64_t n_tok, float *logits, int64_t ld_logits, bool all_logits);
     void attention(int64_t il, int64_t n_tok);
     void ffn(int64_t il, int64_t n_tok);
@@ -80,7 +82,11 @@ private:
     void matmul(const Matrix &W, Operand &x, int64_t n_tok, float *out, int64_t ldo);
     void matmul(const MatmulTarget *targets, int n_targets, Operand &x, int64_t n_tok);
     void prepare(Operand &x, int64_t n_tok, uint32_t type);
-    void rmsnorm(const float *x, const Matrix &w, int64_t n_tok, float *out) const;
+    // RMSNorm or LayerNorm (hp_.norm) of n_tok rows; b may be empty.
+    void norm(const float *x, const Matrix &w, const Matrix &b, int64_t n_tok, float *out) const;
+    // y[t][i] += b[i] for each of n_tok rows ld apart (nothing when b is absent)
+    void add_bias(float *y, const Matrix &b, int64_t n_tok, int64_t ld) const;
+    void add_residual(const float *y, int64_t n_tok);
 
     std::unique_ptr<Model> model_;
     const KernelSet *ks_;

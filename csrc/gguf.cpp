@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -224,6 +225,18 @@ void GgufFile::parse() {
                                     std::to_string(size_) + " bytes): truncated or damaged");
         ti.data = map_ + data_start + ti.offset;
     }
+    // Writers lay tensors out one after another; overlapping tensors would let a small file declare
+    // (and make the engine copy or cache) far more data than it holds, so they are refused.
+    std::vector<const GgufTensor *> by_offset;
+    by_offset.reserve(tensors_.size());
+    for (const GgufTensor &ti : tensors_)
+        if (ti.n_bytes > 0) by_offset.push_back(&ti);
+    std::sort(by_offset.begin(), by_offset.end(),
+              [](const GgufTensor *a, const GgufTensor *b) { return a->offset < b->offset; });
+    for (size_t k = 1; k < by_offset.size(); ++k)
+        if (by_offset[k - 1]->offset + by_offset[k - 1]->n_bytes > by_offset[k]->offset)
+            fail(PI_ERR_FORMAT, path_ + ": tensors " + by_offset[k - 1]->name + " and " + by_offset[k]->name +
+                                    " overlap in the file");
 }
 
 const GgufValue *GgufFile::find(const std::string &key) const {

@@ -28,9 +28,8 @@ const KernelSet kAvx512 = {
 }  // namespace
 
 const KernelSet *avx512_kernels() {
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
-        __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+    __builtin_cpu_init();  // the AVX2 set's check covers AVX2, FMA and F16C
+    if (avx2_kernels() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
         return &kAvx512;
     return nullptr;

@@ -30,11 +30,15 @@ void Model::read_hparams() {
     const std::string &p = f.path();
     hp_.arch = f.get_string("general.architecture");
     const std::string &a = hp_.arch;
-    if (a != "llama" && a != "bamboo") {
-        if (a == "falcon" || a == "opt")
-            fail(PI_ERR_UNSUPPORTED, p + ": architecture '" + a + "' is not supported by this engine yet (llama, bamboo)");
-        fail(PI_ERR_UNSUPPORTED, p + ": unsupported architecture '" + a + "' (this engine runs llama and bamboo)");
-    }
+    if (a != "llama" && a != "bamboo" && a != "falcon" && a != "opt")
+        fail(PI_ERR_UNSUPPORTED, p + ": unsupported architecture '" + a + "' (this engine runs llama, bamboo, falcon and opt)");
+    const bool llama_family = a == "llama" || a == "bamboo";
+    hp_.norm = llama_family ? NormKind::Rms : NormKind::Layer;
+    hp_.rope = a == "opt" ? RopeKind::None : a == "falcon" ? RopeKind::NeoX : RopeKind::Adjacent;
+    hp_.gated = llama_family;
+    hp_.parallel_block = a == "falcon";
+    hp_.learned_pos = a == "opt";
+    hp_.pos_offset = a == "opt" ? 2 : 0;  // OPT's learned table starts its positions at row 2
     const int64_t big = int64_t(1) << 20;
     hp_.n_embd = f.get_int(a + ".embedding_length", 1, 1 << 16);
     hp_.n_layer = f.get_int(a + ".block_count", 1, 4096);
@@ -51,9 +55,9 @@ void Model::read_hparams() {
     hp_.d_head = hp_.n_embd / hp_.n_head;
     hp_.n_rot = f.get_int_or(a + ".rope.dimension_count", hp_.d_head, 2, hp_.d_head);
     if (hp_.n_rot % 2 != 0) fail(PI_ERR_FORMAT, p + ": rope.dimension_count must be even");
-    const double eps = f.get_float_or(a + ".attention.layer_norm_rms_epsilon", -1.0);
-    if (!(eps > 0.0 && eps < 1.0))
-        fail(PI_ERR_FORMAT, p + ": " + a + ".attention.layer_norm_rms_epsilon is missing or outside (0, 1)");
+    const std::string eps_key = a + (llama_family ? ".attention.layer_norm_rms_epsilon" : ".attention.layer_norm_epsilon");
+    const double eps = f.get_float_or(eps_key, -1.0);
+    if (!(eps > 0.0 && eps < 1.0)) fail(PI_ERR_FORMAT, p + ": " + eps_key + " is missing or outside (0, 1)");
     hp_.norm_eps = float(eps);
     const double base = f.get_float_or(a + ".rope.freq_base", 10000.0);
     if (!(base > 1.0)) fail(PI_ERR_FORMAT, p + ": rope.freq_base must be > 1");
@@ -68,12 +72,15 @@ void Model::read_hparams() {
             fail(PI_ERR_UNSUPPORTED, p + ": rope scaling '" + kind + "' is not supported (none, linear)");
         }
     }
+    if (a == "falcon" && f.has("falcon.tensor_data_layout") && f.get_string("falcon.tensor_data_layout") != "jploski")
+        fail(PI_ERR_UNSUPPORTED, p + ": falcon.tensor_data_layout '" + f.get_string("falcon.tensor_data_layout") +
+                                     "' is not supported (jploski: fused QKV as all q heads, then k heads, then v heads)");
     if (file_->tensor("rope_freqs.weight"))
         fail(PI_ERR_UNSUPPORTED, p + ": per-dimension rope frequencies (rope_freqs.weight) are not supported");
 
-    std::string act = a == "bamboo" ? "drelu" : "silu";
+    std::string act = a == "bamboo" ? "drelu" : a == "llama" ? "silu" : "relu";
     if (f.has("powerinfer.ffn_activation")) act = f.get_string("powerinfer.ffn_activation");
-    if (a == "llama" && act == "relu") hp_.activation = Activation::Relu;
+    if ((a == "llama" || !llama_family) && act == "relu") hp_.activation = Activation::Relu;
     else if (a == "llama" && act == "silu") hp_.activation = Activation::Silu;
     else if (a == "bamboo" && act == "drelu") hp_.activation = Activation::DRelu;
     else fail(PI_ERR_UNSUPPORTED, p + ": FFN activation '" + act + "' is not supported for architecture " + a);
@@ -108,6 +115,13 @@ Matrix Model::bind_optional(const std::string &name, int64_t rows, int64_t cols,
     return m;
 }
 
+Matrix Model::bind_vector(const std::string &name, int64_t n, bool required) const {
+    bool found = false;
+    Matrix m = bind_optional(name, 1, n, true, &found);
+    if (!found && required) fail(PI_ERR_FORMAT, file_->path() + ": tensor " + name + " is missing");
+    return m;
+}
+
 Matrix Model::bind(const std::string &name, int64_t rows, int64_t cols, bool f32_only) const {
     bool found = false;
     Matrix m = bind_optional(name, rows, cols, f32_only, &found);
@@ -124,7 +138,6 @@ void Model::bind_tensors() {
         fail(PI_ERR_FORMAT, p + ": tensor token_embd.weight is not a (n_vocab, n_embd) matrix");
     hp_.n_vocab = int64_t(emb->ne[1]);
     const int64_t V = hp_.n_vocab, E = hp_.n_embd, F = hp_.n_ff, L = hp_.n_layer;
-    const int64_t Q = hp_.n_head * hp_.d_head, KV = hp_.n_head_kv * hp_.d_head;
     if (f.has(hp_.arch + ".vocab_size")) f.get_int(hp_.arch + ".vocab_size", V, V);
     if (const GgufValue *toks = f.find("tokenizer.ggml.tokens"))
         if (toks->type == GV_ARRAY && int64_t(toks->array_count) != V)
@@ -134,7 +147,10 @@ void Model::bind_tensors() {
     hp_.eos = f.get_int_or("tokenizer.ggml.eos_token_id", -1, -1, V - 1);
 
     tok_embd_ = bind("token_embd.weight", V, E, false);
-    output_norm_ = bind("output_norm.weight", 1, E, true);
+    const bool layer_norm = hp_.norm == NormKind::Layer;
+    output_norm_ = bind_vector("output_norm.weight", E, true);
+    output_norm_b_ = bind_vector("output_norm.bias", E, layer_norm);
+    if (hp_.learned_pos) pos_embd_ = bind("position_embd.weight", hp_.n_ctx_train + hp_.pos_offset, E, false);
     bool has_output = false;
     output_ = bind_optional("output.weight", V, E, false, &has_output);
     if (!has_output) output_ = tok_embd_;  // tied embeddings in a plain GGUF file
@@ -153,18 +169,8 @@ void Model::bind_tensors() {
     layers_.resize(size_t(L));
     for (int64_t i = 0; i < L; ++i) {
         Layer &l = layers_[size_t(i)];
-        l.attn_norm = bind(blk(i, "attn_norm.weight"), 1, E, true);
-        l.ffn_norm = bind(blk(i, "ffn_norm.weight"), 1, E, true);
-        l.wq = bind(blk(i, "attn_q.weight"), Q, E, false);
-        l.wk = bind(blk(i, "attn_k.weight"), KV, E, false);
-        l.wv = bind(blk(i, "attn_v.weight"), KV, E, false);
-        l.wo = bind(blk(i, "attn_output.weight"), E, Q, false);
-        l.gate = bind(blk(i, "ffn_gate.weight"), F, E, false);
-        l.up = bind(blk(i, "ffn_up.weight"), F, E, false);
-        if (!f.tensor(blk(i, "ffn_down_t.weight")) && f.tensor(blk(i, "ffn_down.weight")))
-            fail(PI_ERR_UNSUPPORTED, p + ": tensor " + blk(i, "ffn_down_t.weight") +
-                                         " is missing (this file has ffn_down: convert the model with pi-tools convert)");
-        l.down_t = bind(blk(i, "ffn_down_t.weight"), F, E, false);
+        bind_attention(i, l);
+        bind_ffn(i, l);
         l.act_threshold = hp_.activation == Activation::Silu ? act_thr[size_t(i)] : 0.0f;
         l.pred_threshold = pred_thr[size_t(i)];
         const std::string fc1 = blk(i, "fc1.weight"), fc2 = blk(i, "fc2.weight");
@@ -180,6 +186,70 @@ void Model::bind_tensors() {
             fail(PI_ERR_FORMAT, p + ": layer " + std::to_string(i) + " has a predictor but layer 0 has none");
         }
     }
+}
+
+void Model::bind_attention(int64_t i, Layer &l) {
+    const int64_t E = hp_.n_embd, Q = hp_.n_head * hp_.d_head, KV = hp_.n_head_kv * hp_.d_head;
+    const bool layer_norm = hp_.norm == NormKind::Layer, all_biases = hp_.arch == "opt";
+    l.attn_norm = bind_vector(blk(i, "attn_norm.weight"), E, true);
+    l.attn_norm_b = bind_vector(blk(i, "attn_norm.bias"), E, layer_norm);
+    if (hp_.parallel_block) {
+        // PowerInfer's falcon: attn_norm (ln_mlp, or the 7B's only norm) feeds the FFN; attn_norm_2
+        // (ln_attn, new decoder only) feeds attention.
+        l.ffn_norm = l.attn_norm;
+        l.ffn_norm_b = l.attn_norm_b;
+        bool has_norm_2 = false;
+        const Matrix norm_2 = bind_optional(blk(i, "attn_norm_2.weight"), 1, E, true, &has_norm_2);
+        if (has_norm_2) {
+            l.attn_norm = norm_2;
+            l.attn_norm_b = bind_vector(blk(i, "attn_norm_2.bias"), E, true);
+        }
+        const Matrix qkv = bind(blk(i, "attn_qkv.weight"), Q + 2 * KV, E, false);
+        l.wq = qkv.rows_view(0, Q);
+        l.wk = qkv.rows_view(Q, KV);
+        l.wv = qkv.rows_view(Q + KV, KV);
+        const Matrix qkv_b = bind_vector(blk(i, "attn_qkv.bias"), Q + 2 * KV, false);
+        const float *b = qkv_b.floats();
+        if (b) {  // the bias vector split the same way as the rows
+            l.bq = qkv_b;
+            l.bk = qkv_b;
+            l.bk.data = reinterpret_cast<const uint8_t *>(b + Q);
+            l.bv = qkv_b;
+            l.bv.data = reinterpret_cast<const uint8_t *>(b + Q + KV);
+        }
+    } else {
+        l.ffn_norm = bind_vector(blk(i, "ffn_norm.weight"), E, true);
+        l.ffn_norm_b = bind_vector(blk(i, "ffn_norm.bias"), E, layer_norm);
+        l.wq = bind(blk(i, "attn_q.weight"), Q, E, false);
+        l.wk = bind(blk(i, "attn_k.weight"), KV, E, false);
+        l.wv = bind(blk(i, "attn_v.weight"), KV, E, false);
+        l.bq = bind_vector(blk(i, "attn_q.bias"), Q, all_biases);
+        l.bk = bind_vector(blk(i, "attn_k.bias"), KV, all_biases);
+        l.bv = bind_vector(blk(i, "attn_v.bias"), KV, all_biases);
+    }
+    l.wo = bind(blk(i, "attn_output.weight"), E, Q, false);
+    l.bo = bind_vector(blk(i, "attn_output.bias"), E, all_biases);
+}
+
+void Model::bind_ffn(int64_t i, Layer &l) {
+    const GgufFile &f = *file_;
+    const int64_t E = hp_.n_embd, F = hp_.n_ff;
+    const bool all_biases = hp_.arch == "opt";
+    if (hp_.gated) {
+        l.gate = bind(blk(i, "ffn_gate.weight"), F, E, false);
+        l.gate_b = bind_vector(blk(i, "ffn_gate.bias"), F, false);
+    }
+    l.up = bind(blk(i, "ffn_up.weight"), F, E, false);
+    l.up_b = bind_vector(blk(i, "ffn_up.bias"), F, all_biases);
+    if (!hp_.gated) {  // the activation rule reads up's output
+        l.gate = l.up;
+        l.gate_b = l.up_b;
+    }
+    if (!f.tensor(blk(i, "ffn_down_t.weight")) && f.tensor(blk(i, "ffn_down.weight")))
+        fail(PI_ERR_UNSUPPORTED, f.path() + ": tensor " + blk(i, "ffn_down_t.weight") +
+                                     " is missing (this file has ffn_down: convert the model with pi-tools convert)");
+    l.down_t = bind(blk(i, "ffn_down_t.weight"), F, E, false);
+    l.down_b = bind_vector(blk(i, "ffn_down_t.bias"), E, all_biases);
 }
 
 void Model::build_tiers(const std::string &gpuidx_path) {
@@ -250,13 +320,14 @@ void Model::build_tiers(const std::string &gpuidx_path) {
         // Hot tier: packed contiguous copies, gate | up | down_t.
         l.hot.packed = true;
         if (nh == 0) continue;
-        const Matrix *src[3] = {&l.gate, &l.up, &l.down_t};
-        Matrix *dst[3] = {&l.hot.gate, &l.hot.up, &l.hot.down_t};
+        const Matrix *src[3] = {&l.up, &l.down_t, &l.gate};
+        Matrix *dst[3] = {&l.hot.up, &l.hot.down_t, &l.hot.gate};
+        const int n_packed = hp_.gated ? 3 : 2;  // ungated: gate is up
         size_t total = 0;
-        for (const Matrix *m : src) total += size_t(nh) * m->row_bytes;
+        for (int k = 0; k < n_packed; ++k) total += size_t(nh) * src[k]->row_bytes;
         l.hot.storage.resize(total);
         uint8_t *at = l.hot.storage.data();
-        for (int k = 0; k < 3; ++k) {
+        for (int k = 0; k < n_packed; ++k) {
             *dst[k] = *src[k];
             dst[k]->rows = nh;
             dst[k]->data = at;
@@ -264,6 +335,7 @@ void Model::build_tiers(const std::string &gpuidx_path) {
                                                          src[k]->row_bytes);
             at += size_t(nh) * src[k]->row_bytes;
         }
+        if (!hp_.gated) l.hot.gate = l.hot.up;
     }
 }
 

@@ -1,8 +1,9 @@
 // A loaded model: hyperparameters, tensor views checked against them, and the FFN's hot/cold tiers.
 //
-// Architectures are described by ArchSpec (norm kind, activation rule, which tensors exist), so that
-// the forward pass branches on properties rather than names; llama and bamboo are wired here, and
-// the spec has room for falcon/opt (layer norms with biases, ungated FFN, learned positions).
+// Architectures are described by properties in HParams (norm kind, RoPE kind, gated or plain FFN,
+// parallel or sequential block, learned positions), so that the forward pass branches on properties
+// rather than names: llama and bamboo (RMSNorm, gated FFN), falcon (LayerNorm, fused QKV, NeoX RoPE,
+// attention and FFN in parallel from the layer input) and opt (LayerNorm, learned positions, biases).
 #pragma once
 
 #include <cstdint>
@@ -15,6 +16,8 @@
 namespace pi {
 
 enum class Activation { Relu, Silu, DRelu };
+enum class NormKind { Rms, Layer };         // RMSNorm (llama family) or LayerNorm with bias
+enum class RopeKind { None, Adjacent, NeoX };  // llama.cpp "normal" (pairs 2i, 2i+1), NeoX (i, i + n_rot/2)
 
 // A matrix in its stored type: `rows` rows of `cols` elements, each row `row_bytes` apart.
 struct Matrix {
@@ -24,6 +27,15 @@ struct Matrix {
     const uint8_t *data = nullptr;
     const uint8_t *row(int64_t r) const { return data + size_t(r) * row_bytes; }
     size_t bytes() const { return size_t(rows) * row_bytes; }
+    // rows [r0, r0 + n) as a matrix of their own (the parts of a fused tensor)
+    Matrix rows_view(int64_t r0, int64_t n) const {
+        Matrix m = *this;
+        m.rows = n;
+        m.data = data ? row(r0) : nullptr;
+        return m;
+    }
+    // An f32 vector (norm weight, bias) or nullptr when the tensor is absent.
+    const float *floats() const { return reinterpret_cast<const float *>(data); }
 };
 
 struct HParams {
@@ -31,6 +43,12 @@ struct HParams {
     Activation activation = Activation::Silu;
     int64_t n_vocab = 0, n_embd = 0, n_layer = 0, n_ff = 0, n_head = 0, n_head_kv = 0, d_head = 0;
     int64_t n_ctx_train = 0, n_rot = 0;
+    NormKind norm = NormKind::Rms;
+    RopeKind rope = RopeKind::Adjacent;
+    bool gated = true;            // FFN a = act(gate x) * (up x); otherwise a = act(up x + b)
+    bool parallel_block = false;  // x + attn(norm x) + ffn(norm' x) (falcon) instead of two residual steps
+    bool learned_pos = false;     // position_embd added to the token embedding (opt)
+    int64_t pos_offset = 0;       // row of position 0 in position_embd (opt: 2)
     float norm_eps = 1e-5f;
     float rope_base = 10000.0f;
     float rope_freq_scale = 1.0f;
@@ -51,10 +69,14 @@ struct FfnTier {
     const uint8_t *row(const Matrix &m, int64_t r) const { return packed ? m.row(r) : m.row(ids[size_t(r)]); }
 };
 
+// Vectors (norm weights and biases, rows = 1) are f32; an absent optional bias has data == nullptr.
 struct Layer {
-    Matrix attn_norm, ffn_norm;  // f32 vectors (rows = 1)
-    Matrix wq, wk, wv, wo;
-    Matrix gate, up, down_t;
+    Matrix attn_norm, attn_norm_b;  // the norm feeding attention
+    Matrix ffn_norm, ffn_norm_b;    // the norm feeding the FFN (falcon 7B: the same tensor as attn_norm)
+    Matrix wq, wk, wv, wo;          // falcon: row views into the fused attn_qkv
+    Matrix bq, bk, bv, bo;
+    Matrix gate, up, down_t;        // ungated FFN: gate is up (the rule reads the up projection)
+    Matrix gate_b, up_b, down_b;    // per neuron (gate_b, up_b) and per output (down_b)
     Matrix fc1, fc2;  // predictor (empty when absent)
     float act_threshold = 0.0f;   // |a| threshold for SiLU (0 for the ReLU family)
     float pred_threshold = 0.0f;  // predictor logit threshold
@@ -69,6 +91,8 @@ public:
     const HParams &hp() const { return hp_; }
     const Matrix &tok_embd() const { return tok_embd_; }
     const Matrix &output_norm() const { return output_norm_; }
+    const Matrix &output_norm_b() const { return output_norm_b_; }
+    const Matrix &pos_embd() const { return pos_embd_; }  // rows: n_ctx_train + pos_offset (learned_pos)
     const Matrix &output() const { return output_; }
     const std::vector<Layer> &layers() const { return layers_; }
     bool has_predictor() const { return has_predictor_; }
@@ -81,13 +105,17 @@ public:
 private:
     Matrix bind(const std::string &name, int64_t rows, int64_t cols, bool f32_only) const;
     Matrix bind_optional(const std::string &name, int64_t rows, int64_t cols, bool f32_only, bool *found) const;
+    // An f32 vector of n values; absent is an error when `required`, else an empty Matrix.
+    Matrix bind_vector(const std::string &name, int64_t n, bool required) const;
+    void bind_attention(int64_t i, Layer &l);
+    void bind_ffn(int64_t i, Layer &l);
     void read_hparams();
     void bind_tensors();
     void build_tiers(const std::string &gpuidx_path);
 
     std::unique_ptr<GgufFile> file_;
     HParams hp_;
-    Matrix tok_embd_, output_norm_, output_;
+    Matrix tok_embd_, pos_embd_, output_norm_, output_norm_b_, output_;
     std::vector<Layer> layers_;
     bool has_predictor_ = false;
 };

@@ -22,6 +22,7 @@ import numpy as np
 from powerinfer_tools import arch, models
 from powerinfer_tools.atomic import atomic_file
 from powerinfer_tools.errors import UserError
+from powerinfer_tools.safe_load import load_pt
 from powerinfer_tools.gguf_io import set_pwri_magic
 
 OUTTYPES = ("f32", "f16", "q8_0", "q4_0")
@@ -58,8 +59,6 @@ class Predictors:
 
 def load_predictors(directory: str | Path, dims: arch.Dims) -> Predictors:
     """Check every layer's predictor against the model's shapes before anything is written."""
-    import torch
-
     directory = Path(directory)
     if not directory.is_dir():
         raise UserError(f"predictor directory not found: {directory}")
@@ -76,10 +75,7 @@ def load_predictors(directory: str | Path, dims: arch.Dims) -> Predictors:
         if not path.is_file():
             raise UserError(f"{directory}: predictor of layer {i} is missing ({path.name}); "
                             f"the model has {dims.n_layer} layers")
-        try:
-            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-        except Exception as exc:  # zip/pickle errors of a damaged file
-            raise UserError(f"cannot read {path}: {str(exc).splitlines()[0]}") from None
+        state = load_pt(path, "predictor", mmap=True)
         if not isinstance(state, dict) or "fc1.weight" not in state or "fc2.weight" not in state:
             raise UserError(f"{path}: expected a state dict with fc1.weight and fc2.weight")
         fc1, fc2 = state["fc1.weight"], state["fc2.weight"]
@@ -182,9 +178,7 @@ def plan(adapter: arch.Arch, weights, predictors: Predictors | None, outtype: st
 
 
 def _load_predictor(path: Path, key: str) -> np.ndarray:
-    import torch
-
-    return torch.load(path, map_location="cpu", weights_only=True)[key].float().numpy()
+    return load_pt(path, "predictor")[key].float().numpy()
 
 
 def add_header(writer, adapter: arch.Arch, name: str, outtype: str, predictors: Predictors | None,

@@ -39,8 +39,8 @@ def resolve_model_file(spec: str, gpuidx: str | os.PathLike | None = None, vram_
     from powerinfer_tools import default_model, pipeline
 
     if spec == default_model.NAME:
-        path = pipeline.build_default_model()
-        profile = profile or pipeline.default_model_dir() / "profile"
+        path = pipeline.build(spec)
+        profile = profile or pipeline.model_dir(spec) / "profile"
     else:
         path = Path(spec).expanduser()
         if not path.is_file():

@@ -2,11 +2,12 @@
 
 `pi-tools run -m smollm2` needs a PowerInfer file with predictors. The first time, this runs the same
 subcommands a user would (profile on self-generated text, train-predictor, convert) into
-`cache_dir()/smollm2-powerinfer/`; later runs find the file and start at once. Each step's output is
+`cache_dir()/pipeline/smollm2/`; later runs find the file and start at once. Each step's output is
 written atomically, so an interrupted first run simply resumes at the first missing step.
 """
 from __future__ import annotations
 
+import hashlib
 import sys
 from pathlib import Path
 
@@ -14,16 +15,23 @@ from powerinfer_tools import default_model
 from powerinfer_tools.default_model import cache_dir
 
 RECIPE_VERSION = 1            # bump when the recipe below changes, so old caches are not reused
-PROFILE_TOKENS = 4096         # data-free: 8 self-generated sequences of 512 tokens
+PROFILE_TOKENS = 4096         # data-free: 16 self-generated sequences of 256 tokens
+PROFILE_SEQ_LEN = 256         # short sequences: generation cost grows with their length
 PREDICTOR_RANK = 32           # 2.5% of SmolLM2's FFN weights
 
 
-def default_model_dir() -> Path:
-    return cache_dir() / "smollm2-powerinfer" / f"recipe-{RECIPE_VERSION}"
+def model_dir(model: str = default_model.NAME) -> Path:
+    """Cache directory of a model's pipeline outputs: named for the default, hashed for a path."""
+    if model == default_model.NAME:
+        name = model
+    else:
+        resolved = str(Path(model).expanduser().resolve())
+        name = f"{Path(resolved).name}-{hashlib.sha256(resolved.encode()).hexdigest()[:8]}"
+    return cache_dir() / "pipeline" / name / f"recipe-{RECIPE_VERSION}"
 
 
-def default_model_file(outtype: str = "q8_0") -> Path:
-    return default_model_dir() / f"smollm2.{outtype}.powerinfer.gguf"
+def model_file(model: str = default_model.NAME, outtype: str = "q8_0") -> Path:
+    return model_dir(model) / f"{Path(model).name}.{outtype}.powerinfer.gguf"
 
 
 def _step(title: str, args: list[str]) -> None:
@@ -33,21 +41,22 @@ def _step(title: str, args: list[str]) -> None:
     app(args=args, standalone_mode=False)
 
 
-def build_default_model(outtype: str = "q8_0") -> Path:
-    """Path of the default model's PowerInfer file, building it on first use."""
-    final = default_model_file(outtype)
+def build(model: str = default_model.NAME, outtype: str = "q8_0", tokens: int = PROFILE_TOKENS,
+          rank: int = PREDICTOR_RANK) -> Path:
+    """Path of a model's PowerInfer file with predictors, built through the pipeline on first use."""
+    final = model_file(model, outtype)
     if final.is_file():
         return final
-    root = default_model_dir()
+    root = model_dir(model)
     profile, predictors = root / "profile", root / "predictors"
-    print(f"pi-tools: first use of '{default_model.NAME}': building {final.name} through the pipeline "
+    print(f"pi-tools: first use of '{model}': building {final.name} through the pipeline "
           "(a few minutes, once; later runs start at once)", file=sys.stderr)
     if not (profile / "profile.json").is_file():
-        _step("1/3 profile (data-free)", ["profile", "-m", default_model.NAME, "--tokens", str(PROFILE_TOKENS),
-                                          "-o", str(profile), "--force"])
+        _step("1/3 profile (data-free)", ["profile", "-m", model, "--tokens", str(tokens), "--seq-len",
+                                          str(PROFILE_SEQ_LEN), "-o", str(profile), "--force"])
     if not (predictors / "config.json").is_file():
-        _step("2/3 train-predictor", ["train-predictor", str(profile), "-o", str(predictors),
-                                      "--rank", str(PREDICTOR_RANK), "--force"])
-    _step("3/3 convert", ["convert", "-m", default_model.NAME, "-p", str(predictors), "--profile", str(profile),
+        _step("2/3 train-predictor", ["train-predictor", str(profile), "-o", str(predictors), "--rank", str(rank),
+                                      "--force"])
+    _step("3/3 convert", ["convert", "-m", model, "-p", str(predictors), "--profile", str(profile),
                           "-t", outtype, "-o", str(final)])
     return final

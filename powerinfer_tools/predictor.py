@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from powerinfer_tools.errors import UserError
+from powerinfer_tools.safe_load import load_pt
 
 CONFIG_FORMAT = "powerinfer-tools.predictors/1"
 STATE_KEYS = ("fc1.weight", "fc2.weight")
@@ -71,13 +72,7 @@ def save_predictor(model: Predictor, path: Path) -> None:
 
 def load_predictor(path: Path) -> Predictor:
     """Read a model_{i}.pt with weights_only=True (a pickle from elsewhere must not run code)."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise UserError(f"predictor file not found: {path}") from None
-    except Exception as exc:  # torch raises pickle/zip errors of many types for a damaged file
-        raise UserError(f"cannot read predictor {path}: {str(exc).splitlines()[0]}") from None
-    return Predictor.from_state(state, str(path))
+    return Predictor.from_state(load_pt(path, "predictor"), str(path))
 
 
 @dataclass
@@ -170,8 +165,9 @@ def neuron_weights(activation_counts: torch.Tensor, magnitude_sums: torch.Tensor
 
 
 def layer_metrics(logits: torch.Tensor, labels: torch.Tensor, threshold: float,
-                  weights: np.ndarray | None, seed: int = 0) -> dict:
-    """Held-out metrics of one layer at one threshold, pooled over (row, neuron) pairs."""
+                  weights: np.ndarray | None, budget_ratio: float, seed: int = 0) -> dict:
+    """Held-out metrics of one layer at one threshold, pooled over (row, neuron) pairs, plus the
+    threshold-free recall when `budget_ratio` x the true density may be predicted active."""
     from sklearn.metrics import precision_recall_fscore_support, recall_score, roc_auc_score
 
     y_true = labels.numpy().ravel()
@@ -185,6 +181,7 @@ def layer_metrics(logits: torch.Tensor, labels: torch.Tensor, threshold: float,
         "predicted_density": float(y_pred.mean()),
     }
     out["density_ratio"] = out["predicted_density"] / out["true_density"] if out["true_density"] else math.inf
+    out["recall_at_budget"] = recall_at_density(logits, labels, min(1.0, budget_ratio * out["true_density"]))
     if weights is not None:
         sample_weight = np.broadcast_to(weights.astype(np.float64), labels.shape).ravel()
         out["weighted_recall"] = float(recall_score(y_true, y_pred, sample_weight=sample_weight, zero_division=0))

@@ -28,6 +28,7 @@ from powerinfer_tools import arch as arch_mod
 from powerinfer_tools import calibration, models
 from powerinfer_tools.atomic import check_output_dir, publish_dir
 from powerinfer_tools.errors import UserError
+from powerinfer_tools.safe_load import load_pt
 
 FORMAT = "powerinfer-tools.profile/1"
 DEFAULT_TARGET_SPARSITY = 0.2   # SmolLM2: +2.1% wikitext-2 perplexity (docs/profile.md)
@@ -230,10 +231,7 @@ def _save_checkpoint(work: Path, rec: _Recorder, next_seq: int) -> None:
 
 
 def _load_safe(path: Path) -> dict:
-    try:
-        return torch.load(path, weights_only=True)
-    except Exception as exc:  # a damaged or hostile checkpoint
-        raise UserError(f"cannot load {path} safely: {str(exc).splitlines()[0]}") from None
+    return load_pt(path, "profile checkpoint")
 
 
 def _model_identity(spec: str, source, config, adapter) -> dict:
@@ -406,10 +404,7 @@ def load_activation_counts(directory: str | Path, n_layer: int,
     counts = []
     for i in range(n_layer):
         path = folder / f"activation_{i}.pt"
-        try:
-            value = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # torch raises many types for damaged or non-tensor files
-            raise UserError(f"{path}: unreadable ({type(exc).__name__})") from None
+        value = load_pt(path, "activation file")
         if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.is_complex() or value.dtype == torch.bool:
             raise UserError(f"{path}: expected a 1-D real tensor of counts")
         if n_ff is not None and value.numel() != n_ff[i]:

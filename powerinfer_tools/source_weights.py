@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from powerinfer_tools.errors import UserError
+from powerinfer_tools.safe_load import load_pt
 from powerinfer_tools.models import ModelSource
 
 # Checkpoints saved from the base model class lack the causal-LM prefix, e.g. OPT's `decoder.layers...`.
@@ -75,23 +76,16 @@ class TorchBinSource(WeightSource):
     """PyTorch `.bin` shards, memory-mapped (torch.load(mmap=True)) so only touched tensors are read."""
 
     def __init__(self, directory: Path):
-        import torch
-
         self.files, self.shapes, self.stored_bytes = {}, {}, {}
         for path in sorted(directory.glob("*.bin")):
-            try:
-                state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-            except Exception as exc:  # pickle/zip errors of a damaged shard
-                raise UserError(f"cannot read {path}: {str(exc).splitlines()[0]}") from None
+            state = load_pt(path, "checkpoint shard", mmap=True)
             for name, tensor in state.items():
                 self.files[name], self.shapes[name] = path, tuple(tensor.shape)
                 self.stored_bytes[name] = tensor.numel() * tensor.element_size()
             del state
 
     def load(self, name: str) -> np.ndarray:
-        import torch
-
-        state = torch.load(self.files[name], map_location="cpu", mmap=True, weights_only=True)
+        state = load_pt(self.files[name], "checkpoint shard", mmap=True)
         return state[name].float().numpy().copy()
 
 

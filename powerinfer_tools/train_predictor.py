@@ -22,6 +22,7 @@ import torch
 
 from powerinfer_tools import arch as arch_registry
 from powerinfer_tools.errors import UserError
+from powerinfer_tools.safe_load import load_pt
 from powerinfer_tools.predictor import (Predictor, layer_metrics, neuron_weights, recall_at_density,
                                         threshold_for_recall)
 
@@ -75,10 +76,7 @@ class Profile:
         path = self.path / kind / f"{kind}_{layer}.pt"
         if not path.is_file():
             raise UserError(f"profile {self.path} is missing {kind}/{path.name}")
-        try:
-            vec = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # damaged file: pickle/zip errors of many types
-            raise UserError(f"cannot read {path}: {str(exc).splitlines()[0]}") from None
+        vec = load_pt(path, f"{kind} file")
         if not isinstance(vec, torch.Tensor) or vec.shape != (self.n_ff,):
             raise UserError(f"{path}: expected a tensor of shape ({self.n_ff},)")
         return vec.to(dtype)
@@ -186,11 +184,12 @@ def parse_layers(spec: str | None, n_layer: int) -> list[int]:
 class TrainSettings:
     target_recall: float
     max_density_ratio: float = 1.3
-    epochs: int = 20
+    epochs: int = 8
+    min_gain: float = 0.005           # rank search: a 1.5x larger rank must add this much held-out recall
     batch_size: int | None = None     # None: about 40 steps per epoch, within 64..512 rows
     lr: float = 1e-2
     weight_decay: float = 1e-2
-    patience: int = 3
+    patience: int = 2
     device: str = "cpu"
     seed: int = 0
 
@@ -307,59 +306,63 @@ def budget_rank(profile: Profile, fraction: float) -> int:
 
 
 def search_rank(train: LayerSamples, held: LayerSamples, ladder: list[int], start: int,
-                settings: TrainSettings, on_trained=None) -> dict[int, Trained]:
+                settings: TrainSettings) -> dict[int, Trained]:
     """Train rungs of the ladder from `start`: down while the layer still meets its target (recall
-    at the density budget >= target recall), up while it does not. Returns every trained rung."""
+    at the density budget >= target recall); up while it does not and each step still gains at least
+    `min_gain` of that recall (past that, more bytes buy next to nothing). Returns every trained rung."""
     trained: dict[int, Trained] = {}
 
     def meets(i: int) -> bool:
         r = ladder[i]
         if r not in trained:
             trained[r] = train_one(train, held, r, settings)
-            if on_trained:
-                on_trained(trained[r])
         return trained[r].recall_at_budget >= settings.target_recall
 
     i = start
     if meets(i):
         while i > 0 and meets(i - 1):
             i -= 1
-    else:
-        while i + 1 < len(ladder) and not meets(i + 1):
-            i += 1
+        return trained
+    while i + 1 < len(ladder):
+        before = trained[ladder[i]].recall_at_budget
+        i += 1
+        if meets(i) or trained[ladder[i]].recall_at_budget - before < settings.min_gain:
+            break
     return trained
 
 
-def choose(trained: dict[int, Trained], target_recall: float) -> Trained:
-    """The smallest rank that meets the target, else the best one tried."""
-    meeting = [t for t in trained.values() if t.recall_at_budget >= target_recall]
-    if meeting:
-        return min(meeting, key=lambda t: t.rank)
-    return max(trained.values(), key=lambda t: (t.recall_at_budget, -t.rank))
+def choose(trained: dict[int, Trained], settings: TrainSettings) -> Trained:
+    """The smallest rank that meets the target; if none does, the smallest within `min_gain` of the best."""
+    meeting = [t for t in trained.values() if t.recall_at_budget >= settings.target_recall]
+    if not meeting:
+        best = max(t.recall_at_budget for t in trained.values())
+        meeting = [t for t in trained.values() if t.recall_at_budget >= best - settings.min_gain]
+    return min(meeting, key=lambda t: t.rank)
 
 
-def fit_budget(options: dict[int, dict[int, Trained]], chosen: dict[int, Trained], n_embd: int, n_ff: int,
-               budget_params: int) -> dict[int, Trained]:
-    """Step layers down to smaller trained ranks until the total fits, each time taking the step that
-    loses the least held-out recall (at the density budget) per parameter saved."""
-    chosen = dict(chosen)
-
-    def total() -> int:
-        return sum(t.rank * (n_embd + n_ff) for t in chosen.values())
-
-    while total() > budget_params:
-        steps = []
-        for layer, current in chosen.items():
-            smaller = [t for t in options[layer].values() if t.rank < current.rank]
-            if smaller:
-                nxt = max(smaller, key=lambda t: t.rank)
-                loss = max(0.0, current.recall_at_budget - nxt.recall_at_budget)
-                steps.append((loss / ((current.rank - nxt.rank) * (n_embd + n_ff)), layer, nxt))
-        if not steps:
-            break
-        _, layer, nxt = min(steps, key=lambda s: s[:2])
-        chosen[layer] = nxt
-    return chosen
+def next_growth(options: dict[int, dict[int, Trained]], chosen: dict[int, Trained], ladder: list[int],
+                settings: TrainSettings, cost: int, leftover: int) -> tuple[int, int] | None:
+    """(layer, rank) of the most promising affordable step up, or None: among layers that miss the
+    target and whose last step up still gained >= min_gain, the one whose last gain per parameter
+    was largest (a layer with a single rung tried goes first), if its next rung fits `leftover`."""
+    best = None
+    for layer, current in chosen.items():
+        larger = [r for r in ladder if r > current.rank]
+        if current.recall_at_budget >= settings.target_recall or not larger \
+                or (larger[0] - current.rank) * cost > leftover or any(r > current.rank for r in options[layer]):
+            continue
+        smaller = [t for t in options[layer].values() if t.rank < current.rank]
+        if smaller:
+            below = max(smaller, key=lambda t: t.rank)
+            gain = current.recall_at_budget - below.recall_at_budget
+            if gain < settings.min_gain:
+                continue
+            priority = gain / ((current.rank - below.rank) * cost)
+        else:
+            priority = math.inf
+        if best is None or priority > best[0]:
+            best = (priority, layer, larger[0])
+    return best[1:] if best else None
 
 
 # ---- whole runs ---------------------------------------------------------------------------------------
@@ -371,19 +374,19 @@ class LayerResult:
     threshold: float
     metrics: dict
     epochs: int | None = None                    # None when only evaluated
-    tried: dict = field(default_factory=dict)   # rank -> held-out recall at the density budget
+    tried: dict = field(default_factory=dict)   # rank -> held-out numbers of that rank's predictor
 
     def report(self) -> dict:
         out = {"layer": self.layer, "rank": self.model.rank, "params": self.model.params(),
                "threshold": self.threshold, **self.metrics}
         if self.epochs is not None:
-            out.update(epochs=self.epochs, recall_at_budget_by_rank={str(r): v for r, v in self.tried.items()})
+            out.update(epochs=self.epochs, ranks_tried=self.tried)
         return out
 
 
 def _measure(layer: int, model: Predictor, threshold: float, samples: LayerSamples, weights: np.ndarray,
-             trained: Trained | None = None, tried: dict | None = None) -> LayerResult:
-    metrics = layer_metrics(_logits(model, samples.x, "cpu"), samples.active, threshold, weights)
+             budget_ratio: float, trained: Trained | None = None, tried: dict | None = None) -> LayerResult:
+    metrics = layer_metrics(_logits(model, samples.x, "cpu"), samples.active, threshold, weights, budget_ratio)
     return LayerResult(layer, model, threshold, metrics, trained.epochs if trained else None, tried or {})
 
 
@@ -395,37 +398,55 @@ def check_rank(rank: int | None, n_embd: int) -> None:
 
 def train_layers(profile: Profile, layers: list[int], rank: int | None, settings: TrainSettings,
                  max_fraction: float, held_out_fraction: float = 0.2, progress=None) -> list[LayerResult]:
-    """Train every requested layer (fixed `rank`, or None for the adaptive search under the byte cap)
-    and measure the chosen predictors on each layer's held-out sequences."""
+    """Train every requested layer and measure the chosen predictors on its held-out sequences.
+
+    Fixed `rank`: one predictor per layer. `rank` None (adaptive): first each layer searches the
+    ranks up to its equal share of the byte cap; then the cap left over by layers that needed less
+    is spent step by step where the last step up gained the most held-out recall per parameter.
+    `progress(layer, chosen, tried, growing)` is called after each layer and each growth step."""
     n_embd, n_ff = profile.n_embd, profile.n_ff
     check_rank(rank, n_embd)
-    per_layer_budget = budget_rank(profile, max_fraction)
-    ladder = rank_ladder(n_embd, n_ff, 2 * per_layer_budget)
+    cost = n_embd + n_ff                                   # parameters per unit of rank
+    share = min(budget_rank(profile, max_fraction), n_embd)
+    ladder = rank_ladder(n_embd, n_ff, n_embd)
     options: dict[int, dict[int, Trained]] = {}
     chosen: dict[int, Trained] = {}
-    held_sets: dict[int, LayerSamples] = {}
-    for layer in layers:
+
+    def split(layer: int) -> tuple[LayerSamples, LayerSamples]:
         samples = load_samples(profile, layer)
         train_rows, held_rows = split_by_sequence(samples.seq, held_out_fraction, settings.seed)
-        train, held = samples.subset(train_rows), samples.subset(held_rows)
+        return samples.subset(train_rows), samples.subset(held_rows)
+
+    for layer in layers:
+        train, held = split(layer)
         if rank is not None:
             options[layer] = {rank: train_one(train, held, rank, settings)}
         else:
-            density = float(samples.active.float().mean())
-            guess = per_layer_budget * difficulty(profile.layer_stats(layer), density)
-            start = max(i for i, r in enumerate(ladder) if r <= max(guess, ladder[0]))
-            options[layer] = search_rank(train, held, ladder, start, settings)
-        chosen[layer] = choose(options[layer], settings.target_recall)
-        held_sets[layer] = held
+            first = [r for r in ladder if r < share] + [share]
+            guess = share * difficulty(profile.layer_stats(layer), float(train.active.float().mean()))
+            start = max(i for i, r in enumerate(first) if r <= max(guess, first[0]))
+            options[layer] = search_rank(train, held, first, start, settings)
+        chosen[layer] = choose(options[layer], settings)
         if progress:
-            progress(layer, chosen[layer], options[layer])
+            progress(layer, chosen[layer], options[layer], False)
     if rank is None:
-        chosen = fit_budget(options, chosen, n_embd, n_ff,
-                            int(max_fraction * profile.ffn_params() * len(layers)))
-    return [_measure(layer, chosen[layer].model, chosen[layer].threshold, held_sets[layer],
-                     profile.neuron_weights(layer), chosen[layer],
-                     {r: t.recall_at_budget for r, t in sorted(options[layer].items())})
-            for layer in layers]
+        leftover = int(max_fraction * profile.ffn_params() * len(layers)) - sum(t.rank * cost for t in chosen.values())
+        while (step := next_growth(options, chosen, ladder, settings, cost, leftover)) is not None:
+            layer, bigger = step
+            options[layer][bigger] = train_one(*split(layer), bigger, settings)
+            previous, chosen[layer] = chosen[layer], choose(options[layer], settings)
+            leftover -= (chosen[layer].rank - previous.rank) * cost
+            if progress:
+                progress(layer, chosen[layer], options[layer], True)
+    results = []
+    for layer in layers:
+        _, held = split(layer)
+        tried = {str(r): {"recall_at_budget": t.recall_at_budget, "density_at_target": t.density_at_target,
+                          "epochs": t.epochs, "held_out_recall_at_budget_by_epoch": t.history}
+                 for r, t in sorted(options[layer].items())}
+        results.append(_measure(layer, chosen[layer].model, chosen[layer].threshold, held,
+                                profile.neuron_weights(layer), settings.max_density_ratio, chosen[layer], tried))
+    return results
 
 
 def check_same_model(profile: Profile, predictors) -> None:
@@ -447,7 +468,8 @@ def check_same_model(profile: Profile, predictors) -> None:
                             f"profiled model has n_embd={profile.n_embd}, n_ff={profile.n_ff}: another model")
 
 
-def evaluate_layers(profile: Profile, predictors, layers: list[int], progress=None) -> list[LayerResult]:
+def evaluate_layers(profile: Profile, predictors, layers: list[int], budget_ratio: float = 1.3,
+                    progress=None) -> list[LayerResult]:
     """Measure existing predictors on every row of the profile (a separate evaluation profile)."""
     check_same_model(profile, predictors)
     missing = [layer for layer in layers if layer not in predictors.models]
@@ -456,30 +478,33 @@ def evaluate_layers(profile: Profile, predictors, layers: list[int], progress=No
     results = []
     for layer in layers:
         results.append(_measure(layer, predictors.models[layer], predictors.thresholds[layer],
-                                load_samples(profile, layer), profile.neuron_weights(layer)))
+                                load_samples(profile, layer), profile.neuron_weights(layer), budget_ratio))
         if progress:
             progress(layer, None, None)
     return results
 
 
 def summarize(results: list[LayerResult]) -> dict:
-    keys = ("recall", "weighted_recall", "precision", "true_density", "predicted_density", "density_ratio", "auc")
+    keys = ("recall", "weighted_recall", "precision", "true_density", "predicted_density", "density_ratio",
+            "recall_at_budget", "auc")
     return {f"mean_{k}": float(np.mean([r.metrics[k] for r in results])) for k in keys
             if all(k in r.metrics for r in results)}
 
 
+TABLE = (("recall", "recall", 7, ".4f"), ("weighted_recall", "w.rec", 7, ".4f"), ("precision", "prec", 6, ".3f"),
+         ("true_density", "true d", 7, ".4f"), ("predicted_density", "pred d", 7, ".4f"),
+         ("density_ratio", "ratio", 6, ".2f"), ("recall_at_budget", "rec@bud", 7, ".4f"), ("auc", "auc", 6, ".3f"))
+
+
 def format_table(results: list[LayerResult]) -> str:
-    header = f"{'layer':>5} {'rank':>5} {'params':>8} {'thresh':>8} {'recall':>7} {'w.rec':>7} {'prec':>6} " \
-             f"{'true d':>7} {'pred d':>7} {'ratio':>6} {'auc':>6}"
-    lines = [header]
+    """Per-layer metrics; rec@bud = recall when budget_ratio x the true density may be predicted."""
+    def cells(values: dict) -> str:
+        return " ".join(f"{values.get(key, math.nan):>{width}{fmt}}" for key, _, width, fmt in TABLE)
+
+    lines = [f"{'layer':>5} {'rank':>5} {'params':>8} {'thresh':>8} "
+             + " ".join(f"{title:>{width}}" for _, title, width, _ in TABLE)]
     for r in results:
-        m = r.metrics
-        lines.append(f"{r.layer:>5} {r.model.rank:>5} {r.model.params():>8} {r.threshold:>8.3f} {m['recall']:>7.4f} {m.get('weighted_recall', float('nan')):>7.4f} "
-                     f"{m['precision']:>6.3f} {m['true_density']:>7.4f} {m['predicted_density']:>7.4f} "
-                     f"{m['density_ratio']:>6.2f} {m['auc']:>6.3f}")
-    s = summarize(results)
-    lines.append(f"{'mean':>5} {'':>5} {'':>8} {'':>8} {s['mean_recall']:>7.4f} "
-                 f"{s.get('mean_weighted_recall', float('nan')):>7.4f} {s['mean_precision']:>6.3f} "
-                 f"{s['mean_true_density']:>7.4f} {s['mean_predicted_density']:>7.4f} "
-                 f"{s['mean_density_ratio']:>6.2f} {s['mean_auc']:>6.3f}")
+        lines.append(f"{r.layer:>5} {r.model.rank:>5} {r.model.params():>8} {r.threshold:>8.3f} {cells(r.metrics)}")
+    mean = {k[len("mean_"):]: v for k, v in summarize(results).items()}
+    lines.append(f"{'mean':>5} {'':>5} {sum(r.model.params() for r in results):>8} {'':>8} {cells(mean)}")
     return "\n".join(lines)

@@ -63,7 +63,7 @@ def q8_round_trip(x: torch.Tensor) -> torch.Tensor:
     import gguf
 
     q = gguf.quants.quantize(x.detach().float().numpy(), gguf.GGMLQuantizationType.Q8_0)
-    return torch.from_numpy(gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0).astype(np.float32))
+    return torch.from_numpy(gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0)).to(x.dtype)
 
 
 def hf_logits(model_dir: Path, tokens: list[int], mask_fn=None, weights_from: Path | None = None,

@@ -1,7 +1,7 @@
 """Synthetic profile directories in the documented format (docs/formats.md), for predictor tests.
 
 learnable: x ~ N(0, I) and neuron j fires when (x @ W)_j > bias_j, like a ReLU layer whose gate is W
-(W of low rank `signal_rank`, so a small predictor suffices); shuffled: the same masks permuted
+(W of low rank `signal_rank`, one value or one per layer, so a small predictor suffices); shuffled: the same masks permuted
 across rows, which keeps every neuron's firing rate but cuts any link to x.
 """
 from __future__ import annotations
@@ -28,8 +28,8 @@ def write_profile(out: Path, *, n_layer=2, n_embd=32, n_ff=128, rows=4096, seq_l
     layer_stats = []
     for layer in range(n_layer):
         x = rng.standard_normal((rows, n_embd)).astype(np.float32)
-        w = weights_rng.standard_normal((n_embd, signal_rank)) @ weights_rng.standard_normal((signal_rank, n_ff))
-        w /= np.sqrt(n_embd * signal_rank)
+        k = signal_rank[layer] if isinstance(signal_rank, (list, tuple)) else signal_rank
+        w = weights_rng.standard_normal((n_embd, k)) @ weights_rng.standard_normal((k, n_ff)) / np.sqrt(n_embd * k)
         offset = bias * weights_rng.random(n_ff) * np.linalg.norm(w, axis=0)
         a = np.maximum(x @ w - offset, 0.0)
         if shuffled:

@@ -62,7 +62,7 @@ def expected_tensors(kind: str, hf: dict[str, np.ndarray]) -> dict[str, np.ndarr
         exp["output_norm.bias"] = hf["transformer.ln_f.bias"]
         for i in range(N_LAYER):
             p = f"transformer.h.{i}."
-            norms = {"attn_norm": "ln_attn", "attn_norm_2": "ln_mlp"} if kind == "falcon" \
+            norms = {"attn_norm": "ln_mlp", "attn_norm_2": "ln_attn"} if kind == "falcon" \
                 else {"attn_norm": "input_layernorm"}
             for ours, theirs in norms.items():
                 exp[f"blk.{i}.{ours}.weight"] = hf[f"{p}{theirs}.weight"]

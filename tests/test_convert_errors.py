@@ -7,24 +7,11 @@ import errno
 import gguf
 import pytest
 import torch
+from cli_helpers import assert_one_line_error, run_cli
 from convert_helpers import write_predictors
 from tiny_models import HIDDEN, N_FF, N_LAYER
 
 from powerinfer_tools.cli import main
-
-
-def run_cli(args, capsys) -> tuple[int, str]:
-    with pytest.raises(SystemExit) as exc:
-        main(args)
-    return exc.value.code, capsys.readouterr().err
-
-
-def assert_one_line_error(code: int, err: str, *needles: str) -> None:
-    assert code == 1
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("pi-tools: error: "), err
-    for needle in needles:
-        assert needle in lines[0], lines[0]
 
 
 def leftovers(directory) -> list[str]:
@@ -39,7 +26,7 @@ def model(tiny_model_dir):
 def test_predictor_shape_mismatch(model, tmp_path, capsys):
     pred = write_predictors(tmp_path / "pred", N_LAYER, HIDDEN, N_FF + 8)  # wrong n_ff
     out = tmp_path / "out" / "m.gguf"
-    code, err = run_cli(["convert", "-m", model, "-p", str(pred), "-o", str(out)], capsys)
+    code, _, err = run_cli(capsys, *["convert", "-m", model, "-p", str(pred), "-o", str(out)])
     assert_one_line_error(code, err, "model_0.pt", f"[{N_FF}, rank]")
     assert not out.exists()
 
@@ -48,33 +35,33 @@ def test_predictor_wrong_input_width(model, tmp_path, capsys):
     pred = write_predictors(tmp_path / "pred", N_LAYER, HIDDEN, N_FF)
     torch.save({"fc1.weight": torch.zeros(16, HIDDEN * 2), "fc2.weight": torch.zeros(N_FF, 16)},
                pred / "model_1.pt")
-    code, err = run_cli(["convert", "-m", model, "-p", str(pred), "-o", str(tmp_path / "m.gguf")], capsys)
+    code, _, err = run_cli(capsys, *["convert", "-m", model, "-p", str(pred), "-o", str(tmp_path / "m.gguf")])
     assert_one_line_error(code, err, "model_1.pt", "do not match")
 
 
 def test_missing_predictor_layer(model, tmp_path, capsys):
     pred = write_predictors(tmp_path / "pred", N_LAYER, HIDDEN, N_FF)
     (pred / f"model_{N_LAYER - 1}.pt").unlink()
-    code, err = run_cli(["convert", "-m", model, "-p", str(pred), "-o", str(tmp_path / "m.gguf")], capsys)
+    code, _, err = run_cli(capsys, *["convert", "-m", model, "-p", str(pred), "-o", str(tmp_path / "m.gguf")])
     assert_one_line_error(code, err, f"layer {N_LAYER - 1} is missing")
     assert not (tmp_path / "m.gguf").exists()
 
 
 def test_unknown_outtype(model, tmp_path, capsys):
-    code, err = run_cli(["convert", "-m", model, "-t", "q5_k", "-o", str(tmp_path / "m.gguf")], capsys)
+    code, _, err = run_cli(capsys, *["convert", "-m", model, "-t", "q5_k", "-o", str(tmp_path / "m.gguf")])
     assert_one_line_error(code, err, "unknown outtype 'q5_k'", "q4_0")
 
 
 def test_output_is_directory(model, tmp_path, capsys):
-    code, err = run_cli(["convert", "-m", model, "-o", str(tmp_path)], capsys)
+    code, _, err = run_cli(capsys, *["convert", "-m", model, "-o", str(tmp_path)])
     assert_one_line_error(code, err, "is a directory")
 
 
 def test_profile_with_wrong_layer_count(model, tmp_path, capsys):
     (tmp_path / "prof").mkdir()
     (tmp_path / "prof" / "profile.json").write_text('{"thresholds": [0.1]}')
-    code, err = run_cli(["convert", "-m", model, "--profile", str(tmp_path / "prof"), "-o",
-                         str(tmp_path / "m.gguf")], capsys)
+    code, _, err = run_cli(capsys, *["convert", "-m", model, "--profile", str(tmp_path / "prof"), "-o",
+                         str(tmp_path / "m.gguf")])
     assert_one_line_error(code, err, f"{N_LAYER} per-layer values")
 
 
@@ -96,7 +83,7 @@ def test_disk_full_leaves_previous_file(model, tmp_path, capsys, monkeypatch):
     out = tmp_path / "m.gguf"
     out.write_bytes(b"previous version")
     calls = _fail_on_third_tensor(monkeypatch, OSError(errno.ENOSPC, "No space left on device"))
-    code, err = run_cli(["convert", "-m", model, "-t", "f32", "-o", str(out), "-q"], capsys)
+    code, _, err = run_cli(capsys, *["convert", "-m", model, "-t", "f32", "-o", str(out), "-q"])
     assert calls["n"] == 3  # it failed mid-write, not before
     assert_one_line_error(code, err, "disk full")
     assert out.read_bytes() == b"previous version" and leftovers(tmp_path) == ["m.gguf"]

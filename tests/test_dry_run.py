@@ -9,34 +9,18 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from cli_helpers import assert_one_line_error, run_cli
 from convert_helpers import write_predictors
 from placement_fixtures import power_law_counts, write_profile
 from tiny_models import HIDDEN, KINDS, N_FF, N_LAYER
 
 from powerinfer_tools import dry_run, placement
-from powerinfer_tools.cli import main
 from powerinfer_tools.convert import convert_model, encoded_nbytes
 from powerinfer_tools.errors import UserError
 from powerinfer_tools.gguf_io import open_reader
 
 RANK = 16
 REAL_SIZES = ("relullama-70b", "relufalcon-40b", "opt-30b", "bamboo-7b")
-
-
-def run_cli(capsys, *args) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exc:
-        main(list(map(str, args)))
-        raise SystemExit(0)
-    captured = capsys.readouterr()
-    return exc.value.code, captured.out, captured.err
-
-
-def assert_one_line_error(code: int, err: str, *needles: str) -> None:
-    assert code == 1
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("pi-tools: error: "), err
-    for needle in needles:
-        assert needle in lines[0], lines[0]
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import json
 
 import pytest
 from engine_helpers import converted  # noqa: F401
-from test_profile import run_cli
+from cli_helpers import run_cli
 from tiny_models import training_text
 
 import engine
@@ -20,8 +20,8 @@ PROMPT = "ROMEO: But soft, what light"
 
 def test_run_streams_the_greedy_continuation(converted, capsys):
     path = converted("llama-relu")
-    code, out, err = run_cli(["run", "-m", str(path), "-p", PROMPT, "-n", "12", "--temp", "0", "-t", "2",
-                              "--sparse-mode", "gate"], capsys)
+    code, out, err = run_cli(capsys, "run", "-m", path, "-p", PROMPT, "-n", "12", "--temp", "0", "-t", "2",
+                             "--sparse-mode", "gate")
     assert code == 0, err
     tok = tokenizer_from_file(path)
     ids = tok(PROMPT)["input_ids"]
@@ -36,9 +36,9 @@ def test_run_streams_the_greedy_continuation(converted, capsys):
 def test_run_chat_template_and_seeded_sampling(converted, capsys):
     path = converted("llama-silu")
     args = ["run", "-m", str(path), "-p", PROMPT, "-n", "10", "--temp", "1.0", "--seed", "3"]
-    first, second = run_cli(args, capsys), run_cli(args, capsys)
+    first, second = run_cli(capsys, *args), run_cli(capsys, *args)
     assert first[0] == 0 and first[1] == second[1]
-    code, _, err = run_cli(args + ["--chat"], capsys)  # the tiny SentencePiece vocabulary has no template
+    code, _, err = run_cli(capsys, *args + ["--chat"])  # the tiny SentencePiece vocabulary has no template
     assert code == 1 and "no chat template" in err
 
 
@@ -52,7 +52,7 @@ def test_run_chat_template_and_seeded_sampling(converted, capsys):
 def test_run_bad_input(args, message, converted, capsys):
     base = {"-m": str(converted("llama-relu"))}
     argv = ["run", "-p", "hi"] + (args if "-m" in args else ["-m", base["-m"]] + args)
-    code, out, err = run_cli(argv, capsys)
+    code, out, err = run_cli(capsys, *argv)
     assert code == 1
     assert message in err and len(err.strip().splitlines()) == 1, err
 
@@ -68,8 +68,8 @@ def test_perplexity_equals_transformers_on_the_same_windows(mode, thresholds, tm
                                                             capsys):
     path = converted("llama-silu", thresholds=thresholds)
     text = corpus(tmp_path)
-    code, out, err = run_cli(["perplexity", "-m", str(path), "-f", str(text), "--ctx", "64", "--chunks", "6",
-                              "--sparse-mode", mode, "--json", "-q"], capsys)
+    code, out, err = run_cli(capsys, "perplexity", "-m", path, "-f", text, "--ctx", "64", "--chunks", "6",
+                             "--sparse-mode", mode, "--json", "-q")
     assert code == 0, err
     result = json.loads(out)
     assert result["windows"] == 6 and result["tokens"] == 6 * 63
@@ -89,5 +89,5 @@ def test_perplexity_bad_input(tmp_path, converted, capsys):
     empty.write_text("")
     for args, message in [(["-f", str(empty)], "is empty"), (["-f", str(corpus(tmp_path)), "--ctx", "1"], "--ctx"),
                           (["-f", str(corpus(tmp_path)), "--ctx", "100000"], "shorter than one sequence")]:
-        code, _, err = run_cli(["perplexity", "-m", str(path)] + args, capsys)
+        code, _, err = run_cli(capsys, "perplexity", "-m", path, *args)
         assert code == 1 and message in err and len(err.strip().splitlines()) == 1, err

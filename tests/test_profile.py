@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,23 +9,11 @@ import torch
 from safetensors.torch import load_file
 
 from powerinfer_tools import models
-from powerinfer_tools.cli import main
+from cli_helpers import assert_one_line_error, run_cli
 from tiny_models import DATA, KINDS
 
 TEXT = DATA / "tinyshakespeare.txt"
 SEQ_LEN, TOKENS = 64, 1024
-
-
-def run_cli(args, capsys):
-    """Run pi-tools in-process; returns (exit code, stdout, stderr)."""
-    capsys.readouterr()
-    code = 0
-    try:
-        main(args)
-    except SystemExit as exc:
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def reference_activations(kind: str, model, seqs: torch.Tensor, thresholds: list[float]):
@@ -83,8 +70,8 @@ def reference_activations(kind: str, model, seqs: torch.Tensor, thresholds: list
 def test_profile_matches_independent_recomputation(kind, tiny_model_dir, tmp_path, capsys):
     model_dir = tiny_model_dir(kind)
     out = tmp_path / "prof"
-    code, stdout, stderr = run_cli(["profile", "-m", str(model_dir), "--calib", str(TEXT), "--tokens", str(TOKENS),
-                                    "--seq-len", str(SEQ_LEN), "--max-samples", "300", "-o", str(out)], capsys)
+    code, stdout, stderr = run_cli(capsys, *["profile", "-m", str(model_dir), "--calib", str(TEXT), "--tokens", str(TOKENS),
+                                    "--seq-len", str(SEQ_LEN), "--max-samples", "300", "-o", str(out)])
     assert code == 0, stderr
     assert "hot10%" in stdout
     profile = json.loads((out / "profile.json").read_text())
@@ -125,8 +112,8 @@ def test_profile_matches_independent_recomputation(kind, tiny_model_dir, tmp_pat
 
 def test_per_layer_targets_and_data_free(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "prof"
-    code, stdout, stderr = run_cli(["profile", "-m", str(tiny_model_dir("llama-silu")), "--tokens", "256",
-                                    "--seq-len", "64", "--target-sparsity", "0.2,0.6", "-o", str(out)], capsys)
+    code, stdout, stderr = run_cli(capsys, *["profile", "-m", str(tiny_model_dir("llama-silu")), "--tokens", "256",
+                                    "--seq-len", "64", "--target-sparsity", "0.2,0.6", "-o", str(out)])
     assert code == 0, stderr
     assert "data-free" in stdout
     profile = json.loads((out / "profile.json").read_text())
@@ -136,11 +123,7 @@ def test_per_layer_targets_and_data_free(tiny_model_dir, tmp_path, capsys):
 
 
 def _bad(args, capsys, expect):
-    code, _, stderr = run_cli(args, capsys)
-    assert code == 1
-    lines = stderr.strip().splitlines()
-    assert len(lines) == 1 and expect in lines[0], stderr
-    assert "Traceback" not in stderr
+    assert_one_line_error(*run_cli(capsys, *args)[::2], expect)
 
 
 def test_bad_input(tiny_model_dir, tmp_path, capsys):
@@ -177,8 +160,8 @@ def test_smollm2_profile_on_wikitext(tmp_path, capsys):
     if not calib.is_file():
         pytest.skip("shared data not present")
     out = tmp_path / "smol"
-    code, stdout, stderr = run_cli(["profile", "-m", "smollm2", "--calib", str(calib), "--tokens", "2048",
-                                    "--seq-len", "256", "--max-samples", "512", "-o", str(out)], capsys)
+    code, stdout, stderr = run_cli(capsys, *["profile", "-m", "smollm2", "--calib", str(calib), "--tokens", "2048",
+                                    "--seq-len", "256", "--max-samples", "512", "-o", str(out)])
     assert code == 0, stderr
     profile = json.loads((out / "profile.json").read_text())
     assert profile["model"]["n_layer"] == 30 and profile["model"]["n_ff"] == 1536
@@ -193,7 +176,7 @@ def test_interrupted_profile_resumes_without_double_counting(tiny_model_dir, tmp
     model = str(tiny_model_dir("llama-silu"))
     args = ["profile", "-m", model, "--calib", str(TEXT), "--tokens", "1024", "--seq-len", "64", "--batch", "1",
             "--max-samples", "200"]
-    code, _, stderr = run_cli(args + ["-o", str(tmp_path / "whole")], capsys)
+    code, _, stderr = run_cli(capsys, *args, "-o", str(tmp_path / "whole"))
     assert code == 0, stderr
 
     monkeypatch.setattr(profile_mod, "CHECKPOINT_BATCHES", 3)
@@ -213,12 +196,12 @@ def test_interrupted_profile_resumes_without_double_counting(tiny_model_dir, tmp
 
     monkeypatch.setattr(profile_mod, "profile_pass", interrupting_pass)
     out = tmp_path / "resumed"
-    code, _, stderr = run_cli(args + ["-o", str(out)], capsys)
+    code, _, stderr = run_cli(capsys, *args, "-o", str(out))
     assert code == 130 and not out.exists()
     assert (tmp_path / ".resumed.partial" / "checkpoint.pt").is_file()
     monkeypatch.setattr(profile_mod, "profile_pass", real_pass)
 
-    code, stdout, stderr = run_cli(args + ["-o", str(out), "--resume"], capsys)
+    code, stdout, stderr = run_cli(capsys, *args, "-o", str(out), "--resume")
     assert code == 0, stderr
     assert "resuming" in stdout and "from sequence 6" in stdout
     assert not (tmp_path / ".resumed.partial").exists()
@@ -237,5 +220,5 @@ def test_interrupted_profile_resumes_without_double_counting(tiny_model_dir, tmp
         for k in ra:
             assert torch.equal(ra[k], rb[k]), k
 
-    code, _, stderr = run_cli(args + ["-o", str(tmp_path / "never"), "--resume"], capsys)
+    code, _, stderr = run_cli(capsys, *args, "-o", str(tmp_path / "never"), "--resume")
     assert code == 1 and "nothing to resume" in stderr

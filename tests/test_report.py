@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from cli_helpers import run_cli
 from powerinfer_tools import locality
 from powerinfer_tools.cli import main
 from powerinfer_tools.profile import ProfileOptions, run_profile
@@ -83,17 +84,6 @@ def assert_cell(cell: str, value) -> None:
         assert float(cell) == pytest.approx(value, abs=5.001e-5), (cell, value)
     else:
         assert cell == str(value)
-
-
-def run_cli(args, capsys):
-    capsys.readouterr()
-    code = 0
-    try:
-        main(args)
-    except SystemExit as exc:
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +165,7 @@ def test_analyse_agrees_with_profile_json(tiny_profile):
 
 def test_report_figures_and_tables(tiny_profile, tmp_path, capsys):
     out = tmp_path / "report.html"
-    code, stdout, stderr = run_cli(["report", str(tiny_profile), "-o", str(out)], capsys)
+    code, stdout, stderr = run_cli(capsys, *["report", str(tiny_profile), "-o", str(out)])
     assert code == 0, stderr
     page = parse_page(out)
     for fig in LOCALITY_FIGURES:
@@ -198,8 +188,8 @@ def test_report_figures_and_tables(tiny_profile, tmp_path, capsys):
 
 def test_report_with_predictors_and_plan(tiny_profile, tiny_predictors, tiny_plan, tmp_path, capsys):
     out = tmp_path / "report.html"
-    code, _, stderr = run_cli(["report", str(tiny_profile), "--predictors", str(tiny_predictors),
-                               "--plan", str(tiny_plan), "-o", str(out)], capsys)
+    code, _, stderr = run_cli(capsys, *["report", str(tiny_profile), "--predictors", str(tiny_predictors),
+                               "--plan", str(tiny_plan), "-o", str(out)])
     assert code == 0, stderr
     page = parse_page(out)
     assert "Not included" not in out.read_text()
@@ -234,14 +224,14 @@ def test_report_with_predictors_and_plan(tiny_profile, tiny_predictors, tiny_pla
 
     # the plan summary may be given directly, the predictors as their report file
     again = tmp_path / "again.html"
-    code, _, stderr = run_cli(["report", str(tiny_profile), "-p", str(tiny_predictors / "report.json"),
-                               "--plan", str(tiny_plan) + ".json", "-o", str(again)], capsys)
+    code, _, stderr = run_cli(capsys, *["report", str(tiny_profile), "-p", str(tiny_predictors / "report.json"),
+                               "--plan", str(tiny_plan) + ".json", "-o", str(again)])
     assert code == 0, stderr
     assert parse_page(again).tables == page.tables
 
 
 def _bad(args, capsys, expect):
-    code, _, stderr = run_cli(args, capsys)
+    code, _, stderr = run_cli(capsys, *args)
     assert code == 1
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and expect in lines[0], stderr
@@ -254,7 +244,7 @@ def test_report_bad_input(tiny_profile, tmp_path, capsys):
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "profile.json").write_text((tiny_profile / "profile.json").read_text())
-    _bad(["report", str(broken), "-o", str(out)], capsys, "missing activation file")
+    _bad(["report", str(broken), "-o", str(out)], capsys, "no activation/ directory")
     _bad(["report", str(tiny_profile), "-o", str(tmp_path)], capsys, "is a directory")
     _bad(["report", str(tiny_profile), "-p", str(tmp_path), "-o", str(out)], capsys, "no such predictor report")
     _bad(["report", str(tiny_profile), "--plan", str(tmp_path / "x.gpuidx"), "-o", str(out)], capsys,

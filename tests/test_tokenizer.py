@@ -2,7 +2,6 @@
 directory) a tokenizer that encodes and decodes text exactly as the model's own HF tokenizer."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer, LlamaTokenizer
@@ -10,15 +9,12 @@ from transformers import AutoTokenizer, LlamaTokenizer
 from powerinfer_tools.convert import convert_model
 from powerinfer_tools.errors import UserError
 from powerinfer_tools.tokenizer import tokenizer_from_file
+from tiny_models import DATA
 
 
 def sample_text() -> str:
-    for data in (Path(__file__).resolve().parents[2] / "shared" / "data", Path("/work/shared/data")):
-        if (data / "wikitext-2-valid.txt").is_file():
-            real = (data / "wikitext-2-valid.txt").read_text()[:4000]
-            break
-    else:
-        real = "The quick brown fox jumps over the lazy dog. " * 20
+    path = DATA / "wikitext-2-valid.txt"
+    real = path.read_text()[:4000] if path.is_file() else "The quick brown fox jumps over the lazy dog. " * 20
     return real + "\n\n  two  spaces, tabs\tand newlines\n ünïcödé 日本語 emoji 🙂 1234567 x=y+z;"
 
 

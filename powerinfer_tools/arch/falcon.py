@@ -67,7 +67,7 @@ class Falcon(Arch):
         maps = [TensorMap("token_embd.weight", "transformer.word_embeddings.weight")]
         for i in range(c.num_hidden_layers):
             p, b = f"transformer.h.{i}.", f"blk.{i}."
-            norms = (("attn_norm", "ln_attn"), ("attn_norm_2", "ln_mlp")) if f"{p}ln_attn.weight" in available \
+            norms = (("attn_norm", "ln_mlp"), ("attn_norm_2", "ln_attn")) if f"{p}ln_attn.weight" in available \
                 else (("attn_norm", "input_layernorm"),)
             for ours, theirs in norms:
                 maps += [TensorMap(f"{b}{ours}.weight", f"{p}{theirs}.weight")]

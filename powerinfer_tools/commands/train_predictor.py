@@ -68,12 +68,13 @@ def train_predictor(
                                              "[default: 0.99 for ReLU-family profiles, 0.95 for SiLU/GELU "
                                              "(thresholded) ones]."),
     max_density_ratio: float = typer.Option(1.3, "--max-density-ratio",
-                                            help="With --rank auto, a rank is enough when the target recall is "
-                                                 "reached predicting at most this many times the true density."),
+                                            help="Density budget: a rank is enough (--rank auto) when the target "
+                                                 "recall is reached predicting at most this many times the true "
+                                                 "density; also the budget of the rec@bud column."),
     max_predictor_fraction: float = typer.Option(0.10, "--max-predictor-fraction",
                                                  help="Cap on all predictors' parameters as a fraction of the FFN "
                                                       "weights of the trained layers (--rank auto)."),
-    epochs: int = typer.Option(20, "--epochs", help="Most epochs per predictor (early stopping on held-out "
+    epochs: int = typer.Option(8, "--epochs", help="Most epochs per predictor (early stopping on held-out "
                                                    "recall usually ends sooner)."),
     device: str = typer.Option("cpu", "--device", help="Torch device for training: cpu, cuda, cuda:N, mps."),
     layers: str = typer.Option(None, "--layers", help="Layers to train or evaluate, e.g. '0-3,7' [default: all]."),
@@ -128,7 +129,7 @@ def train_predictor(
             raise UserError(f"--report {report} is a directory")
         predictors = read_predictor_dir(out)
         with _layer_bar(len(selected), "evaluate") as bar:
-            results = tp.evaluate_layers(profile, predictors, selected, lambda *_: bar.update(1))
+            results = tp.evaluate_layers(profile, predictors, selected, max_density_ratio, lambda *_: bar.update(1))
         typer.echo(tp.format_table(results))
         if profile.thresholded and predictors.activation_thresholds is not None \
                 and list(predictors.activation_thresholds) != list(profile.meta.get("thresholds") or []):
@@ -146,8 +147,10 @@ def train_predictor(
     settings = tp.TrainSettings(target_recall=target_recall, max_density_ratio=max_density_ratio, epochs=epochs,
                                 device=_device(device), seed=seed)
     with _layer_bar(len(selected), "train-predictor") as bar:
-        def progress(layer, chosen, tried):
-            bar.set_postfix_str(f"layer {layer}: rank {chosen.rank} (tried {sorted(tried)}), "
+        def progress(layer, chosen, tried, growing):
+            if growing:   # spending the byte cap left over: one more step on the bar
+                bar.total += 1
+            bar.set_postfix_str(f"layer {layer}: ranks tried {sorted(tried)}, picked {chosen.rank}, "
                                 f"held-out recall@budget {chosen.recall_at_budget:.3f}")
             bar.update(1)
 

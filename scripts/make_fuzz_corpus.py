@@ -1,0 +1,110 @@
+"""Write the engine fuzzer's seed corpus (tests/fuzz_corpus/): small valid files from the real writers.
+
+A micro Llama (1 layer, n_embd 32, n_ff 32, a 32-token SentencePiece vocabulary) is saved as a Hugging
+Face checkpoint and converted by `convert_model` in each tensor type, with and without predictors, as
+ReLU, SiLU (per-layer thresholds) and bamboo; a GPU index from `placement.write_gpuidx` is appended to
+some after the fuzz target's separator (see csrc/fuzz/fuzz_load.cpp). Each file is a few KB.
+
+    python scripts/make_fuzz_corpus.py [OUT_DIR]
+"""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from convert_helpers import write_predictors  # noqa: E402
+
+from powerinfer_tools.convert import convert_model  # noqa: E402
+from powerinfer_tools.placement import Plan, write_gpuidx  # noqa: E402
+
+SPLIT = b"\n--pi-fuzz-gpuidx--\n"  # fuzz_load.cpp's kSplit
+N_EMBD, N_FF, N_HEAD, N_KV, VOCAB = 32, 32, 2, 1, 32
+
+
+def micro_model(out: Path, kind: str) -> Path:
+    """A 1-layer Llama/Mistral(bamboo) checkpoint with a 32-piece SentencePiece tokenizer."""
+    import sentencepiece as spm
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    out.mkdir(parents=True)
+    rng = random.Random(0)
+    text = "\n".join(" ".join("".join(rng.choice("abcdefgh") for _ in range(rng.randint(1, 4))) for _ in range(10))
+                     for _ in range(200))
+    (out / "text.txt").write_text(text)
+    spm.SentencePieceTrainer.train(input=str(out / "text.txt"), model_prefix=str(out / "sp"), vocab_size=VOCAB,
+                                   model_type="bpe", byte_fallback=False, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+                                   minloglevel=2)
+    (out / "sp.model").rename(out / "tokenizer.model")
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "add_bos_token": True, "add_eos_token": False}))
+    common = dict(vocab_size=VOCAB, hidden_size=N_EMBD, intermediate_size=N_FF, num_hidden_layers=1,
+                  num_attention_heads=N_HEAD, num_key_value_heads=N_KV, max_position_embeddings=64,
+                  rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, hidden_act="relu" if kind != "silu" else "silu")
+    torch.manual_seed(0)
+    if kind == "bamboo":
+        model = MistralForCausalLM._from_config(MistralConfig(**common, sliding_window=None,
+                                                              architectures=["BambooForCausalLM"]))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=kind == "silu"))
+    model.save_pretrained(out, safe_serialization=True)
+    if kind == "bamboo":
+        cfg = json.loads((out / "config.json").read_text())
+        cfg["architectures"] = ["BambooForCausalLM"]
+        (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def gpuidx_bytes(work: Path, hot: np.ndarray) -> bytes:
+    idx = np.flatnonzero(hot).astype(np.int64)
+    one = np.ones(1, np.int64)
+    plan = Plan(model="micro", vram_budget=0, ctx_size=64, dense="cpu", offload_output=False, n_ff=np.array([N_FF]),
+                gpu_neurons=np.array([len(idx)]), gpu_index=[idx], min_neurons=one, served=one, total=one,
+                breakdown={"ffn": 4096})
+    path = work / "plan.gpuidx"
+    write_gpuidx(plan, path)
+    return path.read_bytes()
+
+
+def main(out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        preds = write_predictors(work / "pred", 1, N_EMBD, N_FF, rank=8, thresholds=[0.0])
+        profile = work / "profile"
+        profile.mkdir()
+        (profile / "profile.json").write_text(json.dumps({"thresholds": [0.05]}))
+        hot = np.zeros(N_FF, bool)
+        hot[::3] = True
+        index = gpuidx_bytes(work, hot)
+        cases = [("relu", "f32", None, None, False), ("relu", "q8_0", preds, None, True),
+                 ("relu", "q4_0", preds, None, False), ("silu", "f16", None, profile, True),
+                 ("silu", "q4_0", preds, profile, False), ("bamboo", "q8_0", preds, None, True)]
+        sources = {}
+        for kind, outtype, pred, prof, with_index in cases:
+            if kind not in sources:
+                sources[kind] = micro_model(work / kind, kind)
+            name = f"{kind}-{outtype}{'-pred' if pred else ''}"
+            target = work / f"{name}.gguf"
+            convert_model(str(sources[kind]), target, outtype=outtype, predictors_dir=pred, profile_dir=prof,
+                          progress=False)
+            data = target.read_bytes() + (SPLIT + index if with_index else b"")
+            (out_dir / (name + ("+gpuidx" if with_index else ""))).write_bytes(data)
+        shutil.copy(work / "plan.gpuidx", out_dir / "gpuidx-alone")  # a GPU index where a model belongs
+    for p in sorted(out_dir.iterdir()):
+        print(f"{p.stat().st_size:7d}  {p.name}")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "tests" / "fuzz_corpus")

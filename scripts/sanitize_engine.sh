@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The engine's tests against an AddressSanitizer + UndefinedBehaviorSanitizer build of csrc/ (gcc or
+# clang): builds build/sanitize/libpi_engine_asan.so, then runs the engine test files with it
+# (PI_ENGINE_LIB selects it; LD_PRELOAD puts the ASan runtime first in the uninstrumented Python).
+# Any sanitizer report aborts the test process, so the run fails.
+#
+#   scripts/sanitize_engine.sh [PYTEST ARGS...]     default: tests/test_engine*.py
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CXX=${CXX:-g++}
+OUT=build/sanitize
+mkdir -p "$OUT"
+LIB="$OUT/libpi_engine_asan.so"
+"$CXX" -std=c++17 -O1 -g -fPIC -shared -pthread -fsanitize=address,undefined -fno-sanitize-recover=all \
+    -fno-omit-frame-pointer -Icsrc -Icsrc/include csrc/*.cpp -o "$LIB"
+RUNTIME=$("$CXX" -print-file-name=libasan.so)
+[ -f "$RUNTIME" ] || { echo "sanitize_engine.sh: $CXX has no libasan.so" >&2; exit 2; }
+# libstdc++ preloaded too: ASan intercepts __cxa_throw only when it is present at startup.
+CXXRT=$("$CXX" -print-file-name=libstdc++.so.6)
+# Python's own allocations are not instrumented: leak checking would only report the interpreter.
+export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:halt_on_error=1:allocator_may_return_null=1
+export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+export PI_ENGINE_LIB="$PWD/$LIB"
+if [ $# -eq 0 ]; then set -- tests/test_engine*.py; fi
+LD_PRELOAD="$RUNTIME $CXXRT" python -m pytest -q -p no:cacheprovider "$@"

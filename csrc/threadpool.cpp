@@ -1,5 +1,7 @@
 #include "threadpool.h"
 
+#include <chrono>
+
 namespace pi {
 namespace {
 
@@ -11,6 +13,7 @@ inline void cpu_relax() {
 
 constexpr int kWorkerSpins = 100;  // a few microseconds of pause before sleeping on the condition variable:
                                    // spinning longer burns the CPU share a shared machine gives us
+constexpr auto kWorkerYield = std::chrono::microseconds(200);  // then sched_yield for this long, then sleep
 constexpr int kMainSpins = 100;    // before yielding while a worker finishes a claimed chunk
 
 }  // namespace
@@ -75,6 +78,14 @@ void ThreadPool::worker(int thread) {
         uint32_t gen = state_gen(state_.load(std::memory_order_acquire));
         for (int spins = 0; gen == seen && spins < kWorkerSpins && !stop_.load(std::memory_order_relaxed); ++spins) {
             cpu_relax();
+            gen = state_gen(state_.load(std::memory_order_acquire));
+        }
+        // Then yield for a while: on an idle machine yield returns at once (as fast as spinning, and the
+        // next job finds the worker awake), on a busy one it hands the core to whoever is waiting.
+        const auto yield_until = std::chrono::steady_clock::now() + kWorkerYield;
+        for (int i = 0; gen == seen && !stop_.load(std::memory_order_relaxed); ++i) {
+            if ((i & 7) == 7 && std::chrono::steady_clock::now() > yield_until) break;
+            std::this_thread::yield();
             gen = state_gen(state_.load(std::memory_order_acquire));
         }
         if (gen == seen) {

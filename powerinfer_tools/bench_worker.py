@@ -18,9 +18,21 @@ Errors reply {"error": "..."}; the worker exits at end of input.
 """
 import json
 import os
-import resource
 import sys
 import time
+
+
+def _peak_rss_bytes() -> int | None:
+    """This process's peak resident set (VmHWM). Not ru_maxrss: Linux carries that over from the parent
+    across fork + exec, so a worker would report the benchmark process's peak."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def _timed(fn) -> dict:
@@ -161,7 +173,7 @@ def main() -> int:
             req = json.loads(line)
             op = req.pop("op")
             if op == "info":
-                reply = dict(backend.info(), peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+                reply = dict(backend.info(), peak_rss_bytes=_peak_rss_bytes())
             elif not hasattr(backend, op):
                 reply = {"error": f"{name} has no op {op!r}"}
             else:

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from powerinfer_tools import bench_files as files_mod
 from powerinfer_tools import byte_model, machine, models, sparsity_levels
-from powerinfer_tools.bench_runners import Runner, Worker, best_llamacpp
+from powerinfer_tools.bench_runners import Runner, Worker, llamacpp_runner
 from powerinfer_tools.errors import UserError
 
 MODES = ("dense", "gate", "predictor", "auto")
@@ -63,7 +63,7 @@ class BenchOptions:
     text: Path | None = None
     work_dir: Path | None = None
     peer_python: str | None = None
-    llamacpp_wait: str | None = None       # OMP_WAIT_POLICY of the llama.cpp peer; None: the faster of both
+    llamacpp_wait: str | None = None       # OMP_WAIT_POLICY of the llama.cpp peer; None: the faster of both per run
     progress: bool = True
     command: str = ""
     log: list[str] = field(default_factory=list)
@@ -273,11 +273,11 @@ def run_bench(opts: BenchOptions) -> dict:
     try:
         llama = []
         if "llama.cpp" in opts.peers:
-            worker, probe = best_llamacpp(files.llamacpp, opts.threads, n_ctx, opts.peer_python, gen[:16],
-                                          opts.llamacpp_wait)
-            workers.append(worker)
-            llama = [Runner(worker, "llama.cpp")]
-            record["llamacpp"] = dict(worker.ask(op="info"), omp_wait_probe_seconds=probe)
+            runner, llama_workers = llamacpp_runner(files.llamacpp, opts.threads, n_ctx, opts.peer_python,
+                                                    opts.llamacpp_wait)
+            workers.extend(llama_workers)
+            llama = [runner]
+            record["llamacpp"] = llama_workers[0].ask(op="info")
         torch_runner = []
         if "torch" in opts.peers:
             workers.append(Worker("torch", opts.model, opts.threads, n_ctx))
@@ -311,7 +311,10 @@ def run_bench(opts: BenchOptions) -> dict:
         if opts.sweep:
             record["sweep"] = _sweep(opts, files, work_dir, sample, logits, llama, modes, gen, mb, bandwidth)
         if llama:
-            record["llamacpp"]["peak_rss_bytes"] = llama[0].worker.ask(op="info")["peak_rss_bytes"]
+            record["llamacpp"]["peak_rss_bytes"] = max(r.worker.ask(op="info")["peak_rss_bytes"]
+                                                       for r in llama[0].runners.values())
+            record["llamacpp"]["omp_wait_policy"] = "faster of " + " / ".join(llama[0].runners)
+            record["llamacpp"]["omp_wait_wins"] = llama[0].wins
     finally:
         for w in workers:
             w.close()
@@ -406,7 +409,7 @@ def render_markdown(record: dict) -> str:
     if "llamacpp" in record:
         lc = record["llamacpp"]
         lines.append(f"llama.cpp: llama-cpp-python {lc.get('llama_cpp_python')}, OMP_WAIT_POLICY "
-                     f"{lc.get('omp_wait_policy')}; "
+                     f"{lc.get('omp_wait_policy')} (runs won: {lc.get('omp_wait_wins')}); "
                      f"{lc.get('system_info', '').splitlines()[0] if lc.get('system_info') else ''}")
         if "agreement" in record:
             lines.append(f"Same weights check: greedy top-1 of ours dense vs llama.cpp over "

@@ -100,23 +100,43 @@ class Runner:
         return self.worker.ask(op="argmax", tokens=tokens)["result"]
 
 
-def best_llamacpp(path: Path, threads: int, n_ctx: int, python: str | None, probe: list[int],
-                  omp_wait: str | None = None) -> tuple[Worker, dict]:
-    """The llama.cpp worker, with the OpenMP wait policy given or else the faster on a `probe` tg, and the
-    probe's wall seconds per policy. llama.cpp's CPU backend synchronises its threads with OpenMP:
-    spinning waits win on an idle machine and collapse on an oversubscribed one."""
+class FasterOf:
+    """llama.cpp under each OpenMP wait policy, timed one after the other in every measurement; the
+    faster counts. llama.cpp's CPU backend synchronises its threads through OpenMP: spinning waits win
+    on an idle machine and collapse on an oversubscribed one, and a shared machine changes between the
+    two within minutes, so no single policy chosen up front stays fair."""
+
+    backend = "llama.cpp"
+    mode = "dense"
+
+    def __init__(self, runners: dict[str, Runner], label: str = "llama.cpp"):
+        self.runners, self.label = runners, label
+        self.wins = {policy: 0 for policy in runners}
+
+    def _best(self, op: str, tokens: list[int]) -> tuple[float, float]:
+        results = {policy: getattr(r, op)(tokens) for policy, r in self.runners.items()}
+        policy = min(results, key=lambda p: results[p][0])
+        self.wins[policy] += 1
+        return results[policy]
+
+    def pp(self, tokens: list[int]) -> tuple[float, float]:
+        return self._best("pp", tokens)
+
+    def tg(self, tokens: list[int]) -> tuple[float, float]:
+        return self._best("tg", tokens)
+
+    def argmax(self, tokens: list[int]) -> list[int]:
+        return next(iter(self.runners.values())).argmax(tokens)
+
+
+def llamacpp_runner(path: Path, threads: int, n_ctx: int, python: str | None,
+                    omp_wait: str | None = None) -> tuple[FasterOf, list[Worker]]:
+    """The llama.cpp contestant: one worker per OpenMP wait policy (only the given one, or the
+    environment's, when fixed) and its workers (for closing)."""
     if omp_wait is not None or "OMP_WAIT_POLICY" in os.environ:
-        env = {"OMP_WAIT_POLICY": omp_wait.upper()} if omp_wait else {}
-        return Worker("llama.cpp", path, threads, n_ctx, python=python, env=env), {}
-    seconds, best = {}, None
-    for policy in OMP_WAIT_POLICIES:
-        worker = Worker("llama.cpp", path, threads, n_ctx, python=python, env={"OMP_WAIT_POLICY": policy.upper()})
-        worker.ask(op="tg", tokens=probe[:4])  # warm-up
-        seconds[policy] = worker.ask(op="tg", tokens=probe)["wall"]
-        if best is None or seconds[policy] < seconds[best[0]]:
-            if best is not None:
-                best[1].close()
-            best = (policy, worker)
-        else:
-            worker.close()
-    return best[1], seconds
+        policy = omp_wait or os.environ["OMP_WAIT_POLICY"].lower()
+        policies = {policy: {"OMP_WAIT_POLICY": policy.upper()}}
+    else:
+        policies = {p: {"OMP_WAIT_POLICY": p.upper()} for p in OMP_WAIT_POLICIES}
+    workers = {p: Worker("llama.cpp", path, threads, n_ctx, python=python, env=env) for p, env in policies.items()}
+    return FasterOf({p: Runner(w, f"llama.cpp {p}") for p, w in workers.items()}), list(workers.values())

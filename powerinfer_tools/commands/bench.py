@@ -58,8 +58,8 @@ def bench(
     peer_python: Optional[str] = typer.Option(None, "--peer-python", help="Python with llama-cpp-python to run "
                                               "the llama.cpp peer (default: this Python)."),
     llamacpp_wait: Optional[str] = typer.Option(None, "--llamacpp-wait", help="OMP_WAIT_POLICY of the llama.cpp "
-                                                "peer: active or passive. Default: the faster of both on a short "
-                                                "probe (spinning collapses on an oversubscribed machine)."),
+                                                "peer: active or passive. Default: both, and every run counts the "
+                                                "faster (spinning collapses on an oversubscribed machine)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the full record (samples, machine, "
                                             "byte model, targets) as JSON."),
     png: Optional[Path] = typer.Option(None, "--png", help="Draw the sweep (tokens/s vs sparsity) as PNG."),

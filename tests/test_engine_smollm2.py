@@ -56,10 +56,10 @@ def test_q8_0_top1_agreement_on_wikitext(smollm2, smollm2_file):
     from engine_helpers import load_file_weights
 
     path = smollm2_file("q8_0")
-    path = DATA / "wikitext-2-raw-test.txt"
-    if not path.is_file():
+    text_file = DATA / "wikitext-2-raw-test.txt"
+    if not text_file.is_file():
         pytest.skip("shared data not present")
-    text = path.read_text()[:200_000]
+    text = text_file.read_text()[:200_000]
     windows = sequences_from_text(tokenizer_from_file(path), [text], 512, 2048)
     assert windows.shape == (4, 512)
     with torch.no_grad():

@@ -76,9 +76,10 @@ def load(spec: str) -> ConfigModel:
 def predictor_rank_cap(adapter: arch.Arch, fraction: float = DEFAULT_PREDICTOR_FRACTION) -> int:
     """The rank at which each layer's predictor has `fraction` of the parameters of its FFN block: the cap
     train-predictor's --max-predictor-fraction puts on predictors (the largest they get by default)."""
+    from powerinfer_tools.predictor import rank_at_fraction
+
     dims = adapter.dims()
-    ffn_params = (3 if adapter.gated else 2) * dims.n_embd * dims.n_ff
-    return max(1, int(fraction * ffn_params / (dims.n_embd + dims.n_ff)))
+    return rank_at_fraction(dims.n_embd, dims.n_ff, adapter.gated, fraction)
 
 
 @dataclass

@@ -190,3 +190,9 @@ def layer_metrics(logits: torch.Tensor, labels: torch.Tensor, threshold: float,
     scores = logits.numpy().ravel()[pick]
     out["auc"] = float(roc_auc_score(y_true[pick], scores)) if 0 < y_true[pick].sum() < pick.size else math.nan
     return out
+
+
+def rank_at_fraction(n_embd: int, n_ff: int, gated: bool, fraction: float) -> int:
+    """The rank whose predictor (n_embd*r + r*n_ff weights) has `fraction` of one FFN block's weights."""
+    ffn_params = (3 if gated else 2) * n_embd * n_ff
+    return max(1, int(fraction * ffn_params / (n_embd + n_ff)))

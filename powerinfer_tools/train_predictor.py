@@ -24,7 +24,7 @@ from powerinfer_tools import arch as arch_registry
 from powerinfer_tools.errors import UserError
 from powerinfer_tools.safe_load import load_pt
 from powerinfer_tools.predictor import (Predictor, layer_metrics, neuron_weights, recall_at_density,
-                                        threshold_for_recall)
+                                        threshold_for_recall, rank_at_fraction)
 
 MIN_RANK = 4
 
@@ -56,10 +56,13 @@ class Profile:
     def thresholded(self) -> bool:
         return self.meta.get("rule") == "threshold"
 
+    @property
+    def gated(self) -> bool:
+        return {a.name: a.gated for a in arch_registry.ADAPTERS}.get(self.model.get("arch"), True)
+
     def ffn_params(self) -> int:
         """Weights of one FFN block: gate, up, down for gated architectures, up and down otherwise."""
-        gated = {a.name: a.gated for a in arch_registry.ADAPTERS}.get(self.model.get("arch"), True)
-        return (3 if gated else 2) * self.n_embd * self.n_ff
+        return (3 if self.gated else 2) * self.n_embd * self.n_ff
 
     def layer_stats(self, layer: int) -> dict:
         for entry in self.meta.get("layers", []):
@@ -302,7 +305,7 @@ def difficulty(stats: dict, density: float) -> float:
 
 def budget_rank(profile: Profile, fraction: float) -> int:
     """The rank whose predictor costs `fraction` of one FFN block."""
-    return max(1, int(fraction * profile.ffn_params() / (profile.n_embd + profile.n_ff)))
+    return rank_at_fraction(profile.n_embd, profile.n_ff, profile.gated, fraction)
 
 
 def search_rank(train: LayerSamples, held: LayerSamples, ladder: list[int], start: int,

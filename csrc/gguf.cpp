@@ -181,8 +181,9 @@ void GgufFile::parse() {
 
     uint64_t alignment = 32;
     if (const GgufValue *a = find("general.alignment")) {
-        if (!a->is_int || a->type != GV_UINT32 || a->i <= 0 || (a->i & (a->i - 1)) != 0 || a->i > (1 << 20))
-            fail(PI_ERR_FORMAT, path_ + ": general.alignment must be a u32 power of two");
+        // The GGUF spec asks for a multiple of 8; below that, f32/f16 tensors would be read misaligned.
+        if (!a->is_int || a->type != GV_UINT32 || a->i < 8 || (a->i & (a->i - 1)) != 0 || a->i > (1 << 20))
+            fail(PI_ERR_FORMAT, path_ + ": general.alignment must be a u32 power of two from 8 to 2^20");
         alignment = uint64_t(a->i);
     }
 

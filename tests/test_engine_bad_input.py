@@ -21,8 +21,8 @@ Q = gguf.GGMLQuantizationType
 
 
 def rewrite(src: Path, dst: Path, fields: dict | None = None, drop: tuple = (), tensors: dict | None = None) -> Path:
-    """Copy a GGUF/PWRI file through gguf-py, replacing metadata values (key -> (value, type) or None
-    to drop), dropping tensors, or replacing tensors (name -> (array, raw ggml type or None))."""
+    """Copy a GGUF/PWRI file through gguf-py, replacing or adding metadata values (key -> (value, type)
+    or None to drop), dropping tensors, or replacing tensors (name -> (array, raw ggml type or None))."""
     reader = open_reader(src)
     fields, tensors = fields or {}, tensors or {}
     writer = gguf.GGUFWriter(str(dst), arch="_")
@@ -36,6 +36,9 @@ def rewrite(src: Path, dst: Path, fields: dict | None = None, drop: tuple = (), 
             continue
         sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(name, f.contents(), f.types[0], sub_type=sub)
+    for name, value in fields.items():  # keys the source lacks
+        if name not in reader.fields and value is not None:
+            writer.add_key_value(name, value[0], value[1])
     for t in reader.tensors:
         if t.name in drop:
             continue
@@ -119,6 +122,13 @@ def test_shapes_contradicting_hyperparameters(good, tmp_path):
     assert "not a multiple of head_count 3" in load_error(bad)
     bad = rewrite(good, tmp_path / "e.gguf", fields={"llama.attention.layer_norm_rms_epsilon": None})
     assert "layer_norm_rms_epsilon is missing" in load_error(bad)
+
+
+def test_alignment_below_eight(good, tmp_path):
+    """The GGUF spec's alignment is a multiple of 8; a smaller one would let f32 tensors sit misaligned
+    (found by the fuzzer as a misaligned load under UBSan)."""
+    bad = rewrite(good, tmp_path / "a4.gguf", fields={"general.alignment": (4, gguf.GGUFValueType.UINT32)})
+    assert "general.alignment must be a u32 power of two from 8" in load_error(bad)
 
 
 def test_missing_tensor(good, tmp_path):

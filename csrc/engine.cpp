@@ -720,7 +720,7 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
                         kd.axpy(cn, h_[size_t(t * F + r)], slice, y + t * E + c0);
                         break;
                     }
-            } else {  // several tokens share the row: widen it once (same arithmetic as the fused axpy)
+            } else {  // several tokens share the row: widen it once (a rounding apart from the fused axpy)
                 kd.to_float(cn, slice, buf);
                 for (int64_t t = 0; t < n_tok; ++t)
                     if (mask_[size_t(t * F + r)] == 2) ks_->f32.axpy(cn, h_[size_t(t * F + r)], buf, y + t * E + c0);

@@ -12,6 +12,7 @@ namespace pi {
 namespace {
 
 #define PI_VNNI 0
+#define PI_AVX512 0
 #include "kernels_x86.inc"
 
 const KernelSet kAvx2 = {

@@ -14,6 +14,7 @@ namespace pi {
 namespace {
 
 #define PI_VNNI 1
+#define PI_AVX512 1
 #include "kernels_x86.inc"
 
 const KernelSet kAvx512 = {

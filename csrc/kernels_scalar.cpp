@@ -89,18 +89,18 @@ void axpy_f16(int n, float a, const void *w, float *y) {
 void axpy_q8_0(int n, float a, const void *w, float *y) {
     const BlockQ8_0 *b = static_cast<const BlockQ8_0 *>(w);
     for (int k = 0; k < n / QK; ++k) {
-        const float d = f16_to_f32(b[k].d);
-        for (int i = 0; i < QK; ++i) y[k * QK + i] += a * (float(b[k].qs[i]) * d);
+        const float s = a * f16_to_f32(b[k].d);  // the block scale folded into the coefficient
+        for (int i = 0; i < QK; ++i) y[k * QK + i] += s * float(b[k].qs[i]);
     }
 }
 
 void axpy_q4_0(int n, float a, const void *w, float *y) {
     const BlockQ4_0 *b = static_cast<const BlockQ4_0 *>(w);
     for (int k = 0; k < n / QK; ++k) {
-        const float d = f16_to_f32(b[k].d);
+        const float s = a * f16_to_f32(b[k].d);
         for (int i = 0; i < QK / 2; ++i) {
-            y[k * QK + i] += a * (float(int(b[k].qs[i] & 0x0f) - 8) * d);
-            y[k * QK + i + QK / 2] += a * (float(int(b[k].qs[i] >> 4) - 8) * d);
+            y[k * QK + i] += s * float(int(b[k].qs[i] & 0x0f) - 8);
+            y[k * QK + i + QK / 2] += s * float(int(b[k].qs[i] >> 4) - 8);
         }
     }
 }

@@ -25,9 +25,16 @@ ROOT = Path(__file__).resolve().parents[1]
 TEXT = DATA / "tinyshakespeare.txt"
 
 
+def default_sigint() -> None:
+    """A shell that starts a job in the background (`.ci/run &`) makes it ignore SIGINT, and Python keeps an
+    ignored SIGINT ignored: give the child Ctrl-C's default behaviour whatever the test runner inherited."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start(args: list[str]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "powerinfer_tools", *args], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            preexec_fn=default_sigint)
 
 
 def interrupt_when(proc: subprocess.Popen, ready, sig: int, timeout: float = 120.0) -> str:

@@ -6,6 +6,7 @@
 #include "common.h"
 #include "engine.h"
 #include "kernels.h"
+#include "packed.h"
 #include "pi_engine.h"
 
 struct pi_engine {
@@ -206,6 +207,32 @@ pi_status pi_kernel_axpy_rows(const char *isa, int32_t type, int32_t n, int32_t 
         need(a, "a");
         need(y, "y");
         kernel_set(isa).for_type(uint32_t(type)).axpy_rows(n, n_rows, w, col0, a, y);
+    });
+}
+
+pi_status pi_kernel_pack8(int32_t type, int32_t n, const void *const *rows, void *out) {
+    return guarded([&] {
+        check_kernel_args(type, n);
+        if (pi::packed_block_bytes(uint32_t(type)) == 0) pi::fail(PI_ERR_ARGUMENT, "only q4_0 and q8_0 rows are packed");
+        need(rows, "rows");
+        for (int r = 0; r < pi::kPackRows; ++r) need(rows[r], "a row");
+        need(out, "out");
+        pi::pack_rows8(uint32_t(type), n, rows, static_cast<uint8_t *>(out));
+    });
+}
+
+pi_status pi_kernel_gemv8(const char *isa, int32_t type, int32_t n, int32_t n_groups, const void *w, const void *x,
+                          float *out) {
+    return guarded([&] {
+        check_kernel_args(type, n);
+        const pi::TypeKernels &k = kernel_set(isa).for_type(uint32_t(type));
+        if (!k.gemv8) pi::fail(PI_ERR_ARGUMENT, "only q4_0 and q8_0 rows are packed");
+        if (n > pi::kGemv8MaxCols) pi::fail(PI_ERR_ARGUMENT, "n is above the packed kernels' limit");
+        if (n_groups < 0) pi::fail(PI_ERR_ARGUMENT, "n_groups must be >= 0");
+        need(w, "w");
+        need(x, "x");
+        need(out, "out");
+        k.gemv8(n, n_groups, w, x, out);
     });
 }
 

@@ -123,6 +123,13 @@ GgufFile::GgufFile(const std::string &path) : path_(path) {
     }
 }
 
+void GgufFile::release(const uint8_t *p, size_t n) const {
+    const uintptr_t page = uintptr_t(sysconf(_SC_PAGESIZE));
+    if (!map_ || p < map_ || n > size_ || p > map_ + (size_ - n)) return;
+    const uintptr_t begin = (uintptr_t(p) + page - 1) / page * page, end = (uintptr_t(p) + n) / page * page;
+    if (begin < end) madvise(reinterpret_cast<void *>(begin), end - begin, MADV_DONTNEED);
+}
+
 GgufFile::~GgufFile() {
     if (map_) munmap(const_cast<uint8_t *>(map_), size_);
 }

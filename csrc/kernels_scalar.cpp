@@ -1,7 +1,9 @@
 // The scalar reference kernels: plain C++, the definition every SIMD set is tested against.
 #include <cmath>
+#include <cstring>
 
 #include "kernels.h"
+#include "packed.h"
 
 namespace pi {
 namespace {
@@ -105,6 +107,40 @@ void axpy_q4_0(int n, float a, const void *w, float *y) {
     }
 }
 
+// Packed groups (packed.h): each row's integer block sums as dot computes them, then
+// tot = fma(isum, d_w * d_x, tot) block after block (bit-identical with every SIMD set).
+template <uint32_t Type>
+void gemv8(int n, int n_groups, const void *w, const void *x, float *out) {
+    const BlockQ8_0 *b = static_cast<const BlockQ8_0 *>(x);
+    const uint8_t *p = static_cast<const uint8_t *>(w);
+    const size_t block_bytes = packed_block_bytes(Type);
+    for (int g = 0; g < n_groups; ++g)
+        for (int r = 0; r < kPackRows; ++r) {
+            float tot = 0.0f;
+            for (int k = 0; k < n / QK; ++k) {
+                const uint8_t *blk = p + (size_t(g) * size_t(n / QK) + size_t(k)) * block_bytes;
+                uint16_t d;
+                std::memcpy(&d, blk + 2 * r, 2);
+                const uint8_t *qs = blk + 2 * kPackRows;
+                int32_t isum = 0;
+                const int chunks = Type == TYPE_Q4_0 ? QK / 8 : QK / 4;
+                for (int i = 0; i < chunks; ++i) {
+                    for (int j = 0; j < 4; ++j) {
+                        const uint8_t v = qs[32 * i + 4 * r + j];
+                        if (Type == TYPE_Q4_0) {
+                            isum += (int32_t(v & 0x0f) - 8) * int32_t(b[k].qs[4 * i + j]);
+                            isum += (int32_t(v >> 4) - 8) * int32_t(b[k].qs[4 * i + j + QK / 2]);
+                        } else {
+                            isum += int32_t(int8_t(v)) * int32_t(b[k].qs[4 * i + j]);
+                        }
+                    }
+                }
+                tot = std::fma(float(isum), f16_to_f32(d) * f16_to_f32(b[k].d), tot);  // as the SIMD sets
+            }
+            out[g * kPackRows + r] = tot;
+        }
+}
+
 // roundf: half away from zero, as ggml's reference and gguf-py's np_roundf.
 void quantize_q8_0(int n, const float *x, void *out) {
     BlockQ8_0 *b = static_cast<BlockQ8_0 *>(out);
@@ -121,15 +157,15 @@ void quantize_q8_0(int n, const float *x, void *out) {
     }
 }
 
-#define PI_TYPE_KERNELS(T, TYPE) \
-    {dot_##T, axpy_##T, to_float_##T, dot4_by_rows<dot_##T>, axpy_rows_by_row<axpy_##T, TYPE>}
+#define PI_TYPE_KERNELS(T, TYPE, GEMV8) \
+    {dot_##T, axpy_##T, to_float_##T, dot4_by_rows<dot_##T>, axpy_rows_by_row<axpy_##T, TYPE>, GEMV8}
 
 const KernelSet kScalar = {
     "scalar",
-    PI_TYPE_KERNELS(f32, TYPE_F32),
-    PI_TYPE_KERNELS(f16, TYPE_F16),
-    PI_TYPE_KERNELS(q4_0, TYPE_Q4_0),
-    PI_TYPE_KERNELS(q8_0, TYPE_Q8_0),
+    PI_TYPE_KERNELS(f32, TYPE_F32, nullptr),
+    PI_TYPE_KERNELS(f16, TYPE_F16, nullptr),
+    PI_TYPE_KERNELS(q4_0, TYPE_Q4_0, gemv8<TYPE_Q4_0>),
+    PI_TYPE_KERNELS(q8_0, TYPE_Q8_0, gemv8<TYPE_Q8_0>),
     quantize_q8_0,
 };
 

@@ -5,6 +5,8 @@
 #include <cstring>
 
 #include "common.h"
+#include "kernels.h"
+#include "packed.h"
 #include "types.h"
 
 namespace pi {
@@ -23,6 +25,30 @@ Model::Model(const std::string &path, const std::string &gpuidx_path) {
     read_hparams();
     bind_tensors();
     build_tiers(gpuidx_path);
+    pack_dense_matrices();
+}
+
+void Model::pack_dense_matrices() {
+    for (Layer &l : layers_)
+        for (Matrix *m : {&l.wq, &l.wk, &l.wv, &l.wo}) pack(*m);
+    pack(output_);
+}
+
+void Model::pack(Matrix &m) {
+    const size_t block_bytes = packed_block_bytes(m.type);
+    if (block_bytes == 0 || m.rows < kPackRows || m.cols > kGemv8MaxCols || !m.data) return;
+    const int64_t n_groups = m.rows / kPackRows, group_bytes = m.cols / QK * int64_t(block_bytes);
+    std::vector<uint8_t> &buf = packed_.emplace_back(size_t(n_groups * group_bytes));
+    for (int64_t g = 0; g < n_groups; ++g) {
+        const void *rows[kPackRows];
+        for (int r = 0; r < kPackRows; ++r) rows[r] = m.row(g * kPackRows + r);
+        pack_rows8(m.type, int(m.cols), rows, buf.data() + g * group_bytes);
+    }
+    m.groups = buf.data();
+    m.n_groups = n_groups;
+    // The mapped rows are read once more only where a row is needed alone (an embedding lookup of a tied
+    // head, rows past the last group): hand their pages back so the copy does not double the footprint.
+    file_->release(m.data, size_t(n_groups * kPackRows) * m.row_bytes);
 }
 
 void Model::read_hparams() {

@@ -25,6 +25,10 @@ struct Matrix {
     int64_t rows = 0, cols = 0;
     size_t row_bytes = 0;
     const uint8_t *data = nullptr;
+    // Rows [0, 8 * n_groups) again in the 8-row interleaved layout of packed.h, for matrices always read
+    // whole (q4_0/q8_0 attention projections and output head); the rest are read from `data`.
+    const uint8_t *groups = nullptr;
+    int64_t n_groups = 0;
     const uint8_t *row(int64_t r) const { return data + size_t(r) * row_bytes; }
     size_t bytes() const { return size_t(rows) * row_bytes; }
     // rows [r0, r0 + n) as a matrix of their own (the parts of a fused tensor)
@@ -32,6 +36,8 @@ struct Matrix {
         Matrix m = *this;
         m.rows = n;
         m.data = data ? row(r0) : nullptr;
+        m.groups = nullptr;
+        m.n_groups = 0;
         return m;
     }
     // An f32 vector (norm weight, bias) or nullptr when the tensor is absent.
@@ -112,12 +118,16 @@ private:
     void read_hparams();
     void bind_tensors();
     void build_tiers(const std::string &gpuidx_path);
+    // Packs the matrices every token reads whole into 8-row groups (see Matrix::groups).
+    void pack_dense_matrices();
+    void pack(Matrix &m);
 
     std::unique_ptr<GgufFile> file_;
     HParams hp_;
     Matrix tok_embd_, pos_embd_, output_norm_, output_norm_b_, output_;
     std::vector<Layer> layers_;
     bool has_predictor_ = false;
+    std::vector<std::vector<uint8_t>> packed_;  // backing of Matrix::groups
 };
 
 }  // namespace pi

@@ -60,6 +60,27 @@ def axpy_rows(isa: str, wtype: str, n: int, rows: list[np.ndarray], col0: int, a
     return y
 
 
+PACKED_BLOCK = {"q4_0": 144, "q8_0": 272}
+
+
+def pack8(wtype: str, n: int, rows: list[np.ndarray]) -> np.ndarray:
+    """8 stored rows in the engine's 8-row interleaved layout (attention and output head matrices)."""
+    rows = [_raw(r) for r in rows]
+    ptrs = (ctypes.c_void_p * 8)(*[r.ctypes.data for r in rows])
+    out = np.zeros(n // 32 * PACKED_BLOCK.get(wtype, 0), dtype=np.uint8)
+    check(lib().pi_kernel_pack8(TYPE_IDS[wtype], n, ptrs, _ptr(out)))
+    return out
+
+
+def gemv8(isa: str, wtype: str, n: int, packed: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """The dots of every row of consecutive packed 8-row groups with one q8_0 operand x."""
+    packed, x = _raw(packed), np.ascontiguousarray(x)
+    n_groups = packed.size // max(1, n // 32 * PACKED_BLOCK[wtype])
+    out = np.zeros(8 * n_groups, dtype=np.float32)
+    check(lib().pi_kernel_gemv8(isa.encode(), TYPE_IDS[wtype], n, n_groups, _ptr(packed), _ptr(x), _ptr(out)))
+    return out
+
+
 def to_float(isa: str, wtype: str, n: int, w: np.ndarray) -> np.ndarray:
     w, out = _raw(w), np.zeros(n, dtype=np.float32)
     check(lib().pi_kernel_to_float(isa.encode(), TYPE_IDS[wtype], n, _ptr(w), _ptr(out)))

@@ -101,6 +101,12 @@ pi_status pi_kernel_dot4(const char *isa, int32_t type, int32_t n, const void *c
  * n and col0 multiples of the block size. */
 pi_status pi_kernel_axpy_rows(const char *isa, int32_t type, int32_t n, int32_t n_rows, const void *const *w,
                               int32_t col0, const float *a, float *y);
+/* Packs 8 rows of q4_0/q8_0 (n elements each) into the engine's 8-row interleaved layout: n/32 blocks of
+ * 144 (q4_0) or 272 (q8_0) bytes. */
+pi_status pi_kernel_pack8(int32_t type, int32_t n, const void *const *rows, void *out);
+/* out[8g + r] = dot of row r of packed group g with x (q8_0 blocks), for n_groups consecutive groups. */
+pi_status pi_kernel_gemv8(const char *isa, int32_t type, int32_t n, int32_t n_groups, const void *w, const void *x,
+                          float *out);
 pi_status pi_kernel_to_float(const char *isa, int32_t type, int32_t n, const void *w, float *out);
 pi_status pi_kernel_quantize_q8_0(const char *isa, int32_t n, const float *x, void *out);
 

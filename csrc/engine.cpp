@@ -28,6 +28,8 @@ const uint8_t *column_slice(const uint8_t *row, uint32_t type, int64_t c0) {
 
 float silu(float x) { return x / (1.0f + std::exp(-x)); }
 
+bool reads_gate_whole(TierMode m) { return m == TierMode::Dense || m == TierMode::DenseRule || m == TierMode::Gate; }
+
 const int64_t kDefaultCtx = 4096;
 const int64_t kGrain = 1 << 16;  // multiply-adds below which a chunk is not worth handing to another thread
 const int64_t kDefaultBatch = 64;
@@ -88,7 +90,8 @@ Engine::Engine(const std::string &path, const pi_options &opts)
     att_.assign(size_t(B * Q), 0.0f);
     k_.assign(size_t(B * KV), 0.0f);
     v_.assign(size_t(B * KV), 0.0f);
-    g_.assign(size_t(B * F), 0.0f);
+    g_.assign(size_t(B * (F + kPackRows)), 0.0f);
+    u_.assign(size_t(B * (F + kPackRows)), 0.0f);
     h_.assign(size_t(B * F), 0.0f);
     hid_.assign(size_t(B * R), 0.0f);
     last_logits_.assign(size_t(hp_.n_vocab), 0.0f);
@@ -123,7 +126,7 @@ void Engine::check_working_memory(int64_t threads) const {
     const double E = double(hp_.n_embd), F = double(hp_.n_ff), L = double(hp_.n_layer), B = double(n_batch_);
     const double Q = double(hp_.n_head * hp_.d_head), KV = double(hp_.n_head_kv * hp_.d_head);
     const double R = double(std::max<int64_t>(model_->max_rank(), 1)), C = double(n_ctx_), T = double(threads);
-    const double floats = 2 * L * C * KV + C * double(hp_.n_rot) + B * (5 * E + 2 * Q + 2 * KV + 2 * F + R) +
+    const double floats = 2 * L * C * KV + C * double(hp_.n_rot) + B * (5 * E + 2 * Q + 2 * KV + 3 * F + 16 + R) +
                           double(hp_.n_vocab) + T * (C + E);
     const double bytes = 4 * floats + C * 4 + B * F * 2 + F * 8 + L * 32;
     const double available = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE));
@@ -433,9 +436,12 @@ void Engine::ffn(int64_t il, int64_t n_tok) {
     op_x_.q_ready = false;
     const double active_before = st.active, predicted_before = st.predicted, cold_before = st.cold_tokens;
 
-    // Hot tier first (a device backend would run it concurrently), then the cold tier.
+    // Hot tier first (a device backend would run it concurrently), then the cold tier. A tier whose gate
+    // (and up) are read whole gets them in 8-row groups the first time.
     const TierMode cold_mode = choose_cold_mode(il);
     const bool has_hot = L.hot.size() > 0;
+    if (has_hot) model_->group_tier(il, true);
+    if (reads_gate_whole(cold_mode)) model_->group_tier(il, false);
     if (has_hot) ffn_tier(L, L.hot, mode_ == PI_FFN_DENSE ? TierMode::Dense : TierMode::DenseRule, n_tok, y_hot_.data(), st, false);
     if (L.cold.size() > 0) {
         ffn_tier(L, L.cold, cold_mode, n_tok, y_cold_.data(), st, true);
@@ -696,7 +702,70 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
         n_active += active;
         n_computed += computed;
     };
-    if (n_tok == 1) pool_->run(pool_->chunks_for(n_rows_ * E * 2, kGrain), gate_up_one);
+    // Grouped tiers in the modes that read every gate: the gates (and, when every up is read, the ups) of
+    // a few 8-row groups by gemv8 for each token, then each neuron's rule; in gate mode the ups of the
+    // neurons the gate lets through come from their own rows, 4 at a time.
+    const int64_t Fp = F + kPackRows;
+    auto gate_up_grouped = [&](int chunk, int n_chunks, int) {
+        int64_t g0, g1, active = 0, computed = 0;
+        split_range(T.n_groups(), chunk, n_chunks, &g0, &g1);
+        const int64_t gate_group = E / QK * int64_t(packed_block_bytes(T.gate.type));
+        const int64_t up_group = gated ? E / QK * int64_t(packed_block_bytes(T.up.type)) : 0;
+        for (int64_t g = g0; g < g1; g += kGroupsPerPass) {
+            const int ng = int(std::min<int64_t>(kGroupsPerPass, g1 - g));
+            const int64_t r0 = g * kPackRows, r1 = std::min(n, (g + ng) * kPackRows);
+            for (int64_t t = 0; t < n_tok; ++t) {
+                kg.gemv8(int(E), ng, T.gate_groups.data() + g * gate_group, op_xn_.at(t, L.gate.type), g_.data() + t * Fp + r0);
+                if (gated && all_up)
+                    ku.gemv8(int(E), ng, T.up_groups.data() + g * up_group, op_xn_.at(t, L.up.type), u_.data() + t * Fp + r0);
+            }
+            for (int64_t t = 0; t < n_tok; ++t) {
+                const void *xu = gated ? op_xn_.at(t, L.up.type) : nullptr;
+                int64_t pend[4];
+                float pend_a[4];
+                int n_pend = 0;
+                auto flush = [&]() {
+                    float u[4];
+                    if (n_pend == 4) {
+                        const void *rows[4] = {T.row(T.up, pend[0]), T.row(T.up, pend[1]), T.row(T.up, pend[2]),
+                                               T.row(T.up, pend[3])};
+                        ku.dot4(int(E), rows, xu, u);
+                    } else {
+                        for (int j = 0; j < n_pend; ++j) u[j] = ku.dot(int(E), T.row(T.up, pend[j]), xu);
+                    }
+                    for (int j = 0; j < n_pend; ++j) {
+                        float h;
+                        const bool pass = finish(true, pend_a[j], with_bias(u[j], ub, pend[j]), &h);
+                        settle(t, pend[j], pass, h, active, computed);
+                    }
+                    n_pend = 0;
+                };
+                for (int64_t r = r0; r < r1; ++r) {
+                    float a;
+                    const bool first_pass = gate_rule(with_bias(g_[size_t(t * Fp + r)], gb, r), &a);
+                    if (!gated) {
+                        settle(t, r, first_pass, a, active, computed);
+                    } else if (all_up) {
+                        float h;
+                        const bool pass = finish(first_pass, a, with_bias(u_[size_t(t * Fp + r)], ub, r), &h);
+                        settle(t, r, pass, h, active, computed);
+                    } else if (first_pass) {
+                        pend[n_pend] = r;
+                        pend_a[n_pend++] = a;
+                        if (n_pend == 4) flush();
+                    } else {
+                        settle(t, r, false, 0.0f, active, computed);
+                    }
+                }
+                if (n_pend) flush();
+            }
+        }
+        n_active += active;
+        n_computed += computed;
+    };
+    if (reads_gate_whole(mode) && !T.gate_groups.empty())
+        pool_->run(pool_->chunks_for(n * E * n_tok * 2, kGrain), gate_up_grouped);
+    else if (n_tok == 1) pool_->run(pool_->chunks_for(n_rows_ * E * 2, kGrain), gate_up_one);
     else pool_->run(pool_->chunks_for(n_rows_ * E * n_tok * 2, kGrain), gate_up);
     st.active += double(n_active.load());
     st.computed += double(n_computed.load());

@@ -103,7 +103,8 @@ private:
     std::vector<float> rope_cos_, rope_sin_;  // [pos][n_rot/2]
 
     // scratch, [batch, ...]
-    std::vector<float> x_, xn_, q_, k_, v_, att_, tmp_, y_hot_, y_cold_, g_, h_, hid_, last_logits_;
+    std::vector<float> x_, xn_, q_, k_, v_, att_, tmp_, y_hot_, y_cold_, h_, hid_, last_logits_;
+    std::vector<float> g_, u_;  // [batch][n_ff rounded up to 8]: gate and up of grouped tiers
     std::vector<float> scores_;  // [threads][n_ctx]
     std::vector<float> rowbuf_;  // [threads][n_embd]
     std::vector<BlockQ8_0> q_x_, q_xn_, q_att_, q_hid_;

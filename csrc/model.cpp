@@ -34,6 +34,34 @@ void Model::pack_dense_matrices() {
     pack(output_);
 }
 
+void Model::group_tier(int64_t il, bool hot) {
+    Layer &l = layers_[size_t(il)];
+    FfnTier &t = hot ? l.hot : l.cold;
+    if (t.grouped) return;
+    t.grouped = true;
+    const bool gated = hp_.gated;
+    if (t.size() == 0 || packed_block_bytes(t.gate.type) == 0 || (gated && packed_block_bytes(t.up.type) == 0) ||
+        t.gate.cols > kGemv8MaxCols)
+        return;
+    // the padding rows: scale 0, so their dots are 0
+    std::vector<uint8_t> zeros(std::max(t.gate.row_bytes, t.up.row_bytes), 0);
+    auto group = [&](const Matrix &m, std::vector<uint8_t> &out) {
+        const int64_t group_bytes = m.cols / QK * int64_t(packed_block_bytes(m.type));
+        out.resize(size_t(t.n_groups() * group_bytes));
+        for (int64_t g = 0; g < t.n_groups(); ++g) {
+            const void *rows[kPackRows];
+            for (int r = 0; r < kPackRows; ++r) {
+                const int64_t slot = g * kPackRows + r;
+                rows[r] = slot < t.size() ? t.row(m, slot) : zeros.data();
+            }
+            pack_rows8(m.type, int(m.cols), rows, out.data() + g * group_bytes);
+        }
+        if (!t.packed) file_->release(m.data, m.bytes());
+    };
+    group(t.gate, t.gate_groups);
+    if (gated) group(t.up, t.up_groups);
+}
+
 void Model::pack(Matrix &m) {
     const size_t block_bytes = packed_block_bytes(m.type);
     if (block_bytes == 0 || m.rows < kPackRows || m.cols > kGemv8MaxCols || !m.data) return;

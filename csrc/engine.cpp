@@ -33,6 +33,7 @@ bool reads_gate_whole(TierMode m) { return m == TierMode::Dense || m == TierMode
 const int64_t kDefaultCtx = 4096;
 const int64_t kGrain = 1 << 16;  // multiply-adds below which a chunk is not worth handing to another thread
 const int64_t kDefaultBatch = 64;
+const int64_t kDownRows = 256;      // down_t rows per run of a decode step's down projection
 const int64_t kGroupsPerPass = 16;  // packed 8-row groups per pass over a batch's tokens (~40 KB at n_embd 576, q4_0)
 
 }  // namespace
@@ -101,6 +102,7 @@ Engine::Engine(const std::string &path, const pi_options &opts)
     row_users_.assign(size_t(F), 0);
     down_rows_.assign(size_t(F), nullptr);
     down_coef_.assign(size_t(F), 0.0f);
+    down_partial_.assign(size_t((F + kDownRows - 1) / kDownRows * E), 0.0f);
     q_x_.resize(size_t(B * (E / QK)));
     q_xn_.resize(size_t(B * (E / QK)));
     q_att_.resize(size_t(B * (Q / QK)));
@@ -126,7 +128,7 @@ void Engine::check_working_memory(int64_t threads) const {
     const double E = double(hp_.n_embd), F = double(hp_.n_ff), L = double(hp_.n_layer), B = double(n_batch_);
     const double Q = double(hp_.n_head * hp_.d_head), KV = double(hp_.n_head_kv * hp_.d_head);
     const double R = double(std::max<int64_t>(model_->max_rank(), 1)), C = double(n_ctx_), T = double(threads);
-    const double floats = 2 * L * C * KV + C * double(hp_.n_rot) + B * (5 * E + 2 * Q + 2 * KV + 3 * F + 16 + R) +
+    const double floats = 2 * L * C * KV + C * double(hp_.n_rot) + B * (5 * E + 2 * Q + 2 * KV + 3 * F + 16 + R) + (F / 256 + 1) * E +
                           double(hp_.n_vocab) + T * (C + E);
     const double bytes = 4 * floats + C * 4 + B * F * 2 + F * 8 + L * 32;
     const double available = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE));
@@ -771,7 +773,7 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
     st.computed += double(n_computed.load());
     if (!is_cold) st.hot_active += double(n_active.load());
 
-    // Stage D: y = sum over used rows of h * down_t row; each thread owns a slice of the columns.
+    // Stage D: y = sum over used rows of h * down_t row (a batch: each thread owns a slice of the columns).
     int64_t n_used = 0;
     for (int64_t i = 0; i < n_rows_; ++i) {
         const int64_t r = rows_[size_t(i)];
@@ -785,12 +787,30 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
     const uint32_t dtype = T.down_t.type;
     const TypeKernels &kd = ks_->for_type(dtype);
     const int64_t align = column_align(dtype);
-    if (n_tok == 1) {  // one token: every used row through axpy_rows, y slices held in registers
+    if (n_tok == 1) {
+        // One token: the used rows in fixed runs of kDownRows, each run added whole (rows stream in order,
+        // y's blocks held in registers) into its own partial y, then the partials summed in run order:
+        // the same sums whatever the thread count or which thread ran which run.
         for (int64_t i = 0; i < n_used; ++i) {
             const int64_t r = rows_[size_t(i)];
             down_rows_[size_t(i)] = T.row(T.down_t, r);
             down_coef_[size_t(i)] = h_[size_t(r)];
         }
+        const int64_t n_runs = (n_used + kDownRows - 1) / kDownRows;
+        auto run_rows = [&](int chunk, int, int) {
+            const int64_t i0 = chunk * kDownRows, i1 = std::min(n_used, i0 + kDownRows);
+            float *part = down_partial_.data() + chunk * E;
+            std::fill(part, part + E, 0.0f);
+            kd.axpy_rows(int(E), int(i1 - i0), down_rows_.data() + i0, 0, down_coef_.data() + i0, part);
+        };
+        pool_->run(int(n_runs), run_rows);
+        std::fill(y, y + E, 0.0f);
+        for (int64_t c = 0; c < n_runs; ++c) {
+            const float *part = down_partial_.data() + c * E;
+            for (int64_t i = 0; i < E; ++i) y[i] += part[i];
+        }
+        times_.ffn += seconds_since(t0);
+        return;
     }
     auto down = [&](int chunk, int n_chunks, int thread) {
         int64_t c0, c1;
@@ -798,10 +818,6 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
         if (c0 >= c1) return;
         const int cn = int(c1 - c0);
         for (int64_t t = 0; t < n_tok; ++t) std::fill(y + t * E + c0, y + t * E + c1, 0.0f);
-        if (n_tok == 1) {
-            kd.axpy_rows(cn, int(n_used), down_rows_.data(), int(c0), down_coef_.data(), y + c0);
-            return;
-        }
         float *buf = rowbuf_.data() + int64_t(thread) * E;
         for (int64_t i = 0; i < n_used; ++i) {
             const int64_t r = rows_[size_t(i)];

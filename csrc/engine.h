@@ -113,6 +113,7 @@ private:
     std::vector<int32_t> rows_, row_users_;  // [n_ff]
     std::vector<const void *> down_rows_;    // [n_ff] down_t rows used by the one token of a decode step
     std::vector<float> down_coef_;           // [n_ff] their coefficients h
+    std::vector<float> down_partial_;        // [n_ff / 256 runs][n_embd] partial sums of those rows
     int64_t n_rows_ = 0;
 
     // auto mode: measured densities per layer (exponential moving averages over tokens)

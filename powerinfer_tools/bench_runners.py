@@ -8,8 +8,10 @@ is (wall seconds, CPU seconds of the worker process).
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,9 +24,21 @@ _INSTALL_HINT = {"llama.cpp": " (install the 'bench' extra: pip install 'powerin
                               "--peer-python at a Python that has llama-cpp-python)"}
 
 
+def _die_with_parent() -> None:
+    """Runs in the child before exec: the kernel kills it when the coordinator dies, even while it is stopped."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 class Worker:
     """One backend in a child process. llama.cpp runs the worker file in isolation (-I) under `python`;
-    ours and torch run it as a module of this installation."""
+    ours and torch run it as a module of this installation.
+
+    Between requests a worker is stopped (SIGSTOP), so an idle contestant takes no CPU from the one being
+    timed: llama.cpp's OpenMP threads under OMP_WAIT_POLICY=active otherwise keep spinning on a core for
+    as long as their process lives."""
 
     def __init__(self, backend: str, path: Path | str, threads: int, n_ctx: int, batch: int = 0,
                  python: str | None = None, env: dict | None = None):
@@ -40,13 +54,18 @@ class Worker:
         env["PYTHONPATH"] = os.pathsep.join([str(root)] + [p for p in [env.get("PYTHONPATH")] if p])
         try:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                         text=True, env=env)
+                                         text=True, env=env, preexec_fn=_die_with_parent)
         except OSError as exc:
             raise UserError(f"cannot start the {backend} worker with {python}: {exc.strerror or exc}") from None
         first = self._read()
         if "error" in first:
             self.close()
             raise UserError(f"{backend}: {first['error']}{_INSTALL_HINT.get(backend, '')}")
+        self._signal(signal.SIGSTOP)
+
+    def _signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
 
     def _read(self) -> dict:
         line = self.proc.stdout.readline()
@@ -56,15 +75,20 @@ class Worker:
         return json.loads(line)
 
     def ask(self, **request) -> dict:
-        self.proc.stdin.write(json.dumps(request) + "\n")
-        self.proc.stdin.flush()
-        reply = self._read()
+        self._signal(signal.SIGCONT)
+        try:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            reply = self._read()
+        finally:
+            self._signal(signal.SIGSTOP)
         if "error" in reply:
             raise UserError(f"{self.backend} worker: {reply['error']}")
         return reply
 
     def close(self) -> None:
         if self.proc.poll() is None:
+            self._signal(signal.SIGCONT)
             self.proc.stdin.close()
             try:
                 self.proc.wait(timeout=60)

@@ -236,6 +236,17 @@ pi_status pi_kernel_gemv8(const char *isa, int32_t type, int32_t n, int32_t n_gr
     });
 }
 
+pi_status pi_kernel_gemm_f32(const char *isa, int32_t n_tok, int32_t n_rows, int32_t n_cols, const float *h,
+                             const float *w, float *y) {
+    return guarded([&] {
+        if (n_tok < 0 || n_rows < 0 || n_cols < 0) pi::fail(PI_ERR_ARGUMENT, "sizes must be >= 0");
+        need(h, "h");
+        need(w, "w");
+        need(y, "y");
+        kernel_set(isa).gemm_f32(n_tok, n_rows, n_cols, h, n_rows, w, n_cols, y, n_cols);
+    });
+}
+
 pi_status pi_kernel_to_float(const char *isa, int32_t type, int32_t n, const void *w, float *out) {
     return guarded([&] {
         check_kernel_args(type, n);

@@ -40,6 +40,8 @@ const int64_t kGrain = 1 << 16;  // multiply-adds below which a chunk is not wor
 const int64_t kDefaultBatch = 64;
 const int64_t kDownRows = 256;      // down_t rows per run of a decode step's down projection
 const int64_t kGroupsPerPass = 16;
+const int64_t kPanelRows = 128;     // down_t rows widened per panel of a batch's down projection
+const int64_t kPanelTokens = 64;    // tokens per gemm_f32 call over a panel
 const int64_t kGatherAhead = 16;    // gathered rows prefetched this many rows before their dot  // packed 8-row groups per pass over a batch's tokens (~40 KB at n_embd 576, q4_0)
 
 }  // namespace
@@ -120,7 +122,8 @@ Engine::Engine(const std::string &path, const pi_options &opts)
 
     pool_ = std::make_unique<ThreadPool>(threads);
     scores_.assign(size_t(threads * n_ctx_), 0.0f);
-    rowbuf_.assign(size_t(threads * E), 0.0f);
+    panel_w_.assign(size_t(threads * kPanelRows * E), 0.0f);
+    panel_h_.assign(size_t(threads * kPanelTokens * kPanelRows), 0.0f);
     ema_active_.assign(size_t(L), 1.0);
     ema_predicted_.assign(size_t(L), 1.0);
     predicted_seen_.assign(size_t(L), false);
@@ -135,7 +138,7 @@ void Engine::check_working_memory(int64_t threads) const {
     const double Q = double(hp_.n_head * hp_.d_head), KV = double(hp_.n_head_kv * hp_.d_head);
     const double R = double(std::max<int64_t>(model_->max_rank(), 1)), C = double(n_ctx_), T = double(threads);
     const double floats = 2 * L * C * KV + C * double(hp_.n_rot) + B * (5 * E + 2 * Q + 2 * KV + 3 * F + 16 + R) + (F / 256 + 1) * E +
-                          double(hp_.n_vocab) + T * (C + E);
+                          double(hp_.n_vocab) + T * (C + 128 * E + 64 * 128);
     const double bytes = 4 * floats + C * 4 + B * F * 2 + F * 8 + L * 32;
     const double available = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE));
     if (available > 0 && bytes > available)
@@ -823,26 +826,29 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
         times_.ffn += seconds_since(t0);
         return;
     }
+    // A batch: each thread owns a slice of the columns. The used rows go in panels of kPanelRows, widened
+    // to floats once, and the tokens' coefficients (0 where a token leaves a row out) in chunks of
+    // kPanelTokens, through gemm_f32 (tokens x columns tiles held in registers).
     auto down = [&](int chunk, int n_chunks, int thread) {
         int64_t c0, c1;
         split_range(E, chunk, n_chunks, &c0, &c1, align);
         if (c0 >= c1) return;
         const int cn = int(c1 - c0);
         for (int64_t t = 0; t < n_tok; ++t) std::fill(y + t * E + c0, y + t * E + c1, 0.0f);
-        float *buf = rowbuf_.data() + int64_t(thread) * E;
-        for (int64_t i = 0; i < n_used; ++i) {
-            const int64_t r = rows_[size_t(i)];
-            const uint8_t *slice = column_slice(T.row(T.down_t, r), dtype, c0);
-            if (row_users_[size_t(i)] == 1) {  // one token: straight from the stored type
-                for (int64_t t = 0; t < n_tok; ++t)
-                    if (mask_[size_t(t * F + r)] == 2) {
-                        kd.axpy(cn, h_[size_t(t * F + r)], slice, y + t * E + c0);
-                        break;
+        float *wp = panel_w_.data() + int64_t(thread) * kPanelRows * E;
+        float *hp = panel_h_.data() + int64_t(thread) * kPanelTokens * kPanelRows;
+        for (int64_t p0 = 0; p0 < n_used; p0 += kPanelRows) {
+            const int np = int(std::min<int64_t>(kPanelRows, n_used - p0));
+            for (int i = 0; i < np; ++i)
+                kd.to_float(cn, column_slice(T.row(T.down_t, rows_[size_t(p0 + i)]), dtype, c0), wp + int64_t(i) * cn);
+            for (int64_t t0 = 0; t0 < n_tok; t0 += kPanelTokens) {
+                const int nt = int(std::min<int64_t>(kPanelTokens, n_tok - t0));
+                for (int t = 0; t < nt; ++t)
+                    for (int i = 0; i < np; ++i) {
+                        const size_t at = size_t((t0 + t) * F + rows_[size_t(p0 + i)]);
+                        hp[t * np + i] = mask_[at] == 2 ? h_[at] : 0.0f;
                     }
-            } else {  // several tokens share the row: widen it once (a rounding apart from the fused axpy)
-                kd.to_float(cn, slice, buf);
-                for (int64_t t = 0; t < n_tok; ++t)
-                    if (mask_[size_t(t * F + r)] == 2) ks_->f32.axpy(cn, h_[size_t(t * F + r)], buf, y + t * E + c0);
+                ks_->gemm_f32(nt, np, cn, hp, np, wp, cn, y + t0 * E + c0, int(E));
             }
         }
     };

@@ -106,7 +106,8 @@ private:
     std::vector<float> x_, xn_, q_, k_, v_, att_, tmp_, y_hot_, y_cold_, h_, hid_, last_logits_;
     std::vector<float> g_, u_;  // [batch][n_ff rounded up to 8]: gate and up of grouped tiers
     std::vector<float> scores_;  // [threads][n_ctx]
-    std::vector<float> rowbuf_;  // [threads][n_embd]
+    std::vector<float> panel_w_;  // [threads][panel rows][n_embd]: widened down_t rows of a batch
+    std::vector<float> panel_h_;  // [threads][panel tokens][panel rows]: their coefficients
     std::vector<BlockQ8_0> q_x_, q_xn_, q_att_, q_hid_;
     Operand op_x_, op_xn_, op_att_, op_hid_;
     std::vector<uint8_t> mask_, truth_;  // [batch][n_ff]

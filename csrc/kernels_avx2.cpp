@@ -2,6 +2,7 @@
 // library stays portable; only called after the CPU has been checked (kernels_dispatch.cpp).
 #include "kernels.h"
 
+#include <cmath>
 #include <cstring>
 
 #include "packed.h"
@@ -26,6 +27,7 @@ const KernelSet kAvx2 = {
     {dot_q4_0, axpy_q4_0, to_float_q4_0, dot4_q4_0, axpy_rows_q4_0, gemv8<TYPE_Q4_0>},
     {dot_q8_0, axpy_q8_0, to_float_q8_0, dot4_q8_0, axpy_rows_q8_0, gemv8<TYPE_Q8_0>},
     quantize_q8_0,
+    gemm_f32,
 };
 
 }  // namespace

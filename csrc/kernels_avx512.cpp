@@ -5,6 +5,7 @@
 // Results are bit-identical to the AVX2 set.
 #include "kernels.h"
 
+#include <cmath>
 #include <cstring>
 
 #include "packed.h"
@@ -28,6 +29,7 @@ const KernelSet kAvx512 = {
     {dot_q4_0, axpy_q4_0, to_float_q4_0, dot4_q4_0, axpy_rows_q4_0, gemv8<TYPE_Q4_0>},
     {dot_q8_0, axpy_q8_0, to_float_q8_0, dot4_q8_0, axpy_rows_q8_0, gemv8<TYPE_Q8_0>},
     quantize_q8_0,
+    gemm_f32,
 };
 
 }  // namespace

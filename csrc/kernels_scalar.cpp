@@ -141,6 +141,15 @@ void gemv8(int n, int n_groups, const void *w, const void *x, float *out) {
         }
 }
 
+void gemm_f32(int n_tok, int n_rows, int n_cols, const float *h, int ldh, const float *w, int ldw, float *y, int ldy) {
+    for (int t = 0; t < n_tok; ++t)
+        for (int c = 0; c < n_cols; ++c) {
+            float acc = y[t * ldy + c];
+            for (int r = 0; r < n_rows; ++r) acc = std::fma(h[t * ldh + r], w[r * ldw + c], acc);
+            y[t * ldy + c] = acc;
+        }
+}
+
 // roundf: half away from zero, as ggml's reference and gguf-py's np_roundf.
 void quantize_q8_0(int n, const float *x, void *out) {
     BlockQ8_0 *b = static_cast<BlockQ8_0 *>(out);
@@ -167,6 +176,7 @@ const KernelSet kScalar = {
     PI_TYPE_KERNELS(q4_0, TYPE_Q4_0, gemv8<TYPE_Q4_0>),
     PI_TYPE_KERNELS(q8_0, TYPE_Q8_0, gemv8<TYPE_Q8_0>),
     quantize_q8_0,
+    gemm_f32,
 };
 
 }  // namespace

@@ -81,6 +81,14 @@ def gemv8(isa: str, wtype: str, n: int, packed: np.ndarray, x: np.ndarray) -> np
     return out
 
 
+def gemm_f32(isa: str, h: np.ndarray, w: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """y + h @ w (float32, row-major), as the batch down projection computes it."""
+    h, w = np.ascontiguousarray(h, dtype=np.float32), np.ascontiguousarray(w, dtype=np.float32)
+    y = np.array(y, dtype=np.float32, copy=True)
+    check(lib().pi_kernel_gemm_f32(isa.encode(), h.shape[0], h.shape[1], w.shape[1], _ptr(h), _ptr(w), _ptr(y)))
+    return y
+
+
 def to_float(isa: str, wtype: str, n: int, w: np.ndarray) -> np.ndarray:
     w, out = _raw(w), np.zeros(n, dtype=np.float32)
     check(lib().pi_kernel_to_float(isa.encode(), TYPE_IDS[wtype], n, _ptr(w), _ptr(out)))

@@ -163,6 +163,20 @@ def test_pack8_and_gemv8_check_their_arguments():
         kernels.gemv8("scalar", "q4_0", 48, packed, stored("q8_0", np.ones(64)))
 
 
+@pytest.mark.parametrize("isa", ["scalar"] + SIMD)
+@pytest.mark.parametrize("n_tok,n_rows,n_cols", [(1, 1, 1), (3, 5, 17), (4, 33, 64), (7, 128, 200), (9, 70, 88)])
+def test_gemm_f32_is_y_plus_h_at_w(isa, n_tok, n_rows, n_cols):
+    """The batch down projection's tile kernel: y + h @ w within float rounding of float64, bit-identical
+    across sets (fma chains over the rows in order); token counts and widths off the 4 x 64 tile."""
+    rng = np.random.default_rng(6000 + n_tok * n_rows + n_cols)
+    h, w = rng.normal(0, 1, (n_tok, n_rows)), rng.normal(0, 1, (n_rows, n_cols))
+    y = rng.normal(0, 1, (n_tok, n_cols)).astype(np.float32)
+    got = kernels.gemm_f32(isa, h, w, y)
+    np.testing.assert_array_equal(got, kernels.gemm_f32("scalar", h, w, y))
+    exact = y.astype(np.float64) + h.astype(np.float32).astype(np.float64) @ w.astype(np.float32).astype(np.float64)
+    np.testing.assert_allclose(got, exact, rtol=1e-5, atol=1e-5 * np.sqrt(n_rows))
+
+
 def _axpy_rows_case(wtype: str, n: int, seed: int):
     """Rows wider than n (the slice starts at col0, a block multiple), coefficients, and y."""
     rng = np.random.default_rng(seed)

@@ -107,6 +107,9 @@ pi_status pi_kernel_pack8(int32_t type, int32_t n, const void *const *rows, void
 /* out[8g + r] = dot of row r of packed group g with x (q8_0 blocks), for n_groups consecutive groups. */
 pi_status pi_kernel_gemv8(const char *isa, int32_t type, int32_t n, int32_t n_groups, const void *w, const void *x,
                           float *out);
+/* y[t][c] += sum_r h[t][r] * w[r][c]: h n_tok x n_rows, w n_rows x n_cols, y n_tok x n_cols, row-major. */
+pi_status pi_kernel_gemm_f32(const char *isa, int32_t n_tok, int32_t n_rows, int32_t n_cols, const float *h,
+                             const float *w, float *y);
 pi_status pi_kernel_to_float(const char *isa, int32_t type, int32_t n, const void *w, float *out);
 pi_status pi_kernel_quantize_q8_0(const char *isa, int32_t n, const float *x, void *out);
 

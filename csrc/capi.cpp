@@ -221,18 +221,18 @@ pi_status pi_kernel_pack8(int32_t type, int32_t n, const void *const *rows, void
     });
 }
 
-pi_status pi_kernel_gemv8(const char *isa, int32_t type, int32_t n, int32_t n_groups, const void *w, const void *x,
-                          float *out) {
+pi_status pi_kernel_gemm8(const char *isa, int32_t type, int32_t n, int32_t n_groups, const void *w, int32_t n_tok,
+                          const void *x, float *out) {
     return guarded([&] {
         check_kernel_args(type, n);
         const pi::TypeKernels &k = kernel_set(isa).for_type(uint32_t(type));
-        if (!k.gemv8) pi::fail(PI_ERR_ARGUMENT, "only q4_0 and q8_0 rows are packed");
+        if (!k.gemm8) pi::fail(PI_ERR_ARGUMENT, "only q4_0 and q8_0 rows are packed");
         if (n > pi::kGemv8MaxCols) pi::fail(PI_ERR_ARGUMENT, "n is above the packed kernels' limit");
-        if (n_groups < 0) pi::fail(PI_ERR_ARGUMENT, "n_groups must be >= 0");
+        if (n_groups < 0 || n_tok < 0) pi::fail(PI_ERR_ARGUMENT, "n_groups and n_tok must be >= 0");
         need(w, "w");
         need(x, "x");
         need(out, "out");
-        k.gemv8(n, n_groups, w, x, out);
+        k.gemm8(n, n_groups, w, n_tok, x, size_t(n / pi::QK) * sizeof(pi::BlockQ8_0), out, int64_t(n_groups) * pi::kPackRows);
     });
 }
 

@@ -208,8 +208,8 @@ void Engine::matmul(const MatmulTarget *targets, int n_targets, Operand &x, int6
         const int64_t group_bytes = W.cols / QK * int64_t(packed_block_bytes(W.type));
         for (int64_t g = g0; g < g1; g += kGroupsPerPass) {
             const int ng = int(std::min<int64_t>(kGroupsPerPass, g1 - g));
-            for (int64_t t = 0; t < n_tok; ++t)
-                k.gemv8(int(W.cols), ng, W.groups + g * group_bytes, x.at(t, W.type), tg.out + t * tg.ldo + g * kPackRows);
+            k.gemm8(int(W.cols), ng, W.groups + g * group_bytes, int(n_tok), x.at(0, W.type), x.stride(W.type),
+                    tg.out + g * kPackRows, tg.ldo);
         }
     };
     auto rows_of = [&](const MatmulTarget &tg, int64_t r0, int64_t r1) {
@@ -381,20 +381,29 @@ void Engine::attention(int64_t il, int64_t n_tok) {
         for (int64_t w = w0; w < w1; ++w) {
             const int64_t t = w / H, h = w % H, kvh = h / group, n_keys = n_past_ + t + 1;
             const float *qv = q_.data() + t * Q + h * D;
+            // scores 4 keys at a time, softmax, then out = sum_j p_j v_j as a one-token gemm over the values
+            int64_t j = 0;
+            for (; j + 4 <= n_keys; j += 4) {
+                const void *keys[4] = {kc + j * KV + kvh * D, kc + (j + 1) * KV + kvh * D, kc + (j + 2) * KV + kvh * D,
+                                       kc + (j + 3) * KV + kvh * D};
+                kf.dot4(int(D), keys, qv, sc + j);
+            }
+            for (; j < n_keys; ++j) sc[j] = kf.dot(int(D), kc + j * KV + kvh * D, qv);
             float mx = -INFINITY;
-            for (int64_t j = 0; j < n_keys; ++j) {
-                sc[j] = kf.dot(int(D), kc + j * KV + kvh * D, qv) * scale;
+            for (j = 0; j < n_keys; ++j) {
+                sc[j] *= scale;
                 mx = std::max(mx, sc[j]);
             }
             float sum = 0.0f;
-            for (int64_t j = 0; j < n_keys; ++j) {
+            for (j = 0; j < n_keys; ++j) {
                 sc[j] = std::exp(sc[j] - mx);
                 sum += sc[j];
             }
+            const float inv = 1.0f / sum;
+            for (j = 0; j < n_keys; ++j) sc[j] *= inv;
             float *out = att_.data() + t * Q + h * D;
             std::fill(out, out + D, 0.0f);
-            const float inv = 1.0f / sum;
-            for (int64_t j = 0; j < n_keys; ++j) kf.axpy(int(D), sc[j] * inv, vc + j * KV + kvh * D, out);
+            ks_->gemm_f32(1, int(n_keys), int(D), sc, int(n_keys), vc + kvh * D, int(KV), out, int(D));
         }
     };
     pool_->run(int(std::min<int64_t>(n_tok * H, pool_->chunks_for(n_tok * H * (n_past_ + n_tok) * D * 2, kGrain))), job);
@@ -718,7 +727,7 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
         n_computed += computed;
     };
     // Grouped tiers in the modes that read every gate: the gates (and, when every up is read, the ups) of
-    // a few 8-row groups by gemv8 for each token, then each neuron's rule; in gate mode the ups of the
+    // a few 8-row groups by gemm8 for all tokens, then each neuron's rule; in gate mode the ups of the
     // neurons the gate lets through come from their own rows, 4 at a time.
     const int64_t Fp = F + kPackRows;
     auto gate_up_grouped = [&](int chunk, int n_chunks, int) {
@@ -731,11 +740,11 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
         for (int64_t g = g0; g < g1; g += kGroupsPerPass) {
             const int ng = int(std::min<int64_t>(kGroupsPerPass, g1 - g));
             const int64_t r0 = g * kPackRows, r1 = std::min(n, (g + ng) * kPackRows);
-            for (int64_t t = 0; t < n_tok; ++t) {
-                kg.gemv8(int(E), ng, T.gate_groups.data() + g * gate_group, op_xn_.at(t, L.gate.type), g_.data() + t * Fp + r0);
-                if (gated && all_up)
-                    ku.gemv8(int(E), ng, T.up_groups.data() + g * up_group, op_xn_.at(t, L.up.type), u_.data() + t * Fp + r0);
-            }
+            kg.gemm8(int(E), ng, T.gate_groups.data() + g * gate_group, int(n_tok), op_xn_.at(0, L.gate.type),
+                     op_xn_.stride(L.gate.type), g_.data() + r0, Fp);
+            if (gated && all_up)
+                ku.gemm8(int(E), ng, T.up_groups.data() + g * up_group, int(n_tok), op_xn_.at(0, L.up.type),
+                         op_xn_.stride(L.up.type), u_.data() + r0, Fp);
             for (int64_t t = 0; t < n_tok; ++t) {
                 // Each neuron's rule; in gate mode the neurons the gate lets through are listed and their up
                 // rows prefetched (gathered rows stream only if asked for early), then dotted 4 at a time.

@@ -29,6 +29,10 @@ struct Operand {
     const void *at(int64_t t, uint32_t type) const {
         return act_is_q8(type) ? static_cast<const void *>(q + t * (n / QK)) : static_cast<const void *>(f + t * n);
     }
+    // bytes from one token's operand to the next
+    size_t stride(uint32_t type) const {
+        return act_is_q8(type) ? size_t(n / QK) * sizeof(BlockQ8_0) : size_t(n) * sizeof(float);
+    }
 };
 
 struct LayerStats {

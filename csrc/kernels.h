@@ -24,9 +24,11 @@ struct TypeKernels {
     // y[i] += sum_r a[r] * w[r][col0 + i], i < n, rows in order: bit-identical to n_rows axpy calls, but y
     // stays in registers across rows (col0 and n multiples of the block size)
     void (*axpy_rows)(int n, int n_rows, const void *const *w, int col0, const float *a, float *y);
-    // out[8g + r] = dot of row r of packed group g with x, for n_groups groups in the 8-row layout of
-    // packed.h (q4_0 / q8_0 only, else nullptr; n <= kGemv8MaxCols)
-    void (*gemv8)(int n, int n_groups, const void *w, const void *x, float *out);
+    // out[t * ldo + 8g + r] = dot of row r of packed group g with token t's operand (q8_0 blocks, x_stride
+    // bytes apart), for n_groups groups in the 8-row layout of packed.h and n_tok tokens; each token's
+    // result is independent of the others (q4_0 / q8_0 only, else nullptr; n <= kGemv8MaxCols)
+    void (*gemm8)(int n, int n_groups, const void *w, int n_tok, const void *x, size_t x_stride, float *out,
+                  int64_t ldo);
 };
 
 constexpr int kGemv8MaxCols = 1 << 16;

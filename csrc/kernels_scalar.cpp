@@ -141,6 +141,12 @@ void gemv8(int n, int n_groups, const void *w, const void *x, float *out) {
         }
 }
 
+template <uint32_t Type>
+void gemm8(int n, int n_groups, const void *w, int n_tok, const void *x, size_t x_stride, float *out, int64_t ldo) {
+    for (int t = 0; t < n_tok; ++t)
+        gemv8<Type>(n, n_groups, w, static_cast<const uint8_t *>(x) + size_t(t) * x_stride, out + t * ldo);
+}
+
 void gemm_f32(int n_tok, int n_rows, int n_cols, const float *h, int ldh, const float *w, int ldw, float *y, int ldy) {
     for (int t = 0; t < n_tok; ++t)
         for (int c = 0; c < n_cols; ++c) {
@@ -166,15 +172,15 @@ void quantize_q8_0(int n, const float *x, void *out) {
     }
 }
 
-#define PI_TYPE_KERNELS(T, TYPE, GEMV8) \
-    {dot_##T, axpy_##T, to_float_##T, dot4_by_rows<dot_##T>, axpy_rows_by_row<axpy_##T, TYPE>, GEMV8}
+#define PI_TYPE_KERNELS(T, TYPE, GEMM8) \
+    {dot_##T, axpy_##T, to_float_##T, dot4_by_rows<dot_##T>, axpy_rows_by_row<axpy_##T, TYPE>, GEMM8}
 
 const KernelSet kScalar = {
     "scalar",
     PI_TYPE_KERNELS(f32, TYPE_F32, nullptr),
     PI_TYPE_KERNELS(f16, TYPE_F16, nullptr),
-    PI_TYPE_KERNELS(q4_0, TYPE_Q4_0, gemv8<TYPE_Q4_0>),
-    PI_TYPE_KERNELS(q8_0, TYPE_Q8_0, gemv8<TYPE_Q8_0>),
+    PI_TYPE_KERNELS(q4_0, TYPE_Q4_0, gemm8<TYPE_Q4_0>),
+    PI_TYPE_KERNELS(q8_0, TYPE_Q8_0, gemm8<TYPE_Q8_0>),
     quantize_q8_0,
     gemm_f32,
 };

@@ -112,7 +112,7 @@ public:
     const std::string &path() const { return file_->path(); }
     int64_t hot_neurons() const;
     // Builds the hot (or cold) tier's gate/up groups of layer il once, where the types allow: dense and gate
-    // modes then read those matrices with gemv8. The mapped cold rows' pages are handed back (sparse
+    // modes then read those matrices with gemm8. The mapped cold rows' pages are handed back (sparse
     // modes that gather them read them from the file again).
     void group_tier(int64_t il, bool hot);
     // Largest predictor rank over layers (0 without predictors).

@@ -72,12 +72,14 @@ def pack8(wtype: str, n: int, rows: list[np.ndarray]) -> np.ndarray:
     return out
 
 
-def gemv8(isa: str, wtype: str, n: int, packed: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """The dots of every row of consecutive packed 8-row groups with one q8_0 operand x."""
-    packed, x = _raw(packed), np.ascontiguousarray(x)
+def gemm8(isa: str, wtype: str, n: int, packed: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """The dots of every row of consecutive packed 8-row groups with each token's q8_0 operand: x holds one
+    operand (n/32 blocks) per token, one after the other; returns [tokens, rows]."""
+    packed, x = _raw(packed), np.ascontiguousarray(x).view(np.uint8)
     n_groups = packed.size // max(1, n // 32 * PACKED_BLOCK[wtype])
-    out = np.zeros(8 * n_groups, dtype=np.float32)
-    check(lib().pi_kernel_gemv8(isa.encode(), TYPE_IDS[wtype], n, n_groups, _ptr(packed), _ptr(x), _ptr(out)))
+    n_tok = x.size // max(1, n // 32 * 34)
+    out = np.zeros((n_tok, 8 * n_groups), dtype=np.float32)
+    check(lib().pi_kernel_gemm8(isa.encode(), TYPE_IDS[wtype], n, n_groups, _ptr(packed), n_tok, _ptr(x), _ptr(out)))
     return out
 
 

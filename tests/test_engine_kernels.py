@@ -135,24 +135,27 @@ def test_dot4_is_four_dots(isa, wtype, n):
 
 @pytest.mark.parametrize("isa", ["scalar"] + SIMD)
 @pytest.mark.parametrize("wtype,n", [(t, n) for t in ("q8_0", "q4_0") for n in BLOCK_SIZES])
-def test_gemv8_on_packed_rows_is_eight_dots(isa, wtype, n):
-    """gemv8 over 8-row interleaved groups gives each row its dot within rounding, bit-identical across
-    sets; the groups are 1 and 3 (an odd count: no pairing of groups)."""
+def test_gemm8_on_packed_rows_is_eight_dots_per_token(isa, wtype, n):
+    """gemm8 over 8-row interleaved groups gives each row its dot with each token's operand within rounding,
+    bit-identical across sets and whatever the token count (1, 3, 6: off the 2- and 4-token passes);
+    groups 1 and 3."""
     rng = np.random.default_rng(5000 + n)
-    for n_groups in (1, 3):
+    for n_groups, n_tok in ((1, 1), (3, 3), (1, 6)):
         rows = [stored(wtype, rng.normal(0, 1, n) * rng.uniform(0.1, 5)) for _ in range(8 * n_groups)]
         packed = np.concatenate([kernels.pack8(wtype, n, rows[8 * g:8 * g + 8]) for g in range(n_groups)])
-        x, xv = operand(wtype, rng.normal(0, 1, n))
-        got = kernels.gemv8(isa, wtype, n, packed, x)
-        np.testing.assert_array_equal(got, kernels.gemv8("scalar", wtype, n, packed, x))
-        for r, g in zip(rows, got):
-            exact = float((values(wtype, r) * xv).sum())
-            scale = float(np.abs(values(wtype, r) * xv).sum())
-            assert abs(g - kernels.dot(isa, wtype, n, r, x)) <= 1e-5 * scale + 1e-30
-            assert abs(g - exact) <= 1e-5 * scale + 1e-30
+        ops = [operand(wtype, rng.normal(0, 1, n)) for _ in range(n_tok)]
+        x = np.concatenate([o[0].reshape(-1) for o in ops])
+        got = kernels.gemm8(isa, wtype, n, packed, x)
+        np.testing.assert_array_equal(got, kernels.gemm8("scalar", wtype, n, packed, x))
+        for t, (xt, xv) in enumerate(ops):
+            np.testing.assert_array_equal(got[t], kernels.gemm8(isa, wtype, n, packed, xt)[0])
+            for r, g in zip(rows, got[t]):
+                scale = float(np.abs(values(wtype, r) * xv).sum())
+                assert abs(g - kernels.dot(isa, wtype, n, r, xt)) <= 1e-5 * scale + 1e-30
+                assert abs(g - float((values(wtype, r) * xv).sum())) <= 1e-5 * scale + 1e-30
 
 
-def test_pack8_and_gemv8_check_their_arguments():
+def test_pack8_and_gemm8_check_their_arguments():
     from engine import EngineError
 
     rows = [stored("q4_0", np.ones(64)) for _ in range(8)]
@@ -160,7 +163,7 @@ def test_pack8_and_gemv8_check_their_arguments():
         kernels.pack8("f16", 64, [stored("f16", np.ones(64))] * 8)
     packed = kernels.pack8("q4_0", 64, rows)
     with pytest.raises(EngineError, match="multiple of the block size"):
-        kernels.gemv8("scalar", "q4_0", 48, packed, stored("q8_0", np.ones(64)))
+        kernels.gemm8("scalar", "q4_0", 48, packed, stored("q8_0", np.ones(64)))
 
 
 @pytest.mark.parametrize("isa", ["scalar"] + SIMD)

@@ -104,9 +104,10 @@ pi_status pi_kernel_axpy_rows(const char *isa, int32_t type, int32_t n, int32_t 
 /* Packs 8 rows of q4_0/q8_0 (n elements each) into the engine's 8-row interleaved layout: n/32 blocks of
  * 144 (q4_0) or 272 (q8_0) bytes. */
 pi_status pi_kernel_pack8(int32_t type, int32_t n, const void *const *rows, void *out);
-/* out[8g + r] = dot of row r of packed group g with x (q8_0 blocks), for n_groups consecutive groups. */
-pi_status pi_kernel_gemv8(const char *isa, int32_t type, int32_t n, int32_t n_groups, const void *w, const void *x,
-                          float *out);
+/* out[t][8g + r] = dot of row r of packed group g with token t's x (q8_0 blocks, n_tok operands one after
+ * the other), for n_groups consecutive groups. */
+pi_status pi_kernel_gemm8(const char *isa, int32_t type, int32_t n, int32_t n_groups, const void *w, int32_t n_tok,
+                          const void *x, float *out);
 /* y[t][c] += sum_r h[t][r] * w[r][c]: h n_tok x n_rows, w n_rows x n_cols, y n_tok x n_cols, row-major. */
 pi_status pi_kernel_gemm_f32(const char *isa, int32_t n_tok, int32_t n_rows, int32_t n_cols, const float *h,
                              const float *w, float *y);

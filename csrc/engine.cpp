@@ -36,14 +36,13 @@ void prefetch_row(const uint8_t *p, size_t bytes) {
 bool reads_gate_whole(TierMode m) { return m == TierMode::Dense || m == TierMode::DenseRule || m == TierMode::Gate; }
 
 const int64_t kDefaultCtx = 4096;
-const int64_t kGrain = 1 << 16;  // multiply-adds below which a chunk is not worth handing to another thread
+const int64_t kGrain = 1 << 16;     // multiply-adds below which a chunk is not worth handing to another thread
 const int64_t kDefaultBatch = 64;
+const int64_t kGroupsPerPass = 16;  // packed 8-row groups per pass over a batch's tokens (~40 KB at n_embd 576, q4_0)
 const int64_t kDownRows = 256;      // down_t rows per run of a decode step's down projection
-const int64_t kGroupsPerPass = 16;
 const int64_t kPanelRows = 128;     // down_t rows widened per panel of a batch's down projection
 const int64_t kPanelTokens = 64;    // tokens per gemm_f32 call over a panel
-const int64_t kGatherAhead = 16;
-const int kGroupUpRows = 4;         // gate mode: a group's ups by gemm8 when this many of its 8 neurons need one    // gathered rows prefetched this many rows before their dot  // packed 8-row groups per pass over a batch's tokens (~40 KB at n_embd 576, q4_0)
+const int64_t kGatherAhead = 16;    // gathered rows prefetched this many rows before their dot
 
 }  // namespace
 
@@ -747,49 +746,27 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
                 ku.gemm8(int(E), ng, T.up_groups.data() + g * up_group, int(n_tok), op_xn_.at(0, L.up.type),
                          op_xn_.stride(L.up.type), u_.data() + r0, Fp);
             for (int64_t t = 0; t < n_tok; ++t) {
-                // Each neuron's rule. In gate mode the ups of the neurons the gate lets through come from
-                // their whole group by gemm8 where at least kGroupUpRows of its 8 need one (one streamed
-                // group beats that many gathered rows), else from their own rows: listed and prefetched
-                // (gathered rows stream only if asked for early), then dotted 4 at a time.
+                // Each neuron's rule; in gate mode the neurons the gate lets through are listed and their up
+                // rows prefetched (gathered rows stream only if asked for early), then dotted 4 at a time.
                 int64_t n_up = 0;
-                const void *xu = gated ? op_xn_.at(t, L.up.type) : nullptr;
-                for (int64_t gr = r0; gr < r1; gr += kPackRows) {
-                    const int64_t ge = std::min(r1, gr + kPackRows);
-                    int64_t passed[kPackRows];
-                    float passed_a[kPackRows];
-                    int n_passed = 0;
-                    for (int64_t r = gr; r < ge; ++r) {
-                        float a;
-                        const bool first_pass = gate_rule(with_bias(g_[size_t(t * Fp + r)], gb, r), &a);
-                        if (!gated) {
-                            settle(t, r, first_pass, a, active, computed);
-                        } else if (all_up) {
-                            float h;
-                            const bool pass = finish(first_pass, a, with_bias(u_[size_t(t * Fp + r)], ub, r), &h);
-                            settle(t, r, pass, h, active, computed);
-                        } else if (first_pass) {
-                            passed[n_passed] = r;
-                            passed_a[n_passed++] = a;
-                        } else {
-                            settle(t, r, false, 0.0f, active, computed);
-                        }
-                    }
-                    if (n_passed >= kGroupUpRows) {
-                        float *u = u_.data() + t * Fp + gr;
-                        ku.gemm8(int(E), 1, T.up_groups.data() + gr / kPackRows * up_group, 1, xu, 0, u, 0);
-                        for (int j = 0; j < n_passed; ++j) {
-                            float h;
-                            const bool pass = finish(true, passed_a[j], with_bias(u[passed[j] - gr], ub, passed[j]), &h);
-                            settle(t, passed[j], pass, h, active, computed);
-                        }
+                for (int64_t r = r0; r < r1; ++r) {
+                    float a;
+                    const bool first_pass = gate_rule(with_bias(g_[size_t(t * Fp + r)], gb, r), &a);
+                    if (!gated) {
+                        settle(t, r, first_pass, a, active, computed);
+                    } else if (all_up) {
+                        float h;
+                        const bool pass = finish(first_pass, a, with_bias(u_[size_t(t * Fp + r)], ub, r), &h);
+                        settle(t, r, pass, h, active, computed);
+                    } else if (first_pass) {
+                        up_list[n_up] = r;
+                        up_a[n_up++] = a;
+                        prefetch_row(T.row(T.up, r), T.up.row_bytes);
                     } else {
-                        for (int j = 0; j < n_passed; ++j) {
-                            up_list[n_up] = passed[j];
-                            up_a[n_up++] = passed_a[j];
-                            prefetch_row(T.row(T.up, passed[j]), T.up.row_bytes);
-                        }
+                        settle(t, r, false, 0.0f, active, computed);
                     }
                 }
+                const void *xu = gated ? op_xn_.at(t, L.up.type) : nullptr;
                 for (int64_t i = 0; i < n_up; i += 4) {
                     const int m = int(std::min<int64_t>(4, n_up - i));
                     float u[4];

@@ -107,7 +107,6 @@ Engine::Engine(const std::string &path, const pi_options &opts)
     mask_.assign(size_t(B * F), 0);
     truth_.assign(size_t(B * F), 0);
     rows_.assign(size_t(F), 0);
-    row_users_.assign(size_t(F), 0);
     down_rows_.assign(size_t(F), nullptr);
     down_coef_.assign(size_t(F), 0.0f);
     down_partial_.assign(size_t((F + kDownRows - 1) / kDownRows * E), 0.0f);
@@ -608,16 +607,13 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
         return first_pass;
     };
     // Record neuron slot r of token t: mask 2 (down row used, coefficient h) or 1.
+    // (branch-free: at moderate sparsity whether a neuron passes is a coin flip the predictor cannot learn)
     auto settle = [&](int64_t t, int64_t r, bool pass, float h, int64_t &active, int64_t &computed) {
-        uint8_t &m = mask_[size_t(t * F + r)];
+        const bool used = dense || pass;
         active += pass;
-        if (dense || pass) {
-            m = 2;
-            ++computed;
-            h_[size_t(t * F + r)] = h;
-        } else {
-            m = 1;
-        }
+        computed += used;
+        mask_[size_t(t * F + r)] = uint8_t(1 + used);
+        h_[size_t(t * F + r)] = used ? h : 0.0f;
     };
     // One token: gate rows 4 at a time (dot4), up rows of the neurons that need them queued and taken
     // 4 at a time as well. Per row the arithmetic is the batch path's (dot4 rows equal dot).
@@ -758,14 +754,14 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
                         float h;
                         const bool pass = finish(first_pass, a, with_bias(u_[size_t(t * Fp + r)], ub, r), &h);
                         settle(t, r, pass, h, active, computed);
-                    } else if (first_pass) {
+                    } else {  // listed when it passes (branch-free); settled for now as not passing
                         up_list[n_up] = r;
-                        up_a[n_up++] = a;
-                        prefetch_row(T.row(T.up, r), T.up.row_bytes);
-                    } else {
+                        up_a[n_up] = a;
+                        n_up += first_pass;
                         settle(t, r, false, 0.0f, active, computed);
                     }
                 }
+                for (int64_t i = 0; i < n_up; ++i) prefetch_row(T.row(T.up, up_list[i]), T.up.row_bytes);
                 const void *xu = gated ? op_xn_.at(t, L.up.type) : nullptr;
                 for (int64_t i = 0; i < n_up; i += 4) {
                     const int m = int(std::min<int64_t>(4, n_up - i));
@@ -798,14 +794,12 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
 
     // Stage D: y = sum over used rows of h * down_t row (a batch: each thread owns a slice of the columns).
     int64_t n_used = 0;
-    for (int64_t i = 0; i < n_rows_; ++i) {
+    for (int64_t i = 0; i < n_rows_; ++i) {  // compacted in place, without branches
         const int64_t r = rows_[size_t(i)];
         int32_t users = 0;
         for (int64_t t = 0; t < n_tok; ++t) users += mask_[size_t(t * F + r)] == 2;
-        if (users) {
-            rows_[size_t(n_used)] = int32_t(r);
-            row_users_[size_t(n_used++)] = users;
-        }
+        rows_[size_t(n_used)] = int32_t(r);
+        n_used += users > 0;
     }
     const uint32_t dtype = T.down_t.type;
     const TypeKernels &kd = ks_->for_type(dtype);

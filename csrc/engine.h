@@ -115,7 +115,7 @@ private:
     std::vector<BlockQ8_0> q_x_, q_xn_, q_att_, q_hid_;
     Operand op_x_, op_xn_, op_att_, op_hid_;
     std::vector<uint8_t> mask_, truth_;  // [batch][n_ff]
-    std::vector<int32_t> rows_, row_users_;  // [n_ff]
+    std::vector<int32_t> rows_;  // [n_ff]
     std::vector<const void *> down_rows_;    // [n_ff] down_t rows used by the one token of a decode step
     std::vector<float> down_coef_;           // [n_ff] their coefficients h
     std::vector<float> down_partial_;        // [n_ff / 256 runs][n_embd] partial sums of those rows

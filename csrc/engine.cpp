@@ -427,7 +427,11 @@ TierMode Engine::choose_cold_mode(int64_t il) const {
     const Layer &L = model_->layers()[size_t(il)];
     const double n = double(L.cold.size());
     const double g = double(L.gate.row_bytes), ud = double((hp_.gated ? L.up.row_bytes : 0) + L.down_t.row_bytes);
-    const double gather = 1.1;  // gathered rows stream a little worse than a dense sweep
+    // A byte of a row read by index costs ~2.5x a byte of a whole matrix streamed through the packed
+    // kernels (SmolLM2 q4_0 in pi-tools bench: gate mode at 50 % sparsity runs at 0.87x dense; see
+    // docs/perf-notes.md), so sparse paths pay off from ~60 % sparsity on, not from the first skipped row;
+    // f32/f16 matrices have no packed form, and their gathered rows stream a little worse than a sweep.
+    const double gather = packed_block_bytes(L.gate.type) ? 2.5 : 1.1;
     const double rho = ema_active_[size_t(il)];
     const double cost_dense = n * (g + ud);
     const double cost_gate = n * g + gather * rho * n * ud;
@@ -459,8 +463,8 @@ void Engine::ffn(int64_t il, int64_t n_tok) {
     // (and up) are read whole gets them in 8-row groups the first time.
     const TierMode cold_mode = choose_cold_mode(il);
     const bool has_hot = L.hot.size() > 0;
-    if (has_hot) model_->group_tier(il, true);
-    if (reads_gate_whole(cold_mode)) model_->group_tier(il, false);
+    if (has_hot) model_->group_tier(il, true, true);
+    if (reads_gate_whole(cold_mode)) model_->group_tier(il, false, cold_mode != TierMode::Gate);
     if (has_hot) ffn_tier(L, L.hot, mode_ == PI_FFN_DENSE ? TierMode::Dense : TierMode::DenseRule, n_tok, y_hot_.data(), st, false);
     if (L.cold.size() > 0) {
         ffn_tier(L, L.cold, cold_mode, n_tok, y_cold_.data(), st, true);
@@ -784,7 +788,7 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
         n_active += active;
         n_computed += computed;
     };
-    if (reads_gate_whole(mode) && !T.gate_groups.empty())
+    if (reads_gate_whole(mode) && !T.gate_groups.empty() && (!gated || !all_up || !T.up_groups.empty()))
         pool_->run(pool_->chunks_for(n * E * n_tok * 2, kGrain), gate_up_grouped);
     else if (n_tok == 1) pool_->run(pool_->chunks_for(n_rows_ * E * 2, kGrain), gate_up_one);
     else pool_->run(pool_->chunks_for(n_rows_ * E * n_tok * 2, kGrain), gate_up);

@@ -34,18 +34,15 @@ void Model::pack_dense_matrices() {
     pack(output_);
 }
 
-void Model::group_tier(int64_t il, bool hot) {
+void Model::group_tier(int64_t il, bool hot, bool with_up) {
     Layer &l = layers_[size_t(il)];
     FfnTier &t = hot ? l.hot : l.cold;
-    if (t.grouped) return;
-    t.grouped = true;
-    const bool gated = hp_.gated;
-    if (t.size() == 0 || packed_block_bytes(t.gate.type) == 0 || (gated && packed_block_bytes(t.up.type) == 0) ||
-        t.gate.cols > kGemv8MaxCols)
-        return;
-    // the padding rows: scale 0, so their dots are 0
+    const bool want_up = with_up && hp_.gated && !t.up_grouped;
+    if (t.gate_grouped && !want_up) return;
+    // a matrix is grouped where its type packs; the padding rows: scale 0, so their dots are 0
     std::vector<uint8_t> zeros(std::max(t.gate.row_bytes, t.up.row_bytes), 0);
     auto group = [&](const Matrix &m, std::vector<uint8_t> &out) {
+        if (t.size() == 0 || packed_block_bytes(m.type) == 0 || m.cols > kGemv8MaxCols) return;
         const int64_t group_bytes = m.cols / QK * int64_t(packed_block_bytes(m.type));
         out.resize(size_t(t.n_groups() * group_bytes));
         for (int64_t g = 0; g < t.n_groups(); ++g) {
@@ -58,8 +55,10 @@ void Model::group_tier(int64_t il, bool hot) {
         }
         if (!t.packed) file_->release(m.data, m.bytes());
     };
-    group(t.gate, t.gate_groups);
-    if (gated) group(t.up, t.up_groups);
+    if (!t.gate_grouped) group(t.gate, t.gate_groups);
+    t.gate_grouped = true;
+    if (want_up) group(t.up, t.up_groups);
+    t.up_grouped = t.up_grouped || want_up;
 }
 
 void Model::pack(Matrix &m) {

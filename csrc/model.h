@@ -71,10 +71,10 @@ struct FfnTier {
     Matrix fc2;                    // predictor rows of this tier's neurons (cold tier only)
     std::vector<uint8_t> fc2_storage;
     // gate and up rows again in 8-row groups (packed.h, the last group padded with zero rows), made the
-    // first time a mode reads them whole (Model::group_tier); empty before, or for f32/f16 weights.
-    // Ungated FFNs have only gate_groups (gate is up).
+    // first time a mode reads them whole (Model::group_tier: gate for dense and gate modes, up for dense
+    // modes only); empty before, or for f32/f16 weights. Ungated FFNs have only gate_groups (gate is up).
     std::vector<uint8_t> gate_groups, up_groups;
-    bool grouped = false;  // group_tier has run
+    bool gate_grouped = false, up_grouped = false;  // group_tier has considered them
     int64_t size() const { return int64_t(ids.size()); }
     int64_t n_groups() const { return (size() + 7) / 8; }
     // Row of neuron slot r in matrix m (packed rows are contiguous; mapped rows are gathered).
@@ -111,10 +111,10 @@ public:
     bool pwri() const { return file_->pwri_magic(); }
     const std::string &path() const { return file_->path(); }
     int64_t hot_neurons() const;
-    // Builds the hot (or cold) tier's gate/up groups of layer il once, where the types allow: dense and gate
-    // modes then read those matrices with gemm8. The mapped cold rows' pages are handed back (sparse
-    // modes that gather them read them from the file again).
-    void group_tier(int64_t il, bool hot);
+    // Builds the hot (or cold) tier's gate groups of layer il once (and its up groups once `with_up`
+    // asks), where the types allow: dense and gate modes then read those matrices with gemm8. The mapped
+    // cold rows' pages are handed back (sparse modes that gather them read them from the file again).
+    void group_tier(int64_t il, bool hot, bool with_up);
     // Largest predictor rank over layers (0 without predictors).
     int64_t max_rank() const;
 

@@ -263,3 +263,18 @@ def test_seeded_generation_is_reproducible_and_penalty_applies(converted):
         out = list(m.generate(TOKENS[:4], 30, temperature=0.0, repeat_penalty=1e6, repeat_last_n=64))
     window = TOKENS[:4] + out
     assert len(set(out)) == len(out) and not set(out) & set(TOKENS[:4]), window
+
+
+def test_modes_switch_on_one_engine(converted):
+    """A tier's gate/up groups are built on first use by the mode that needs them (gate mode: gate only,
+    dense: up as well): switching modes on one engine gives each mode the logits of a fresh engine."""
+    path = converted("llama-silu", "q8_0")
+    fresh = {}
+    for mode in ("dense", "gate"):
+        with engine.Model(path, threads=2, sparse_mode=mode) as m:
+            fresh[mode] = m.eval(TOKENS[:12])
+    with engine.Model(path, threads=2, sparse_mode="gate") as m:
+        for mode in ("gate", "dense", "gate"):
+            m.reset()
+            m.sparse_mode = mode
+            np.testing.assert_array_equal(m.eval(TOKENS[:12]), fresh[mode], err_msg=mode)

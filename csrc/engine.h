@@ -109,7 +109,8 @@ private:
     // scratch, [batch, ...]
     std::vector<float> x_, xn_, q_, k_, v_, att_, tmp_, y_hot_, y_cold_, h_, hid_, last_logits_;
     std::vector<float> g_, u_;  // [batch][n_ff rounded up to 8]: gate and up of grouped tiers
-    std::vector<float> scores_;  // [threads][n_ctx]
+    std::vector<float> scores_;  // [threads][attention tile][n_ctx]
+    std::vector<float> kt_;      // [n_head_kv * d_head][n_ctx]: a layer's keys transposed, for a batch
     std::vector<float> panel_w_;  // [threads][panel rows][n_embd]: widened down_t rows of a batch
     std::vector<float> panel_h_;  // [threads][panel tokens][panel rows]: their coefficients
     std::vector<BlockQ8_0> q_x_, q_xn_, q_att_, q_hid_;

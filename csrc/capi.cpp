@@ -247,6 +247,15 @@ pi_status pi_kernel_gemm_f32(const char *isa, int32_t n_tok, int32_t n_rows, int
     });
 }
 
+pi_status pi_kernel_silu(const char *isa, int32_t n, const float *x, float *out) {
+    return guarded([&] {
+        if (n < 0) pi::fail(PI_ERR_ARGUMENT, "n must be >= 0");
+        need(x, "x");
+        need(out, "out");
+        kernel_set(isa).silu(n, x, out);
+    });
+}
+
 pi_status pi_kernel_to_float(const char *isa, int32_t type, int32_t n, const void *w, float *out) {
     return guarded([&] {
         check_kernel_args(type, n);

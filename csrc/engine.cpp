@@ -26,7 +26,7 @@ const uint8_t *column_slice(const uint8_t *row, uint32_t type, int64_t c0) {
     return row + size_t(c0 / ts.block) * ts.bytes;
 }
 
-float silu(float x) { return x / (1.0f + std::exp(-x)); }
+float silu(float x) { return silu_ref(x); }  // the kernels' definition, so every path agrees bit for bit
 
 // Asks for a gathered row's cache lines ahead of its use (the hardware prefetcher follows streams, not lists).
 void prefetch_row(const uint8_t *p, size_t bytes) {
@@ -786,12 +786,19 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
                 ku.gemm8(int(E), ng, T.up_groups.data() + g * up_group, int(n_tok), op_xn_.at(0, L.up.type),
                          op_xn_.stride(L.up.type), u_.data() + r0, Fp);
             for (int64_t t = 0; t < n_tok; ++t) {
-                // Each neuron's rule; in gate mode the neurons the gate lets through are listed and their up
-                // rows prefetched (gathered rows stream only if asked for early), then dotted 4 at a time.
+                // Each neuron's rule (SiLU: the pass's activations by the silu kernel first); in gate mode the
+                // neurons the gate lets through are listed and their up rows prefetched (gathered rows stream
+                // only if asked for early), then dotted 4 at a time.
+                float *gt = g_.data() + t * Fp;
+                if (act == Activation::Silu) {
+                    if (gb)
+                        for (int64_t r = r0; r < r1; ++r) gt[r] = with_bias(gt[r], gb, r);
+                    ks_->silu(int(r1 - r0), gt + r0, gt + r0);
+                }
                 int64_t n_up = 0;
                 for (int64_t r = r0; r < r1; ++r) {
-                    float a;
-                    const bool first_pass = gate_rule(with_bias(g_[size_t(t * Fp + r)], gb, r), &a);
+                    float a = gt[r];
+                    const bool first_pass = act == Activation::Silu ? std::fabs(a) > thr : gate_rule(with_bias(a, gb, r), &a);
                     if (!gated) {
                         settle(t, r, first_pass, a, active, computed);
                     } else if (all_up) {

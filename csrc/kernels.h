@@ -42,6 +42,8 @@ struct KernelSet {
     // down projection from a panel of widened rows. Each element is an fma chain over r in order.
     void (*gemm_f32)(int n_tok, int n_rows, int n_cols, const float *h, int ldh, const float *w, int ldw, float *y,
                      int ldy);
+    // out[i] = silu(x[i]) as silu_ref computes it (bit for bit); out may be x
+    void (*silu)(int n, const float *x, float *out);
 
     const TypeKernels &for_type(uint32_t type) const {
         switch (type) {
@@ -78,6 +80,11 @@ void axpy_rows_by_row(int n, int n_rows, const void *const *w, int col0, const f
 
 // Whether the activation operand of `type` is q8_0 blocks (else f32).
 inline bool act_is_q8(uint32_t type) { return type == TYPE_Q4_0 || type == TYPE_Q8_0; }
+
+// x * sigmoid(x) with exp as a degree-6 polynomial on [-ln2/2, ln2/2] times 2^n (Cephes' expf steps, each an
+// fma): within 2 ulp of the exact value, and the same bits in every kernel set and in the engine's
+// scalar paths.
+float silu_ref(float x);
 
 const KernelSet &scalar_kernels();
 // nullptr when the build or the CPU lacks the instruction set.

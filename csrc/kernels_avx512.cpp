@@ -30,6 +30,7 @@ const KernelSet kAvx512 = {
     {dot_q8_0, axpy_q8_0, to_float_q8_0, dot4_q8_0, axpy_rows_q8_0, gemm8<TYPE_Q8_0>},
     quantize_q8_0,
     gemm_f32,
+    silu,
 };
 
 }  // namespace

@@ -156,6 +156,18 @@ void gemm_f32(int n_tok, int n_rows, int n_cols, const float *h, int ldh, const 
         }
 }
 
+// 2^n for -126 <= n <= 127, from its exponent bits.
+float ldexp_bits(int n) {
+    const uint32_t bits = uint32_t(n + 127) << 23;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+void silu(int n, const float *x, float *out) {
+    for (int i = 0; i < n; ++i) out[i] = silu_ref(x[i]);
+}
+
 // roundf: half away from zero, as ggml's reference and gguf-py's np_roundf.
 void quantize_q8_0(int n, const float *x, void *out) {
     BlockQ8_0 *b = static_cast<BlockQ8_0 *>(out);
@@ -183,10 +195,27 @@ const KernelSet kScalar = {
     PI_TYPE_KERNELS(q8_0, TYPE_Q8_0, gemm8<TYPE_Q8_0>),
     quantize_q8_0,
     gemm_f32,
+    silu,
 };
 
 }  // namespace
 
 const KernelSet &scalar_kernels() { return kScalar; }
+
+float silu_ref(float x) {
+    const float v = std::fmin(std::fmax(-x, -87.3f), 88.3f);  // exp(-x) with 2^n a normal float
+    const float n = std::floor(std::fma(v, 1.44269504088896341f, 0.5f));
+    float r = std::fma(n, -0.693359375f, v);
+    r = std::fma(n, 2.12194440e-4f, r);
+    float p = 1.9875691500e-4f;
+    p = std::fma(p, r, 1.3981999507e-3f);
+    p = std::fma(p, r, 8.3334519073e-3f);
+    p = std::fma(p, r, 4.1665795894e-2f);
+    p = std::fma(p, r, 1.6666665459e-1f);
+    p = std::fma(p, r, 5.0000001201e-1f);
+    float e = (std::fma(p, r * r, r) + 1.0f) * ldexp_bits(int(n));
+    if (-x > 88.3f) e = INFINITY;  // past the clamp: sigmoid is 0 (x / inf)
+    return x / (1.0f + e);
+}
 
 }  // namespace pi

@@ -91,6 +91,14 @@ def gemm_f32(isa: str, h: np.ndarray, w: np.ndarray, y: np.ndarray) -> np.ndarra
     return y
 
 
+def silu(isa: str, x: np.ndarray) -> np.ndarray:
+    """x * sigmoid(x) elementwise, the engine's SiLU."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.zeros_like(x)
+    check(lib().pi_kernel_silu(isa.encode(), x.size, _ptr(x), _ptr(out)))
+    return out
+
+
 def to_float(isa: str, wtype: str, n: int, w: np.ndarray) -> np.ndarray:
     w, out = _raw(w), np.zeros(n, dtype=np.float32)
     check(lib().pi_kernel_to_float(isa.encode(), TYPE_IDS[wtype], n, _ptr(w), _ptr(out)))

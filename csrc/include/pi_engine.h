@@ -111,6 +111,8 @@ pi_status pi_kernel_gemm8(const char *isa, int32_t type, int32_t n, int32_t n_gr
 /* y[t][c] += sum_r h[t][r] * w[r][c]: h n_tok x n_rows, w n_rows x n_cols, y n_tok x n_cols, row-major. */
 pi_status pi_kernel_gemm_f32(const char *isa, int32_t n_tok, int32_t n_rows, int32_t n_cols, const float *h,
                              const float *w, float *y);
+/* out[i] = x[i] * sigmoid(x[i]), as the engine's SiLU rule computes it. */
+pi_status pi_kernel_silu(const char *isa, int32_t n, const float *x, float *out);
 pi_status pi_kernel_to_float(const char *isa, int32_t type, int32_t n, const void *w, float *out);
 pi_status pi_kernel_quantize_q8_0(const char *isa, int32_t n, const float *x, void *out);
 

@@ -455,7 +455,7 @@ void Engine::add_residual(const float *y, int64_t n_tok) {
     for (int64_t i = 0; i < n_tok * hp_.n_embd; ++i) x_[size_t(i)] += y[i];
 }
 
-TierMode Engine::choose_cold_mode(int64_t il) const {
+TierMode Engine::choose_cold_mode(int64_t il, int64_t n_tok) const {
     switch (mode_) {
         case PI_FFN_DENSE: return TierMode::Dense;
         case PI_FFN_GATE: return TierMode::Gate;
@@ -463,7 +463,7 @@ TierMode Engine::choose_cold_mode(int64_t il) const {
         case PI_FFN_ORACLE: return TierMode::Oracle;
         default: break;
     }
-    // auto: bytes one token reads, per mode, at the densities measured so far in this layer
+    // auto: bytes the step reads, per mode, at the densities measured so far in this layer
     const Layer &L = model_->layers()[size_t(il)];
     const double n = double(L.cold.size());
     const double g = double(L.gate.row_bytes), ud = double((hp_.gated ? L.up.row_bytes : 0) + L.down_t.row_bytes);
@@ -472,13 +472,17 @@ TierMode Engine::choose_cold_mode(int64_t il) const {
     // docs/perf-notes.md), so sparse paths pay off from ~60 % sparsity on, not from the first skipped row;
     // f32/f16 matrices have no packed form, and their gathered rows stream a little worse than a sweep.
     const double gather = packed_block_bytes(L.gate.type) ? 2.5 : 1.1;
-    const double rho = ema_active_[size_t(il)];
+    // a batch reads a row when any of its tokens uses it: ~1 - (1 - rho)^n_tok of them (tokens taken as
+    // independent; a prompt of a few dozen tokens already reads nearly every row)
+    const double rho = 1.0 - std::pow(1.0 - ema_active_[size_t(il)], double(std::max<int64_t>(n_tok, 1)));
     const double cost_dense = n * (g + ud);
     const double cost_gate = n * g + gather * rho * n * ud;
     TierMode best = cost_gate < cost_dense ? TierMode::Gate : TierMode::DenseRule;
     double best_cost = std::min(cost_gate, cost_dense);
     if (model_->has_predictor()) {
-        const double pi_density = predicted_seen_[size_t(il)] ? ema_predicted_[size_t(il)] : std::min(1.0, 1.2 * rho + 0.02);
+        const double per_token = predicted_seen_[size_t(il)] ? ema_predicted_[size_t(il)]
+                                                             : std::min(1.0, 1.2 * ema_active_[size_t(il)] + 0.02);
+        const double pi_density = 1.0 - std::pow(1.0 - per_token, double(std::max<int64_t>(n_tok, 1)));
         const double cost_pred = double(L.fc1.bytes()) + n * double(L.fc2.row_bytes) +
                                  gather * (pi_density * n * g + rho * n * ud);
         if (cost_pred < best_cost) best = TierMode::Predictor;
@@ -501,7 +505,7 @@ void Engine::ffn(int64_t il, int64_t n_tok) {
 
     // Hot tier first (a device backend would run it concurrently), then the cold tier. A tier whose gate
     // (and up) are read whole gets them in 8-row groups the first time.
-    const TierMode cold_mode = choose_cold_mode(il);
+    const TierMode cold_mode = choose_cold_mode(il, n_tok);
     const bool has_hot = L.hot.size() > 0;
     if (has_hot) model_->group_tier(il, true, true);
     if (reads_gate_whole(cold_mode)) model_->group_tier(il, false, cold_mode != TierMode::Gate);
@@ -796,6 +800,23 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
                     ks_->silu(int(r1 - r0), gt + r0, gt + r0);
                 }
                 int64_t n_up = 0;
+                if (gated && all_up && act != Activation::DRelu && !gb && !ub) {
+                    // the common dense case (llama family, no biases) in one straight loop the compiler vectorizes
+                    const bool silu_act = act == Activation::Silu;
+                    const float *ut = u_.data() + t * Fp;
+                    float *ht = h_.data() + t * F;
+                    uint8_t *mt = mask_.data() + t * F;
+                    for (int64_t r = r0; r < r1; ++r) {
+                        const float a = silu_act ? gt[r] : std::max(gt[r], 0.0f);
+                        const bool pass = silu_act ? std::fabs(a) > thr : gt[r] > 0.0f;
+                        const bool used = dense || pass;
+                        active += pass;
+                        computed += used;
+                        mt[r] = uint8_t(1 + used);
+                        ht[r] = used ? a * ut[r] : 0.0f;
+                    }
+                    continue;
+                }
                 for (int64_t r = r0; r < r1; ++r) {
                     float a = gt[r];
                     const bool first_pass = act == Activation::Silu ? std::fabs(a) > thr : gate_rule(with_bias(a, gb, r), &a);

@@ -73,7 +73,7 @@ private:
     void forward(const int32_t *tokens, int64_t n_tok, float *logits, int64_t ld_logits, bool all_logits);
     void attention(int64_t il, int64_t n_tok);
     void ffn(int64_t il, int64_t n_tok);
-    TierMode choose_cold_mode(int64_t il) const;
+    TierMode choose_cold_mode(int64_t il, int64_t n_tok) const;
     void ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n_tok, float *y, LayerStats &st,
                   bool is_cold);
     void predictor_select(const Layer &L, const FfnTier &T, int64_t n_tok);

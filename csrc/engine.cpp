@@ -26,7 +26,6 @@ const uint8_t *column_slice(const uint8_t *row, uint32_t type, int64_t c0) {
     return row + size_t(c0 / ts.block) * ts.bytes;
 }
 
-float silu(float x) { return silu_ref(x); }  // the kernels' definition, so every path agrees bit for bit
 
 // Asks for a gathered row's cache lines ahead of its use (the hardware prefetcher follows streams, not lists).
 void prefetch_row(const uint8_t *p, size_t bytes) {
@@ -149,7 +148,8 @@ void Engine::check_working_memory(int64_t threads) const {
     const double Q = double(hp_.n_head * hp_.d_head), KV = double(hp_.n_head_kv * hp_.d_head);
     const double R = double(std::max<int64_t>(model_->max_rank(), 1)), C = double(n_ctx_), T = double(threads);
     const double floats = 2 * L * C * KV + C * double(hp_.n_rot) + B * (5 * E + 2 * Q + 2 * KV + 3 * F + 16 + R) +
-                          (F / 256 + 1) * E + double(hp_.n_vocab) + T * (64 * C + 128 * E + 64 * 128) + KV * C;
+                          (F / double(kDownRows) + 1) * E + double(hp_.n_vocab) +
+                          T * (double(kAttnTile) * C + double(kPanelRows) * (E + double(kPanelTokens))) + KV * C;
     const double bytes = 4 * floats + C * 4 + B * F * 2 + F * 8 + L * 32;
     const double available = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE));
     if (available > 0 && bytes > available)
@@ -581,7 +581,7 @@ void Engine::true_mask(const Layer &L, const FfnTier &T, int64_t n_tok, uint8_t 
                 const float g = kg.dot(int(E), T.row(T.gate, r), op_xn_.at(t, L.gate.type)) + (gb ? gb[id] : 0.0f);
                 bool on;
                 if (act == Activation::Relu) on = g > 0.0f;
-                else if (act == Activation::Silu) on = std::fabs(silu(g)) > thr;
+                else if (act == Activation::Silu) on = std::fabs(silu_ref(g)) > thr;
                 else on = g > 0.0f && ku.dot(int(E), T.row(T.up, r), op_xn_.at(t, L.up.type)) + (ub ? ub[id] : 0.0f) > 0.0f;
                 out[size_t(t * F + r)] = on;
             }
@@ -649,7 +649,7 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
     // The rule's verdict from the gate alone, and the activation a it leaves.
     auto gate_rule = [&](float g, float *a) {
         if (act == Activation::Silu) {
-            *a = silu(g);
+            *a = silu_ref(g);  // the kernels' SiLU: every path agrees bit for bit
             return std::fabs(*a) > thr;
         }
         *a = std::max(g, 0.0f);
@@ -699,7 +699,8 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
             }
             n_pend = 0;
         };
-        for (int64_t i = i0; i < std::min(i1, i0 + kGatherAhead); ++i) prefetch_row(T.row(T.gate, rows_[size_t(i)]), T.gate.row_bytes);
+        for (int64_t i = i0; i < std::min(i1, i0 + kGatherAhead); ++i)
+            prefetch_row(T.row(T.gate, rows_[size_t(i)]), T.gate.row_bytes);
         for (int64_t i = i0; i < i1; i += 4) {
             const int m = int(std::min<int64_t>(4, i1 - i));
             for (int64_t j = i + kGatherAhead; j < std::min(i1, i + kGatherAhead + 4); ++j)
@@ -829,7 +830,8 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
                 }
                 for (int64_t r = r0; r < r1; ++r) {
                     float a = gt[r];
-                    const bool first_pass = act == Activation::Silu ? std::fabs(a) > thr : gate_rule(with_bias(a, gb, r), &a);
+                    const bool first_pass =
+                        act == Activation::Silu ? std::fabs(a) > thr : gate_rule(with_bias(a, gb, r), &a);
                     if (!gated) {
                         settle(t, r, first_pass, a, active, computed);
                     } else if (all_up) {
@@ -885,7 +887,6 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
     }
     const uint32_t dtype = T.down_t.type;
     const TypeKernels &kd = ks_->for_type(dtype);
-    const int64_t align = column_align(dtype);
     if (n_tok == 1) {
         // One token: the used rows in fixed runs of kDownRows, each run added whole (rows stream in order,
         // y's blocks held in registers) into its own partial y, then the partials summed in run order:
@@ -908,37 +909,38 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
             const float *part = down_partial_.data() + c * E;
             for (int64_t i = 0; i < E; ++i) y[i] += part[i];
         }
-        times_.ffn += seconds_since(t0);
-        return;
-    }
-    // A batch: each thread owns a slice of the columns. The used rows go in panels of kPanelRows, widened
-    // to floats once, and the tokens' coefficients (0 where a token leaves a row out) in chunks of
-    // kPanelTokens, through gemm_f32 (tokens x columns tiles held in registers).
-    auto down = [&](int chunk, int n_chunks, int thread) {
-        int64_t c0, c1;
-        split_range(E, chunk, n_chunks, &c0, &c1, align);
-        if (c0 >= c1) return;
-        const int cn = int(c1 - c0);
-        for (int64_t t = 0; t < n_tok; ++t) std::fill(y + t * E + c0, y + t * E + c1, 0.0f);
-        float *wp = panel_w_.data() + int64_t(thread) * kPanelRows * E;
-        float *hp = panel_h_.data() + int64_t(thread) * kPanelTokens * kPanelRows;
-        for (int64_t p0 = 0; p0 < n_used; p0 += kPanelRows) {
-            const int np = int(std::min<int64_t>(kPanelRows, n_used - p0));
-            for (int i = 0; i < np; ++i)
-                kd.to_float(cn, column_slice(T.row(T.down_t, rows_[size_t(p0 + i)]), dtype, c0), wp + int64_t(i) * cn);
-            for (int64_t t0 = 0; t0 < n_tok; t0 += kPanelTokens) {
-                const int nt = int(std::min<int64_t>(kPanelTokens, n_tok - t0));
-                for (int t = 0; t < nt; ++t)
-                    for (int i = 0; i < np; ++i) {
-                        const size_t at = size_t((t0 + t) * F + rows_[size_t(p0 + i)]);
-                        hp[t * np + i] = keep_if(mask_[at] == 2, h_[at]);
-                    }
-                ks_->gemm_f32(nt, np, cn, hp, np, wp, cn, y + t0 * E + c0, int(E));
+    } else {
+        // A batch: each thread owns a slice of the columns. The used rows go in panels of kPanelRows, widened
+        // to floats once, and the tokens' coefficients (0 where a token leaves a row out) in chunks of
+        // kPanelTokens, through gemm_f32 (tokens x columns tiles held in registers).
+        const int64_t align = column_align(dtype);
+        auto down = [&](int chunk, int n_chunks, int thread) {
+            int64_t c0, c1;
+            split_range(E, chunk, n_chunks, &c0, &c1, align);
+            if (c0 >= c1) return;
+            const int cn = int(c1 - c0);
+            for (int64_t t = 0; t < n_tok; ++t) std::fill(y + t * E + c0, y + t * E + c1, 0.0f);
+            float *wp = panel_w_.data() + int64_t(thread) * kPanelRows * E;
+            float *hp = panel_h_.data() + int64_t(thread) * kPanelTokens * kPanelRows;
+            for (int64_t p0 = 0; p0 < n_used; p0 += kPanelRows) {
+                const int np = int(std::min<int64_t>(kPanelRows, n_used - p0));
+                for (int i = 0; i < np; ++i)
+                    kd.to_float(cn, column_slice(T.row(T.down_t, rows_[size_t(p0 + i)]), dtype, c0),
+                                wp + int64_t(i) * cn);
+                for (int64_t t0 = 0; t0 < n_tok; t0 += kPanelTokens) {
+                    const int nt = int(std::min<int64_t>(kPanelTokens, n_tok - t0));
+                    for (int t = 0; t < nt; ++t)
+                        for (int i = 0; i < np; ++i) {
+                            const size_t at = size_t((t0 + t) * F + rows_[size_t(p0 + i)]);
+                            hp[t * np + i] = keep_if(mask_[at] == 2, h_[at]);
+                        }
+                    ks_->gemm_f32(nt, np, cn, hp, np, wp, cn, y + t0 * E + c0, int(E));
+                }
             }
-        }
-    };
-    const int64_t column_units = (E + align - 1) / align;
-    pool_->run(int(std::min<int64_t>(column_units, pool_->chunks_for(n_used * E * n_tok, kGrain))), down);
+        };
+        const int64_t column_units = (E + align - 1) / align;
+        pool_->run(int(std::min<int64_t>(column_units, pool_->chunks_for(n_used * E * n_tok, kGrain))), down);
+    }
     times_.ffn += seconds_since(t0);
 }
 

@@ -22,16 +22,7 @@ namespace {
 #define PI_AVX512 1
 #include "kernels_x86.inc"
 
-const KernelSet kAvx512 = {
-    "avx512",
-    {dot_f32, axpy_f32, to_float_f32, dot4_f32, axpy_rows_f32, nullptr},
-    {dot_f16, axpy_f16, to_float_f16, dot4_f16, axpy_rows_f16, nullptr},
-    {dot_q4_0, axpy_q4_0, to_float_q4_0, dot4_q4_0, axpy_rows_q4_0, gemm8<TYPE_Q4_0>},
-    {dot_q8_0, axpy_q8_0, to_float_q8_0, dot4_q8_0, axpy_rows_q8_0, gemm8<TYPE_Q8_0>},
-    quantize_q8_0,
-    gemm_f32,
-    silu,
-};
+const KernelSet kAvx512 = x86_kernel_set("avx512");
 
 }  // namespace
 

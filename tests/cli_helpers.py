@@ -24,3 +24,26 @@ def assert_one_line_error(code: int, err: str, *needles: str) -> None:
     assert "Traceback" not in err
     for needle in needles:
         assert needle in lines[0], lines[0]
+
+
+def interrupt_profile_at_forward(monkeypatch, n: int):
+    """Makes `pi-tools profile` raise KeyboardInterrupt (Ctrl-C) in its n-th model forward; returns a
+    function that puts the real profiling pass back."""
+    from powerinfer_tools import profile as profile_mod
+
+    real_pass = profile_mod.profile_pass
+    calls = {"n": 0}
+
+    def interrupted_pass(model, *a, **kw):
+        def hook(*_):
+            calls["n"] += 1
+            if calls["n"] == n:
+                raise KeyboardInterrupt
+        handle = model.register_forward_pre_hook(hook)
+        try:
+            return real_pass(model, *a, **kw)
+        finally:
+            handle.remove()
+
+    monkeypatch.setattr(profile_mod, "profile_pass", interrupted_pass)
+    return lambda: monkeypatch.setattr(profile_mod, "profile_pass", real_pass)

@@ -10,7 +10,7 @@ import torch
 
 from convert_helpers import write_predictors
 from powerinfer_tools.profile import partial_dir
-from cli_helpers import run_cli
+from cli_helpers import interrupt_profile_at_forward, run_cli
 from tiny_models import DATA, HIDDEN, N_FF, N_LAYER
 
 TEXT = DATA / "tinyshakespeare.txt"
@@ -89,28 +89,13 @@ def test_profile_checkpoint(tiny_model_dir, tmp_path, capsys, monkeypatch):
     from powerinfer_tools import profile as profile_mod
 
     monkeypatch.setattr(profile_mod, "CHECKPOINT_BATCHES", 2)
-    real_pass = profile_mod.profile_pass
-
-    def interrupted_pass(model, *a, **kw):  # Ctrl-C during the 4th forward pass, after a checkpoint
-        calls = []
-
-        def hook(*_):
-            calls.append(1)
-            if len(calls) == 4:
-                raise KeyboardInterrupt
-        handle = model.register_forward_pre_hook(hook)
-        try:
-            return real_pass(model, *a, **kw)
-        finally:
-            handle.remove()
-
-    monkeypatch.setattr(profile_mod, "profile_pass", interrupted_pass)
+    restore = interrupt_profile_at_forward(monkeypatch, 4)  # Ctrl-C during the 4th forward, after a checkpoint
     out = tmp_path / "profile"
     args = ["profile", "-m", str(tiny_model_dir("llama-relu")), "-o", str(out), *PROFILE_ARGS]
     code, _, _ = run_cli(capsys, *args)
     path = partial_dir(out) / "checkpoint.pt"
     assert code == 130 and path.is_file()
-    monkeypatch.setattr(profile_mod, "profile_pass", real_pass)
+    restore()
     marker = plant(path, tmp_path, "checkpoint")
     code, _, stderr = run_cli(capsys, *args, "--resume")
     assert_refused(code, stderr, path, marker)

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from powerinfer_tools import models
-from cli_helpers import assert_one_line_error, run_cli
+from cli_helpers import assert_one_line_error, interrupt_profile_at_forward, run_cli
 from tiny_models import DATA, KINDS
 
 TEXT = DATA / "tinyshakespeare.txt"
@@ -180,26 +180,12 @@ def test_interrupted_profile_resumes_without_double_counting(tiny_model_dir, tmp
     assert code == 0, stderr
 
     monkeypatch.setattr(profile_mod, "CHECKPOINT_BATCHES", 3)
-    real_pass = profile_mod.profile_pass
-    calls = {"n": 0}
-
-    def interrupting_pass(model, *a, **kw):   # Ctrl-C during the 8th forward pass
-        def forward_hook(*_):
-            calls["n"] += 1
-            if calls["n"] == 8:
-                raise KeyboardInterrupt
-        handle = model.register_forward_pre_hook(forward_hook)
-        try:
-            return real_pass(model, *a, **kw)
-        finally:
-            handle.remove()
-
-    monkeypatch.setattr(profile_mod, "profile_pass", interrupting_pass)
+    restore = interrupt_profile_at_forward(monkeypatch, 8)  # Ctrl-C during the 8th forward pass
     out = tmp_path / "resumed"
     code, _, stderr = run_cli(capsys, *args, "-o", str(out))
     assert code == 130 and not out.exists()
     assert (tmp_path / ".resumed.partial" / "checkpoint.pt").is_file()
-    monkeypatch.setattr(profile_mod, "profile_pass", real_pass)
+    restore()
 
     code, stdout, stderr = run_cli(capsys, *args, "-o", str(out), "--resume")
     assert code == 0, stderr

@@ -196,6 +196,20 @@ pi_status pi_kernel_dot4(const char *isa, int32_t type, int32_t n, const void *c
     });
 }
 
+pi_status pi_kernel_dot_rows(const char *isa, int32_t type, int32_t n, int32_t n_rows, const void *const *w,
+                             const void *x, float *out) {
+    return guarded([&] {
+        check_kernel_args(type, n);
+        if (n > pi::kGemv8MaxCols) pi::fail(PI_ERR_ARGUMENT, "n is above the packed kernels' limit");
+        if (n_rows < 0) pi::fail(PI_ERR_ARGUMENT, "n_rows must be >= 0");
+        need(w, "w");
+        for (int32_t r = 0; r < n_rows; ++r) need(w[r], "a row of w");
+        need(x, "x");
+        need(out, "out");
+        kernel_set(isa).for_type(uint32_t(type)).dot_rows(n, n_rows, w, x, out);
+    });
+}
+
 pi_status pi_kernel_axpy_rows(const char *isa, int32_t type, int32_t n, int32_t n_rows, const void *const *w,
                               int32_t col0, const float *a, float *y) {
     return guarded([&] {

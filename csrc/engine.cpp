@@ -27,11 +27,6 @@ const uint8_t *column_slice(const uint8_t *row, uint32_t type, int64_t c0) {
 }
 
 
-// Asks for a gathered row's cache lines ahead of its use (the hardware prefetcher follows streams, not lists).
-void prefetch_row(const uint8_t *p, size_t bytes) {
-    for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
-}
-
 // v when keep, else +0, by masking its bits: at moderate sparsity `keep` is a coin flip, and a branch
 // on it (what compilers make of `keep ? v : 0`) mispredicts half the time.
 float keep_if(bool keep, float v) {
@@ -51,7 +46,7 @@ const int64_t kGroupsPerPass = 16;  // packed 8-row groups per pass over a batch
 const int64_t kDownRows = 256;      // down_t rows per run of a decode step's down projection
 const int64_t kPanelRows = 128;     // down_t rows widened per panel of a batch's down projection
 const int64_t kPanelTokens = 64;    // tokens per gemm_f32 call over a panel
-const int64_t kGatherAhead = 16;    // gathered rows prefetched this many rows before their dot
+const int64_t kGatherRows = 64;     // selected rows per pass of the gathered gate/up path
 const int64_t kAttnTile = 64;       // tokens of a batch whose attention scores are computed together
 
 }  // namespace
@@ -572,18 +567,30 @@ void Engine::true_mask(const Layer &L, const FfnTier &T, int64_t n_tok, uint8_t 
     const Activation act = hp_.activation;
     const float thr = L.act_threshold;
     const float *gb = L.gate_b.floats(), *ub = L.up_b.floats();
+    // the gate (and up) values of every path: dot_rows, in passes of kGatherRows rows per token
     auto job = [&](int chunk, int n_chunks, int) {
         int64_t r0, r1;
         split_range(n, chunk, n_chunks, &r0, &r1);
-        for (int64_t r = r0; r < r1; ++r) {
-            const int32_t id = T.ids[size_t(r)];
+        const void *gate_rows[kGatherRows], *up_rows[kGatherRows];
+        float g[kGatherRows], u[kGatherRows];
+        for (int64_t p0 = r0; p0 < r1; p0 += kGatherRows) {
+            const int m = int(std::min(r1, p0 + kGatherRows) - p0);
+            for (int j = 0; j < m; ++j) {
+                gate_rows[j] = T.row(T.gate, p0 + j);
+                if (act == Activation::DRelu) up_rows[j] = T.row(T.up, p0 + j);
+            }
             for (int64_t t = 0; t < n_tok; ++t) {
-                const float g = kg.dot(int(E), T.row(T.gate, r), op_xn_.at(t, L.gate.type)) + (gb ? gb[id] : 0.0f);
-                bool on;
-                if (act == Activation::Relu) on = g > 0.0f;
-                else if (act == Activation::Silu) on = std::fabs(silu_ref(g)) > thr;
-                else on = g > 0.0f && ku.dot(int(E), T.row(T.up, r), op_xn_.at(t, L.up.type)) + (ub ? ub[id] : 0.0f) > 0.0f;
-                out[size_t(t * F + r)] = on;
+                kg.dot_rows(int(E), m, gate_rows, op_xn_.at(t, L.gate.type), g);
+                if (act == Activation::DRelu) ku.dot_rows(int(E), m, up_rows, op_xn_.at(t, L.up.type), u);
+                for (int j = 0; j < m; ++j) {
+                    const int32_t id = T.ids[size_t(p0 + j)];
+                    const float gv = g[j] + (gb ? gb[id] : 0.0f);
+                    bool on;
+                    if (act == Activation::Relu) on = gv > 0.0f;
+                    else if (act == Activation::Silu) on = std::fabs(silu_ref(gv)) > thr;
+                    else on = gv > 0.0f && u[j] + (ub ? ub[id] : 0.0f) > 0.0f;
+                    out[size_t(t * F + p0 + j)] = on;
+                }
             }
         }
     };
@@ -673,108 +680,55 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
         mask_[size_t(t * F + r)] = uint8_t(1 + used);
         h_[size_t(t * F + r)] = keep_if(used, h);
     };
-    // One token: gate rows 4 at a time (dot4), up rows of the neurons that need them queued and taken
-    // 4 at a time as well. Per row the arithmetic is the batch path's (dot4 rows equal dot).
-    auto gate_up_one = [&](int chunk, int n_chunks, int) {
+    // Rows read by index (predictor mode, or a tier without 8-row groups), in passes of kGatherRows selected
+    // rows (they stay in cache across a batch's tokens). Per token, the pass's rows its mask selects go
+    // through dot_rows for their gates, then the ones whose rule needs the up projection for their ups.
+    auto gate_up_gathered = [&](int chunk, int n_chunks, int) {
         int64_t i0, i1, active = 0, computed = 0;
         split_range(n_rows_, chunk, n_chunks, &i0, &i1);
-        const void *xg = op_xn_.at(0, L.gate.type), *xu = gated ? op_xn_.at(0, L.up.type) : nullptr;
-        int64_t pend[4];
-        float pend_a[4];
-        bool pend_first[4];
-        int n_pend = 0;
-        auto flush = [&]() {
-            float u[4];
-            if (n_pend == 4) {
-                const void *rows[4] = {T.row(T.up, pend[0]), T.row(T.up, pend[1]), T.row(T.up, pend[2]),
-                                       T.row(T.up, pend[3])};
-                ku.dot4(int(E), rows, xu, u);
-            } else {
-                for (int j = 0; j < n_pend; ++j) u[j] = ku.dot(int(E), T.row(T.up, pend[j]), xu);
-            }
-            for (int j = 0; j < n_pend; ++j) {
-                float h;
-                const bool pass = finish(pend_first[j], pend_a[j], with_bias(u[j], ub, pend[j]), &h);
-                settle(0, pend[j], pass, h, active, computed);
-            }
-            n_pend = 0;
-        };
-        for (int64_t i = i0; i < std::min(i1, i0 + kGatherAhead); ++i)
-            prefetch_row(T.row(T.gate, rows_[size_t(i)]), T.gate.row_bytes);
-        for (int64_t i = i0; i < i1; i += 4) {
-            const int m = int(std::min<int64_t>(4, i1 - i));
-            for (int64_t j = i + kGatherAhead; j < std::min(i1, i + kGatherAhead + 4); ++j)
-                prefetch_row(T.row(T.gate, rows_[size_t(j)]), T.gate.row_bytes);
-            float g[4];
-            if (m == 4) {
-                const void *rows[4] = {T.row(T.gate, rows_[size_t(i)]), T.row(T.gate, rows_[size_t(i + 1)]),
-                                       T.row(T.gate, rows_[size_t(i + 2)]), T.row(T.gate, rows_[size_t(i + 3)])};
-                kg.dot4(int(E), rows, xg, g);
-            } else {
-                for (int j = 0; j < m; ++j) g[j] = kg.dot(int(E), T.row(T.gate, rows_[size_t(i + j)]), xg);
-            }
-            for (int j = 0; j < m; ++j) {
-                const int64_t r = rows_[size_t(i + j)];
-                float a;
-                const bool first_pass = gate_rule(with_bias(g[j], gb, r), &a);
-                if (!gated) {
-                    settle(0, r, first_pass, a, active, computed);  // ungated: the activation is the output
-                } else if (first_pass || all_up) {
-                    prefetch_row(T.row(T.up, r), T.up.row_bytes);
-                    pend[n_pend] = r;
-                    pend_a[n_pend] = a;
-                    pend_first[n_pend++] = first_pass;
-                    if (n_pend == 4) flush();
-                } else {
-                    settle(0, r, false, 0.0f, active, computed);  // fails on the gate alone: h would be 0
-                }
-            }
-        }
-        if (n_pend) flush();
-        n_active += active;
-        n_computed += computed;
-    };
-    // A batch: rows in groups of 4; for each token, the group's gates (and ups) through dot4 when all 4
-    // rows need them, one dot at a time otherwise.
-    auto gate_up = [&](int chunk, int n_chunks, int) {
-        int64_t i0, i1, active = 0, computed = 0;
-        split_range(n_rows_, chunk, n_chunks, &i0, &i1);
-        for (int64_t i = i0; i < i1; i += 4) {
-            const int m = int(std::min<int64_t>(4, i1 - i));
-            int64_t r[4];
-            const void *grows[4], *urows[4];
-            for (int j = 0; j < m; ++j) {
-                r[j] = rows_[size_t(i + j)];
-                grows[j] = T.row(T.gate, r[j]);
-                urows[j] = gated ? T.row(T.up, r[j]) : nullptr;
-            }
+        const void *gate_rows[kGatherRows], *up_rows[kGatherRows];
+        int64_t gate_slot[kGatherRows], up_slot[kGatherRows];
+        float g[kGatherRows], u[kGatherRows], up_a[kGatherRows];
+        bool up_first[kGatherRows];
+        for (int64_t p0 = i0; p0 < i1; p0 += kGatherRows) {
+            const int64_t p1 = std::min(i1, p0 + kGatherRows);
             for (int64_t t = 0; t < n_tok; ++t) {
                 const uint8_t *mt = mask_.data() + t * F;
-                const void *xg = op_xn_.at(t, L.gate.type), *xu = gated ? op_xn_.at(t, L.up.type) : nullptr;
-                float g[4], a[4], u[4];
-                bool first[4], need_up[4];
                 int n_gate = 0, n_up = 0;
-                for (int j = 0; j < m; ++j) n_gate += mt[r[j]] != 0;
-                if (n_gate == 4) kg.dot4(int(E), grows, xg, g);
-                else
-                    for (int j = 0; j < m; ++j)
-                        if (mt[r[j]]) g[j] = kg.dot(int(E), grows[j], xg);
-                for (int j = 0; j < m; ++j) {
-                    need_up[j] = false;
-                    if (!mt[r[j]]) continue;
-                    first[j] = gate_rule(with_bias(g[j], gb, r[j]), &a[j]);
-                    need_up[j] = gated && (first[j] || all_up);
-                    n_up += need_up[j];
+                for (int64_t i = p0; i < p1; ++i) {  // listed without branches
+                    const int64_t r = rows_[size_t(i)];
+                    gate_slot[n_gate] = r;
+                    gate_rows[n_gate] = T.row(T.gate, r);
+                    n_gate += mt[r] != 0;
                 }
-                if (n_up == 4) ku.dot4(int(E), urows, xu, u);
-                else
-                    for (int j = 0; j < m; ++j)
-                        if (need_up[j]) u[j] = ku.dot(int(E), urows[j], xu);
-                for (int j = 0; j < m; ++j) {
-                    if (!mt[r[j]]) continue;
-                    float h = gated ? 0.0f : a[j];  // ungated: the activation is the neuron's output
-                    const bool pass = need_up[j] ? finish(first[j], a[j], with_bias(u[j], ub, r[j]), &h) : first[j];
-                    settle(t, r[j], pass, h, active, computed);
+                kg.dot_rows(int(E), n_gate, gate_rows, op_xn_.at(t, L.gate.type), g);
+                if (act == Activation::Silu) {  // the activations by the silu kernel, as the grouped path
+                    if (gb)
+                        for (int j = 0; j < n_gate; ++j) g[j] = with_bias(g[j], gb, gate_slot[j]);
+                    ks_->silu(n_gate, g, g);
+                }
+                for (int j = 0; j < n_gate; ++j) {
+                    const int64_t r = gate_slot[j];
+                    float a = g[j];
+                    const bool first_pass =
+                        act == Activation::Silu ? std::fabs(a) > thr : gate_rule(with_bias(a, gb, r), &a);
+                    if (!gated) {
+                        settle(t, r, first_pass, a, active, computed);  // ungated: the activation is the output
+                        continue;
+                    }
+                    up_slot[n_up] = r;
+                    up_rows[n_up] = T.row(T.up, r);
+                    up_a[n_up] = a;
+                    up_first[n_up] = first_pass;
+                    n_up += first_pass || all_up;
+                    if (!all_up) settle(t, r, false, 0.0f, active, computed);  // for now: h is 0 unless listed
+                }
+                if (!gated) continue;
+                ku.dot_rows(int(E), n_up, up_rows, op_xn_.at(t, L.up.type), u);
+                for (int j = 0; j < n_up; ++j) {
+                    float h;
+                    const bool pass = finish(up_first[j], up_a[j], with_bias(u[j], ub, up_slot[j]), &h);
+                    settle(t, up_slot[j], pass, h, active, computed);
                 }
             }
         }
@@ -802,8 +756,8 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
                          op_xn_.stride(L.up.type), u_.data() + r0, Fp);
             for (int64_t t = 0; t < n_tok; ++t) {
                 // Each neuron's rule (SiLU: the pass's activations by the silu kernel first); in gate mode the
-                // neurons the gate lets through are listed and their up rows prefetched (gathered rows stream
-                // only if asked for early), then dotted 4 at a time.
+                // neurons the gate lets through are listed, then their ups computed by dot_rows (gemm8's
+                // arithmetic: the values dense mode's grouped ups would have).
                 float *gt = g_.data() + t * Fp;
                 if (act == Activation::Silu) {
                     if (gb)
@@ -845,23 +799,15 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
                         settle(t, r, false, 0.0f, active, computed);
                     }
                 }
-                for (int64_t i = 0; i < n_up; ++i) prefetch_row(T.row(T.up, up_list[i]), T.up.row_bytes);
-                const void *xu = gated ? op_xn_.at(t, L.up.type) : nullptr;
-                for (int64_t i = 0; i < n_up; i += 4) {
-                    const int m = int(std::min<int64_t>(4, n_up - i));
-                    float u[4];
-                    if (m == 4) {
-                        const void *rows[4] = {T.row(T.up, up_list[i]), T.row(T.up, up_list[i + 1]),
-                                               T.row(T.up, up_list[i + 2]), T.row(T.up, up_list[i + 3])};
-                        ku.dot4(int(E), rows, xu, u);
-                    } else {
-                        for (int j = 0; j < m; ++j) u[j] = ku.dot(int(E), T.row(T.up, up_list[i + j]), xu);
-                    }
-                    for (int j = 0; j < m; ++j) {
-                        float h;
-                        const bool pass = finish(true, up_a[i + j], with_bias(u[j], ub, up_list[i + j]), &h);
-                        settle(t, up_list[i + j], pass, h, active, computed);
-                    }
+                if (n_up == 0) continue;
+                const void *up_rows[kGroupsPerPass * kPackRows];
+                float u[kGroupsPerPass * kPackRows];
+                for (int64_t i = 0; i < n_up; ++i) up_rows[i] = T.row(T.up, up_list[i]);
+                ku.dot_rows(int(E), int(n_up), up_rows, op_xn_.at(t, L.up.type), u);
+                for (int64_t i = 0; i < n_up; ++i) {
+                    float h;
+                    const bool pass = finish(true, up_a[i], with_bias(u[i], ub, up_list[i]), &h);
+                    settle(t, up_list[i], pass, h, active, computed);
                 }
             }
         }
@@ -870,8 +816,7 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
     };
     if (reads_gate_whole(mode) && !T.gate_groups.empty() && (!gated || !all_up || !T.up_groups.empty()))
         pool_->run(pool_->chunks_for(n * E * n_tok * 2, kGrain), gate_up_grouped);
-    else if (n_tok == 1) pool_->run(pool_->chunks_for(n_rows_ * E * 2, kGrain), gate_up_one);
-    else pool_->run(pool_->chunks_for(n_rows_ * E * n_tok * 2, kGrain), gate_up);
+    else pool_->run(pool_->chunks_for(n_rows_ * E * n_tok * 2, kGrain), gate_up_gathered);
     st.active += double(n_active.load());
     st.computed += double(n_computed.load());
     if (!is_cold) st.hot_active += double(n_active.load());

@@ -29,6 +29,11 @@ struct TypeKernels {
     // result is independent of the others (q4_0 / q8_0 only, else nullptr; n <= kGemv8MaxCols)
     void (*gemm8)(int n, int n_groups, const void *w, int n_tok, const void *x, size_t x_stride, float *out,
                   int64_t ldo);
+    // out[i] = dot of row w[i] with x for n_rows rows read by pointer (the gathered rows of a sparse FFN):
+    // q4_0 / q8_0 with gemm8's arithmetic, 8 rows at a time interleaved in registers (bit-identical to gemm8
+    // over pack_rows8 of the same rows, so a neuron's value does not depend on the path that computed it);
+    // other types bit-identical to dot
+    void (*dot_rows)(int n, int n_rows, const void *const *w, const void *x, float *out);
 };
 
 constexpr int kGemv8MaxCols = 1 << 16;
@@ -70,6 +75,11 @@ inline size_t element_offset(uint32_t type, int64_t col) {
 template <float (*Dot)(int, const void *, const void *)>
 void dot4_by_rows(int n, const void *const *w, const void *x, float *out) {
     for (int r = 0; r < 4; ++r) out[r] = Dot(n, w[r], x);
+}
+
+template <float (*Dot)(int, const void *, const void *)>
+void dot_rows_by_row(int n, int n_rows, const void *const *w, const void *x, float *out) {
+    for (int r = 0; r < n_rows; ++r) out[r] = Dot(n, w[r], x);
 }
 
 template <void (*Axpy)(int, float, const void *, float *), uint32_t Type>

@@ -23,30 +23,45 @@ float dot_f16(int n, const void *w, const void *x) {
     return sum;
 }
 
-float dot_q8_0(int n, const void *w, const void *x) {
-    const BlockQ8_0 *a = static_cast<const BlockQ8_0 *>(w), *b = static_cast<const BlockQ8_0 *>(x);
-    float sum = 0.0f;
-    for (int k = 0; k < n / QK; ++k) {
-        int32_t isum = 0;
-        for (int i = 0; i < QK; ++i) isum += int32_t(a[k].qs[i]) * int32_t(b[k].qs[i]);
-        sum += f16_to_f32(a[k].d) * f16_to_f32(b[k].d) * float(isum);
+// One block's exact integer sum of products with a q8_0 block of x.
+int32_t block_isum(const BlockQ8_0 &a, const BlockQ8_0 &b) {
+    int32_t isum = 0;
+    for (int i = 0; i < QK; ++i) isum += int32_t(a.qs[i]) * int32_t(b.qs[i]);
+    return isum;
+}
+
+int32_t block_isum(const BlockQ4_0 &a, const BlockQ8_0 &b) {
+    int32_t isum = 0;
+    for (int i = 0; i < QK / 2; ++i) {
+        isum += (int32_t(a.qs[i] & 0x0f) - 8) * int32_t(b.qs[i]);
+        isum += (int32_t(a.qs[i] >> 4) - 8) * int32_t(b.qs[i + QK / 2]);
     }
+    return isum;
+}
+
+template <class Block>
+float dot_q(int n, const void *w, const void *x) {
+    const Block *a = static_cast<const Block *>(w);
+    const BlockQ8_0 *b = static_cast<const BlockQ8_0 *>(x);
+    float sum = 0.0f;
+    for (int k = 0; k < n / QK; ++k) sum += f16_to_f32(a[k].d) * f16_to_f32(b[k].d) * float(block_isum(a[k], b[k]));
     return sum;
 }
 
-float dot_q4_0(int n, const void *w, const void *x) {
-    const BlockQ4_0 *a = static_cast<const BlockQ4_0 *>(w);
+float dot_q8_0(int n, const void *w, const void *x) { return dot_q<BlockQ8_0>(n, w, x); }
+float dot_q4_0(int n, const void *w, const void *x) { return dot_q<BlockQ4_0>(n, w, x); }
+
+// Rows by pointer with the packed kernels' arithmetic: tot = fma(isum, d_w * d_x, tot) block after block.
+template <class Block>
+void dot_rows_q(int n, int n_rows, const void *const *w, const void *x, float *out) {
     const BlockQ8_0 *b = static_cast<const BlockQ8_0 *>(x);
-    float sum = 0.0f;
-    for (int k = 0; k < n / QK; ++k) {
-        int32_t isum = 0;
-        for (int i = 0; i < QK / 2; ++i) {
-            isum += (int32_t(a[k].qs[i] & 0x0f) - 8) * int32_t(b[k].qs[i]);
-            isum += (int32_t(a[k].qs[i] >> 4) - 8) * int32_t(b[k].qs[i + QK / 2]);
-        }
-        sum += f16_to_f32(a[k].d) * f16_to_f32(b[k].d) * float(isum);
+    for (int r = 0; r < n_rows; ++r) {
+        const Block *a = static_cast<const Block *>(w[r]);
+        float tot = 0.0f;
+        for (int k = 0; k < n / QK; ++k)
+            tot = std::fma(float(block_isum(a[k], b[k])), f16_to_f32(a[k].d) * f16_to_f32(b[k].d), tot);
+        out[r] = tot;
     }
-    return sum;
 }
 
 void to_float_f32(int n, const void *w, float *out) {
@@ -184,15 +199,15 @@ void quantize_q8_0(int n, const float *x, void *out) {
     }
 }
 
-#define PI_TYPE_KERNELS(T, TYPE, GEMM8) \
-    {dot_##T, axpy_##T, to_float_##T, dot4_by_rows<dot_##T>, axpy_rows_by_row<axpy_##T, TYPE>, GEMM8}
+#define PI_TYPE_KERNELS(T, TYPE, GEMM8, DOT_ROWS) \
+    {dot_##T, axpy_##T, to_float_##T, dot4_by_rows<dot_##T>, axpy_rows_by_row<axpy_##T, TYPE>, GEMM8, DOT_ROWS}
 
 const KernelSet kScalar = {
     "scalar",
-    PI_TYPE_KERNELS(f32, TYPE_F32, nullptr),
-    PI_TYPE_KERNELS(f16, TYPE_F16, nullptr),
-    PI_TYPE_KERNELS(q4_0, TYPE_Q4_0, gemm8<TYPE_Q4_0>),
-    PI_TYPE_KERNELS(q8_0, TYPE_Q8_0, gemm8<TYPE_Q8_0>),
+    PI_TYPE_KERNELS(f32, TYPE_F32, nullptr, dot_rows_by_row<dot_f32>),
+    PI_TYPE_KERNELS(f16, TYPE_F16, nullptr, dot_rows_by_row<dot_f16>),
+    PI_TYPE_KERNELS(q4_0, TYPE_Q4_0, gemm8<TYPE_Q4_0>, dot_rows_q<BlockQ4_0>),
+    PI_TYPE_KERNELS(q8_0, TYPE_Q8_0, gemm8<TYPE_Q8_0>, dot_rows_q<BlockQ8_0>),
     quantize_q8_0,
     gemm_f32,
     silu,

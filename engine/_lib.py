@@ -74,6 +74,7 @@ _SIGNATURES = {
     "pi_kernel_dot": (_I32, [ctypes.c_char_p, _I32, _I32, _P, _P, ctypes.POINTER(ctypes.c_float)]),
     "pi_kernel_axpy": (_I32, [ctypes.c_char_p, _I32, _I32, ctypes.c_float, _P, _P]),
     "pi_kernel_dot4": (_I32, [ctypes.c_char_p, _I32, _I32, _P, _P, _P]),
+    "pi_kernel_dot_rows": (_I32, [ctypes.c_char_p, _I32, _I32, _I32, _P, _P, _P]),
     "pi_kernel_axpy_rows": (_I32, [ctypes.c_char_p, _I32, _I32, _I32, _P, _I32, _P, _P]),
     "pi_kernel_pack8": (_I32, [_I32, _I32, _P, _P]),
     "pi_kernel_gemm8": (_I32, [ctypes.c_char_p, _I32, _I32, _I32, _P, _I32, _P, _P]),

@@ -49,6 +49,16 @@ def dot4(isa: str, wtype: str, n: int, rows: list[np.ndarray], x: np.ndarray) ->
     return out
 
 
+def dot_rows(isa: str, wtype: str, n: int, rows: list[np.ndarray], x: np.ndarray) -> np.ndarray:
+    """The dots of any number of stored rows, read by pointer, with one operand x (a sparse FFN's gathered
+    rows): q4_0/q8_0 as gemm8 computes them, other types as `dot`."""
+    rows = [_raw(r) for r in rows]
+    ptrs = (ctypes.c_void_p * max(1, len(rows)))(*[r.ctypes.data for r in rows])
+    x, out = np.ascontiguousarray(x), np.zeros(len(rows), dtype=np.float32)
+    check(lib().pi_kernel_dot_rows(isa.encode(), TYPE_IDS[wtype], n, len(rows), ptrs, _ptr(x), _ptr(out)))
+    return out
+
+
 def axpy_rows(isa: str, wtype: str, n: int, rows: list[np.ndarray], col0: int, a: np.ndarray,
               y: np.ndarray) -> np.ndarray:
     """y + sum_r a[r] * rows[r][col0:col0 + n] (rows stored as wtype), in one call."""

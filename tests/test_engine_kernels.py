@@ -155,6 +155,28 @@ def test_gemm8_on_packed_rows_is_eight_dots_per_token(isa, wtype, n):
                 assert abs(g - float((values(wtype, r) * xv).sum())) <= 1e-5 * scale + 1e-30
 
 
+@pytest.mark.parametrize("isa", ["scalar"] + SIMD)
+@pytest.mark.parametrize("wtype,n", CASES)
+def test_dot_rows_is_gemm8_on_the_same_rows(isa, wtype, n):
+    """dot_rows (gathered rows by pointer, any count: 1, 5, 8, 19 rows, one row repeated) gives a q4_0/q8_0
+    row exactly what gemm8 gives it in a packed group (bit-identical to the scalar reference), so a neuron's
+    value does not depend on the path, and other types exactly the set's own dot."""
+    rng = np.random.default_rng(6000 + n)
+    pool = [stored(wtype, rng.normal(0, 1, n) * rng.uniform(0.1, 5)) for _ in range(24)]
+    x, _ = operand(wtype, rng.normal(0, 1, n))
+    for count in (1, 5, 8, 19):
+        rows = [pool[i] for i in rng.choice(len(pool), count, replace=True)]
+        got = kernels.dot_rows(isa, wtype, n, rows, x)
+        if wtype in ("q4_0", "q8_0"):
+            np.testing.assert_array_equal(got, kernels.dot_rows("scalar", wtype, n, rows, x))
+            padded = rows + [rows[-1]] * (-count % 8)
+            expect = np.concatenate([kernels.gemm8(isa, wtype, n, kernels.pack8(wtype, n, padded[g:g + 8]), x)[0]
+                                     for g in range(0, len(padded), 8)])[:count]
+        else:
+            expect = np.array([kernels.dot(isa, wtype, n, r, x) for r in rows], np.float32)
+        np.testing.assert_array_equal(got, expect)
+
+
 def test_pack8_and_gemm8_check_their_arguments():
     from engine import EngineError
 

@@ -47,9 +47,12 @@ def test_dense_matches_transformers(kind, isa, converted, reference):
     assert stats["batch_tokens"] == N_PROMPT and stats["decode_tokens"] == N_DECODE
 
 
+@pytest.mark.parametrize("outtype", ["f32", "q8_0", "q4_0"])
 @pytest.mark.parametrize("kind", ["llama-relu", "bamboo"])
-def test_oracle_and_gate_equal_dense_on_relu_models(kind, converted):
-    path = converted(kind, predictors=True)
+def test_oracle_and_gate_equal_dense_on_relu_models(kind, outtype, converted):
+    """Bit for bit, quantized files too: a neuron's gate and up values are the same whichever path computed
+    them (dense mode's 8-row groups, gate mode's gathered rows), and skipped neurons contribute exact zeros."""
+    path = converted(kind, outtype, predictors=True)
     dense, dense_stats = run(path, "dense")
     for mode in ("oracle", "gate"):
         logits, stats = run(path, mode)

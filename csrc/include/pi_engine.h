@@ -97,6 +97,11 @@ pi_status pi_kernel_dot(const char *isa, int32_t type, int32_t n, const void *w,
 pi_status pi_kernel_axpy(const char *isa, int32_t type, int32_t n, float a, const void *w, float *y);
 /* out[r] = dot of row w[r] with x, for 4 rows (each bit-identical to pi_kernel_dot). */
 pi_status pi_kernel_dot4(const char *isa, int32_t type, int32_t n, const void *const *w, const void *x, float *out);
+/* out[r] = dot of row w[r] with x for n_rows rows read by pointer (a sparse FFN's gathered rows): q4_0/q8_0
+ * with the packed kernels' arithmetic (bit-identical to pi_kernel_gemm8 over pi_kernel_pack8 of the same rows,
+ * 8 at a time), other types bit-identical to pi_kernel_dot. */
+pi_status pi_kernel_dot_rows(const char *isa, int32_t type, int32_t n, int32_t n_rows, const void *const *w,
+                             const void *x, float *out);
 /* y[i] += sum_r a[r] * w[r][col0 + i] for i < n (bit-identical to n_rows pi_kernel_axpy calls in order);
  * n and col0 multiples of the block size. */
 pi_status pi_kernel_axpy_rows(const char *isa, int32_t type, int32_t n, int32_t n_rows, const void *const *w,

@@ -126,7 +126,6 @@ Engine::Engine(const std::string &path, const pi_options &opts)
 
     pool_ = std::make_unique<ThreadPool>(threads);
     scores_.assign(size_t(threads * kAttnTile * n_ctx_), 0.0f);
-    kt_.assign(size_t(KV * n_ctx_), 0.0f);
     panel_w_.assign(size_t(threads * kPanelRows * E), 0.0f);
     panel_h_.assign(size_t(threads * kPanelTokens * kPanelRows), 0.0f);
     ema_active_.assign(size_t(L), 1.0);
@@ -144,7 +143,7 @@ void Engine::check_working_memory(int64_t threads) const {
     const double R = double(std::max<int64_t>(model_->max_rank(), 1)), C = double(n_ctx_), T = double(threads);
     const double floats = 2 * L * C * KV + C * double(hp_.n_rot) + B * (5 * E + 2 * Q + 2 * KV + 3 * F + 16 + R) +
                           (F / double(kDownRows) + 1) * E + double(hp_.n_vocab) +
-                          T * (double(kAttnTile) * C + double(kPanelRows) * (E + double(kPanelTokens))) + KV * C;
+                          T * (double(kAttnTile) * C + double(kPanelRows) * (E + double(kPanelTokens)));
     const double bytes = 4 * floats + C * 4 + B * F * 2 + F * 8 + L * 32;
     const double available = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE));
     if (available > 0 && bytes > available)
@@ -373,13 +372,12 @@ void Engine::attention(int64_t il, int64_t n_tok) {
         const int64_t pos = n_past_ + t;
         rope(q_.data() + t * Q, H, pos);
         rope(k_.data() + t * KV, HKV, pos);
-        std::memcpy(kc + pos * KV, k_.data() + t * KV, size_t(KV) * sizeof(float));
+        for (int64_t e = 0; e < KV; ++e) kc[e * n_ctx_ + pos] = k_[size_t(t * KV + e)];
         std::memcpy(vc + pos * KV, v_.data() + t * KV, size_t(KV) * sizeof(float));
     }
 
     const float scale = 1.0f / std::sqrt(float(D));
     const int64_t group = H / HKV;
-    const TypeKernels &kf = ks_->f32;
     // A row of scores: scaled, softmax over its first n_valid keys, 0 for the keys after (later tokens).
     auto softmax = [&](float *sc, int64_t n_valid, int64_t n_row) {
         float mx = -INFINITY;
@@ -396,61 +394,26 @@ void Engine::attention(int64_t il, int64_t n_tok) {
         for (int64_t j = 0; j < n_valid; ++j) sc[j] *= inv;
         std::fill(sc + n_valid, sc + n_row, 0.0f);
     };
-    if (n_tok == 1) {
-        // One token: scores 4 keys at a time, then out = sum_j p_j v_j as a one-token gemm over the values.
-        auto job = [&](int chunk, int n_chunks, int thread) {
-            float *sc = scores_.data() + int64_t(thread) * kAttnTile * n_ctx_;
-            int64_t h0, h1;
-            split_range(H, chunk, n_chunks, &h0, &h1);
-            const int64_t n_keys = n_past_ + 1;
-            for (int64_t h = h0; h < h1; ++h) {
-                const int64_t kvh = h / group;
-                const float *qv = q_.data() + h * D;
-                int64_t j = 0;
-                for (; j + 4 <= n_keys; j += 4) {
-                    const void *keys[4] = {kc + j * KV + kvh * D, kc + (j + 1) * KV + kvh * D,
-                                           kc + (j + 2) * KV + kvh * D, kc + (j + 3) * KV + kvh * D};
-                    kf.dot4(int(D), keys, qv, sc + j);
-                }
-                for (; j < n_keys; ++j) sc[j] = kf.dot(int(D), kc + j * KV + kvh * D, qv);
-                softmax(sc, n_keys, n_keys);
-                float *out = att_.data() + h * D;
-                std::fill(out, out + D, 0.0f);
-                ks_->gemm_f32(1, int(n_keys), int(D), sc, int(n_keys), vc + kvh * D, int(KV), out, int(D));
-            }
-        };
-        pool_->run(int(std::min<int64_t>(H, pool_->chunks_for(H * (n_past_ + 1) * D * 2, kGrain))), job);
-    } else {
-        // A batch: the layer's keys transposed once (kt_[kv dim][position]), then per query head and tile
-        // of kAttnTile tokens two gemms: scores = q K^T over the keys the tile's last token sees (earlier
-        // tokens' later keys get probability 0), out = p V.
-        const int64_t n_all = n_past_ + n_tok;
-        auto transpose = [&](int chunk, int n_chunks, int) {
-            int64_t e0, e1;
-            split_range(KV, chunk, n_chunks, &e0, &e1);
-            for (int64_t j = 0; j < n_all; ++j)
-                for (int64_t e = e0; e < e1; ++e) kt_[size_t(e * n_ctx_ + j)] = kc[j * KV + e];
-        };
-        pool_->run(pool_->chunks_for(n_all * KV * 16, kGrain), transpose);
-        const int64_t n_tiles = (n_tok + kAttnTile - 1) / kAttnTile;
-        auto job = [&](int chunk, int n_chunks, int thread) {
-            float *sc = scores_.data() + int64_t(thread) * kAttnTile * n_ctx_;
-            int64_t w0, w1;
-            split_range(n_tiles * H, chunk, n_chunks, &w0, &w1);
-            for (int64_t w = w0; w < w1; ++w) {
-                const int64_t t0 = w / H * kAttnTile, h = w % H, kvh = h / group;
-                const int64_t nt = std::min(kAttnTile, n_tok - t0), n_keys = n_past_ + t0 + nt;
-                std::fill(sc, sc + nt * n_keys, 0.0f);
-                ks_->gemm_f32(int(nt), int(D), int(n_keys), q_.data() + t0 * Q + h * D, int(Q),
-                              kt_.data() + kvh * D * n_ctx_, int(n_ctx_), sc, int(n_keys));
-                for (int64_t t = 0; t < nt; ++t) softmax(sc + t * n_keys, n_past_ + t0 + t + 1, n_keys);
-                float *out = att_.data() + t0 * Q + h * D;
-                for (int64_t t = 0; t < nt; ++t) std::fill(out + t * Q, out + t * Q + D, 0.0f);
-                ks_->gemm_f32(int(nt), int(n_keys), int(D), sc, int(n_keys), vc + kvh * D, int(KV), out, int(Q));
-            }
-        };
-        pool_->run(int(std::min<int64_t>(n_tiles * H, pool_->chunks_for(n_tok * H * n_all * D * 2, kGrain))), job);
-    }
+    // Per query head and tile of kAttnTile tokens (one token when decoding), two gemms: scores = q K^T over
+    // the keys the tile's last token sees (earlier tokens' later keys get probability 0), out = p V.
+    const int64_t n_tiles = (n_tok + kAttnTile - 1) / kAttnTile, n_all = n_past_ + n_tok;
+    auto job = [&](int chunk, int n_chunks, int thread) {
+        float *sc = scores_.data() + int64_t(thread) * kAttnTile * n_ctx_;
+        int64_t w0, w1;
+        split_range(n_tiles * H, chunk, n_chunks, &w0, &w1);
+        for (int64_t w = w0; w < w1; ++w) {
+            const int64_t t0 = w / H * kAttnTile, h = w % H, kvh = h / group;
+            const int64_t nt = std::min(kAttnTile, n_tok - t0), n_keys = n_past_ + t0 + nt;
+            std::fill(sc, sc + nt * n_keys, 0.0f);
+            ks_->gemm_f32(int(nt), int(D), int(n_keys), q_.data() + t0 * Q + h * D, int(Q), kc + kvh * D * n_ctx_,
+                          int(n_ctx_), sc, int(n_keys));
+            for (int64_t t = 0; t < nt; ++t) softmax(sc + t * n_keys, n_past_ + t0 + t + 1, n_keys);
+            float *out = att_.data() + t0 * Q + h * D;
+            for (int64_t t = 0; t < nt; ++t) std::fill(out + t * Q, out + t * Q + D, 0.0f);
+            ks_->gemm_f32(int(nt), int(n_keys), int(D), sc, int(n_keys), vc + kvh * D, int(KV), out, int(Q));
+        }
+    };
+    pool_->run(int(std::min<int64_t>(n_tiles * H, pool_->chunks_for(n_tok * H * n_all * D * 2, kGrain))), job);
     op_att_.q_ready = false;
     matmul(L.wo, op_att_, n_tok, tmp_.data(), E);
     add_bias(tmp_.data(), L.bo, n_tok, E);

@@ -100,7 +100,8 @@ private:
     int32_t mode_;
     bool recall_check_;
 
-    // KV cache [layer][pos][n_head_kv * d_head]
+    // KV cache: keys [layer][n_head_kv * d_head][pos] (transposed: a query's scores are one gemm over
+    // contiguous rows), values [layer][pos][n_head_kv * d_head]
     std::vector<float> k_cache_, v_cache_;
     int64_t n_past_ = 0;
     std::vector<int32_t> history_;
@@ -110,7 +111,6 @@ private:
     std::vector<float> x_, xn_, q_, k_, v_, att_, tmp_, y_hot_, y_cold_, h_, hid_, last_logits_;
     std::vector<float> g_, u_;  // [batch][n_ff rounded up to 8]: gate and up of grouped tiers
     std::vector<float> scores_;  // [threads][attention tile][n_ctx]
-    std::vector<float> kt_;      // [n_head_kv * d_head][n_ctx]: a layer's keys transposed, for a batch
     std::vector<float> panel_w_;  // [threads][panel rows][n_embd]: widened down_t rows of a batch
     std::vector<float> panel_h_;  // [threads][panel tokens][panel rows]: their coefficients
     std::vector<BlockQ8_0> q_x_, q_xn_, q_att_, q_hid_;

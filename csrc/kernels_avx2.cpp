@@ -26,12 +26,15 @@ const KernelSet kAvx2 = x86_kernel_set("avx2");
 }  // namespace
 
 const KernelSet *avx2_kernels() {
-    __builtin_cpu_init();
-    // F16C through CPUID leaf 1 (ECX bit 29): clang's __builtin_cpu_supports does not know "f16c".
-    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & (1u << 29)) != 0;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c) return &kAvx2;
-    return nullptr;
+    // decided once: CPUID traps to the hypervisor in a virtual machine (tens of microseconds a call)
+    static const KernelSet *const set = [] {
+        __builtin_cpu_init();
+        // F16C through CPUID leaf 1 (ECX bit 29): clang's __builtin_cpu_supports does not know "f16c".
+        unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+        const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & (1u << 29)) != 0;
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c ? &kAvx2 : nullptr;
+    }();
+    return set;
 }
 
 }  // namespace pi

@@ -28,11 +28,14 @@ const KernelSet kAvx512 = x86_kernel_set("avx512");
 }  // namespace
 
 const KernelSet *avx512_kernels() {
-    __builtin_cpu_init();  // the AVX2 set's check covers AVX2, FMA and F16C
-    if (avx2_kernels() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
-        return &kAvx512;
-    return nullptr;
+    static const KernelSet *const set = [] {  // decided once, as the AVX2 set
+        __builtin_cpu_init();  // the AVX2 set's check covers AVX2, FMA and F16C
+        return avx2_kernels() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni")
+                   ? &kAvx512
+                   : nullptr;
+    }();
+    return set;
 }
 
 }  // namespace pi

@@ -785,13 +785,22 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
     if (!is_cold) st.hot_active += double(n_active.load());
 
     // Stage D: y = sum over used rows of h * down_t row (a batch: each thread owns a slice of the columns).
+    // A batch in the modes that settle every token's every row (h_ is 0 where a token leaves a row out) keeps
+    // all of the tier's rows in order when nearly all are used: its coefficients are then h_ itself, read in
+    // place by gemm_f32, instead of a copy gathered per panel and thread.
     int64_t n_used = 0;
-    for (int64_t i = 0; i < n_rows_; ++i) {  // compacted in place, without branches
+    for (int64_t i = 0; i < n_rows_; ++i) {  // counted (and compacted) without branches
         const int64_t r = rows_[size_t(i)];
         int32_t users = 0;
         for (int64_t t = 0; t < n_tok; ++t) users += mask_[size_t(t * F + r)] == 2;
         rows_[size_t(n_used)] = int32_t(r);
         n_used += users > 0;
+    }
+    const bool in_place = n_tok > 1 && mode != TierMode::Predictor && mode != TierMode::Oracle && n_rows_ == n &&
+                          n_used * 10 >= n * 9;
+    if (in_place) {
+        for (int64_t i = 0; i < n; ++i) rows_[size_t(i)] = int32_t(i);
+        n_used = n;
     }
     const uint32_t dtype = T.down_t.type;
     const TypeKernels &kd = ks_->for_type(dtype);
@@ -837,6 +846,10 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
                                 wp + int64_t(i) * cn);
                 for (int64_t t0 = 0; t0 < n_tok; t0 += kPanelTokens) {
                     const int nt = int(std::min<int64_t>(kPanelTokens, n_tok - t0));
+                    if (in_place) {
+                        ks_->gemm_f32(nt, np, cn, h_.data() + t0 * F + p0, int(F), wp, cn, y + t0 * E + c0, int(E));
+                        continue;
+                    }
                     for (int t = 0; t < nt; ++t)
                         for (int i = 0; i < np; ++i) {
                             const size_t at = size_t((t0 + t) * F + rows_[size_t(p0 + i)]);

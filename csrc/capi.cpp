@@ -270,6 +270,14 @@ pi_status pi_kernel_silu(const char *isa, int32_t n, const float *x, float *out)
     });
 }
 
+pi_status pi_kernel_softmax(const char *isa, int32_t n, float scale, float *x) {
+    return guarded([&] {
+        if (n < 1) pi::fail(PI_ERR_ARGUMENT, "n must be >= 1");
+        need(x, "x");
+        kernel_set(isa).softmax(n, scale, x);
+    });
+}
+
 pi_status pi_kernel_to_float(const char *isa, int32_t type, int32_t n, const void *w, float *out) {
     return guarded([&] {
         check_kernel_args(type, n);

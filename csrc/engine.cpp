@@ -380,18 +380,7 @@ void Engine::attention(int64_t il, int64_t n_tok) {
     const int64_t group = H / HKV;
     // A row of scores: scaled, softmax over its first n_valid keys, 0 for the keys after (later tokens).
     auto softmax = [&](float *sc, int64_t n_valid, int64_t n_row) {
-        float mx = -INFINITY;
-        for (int64_t j = 0; j < n_valid; ++j) {
-            sc[j] *= scale;
-            mx = std::max(mx, sc[j]);
-        }
-        float sum = 0.0f;
-        for (int64_t j = 0; j < n_valid; ++j) {
-            sc[j] = std::exp(sc[j] - mx);
-            sum += sc[j];
-        }
-        const float inv = 1.0f / sum;
-        for (int64_t j = 0; j < n_valid; ++j) sc[j] *= inv;
+        ks_->softmax(int(n_valid), scale, sc);
         std::fill(sc + n_valid, sc + n_row, 0.0f);
     };
     // Per query head and tile of kAttnTile tokens (one token when decoding), two gemms: scores = q K^T over

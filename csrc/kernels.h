@@ -49,6 +49,9 @@ struct KernelSet {
                      int ldy);
     // out[i] = silu(x[i]) as silu_ref computes it (bit for bit); out may be x
     void (*silu)(int n, const float *x, float *out);
+    // x[i] = exp(s x[i] - max_j s x[j]) / sum of those, i < n (n >= 1), exps as exp_ref, the sum in a fixed
+    // order (the scalar set's comment): bit-identical across sets
+    void (*softmax)(int n, float scale, float *x);
 
     const TypeKernels &for_type(uint32_t type) const {
         switch (type) {
@@ -95,6 +98,8 @@ inline bool act_is_q8(uint32_t type) { return type == TYPE_Q4_0 || type == TYPE_
 // fma): within 2 ulp of the exact value, and the same bits in every kernel set and in the engine's
 // scalar paths.
 float silu_ref(float x);
+// e^x by the same steps (clamped to [-87.3, 88.3], infinity above)
+float exp_ref(float x);
 
 const KernelSet &scalar_kernels();
 // nullptr when the build or the CPU lacks the instruction set.

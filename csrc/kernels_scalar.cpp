@@ -183,6 +183,26 @@ void silu(int n, const float *x, float *out) {
     for (int i = 0; i < n; ++i) out[i] = silu_ref(x[i]);
 }
 
+// The SIMD sets' order: the maximum (exact in any order), exps, their sum as 8 strided partial sums reduced
+// pairwise ((0+4)+(1+5)) + ((2+6)+(3+7)), then the elements past the last multiple of 8 in turn.
+void softmax(int n, float scale, float *x) {
+    float mx = -INFINITY;
+    for (int i = 0; i < n; ++i) {
+        x[i] *= scale;
+        mx = std::fmax(mx, x[i]);
+    }
+    const int n8 = n / 8 * 8;
+    float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int i = 0; i < n; ++i) {
+        x[i] = exp_ref(x[i] - mx);
+        if (i < n8) part[i % 8] += x[i];
+    }
+    float sum = ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
+    for (int i = n8; i < n; ++i) sum += x[i];
+    const float inv = 1.0f / sum;
+    for (int i = 0; i < n; ++i) x[i] *= inv;
+}
+
 // roundf: half away from zero, as ggml's reference and gguf-py's np_roundf.
 void quantize_q8_0(int n, const float *x, void *out) {
     BlockQ8_0 *b = static_cast<BlockQ8_0 *>(out);
@@ -211,14 +231,15 @@ const KernelSet kScalar = {
     quantize_q8_0,
     gemm_f32,
     silu,
+    softmax,
 };
 
 }  // namespace
 
 const KernelSet &scalar_kernels() { return kScalar; }
 
-float silu_ref(float x) {
-    const float v = std::fmin(std::fmax(-x, -87.3f), 88.3f);  // exp(-x) with 2^n a normal float
+float exp_ref(float x) {
+    const float v = std::fmin(std::fmax(x, -87.3f), 88.3f);  // 2^n stays a normal float
     const float n = std::floor(std::fma(v, 1.44269504088896341f, 0.5f));
     float r = std::fma(n, -0.693359375f, v);
     r = std::fma(n, 2.12194440e-4f, r);
@@ -228,9 +249,10 @@ float silu_ref(float x) {
     p = std::fma(p, r, 4.1665795894e-2f);
     p = std::fma(p, r, 1.6666665459e-1f);
     p = std::fma(p, r, 5.0000001201e-1f);
-    float e = (std::fma(p, r * r, r) + 1.0f) * ldexp_bits(int(n));
-    if (-x > 88.3f) e = INFINITY;  // past the clamp: sigmoid is 0 (x / inf)
-    return x / (1.0f + e);
+    const float e = (std::fma(p, r * r, r) + 1.0f) * ldexp_bits(int(n));
+    return x > 88.3f ? INFINITY : e;  // past the clamp
 }
+
+float silu_ref(float x) { return x / (1.0f + exp_ref(-x)); }  // above 88.3: x / inf, sigmoid 0
 
 }  // namespace pi

@@ -80,6 +80,7 @@ _SIGNATURES = {
     "pi_kernel_gemm8": (_I32, [ctypes.c_char_p, _I32, _I32, _I32, _P, _I32, _P, _P]),
     "pi_kernel_gemm_f32": (_I32, [ctypes.c_char_p, _I32, _I32, _I32, _P, _P, _P]),
     "pi_kernel_silu": (_I32, [ctypes.c_char_p, _I32, _P, _P]),
+    "pi_kernel_softmax": (_I32, [ctypes.c_char_p, _I32, ctypes.c_float, _P]),
     "pi_kernel_to_float": (_I32, [ctypes.c_char_p, _I32, _I32, _P, _P]),
     "pi_kernel_quantize_q8_0": (_I32, [ctypes.c_char_p, _I32, _P, _P]),
 }

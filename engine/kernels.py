@@ -109,6 +109,13 @@ def silu(isa: str, x: np.ndarray) -> np.ndarray:
     return out
 
 
+def softmax(isa: str, x: np.ndarray, scale: float = 1.0) -> np.ndarray:
+    """exp(scale x - max) / sum, the engine's attention softmax over one row of scores."""
+    out = np.array(x, dtype=np.float32, copy=True)
+    check(lib().pi_kernel_softmax(isa.encode(), out.size, scale, _ptr(out)))
+    return out
+
+
 def to_float(isa: str, wtype: str, n: int, w: np.ndarray) -> np.ndarray:
     w, out = _raw(w), np.zeros(n, dtype=np.float32)
     check(lib().pi_kernel_to_float(isa.encode(), TYPE_IDS[wtype], n, _ptr(w), _ptr(out)))

@@ -118,6 +118,8 @@ pi_status pi_kernel_gemm_f32(const char *isa, int32_t n_tok, int32_t n_rows, int
                              const float *w, float *y);
 /* out[i] = x[i] * sigmoid(x[i]), as the engine's SiLU rule computes it. */
 pi_status pi_kernel_silu(const char *isa, int32_t n, const float *x, float *out);
+/* x[i] = exp(scale x[i] - max) / sum, in place (n >= 1): attention's softmax, bit-identical across sets. */
+pi_status pi_kernel_softmax(const char *isa, int32_t n, float scale, float *x);
 pi_status pi_kernel_to_float(const char *isa, int32_t type, int32_t n, const void *w, float *out);
 pi_status pi_kernel_quantize_q8_0(const char *isa, int32_t n, const float *x, void *out);
 

@@ -692,6 +692,7 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
                     float h;
                     const bool pass = finish(up_first[j], up_a[j], with_bias(u[j], ub, up_slot[j]), &h);
                     settle(t, up_slot[j], pass, h, active, computed);
+                    if (n_tok == 1) prefetch_row(pass ? T.row(T.down_t, up_slot[j]) : up_rows[j], T.down_t.row_bytes);
                 }
             }
         }
@@ -772,6 +773,7 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
                     float h;
                     const bool pass = finish(true, up_a[i], with_bias(u[i], ub, up_list[i]), &h);
                     settle(t, up_list[i], pass, h, active, computed);
+                    if (n_tok == 1) prefetch_row(pass ? T.row(T.down_t, up_list[i]) : up_rows[i], T.down_t.row_bytes);
                 }
             }
         }

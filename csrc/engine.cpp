@@ -509,6 +509,25 @@ void Engine::predictor_select(const Layer &L, const FfnTier &T, int64_t n_tok) {
     const Matrix &fc2 = T.fc2;
     const TypeKernels &k = ks_->for_type(fc2.type);
     const float thr = L.pred_threshold;
+    if (T.fc2_transposed) {
+        // logits of token t = sum over k of hidden[t][k] * row k of the transposed fc2, per slice of columns
+        const int64_t Fp = F + kPackRows;
+        auto job = [&](int chunk, int n_chunks, int) {
+            int64_t c0, c1;
+            split_range(n, chunk, n_chunks, &c0, &c1, 16);
+            if (c0 >= c1) return;
+            for (int64_t t = 0; t < n_tok; ++t) {
+                float *logit = g_.data() + t * Fp;
+                std::fill(logit + c0, logit + c1, 0.0f);
+                // row by row (each streams in order; axpy_rows would interleave R streams at once)
+                for (int64_t j = 0; j < R; ++j)
+                    k.axpy(int(c1 - c0), hid_[size_t(t * R + j)], fc2.row(j) + element_offset(fc2.type, c0), logit + c0);
+                for (int64_t r = c0; r < c1; ++r) mask_[size_t(t * F + r)] = logit[r] > thr;
+            }
+        };
+        pool_->run(pool_->chunks_for(n * R * n_tok, kGrain), job);
+        return;
+    }
     auto job = [&](int chunk, int n_chunks, int) {
         int64_t r0, r1;
         split_range(n, chunk, n_chunks, &r0, &r1);
@@ -575,34 +594,36 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
     }
     if (is_cold) {
         if (mode == TierMode::Predictor || mode == TierMode::Oracle) {
-            double selected = 0, tp = 0, pos = 0;
+            int64_t selected = 0, tp = 0, pos = 0;  // integer counts: a double sum is a latency chain
             const bool have_truth = mode == TierMode::Oracle || recall_check_;
-            for (int64_t t = 0; t < n_tok; ++t)
+            for (int64_t t = 0; t < n_tok; ++t) {
+                const uint8_t *mt = mask_.data() + t * F;
+                for (int64_t r = 0; r < n; ++r) selected += mt[r];
+                if (!have_truth) continue;
+                const uint8_t *tt = truth_.data() + t * F;
                 for (int64_t r = 0; r < n; ++r) {
-                    const uint8_t m = mask_[size_t(t * F + r)];
-                    selected += m;
-                    if (have_truth) {
-                        const uint8_t tr = truth_[size_t(t * F + r)];
-                        pos += tr;
-                        tp += tr & m;
-                    }
+                    pos += tt[r];
+                    tp += tt[r] & mt[r];
                 }
-            st.predicted += selected;
+            }
+            st.predicted += double(selected);
             st.cold_tokens += double(n_tok);
-            st.true_pos += tp;
-            st.positives += pos;
+            st.true_pos += double(tp);
+            st.positives += double(pos);
         }
         times_.predictor += seconds_since(t0);
         t0 = Clock::now();
     }
 
     // Stage B/C: gate (and up) for the selected rows; mask_ becomes 2 where up/down are used.
-    n_rows_ = 0;
+    int64_t n_listed = 0;  // listed without branches (whether a row is selected is a coin flip)
     for (int64_t r = 0; r < n; ++r) {
-        bool any = false;
-        for (int64_t t = 0; t < n_tok && !any; ++t) any = mask_[size_t(t * F + r)] != 0;
-        if (any) rows_[size_t(n_rows_++)] = int32_t(r);
+        uint8_t any = 0;
+        for (int64_t t = 0; t < n_tok; ++t) any |= mask_[size_t(t * F + r)];
+        rows_[size_t(n_listed)] = int32_t(r);
+        n_listed += any != 0;
     }
+    n_rows_ = n_listed;
     prepare(op_xn_, n_tok, L.gate.type);
     prepare(op_xn_, n_tok, L.up.type);
     const TypeKernels &kg = ks_->for_type(L.gate.type), &ku = ks_->for_type(L.up.type);

@@ -182,6 +182,33 @@ Matrix Model::bind(const std::string &name, int64_t rows, int64_t cols, bool f32
     return m;
 }
 
+void Model::bind_cold_predictor(Layer &l) {
+    FfnTier &t = l.cold;
+    const int64_t nc = t.size(), rank = l.fc2.cols;
+    if (l.fc2.type == TYPE_F32 || l.fc2.type == TYPE_F16) {
+        const size_t es = type_size(l.fc2.type).bytes;
+        t.fc2_storage.resize(size_t(rank * nc) * es);
+        for (int64_t r = 0; r < nc; ++r) {
+            const uint8_t *src = l.fc2.row(t.ids[size_t(r)]);
+            for (int64_t k = 0; k < rank; ++k)
+                std::memcpy(t.fc2_storage.data() + (size_t(k * nc) + size_t(r)) * es, src + size_t(k) * es, es);
+        }
+        t.fc2.rows = rank;
+        t.fc2.cols = nc;
+        t.fc2.row_bytes = size_t(nc) * es;
+        t.fc2.data = t.fc2_storage.data();
+        t.fc2_transposed = true;
+        for (int64_t k = 0; k < rank; ++k) t.fc2_t_rows.push_back(t.fc2.row(k));
+        file_->release(l.fc2.data, l.fc2.bytes());  // no second copy: the mapped pages go back
+    } else if (nc < l.fc2.rows) {  // with a hot tier: the cold neurons' rows, contiguous
+        t.fc2_storage.resize(size_t(nc) * l.fc2.row_bytes);
+        for (int64_t r = 0; r < nc; ++r)
+            std::memcpy(t.fc2_storage.data() + size_t(r) * l.fc2.row_bytes, l.fc2.row(t.ids[size_t(r)]), l.fc2.row_bytes);
+        t.fc2.rows = nc;
+        t.fc2.data = t.fc2_storage.data();
+    }
+}
+
 void Model::bind_tensors() {
     const GgufFile &f = *file_;
     const std::string &p = f.path();
@@ -361,15 +388,7 @@ void Model::build_tiers(const std::string &gpuidx_path) {
         l.cold.packed = false;
         l.cold.fc2 = l.fc2;
         const int64_t nh = l.hot.size();
-        if (has_predictor_ && nh > 0) {  // the predictor only ever scores cold neurons: pack their rows
-            const int64_t nc = l.cold.size();
-            l.cold.fc2_storage.resize(size_t(nc) * l.fc2.row_bytes);
-            for (int64_t r = 0; r < nc; ++r)
-                std::memcpy(l.cold.fc2_storage.data() + size_t(r) * l.fc2.row_bytes, l.fc2.row(l.cold.ids[size_t(r)]),
-                            l.fc2.row_bytes);
-            l.cold.fc2.rows = nc;
-            l.cold.fc2.data = l.cold.fc2_storage.data();
-        }
+        if (has_predictor_) bind_cold_predictor(l);  // the predictor only ever scores cold neurons
         // Hot tier: packed contiguous copies, gate | up | down_t.
         l.hot.packed = true;
         if (nh == 0) continue;

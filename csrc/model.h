@@ -68,8 +68,13 @@ struct FfnTier {
     Matrix gate, up, down_t;   // row r of each = neuron ids[r] (packed) or row ids[r] (mapped, see packed)
     bool packed = false;
     std::vector<uint8_t> storage;  // backing of packed rows
-    Matrix fc2;                    // predictor rows of this tier's neurons (cold tier only)
+    // The predictor's fc2 for this tier's neurons (cold tier only). f32/f16 predictors are kept transposed,
+    // row k = weight k of every neuron (fc2_t_rows: its row pointers), so a token's logits are one axpy_rows
+    // over the rank's rows instead of a short dot per neuron; quantized ones as rows per neuron.
+    Matrix fc2;
     std::vector<uint8_t> fc2_storage;
+    bool fc2_transposed = false;
+    std::vector<const void *> fc2_t_rows;
     // gate and up rows again in 8-row groups (packed.h, the last group padded with zero rows), made the
     // first time a mode reads them whole (Model::group_tier: gate for dense and gate modes, up for dense
     // modes only); empty before, or for f32/f16 weights. Ungated FFNs have only gate_groups (gate is up).
@@ -128,6 +133,8 @@ private:
     void read_hparams();
     void bind_tensors();
     void build_tiers(const std::string &gpuidx_path);
+    // The cold tier's predictor rows (see FfnTier::fc2), from the layer's fc2.
+    void bind_cold_predictor(Layer &l);
     // Packs the matrices every token reads whole into 8-row groups (see Matrix::groups).
     void pack_dense_matrices();
     void pack(Matrix &m);

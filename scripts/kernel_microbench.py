@@ -1,10 +1,18 @@
-"""Throughput of single engine kernels (GB/s of weight bytes read and ns per 32-value block), one thread.
+"""Throughput of the engine's row kernels (GB/s of weight bytes read, ns per 32-value row-block), one thread.
 
-A kernel runs over `--rows` rows of SmolLM2's width (576) that together fit in L2 (default), so the
-figure is the kernel's compute cost rather than DRAM's; the best of `--passes` is kept (shared
+Each kernel runs as the decode step calls it, on half the rows of SmolLM2-wide matrices (576 values) picked
+at random and sorted, or on all of them in order:
+
+* `gemm8` over packed 8-row groups (attention, output head, a dense FFN's gate/up),
+* `dot_rows` over gathered rows (a sparse FFN's gate/up rows read by index),
+* `axpy_rows` over gathered rows (the down projection's `ffn_down_t` rows).
+
+"hot": one matrix of 768 rows, L2-resident (the kernel's compute cost); "cold": the same call over 60 such
+matrices (~30 MB, more than this machine's L3 share), DRAM latency and bandwidth included. One C call per
+matrix, so the ctypes overhead (~1 us) is small against the work; the best of `--passes` is kept (shared
 machine). Used for docs/perf-notes.md: prediction vs outcome per kernel change.
 
-    python scripts/kernel_microbench.py [--isa avx2] [--rows 256] [--n 576]
+    python scripts/kernel_microbench.py [--isa avx2] [--passes 20]
 """
 from __future__ import annotations
 
@@ -19,6 +27,8 @@ from engine import kernels
 from engine._lib import lib
 
 Q = gguf.GGMLQuantizationType
+N, ROWS, MATRICES = 576, 1536, 60
+PACKED_BLOCK = {"q4_0": 144, "q8_0": 272}
 
 
 def best(fn, passes: int) -> float:
@@ -32,46 +42,45 @@ def best(fn, passes: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--isa", default=kernels.selected())
-    ap.add_argument("--rows", type=int, default=256)
-    ap.add_argument("--n", type=int, default=576)
     ap.add_argument("--passes", type=int, default=20)
     args = ap.parse_args()
     rng = np.random.default_rng(0)
-    n, rows = args.n, args.rows
-    x = rng.normal(0, 1, n).astype(np.float32)
-    xq = gguf.quants.quantize(x, Q.Q8_0)
-    f = lib()
+    f, isa = lib(), args.isa.encode()
+    xq = gguf.quants.quantize(rng.normal(0, 1, N).astype(np.float32), Q.Q8_0)
+    y = np.zeros(N, np.float32)
+    coef = np.full(ROWS, 0.5, np.float32)
+    out = np.zeros(ROWS, np.float32)
+    ptr = ctypes.c_void_p
+    xp, yp, cp, op = (ptr(a.ctypes.data) for a in (xq, y, coef, out))
+    print(f"{'isa':8s} {'type':5s} {'kernel':10s} {'rows':10s} {'hot GB/s':>9s} {'ns/blk':>7s} {'cold GB/s':>10s} {'ns/blk':>7s}")
     for wtype, qt in (("q4_0", Q.Q4_0), ("q8_0", Q.Q8_0)):
-        w = gguf.quants.quantize(rng.normal(0, 1, (rows, n)).astype(np.float32), qt)
-        row_bytes = w.shape[1]
-        base = w.ctypes.data
-        out = ctypes.c_float()
-        y = np.zeros(n, np.float32)
         tid = kernels.TYPE_IDS[wtype]
-        isa = args.isa.encode()
-        xp = xq.ctypes.data_as(ctypes.c_void_p)
-        yp = y.ctypes.data_as(ctypes.c_void_p)
+        mats = [gguf.quants.quantize(rng.normal(0, 1, (ROWS, N)).astype(np.float32), qt) for _ in range(MATRICES)]
+        row_bytes = mats[0].shape[1]
+        half = [np.sort(rng.choice(ROWS, ROWS // 2, replace=False)) for _ in range(MATRICES)]
+        gathered = [(ptr * len(h))(*[m.ctypes.data + int(r) * row_bytes for r in h]) for m, h in zip(mats, half)]
+        packed = [np.concatenate([kernels.pack8(wtype, N, list(m[g:g + 8])) for g in range(0, ROWS, 8)]) for m in mats]
+        n_half = ROWS // 2
 
-        def dots():
-            for r in range(rows):
-                f.pi_kernel_dot(isa, tid, n, ctypes.c_void_p(base + r * row_bytes), xp, ctypes.byref(out))
+        def gemm8(k):
+            f.pi_kernel_gemm8(isa, tid, N, ROWS // 8, ptr(packed[k].ctypes.data), 1, xp, op)
 
-        def axpys():
-            for r in range(rows):
-                f.pi_kernel_axpy(isa, tid, n, 0.5, ctypes.c_void_p(base + r * row_bytes), yp)
+        def dot_rows(k):
+            f.pi_kernel_dot_rows(isa, tid, N, n_half, gathered[k], xp, op)
 
-        # the per-call ctypes overhead, measured with a zero-length-equivalent call, is subtracted
-        def empty():
-            for r in range(rows):
-                f.pi_kernel_dot(isa, tid, 32, ctypes.c_void_p(base + r * row_bytes), xp, ctypes.byref(out))
+        def axpy_rows(k):
+            f.pi_kernel_axpy_rows(isa, tid, N, n_half, gathered[k], 0, cp, yp)
 
-        t0 = best(empty, args.passes)
-        blocks = rows * n / 32
-        for name, fn in (("dot", dots), ("axpy", axpys)):
-            t = best(fn, args.passes) - t0 * (1 - 32 / n)
-            print(f"{args.isa:8s} {wtype} {name:5s} {w.nbytes / t / 1e9:6.2f} GB/s  {t / blocks * 1e9:6.2f} ns/block")
+        for name, fn, rows, which in (("gemm8", gemm8, ROWS, "all, packed"), ("dot_rows", dot_rows, n_half, "half, index"),
+                                      ("axpy_rows", axpy_rows, n_half, "half, index")):
+            nbytes = rows * row_bytes
+            blocks = rows * N / 32
+            hot = best(lambda: [fn(0) for _ in range(10)], args.passes) / 10
+            cold = best(lambda: [fn(k) for k in range(MATRICES)], max(3, args.passes // 4)) / MATRICES
+            print(f"{args.isa:8s} {wtype:5s} {name:10s} {which:10s} {nbytes / hot / 1e9:9.1f} {hot / blocks * 1e9:7.2f} "
+                  f"{nbytes / cold / 1e9:10.1f} {cold / blocks * 1e9:7.2f}")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 """Shared by the engine tests: tiny models converted once per session, transformers reference
-logits (optionally with the FFN sparsified exactly as an engine mode defines it), gpuidx files."""
+logits (optionally with the FFN sparsified exactly as an engine mode defines it), gpuidx files,
+edited copies of a file (`rewrite`)."""
 from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -12,7 +14,7 @@ from convert_helpers import write_predictors
 
 from powerinfer_tools import arch, models
 from powerinfer_tools.convert import convert_model
-from powerinfer_tools.gguf_io import set_pwri_magic
+from powerinfer_tools.gguf_io import open_reader, set_pwri_magic
 
 
 @pytest.fixture(scope="session")
@@ -154,3 +156,39 @@ def write_gpuidx(path: Path, hot: list[np.ndarray], vram_bytes: int = 1 << 30) -
     writer.close()
     set_pwri_magic(path)
     return path
+
+
+def rewrite(src: Path, dst: Path, fields: dict | None = None, drop: tuple = (), tensors: dict | None = None) -> Path:
+    """Copy a GGUF/PWRI file through gguf-py, replacing or adding metadata values (key -> (value, type)
+    or None to drop), dropping tensors, or replacing tensors (name -> (array, raw ggml type or None))."""
+    reader = open_reader(src)
+    fields, tensors = fields or {}, tensors or {}
+    writer = gguf.GGUFWriter(str(dst), arch="_")
+    writer.kv_data[0].clear()  # the writer's own general.architecture: copied below instead
+    for name, f in reader.fields.items():
+        if name.startswith("GGUF."):
+            continue
+        if name in fields:
+            if fields[name] is not None:
+                writer.add_key_value(name, fields[name][0], fields[name][1])
+            continue
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, f.contents(), f.types[0], sub_type=sub)
+    for name, value in fields.items():  # keys the source lacks
+        if name not in reader.fields and value is not None:
+            writer.add_key_value(name, value[0], value[1])
+    for t in reader.tensors:
+        if t.name in drop:
+            continue
+        if t.name in tensors:
+            data, raw = tensors[t.name]
+            writer.add_tensor(t.name, data, raw_dtype=raw)
+        else:
+            writer.add_tensor(t.name, np.array(t.data), raw_shape=list(reversed([int(n) for n in t.shape])),
+                              raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    set_pwri_magic(dst)
+    return dst

@@ -11,49 +11,13 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from engine_helpers import converted, write_gpuidx  # noqa: F401
+from engine_helpers import converted, rewrite, write_gpuidx  # noqa: F401
 from tiny_models import N_FF, N_LAYER
 
 import engine
-from powerinfer_tools.gguf_io import open_reader, set_pwri_magic
+from powerinfer_tools.gguf_io import open_reader
 
 Q = gguf.GGMLQuantizationType
-
-
-def rewrite(src: Path, dst: Path, fields: dict | None = None, drop: tuple = (), tensors: dict | None = None) -> Path:
-    """Copy a GGUF/PWRI file through gguf-py, replacing or adding metadata values (key -> (value, type)
-    or None to drop), dropping tensors, or replacing tensors (name -> (array, raw ggml type or None))."""
-    reader = open_reader(src)
-    fields, tensors = fields or {}, tensors or {}
-    writer = gguf.GGUFWriter(str(dst), arch="_")
-    writer.kv_data[0].clear()  # the writer's own general.architecture: copied below instead
-    for name, f in reader.fields.items():
-        if name.startswith("GGUF."):
-            continue
-        if name in fields:
-            if fields[name] is not None:
-                writer.add_key_value(name, fields[name][0], fields[name][1])
-            continue
-        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(name, f.contents(), f.types[0], sub_type=sub)
-    for name, value in fields.items():  # keys the source lacks
-        if name not in reader.fields and value is not None:
-            writer.add_key_value(name, value[0], value[1])
-    for t in reader.tensors:
-        if t.name in drop:
-            continue
-        if t.name in tensors:
-            data, raw = tensors[t.name]
-            writer.add_tensor(t.name, data, raw_dtype=raw)
-        else:
-            writer.add_tensor(t.name, np.array(t.data), raw_shape=list(reversed([int(n) for n in t.shape])),
-                              raw_dtype=t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    set_pwri_magic(dst)
-    return dst
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import scipy.stats
 import torch
 from convert_helpers import read_fields, read_tensors
 from engine_helpers import (converted, engine_prompt_then_decode, hf_logits, max_rel_err,  # noqa: F401
-                            random_tokens, write_gpuidx)
+                            q8_round_trip, random_tokens, rewrite, write_gpuidx)
 from tiny_models import N_FF, N_LAYER
 
 import engine
@@ -84,14 +84,18 @@ def test_gate_mode_applies_silu_thresholds(tiny_model_dir, converted):
 
 def predictor_rule(path, kind, thresholds=None):
     """The predictor mode's FFN in torch: a neuron counts when the file's predictor selects it (logit >
-    the layer threshold) and, for SiLU, |a| passes the activation threshold."""
+    the layer threshold) and, for SiLU, |a| passes the activation threshold. A quantized fc2 multiplies
+    the hidden layer rounded through q8_0, as the engine's integer dots do."""
     tensors = read_tensors(path)
     pred_thr = read_fields(path)["powerinfer.predictor_thresholds"]
 
     def mask(i, x, a):
         fc1 = torch.from_numpy(tensors[f"blk.{i}.fc1.weight"][1])
-        fc2 = torch.from_numpy(tensors[f"blk.{i}.fc2.weight"][1])
-        selected = (torch.relu(x @ fc1.T) @ fc2.T) > pred_thr[i]
+        fc2_type, fc2 = tensors[f"blk.{i}.fc2.weight"]
+        hidden = torch.relu(x @ fc1.T)
+        if fc2_type in ("Q8_0", "Q4_0"):
+            hidden = q8_round_trip(hidden)
+        selected = (hidden @ torch.from_numpy(fc2).T) > pred_thr[i]
         keep = selected & (a.abs() > thresholds[i]) if thresholds else selected
         return a * keep
     return mask
@@ -109,6 +113,27 @@ def test_predictor_mode_matches_its_rule(kind, tiny_model_dir, converted):
         assert 0.2 < layer["predicted_density"] < 0.8
         assert 0.2 < layer["recall"] < 0.8
     assert stats["phases"]["predictor"] > 0
+
+
+def test_predictor_mode_with_quantized_predictor_rows(tmp_path, tiny_model_dir, converted):
+    """f32/f16 predictors are kept transposed; a file whose fc2 is q8_0 (another producer's) takes the
+    per-neuron path: both follow the rule the file's own (dequantized) predictor defines."""
+    import gguf
+
+    path = converted("llama-relu", predictors=True)
+    tensors = read_tensors(path)
+    q8 = {f"blk.{i}.fc2.weight": (gguf.quants.quantize(tensors[f"blk.{i}.fc2.weight"][1], gguf.GGMLQuantizationType.Q8_0),
+                                 gguf.GGMLQuantizationType.Q8_0) for i in range(N_LAYER)}
+    q8_path = rewrite(path, tmp_path / "q8-predictor.gguf", tensors=q8)
+    assert read_tensors(q8_path)["blk.0.fc2.weight"][0] == "Q8_0"
+    # the q8_0 rows: logits near the threshold can flip with the summation order (a wrong row or a
+    # transposed matrix gives errors of ~0.4)
+    for p, tol in ((path, 1e-4), (q8_path, 5e-2)):
+        ref = hf_logits(tiny_model_dir("llama-relu"), TOKENS, mask_fn=predictor_rule(p, "llama-relu"))
+        logits, stats = run(p, "predictor")
+        assert max_rel_err(logits, ref) <= tol, p
+        assert (logits.argmax(1) == ref.argmax(1)).mean() >= 0.95
+        assert all(0.2 < l["predicted_density"] < 0.8 for l in stats["layers"])
 
 
 def test_predictor_recall_equals_independent_count(tiny_model_dir, converted):

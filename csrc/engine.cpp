@@ -137,6 +137,7 @@ Engine::Engine(const std::string &path, const pi_options &opts)
     panel_h_.assign(size_t(threads * kPanelTokens * kPanelRows), 0.0f);
     ema_active_.assign(size_t(L), 1.0);
     ema_predicted_.assign(size_t(L), 1.0);
+    ema_predicted_active_.assign(size_t(L), 1.0);
     predicted_seen_.assign(size_t(L), false);
     stats_.assign(size_t(L), LayerStats{});
 }
@@ -427,28 +428,32 @@ TierMode Engine::choose_cold_mode(int64_t il, int64_t n_tok) const {
         case PI_FFN_ORACLE: return TierMode::Oracle;
         default: break;
     }
-    // auto: bytes the step reads, per mode, at the densities measured so far in this layer
+    // auto: the time each mode's step would take, at the densities measured so far in this layer, in units
+    // of one weight byte streamed through the packed kernels (gemm8). Measured prices
+    // (scripts/kernel_microbench.py, docs/perf-notes.md §12): a gate/up byte of a row read by index costs
+    // ~1.8 (dot_rows), a down_t byte ~2.5 (axpy: unpack, convert and fma per element; the same kernel in
+    // every mode, for the rows used). f32/f16 rows have no packed form: everything streams alike.
     const Layer &L = model_->layers()[size_t(il)];
     const double n = double(L.cold.size());
-    const double g = double(L.gate.row_bytes), ud = double((hp_.gated ? L.up.row_bytes : 0) + L.down_t.row_bytes);
-    // A byte of a row read by index costs ~2.5x a byte of a whole matrix streamed through the packed
-    // kernels (SmolLM2 q4_0 in pi-tools bench: gate mode at 50 % sparsity runs at 0.87x dense; see
-    // docs/perf-notes.md), so sparse paths pay off from ~60 % sparsity on, not from the first skipped row;
-    // f32/f16 matrices have no packed form, and their gathered rows stream a little worse than a sweep.
-    const double gather = packed_block_bytes(L.gate.type) ? 2.5 : 1.1;
+    const double g = double(L.gate.row_bytes), u = double(hp_.gated ? L.up.row_bytes : 0), d = double(L.down_t.row_bytes);
+    const bool packable = packed_block_bytes(L.gate.type) != 0;
+    const double gathered = packable ? 1.8 : 1.1, down = packable ? 2.5 : 1.0;
     // a batch reads a row when any of its tokens uses it: ~1 - (1 - rho)^n_tok of them (tokens taken as
     // independent; a prompt of a few dozen tokens already reads nearly every row)
-    const double rho = 1.0 - std::pow(1.0 - ema_active_[size_t(il)], double(std::max<int64_t>(n_tok, 1)));
-    const double cost_dense = n * (g + ud);
-    const double cost_gate = n * g + gather * rho * n * ud;
+    const double tokens = double(std::max<int64_t>(n_tok, 1));
+    auto any_of = [&](double per_token) { return 1.0 - std::pow(1.0 - per_token, tokens); };
+    const double rho = any_of(ema_active_[size_t(il)]);
+    const double cost_dense = n * (g + u) + down * rho * n * d;  // the dense rule: gate and up whole
+    const double cost_gate = n * g + gathered * rho * n * u + down * rho * n * d;
     TierMode best = cost_gate < cost_dense ? TierMode::Gate : TierMode::DenseRule;
     double best_cost = std::min(cost_gate, cost_dense);
     if (model_->has_predictor()) {
-        const double per_token = predicted_seen_[size_t(il)] ? ema_predicted_[size_t(il)]
-                                                             : std::min(1.0, 1.2 * ema_active_[size_t(il)] + 0.02);
-        const double pi_density = 1.0 - std::pow(1.0 - per_token, double(std::max<int64_t>(n_tok, 1)));
-        const double cost_pred = double(L.fc1.bytes()) + n * double(L.fc2.row_bytes) +
-                                 gather * (pi_density * n * g + rho * n * ud);
+        // before predictor mode has run in this layer: a guess from the activation density
+        const bool seen = predicted_seen_[size_t(il)];
+        const double pi = any_of(seen ? ema_predicted_[size_t(il)] : std::min(1.0, 1.2 * ema_active_[size_t(il)] + 0.02));
+        const double rho_p = any_of(seen ? ema_predicted_active_[size_t(il)] : 0.8 * ema_active_[size_t(il)]);
+        const double cost_pred = 1.5 * (double(L.fc1.bytes()) + n * double(L.fc2.row_bytes)) +
+                                 gathered * (pi * n * g + rho_p * n * u) + down * rho_p * n * d;
         if (cost_pred < best_cost) best = TierMode::Predictor;
     }
     return best;
@@ -490,6 +495,8 @@ void Engine::ffn(int64_t il, int64_t n_tok) {
     const double a = 0.2, nc = double(std::max<int64_t>(L.cold.size(), 1));
     const double act_rate = (st.active - active_before) / double(n_tok) / double(hp_.n_ff);
     if (cold_mode != TierMode::Predictor) ema_active_[size_t(il)] = (1 - a) * ema_active_[size_t(il)] + a * act_rate;
+    else ema_predicted_active_[size_t(il)] =
+        predicted_seen_[size_t(il)] ? (1 - a) * ema_predicted_active_[size_t(il)] + a * act_rate : act_rate;
     if (st.cold_tokens > cold_before) {
         const double pred_rate = (st.predicted - predicted_before) / (st.cold_tokens - cold_before) / nc;
         ema_predicted_[size_t(il)] = predicted_seen_[size_t(il)] ? (1 - a) * ema_predicted_[size_t(il)] + a * pred_rate : pred_rate;

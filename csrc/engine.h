@@ -123,7 +123,7 @@ private:
     int64_t n_rows_ = 0;
 
     // auto mode: measured densities per layer (exponential moving averages over tokens)
-    std::vector<double> ema_active_, ema_predicted_;
+    std::vector<double> ema_active_, ema_predicted_, ema_predicted_active_;
     std::vector<bool> predicted_seen_;
 
     std::vector<LayerStats> stats_;

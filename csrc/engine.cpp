@@ -640,12 +640,22 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
     std::atomic<int64_t> n_active{0}, n_computed{0};
     // The pre-activation of neuron slot r (the gate of a gated FFN, up otherwise) plus its bias.
     auto with_bias = [&](float v, const float *bias, int64_t r) { return bias ? v + bias[T.ids[size_t(r)]] : v; };
-    // The rule's verdict from the gate alone, and the activation a it leaves.
-    auto gate_rule = [&](float g, float *a) {
+    // SiLU of n gate values in place (biases added first; slot(j): the neuron slot of value j), by the silu
+    // kernel: every path gets the same bits. Other activations keep their pre-activations for gate_rule.
+    auto activate = [&](float *v, int64_t n_values, auto slot) {
+        if (act != Activation::Silu) return;
+        if (gb)
+            for (int64_t j = 0; j < n_values; ++j) v[j] = with_bias(v[j], gb, slot(j));
+        ks_->silu(int(n_values), v, v);
+    };
+    // The rule's verdict from the gate alone for neuron slot r, given what `activate` left (v), and the
+    // activation a it leaves.
+    auto gate_rule = [&](float v, int64_t r, float *a) {
         if (act == Activation::Silu) {
-            *a = silu_ref(g);  // the kernels' SiLU: every path agrees bit for bit
-            return std::fabs(*a) > thr;
+            *a = v;
+            return std::fabs(v) > thr;
         }
+        const float g = with_bias(v, gb, r);
         *a = std::max(g, 0.0f);
         return g > 0.0f;
     };
@@ -689,16 +699,11 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
                     n_gate += mt[r] != 0;
                 }
                 kg.dot_rows(int(E), n_gate, gate_rows, op_xn_.at(t, L.gate.type), g);
-                if (act == Activation::Silu) {  // the activations by the silu kernel, as the grouped path
-                    if (gb)
-                        for (int j = 0; j < n_gate; ++j) g[j] = with_bias(g[j], gb, gate_slot[j]);
-                    ks_->silu(n_gate, g, g);
-                }
+                activate(g, n_gate, [&](int64_t j) { return gate_slot[j]; });
                 for (int j = 0; j < n_gate; ++j) {
                     const int64_t r = gate_slot[j];
-                    float a = g[j];
-                    const bool first_pass =
-                        act == Activation::Silu ? std::fabs(a) > thr : gate_rule(with_bias(a, gb, r), &a);
+                    float a;
+                    const bool first_pass = gate_rule(g[j], r, &a);
                     if (!gated) {
                         settle(t, r, first_pass, a, active, computed);  // ungated: the activation is the output
                         continue;
@@ -734,7 +739,8 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
     auto gate_up_grouped = [&](int chunk, int n_chunks, int) {
         int64_t g0, g1, active = 0, computed = 0;
         int64_t up_list[kGroupsPerPass * kPackRows];
-        float up_a[kGroupsPerPass * kPackRows];
+        const void *up_rows[kGroupsPerPass * kPackRows];
+        float up_a[kGroupsPerPass * kPackRows], u[kGroupsPerPass * kPackRows];
         split_range(T.n_groups(), chunk, n_chunks, &g0, &g1);
         const int64_t gate_group = E / QK * int64_t(packed_block_bytes(T.gate.type));
         const int64_t up_group = gated ? E / QK * int64_t(packed_block_bytes(T.up.type)) : 0;
@@ -751,11 +757,7 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
                 // neurons the gate lets through are listed, then their ups computed by dot_rows (gemm8's
                 // arithmetic: the values dense mode's grouped ups would have).
                 float *gt = g_.data() + t * Fp;
-                if (act == Activation::Silu) {
-                    if (gb)
-                        for (int64_t r = r0; r < r1; ++r) gt[r] = with_bias(gt[r], gb, r);
-                    ks_->silu(int(r1 - r0), gt + r0, gt + r0);
-                }
+                activate(gt + r0, r1 - r0, [&](int64_t j) { return r0 + j; });
                 int64_t n_up = 0;
                 if (gated && all_up && act != Activation::DRelu && !gb && !ub) {
                     // the common dense case (llama family, no biases) in one straight loop the compiler vectorizes
@@ -775,9 +777,8 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
                     continue;
                 }
                 for (int64_t r = r0; r < r1; ++r) {
-                    float a = gt[r];
-                    const bool first_pass =
-                        act == Activation::Silu ? std::fabs(a) > thr : gate_rule(with_bias(a, gb, r), &a);
+                    float a;
+                    const bool first_pass = gate_rule(gt[r], r, &a);
                     if (!gated) {
                         settle(t, r, first_pass, a, active, computed);
                     } else if (all_up) {
@@ -786,16 +787,14 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
                         settle(t, r, pass, h, active, computed);
                     } else {  // listed when it passes (branch-free); settled for now as not passing
                         up_list[n_up] = r;
+                        up_rows[n_up] = T.row(T.up, r);
                         up_a[n_up] = a;
-                        if (n_up < kListAhead) prefetch_row(T.row(T.up, r), T.up.row_bytes);
+                        if (n_up < kListAhead) prefetch_row(up_rows[n_up], T.up.row_bytes);
                         n_up += first_pass;
                         settle(t, r, false, 0.0f, active, computed);
                     }
                 }
                 if (n_up == 0) continue;
-                const void *up_rows[kGroupsPerPass * kPackRows];
-                float u[kGroupsPerPass * kPackRows];
-                for (int64_t i = 0; i < n_up; ++i) up_rows[i] = T.row(T.up, up_list[i]);
                 ku.dot_rows(int(E), int(n_up), up_rows, op_xn_.at(t, L.up.type), u);
                 for (int64_t i = 0; i < n_up; ++i) {
                     float h;

@@ -198,7 +198,6 @@ void Model::bind_cold_predictor(Layer &l) {
         t.fc2.row_bytes = size_t(nc) * es;
         t.fc2.data = t.fc2_storage.data();
         t.fc2_transposed = true;
-        for (int64_t k = 0; k < rank; ++k) t.fc2_t_rows.push_back(t.fc2.row(k));
         file_->release(l.fc2.data, l.fc2.bytes());  // no second copy: the mapped pages go back
     } else if (nc < l.fc2.rows) {  // with a hot tier: the cold neurons' rows, contiguous
         t.fc2_storage.resize(size_t(nc) * l.fc2.row_bytes);

@@ -69,12 +69,11 @@ struct FfnTier {
     bool packed = false;
     std::vector<uint8_t> storage;  // backing of packed rows
     // The predictor's fc2 for this tier's neurons (cold tier only). f32/f16 predictors are kept transposed,
-    // row k = weight k of every neuron (fc2_t_rows: its row pointers), so a token's logits are one axpy_rows
-    // over the rank's rows instead of a short dot per neuron; quantized ones as rows per neuron.
+    // row k = weight k of every neuron, so a token's logits are `rank` axpys over contiguous rows instead of
+    // a short dot per neuron; quantized ones as rows per neuron.
     Matrix fc2;
     std::vector<uint8_t> fc2_storage;
     bool fc2_transposed = false;
-    std::vector<const void *> fc2_t_rows;
     // gate and up rows again in 8-row groups (packed.h, the last group padded with zero rows), made the
     // first time a mode reads them whole (Model::group_tier: gate for dense and gate modes, up for dense
     // modes only); empty before, or for f32/f16 weights. Ungated FFNs have only gate_groups (gate is up).

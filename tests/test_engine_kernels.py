@@ -218,6 +218,17 @@ def test_silu_within_two_ulp_and_identical_across_sets(isa):
     assert np.all(np.abs(got - exact) <= 2 * ulp + 1e-35), np.max(np.abs(got - exact) / ulp)
 
 
+def test_dot_rows_and_softmax_check_their_arguments():
+    from engine import EngineError
+
+    with pytest.raises(EngineError, match="multiple of the block size"):
+        kernels.dot_rows("scalar", "q4_0", 48, [stored("q4_0", np.ones(64))], stored("q8_0", np.ones(64)))
+    with pytest.raises(EngineError, match="n must be >= 1"):
+        kernels.softmax("scalar", np.zeros(0, np.float32))
+    with pytest.raises(EngineError, match="unknown|not available"):
+        kernels.softmax("no-such-isa", np.ones(3, np.float32))
+
+
 @pytest.mark.parametrize("isa", ["scalar"] + SIMD)
 @pytest.mark.parametrize("n", [1, 7, 8, 13, 64, 200, 1031])
 def test_softmax_matches_float64_and_is_identical_across_sets(isa, n):

@@ -48,8 +48,11 @@ bool reads_gate_whole(TierMode m) { return m == TierMode::Dense || m == TierMode
 
 const int64_t kDefaultCtx = 4096;
 const int64_t kGrain = 1 << 16;     // multiply-adds below which a chunk is not worth handing to another thread
+const int64_t kCacheReadCost = 16;  // multiply-adds a float read from the KV cache is worth (it misses the caches)
 const int64_t kDefaultBatch = 64;
 const int64_t kGroupsPerPass = 16;  // packed 8-row groups per pass over a batch's tokens (~40 KB at n_embd 576, q4_0)
+const int64_t kDecodeGroupsPerPass = 64;  // the same for one token: nothing to reuse across tokens, longer lists
+static_assert(kDecodeGroupsPerPass >= kGroupsPerPass, "gate_up_grouped's lists are sized for the longer pass");
 const int64_t kDownRows = 256;      // down_t rows per run of a decode step's down projection
 const int64_t kPanelRows = 128;     // down_t rows widened per panel of a batch's down projection
 const int64_t kPanelTokens = 64;    // tokens per gemm_f32 call over a panel
@@ -219,8 +222,9 @@ void Engine::matmul(const MatmulTarget *targets, int n_targets, Operand &x, int6
         const Matrix &W = *tg.W;
         const TypeKernels &k = ks_->for_type(W.type);
         const int64_t group_bytes = W.cols / QK * int64_t(packed_block_bytes(W.type));
-        for (int64_t g = g0; g < g1; g += kGroupsPerPass) {
-            const int ng = int(std::min<int64_t>(kGroupsPerPass, g1 - g));
+        const int64_t per_pass = n_tok == 1 ? kDecodeGroupsPerPass : kGroupsPerPass;
+        for (int64_t g = g0; g < g1; g += per_pass) {
+            const int ng = int(std::min<int64_t>(per_pass, g1 - g));
             k.gemm8(int(W.cols), ng, W.groups + g * group_bytes, int(n_tok), x.at(0, W.type), x.stride(W.type),
                     tg.out + g * kPackRows, tg.ldo);
         }
@@ -410,7 +414,9 @@ void Engine::attention(int64_t il, int64_t n_tok) {
             ks_->gemm_f32(int(nt), int(n_keys), int(D), sc, int(n_keys), vc + kvh * D, int(KV), out, int(Q));
         }
     };
-    pool_->run(int(std::min<int64_t>(n_tiles * H, pool_->chunks_for(n_tok * H * n_all * D * 2, kGrain))), job);
+    // A head's keys and values come from the cache (memory-bound, not multiply-bound): its work is counted
+    // as kCacheReadCost multiply-adds per float read, so a decode step's heads are shared between threads.
+    pool_->run(int(std::min<int64_t>(n_tiles * H, pool_->chunks_for(n_tok * H * n_all * D * 2 * kCacheReadCost, kGrain))), job);
     op_att_.q_ready = false;
     matmul(L.wo, op_att_, n_tok, tmp_.data(), E);
     add_bias(tmp_.data(), L.bo, n_tok, E);
@@ -738,14 +744,15 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
     const int64_t Fp = F + kPackRows;
     auto gate_up_grouped = [&](int chunk, int n_chunks, int) {
         int64_t g0, g1, active = 0, computed = 0;
-        int64_t up_list[kGroupsPerPass * kPackRows];
-        const void *up_rows[kGroupsPerPass * kPackRows];
-        float up_a[kGroupsPerPass * kPackRows], u[kGroupsPerPass * kPackRows];
+        int64_t up_list[kDecodeGroupsPerPass * kPackRows];
+        const void *up_rows[kDecodeGroupsPerPass * kPackRows];
+        float up_a[kDecodeGroupsPerPass * kPackRows], u[kDecodeGroupsPerPass * kPackRows];
         split_range(T.n_groups(), chunk, n_chunks, &g0, &g1);
         const int64_t gate_group = E / QK * int64_t(packed_block_bytes(T.gate.type));
         const int64_t up_group = gated ? E / QK * int64_t(packed_block_bytes(T.up.type)) : 0;
-        for (int64_t g = g0; g < g1; g += kGroupsPerPass) {
-            const int ng = int(std::min<int64_t>(kGroupsPerPass, g1 - g));
+        const int64_t per_pass = n_tok == 1 ? kDecodeGroupsPerPass : kGroupsPerPass;
+        for (int64_t g = g0; g < g1; g += per_pass) {
+            const int ng = int(std::min<int64_t>(per_pass, g1 - g));
             const int64_t r0 = g * kPackRows, r1 = std::min(n, (g + ng) * kPackRows);
             kg.gemm8(int(E), ng, T.gate_groups.data() + g * gate_group, int(n_tok), op_xn_.at(0, L.gate.type),
                      op_xn_.stride(L.gate.type), g_.data() + r0, Fp);

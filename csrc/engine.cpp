@@ -57,6 +57,7 @@ const int64_t kDownRows = 256;      // down_t rows per run of a decode step's do
 const int64_t kPanelRows = 128;     // down_t rows widened per panel of a batch's down projection
 const int64_t kPanelTokens = 64;    // tokens per gemm_f32 call over a panel
 const int64_t kGatherRows = 64;     // selected rows per pass of the gathered gate/up path
+const int64_t kDecodeGatherRows = 256;  // the same for one token: longer lists
 const int64_t kAttnTile = 64;       // tokens of a batch whose attention scores are computed together
 
 }  // namespace
@@ -523,22 +524,24 @@ void Engine::predictor_select(const Layer &L, const FfnTier &T, int64_t n_tok) {
     const TypeKernels &k = ks_->for_type(fc2.type);
     const float thr = L.pred_threshold;
     if (T.fc2_transposed) {
-        // logits of token t = sum over k of hidden[t][k] * row k of the transposed fc2, per slice of columns
-        const int64_t Fp = F + kPackRows;
+        // logits of token t = sum over k of hidden[t][k] * weight k of the tile's neurons, tile by tile
+        const int64_t Fp = F + kPackRows, n_tiles = T.fc2_tiles();
         auto job = [&](int chunk, int n_chunks, int) {
-            int64_t c0, c1;
-            split_range(n, chunk, n_chunks, &c0, &c1, 16);
-            if (c0 >= c1) return;
-            for (int64_t t = 0; t < n_tok; ++t) {
-                float *logit = g_.data() + t * Fp;
-                std::fill(logit + c0, logit + c1, 0.0f);
-                // row by row (each streams in order; axpy_rows would interleave R streams at once)
-                for (int64_t j = 0; j < R; ++j)
-                    k.axpy(int(c1 - c0), hid_[size_t(t * R + j)], fc2.row(j) + element_offset(fc2.type, c0), logit + c0);
-                for (int64_t r = c0; r < c1; ++r) mask_[size_t(t * F + r)] = logit[r] > thr;
+            int64_t b0, b1;
+            split_range(n_tiles, chunk, n_chunks, &b0, &b1);
+            for (int64_t b = b0; b < b1; ++b) {
+                const int64_t c0 = b * FfnTier::kFc2Tile, c1 = std::min(n, c0 + FfnTier::kFc2Tile);
+                for (int64_t t = 0; t < n_tok; ++t) {
+                    float *logit = g_.data() + t * Fp;
+                    std::fill(logit + c0, logit + c1, 0.0f);
+                    // row by row (each streams in order; axpy_rows would interleave R streams at once)
+                    for (int64_t j = 0; j < R; ++j) k.axpy(int(c1 - c0), hid_[size_t(t * R + j)], T.fc2_tile_row(b, j), logit + c0);
+                    for (int64_t r = c0; r < c1; ++r) mask_[size_t(t * F + r)] = logit[r] > thr;
+                }
             }
         };
-        pool_->run(pool_->chunks_for(n * R * n_tok, kGrain), job);
+        // memory-bound, not multiply-bound: every thread takes a share (its tiles are one stream)
+        pool_->run(int(std::min<int64_t>(n_tiles, std::max(pool_->size(), pool_->chunks_for(n * R * n_tok, kGrain)))), job);
         return;
     }
     auto job = [&](int chunk, int n_chunks, int) {
@@ -689,12 +692,13 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
     auto gate_up_gathered = [&](int chunk, int n_chunks, int) {
         int64_t i0, i1, active = 0, computed = 0;
         split_range(n_rows_, chunk, n_chunks, &i0, &i1);
-        const void *gate_rows[kGatherRows], *up_rows[kGatherRows];
-        int64_t gate_slot[kGatherRows], up_slot[kGatherRows];
-        float g[kGatherRows], u[kGatherRows], up_a[kGatherRows];
-        bool up_first[kGatherRows];
-        for (int64_t p0 = i0; p0 < i1; p0 += kGatherRows) {
-            const int64_t p1 = std::min(i1, p0 + kGatherRows);
+        const void *gate_rows[kDecodeGatherRows], *up_rows[kDecodeGatherRows];
+        int64_t gate_slot[kDecodeGatherRows], up_slot[kDecodeGatherRows];
+        float g[kDecodeGatherRows], u[kDecodeGatherRows], up_a[kDecodeGatherRows];
+        bool up_first[kDecodeGatherRows];
+        const int64_t per_pass = n_tok == 1 ? kDecodeGatherRows : kGatherRows;
+        for (int64_t p0 = i0; p0 < i1; p0 += per_pass) {
+            const int64_t p1 = std::min(i1, p0 + per_pass);
             for (int64_t t = 0; t < n_tok; ++t) {
                 const uint8_t *mt = mask_.data() + t * F;
                 int n_gate = 0, n_up = 0;

@@ -188,16 +188,17 @@ void Model::bind_cold_predictor(Layer &l) {
     if (l.fc2.type == TYPE_F32 || l.fc2.type == TYPE_F16) {
         const size_t es = type_size(l.fc2.type).bytes;
         t.fc2_storage.resize(size_t(rank * nc) * es);
-        for (int64_t r = 0; r < nc; ++r) {
-            const uint8_t *src = l.fc2.row(t.ids[size_t(r)]);
-            for (int64_t k = 0; k < rank; ++k)
-                std::memcpy(t.fc2_storage.data() + (size_t(k * nc) + size_t(r)) * es, src + size_t(k) * es, es);
-        }
         t.fc2.rows = rank;
         t.fc2.cols = nc;
         t.fc2.row_bytes = size_t(nc) * es;
         t.fc2.data = t.fc2_storage.data();
         t.fc2_transposed = true;
+        for (int64_t r = 0; r < nc; ++r) {
+            const uint8_t *src = l.fc2.row(t.ids[size_t(r)]);
+            const int64_t b = r / FfnTier::kFc2Tile, at = r % FfnTier::kFc2Tile;
+            for (int64_t k = 0; k < rank; ++k)
+                std::memcpy(const_cast<uint8_t *>(t.fc2_tile_row(b, k)) + size_t(at) * es, src + size_t(k) * es, es);
+        }
         file_->release(l.fc2.data, l.fc2.bytes());  // no second copy: the mapped pages go back
     } else if (nc < l.fc2.rows) {  // with a hot tier: the cold neurons' rows, contiguous
         t.fc2_storage.resize(size_t(nc) * l.fc2.row_bytes);

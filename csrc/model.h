@@ -6,12 +6,14 @@
 // attention and FFN in parallel from the layer input) and opt (LayerNorm, learned positions, biases).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "gguf.h"
+#include "types.h"
 
 namespace pi {
 
@@ -69,11 +71,19 @@ struct FfnTier {
     bool packed = false;
     std::vector<uint8_t> storage;  // backing of packed rows
     // The predictor's fc2 for this tier's neurons (cold tier only). f32/f16 predictors are kept transposed,
-    // row k = weight k of every neuron, so a token's logits are `rank` axpys over contiguous rows instead of
-    // a short dot per neuron; quantized ones as rows per neuron.
+    // weight k of every neuron, so a token's logits are `rank` axpys over contiguous rows instead of a short
+    // dot per neuron, in tiles of kFc2Tile neurons (each tile's rank rows contiguous: a thread's share of the
+    // tiles is one stream); quantized ones as rows per neuron.
+    static constexpr int64_t kFc2Tile = 256;
     Matrix fc2;
     std::vector<uint8_t> fc2_storage;
     bool fc2_transposed = false;
+    int64_t fc2_tiles() const { return (size() + kFc2Tile - 1) / kFc2Tile; }
+    // Weights k of the neurons of tile b (fc2_transposed): min(kFc2Tile, size() - b * kFc2Tile) values.
+    const uint8_t *fc2_tile_row(int64_t b, int64_t k) const {
+        const int64_t width = std::min(kFc2Tile, size() - b * kFc2Tile);
+        return fc2.data + (b * kFc2Tile * fc2.rows + k * width) * int64_t(type_size(fc2.type).bytes);
+    }
     // gate and up rows again in 8-row groups (packed.h, the last group padded with zero rows), made the
     // first time a mode reads them whole (Model::group_tier: gate for dense and gate modes, up for dense
     // modes only); empty before, or for f32/f16 weights. Ungated FFNs have only gate_groups (gate is up).

@@ -62,43 +62,43 @@ def _bpe_tokenizer(out: Path) -> int:
     return len(fast)
 
 
-def _config(kind: str, vocab: int):
+def _config(kind: str, vocab: int, n_ff: int = N_FF):
     from transformers import FalconConfig, LlamaConfig, MistralConfig, OPTConfig
 
     common = dict(vocab_size=vocab, hidden_size=HIDDEN, num_hidden_layers=N_LAYER, num_attention_heads=N_HEAD)
     if kind in ("llama-relu", "llama-silu"):
-        return LlamaConfig(**common, intermediate_size=N_FF, num_key_value_heads=N_KV,
+        return LlamaConfig(**common, intermediate_size=n_ff, num_key_value_heads=N_KV,
                            hidden_act="relu" if kind == "llama-relu" else "silu", max_position_embeddings=256,
                            rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
                            bos_token_id=1, eos_token_id=2)
     if kind == "bamboo":
-        return MistralConfig(**common, intermediate_size=N_FF, num_key_value_heads=N_KV, hidden_act="relu",
+        return MistralConfig(**common, intermediate_size=n_ff, num_key_value_heads=N_KV, hidden_act="relu",
                              max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-5,
                              sliding_window=None, architectures=["BambooForCausalLM"],
                              bos_token_id=1, eos_token_id=2)
     if kind == "falcon":
         return FalconConfig(**common, num_kv_heads=N_KV, new_decoder_architecture=True, parallel_attn=True,
-                            bias=False, activation="relu", ffn_hidden_size=N_FF, max_position_embeddings=256,
+                            bias=False, activation="relu", ffn_hidden_size=n_ff, max_position_embeddings=256,
                             bos_token_id=0, eos_token_id=0)
     if kind == "falcon7b":
         return FalconConfig(**common, multi_query=True, new_decoder_architecture=False, parallel_attn=True,
-                            bias=False, activation="relu", ffn_hidden_size=N_FF, max_position_embeddings=256,
+                            bias=False, activation="relu", ffn_hidden_size=n_ff, max_position_embeddings=256,
                             bos_token_id=0, eos_token_id=0)
     if kind == "opt":
         return OPTConfig(vocab_size=vocab, hidden_size=HIDDEN, num_hidden_layers=N_LAYER,
-                         num_attention_heads=N_HEAD, ffn_dim=N_FF, word_embed_proj_dim=HIDDEN,
+                         num_attention_heads=N_HEAD, ffn_dim=n_ff, word_embed_proj_dim=HIDDEN,
                          max_position_embeddings=256, do_layer_norm_before=True, activation_function="relu",
                          bos_token_id=0, eos_token_id=0, pad_token_id=1)
     raise ValueError(kind)
 
 
-def make_tiny(kind: str, out: Path, seed: int = 0) -> Path:
-    """Write a tiny random model of `kind` (see KINDS) with its tokenizer into `out`."""
+def make_tiny(kind: str, out: Path, seed: int = 0, n_ff: int = N_FF) -> Path:
+    """Write a tiny random model of `kind` (see KINDS) with its tokenizer into `out`; n_ff FFN neurons."""
     from transformers import AutoModelForCausalLM, MistralForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
     vocab = _spm_tokenizer(out) if kind in ("llama-relu", "llama-silu", "bamboo") else _bpe_tokenizer(out)
-    config = _config(kind, vocab)
+    config = _config(kind, vocab, n_ff)
     torch.manual_seed(seed)
     model_class = MistralForCausalLM if kind == "bamboo" else AutoModelForCausalLM
     model = model_class._from_config(config) if kind == "bamboo" else model_class.from_config(config)

@@ -49,6 +49,7 @@ bool reads_gate_whole(TierMode m) { return m == TierMode::Dense || m == TierMode
 const int64_t kDefaultCtx = 4096;
 const int64_t kGrain = 1 << 16;     // multiply-adds below which a chunk is not worth handing to another thread
 const int64_t kCacheReadCost = 16;  // multiply-adds a float read from the KV cache is worth (it misses the caches)
+const int64_t kRowDotCost = 8;      // the same for a multiply-add of a row without packed groups (matmul)
 const int64_t kDefaultBatch = 64;
 const int64_t kGroupsPerPass = 16;  // packed 8-row groups per pass over a batch's tokens (~40 KB at n_embd 576, q4_0)
 const int64_t kDecodeGroupsPerPass = 64;  // the same for one token: nothing to reuse across tokens, longer lists
@@ -195,7 +196,9 @@ void Engine::matmul(const MatmulTarget *targets, int n_targets, Operand &x, int6
     for (int i = 0; i < n_targets; ++i) {
         prepare(x, n_tok, targets[i].W->type);
         total += targets[i].W->rows;
-        work += targets[i].W->rows * targets[i].W->cols * n_tok;
+        // rows without packed groups (f32/f16: the predictor's fc1, float models) go through dot4 at several
+        // times the cost of a packed multiply-add and wait on memory: they count kRowDotCost each
+        work += targets[i].W->rows * targets[i].W->cols * n_tok * (targets[i].W->groups ? 1 : kRowDotCost);
     }
     // Rows one at a time (4 per pass over each token's operand): rows outside the packed groups.
     auto single_rows = [&](const MatmulTarget &tg, int64_t r0, int64_t r1) {

@@ -635,12 +635,16 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
     }
 
     // Stage B/C: gate (and up) for the selected rows; mask_ becomes 2 where up/down are used.
-    int64_t n_listed = 0;  // listed without branches (whether a row is selected is a coin flip)
-    for (int64_t r = 0; r < n; ++r) {
-        uint8_t any = 0;
-        for (int64_t t = 0; t < n_tok; ++t) any |= mask_[size_t(t * F + r)];
-        rows_[size_t(n_listed)] = int32_t(r);
-        n_listed += any != 0;
+    int64_t n_listed = 0;
+    if (mode == TierMode::Predictor || mode == TierMode::Oracle) {
+        for (int64_t r = 0; r < n; ++r) {  // listed without branches (whether a row is selected is a coin flip)
+            uint8_t any = 0;
+            for (int64_t t = 0; t < n_tok; ++t) any |= mask_[size_t(t * F + r)];
+            rows_[size_t(n_listed)] = int32_t(r);
+            n_listed += any != 0;
+        }
+    } else {
+        for (; n_listed < n; ++n_listed) rows_[size_t(n_listed)] = int32_t(n_listed);  // every row
     }
     n_rows_ = n_listed;
     prepare(op_xn_, n_tok, L.gate.type);
@@ -829,33 +833,18 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
     if (!is_cold) st.hot_active += double(n_active.load());
 
     // Stage D: y = sum over used rows of h * down_t row (a batch: each thread owns a slice of the columns).
-    // A batch in the modes that settle every token's every row (h_ is 0 where a token leaves a row out) keeps
-    // all of the tier's rows in order when nearly all are used: its coefficients are then h_ itself, read in
-    // place by gemm_f32, instead of a copy gathered per panel and thread.
-    int64_t n_used = 0;
-    for (int64_t i = 0; i < n_rows_; ++i) {  // counted (and compacted) without branches
-        const int64_t r = rows_[size_t(i)];
-        int32_t users = 0;
-        for (int64_t t = 0; t < n_tok; ++t) users += mask_[size_t(t * F + r)] == 2;
-        rows_[size_t(n_used)] = int32_t(r);
-        n_used += users > 0;
-    }
-    const bool in_place = n_tok > 1 && mode != TierMode::Predictor && mode != TierMode::Oracle && n_rows_ == n &&
-                          n_used * 10 >= n * 9;
-    if (in_place) {
-        for (int64_t i = 0; i < n; ++i) rows_[size_t(i)] = int32_t(i);
-        n_used = n;
-    }
     const uint32_t dtype = T.down_t.type;
     const TypeKernels &kd = ks_->for_type(dtype);
     if (n_tok == 1) {
-        // One token: the used rows in fixed runs of kDownRows, each run added whole (rows stream in order,
-        // y's blocks held in registers) into its own partial y, then the partials summed in run order:
-        // the same sums whatever the thread count or which thread ran which run.
-        for (int64_t i = 0; i < n_used; ++i) {
+        // One token: the used rows (listed in one pass, without branches) in fixed runs of kDownRows, each run
+        // added whole (rows stream in order, y's blocks held in registers) into its own partial y, then the
+        // partials summed in run order: the same sums whatever the thread count or which thread ran which run.
+        int64_t n_used = 0;
+        for (int64_t i = 0; i < n_rows_; ++i) {
             const int64_t r = rows_[size_t(i)];
-            down_rows_[size_t(i)] = T.row(T.down_t, r);
-            down_coef_[size_t(i)] = h_[size_t(r)];
+            down_rows_[size_t(n_used)] = T.row(T.down_t, r);
+            down_coef_[size_t(n_used)] = h_[size_t(r)];
+            n_used += mask_[size_t(r)] == 2;
         }
         const int64_t n_runs = (n_used + kDownRows - 1) / kDownRows;
         auto run_rows = [&](int chunk, int, int) {
@@ -874,6 +863,22 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
         // A batch: each thread owns a slice of the columns. The used rows go in panels of kPanelRows, widened
         // to floats once, and the tokens' coefficients (0 where a token leaves a row out) in chunks of
         // kPanelTokens, through gemm_f32 (tokens x columns tiles held in registers).
+        // In the modes that settle every token's every row (h_ is 0 where a token leaves a row out), all of
+        // the tier's rows stay in order when nearly all are used: the coefficients are then h_ itself, read in
+        // place by gemm_f32, instead of a copy gathered per panel and thread.
+        int64_t n_used = 0;
+        for (int64_t i = 0; i < n_rows_; ++i) {  // counted (and compacted) without branches
+            const int64_t r = rows_[size_t(i)];
+            int32_t users = 0;
+            for (int64_t t = 0; t < n_tok; ++t) users += mask_[size_t(t * F + r)] == 2;
+            rows_[size_t(n_used)] = int32_t(r);
+            n_used += users > 0;
+        }
+        const bool in_place = mode != TierMode::Predictor && mode != TierMode::Oracle && n_rows_ == n && n_used * 10 >= n * 9;
+        if (in_place) {
+            for (int64_t i = 0; i < n; ++i) rows_[size_t(i)] = int32_t(i);
+            n_used = n;
+        }
         const int64_t align = column_align(dtype);
         auto down = [&](int chunk, int n_chunks, int thread) {
             int64_t c0, c1;

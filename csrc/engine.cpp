@@ -794,6 +794,22 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
                     }
                     continue;
                 }
+                if (gated && !all_up && act != Activation::DRelu && !gb && !ub) {
+                    // gate mode, llama family without biases: every neuron settled as not passing at once, the
+                    // ones the gate lets through listed without branches (a = the gate value, SiLU'd or > 0)
+                    const bool silu_act = act == Activation::Silu;
+                    std::fill(mask_.begin() + t * F + r0, mask_.begin() + t * F + r1, uint8_t(1));
+                    std::fill(h_.begin() + t * F + r0, h_.begin() + t * F + r1, 0.0f);
+                    for (int64_t r = r0; r < r1; ++r) {
+                        up_list[n_up] = r;
+                        n_up += silu_act ? std::fabs(gt[r]) > thr : gt[r] > 0.0f;
+                    }
+                    for (int64_t i = 0; i < n_up; ++i) {
+                        up_rows[i] = T.row(T.up, up_list[i]);
+                        up_a[i] = gt[up_list[i]];
+                        if (i < kListAhead) prefetch_row(up_rows[i], T.up.row_bytes);
+                    }
+                } else
                 for (int64_t r = r0; r < r1; ++r) {
                     float a;
                     const bool first_pass = gate_rule(gt[r], r, &a);

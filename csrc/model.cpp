@@ -197,7 +197,7 @@ void Model::bind_cold_predictor(Layer &l) {
             const uint8_t *src = l.fc2.row(t.ids[size_t(r)]);
             const int64_t b = r / FfnTier::kFc2Tile, at = r % FfnTier::kFc2Tile;
             for (int64_t k = 0; k < rank; ++k)
-                std::memcpy(const_cast<uint8_t *>(t.fc2_tile_row(b, k)) + size_t(at) * es, src + size_t(k) * es, es);
+                std::memcpy(t.fc2_storage.data() + t.fc2_tile_offset(b, k) + size_t(at) * es, src + size_t(k) * es, es);
         }
         file_->release(l.fc2.data, l.fc2.bytes());  // no second copy: the mapped pages go back
     } else if (nc < l.fc2.rows) {  // with a hot tier: the cold neurons' rows, contiguous

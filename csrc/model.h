@@ -79,11 +79,13 @@ struct FfnTier {
     std::vector<uint8_t> fc2_storage;
     bool fc2_transposed = false;
     int64_t fc2_tiles() const { return (size() + kFc2Tile - 1) / kFc2Tile; }
-    // Weights k of the neurons of tile b (fc2_transposed): min(kFc2Tile, size() - b * kFc2Tile) values.
-    const uint8_t *fc2_tile_row(int64_t b, int64_t k) const {
+    // Byte offset in fc2 (fc2_transposed) of weights k of the neurons of tile b: min(kFc2Tile, size() -
+    // b * kFc2Tile) values.
+    int64_t fc2_tile_offset(int64_t b, int64_t k) const {
         const int64_t width = std::min(kFc2Tile, size() - b * kFc2Tile);
-        return fc2.data + (b * kFc2Tile * fc2.rows + k * width) * int64_t(type_size(fc2.type).bytes);
+        return (b * kFc2Tile * fc2.rows + k * width) * int64_t(type_size(fc2.type).bytes);
     }
+    const uint8_t *fc2_tile_row(int64_t b, int64_t k) const { return fc2.data + fc2_tile_offset(b, k); }
     // gate and up rows again in 8-row groups (packed.h, the last group padded with zero rows), made the
     // first time a mode reads them whole (Model::group_tier: gate for dense and gate modes, up for dense
     // modes only); empty before, or for f32/f16 weights. Ungated FFNs have only gate_groups (gate is up).

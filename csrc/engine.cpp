@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <numeric>
 #include <thread>
 
 #include "common.h"
@@ -49,7 +50,7 @@ bool reads_gate_whole(TierMode m) { return m == TierMode::Dense || m == TierMode
 const int64_t kDefaultCtx = 4096;
 const int64_t kGrain = 1 << 16;     // multiply-adds below which a chunk is not worth handing to another thread
 const int64_t kCacheReadCost = 16;  // multiply-adds a float read from the KV cache is worth (it misses the caches)
-const int64_t kRowDotCost = 8;      // the same for a multiply-add of a row without packed groups (matmul)
+const int64_t kRowDotCost = 8;      // the same for a multiply-add of an f32/f16 row (no packed groups)
 const int64_t kDefaultBatch = 64;
 const int64_t kGroupsPerPass = 16;  // packed 8-row groups per pass over a batch's tokens (~40 KB at n_embd 576, q4_0)
 const int64_t kDecodeGroupsPerPass = 64;  // the same for one token: nothing to reuse across tokens, longer lists
@@ -59,6 +60,7 @@ const int64_t kPanelRows = 128;     // down_t rows widened per panel of a batch'
 const int64_t kPanelTokens = 64;    // tokens per gemm_f32 call over a panel
 const int64_t kGatherRows = 64;     // selected rows per pass of the gathered gate/up path
 const int64_t kDecodeGatherRows = 256;  // the same for one token: longer lists
+static_assert(kDecodeGatherRows >= kGatherRows, "gate_up_gathered's lists are sized for the longer pass");
 const int64_t kAttnTile = 64;       // tokens of a batch whose attention scores are computed together
 
 }  // namespace
@@ -543,8 +545,8 @@ void Engine::predictor_select(const Layer &L, const FfnTier &T, int64_t n_tok) {
                 }
             }
         };
-        // memory-bound, not multiply-bound: every thread takes a share (its tiles are one stream)
-        pool_->run(int(std::min<int64_t>(n_tiles, std::max(pool_->size(), pool_->chunks_for(n * R * n_tok, kGrain)))), job);
+        // float rows, memory-bound: counted as matmul counts them, so every thread takes a share of the tiles
+        pool_->run(int(std::min<int64_t>(n_tiles, pool_->chunks_for(n * R * n_tok * kRowDotCost, kGrain))), job);
         return;
     }
     auto job = [&](int chunk, int n_chunks, int) {
@@ -644,7 +646,8 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
             n_listed += any != 0;
         }
     } else {
-        for (; n_listed < n; ++n_listed) rows_[size_t(n_listed)] = int32_t(n_listed);  // every row
+        std::iota(rows_.begin(), rows_.begin() + n, 0);  // every row
+        n_listed = n;
     }
     n_rows_ = n_listed;
     prepare(op_xn_, n_tok, L.gate.type);
@@ -753,6 +756,10 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
     // a few 8-row groups by gemm8 for all tokens, then each neuron's rule; in gate mode the ups of the
     // neurons the gate lets through come from their own rows, 4 at a time.
     const int64_t Fp = F + kPackRows;
+    // The llama family without biases: the gate's value alone (SiLU'd by `activate`, raw for ReLU) decides,
+    // and is the activation of a neuron that passes; both cases below take it in straight loops.
+    const bool plain_rule = gated && act != Activation::DRelu && !gb && !ub;
+    auto gate_passes = [act, thr](float v) { return act == Activation::Silu ? std::fabs(v) > thr : v > 0.0f; };
     auto gate_up_grouped = [&](int chunk, int n_chunks, int) {
         int64_t g0, g1, active = 0, computed = 0;
         int64_t up_list[kDecodeGroupsPerPass * kPackRows];
@@ -777,15 +784,15 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
                 float *gt = g_.data() + t * Fp;
                 activate(gt + r0, r1 - r0, [&](int64_t j) { return r0 + j; });
                 int64_t n_up = 0;
-                if (gated && all_up && act != Activation::DRelu && !gb && !ub) {
-                    // the common dense case (llama family, no biases) in one straight loop the compiler vectorizes
+                if (plain_rule && all_up) {
+                    // the dense modes, in one straight loop the compiler vectorizes
                     const bool silu_act = act == Activation::Silu;
                     const float *ut = u_.data() + t * Fp;
                     float *ht = h_.data() + t * F;
                     uint8_t *mt = mask_.data() + t * F;
                     for (int64_t r = r0; r < r1; ++r) {
                         const float a = silu_act ? gt[r] : std::max(gt[r], 0.0f);
-                        const bool pass = silu_act ? std::fabs(a) > thr : gt[r] > 0.0f;
+                        const bool pass = gate_passes(gt[r]);
                         const bool used = dense || pass;
                         active += pass;
                         computed += used;
@@ -794,15 +801,14 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
                     }
                     continue;
                 }
-                if (gated && !all_up && act != Activation::DRelu && !gb && !ub) {
-                    // gate mode, llama family without biases: every neuron settled as not passing at once, the
-                    // ones the gate lets through listed without branches (a = the gate value, SiLU'd or > 0)
-                    const bool silu_act = act == Activation::Silu;
+                if (plain_rule) {
+                    // gate mode: every neuron settled as not passing at once, the ones the gate lets through
+                    // listed without branches
                     std::fill(mask_.begin() + t * F + r0, mask_.begin() + t * F + r1, uint8_t(1));
                     std::fill(h_.begin() + t * F + r0, h_.begin() + t * F + r1, 0.0f);
                     for (int64_t r = r0; r < r1; ++r) {
                         up_list[n_up] = r;
-                        n_up += silu_act ? std::fabs(gt[r]) > thr : gt[r] > 0.0f;
+                        n_up += gate_passes(gt[r]);
                     }
                     for (int64_t i = 0; i < n_up; ++i) {
                         up_rows[i] = T.row(T.up, up_list[i]);
@@ -878,10 +884,10 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
     } else {
         // A batch: each thread owns a slice of the columns. The used rows go in panels of kPanelRows, widened
         // to floats once, and the tokens' coefficients (0 where a token leaves a row out) in chunks of
-        // kPanelTokens, through gemm_f32 (tokens x columns tiles held in registers).
-        // In the modes that settle every token's every row (h_ is 0 where a token leaves a row out), all of
-        // the tier's rows stay in order when nearly all are used: the coefficients are then h_ itself, read in
-        // place by gemm_f32, instead of a copy gathered per panel and thread.
+        // kPanelTokens, through gemm_f32 (tokens x columns tiles held in registers). In the modes that settle
+        // every token's every row (h_ is 0 where a token leaves a row out), all of the tier's rows stay in
+        // order when nearly all are used: the coefficients are then h_ itself, read in place by gemm_f32,
+        // instead of a copy gathered per panel and thread.
         int64_t n_used = 0;
         for (int64_t i = 0; i < n_rows_; ++i) {  // counted (and compacted) without branches
             const int64_t r = rows_[size_t(i)];

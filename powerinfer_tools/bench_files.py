@@ -7,7 +7,8 @@ whose layout differs, `ffn_down_t` (row j = neuron j, for our axpy), becomes lla
 (row i = output channel i) by quantizing the same float32 source matrix with the same gguf-py
 quantizer. A quantized matrix cannot be transposed without requantizing (its 32-value blocks run
 along rows), so ffn_down is the same weights quantized along the other axis: same type, same bytes,
-values within that type's rounding of each other.
+values within that type's rounding of each other. A file whose neurons were reordered (neuron_order.py)
+gets the source's down columns in the same order.
 
 A benchmark point at a given FFN sparsity rewrites the per-layer thresholds of a working copy of the
 PowerInfer file in place (fixed-size metadata arrays, see `set_thresholds`).
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from powerinfer_tools import arch, models
+from powerinfer_tools import arch, models, neuron_order
 from powerinfer_tools.atomic import atomic_file
 from powerinfer_tools.errors import UserError
 from powerinfer_tools.gguf_io import field, open_reader
@@ -31,7 +32,7 @@ BENCH_OUTTYPES = ("q4_0", "q8_0", "f16", "f32")
 ACTIVATION_THRESHOLDS = "powerinfer.activation_thresholds"
 PREDICTOR_THRESHOLDS = "powerinfer.predictor_thresholds"
 # Metadata llama.cpp has no use for (ours) or that gguf-py's writer sets itself.
-_SKIPPED_KEYS = ("GGUF.", "powerinfer.", "general.architecture")
+_SKIPPED_KEYS = ("GGUF.", "powerinfer.", "powerinfer_tools.", "general.architecture")
 _LLAMACPP_ARCHES = ("llama",)
 
 
@@ -132,6 +133,8 @@ def write_llamacpp_gguf(powerinfer_file: Path, model: str, out: Path) -> dict:
         raise UserError(f"{powerinfer_file}: llama.cpp comparison supports {', '.join(_LLAMACPP_ARCHES)} files, "
                         f"not '{arch_name}'")
     down = _source_down_matrices(model)
+    n_ff = [int(t.shape[1]) for t in reader.tensors if t.name.endswith(".ffn_down_t.weight")]
+    orders = neuron_order.read(powerinfer_file, n_ff)  # the source's down columns follow the file's neurons
     copied = requantized = 0
     with atomic_file(out) as tmp:
         writer = gguf.GGUFWriter(tmp, arch_name)
@@ -147,6 +150,8 @@ def write_llamacpp_gguf(powerinfer_file: Path, model: str, out: Path) -> dict:
                 if name.endswith(".ffn_down_t.weight"):
                     layer = int(name.split(".")[1])
                     source = down(layer)
+                    if orders is not None:
+                        source = source[:, orders[layer]]
                     expected = tuple(int(n) for n in t.shape)  # GGUF ne of ffn_down_t = numpy (n_embd, n_ff)
                     if source.shape != expected:
                         raise UserError(f"source down projection of layer {layer} has shape {source.shape}, "

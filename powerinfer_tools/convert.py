@@ -5,10 +5,12 @@ data), so that gguf-py can write the header and tensor table; then each tensor i
 transformed (architecture adapter's TensorMap), cast or quantized and written before the next is
 read. Peak memory is therefore about one source tensor in float32 plus its encoded copy.
 The file is built under a temporary name and renamed at the end (atomic.py), then its magic
-becomes `PWRI`.
+becomes `PWRI`. With a profile, each layer's FFN neurons are stored in the order of neuron_order.py
+(hottest-first blocks; the order is recorded in the file).
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import time
@@ -19,7 +21,7 @@ from typing import Callable
 
 import numpy as np
 
-from powerinfer_tools import arch, models
+from powerinfer_tools import arch, models, neuron_order
 from powerinfer_tools.atomic import atomic_file
 from powerinfer_tools.errors import UserError
 from powerinfer_tools.safe_load import load_pt
@@ -182,7 +184,8 @@ def _load_predictor(path: Path, key: str) -> np.ndarray:
 
 
 def add_header(writer, adapter: arch.Arch, name: str, outtype: str, predictors: Predictors | None,
-               activation_thresholds: list[float], tensors: list[PlannedTensor], add_vocab) -> None:
+               activation_thresholds: list[float], tensors: list[PlannedTensor], add_vocab,
+               neuron_orders: list[np.ndarray] | None = None) -> None:
     """Everything the file holds before its tensor data: metadata, the vocabulary (`add_vocab(writer)`, or
     nothing when None) and the tensor table. Shared with the dry run, which measures it."""
     import gguf
@@ -200,6 +203,9 @@ def add_header(writer, adapter: arch.Arch, name: str, outtype: str, predictors: 
         writer.add_key_value("powerinfer.sparse_threshold", predictors.sparse_threshold, f32)
         writer.add_key_value("powerinfer.predictor_thresholds", predictors.thresholds, gguf.GGUFValueType.ARRAY,
                              sub_type=f32)
+    if neuron_orders is not None:
+        writer.add_key_value(neuron_order.ORDER_KEY, neuron_order.flatten(neuron_orders), gguf.GGUFValueType.ARRAY,
+                             sub_type=gguf.GGUFValueType.INT32)
     if add_vocab is not None:
         add_vocab(writer)
     for t in tensors:
@@ -218,10 +224,12 @@ def n_vocab_of(tensors: list[PlannedTensor]) -> int:
 
 
 def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predictors_dir: str | Path | None = None,
-                  profile_dir: str | Path | None = None, progress: bool = True) -> dict:
+                  profile_dir: str | Path | None = None, progress: bool = True, order_neurons: bool = True) -> dict:
     """Write the PowerInfer GGUF of `model` (a --model spec) to `out_path`; returns a summary dict.
 
-    Without `predictors_dir` the file has no fc1/fc2 tensors (dense / gate-only use of our engine).
+    Without `predictors_dir` the file has no fc1/fc2 tensors (dense / gate-only use of our engine). With
+    `order_neurons` and a profile with activation counts, the FFN neurons follow neuron_order.py's order of
+    those counts (a profile of thresholds alone leaves the model's order).
     """
     import gguf
     from tqdm import tqdm
@@ -246,15 +254,24 @@ def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predic
         activation_thresholds = [0.0] * dims.n_layer
     if not adapter.thresholded:
         activation_thresholds = [0.0] * dims.n_layer  # ReLU-family: active means a != 0
+    orders = None
+    from powerinfer_tools.profile import has_activation_counts, load_activation_counts
+
+    if profile_dir is not None and order_neurons and has_activation_counts(profile_dir):
+        counts = load_activation_counts(profile_dir, dims.n_layer, [dims.n_ff] * dims.n_layer)
+        orders = neuron_order.orders_from_counts([c.double().numpy() for c in counts])
     weights = open_weights(source, config)
     tensors = plan(adapter, weights, predictors, outtype)
+    if orders is not None:
+        tensors = [dataclasses.replace(t, load=lambda t=t: neuron_order.apply(t.name, t.load(), orders))
+                   for t in tensors]
     n_vocab = n_vocab_of(tensors)
 
     with atomic_file(out_path) as tmp:
         writer = gguf.GGUFWriter(tmp, adapter.gguf_arch)
         try:
             add_header(writer, adapter, source.path.stem, outtype, predictors, activation_thresholds, tensors,
-                       lambda w: write_vocab(w, source, n_vocab, getattr(weights, "reader", None)))
+                       lambda w: write_vocab(w, source, n_vocab, getattr(weights, "reader", None)), orders)
             writer.write_header_to_file()
             writer.write_kv_data_to_file()
             writer.write_ti_data_to_file()
@@ -281,6 +298,7 @@ def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predic
     return {
         "out": str(out_path), "model": source.spec, "arch": adapter.name, "gguf_arch": adapter.gguf_arch,
         "outtype": outtype, "tensors": len(tensors), "predictors": predictors is not None,
+        "neuron_order": "profile" if orders is not None else "source",
         "thresholded": adapter.thresholded, "activation_thresholds": activation_thresholds,
         "types": dict(Counter(t.qtype.name for t in tensors)), "bytes_in": int(bytes_in),
         "bytes_out": out_path.stat().st_size, "seconds": round(time.time() - started, 2),

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from powerinfer_tools import placement_solver
+from powerinfer_tools import neuron_order, placement_solver
 from powerinfer_tools.atomic import atomic_file
 from powerinfer_tools.errors import UserError
 from powerinfer_tools.gguf_io import field as gguf_field
@@ -251,10 +251,12 @@ def plan_for_model(profile_dir: str | Path, model_path: str | Path, vram_budget_
                    ctx_size: int = DEFAULT_CTX_SIZE, min_layer_neurons: str | int = "auto",
                    reserve_bytes: int = DEFAULT_RESERVE_BYTES, offload_output: bool = True, dense: str = "all",
                    time_limit: float = 20.0) -> Plan:
-    """The best placement of a converted model's neurons for a VRAM budget (the converter's one-line entry)."""
+    """The best placement of a converted model's neurons for a VRAM budget (the converter's one-line entry).
+    The profile counts source neurons; the gpu index marks file positions (neuron_order.py)."""
     check_options(vram_budget_bytes, ctx_size, reserve_bytes, dense)
     costs = model_costs(model_path)
-    counts = load_activation_counts(profile_dir, costs.n_ff)
+    counts = neuron_order.in_file_order(load_activation_counts(profile_dir, costs.n_ff),
+                                        neuron_order.read(model_path, costs.n_ff))
     return plan_placement(costs, counts, profiled_tokens(profile_dir, counts), vram_budget_bytes, ctx_size,
                           min_layer_neurons, reserve_bytes, offload_output, dense, time_limit)
 

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from convert_helpers import write_predictors
+from placement_fixtures import power_law_counts, write_profile
 from tiny_models import HIDDEN, N_FF, N_LAYER
 
-from powerinfer_tools import arch, bench, byte_model, machine, models, sparsity_levels
+from powerinfer_tools import arch, bench, byte_model, machine, models, neuron_order, sparsity_levels
 from powerinfer_tools.bench_files import bench_files, set_thresholds, thresholds, working_copy
 from powerinfer_tools.errors import UserError
 from powerinfer_tools.gguf_io import open_reader, read_magic
@@ -33,21 +34,26 @@ def silu_files(tiny_model_dir, tmp_path_factory):
     return model, bench_files(model, "q8_0", work, predictors=pred, progress=False), work
 
 
-@pytest.mark.parametrize("outtype", ["q4_0", "q8_0"])
-def test_llamacpp_file_holds_the_same_weights(tiny_model_dir, tmp_path, outtype):
+@pytest.mark.parametrize("outtype, ordered", [("q4_0", False), ("q8_0", False), ("q8_0", True)])
+def test_llamacpp_file_holds_the_same_weights(tiny_model_dir, tmp_path, outtype, ordered):
+    """Byte copies of every tensor llama.cpp reads but ffn_down, which is the source's, quantized the same way and,
+    when the file's neurons are in the profile's order (neuron_order.py), its columns in that order."""
     import gguf
 
     from powerinfer_tools.convert import encode
 
     model = str(tiny_model_dir("llama-silu"))
+    profile = write_profile(tmp_path / "prof", power_law_counts(N_LAYER, N_FF), tokens=4096) if ordered else None
     files = bench_files(model, outtype, tmp_path, predictors=write_predictors(tmp_path / "p", N_LAYER, HIDDEN, N_FF),
-                        progress=False)
+                        profile=profile, progress=False)
+    orders = neuron_order.read(files.powerinfer, [N_FF] * N_LAYER)
+    assert (orders is not None) == ordered
     assert read_magic(files.powerinfer) == b"PWRI" and read_magic(files.llamacpp) == b"GGUF"
     ours = {t.name: t for t in open_reader(files.powerinfer).tensors}
     plain_reader = gguf.GGUFReader(files.llamacpp)
     plain = {t.name: t for t in plain_reader.tensors}
     assert not any(".fc1." in n or ".fc2." in n or "ffn_down_t" in n for n in plain)
-    assert not any(k.startswith("powerinfer.") for k in plain_reader.fields)
+    assert not any(k.startswith(("powerinfer.", "powerinfer_tools.")) for k in plain_reader.fields)
     source = models.resolve(model)
     hf = models.load_model(source)[0].state_dict()
     for name, t in ours.items():
@@ -57,14 +63,15 @@ def test_llamacpp_file_holds_the_same_weights(tiny_model_dir, tmp_path, outtype)
             layer = int(name.split(".")[1])
             p = plain[name.replace("ffn_down_t", "ffn_down")]
             assert p.tensor_type == t.tensor_type
-            expected = encode(hf[f"model.layers.{layer}.mlp.down_proj.weight"].numpy(), t.tensor_type)
+            down = hf[f"model.layers.{layer}.mlp.down_proj.weight"].numpy()
+            expected = encode(down[:, orders[layer]] if ordered else down, t.tensor_type)
             assert np.array_equal(np.asarray(p.data), expected), name  # same source, same quantizer
         else:
             assert np.array_equal(np.asarray(plain[name].data), np.asarray(t.data)), name  # byte copies
     for key in ("llama.block_count", "llama.rope.freq_base", "tokenizer.ggml.tokens"):
         assert plain_reader.fields[key].contents() == open_reader(files.powerinfer).fields[key].contents()
     # cached: a second call reuses the files
-    again = bench_files(model, outtype, tmp_path, predictors=tmp_path / "p", progress=False)
+    again = bench_files(model, outtype, tmp_path, predictors=tmp_path / "p", profile=profile, progress=False)
     assert again.powerinfer == files.powerinfer and again.powerinfer.stat().st_mtime_ns == \
         files.powerinfer.stat().st_mtime_ns
 

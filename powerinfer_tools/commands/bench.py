@@ -41,7 +41,8 @@ def bench(
     predictors: Optional[Path] = typer.Option(None, "--predictors", "-p", help="Predictor directory "
                                               "(train-predictor) to convert with; without it no predictor mode."),
     profile: Optional[Path] = typer.Option(None, "--profile", help="Profile directory whose activation thresholds "
-                                           "the file stores (the main table's sparsity unless --sparsity)."),
+                                           "the file stores (the main table's sparsity unless --sparsity) and whose "
+                                           "activation counts order its neurons, as convert does."),
     sparsity: Optional[float] = typer.Option(None, "--sparsity", help="Run the main table at this FFN sparsity "
                                              "(thresholds recalibrated) instead of the file's thresholds."),
     sweep_sparsity: bool = typer.Option(False, "--sweep-sparsity", help="Also time the sparse modes' generation "

@@ -27,6 +27,11 @@ def convert(
     profile: Optional[Path] = typer.Option(
         None, "--profile", help="Profile directory: its per-layer activation thresholds (SiLU/GELU models) are "
                                 "stored as powerinfer.activation_thresholds. ReLU models store 0."),
+    order_neurons: bool = typer.Option(
+        True, "--order-neurons/--source-order", help="With --profile: store each layer's FFN neurons hottest first "
+                                                    "in blocks of 16, spread over the layer (the order is recorded "
+                                                    "in the file), so the rows a sparse step reads come in runs. "
+                                                    "--source-order keeps the model's order."),
     outtype: Optional[str] = typer.Option(None, "--outtype", "-t", help="Weight type: f32, f16, q8_0 or q4_0 "
                                           "(default f16; with --dry-run f16,q8_0,q4_0, a comma-separated list). "
                                           "Norms and biases stay f32; predictors f32 (f16 unless f32)."),
@@ -81,13 +86,16 @@ def convert(
 
         activation_dir(profile)  # fail before converting, not after
     summary = convert_model(model, out, outtype=outtype.lower(), predictors_dir=predictors, profile_dir=profile,
-                            progress=not quiet)
+                            progress=not quiet, order_neurons=order_neurons)
     if summary["thresholded"] and profile is None:
         typer.echo(f"note: {summary['arch']} is thresholded but no --profile was given: activation thresholds "
                    "stored as 0 (every neuron counts as active)", err=True)
     types = ", ".join(f"{n} {k}" for k, n in sorted(summary["types"].items()))
     typer.echo(f"{summary['arch']} -> {summary['gguf_arch']} {summary['outtype']}: {summary['tensors']} tensors "
                f"({types}){', with predictors' if summary['predictors'] else ', no predictors'}")
+    if summary["neuron_order"] == "profile":
+        typer.echo("FFN neurons stored hottest first in blocks of 16 by the profile's counts (--source-order: "
+                   "the model's order)")
     typer.echo(f"bytes: {_mib(summary['bytes_in'])} in the source -> {_mib(summary['bytes_out'])} written "
                f"({summary['bytes_out'] / max(summary['bytes_in'], 1):.2f}x) in {summary['seconds']:.1f} s")
     typer.echo(f"wrote {out}")

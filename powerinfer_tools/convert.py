@@ -204,8 +204,7 @@ def add_header(writer, adapter: arch.Arch, name: str, outtype: str, predictors: 
         writer.add_key_value("powerinfer.predictor_thresholds", predictors.thresholds, gguf.GGUFValueType.ARRAY,
                              sub_type=f32)
     if neuron_orders is not None:
-        writer.add_key_value(neuron_order.ORDER_KEY, neuron_order.flatten(neuron_orders), gguf.GGUFValueType.ARRAY,
-                             sub_type=gguf.GGUFValueType.INT32)
+        writer.add_key_value(neuron_order.ORDER_KEY, neuron_order.encode(neuron_orders), gguf.GGUFValueType.STRING)
     if add_vocab is not None:
         add_vocab(writer)
     for t in tensors:
@@ -234,6 +233,7 @@ def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predic
     import gguf
     from tqdm import tqdm
 
+    from powerinfer_tools.profile import has_activation_counts, load_activation_counts
     from powerinfer_tools.source_weights import open_weights
     from powerinfer_tools.tokenizer import write_vocab
 
@@ -255,8 +255,6 @@ def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predic
     if not adapter.thresholded:
         activation_thresholds = [0.0] * dims.n_layer  # ReLU-family: active means a != 0
     orders = None
-    from powerinfer_tools.profile import has_activation_counts, load_activation_counts
-
     if profile_dir is not None and order_neurons and has_activation_counts(profile_dir):
         counts = load_activation_counts(profile_dir, dims.n_layer, [dims.n_ff] * dims.n_layer)
         orders = neuron_order.orders_from_counts([c.double().numpy() for c in counts])

@@ -10,7 +10,7 @@ sample standard deviation beside them.
 Sparse modes are measured at fixed FFN sparsity levels by rewriting the per-layer thresholds of a
 working copy of the file (sparsity_levels.py), and each run is set against the byte model
 (byte_model.py): predicted speedup over our dense mode, achieved / predicted, and achieved / the
-physical limit of the measured memory read bandwidth.
+physical limit of the memory read bandwidth, sampled before every round.
 """
 from __future__ import annotations
 
@@ -34,6 +34,10 @@ PEERS = ("llama.cpp", "torch")
 SWEEP_LEVELS = (0.3, 0.5, 0.7, 0.8, 0.9, 0.95)
 CALIBRATION_SEQS, CALIBRATION_LEN = 4, 256
 AGREEMENT_TOKENS = 64
+# "of limit" divides by the read bandwidth sampled before every timed round (median), not once per run:
+# on a shared machine it moved between 40 and 69 GB/s from one run to the next.
+BANDWIDTH_PROBE_BYTES = 256 << 20  # far beyond any last-level cache
+BANDWIDTH_PASSES = 2
 
 # issue 7's targets: (what, threshold)
 TARGETS = {
@@ -105,21 +109,27 @@ def paired_ratio(a: list[float], b: list[float]) -> float | None:
 
 # ---- the measurement loop -----------------------------------------------------------------------
 
-def _time_rounds(runners: list, tests: dict[str, list[int]], rounds: int, desc: str, progress: bool) -> dict:
-    """{label: {test: {"wall": [...], "cpu": [...]}}}, every runner once per round, in a fixed order."""
+def _time_rounds(runners: list, tests: dict[str, list[int]], rounds: int, desc: str, progress: bool,
+                 probe: machine.BandwidthProbe | None = None) -> tuple[dict, float | None]:
+    """({label: {test: {"wall": [...], "cpu": [...]}}}, read bandwidth), every runner once per round, in a fixed
+    order. The bandwidth (with `probe`) is the median of one sample per round, taken while every contestant is
+    stopped: the memory system the round had, not a snapshot from the start of the run."""
     for r in runners:  # warm-up: page in weights, spin up thread pools
         r.pp(tests.get("pp", tests["tg"])[:32])
         r.tg(tests["tg"][:8])
     times = {r.label: {t: {"wall": [], "cpu": []} for t in tests} for r in runners}
+    samples = []
     with tqdm(total=rounds * len(runners) * len(tests), desc=desc, unit="run", disable=not progress) as bar:
         for _ in range(rounds):
+            if probe is not None:
+                samples.append(probe.measure(BANDWIDTH_PASSES))
             for r in runners:
                 for test, tokens in tests.items():
                     wall, cpu = getattr(r, test)(tokens)
                     times[r.label][test]["wall"].append(wall)
                     times[r.label][test]["cpu"].append(cpu)
                     bar.update()
-    return times
+    return times, (statistics.median(samples) if samples else None)
 
 
 def _layer_sparsity(stats: dict | None) -> dict | None:
@@ -168,6 +178,7 @@ def _add_derived(entries: list[dict], times: dict, mb: byte_model.ModelBytes, ba
         layers = e["stats"]["layers"] if e.get("stats") else None
         parts = byte_model.token_bytes(mb, layers, position)
         e["bytes_per_token"] = parts
+        e["read_bandwidth"] = bandwidth
         e["limit_tps"] = bandwidth / parts["total"]
         e["of_limit"] = e["tg"]["median"] / e["limit_tps"]
         if dense is not None:
@@ -230,7 +241,7 @@ def run_bench(opts: BenchOptions) -> dict:
                                  "batch": opts.batch, "modes": list(opts.modes), "peers": list(opts.peers),
                                  "sparsity": opts.sparsity}}
     record["machine"] = machine.machine_record(opts.threads)
-    bandwidth = record["machine"]["read_bandwidth"][str(opts.threads)]
+    probe = machine.BandwidthProbe(opts.threads, BANDWIDTH_PROBE_BYTES)
 
     files = files_mod.bench_files(opts.model, opts.outtype, work_dir, opts.predictors, opts.profile, opts.progress)
     record["files"] = {"powerinfer": str(files.powerinfer), "llamacpp": str(files.llamacpp),
@@ -300,7 +311,8 @@ def run_bench(opts: BenchOptions) -> dict:
             record["agreement"] = {"tokens": len(probe), "top1_ours_dense_vs_llamacpp":
                                    sum(x == y for x, y in zip(a, b)) / len(probe)}
         runners = llama + ours + torch_runner
-        times = _time_rounds(runners, {"pp": prompt, "tg": gen}, opts.repeats, "bench", opts.progress)
+        times, bandwidth = _time_rounds(runners, {"pp": prompt, "tg": gen}, opts.repeats, "bench", opts.progress,
+                                        probe)
         entries = [_entry(r, times[r.label], len(prompt), len(gen), opts.sparsity) for r in runners]
         record["engine"]["peak_rss_bytes"] = ours_worker.ask(op="info")["peak_rss_bytes"]
         record["engine"]["kv_cache_bytes"] = mb.kv_per_position * len(mb.layers) * n_ctx
@@ -309,7 +321,7 @@ def run_bench(opts: BenchOptions) -> dict:
         record["runs"] = entries
 
         if opts.sweep:
-            record["sweep"] = _sweep(opts, files, work_dir, sample, logits, llama, modes, gen, mb, bandwidth)
+            record["sweep"] = _sweep(opts, files, work_dir, sample, logits, llama, modes, gen, mb, probe)
         if llama:
             record["llamacpp"]["peak_rss_bytes"] = max(r.worker.ask(op="info")["peak_rss_bytes"]
                                                        for r in llama[0].runners.values())
@@ -324,7 +336,7 @@ def run_bench(opts: BenchOptions) -> dict:
     return record
 
 
-def _sweep(opts, files, work_dir, sample, logits, llama, modes, gen, mb, bandwidth) -> list[dict]:
+def _sweep(opts, files, work_dir, sample, logits, llama, modes, gen, mb, probe) -> list[dict]:
     """tg of every sparse mode at each sparsity level, paired per round with our dense and llama.cpp dense."""
     copy = files_mod.working_copy(files.powerinfer, work_dir)
     sparse = [m for m in modes if m in SPARSE_MODES and (m != "gate" or sample.thresholded)]
@@ -337,7 +349,8 @@ def _sweep(opts, files, work_dir, sample, logits, llama, modes, gen, mb, bandwid
         worker = Worker("ours", copy, opts.threads, n_ctx, opts.batch)
         try:
             runners = llama + [Runner(worker, f"ours {m}", m) for m in ["dense"] + sparse]
-            times = _time_rounds(runners, {"tg": gen}, opts.sweep_repeats, f"sweep {level:.2f}", opts.progress)
+            times, bandwidth = _time_rounds(runners, {"tg": gen}, opts.sweep_repeats, f"sweep {level:.2f}",
+                                            opts.progress, probe)
             entries = [_entry(r, times[r.label], 0, len(gen), level) for r in runners]
         finally:
             worker.close()
@@ -395,12 +408,23 @@ def _mib(b) -> str:
     return _f(b / 2**20 if b is not None else None, "{:.1f}")
 
 
+def _round_bandwidths(record: dict) -> str:
+    """The bandwidth "of limit" divides by: sampled before each round, the median per table."""
+    bws = [e["read_bandwidth"] for e in record.get("runs", []) + record.get("sweep", []) if e.get("read_bandwidth")]
+    if not bws:
+        return ""
+    lo, hi = min(bws) / 1e9, max(bws) / 1e9
+    span = f"{lo:.1f}" if hi - lo < 0.05 else f"{lo:.1f}–{hi:.1f}"
+    return f"; during the timed rounds {span} GB/s ({record['settings']['threads']} threads, median per table)"
+
+
 def render_markdown(record: dict) -> str:
     st, m = record["settings"], record["machine"]
     bw = m.get("read_bandwidth", {})
     lines = [f"`{record['command']}`" if record.get("command") else "", "",
              f"Machine: {m['cpu']}, {m['cores']} cores ({', '.join(m['simd'])}); read bandwidth "
              + ", ".join(f"{_f(v / 1e9, '{:.1f}')} GB/s ({k} thread{'s' if k != '1' else ''})" for k, v in bw.items())
+             + _round_bandwidths(record)
              + (f"; load average {', '.join(f'{x:.1f}' for x in m['load_average'])}" if m.get("load_average") else ""),
              f"Model: {st['model']} {st['outtype']}, {st['threads']} threads, {st['repeats']} interleaved repeats "
              f"(median ± stdev; t/CPU-s: tokens per CPU-second of the engine's process); "

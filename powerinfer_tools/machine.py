@@ -49,16 +49,17 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def read_bandwidth(threads: int, buffer_bytes: int = 512 << 20, passes: int = 5) -> float:
-    """Bytes per second one streaming read of `buffer_bytes` achieves with `threads` readers (best pass)."""
-    data = np.ones(buffer_bytes // 4, dtype=np.float32)
-    slices = np.array_split(data, max(1, threads))
+class BandwidthProbe:
+    """Streaming reads of one preallocated buffer by `threads` readers: bytes per second of the best pass.
+    Kept for a whole benchmark, so that the bandwidth can be sampled between timed rounds at no allocation."""
 
-    def read(part: np.ndarray) -> None:
-        np.dot(part, part)
+    def __init__(self, threads: int, buffer_bytes: int = 512 << 20):
+        self.data = np.ones(buffer_bytes // 4, dtype=np.float32)
+        self.slices = np.array_split(self.data, max(1, threads))
+        self._one_pass()  # page in the buffer
 
-    def one_pass() -> float:
-        workers = [threading.Thread(target=read, args=(s,)) for s in slices]
+    def _one_pass(self) -> float:
+        workers = [threading.Thread(target=np.dot, args=(s, s)) for s in self.slices]
         start = time.perf_counter()
         for w in workers:
             w.start()
@@ -66,8 +67,13 @@ def read_bandwidth(threads: int, buffer_bytes: int = 512 << 20, passes: int = 5)
             w.join()
         return time.perf_counter() - start
 
-    one_pass()  # page in the buffer
-    return data.nbytes / min(one_pass() for _ in range(passes))
+    def measure(self, passes: int = 5) -> float:
+        return self.data.nbytes / min(self._one_pass() for _ in range(passes))
+
+
+def read_bandwidth(threads: int, buffer_bytes: int = 512 << 20, passes: int = 5) -> float:
+    """Bytes per second one streaming read of `buffer_bytes` achieves with `threads` readers (best pass)."""
+    return BandwidthProbe(threads, buffer_bytes).measure(passes)
 
 
 def machine_record(threads: int, measure_bandwidth: bool = True) -> dict:

@@ -161,6 +161,30 @@ def test_paired_ratio_and_summary():
     assert s["cpu_median"] == pytest.approx(128.0)
 
 
+def test_bandwidth_is_sampled_once_per_round():
+    """_time_rounds samples the bandwidth before each round (contestants stopped) and reports the median."""
+    class Probe:
+        values = [3e10, 1e10, 2e10]
+
+        def measure(self, passes):
+            return self.values.pop(0)
+
+    class Contestant:
+        label, calls = "x", []
+
+        def pp(self, tokens):
+            return 0.1, 0.1
+
+        def tg(self, tokens):
+            self.calls.append(len(Probe.values))
+            return 0.2, 0.2
+
+    times, bandwidth = bench._time_rounds([Contestant()], {"tg": [1, 2, 3]}, 3, "t", False, Probe())
+    assert bandwidth == 2e10 and len(times["x"]["tg"]["wall"]) == 3
+    assert Contestant.calls == [3, 2, 1, 0]  # warm-up before any sample, then one sample ahead of each round
+    assert bench._time_rounds([Contestant()], {"tg": [1]}, 2, "t", False)[1] is None
+
+
 def test_read_bandwidth_is_measured():
     bw = machine.read_bandwidth(2, buffer_bytes=64 << 20, passes=2)
     assert 1e8 < bw < 1e13
@@ -278,7 +302,11 @@ def test_bench_end_to_end_tiny(silu_files, tmp_path):
         assert gate["predicted_speedup"] > 1.0
     if peer:
         assert rec["agreement"]["top1_ours_dense_vs_llamacpp"] >= 0.9
+    for e in rec["runs"] + rec["sweep"]:  # of limit: against the bandwidth sampled during that table's rounds
+        if e["backend"] == "ours":
+            assert e["read_bandwidth"] > 1e8
+            assert e["of_limit"] == pytest.approx(e["tg"]["median"] * e["bytes_per_token"]["total"] / e["read_bandwidth"])
     md = bench.render_markdown(rec)
-    assert "ours predictor" in md and "Sparsity sweep" in md
+    assert "ours predictor" in md and "Sparsity sweep" in md and "during the timed rounds" in md
     bench.write_json(rec, tmp_path / "r.json")
     assert json.loads((tmp_path / "r.json").read_text())["format"] == "powerinfer-tools.bench/1"

@@ -241,7 +241,7 @@ def run_bench(opts: BenchOptions) -> dict:
                                  "batch": opts.batch, "modes": list(opts.modes), "peers": list(opts.peers),
                                  "sparsity": opts.sparsity}}
     record["machine"] = machine.machine_record(opts.threads)
-    probe = machine.BandwidthProbe(opts.threads, BANDWIDTH_PROBE_BYTES)
+    bandwidth_probe = machine.BandwidthProbe(opts.threads, BANDWIDTH_PROBE_BYTES)
 
     files = files_mod.bench_files(opts.model, opts.outtype, work_dir, opts.predictors, opts.profile, opts.progress)
     record["files"] = {"powerinfer": str(files.powerinfer), "llamacpp": str(files.llamacpp),
@@ -306,13 +306,13 @@ def run_bench(opts: BenchOptions) -> dict:
         record["thresholds"] = {"activation": info["activation_thresholds"], "predictor": info["predictor_thresholds"]}
         ours = [Runner(ours_worker, f"ours {m}", m) for m in modes]
         if llama and "dense" in modes:
-            probe = gen[:AGREEMENT_TOKENS]
-            a, b = ours[modes.index("dense")].argmax(probe), llama[0].argmax(probe)
-            record["agreement"] = {"tokens": len(probe), "top1_ours_dense_vs_llamacpp":
-                                   sum(x == y for x, y in zip(a, b)) / len(probe)}
+            tokens = gen[:AGREEMENT_TOKENS]
+            a, b = ours[modes.index("dense")].argmax(tokens), llama[0].argmax(tokens)
+            record["agreement"] = {"tokens": len(tokens), "top1_ours_dense_vs_llamacpp":
+                                   sum(x == y for x, y in zip(a, b)) / len(tokens)}
         runners = llama + ours + torch_runner
         times, bandwidth = _time_rounds(runners, {"pp": prompt, "tg": gen}, opts.repeats, "bench", opts.progress,
-                                        probe)
+                                        bandwidth_probe)
         entries = [_entry(r, times[r.label], len(prompt), len(gen), opts.sparsity) for r in runners]
         record["engine"]["peak_rss_bytes"] = ours_worker.ask(op="info")["peak_rss_bytes"]
         record["engine"]["kv_cache_bytes"] = mb.kv_per_position * len(mb.layers) * n_ctx
@@ -321,7 +321,7 @@ def run_bench(opts: BenchOptions) -> dict:
         record["runs"] = entries
 
         if opts.sweep:
-            record["sweep"] = _sweep(opts, files, work_dir, sample, logits, llama, modes, gen, mb, probe)
+            record["sweep"] = _sweep(opts, files, work_dir, sample, logits, llama, modes, gen, mb, bandwidth_probe)
         if llama:
             record["llamacpp"]["peak_rss_bytes"] = max(r.worker.ask(op="info")["peak_rss_bytes"]
                                                        for r in llama[0].runners.values())

@@ -134,7 +134,7 @@ def write_llamacpp_gguf(powerinfer_file: Path, model: str, out: Path) -> dict:
                         f"not '{arch_name}'")
     down = _source_down_matrices(model)
     n_ff = [int(t.shape[1]) for t in reader.tensors if t.name.endswith(".ffn_down_t.weight")]
-    orders = neuron_order.read(powerinfer_file, n_ff)  # the source's down columns follow the file's neurons
+    orders = neuron_order.read(powerinfer_file, n_ff, reader)  # the source's down columns follow the file's neurons
     copied = requantized = 0
     with atomic_file(out) as tmp:
         writer = gguf.GGUFWriter(tmp, arch_name)

@@ -70,12 +70,12 @@ def encode(orders: Sequence[np.ndarray]) -> str:
     return base64.b64encode(np.concatenate(orders).astype("<i4").tobytes()).decode("ascii")
 
 
-def read(path, n_ff: Sequence[int]) -> list[np.ndarray] | None:
+def read(path, n_ff: Sequence[int], reader=None) -> list[np.ndarray] | None:
     """The order per layer of model file `path` (None when it keeps the source order), checked to be an order
-    of each layer's neurons."""
+    of each layer's neurons. `reader`: the file already open (parsing a header again costs seconds)."""
     from powerinfer_tools.gguf_io import field, open_reader
 
-    text = field(open_reader(path), ORDER_KEY)
+    text = field(reader if reader is not None else open_reader(path), ORDER_KEY)
     if text is None:
         return None
     try:

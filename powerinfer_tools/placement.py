@@ -73,9 +73,10 @@ class ModelCosts:
         return 2 * ctx_size * self.n_embd_gqa * KV_BYTES_PER_VALUE
 
 
-def model_costs(model_path: str | Path) -> ModelCosts:
-    """Read a PowerInfer GGUF's metadata and tensor table (no tensor data) into per-part byte costs."""
-    reader = open_reader(model_path)
+def model_costs(model_path: str | Path, reader=None) -> ModelCosts:
+    """Read a PowerInfer GGUF's metadata and tensor table (no tensor data) into per-part byte costs
+    (`reader`: the file already open)."""
+    reader = reader if reader is not None else open_reader(model_path)
     tensors = ((t.name, tuple(int(n) for n in reversed(t.shape)), int(t.n_bytes)) for t in reader.tensors)
     return costs_from_tensors(str(model_path), lambda key, default=None: gguf_field(reader, key, default), tensors)
 
@@ -254,9 +255,10 @@ def plan_for_model(profile_dir: str | Path, model_path: str | Path, vram_budget_
     """The best placement of a converted model's neurons for a VRAM budget (the converter's one-line entry).
     The profile counts source neurons; the gpu index marks file positions (neuron_order.py)."""
     check_options(vram_budget_bytes, ctx_size, reserve_bytes, dense)
-    costs = model_costs(model_path)
+    reader = open_reader(model_path)
+    costs = model_costs(model_path, reader)
     counts = neuron_order.in_file_order(load_activation_counts(profile_dir, costs.n_ff),
-                                        neuron_order.read(model_path, costs.n_ff))
+                                        neuron_order.read(model_path, costs.n_ff, reader))
     return plan_placement(costs, counts, profiled_tokens(profile_dir, counts), vram_budget_bytes, ctx_size,
                           min_layer_neurons, reserve_bytes, offload_output, dense, time_limit)
 

@@ -380,17 +380,24 @@ def load_profile(directory: str | Path) -> dict:
     return profile
 
 
+def _activation_folder(directory: Path) -> Path | None:
+    if (directory / "activation").is_dir():
+        return directory / "activation"
+    if (directory / "activation_0.pt").is_file():
+        return directory
+    return None
+
+
 def has_activation_counts(directory: str | Path) -> bool:
-    directory = Path(directory)
-    return (directory / "activation").is_dir() or (directory / "activation_0.pt").is_file()
+    return _activation_folder(Path(directory)) is not None
 
 
 def activation_dir(directory: str | Path) -> Path:
     """DIR/activation of a profile; a bare directory of activation_{i}.pt files (as PowerInfer ships) also works."""
-    directory = Path(directory)
-    if has_activation_counts(directory):
-        return directory / "activation" if (directory / "activation").is_dir() else directory
-    raise UserError(f"{directory}: no activation/ directory (run `pi-tools profile --out {directory}` first)")
+    folder = _activation_folder(Path(directory))
+    if folder is None:
+        raise UserError(f"{directory}: no activation/ directory (run `pi-tools profile --out {directory}` first)")
+    return folder
 
 
 def load_activation_counts(directory: str | Path, n_layer: int,

@@ -854,6 +854,9 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
     st.computed += double(n_computed.load());
     if (!is_cold) st.hot_active += double(n_active.load());
 
+    times_.gate_up += seconds_since(t0);
+    t0 = Clock::now();
+
     // Stage D: y = sum over used rows of h * down_t row (a batch: each thread owns a slice of the columns).
     const uint32_t dtype = T.down_t.type;
     const TypeKernels &kd = ks_->for_type(dtype);
@@ -933,7 +936,7 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
         const int64_t column_units = (E + align - 1) / align;
         pool_->run(int(std::min<int64_t>(column_units, pool_->chunks_for(n_used * E * n_tok, kGrain))), down);
     }
-    times_.ffn += seconds_since(t0);
+    times_.down += seconds_since(t0);
 }
 
 int32_t Engine::sample(const pi_sampling &p) {
@@ -1014,7 +1017,7 @@ const std::string &Engine::stats_json() {
             ", \"batch_seconds\": " + num(batch_seconds_) + ", \"decode_tokens\": " + num(decode_tokens_) +
             ", \"decode_seconds\": " + num(decode_seconds_) + ", \"phases\": {\"embed\": " + num(times_.embed) +
             ", \"attention\": " + num(times_.attention) + ", \"predictor\": " + num(times_.predictor) +
-            ", \"ffn\": " + num(times_.ffn) + ", \"output\": " + num(times_.output) + "}, \"layers\": [";
+            ", \"gate_up\": " + num(times_.gate_up) + ", \"down\": " + num(times_.down) + ", \"output\": " + num(times_.output) + "}, \"layers\": [";
     const double F = double(hp_.n_ff);
     for (size_t i = 0; i < stats_.size(); ++i) {
         const LayerStats &s = stats_[i];

@@ -48,7 +48,7 @@ struct LayerStats {
 };
 
 struct PhaseTimes {
-    double embed = 0, attention = 0, predictor = 0, ffn = 0, output = 0;
+    double embed = 0, attention = 0, predictor = 0, gate_up = 0, down = 0, output = 0;
 };
 
 class Engine {

@@ -222,7 +222,9 @@ def test_dense_density_is_the_fraction_of_active_neurons(tiny_model_dir, convert
         assert layer["density"] == pytest.approx(active[i], abs=1e-3)
         assert layer["computed_density"] == 1.0
     assert stats["decode_tokens_per_second"] > 0 and stats["prompt_tokens_per_second"] > 0
-    assert set(stats["phases"]) == {"embed", "attention", "predictor", "ffn", "output"}
+    # the FFN's two stages timed apart: gate and up (with the rule), then the down projection
+    assert set(stats["phases"]) == {"embed", "attention", "predictor", "gate_up", "down", "output"}
+    assert stats["phases"]["gate_up"] > 0 and stats["phases"]["down"] > 0
 
 
 @pytest.mark.parametrize("outtype", ["f16", "q8_0", "q4_0"])

@@ -263,8 +263,10 @@ def test_cli_help_has_examples():
     assert r.returncode == 0 and "Examples" in r.stdout and "--sweep-sparsity" in r.stdout
 
 
-def _peer_python() -> str | None:
-    """A Python with llama-cpp-python: $PI_BENCH_PEER_PYTHON, or this one when it has it."""
+def _peer_python(tmp_path: Path) -> str:
+    """A Python with llama-cpp-python: $PI_BENCH_PEER_PYTHON, or this one when it has it; otherwise this one
+    with tests/llama_cpp_double first on its path (the worker runs in isolated mode, `-I`, which ignores
+    PYTHONPATH, so a small launcher drops the flag and puts the double in front)."""
     env = os.environ.get("PI_BENCH_PEER_PYTHON")
     if env:
         return env
@@ -272,25 +274,34 @@ def _peer_python() -> str | None:
         import llama_cpp  # noqa: F401
         return sys.executable
     except ImportError:
-        return None
+        pass
+    launcher = tmp_path / "peer-python"
+    code = (f"import runpy, sys; sys.path.insert(0, {str(ROOT / 'tests' / 'llama_cpp_double')!r}); "
+            "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+    launcher.write_text(f'#!/bin/sh\n[ "$1" = -I ] && shift\nexec {sys.executable} -c "{code}" "$@"\n')
+    launcher.chmod(0o755)
+    return str(launcher)
 
 
 def test_bench_end_to_end_tiny(silu_files, tmp_path):
-    """Our engine in every mode + torch (+ llama.cpp when available) on the tiny model, with a sweep:
-    the record is complete and the engine's measured sparsity follows the rewritten thresholds."""
+    """Our engine in every mode + llama.cpp (the real one when available, else the transformers double) +
+    torch on the tiny model, with a sweep: the record is complete, llama.cpp is compared on the same weights,
+    and the engine's measured sparsity follows the rewritten thresholds."""
     engine = pytest.importorskip("engine")
     if not hasattr(engine, "Model"):
         pytest.skip("the C++ engine package is not in this tree")
     model, files, work = silu_files
-    peer = _peer_python()
+    peer = _peer_python(tmp_path)
     opts = bench.BenchOptions(model=model, outtype="q8_0", threads=2, repeats=2, n_prompt=24, n_gen=12, batch=16,
                               predictors=work / "pred", work_dir=work, sweep=True, sweep_levels=(0.5, 0.8),
-                              sweep_repeats=1, peers=("llama.cpp", "torch") if peer else ("torch",),
-                              peer_python=peer, progress=False, text=ROOT / "README.md")
+                              sweep_repeats=1, peers=("llama.cpp", "torch"), peer_python=peer, progress=False,
+                              text=ROOT / "README.md")
     rec = bench.run_bench(opts)
     labels = [e["label"] for e in rec["runs"]]
     assert {"ours dense", "ours gate", "ours predictor", "ours auto"} <= set(labels)
     assert any(label.startswith("torch") for label in labels)
+    assert any(label.startswith("llama.cpp") for label in labels)
+    assert rec["llamacpp"]["omp_wait_policy"].startswith("faster of") and rec["llamacpp"]["peak_rss_bytes"] > 0
     for e in rec["runs"]:
         assert e["tg"]["median"] > 0 and len(e["tg"]["tps"]) == 2
     by_key = {(e["label"], e["target_sparsity"]): e for e in rec["sweep"]}
@@ -300,8 +311,13 @@ def test_bench_end_to_end_tiny(silu_files, tmp_path):
         pred = by_key[("ours predictor", level)]
         assert abs(pred["sparsity"]["gate_rows_read"] - (1 - level)) < 0.15
         assert gate["predicted_speedup"] > 1.0
-    if peer:
-        assert rec["agreement"]["top1_ours_dense_vs_llamacpp"] >= 0.9
+    assert rec["agreement"]["top1_ours_dense_vs_llamacpp"] >= 0.9
+    ours_dense = next(e for e in rec["runs"] if e["label"] == "ours dense")
+    assert ours_dense["vs_llamacpp"]["tg"] > 0 and ours_dense["vs_llamacpp"]["pp"] > 0
+    for e in rec["sweep"]:
+        if e["backend"] == "ours":
+            assert e["vs_llamacpp"]["tg"] > 0
+    assert {t["target"] for t in rec["targets"]} >= {"dense_tg_vs_llamacpp", "dense_pp_vs_llamacpp"}
     for e in rec["runs"] + rec["sweep"]:  # of limit: against the bandwidth sampled during that table's rounds
         if e["backend"] == "ours":
             assert e["read_bandwidth"] > 1e8

@@ -5,9 +5,13 @@ Writing uses llama.cpp's `tokenizer.ggml.*` keys: SentencePiece models (`tokeniz
 `llama` (pieces, scores, token types), byte-level BPE (`tokenizer.json`) as `gpt2` (byte-level
 spelled tokens and merges); special token ids, add-BOS/EOS flags and the chat template come from
 gguf-py's SpecialVocab. A GGUF source (the default SmolLM2) has these keys already: they are copied.
+Byte-level BPE models also get their `tokenizer.json` whole, as `tokenizer.huggingface.json`
+(llama.cpp's key for it): tokens and merges do not say how text is split before merging (Falcon
+splits off punctuation and groups digits in threes, GPT-2 does neither), the JSON does.
 
-Reading (`tokenizer_from_file`) rebuilds the tokenizer from those keys alone, with transformers'
-GGUF tokenizer builders, so `pi-tools run` needs neither the original model directory nor the hub.
+Reading (`tokenizer_from_file`) rebuilds the tokenizer from those keys alone, so `pi-tools run`
+needs neither the original model directory nor the hub: from the stored JSON when there is one,
+else with transformers' GGUF tokenizer builders.
 """
 from __future__ import annotations
 
@@ -16,6 +20,8 @@ from pathlib import Path
 
 from powerinfer_tools.errors import UserError
 from powerinfer_tools.models import ModelSource
+
+HF_JSON_KEY = "tokenizer.huggingface.json"
 
 
 def write_vocab(writer, source: ModelSource, n_vocab: int, gguf_reader=None) -> str:
@@ -48,6 +54,8 @@ def write_vocab(writer, source: ModelSource, n_vocab: int, gguf_reader=None) -> 
     special = gguf.SpecialVocab(directory, load_merges=kind == "gpt2", n_vocab=n_vocab)
     special.add_special_token.update(_added_special_tokens(directory))
     special.add_to_gguf(writer, quiet=True)
+    if kind == "gpt2" and (directory / "tokenizer.json").is_file():
+        writer.add_string(HF_JSON_KEY, (directory / "tokenizer.json").read_text(encoding="utf-8"))
     return kind
 
 
@@ -133,6 +141,8 @@ def tokenizer_from_file(path: str | os.PathLike):
     meta = {key: fld.contents() for key, fld in reader.fields.items() if key.startswith("tokenizer.")}
     if "tokenizer.ggml.tokens" not in meta:
         raise UserError(f"{path} stores no vocabulary (tokenizer.ggml.tokens)")
+    if HF_JSON_KEY in meta:
+        return _from_hf_json(path, meta)
     grouped = {group: {name: meta[f"tokenizer.{key}"] for key, name in renames.items() if f"tokenizer.{key}" in meta}
                for group, renames in GGUF_TOKENIZER_MAPPING.items()}
     tokenizer_dict, init_kwargs = grouped["tokenizer"], grouped["tokenizer_config"]
@@ -147,3 +157,27 @@ def tokenizer_from_file(path: str | os.PathLike):
     except (ValueError, KeyError) as exc:
         raise UserError(f"{path}: cannot build a tokenizer from its vocabulary ({exc})") from None
     return PreTrainedTokenizerFast(tokenizer_object=backend, **init_kwargs, **extra)
+
+
+def _from_hf_json(path, meta: dict):
+    """The tokenizer stored whole; the GGUF's special token ids name its bos/eos/unk/pad where the JSON
+    has that token as a special one (a config's pad id can point at an ordinary token)."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import _SPECIAL_TOKENS
+
+    text = meta[HF_JSON_KEY]
+    try:
+        backend = Tokenizer.from_str(text if isinstance(text, str) else "")
+    except Exception as exc:  # the tokenizers library raises its own exception type for a bad JSON
+        raise UserError(f"{path}: its {HF_JSON_KEY} does not load ({str(exc).splitlines()[0][:200]})") from None
+    special = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
+    tokens = meta["tokenizer.ggml.tokens"]
+    kwargs = {}
+    for name, key in _SPECIAL_TOKENS.items():
+        token_id = meta.get(f"tokenizer.ggml.{key}")
+        if isinstance(token_id, int) and 0 <= token_id < len(tokens) and tokens[token_id] in special:
+            kwargs[name] = tokens[token_id]
+    if "tokenizer.chat_template" in meta:
+        kwargs["chat_template"] = meta["tokenizer.chat_template"]
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **kwargs)

@@ -8,14 +8,15 @@ from transformers import AutoTokenizer, LlamaTokenizer
 
 from powerinfer_tools.convert import convert_model
 from powerinfer_tools.errors import UserError
-from powerinfer_tools.tokenizer import tokenizer_from_file
+from powerinfer_tools.tokenizer import HF_JSON_KEY, tokenizer_from_file
 from tiny_models import DATA
 
 
 def sample_text() -> str:
     path = DATA / "wikitext-2-valid.txt"
     real = path.read_text()[:4000] if path.is_file() else "The quick brown fox jumps over the lazy dog. " * 20
-    return real + "\n\n  two  spaces, tabs\tand newlines\n ünïcödé 日本語 emoji 🙂 1234567 x=y+z;"
+    return (real + "\n\n  two  spaces, tabs\tand newlines\n ünïcödé 日本語 emoji 🙂 1234567 x=y+z;"
+            " pi 3.14159 , in 2024: 1,000,000!!! ...")
 
 
 @pytest.mark.parametrize("kind,model", [("llama-relu", "llama"), ("bamboo", "llama"), ("falcon", "gpt2"),
@@ -31,7 +32,10 @@ def test_round_trip_matches_hf_tokenizer(kind, model, tiny_model_dir, tmp_path):
     tok = tokenizer_from_file(out)
     from convert_helpers import read_fields
 
-    assert read_fields(out)["tokenizer.ggml.model"] == model
+    fields = read_fields(out)
+    assert fields["tokenizer.ggml.model"] == model
+    # byte-level BPE keeps its tokenizer.json (how text is split before merging); SentencePiece needs none
+    assert (HF_JSON_KEY in fields) == (model == "gpt2")
     text = sample_text()
     ids = ref(text).input_ids
     assert tok(text).input_ids == ids
@@ -53,4 +57,21 @@ def test_file_without_vocabulary_is_refused(tmp_path):
     w.write_ti_data_to_file()
     w.close()
     with pytest.raises(UserError, match="no vocabulary"):
+        tokenizer_from_file(path)
+
+
+@pytest.mark.parametrize("damage", ["{not json", '{"version": "1.0"}', "null"])
+def test_damaged_stored_tokenizer_json_is_a_clear_error(damage, tmp_path):
+    import gguf
+
+    path = tmp_path / "badjson.gguf"
+    w = gguf.GGUFWriter(path, "falcon")
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([b"a", b"b"])
+    w.add_string(HF_JSON_KEY, damage)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    with pytest.raises(UserError, match="tokenizer.huggingface.json does not load"):
         tokenizer_from_file(path)

@@ -47,17 +47,26 @@ def _spm_tokenizer(out: Path) -> int:
     return 384
 
 
-def _bpe_tokenizer(out: Path) -> int:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def _bpe_tokenizer(out: Path, falcon: bool = False) -> int:
+    """Byte-level BPE: GPT-2's pre-tokenizer (OPT), or Falcon's, which also splits off runs of punctuation
+    and numbers in groups of three digits (what llama.cpp calls the "falcon" pre-tokenizer)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if falcon:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Punctuation("contiguous"), pre_tokenizers.ByteLevel(add_prefix_space=False),
+            pre_tokenizers.Digits(individual_digits=False), pre_tokenizers.Split(Regex("[0-9][0-9][0-9]"), "isolated")])
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<pad>"],  # OPT's pad id is 1
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([training_text()], trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>")
+    # numbers and runs of punctuation, so that the vocabulary has merges on which pre-tokenizers differ
+    numbers = " ".join(f"{(i * 7919) % 100003}, {i}.{i * 31 % 997}!!" for i in range(3000))
+    tok.train_from_iterator([training_text(), numbers], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+                                   pad_token="<pad>")
     fast.save_pretrained(out)
     return len(fast)
 
@@ -97,7 +106,8 @@ def make_tiny(kind: str, out: Path, seed: int = 0, n_ff: int = N_FF) -> Path:
     from transformers import AutoModelForCausalLM, MistralForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
-    vocab = _spm_tokenizer(out) if kind in ("llama-relu", "llama-silu", "bamboo") else _bpe_tokenizer(out)
+    vocab = (_spm_tokenizer(out) if kind in ("llama-relu", "llama-silu", "bamboo")
+             else _bpe_tokenizer(out, falcon=kind.startswith("falcon")))
     config = _config(kind, vocab, n_ff)
     torch.manual_seed(seed)
     model_class = MistralForCausalLM if kind == "bamboo" else AutoModelForCausalLM

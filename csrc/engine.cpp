@@ -585,7 +585,7 @@ void Engine::true_mask(const Layer &L, const FfnTier &T, int64_t n_tok, uint8_t 
                     const int32_t id = T.ids[size_t(p0 + j)];
                     const float gv = g[j] + (gb ? gb[id] : 0.0f);
                     bool on;
-                    if (act == Activation::Relu) on = gv > 0.0f;
+                    if (act == Activation::Relu) on = gv > thr;
                     else if (act == Activation::Silu) on = std::fabs(silu_ref(gv)) > thr;
                     else on = gv > 0.0f && u[j] + (ub ? ub[id] : 0.0f) > 0.0f;
                     out[size_t(t * F + p0 + j)] = on;
@@ -668,15 +668,17 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
         ks_->silu(int(n_values), v, v);
     };
     // The rule's verdict from the gate alone for neuron slot r, given what `activate` left (v), and the
-    // activation a it leaves.
+    // activation a it leaves: SiLU's |a| > thr, else the pre-activation where it exceeds thr (0 but for
+    // FATReLU), and 0 elsewhere.
     auto gate_rule = [&](float v, int64_t r, float *a) {
         if (act == Activation::Silu) {
             *a = v;
             return std::fabs(v) > thr;
         }
         const float g = with_bias(v, gb, r);
-        *a = std::max(g, 0.0f);
-        return g > 0.0f;
+        const bool pass = g > thr;
+        *a = keep_if(pass, g);
+        return pass;
     };
     // h from a and the up projection u; whether the neuron passes the full rule.
     auto finish = [&](bool first_pass, float a, float u, float *h) {
@@ -759,7 +761,7 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
     // The llama family without biases: the gate's value alone (SiLU'd by `activate`, raw for ReLU) decides,
     // and is the activation of a neuron that passes; both cases below take it in straight loops.
     const bool plain_rule = gated && act != Activation::DRelu && !gb && !ub;
-    auto gate_passes = [act, thr](float v) { return act == Activation::Silu ? std::fabs(v) > thr : v > 0.0f; };
+    auto gate_passes = [act, thr](float v) { return act == Activation::Silu ? std::fabs(v) > thr : v > thr; };
     auto gate_up_grouped = [&](int chunk, int n_chunks, int) {
         int64_t g0, g1, active = 0, computed = 0;
         int64_t up_list[kDecodeGroupsPerPass * kPackRows];
@@ -791,8 +793,8 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
                     float *ht = h_.data() + t * F;
                     uint8_t *mt = mask_.data() + t * F;
                     for (int64_t r = r0; r < r1; ++r) {
-                        const float a = silu_act ? gt[r] : std::max(gt[r], 0.0f);
                         const bool pass = gate_passes(gt[r]);
+                        const float a = silu_act ? gt[r] : keep_if(pass, gt[r]);
                         const bool used = dense || pass;
                         active += pass;
                         computed += used;
@@ -982,8 +984,9 @@ const char *mode_name(int32_t m) {
     return m >= 0 && m <= 4 ? names[m] : "?";
 }
 
-const char *activation_name(Activation a) {
-    return a == Activation::Relu ? "relu" : a == Activation::Silu ? "silu" : "drelu";
+const char *activation_name(const HParams &h) {
+    if (h.shifted_relu) return "fatrelu";
+    return h.activation == Activation::Relu ? "relu" : h.activation == Activation::Silu ? "silu" : "drelu";
 }
 
 }  // namespace
@@ -992,7 +995,7 @@ const std::string &Engine::info_json() {
     const HParams &h = hp_;
     const Layer &l0 = model_->layers()[0];
     json_ = "{\"path\": " + quoted(model_->path()) + ", \"magic\": " + quoted(model_->pwri() ? "PWRI" : "GGUF") +
-            ", \"arch\": " + quoted(h.arch) + ", \"activation\": " + quoted(activation_name(h.activation)) +
+            ", \"arch\": " + quoted(h.arch) + ", \"activation\": " + quoted(activation_name(h)) +
             ", \"n_vocab\": " + num(double(h.n_vocab)) + ", \"n_embd\": " + num(double(h.n_embd)) +
             ", \"n_layer\": " + num(double(h.n_layer)) + ", \"n_ff\": " + num(double(h.n_ff)) +
             ", \"n_head\": " + num(double(h.n_head)) + ", \"n_head_kv\": " + num(double(h.n_head_kv)) +

@@ -135,6 +135,10 @@ void Model::read_hparams() {
     if (f.has("powerinfer.ffn_activation")) act = f.get_string("powerinfer.ffn_activation");
     if ((a == "llama" || !llama_family) && act == "relu") hp_.activation = Activation::Relu;
     else if (a == "llama" && act == "silu") hp_.activation = Activation::Silu;
+    else if (a == "llama" && act == "fatrelu") {
+        hp_.activation = Activation::Relu;
+        hp_.shifted_relu = true;
+    }
     else if (a == "bamboo" && act == "drelu") hp_.activation = Activation::DRelu;
     else fail(PI_ERR_UNSUPPORTED, p + ": FFN activation '" + act + "' is not supported for architecture " + a);
 }
@@ -251,7 +255,7 @@ void Model::bind_tensors() {
         Layer &l = layers_[size_t(i)];
         bind_attention(i, l);
         bind_ffn(i, l);
-        l.act_threshold = hp_.activation == Activation::Silu ? act_thr[size_t(i)] : 0.0f;
+        l.act_threshold = hp_.activation == Activation::Silu || hp_.shifted_relu ? act_thr[size_t(i)] : 0.0f;
         l.pred_threshold = pred_thr[size_t(i)];
         const std::string fc1 = blk(i, "fc1.weight"), fc2 = blk(i, "fc2.weight");
         if (has_predictor_) {

@@ -49,6 +49,7 @@ struct Matrix {
 struct HParams {
     std::string arch;  // general.architecture
     Activation activation = Activation::Silu;
+    bool shifted_relu = false;    // FATReLU (ProSparse): ReLU's rule at each layer's act_threshold instead of 0
     int64_t n_vocab = 0, n_embd = 0, n_layer = 0, n_ff = 0, n_head = 0, n_head_kv = 0, d_head = 0;
     int64_t n_ctx_train = 0, n_rot = 0;
     NormKind norm = NormKind::Rms;
@@ -106,7 +107,7 @@ struct Layer {
     Matrix gate, up, down_t;        // ungated FFN: gate is up (the rule reads the up projection)
     Matrix gate_b, up_b, down_b;    // per neuron (gate_b, up_b) and per output (down_b)
     Matrix fc1, fc2;  // predictor (empty when absent)
-    float act_threshold = 0.0f;   // |a| threshold for SiLU (0 for the ReLU family)
+    float act_threshold = 0.0f;   // |a| threshold for SiLU, the gate's for FATReLU (0 for ReLU and dReLU)
     float pred_threshold = 0.0f;  // predictor logit threshold
     FfnTier hot, cold;
 };

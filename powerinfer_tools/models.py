@@ -108,7 +108,7 @@ def load_model(source: ModelSource, device: str = "cpu", dtype: str = "float32")
     config = load_config(source)
     adapter = arch.for_config(config)
     torch_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
-    kwargs = dict(source.hf_kwargs(), config=config, dtype=torch_dtype)
+    kwargs = dict(source.hf_kwargs(), config=adapter.build_config(), dtype=torch_dtype)
     if device == "auto":
         kwargs["device_map"] = "auto"
     model_class = adapter.model_class() or AutoModelForCausalLM

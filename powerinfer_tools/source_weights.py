@@ -137,9 +137,10 @@ class MetaShapes(WeightSource):
         from transformers import AutoModelForCausalLM
 
         model_class = adapter.model_class() or AutoModelForCausalLM
+        build = adapter.build_config()
         with torch.device("meta"):
-            model = model_class._from_config(config) if model_class is not AutoModelForCausalLM \
-                else model_class.from_config(config)
+            model = model_class._from_config(build) if model_class is not AutoModelForCausalLM \
+                else model_class.from_config(build)
         dtype = getattr(config, "dtype", None) or torch.float32
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)

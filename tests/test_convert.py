@@ -10,7 +10,7 @@ import pytest
 import torch
 from convert_helpers import read_fields, read_tensors, write_predictors
 from safetensors.numpy import load_file
-from tiny_models import HIDDEN, KINDS, N_FF, N_HEAD, N_KV, N_LAYER
+from tiny_models import HIDDEN, KINDS, N_FF, N_HEAD, N_KV, N_LAYER, PROSPARSE_THRESHOLD
 
 from powerinfer_tools.convert import convert_model
 from powerinfer_tools.gguf_io import read_magic
@@ -37,7 +37,7 @@ def falcon_qkv(w: np.ndarray, n_head: int, n_kv: int) -> np.ndarray:
 def expected_tensors(kind: str, hf: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The file's tensors as docs/formats.md defines them, from the HF state dict."""
     exp = {}
-    if kind in ("llama-relu", "llama-silu", "bamboo"):
+    if kind in ("llama-relu", "llama-silu", "prosparse", "bamboo"):
         exp["token_embd.weight"] = hf["model.embed_tokens.weight"]
         exp["output_norm.weight"] = hf["model.norm.weight"]
         exp["output.weight"] = hf.get("lm_head.weight", hf["model.embed_tokens.weight"])
@@ -188,7 +188,7 @@ def test_rope_permutation_keeps_attention_scores(tiny_model_dir, tmp_path):
     np.testing.assert_allclose(have, want, rtol=1e-9, atol=1e-9)
 
 
-@pytest.mark.parametrize("kind", ["llama-relu", "llama-silu", "falcon", "opt"])
+@pytest.mark.parametrize("kind", ["llama-relu", "llama-silu", "prosparse", "falcon", "opt"])
 def test_metadata(kind, tiny_model_dir, tmp_path):
     model = tiny_model_dir(kind)
     pred = write_predictors(tmp_path / "pred", N_LAYER, HIDDEN, N_FF, thresholds=[0.25, -0.5])
@@ -199,7 +199,7 @@ def test_metadata(kind, tiny_model_dir, tmp_path):
     convert_model(str(model), out, "f16", predictors_dir=pred, profile_dir=prof, progress=False)
     f = read_fields(out)
     cfg = json.loads((model / "config.json").read_text())
-    arch = {"llama-relu": "llama", "llama-silu": "llama", "falcon": "falcon", "opt": "opt"}[kind]
+    arch = {"llama-relu": "llama", "llama-silu": "llama", "prosparse": "llama", "falcon": "falcon", "opt": "opt"}[kind]
     assert f["general.architecture"] == arch
     assert f[f"{arch}.block_count"] == N_LAYER and f[f"{arch}.embedding_length"] == HIDDEN
     assert f[f"{arch}.feed_forward_length"] == N_FF
@@ -207,10 +207,12 @@ def test_metadata(kind, tiny_model_dir, tmp_path):
     assert f[f"{arch}.attention.head_count"] == N_HEAD
     assert f["powerinfer.sparse_threshold"] == 0.0
     assert f["powerinfer.predictor_thresholds"] == [0.25, -0.5]
-    assert f["powerinfer.ffn_activation"] == ("silu" if kind == "llama-silu" else "relu")
+    assert f["powerinfer.ffn_activation"] == {"llama-silu": "silu", "prosparse": "fatrelu"}.get(kind, "relu")
     thresholds = f["powerinfer.activation_thresholds"]
     if kind == "llama-silu":
         np.testing.assert_allclose(thresholds, [0.03, 0.07], rtol=1e-6)
+    elif kind == "prosparse":  # the model's own FATReLU threshold, whatever the profile says
+        np.testing.assert_allclose(thresholds, [PROSPARSE_THRESHOLD] * N_LAYER, rtol=1e-6)
     else:
         assert thresholds == [0.0, 0.0]  # ReLU-family: active means a != 0
     if arch == "llama":

@@ -96,7 +96,8 @@ def test_bundled_configs_have_the_published_shapes():
     expect = {"relullama-70b": ("llama-relu", 8192, 28672, 80, 64, 8, 32000),
               "relufalcon-40b": ("falcon", 8192, 32768, 60, 128, 8, 65024),
               "opt-30b": ("opt", 7168, 28672, 48, 56, 56, 50272),
-              "bamboo-7b": ("bamboo", 4096, 14336, 32, 32, 8, 32000)}
+              "bamboo-7b": ("bamboo", 4096, 14336, 32, 32, 8, 32000),
+              "prosparse-llama-2-13b": ("prosparse", 5120, 13824, 40, 40, 40, 32000)}
     for name, (adapter, n_embd, n_ff, n_layer, n_head, n_kv, n_vocab) in expect.items():
         report = dry_run.size_report(dry_run.load(name), "q4_0", predictor_rank=0)
         a = report.costs.arch
@@ -106,7 +107,8 @@ def test_bundled_configs_have_the_published_shapes():
         assert report.costs.n_ff.tolist() == [n_ff] * n_layer and report.costs.n_embd == n_embd
         assert report.tensors[0].name == "token_embd.weight" and report.tensors[0].shape == (n_vocab, n_embd)
         # q4_0: 18 bytes per 32 weights; a neuron is 3 (gated) or 2 rows of n_embd
-        assert report.costs.neuron_bytes[0] == (3 if adapter in ("llama-relu", "bamboo") else 2) * n_embd // 32 * 18
+        assert report.costs.neuron_bytes[0] == (3 if adapter in ("llama-relu", "prosparse", "bamboo") else 2) * n_embd // 32 * 18
+    assert dry_run.load("prosparse-llama-2-7b").adapter.rule_thresholds() == [0.01] * 32  # FATReLU's own threshold
 
 
 @pytest.mark.parametrize("name", REAL_SIZES)
@@ -188,7 +190,7 @@ def test_profile_counts_are_checked_against_the_configs_shapes(converted, tmp_pa
 @pytest.mark.parametrize("case, needles", [
     ("unknown", ("unknown model 'relullama-700b'", "relufalcon-40b")),
     ("gpt2", ("unsupported architecture 'gpt2'",)),
-    ("not-transformers", ("cannot read the config", "sparsellama")),
+    ("not-transformers", ("cannot read the config", "retnet")),
     ("bad-json", ("cannot read the config",)),
     ("budget", ("below the fixed costs", "attention", "predictors")),
     ("rank", ("--predictor-rank must be 0",)),
@@ -202,7 +204,7 @@ def test_bad_input_is_one_line(tmp_path, capsys, case, needles):
     elif case in ("gpt2", "not-transformers", "bad-json"):
         model = tmp_path / "config.json"
         raw = {"gpt2": {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4},
-               "not-transformers": {"model_type": "sparsellama", "hidden_act": "fatrelu"}}.get(case)
+               "not-transformers": {"model_type": "retnet", "hidden_act": "swish"}}.get(case)
         model.write_text(json.dumps(raw) if raw else "{not json")
     args = {"budget": ("plan", "--dry-run", "-m", model, "--vram-budget", 4),
             "rank": ("convert", "--dry-run", "-m", model, "--predictor-rank", -1),

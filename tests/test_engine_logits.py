@@ -10,7 +10,7 @@ import torch
 from convert_helpers import read_fields, read_tensors, write_predictors
 from engine_helpers import (converted, engine_prompt_then_decode, hf_logits, max_rel_err,  # noqa: F401
                             q8_round_trip, random_tokens, rewrite, write_gpuidx)
-from tiny_models import HIDDEN, N_FF, N_LAYER, make_tiny
+from tiny_models import HIDDEN, N_FF, N_LAYER, PROSPARSE_THRESHOLD, make_tiny
 
 import engine
 from engine import kernels
@@ -40,7 +40,7 @@ def reference(tiny_model_dir):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("kind", ["llama-relu", "llama-silu", "bamboo"])
+@pytest.mark.parametrize("kind", ["llama-relu", "llama-silu", "prosparse", "bamboo"])
 def test_dense_matches_transformers(kind, isa, converted, reference):
     logits, stats = run(converted(kind), isa=isa)
     assert logits.shape == (N_PROMPT + N_DECODE, 384)
@@ -49,7 +49,7 @@ def test_dense_matches_transformers(kind, isa, converted, reference):
 
 
 @pytest.mark.parametrize("outtype", ["f32", "q8_0", "q4_0"])
-@pytest.mark.parametrize("kind", ["llama-relu", "bamboo"])
+@pytest.mark.parametrize("kind", ["llama-relu", "prosparse", "bamboo"])
 def test_oracle_and_gate_equal_dense_on_relu_models(kind, outtype, converted):
     """Bit for bit, quantized files too: a neuron's gate and up values are the same whichever path computed
     them (dense mode's 8-row groups, gate mode's gathered rows), and skipped neurons contribute exact zeros."""
@@ -330,3 +330,33 @@ def test_modes_switch_on_one_engine(converted):
             m.reset()
             m.sparse_mode = mode
             np.testing.assert_array_equal(m.eval(TOKENS[:12]), fresh[mode], err_msg=mode)
+
+
+def test_prosparse_applies_its_fatrelu_threshold(tiny_model_dir, converted):
+    """The ProSparse file against transformers' Llama with FATReLU written out here (the gate where it exceeds
+    the config's threshold), not through our adapter; the same weights as plain ReLU are measurably another
+    model, so a threshold dropped anywhere (convert, loader, any FFN path) fails."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    src = tiny_model_dir("prosparse")
+    config = LlamaConfig.from_pretrained(src)
+    assert config.hidden_act == "fatrelu" and config.hidden_act_param == PROSPARSE_THRESHOLD
+    config.hidden_act = "relu"
+    model = LlamaForCausalLM.from_pretrained(src, config=config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        relu = model(torch.tensor([TOKENS])).logits[0].numpy()
+
+        class FatRelu(torch.nn.Module):
+            def forward(self, x):
+                return torch.where(x > PROSPARSE_THRESHOLD, x, torch.zeros_like(x))
+
+        for layer in model.model.layers:
+            layer.mlp.act_fn = FatRelu()
+        want = model(torch.tensor([TOKENS])).logits[0].numpy()
+    assert max_rel_err(relu, want) > 1e-2
+    path = converted("prosparse", predictors=True)
+    for mode in ("dense", "gate", "oracle"):
+        logits, _ = run(path, mode)
+        assert max_rel_err(logits, want) <= 1e-4, mode
+    with engine.Model(path, threads=1) as m:
+        assert m.info["activation"] == "fatrelu" and m.info["activation_thresholds"] == pytest.approx([PROSPARSE_THRESHOLD] * N_LAYER)

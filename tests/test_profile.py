@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from powerinfer_tools import models
 from cli_helpers import assert_one_line_error, interrupt_profile_at_forward, run_cli
-from tiny_models import DATA, KINDS
+from tiny_models import DATA, KINDS, PROSPARSE_THRESHOLD
 
 TEXT = DATA / "tinyshakespeare.txt"
 SEQ_LEN, TOKENS = 64, 1024
@@ -48,6 +48,8 @@ def reference_activations(kind: str, model, seqs: torch.Tensor, thresholds: list
             inputs[i] = h - s["mlp"]
             if kind == "llama-relu":
                 masks[i] = s["g"] > 0
+            elif kind == "prosparse":
+                masks[i] = s["g"] > PROSPARSE_THRESHOLD
             elif kind == "bamboo":
                 masks[i] = (s["g"] > 0) & (s["u"] > 0)
             else:

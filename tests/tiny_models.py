@@ -13,8 +13,11 @@ import torch
 
 DATA = next((p for p in (Path(__file__).resolve().parents[1].parent / "shared" / "data", Path("/work/shared/data"))
              if p.is_dir()), Path("/work/shared/data"))
-KINDS = ("llama-relu", "llama-silu", "bamboo", "falcon", "falcon7b", "opt")
+KINDS = ("llama-relu", "llama-silu", "prosparse", "bamboo", "falcon", "falcon7b", "opt")
 HIDDEN, N_FF, N_LAYER, N_HEAD, N_KV = 64, 256, 2, 4, 2
+# FATReLU's threshold of the tiny ProSparse model (the released ones use 0.01): large enough against these
+# gate values (std ~0.6) that a third of the positive ones fall below it, so ignoring it changes the output
+PROSPARSE_THRESHOLD = 0.25
 
 
 def training_text() -> str:
@@ -75,9 +78,9 @@ def _config(kind: str, vocab: int, n_ff: int = N_FF):
     from transformers import FalconConfig, LlamaConfig, MistralConfig, OPTConfig
 
     common = dict(vocab_size=vocab, hidden_size=HIDDEN, num_hidden_layers=N_LAYER, num_attention_heads=N_HEAD)
-    if kind in ("llama-relu", "llama-silu"):
+    if kind in ("llama-relu", "llama-silu", "prosparse"):
         return LlamaConfig(**common, intermediate_size=n_ff, num_key_value_heads=N_KV,
-                           hidden_act="relu" if kind == "llama-relu" else "silu", max_position_embeddings=256,
+                           hidden_act="silu" if kind == "llama-silu" else "relu", max_position_embeddings=256,
                            rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
                            bos_token_id=1, eos_token_id=2)
     if kind == "bamboo":
@@ -106,7 +109,7 @@ def make_tiny(kind: str, out: Path, seed: int = 0, n_ff: int = N_FF) -> Path:
     from transformers import AutoModelForCausalLM, MistralForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
-    vocab = (_spm_tokenizer(out) if kind in ("llama-relu", "llama-silu", "bamboo")
+    vocab = (_spm_tokenizer(out) if kind in ("llama-relu", "llama-silu", "prosparse", "bamboo")
              else _bpe_tokenizer(out, falcon=kind.startswith("falcon")))
     config = _config(kind, vocab, n_ff)
     torch.manual_seed(seed)
@@ -120,5 +123,10 @@ def make_tiny(kind: str, out: Path, seed: int = 0, n_ff: int = N_FF) -> Path:
     if kind == "bamboo":  # save_pretrained names the Mistral class; a Bamboo checkpoint names its own
         cfg = json.loads((out / "config.json").read_text())
         cfg["architectures"] = ["BambooForCausalLM"]
+        (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    if kind == "prosparse":  # a Llama checkpoint saved with ReLU, declared as ProSparse's config.json does
+        cfg = json.loads((out / "config.json").read_text())
+        cfg.update(model_type="sparsellama", architectures=["SparseLlamaForCausalLM"], hidden_act="fatrelu",
+                   hidden_act_param=PROSPARSE_THRESHOLD)
         (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out

@@ -8,9 +8,10 @@ from powerinfer_tools.arch.llama_family import is_bamboo
 from powerinfer_tools.arch.llama_relu import LlamaRelu
 from powerinfer_tools.arch.llama_silu import LlamaSilu
 from powerinfer_tools.arch.opt import Opt
+from powerinfer_tools.arch.prosparse import MODEL_TYPE as PROSPARSE_MODEL_TYPE, ProSparse
 from powerinfer_tools.errors import UserError
 
-ADAPTERS: tuple[type[Arch], ...] = (LlamaRelu, LlamaSilu, Bamboo, Falcon, Opt)
+ADAPTERS: tuple[type[Arch], ...] = (LlamaRelu, LlamaSilu, ProSparse, Bamboo, Falcon, Opt)
 
 __all__ = ["ADAPTERS", "Arch", "Dims", "for_config", "config_class_for", "install_taps", "is_active"]
 
@@ -35,4 +36,7 @@ def config_class_for(raw: dict):
     if is_bamboo(SimpleNamespace(model_type=raw.get("model_type"), architectures=raw.get("architectures"))):
         from transformers import MistralConfig
         return MistralConfig
+    if raw.get("model_type") == PROSPARSE_MODEL_TYPE:
+        from transformers import LlamaConfig
+        return LlamaConfig
     return None

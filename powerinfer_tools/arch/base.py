@@ -15,7 +15,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-ACTIVE_IF_NONZERO = ("relu", "drelu")
+ACTIVE_IF_NONZERO = ("relu", "drelu", "fatrelu")
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ class Arch:
 
     @property
     def activation(self) -> str:
-        """'relu', 'drelu' (exact zeros) or 'silu' / 'gelu' (sparsified by a calibrated threshold)."""
+        """'relu', 'drelu', 'fatrelu' (exact zeros) or 'silu' / 'gelu' (sparsified by a calibrated threshold)."""
         raise NotImplementedError
 
     @property
@@ -91,6 +91,15 @@ class Arch:
     def model_class(self):
         """The transformers class to load with, or None for AutoModelForCausalLM."""
         return None
+
+    def build_config(self):
+        """The config to build that class with (an activation transformers lacks is swapped in by `prepare`)."""
+        return self.config
+
+    def rule_thresholds(self) -> list[float]:
+        """The activation thresholds a file of this model carries when they are the model's own, not
+        calibrated (FATReLU's); empty when they come from a profile (SiLU) or there are none (ReLU)."""
+        return []
 
     def prepare(self, model) -> None:
         """Adjust a freshly loaded model so that its forward is the architecture's (default: no-op)."""

@@ -57,10 +57,11 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(exc.exit_code)
     except typer.Abort:
         sys.exit(1)
-    except Exception as exc:  # click usage errors carry their own formatting
+    except Exception as exc:  # usage errors carry their own formatting: click's, or typer's own copy of it
         import click
 
-        if isinstance(exc, click.ClickException):
+        if isinstance(exc, (click.ClickException, getattr(typer, "TyperException", click.ClickException))) \
+                and callable(getattr(exc, "show", None)):
             exc.show()
             sys.exit(exc.exit_code)
         raise

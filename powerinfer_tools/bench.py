@@ -460,6 +460,7 @@ def render_markdown(record: dict) -> str:
             _mib(e["bytes_per_token"]["total"]) if "bytes_per_token" in e else "–",
             _f(e.get("predicted_speedup"), "{:.2f}x"), _f(e.get("achieved_over_predicted"), "{:.0%}"),
             _f(e.get("achieved_over_predicted_cpu"), "{:.0%}"), _f(e.get("of_limit"), "{:.0%}")]) + " |")
+    lines += _phase_table(record.get("runs", []), tg_n)
     if record.get("sweep"):
         lines += ["", f"Sparsity sweep (tg{tg_n}, thresholds recalibrated per level):", "",
                   "| target | engine | FFN sparsity | gate rows read | tg t/s | tg t/CPU-s | vs llama.cpp | "
@@ -486,6 +487,29 @@ def render_markdown(record: dict) -> str:
     for note in record.get("notes", []):
         lines.append(f"\nNote: {note}")
     return "\n".join(lines).strip() + "\n"
+
+
+PHASES = ("attention", "predictor", "gate_up", "down", "output")
+
+
+def _phase_table(entries: list[dict], tg_n: int) -> list[str]:
+    """Where a generated token's time goes in each of our modes: the engine's own phase timers over the last
+    round's tg run, µs per token (the byte model prices bytes; this shows which stage misses it)."""
+    rows = []
+    for e in entries:
+        s = e.get("stats") or {}
+        n, phases = s.get("decode_tokens"), s.get("phases") or {}
+        if e["backend"] != "ours" or not n or not all(k in phases for k in PHASES):
+            continue
+        rest = s["decode_seconds"] - sum(phases[k] for k in PHASES)  # embedding, sampling, the rest of a step
+        rows.append("| " + " | ".join([e["label"]] + [f"{1e6 * phases[k] / n:.0f}" for k in PHASES]
+                                      + [f"{1e6 * rest / n:.0f}", f"{1e6 * s['decode_seconds'] / n:.0f}"]) + " |")
+    if not rows:
+        return []
+    return ["", f"Where a generated token's time goes (µs per token, the engine's phase timers over the last round's "
+                f"tg{tg_n}; gate_up: gates, rule and ups; down: the down projection):", "",
+            "| engine | attention | predictor | gate_up | down | output head | other | total |",
+            "|---|---|---|---|---|---|---|---|"] + rows
 
 
 def plot_sweep(record: dict, png: Path) -> None:

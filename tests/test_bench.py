@@ -324,5 +324,10 @@ def test_bench_end_to_end_tiny(silu_files, tmp_path):
             assert e["of_limit"] == pytest.approx(e["tg"]["median"] * e["bytes_per_token"]["total"] / e["read_bandwidth"])
     md = bench.render_markdown(rec)
     assert "ours predictor" in md and "Sparsity sweep" in md and "during the timed rounds" in md
+    phase_rows = [line for line in md.splitlines() if line.startswith("| ours ") and line.count("|") == 9]
+    assert len(phase_rows) == 4  # one per mode of ours in the time-split table
+    for row in phase_rows:  # the phases and the rest add up to the token's time (rounded per cell)
+        cells = [float(c) for c in row.strip("|").split("|")[1:]]
+        assert cells[-1] > 0 and abs(sum(cells[:-1]) - cells[-1]) <= len(cells)
     bench.write_json(rec, tmp_path / "r.json")
     assert json.loads((tmp_path / "r.json").read_text())["format"] == "powerinfer-tools.bench/1"

@@ -1,6 +1,7 @@
 """The `pi-tools` command line. Every subcommand lives in powerinfer_tools.commands.<name>."""
 from __future__ import annotations
 
+import signal
 import sys
 
 import typer
@@ -43,28 +44,60 @@ def _register() -> None:
 _register()
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Entry point: bad input becomes one line on stderr and exit status 1, never a traceback."""
-    try:
-        code = app(args=argv, standalone_mode=False)  # returns the exit code of an Exit (Ctrl-C: 130)
-    except UserError as exc:
+class _CtrlC:
+    """Remembers that Ctrl-C came: native code it lands in (torch inside safetensors' get_tensor) may turn the
+    KeyboardInterrupt into another exception ("could not determine the shape of object type
+    'torch.storage.UntypedStorage'"), which must still end as an interruption, not a traceback."""
+
+    def __init__(self):
+        self.seen = False
+
+    def __call__(self, signum, frame):
+        self.seen = True
+        signal.default_int_handler(signum, frame)  # raises KeyboardInterrupt, as without this handler
+
+
+def _interrupted() -> None:
+    print("pi-tools: interrupted", file=sys.stderr)
+    sys.exit(130)
+
+
+def _exit_for(exc: BaseException, ctrl_c_seen: bool) -> None:
+    """The exit a command's exception calls for: Ctrl-C 130 (whatever it became on its way out), bad input one
+    line and 1, usage errors click's message; anything else is a bug and keeps its traceback."""
+    import click
+
+    if ctrl_c_seen or isinstance(exc, KeyboardInterrupt):
+        _interrupted()
+    if isinstance(exc, UserError):
         print(f"pi-tools: error: {exc}", file=sys.stderr)
         sys.exit(1)
-    except KeyboardInterrupt:
-        print("pi-tools: interrupted", file=sys.stderr)
-        sys.exit(130)
-    except typer.Exit as exc:
+    if isinstance(exc, typer.Exit):
         sys.exit(exc.exit_code)
-    except typer.Abort:
+    if isinstance(exc, typer.Abort):
         sys.exit(1)
-    except Exception as exc:  # usage errors carry their own formatting: click's, or typer's own copy of it
-        import click
+    # click's usage errors, or those of the copy of click that typer >= 0.2x carries
+    if isinstance(exc, (click.ClickException, getattr(typer, "TyperException", click.ClickException))) \
+            and callable(getattr(exc, "show", None)):
+        exc.show()
+        sys.exit(exc.exit_code)
+    raise exc
 
-        if isinstance(exc, (click.ClickException, getattr(typer, "TyperException", click.ClickException))) \
-                and callable(getattr(exc, "show", None)):
-            exc.show()
-            sys.exit(exc.exit_code)
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: bad input becomes one line on stderr and exit status 1, never a traceback."""
+    ctrl_c = _CtrlC()
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when started with Ctrl-C ignored
+        signal.signal(signal.SIGINT, ctrl_c)
+    try:
+        code = app(args=argv, standalone_mode=False)  # returns the exit code of an Exit (Ctrl-C: 130)
+    except SystemExit:
         raise
+    except BaseException as exc:
+        _exit_for(exc, ctrl_c.seen)
+    finally:
+        if signal.getsignal(signal.SIGINT) is ctrl_c:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
     if isinstance(code, int) and code:
         if code == 130:
             print("pi-tools: interrupted", file=sys.stderr)

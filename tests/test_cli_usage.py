@@ -45,6 +45,11 @@ def test_ctrl_c_that_native_code_turns_into_another_error_is_an_interruption(mon
     monkeypatch.setattr(inspect_mod, "describe", native_call)
     path = tmp_path / "m.gguf"
     path.write_bytes(b"GGUF")
-    code, _, err = run_cli(capsys, "inspect", path)
+    # Ctrl-C's usual handler, as in a terminal: a job started in the background (`.ci/run &`) ignores SIGINT
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        code, _, err = run_cli(capsys, "inspect", path)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the CLI's handler is gone again
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert code == 130 and err.strip() == "pi-tools: interrupted"
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the CLI's handler is gone again

@@ -19,11 +19,17 @@ app = typer.Typer(
 )
 
 
-@app.callback()
-def _root(version: bool = typer.Option(False, "--version", help="Print the version and exit.")):
-    if version:
+def _print_version(value: bool) -> None:
+    if value:
         typer.echo(f"powerinfer-tools {__version__}")
         raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", help="Print the version and exit.", is_eager=True,
+                                       callback=_print_version, expose_value=False)):
+    # --version is eager: it answers before typer asks for a subcommand ("Missing command" otherwise)
+    ...
 
 
 def _register() -> None:

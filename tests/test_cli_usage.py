@@ -14,6 +14,13 @@ from cli_helpers import run_cli
 COMMANDS = ("profile", "train-predictor", "convert", "plan", "run", "perplexity", "bench", "inspect", "report")
 
 
+def test_version(capsys):
+    from powerinfer_tools import __version__
+
+    code, out, err = run_cli(capsys, "--version")
+    assert code == 0 and out.strip() == f"powerinfer-tools {__version__}" and not err
+
+
 @pytest.mark.parametrize("command", COMMANDS)
 def test_unknown_option_is_a_usage_error(command, capsys):
     code, _, err = run_cli(capsys, command, "--no-such-option")

@@ -11,20 +11,20 @@ NEUTRAL_PROMPTS = ("The", "In the beginning", "Once upon a time", "Here is a sho
                    "Today", "The following article explains", "A list of facts:", "Dear friend,")
 
 
-def read_text(path: str | Path) -> str:
-    """The text of a calibration file; an empty, missing or binary file is a UserError."""
+def read_text(path: str | Path, role: str = "calibration") -> str:
+    """The text of a calibration (or, `role`, evaluation) file; an empty, missing or binary file is a UserError."""
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"calibration file not found: {path}")
+        raise UserError(f"{role} file not found: {path}")
     data = path.read_bytes()
     if b"\x00" in data[:1 << 20]:
-        raise UserError(f"calibration file {path} looks binary (contains NUL bytes); give plain text")
+        raise UserError(f"{role} file {path} looks binary (contains NUL bytes); give plain text")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
-        raise UserError(f"calibration file {path} is not UTF-8 text") from None
+        raise UserError(f"{role} file {path} is not UTF-8 text") from None
     if not text.strip():
-        raise UserError(f"calibration file {path} is empty")
+        raise UserError(f"{role} file {path} is empty")
     return text
 
 
@@ -51,8 +51,8 @@ def sequences_from_text(tokenizer, texts: list[str], seq_len: int, n_tokens: int
             if len(rows) == n_seq_wanted:
                 return torch.tensor(rows, dtype=torch.long)
     if not rows:
-        raise UserError(f"calibration text is shorter than one sequence of {seq_len} tokens; "
-                        "give more text or a smaller --seq-len")
+        raise UserError(f"the text is shorter than one sequence of {seq_len} tokens; "
+                        "give more text or a smaller --seq-len (perplexity: --ctx)")
     return torch.tensor(rows, dtype=torch.long)
 
 

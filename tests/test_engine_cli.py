@@ -87,7 +87,8 @@ def test_perplexity_bad_input(tmp_path, converted, capsys):
     path = converted("llama-relu")
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    for args, message in [(["-f", str(empty)], "is empty"), (["-f", str(corpus(tmp_path)), "--ctx", "1"], "--ctx"),
+    for args, message in [(["-f", str(empty)], "evaluation file"), (["-f", str(tmp_path / "none.txt")], "not found"),
+                          (["-f", str(corpus(tmp_path)), "--ctx", "1"], "--ctx"),
                           (["-f", str(corpus(tmp_path)), "--ctx", "100000"], "shorter than one sequence")]:
         code, _, err = run_cli(capsys, "perplexity", "-m", path, *args)
         assert code == 1 and message in err and len(err.strip().splitlines()) == 1, err

@@ -51,7 +51,7 @@ def perplexity(
     if chunks < 0:
         raise UserError("--chunks must be >= 0")
     target = inference.resolve_model_file(model, gpuidx, vram_budget, profile, ctx)
-    text = read_text(text_file)
+    text = read_text(text_file, role="evaluation")
     tokenizer = inference.load_tokenizer(target.model)
     n_tokens = ctx * chunks if chunks else len(text)  # len(text) bounds the token count from above
     windows = sequences_from_text(tokenizer, [text], ctx, n_tokens).numpy()

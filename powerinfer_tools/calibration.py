@@ -33,8 +33,10 @@ def _bos(tokenizer) -> list[int]:
     return [bos] if bos is not None else []
 
 
-def sequences_from_text(tokenizer, texts: list[str], seq_len: int, n_tokens: int) -> torch.Tensor:
-    """Cut the texts' tokens into [n_seq, seq_len] rows (each starting with BOS when the model has one)."""
+def sequences_from_text(tokenizer, texts: list[str], seq_len: int, n_tokens: int,
+                        length_option: str = "--seq-len") -> torch.Tensor:
+    """Cut the texts' tokens into [n_seq, seq_len] rows (each starting with BOS when the model has one);
+    `length_option` names the caller's option for seq_len in the error when the text is too short."""
     bos = _bos(tokenizer)
     body = seq_len - len(bos)
     n_seq_wanted = max(1, n_tokens // seq_len)
@@ -52,7 +54,7 @@ def sequences_from_text(tokenizer, texts: list[str], seq_len: int, n_tokens: int
                 return torch.tensor(rows, dtype=torch.long)
     if not rows:
         raise UserError(f"the text is shorter than one sequence of {seq_len} tokens; "
-                        "give more text or a smaller --seq-len (perplexity: --ctx)")
+                        f"give more text or a smaller {length_option}")
     return torch.tensor(rows, dtype=torch.long)
 
 

@@ -68,11 +68,17 @@ def _interrupted() -> None:
     sys.exit(130)
 
 
+def _is_usage_error(exc: BaseException) -> bool:
+    """click's ClickException, or its twin in the copy of click that typer >= 0.2x carries (a TyperException).
+    click is looked up, not imported: when typer does not use it, no click exception can come."""
+    click = sys.modules.get("click")
+    kinds = tuple(k for k in (getattr(typer, "TyperException", None), getattr(click, "ClickException", None)) if k)
+    return isinstance(exc, kinds) and callable(getattr(exc, "show", None))
+
+
 def _exit_for(exc: BaseException, ctrl_c_seen: bool) -> None:
     """The exit a command's exception calls for: Ctrl-C 130 (whatever it became on its way out), bad input one
     line and 1, usage errors click's message; anything else is a bug and keeps its traceback."""
-    import click
-
     if ctrl_c_seen or isinstance(exc, KeyboardInterrupt):
         _interrupted()
     if isinstance(exc, UserError):
@@ -82,9 +88,7 @@ def _exit_for(exc: BaseException, ctrl_c_seen: bool) -> None:
         sys.exit(exc.exit_code)
     if isinstance(exc, typer.Abort):
         sys.exit(1)
-    # click's usage errors, or those of the copy of click that typer >= 0.2x carries
-    if isinstance(exc, (click.ClickException, getattr(typer, "TyperException", click.ClickException))) \
-            and callable(getattr(exc, "show", None)):
+    if _is_usage_error(exc):
         exc.show()
         sys.exit(exc.exit_code)
     raise exc

@@ -253,7 +253,7 @@ def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predic
     else:
         activation_thresholds = [0.0] * dims.n_layer
     if not adapter.thresholded:  # ReLU-family: active means a != 0, by the model's own rule
-        activation_thresholds = adapter.rule_thresholds() or [0.0] * dims.n_layer
+        activation_thresholds = adapter.rule_thresholds()
     orders = None
     if profile_dir is not None and order_neurons and has_activation_counts(profile_dir):
         counts = load_activation_counts(profile_dir, dims.n_layer, [dims.n_ff] * dims.n_layer)

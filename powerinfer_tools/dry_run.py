@@ -49,7 +49,7 @@ class ConfigModel:
     def shapes(self):
         from powerinfer_tools.source_weights import MetaShapes
 
-        return MetaShapes(self.adapter, self.config)
+        return MetaShapes(self.adapter)
 
 
 def load(spec: str) -> ConfigModel:

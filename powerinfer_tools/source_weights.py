@@ -128,11 +128,11 @@ _DEQUANT_ROWS = 4096
 
 
 class MetaShapes(WeightSource):
-    """The tensors a checkpoint of `config` holds, names and shapes only: the model is built on torch's meta
+    """The tensors a checkpoint of the adapter's config holds, names and shapes only: the model is built on torch's meta
     device (no memory, no weights), so transformers itself says what the checkpoint would contain. A tied
     output head is listed once, under the embedding's name, as save_pretrained stores it."""
 
-    def __init__(self, adapter, config):
+    def __init__(self, adapter):
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -141,7 +141,7 @@ class MetaShapes(WeightSource):
         with torch.device("meta"):
             model = model_class._from_config(build) if model_class is not AutoModelForCausalLM \
                 else model_class.from_config(build)
-        dtype = getattr(config, "dtype", None) or torch.float32
+        dtype = getattr(build, "dtype", None) or torch.float32
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         element = torch.empty((), dtype=dtype).element_size()

@@ -97,9 +97,9 @@ class Arch:
         return self.config
 
     def rule_thresholds(self) -> list[float]:
-        """The activation thresholds a file of this model carries when they are the model's own, not
-        calibrated (FATReLU's); empty when they come from a profile (SiLU) or there are none (ReLU)."""
-        return []
+        """Per layer, the threshold of a ReLU-family model's own rule, which its files carry: 0 (ReLU, dReLU)
+        but for FATReLU. Thresholded models' thresholds are calibrated by a profile instead."""
+        return [0.0] * self.dims().n_layer
 
     def prepare(self, model) -> None:
         """Adjust a freshly loaded model so that its forward is the architecture's (default: no-op)."""

@@ -1,10 +1,10 @@
-"""ReLU Llama models (ReluLLaMA 7B/13B/70B, ProSparse-Llama2): a = relu(gate x), active when a > 0."""
+"""ReLU Llama models (ReluLLaMA 7B/13B/70B): a = relu(gate x), active when a > 0 (ProSparse: prosparse.py)."""
 from powerinfer_tools.arch.llama_family import LLAMA_MODEL_TYPES, LlamaFamily, hidden_act, is_bamboo
 
 
 class LlamaRelu(LlamaFamily):
     name = "llama-relu"
-    description = "Llama family with ReLU (ReluLLaMA, ProSparse-Llama2)"
+    description = "Llama family with ReLU (ReluLLaMA)"
     activation = "relu"
 
     @classmethod

@@ -24,7 +24,7 @@ class ProSparse(LlamaFamily):
 
     @classmethod
     def matches(cls, config) -> bool:
-        return (config.model_type in LLAMA_MODEL_TYPES + (MODEL_TYPE,)) and hidden_act(config) == "fatrelu"
+        return config.model_type in LLAMA_MODEL_TYPES + (MODEL_TYPE,) and hidden_act(config) == "fatrelu"
 
     @property
     def threshold(self) -> float:

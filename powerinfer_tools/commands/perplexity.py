@@ -54,7 +54,7 @@ def perplexity(
     text = read_text(text_file, role="evaluation")
     tokenizer = inference.load_tokenizer(target.model)
     n_tokens = ctx * chunks if chunks else len(text)  # len(text) bounds the token count from above
-    windows = sequences_from_text(tokenizer, [text], ctx, n_tokens).numpy()
+    windows = sequences_from_text(tokenizer, [text], ctx, n_tokens, length_option="--ctx").numpy()
     started = time.perf_counter()
     with inference.open_engine(target, threads=threads, sparse_mode=sparse_mode, ctx_size=ctx,
                                recall_check=recall) as llm:

@@ -549,13 +549,19 @@ void Engine::predictor_select(const Layer &L, const FfnTier &T, int64_t n_tok) {
         pool_->run(int(std::min<int64_t>(n_tiles, pool_->chunks_for(n * R * n_tok * kRowDotCost, kGrain))), job);
         return;
     }
+    // quantized: the tier's rows in 8-row groups, every token's logits by gemm8 (integer dots)
+    const int64_t Fp = F + kPackRows, group_bytes = R / QK * int64_t(packed_block_bytes(fc2.type));
     auto job = [&](int chunk, int n_chunks, int) {
-        int64_t r0, r1;
-        split_range(n, chunk, n_chunks, &r0, &r1);
-        for (int64_t r = r0; r < r1; ++r)
-            for (int64_t t = 0; t < n_tok; ++t) mask_[size_t(t * F + r)] = k.dot(int(R), fc2.row(r), hid.at(t, fc2.type)) > thr;
+        int64_t g0, g1;
+        split_range(fc2.n_groups, chunk, n_chunks, &g0, &g1);
+        if (g0 == g1) return;
+        const int64_t r0 = g0 * kPackRows, r1 = std::min(n, g1 * kPackRows);
+        k.gemm8(int(R), int(g1 - g0), fc2.groups + g0 * group_bytes, int(n_tok), hid.at(0, fc2.type),
+                hid.stride(fc2.type), g_.data() + r0, Fp);
+        for (int64_t t = 0; t < n_tok; ++t)
+            for (int64_t r = r0; r < r1; ++r) mask_[size_t(t * F + r)] = g_[size_t(t * Fp + r)] > thr;
     };
-    pool_->run(pool_->chunks_for(n * R * n_tok, kGrain), job);
+    pool_->run(pool_->chunks_for(n * R * n_tok * kRowDotCost, kGrain), job);
 }
 
 void Engine::true_mask(const Layer &L, const FfnTier &T, int64_t n_tok, uint8_t *out) {

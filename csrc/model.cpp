@@ -18,6 +18,22 @@ std::string shape_str(int64_t rows, int64_t cols) {
 
 std::string blk(int64_t i, const char *suffix) { return "blk." + std::to_string(i) + "." + suffix; }
 
+// The tier's rows of m (q4_0/q8_0) in 8-row groups (packed.h), neuron slot order; the padding rows of the
+// last group have scale 0, so their dots are 0.
+void group_rows(const FfnTier &t, const Matrix &m, std::vector<uint8_t> &out) {
+    const std::vector<uint8_t> zeros(m.row_bytes, 0);
+    const int64_t group_bytes = m.cols / QK * int64_t(packed_block_bytes(m.type));
+    out.resize(size_t(t.n_groups() * group_bytes));
+    for (int64_t g = 0; g < t.n_groups(); ++g) {
+        const void *rows[kPackRows];
+        for (int r = 0; r < kPackRows; ++r) {
+            const int64_t slot = g * kPackRows + r;
+            rows[r] = slot < t.size() ? t.row(m, slot) : zeros.data();
+        }
+        pack_rows8(m.type, int(m.cols), rows, out.data() + g * group_bytes);
+    }
+}
+
 }  // namespace
 
 Model::Model(const std::string &path, const std::string &gpuidx_path) {
@@ -30,7 +46,7 @@ Model::Model(const std::string &path, const std::string &gpuidx_path) {
 
 void Model::pack_dense_matrices() {
     for (Layer &l : layers_)
-        for (Matrix *m : {&l.wq, &l.wk, &l.wv, &l.wo}) pack(*m);
+        for (Matrix *m : {&l.wq, &l.wk, &l.wv, &l.wo, &l.fc1}) pack(*m);
     pack(output_);
 }
 
@@ -39,20 +55,10 @@ void Model::group_tier(int64_t il, bool hot, bool with_up) {
     FfnTier &t = hot ? l.hot : l.cold;
     const bool want_up = with_up && hp_.gated && !t.up_grouped;
     if (t.gate_grouped && !want_up) return;
-    // a matrix is grouped where its type packs; the padding rows: scale 0, so their dots are 0
-    std::vector<uint8_t> zeros(std::max(t.gate.row_bytes, t.up.row_bytes), 0);
+    // a matrix is grouped where its type packs
     auto group = [&](const Matrix &m, std::vector<uint8_t> &out) {
         if (t.size() == 0 || packed_block_bytes(m.type) == 0 || m.cols > kGemv8MaxCols) return;
-        const int64_t group_bytes = m.cols / QK * int64_t(packed_block_bytes(m.type));
-        out.resize(size_t(t.n_groups() * group_bytes));
-        for (int64_t g = 0; g < t.n_groups(); ++g) {
-            const void *rows[kPackRows];
-            for (int r = 0; r < kPackRows; ++r) {
-                const int64_t slot = g * kPackRows + r;
-                rows[r] = slot < t.size() ? t.row(m, slot) : zeros.data();
-            }
-            pack_rows8(m.type, int(m.cols), rows, out.data() + g * group_bytes);
-        }
+        group_rows(t, m, out);
         if (!t.packed) file_->release(m.data, m.bytes());
     };
     if (!t.gate_grouped) group(t.gate, t.gate_groups);
@@ -204,12 +210,13 @@ void Model::bind_cold_predictor(Layer &l) {
                 std::memcpy(t.fc2_storage.data() + t.fc2_tile_offset(b, k) + size_t(at) * es, src + size_t(k) * es, es);
         }
         file_->release(l.fc2.data, l.fc2.bytes());  // no second copy: the mapped pages go back
-    } else if (nc < l.fc2.rows) {  // with a hot tier: the cold neurons' rows, contiguous
-        t.fc2_storage.resize(size_t(nc) * l.fc2.row_bytes);
-        for (int64_t r = 0; r < nc; ++r)
-            std::memcpy(t.fc2_storage.data() + size_t(r) * l.fc2.row_bytes, l.fc2.row(t.ids[size_t(r)]), l.fc2.row_bytes);
+    } else {  // quantized: the tier's rows in 8-row groups, scored by gemm8
+        group_rows(t, l.fc2, t.fc2_storage);
         t.fc2.rows = nc;
-        t.fc2.data = t.fc2_storage.data();
+        t.fc2.data = nullptr;
+        t.fc2.groups = t.fc2_storage.data();
+        t.fc2.n_groups = t.n_groups();
+        file_->release(l.fc2.data, l.fc2.bytes());
     }
 }
 
@@ -266,6 +273,9 @@ void Model::bind_tensors() {
             const int64_t rank = int64_t(t1->ne[1]);
             l.fc1 = bind(fc1, rank, E, false);
             l.fc2 = bind(fc2, F, rank, false);
+            if (act_is_q8(l.fc2.type) && rank > kGemv8MaxCols)
+                fail(PI_ERR_FORMAT, p + ": tensor " + fc2 + " is quantized with rank " + std::to_string(rank) +
+                                        " (at most " + std::to_string(kGemv8MaxCols) + ")");
         } else if (f.tensor(fc1) || f.tensor(fc2)) {
             fail(PI_ERR_FORMAT, p + ": layer " + std::to_string(i) + " has a predictor but layer 0 has none");
         }

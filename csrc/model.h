@@ -28,7 +28,7 @@ struct Matrix {
     size_t row_bytes = 0;
     const uint8_t *data = nullptr;
     // Rows [0, 8 * n_groups) again in the 8-row interleaved layout of packed.h, for matrices always read
-    // whole (q4_0/q8_0 attention projections and output head); the rest are read from `data`.
+    // whole (q4_0/q8_0 attention projections, output head, predictor); the rest are read from `data`.
     const uint8_t *groups = nullptr;
     int64_t n_groups = 0;
     const uint8_t *row(int64_t r) const { return data + size_t(r) * row_bytes; }
@@ -74,7 +74,7 @@ struct FfnTier {
     // The predictor's fc2 for this tier's neurons (cold tier only). f32/f16 predictors are kept transposed,
     // weight k of every neuron, so a token's logits are `rank` axpys over contiguous rows instead of a short
     // dot per neuron, in tiles of kFc2Tile neurons (each tile's rank rows contiguous: a thread's share of the
-    // tiles is one stream); quantized ones as rows per neuron.
+    // tiles is one stream); quantized ones in 8-row groups (fc2.groups, neuron slot order), scored by gemm8.
     static constexpr int64_t kFc2Tile = 256;
     Matrix fc2;
     std::vector<uint8_t> fc2_storage;

@@ -117,15 +117,13 @@ class PlannedTensor:
     source: str                       # what it is made from (bytes accounting)
 
 
-def tensor_type(name: str, shape: tuple[int, ...], outtype: str):
-    """Norms and biases f32; predictors f32 (f16 in f16/quantized files); matrices the outtype,
-    f16 where a row does not split into whole quantization blocks."""
+def tensor_type(shape: tuple[int, ...], outtype: str):
+    """Norms and biases f32; matrices, the predictors' included (as PowerInfer quantizes them), the
+    outtype, f16 where a row does not split into whole quantization blocks (an fc2 of rank 16)."""
     import gguf
 
     if len(shape) == 1:
         return gguf.GGMLQuantizationType.F32
-    if name.endswith((".fc1.weight", ".fc2.weight")):
-        return gguf.GGMLQuantizationType.F32 if outtype == "f32" else gguf.GGMLQuantizationType.F16
     qtype = _qtype(outtype)
     block = gguf.GGML_QUANT_SIZES[qtype][0]
     return qtype if shape[-1] % block == 0 else gguf.GGMLQuantizationType.F16
@@ -166,7 +164,7 @@ def plan(adapter: arch.Arch, weights, predictors: Predictors | None, outtype: st
         if stored is None:
             raise UserError(f"the model has no tensor {tmap.source} (needed for {tmap.name})")
         shape = tmap.out_shape(weights.shapes[stored])
-        planned.append(PlannedTensor(tmap.name, shape, tensor_type(tmap.name, shape, outtype),
+        planned.append(PlannedTensor(tmap.name, shape, tensor_type(shape, outtype),
                                      lambda t=tmap, s=stored: t.apply(weights.load(s)), stored))
     if predictors is not None:
         dims = adapter.dims()
@@ -174,7 +172,7 @@ def plan(adapter: arch.Arch, weights, predictors: Predictors | None, outtype: st
             path = predictors.files[i] if predictors.files else None
             for key, shape in (("fc1.weight", (rank, dims.n_embd)), ("fc2.weight", (dims.n_ff, rank))):
                 name = f"blk.{i}.{key}"
-                planned.append(PlannedTensor(name, shape, tensor_type(name, shape, outtype),
+                planned.append(PlannedTensor(name, shape, tensor_type(shape, outtype),
                                              lambda p=path, k=key: _load_predictor(p, k), str(path)))
     return planned
 

@@ -183,9 +183,11 @@ def rewrite(src: Path, dst: Path, fields: dict | None = None, drop: tuple = (), 
         if t.name in tensors:
             data, raw = tensors[t.name]
             writer.add_tensor(t.name, data, raw_dtype=raw)
-        else:
+        elif t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
             writer.add_tensor(t.name, np.array(t.data), raw_shape=list(reversed([int(n) for n in t.shape])),
                               raw_dtype=t.tensor_type)
+        else:  # quantized: the reader's data is already in the byte shape the writer expects
+            writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -1,11 +1,12 @@
 """The real SmolLM2-135M (a Q4_1 llama.cpp GGUF, q/k already in llama.cpp's row order) converted with
-predictors at q8_0 and q4_0: the expected tensors with the formats' sizes, values equal to the
-weights transformers loads (dequantized, q/k back in HF order) after the documented transform,
+predictors at q8_0 and q4_0: the expected tensors with the formats' sizes (predictors in the weight
+type), values equal to the weights transformers loads and to the predictors (dequantized, q/k back in HF order) after the documented transform,
 and the carried-over vocabulary tokenizes like transformers' own GGUF tokenizer."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from convert_helpers import read_fields, read_tensors, write_predictors
 from test_convert import block_bound, rope_rows
 from test_inspect import BYTES_PER_32
@@ -44,7 +45,7 @@ def hf_weights():
 
 
 @pytest.mark.parametrize("outtype", ["q8_0", "q4_0"])
-def test_smollm2(outtype, converted, hf_weights):
+def test_smollm2(outtype, converted, hf_weights, predictors):
     out, summary = converted(outtype)
     assert summary["arch"] == "llama-silu" and summary["bytes_out"] == out.stat().st_size
 
@@ -60,7 +61,7 @@ def test_smollm2(outtype, converted, hf_weights):
     expected.update({f"blk.{i}.{k}.weight": s for i in range(N_LAYER) for k, s in per_layer.items()})
     assert {k: v[0] for k, v in table.items()} == expected
     for name, (shape, qtype, nbytes) in table.items():
-        want_type = "F32" if len(shape) == 1 else "F16" if ".fc" in name else outtype.upper()
+        want_type = "F32" if len(shape) == 1 else outtype.upper()  # predictors too (rank 32: whole blocks)
         assert qtype == want_type, name
         assert nbytes == int(np.prod(shape)) // 32 * BYTES_PER_32[qtype], name
 
@@ -81,6 +82,11 @@ def test_smollm2(outtype, converted, hf_weights):
             err = np.abs(got[name][1] - want)
             assert np.all(err <= block_bound(np.ascontiguousarray(want), outtype.upper())), name
         np.testing.assert_array_equal(got[f"blk.{i}.attn_norm.weight"][1], hf[p + "input_layernorm.weight"])
+        trained = torch.load(predictors / f"model_{i}.pt", weights_only=True)
+        for key in ("fc1", "fc2"):
+            want = trained[f"{key}.weight"].numpy()
+            err = np.abs(got[f"blk.{i}.{key}.weight"][1] - want)
+            assert np.all(err <= block_bound(want, outtype.upper())), key
     # tied head: output.weight is a copy of the embedding
     np.testing.assert_array_equal(got["output.weight"][1], got["token_embd.weight"][1])
 

@@ -34,7 +34,7 @@ def convert(
                                                     "--source-order keeps the model's order."),
     outtype: Optional[str] = typer.Option(None, "--outtype", "-t", help="Weight type: f32, f16, q8_0 or q4_0 "
                                           "(default f16; with --dry-run f16,q8_0,q4_0, a comma-separated list). "
-                                          "Norms and biases stay f32; predictors f32 (f16 unless f32)."),
+                                          "Norms and biases stay f32; predictors take the weight type too."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
     vram_budget: Optional[float] = typer.Option(
         None, "--vram-budget", help="GiB of VRAM: after writing the model, place its hot neurons (as `pi-tools "

@@ -140,8 +140,9 @@ def test_reduced_types_within_format_error(kind, outtype, tiny_model_dir, tmp_pa
         if want.ndim == 1:
             assert qtype == "F32", name  # norms and biases stay f32
             np.testing.assert_array_equal(data, want, err_msg=name)
-        elif name in preds or outtype == "f16":
-            assert qtype == "F16", name  # predictors f16 outside f32 files
+        elif outtype == "f16" or want.shape[-1] % 32:
+            # rows that do not split into 32-value blocks (fc2 of these rank-16 predictors) stay f16
+            assert qtype == "F16", name
             np.testing.assert_allclose(data, want, rtol=1e-3, atol=1e-6, err_msg=name)
         else:
             assert qtype == outtype.upper(), name

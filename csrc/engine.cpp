@@ -420,6 +420,9 @@ void Engine::attention(int64_t il, int64_t n_tok) {
             ks_->gemm_f32(int(nt), int(n_keys), int(D), sc, int(n_keys), vc + kvh * D, int(KV), out, int(Q));
         }
     };
+    // The predictor's weights come from DRAM every step (too little to stream at speed once the FFN asks
+    // for them); asked for now, they arrive while the heads read the KV cache.
+    if (n_tok == 1 && choose_cold_mode(il, n_tok) == TierMode::Predictor) prefetch_predictor(L);
     // A head's keys and values come from the cache (memory-bound, not multiply-bound): its work is counted
     // as kCacheReadCost multiply-adds per float read, so a decode step's heads are shared between threads.
     pool_->run(int(std::min<int64_t>(n_tiles * H, pool_->chunks_for(n_tok * H * n_all * D * 2 * kCacheReadCost, kGrain))), job);
@@ -562,6 +565,14 @@ void Engine::predictor_select(const Layer &L, const FfnTier &T, int64_t n_tok) {
             for (int64_t r = r0; r < r1; ++r) mask_[size_t(t * F + r)] = g_[size_t(t * Fp + r)] > thr;
     };
     pool_->run(pool_->chunks_for(n * R * n_tok * kRowDotCost, kGrain), job);
+}
+
+void Engine::prefetch_predictor(const Layer &L) const {
+    const Matrix &fc1 = L.fc1;
+    if (fc1.groups) prefetch_row(fc1.groups, size_t(fc1.n_groups * (fc1.cols / QK)) * packed_block_bytes(fc1.type));
+    const int64_t loose = fc1.rows - fc1.n_groups * kPackRows;  // rows outside the groups (all of an f16 fc1)
+    if (loose > 0) prefetch_row(fc1.row(fc1.n_groups * kPackRows), size_t(loose) * fc1.row_bytes);
+    prefetch_row(L.cold.fc2_storage.data(), L.cold.fc2_storage.size());  // transposed tiles or 8-row groups
 }
 
 void Engine::true_mask(const Layer &L, const FfnTier &T, int64_t n_tok, uint8_t *out) {

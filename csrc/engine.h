@@ -77,6 +77,8 @@ private:
     void ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n_tok, float *y, LayerStats &st,
                   bool is_cold);
     void predictor_select(const Layer &L, const FfnTier &T, int64_t n_tok);
+    // Asks for the layer's predictor weights (fc1, the cold tier's fc2) ahead of predictor_select.
+    void prefetch_predictor(const Layer &L) const;
     void true_mask(const Layer &L, const FfnTier &T, int64_t n_tok, uint8_t *out);
     struct MatmulTarget {
         const Matrix *W;

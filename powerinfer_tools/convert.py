@@ -170,15 +170,35 @@ def plan(adapter: arch.Arch, weights, predictors: Predictors | None, outtype: st
         dims = adapter.dims()
         for i, rank in enumerate(predictors.ranks):
             path = predictors.files[i] if predictors.files else None
-            for key, shape in (("fc1.weight", (rank, dims.n_embd)), ("fc2.weight", (dims.n_ff, rank))):
+            stored = stored_rank(rank, outtype, dims.n_ff)
+            for key, shape in (("fc1.weight", (stored, dims.n_embd)), ("fc2.weight", (dims.n_ff, stored))):
                 name = f"blk.{i}.{key}"
                 planned.append(PlannedTensor(name, shape, tensor_type(shape, outtype),
-                                             lambda p=path, k=key: _load_predictor(p, k), str(path)))
+                                             lambda p=path, k=key, r=stored: _load_predictor(p, k, r), str(path)))
     return planned
 
 
-def _load_predictor(path: Path, key: str) -> np.ndarray:
-    return load_pt(path, "predictor")[key].float().numpy()
+def stored_rank(rank: int, outtype: str, n_ff: int) -> int:
+    """The rank a predictor is written at: in a quantized file, padded to whole 32-value blocks (zero rows
+    of fc1, zero columns of fc2: a hidden unit that is always 0, so the logits do not change) where the
+    padded, quantized fc2 is smaller than the f16 one the rank would otherwise get (q4_0 from rank 10 on,
+    q8_0 from 18), so that its fc2 is quantized and scored by the engine's integer kernels. A rank stays
+    at most n_ff (the engine's bound)."""
+    import gguf
+
+    qtype = _qtype(outtype)
+    block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    if block == 1 or rank % block == 0:
+        return rank
+    padded = -(-rank // block) * block
+    return padded if padded <= n_ff and padded // block * block_bytes < rank * 2 else rank
+
+
+def _load_predictor(path: Path, key: str, rank: int) -> np.ndarray:
+    """A layer's fc1 or fc2 as float32, padded with zeros to `rank` (see stored_rank)."""
+    weight = load_pt(path, "predictor")[key].float().numpy()
+    missing = rank - (weight.shape[0] if key == "fc1.weight" else weight.shape[1])
+    return np.pad(weight, ((0, missing), (0, 0)) if key == "fc1.weight" else ((0, 0), (0, missing)))
 
 
 def add_header(writer, adapter: arch.Arch, name: str, outtype: str, predictors: Predictors | None,

@@ -57,6 +57,17 @@ def _fingerprint(paths: list[Path]) -> str:
     return h.hexdigest()[:16]
 
 
+def _converter_fingerprint() -> str:
+    """The toolkit's own sources: a file converted by another version (predictors f16 before they took the
+    weight type, say) is not this version's file, so a cached one is rebuilt after any change to them."""
+    h = hashlib.sha256()
+    package = Path(__file__).resolve().parent
+    for path in sorted(package.rglob("*.py")):
+        h.update(f"{path.relative_to(package)}\n".encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def bench_files(model: str, outtype: str, work_dir: Path, predictors: Path | None = None,
                 profile: Path | None = None, progress: bool = True) -> BenchFiles:
     """Build (or reuse from `work_dir`) the PowerInfer and llama.cpp files of `model` at `outtype`."""
@@ -66,7 +77,7 @@ def bench_files(model: str, outtype: str, work_dir: Path, predictors: Path | Non
         raise UserError(f"unknown --outtype '{outtype}' (choose from {', '.join(BENCH_OUTTYPES)})")
     source = models.resolve(model)
     inputs = [source.path] + [p for p in (predictors, profile) if p is not None]
-    key = _fingerprint(inputs)
+    key = hashlib.sha256(f"{_fingerprint(inputs)}:{_converter_fingerprint()}".encode()).hexdigest()[:16]
     stem = source.path.stem.replace(".", "_")
     directory = Path(work_dir) / f"{stem}-{outtype}-{key}"
     manifest_path = directory / "manifest.json"

@@ -76,6 +76,19 @@ def test_llamacpp_file_holds_the_same_weights(tiny_model_dir, tmp_path, outtype,
         files.powerinfer.stat().st_mtime_ns
 
 
+def test_cached_files_are_rebuilt_by_another_converter(tiny_model_dir, tmp_path, monkeypatch):
+    """The work directory's files are keyed by the toolkit's sources too: after an upgrade (or any edit) the
+    benchmark converts anew instead of timing what an older converter wrote."""
+    from powerinfer_tools import bench_files as module
+
+    model, pred = str(tiny_model_dir("llama-silu")), write_predictors(tmp_path / "p", N_LAYER, HIDDEN, N_FF)
+    first = bench_files(model, "q8_0", tmp_path, predictors=pred, progress=False)
+    assert bench_files(model, "q8_0", tmp_path, predictors=pred, progress=False).powerinfer == first.powerinfer
+    monkeypatch.setattr(module, "_converter_fingerprint", lambda: "another version")
+    rebuilt = bench_files(model, "q8_0", tmp_path, predictors=pred, progress=False)
+    assert rebuilt.powerinfer != first.powerinfer and rebuilt.powerinfer.is_file() and first.powerinfer.is_file()
+
+
 def test_llamacpp_file_refuses_other_architectures(tiny_model_dir, tmp_path):
     with pytest.raises(UserError, match="llama.cpp comparison supports"):
         bench_files(str(tiny_model_dir("falcon")), "q8_0", tmp_path, progress=False)

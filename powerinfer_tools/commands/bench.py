@@ -54,7 +54,8 @@ def bench(
     batch: int = typer.Option(512, "--batch", help="Our engine's prompt batch size."),
     text: Optional[Path] = typer.Option(None, "--text", help="Text whose tokens are fed (default: the project's "
                                         "wikitext-2-valid when present, else text the model generates)."),
-    work_dir: Optional[Path] = typer.Option(None, "--work-dir", help="Where the built files are cached "
+    work_dir: Optional[Path] = typer.Option(None, "--work-dir", help="Where the built files are cached, "
+                                            "rebuilt when the inputs or this toolkit's version change "
                                             "(default: ~/.cache/powerinfer-tools/bench)."),
     peer_python: Optional[str] = typer.Option(None, "--peer-python", help="Python with llama-cpp-python to run "
                                               "the llama.cpp peer (default: this Python)."),

@@ -149,7 +149,8 @@ def test_reduced_types_within_format_error(kind, outtype, tiny_model_dir, tmp_pa
             assert qtype == "F16", name
             np.testing.assert_allclose(data, want, rtol=1e-3, atol=1e-6, err_msg=name)
         else:
-            assert qtype == outtype.upper(), name
+            # a predictor's fc1 is q8_0 in a q4_0 file (convert.FC1_OUTTYPE)
+            assert qtype == ("Q8_0" if name.endswith("fc1.weight") else outtype.upper()), name
             err = np.abs(data - want)
             assert np.all(err <= block_bound(want, qtype)), (name, float(err.max()))
             assert err.max() > 0  # really quantized

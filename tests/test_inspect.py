@@ -39,7 +39,7 @@ def test_tensor_table_and_metadata(tiny_model_dir, tmp_path, capsys):
     rows = {m.group(1): (json.loads(m.group(2)), m.group(3), int(m.group(4).replace(",", "")))
             for m in re.finditer(r"^  (\S+)\s+(\[[\d, ]+\])\s+(\w+)\s+([\d,]+)$", text, re.M)}
     assert rows["blk.1.ffn_down_t.weight"][:2] == ([N_FF, HIDDEN], "Q4_0")
-    assert rows["blk.0.fc1.weight"][:2] == ([32, HIDDEN], "Q4_0")  # predictors in the weight type
+    assert rows["blk.0.fc1.weight"][:2] == ([32, HIDDEN], "Q8_0")  # predictors quantized, fc1 at 8 bits
     assert rows["blk.0.fc2.weight"][:2] == ([N_FF, 32], "Q4_0")
     assert rows["blk.0.attn_norm.weight"][:2] == ([HIDDEN], "F32")
     for name, (shape, qtype, nbytes) in rows.items():

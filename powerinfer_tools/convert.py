@@ -182,7 +182,7 @@ def plan(adapter: arch.Arch, weights, predictors: Predictors | None, outtype: st
 # A predictor's fc1 in a 4-bit file is stored at 8 bits: the trainer folds its per-feature input scales into
 # fc1's columns (their magnitudes spread 0.007-0.11 within a row of SmolLM2's), which one q4_0 scale per
 # 32 columns flattens. Measured on SmolLM2 q4_0, predictor-mode perplexity (wikitext-2, 16 x 512 tokens):
-# fc1 f16 97.3, q8_0 94.7, q4_0 539; fc2 at q4_0 costs nothing (96.0 with fc1 f16).
+# fc1 f16 97.3, q8_0 95.1, q4_0 539; fc2 at q4_0 costs nothing (96.0 with fc1 f16).
 FC1_OUTTYPE = {"q4_0": "q8_0"}
 
 

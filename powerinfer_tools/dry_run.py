@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from powerinfer_tools import arch, models, placement
-from powerinfer_tools.convert import OUTTYPES, PlannedTensor, Predictors, add_header, encoded_nbytes, n_vocab_of, plan
+from powerinfer_tools.convert import (OUTTYPES, PlannedTensor, Predictors, add_header, encoded_nbytes, n_vocab_of, plan,
+                                     stored_rank)
 from powerinfer_tools.errors import UserError
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -167,13 +168,19 @@ def describe(model: ConfigModel, report: SizeReport) -> str:
             f"checkpoint {placement.human_bytes(report.source_bytes)}")
 
 
-def predictor_note(model: ConfigModel, report: SizeReport) -> str:
-    """Which predictors the sizes include, and why that rank."""
-    if report.predictor_rank == 0:
+def predictor_note(model: ConfigModel, reports: list[SizeReport]) -> str:
+    """Which predictors the sizes include, why that rank, and the rank a quantized file stores them at."""
+    rank = reports[0].predictor_rank
+    if rank == 0:
         return "none (--predictor-rank 0)"
     cap = predictor_rank_cap(model.adapter)
-    why = "train-predictor's cap: 10% of the FFN parameters" if report.predictor_rank == cap else "--predictor-rank"
-    return f"rank {report.predictor_rank} in every layer ({why})"
+    why = "train-predictor's cap: 10% of the FFN parameters" if rank == cap else "--predictor-rank"
+    n_ff = model.adapter.dims().n_ff
+    padded = {r.outtype: stored_rank(rank, r.outtype, n_ff) for r in reports}
+    padded = {t: r for t, r in padded.items() if r != rank}
+    stored = "".join(f"; stored at rank {r} in {'/'.join(t for t in padded if padded[t] == r)} (whole 32-value "
+                     "blocks)" for r in sorted(set(padded.values())))
+    return f"rank {rank} in every layer ({why}){stored}"
 
 
 @dataclass

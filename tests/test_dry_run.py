@@ -91,6 +91,18 @@ def test_default_predictor_rank_is_the_trainers_cap():
         assert rank * (d.n_embd + d.n_ff) <= budget < (rank + 1) * (d.n_embd + d.n_ff)
 
 
+def test_quantized_files_store_the_cap_rank_in_whole_blocks():
+    """The cap (1911 for ReluLLaMA-70B) is padded to 1920 in q8_0/q4_0 files, where the predictor's fc2 then
+    quantizes; the sizes and the note say so, the f16 file keeps 1911."""
+    model = dry_run.load("relullama-70b")
+    reports = [dry_run.size_report(model, t) for t in ("f16", "q4_0")]
+    fc1 = [{t.name: t.shape for t in r.tensors}["blk.0.fc1.weight"] for r in reports]
+    assert fc1 == [(1911, 8192), (1920, 8192)]
+    assert [{t.name: t.qtype.name for t in r.tensors}["blk.0.fc2.weight"] for r in reports] == ["F16", "Q4_0"]
+    note = dry_run.predictor_note(model, reports)
+    assert note.startswith("rank 1911 in every layer") and "stored at rank 1920 in q4_0" in note
+
+
 def test_bundled_configs_have_the_published_shapes():
     """Spot values of the public configs (hidden, n_ff, layers, heads, KV heads, vocab) and the converted tables."""
     expect = {"relullama-70b": ("llama-relu", 8192, 28672, 80, 64, 8, 32000),

@@ -117,7 +117,7 @@ def report_sizes(model: str, outtypes: list[str], predictor_rank: int | None) ->
     reports = [dry_run.size_report(config_model, t, predictor_rank) for t in outtypes]
     first = reports[0]
     typer.echo(dry_run.describe(config_model, first))
-    typer.echo(f"predictors: {dry_run.predictor_note(config_model, first)}")
+    typer.echo(f"predictors: {dry_run.predictor_note(config_model, reports)}")
     rows = [("FFN (gate/up/down)", "ffn"), ("attention, norms, biases", "attention"), ("predictors", "predictors"),
             ("output head + norm", "output"), ("token/position embeddings", "embeddings"),
             ("header + padding", "header")]

@@ -100,7 +100,7 @@ def report_dry_run(config_model, result) -> None:
     r = result.report
     typer.echo(f"dry run (nothing converted): {dry_run.describe(config_model, r)}")
     typer.echo(f"{r.outtype} file {placement.human_bytes(r.file_bytes)}; "
-               f"predictors: {dry_run.predictor_note(config_model, r)}")
+               f"predictors: {dry_run.predictor_note(config_model, [r])}")
     if result.assumption:
         typer.echo(result.assumption)
     report(result.plan)

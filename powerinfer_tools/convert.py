@@ -170,12 +170,12 @@ def plan(adapter: arch.Arch, weights, predictors: Predictors | None, outtype: st
         dims = adapter.dims()
         for i, rank in enumerate(predictors.ranks):
             path = predictors.files[i] if predictors.files else None
-            stored = stored_rank(rank, outtype, dims.n_ff)
-            for key, shape in (("fc1.weight", (stored, dims.n_embd)), ("fc2.weight", (dims.n_ff, stored))):
+            padded = stored_rank(rank, outtype, dims.n_embd, dims.n_ff)
+            for key, shape in (("fc1.weight", (padded, dims.n_embd)), ("fc2.weight", (dims.n_ff, padded))):
                 name = f"blk.{i}.{key}"
                 qtype = tensor_type(shape, FC1_OUTTYPE.get(outtype, outtype) if key == "fc1.weight" else outtype)
                 planned.append(PlannedTensor(name, shape, qtype,
-                                             lambda p=path, k=key, r=stored: _load_predictor(p, k, r), str(path)))
+                                             lambda p=path, k=key, r=padded: _load_predictor(p, k, r), str(path)))
     return planned
 
 
@@ -186,12 +186,12 @@ def plan(adapter: arch.Arch, weights, predictors: Predictors | None, outtype: st
 FC1_OUTTYPE = {"q4_0": "q8_0"}
 
 
-def stored_rank(rank: int, outtype: str, n_ff: int) -> int:
+def stored_rank(rank: int, outtype: str, n_embd: int, n_ff: int) -> int:
     """The rank a predictor is written at: in a quantized file, padded to whole 32-value blocks (zero rows
     of fc1, zero columns of fc2: a hidden unit that is always 0, so the logits do not change) where the
-    padded, quantized fc2 is smaller than the f16 one the rank would otherwise get (q4_0 from rank 10 on,
-    q8_0 from 18), so that its fc2 is quantized and scored by the engine's integer kernels. A rank stays
-    at most n_ff (the engine's bound)."""
+    padded predictor, its fc2 quantized, is smaller than the unpadded one with an f16 fc2 (so that it is
+    also scored by the engine's integer kernels; for SmolLM2's shapes at q4_0 from rank 13 on). A rank
+    stays at most n_ff (the engine's bound)."""
     import gguf
 
     qtype = _qtype(outtype)
@@ -199,7 +199,11 @@ def stored_rank(rank: int, outtype: str, n_ff: int) -> int:
     if block == 1 or rank % block == 0:
         return rank
     padded = -(-rank // block) * block
-    return padded if padded <= n_ff and padded // block * block_bytes < rank * 2 else rank
+    fc1_block, fc1_block_bytes = gguf.GGML_QUANT_SIZES[_qtype(FC1_OUTTYPE.get(outtype, outtype))]
+    fc1_per_rank = n_embd // fc1_block * fc1_block_bytes if n_embd % fc1_block == 0 else 2 * n_embd
+    as_is = rank * (fc1_per_rank + 2 * n_ff)
+    padded_bytes = padded * (fc1_per_rank + n_ff // block * block_bytes)
+    return padded if padded <= n_ff and padded_bytes < as_is else rank
 
 
 def _load_predictor(path: Path, key: str, rank: int) -> np.ndarray:

@@ -175,8 +175,8 @@ def predictor_note(model: ConfigModel, reports: list[SizeReport]) -> str:
         return "none (--predictor-rank 0)"
     cap = predictor_rank_cap(model.adapter)
     why = "train-predictor's cap: 10% of the FFN parameters" if rank == cap else "--predictor-rank"
-    n_ff = model.adapter.dims().n_ff
-    padded = {r.outtype: stored_rank(rank, r.outtype, n_ff) for r in reports}
+    d = model.adapter.dims()
+    padded = {r.outtype: stored_rank(rank, r.outtype, d.n_embd, d.n_ff) for r in reports}
     padded = {t: r for t, r in padded.items() if r != rank}
     stored = "".join(f"; stored at rank {r} in {'/'.join(t for t in padded if padded[t] == r)} (whole 32-value "
                      "blocks)" for r in sorted(set(padded.values())))

@@ -259,11 +259,13 @@ def test_pytorch_bin_checkpoint_converts_like_safetensors(tiny_model_dir, tmp_pa
 
 
 def test_predictor_ranks_padded_where_quantizing_pays():
-    """A rank that does not fill whole 32-value blocks is padded in q4_0/q8_0 files when the quantized fc2
-    is then still smaller than the f16 one it would get (18 bytes a q4_0 block, 34 a q8_0 one, against 64
-    for 32 f16 values); never past n_ff, never in f32/f16 files."""
+    """A rank that does not fill whole 32-value blocks is padded in q4_0/q8_0 files when the whole predictor
+    (fc1 at q8_0 in a q4_0 file, fc2 quantized) is then smaller than unpadded with an f16 fc2; never past
+    n_ff, never in f32/f16 files. SmolLM2's shapes (576, 1536) and ReluLLaMA-70B's cap."""
     from powerinfer_tools.convert import stored_rank
 
-    assert [stored_rank(r, "q4_0", 1024) for r in (4, 9, 10, 16, 32, 48, 895)] == [4, 9, 32, 32, 32, 64, 896]
-    assert [stored_rank(r, "q8_0", 1024) for r in (16, 17, 18, 24, 250)] == [16, 17, 32, 32, 256]
-    assert stored_rank(24, "q4_0", 24) == 24 and stored_rank(24, "f16", 1024) == 24 == stored_rank(24, "f32", 64)
+    assert [stored_rank(r, "q4_0", 576, 1536) for r in (4, 12, 13, 16, 32, 48, 125)] == [4, 12, 32, 32, 32, 64, 128]
+    assert [stored_rank(r, "q8_0", 576, 1536) for r in (16, 19, 20, 24, 250)] == [16, 19, 32, 32, 256]
+    assert stored_rank(1911, "q4_0", 8192, 28672) == 1920
+    assert stored_rank(24, "q4_0", 576, 24) == 24 and stored_rank(24, "f16", 576, 1536) == 24
+    assert stored_rank(24, "f32", 576, 1536) == 24

@@ -227,7 +227,7 @@ void Engine::matmul(const MatmulTarget *targets, int n_targets, Operand &x, int6
     auto packed_groups = [&](const MatmulTarget &tg, int64_t g0, int64_t g1) {
         const Matrix &W = *tg.W;
         const TypeKernels &k = ks_->for_type(W.type);
-        const int64_t group_bytes = W.cols / QK * int64_t(packed_block_bytes(W.type));
+        const int64_t group_bytes = W.group_bytes();
         const int64_t per_pass = n_tok == 1 ? kDecodeGroupsPerPass : kGroupsPerPass;
         for (int64_t g = g0; g < g1; g += per_pass) {
             const int ng = int(std::min<int64_t>(per_pass, g1 - g));
@@ -336,10 +336,11 @@ void Engine::forward(const int32_t *tokens, int64_t n_tok, float *logits, int64_
     for (int64_t il = 0; il < hp_.n_layer; ++il) {
         // attention's output lands in tmp_; a parallel block adds it after the FFN has read the layer input
         t0 = Clock::now();
-        attention(il, n_tok);
+        const TierMode cold_mode = choose_cold_mode(il, n_tok);  // attention leaves what it reads unchanged
+        attention(il, n_tok, cold_mode);
         if (!hp_.parallel_block) add_residual(tmp_.data(), n_tok);
         times_.attention += seconds_since(t0);
-        ffn(il, n_tok);
+        ffn(il, n_tok, cold_mode);
         if (hp_.parallel_block) add_residual(tmp_.data(), n_tok);
     }
     for (int64_t t = 0; t < n_tok; ++t) history_[size_t(n_past_ + t)] = tokens[t];
@@ -357,7 +358,7 @@ void Engine::forward(const int32_t *tokens, int64_t n_tok, float *logits, int64_
     times_.output += seconds_since(t0);
 }
 
-void Engine::attention(int64_t il, int64_t n_tok) {
+void Engine::attention(int64_t il, int64_t n_tok, TierMode cold_mode) {
     const Layer &L = model_->layers()[size_t(il)];
     const int64_t E = hp_.n_embd, D = hp_.d_head, H = hp_.n_head, HKV = hp_.n_head_kv;
     const int64_t Q = H * D, KV = HKV * D, half = hp_.n_rot / 2;
@@ -422,7 +423,7 @@ void Engine::attention(int64_t il, int64_t n_tok) {
     };
     // The predictor's weights come from DRAM every step (too little to stream at speed once the FFN asks
     // for them); asked for now, they arrive while the heads read the KV cache.
-    if (n_tok == 1 && choose_cold_mode(il, n_tok) == TierMode::Predictor) prefetch_predictor(L);
+    if (n_tok == 1 && cold_mode == TierMode::Predictor) prefetch_predictor(L);
     // A head's keys and values come from the cache (memory-bound, not multiply-bound): its work is counted
     // as kCacheReadCost multiply-adds per float read, so a decode step's heads are shared between threads.
     pool_->run(int(std::min<int64_t>(n_tiles * H, pool_->chunks_for(n_tok * H * n_all * D * 2 * kCacheReadCost, kGrain))), job);
@@ -474,7 +475,7 @@ TierMode Engine::choose_cold_mode(int64_t il, int64_t n_tok) const {
     return best;
 }
 
-void Engine::ffn(int64_t il, int64_t n_tok) {
+void Engine::ffn(int64_t il, int64_t n_tok, TierMode cold_mode) {
     const Layer &L = model_->layers()[size_t(il)];
     LayerStats &st = stats_[size_t(il)];
     const int64_t E = hp_.n_embd;
@@ -489,7 +490,6 @@ void Engine::ffn(int64_t il, int64_t n_tok) {
 
     // Hot tier first (a device backend would run it concurrently), then the cold tier. A tier whose gate
     // (and up) are read whole gets them in 8-row groups the first time.
-    const TierMode cold_mode = choose_cold_mode(il, n_tok);
     const bool has_hot = L.hot.size() > 0;
     if (has_hot) model_->group_tier(il, true, true);
     if (reads_gate_whole(cold_mode)) model_->group_tier(il, false, cold_mode != TierMode::Gate);
@@ -553,7 +553,7 @@ void Engine::predictor_select(const Layer &L, const FfnTier &T, int64_t n_tok) {
         return;
     }
     // quantized: the tier's rows in 8-row groups, every token's logits by gemm8 (integer dots)
-    const int64_t Fp = F + kPackRows, group_bytes = R / QK * int64_t(packed_block_bytes(fc2.type));
+    const int64_t Fp = F + kPackRows, group_bytes = fc2.group_bytes();
     auto job = [&](int chunk, int n_chunks, int) {
         int64_t g0, g1;
         split_range(fc2.n_groups, chunk, n_chunks, &g0, &g1);
@@ -571,7 +571,7 @@ void Engine::predictor_select(const Layer &L, const FfnTier &T, int64_t n_tok) {
 
 void Engine::prefetch_predictor(const Layer &L) const {
     const Matrix &fc1 = L.fc1;
-    if (fc1.groups) prefetch_row(fc1.groups, size_t(fc1.n_groups * (fc1.cols / QK)) * packed_block_bytes(fc1.type));
+    if (fc1.groups) prefetch_row(fc1.groups, size_t(fc1.n_groups * fc1.group_bytes()));
     const int64_t loose = fc1.rows - fc1.n_groups * kPackRows;  // rows outside the groups (all of an f16 fc1)
     if (loose > 0) prefetch_row(fc1.row(fc1.n_groups * kPackRows), size_t(loose) * fc1.row_bytes);
     prefetch_row(L.cold.fc2_storage.data(), L.cold.fc2_storage.size());  // transposed tiles or 8-row groups
@@ -787,8 +787,8 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
         const void *up_rows[kDecodeGroupsPerPass * kPackRows];
         float up_a[kDecodeGroupsPerPass * kPackRows], u[kDecodeGroupsPerPass * kPackRows];
         split_range(T.n_groups(), chunk, n_chunks, &g0, &g1);
-        const int64_t gate_group = E / QK * int64_t(packed_block_bytes(T.gate.type));
-        const int64_t up_group = gated ? E / QK * int64_t(packed_block_bytes(T.up.type)) : 0;
+        const int64_t gate_group = T.gate.group_bytes();
+        const int64_t up_group = gated ? T.up.group_bytes() : 0;
         const int64_t per_pass = n_tok == 1 ? kDecodeGroupsPerPass : kGroupsPerPass;
         for (int64_t g = g0; g < g1; g += per_pass) {
             const int ng = int(std::min<int64_t>(per_pass, g1 - g));

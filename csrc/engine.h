@@ -71,8 +71,9 @@ private:
     // Refuses (PI_ERR_MEMORY) before allocating when the buffers the hyperparameters imply exceed RAM.
     void check_working_memory(int64_t threads) const;
     void forward(const int32_t *tokens, int64_t n_tok, float *logits, int64_t ld_logits, bool all_logits);
-    void attention(int64_t il, int64_t n_tok);
-    void ffn(int64_t il, int64_t n_tok);
+    // cold_mode: choose_cold_mode's verdict for the layer (attention fetches a predictor it will need)
+    void attention(int64_t il, int64_t n_tok, TierMode cold_mode);
+    void ffn(int64_t il, int64_t n_tok, TierMode cold_mode);
     TierMode choose_cold_mode(int64_t il, int64_t n_tok) const;
     void ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n_tok, float *y, LayerStats &st,
                   bool is_cold);

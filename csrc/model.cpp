@@ -22,7 +22,7 @@ std::string blk(int64_t i, const char *suffix) { return "blk." + std::to_string(
 // last group have scale 0, so their dots are 0.
 void group_rows(const FfnTier &t, const Matrix &m, std::vector<uint8_t> &out) {
     const std::vector<uint8_t> zeros(m.row_bytes, 0);
-    const int64_t group_bytes = m.cols / QK * int64_t(packed_block_bytes(m.type));
+    const int64_t group_bytes = m.group_bytes();
     out.resize(size_t(t.n_groups() * group_bytes));
     for (int64_t g = 0; g < t.n_groups(); ++g) {
         const void *rows[kPackRows];
@@ -68,9 +68,8 @@ void Model::group_tier(int64_t il, bool hot, bool with_up) {
 }
 
 void Model::pack(Matrix &m) {
-    const size_t block_bytes = packed_block_bytes(m.type);
-    if (block_bytes == 0 || m.rows < kPackRows || m.cols > kGemv8MaxCols || !m.data) return;
-    const int64_t n_groups = m.rows / kPackRows, group_bytes = m.cols / QK * int64_t(block_bytes);
+    if (m.group_bytes() == 0 || m.rows < kPackRows || m.cols > kGemv8MaxCols || !m.data) return;
+    const int64_t n_groups = m.rows / kPackRows, group_bytes = m.group_bytes();
     std::vector<uint8_t> &buf = packed_.emplace_back(size_t(n_groups * group_bytes));
     for (int64_t g = 0; g < n_groups; ++g) {
         const void *rows[kPackRows];

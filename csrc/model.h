@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "gguf.h"
+#include "packed.h"
 #include "types.h"
 
 namespace pi {
@@ -33,6 +34,8 @@ struct Matrix {
     int64_t n_groups = 0;
     const uint8_t *row(int64_t r) const { return data + size_t(r) * row_bytes; }
     size_t bytes() const { return size_t(rows) * row_bytes; }
+    // bytes of one 8-row group of these rows in the packed layout (0 for a type that does not pack)
+    int64_t group_bytes() const { return cols / QK * int64_t(packed_block_bytes(type)); }
     // rows [r0, r0 + n) as a matrix of their own (the parts of a fused tensor)
     Matrix rows_view(int64_t r0, int64_t n) const {
         Matrix m = *this;

@@ -171,10 +171,8 @@ def plan(adapter: arch.Arch, weights, predictors: Predictors | None, outtype: st
         for i, rank in enumerate(predictors.ranks):
             path = predictors.files[i] if predictors.files else None
             padded = stored_rank(rank, outtype, dims.n_embd, dims.n_ff)
-            for key, shape in (("fc1.weight", (padded, dims.n_embd)), ("fc2.weight", (dims.n_ff, padded))):
-                name = f"blk.{i}.{key}"
-                qtype = tensor_type(shape, FC1_OUTTYPE.get(outtype, outtype) if key == "fc1.weight" else outtype)
-                planned.append(PlannedTensor(name, shape, qtype,
+            for key, shape, qtype in predictor_tensors(padded, outtype, dims.n_embd, dims.n_ff):
+                planned.append(PlannedTensor(f"blk.{i}.{key}", shape, qtype,
                                              lambda p=path, k=key, r=padded: _load_predictor(p, k, r), str(path)))
     return planned
 
@@ -186,6 +184,13 @@ def plan(adapter: arch.Arch, weights, predictors: Predictors | None, outtype: st
 FC1_OUTTYPE = {"q4_0": "q8_0"}
 
 
+def predictor_tensors(rank: int, outtype: str, n_embd: int, n_ff: int) -> list[tuple[str, tuple[int, int], object]]:
+    """fc1 and fc2 of a rank-`rank` predictor in an `outtype` file: key, shape, type."""
+    fc1, fc2 = (rank, n_embd), (n_ff, rank)
+    return [("fc1.weight", fc1, tensor_type(fc1, FC1_OUTTYPE.get(outtype, outtype))),
+            ("fc2.weight", fc2, tensor_type(fc2, outtype))]
+
+
 def stored_rank(rank: int, outtype: str, n_embd: int, n_ff: int) -> int:
     """The rank a predictor is written at: in a quantized file, padded to whole 32-value blocks (zero rows
     of fc1, zero columns of fc2: a hidden unit that is always 0, so the logits do not change) where the
@@ -194,16 +199,15 @@ def stored_rank(rank: int, outtype: str, n_embd: int, n_ff: int) -> int:
     stays at most n_ff (the engine's bound)."""
     import gguf
 
-    qtype = _qtype(outtype)
-    block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-    if block == 1 or rank % block == 0:
-        return rank
+    block = gguf.GGML_QUANT_SIZES[_qtype(outtype)][0]
     padded = -(-rank // block) * block
-    fc1_block, fc1_block_bytes = gguf.GGML_QUANT_SIZES[_qtype(FC1_OUTTYPE.get(outtype, outtype))]
-    fc1_per_rank = n_embd // fc1_block * fc1_block_bytes if n_embd % fc1_block == 0 else 2 * n_embd
-    as_is = rank * (fc1_per_rank + 2 * n_ff)
-    padded_bytes = padded * (fc1_per_rank + n_ff // block * block_bytes)
-    return padded if padded <= n_ff and padded_bytes < as_is else rank
+    if padded == rank or padded > n_ff:
+        return rank
+
+    def nbytes(r: int) -> int:
+        return sum(encoded_nbytes(shape, qtype) for _, shape, qtype in predictor_tensors(r, outtype, n_embd, n_ff))
+
+    return padded if nbytes(padded) < nbytes(rank) else rank
 
 
 def _load_predictor(path: Path, key: str, rank: int) -> np.ndarray:

@@ -176,11 +176,12 @@ def predictor_note(model: ConfigModel, reports: list[SizeReport]) -> str:
     cap = predictor_rank_cap(model.adapter)
     why = "train-predictor's cap: 10% of the FFN parameters" if rank == cap else "--predictor-rank"
     d = model.adapter.dims()
-    padded = {r.outtype: stored_rank(rank, r.outtype, d.n_embd, d.n_ff) for r in reports}
-    padded = {t: r for t, r in padded.items() if r != rank}
-    stored = "".join(f"; stored at rank {r} in {'/'.join(t for t in padded if padded[t] == r)} (whole 32-value "
-                     "blocks)" for r in sorted(set(padded.values())))
-    return f"rank {rank} in every layer ({why}){stored}"
+    stored: dict[int, list[str]] = {}
+    for r in reports:
+        stored.setdefault(stored_rank(rank, r.outtype, d.n_embd, d.n_ff), []).append(r.outtype)
+    stored.pop(rank, None)
+    padding = "".join(f"; stored at rank {s} in {'/'.join(types)} (whole 32-value blocks)" for s, types in stored.items())
+    return f"rank {rank} in every layer ({why}){padding}"
 
 
 @dataclass

@@ -139,6 +139,8 @@ Engine::Engine(const std::string &path, const pi_options &opts)
     op_hid_ = {hid_.data(), R, q_hid_.data(), false};
 
     pool_ = std::make_unique<ThreadPool>(threads);
+    listed_.assign(size_t(pool_->size() * ThreadPool::kMaxChunksPerThread), 0);
+    used_.assign(size_t(pool_->size() * ThreadPool::kMaxChunksPerThread), 0);
     scores_.assign(size_t(threads * kAttnTile * n_ctx_), 0.0f);
     panel_w_.assign(size_t(threads * kPanelRows * E), 0.0f);
     panel_h_.assign(size_t(threads * kPanelTokens * kPanelRows), 0.0f);
@@ -519,15 +521,50 @@ void Engine::ffn(int64_t il, int64_t n_tok, TierMode cold_mode) {
     }
 }
 
-void Engine::predictor_select(const Layer &L, const FfnTier &T, int64_t n_tok) {
-    const int64_t F = hp_.n_ff, R = L.fc1.rows, n = T.size();
-    // hidden = relu(fc1 x); neuron j selected when fc2_j . hidden > threshold
+Operand Engine::predictor_hidden(const Layer &L, int64_t n_tok) {
+    const int64_t R = L.fc1.rows;
     matmul(L.fc1, op_x_, n_tok, hid_.data(), R);
     for (int64_t i = 0; i < n_tok * R; ++i) hid_[size_t(i)] = std::max(hid_[size_t(i)], 0.0f);
     Operand hid = op_hid_;
     hid.n = R;
     hid.q_ready = false;
     prepare(hid, n_tok, L.fc2.type);
+    return hid;
+}
+
+int64_t Engine::predictor_score_groups(const Layer &L, const FfnTier &T, const Operand &hid, int64_t n_tok, int64_t g0,
+                                       int64_t g1) {
+    const int64_t F = hp_.n_ff, Fp = F + kPackRows, R = L.fc1.rows;
+    const Matrix &fc2 = T.fc2;
+    const int64_t r0 = g0 * kPackRows, r1 = std::min(T.size(), g1 * kPackRows);
+    if (r0 >= r1) return 0;
+    ks_->for_type(fc2.type).gemm8(int(R), int(g1 - g0), fc2.groups + g0 * fc2.group_bytes(), int(n_tok),
+                                  hid.at(0, fc2.type), hid.stride(fc2.type), g_.data() + r0, Fp);
+    int64_t selected = 0;
+    for (int64_t t = 0; t < n_tok; ++t)
+        for (int64_t r = r0; r < r1; ++r) {
+            const bool on = g_[size_t(t * Fp + r)] > L.pred_threshold;
+            mask_[size_t(t * F + r)] = on;
+            selected += on;
+        }
+    return selected;
+}
+
+int64_t Engine::list_used_rows(const FfnTier &T, const int32_t *list, int64_t count, int64_t at) {
+    int64_t used = 0;
+    for (int64_t i = 0; i < count; ++i) {  // without branches
+        const int64_t r = list[i];
+        down_rows_[size_t(at + used)] = T.row(T.down_t, r);
+        down_coef_[size_t(at + used)] = h_[size_t(r)];
+        used += mask_[size_t(r)] == 2;
+    }
+    return used;
+}
+
+void Engine::predictor_select(const Layer &L, const FfnTier &T, int64_t n_tok) {
+    const int64_t F = hp_.n_ff, R = L.fc1.rows, n = T.size();
+    // hidden = relu(fc1 x); neuron j selected when fc2_j . hidden > threshold
+    const Operand hid = predictor_hidden(L, n_tok);
     const Matrix &fc2 = T.fc2;
     const TypeKernels &k = ks_->for_type(fc2.type);
     const float thr = L.pred_threshold;
@@ -553,16 +590,10 @@ void Engine::predictor_select(const Layer &L, const FfnTier &T, int64_t n_tok) {
         return;
     }
     // quantized: the tier's rows in 8-row groups, every token's logits by gemm8 (integer dots)
-    const int64_t Fp = F + kPackRows, group_bytes = fc2.group_bytes();
     auto job = [&](int chunk, int n_chunks, int) {
         int64_t g0, g1;
         split_range(fc2.n_groups, chunk, n_chunks, &g0, &g1);
-        if (g0 == g1) return;
-        const int64_t r0 = g0 * kPackRows, r1 = std::min(n, g1 * kPackRows);
-        k.gemm8(int(R), int(g1 - g0), fc2.groups + g0 * group_bytes, int(n_tok), hid.at(0, fc2.type),
-                hid.stride(fc2.type), g_.data() + r0, Fp);
-        for (int64_t t = 0; t < n_tok; ++t)
-            for (int64_t r = r0; r < r1; ++r) mask_[size_t(t * F + r)] = g_[size_t(t * Fp + r)] > thr;
+        predictor_score_groups(L, T, hid, n_tok, g0, g1);
     };
     // few multiply-adds per byte, and the bytes come from DRAM each step: counted as float rows are, so
     // that both threads take groups (one thread alone waited on memory: 136 against 107 us per token)
@@ -622,8 +653,17 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
     const float thr = L.act_threshold;
     auto t0 = Clock::now();
 
+    // A decode step of a quantized predictor without the recall check scores the predictor's groups, lists the
+    // selected neurons and computes their gates and ups in one pool job: each thread takes a range of groups and
+    // computes the neurons it selected, so no listing on one thread and no wait in between (a sparse step's
+    // fixed per-layer costs, docs/perf-notes.md §27).
+    const bool fused = is_cold && mode == TierMode::Predictor && n_tok == 1 && !T.fc2_transposed && !recall_check_;
+    Operand hid;
+
     // Stage A: which neurons each token computes (mask_ 1 = compute the gate).
-    if (mode == TierMode::Predictor) {
+    if (fused) {
+        hid = predictor_hidden(L, n_tok);
+    } else if (mode == TierMode::Predictor) {
         predictor_select(L, T, n_tok);
         if (recall_check_) true_mask(L, T, n_tok, truth_.data());
     } else if (mode == TierMode::Oracle) {
@@ -633,7 +673,7 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
         for (int64_t t = 0; t < n_tok; ++t) std::fill(mask_.begin() + t * F, mask_.begin() + t * F + n, 1);
     }
     if (is_cold) {
-        if (mode == TierMode::Predictor || mode == TierMode::Oracle) {
+        if ((mode == TierMode::Predictor && !fused) || mode == TierMode::Oracle) {
             int64_t selected = 0, tp = 0, pos = 0;  // integer counts: a double sum is a latency chain
             const bool have_truth = mode == TierMode::Oracle || recall_check_;
             for (int64_t t = 0; t < n_tok; ++t) {
@@ -657,7 +697,9 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
 
     // Stage B/C: gate (and up) for the selected rows; mask_ becomes 2 where up/down are used.
     int64_t n_listed = 0;
-    if (mode == TierMode::Predictor || mode == TierMode::Oracle) {
+    if (fused) {
+        // listed by the job below
+    } else if (mode == TierMode::Predictor || mode == TierMode::Oracle) {
         for (int64_t r = 0; r < n; ++r) {  // listed without branches (whether a row is selected is a coin flip)
             uint8_t any = 0;
             for (int64_t t = 0; t < n_tok; ++t) any |= mask_[size_t(t * F + r)];
@@ -720,21 +762,20 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
     // Rows read by index (predictor mode, or a tier without 8-row groups), in passes of kGatherRows selected
     // rows (they stay in cache across a batch's tokens). Per token, the pass's rows its mask selects go
     // through dot_rows for their gates, then the ones whose rule needs the up projection for their ups.
-    auto gate_up_gathered = [&](int chunk, int n_chunks, int) {
-        int64_t i0, i1, active = 0, computed = 0;
-        split_range(n_rows_, chunk, n_chunks, &i0, &i1);
+    auto gather_rows = [&](const int32_t *list, int64_t count) {
+        int64_t active = 0, computed = 0;
         const void *gate_rows[kDecodeGatherRows], *up_rows[kDecodeGatherRows];
         int64_t gate_slot[kDecodeGatherRows], up_slot[kDecodeGatherRows];
         float g[kDecodeGatherRows], u[kDecodeGatherRows], up_a[kDecodeGatherRows];
         bool up_first[kDecodeGatherRows];
         const int64_t per_pass = n_tok == 1 ? kDecodeGatherRows : kGatherRows;
-        for (int64_t p0 = i0; p0 < i1; p0 += per_pass) {
-            const int64_t p1 = std::min(i1, p0 + per_pass);
+        for (int64_t p0 = 0; p0 < count; p0 += per_pass) {
+            const int64_t p1 = std::min(count, p0 + per_pass);
             for (int64_t t = 0; t < n_tok; ++t) {
                 const uint8_t *mt = mask_.data() + t * F;
                 int n_gate = 0, n_up = 0;
                 for (int64_t i = p0; i < p1; ++i) {  // listed without branches
-                    const int64_t r = rows_[size_t(i)];
+                    const int64_t r = list[i];
                     gate_slot[n_gate] = r;
                     gate_rows[n_gate] = T.row(T.gate, r);
                     n_gate += mt[r] != 0;
@@ -758,8 +799,8 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
                     if (!all_up) settle(t, r, false, 0.0f, active, computed);  // for now: h is 0 unless listed
                 }
                 if (t + 1 == n_tok)  // the next pass's first gate rows arrive while this pass's ups are computed
-                    for (int64_t i = p1; i < std::min(i1, p1 + kListAhead); ++i)
-                        prefetch_row(T.row(T.gate, rows_[size_t(i)]), T.gate.row_bytes);
+                    for (int64_t i = p1; i < std::min(count, p1 + kListAhead); ++i)
+                        prefetch_row(T.row(T.gate, list[i]), T.gate.row_bytes);
                 if (!gated) continue;
                 ku.dot_rows(int(E), n_up, up_rows, op_xn_.at(t, L.up.type), u);
                 for (int j = 0; j < n_up; ++j) {
@@ -772,6 +813,33 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
         }
         n_active += active;
         n_computed += computed;
+    };
+    auto gate_up_gathered = [&](int chunk, int n_chunks, int) {
+        int64_t i0, i1;
+        split_range(n_rows_, chunk, n_chunks, &i0, &i1);
+        gather_rows(rows_.data() + i0, i1 - i0);
+    };
+    // The fused decode step: chunk c scores the predictor's groups of range c, lists the neurons selected there
+    // at the start of the same range of rows_ (so chunks never overlap) and computes them.
+    std::atomic<int64_t> n_selected{0};
+    double score_seconds = 0;  // the main thread's share of the scoring, reported as the predictor's time
+    auto fused_select_gather = [&](int chunk, int n_chunks, int thread) {
+        const auto ts = Clock::now();
+        int64_t g0, g1;
+        split_range(T.n_groups(), chunk, n_chunks, &g0, &g1);
+        const int64_t r0 = g0 * kPackRows, r1 = std::min(n, g1 * kPackRows);
+        const int64_t selected = predictor_score_groups(L, T, hid, 1, g0, g1);
+        int32_t *list = rows_.data() + r0;
+        int64_t listed = 0;
+        for (int64_t r = r0; r < r1; ++r) {  // listed without branches
+            list[listed] = int32_t(r);
+            listed += mask_[size_t(r)];
+        }
+        n_selected += selected;
+        if (thread == 0) score_seconds = seconds_since(ts);
+        gather_rows(list, listed);
+        listed_[size_t(chunk)] = listed;
+        used_[size_t(chunk)] = list_used_rows(T, list, listed, r0);
     };
     // Grouped tiers in the modes that read every gate: the gates (and, when every up is read, the ups) of
     // a few 8-row groups by gemm8 for all tokens, then each neuron's rule; in gate mode the ups of the
@@ -787,6 +855,7 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
         const void *up_rows[kDecodeGroupsPerPass * kPackRows];
         float up_a[kDecodeGroupsPerPass * kPackRows], u[kDecodeGroupsPerPass * kPackRows];
         split_range(T.n_groups(), chunk, n_chunks, &g0, &g1);
+        const int64_t first = g0 * kPackRows, last = std::min(n, g1 * kPackRows);
         const int64_t gate_group = T.gate.group_bytes();
         const int64_t up_group = gated ? T.up.group_bytes() : 0;
         const int64_t per_pass = n_tok == 1 ? kDecodeGroupsPerPass : kGroupsPerPass;
@@ -867,10 +936,42 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
         }
         n_active += active;
         n_computed += computed;
+        if (n_tok == 1 && first < last) {  // every slot of the range is listed (rows_ counts up)
+            listed_[size_t(chunk)] = last - first;
+            used_[size_t(chunk)] = list_used_rows(T, rows_.data() + first, last - first, first);
+        }
     };
-    if (reads_gate_whole(mode) && !T.gate_groups.empty() && (!gated || !all_up || !T.up_groups.empty()))
-        pool_->run(pool_->chunks_for(n * E * n_tok * 2, kGrain), gate_up_grouped);
-    else pool_->run(pool_->chunks_for(n_rows_ * E * n_tok * 2, kGrain), gate_up_gathered);
+    // A decode step's chunks each list the rows they computed and the down_t rows they used, from the start of
+    // their own range of slots (so chunks never overlap); the lists are moved together here, in chunk order
+    // (slot order, as one pass over rows_ would list them), so that no pass on one thread lists them.
+    bool down_listed = false;
+    auto join_chunk_lists = [&](int n_chunks) {
+        n_rows_ = n_used_ = 0;
+        for (int c = 0; c < n_chunks; ++c) {
+            int64_t g0, g1;
+            split_range(T.n_groups(), c, n_chunks, &g0, &g1);
+            if (g0 >= g1) continue;
+            const size_t at = size_t(g0 * kPackRows), listed = size_t(listed_[size_t(c)]), used = size_t(used_[size_t(c)]);
+            std::memmove(rows_.data() + n_rows_, rows_.data() + at, listed * sizeof(int32_t));
+            std::memmove(down_rows_.data() + n_used_, down_rows_.data() + at, used * sizeof(const void *));
+            std::memmove(down_coef_.data() + n_used_, down_coef_.data() + at, used * sizeof(float));
+            n_rows_ += int64_t(listed);
+            n_used_ += int64_t(used);
+        }
+        down_listed = true;
+    };
+    if (reads_gate_whole(mode) && !T.gate_groups.empty() && (!gated || !all_up || !T.up_groups.empty())) {
+        const int n_chunks = pool_->chunks_for(n * E * n_tok * 2, kGrain);
+        pool_->run(n_chunks, gate_up_grouped);
+        if (n_tok == 1) join_chunk_lists(n_chunks);
+    } else if (fused) {
+        pool_->run(pool_->size(), fused_select_gather);
+        join_chunk_lists(pool_->size());
+        st.predicted += double(n_selected.load());
+        st.cold_tokens += 1.0;
+        times_.predictor += score_seconds;
+        t0 += std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(score_seconds));
+    } else pool_->run(pool_->chunks_for(n_rows_ * E * n_tok * 2, kGrain), gate_up_gathered);
     st.active += double(n_active.load());
     st.computed += double(n_computed.load());
     if (!is_cold) st.hot_active += double(n_active.load());
@@ -885,13 +986,7 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
         // One token: the used rows (listed in one pass, without branches) in fixed runs of kDownRows, each run
         // added whole (rows stream in order, y's blocks held in registers) into its own partial y, then the
         // partials summed in run order: the same sums whatever the thread count or which thread ran which run.
-        int64_t n_used = 0;
-        for (int64_t i = 0; i < n_rows_; ++i) {
-            const int64_t r = rows_[size_t(i)];
-            down_rows_[size_t(n_used)] = T.row(T.down_t, r);
-            down_coef_[size_t(n_used)] = h_[size_t(r)];
-            n_used += mask_[size_t(r)] == 2;
-        }
+        const int64_t n_used = down_listed ? n_used_ : list_used_rows(T, rows_.data(), n_rows_, 0);
         const int64_t n_runs = (n_used + kDownRows - 1) / kDownRows;
         auto run_rows = [&](int chunk, int, int) {
             const int64_t i0 = chunk * kDownRows, i1 = std::min(n_used, i0 + kDownRows);

@@ -78,9 +78,17 @@ private:
     void ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n_tok, float *y, LayerStats &st,
                   bool is_cold);
     void predictor_select(const Layer &L, const FfnTier &T, int64_t n_tok);
+    // The predictor's hidden layer relu(fc1 x), prepared as fc2's operand.
+    Operand predictor_hidden(const Layer &L, int64_t n_tok);
+    // mask_ of the tier's slots in fc2's 8-row groups [g0, g1) from a quantized fc2; returns how many it selected.
+    int64_t predictor_score_groups(const Layer &L, const FfnTier &T, const Operand &hid, int64_t n_tok, int64_t g0,
+                                   int64_t g1);
     // Asks for the layer's predictor weights (fc1, the cold tier's fc2) ahead of predictor_select.
     void prefetch_predictor(const Layer &L) const;
     void true_mask(const Layer &L, const FfnTier &T, int64_t n_tok, uint8_t *out);
+    // The one token's used down_t rows (mask_ 2) among list[0, count), with their coefficients h, written to
+    // down_rows_ / down_coef_ from index `at`, in list order; returns how many.
+    int64_t list_used_rows(const FfnTier &T, const int32_t *list, int64_t count, int64_t at);
     struct MatmulTarget {
         const Matrix *W;
         float *out;
@@ -120,6 +128,8 @@ private:
     Operand op_x_, op_xn_, op_att_, op_hid_;
     std::vector<uint8_t> mask_, truth_;  // [batch][n_ff]
     std::vector<int32_t> rows_;  // [n_ff]
+    std::vector<int64_t> listed_, used_;  // [chunks] rows each chunk of a decode step listed, and down_t rows it used
+    int64_t n_used_ = 0;                  // down_t rows the chunks listed, moved together (down_rows_, down_coef_)
     std::vector<const void *> down_rows_;    // [n_ff] down_t rows used by the one token of a decode step
     std::vector<float> down_coef_;           // [n_ff] their coefficients h
     std::vector<float> down_partial_;        // [n_ff / 256 runs][n_embd] partial sums of those rows

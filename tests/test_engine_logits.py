@@ -155,6 +155,29 @@ def test_quantized_predictors_follow_their_rule(pred_type, tmp_path, tiny_model_
         assert all(0.2 < l["predicted_density"] < 0.8 for l in stats["layers"])
 
 
+@pytest.mark.parametrize("hot_share", [0.0, 0.3])
+def test_decode_steps_do_not_depend_on_threads_or_staging(hot_share, tmp_path, converted):
+    """A decode step's chunks list their own rows (the fused predictor job scores, lists and computes the
+    neurons of its range in one job; every grouped job lists the down_t rows it used) and the lists are
+    joined in slot order: logits and statistics are the same bits for any thread count, and the fused
+    predictor step equals the staged one (the recall check takes the staged path)."""
+    path = converted("llama-relu", "q8_0", predictors=True)  # quantized fc2: the fused path
+    rng = np.random.default_rng(11)
+    gpuidx = write_gpuidx(tmp_path / "m.gpuidx", [rng.random(N_FF) < hot_share for _ in range(N_LAYER)]) if hot_share else None
+    for mode in ("dense", "gate", "predictor", "auto"):
+        runs = [dict(threads=t) for t in (1, 2, 3)] + ([dict(threads=2, recall_check=True)] if mode == "predictor" else [])
+        results = []
+        for kw in runs:
+            with engine.Model(path, sparse_mode=mode, gpuidx=gpuidx, **kw) as m:
+                logits = engine_prompt_then_decode(m, TOKENS, N_PROMPT)
+                layers = m.stats()["layers"]
+            results.append((logits, np.array([[l[k] for k in ("density", "computed_density", "predicted_density")]
+                                              for l in layers], dtype=float)))
+        for kw, (logits, densities) in zip(runs[1:], results[1:]):
+            np.testing.assert_array_equal(logits, results[0][0], err_msg=f"{mode} {kw}")
+            np.testing.assert_array_equal(densities, results[0][1], err_msg=f"{mode} {kw}")  # NaN where none
+
+
 def test_predictor_recall_equals_independent_count(tiny_model_dir, converted):
     path = converted("llama-relu", predictors=True)
     tensors = read_tensors(path)

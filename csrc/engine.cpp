@@ -532,14 +532,28 @@ Operand Engine::predictor_hidden(const Layer &L, int64_t n_tok) {
     return hid;
 }
 
-int64_t Engine::predictor_score_groups(const Layer &L, const FfnTier &T, const Operand &hid, int64_t n_tok, int64_t g0,
-                                       int64_t g1) {
-    const int64_t F = hp_.n_ff, Fp = F + kPackRows, R = L.fc1.rows;
+int64_t Engine::predictor_score(const Layer &L, const FfnTier &T, const Operand &hid, int64_t n_tok, int64_t u0,
+                                int64_t u1) {
+    const int64_t F = hp_.n_ff, Fp = F + kPackRows, R = L.fc1.rows, unit = T.fc2_unit_rows();
     const Matrix &fc2 = T.fc2;
-    const int64_t r0 = g0 * kPackRows, r1 = std::min(T.size(), g1 * kPackRows);
+    const TypeKernels &k = ks_->for_type(fc2.type);
+    const int64_t r0 = u0 * unit, r1 = std::min(T.size(), u1 * unit);
     if (r0 >= r1) return 0;
-    ks_->for_type(fc2.type).gemm8(int(R), int(g1 - g0), fc2.groups + g0 * fc2.group_bytes(), int(n_tok),
-                                  hid.at(0, fc2.type), hid.stride(fc2.type), g_.data() + r0, Fp);
+    if (T.fc2_transposed) {
+        // logits of token t = sum over k of hidden[t][k] * weight k of the tile's neurons, tile by tile, row by
+        // row (each streams in order; axpy_rows would interleave R streams at once)
+        for (int64_t b = u0; b < u1; ++b) {
+            const int64_t c0 = b * FfnTier::kFc2Tile, c1 = std::min(T.size(), c0 + FfnTier::kFc2Tile);
+            for (int64_t t = 0; t < n_tok; ++t) {
+                float *logit = g_.data() + t * Fp;
+                std::fill(logit + c0, logit + c1, 0.0f);
+                for (int64_t j = 0; j < R; ++j) k.axpy(int(c1 - c0), hid_[size_t(t * R + j)], T.fc2_tile_row(b, j), logit + c0);
+            }
+        }
+    } else {  // quantized: 8-row groups, every token's logits by gemm8 (integer dots)
+        k.gemm8(int(R), int(u1 - u0), fc2.groups + u0 * fc2.group_bytes(), int(n_tok), hid.at(0, fc2.type),
+                hid.stride(fc2.type), g_.data() + r0, Fp);
+    }
     int64_t selected = 0;
     for (int64_t t = 0; t < n_tok; ++t)
         for (int64_t r = r0; r < r1; ++r) {
@@ -562,42 +576,17 @@ int64_t Engine::list_used_rows(const FfnTier &T, const int32_t *list, int64_t co
 }
 
 void Engine::predictor_select(const Layer &L, const FfnTier &T, int64_t n_tok) {
-    const int64_t F = hp_.n_ff, R = L.fc1.rows, n = T.size();
     // hidden = relu(fc1 x); neuron j selected when fc2_j . hidden > threshold
     const Operand hid = predictor_hidden(L, n_tok);
-    const Matrix &fc2 = T.fc2;
-    const TypeKernels &k = ks_->for_type(fc2.type);
-    const float thr = L.pred_threshold;
-    if (T.fc2_transposed) {
-        // logits of token t = sum over k of hidden[t][k] * weight k of the tile's neurons, tile by tile
-        const int64_t Fp = F + kPackRows, n_tiles = T.fc2_tiles();
-        auto job = [&](int chunk, int n_chunks, int) {
-            int64_t b0, b1;
-            split_range(n_tiles, chunk, n_chunks, &b0, &b1);
-            for (int64_t b = b0; b < b1; ++b) {
-                const int64_t c0 = b * FfnTier::kFc2Tile, c1 = std::min(n, c0 + FfnTier::kFc2Tile);
-                for (int64_t t = 0; t < n_tok; ++t) {
-                    float *logit = g_.data() + t * Fp;
-                    std::fill(logit + c0, logit + c1, 0.0f);
-                    // row by row (each streams in order; axpy_rows would interleave R streams at once)
-                    for (int64_t j = 0; j < R; ++j) k.axpy(int(c1 - c0), hid_[size_t(t * R + j)], T.fc2_tile_row(b, j), logit + c0);
-                    for (int64_t r = c0; r < c1; ++r) mask_[size_t(t * F + r)] = logit[r] > thr;
-                }
-            }
-        };
-        // float rows, memory-bound: counted as matmul counts them, so every thread takes a share of the tiles
-        pool_->run(int(std::min<int64_t>(n_tiles, pool_->chunks_for(n * R * n_tok * kRowDotCost, kGrain))), job);
-        return;
-    }
-    // quantized: the tier's rows in 8-row groups, every token's logits by gemm8 (integer dots)
+    const int64_t units = T.fc2_units();
     auto job = [&](int chunk, int n_chunks, int) {
-        int64_t g0, g1;
-        split_range(fc2.n_groups, chunk, n_chunks, &g0, &g1);
-        predictor_score_groups(L, T, hid, n_tok, g0, g1);
+        int64_t u0, u1;
+        split_range(units, chunk, n_chunks, &u0, &u1);
+        predictor_score(L, T, hid, n_tok, u0, u1);
     };
     // few multiply-adds per byte, and the bytes come from DRAM each step: counted as float rows are, so
-    // that both threads take groups (one thread alone waited on memory: 136 against 107 us per token)
-    pool_->run(pool_->chunks_for(n * R * n_tok * kRowDotCost, kGrain), job);
+    // that both threads take a share (one thread alone waited on memory: 136 against 107 us per token)
+    pool_->run(int(std::min<int64_t>(units, pool_->chunks_for(T.size() * L.fc1.rows * n_tok * kRowDotCost, kGrain))), job);
 }
 
 void Engine::prefetch_predictor(const Layer &L) const {
@@ -653,11 +642,11 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
     const float thr = L.act_threshold;
     auto t0 = Clock::now();
 
-    // A decode step of a quantized predictor without the recall check scores the predictor's groups, lists the
-    // selected neurons and computes their gates and ups in one pool job: each thread takes a range of groups and
+    // A decode step in predictor mode without the recall check scores the predictor, lists the selected neurons
+    // and computes their gates and ups in one pool job: each thread takes a range of the predictor's units and
     // computes the neurons it selected, so no listing on one thread and no wait in between (a sparse step's
     // fixed per-layer costs, docs/perf-notes.md §27).
-    const bool fused = is_cold && mode == TierMode::Predictor && n_tok == 1 && !T.fc2_transposed && !recall_check_;
+    const bool fused = is_cold && mode == TierMode::Predictor && n_tok == 1 && !recall_check_;
     Operand hid;
 
     // Stage A: which neurons each token computes (mask_ 1 = compute the gate).
@@ -825,10 +814,10 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
     double score_seconds = 0;  // the main thread's share of the scoring, reported as the predictor's time
     auto fused_select_gather = [&](int chunk, int n_chunks, int thread) {
         const auto ts = Clock::now();
-        int64_t g0, g1;
-        split_range(T.n_groups(), chunk, n_chunks, &g0, &g1);
-        const int64_t r0 = g0 * kPackRows, r1 = std::min(n, g1 * kPackRows);
-        const int64_t selected = predictor_score_groups(L, T, hid, 1, g0, g1);
+        int64_t u0, u1;
+        split_range(T.fc2_units(), chunk, n_chunks, &u0, &u1);
+        const int64_t r0 = u0 * T.fc2_unit_rows(), r1 = std::min(n, u1 * T.fc2_unit_rows());
+        const int64_t selected = predictor_score(L, T, hid, 1, u0, u1);
         int32_t *list = rows_.data() + r0;
         int64_t listed = 0;
         for (int64_t r = r0; r < r1; ++r) {  // listed without branches
@@ -945,13 +934,13 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
     // their own range of slots (so chunks never overlap); the lists are moved together here, in chunk order
     // (slot order, as one pass over rows_ would list them), so that no pass on one thread lists them.
     bool down_listed = false;
-    auto join_chunk_lists = [&](int n_chunks) {
+    auto join_chunk_lists = [&](int n_chunks, int64_t units, int64_t unit_rows) {
         n_rows_ = n_used_ = 0;
         for (int c = 0; c < n_chunks; ++c) {
-            int64_t g0, g1;
-            split_range(T.n_groups(), c, n_chunks, &g0, &g1);
-            if (g0 >= g1) continue;
-            const size_t at = size_t(g0 * kPackRows), listed = size_t(listed_[size_t(c)]), used = size_t(used_[size_t(c)]);
+            int64_t u0, u1;
+            split_range(units, c, n_chunks, &u0, &u1);
+            if (u0 >= u1) continue;
+            const size_t at = size_t(u0 * unit_rows), listed = size_t(listed_[size_t(c)]), used = size_t(used_[size_t(c)]);
             std::memmove(rows_.data() + n_rows_, rows_.data() + at, listed * sizeof(int32_t));
             std::memmove(down_rows_.data() + n_used_, down_rows_.data() + at, used * sizeof(const void *));
             std::memmove(down_coef_.data() + n_used_, down_coef_.data() + at, used * sizeof(float));
@@ -963,10 +952,11 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
     if (reads_gate_whole(mode) && !T.gate_groups.empty() && (!gated || !all_up || !T.up_groups.empty())) {
         const int n_chunks = pool_->chunks_for(n * E * n_tok * 2, kGrain);
         pool_->run(n_chunks, gate_up_grouped);
-        if (n_tok == 1) join_chunk_lists(n_chunks);
+        if (n_tok == 1) join_chunk_lists(n_chunks, T.n_groups(), kPackRows);
     } else if (fused) {
-        pool_->run(pool_->size(), fused_select_gather);
-        join_chunk_lists(pool_->size());
+        const int n_chunks = int(std::min<int64_t>(pool_->size(), T.fc2_units()));
+        pool_->run(n_chunks, fused_select_gather);
+        join_chunk_lists(n_chunks, T.fc2_units(), T.fc2_unit_rows());
         st.predicted += double(n_selected.load());
         st.cold_tokens += 1.0;
         times_.predictor += score_seconds;

@@ -80,9 +80,8 @@ private:
     void predictor_select(const Layer &L, const FfnTier &T, int64_t n_tok);
     // The predictor's hidden layer relu(fc1 x), prepared as fc2's operand.
     Operand predictor_hidden(const Layer &L, int64_t n_tok);
-    // mask_ of the tier's slots in fc2's 8-row groups [g0, g1) from a quantized fc2; returns how many it selected.
-    int64_t predictor_score_groups(const Layer &L, const FfnTier &T, const Operand &hid, int64_t n_tok, int64_t g0,
-                                   int64_t g1);
+    // mask_ of the tier's slots in fc2's units [u0, u1) (FfnTier::fc2_units); returns how many it selected.
+    int64_t predictor_score(const Layer &L, const FfnTier &T, const Operand &hid, int64_t n_tok, int64_t u0, int64_t u1);
     // Asks for the layer's predictor weights (fc1, the cold tier's fc2) ahead of predictor_select.
     void prefetch_predictor(const Layer &L) const;
     void true_mask(const Layer &L, const FfnTier &T, int64_t n_tok, uint8_t *out);

@@ -90,6 +90,9 @@ struct FfnTier {
         return (b * kFc2Tile * fc2.rows + k * width) * int64_t(type_size(fc2.type).bytes);
     }
     const uint8_t *fc2_tile_row(int64_t b, int64_t k) const { return fc2.data + fc2_tile_offset(b, k); }
+    // The units fc2 is scored in (tiles or 8-row groups): how many, and the neuron slots each covers.
+    int64_t fc2_units() const { return fc2_transposed ? fc2_tiles() : n_groups(); }
+    int64_t fc2_unit_rows() const { return fc2_transposed ? kFc2Tile : kPackRows; }
     // gate and up rows again in 8-row groups (packed.h, the last group padded with zero rows), made the
     // first time a mode reads them whole (Model::group_tier: gate for dense and gate modes, up for dense
     // modes only); empty before, or for f32/f16 weights. Ungated FFNs have only gate_groups (gate is up).

@@ -155,13 +155,14 @@ def test_quantized_predictors_follow_their_rule(pred_type, tmp_path, tiny_model_
         assert all(0.2 < l["predicted_density"] < 0.8 for l in stats["layers"])
 
 
+@pytest.mark.parametrize("outtype", ["f32", "q8_0"])  # fc2 transposed in tiles / quantized in 8-row groups
 @pytest.mark.parametrize("hot_share", [0.0, 0.3])
-def test_decode_steps_do_not_depend_on_threads_or_staging(hot_share, tmp_path, converted):
+def test_decode_steps_do_not_depend_on_threads_or_staging(hot_share, outtype, tmp_path, converted):
     """A decode step's chunks list their own rows (the fused predictor job scores, lists and computes the
     neurons of its range in one job; every grouped job lists the down_t rows it used) and the lists are
     joined in slot order: logits and statistics are the same bits for any thread count, and the fused
     predictor step equals the staged one (the recall check takes the staged path)."""
-    path = converted("llama-relu", "q8_0", predictors=True)  # quantized fc2: the fused path
+    path = converted("llama-relu", outtype, predictors=True)
     rng = np.random.default_rng(11)
     gpuidx = write_gpuidx(tmp_path / "m.gpuidx", [rng.random(N_FF) < hot_share for _ in range(N_LAYER)]) if hot_share else None
     for mode in ("dense", "gate", "predictor", "auto"):
@@ -247,7 +248,11 @@ def test_predictor_over_several_fc2_tiles(tmp_path):
     assert all(2 * 256 < n_ff - h.sum() < 3 * 256 for h in hot)
     # 640 x 80 decisions per layer: a logit within rounding of the threshold may flip with the summation order
     # (measured: 0.05 relative error); weights read with the wrong tile width give 0.8
-    check_predictor_with_hot_tier(path, src, hot, write_gpuidx(tmp_path / "m.gpuidx", hot), tol=0.2)
+    gpuidx = write_gpuidx(tmp_path / "m.gpuidx", hot)
+    check_predictor_with_hot_tier(path, src, hot, gpuidx, tol=0.2)
+    # a decode step scores, lists and computes each thread's tiles in one job: the same bits as the staged path
+    fused, staged = (run(path, "predictor", gpuidx=gpuidx, recall_check=check)[0] for check in (False, True))
+    np.testing.assert_array_equal(fused, staged)
 
 
 def test_dense_density_is_the_fraction_of_active_neurons(tiny_model_dir, converted):

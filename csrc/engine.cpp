@@ -139,8 +139,8 @@ Engine::Engine(const std::string &path, const pi_options &opts)
     op_hid_ = {hid_.data(), R, q_hid_.data(), false};
 
     pool_ = std::make_unique<ThreadPool>(threads);
-    listed_.assign(size_t(pool_->size() * ThreadPool::kMaxChunksPerThread), 0);
-    used_.assign(size_t(pool_->size() * ThreadPool::kMaxChunksPerThread), 0);
+    listed_.assign(size_t(pool_->size()), 0);
+    used_.assign(size_t(pool_->size()), 0);
     scores_.assign(size_t(threads * kAttnTile * n_ctx_), 0.0f);
     panel_w_.assign(size_t(threads * kPanelRows * E), 0.0f);
     panel_h_.assign(size_t(threads * kPanelTokens * kPanelRows), 0.0f);
@@ -808,8 +808,9 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
         split_range(n_rows_, chunk, n_chunks, &i0, &i1);
         gather_rows(rows_.data() + i0, i1 - i0);
     };
-    // The fused decode step: chunk c scores the predictor's groups of range c, lists the neurons selected there
-    // at the start of the same range of rows_ (so chunks never overlap) and computes them.
+    // The fused decode step: chunk c scores the predictor's units of range c, lists the neurons selected there
+    // at the start of the same range of rows_ (so chunks never overlap), computes them and lists the down_t
+    // rows they used from the same start in down_rows_ / down_coef_.
     std::atomic<int64_t> n_selected{0};
     double score_seconds = 0;  // the main thread's share of the scoring, reported as the predictor's time
     auto fused_select_gather = [&](int chunk, int n_chunks, int thread) {
@@ -844,7 +845,6 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
         const void *up_rows[kDecodeGroupsPerPass * kPackRows];
         float up_a[kDecodeGroupsPerPass * kPackRows], u[kDecodeGroupsPerPass * kPackRows];
         split_range(T.n_groups(), chunk, n_chunks, &g0, &g1);
-        const int64_t first = g0 * kPackRows, last = std::min(n, g1 * kPackRows);
         const int64_t gate_group = T.gate.group_bytes();
         const int64_t up_group = gated ? T.up.group_bytes() : 0;
         const int64_t per_pass = n_tok == 1 ? kDecodeGroupsPerPass : kGroupsPerPass;
@@ -925,38 +925,25 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
         }
         n_active += active;
         n_computed += computed;
-        if (n_tok == 1 && first < last) {  // every slot of the range is listed (rows_ counts up)
-            listed_[size_t(chunk)] = last - first;
-            used_[size_t(chunk)] = list_used_rows(T, rows_.data() + first, last - first, first);
-        }
     };
-    // A decode step's chunks each list the rows they computed and the down_t rows they used, from the start of
-    // their own range of slots (so chunks never overlap); the lists are moved together here, in chunk order
-    // (slot order, as one pass over rows_ would list them), so that no pass on one thread lists them.
-    bool down_listed = false;
-    auto join_chunk_lists = [&](int n_chunks, int64_t units, int64_t unit_rows) {
+    if (reads_gate_whole(mode) && !T.gate_groups.empty() && (!gated || !all_up || !T.up_groups.empty())) {
+        pool_->run(pool_->chunks_for(n * E * n_tok * 2, kGrain), gate_up_grouped);
+    } else if (fused) {
+        const int n_chunks = int(std::min<int64_t>(pool_->size(), T.fc2_units()));
+        pool_->run(n_chunks, fused_select_gather);
+        // the chunks' lists moved together in chunk order: slot order, as one pass over rows_ would list them
         n_rows_ = n_used_ = 0;
         for (int c = 0; c < n_chunks; ++c) {
             int64_t u0, u1;
-            split_range(units, c, n_chunks, &u0, &u1);
-            if (u0 >= u1) continue;
-            const size_t at = size_t(u0 * unit_rows), listed = size_t(listed_[size_t(c)]), used = size_t(used_[size_t(c)]);
+            split_range(T.fc2_units(), c, n_chunks, &u0, &u1);
+            const size_t at = size_t(u0 * T.fc2_unit_rows()), listed = size_t(listed_[size_t(c)]);
+            const size_t used = size_t(used_[size_t(c)]);
             std::memmove(rows_.data() + n_rows_, rows_.data() + at, listed * sizeof(int32_t));
             std::memmove(down_rows_.data() + n_used_, down_rows_.data() + at, used * sizeof(const void *));
             std::memmove(down_coef_.data() + n_used_, down_coef_.data() + at, used * sizeof(float));
             n_rows_ += int64_t(listed);
             n_used_ += int64_t(used);
         }
-        down_listed = true;
-    };
-    if (reads_gate_whole(mode) && !T.gate_groups.empty() && (!gated || !all_up || !T.up_groups.empty())) {
-        const int n_chunks = pool_->chunks_for(n * E * n_tok * 2, kGrain);
-        pool_->run(n_chunks, gate_up_grouped);
-        if (n_tok == 1) join_chunk_lists(n_chunks, T.n_groups(), kPackRows);
-    } else if (fused) {
-        const int n_chunks = int(std::min<int64_t>(pool_->size(), T.fc2_units()));
-        pool_->run(n_chunks, fused_select_gather);
-        join_chunk_lists(n_chunks, T.fc2_units(), T.fc2_unit_rows());
         st.predicted += double(n_selected.load());
         st.cold_tokens += 1.0;
         times_.predictor += score_seconds;
@@ -973,10 +960,10 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
     const uint32_t dtype = T.down_t.type;
     const TypeKernels &kd = ks_->for_type(dtype);
     if (n_tok == 1) {
-        // One token: the used rows (listed in one pass, without branches) in fixed runs of kDownRows, each run
-        // added whole (rows stream in order, y's blocks held in registers) into its own partial y, then the
+        // One token: the used rows (listed by the chunks above, else in one pass) in fixed runs of kDownRows, each
+        // run added whole (rows stream in order, y's blocks held in registers) into its own partial y, then the
         // partials summed in run order: the same sums whatever the thread count or which thread ran which run.
-        const int64_t n_used = down_listed ? n_used_ : list_used_rows(T, rows_.data(), n_rows_, 0);
+        const int64_t n_used = fused ? n_used_ : list_used_rows(T, rows_.data(), n_rows_, 0);
         const int64_t n_runs = (n_used + kDownRows - 1) / kDownRows;
         auto run_rows = [&](int chunk, int, int) {
             const int64_t i0 = chunk * kDownRows, i1 = std::min(n_used, i0 + kDownRows);

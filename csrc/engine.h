@@ -127,7 +127,7 @@ private:
     Operand op_x_, op_xn_, op_att_, op_hid_;
     std::vector<uint8_t> mask_, truth_;  // [batch][n_ff]
     std::vector<int32_t> rows_;  // [n_ff]
-    std::vector<int64_t> listed_, used_;  // [chunks] rows each chunk of a decode step listed, and down_t rows it used
+    std::vector<int64_t> listed_, used_;  // [threads] rows each chunk of a fused decode step listed, down_t rows it used
     int64_t n_used_ = 0;                  // down_t rows the chunks listed, moved together (down_rows_, down_coef_)
     std::vector<const void *> down_rows_;    // [n_ff] down_t rows used by the one token of a decode step
     std::vector<float> down_coef_;           // [n_ff] their coefficients h

@@ -37,9 +37,8 @@ public:
         const int64_t c = grain > 0 ? work / grain : work;
         if (c < n_) return int(c < 1 ? 1 : c);
         const int64_t per_thread = c / (8 * int64_t(n_));
-        return n_ * int(per_thread < 1 ? 1 : (per_thread > kMaxChunksPerThread ? kMaxChunksPerThread : per_thread));
+        return n_ * int(per_thread < 1 ? 1 : (per_thread > 4 ? 4 : per_thread));
     }
-    static constexpr int kMaxChunksPerThread = 4;  // the most chunks_for gives each thread
 
 private:
     using Fn = void (*)(void *, int, int, int);

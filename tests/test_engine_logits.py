@@ -158,10 +158,10 @@ def test_quantized_predictors_follow_their_rule(pred_type, tmp_path, tiny_model_
 @pytest.mark.parametrize("outtype", ["f32", "q8_0"])  # fc2 transposed in tiles / quantized in 8-row groups
 @pytest.mark.parametrize("hot_share", [0.0, 0.3])
 def test_decode_steps_do_not_depend_on_threads_or_staging(hot_share, outtype, tmp_path, converted):
-    """A decode step's chunks list their own rows (the fused predictor job scores, lists and computes the
-    neurons of its range in one job; every grouped job lists the down_t rows it used) and the lists are
-    joined in slot order: logits and statistics are the same bits for any thread count, and the fused
-    predictor step equals the staged one (the recall check takes the staged path)."""
+    """A predictor-mode decode step's chunks score, list and compute the neurons of their range in one job
+    and list the down_t rows they used; the lists are joined in slot order: logits and statistics are the
+    same bits for any thread count in every mode, and the fused predictor step equals the staged one (the
+    recall check takes the staged path)."""
     path = converted("llama-relu", outtype, predictors=True)
     rng = np.random.default_rng(11)
     gpuidx = write_gpuidx(tmp_path / "m.gpuidx", [rng.random(N_FF) < hot_share for _ in range(N_LAYER)]) if hot_share else None

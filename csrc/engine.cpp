@@ -662,7 +662,7 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
         for (int64_t t = 0; t < n_tok; ++t) std::fill(mask_.begin() + t * F, mask_.begin() + t * F + n, 1);
     }
     if (is_cold) {
-        if ((mode == TierMode::Predictor && !fused) || mode == TierMode::Oracle) {
+        if ((mode == TierMode::Predictor || mode == TierMode::Oracle) && !fused) {  // the fused job counts its own
             int64_t selected = 0, tp = 0, pos = 0;  // integer counts: a double sum is a latency chain
             const bool have_truth = mode == TierMode::Oracle || recall_check_;
             for (int64_t t = 0; t < n_tok; ++t) {
@@ -826,7 +826,7 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
             listed += mask_[size_t(r)];
         }
         n_selected += selected;
-        if (thread == 0) score_seconds = seconds_since(ts);
+        if (thread == 0) score_seconds += seconds_since(ts);  // the main thread may take more than one chunk
         gather_rows(list, listed);
         listed_[size_t(chunk)] = listed;
         used_[size_t(chunk)] = list_used_rows(T, list, listed, r0);

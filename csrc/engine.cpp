@@ -139,8 +139,7 @@ Engine::Engine(const std::string &path, const pi_options &opts)
     op_hid_ = {hid_.data(), R, q_hid_.data(), false};
 
     pool_ = std::make_unique<ThreadPool>(threads);
-    listed_.assign(size_t(pool_->size()), 0);
-    used_.assign(size_t(pool_->size()), 0);
+    chunk_lists_.assign(size_t(pool_->size()), ChunkList{});
     scores_.assign(size_t(threads * kAttnTile * n_ctx_), 0.0f);
     panel_w_.assign(size_t(threads * kPanelRows * E), 0.0f);
     panel_h_.assign(size_t(threads * kPanelTokens * kPanelRows), 0.0f);
@@ -532,13 +531,13 @@ Operand Engine::predictor_hidden(const Layer &L, int64_t n_tok) {
     return hid;
 }
 
-int64_t Engine::predictor_score(const Layer &L, const FfnTier &T, const Operand &hid, int64_t n_tok, int64_t u0,
-                                int64_t u1) {
+void Engine::predictor_score(const Layer &L, const FfnTier &T, const Operand &hid, int64_t n_tok, int64_t u0,
+                             int64_t u1) {
     const int64_t F = hp_.n_ff, Fp = F + kPackRows, R = L.fc1.rows, unit = T.fc2_unit_rows();
     const Matrix &fc2 = T.fc2;
     const TypeKernels &k = ks_->for_type(fc2.type);
     const int64_t r0 = u0 * unit, r1 = std::min(T.size(), u1 * unit);
-    if (r0 >= r1) return 0;
+    if (r0 >= r1) return;
     if (T.fc2_transposed) {
         // logits of token t = sum over k of hidden[t][k] * weight k of the tile's neurons, tile by tile, row by
         // row (each streams in order; axpy_rows would interleave R streams at once)
@@ -554,14 +553,8 @@ int64_t Engine::predictor_score(const Layer &L, const FfnTier &T, const Operand 
         k.gemm8(int(R), int(u1 - u0), fc2.groups + u0 * fc2.group_bytes(), int(n_tok), hid.at(0, fc2.type),
                 hid.stride(fc2.type), g_.data() + r0, Fp);
     }
-    int64_t selected = 0;
     for (int64_t t = 0; t < n_tok; ++t)
-        for (int64_t r = r0; r < r1; ++r) {
-            const bool on = g_[size_t(t * Fp + r)] > L.pred_threshold;
-            mask_[size_t(t * F + r)] = on;
-            selected += on;
-        }
-    return selected;
+        for (int64_t r = r0; r < r1; ++r) mask_[size_t(t * F + r)] = g_[size_t(t * Fp + r)] > L.pred_threshold;
 }
 
 int64_t Engine::list_used_rows(const FfnTier &T, const int32_t *list, int64_t count, int64_t at) {
@@ -811,25 +804,22 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
     // The fused decode step: chunk c scores the predictor's units of range c, lists the neurons selected there
     // at the start of the same range of rows_ (so chunks never overlap), computes them and lists the down_t
     // rows they used from the same start in down_rows_ / down_coef_.
-    std::atomic<int64_t> n_selected{0};
     double score_seconds = 0;  // the main thread's share of the scoring, reported as the predictor's time
     auto fused_select_gather = [&](int chunk, int n_chunks, int thread) {
         const auto ts = Clock::now();
         int64_t u0, u1;
         split_range(T.fc2_units(), chunk, n_chunks, &u0, &u1);
         const int64_t r0 = u0 * T.fc2_unit_rows(), r1 = std::min(n, u1 * T.fc2_unit_rows());
-        const int64_t selected = predictor_score(L, T, hid, 1, u0, u1);
+        predictor_score(L, T, hid, 1, u0, u1);
         int32_t *list = rows_.data() + r0;
         int64_t listed = 0;
         for (int64_t r = r0; r < r1; ++r) {  // listed without branches
             list[listed] = int32_t(r);
             listed += mask_[size_t(r)];
         }
-        n_selected += selected;
         if (thread == 0) score_seconds += seconds_since(ts);  // the main thread may take more than one chunk
         gather_rows(list, listed);
-        listed_[size_t(chunk)] = listed;
-        used_[size_t(chunk)] = list_used_rows(T, list, listed, r0);
+        chunk_lists_[size_t(chunk)] = {r0, listed, list_used_rows(T, list, listed, r0)};
     };
     // Grouped tiers in the modes that read every gate: the gates (and, when every up is read, the ups) of
     // a few 8-row groups by gemm8 for all tokens, then each neuron's rule; in gate mode the ups of the
@@ -934,20 +924,17 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
         // the chunks' lists moved together in chunk order: slot order, as one pass over rows_ would list them
         n_rows_ = n_used_ = 0;
         for (int c = 0; c < n_chunks; ++c) {
-            int64_t u0, u1;
-            split_range(T.fc2_units(), c, n_chunks, &u0, &u1);
-            const size_t at = size_t(u0 * T.fc2_unit_rows()), listed = size_t(listed_[size_t(c)]);
-            const size_t used = size_t(used_[size_t(c)]);
-            std::memmove(rows_.data() + n_rows_, rows_.data() + at, listed * sizeof(int32_t));
-            std::memmove(down_rows_.data() + n_used_, down_rows_.data() + at, used * sizeof(const void *));
-            std::memmove(down_coef_.data() + n_used_, down_coef_.data() + at, used * sizeof(float));
-            n_rows_ += int64_t(listed);
-            n_used_ += int64_t(used);
+            const ChunkList &cl = chunk_lists_[size_t(c)];
+            std::memmove(rows_.data() + n_rows_, rows_.data() + cl.at, size_t(cl.listed) * sizeof(int32_t));
+            std::memmove(down_rows_.data() + n_used_, down_rows_.data() + cl.at, size_t(cl.used) * sizeof(const void *));
+            std::memmove(down_coef_.data() + n_used_, down_coef_.data() + cl.at, size_t(cl.used) * sizeof(float));
+            n_rows_ += cl.listed;
+            n_used_ += cl.used;
         }
-        st.predicted += double(n_selected.load());
+        st.predicted += double(n_rows_);  // one token: the neurons listed are the ones selected
         st.cold_tokens += 1.0;
         times_.predictor += score_seconds;
-        t0 += std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(score_seconds));
+        times_.gate_up -= score_seconds;
     } else pool_->run(pool_->chunks_for(n_rows_ * E * n_tok * 2, kGrain), gate_up_gathered);
     st.active += double(n_active.load());
     st.computed += double(n_computed.load());

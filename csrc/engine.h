@@ -80,8 +80,8 @@ private:
     void predictor_select(const Layer &L, const FfnTier &T, int64_t n_tok);
     // The predictor's hidden layer relu(fc1 x), prepared as fc2's operand.
     Operand predictor_hidden(const Layer &L, int64_t n_tok);
-    // mask_ of the tier's slots in fc2's units [u0, u1) (FfnTier::fc2_units); returns how many it selected.
-    int64_t predictor_score(const Layer &L, const FfnTier &T, const Operand &hid, int64_t n_tok, int64_t u0, int64_t u1);
+    // mask_ of the tier's slots in fc2's units [u0, u1) (FfnTier::fc2_units).
+    void predictor_score(const Layer &L, const FfnTier &T, const Operand &hid, int64_t n_tok, int64_t u0, int64_t u1);
     // Asks for the layer's predictor weights (fc1, the cold tier's fc2) ahead of predictor_select.
     void prefetch_predictor(const Layer &L) const;
     void true_mask(const Layer &L, const FfnTier &T, int64_t n_tok, uint8_t *out);
@@ -127,7 +127,12 @@ private:
     Operand op_x_, op_xn_, op_att_, op_hid_;
     std::vector<uint8_t> mask_, truth_;  // [batch][n_ff]
     std::vector<int32_t> rows_;  // [n_ff]
-    std::vector<int64_t> listed_, used_;  // [threads] rows each chunk of a fused decode step listed, down_t rows it used
+    // Per chunk of a fused decode step: where its lists start (in rows_, down_rows_ and down_coef_), the
+    // neurons it listed and the down_t rows they used.
+    struct ChunkList {
+        int64_t at = 0, listed = 0, used = 0;
+    };
+    std::vector<ChunkList> chunk_lists_;  // [threads]
     int64_t n_used_ = 0;                  // down_t rows the chunks listed, moved together (down_rows_, down_coef_)
     std::vector<const void *> down_rows_;    // [n_ff] down_t rows used by the one token of a decode step
     std::vector<float> down_coef_;           // [n_ff] their coefficients h

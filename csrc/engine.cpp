@@ -62,6 +62,8 @@ const int64_t kGatherRows = 64;     // selected rows per pass of the gathered ga
 const int64_t kDecodeGatherRows = 256;  // the same for one token: longer lists
 static_assert(kDecodeGatherRows >= kGatherRows, "gate_up_gathered's lists are sized for the longer pass");
 const int64_t kAttnTile = 64;       // tokens of a batch whose attention scores are computed together
+const int64_t kHeadsPerTile = 4;    // query heads of a kv head whose outputs one gemm computes (its token tile)
+const int64_t kKeyTile = 64;        // cached positions per tile of a kv head's keys ([d_head][kKeyTile] floats)
 
 }  // namespace
 
@@ -96,8 +98,8 @@ Engine::Engine(const std::string &path, const pi_options &opts)
     const int64_t E = hp_.n_embd, F = hp_.n_ff, L = hp_.n_layer, B = n_batch_;
     const int64_t Q = hp_.n_head * hp_.d_head, KV = hp_.n_head_kv * hp_.d_head, R = std::max<int64_t>(model_->max_rank(), 1);
     check_working_memory(threads);
-    k_cache_.assign(size_t(L * n_ctx_ * KV), 0.0f);
-    v_cache_.assign(size_t(L * n_ctx_ * KV), 0.0f);
+    k_cache_ = CacheMemory(size_t(L * key_slots() * KV));
+    v_cache_ = CacheMemory(size_t(L * n_ctx_ * KV));
     history_.assign(size_t(n_ctx_), 0);
 
     const int64_t half = hp_.n_rot / 2;
@@ -140,7 +142,7 @@ Engine::Engine(const std::string &path, const pi_options &opts)
 
     pool_ = std::make_unique<ThreadPool>(threads);
     chunk_lists_.assign(size_t(pool_->size()), ChunkList{});
-    scores_.assign(size_t(threads * kAttnTile * n_ctx_), 0.0f);
+    scores_.assign(size_t(std::max<int64_t>(threads * kAttnTile, hp_.n_head) * n_ctx_), 0.0f);
     panel_w_.assign(size_t(threads * kPanelRows * E), 0.0f);
     panel_h_.assign(size_t(threads * kPanelTokens * kPanelRows), 0.0f);
     ema_active_.assign(size_t(L), 1.0);
@@ -150,6 +152,8 @@ Engine::Engine(const std::string &path, const pi_options &opts)
     stats_.assign(size_t(L), LayerStats{});
 }
 
+int64_t Engine::key_slots() const { return (n_ctx_ + kKeyTile - 1) / kKeyTile * kKeyTile; }
+
 void Engine::check_working_memory(int64_t threads) const {
     // Every buffer below is sized by the file's hyperparameters and ctx_size: add them up (in doubles,
     // no overflow) and refuse before allocating when they exceed the machine's memory, so a file that
@@ -157,9 +161,9 @@ void Engine::check_working_memory(int64_t threads) const {
     const double E = double(hp_.n_embd), F = double(hp_.n_ff), L = double(hp_.n_layer), B = double(n_batch_);
     const double Q = double(hp_.n_head * hp_.d_head), KV = double(hp_.n_head_kv * hp_.d_head);
     const double R = double(std::max<int64_t>(model_->max_rank(), 1)), C = double(n_ctx_), T = double(threads);
-    const double floats = 2 * L * C * KV + C * double(hp_.n_rot) + B * (5 * E + 2 * Q + 2 * KV + 3 * F + 16 + R) +
+    const double floats = L * (C + double(kKeyTile)) * KV + L * C * KV + C * double(hp_.n_rot) + B * (5 * E + 2 * Q + 2 * KV + 3 * F + 16 + R) +
                           (F / double(kDownRows) + 1) * E + double(hp_.n_vocab) +
-                          T * (double(kAttnTile) * C + double(kPanelRows) * (E + double(kPanelTokens)));
+                          std::max(T * double(kAttnTile), double(hp_.n_head)) * C + T * double(kPanelRows) * (E + double(kPanelTokens));
     const double bytes = 4 * floats + C * 4 + B * F * 2 + F * 8 + L * 32;
     const double available = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE));
     if (available > 0 && bytes > available)
@@ -387,25 +391,39 @@ void Engine::attention(int64_t il, int64_t n_tok, TierMode cold_mode) {
             }
         }
     };
-    float *kc = k_cache_.data() + il * n_ctx_ * KV, *vc = v_cache_.data() + il * n_ctx_ * KV;
+    // The layer's cache, one kv head after the other, so that a head's keys and values are each one stream:
+    // keys in tiles of kKeyTile positions, each tile [D][kKeyTile] (a query's scores over a tile are a gemm
+    // over contiguous rows), values [position][D].
+    const int64_t key_slots = this->key_slots();
+    float *kc = k_cache_.data() + il * key_slots * KV, *vc = v_cache_.data() + il * n_ctx_ * KV;
     for (int64_t t = 0; t < n_tok; ++t) {
-        const int64_t pos = n_past_ + t;
+        const int64_t pos = n_past_ + t, tile = pos / kKeyTile, col = pos % kKeyTile;
         rope(q_.data() + t * Q, H, pos);
         rope(k_.data() + t * KV, HKV, pos);
-        for (int64_t e = 0; e < KV; ++e) kc[e * n_ctx_ + pos] = k_[size_t(t * KV + e)];
-        std::memcpy(vc + pos * KV, v_.data() + t * KV, size_t(KV) * sizeof(float));
+        for (int64_t kvh = 0; kvh < HKV; ++kvh) {
+            const float *k = k_.data() + t * KV + kvh * D;
+            float *kt = kc + kvh * key_slots * D + tile * D * kKeyTile + col;
+            for (int64_t d = 0; d < D; ++d) kt[d * kKeyTile] = k[d];
+            std::memcpy(vc + (kvh * n_ctx_ + pos) * D, v_.data() + t * KV + kvh * D, size_t(D) * sizeof(float));
+        }
     }
 
+    // The predictor's weights come from DRAM every step (too little to stream at speed once the FFN asks
+    // for them); asked for now, they arrive while the heads read the KV cache.
+    if (n_tok == 1 && cold_mode == TierMode::Predictor) prefetch_predictor(L);
+    if (n_tok == 1) decode_heads(kc, vc, n_past_ + 1);
+    else batch_heads(kc, vc, n_tok);
+    op_att_.q_ready = false;
+    matmul(L.wo, op_att_, n_tok, tmp_.data(), E);
+    add_bias(tmp_.data(), L.bo, n_tok, E);
+}
+
+void Engine::batch_heads(const float *kc, const float *vc, int64_t n_tok) {
+    // Per query head and tile of kAttnTile tokens, two gemms: scores = q K^T over the keys the tile's last token
+    // sees (earlier tokens' later keys get probability 0), out = p V.
+    const int64_t D = hp_.d_head, H = hp_.n_head, HKV = hp_.n_head_kv, group = H / HKV, Q = H * D;
+    const int64_t key_slots = this->key_slots(), n_tiles = (n_tok + kAttnTile - 1) / kAttnTile, n_all = n_past_ + n_tok;
     const float scale = 1.0f / std::sqrt(float(D));
-    const int64_t group = H / HKV;
-    // A row of scores: scaled, softmax over its first n_valid keys, 0 for the keys after (later tokens).
-    auto softmax = [&](float *sc, int64_t n_valid, int64_t n_row) {
-        ks_->softmax(int(n_valid), scale, sc);
-        std::fill(sc + n_valid, sc + n_row, 0.0f);
-    };
-    // Per query head and tile of kAttnTile tokens (one token when decoding), two gemms: scores = q K^T over
-    // the keys the tile's last token sees (earlier tokens' later keys get probability 0), out = p V.
-    const int64_t n_tiles = (n_tok + kAttnTile - 1) / kAttnTile, n_all = n_past_ + n_tok;
     auto job = [&](int chunk, int n_chunks, int thread) {
         float *sc = scores_.data() + int64_t(thread) * kAttnTile * n_ctx_;
         int64_t w0, w1;
@@ -414,23 +432,67 @@ void Engine::attention(int64_t il, int64_t n_tok, TierMode cold_mode) {
             const int64_t t0 = w / H * kAttnTile, h = w % H, kvh = h / group;
             const int64_t nt = std::min(kAttnTile, n_tok - t0), n_keys = n_past_ + t0 + nt;
             std::fill(sc, sc + nt * n_keys, 0.0f);
-            ks_->gemm_f32(int(nt), int(D), int(n_keys), q_.data() + t0 * Q + h * D, int(Q), kc + kvh * D * n_ctx_,
-                          int(n_ctx_), sc, int(n_keys));
-            for (int64_t t = 0; t < nt; ++t) softmax(sc + t * n_keys, n_past_ + t0 + t + 1, n_keys);
+            const float *keys = kc + kvh * key_slots * D;
+            for (int64_t c = 0; c < n_keys; c += kKeyTile)
+                ks_->gemm_f32(int(nt), int(D), int(std::min(kKeyTile, n_keys - c)), q_.data() + t0 * Q + h * D, int(Q),
+                              keys + c * D, int(kKeyTile), sc + c, int(n_keys));
+            for (int64_t t = 0; t < nt; ++t) {  // softmax over the keys token t sees, 0 for the later ones
+                const int64_t n_valid = n_past_ + t0 + t + 1;
+                ks_->softmax(int(n_valid), scale, sc + t * n_keys);
+                std::fill(sc + t * n_keys + n_valid, sc + (t + 1) * n_keys, 0.0f);
+            }
             float *out = att_.data() + t0 * Q + h * D;
             for (int64_t t = 0; t < nt; ++t) std::fill(out + t * Q, out + t * Q + D, 0.0f);
-            ks_->gemm_f32(int(nt), int(n_keys), int(D), sc, int(n_keys), vc + kvh * D, int(KV), out, int(Q));
+            ks_->gemm_f32(int(nt), int(n_keys), int(D), sc, int(n_keys), vc + kvh * n_ctx_ * D, int(D), out, int(Q));
         }
     };
-    // The predictor's weights come from DRAM every step (too little to stream at speed once the FFN asks
-    // for them); asked for now, they arrive while the heads read the KV cache.
-    if (n_tok == 1 && cold_mode == TierMode::Predictor) prefetch_predictor(L);
-    // A head's keys and values come from the cache (memory-bound, not multiply-bound): its work is counted
-    // as kCacheReadCost multiply-adds per float read, so a decode step's heads are shared between threads.
+    // A head's keys and values come from the cache (memory-bound, not multiply-bound): its work is counted as
+    // kCacheReadCost multiply-adds per float read.
     pool_->run(int(std::min<int64_t>(n_tiles * H, pool_->chunks_for(n_tok * H * n_all * D * 2 * kCacheReadCost, kGrain))), job);
-    op_att_.q_ready = false;
-    matmul(L.wo, op_att_, n_tok, tmp_.data(), E);
-    add_bias(tmp_.data(), L.bo, n_tok, E);
+}
+
+void Engine::decode_heads(const float *kc, const float *vc, int64_t n_keys) {
+    // The query heads that share a kv head read its keys and values once, as the rows of one gemm (up to
+    // kHeadsPerTile of them), in three jobs: the scores by (kv head, key tile), so that any head counts split
+    // evenly; each head's softmax; the outputs by (kv head, tile of its heads). The same fma chains, so the
+    // same bits, as one head at a time.
+    const int64_t D = hp_.d_head, H = hp_.n_head, HKV = hp_.n_head_kv, group = H / HKV;
+    const int64_t key_slots = this->key_slots(), n_key_tiles = (n_keys + kKeyTile - 1) / kKeyTile;
+    const int64_t n_head_tiles = (group + kHeadsPerTile - 1) / kHeadsPerTile;
+    float *sc = scores_.data();  // [head][n_keys]
+    const float scale = 1.0f / std::sqrt(float(D));
+    const int64_t reads = H * n_keys * D * kCacheReadCost;  // the keys, or the values
+    auto scores = [&](int chunk, int n_chunks, int) {
+        int64_t u0, u1;
+        split_range(HKV * n_key_tiles, chunk, n_chunks, &u0, &u1);
+        for (int64_t u = u0; u < u1; ++u) {
+            const int64_t kvh = u / n_key_tiles, c = u % n_key_tiles * kKeyTile, cols = std::min(kKeyTile, n_keys - c);
+            float *y = sc + kvh * group * n_keys + c;
+            for (int64_t i = 0; i < group; ++i) std::fill(y + i * n_keys, y + i * n_keys + cols, 0.0f);
+            ks_->gemm_f32(int(group), int(D), int(cols), q_.data() + kvh * group * D, int(D),
+                          kc + (kvh * key_slots + c) * D, int(kKeyTile), y, int(n_keys));
+        }
+    };
+    pool_->run(int(std::min<int64_t>(HKV * n_key_tiles, pool_->chunks_for(reads, kGrain))), scores);
+    auto softmax = [&](int chunk, int n_chunks, int) {
+        int64_t h0, h1;
+        split_range(H, chunk, n_chunks, &h0, &h1);
+        for (int64_t h = h0; h < h1; ++h) ks_->softmax(int(n_keys), scale, sc + h * n_keys);
+    };
+    pool_->run(int(std::min<int64_t>(H, pool_->chunks_for(H * n_keys * kCacheReadCost, kGrain))), softmax);
+    auto values = [&](int chunk, int n_chunks, int) {
+        int64_t u0, u1;
+        split_range(HKV * n_head_tiles, chunk, n_chunks, &u0, &u1);
+        for (int64_t u = u0; u < u1; ++u) {
+            const int64_t kvh = u / n_head_tiles, h0 = kvh * group + u % n_head_tiles * kHeadsPerTile;
+            const int64_t nh = std::min(kHeadsPerTile, (kvh + 1) * group - h0);
+            float *out = att_.data() + h0 * D;
+            std::fill(out, out + nh * D, 0.0f);
+            ks_->gemm_f32(int(nh), int(n_keys), int(D), sc + h0 * n_keys, int(n_keys), vc + kvh * n_ctx_ * D, int(D),
+                          out, int(D));
+        }
+    };
+    pool_->run(int(std::min<int64_t>(HKV * n_head_tiles, pool_->chunks_for(reads, kGrain))), values);
 }
 
 void Engine::add_residual(const float *y, int64_t n_tok) {

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "cache_memory.h"
 #include "kernels.h"
 #include "model.h"
 #include "sampler.h"
@@ -73,6 +74,10 @@ private:
     void forward(const int32_t *tokens, int64_t n_tok, float *logits, int64_t ld_logits, bool all_logits);
     // cold_mode: choose_cold_mode's verdict for the layer (attention fetches a predictor it will need)
     void attention(int64_t il, int64_t n_tok, TierMode cold_mode);
+    // the heads of a batch of n_tok tokens, and of a decode step over n_keys cached positions, given the layer's
+    // cache (kc, vc); att_ receives their outputs
+    void batch_heads(const float *kc, const float *vc, int64_t n_tok);
+    void decode_heads(const float *kc, const float *vc, int64_t n_keys);
     void ffn(int64_t il, int64_t n_tok, TierMode cold_mode);
     TierMode choose_cold_mode(int64_t il, int64_t n_tok) const;
     void ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n_tok, float *y, LayerStats &st,
@@ -110,9 +115,11 @@ private:
     int32_t mode_;
     bool recall_check_;
 
-    // KV cache: keys [layer][n_head_kv * d_head][pos] (transposed: a query's scores are one gemm over
-    // contiguous rows), values [layer][pos][n_head_kv * d_head]
-    std::vector<float> k_cache_, v_cache_;
+    // KV cache, a kv head's positions together (each head reads one stream): keys
+    // [layer][kv head][pos / kKeyTile][d_head][pos % kKeyTile] (a query's scores over a tile are a gemm over
+    // contiguous rows), values [layer][kv head][pos][d_head]
+    CacheMemory k_cache_, v_cache_;
+    int64_t key_slots() const;  // positions a kv head's keys hold: n_ctx rounded up to whole tiles
     int64_t n_past_ = 0;
     std::vector<int32_t> history_;
     std::vector<float> rope_cos_, rope_sin_;  // [pos][n_rot/2]
@@ -120,7 +127,7 @@ private:
     // scratch, [batch, ...]
     std::vector<float> x_, xn_, q_, k_, v_, att_, tmp_, y_hot_, y_cold_, h_, hid_, last_logits_;
     std::vector<float> g_, u_;  // [batch][n_ff rounded up to 8]: gate and up of grouped tiers
-    std::vector<float> scores_;  // [threads][attention tile][n_ctx]
+    std::vector<float> scores_;  // [threads][attention tile][n_ctx], or a decode step's [head][n_ctx]
     std::vector<float> panel_w_;  // [threads][panel rows][n_embd]: widened down_t rows of a batch
     std::vector<float> panel_h_;  // [threads][panel tokens][panel rows]: their coefficients
     std::vector<BlockQ8_0> q_x_, q_xn_, q_att_, q_hid_;

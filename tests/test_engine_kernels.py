@@ -190,12 +190,14 @@ def test_pack8_and_gemm8_check_their_arguments():
 
 @pytest.mark.parametrize("isa", ["scalar"] + SIMD)
 @pytest.mark.parametrize("n_tok,n_rows,n_cols", [(1, 1, 1), (3, 5, 17), (4, 33, 64), (7, 128, 200), (9, 70, 88),
-                                                (2, 9, 15), (5, 8, 31), (1, 64, 75)])
+                                                (2, 9, 15), (5, 8, 31), (1, 64, 75), (3, 300, 64), (6, 16, 100),
+                                                (2, 40, 37)])
 def test_gemm_f32_is_y_plus_h_at_w(isa, n_tok, n_rows, n_cols):
     """The batch down projection's and the attention's tile kernel: y + h @ w within float rounding of
     float64, bit-identical across sets (fma chains over the rows in order); token counts and widths off the
-    4 x 64 tile, and last columns short of a vector (masked lanes: 15 and 31 leave 7 and 15 of them; a
-    decode step's scores over 75 keys, 11)."""
+    4 x 64 tile (tiles of 3 and 2 tokens, the query heads of a kv head; 32 columns after the 64-wide ones),
+    and last columns short of a vector (masked lanes: 15 and 31 leave 7 and 15 of them; a decode step's
+    scores over 75 keys, 11)."""
     rng = np.random.default_rng(6000 + n_tok * n_rows + n_cols)
     h, w = rng.normal(0, 1, (n_tok, n_rows)), rng.normal(0, 1, (n_rows, n_cols))
     y = rng.normal(0, 1, (n_tok, n_cols)).astype(np.float32)

@@ -287,6 +287,22 @@ def test_quantized_files_match_their_dequantized_weights(outtype, tiny_model_dir
         assert (got.argmax(1) == ref.argmax(1)).mean() >= 0.97, isa
 
 
+@pytest.mark.parametrize("kind", ["llama-relu", "falcon7b"])
+def test_long_context_matches_transformers(kind, tiny_model_dir, converted):
+    """Past the training context's 256 positions and across several tiles of cached keys: prompt batches and
+    decode steps (whose heads share their kv head's reads: 2 query heads a kv head here, 4 in falcon7b's
+    multi-query layout) against transformers, and decode steps that do not depend on the thread count."""
+    n_prompt, tokens = 200, random_tokens(300, 300, seed=4)
+    ref = hf_logits(tiny_model_dir(kind), tokens)
+    logits = {}
+    for threads in (1, 2, 3):
+        with engine.Model(converted(kind), threads=threads, ctx_size=320, batch_size=48) as m:
+            logits[threads] = engine_prompt_then_decode(m, tokens, n_prompt)
+    assert max_rel_err(logits[2], ref) <= 1e-4
+    assert np.array_equal(logits[1][n_prompt:], logits[2][n_prompt:])
+    assert np.array_equal(logits[3][n_prompt:], logits[2][n_prompt:])
+
+
 def test_eval_cache_semantics(converted):
     path = converted("llama-relu")
     with engine.Model(path, threads=1, ctx_size=80, batch_size=7) as m:  # batches of 7: chunking

@@ -61,6 +61,7 @@ class BenchOptions:
     sweep_repeats: int = 3
     n_prompt: int = 512
     n_gen: int = 128
+    depth: int = 0                         # tokens already cached when tg starts (llama-bench's -d)
     batch: int = 512                       # our engine's prompt batch (llama.cpp's n_ubatch is 512)
     predictors: Path | None = None
     profile: Path | None = None
@@ -109,14 +110,15 @@ def paired_ratio(a: list[float], b: list[float]) -> float | None:
 
 # ---- the measurement loop -----------------------------------------------------------------------
 
-def _time_rounds(runners: list, tests: dict[str, list[int]], rounds: int, desc: str, progress: bool,
+def _time_rounds(runners: list, tests: dict[str, dict], rounds: int, desc: str, progress: bool,
                  probe: machine.BandwidthProbe | None = None) -> tuple[dict, float | None]:
     """({label: {test: {"wall": [...], "cpu": [...]}}}, read bandwidth), every runner once per round, in a fixed
-    order. The bandwidth (with `probe`) is the median of one sample per round, taken while every contestant is
-    stopped: the memory system the round had, not a snapshot from the start of the run."""
+    order; tests: {"pp": {"tokens": ...}, "tg": {"tokens": ..., "context": ...}}, the runners' arguments. The
+    bandwidth (with `probe`) is the median of one sample per round, taken while every contestant is stopped: the
+    memory system the round had, not a snapshot from the start of the run."""
     for r in runners:  # warm-up: page in weights, spin up thread pools
-        r.pp(tests.get("pp", tests["tg"])[:32])
-        r.tg(tests["tg"][:8])
+        r.pp(tests.get("pp", tests["tg"])["tokens"][:32])
+        r.tg(tests["tg"]["tokens"][:8])
     times = {r.label: {t: {"wall": [], "cpu": []} for t in tests} for r in runners}
     samples = []
     with tqdm(total=rounds * len(runners) * len(tests), desc=desc, unit="run", disable=not progress) as bar:
@@ -124,8 +126,8 @@ def _time_rounds(runners: list, tests: dict[str, list[int]], rounds: int, desc: 
             if probe is not None:
                 samples.append(probe.measure(BANDWIDTH_PASSES))
             for r in runners:
-                for test, tokens in tests.items():
-                    wall, cpu = getattr(r, test)(tokens)
+                for test, args in tests.items():
+                    wall, cpu = getattr(r, test)(**args)
                     times[r.label][test]["wall"].append(wall)
                     times[r.label][test]["cpu"].append(cpu)
                     bar.update()
@@ -163,11 +165,12 @@ def _ratios(mine: dict, other: dict) -> dict:
     return out
 
 
-def _add_derived(entries: list[dict], times: dict, mb: byte_model.ModelBytes, bandwidth: float, n_gen: int) -> None:
+def _add_derived(entries: list[dict], times: dict, mb: byte_model.ModelBytes, bandwidth: float, n_gen: int,
+                 depth: int) -> None:
     """Ratios to llama.cpp and to our dense mode (paired by round), and the byte model's view."""
     llama = times.get("llama.cpp")
     dense = times.get("ours dense")
-    position = (n_gen - 1) / 2  # mean cache position over the generated tokens
+    position = depth + (n_gen - 1) / 2  # mean cache position over the generated tokens
     dense_bytes = byte_model.token_bytes(mb, None, position)["total"]
     for e in entries:
         mine = times[e["label"]]
@@ -191,11 +194,12 @@ def _add_derived(entries: list[dict], times: dict, mb: byte_model.ModelBytes, ba
 
 # ---- orchestration ------------------------------------------------------------------------------
 
-def _bench_tokens(opts: BenchOptions, tokenizer, text: str | None, hf_model) -> tuple[list[int], list[int]]:
-    """Prompt and generation token ids: consecutive stretches of the text (or of self-generated text)."""
+def _bench_tokens(opts: BenchOptions, tokenizer, text: str | None, hf_model) -> tuple[list[int], list[int], list[int]]:
+    """Prompt, context (cached before tg: --depth tokens) and generation token ids: consecutive stretches of the
+    text (or of self-generated text); the first token tg's cache sees is BOS where the model has one."""
     from powerinfer_tools import calibration
 
-    need = opts.n_prompt + opts.n_gen
+    need = opts.n_prompt + opts.depth + opts.n_gen
     if text is not None:
         seqs = calibration.sequences_from_text(tokenizer, [text], need, need)
     else:
@@ -204,7 +208,8 @@ def _bench_tokens(opts: BenchOptions, tokenizer, text: str | None, hf_model) -> 
     if len(ids) < need:
         raise UserError(f"the benchmark text gives {len(ids)} tokens, {need} are needed")
     bos = ids[:1] if tokenizer.bos_token_id is not None else []
-    return ids[:opts.n_prompt], bos + ids[opts.n_prompt:opts.n_prompt + opts.n_gen - len(bos)]
+    rest = bos + ids[opts.n_prompt:need - len(bos)]
+    return ids[:opts.n_prompt], rest[:opts.depth], rest[opts.depth:]
 
 
 def _check_options(opts: BenchOptions) -> None:
@@ -218,6 +223,8 @@ def _check_options(opts: BenchOptions) -> None:
         raise UserError("--threads and --repeats must be at least 1")
     if opts.n_prompt < 2 or opts.n_gen < 2:
         raise UserError("--n-prompt and --n-gen must be at least 2")
+    if opts.depth < 0:
+        raise UserError("--depth must be at least 0")
     for s in ([opts.sparsity] if opts.sparsity is not None else []) + list(opts.sweep_levels if opts.sweep else []):
         if not 0.0 <= s < 1.0:
             raise UserError(f"sparsity levels must be in [0, 1), got {s}")
@@ -237,7 +244,7 @@ def run_bench(opts: BenchOptions) -> dict:
     started = time.time()
     record: dict = {"format": "powerinfer-tools.bench/1", "command": opts.command,
                     "settings": {"model": opts.model, "outtype": opts.outtype, "threads": opts.threads,
-                                 "repeats": opts.repeats, "n_prompt": opts.n_prompt, "n_gen": opts.n_gen,
+                                 "repeats": opts.repeats, "n_prompt": opts.n_prompt, "n_gen": opts.n_gen, "depth": opts.depth,
                                  "batch": opts.batch, "modes": list(opts.modes), "peers": list(opts.peers),
                                  "sparsity": opts.sparsity}}
     record["machine"] = machine.machine_record(opts.threads)
@@ -261,9 +268,10 @@ def run_bench(opts: BenchOptions) -> dict:
     hf_model = adapter = None
     if need_calibration or text is None:
         hf_model, adapter = models.load_model(source)
-    prompt, gen = _bench_tokens(opts, tokenizer, text, hf_model)
+    prompt, context, gen = _bench_tokens(opts, tokenizer, text, hf_model)
+    tg = {"tokens": gen, "context": context}
     record["tokens"] = {"text": str(text_path) if text is not None else "self-generated",
-                        "prompt": len(prompt), "generated": len(gen)}
+                        "prompt": len(prompt), "context": len(context), "generated": len(gen)}
 
     sample = logits = None
     if need_calibration:
@@ -279,7 +287,7 @@ def run_bench(opts: BenchOptions) -> dict:
     modes = [m for m in opts.modes if m != "predictor" or has_predictor]
     if len(modes) < len(opts.modes):
         opts.log.append("predictor mode skipped: the file has no predictors (give --predictors DIR)")
-    n_ctx = max(opts.n_prompt, opts.n_gen) + 8
+    n_ctx = max(opts.n_prompt, opts.depth + opts.n_gen) + 8
     workers: list[Worker] = []
     try:
         llama = []
@@ -311,17 +319,17 @@ def run_bench(opts: BenchOptions) -> dict:
             record["agreement"] = {"tokens": len(tokens), "top1_ours_dense_vs_llamacpp":
                                    sum(x == y for x, y in zip(a, b)) / len(tokens)}
         runners = llama + ours + torch_runner
-        times, bandwidth = _time_rounds(runners, {"pp": prompt, "tg": gen}, opts.repeats, "bench", opts.progress,
+        times, bandwidth = _time_rounds(runners, {"pp": {"tokens": prompt}, "tg": tg}, opts.repeats, "bench", opts.progress,
                                         bandwidth_probe)
         entries = [_entry(r, times[r.label], len(prompt), len(gen), opts.sparsity) for r in runners]
         record["engine"]["peak_rss_bytes"] = ours_worker.ask(op="info")["peak_rss_bytes"]
         record["engine"]["kv_cache_bytes"] = mb.kv_per_position * len(mb.layers) * n_ctx
         ours_worker.close()
-        _add_derived(entries, times, mb, bandwidth, len(gen))
+        _add_derived(entries, times, mb, bandwidth, len(gen), opts.depth)
         record["runs"] = entries
 
         if opts.sweep:
-            record["sweep"] = _sweep(opts, files, work_dir, sample, logits, llama, modes, gen, mb, bandwidth_probe)
+            record["sweep"] = _sweep(opts, files, work_dir, sample, logits, llama, modes, tg, mb, bandwidth_probe)
         if llama:
             record["llamacpp"]["peak_rss_bytes"] = max(r.worker.ask(op="info")["peak_rss_bytes"]
                                                        for r in llama[0].runners.values())
@@ -336,25 +344,26 @@ def run_bench(opts: BenchOptions) -> dict:
     return record
 
 
-def _sweep(opts, files, work_dir, sample, logits, llama, modes, gen, mb, probe) -> list[dict]:
+def _sweep(opts, files, work_dir, sample, logits, llama, modes, tg, mb, probe) -> list[dict]:
     """tg of every sparse mode at each sparsity level, paired per round with our dense and llama.cpp dense."""
     copy = files_mod.working_copy(files.powerinfer, work_dir)
     sparse = [m for m in modes if m in SPARSE_MODES and (m != "gate" or sample.thresholded)]
     if "gate" in modes and not sample.thresholded:
         opts.log.append("gate mode not swept: a ReLU-family model's gate sparsity is fixed by the model")
-    n_ctx = len(gen) + 8
+    n_gen = len(tg["tokens"])
+    n_ctx = opts.depth + n_gen + 8
     out = []
     for level in opts.sweep_levels:
         files_mod.set_thresholds(copy, **_thresholds_at(sample, logits, level))
         worker = Worker("ours", copy, opts.threads, n_ctx, opts.batch)
         try:
             runners = llama + [Runner(worker, f"ours {m}", m) for m in ["dense"] + sparse]
-            times, bandwidth = _time_rounds(runners, {"tg": gen}, opts.sweep_repeats, f"sweep {level:.2f}",
+            times, bandwidth = _time_rounds(runners, {"tg": tg}, opts.sweep_repeats, f"sweep {level:.2f}",
                                             opts.progress, probe)
-            entries = [_entry(r, times[r.label], 0, len(gen), level) for r in runners]
+            entries = [_entry(r, times[r.label], 0, n_gen, level) for r in runners]
         finally:
             worker.close()
-        _add_derived(entries, times, mb, bandwidth, len(gen))
+        _add_derived(entries, times, mb, bandwidth, n_gen, opts.depth)
         out.extend(entries)
     return out
 
@@ -445,8 +454,8 @@ def render_markdown(record: dict) -> str:
                      f"MiB)" + (f", llama.cpp {_mib(record['llamacpp']['peak_rss_bytes'])} MiB"
                                 if "peak_rss_bytes" in record.get("llamacpp", {}) else ""))
     lines.append("")
-    pp_n, tg_n = st["n_prompt"], st["n_gen"]
-    lines += [f"| engine | FFN sparsity | pp{pp_n} t/s | tg{tg_n} t/s | tg{tg_n} t/CPU-s | pp vs llama.cpp | "
+    pp_n, tg = st["n_prompt"], tg_label(st)
+    lines += [f"| engine | FFN sparsity | pp{pp_n} t/s | {tg} t/s | {tg} t/CPU-s | pp vs llama.cpp | "
               "tg vs llama.cpp | tg vs llama.cpp, CPU | MiB/token | predicted vs dense | achieved / predicted | "
               "same, CPU | of limit |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -460,9 +469,9 @@ def render_markdown(record: dict) -> str:
             _mib(e["bytes_per_token"]["total"]) if "bytes_per_token" in e else "–",
             _f(e.get("predicted_speedup"), "{:.2f}x"), _f(e.get("achieved_over_predicted"), "{:.0%}"),
             _f(e.get("achieved_over_predicted_cpu"), "{:.0%}"), _f(e.get("of_limit"), "{:.0%}")]) + " |")
-    lines += _phase_table(record.get("runs", []), tg_n)
+    lines += _phase_table(record.get("runs", []), tg)
     if record.get("sweep"):
-        lines += ["", f"Sparsity sweep (tg{tg_n}, thresholds recalibrated per level):", "",
+        lines += ["", f"Sparsity sweep ({tg}, thresholds recalibrated per level):", "",
                   "| target | engine | FFN sparsity | gate rows read | tg t/s | tg t/CPU-s | vs llama.cpp | "
                   "vs llama.cpp, CPU | vs ours dense | vs ours dense, CPU | predicted | achieved / predicted | "
                   "same, CPU | of limit |",
@@ -492,7 +501,13 @@ def render_markdown(record: dict) -> str:
 PHASES = ("attention", "predictor", "gate_up", "down", "output")
 
 
-def _phase_table(entries: list[dict], tg_n: int) -> list[str]:
+def tg_label(settings: dict) -> str:
+    """llama-bench's name of the generation test: tg128, or tg128 @ d2048 after 2048 cached tokens."""
+    depth = settings.get("depth", 0)
+    return f"tg{settings['n_gen']}" + (f" @ d{depth}" if depth else "")
+
+
+def _phase_table(entries: list[dict], tg: str) -> list[str]:
     """Where a generated token's time goes in each of our modes: the engine's own phase timers over the last
     round's tg run, µs per token (the byte model prices bytes; this shows which stage misses it)."""
     rows = []
@@ -507,7 +522,7 @@ def _phase_table(entries: list[dict], tg_n: int) -> list[str]:
     if not rows:
         return []
     return ["", f"Where a generated token's time goes (µs per token, the engine's phase timers over the last round's "
-                f"tg{tg_n}; gate_up: gates, rule and ups; down: the down projection):", "",
+                f"{tg}; gate_up: gates, rule and ups; down: the down projection):", "",
             "| engine | attention | predictor | gate_up | down | output head | other | total |",
             "|---|---|---|---|---|---|---|---|"] + rows
 
@@ -549,7 +564,7 @@ def plot_sweep(record: dict, png: Path) -> None:
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=7)
     st = record["settings"]
-    fig.suptitle(f"{Path(st['model']).name} {st['outtype']}, {st['threads']} threads, tg{st['n_gen']}")
+    fig.suptitle(f"{Path(st['model']).name} {st['outtype']}, {st['threads']} threads, {tg_label(st)}")
     fig.tight_layout()
     png = Path(png)
     with atomic_file(png) as tmp:

@@ -104,10 +104,10 @@ class Runner:
         self.backend = worker.backend
         self.last_stats: dict | None = None
 
-    def _run(self, op: str, tokens: list[int]) -> tuple[float, float]:
+    def _run(self, op: str, tokens: list[int], **extra) -> tuple[float, float]:
         if self.backend == "ours":
             self.worker.ask(op="mode", mode=self.mode)
-        reply = self.worker.ask(op=op, tokens=tokens)
+        reply = self.worker.ask(op=op, tokens=tokens, **extra)
         if self.backend == "ours":
             self.last_stats = self.worker.ask(op="stats")
         return reply["wall"], reply["cpu"]
@@ -115,8 +115,9 @@ class Runner:
     def pp(self, tokens: list[int]) -> tuple[float, float]:
         return self._run("pp", tokens)
 
-    def tg(self, tokens: list[int]) -> tuple[float, float]:
-        return self._run("tg", tokens)
+    def tg(self, tokens: list[int], context: list[int] = ()) -> tuple[float, float]:
+        """Generation of `tokens` one at a time after `context` (not timed) went into the cache."""
+        return self._run("tg", tokens, context=list(context))
 
     def argmax(self, tokens: list[int]) -> list[int]:
         if self.backend == "ours":
@@ -137,8 +138,8 @@ class FasterOf:
         self.runners, self.label = runners, label
         self.wins = {policy: 0 for policy in runners}
 
-    def _best(self, op: str, tokens: list[int]) -> tuple[float, float]:
-        results = {policy: getattr(r, op)(tokens) for policy, r in self.runners.items()}
+    def _best(self, op: str, tokens: list[int], **extra) -> tuple[float, float]:
+        results = {policy: getattr(r, op)(tokens, **extra) for policy, r in self.runners.items()}
         policy = min(results, key=lambda p: results[p][0])
         self.wins[policy] += 1
         return results[policy]
@@ -146,8 +147,8 @@ class FasterOf:
     def pp(self, tokens: list[int]) -> tuple[float, float]:
         return self._best("pp", tokens)
 
-    def tg(self, tokens: list[int]) -> tuple[float, float]:
-        return self._best("tg", tokens)
+    def tg(self, tokens: list[int], context: list[int] = ()) -> tuple[float, float]:
+        return self._best("tg", tokens, context=context)
 
     def argmax(self, tokens: list[int]) -> list[int]:
         return next(iter(self.runners.values())).argmax(tokens)

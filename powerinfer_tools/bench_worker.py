@@ -9,10 +9,12 @@ powerinfer_tools/ holds an inspect.py that would shadow the standard one). Ours 
 
 Protocol: one JSON request per stdin line, one JSON reply per stdout line.
   {"op": "pp", "tokens": [...]}      -> {"wall": s, "cpu": s}  prompt as one batch from an empty cache
-  {"op": "tg", "tokens": [...]}      -> {"wall": s, "cpu": s}  one token at a time from an empty cache
+  {"op": "tg", "tokens": [...], "context": [...]}
+                                     -> {"wall": s, "cpu": s}  one token at a time after the context (not
+                                        timed, optional) went into an empty cache
   {"op": "argmax", "tokens": [...]}  -> {"argmax": [...]}      greedy choice after each prefix
   {"op": "mode", "mode": "gate"}     -> {}                     (ours) FFN mode of the next requests
-  {"op": "stats"}                    -> the engine's statistics of the last request (ours)
+  {"op": "stats"}                    -> the engine's statistics of the last request, and the tokens cached (ours)
   {"op": "info"}                     -> versions, settings, peak RSS
 Errors reply {"error": "..."}; the worker exits at end of input.
 """
@@ -55,8 +57,10 @@ class LlamaCpp:
         self.llm.reset()
         return _timed(lambda: self.llm.eval(tokens))
 
-    def tg(self, tokens):
+    def tg(self, tokens, context=()):
         self.llm.reset()
+        if context:
+            self.llm.eval(context)
 
         def run():
             for token in tokens:
@@ -92,8 +96,10 @@ class Ours:
         self.model.reset_stats()
         return _timed(lambda: self.model.eval(tokens, all_logits=False))
 
-    def tg(self, tokens):
+    def tg(self, tokens, context=()):
         self.model.reset()
+        if context:
+            self.model.eval(context, all_logits=False)
         self.model.reset_stats()
 
         def run():
@@ -106,7 +112,7 @@ class Ours:
         return [int(i) for i in self.model.eval(tokens, all_logits=True).argmax(axis=1)]
 
     def stats(self):
-        return self.model.stats()
+        return dict(self.model.stats(), n_past=self.model.n_past)
 
     def info(self):
         return dict(self.model.info)
@@ -136,14 +142,17 @@ class Torch:
             ids = self.torch.tensor([tokens])
             return _timed(lambda: self._step(ids, DynamicCache()))
 
-    def tg(self, tokens):
+    def tg(self, tokens, context=()):
         from transformers import DynamicCache
 
+        cache = DynamicCache()
+
         def run():
-            cache = DynamicCache()
             for token in tokens:
                 self._step(self.torch.tensor([[token]]), cache)
         with self.torch.inference_mode():
+            if context:
+                self._step(self.torch.tensor([list(context)]), cache)
             return _timed(run)
 
     def info(self):

@@ -192,10 +192,10 @@ def test_bandwidth_is_sampled_once_per_round():
             self.calls.append(len(Probe.values))
             return 0.2, 0.2
 
-    times, bandwidth = bench._time_rounds([Contestant()], {"tg": [1, 2, 3]}, 3, "t", False, Probe())
+    times, bandwidth = bench._time_rounds([Contestant()], {"tg": {"tokens": [1, 2, 3]}}, 3, "t", False, Probe())
     assert bandwidth == 2e10 and len(times["x"]["tg"]["wall"]) == 3
     assert Contestant.calls == [3, 2, 1, 0]  # warm-up before any sample, then one sample ahead of each round
-    assert bench._time_rounds([Contestant()], {"tg": [1]}, 2, "t", False)[1] is None
+    assert bench._time_rounds([Contestant()], {"tg": {"tokens": [1]}}, 2, "t", False)[1] is None
 
 
 def test_read_bandwidth_is_measured():
@@ -265,6 +265,7 @@ def _cli(*args, cwd=ROOT):
     (["-m", "smollm2", "--modes", "dense,fast"], "unknown mode 'fast'"),
     (["-m", "smollm2", "--peers", "vllm"], "unknown peer 'vllm'"),
     (["-m", "smollm2", "--sweep-sparsity", "--sweep-levels", "0.5,1.5"], "sparsity levels must be in"),
+    (["-m", "smollm2", "--depth", "-1"], "--depth must be at least 0"),
 ])
 def test_cli_bad_input(args, message):
     r = _cli(*args)
@@ -344,3 +345,22 @@ def test_bench_end_to_end_tiny(silu_files, tmp_path):
         assert cells[-1] > 0 and abs(sum(cells[:-1]) - cells[-1]) <= len(cells)
     bench.write_json(rec, tmp_path / "r.json")
     assert json.loads((tmp_path / "r.json").read_text())["format"] == "powerinfer-tools.bench/1"
+
+
+def test_bench_at_depth(silu_files, tmp_path):
+    """--depth: tg runs after that many tokens went into the cache, for ours and the llama.cpp peer alike; the
+    byte model's KV reads are those of the deeper positions, and the tables name the test as llama-bench does."""
+    pytest.importorskip("engine")
+    model, files, work = silu_files
+    depth, n_gen = 40, 8
+    opts = bench.BenchOptions(model=model, outtype="q8_0", threads=2, repeats=1, modes=("dense",), n_prompt=16,
+                              n_gen=n_gen, depth=depth, batch=16, work_dir=work, peers=("llama.cpp",),
+                              peer_python=_peer_python(tmp_path), progress=False, text=ROOT / "README.md")
+    rec = bench.run_bench(opts)
+    assert rec["settings"]["depth"] == depth and rec["tokens"]["context"] == depth
+    ours = next(e for e in rec["runs"] if e["label"] == "ours dense")
+    assert ours["stats"]["n_past"] == depth + n_gen and ours["stats"]["decode_tokens"] == n_gen
+    mb = byte_model.model_bytes(files.powerinfer)
+    assert ours["bytes_per_token"]["kv_cache"] == pytest.approx(
+        mb.kv_per_position * len(mb.layers) * (depth + (n_gen - 1) / 2))
+    assert f"tg{n_gen} @ d{depth} t/s" in bench.render_markdown(rec)

@@ -51,6 +51,8 @@ def bench(
     sweep_repeats: int = typer.Option(3, "--sweep-repeats", help="Interleaved rounds per sweep level."),
     n_prompt: int = typer.Option(512, "--n-prompt", help="Prompt tokens (pp)."),
     n_gen: int = typer.Option(128, "--n-gen", help="Generated tokens (tg)."),
+    depth: int = typer.Option(0, "--depth", "-d", help="Tokens of the text already in the cache when tg starts "
+                              "(not timed), as llama-bench's -d: generation at a long context."),
     batch: int = typer.Option(512, "--batch", help="Our engine's prompt batch size."),
     text: Optional[Path] = typer.Option(None, "--text", help="Text whose tokens are fed (default: the project's "
                                         "wikitext-2-valid when present, else text the model generates)."),
@@ -84,6 +86,8 @@ def bench(
       pi-tools bench -m smollm2 -t q8_0 --modes dense,gate --peers llama.cpp --sweep-sparsity --png sweep.png
 
       pi-tools bench -m smollm2 --sparsity 0.5 --repeats 9 --json bench.json
+
+      pi-tools bench -m smollm2 --modes dense --peers llama.cpp --depth 2048   # tg128 @ d2048
     """
     from powerinfer_tools.bench import BenchOptions, plot_sweep, render_markdown, run_bench, write_json
 
@@ -91,7 +95,7 @@ def bench(
         raise UserError("--png draws the sparsity sweep: add --sweep-sparsity")
     opts = BenchOptions(model=model, outtype=outtype.lower(), threads=threads, repeats=repeats, modes=_csv(modes),
                         peers=_csv(peers), sparsity=sparsity, sweep=sweep_sparsity, sweep_levels=_levels(sweep_levels),
-                        sweep_repeats=sweep_repeats, n_prompt=n_prompt, n_gen=n_gen, batch=batch,
+                        sweep_repeats=sweep_repeats, n_prompt=n_prompt, n_gen=n_gen, depth=depth, batch=batch,
                         predictors=predictors, profile=profile, text=text, work_dir=work_dir,
                         peer_python=peer_python, llamacpp_wait=_wait_policy(llamacpp_wait), progress=not quiet,
                         command="pi-tools " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "")

@@ -127,6 +127,8 @@ Engine::Engine(const std::string &path, const pi_options &opts)
     last_logits_.assign(size_t(hp_.n_vocab), 0.0f);
     mask_.assign(size_t(B * F), 0);
     truth_.assign(size_t(B * F), 0);
+    selected_.assign(size_t(B * F), 0);
+    every_neuron_.assign(size_t(F), 1);
     rows_.assign(size_t(F), 0);
     down_rows_.assign(size_t(F), nullptr);
     down_coef_.assign(size_t(F), 0.0f);
@@ -555,7 +557,8 @@ void Engine::ffn(int64_t il, int64_t n_tok, TierMode cold_mode) {
     // (and up) are read whole gets them in 8-row groups the first time.
     const bool has_hot = L.hot.size() > 0;
     if (has_hot) model_->group_tier(il, true, true);
-    if (reads_gate_whole(cold_mode)) model_->group_tier(il, false, cold_mode != TierMode::Gate);
+    if (reads_gate_whole(cold_mode) || (cold_mode == TierMode::Predictor && n_tok > 1))
+        model_->group_tier(il, false, reads_gate_whole(cold_mode) && cold_mode != TierMode::Gate);
     if (has_hot) ffn_tier(L, L.hot, mode_ == PI_FFN_DENSE ? TierMode::Dense : TierMode::DenseRule, n_tok, y_hot_.data(), st, false);
     if (L.cold.size() > 0) {
         ffn_tier(L, L.cold, cold_mode, n_tok, y_cold_.data(), st, true);
@@ -755,6 +758,11 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
         n_listed = n;
     }
     n_rows_ = n_listed;
+    // A batch whose tokens together select most of the tier reads every gate in order (the 8-row groups, as
+    // gate mode does) and keeps each token's selected neurons: rows by index cost more here than all rows in
+    // order from about half of them on (docs/perf-notes.md §19, §30). The same bits either way.
+    const bool stream_selected = mode == TierMode::Predictor && n_tok > 1 && !T.gate_groups.empty() && n_listed * 2 > n;
+    if (stream_selected) std::memcpy(selected_.data(), mask_.data(), size_t(n_tok * F));
     prepare(op_xn_, n_tok, L.gate.type);
     prepare(op_xn_, n_tok, L.up.type);
     const TypeKernels &kg = ks_->for_type(L.gate.type), &ku = ks_->for_type(L.up.type);
@@ -913,6 +921,7 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
                 // neurons the gate lets through are listed, then their ups computed by dot_rows (gemm8's
                 // arithmetic: the values dense mode's grouped ups would have).
                 float *gt = g_.data() + t * Fp;
+                const uint8_t *sel = stream_selected ? selected_.data() + t * F : every_neuron_.data();
                 activate(gt + r0, r1 - r0, [&](int64_t j) { return r0 + j; });
                 int64_t n_up = 0;
                 if (plain_rule && all_up) {
@@ -939,7 +948,7 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
                     std::fill(h_.begin() + t * F + r0, h_.begin() + t * F + r1, 0.0f);
                     for (int64_t r = r0; r < r1; ++r) {
                         up_list[n_up] = r;
-                        n_up += gate_passes(gt[r]);
+                        n_up += gate_passes(gt[r]) & (sel[r] != 0);
                     }
                     for (int64_t i = 0; i < n_up; ++i) {
                         up_rows[i] = T.row(T.up, up_list[i]);
@@ -949,7 +958,7 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
                 } else
                 for (int64_t r = r0; r < r1; ++r) {
                     float a;
-                    const bool first_pass = gate_rule(gt[r], r, &a);
+                    const bool first_pass = gate_rule(gt[r], r, &a) & (sel[r] != 0);
                     if (!gated) {
                         settle(t, r, first_pass, a, active, computed);
                     } else if (all_up) {
@@ -978,7 +987,7 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
         n_active += active;
         n_computed += computed;
     };
-    if (reads_gate_whole(mode) && !T.gate_groups.empty() && (!gated || !all_up || !T.up_groups.empty())) {
+    if ((reads_gate_whole(mode) || stream_selected) && !T.gate_groups.empty() && (!gated || !all_up || !T.up_groups.empty())) {
         pool_->run(pool_->chunks_for(n * E * n_tok * 2, kGrain), gate_up_grouped);
     } else if (fused) {
         const int n_chunks = int(std::min<int64_t>(pool_->size(), T.fc2_units()));

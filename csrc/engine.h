@@ -133,6 +133,9 @@ private:
     std::vector<BlockQ8_0> q_x_, q_xn_, q_att_, q_hid_;
     Operand op_x_, op_xn_, op_att_, op_hid_;
     std::vector<uint8_t> mask_, truth_;  // [batch][n_ff]
+    // [batch][n_ff]: the neurons a batch's predictor selected, where the batch reads every gate in order; and
+    // one row of ones, the selection of the modes that keep every neuron the rule passes
+    std::vector<uint8_t> selected_, every_neuron_;
     std::vector<int32_t> rows_;  // [n_ff]
     // Per chunk of a fused decode step: where its lists start (in rows_, down_rows_ and down_coef_), the
     // neurons it listed and the down_t rows they used.

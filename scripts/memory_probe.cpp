@@ -76,7 +76,7 @@ void gathered_rows(int row_bytes, int threads) {
     std::mt19937 rng(2);
     std::printf("rows of %d bytes from %d MiB (%d thread%s):\n", row_bytes, int(buf.size() >> 20), threads,
                 threads > 1 ? "s" : "");
-    for (double density : {1.0, 0.5, 0.325}) {
+    for (double density : {1.0, 0.8, 0.65, 0.5, 0.35, 0.2, 0.1}) {
         std::vector<const uint8_t *> rows;
         std::vector<size_t> mat_start;
         for (int m = 0; m < n_mat; ++m) {

@@ -163,10 +163,12 @@ void Engine::check_working_memory(int64_t threads) const {
     const double E = double(hp_.n_embd), F = double(hp_.n_ff), L = double(hp_.n_layer), B = double(n_batch_);
     const double Q = double(hp_.n_head * hp_.d_head), KV = double(hp_.n_head_kv * hp_.d_head);
     const double R = double(std::max<int64_t>(model_->max_rank(), 1)), C = double(n_ctx_), T = double(threads);
-    const double floats = L * (C + double(kKeyTile)) * KV + L * C * KV + C * double(hp_.n_rot) + B * (5 * E + 2 * Q + 2 * KV + 3 * F + 16 + R) +
+    const double cache = L * (C + double(kKeyTile)) * KV + L * C * KV;  // keys in whole tiles, values
+    const double floats = cache + C * double(hp_.n_rot) + B * (5 * E + 2 * Q + 2 * KV + 3 * F + 16 + R) +
                           (F / double(kDownRows) + 1) * E + double(hp_.n_vocab) +
-                          std::max(T * double(kAttnTile), double(hp_.n_head)) * C + T * double(kPanelRows) * (E + double(kPanelTokens));
-    const double bytes = 4 * floats + C * 4 + B * F * 2 + F * 8 + L * 32;
+                          std::max(T * double(kAttnTile), double(hp_.n_head)) * C +
+                          T * double(kPanelRows) * (E + double(kPanelTokens));
+    const double bytes = 4 * floats + C * 4 + B * F * 3 + F * 9 + L * 32;
     const double available = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE));
     if (available > 0 && bytes > available)
         fail(PI_ERR_MEMORY, model_->path() + ": the KV cache and work buffers would need " +

@@ -46,6 +46,10 @@ float keep_if(bool keep, float v) {
 }
 
 bool reads_gate_whole(TierMode m) { return m == TierMode::Dense || m == TierMode::DenseRule || m == TierMode::Gate; }
+bool reads_up_whole(TierMode m) { return m == TierMode::Dense || m == TierMode::DenseRule; }
+// Whether a step may read the tier's gates whole: the modes that always do, and a predictor-mode batch (when its
+// tokens together select most of the tier, ffn_tier).
+bool may_read_gate_whole(TierMode m, int64_t n_tok) { return reads_gate_whole(m) || (m == TierMode::Predictor && n_tok > 1); }
 
 const int64_t kDefaultCtx = 4096;
 const int64_t kGrain = 1 << 16;     // multiply-adds below which a chunk is not worth handing to another thread
@@ -559,8 +563,7 @@ void Engine::ffn(int64_t il, int64_t n_tok, TierMode cold_mode) {
     // (and up) are read whole gets them in 8-row groups the first time.
     const bool has_hot = L.hot.size() > 0;
     if (has_hot) model_->group_tier(il, true, true);
-    if (reads_gate_whole(cold_mode) || (cold_mode == TierMode::Predictor && n_tok > 1))
-        model_->group_tier(il, false, reads_gate_whole(cold_mode) && cold_mode != TierMode::Gate);
+    if (may_read_gate_whole(cold_mode, n_tok)) model_->group_tier(il, false, reads_up_whole(cold_mode));
     if (has_hot) ffn_tier(L, L.hot, mode_ == PI_FFN_DENSE ? TierMode::Dense : TierMode::DenseRule, n_tok, y_hot_.data(), st, false);
     if (L.cold.size() > 0) {
         ffn_tier(L, L.cold, cold_mode, n_tok, y_cold_.data(), st, true);
@@ -768,7 +771,7 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
     prepare(op_xn_, n_tok, L.gate.type);
     prepare(op_xn_, n_tok, L.up.type);
     const TypeKernels &kg = ks_->for_type(L.gate.type), &ku = ks_->for_type(L.up.type);
-    const bool dense = mode == TierMode::Dense, all_up = mode == TierMode::Dense || mode == TierMode::DenseRule;
+    const bool dense = mode == TierMode::Dense, all_up = reads_up_whole(mode);
     const bool gated = hp_.gated;
     const float *gb = L.gate_b.floats(), *ub = L.up_b.floats();
     std::atomic<int64_t> n_active{0}, n_computed{0};

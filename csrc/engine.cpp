@@ -47,9 +47,6 @@ float keep_if(bool keep, float v) {
 
 bool reads_gate_whole(TierMode m) { return m == TierMode::Dense || m == TierMode::DenseRule || m == TierMode::Gate; }
 bool reads_up_whole(TierMode m) { return m == TierMode::Dense || m == TierMode::DenseRule; }
-// Whether a step may read the tier's gates whole: the modes that always do, and a predictor-mode batch (when its
-// tokens together select most of the tier, ffn_tier).
-bool may_read_gate_whole(TierMode m, int64_t n_tok) { return reads_gate_whole(m) || (m == TierMode::Predictor && n_tok > 1); }
 
 const int64_t kDefaultCtx = 4096;
 const int64_t kGrain = 1 << 16;     // multiply-adds below which a chunk is not worth handing to another thread
@@ -151,6 +148,9 @@ Engine::Engine(const std::string &path, const pi_options &opts)
     scores_.assign(size_t(std::max<int64_t>(threads * kAttnTile, hp_.n_head) * n_ctx_), 0.0f);
     panel_w_.assign(size_t(threads * kPanelRows * E), 0.0f);
     panel_h_.assign(size_t(threads * kPanelTokens * kPanelRows), 0.0f);
+    zero_row_.assign(size_t(E / QK) * sizeof(BlockQ8_0), 0);  // the widest row that packs
+    pack_scratch_bytes_ = size_t(2 * kGroupsPerPass * (E / QK)) * packed_block_bytes(TYPE_Q8_0);
+    pack_scratch_.assign(size_t(threads) * pack_scratch_bytes_, 0);
     ema_active_.assign(size_t(L), 1.0);
     ema_predicted_.assign(size_t(L), 1.0);
     ema_predicted_active_.assign(size_t(L), 1.0);
@@ -172,7 +172,8 @@ void Engine::check_working_memory(int64_t threads) const {
                           (F / double(kDownRows) + 1) * E + double(hp_.n_vocab) +
                           std::max(T * double(kAttnTile), double(hp_.n_head)) * C +
                           T * double(kPanelRows) * (E + double(kPanelTokens));
-    const double bytes = 4 * floats + C * 4 + B * F * 3 + F * 9 + L * 32;
+    const double pack_scratch = T * 2 * double(kGroupsPerPass) * (E / QK) * double(packed_block_bytes(TYPE_Q8_0));
+    const double bytes = 4 * floats + C * 4 + B * F * 3 + F * 9 + L * 32 + pack_scratch + E / QK * double(sizeof(BlockQ8_0));
     const double available = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE));
     if (available > 0 && bytes > available)
         fail(PI_ERR_MEMORY, model_->path() + ": the KV cache and work buffers would need " +
@@ -185,6 +186,10 @@ void Engine::set_ffn_mode(int32_t mode) {
     if (mode == PI_FFN_PREDICTOR && !model_->has_predictor())
         fail(PI_ERR_ARGUMENT, model_->path() + " has no predictors: predictor mode needs a file converted with --predictors");
     mode_ = mode;
+}
+
+bool Engine::keeps_gate_groups() const {
+    return mode_ == PI_FFN_DENSE || mode_ == PI_FFN_GATE || (mode_ == PI_FFN_AUTO && !model_->has_predictor());
 }
 
 void Engine::truncate(int32_t n_keep) {
@@ -530,8 +535,13 @@ TierMode Engine::choose_cold_mode(int64_t il, int64_t n_tok) const {
     const double tokens = double(std::max<int64_t>(n_tok, 1));
     auto any_of = [&](double per_token) { return 1.0 - std::pow(1.0 - per_token, tokens); };
     const double rho = any_of(ema_active_[size_t(il)]);
-    const double cost_dense = n * (g + u) + down * rho * n * d;  // the dense rule: gate and up whole
-    const double cost_gate = n * g + gathered * rho * n * u + down * rho * n * d;
+    // a matrix read whole streams through groups where the tier keeps them or a batch packs them; a decode step
+    // without them reads its rows in order by dot_rows, priced as gathered (docs/perf-notes.md §12)
+    const bool batch = n_tok > 1;
+    const double gate_whole = batch || keeps_gate_groups() || !packable ? 1.0 : gathered;
+    const double up_whole = batch || keeps_up_groups() || !packable ? 1.0 : gathered;
+    const double cost_dense = n * (gate_whole * g + up_whole * u) + down * rho * n * d;  // the dense rule: gate and up whole
+    const double cost_gate = gate_whole * n * g + gathered * rho * n * u + down * rho * n * d;
     TierMode best = cost_gate < cost_dense ? TierMode::Gate : TierMode::DenseRule;
     double best_cost = std::min(cost_gate, cost_dense);
     if (model_->has_predictor()) {
@@ -562,8 +572,7 @@ void Engine::ffn(int64_t il, int64_t n_tok, TierMode cold_mode) {
     // Hot tier first (a device backend would run it concurrently), then the cold tier. A tier whose gate
     // (and up) are read whole gets them in 8-row groups the first time.
     const bool has_hot = L.hot.size() > 0;
-    if (has_hot) model_->group_tier(il, true, true);
-    if (may_read_gate_whole(cold_mode, n_tok)) model_->group_tier(il, false, reads_up_whole(cold_mode));
+    if (keeps_gate_groups()) model_->group_cold_tier(il, keeps_up_groups());
     if (has_hot) ffn_tier(L, L.hot, mode_ == PI_FFN_DENSE ? TierMode::Dense : TierMode::DenseRule, n_tok, y_hot_.data(), st, false);
     if (L.cold.size() > 0) {
         ffn_tier(L, L.cold, cold_mode, n_tok, y_cold_.data(), st, true);
@@ -763,10 +772,14 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
         n_listed = n;
     }
     n_rows_ = n_listed;
+    // The gates (ups) in 8-row groups for gemm8: the tier's own, or for a batch each pass's groups packed from
+    // the rows as it goes (cheap next to the batch's arithmetic on them, and no second copy of the weights).
+    const bool gate_groups = !T.gate_groups.empty() || (n_tok > 1 && T.groups_fit(T.gate));
+    const bool up_groups = !T.up_groups.empty() || (n_tok > 1 && T.groups_fit(T.up));
     // A batch whose tokens together select most of the tier reads every gate in order (the 8-row groups, as
     // gate mode does) and keeps each token's selected neurons: rows by index cost more here than all rows in
     // order from about half of them on (docs/perf-notes.md §19, §30). The same bits either way.
-    const bool stream_selected = mode == TierMode::Predictor && n_tok > 1 && !T.gate_groups.empty() && n_listed * 2 > n;
+    const bool stream_selected = mode == TierMode::Predictor && n_tok > 1 && gate_groups && n_listed * 2 > n;
     if (stream_selected) std::memcpy(selected_.data(), mask_.data(), size_t(n_tok * F));
     prepare(op_xn_, n_tok, L.gate.type);
     prepare(op_xn_, n_tok, L.up.type);
@@ -904,23 +917,29 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
     // and is the activation of a neuron that passes; both cases below take it in straight loops.
     const bool plain_rule = gated && act != Activation::DRelu && !gb && !ub;
     auto gate_passes = [act, thr](float v) { return act == Activation::Silu ? std::fabs(v) > thr : v > thr; };
-    auto gate_up_grouped = [&](int chunk, int n_chunks, int) {
+    auto gate_up_grouped = [&](int chunk, int n_chunks, int thread) {
         int64_t g0, g1, active = 0, computed = 0;
         int64_t up_list[kDecodeGroupsPerPass * kPackRows];
         const void *up_rows[kDecodeGroupsPerPass * kPackRows];
         float up_a[kDecodeGroupsPerPass * kPackRows], u[kDecodeGroupsPerPass * kPackRows];
         split_range(T.n_groups(), chunk, n_chunks, &g0, &g1);
         const int64_t gate_group = T.gate.group_bytes();
-        const int64_t up_group = gated ? T.up.group_bytes() : 0;
         const int64_t per_pass = n_tok == 1 ? kDecodeGroupsPerPass : kGroupsPerPass;
+        uint8_t *scratch = pack_scratch_.data() + size_t(thread) * pack_scratch_bytes_;
+        // groups [g, g + ng) of m: the tier's own, or packed now into this thread's scratch (at `at`)
+        auto groups_of = [&](const Matrix &m, const std::vector<uint8_t> &kept, int64_t g, int ng, size_t at) {
+            if (!kept.empty()) return kept.data() + g * m.group_bytes();
+            T.pack_groups(m, !T.packed, g, g + ng, zero_row_.data(), scratch + at);
+            return static_cast<const uint8_t *>(scratch + at);
+        };
         for (int64_t g = g0; g < g1; g += per_pass) {
             const int ng = int(std::min<int64_t>(per_pass, g1 - g));
             const int64_t r0 = g * kPackRows, r1 = std::min(n, (g + ng) * kPackRows);
-            kg.gemm8(int(E), ng, T.gate_groups.data() + g * gate_group, int(n_tok), op_xn_.at(0, L.gate.type),
+            kg.gemm8(int(E), ng, groups_of(T.gate, T.gate_groups, g, ng, 0), int(n_tok), op_xn_.at(0, L.gate.type),
                      op_xn_.stride(L.gate.type), g_.data() + r0, Fp);
             if (gated && all_up)
-                ku.gemm8(int(E), ng, T.up_groups.data() + g * up_group, int(n_tok), op_xn_.at(0, L.up.type),
-                         op_xn_.stride(L.up.type), u_.data() + r0, Fp);
+                ku.gemm8(int(E), ng, groups_of(T.up, T.up_groups, g, ng, size_t(ng * gate_group)), int(n_tok),
+                         op_xn_.at(0, L.up.type), op_xn_.stride(L.up.type), u_.data() + r0, Fp);
             for (int64_t t = 0; t < n_tok; ++t) {
                 // Each neuron's rule (SiLU: the pass's activations by the silu kernel first); in gate mode the
                 // neurons the gate lets through are listed, then their ups computed by dot_rows (gemm8's
@@ -992,7 +1011,7 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
         n_active += active;
         n_computed += computed;
     };
-    if ((reads_gate_whole(mode) || stream_selected) && !T.gate_groups.empty() && (!gated || !all_up || !T.up_groups.empty())) {
+    if ((reads_gate_whole(mode) || stream_selected) && gate_groups && (!gated || !all_up || up_groups)) {
         pool_->run(pool_->chunks_for(n * E * n_tok * 2, kGrain), gate_up_grouped);
     } else if (fused) {
         const int n_chunks = int(std::min<int64_t>(pool_->size(), T.fc2_units()));
@@ -1174,7 +1193,10 @@ const std::string &Engine::stats_json() {
             ", \"batch_seconds\": " + num(batch_seconds_) + ", \"decode_tokens\": " + num(decode_tokens_) +
             ", \"decode_seconds\": " + num(decode_seconds_) + ", \"phases\": {\"embed\": " + num(times_.embed) +
             ", \"attention\": " + num(times_.attention) + ", \"predictor\": " + num(times_.predictor) +
-            ", \"gate_up\": " + num(times_.gate_up) + ", \"down\": " + num(times_.down) + ", \"output\": " + num(times_.output) + "}, \"layers\": [";
+            ", \"gate_up\": " + num(times_.gate_up) + ", \"down\": " + num(times_.down) + ", \"output\": " + num(times_.output) + "}";
+    const WeightCopies wc = model_->weight_copies();
+    json_ += ", \"weight_copies\": {\"packed\": " + num(double(wc.packed)) + ", \"predictor\": " + num(double(wc.predictor)) +
+             ", \"hot\": " + num(double(wc.hot)) + ", \"cold_groups\": " + num(double(wc.cold_groups)) + "}, \"layers\": [";
     const double F = double(hp_.n_ff);
     for (size_t i = 0; i < stats_.size(); ++i) {
         const LayerStats &s = stats_[i];

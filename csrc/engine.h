@@ -80,6 +80,11 @@ private:
     void decode_heads(const float *kc, const float *vc, int64_t n_keys);
     void ffn(int64_t il, int64_t n_tok, TierMode cold_mode);
     TierMode choose_cold_mode(int64_t il, int64_t n_tok) const;
+    // Whether the cold tier keeps its gates (ups) in 8-row groups: where this mode never reads them by index,
+    // so each weight is held once (dense mode both; gate mode, and auto without predictors, the gates).
+    // Elsewhere a batch packs each pass's groups as it goes and a decode step reads the rows.
+    bool keeps_gate_groups() const;
+    bool keeps_up_groups() const { return mode_ == PI_FFN_DENSE; }
     void ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n_tok, float *y, LayerStats &st,
                   bool is_cold);
     void predictor_select(const Layer &L, const FfnTier &T, int64_t n_tok);
@@ -130,6 +135,10 @@ private:
     std::vector<float> scores_;  // [threads][attention tile][n_ctx], or a decode step's [head][n_ctx]
     std::vector<float> panel_w_;  // [threads][panel rows][n_embd]: widened down_t rows of a batch
     std::vector<float> panel_h_;  // [threads][panel tokens][panel rows]: their coefficients
+    // [threads][pack_scratch_bytes_]: a batch's pass of gate and up groups packed from rows (no kept groups)
+    std::vector<uint8_t> pack_scratch_;
+    size_t pack_scratch_bytes_ = 0;
+    std::vector<uint8_t> zero_row_;  // the padding rows of a tier's last group
     std::vector<BlockQ8_0> q_x_, q_xn_, q_att_, q_hid_;
     Operand op_x_, op_xn_, op_att_, op_hid_;
     std::vector<uint8_t> mask_, truth_;  // [batch][n_ff]

@@ -18,22 +18,6 @@ std::string shape_str(int64_t rows, int64_t cols) {
 
 std::string blk(int64_t i, const char *suffix) { return "blk." + std::to_string(i) + "." + suffix; }
 
-// The tier's rows of m (q4_0/q8_0) in 8-row groups (packed.h), neuron slot order; the padding rows of the
-// last group have scale 0, so their dots are 0.
-void group_rows(const FfnTier &t, const Matrix &m, std::vector<uint8_t> &out) {
-    const std::vector<uint8_t> zeros(m.row_bytes, 0);
-    const int64_t group_bytes = m.group_bytes();
-    out.resize(size_t(t.n_groups() * group_bytes));
-    for (int64_t g = 0; g < t.n_groups(); ++g) {
-        const void *rows[kPackRows];
-        for (int r = 0; r < kPackRows; ++r) {
-            const int64_t slot = g * kPackRows + r;
-            rows[r] = slot < t.size() ? t.row(m, slot) : zeros.data();
-        }
-        pack_rows8(m.type, int(m.cols), rows, out.data() + g * group_bytes);
-    }
-}
-
 }  // namespace
 
 Model::Model(const std::string &path, const std::string &gpuidx_path) {
@@ -50,16 +34,38 @@ void Model::pack_dense_matrices() {
     pack(output_);
 }
 
-void Model::group_tier(int64_t il, bool hot, bool with_up) {
-    Layer &l = layers_[size_t(il)];
-    FfnTier &t = hot ? l.hot : l.cold;
+void FfnTier::pack_groups(const Matrix &src, bool by_id, int64_t g0, int64_t g1, const void *zero_row,
+                          uint8_t *out) const {
+    const int64_t group_bytes = src.group_bytes();
+    for (int64_t g = g0; g < g1; ++g) {
+        const void *rows[kPackRows];
+        for (int r = 0; r < kPackRows; ++r) {
+            const int64_t slot = g * kPackRows + r;
+            rows[r] = slot >= size() ? zero_row : by_id ? src.row(ids[size_t(slot)]) : src.row(slot);
+        }
+        pack_rows8(src.type, int(src.cols), rows, out + (g - g0) * group_bytes);
+    }
+}
+
+namespace {
+
+// All of tier t's groups of src (see FfnTier::pack_groups) into out.
+void group_rows(const FfnTier &t, const Matrix &src, bool by_id, std::vector<uint8_t> &out) {
+    const std::vector<uint8_t> zeros(src.row_bytes, 0);
+    out.resize(size_t(t.n_groups() * src.group_bytes()));
+    t.pack_groups(src, by_id, 0, t.n_groups(), zeros.data(), out.data());
+}
+
+}  // namespace
+
+void Model::group_cold_tier(int64_t il, bool with_up) {
+    FfnTier &t = layers_[size_t(il)].cold;
     const bool want_up = with_up && hp_.gated && !t.up_grouped;
     if (t.gate_grouped && !want_up) return;
-    // a matrix is grouped where its type packs
     auto group = [&](const Matrix &m, std::vector<uint8_t> &out) {
-        if (t.size() == 0 || packed_block_bytes(m.type) == 0 || m.cols > kGemv8MaxCols) return;
-        group_rows(t, m, out);
-        if (!t.packed) file_->release(m.data, m.bytes());
+        if (!t.groups_fit(m)) return;
+        group_rows(t, m, true, out);
+        file_->release(m.data, m.bytes());
     };
     if (!t.gate_grouped) group(t.gate, t.gate_groups);
     t.gate_grouped = true;
@@ -210,7 +216,7 @@ void Model::bind_cold_predictor(Layer &l) {
         }
         file_->release(l.fc2.data, l.fc2.bytes());  // no second copy: the mapped pages go back
     } else {  // quantized: the tier's rows in 8-row groups, scored by gemm8
-        group_rows(t, l.fc2, t.fc2_storage);
+        group_rows(t, l.fc2, true, t.fc2_storage);
         t.fc2.rows = nc;
         t.fc2.data = nullptr;
         t.fc2.groups = t.fc2_storage.data();
@@ -402,25 +408,39 @@ void Model::build_tiers(const std::string &gpuidx_path) {
         l.cold.fc2 = l.fc2;
         const int64_t nh = l.hot.size();
         if (has_predictor_) bind_cold_predictor(l);  // the predictor only ever scores cold neurons
-        // Hot tier: packed contiguous copies, gate | up | down_t.
+        // Hot tier: contiguous copies, always computed whole: gate and up as 8-row groups where their type
+        // packs (and then as nothing else), as rows otherwise; down_t as rows.
         l.hot.packed = true;
         if (nh == 0) continue;
-        const Matrix *src[3] = {&l.up, &l.down_t, &l.gate};
-        Matrix *dst[3] = {&l.hot.up, &l.hot.down_t, &l.hot.gate};
-        const int n_packed = hp_.gated ? 3 : 2;  // ungated: gate is up
+        const int n_matrices = hp_.gated ? 3 : 2;  // ungated: gate is up
+        const Matrix *src[3] = {&l.down_t, &l.up, &l.gate};
+        Matrix *dst[3] = {&l.hot.down_t, &l.hot.up, &l.hot.gate};
+        std::vector<uint8_t> *groups[3] = {nullptr, &l.hot.up_groups, &l.hot.gate_groups};
+        bool as_rows[3];
         size_t total = 0;
-        for (int k = 0; k < n_packed; ++k) total += size_t(nh) * src[k]->row_bytes;
-        l.hot.storage.resize(total);
-        uint8_t *at = l.hot.storage.data();
-        for (int k = 0; k < n_packed; ++k) {
+        for (int k = 0; k < n_matrices; ++k) {
             *dst[k] = *src[k];
             dst[k]->rows = nh;
+            dst[k]->data = nullptr;
+            as_rows[k] = !groups[k] || !l.hot.groups_fit(*src[k]);
+            if (as_rows[k]) total += size_t(nh) * src[k]->row_bytes;
+            else group_rows(l.hot, *src[k], true, *groups[k]);
+        }
+        l.hot.storage.resize(total);
+        uint8_t *at = l.hot.storage.data();
+        for (int k = 0; k < n_matrices; ++k) {
+            if (!as_rows[k]) continue;
             dst[k]->data = at;
             for (int64_t r = 0; r < nh; ++r) std::memcpy(at + size_t(r) * src[k]->row_bytes, src[k]->row(l.hot.ids[size_t(r)]),
                                                          src[k]->row_bytes);
             at += size_t(nh) * src[k]->row_bytes;
         }
-        if (!hp_.gated) l.hot.gate = l.hot.up;
+        l.hot.gate_grouped = l.hot.up_grouped = true;
+        if (!hp_.gated) {
+            l.hot.gate = l.hot.up;
+            l.hot.gate_groups = std::move(l.hot.up_groups);
+            l.hot.up_groups.clear();
+        }
     }
 }
 
@@ -428,6 +448,17 @@ int64_t Model::hot_neurons() const {
     int64_t n = 0;
     for (const Layer &l : layers_) n += l.hot.size();
     return n;
+}
+
+WeightCopies Model::weight_copies() const {
+    WeightCopies c;
+    for (const std::vector<uint8_t> &b : packed_) c.packed += b.size();
+    for (const Layer &l : layers_) {
+        c.predictor += l.cold.fc2_storage.size();
+        c.hot += l.hot.storage.size() + l.hot.gate_groups.size() + l.hot.up_groups.size();
+        c.cold_groups += l.cold.gate_groups.size() + l.cold.up_groups.size();
+    }
+    return c;
 }
 
 int64_t Model::max_rank() const {

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "gguf.h"
+#include "kernels.h"
 #include "packed.h"
 #include "types.h"
 
@@ -93,15 +94,26 @@ struct FfnTier {
     // The units fc2 is scored in (tiles or 8-row groups): how many, and the neuron slots each covers.
     int64_t fc2_units() const { return fc2_transposed ? fc2_tiles() : n_groups(); }
     int64_t fc2_unit_rows() const { return fc2_transposed ? kFc2Tile : kPackRows; }
-    // gate and up rows again in 8-row groups (packed.h, the last group padded with zero rows), made the
-    // first time a mode reads them whole (Model::group_tier: gate for dense and gate modes, up for dense
-    // modes only); empty before, or for f32/f16 weights. Ungated FFNs have only gate_groups (gate is up).
+    // gate and up rows again in 8-row groups (packed.h, the last group padded with zero rows), kept where a
+    // mode never reads those rows by index, so that a weight is held once (the hot tier's
+    // at load; the cold tier's by Model::group_cold_tier); empty otherwise, or
+    // for f32/f16 weights. A hot tier whose gate and up are grouped holds no rows of them (gate.data and
+    // up.data are null). Ungated FFNs have only gate_groups (gate is up).
     std::vector<uint8_t> gate_groups, up_groups;
     bool gate_grouped = false, up_grouped = false;  // group_tier has considered them
     int64_t size() const { return int64_t(ids.size()); }
     int64_t n_groups() const { return (size() + 7) / 8; }
+    // Whether matrix m of this tier has an 8-row group layout (its type packs, gemm8 takes its width).
+    bool groups_fit(const Matrix &m) const {
+        return size() > 0 && packed_block_bytes(m.type) != 0 && m.cols <= kGemv8MaxCols;
+    }
     // Row of neuron slot r in matrix m (packed rows are contiguous; mapped rows are gathered).
     const uint8_t *row(const Matrix &m, int64_t r) const { return packed ? m.row(r) : m.row(ids[size_t(r)]); }
+    // Groups [g0, g1) of matrix m's rows (groups_fit) into out, from its rows (src: m, or the layer's whole
+    // mapped matrix with `by_id`, whose row ids[slot] is the slot's); the slots past size() are zero_row,
+    // m.row_bytes zero bytes: scale 0, so their dots are 0. A batch packs a pass's groups this way where
+    // none are kept.
+    void pack_groups(const Matrix &src, bool by_id, int64_t g0, int64_t g1, const void *zero_row, uint8_t *out) const;
 };
 
 // Vectors (norm weights and biases, rows = 1) are f32; an absent optional bias has data == nullptr.
@@ -116,6 +128,13 @@ struct Layer {
     float act_threshold = 0.0f;   // |a| threshold for SiLU, the gate's for FATReLU (0 for ReLU and dReLU)
     float pred_threshold = 0.0f;  // predictor logit threshold
     FfnTier hot, cold;
+};
+
+// Bytes of weights a model holds on the heap, in another layout than the file's (the rest stays mapped):
+// matrices read whole in 8-row groups (attention, output head, predictor fc1), the predictor's fc2 for the
+// cold tier, the hot tier (rows and groups), the cold tier's gate/up groups.
+struct WeightCopies {
+    size_t packed = 0, predictor = 0, hot = 0, cold_groups = 0;
 };
 
 class Model {
@@ -134,10 +153,11 @@ public:
     bool pwri() const { return file_->pwri_magic(); }
     const std::string &path() const { return file_->path(); }
     int64_t hot_neurons() const;
-    // Builds the hot (or cold) tier's gate groups of layer il once (and its up groups once `with_up`
-    // asks), where the types allow: dense and gate modes then read those matrices with gemm8. The mapped
-    // cold rows' pages are handed back (sparse modes that gather them read them from the file again).
-    void group_tier(int64_t il, bool hot, bool with_up);
+    // Builds the cold tier's gate groups of layer il once (and its up groups once `with_up` asks), where
+    // the types allow: dense and gate modes then read those matrices with gemm8. The mapped rows' pages are
+    // handed back (a process that later gathers them, in another mode, reads them from the file again).
+    void group_cold_tier(int64_t il, bool with_up);
+    WeightCopies weight_copies() const;
     // Largest predictor rank over layers (0 without predictors).
     int64_t max_rank() const;
 

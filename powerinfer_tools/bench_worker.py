@@ -24,13 +24,13 @@ import sys
 import time
 
 
-def _peak_rss_bytes() -> int | None:
-    """This process's peak resident set (VmHWM). Not ru_maxrss: Linux carries that over from the parent
-    across fork + exec, so a worker would report the benchmark process's peak."""
+def _status_bytes(field: str = "VmHWM") -> int | None:
+    """This process's peak (VmHWM) or current (VmRSS) resident set. Not ru_maxrss: Linux carries that over
+    from the parent across fork + exec, so a worker would report the benchmark process's peak."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
@@ -86,6 +86,7 @@ class Ours:
     def __init__(self, path: str, threads: int, n_ctx: int, batch: int = 0, **_):
         import engine
 
+        self.rss_before_model = _status_bytes("VmRSS")  # the worker's Python and libraries, no weights yet
         self.model = engine.Model(path, threads=threads, sparse_mode="dense", ctx_size=n_ctx, batch_size=batch or None)
 
     def mode(self, mode):
@@ -115,7 +116,7 @@ class Ours:
         return dict(self.model.stats(), n_past=self.model.n_past)
 
     def info(self):
-        return dict(self.model.info)
+        return dict(self.model.info, rss_before_model_bytes=self.rss_before_model)
 
 
 class Torch:
@@ -182,7 +183,7 @@ def main() -> int:
             req = json.loads(line)
             op = req.pop("op")
             if op == "info":
-                reply = dict(backend.info(), peak_rss_bytes=_peak_rss_bytes())
+                reply = dict(backend.info(), peak_rss_bytes=_status_bytes())
             elif not hasattr(backend, op):
                 reply = {"error": f"{name} has no op {op!r}"}
             else:

@@ -242,7 +242,20 @@ def test_targets_and_markdown():
     assert "| ours dense | 0.00 | 70.0 ± 1.0 | 105.0 ± 1.0 | 210.0 | 0.70x | 1.05x | 1.50x |" in md
     assert "| 0.50 | ours gate | 0.50 | 1.00 | 118.0 ± 1.0 | 236.0 | 1.18x | 1.30x | 1.12x | 1.10x | 1.30x | 90% | 85% " \
            "| 50% |" in md
-    assert "| gate@0.5_vs_llamacpp (sweep) | 1.18 | 1.20 | **no** |" in md
+    assert "| gate@0.5_vs_llamacpp (sweep) | 1.18 | ≥ 1.20 | **no** |" in md
+    # a ceiling: met at or below its goal
+    rec["files"] = {"powerinfer_bytes": 100 * 2**20}
+    rec["engine"] = {"kv_cache_bytes": 10 * 2**20, "memory_by_mode": {
+        "dense": {"peak_rss_bytes": 150 * 2**20, "rss_before_model_bytes": 30 * 2**20},
+        "auto": {"peak_rss_bytes": 190 * 2**20, "rss_before_model_bytes": 30 * 2**20}}}
+    targets = {t["target"]: t for t in bench.check_targets(rec)}
+    assert targets["peak_rss_over_file_plus_kv dense"]["value"] == pytest.approx(120 / 110)
+    assert targets["peak_rss_over_file_plus_kv dense"]["met"] and not targets["peak_rss_over_file_plus_kv auto"]["met"]
+    rec["targets"] = list(targets.values())
+    md = bench.render_markdown(rec)
+    assert "one mode per process, less the worker before the model opened: dense 120.0 MiB, auto 160.0 MiB " \
+           "(file + KV cache 110.0 MiB)" in md
+    assert "| peak_rss_over_file_plus_kv auto (main) | 1.45 | ≤ 1.10 | **no** |" in md
 
 
 def test_sweep_plot(tmp_path):
@@ -332,6 +345,13 @@ def test_bench_end_to_end_tiny(silu_files, tmp_path):
         if e["backend"] == "ours":
             assert e["vs_llamacpp"]["tg"] > 0
     assert {t["target"] for t in rec["targets"]} >= {"dense_tg_vs_llamacpp", "dense_pp_vs_llamacpp"}
+    memory = rec["engine"]["memory_by_mode"]  # each mode in a process of its own
+    assert set(memory) == {"dense", "gate", "predictor", "auto"}
+    for mode, m in memory.items():
+        assert m["peak_rss_bytes"] > m["rss_before_model_bytes"] > 0
+        rss_target = next(t for t in rec["targets"] if t["target"] == f"peak_rss_over_file_plus_kv {mode}")
+        assert rss_target["value"] == pytest.approx((m["peak_rss_bytes"] - m["rss_before_model_bytes"]) /
+                                                    (rec["files"]["powerinfer_bytes"] + rec["engine"]["kv_cache_bytes"]))
     for e in rec["runs"] + rec["sweep"]:  # of limit: against the bandwidth sampled during that table's rounds
         if e["backend"] == "ours":
             assert e["read_bandwidth"] > 1e8

@@ -198,6 +198,29 @@ def test_decode_steps_do_not_depend_on_threads_or_staging(hot_share, outtype, tm
             np.testing.assert_array_equal(densities, results[0][1], err_msg=f"{mode} {kw}")  # NaN where none
 
 
+@pytest.mark.parametrize("outtype", ["q8_0", "q4_0"])
+def test_each_weight_held_once(outtype, tmp_path, converted):
+    """Issue 7's memory target: a weight is on the heap in the 8-row layout only where the mode never reads
+    its rows from the mapped file. Dense mode keeps the cold gate and up groups, gate mode the gates; the
+    modes that read rows by index (predictor, auto with a predictor, oracle) keep none, so a prompt packs each
+    pass's groups as it goes. A hot tier holds its gate and up as groups only, its down_t as rows."""
+    path = converted("llama-relu", outtype, predictors=True)
+    block = {"q8_0": (34, 16 + 8 * 32), "q4_0": (18, 16 + 8 * 16)}[outtype]  # bytes: a row's block, a group-block
+    row_bytes, group_bytes = HIDDEN // 32 * block[0], HIDDEN // 32 * block[1]
+    matrix_groups = N_LAYER * N_FF // 8 * group_bytes  # one FFN matrix of every layer in groups
+    expected = {"dense": 2 * matrix_groups, "gate": matrix_groups, "predictor": 0, "auto": 0, "oracle": 0}
+    for mode, cold_groups in expected.items():
+        _, stats = run(path, mode)
+        assert stats["weight_copies"]["cold_groups"] == cold_groups, mode
+        assert stats["weight_copies"]["hot"] == 0
+    rng = np.random.default_rng(5)
+    hot = [rng.random(N_FF) < 0.3 for _ in range(N_LAYER)]
+    _, stats = run(path, "predictor", gpuidx=write_gpuidx(tmp_path / "m.gpuidx", hot))
+    n_hot = [int(h.sum()) for h in hot]
+    assert stats["weight_copies"]["hot"] == sum(n * row_bytes + 2 * -(-n // 8) * group_bytes for n in n_hot)
+    assert stats["weight_copies"]["cold_groups"] == 0
+
+
 def test_predictor_recall_equals_independent_count(tiny_model_dir, converted):
     path = converted("llama-relu", predictors=True)
     tensors = read_tensors(path)

@@ -4,27 +4,28 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 namespace pi {
 
 class CacheMemory {
 public:
     CacheMemory() = default;
-    // n_floats zeroed floats; fails with PI_ERR_MEMORY when the system has no memory for them
-    explicit CacheMemory(size_t n_floats);
+    // n_bytes zeroed bytes, 2 MiB-aligned; fails with PI_ERR_MEMORY when the system has no memory for them
+    explicit CacheMemory(size_t n_bytes);
     ~CacheMemory();
     CacheMemory(const CacheMemory &) = delete;
     CacheMemory &operator=(const CacheMemory &) = delete;
     CacheMemory(CacheMemory &&other) noexcept;
     CacheMemory &operator=(CacheMemory &&other) noexcept;
 
-    float *data() { return floats_; }
-    const float *data() const { return floats_; }
+    uint8_t *data() { return bytes_; }
+    const uint8_t *data() const { return bytes_; }
 
 private:
     void *map_ = nullptr;  // the mapping, with up to 2 MiB of slack in front for the alignment
     size_t map_bytes_ = 0;
-    float *floats_ = nullptr;
+    uint8_t *bytes_ = nullptr;
 };
 
 }  // namespace pi

@@ -58,6 +58,19 @@ void check_kernel_args(int32_t type, int32_t n) {
         pi::fail(PI_ERR_ARGUMENT, "n must be a non-negative multiple of the block size");
 }
 
+// y += h @ w by a set's gemm_f32 or gemm_f16 (which: the KernelSet member)
+template <class W, class Gemm>
+pi_status kernel_gemm(const char *isa, int32_t n_tok, int32_t n_rows, int32_t n_cols, const float *h, const W *w,
+                      float *y, Gemm pi::KernelSet::*which) {
+    return guarded([&] {
+        if (n_tok < 0 || n_rows < 0 || n_cols < 0) pi::fail(PI_ERR_ARGUMENT, "sizes must be >= 0");
+        need(h, "h");
+        need(w, "w");
+        need(y, "y");
+        (kernel_set(isa).*which)(n_tok, n_rows, n_cols, h, n_rows, w, n_cols, y, n_cols);
+    });
+}
+
 }  // namespace
 
 extern "C" {
@@ -252,13 +265,12 @@ pi_status pi_kernel_gemm8(const char *isa, int32_t type, int32_t n, int32_t n_gr
 
 pi_status pi_kernel_gemm_f32(const char *isa, int32_t n_tok, int32_t n_rows, int32_t n_cols, const float *h,
                              const float *w, float *y) {
-    return guarded([&] {
-        if (n_tok < 0 || n_rows < 0 || n_cols < 0) pi::fail(PI_ERR_ARGUMENT, "sizes must be >= 0");
-        need(h, "h");
-        need(w, "w");
-        need(y, "y");
-        kernel_set(isa).gemm_f32(n_tok, n_rows, n_cols, h, n_rows, w, n_cols, y, n_cols);
-    });
+    return kernel_gemm(isa, n_tok, n_rows, n_cols, h, w, y, &pi::KernelSet::gemm_f32);
+}
+
+pi_status pi_kernel_gemm_f16(const char *isa, int32_t n_tok, int32_t n_rows, int32_t n_cols, const float *h,
+                             const uint16_t *w, float *y) {
+    return kernel_gemm(isa, n_tok, n_rows, n_cols, h, w, y, &pi::KernelSet::gemm_f16);
 }
 
 pi_status pi_kernel_silu(const char *isa, int32_t n, const float *x, float *out) {

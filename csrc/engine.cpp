@@ -94,13 +94,15 @@ Engine::Engine(const std::string &path, const pi_options &opts)
     n_batch_ = opts.batch_size > 0 ? std::min<int64_t>(opts.batch_size, 4096) : kDefaultBatch;
     n_batch_ = std::min(n_batch_, n_ctx_);
     recall_check_ = opts.recall_check != 0;
+    if (opts.kv_type != PI_KV_F32 && opts.kv_type != PI_KV_F16) fail(PI_ERR_ARGUMENT, "unknown KV cache type " + std::to_string(opts.kv_type));
+    kv_f16_ = opts.kv_type == PI_KV_F16;
     set_ffn_mode(opts.ffn_mode);
 
     const int64_t E = hp_.n_embd, F = hp_.n_ff, L = hp_.n_layer, B = n_batch_;
     const int64_t Q = hp_.n_head * hp_.d_head, KV = hp_.n_head_kv * hp_.d_head, R = std::max<int64_t>(model_->max_rank(), 1);
     check_working_memory(threads);
-    k_cache_ = CacheMemory(size_t(L * key_slots() * KV));
-    v_cache_ = CacheMemory(size_t(L * n_ctx_ * KV));
+    k_cache_ = CacheMemory(size_t(L * key_slots() * KV * kv_bytes()));
+    v_cache_ = CacheMemory(size_t(L * n_ctx_ * KV * kv_bytes()));
     history_.assign(size_t(n_ctx_), 0);
 
     const int64_t half = hp_.n_rot / 2;
@@ -160,20 +162,26 @@ Engine::Engine(const std::string &path, const pi_options &opts)
 
 int64_t Engine::key_slots() const { return (n_ctx_ + kKeyTile - 1) / kKeyTile * kKeyTile; }
 
-void Engine::check_working_memory(int64_t threads) const {
-    // Every buffer below is sized by the file's hyperparameters and ctx_size: add them up (in doubles,
-    // no overflow) and refuse before allocating when they exceed the machine's memory, so a file that
-    // declares a huge model fails with a message instead of an out-of-memory kill.
+double Engine::work_buffer_bytes(int64_t threads) const {
     const double E = double(hp_.n_embd), F = double(hp_.n_ff), L = double(hp_.n_layer), B = double(n_batch_);
     const double Q = double(hp_.n_head * hp_.d_head), KV = double(hp_.n_head_kv * hp_.d_head);
     const double R = double(std::max<int64_t>(model_->max_rank(), 1)), C = double(n_ctx_), T = double(threads);
-    const double cache = L * (C + double(kKeyTile)) * KV + L * C * KV;  // keys in whole tiles, values
-    const double floats = cache + C * double(hp_.n_rot) + B * (5 * E + 2 * Q + 2 * KV + 3 * F + 16 + R) +
+    const double floats = C * double(hp_.n_rot) + B * (5 * E + 2 * Q + 2 * KV + 3 * F + 16 + R) +
                           (F / double(kDownRows) + 1) * E + double(hp_.n_vocab) +
                           std::max(T * double(kAttnTile), double(hp_.n_head)) * C +
                           T * double(kPanelRows) * (E + double(kPanelTokens));
     const double pack_scratch = T * 2 * double(kGroupsPerPass) * (E / QK) * double(packed_block_bytes(TYPE_Q8_0));
-    const double bytes = 4 * floats + C * 4 + B * F * 3 + F * 9 + L * 32 + pack_scratch + E / QK * double(sizeof(BlockQ8_0));
+    return 4 * floats + C * 4 + B * F * 3 + F * 9 + L * 32 + pack_scratch + E / QK * double(sizeof(BlockQ8_0));
+}
+
+double Engine::kv_cache_bytes() const {
+    return double(hp_.n_layer) * double(key_slots() + n_ctx_) * double(hp_.n_head_kv * hp_.d_head) * double(kv_bytes());
+}
+
+void Engine::check_working_memory(int64_t threads) const {
+    // Refused before allocating when the buffers exceed the machine's memory, so a file that declares a huge
+    // model fails with a message instead of an out-of-memory kill.
+    const double bytes = kv_cache_bytes() + work_buffer_bytes(threads);
     const double available = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE));
     if (available > 0 && bytes > available)
         fail(PI_ERR_MEMORY, model_->path() + ": the KV cache and work buffers would need " +
@@ -408,16 +416,23 @@ void Engine::attention(int64_t il, int64_t n_tok, TierMode cold_mode) {
     // keys in tiles of kKeyTile positions, each tile [D][kKeyTile] (a query's scores over a tile are a gemm
     // over contiguous rows), values [position][D].
     const int64_t key_slots = this->key_slots();
-    float *kc = k_cache_.data() + il * key_slots * KV, *vc = v_cache_.data() + il * n_ctx_ * KV;
+    uint8_t *kc = k_cache_.data() + il * key_slots * KV * kv_bytes(), *vc = v_cache_.data() + il * n_ctx_ * KV * kv_bytes();
+    // element i of a layer's cache set to v (rounded to the nearest half in an f16 cache)
+    auto put = [&](uint8_t *cache, int64_t i, float v) {
+        if (kv_f16_) reinterpret_cast<uint16_t *>(cache)[i] = f32_to_f16(v);
+        else reinterpret_cast<float *>(cache)[i] = v;
+    };
     for (int64_t t = 0; t < n_tok; ++t) {
         const int64_t pos = n_past_ + t, tile = pos / kKeyTile, col = pos % kKeyTile;
         rope(q_.data() + t * Q, H, pos);
         rope(k_.data() + t * KV, HKV, pos);
         for (int64_t kvh = 0; kvh < HKV; ++kvh) {
-            const float *k = k_.data() + t * KV + kvh * D;
-            float *kt = kc + kvh * key_slots * D + tile * D * kKeyTile + col;
-            for (int64_t d = 0; d < D; ++d) kt[d * kKeyTile] = k[d];
-            std::memcpy(vc + (kvh * n_ctx_ + pos) * D, v_.data() + t * KV + kvh * D, size_t(D) * sizeof(float));
+            const float *k = k_.data() + t * KV + kvh * D, *v = v_.data() + t * KV + kvh * D;
+            const int64_t kt = kvh * key_slots * D + tile * D * kKeyTile + col, vt = (kvh * n_ctx_ + pos) * D;
+            for (int64_t d = 0; d < D; ++d) {
+                put(kc, kt + d * kKeyTile, k[d]);
+                put(vc, vt + d, v[d]);
+            }
         }
     }
 
@@ -431,7 +446,13 @@ void Engine::attention(int64_t il, int64_t n_tok, TierMode cold_mode) {
     add_bias(tmp_.data(), L.bo, n_tok, E);
 }
 
-void Engine::batch_heads(const float *kc, const float *vc, int64_t n_tok) {
+void Engine::gemm_cache(int n_tok, int n_rows, int n_cols, const float *h, int ldh, const uint8_t *cache, int64_t at,
+                        int ldw, float *y, int ldy) const {
+    if (kv_f16_) ks_->gemm_f16(n_tok, n_rows, n_cols, h, ldh, reinterpret_cast<const uint16_t *>(cache) + at, ldw, y, ldy);
+    else ks_->gemm_f32(n_tok, n_rows, n_cols, h, ldh, reinterpret_cast<const float *>(cache) + at, ldw, y, ldy);
+}
+
+void Engine::batch_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_tok) {
     // Per query head and tile of kAttnTile tokens, two gemms: scores = q K^T over the keys the tile's last token
     // sees (earlier tokens' later keys get probability 0), out = p V.
     const int64_t D = hp_.d_head, H = hp_.n_head, HKV = hp_.n_head_kv, group = H / HKV, Q = H * D;
@@ -445,10 +466,9 @@ void Engine::batch_heads(const float *kc, const float *vc, int64_t n_tok) {
             const int64_t t0 = w / H * kAttnTile, h = w % H, kvh = h / group;
             const int64_t nt = std::min(kAttnTile, n_tok - t0), n_keys = n_past_ + t0 + nt;
             std::fill(sc, sc + nt * n_keys, 0.0f);
-            const float *keys = kc + kvh * key_slots * D;
             for (int64_t c = 0; c < n_keys; c += kKeyTile)
-                ks_->gemm_f32(int(nt), int(D), int(std::min(kKeyTile, n_keys - c)), q_.data() + t0 * Q + h * D, int(Q),
-                              keys + c * D, int(kKeyTile), sc + c, int(n_keys));
+                gemm_cache(int(nt), int(D), int(std::min(kKeyTile, n_keys - c)), q_.data() + t0 * Q + h * D, int(Q), kc,
+                           (kvh * key_slots + c) * D, int(kKeyTile), sc + c, int(n_keys));
             for (int64_t t = 0; t < nt; ++t) {  // softmax over the keys token t sees, 0 for the later ones
                 const int64_t n_valid = n_past_ + t0 + t + 1;
                 ks_->softmax(int(n_valid), scale, sc + t * n_keys);
@@ -456,7 +476,7 @@ void Engine::batch_heads(const float *kc, const float *vc, int64_t n_tok) {
             }
             float *out = att_.data() + t0 * Q + h * D;
             for (int64_t t = 0; t < nt; ++t) std::fill(out + t * Q, out + t * Q + D, 0.0f);
-            ks_->gemm_f32(int(nt), int(n_keys), int(D), sc, int(n_keys), vc + kvh * n_ctx_ * D, int(D), out, int(Q));
+            gemm_cache(int(nt), int(n_keys), int(D), sc, int(n_keys), vc, kvh * n_ctx_ * D, int(D), out, int(Q));
         }
     };
     // A head's keys and values come from the cache (memory-bound, not multiply-bound): its work is counted as
@@ -464,7 +484,7 @@ void Engine::batch_heads(const float *kc, const float *vc, int64_t n_tok) {
     pool_->run(int(std::min<int64_t>(n_tiles * H, pool_->chunks_for(n_tok * H * n_all * D * 2 * kCacheReadCost, kGrain))), job);
 }
 
-void Engine::decode_heads(const float *kc, const float *vc, int64_t n_keys) {
+void Engine::decode_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_keys) {
     // The query heads that share a kv head read its keys and values once, as the rows of one gemm (up to
     // kHeadsPerTile of them), in three jobs: the scores by (kv head, key tile), so that any head counts split
     // evenly; each head's softmax; the outputs by (kv head, tile of its heads). The same fma chains, so the
@@ -482,8 +502,8 @@ void Engine::decode_heads(const float *kc, const float *vc, int64_t n_keys) {
             const int64_t kvh = u / n_key_tiles, c = u % n_key_tiles * kKeyTile, cols = std::min(kKeyTile, n_keys - c);
             float *y = sc + kvh * group * n_keys + c;
             for (int64_t i = 0; i < group; ++i) std::fill(y + i * n_keys, y + i * n_keys + cols, 0.0f);
-            ks_->gemm_f32(int(group), int(D), int(cols), q_.data() + kvh * group * D, int(D),
-                          kc + (kvh * key_slots + c) * D, int(kKeyTile), y, int(n_keys));
+            gemm_cache(int(group), int(D), int(cols), q_.data() + kvh * group * D, int(D), kc, (kvh * key_slots + c) * D,
+                       int(kKeyTile), y, int(n_keys));
         }
     };
     pool_->run(int(std::min<int64_t>(HKV * n_key_tiles, pool_->chunks_for(reads, kGrain))), scores);
@@ -501,8 +521,8 @@ void Engine::decode_heads(const float *kc, const float *vc, int64_t n_keys) {
             const int64_t nh = std::min(kHeadsPerTile, (kvh + 1) * group - h0);
             float *out = att_.data() + h0 * D;
             std::fill(out, out + nh * D, 0.0f);
-            ks_->gemm_f32(int(nh), int(n_keys), int(D), sc + h0 * n_keys, int(n_keys), vc + kvh * n_ctx_ * D, int(D),
-                          out, int(D));
+            gemm_cache(int(nh), int(n_keys), int(D), sc + h0 * n_keys, int(n_keys), vc, kvh * n_ctx_ * D, int(D), out,
+                       int(D));
         }
     };
     pool_->run(int(std::min<int64_t>(HKV * n_head_tiles, pool_->chunks_for(reads, kGrain))), values);
@@ -1180,6 +1200,9 @@ const std::string &Engine::info_json() {
             ", \"hot_neurons\": " + num(double(model_->hot_neurons())) +
             ", \"threads\": " + num(pool_->size()) + ", \"isa\": " + quoted(ks_->isa) +
             ", \"ffn_mode\": " + quoted(mode_name(mode_)) + ", \"recall_check\": " + (recall_check_ ? "true" : "false") +
+            ", \"kv_type\": " + quoted(kv_f16_ ? "f16" : "f32") +
+            ", \"kv_cache_bytes\": " + std::to_string(int64_t(kv_cache_bytes())) +
+            ", \"work_buffer_bytes\": " + std::to_string(int64_t(work_buffer_bytes(pool_->size()))) +
             ", \"activation_thresholds\": [";
     for (size_t i = 0; i < model_->layers().size(); ++i) json_ += (i ? ", " : "") + num(model_->layers()[i].act_threshold);
     json_ += "], \"predictor_thresholds\": [";
@@ -1195,8 +1218,8 @@ const std::string &Engine::stats_json() {
             ", \"attention\": " + num(times_.attention) + ", \"predictor\": " + num(times_.predictor) +
             ", \"gate_up\": " + num(times_.gate_up) + ", \"down\": " + num(times_.down) + ", \"output\": " + num(times_.output) + "}";
     const WeightCopies wc = model_->weight_copies();
-    json_ += ", \"weight_copies\": {\"packed\": " + num(double(wc.packed)) + ", \"predictor\": " + num(double(wc.predictor)) +
-             ", \"hot\": " + num(double(wc.hot)) + ", \"cold_groups\": " + num(double(wc.cold_groups)) + "}, \"layers\": [";
+    json_ += ", \"weight_copies\": {\"packed\": " + std::to_string(wc.packed) + ", \"predictor\": " + std::to_string(wc.predictor) +
+             ", \"hot\": " + std::to_string(wc.hot) + ", \"cold_groups\": " + std::to_string(wc.cold_groups) + "}, \"layers\": [";
     const double F = double(hp_.n_ff);
     for (size_t i = 0; i < stats_.size(); ++i) {
         const LayerStats &s = stats_[i];

@@ -71,13 +71,20 @@ public:
 private:
     // Refuses (PI_ERR_MEMORY) before allocating when the buffers the hyperparameters imply exceed RAM.
     void check_working_memory(int64_t threads) const;
+    // Bytes of the KV cache, and of every other buffer the hyperparameters, ctx_size, batch and threads imply
+    // (in doubles: no overflow for a hostile file's sizes).
+    double kv_cache_bytes() const;
+    double work_buffer_bytes(int64_t threads) const;
     void forward(const int32_t *tokens, int64_t n_tok, float *logits, int64_t ld_logits, bool all_logits);
     // cold_mode: choose_cold_mode's verdict for the layer (attention fetches a predictor it will need)
     void attention(int64_t il, int64_t n_tok, TierMode cold_mode);
     // the heads of a batch of n_tok tokens, and of a decode step over n_keys cached positions, given the layer's
     // cache (kc, vc); att_ receives their outputs
-    void batch_heads(const float *kc, const float *vc, int64_t n_tok);
-    void decode_heads(const float *kc, const float *vc, int64_t n_keys);
+    void batch_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_tok);
+    void decode_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_keys);
+    // gemm_f32 (or gemm_f16 for an f16 cache) with w at element `at` of the cache bytes `cache`
+    void gemm_cache(int n_tok, int n_rows, int n_cols, const float *h, int ldh, const uint8_t *cache, int64_t at,
+                    int ldw, float *y, int ldy) const;
     void ffn(int64_t il, int64_t n_tok, TierMode cold_mode);
     TierMode choose_cold_mode(int64_t il, int64_t n_tok) const;
     // Whether the cold tier keeps its gates (ups) in 8-row groups: where this mode never reads them by index,
@@ -124,6 +131,8 @@ private:
     // [layer][kv head][pos / kKeyTile][d_head][pos % kKeyTile] (a query's scores over a tile are a gemm over
     // contiguous rows), values [layer][kv head][pos][d_head]
     CacheMemory k_cache_, v_cache_;
+    bool kv_f16_ = false;                                 // elements in f16 (else f32)
+    int64_t kv_bytes() const { return kv_f16_ ? 2 : 4; }  // bytes of one cache element
     int64_t key_slots() const;  // positions a kv head's keys hold: n_ctx rounded up to whole tiles
     int64_t n_past_ = 0;
     std::vector<int32_t> history_;

@@ -47,6 +47,10 @@ struct KernelSet {
     // down projection from a panel of widened rows. Each element is an fma chain over r in order.
     void (*gemm_f32)(int n_tok, int n_rows, int n_cols, const float *h, int ldh, const float *w, int ldw, float *y,
                      int ldy);
+    // the same with w in f16 (a KV cache in half precision), each element widened as it is read: bit-identical
+    // to gemm_f32 over the widened matrix
+    void (*gemm_f16)(int n_tok, int n_rows, int n_cols, const float *h, int ldh, const uint16_t *w, int ldw, float *y,
+                     int ldy);
     // out[i] = silu(x[i]) as silu_ref computes it (bit for bit); out may be x
     void (*silu)(int n, const float *x, float *out);
     // x[i] = exp(s x[i] - max_j s x[j]) / sum of those, i < n (n >= 1), exps as exp_ref, the sum in a fixed

@@ -162,11 +162,15 @@ void gemm8(int n, int n_groups, const void *w, int n_tok, const void *x, size_t 
         gemv8<Type>(n, n_groups, w, static_cast<const uint8_t *>(x) + size_t(t) * x_stride, out + t * ldo);
 }
 
-void gemm_f32(int n_tok, int n_rows, int n_cols, const float *h, int ldh, const float *w, int ldw, float *y, int ldy) {
+inline float widen(float v) { return v; }
+inline float widen(uint16_t v) { return f16_to_f32(v); }
+
+template <class W>
+void gemm(int n_tok, int n_rows, int n_cols, const float *h, int ldh, const W *w, int ldw, float *y, int ldy) {
     for (int t = 0; t < n_tok; ++t)
         for (int c = 0; c < n_cols; ++c) {
             float acc = y[t * ldy + c];
-            for (int r = 0; r < n_rows; ++r) acc = std::fma(h[t * ldh + r], w[r * ldw + c], acc);
+            for (int r = 0; r < n_rows; ++r) acc = std::fma(h[t * ldh + r], widen(w[r * ldw + c]), acc);
             y[t * ldy + c] = acc;
         }
 }
@@ -229,7 +233,8 @@ const KernelSet kScalar = {
     PI_TYPE_KERNELS(q4_0, TYPE_Q4_0, gemm8<TYPE_Q4_0>, dot_rows_q<BlockQ4_0>),
     PI_TYPE_KERNELS(q8_0, TYPE_Q8_0, gemm8<TYPE_Q8_0>, dot_rows_q<BlockQ8_0>),
     quantize_q8_0,
-    gemm_f32,
+    gemm<float>,
+    gemm<uint16_t>,
     silu,
     softmax,
 };

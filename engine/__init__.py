@@ -5,7 +5,7 @@
         for token in m.generate(tokens, 32):
             ...
 """
-from engine._lib import FFN_MODES, EngineError, library_path
+from engine._lib import FFN_MODES, KV_TYPES, EngineError, library_path
 from engine.model import Model
 
-__all__ = ["Model", "EngineError", "FFN_MODES", "library_path"]
+__all__ = ["Model", "EngineError", "FFN_MODES", "KV_TYPES", "library_path"]

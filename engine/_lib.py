@@ -11,9 +11,10 @@ from functools import lru_cache
 from pathlib import Path
 
 LIBRARY_ENV = "PI_ENGINE_LIB"
-API_VERSION = 1
+API_VERSION = 2
 
 FFN_MODES = {"dense": 0, "gate": 1, "predictor": 2, "auto": 3, "oracle": 4}
+KV_TYPES = {"f32": 0, "f16": 1}
 
 
 class EngineError(RuntimeError):
@@ -27,7 +28,7 @@ class EngineError(RuntimeError):
 class Options(ctypes.Structure):
     _fields_ = [("threads", ctypes.c_int32), ("ctx_size", ctypes.c_int32), ("batch_size", ctypes.c_int32),
                 ("ffn_mode", ctypes.c_int32), ("recall_check", ctypes.c_int32), ("gpuidx_path", ctypes.c_char_p),
-                ("isa", ctypes.c_char_p)]
+                ("isa", ctypes.c_char_p), ("kv_type", ctypes.c_int32)]
 
 
 class Sampling(ctypes.Structure):
@@ -79,6 +80,7 @@ _SIGNATURES = {
     "pi_kernel_pack8": (_I32, [_I32, _I32, _P, _P]),
     "pi_kernel_gemm8": (_I32, [ctypes.c_char_p, _I32, _I32, _I32, _P, _I32, _P, _P]),
     "pi_kernel_gemm_f32": (_I32, [ctypes.c_char_p, _I32, _I32, _I32, _P, _P, _P]),
+    "pi_kernel_gemm_f16": (_I32, [ctypes.c_char_p, _I32, _I32, _I32, _P, _P, _P]),
     "pi_kernel_silu": (_I32, [ctypes.c_char_p, _I32, _P, _P]),
     "pi_kernel_softmax": (_I32, [ctypes.c_char_p, _I32, ctypes.c_float, _P]),
     "pi_kernel_to_float": (_I32, [ctypes.c_char_p, _I32, _I32, _P, _P]),

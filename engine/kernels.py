@@ -94,10 +94,14 @@ def gemm8(isa: str, wtype: str, n: int, packed: np.ndarray, x: np.ndarray) -> np
 
 
 def gemm_f32(isa: str, h: np.ndarray, w: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """y + h @ w (float32, row-major), as the batch down projection computes it."""
-    h, w = np.ascontiguousarray(h, dtype=np.float32), np.ascontiguousarray(w, dtype=np.float32)
+    """y + h @ w (float32, row-major), as the batch down projection and attention compute it; w float16: as
+    attention over a half-precision KV cache computes it (each element widened as it is read)."""
+    h = np.ascontiguousarray(h, dtype=np.float32)
+    half = np.asarray(w).dtype == np.float16
+    w = np.ascontiguousarray(w, dtype=np.float16 if half else np.float32)
     y = np.array(y, dtype=np.float32, copy=True)
-    check(lib().pi_kernel_gemm_f32(isa.encode(), h.shape[0], h.shape[1], w.shape[1], _ptr(h), _ptr(w), _ptr(y)))
+    gemm = lib().pi_kernel_gemm_f16 if half else lib().pi_kernel_gemm_f32
+    check(gemm(isa.encode(), h.shape[0], h.shape[1], w.shape[1], _ptr(h), _ptr(w), _ptr(y)))
     return y
 
 

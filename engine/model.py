@@ -8,7 +8,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from engine._lib import FFN_MODES, EngineError, Options, Sampling, check, lib
+from engine._lib import FFN_MODES, KV_TYPES, EngineError, Options, Sampling, check, lib
 
 
 class Model:
@@ -18,12 +18,14 @@ class Model:
     ctx_size: KV cache length (default: min(training context, 4096)); gpuidx: optional PowerInfer
     .gpuidx file whose neurons form the hot tier; recall_check: also compute the true activation mask
     in predictor mode to report recall; batch_size: tokens per forward batch of a prompt;
-    isa: force a kernel set ("scalar", "avx2", "avx512") instead of the best available one.
+    isa: force a kernel set ("scalar", "avx2", "avx512") instead of the best available one; kv_type: the KV
+    cache's element type, "f32" (logits within float rounding of the reference) or "f16" (half the cache's
+    memory and of what a decode step reads of it, llama.cpp's default).
     """
 
     def __init__(self, path: str | os.PathLike, threads: int | None = None, sparse_mode: str = "dense",
                  ctx_size: int | None = None, gpuidx: str | os.PathLike | None = None, recall_check: bool = False,
-                 batch_size: int | None = None, isa: str | None = None):
+                 batch_size: int | None = None, isa: str | None = None, kv_type: str = "f32"):
         self._handle = None
         opts = Options()
         lib().pi_options_default(ctypes.byref(opts))
@@ -34,6 +36,9 @@ class Model:
         opts.recall_check = int(recall_check)
         opts.gpuidx_path = os.fsencode(gpuidx) if gpuidx is not None else None
         opts.isa = isa.encode() if isa else None
+        if kv_type not in KV_TYPES:
+            raise EngineError(f"unknown KV cache type {kv_type!r} (choose from {', '.join(KV_TYPES)})")
+        opts.kv_type = KV_TYPES[kv_type]
         handle = ctypes.c_void_p()
         check(lib().pi_open(os.fsencode(path), ctypes.byref(opts), ctypes.byref(handle)))
         self._handle = handle

@@ -40,7 +40,7 @@ class Worker:
     timed: llama.cpp's OpenMP threads under OMP_WAIT_POLICY=active otherwise keep spinning on a core for
     as long as their process lives."""
 
-    def __init__(self, backend: str, path: Path | str, threads: int, n_ctx: int, batch: int = 0,
+    def __init__(self, backend: str, path: Path | str, threads: int, n_ctx: int, batch: int = 0, kv_type: str = "f32",
                  python: str | None = None, env: dict | None = None):
         self.backend = backend
         python = python or sys.executable
@@ -48,7 +48,7 @@ class Worker:
             cmd = [python, "-I", str(WORKER)]
         else:
             cmd = [python, "-m", "powerinfer_tools.bench_worker"]
-        cmd += [backend, str(path), str(threads), str(n_ctx), str(batch)]
+        cmd += [backend, str(path), str(threads), str(n_ctx), str(batch), kv_type]
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS="1", **(env or {}))
         root = Path(__file__).resolve().parents[1]
         env["PYTHONPATH"] = os.pathsep.join([str(root)] + [p for p in [env.get("PYTHONPATH")] if p])

@@ -38,11 +38,11 @@ class ModelBytes:
     layers: list[LayerBytes]
     head: int             # output head (the embedding when there is no output.weight)
     embedding_row: int
-    kv_per_position: int  # K and V bytes of one cached position in one layer (f32 cache)
+    kv_per_position: int  # K and V bytes of one cached position in one layer
 
 
-def model_bytes(path: Path) -> ModelBytes:
-    """Row and matrix sizes of a PowerInfer file, from its tensor table."""
+def model_bytes(path: Path, kv_type: str = "f32") -> ModelBytes:
+    """Row and matrix sizes of a PowerInfer file, from its tensor table; the KV cache's in kv_type."""
     reader = open_reader(path)
     sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
     rows = {t.name: int(t.shape[-1]) if len(t.shape) > 1 else 1 for t in reader.tensors}
@@ -66,7 +66,7 @@ def model_bytes(path: Path) -> ModelBytes:
                                  row("ffn_up"), row("ffn_down_t"), n_ff))
     head = sizes.get("output.weight", sizes["token_embd.weight"])
     embedding_row = sizes["token_embd.weight"] // rows["token_embd.weight"]
-    kv = 2 * (n_embd // n_head) * n_kv * 4
+    kv = 2 * (n_embd // n_head) * n_kv * {"f32": 4, "f16": 2}[kv_type]
     return ModelBytes(layers, head, embedding_row, kv)
 
 

@@ -81,18 +81,25 @@ def cached_plan(model: Path, vram_budget_gib: float, profile: str | os.PathLike 
     return path
 
 
+KV_TYPES = ("f32", "f16")
+KV_TYPE_HELP = ("KV cache type: f32 (logits within float rounding of transformers) or f16 (half the cache's memory "
+                "and of what each generated token reads of it at a long context; llama.cpp's default).")
+
+
 def open_engine(target: EngineTarget, threads: int | None = None, sparse_mode: str = "dense",
-                ctx_size: int | None = None, recall_check: bool = False):
+                ctx_size: int | None = None, recall_check: bool = False, kv_type: str = "f32"):
     """engine.Model for the target; engine failures become UserError with the engine's message."""
     import engine
 
     if sparse_mode not in SPARSE_MODES:
         raise UserError(f"unknown --sparse-mode {sparse_mode!r} (choose from {', '.join(SPARSE_MODES)})")
+    if kv_type not in KV_TYPES:
+        raise UserError(f"unknown --kv-type {kv_type!r} (choose from {', '.join(KV_TYPES)})")
     if threads is not None and threads < 1:
         raise UserError("--threads must be at least 1")
     try:
         return engine.Model(target.model, threads=threads, sparse_mode=sparse_mode, ctx_size=ctx_size,
-                            gpuidx=target.gpuidx, recall_check=recall_check)
+                            gpuidx=target.gpuidx, recall_check=recall_check, kv_type=kv_type)
     except engine.EngineError as exc:
         raise UserError(str(exc)) from None
 

@@ -3,6 +3,7 @@ logits (optionally with the FFN sparsified exactly as an engine mode defines it)
 edited copies of a file (`rewrite`)."""
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import gguf
@@ -69,11 +70,12 @@ def q8_round_trip(x: torch.Tensor) -> torch.Tensor:
 
 
 def hf_logits(model_dir: Path, tokens: list[int], mask_fn=None, weights_from: Path | None = None,
-              q8_inputs: bool = False) -> np.ndarray:
+              q8_inputs: bool = False, kv_f16: bool = False) -> np.ndarray:
     """transformers' logits [len(tokens), vocab]; mask_fn(layer, x_pred, a) -> a' sparsifies the FFN
     activation of each layer from its predictor input x_pred (the residual entering the FFN block);
     weights_from: run with the weights stored in that converted file instead; q8_inputs: round the
-    inputs of the projections that the engine multiplies as q8_0 blocks (all but the down projection)."""
+    inputs of the projections that the engine multiplies as q8_0 blocks (all but the down projection);
+    kv_f16: attention reads keys (after RoPE) and values rounded to f16, as from a half-precision KV cache."""
     model, adapter = hf_model(model_dir)
     if weights_from is not None:
         c = model.config
@@ -87,9 +89,19 @@ def hf_logits(model_dir: Path, tokens: list[int], mask_fn=None, weights_from: Pa
         inputs = {}
         handles += arch.install_taps(adapter, model, on_input=lambda i, x: inputs.__setitem__(i, x),
                                     on_activation=lambda i, a: mask_fn(i, inputs[i], a))
+    cache = {}
+    if kv_f16:
+        from transformers import DynamicCache
+
+        class HalfCache(DynamicCache):
+            def update(self, key_states, value_states, *args, **kwargs):
+                return super().update(key_states.half().float(), value_states.half().float(), *args, **kwargs)
+
+        name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        cache = {name: HalfCache(), "use_cache": True}
     try:
         with torch.no_grad():
-            return model(torch.tensor([tokens])).logits[0].float().numpy()
+            return model(torch.tensor([tokens]), **cache).logits[0].float().numpy()
     finally:
         for h in handles:
             h.remove()

@@ -245,17 +245,18 @@ def test_targets_and_markdown():
     assert "| gate@0.5_vs_llamacpp (sweep) | 1.18 | ≥ 1.20 | **no** |" in md
     # a ceiling: met at or below its goal
     rec["files"] = {"powerinfer_bytes": 100 * 2**20}
-    rec["engine"] = {"kv_cache_bytes": 10 * 2**20, "memory_by_mode": {
+    rec["engine"] = {"kv_cache_bytes": 10 * 2**20, "work_buffer_bytes": 5 * 2**20, "memory_by_mode": {
         "dense": {"peak_rss_bytes": 150 * 2**20, "rss_before_model_bytes": 30 * 2**20},
         "auto": {"peak_rss_bytes": 190 * 2**20, "rss_before_model_bytes": 30 * 2**20}}}
     targets = {t["target"]: t for t in bench.check_targets(rec)}
-    assert targets["peak_rss_over_file_plus_kv dense"]["value"] == pytest.approx(120 / 110)
-    assert targets["peak_rss_over_file_plus_kv dense"]["met"] and not targets["peak_rss_over_file_plus_kv auto"]["met"]
+    assert targets["peak_rss_over_file_kv_buffers dense"]["value"] == pytest.approx(120 / 115)
+    assert targets["peak_rss_over_file_kv_buffers dense"]["met"]
+    assert not targets["peak_rss_over_file_kv_buffers auto"]["met"]
     rec["targets"] = list(targets.values())
     md = bench.render_markdown(rec)
     assert "one mode per process, less the worker before the model opened: dense 120.0 MiB, auto 160.0 MiB " \
-           "(file + KV cache 110.0 MiB)" in md
-    assert "| peak_rss_over_file_plus_kv auto (main) | 1.45 | ≤ 1.10 | **no** |" in md
+           "(file 100.0 + KV cache 10.0 + work buffers 5.0 MiB)" in md
+    assert "| peak_rss_over_file_kv_buffers auto (main) | 1.39 | ≤ 1.05 | **no** |" in md
 
 
 def test_sweep_plot(tmp_path):
@@ -279,6 +280,7 @@ def _cli(*args, cwd=ROOT):
     (["-m", "smollm2", "--peers", "vllm"], "unknown peer 'vllm'"),
     (["-m", "smollm2", "--sweep-sparsity", "--sweep-levels", "0.5,1.5"], "sparsity levels must be in"),
     (["-m", "smollm2", "--depth", "-1"], "--depth must be at least 0"),
+    (["-m", "smollm2", "--kv-type", "q8_0"], "--kv-type must be f32 or f16"),
 ])
 def test_cli_bad_input(args, message):
     r = _cli(*args)
@@ -349,9 +351,9 @@ def test_bench_end_to_end_tiny(silu_files, tmp_path):
     assert set(memory) == {"dense", "gate", "predictor", "auto"}
     for mode, m in memory.items():
         assert m["peak_rss_bytes"] > m["rss_before_model_bytes"] > 0
-        rss_target = next(t for t in rec["targets"] if t["target"] == f"peak_rss_over_file_plus_kv {mode}")
-        assert rss_target["value"] == pytest.approx((m["peak_rss_bytes"] - m["rss_before_model_bytes"]) /
-                                                    (rec["files"]["powerinfer_bytes"] + rec["engine"]["kv_cache_bytes"]))
+        rss_target = next(t for t in rec["targets"] if t["target"] == f"peak_rss_over_file_kv_buffers {mode}")
+        assert rss_target["value"] == pytest.approx((m["peak_rss_bytes"] - m["rss_before_model_bytes"]) / (
+            rec["files"]["powerinfer_bytes"] + rec["engine"]["kv_cache_bytes"] + rec["engine"]["work_buffer_bytes"]))
     for e in rec["runs"] + rec["sweep"]:  # of limit: against the bandwidth sampled during that table's rounds
         if e["backend"] == "ours":
             assert e["read_bandwidth"] > 1e8
@@ -367,20 +369,25 @@ def test_bench_end_to_end_tiny(silu_files, tmp_path):
     assert json.loads((tmp_path / "r.json").read_text())["format"] == "powerinfer-tools.bench/1"
 
 
-def test_bench_at_depth(silu_files, tmp_path):
+@pytest.mark.parametrize("kv_type", ["f32", "f16"])
+def test_bench_at_depth(silu_files, tmp_path, kv_type):
     """--depth: tg runs after that many tokens went into the cache, for ours and the llama.cpp peer alike; the
-    byte model's KV reads are those of the deeper positions, and the tables name the test as llama-bench does."""
+    byte model's KV reads are those of the deeper positions (in --kv-type's element size), and the tables name
+    the test as llama-bench does."""
     pytest.importorskip("engine")
     model, files, work = silu_files
     depth, n_gen = 40, 8
     opts = bench.BenchOptions(model=model, outtype="q8_0", threads=2, repeats=1, modes=("dense",), n_prompt=16,
-                              n_gen=n_gen, depth=depth, batch=16, work_dir=work, peers=("llama.cpp",),
+                              n_gen=n_gen, depth=depth, batch=16, kv_type=kv_type, work_dir=work, peers=("llama.cpp",),
                               peer_python=_peer_python(tmp_path), progress=False, text=ROOT / "README.md")
     rec = bench.run_bench(opts)
     assert rec["settings"]["depth"] == depth and rec["tokens"]["context"] == depth
+    assert rec["engine"]["kv_type"] == kv_type
     ours = next(e for e in rec["runs"] if e["label"] == "ours dense")
     assert ours["stats"]["n_past"] == depth + n_gen and ours["stats"]["decode_tokens"] == n_gen
-    mb = byte_model.model_bytes(files.powerinfer)
+    mb = byte_model.model_bytes(files.powerinfer, kv_type=kv_type)
+    assert mb.kv_per_position == byte_model.model_bytes(files.powerinfer).kv_per_position // (2 if kv_type == "f16" else 1)
     assert ours["bytes_per_token"]["kv_cache"] == pytest.approx(
         mb.kv_per_position * len(mb.layers) * (depth + (n_gen - 1) / 2))
-    assert f"tg{n_gen} @ d{depth} t/s" in bench.render_markdown(rec)
+    md = bench.render_markdown(rec)
+    assert f"tg{n_gen} @ d{depth} t/s" in md and f"KV cache {kv_type}" in md

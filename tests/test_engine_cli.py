@@ -48,6 +48,7 @@ def test_run_chat_template_and_seeded_sampling(converted, capsys):
     (["--sparse-mode", "predictor"], "has no predictors"),
     (["-t", "0"], "--threads must be at least 1"),
     (["--gpuidx", "/no/such.gpuidx"], "GPU index not found"),
+    (["--kv-type", "q8_0"], "unknown --kv-type"),
 ])
 def test_run_bad_input(args, message, converted, capsys):
     base = {"-m": str(converted("llama-relu"))}
@@ -81,6 +82,21 @@ def test_perplexity_equals_transformers_on_the_same_windows(mode, thresholds, tm
     if thresholds:
         assert result["perplexity"] != pytest.approx(evaluate.perplexity(model, adapter, seqs), rel=1e-3)
         assert 0 < result["density"] < 1
+
+
+def test_perplexity_with_an_f16_kv_cache(tmp_path, converted, capsys):
+    """--kv-type f16: the same windows scored through a half-precision cache; the rounding of the cached keys
+    and values moves the perplexity a little, never a lot."""
+    path, text = converted("llama-silu"), corpus(tmp_path)
+    results = {}
+    for kv_type in ("f32", "f16"):
+        code, out, err = run_cli(capsys, "perplexity", "-m", path, "-f", text, "--ctx", "64", "--chunks", "4",
+                                 "--kv-type", kv_type, "--json", "-q")
+        assert code == 0, err
+        results[kv_type] = json.loads(out)
+    assert results["f16"]["kv_type"] == "f16"
+    assert results["f16"]["perplexity"] != results["f32"]["perplexity"]
+    assert results["f16"]["perplexity"] == pytest.approx(results["f32"]["perplexity"], rel=1e-2)
 
 
 def test_perplexity_bad_input(tmp_path, converted, capsys):

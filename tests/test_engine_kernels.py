@@ -205,6 +205,11 @@ def test_gemm_f32_is_y_plus_h_at_w(isa, n_tok, n_rows, n_cols):
     np.testing.assert_array_equal(got, kernels.gemm_f32("scalar", h, w, y))
     exact = y.astype(np.float64) + h.astype(np.float32).astype(np.float64) @ w.astype(np.float32).astype(np.float64)
     np.testing.assert_allclose(got, exact, rtol=1e-5, atol=1e-5 * np.sqrt(n_rows))
+    # w in f16 (a half-precision KV cache): the same bits as the f32 kernel over the widened values
+    w16 = w.astype(np.float16)
+    half = kernels.gemm_f32(isa, h, w16, y)
+    np.testing.assert_array_equal(half, kernels.gemm_f32("scalar", h, w16.astype(np.float32), y))
+    np.testing.assert_array_equal(half, kernels.gemm_f32("scalar", h, w16, y))
 
 
 @pytest.mark.parametrize("isa", ["scalar"] + SIMD)

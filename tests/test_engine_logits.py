@@ -10,7 +10,7 @@ import torch
 from convert_helpers import read_fields, read_tensors, write_predictors
 from engine_helpers import (converted, engine_prompt_then_decode, hf_logits, max_rel_err,  # noqa: F401
                             q8_round_trip, random_tokens, rewrite, write_gpuidx)
-from tiny_models import HIDDEN, N_FF, N_LAYER, PROSPARSE_THRESHOLD, make_tiny
+from tiny_models import HIDDEN, N_FF, N_HEAD, N_KV, N_LAYER, PROSPARSE_THRESHOLD, make_tiny
 
 import engine
 from engine import kernels
@@ -329,20 +329,42 @@ def test_quantized_files_match_their_dequantized_weights(outtype, tiny_model_dir
         assert (got.argmax(1) == ref.argmax(1)).mean() >= 0.97, isa
 
 
+@pytest.mark.parametrize("kv_type", ["f32", "f16"])
 @pytest.mark.parametrize("kind", ["llama-relu", "falcon7b"])
-def test_long_context_matches_transformers(kind, tiny_model_dir, converted):
+def test_long_context_matches_transformers(kind, kv_type, tiny_model_dir, converted):
     """Past the training context's 256 positions and across several tiles of cached keys: prompt batches and
     decode steps (whose heads share their kv head's reads: 2 query heads a kv head here, 4 in falcon7b's
-    multi-query layout) against transformers, and decode steps that do not depend on the thread count."""
+    multi-query layout) against transformers, and decode steps that do not depend on the thread count. An f16
+    cache against transformers reading its keys and values rounded to f16."""
     n_prompt, tokens = 200, random_tokens(300, 300, seed=4)
-    ref = hf_logits(tiny_model_dir(kind), tokens)
+    ref = hf_logits(tiny_model_dir(kind), tokens, kv_f16=kv_type == "f16")
     logits = {}
     for threads in (1, 2, 3):
-        with engine.Model(converted(kind), threads=threads, ctx_size=320, batch_size=48) as m:
+        with engine.Model(converted(kind), threads=threads, ctx_size=320, batch_size=48, kv_type=kv_type) as m:
             logits[threads] = engine_prompt_then_decode(m, tokens, n_prompt)
-    assert max_rel_err(logits[2], ref) <= 1e-4
+            assert m.info["kv_type"] == kv_type
+    # measured: 4e-7 to 8e-7 (f32), 2e-6 to 3e-6 (f16 against the rounded reference; 1e-4 to 3e-4 unrounded)
+    assert max_rel_err(logits[2], ref) <= (1e-4 if kv_type == "f32" else 2e-5)
     assert np.array_equal(logits[1][n_prompt:], logits[2][n_prompt:])
     assert np.array_equal(logits[3][n_prompt:], logits[2][n_prompt:])
+
+
+def test_f16_kv_cache_halves_the_cache(converted, tiny_model_dir):
+    """The cache's bytes halve; the logits move by the rounding of the cached keys and values (against f32
+    transformers) while the greedy tokens stay."""
+    path = converted("llama-silu")
+    sizes, logits = {}, {}
+    for kv_type in ("f32", "f16"):
+        with engine.Model(path, threads=2, ctx_size=200, kv_type=kv_type) as m:
+            sizes[kv_type] = m.info["kv_cache_bytes"]
+            logits[kv_type] = engine_prompt_then_decode(m, TOKENS, N_PROMPT)
+    assert sizes["f32"] == N_LAYER * N_KV * (HIDDEN // N_HEAD) * (256 + 200) * 4  # keys in whole tiles of 64, values
+    assert sizes["f16"] * 2 == sizes["f32"]
+    ref = hf_logits(tiny_model_dir("llama-silu"), TOKENS)
+    assert 1e-5 < max_rel_err(logits["f16"], ref) <= 1e-2
+    assert (logits["f16"].argmax(1) == ref.argmax(1)).mean() >= 0.97
+    with pytest.raises(engine.EngineError, match="unknown KV cache type"):
+        engine.Model(path, kv_type="q8_0")
 
 
 def test_eval_cache_semantics(converted):

@@ -14,7 +14,7 @@
 extern "C" {
 #endif
 
-#define PI_ENGINE_API_VERSION 1
+#define PI_ENGINE_API_VERSION 2
 
 typedef enum {
     PI_OK = 0,
@@ -35,6 +35,13 @@ typedef enum {
     PI_FFN_ORACLE = 4     /* predictor path with the predictor replaced by the true mask (testing) */
 } pi_ffn_mode;
 
+/* The KV cache's element type. f32 keeps the engine's logits within float rounding of the reference;
+ * f16 (llama.cpp's default) halves the cache's memory and what a decode step reads of it. */
+typedef enum {
+    PI_KV_F32 = 0,
+    PI_KV_F16 = 1
+} pi_kv_type;
+
 typedef struct pi_engine pi_engine;
 
 typedef struct {
@@ -45,6 +52,7 @@ typedef struct {
     int32_t recall_check;    /* != 0: also compute the true mask to measure predictor recall */
     const char *gpuidx_path; /* optional PowerInfer .gpuidx file: its neurons form the hot tier */
     const char *isa;         /* optional kernel set: "scalar", "avx2", "avx512"; NULL: best available */
+    int32_t kv_type;         /* pi_kv_type */
 } pi_options;
 
 typedef struct {
@@ -116,6 +124,9 @@ pi_status pi_kernel_gemm8(const char *isa, int32_t type, int32_t n, int32_t n_gr
 /* y[t][c] += sum_r h[t][r] * w[r][c]: h n_tok x n_rows, w n_rows x n_cols, y n_tok x n_cols, row-major. */
 pi_status pi_kernel_gemm_f32(const char *isa, int32_t n_tok, int32_t n_rows, int32_t n_cols, const float *h,
                              const float *w, float *y);
+/* The same with w in IEEE half precision, each element widened to float as it is read. */
+pi_status pi_kernel_gemm_f16(const char *isa, int32_t n_tok, int32_t n_rows, int32_t n_cols, const float *h,
+                             const uint16_t *w, float *y);
 /* out[i] = x[i] * sigmoid(x[i]), as the engine's SiLU rule computes it. */
 pi_status pi_kernel_silu(const char *isa, int32_t n, const float *x, float *out);
 /* x[i] = exp(scale x[i] - max) / sum, in place (n >= 1): attention's softmax, bit-identical across sets. */

@@ -54,6 +54,8 @@ def bench(
     depth: int = typer.Option(0, "--depth", "-d", help="Tokens of the text already in the cache when tg starts "
                               "(not timed), as llama-bench's -d: generation at a long context."),
     batch: int = typer.Option(512, "--batch", help="Our engine's prompt batch size."),
+    kv_type: str = typer.Option("f32", "--kv-type", help="Our engine's KV cache type, f32 or f16 (llama.cpp's "
+                                "is f16; matters at a long --depth)."),
     text: Optional[Path] = typer.Option(None, "--text", help="Text whose tokens are fed (default: the project's "
                                         "wikitext-2-valid when present, else text the model generates)."),
     work_dir: Optional[Path] = typer.Option(None, "--work-dir", help="Where the built files are cached, "
@@ -88,14 +90,19 @@ def bench(
       pi-tools bench -m smollm2 --sparsity 0.5 --repeats 9 --json bench.json
 
       pi-tools bench -m smollm2 --modes dense --peers llama.cpp --depth 2048   # tg128 @ d2048
+
+      pi-tools bench -m smollm2 --modes dense --peers llama.cpp --depth 2048 --kv-type f16   # both caches f16
     """
     from powerinfer_tools.bench import BenchOptions, plot_sweep, render_markdown, run_bench, write_json
 
     if png is not None and not sweep_sparsity:
         raise UserError("--png draws the sparsity sweep: add --sweep-sparsity")
+    if kv_type not in ("f32", "f16"):
+        raise UserError(f"--kv-type must be f32 or f16, not {kv_type!r}")
     opts = BenchOptions(model=model, outtype=outtype.lower(), threads=threads, repeats=repeats, modes=_csv(modes),
                         peers=_csv(peers), sparsity=sparsity, sweep=sweep_sparsity, sweep_levels=_levels(sweep_levels),
                         sweep_repeats=sweep_repeats, n_prompt=n_prompt, n_gen=n_gen, depth=depth, batch=batch,
+                        kv_type=kv_type,
                         predictors=predictors, profile=profile, text=text, work_dir=work_dir,
                         peer_python=peer_python, llamacpp_wait=_wait_policy(llamacpp_wait), progress=not quiet,
                         command="pi-tools " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "")

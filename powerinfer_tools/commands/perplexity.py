@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 
 from powerinfer_tools.errors import UserError
+from powerinfer_tools.inference import KV_TYPE_HELP
 
 
 def perplexity(
@@ -20,6 +21,7 @@ def perplexity(
     chunks: int = typer.Option(0, "--chunks", help="Windows to score; 0 = as many as the text fills."),
     sparse_mode: str = typer.Option("dense", "--sparse-mode", help="FFN mode: dense, gate, predictor, auto, oracle."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Threads. Default: all cores."),
+    kv_type: str = typer.Option("f32", "--kv-type", help=KV_TYPE_HELP),
     gpuidx: Optional[Path] = typer.Option(None, "--gpuidx", help="GPU index: hot neurons computed densely."),
     vram_budget: Optional[float] = typer.Option(None, "--vram-budget", help="GiB of VRAM (as PowerInfer's "
                                                 "--vram-budget): reuse the plan cached beside the model for this "
@@ -42,6 +44,8 @@ def perplexity(
       pi-tools perplexity -m smollm2.f32.powerinfer.gguf -f wikitext-2-raw-test.txt --ctx 512 --chunks 32
 
       pi-tools perplexity -m smollm2.q8_0.powerinfer.gguf -f wikitext-2-raw-test.txt --sparse-mode gate --json
+
+      pi-tools perplexity -m smollm2.q8_0.powerinfer.gguf -f wikitext-2-raw-test.txt --ctx 2048 --kv-type f16
     """
     from powerinfer_tools import inference
     from powerinfer_tools.calibration import read_text, sequences_from_text
@@ -57,11 +61,12 @@ def perplexity(
     windows = sequences_from_text(tokenizer, [text], ctx, n_tokens, length_option="--ctx").numpy()
     started = time.perf_counter()
     with inference.open_engine(target, threads=threads, sparse_mode=sparse_mode, ctx_size=ctx,
-                               recall_check=recall) as llm:
+                               recall_check=recall, kv_type=kv_type) as llm:
         result = inference.perplexity(llm, windows, progress=not quiet)
         stats = llm.stats()
     seconds = time.perf_counter() - started
-    result.update({"model": str(target.model), "sparse_mode": sparse_mode, "ctx": ctx, "seconds": round(seconds, 2),
+    result.update({"model": str(target.model), "sparse_mode": sparse_mode, "kv_type": kv_type, "ctx": ctx,
+                   "seconds": round(seconds, 2),
                    "tokens_per_second": stats["prompt_tokens_per_second"], "density": stats["density"],
                    "recall": stats["recall"], "threads": llm.info["threads"]})
     if as_json:

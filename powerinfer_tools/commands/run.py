@@ -10,6 +10,7 @@ from typing import Optional
 import typer
 
 from powerinfer_tools.errors import UserError
+from powerinfer_tools.inference import KV_TYPE_HELP
 
 
 def run(
@@ -29,6 +30,7 @@ def run(
     profile: Optional[Path] = typer.Option(None, "--profile", help="Profile directory, to solve a plan for "
                                            "--vram-budget (known for 'smollm2')."),
     ctx_size: int = typer.Option(2048, "--ctx-size", "-c", help="Context length (KV cache)."),
+    kv_type: str = typer.Option("f32", "--kv-type", help=KV_TYPE_HELP),
     temp: float = typer.Option(0.8, "--temp", help="Sampling temperature; 0 = greedy."),
     top_k: int = typer.Option(40, "--top-k", help="Keep the k most likely tokens; 0 = off."),
     top_p: float = typer.Option(0.95, "--top-p", help="Nucleus sampling mass; 1 = off."),
@@ -50,6 +52,8 @@ def run(
 
       pi-tools run -m smollm2 --vram-budget 0.3 -p "Hello"   # hot/cold split solved for 0.3 GiB
 
+      pi-tools run -m smollm2 -c 8192 --kv-type f16 -p "Once upon a time" -n 4000   # a long text, half the cache
+
       pi-tools run -m smollm2.powerinfer.gguf -p "Write a haiku about the sea" --chat --sparse-mode gate -t 2
 
       pi-tools run -m relullama.q4_0.powerinfer.gguf --gpuidx relullama.generated.gpuidx -p "Hello" --seed 1
@@ -61,7 +65,7 @@ def run(
     target = inference.resolve_model_file(model, gpuidx, vram_budget, profile, ctx_size)
     started = time.perf_counter()
     tokenizer = inference.load_tokenizer(target.model)
-    llm = inference.open_engine(target, threads=threads, sparse_mode=sparse_mode, ctx_size=ctx_size)
+    llm = inference.open_engine(target, threads=threads, sparse_mode=sparse_mode, ctx_size=ctx_size, kv_type=kv_type)
     load_seconds = time.perf_counter() - started
     with llm:
         ids = prompt_ids(tokenizer, prompt, chat)

@@ -589,8 +589,8 @@ void Engine::ffn(int64_t il, int64_t n_tok, TierMode cold_mode) {
     op_x_.q_ready = false;
     const double active_before = st.active, predicted_before = st.predicted, cold_before = st.cold_tokens;
 
-    // Hot tier first (a device backend would run it concurrently), then the cold tier. A tier whose gate
-    // (and up) are read whole gets them in 8-row groups the first time.
+    // Hot tier first (a device backend would run it concurrently), then the cold tier, whose gates (and ups)
+    // are grouped the first time where this mode keeps them.
     const bool has_hot = L.hot.size() > 0;
     if (keeps_gate_groups()) model_->group_cold_tier(il, keeps_up_groups());
     if (has_hot) ffn_tier(L, L.hot, mode_ == PI_FFN_DENSE ? TierMode::Dense : TierMode::DenseRule, n_tok, y_hot_.data(), st, false);
@@ -1082,10 +1082,10 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
     } else {
         // A batch: each thread owns a slice of the columns. The used rows go in panels of kPanelRows, widened
         // to floats once, and the tokens' coefficients (0 where a token leaves a row out) in chunks of
-        // kPanelTokens, through gemm_f32 (tokens x columns tiles held in registers). In the modes that settle
-        // every token's every row (h_ is 0 where a token leaves a row out), all of the tier's rows stay in
-        // order when nearly all are used: the coefficients are then h_ itself, read in place by gemm_f32,
-        // instead of a copy gathered per panel and thread.
+        // kPanelTokens, through gemm_f32 (tokens x columns tiles held in registers). Where every token's every
+        // row was settled (h_ is 0 where a token leaves a row out), all of the tier's rows stay in order when
+        // nearly all are used: the coefficients are then h_ itself, read in place by gemm_f32, instead of a copy
+        // gathered per panel and thread.
         int64_t n_used = 0;
         for (int64_t i = 0; i < n_rows_; ++i) {  // counted (and compacted) without branches
             const int64_t r = rows_[size_t(i)];
@@ -1094,7 +1094,10 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
             rows_[size_t(n_used)] = int32_t(r);
             n_used += users > 0;
         }
-        const bool in_place = mode != TierMode::Predictor && mode != TierMode::Oracle && n_rows_ == n && n_used * 10 >= n * 9;
+        // every token's every row settled: the modes that list every row, and a predictor batch that read every
+        // gate in order (its unselected neurons settled as not used)
+        const bool settled_all = (mode != TierMode::Predictor && mode != TierMode::Oracle) || stream_selected;
+        const bool in_place = settled_all && n_used * 10 >= n * 9;
         if (in_place) {
             for (int64_t i = 0; i < n; ++i) rows_[size_t(i)] = int32_t(i);
             n_used = n;

@@ -137,6 +137,21 @@ def test_predictor_batches_stream_or_gather_to_the_same_bits(kind, tmp_path, con
     np.testing.assert_array_equal(logits[N_PROMPT], logits[2])
 
 
+def test_predictor_batch_reads_its_coefficients_in_place(converted):
+    """A streamed predictor batch settles every neuron of every token (0 where the predictor or the rule leaves
+    it out), so when its tokens together use nearly every down row, the down projection reads their
+    coefficients in place instead of gathering them per panel: the same bits as batches of 2 (which use
+    about half of the rows and gather)."""
+    path = converted("llama-relu", "q8_0", predictors=True)  # thresholds 0: each token selects about half
+    logits = {}
+    for batch in (N_PROMPT, 2):
+        with engine.Model(path, threads=2, sparse_mode="predictor", batch_size=batch) as m:
+            logits[batch] = m.eval(TOKENS[:N_PROMPT])
+            densities = [l["density"] for l in m.stats()["layers"]]
+        assert all(0.1 < d < 0.5 for d in densities), densities
+    np.testing.assert_array_equal(logits[N_PROMPT], logits[2])
+
+
 @pytest.mark.parametrize("pred_type", ["Q8_0", "Q4_0"])
 def test_quantized_predictors_follow_their_rule(pred_type, tmp_path, tiny_model_dir, converted):
     """Quantized predictors (fc1 packed, the cold tier's fc2 rows in 8-row groups scored by gemm8), with and

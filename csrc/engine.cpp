@@ -52,6 +52,7 @@ const int64_t kDefaultCtx = 4096;
 const int64_t kGrain = 1 << 16;     // multiply-adds below which a chunk is not worth handing to another thread
 const int64_t kCacheReadCost = 16;  // multiply-adds a float read from the KV cache is worth (it misses the caches)
 const int64_t kRowDotCost = 8;      // the same for a multiply-add of an f32/f16 row (no packed groups)
+const double kBatchRowDot = 2.5;     // a batch's row dotted for one token by dot_rows, in gemm8 row-tokens (pp512)
 const int64_t kDefaultBatch = 64;
 const int64_t kGroupsPerPass = 16;  // packed 8-row groups per pass over a batch's tokens (~40 KB at n_embd 576, q4_0)
 const int64_t kDecodeGroupsPerPass = 64;  // the same for one token: nothing to reuse across tokens, longer lists
@@ -535,12 +536,14 @@ void Engine::add_residual(const float *y, int64_t n_tok) {
 TierMode Engine::choose_cold_mode(int64_t il, int64_t n_tok) const {
     switch (mode_) {
         case PI_FFN_DENSE: return TierMode::Dense;
-        case PI_FFN_GATE: return TierMode::Gate;
+        case PI_FFN_GATE:
+            if (n_tok == 1) return TierMode::Gate;
+            break;  // a batch: the gate rule through whichever kernels cost less (the dense rule's give the same values)
         case PI_FFN_PREDICTOR: return TierMode::Predictor;
         case PI_FFN_ORACLE: return TierMode::Oracle;
         default: break;
     }
-    // auto: the time each mode's step would take, at the densities measured so far in this layer, in units
+    // auto (and a gate-mode batch): the time each mode's step would take, at the densities measured so far in this layer, in units
     // of one weight byte streamed through the packed kernels (gemm8). Measured prices
     // (scripts/kernel_microbench.py, docs/perf-notes.md §12): a gate/up byte of a row read by index costs
     // ~1.8 (dot_rows), a down_t byte ~2.5 (axpy: unpack, convert and fma per element; the same kernel in
@@ -560,11 +563,15 @@ TierMode Engine::choose_cold_mode(int64_t il, int64_t n_tok) const {
     const bool batch = n_tok > 1;
     const double gate_whole = batch || keeps_gate_groups() || !packable ? 1.0 : gathered;
     const double up_whole = batch || keeps_up_groups() || !packable ? 1.0 : gathered;
+    // gate mode's ups: a decode step reads the passing rows by index; a batch reads each pass's rows once and
+    // then dots each token's passing rows on their own, kBatchRowDot times a gemm8 row-token (§33), so its
+    // arithmetic, not its bytes, decides
+    const double gate_ups = batch && packable ? kBatchRowDot * ema_active_[size_t(il)] : gathered * rho;
     const double cost_dense = n * (gate_whole * g + up_whole * u) + down * rho * n * d;  // the dense rule: gate and up whole
-    const double cost_gate = gate_whole * n * g + gathered * rho * n * u + down * rho * n * d;
+    const double cost_gate = gate_whole * n * g + gate_ups * n * u + down * rho * n * d;
     TierMode best = cost_gate < cost_dense ? TierMode::Gate : TierMode::DenseRule;
     double best_cost = std::min(cost_gate, cost_dense);
-    if (model_->has_predictor()) {
+    if (mode_ == PI_FFN_AUTO && model_->has_predictor()) {
         // before predictor mode has run in this layer: a guess from the activation density
         const bool seen = predicted_seen_[size_t(il)];
         const double pi = any_of(seen ? ema_predicted_[size_t(il)] : std::min(1.0, 1.2 * ema_active_[size_t(il)] + 0.02));
@@ -606,8 +613,9 @@ void Engine::ffn(int64_t il, int64_t n_tok, TierMode cold_mode) {
     add_residual(y_cold_.data(), n_tok);
     st.tokens += double(n_tok);
 
-    // auto mode's view of this layer (an EMA over tokens)
-    const double a = 0.2, nc = double(std::max<int64_t>(L.cold.size(), 1));
+    // auto mode's (and gate-mode batches') view of this layer: an EMA over tokens, 0.2 a token, so that a batch
+    // of n tokens weighs as n steps
+    const double a = 1.0 - std::pow(0.8, double(n_tok)), nc = double(std::max<int64_t>(L.cold.size(), 1));
     const double act_rate = (st.active - active_before) / double(n_tok) / double(hp_.n_ff);
     if (cold_mode != TierMode::Predictor) ema_active_[size_t(il)] = (1 - a) * ema_active_[size_t(il)] + a * act_rate;
     else ema_predicted_active_[size_t(il)] =

@@ -84,6 +84,24 @@ def test_gate_mode_applies_silu_thresholds(tiny_model_dir, converted):
     assert max_rel_err(run(path, "dense")[0], dense) <= 1e-4
 
 
+def test_gate_mode_batches_take_the_cheaper_kernels(converted):
+    """A gate-mode batch applies the gate rule through the dense rule's kernels (every up by gemm8) while its
+    layer's measured density is high (the first batch: nothing measured yet) and through gate mode's own
+    (each token's passing ups) once it is low. The values are the same: a prompt in 5 batches of 16 (the
+    first by the dense rule's kernels, the rest by gate mode's) equals it in one batch (the dense rule's)."""
+    path = converted("llama-silu", "q8_0", thresholds=(0.3, 0.3))
+    logits, layers = {}, {}
+    for batch in (16, 80):
+        with engine.Model(path, threads=2, sparse_mode="gate", batch_size=batch) as m:
+            logits[batch] = m.eval(TOKENS)
+            layers[batch] = m.stats()["layers"]
+    np.testing.assert_array_equal(logits[16], logits[80])
+    for layer in layers[16]:
+        assert layer["density"] < 0.35  # sparse enough for the gate kernels to win (2.5 x 0.35 < 1)
+        assert layer["modes"] == {"dense_rule": 16, "gate": len(TOKENS) - 16}, layer["modes"]
+    assert all(layer["modes"] == {"dense_rule": len(TOKENS)} for layer in layers[80])
+
+
 def predictor_rule(path, kind, thresholds=None):
     """The predictor mode's FFN in torch: a neuron counts when the file's predictor selects it (logit >
     the layer threshold) and, for SiLU, |a| passes the activation threshold. A quantized fc1 (fc2)

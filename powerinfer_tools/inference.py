@@ -154,8 +154,9 @@ class StreamDecoder:
         return piece
 
 
-def timing_lines(stats: dict, load_seconds: float) -> list[str]:
-    """llama.cpp's closing timings, plus the FFN density and where the time went."""
+def timing_lines(stats: dict, load_seconds: float, info: dict | None = None) -> list[str]:
+    """llama.cpp's closing timings, plus the FFN density, where the time went and (given the engine's info)
+    what the process holds: the mapped file, the KV cache, the work buffers, weights copied to other layouts."""
     def rate(tokens, seconds, unit):
         ms = 1000 * seconds
         per = ms / tokens if tokens else float("nan")
@@ -174,4 +175,12 @@ def timing_lines(stats: dict, load_seconds: float) -> list[str]:
              f"time: {share}"]
     if stats.get("recall") is not None:
         lines.append(f"predictor recall: {stats['recall']:.4f}")
+    if info is not None:
+        def mib(n):
+            return f"{n / 2**20:.1f} MiB"
+
+        copies = sum(stats["weight_copies"].values())
+        lines.append(f"memory: file {mib(os.path.getsize(info['path']))} mapped, KV cache {mib(info['kv_cache_bytes'])} "
+                     f"({info['kv_type']}), work buffers {mib(info['work_buffer_bytes'])}; {mib(copies)} of the weights "
+                     "in 8-row groups or other layouts (their mapped pages handed back)")
     return lines

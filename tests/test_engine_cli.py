@@ -31,6 +31,12 @@ def test_run_streams_the_greedy_continuation(converted, capsys):
     expect = tok.decode(ids + gen, skip_special_tokens=True)[len(tok.decode(ids, skip_special_tokens=True)):]
     assert out == PROMPT + expect + "\n"
     assert "prompt eval time" in err and "eval time" in err and "ffn: mode gate, density" in err
+    assert f"memory: file {path.stat().st_size / 2**20:.1f} MiB mapped, KV cache " in err and "(f32)" in err
+    code, _, err = run_cli(capsys, "run", "-m", path, "-p", PROMPT, "-n", "4", "-t", "2", "-c", "256",
+                           "--kv-type", "f16")
+    with engine.Model(path, ctx_size=256, kv_type="f16") as m:
+        kv = m.info["kv_cache_bytes"]
+    assert code == 0 and f"KV cache {kv / 2**20:.1f} MiB (f16)" in err, err
 
 
 def test_run_chat_template_and_seeded_sampling(converted, capsys):

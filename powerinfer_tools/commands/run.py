@@ -85,7 +85,7 @@ def run(
             sys.stdout.flush()
         sys.stdout.write("\n")
         sys.stdout.flush()
-        for line in inference.timing_lines(llm.stats(), load_seconds):
+        for line in inference.timing_lines(llm.stats(), load_seconds, llm.info):
             typer.echo(line, err=True)
 
 

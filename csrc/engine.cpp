@@ -57,6 +57,8 @@ const int64_t kDefaultBatch = 64;
 const int64_t kGroupsPerPass = 16;  // packed 8-row groups per pass over a batch's tokens (~40 KB at n_embd 576, q4_0)
 const int64_t kDecodeGroupsPerPass = 64;  // the same for one token: nothing to reuse across tokens, longer lists
 static_assert(kDecodeGroupsPerPass >= kGroupsPerPass, "gate_up_grouped's lists are sized for the longer pass");
+// A thread's scratch for a batch pass's gate and up groups packed from rows (q8_0, the widest type that packs).
+double pack_scratch_bytes(double n_embd) { return 2 * double(kGroupsPerPass) * (n_embd / QK) * double(packed_block_bytes(TYPE_Q8_0)); }
 const int64_t kDownRows = 256;      // down_t rows per run of a decode step's down projection
 const int64_t kPanelRows = 128;     // down_t rows widened per panel of a batch's down projection
 const int64_t kPanelTokens = 64;    // tokens per gemm_f32 call over a panel
@@ -152,7 +154,7 @@ Engine::Engine(const std::string &path, const pi_options &opts)
     panel_w_.assign(size_t(threads * kPanelRows * E), 0.0f);
     panel_h_.assign(size_t(threads * kPanelTokens * kPanelRows), 0.0f);
     zero_row_.assign(size_t(E / QK) * sizeof(BlockQ8_0), 0);  // the widest row that packs
-    pack_scratch_bytes_ = size_t(2 * kGroupsPerPass * (E / QK)) * packed_block_bytes(TYPE_Q8_0);
+    pack_scratch_bytes_ = size_t(pack_scratch_bytes(double(E)));
     pack_scratch_.assign(size_t(threads) * pack_scratch_bytes_, 0);
     ema_active_.assign(size_t(L), 1.0);
     ema_predicted_.assign(size_t(L), 1.0);
@@ -171,8 +173,7 @@ double Engine::work_buffer_bytes(int64_t threads) const {
                           (F / double(kDownRows) + 1) * E + double(hp_.n_vocab) +
                           std::max(T * double(kAttnTile), double(hp_.n_head)) * C +
                           T * double(kPanelRows) * (E + double(kPanelTokens));
-    const double pack_scratch = T * 2 * double(kGroupsPerPass) * (E / QK) * double(packed_block_bytes(TYPE_Q8_0));
-    return 4 * floats + C * 4 + B * F * 3 + F * 9 + L * 32 + pack_scratch + E / QK * double(sizeof(BlockQ8_0));
+    return 4 * floats + C * 4 + B * F * 3 + F * 9 + L * 32 + T * pack_scratch_bytes(E) + E / QK * double(sizeof(BlockQ8_0));
 }
 
 double Engine::kv_cache_bytes() const {
@@ -957,7 +958,7 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
         // groups [g, g + ng) of m: the tier's own, or packed now into this thread's scratch (at `at`)
         auto groups_of = [&](const Matrix &m, const std::vector<uint8_t> &kept, int64_t g, int ng, size_t at) {
             if (!kept.empty()) return kept.data() + g * m.group_bytes();
-            T.pack_groups(m, !T.packed, g, g + ng, zero_row_.data(), scratch + at);
+            T.pack_groups(m, g, g + ng, zero_row_.data(), scratch + at);
             return static_cast<const uint8_t *>(scratch + at);
         };
         for (int64_t g = g0; g < g1; g += per_pass) {

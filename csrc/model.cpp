@@ -34,14 +34,13 @@ void Model::pack_dense_matrices() {
     pack(output_);
 }
 
-void FfnTier::pack_groups(const Matrix &src, bool by_id, int64_t g0, int64_t g1, const void *zero_row,
-                          uint8_t *out) const {
+void FfnTier::pack_groups(const Matrix &src, int64_t g0, int64_t g1, const void *zero_row, uint8_t *out) const {
     const int64_t group_bytes = src.group_bytes();
     for (int64_t g = g0; g < g1; ++g) {
         const void *rows[kPackRows];
         for (int r = 0; r < kPackRows; ++r) {
             const int64_t slot = g * kPackRows + r;
-            rows[r] = slot >= size() ? zero_row : by_id ? src.row(ids[size_t(slot)]) : src.row(slot);
+            rows[r] = slot >= size() ? zero_row : src.row(ids[size_t(slot)]);
         }
         pack_rows8(src.type, int(src.cols), rows, out + (g - g0) * group_bytes);
     }
@@ -50,10 +49,10 @@ void FfnTier::pack_groups(const Matrix &src, bool by_id, int64_t g0, int64_t g1,
 namespace {
 
 // All of tier t's groups of src (see FfnTier::pack_groups) into out.
-void group_rows(const FfnTier &t, const Matrix &src, bool by_id, std::vector<uint8_t> &out) {
+void group_rows(const FfnTier &t, const Matrix &src, std::vector<uint8_t> &out) {
     const std::vector<uint8_t> zeros(src.row_bytes, 0);
     out.resize(size_t(t.n_groups() * src.group_bytes()));
-    t.pack_groups(src, by_id, 0, t.n_groups(), zeros.data(), out.data());
+    t.pack_groups(src, 0, t.n_groups(), zeros.data(), out.data());
 }
 
 }  // namespace
@@ -64,7 +63,7 @@ void Model::group_cold_tier(int64_t il, bool with_up) {
     if (t.gate_grouped && !want_up) return;
     auto group = [&](const Matrix &m, std::vector<uint8_t> &out) {
         if (!t.groups_fit(m)) return;
-        group_rows(t, m, true, out);
+        group_rows(t, m, out);
         file_->release(m.data, m.bytes());
     };
     if (!t.gate_grouped) group(t.gate, t.gate_groups);
@@ -216,7 +215,7 @@ void Model::bind_cold_predictor(Layer &l) {
         }
         file_->release(l.fc2.data, l.fc2.bytes());  // no second copy: the mapped pages go back
     } else {  // quantized: the tier's rows in 8-row groups, scored by gemm8
-        group_rows(t, l.fc2, true, t.fc2_storage);
+        group_rows(t, l.fc2, t.fc2_storage);
         t.fc2.rows = nc;
         t.fc2.data = nullptr;
         t.fc2.groups = t.fc2_storage.data();
@@ -415,7 +414,8 @@ void Model::build_tiers(const std::string &gpuidx_path) {
         const int n_matrices = hp_.gated ? 3 : 2;  // ungated: gate is up
         const Matrix *src[3] = {&l.down_t, &l.up, &l.gate};
         Matrix *dst[3] = {&l.hot.down_t, &l.hot.up, &l.hot.gate};
-        std::vector<uint8_t> *groups[3] = {nullptr, &l.hot.up_groups, &l.hot.gate_groups};
+        // (ungated: the up rows are the rule's, so their groups are gate_groups)
+        std::vector<uint8_t> *groups[3] = {nullptr, hp_.gated ? &l.hot.up_groups : &l.hot.gate_groups, &l.hot.gate_groups};
         bool as_rows[3];
         size_t total = 0;
         for (int k = 0; k < n_matrices; ++k) {
@@ -424,7 +424,7 @@ void Model::build_tiers(const std::string &gpuidx_path) {
             dst[k]->data = nullptr;
             as_rows[k] = !groups[k] || !l.hot.groups_fit(*src[k]);
             if (as_rows[k]) total += size_t(nh) * src[k]->row_bytes;
-            else group_rows(l.hot, *src[k], true, *groups[k]);
+            else group_rows(l.hot, *src[k], *groups[k]);
         }
         l.hot.storage.resize(total);
         uint8_t *at = l.hot.storage.data();
@@ -436,11 +436,7 @@ void Model::build_tiers(const std::string &gpuidx_path) {
             at += size_t(nh) * src[k]->row_bytes;
         }
         l.hot.gate_grouped = l.hot.up_grouped = true;
-        if (!hp_.gated) {
-            l.hot.gate = l.hot.up;
-            l.hot.gate_groups = std::move(l.hot.up_groups);
-            l.hot.up_groups.clear();
-        }
+        if (!hp_.gated) l.hot.gate = l.hot.up;
     }
 }
 

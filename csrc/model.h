@@ -100,7 +100,7 @@ struct FfnTier {
     // for f32/f16 weights. A hot tier whose gate and up are grouped holds no rows of them (gate.data and
     // up.data are null). Ungated FFNs have only gate_groups (gate is up).
     std::vector<uint8_t> gate_groups, up_groups;
-    bool gate_grouped = false, up_grouped = false;  // group_tier has considered them
+    bool gate_grouped = false, up_grouped = false;  // grouping has been considered (at load, or group_cold_tier)
     int64_t size() const { return int64_t(ids.size()); }
     int64_t n_groups() const { return (size() + 7) / 8; }
     // Whether matrix m of this tier has an 8-row group layout (its type packs, gemm8 takes its width).
@@ -109,11 +109,10 @@ struct FfnTier {
     }
     // Row of neuron slot r in matrix m (packed rows are contiguous; mapped rows are gathered).
     const uint8_t *row(const Matrix &m, int64_t r) const { return packed ? m.row(r) : m.row(ids[size_t(r)]); }
-    // Groups [g0, g1) of matrix m's rows (groups_fit) into out, from its rows (src: m, or the layer's whole
-    // mapped matrix with `by_id`, whose row ids[slot] is the slot's); the slots past size() are zero_row,
-    // m.row_bytes zero bytes: scale 0, so their dots are 0. A batch packs a pass's groups this way where
-    // none are kept.
-    void pack_groups(const Matrix &src, bool by_id, int64_t g0, int64_t g1, const void *zero_row, uint8_t *out) const;
+    // Groups [g0, g1) of the tier's rows of src (groups_fit), the layer's whole mapped matrix (row ids[slot] is
+    // slot's), into out; the slots past size() are zero_row, src.row_bytes zero bytes: scale 0, so their dots
+    // are 0. A batch packs a pass's groups this way where none are kept.
+    void pack_groups(const Matrix &src, int64_t g0, int64_t g1, const void *zero_row, uint8_t *out) const;
 };
 
 // Vectors (norm weights and biases, rows = 1) are f32; an absent optional bias has data == nullptr.

@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 
 from powerinfer_tools.errors import UserError
+from powerinfer_tools.inference import KV_TYPES
 
 
 def _csv(value: str) -> tuple[str, ...]:
@@ -97,8 +98,8 @@ def bench(
 
     if png is not None and not sweep_sparsity:
         raise UserError("--png draws the sparsity sweep: add --sweep-sparsity")
-    if kv_type not in ("f32", "f16"):
-        raise UserError(f"--kv-type must be f32 or f16, not {kv_type!r}")
+    if kv_type not in KV_TYPES:
+        raise UserError(f"--kv-type must be {' or '.join(KV_TYPES)}, not {kv_type!r}")
     opts = BenchOptions(model=model, outtype=outtype.lower(), threads=threads, repeats=repeats, modes=_csv(modes),
                         peers=_csv(peers), sparsity=sparsity, sweep=sweep_sparsity, sweep_levels=_levels(sweep_levels),
                         sweep_repeats=sweep_repeats, n_prompt=n_prompt, n_gen=n_gen, depth=depth, batch=batch,

@@ -53,6 +53,7 @@ const int64_t kGrain = 1 << 16;     // multiply-adds below which a chunk is not 
 const int64_t kCacheReadCost = 16;  // multiply-adds a float read from the KV cache is worth (it misses the caches)
 const int64_t kRowDotCost = 8;      // the same for a multiply-add of an f32/f16 row (no packed groups)
 const double kBatchRowDot = 2.5;     // a batch's row dotted for one token by dot_rows, in gemm8 row-tokens (pp512)
+const double kKeepModeMargin = 1.1;  // a layer's decode steps change kernels only for one ~10 % cheaper (a change regroups)
 const int64_t kDefaultBatch = 64;
 const int64_t kGroupsPerPass = 16;  // packed 8-row groups per pass over a batch's tokens (~40 KB at n_embd 576, q4_0)
 const int64_t kDecodeGroupsPerPass = 64;  // the same for one token: nothing to reuse across tokens, longer lists
@@ -104,8 +105,8 @@ Engine::Engine(const std::string &path, const pi_options &opts)
     const int64_t E = hp_.n_embd, F = hp_.n_ff, L = hp_.n_layer, B = n_batch_;
     const int64_t Q = hp_.n_head * hp_.d_head, KV = hp_.n_head_kv * hp_.d_head, R = std::max<int64_t>(model_->max_rank(), 1);
     check_working_memory(threads);
-    k_cache_ = CacheMemory(size_t(L * key_slots() * KV * kv_bytes()));
-    v_cache_ = CacheMemory(size_t(L * n_ctx_ * KV * kv_bytes()));
+    k_cache_ = PageMemory(size_t(L * key_slots() * KV * kv_bytes()), true, "the KV cache");
+    v_cache_ = PageMemory(size_t(L * n_ctx_ * KV * kv_bytes()), true, "the KV cache");
     history_.assign(size_t(n_ctx_), 0);
 
     const int64_t half = hp_.n_rot / 2;
@@ -160,6 +161,7 @@ Engine::Engine(const std::string &path, const pi_options &opts)
     ema_predicted_.assign(size_t(L), 1.0);
     ema_predicted_active_.assign(size_t(L), 1.0);
     predicted_seen_.assign(size_t(L), false);
+    decode_mode_.assign(size_t(L), std::nullopt);
     stats_.assign(size_t(L), LayerStats{});
 }
 
@@ -196,10 +198,7 @@ void Engine::set_ffn_mode(int32_t mode) {
     if (mode == PI_FFN_PREDICTOR && !model_->has_predictor())
         fail(PI_ERR_ARGUMENT, model_->path() + " has no predictors: predictor mode needs a file converted with --predictors");
     mode_ = mode;
-}
-
-bool Engine::keeps_gate_groups() const {
-    return mode_ == PI_FFN_DENSE || mode_ == PI_FFN_GATE || (mode_ == PI_FFN_AUTO && !model_->has_predictor());
+    std::fill(decode_mode_.begin(), decode_mode_.end(), std::nullopt);
 }
 
 void Engine::truncate(int32_t n_keep) {
@@ -537,15 +536,13 @@ void Engine::add_residual(const float *y, int64_t n_tok) {
 TierMode Engine::choose_cold_mode(int64_t il, int64_t n_tok) const {
     switch (mode_) {
         case PI_FFN_DENSE: return TierMode::Dense;
-        case PI_FFN_GATE:
-            if (n_tok == 1) return TierMode::Gate;
-            break;  // a batch: the gate rule through whichever kernels cost less (the dense rule's give the same values)
         case PI_FFN_PREDICTOR: return TierMode::Predictor;
         case PI_FFN_ORACLE: return TierMode::Oracle;
-        default: break;
+        default: break;  // gate mode: the gate rule through whichever kernels cost less (the dense rule's give the same values)
     }
-    // auto (and a gate-mode batch): the time each mode's step would take, at the densities measured so far in this layer, in units
-    // of one weight byte streamed through the packed kernels (gemm8). Measured prices
+    // gate and auto: the time each mode's step would take, at the densities measured so far in this layer, in
+    // units of one weight byte streamed through the packed kernels (gemm8; the layer holds a matrix in 8-row
+    // groups while its mode reads it whole, Model::arrange_cold_tier). Measured prices
     // (scripts/kernel_microbench.py, docs/perf-notes.md §12): a gate/up byte of a row read by index costs
     // ~1.8 (dot_rows), a down_t byte ~2.5 (axpy: unpack, convert and fma per element; the same kernel in
     // every mode, for the rows used). f32/f16 rows have no packed form: everything streams alike.
@@ -559,28 +556,33 @@ TierMode Engine::choose_cold_mode(int64_t il, int64_t n_tok) const {
     const double tokens = double(std::max<int64_t>(n_tok, 1));
     auto any_of = [&](double per_token) { return 1.0 - std::pow(1.0 - per_token, tokens); };
     const double rho = any_of(ema_active_[size_t(il)]);
-    // a matrix read whole streams through groups where the tier keeps them or a batch packs them; a decode step
-    // without them reads its rows in order by dot_rows, priced as gathered (docs/perf-notes.md §12)
-    const bool batch = n_tok > 1;
-    const double gate_whole = batch || keeps_gate_groups() || !packable ? 1.0 : gathered;
-    const double up_whole = batch || keeps_up_groups() || !packable ? 1.0 : gathered;
     // gate mode's ups: a decode step reads the passing rows by index; a batch reads each pass's rows once and
     // then dots each token's passing rows on their own, kBatchRowDot times a gemm8 row-token (§33), so its
     // arithmetic, not its bytes, decides
+    const bool batch = n_tok > 1;
     const double gate_ups = batch && packable ? kBatchRowDot * ema_active_[size_t(il)] : gathered * rho;
-    const double cost_dense = n * (gate_whole * g + up_whole * u) + down * rho * n * d;  // the dense rule: gate and up whole
-    const double cost_gate = gate_whole * n * g + gate_ups * n * u + down * rho * n * d;
-    TierMode best = cost_gate < cost_dense ? TierMode::Gate : TierMode::DenseRule;
-    double best_cost = std::min(cost_gate, cost_dense);
+    double cost[5] = {};
+    bool candidate[5] = {};
+    auto offer = [&](TierMode m, double c) {
+        cost[int(m)] = c;
+        candidate[int(m)] = true;
+    };
+    offer(TierMode::DenseRule, n * (g + u) + down * rho * n * d);  // gate and up whole
+    offer(TierMode::Gate, n * g + gate_ups * n * u + down * rho * n * d);
     if (mode_ == PI_FFN_AUTO && model_->has_predictor()) {
         // before predictor mode has run in this layer: a guess from the activation density
         const bool seen = predicted_seen_[size_t(il)];
         const double pi = any_of(seen ? ema_predicted_[size_t(il)] : std::min(1.0, 1.2 * ema_active_[size_t(il)] + 0.02));
         const double rho_p = any_of(seen ? ema_predicted_active_[size_t(il)] : 0.8 * ema_active_[size_t(il)]);
-        const double cost_pred = 1.5 * (double(L.fc1.bytes()) + n * double(L.fc2.row_bytes)) +
-                                 gathered * (pi * n * g + rho_p * n * u) + down * rho_p * n * d;
-        if (cost_pred < best_cost) best = TierMode::Predictor;
+        offer(TierMode::Predictor, 1.5 * (double(L.fc1.bytes()) + n * double(L.fc2.row_bytes)) +
+                                       gathered * (pi * n * g + rho_p * n * u) + down * rho_p * n * d);
     }
+    TierMode best = TierMode::DenseRule;
+    for (TierMode m : {TierMode::Gate, TierMode::Predictor})
+        if (candidate[int(m)] && cost[int(m)] < cost[int(best)]) best = m;
+    // a layer's decode steps keep their kernels (and the layout they read) unless another's are clearly cheaper
+    const std::optional<TierMode> kept = decode_mode_[size_t(il)];
+    if (!batch && kept && candidate[int(*kept)] && cost[int(*kept)] <= kKeepModeMargin * cost[int(best)]) return *kept;
     return best;
 }
 
@@ -597,14 +599,23 @@ void Engine::ffn(int64_t il, int64_t n_tok, TierMode cold_mode) {
     op_x_.q_ready = false;
     const double active_before = st.active, predicted_before = st.predicted, cold_before = st.cold_tokens;
 
-    // Hot tier first (a device backend would run it concurrently), then the cold tier, whose gates (and ups)
-    // are grouped the first time where this mode keeps them.
-    const bool has_hot = L.hot.size() > 0;
-    if (keeps_gate_groups()) model_->group_cold_tier(il, keeps_up_groups());
+    // Hot tier first (a device backend would run it concurrently), then the cold tier, its gates and ups held as
+    // the layer's decode steps read them: in 8-row groups where read whole, else as the mapped rows. A batch
+    // groups what every decode step of this mode reads whole and drops nothing: it packs what it needs as it
+    // goes, and the mapped rows it read by index are handed back after it where groups hold them.
+    const bool has_hot = L.hot.size() > 0, batch = n_tok > 1;
+    if (!batch) {
+        model_->arrange_cold_tier(il, reads_gate_whole(cold_mode), reads_up_whole(cold_mode), true);
+        decode_mode_[size_t(il)] = cold_mode;
+    } else {
+        const bool gates_whole = mode_ == PI_FFN_DENSE || mode_ == PI_FFN_GATE || (mode_ == PI_FFN_AUTO && !model_->has_predictor());
+        model_->arrange_cold_tier(il, gates_whole, mode_ == PI_FFN_DENSE, false);
+    }
     if (has_hot) ffn_tier(L, L.hot, mode_ == PI_FFN_DENSE ? TierMode::Dense : TierMode::DenseRule, n_tok, y_hot_.data(), st, false);
     if (L.cold.size() > 0) {
         ffn_tier(L, L.cold, cold_mode, n_tok, y_cold_.data(), st, true);
         st.mode_tokens[int(cold_mode)] += double(n_tok);
+        if (batch) model_->release_grouped_rows(il);
     } else {
         std::fill(y_cold_.begin(), y_cold_.begin() + n_tok * E, 0.0f);
     }
@@ -956,7 +967,7 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
         const int64_t per_pass = n_tok == 1 ? kDecodeGroupsPerPass : kGroupsPerPass;
         uint8_t *scratch = pack_scratch_.data() + size_t(thread) * pack_scratch_bytes_;
         // groups [g, g + ng) of m: the tier's own, or packed now into this thread's scratch (at `at`)
-        auto groups_of = [&](const Matrix &m, const std::vector<uint8_t> &kept, int64_t g, int ng, size_t at) {
+        auto groups_of = [&](const Matrix &m, const PageMemory &kept, int64_t g, int ng, size_t at) {
             if (!kept.empty()) return kept.data() + g * m.group_bytes();
             T.pack_groups(m, g, g + ng, zero_row_.data(), scratch + at);
             return static_cast<const uint8_t *>(scratch + at);
@@ -1243,7 +1254,9 @@ const std::string &Engine::stats_json() {
                  ", \"hot_neurons\": " + num(double(L.hot.size())) +
                  ", \"hot_density\": " + num(s.tokens > 0 && L.hot.size() ? s.hot_active / s.tokens / double(L.hot.size()) : NAN) +
                  ", \"predicted_density\": " + num(s.cold_tokens > 0 && nc > 0 ? s.predicted / s.cold_tokens / nc : NAN) +
-                 ", \"recall\": " + num(s.positives > 0 ? s.true_pos / s.positives : NAN) + ", \"modes\": {";
+                 ", \"recall\": " + num(s.positives > 0 ? s.true_pos / s.positives : NAN) +
+                 ", \"decode_mode\": " + (decode_mode_[i] ? quoted(tier_mode_name(*decode_mode_[i])) : std::string("null")) +
+                 ", \"cold_groups\": " + std::to_string(L.cold.gate_groups.size() + L.cold.up_groups.size()) + ", \"modes\": {";
         bool first = true;
         for (int m = 0; m < 5; ++m) {
             if (s.mode_tokens[m] == 0) continue;

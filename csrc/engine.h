@@ -5,10 +5,11 @@
 #include <atomic>
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
-#include "cache_memory.h"
+#include "page_memory.h"
 #include "kernels.h"
 #include "model.h"
 #include "sampler.h"
@@ -87,11 +88,6 @@ private:
                     int ldw, float *y, int ldy) const;
     void ffn(int64_t il, int64_t n_tok, TierMode cold_mode);
     TierMode choose_cold_mode(int64_t il, int64_t n_tok) const;
-    // Whether the cold tier keeps its gates (ups) in 8-row groups: where this mode never reads them by index,
-    // so each weight is held once (dense mode both; gate mode, and auto without predictors, the gates).
-    // Elsewhere a batch packs each pass's groups as it goes and a decode step reads the rows.
-    bool keeps_gate_groups() const;
-    bool keeps_up_groups() const { return mode_ == PI_FFN_DENSE; }
     void ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n_tok, float *y, LayerStats &st,
                   bool is_cold);
     void predictor_select(const Layer &L, const FfnTier &T, int64_t n_tok);
@@ -130,7 +126,7 @@ private:
     // KV cache, a kv head's positions together (each head reads one stream): keys
     // [layer][kv head][pos / kKeyTile][d_head][pos % kKeyTile] (a query's scores over a tile are a gemm over
     // contiguous rows), values [layer][kv head][pos][d_head]
-    CacheMemory k_cache_, v_cache_;
+    PageMemory k_cache_, v_cache_;
     bool kv_f16_ = false;                                 // elements in f16 (else f32)
     int64_t kv_bytes() const { return kv_f16_ ? 2 : 4; }  // bytes of one cache element
     int64_t key_slots() const;  // positions a kv head's keys hold: n_ctx rounded up to whole tiles
@@ -169,6 +165,9 @@ private:
 
     // auto mode: measured densities per layer (exponential moving averages over tokens)
     std::vector<double> ema_active_, ema_predicted_, ema_predicted_active_;
+    // per layer, the cold tier's mode at its last decode step since the FFN mode was set (gate and auto keep it
+    // unless another is clearly cheaper)
+    std::vector<std::optional<TierMode>> decode_mode_;
     std::vector<bool> predicted_seen_;
 
     std::vector<LayerStats> stats_;

@@ -48,28 +48,40 @@ void FfnTier::pack_groups(const Matrix &src, int64_t g0, int64_t g1, const void 
 
 namespace {
 
-// All of tier t's groups of src (see FfnTier::pack_groups) into out.
-void group_rows(const FfnTier &t, const Matrix &src, std::vector<uint8_t> &out) {
+// All of tier t's groups of src (see FfnTier::pack_groups) into out, t.n_groups() * src.group_bytes() bytes.
+void group_rows(const FfnTier &t, const Matrix &src, uint8_t *out) {
     const std::vector<uint8_t> zeros(src.row_bytes, 0);
-    out.resize(size_t(t.n_groups() * src.group_bytes()));
-    t.pack_groups(src, 0, t.n_groups(), zeros.data(), out.data());
+    t.pack_groups(src, 0, t.n_groups(), zeros.data(), out);
+}
+
+// The same in page memory of their own (a layer's gate/up groups: built and freed as its kernels change).
+PageMemory groups_in_pages(const FfnTier &t, const Matrix &src) {
+    PageMemory out(size_t(t.n_groups() * src.group_bytes()), false, "8-row groups of weights");
+    group_rows(t, src, out.data());
+    return out;
 }
 
 }  // namespace
 
-void Model::group_cold_tier(int64_t il, bool with_up) {
+void Model::arrange_cold_tier(int64_t il, bool gate_groups, bool up_groups, bool may_drop) {
     FfnTier &t = layers_[size_t(il)].cold;
-    const bool want_up = with_up && hp_.gated && !t.up_grouped;
-    if (t.gate_grouped && !want_up) return;
-    auto group = [&](const Matrix &m, std::vector<uint8_t> &out) {
-        if (!t.groups_fit(m)) return;
-        group_rows(t, m, out);
+    auto arrange = [&](const Matrix &m, PageMemory &groups, bool want) {
+        if (want == !groups.empty() || (want && !t.groups_fit(m)) || (!want && !may_drop)) return;
+        if (!want) {
+            groups = PageMemory();  // unmapped; the rows are read from the mapped file again
+            return;
+        }
+        groups = groups_in_pages(t, m);
         file_->release(m.data, m.bytes());
     };
-    if (!t.gate_grouped) group(t.gate, t.gate_groups);
-    t.gate_grouped = true;
-    if (want_up) group(t.up, t.up_groups);
-    t.up_grouped = t.up_grouped || want_up;
+    arrange(t.gate, t.gate_groups, gate_groups);
+    if (hp_.gated) arrange(t.up, t.up_groups, up_groups);
+}
+
+void Model::release_grouped_rows(int64_t il) {
+    const FfnTier &t = layers_[size_t(il)].cold;
+    if (!t.gate_groups.empty()) file_->release(t.gate.data, t.gate.bytes());
+    if (!t.up_groups.empty()) file_->release(t.up.data, t.up.bytes());
 }
 
 void Model::pack(Matrix &m) {
@@ -215,7 +227,8 @@ void Model::bind_cold_predictor(Layer &l) {
         }
         file_->release(l.fc2.data, l.fc2.bytes());  // no second copy: the mapped pages go back
     } else {  // quantized: the tier's rows in 8-row groups, scored by gemm8
-        group_rows(t, l.fc2, t.fc2_storage);
+        t.fc2_storage.resize(size_t(t.n_groups() * l.fc2.group_bytes()));
+        group_rows(t, l.fc2, t.fc2_storage.data());
         t.fc2.rows = nc;
         t.fc2.data = nullptr;
         t.fc2.groups = t.fc2_storage.data();
@@ -415,7 +428,7 @@ void Model::build_tiers(const std::string &gpuidx_path) {
         const Matrix *src[3] = {&l.down_t, &l.up, &l.gate};
         Matrix *dst[3] = {&l.hot.down_t, &l.hot.up, &l.hot.gate};
         // (ungated: the up rows are the rule's, so their groups are gate_groups)
-        std::vector<uint8_t> *groups[3] = {nullptr, hp_.gated ? &l.hot.up_groups : &l.hot.gate_groups, &l.hot.gate_groups};
+        PageMemory *groups[3] = {nullptr, hp_.gated ? &l.hot.up_groups : &l.hot.gate_groups, &l.hot.gate_groups};
         bool as_rows[3];
         size_t total = 0;
         for (int k = 0; k < n_matrices; ++k) {
@@ -424,7 +437,7 @@ void Model::build_tiers(const std::string &gpuidx_path) {
             dst[k]->data = nullptr;
             as_rows[k] = !groups[k] || !l.hot.groups_fit(*src[k]);
             if (as_rows[k]) total += size_t(nh) * src[k]->row_bytes;
-            else group_rows(l.hot, *src[k], *groups[k]);
+            else *groups[k] = groups_in_pages(l.hot, *src[k]);
         }
         l.hot.storage.resize(total);
         uint8_t *at = l.hot.storage.data();
@@ -435,7 +448,6 @@ void Model::build_tiers(const std::string &gpuidx_path) {
                                                          src[k]->row_bytes);
             at += size_t(nh) * src[k]->row_bytes;
         }
-        l.hot.gate_grouped = l.hot.up_grouped = true;
         if (!hp_.gated) l.hot.gate = l.hot.up;
     }
 }

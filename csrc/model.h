@@ -15,6 +15,7 @@
 #include "gguf.h"
 #include "kernels.h"
 #include "packed.h"
+#include "page_memory.h"
 #include "types.h"
 
 namespace pi {
@@ -94,13 +95,12 @@ struct FfnTier {
     // The units fc2 is scored in (tiles or 8-row groups): how many, and the neuron slots each covers.
     int64_t fc2_units() const { return fc2_transposed ? fc2_tiles() : n_groups(); }
     int64_t fc2_unit_rows() const { return fc2_transposed ? kFc2Tile : kPackRows; }
-    // gate and up rows again in 8-row groups (packed.h, the last group padded with zero rows), kept where a
-    // mode never reads those rows by index, so that a weight is held once (the hot tier's
-    // at load; the cold tier's by Model::group_cold_tier); empty otherwise, or
-    // for f32/f16 weights. A hot tier whose gate and up are grouped holds no rows of them (gate.data and
-    // up.data are null). Ungated FFNs have only gate_groups (gate is up).
-    std::vector<uint8_t> gate_groups, up_groups;
-    bool gate_grouped = false, up_grouped = false;  // grouping has been considered (at load, or group_cold_tier)
+    // gate and up rows again in 8-row groups (packed.h, the last group padded with zero rows), kept where the
+    // tier's mode reads those rows whole, so that a weight is held once (the hot tier's at load; the cold
+    // tier's by Model::arrange_cold_tier, as the layer's mode changes); empty otherwise, or for f32/f16
+    // weights. A hot tier whose gate and up are grouped holds no rows of them (gate.data and up.data are
+    // null). Ungated FFNs have only gate_groups (gate is up).
+    PageMemory gate_groups, up_groups;
     int64_t size() const { return int64_t(ids.size()); }
     int64_t n_groups() const { return (size() + 7) / 8; }
     // Whether matrix m of this tier has an 8-row group layout (its type packs, gemm8 takes its width).
@@ -152,10 +152,13 @@ public:
     bool pwri() const { return file_->pwri_magic(); }
     const std::string &path() const { return file_->path(); }
     int64_t hot_neurons() const;
-    // Builds the cold tier's gate groups of layer il once (and its up groups once `with_up` asks), where
-    // the types allow: dense and gate modes then read those matrices with gemm8. The mapped rows' pages are
-    // handed back (a process that later gathers them, in another mode, reads them from the file again).
-    void group_cold_tier(int64_t il, bool with_up);
+    // Holds the cold tier's gates (ups) of layer il in 8-row groups or as the mapped rows, as asked, where
+    // the types allow: a mode reads a matrix whole with gemm8 on the groups, or rows of it by index. Grouping
+    // hands the mapped rows' pages back; ungrouping (only where may_drop) frees the groups, and the rows come
+    // from the file again.
+    void arrange_cold_tier(int64_t il, bool gate_groups, bool up_groups, bool may_drop);
+    // Hands back the pages of layer il's mapped cold rows that are also held in groups (rows a batch read by index).
+    void release_grouped_rows(int64_t il);
     WeightCopies weight_copies() const;
     // Largest predictor rank over layers (0 without predictors).
     int64_t max_rank() const;

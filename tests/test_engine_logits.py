@@ -231,27 +231,81 @@ def test_decode_steps_do_not_depend_on_threads_or_staging(hot_share, outtype, tm
             np.testing.assert_array_equal(densities, results[0][1], err_msg=f"{mode} {kw}")  # NaN where none
 
 
+# FFN matrices of the cold tier that a decode step's kernels read whole (gate, up), by the layer's decode mode
+WHOLE_MATRICES = {"dense": 2, "dense_rule": 2, "gate": 1}
+
+
+def layer_group_bytes(outtype: str) -> tuple[int, int]:
+    """Bytes of one neuron's row and of one FFN matrix of one layer in 8-row groups."""
+    block = {"q8_0": (34, 16 + 8 * 32), "q4_0": (18, 16 + 8 * 16)}[outtype]  # bytes: a row's block, a group-block
+    return HIDDEN // 32 * block[0], N_FF // 8 * HIDDEN // 32 * block[1]
+
+
+def check_groups_follow_decode_modes(stats, layer_groups, label):
+    """Each layer's cold gate/up groups are exactly the matrices its last decode step read whole."""
+    held = [layer["cold_groups"] for layer in stats["layers"]]
+    assert held == [layer_groups * WHOLE_MATRICES.get(layer["decode_mode"], 0) for layer in stats["layers"]], label
+    assert stats["weight_copies"]["cold_groups"] == sum(held), label
+
+
 @pytest.mark.parametrize("outtype", ["q8_0", "q4_0"])
 def test_each_weight_held_once(outtype, tmp_path, converted):
-    """Issue 7's memory target: a weight is on the heap in the 8-row layout only where the mode never reads
-    its rows from the mapped file. Dense mode keeps the cold gate and up groups, gate mode the gates; the
-    modes that read rows by index (predictor, auto with a predictor, oracle) keep none, so a prompt packs each
-    pass's groups as it goes. A hot tier holds its gate and up as groups only, its down_t as rows."""
+    """Issue 7's memory target: a weight is on the heap in the 8-row layout only where the layer's decode steps
+    read the whole matrix; rows read by index come from the mapped file alone. Dense mode keeps the cold gate
+    and up groups, gate mode the gates (and the ups of a layer whose steps take the dense rule's kernels), the
+    modes that read rows by index (predictor, oracle) none, so a prompt packs each pass's groups as it goes. A
+    hot tier holds its gate and up as groups only, its down_t as rows."""
     path = converted("llama-relu", outtype, predictors=True)
-    block = {"q8_0": (34, 16 + 8 * 32), "q4_0": (18, 16 + 8 * 16)}[outtype]  # bytes: a row's block, a group-block
-    row_bytes, group_bytes = HIDDEN // 32 * block[0], HIDDEN // 32 * block[1]
-    matrix_groups = N_LAYER * N_FF // 8 * group_bytes  # one FFN matrix of every layer in groups
-    expected = {"dense": 2 * matrix_groups, "gate": matrix_groups, "predictor": 0, "auto": 0, "oracle": 0}
-    for mode, cold_groups in expected.items():
+    row_bytes, layer_groups = layer_group_bytes(outtype)
+    decode_modes = {"dense": {"dense"}, "gate": {"gate", "dense_rule"}, "predictor": {"predictor"},
+                    "auto": {"gate", "dense_rule", "predictor"}, "oracle": {"oracle"}}
+    for mode, allowed in decode_modes.items():
         _, stats = run(path, mode)
-        assert stats["weight_copies"]["cold_groups"] == cold_groups, mode
+        assert {layer["decode_mode"] for layer in stats["layers"]} <= allowed, mode
+        check_groups_follow_decode_modes(stats, layer_groups, mode)
         assert stats["weight_copies"]["hot"] == 0
+    assert run(path, "dense")[1]["weight_copies"]["cold_groups"] == 2 * N_LAYER * layer_groups
     rng = np.random.default_rng(5)
     hot = [rng.random(N_FF) < 0.3 for _ in range(N_LAYER)]
     _, stats = run(path, "predictor", gpuidx=write_gpuidx(tmp_path / "m.gpuidx", hot))
     n_hot = [int(h.sum()) for h in hot]
+    group_bytes = layer_groups // (N_FF // 8)
     assert stats["weight_copies"]["hot"] == sum(n * row_bytes + 2 * -(-n // 8) * group_bytes for n in n_hot)
     assert stats["weight_copies"]["cold_groups"] == 0
+
+
+def test_switching_modes_holds_one_copy(converted):
+    """A process that changes FFN mode frees the groups the new mode reads by index (dense -> predictor: all of
+    them) and groups again what it reads whole, with the values a fresh engine gives in each mode."""
+    path = converted("llama-relu", "q8_0", predictors=True)
+    _, layer_groups = layer_group_bytes("q8_0")
+    with engine.Model(path, threads=2) as m:
+        for mode in ("dense", "predictor", "gate", "dense", "predictor"):
+            m.sparse_mode = mode
+            m.reset()
+            logits = engine_prompt_then_decode(m, TOKENS, N_PROMPT)
+            np.testing.assert_array_equal(logits, run(path, mode)[0], err_msg=mode)
+            stats = m.stats()
+            check_groups_follow_decode_modes(stats, layer_groups, mode)
+            expected = {"dense": 2 * N_LAYER * layer_groups, "predictor": 0}
+            if mode in expected:
+                assert stats["weight_copies"]["cold_groups"] == expected[mode], mode
+
+
+def test_gate_mode_decode_steps_take_the_cheaper_kernels(tiny_model_dir, converted):
+    """A gate-mode decode step applies the gate rule through the dense rule's kernels (every up in order, from
+    groups it then holds) where its layer's measured density is high, and through gate mode's own (the passing
+    ups by index) where it is low; either way the values are the rule's (transformers with the same
+    thresholds), and the layer holds the ups in groups only while it reads them whole."""
+    for thresholds, kernels_taken, dense_enough in (((0.001, 0.001), "dense_rule", 0.95), ((0.3, 0.3), "gate", 0.0)):
+        ref = hf_logits(tiny_model_dir("llama-silu"), TOKENS, mask_fn=silu_rule(thresholds))
+        logits, stats = run(converted("llama-silu", thresholds=thresholds), "gate")
+        assert max_rel_err(logits, ref) <= 1e-4, thresholds
+        assert all(layer["decode_mode"] == kernels_taken for layer in stats["layers"]), thresholds
+        assert all(layer["density"] > dense_enough for layer in stats["layers"])
+        _, stats = run(converted("llama-silu", "q8_0", thresholds=thresholds), "gate")
+        assert all(layer["decode_mode"] == kernels_taken for layer in stats["layers"]), thresholds
+        check_groups_follow_decode_modes(stats, layer_group_bytes("q8_0")[1], thresholds)
 
 
 def test_predictor_recall_equals_independent_count(tiny_model_dir, converted):

@@ -198,7 +198,14 @@ void Engine::set_ffn_mode(int32_t mode) {
     if (mode == PI_FFN_PREDICTOR && !model_->has_predictor())
         fail(PI_ERR_ARGUMENT, model_->path() + " has no predictors: predictor mode needs a file converted with --predictors");
     mode_ = mode;
-    std::fill(decode_mode_.begin(), decode_mode_.end(), std::nullopt);
+    // A switch arranges every layer for the new mode's decode steps now (at the densities measured so far): its
+    // regrouping is paid here, not by the first token after it. At load there is no layer state yet
+    // (decode_mode_ is empty) and the first steps arrange the layers.
+    for (size_t il = 0; il < decode_mode_.size(); ++il) {
+        decode_mode_[il] = std::nullopt;
+        const TierMode m = choose_cold_mode(int64_t(il), 1);
+        model_->arrange_cold_tier(int64_t(il), reads_gate_whole(m), reads_up_whole(m), true);
+    }
 }
 
 void Engine::truncate(int32_t n_keep) {

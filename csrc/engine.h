@@ -9,9 +9,9 @@
 #include <string>
 #include <vector>
 
-#include "page_memory.h"
 #include "kernels.h"
 #include "model.h"
+#include "page_memory.h"
 #include "sampler.h"
 #include "threadpool.h"
 

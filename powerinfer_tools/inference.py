@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -167,12 +168,17 @@ def timing_lines(stats: dict, load_seconds: float, info: dict | None = None) -> 
     total = sum(phases.values()) or 1.0
     share = ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in phases.items())
     density = stats.get("density")
+    ffn = f"ffn: mode {stats['ffn_mode']}"
+    if density is not None:
+        ffn += f", density {density:.3f} (neurons passing the activation rule)"
+    # the kernels each layer's last decode step took (gate and auto choose them per layer by cost)
+    kernels = Counter(layer["decode_mode"] for layer in stats.get("layers", []) if layer.get("decode_mode"))
+    if kernels:
+        ffn += "; layers' decode kernels: " + ", ".join(f"{name} {n}" for name, n in kernels.most_common())
     lines = [f"llama_print_timings:        load time = {1000 * load_seconds:10.2f} ms",
              f"llama_print_timings: prompt eval time = {rate(stats['batch_tokens'], stats['batch_seconds'], 'tokens')}",
              f"llama_print_timings:        eval time = {rate(stats['decode_tokens'], stats['decode_seconds'], 'runs  ')}",
-             f"ffn: mode {stats['ffn_mode']}, density {density:.3f} (neurons passing the activation rule)"
-             if density is not None else f"ffn: mode {stats['ffn_mode']}",
-             f"time: {share}"]
+             ffn, f"time: {share}"]
     if stats.get("recall") is not None:
         lines.append(f"predictor recall: {stats['recall']:.4f}")
     if info is not None:

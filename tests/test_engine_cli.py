@@ -4,11 +4,12 @@ bad input gives one line and exit status 1."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from engine_helpers import converted  # noqa: F401
 from cli_helpers import run_cli
-from tiny_models import training_text
+from tiny_models import N_LAYER, training_text
 
 import engine
 from powerinfer_tools import evaluate, models
@@ -31,6 +32,9 @@ def test_run_streams_the_greedy_continuation(converted, capsys):
     expect = tok.decode(ids + gen, skip_special_tokens=True)[len(tok.decode(ids, skip_special_tokens=True)):]
     assert out == PROMPT + expect + "\n"
     assert "prompt eval time" in err and "eval time" in err and "ffn: mode gate, density" in err
+    assert len(gen) > 1  # decode steps ran: each layer took gate mode's kernels or the dense rule's
+    kernels = re.search(r"layers' decode kernels: (.*)", err).group(1)
+    assert sum(int(n) for n in re.findall(r"(?:gate|dense_rule) (\d+)", kernels)) == N_LAYER, kernels
     assert f"memory: file {path.stat().st_size / 2**20:.1f} MiB mapped, KV cache " in err and "(f32)" in err
     code, _, err = run_cli(capsys, "run", "-m", path, "-p", PROMPT, "-n", "4", "-t", "2", "-c", "256",
                            "--kv-type", "f16")

@@ -568,28 +568,24 @@ TierMode Engine::choose_cold_mode(int64_t il, int64_t n_tok) const {
     // arithmetic, not its bytes, decides
     const bool batch = n_tok > 1;
     const double gate_ups = batch && packable ? kBatchRowDot * ema_active_[size_t(il)] : gathered * rho;
-    double cost[5] = {};
-    bool candidate[5] = {};
-    auto offer = [&](TierMode m, double c) {
-        cost[int(m)] = c;
-        candidate[int(m)] = true;
-    };
-    offer(TierMode::DenseRule, n * (g + u) + down * rho * n * d);  // gate and up whole
-    offer(TierMode::Gate, n * g + gate_ups * n * u + down * rho * n * d);
+    double cost[kTierModes];  // per mode on offer; the others never chosen
+    std::fill_n(cost, kTierModes, HUGE_VAL);
+    cost[int(TierMode::DenseRule)] = n * (g + u) + down * rho * n * d;  // gate and up whole
+    cost[int(TierMode::Gate)] = n * g + gate_ups * n * u + down * rho * n * d;
     if (mode_ == PI_FFN_AUTO && model_->has_predictor()) {
         // before predictor mode has run in this layer: a guess from the activation density
         const bool seen = predicted_seen_[size_t(il)];
         const double pi = any_of(seen ? ema_predicted_[size_t(il)] : std::min(1.0, 1.2 * ema_active_[size_t(il)] + 0.02));
         const double rho_p = any_of(seen ? ema_predicted_active_[size_t(il)] : 0.8 * ema_active_[size_t(il)]);
-        offer(TierMode::Predictor, 1.5 * (double(L.fc1.bytes()) + n * double(L.fc2.row_bytes)) +
-                                       gathered * (pi * n * g + rho_p * n * u) + down * rho_p * n * d);
+        cost[int(TierMode::Predictor)] = 1.5 * (double(L.fc1.bytes()) + n * double(L.fc2.row_bytes)) +
+                                         gathered * (pi * n * g + rho_p * n * u) + down * rho_p * n * d;
     }
     TierMode best = TierMode::DenseRule;
     for (TierMode m : {TierMode::Gate, TierMode::Predictor})
-        if (candidate[int(m)] && cost[int(m)] < cost[int(best)]) best = m;
+        if (cost[int(m)] < cost[int(best)]) best = m;
     // a layer's decode steps keep their kernels (and the layout they read) unless another's are clearly cheaper
     const std::optional<TierMode> kept = decode_mode_[size_t(il)];
-    if (!batch && kept && candidate[int(*kept)] && cost[int(*kept)] <= kKeepModeMargin * cost[int(best)]) return *kept;
+    if (!batch && kept && cost[int(*kept)] <= kKeepModeMargin * cost[int(best)]) return *kept;
     return best;
 }
 
@@ -609,7 +605,7 @@ void Engine::ffn(int64_t il, int64_t n_tok, TierMode cold_mode) {
     // Hot tier first (a device backend would run it concurrently), then the cold tier, its gates and ups held as
     // the layer's decode steps read them: in 8-row groups where read whole, else as the mapped rows. A batch
     // groups what every decode step of this mode reads whole and drops nothing: it packs what it needs as it
-    // goes, and the mapped rows it read by index are handed back after it where groups hold them.
+    // goes, and the mapped rows its kernels read by index are handed back after it where groups hold them.
     const bool has_hot = L.hot.size() > 0, batch = n_tok > 1;
     if (!batch) {
         model_->arrange_cold_tier(il, reads_gate_whole(cold_mode), reads_up_whole(cold_mode), true);
@@ -622,7 +618,7 @@ void Engine::ffn(int64_t il, int64_t n_tok, TierMode cold_mode) {
     if (L.cold.size() > 0) {
         ffn_tier(L, L.cold, cold_mode, n_tok, y_cold_.data(), st, true);
         st.mode_tokens[int(cold_mode)] += double(n_tok);
-        if (batch) model_->release_grouped_rows(il);
+        if (batch) model_->release_grouped_rows(il, !reads_gate_whole(cold_mode), !reads_up_whole(cold_mode));
     } else {
         std::fill(y_cold_.begin(), y_cold_.begin() + n_tok * E, 0.0f);
     }
@@ -1265,7 +1261,7 @@ const std::string &Engine::stats_json() {
                  ", \"decode_mode\": " + (decode_mode_[i] ? quoted(tier_mode_name(*decode_mode_[i])) : std::string("null")) +
                  ", \"cold_groups\": " + std::to_string(L.cold.gate_groups.size() + L.cold.up_groups.size()) + ", \"modes\": {";
         bool first = true;
-        for (int m = 0; m < 5; ++m) {
+        for (int m = 0; m < kTierModes; ++m) {
             if (s.mode_tokens[m] == 0) continue;
             json_ += std::string(first ? "" : ", ") + quoted(tier_mode_name(TierMode(m))) + ": " + num(s.mode_tokens[m]);
             first = false;

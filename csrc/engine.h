@@ -19,6 +19,7 @@ namespace pi {
 
 // How one FFN tier is computed for one layer and batch.
 enum class TierMode { Dense, DenseRule, Gate, Predictor, Oracle };
+constexpr int kTierModes = 5;
 const char *tier_mode_name(TierMode m);
 
 // A row-major [tokens, n] activation matrix plus, on demand, its q8_0 quantization: the operand of
@@ -46,7 +47,7 @@ struct LayerStats {
     double predicted = 0;     // cold neurons selected by the predictor
     double true_pos = 0;      // selected and truly active (recall check / oracle)
     double positives = 0;     // truly active cold neurons (recall check / oracle)
-    double mode_tokens[5] = {0, 0, 0, 0, 0};  // per TierMode, for the cold tier
+    double mode_tokens[kTierModes] = {};  // per TierMode, for the cold tier
 };
 
 struct PhaseTimes {

@@ -78,10 +78,10 @@ void Model::arrange_cold_tier(int64_t il, bool gate_groups, bool up_groups, bool
     if (hp_.gated) arrange(t.up, t.up_groups, up_groups);
 }
 
-void Model::release_grouped_rows(int64_t il) {
+void Model::release_grouped_rows(int64_t il, bool gate, bool up) {
     const FfnTier &t = layers_[size_t(il)].cold;
-    if (!t.gate_groups.empty()) file_->release(t.gate.data, t.gate.bytes());
-    if (!t.up_groups.empty()) file_->release(t.up.data, t.up.bytes());
+    if (gate && !t.gate_groups.empty()) file_->release(t.gate.data, t.gate.bytes());
+    if (up && !t.up_groups.empty()) file_->release(t.up.data, t.up.bytes());
 }
 
 void Model::pack(Matrix &m) {

@@ -157,8 +157,9 @@ public:
     // hands the mapped rows' pages back; ungrouping (only where may_drop) frees the groups, and the rows come
     // from the file again.
     void arrange_cold_tier(int64_t il, bool gate_groups, bool up_groups, bool may_drop);
-    // Hands back the pages of layer il's mapped cold rows that are also held in groups (rows a batch read by index).
-    void release_grouped_rows(int64_t il);
+    // Hands back the pages of layer il's mapped cold gate (up) rows where groups also hold them (rows a batch read
+    // by index).
+    void release_grouped_rows(int64_t il, bool gate, bool up);
     WeightCopies weight_copies() const;
     // Largest predictor rank over layers (0 without predictors).
     int64_t max_rank() const;

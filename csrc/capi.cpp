@@ -7,6 +7,8 @@
 #include "engine.h"
 #include "kernels.h"
 #include "packed.h"
+#include "read_probe.h"
+#include "threadpool.h"
 #include "pi_engine.h"
 
 struct pi_engine {
@@ -305,6 +307,22 @@ pi_status pi_kernel_quantize_q8_0(const char *isa, int32_t n, const float *x, vo
         need(x, "x");
         need(out, "out");
         kernel_set(isa).quantize_q8_0(n, x, out);
+    });
+}
+
+pi_status pi_read_rows_rate(uint64_t row_bytes, double density, int32_t threads, uint64_t buffer_bytes,
+                            int32_t passes, double *bytes_per_second) {
+    return guarded([&] {
+        need(bytes_per_second, "bytes_per_second");
+        if (!(density > 0.0 && density <= 1.0)) pi::fail(PI_ERR_ARGUMENT, "density must be in (0, 1]");
+        if (threads < 1 || threads > 1024) pi::fail(PI_ERR_ARGUMENT, "threads must be in 1..1024");
+        if (passes < 1 || passes > 64) pi::fail(PI_ERR_ARGUMENT, "passes must be in 1..64");
+        if (row_bytes < 8 || row_bytes > (uint64_t(1) << 20)) pi::fail(PI_ERR_ARGUMENT, "row_bytes must be in 8..1 MiB");
+        if (buffer_bytes > (uint64_t(1) << 36)) pi::fail(PI_ERR_ARGUMENT, "buffer_bytes must be at most 64 GiB");
+        if (buffer_bytes / uint64_t(passes) / row_bytes < 64)
+            pi::fail(PI_ERR_ARGUMENT, "buffer_bytes must hold at least 64 rows per pass");
+        pi::ThreadPool pool(threads);
+        *bytes_per_second = pi::read_rows_rate(pool, size_t(row_bytes), size_t(buffer_bytes), density, passes, 1);
     });
 }
 

@@ -6,6 +6,7 @@
             ...
 """
 from engine._lib import FFN_MODES, KV_TYPES, EngineError, library_path
+from engine.memory import read_rows_rate
 from engine.model import Model
 
-__all__ = ["Model", "EngineError", "FFN_MODES", "KV_TYPES", "library_path"]
+__all__ = ["Model", "EngineError", "FFN_MODES", "KV_TYPES", "library_path", "read_rows_rate"]

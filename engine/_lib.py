@@ -11,7 +11,7 @@ from functools import lru_cache
 from pathlib import Path
 
 LIBRARY_ENV = "PI_ENGINE_LIB"
-API_VERSION = 2
+API_VERSION = 3
 
 FFN_MODES = {"dense": 0, "gate": 1, "predictor": 2, "auto": 3, "oracle": 4}
 KV_TYPES = {"f32": 0, "f16": 1}
@@ -85,6 +85,8 @@ _SIGNATURES = {
     "pi_kernel_softmax": (_I32, [ctypes.c_char_p, _I32, ctypes.c_float, _P]),
     "pi_kernel_to_float": (_I32, [ctypes.c_char_p, _I32, _I32, _P, _P]),
     "pi_kernel_quantize_q8_0": (_I32, [ctypes.c_char_p, _I32, _P, _P]),
+    "pi_read_rows_rate": (_I32, [ctypes.c_uint64, ctypes.c_double, _I32, ctypes.c_uint64, _I32,
+                                 ctypes.POINTER(ctypes.c_double)]),
 }
 
 
@@ -95,12 +97,13 @@ def lib() -> ctypes.CDLL:
         handle = ctypes.CDLL(str(path))
     except OSError as exc:
         raise EngineError(f"cannot load the engine library {path}: {exc}") from None
+    # the version first: an older library lacks some of the functions bound below
+    if handle.pi_api_version() != API_VERSION:
+        raise EngineError(f"{path} speaks engine API {handle.pi_api_version()}, this package expects {API_VERSION}: rebuild it")
     for name, (restype, argtypes) in _SIGNATURES.items():
         fn = getattr(handle, name)
         fn.restype = restype
         fn.argtypes = argtypes
-    if handle.pi_api_version() != API_VERSION:
-        raise EngineError(f"{path} speaks engine API {handle.pi_api_version()}, this package expects {API_VERSION}: rebuild it")
     return handle
 
 

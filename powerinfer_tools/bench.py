@@ -10,7 +10,9 @@ sample standard deviation beside them.
 Sparse modes are measured at fixed FFN sparsity levels by rewriting the per-layer thresholds of a
 working copy of the file (sparsity_levels.py), and each run is set against the byte model
 (byte_model.py): predicted speedup over our dense mode, achieved / predicted, and achieved / the
-physical limit of the memory read bandwidth, sampled before every round.
+physical limit of the memory read bandwidth, sampled before every round. The byte model prices a byte of a
+row read by index like a streamed one; the engine's read probe measures what such rows cost on this
+machine, and "achieved / at the probed rates" sets each run against the speedup its bytes allow at them.
 """
 from __future__ import annotations
 
@@ -173,12 +175,14 @@ def _ratios(mine: dict, other: dict) -> dict:
 
 
 def _add_derived(entries: list[dict], times: dict, mb: byte_model.ModelBytes, bandwidth: float, n_gen: int,
-                 depth: int) -> None:
-    """Ratios to llama.cpp and to our dense mode (paired by round), and the byte model's view."""
+                 depth: int, rates: dict | None = None) -> None:
+    """Ratios to llama.cpp and to our dense mode (paired by round), and the byte model's view; with the machine's
+    read rates (machine.rows_by_index), the speedup over dense those bytes allow at them."""
     llama = times.get("llama.cpp")
     dense = times.get("ours dense")
     position = depth + (n_gen - 1) / 2  # mean cache position over the generated tokens
     dense_bytes = byte_model.token_bytes(mb, None, position)["total"]
+    dense_seconds = byte_model.machine_seconds(mb, None, position, rates) if rates else None
     for e in entries:
         mine = times[e["label"]]
         if llama is not None and e["backend"] != "llama.cpp":
@@ -197,6 +201,9 @@ def _add_derived(entries: list[dict], times: dict, mb: byte_model.ModelBytes, ba
             e["achieved_over_predicted"] = e["achieved_speedup"] / e["predicted_speedup"]
             e["achieved_speedup_cpu"] = paired_ratio(mine["tg"]["cpu"], dense["tg"]["cpu"])
             e["achieved_over_predicted_cpu"] = e["achieved_speedup_cpu"] / e["predicted_speedup"]
+            if dense_seconds:
+                e["machine_predicted_speedup"] = dense_seconds / byte_model.machine_seconds(mb, layers, position, rates)
+                e["achieved_over_machine_predicted"] = e["achieved_speedup"] / e["machine_predicted_speedup"]
 
 
 # ---- orchestration ------------------------------------------------------------------------------
@@ -263,6 +270,7 @@ def run_bench(opts: BenchOptions) -> dict:
                        "powerinfer_bytes": files.powerinfer.stat().st_size,
                        "llamacpp_bytes": files.llamacpp.stat().st_size, "built": files.manifest}
     mb = byte_model.model_bytes(files.powerinfer, kv_type=opts.kv_type)
+    record["machine"]["rows_by_index"] = machine.rows_by_index(mb.layers[0].gate_row, opts.threads)
     has_predictor = any(l.predictor for l in mb.layers)
 
     source = models.resolve(opts.model)
@@ -335,11 +343,12 @@ def run_bench(opts: BenchOptions) -> dict:
         record["engine"]["work_buffer_bytes"] = info["work_buffer_bytes"]
         ours_worker.close()
         record["engine"]["memory_by_mode"] = _memory_by_mode(model_file, opts, n_ctx, modes, prompt, tg)
-        _add_derived(entries, times, mb, bandwidth, len(gen), opts.depth)
+        _add_derived(entries, times, mb, bandwidth, len(gen), opts.depth, record["machine"]["rows_by_index"])
         record["runs"] = entries
 
         if opts.sweep:
-            record["sweep"] = _sweep(opts, files, work_dir, sample, logits, llama, modes, tg, mb, bandwidth_probe)
+            record["sweep"] = _sweep(opts, files, work_dir, sample, logits, llama, modes, tg, mb, bandwidth_probe,
+                                     record["machine"]["rows_by_index"])
         if llama:
             record["llamacpp"]["peak_rss_bytes"] = max(r.worker.ask(op="info")["peak_rss_bytes"]
                                                        for r in llama[0].runners.values())
@@ -372,7 +381,7 @@ def _memory_by_mode(model_file, opts: BenchOptions, n_ctx: int, modes, prompt: l
     return memory
 
 
-def _sweep(opts, files, work_dir, sample, logits, llama, modes, tg, mb, probe) -> list[dict]:
+def _sweep(opts, files, work_dir, sample, logits, llama, modes, tg, mb, probe, rates) -> list[dict]:
     """tg of every sparse mode at each sparsity level, paired per round with our dense and llama.cpp dense."""
     copy = files_mod.working_copy(files.powerinfer, work_dir)
     sparse = [m for m in modes if m in SPARSE_MODES and (m != "gate" or sample.thresholded)]
@@ -391,7 +400,7 @@ def _sweep(opts, files, work_dir, sample, logits, llama, modes, tg, mb, probe) -
             entries = [_entry(r, times[r.label], 0, n_gen, level) for r in runners]
         finally:
             worker.close()
-        _add_derived(entries, times, mb, bandwidth, n_gen, opts.depth)
+        _add_derived(entries, times, mb, bandwidth, n_gen, opts.depth, rates)
         out.extend(entries)
     return out
 
@@ -461,6 +470,17 @@ def _round_bandwidths(record: dict) -> str:
     return f"; during the timed rounds {span} GB/s ({record['settings']['threads']} threads, median per table)"
 
 
+def _rows_by_index(m: dict) -> str:
+    """The read probe's rates: what a byte of a row picked by index costs here against one read in order."""
+    r = m.get("rows_by_index")
+    if not r:
+        return ""
+    rate = dict(zip(r["density"], r["bytes_per_second"]))
+    shares = ", ".join(f"{rate[d] / 1e9:.1f} GB/s at {d:.0%} of them" for d in (0.1, 0.5, 0.8) if d in rate)
+    return (f"; rows read by index ({r['row_bytes']}-byte rows, {r['threads']} threads, engine.read_rows_rate): "
+            f"{shares}, {rate.get(1.0, float('nan')) / 1e9:.1f} GB/s all in order")
+
+
 def render_markdown(record: dict) -> str:
     st, m = record["settings"], record["machine"]
     bw = m.get("read_bandwidth", {})
@@ -468,7 +488,8 @@ def render_markdown(record: dict) -> str:
              f"Machine: {m['cpu']}, {m['cores']} cores ({', '.join(m['simd'])}); read bandwidth "
              + ", ".join(f"{_f(v / 1e9, '{:.1f}')} GB/s ({k} thread{'s' if k != '1' else ''})" for k, v in bw.items())
              + _round_bandwidths(record)
-             + (f"; load average {', '.join(f'{x:.1f}' for x in m['load_average'])}" if m.get("load_average") else ""),
+             + (f"; load average {', '.join(f'{x:.1f}' for x in m['load_average'])}" if m.get("load_average") else "")
+             + _rows_by_index(m),
              f"Model: {st['model']} {st['outtype']}, {st['threads']} threads, {st['repeats']} interleaved repeats "
              f"(median ± stdev; t/CPU-s: tokens per CPU-second of the engine's process); "
              f"text: {record['tokens']['text']}; our kernels: {record.get('engine', {}).get('isa')}, "
@@ -499,8 +520,8 @@ def render_markdown(record: dict) -> str:
     pp_n, tg = st["n_prompt"], tg_label(st)
     lines += [f"| engine | FFN sparsity | pp{pp_n} t/s | {tg} t/s | {tg} t/CPU-s | pp vs llama.cpp | "
               "tg vs llama.cpp | tg vs llama.cpp, CPU | MiB/token | predicted vs dense | achieved / predicted | "
-              "same, CPU | of limit |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "same, CPU | of limit | achieved / at the probed rates |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in record.get("runs", []):
         sp = e.get("sparsity")
         vs = e.get("vs_llamacpp", {})
@@ -510,14 +531,15 @@ def render_markdown(record: dict) -> str:
             _f(vs.get("tg_cpu"), "{:.2f}x"),
             _mib(e["bytes_per_token"]["total"]) if "bytes_per_token" in e else "–",
             _f(e.get("predicted_speedup"), "{:.2f}x"), _f(e.get("achieved_over_predicted"), "{:.0%}"),
-            _f(e.get("achieved_over_predicted_cpu"), "{:.0%}"), _f(e.get("of_limit"), "{:.0%}")]) + " |")
+            _f(e.get("achieved_over_predicted_cpu"), "{:.0%}"), _f(e.get("of_limit"), "{:.0%}"),
+            _f(e.get("achieved_over_machine_predicted"), "{:.0%}")]) + " |")
     lines += _phase_table(record.get("runs", []), tg)
     if record.get("sweep"):
         lines += ["", f"Sparsity sweep ({tg}, thresholds recalibrated per level):", "",
                   "| target | engine | FFN sparsity | gate rows read | tg t/s | tg t/CPU-s | vs llama.cpp | "
                   "vs llama.cpp, CPU | vs ours dense | vs ours dense, CPU | predicted | achieved / predicted | "
-                  "same, CPU | of limit |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "same, CPU | of limit | achieved / at the probed rates |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for e in record["sweep"]:
             if e["backend"] != "ours":
                 continue
@@ -529,7 +551,7 @@ def render_markdown(record: dict) -> str:
                 _f(vs.get("tg_cpu"), "{:.2f}x"), _f(e.get("achieved_speedup"), "{:.2f}x"),
                 _f(e.get("achieved_speedup_cpu"), "{:.2f}x"), _f(e.get("predicted_speedup"), "{:.2f}x"),
                 _f(e.get("achieved_over_predicted"), "{:.0%}"), _f(e.get("achieved_over_predicted_cpu"), "{:.0%}"),
-                _f(e.get("of_limit"), "{:.0%}")]) + " |")
+                _f(e.get("of_limit"), "{:.0%}"), _f(e.get("achieved_over_machine_predicted"), "{:.0%}")]) + " |")
     if record.get("targets"):
         lines += ["", "| target | measured | goal | met |", "|---|---|---|---|"]
         for t in record["targets"]:

@@ -1,5 +1,6 @@
 """The machine a benchmark ran on: CPU model and SIMD flags, cores, memory, and the measured memory read
-bandwidth that turns a byte count into a physical speed limit.
+bandwidth that turns a byte count into a physical speed limit, with the rate of rows read by index beside it
+(what a sparse step's bytes cost here).
 
 The bandwidth is a streaming read of a buffer far larger than the last-level cache, split over the
 benchmark's thread count (numpy's BLAS dot of each slice with itself reads it once and releases the
@@ -74,6 +75,19 @@ class BandwidthProbe:
 def read_bandwidth(threads: int, buffer_bytes: int = 512 << 20, passes: int = 5) -> float:
     """Bytes per second one streaming read of `buffer_bytes` achieves with `threads` readers (best pass)."""
     return BandwidthProbe(threads, buffer_bytes).measure(passes)
+
+
+# Shares of a matrix's rows the read probe picks by index (1: all of them, in order).
+PROBE_DENSITIES = (0.1, 0.2, 0.35, 0.5, 0.65, 0.8, 0.9, 1.0)
+
+
+def rows_by_index(row_bytes: int, threads: int, densities: tuple[float, ...] = PROBE_DENSITIES) -> dict:
+    """How fast `threads` threads read rows of `row_bytes` picked by index at each density, against all of them in
+    order (the engine's read probe: a sparse step's access pattern without its arithmetic), in bytes/s."""
+    import engine
+
+    return {"row_bytes": int(row_bytes), "threads": threads, "density": list(densities),
+            "bytes_per_second": [engine.read_rows_rate(int(row_bytes), d, threads) for d in densities]}
 
 
 def machine_record(threads: int, measure_bandwidth: bool = True) -> dict:

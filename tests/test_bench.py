@@ -166,6 +166,30 @@ def test_byte_model_counts_rows_used(silu_files):
     assert p["ffn"] == pytest.approx(0.2 * gate_bytes + 0.1 * up_down)
 
 
+def test_machine_seconds_price_rows_by_index_at_the_probed_rates(silu_files):
+    _, files, _ = silu_files
+    mb = byte_model.model_bytes(files.powerinfer)
+    gate_at = lambda used: [{"tokens": 4, "computed_density": used, "predicted_density": None,  # noqa: E731
+                             "modes": {"gate": 4}}] * N_LAYER
+    # one rate for every access: the byte model's bytes at that rate
+    flat = {"density": [0.1, 1.0], "bytes_per_second": [1e9, 1e9]}
+    for stats in (None, gate_at(0.3)):
+        assert byte_model.machine_seconds(mb, stats, 10, flat) == pytest.approx(
+            byte_model.token_bytes(mb, stats, 10)["total"] / 1e9)
+    # rows by index at half the rate: 30 % of the up/down rows cost 0.6 of the whole matrix in order, while at
+    # 70 % reading the whole matrix in order (1.0) beats picking them (1.4)
+    halved = {"density": [0.1, 0.9, 1.0], "bytes_per_second": [0.5e9, 0.5e9, 1e9]}
+    up_down = sum(l.n_ff * (l.up_row + l.down_row) for l in mb.layers)
+    dense = byte_model.machine_seconds(mb, None, 10, halved)
+    assert dense == pytest.approx(byte_model.token_bytes(mb, None, 10)["total"] / 1e9)
+    assert byte_model.machine_seconds(mb, gate_at(0.3), 10, halved) == pytest.approx(dense - 0.4 * up_down / 1e9)
+    assert byte_model.machine_seconds(mb, gate_at(0.7), 10, halved) == pytest.approx(dense)
+    # a probe that read rows by index faster than in order (noise) prices them as rows in order
+    noisy = {"density": [0.1, 1.0], "bytes_per_second": [2e9, 1e9]}
+    assert byte_model.machine_seconds(mb, gate_at(0.3), 10, noisy) == pytest.approx(
+        byte_model.token_bytes(mb, gate_at(0.3), 10)["total"] / 1e9)
+
+
 def test_paired_ratio_and_summary():
     # per-round seconds: a twice as fast as b in every round, whatever the drift between rounds
     assert bench.paired_ratio([1.0, 2.0, 4.0], [2.0, 4.0, 8.0]) == pytest.approx(2.0)
@@ -221,9 +245,12 @@ def _record(tg_llama, tg_dense, tg_gate, pp_ratio, achieved_over_predicted):
               "achieved_speedup": tg_gate / tg_dense, "predicted_speedup": 1.3,
               "achieved_over_predicted": achieved_over_predicted, "of_limit": 0.5,
               "achieved_speedup_cpu": 1.1, "achieved_over_predicted_cpu": 0.85,
+              "machine_predicted_speedup": 1.1, "achieved_over_machine_predicted": 1.02,
               "sparsity": {"ffn_sparsity": 0.5, "gate_rows_read": 1.0}}]
     return {"settings": {"model": "m", "outtype": "q4_0", "threads": 2, "repeats": 3, "n_prompt": 512, "n_gen": 128},
-            "machine": {"cpu": "cpu", "cores": 2, "simd": ["avx2"], "read_bandwidth": {"2": 1e10}},
+            "machine": {"cpu": "cpu", "cores": 2, "simd": ["avx2"], "read_bandwidth": {"2": 1e10},
+                        "rows_by_index": {"row_bytes": 324, "threads": 2, "density": [0.1, 0.5, 0.8, 1.0],
+                                          "bytes_per_second": [2e10, 2.5e10, 3e10, 4.5e10]}},
             "tokens": {"text": "t"}, "runs": runs, "sweep": sweep, "command": "pi-tools bench -m m"}
 
 
@@ -241,7 +268,9 @@ def test_targets_and_markdown():
     md = bench.render_markdown(rec)
     assert "| ours dense | 0.00 | 70.0 ± 1.0 | 105.0 ± 1.0 | 210.0 | 0.70x | 1.05x | 1.50x |" in md
     assert "| 0.50 | ours gate | 0.50 | 1.00 | 118.0 ± 1.0 | 236.0 | 1.18x | 1.30x | 1.12x | 1.10x | 1.30x | 90% | 85% " \
-           "| 50% |" in md
+           "| 50% | 102% |" in md
+    assert "rows read by index (324-byte rows, 2 threads, engine.read_rows_rate): 20.0 GB/s at 10% of them, " \
+           "25.0 GB/s at 50% of them, 30.0 GB/s at 80% of them, 45.0 GB/s all in order" in md
     assert "| gate@0.5_vs_llamacpp (sweep) | 1.18 | ≥ 1.20 | **no** |" in md
     # a ceiling: met at or below its goal
     rec["files"] = {"powerinfer_bytes": 100 * 2**20}
@@ -358,6 +387,16 @@ def test_bench_end_to_end_tiny(silu_files, tmp_path):
         if e["backend"] == "ours":
             assert e["read_bandwidth"] > 1e8
             assert e["of_limit"] == pytest.approx(e["tg"]["median"] * e["bytes_per_token"]["total"] / e["read_bandwidth"])
+    probe = rec["machine"]["rows_by_index"]
+    assert probe["density"] == list(machine.PROBE_DENSITIES) and all(r > 1e7 for r in probe["bytes_per_second"])
+    for e in rec["runs"] + rec["sweep"]:  # at the probed rates: dense is the yardstick, the byte model the ceiling
+        if e["backend"] == "ours":
+            assert e["achieved_over_machine_predicted"] == pytest.approx(
+                e["achieved_speedup"] / e["machine_predicted_speedup"])
+            if e["mode"] == "dense":
+                assert e["machine_predicted_speedup"] == pytest.approx(1.0)
+            else:
+                assert 0 < e["machine_predicted_speedup"] <= e["predicted_speedup"] + 1e-9
     md = bench.render_markdown(rec)
     assert "ours predictor" in md and "Sparsity sweep" in md and "during the timed rounds" in md
     phase_rows = [line for line in md.splitlines() if line.startswith("| ours ") and line.count("|") == 9]

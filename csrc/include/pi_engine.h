@@ -14,7 +14,7 @@
 extern "C" {
 #endif
 
-#define PI_ENGINE_API_VERSION 2
+#define PI_ENGINE_API_VERSION 3
 
 typedef enum {
     PI_OK = 0,
@@ -133,6 +133,14 @@ pi_status pi_kernel_silu(const char *isa, int32_t n, const float *x, float *out)
 pi_status pi_kernel_softmax(const char *isa, int32_t n, float scale, float *x);
 pi_status pi_kernel_to_float(const char *isa, int32_t type, int32_t n, const void *w, float *out);
 pi_status pi_kernel_quantize_q8_0(const char *isa, int32_t n, const float *x, void *out);
+
+/* ---- the machine ---- */
+/* Bytes per second this machine reads rows of `row_bytes` at: `density` of them picked at random from a buffer of
+ * `buffer_bytes` (read in ascending order, each asked for a few rows ahead, as sparse decode steps read rows by
+ * index), or every row in order at density 1; `threads` threads share the list; best of `passes` passes, each
+ * over its own region of the buffer. */
+pi_status pi_read_rows_rate(uint64_t row_bytes, double density, int32_t threads, uint64_t buffer_bytes,
+                            int32_t passes, double *bytes_per_second);
 
 #ifdef __cplusplus
 }

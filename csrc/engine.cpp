@@ -53,7 +53,11 @@ const int64_t kGrain = 1 << 16;     // multiply-adds below which a chunk is not 
 const int64_t kCacheReadCost = 16;  // multiply-adds a float read from the KV cache is worth (it misses the caches)
 const int64_t kRowDotCost = 8;      // the same for a multiply-add of an f32/f16 row (no packed groups)
 const double kBatchRowDot = 2.5;     // a batch's row dotted for one token by dot_rows, in gemm8 row-tokens (pp512)
-const double kKeepModeMargin = 1.1;  // a layer's decode steps change kernels only for one ~10 % cheaper (a change regroups)
+// The price of changing a layer's decode kernels, per byte of gate/up matrix whose layout changes, in streamed bytes
+// (the unit of choose_cold_mode's costs): grouping copies the rows into fresh pages (~2 GB/s: set_ffn_mode
+// regroups 28.5 MiB in 14 ms, where a gemm8 streams a byte in ~21 ps); ungrouping unmaps the groups, and the next
+// steps fault the mapped rows back in.
+const double kGroupPrice = 25.0, kUngroupPrice = 5.0;
 const int64_t kDefaultBatch = 64;
 const int64_t kGroupsPerPass = 16;  // packed 8-row groups per pass over a batch's tokens (~40 KB at n_embd 576, q4_0)
 const int64_t kDecodeGroupsPerPass = 64;  // the same for one token: nothing to reuse across tokens, longer lists
@@ -162,6 +166,7 @@ Engine::Engine(const std::string &path, const pi_options &opts)
     ema_predicted_active_.assign(size_t(L), 1.0);
     predicted_seen_.assign(size_t(L), false);
     decode_mode_.assign(size_t(L), std::nullopt);
+    switch_regret_.assign(size_t(L), 0.0);
     stats_.assign(size_t(L), LayerStats{});
 }
 
@@ -203,6 +208,7 @@ void Engine::set_ffn_mode(int32_t mode) {
     // (decode_mode_ is empty) and the first steps arrange the layers.
     for (size_t il = 0; il < decode_mode_.size(); ++il) {
         decode_mode_[il] = std::nullopt;
+        switch_regret_[il] = 0.0;
         const TierMode m = choose_cold_mode(int64_t(il), 1);
         model_->arrange_cold_tier(int64_t(il), reads_gate_whole(m), reads_up_whole(m), true);
     }
@@ -540,7 +546,7 @@ void Engine::add_residual(const float *y, int64_t n_tok) {
     for (int64_t i = 0; i < n_tok * hp_.n_embd; ++i) x_[size_t(i)] += y[i];
 }
 
-TierMode Engine::choose_cold_mode(int64_t il, int64_t n_tok) const {
+TierMode Engine::choose_cold_mode(int64_t il, int64_t n_tok) {
     switch (mode_) {
         case PI_FFN_DENSE: return TierMode::Dense;
         case PI_FFN_PREDICTOR: return TierMode::Predictor;
@@ -577,15 +583,31 @@ TierMode Engine::choose_cold_mode(int64_t il, int64_t n_tok) const {
         const bool seen = predicted_seen_[size_t(il)];
         const double pi = any_of(seen ? ema_predicted_[size_t(il)] : std::min(1.0, 1.2 * ema_active_[size_t(il)] + 0.02));
         const double rho_p = any_of(seen ? ema_predicted_active_[size_t(il)] : 0.8 * ema_active_[size_t(il)]);
-        cost[int(TierMode::Predictor)] = 1.5 * (double(L.fc1.bytes()) + n * double(L.fc2.row_bytes)) +
+        cost[int(TierMode::Predictor)] = 2.5 * (double(L.fc1.bytes()) + n * double(L.fc2.row_bytes)) +
                                          gathered * (pi * n * g + rho_p * n * u) + down * rho_p * n * d;
     }
     TierMode best = TierMode::DenseRule;
     for (TierMode m : {TierMode::Gate, TierMode::Predictor})
         if (cost[int(m)] < cost[int(best)]) best = m;
-    // a layer's decode steps keep their kernels (and the layout they read) unless another's are clearly cheaper
+    // A layer's decode steps keep their kernels (and the layout they read) until what they have cost beyond the
+    // cheapest's, summed over the steps since they last were the cheapest, would pay for the regrouping a change
+    // takes (rent or buy: a change on every swing of the densities costs more than either kernel, docs/perf-notes.md
+    // §36).
     const std::optional<TierMode> kept = decode_mode_[size_t(il)];
-    if (!batch && kept && cost[int(*kept)] <= kKeepModeMargin * cost[int(best)]) return *kept;
+    if (batch || !kept) return best;
+    double &regret = switch_regret_[size_t(il)];
+    if (best == *kept) {
+        regret = 0;
+        return best;
+    }
+    regret += cost[int(*kept)] - cost[int(best)];
+    auto relayout = [&](bool whole_before, bool whole_after, double bytes) {
+        return whole_before == whole_after ? 0.0 : bytes * (whole_after ? kGroupPrice : kUngroupPrice);
+    };
+    const double change = relayout(reads_gate_whole(*kept), reads_gate_whole(best), n * g) +
+                          relayout(reads_up_whole(*kept), reads_up_whole(best), n * u);
+    if (regret < change) return *kept;
+    regret = 0;
     return best;
 }
 
@@ -609,6 +631,8 @@ void Engine::ffn(int64_t il, int64_t n_tok, TierMode cold_mode) {
     const bool has_hot = L.hot.size() > 0, batch = n_tok > 1;
     if (!batch) {
         model_->arrange_cold_tier(il, reads_gate_whole(cold_mode), reads_up_whole(cold_mode), true);
+        const std::optional<TierMode> before = decode_mode_[size_t(il)];
+        st.kernel_changes += double(before && *before != cold_mode);
         decode_mode_[size_t(il)] = cold_mode;
     } else {
         const bool gates_whole = mode_ == PI_FFN_DENSE || mode_ == PI_FFN_GATE || (mode_ == PI_FFN_AUTO && !model_->has_predictor());
@@ -1259,7 +1283,8 @@ const std::string &Engine::stats_json() {
                  ", \"predicted_density\": " + num(s.cold_tokens > 0 && nc > 0 ? s.predicted / s.cold_tokens / nc : NAN) +
                  ", \"recall\": " + num(s.positives > 0 ? s.true_pos / s.positives : NAN) +
                  ", \"decode_mode\": " + (decode_mode_[i] ? quoted(tier_mode_name(*decode_mode_[i])) : std::string("null")) +
-                 ", \"cold_groups\": " + std::to_string(L.cold.gate_groups.size() + L.cold.up_groups.size()) + ", \"modes\": {";
+                 ", \"cold_groups\": " + std::to_string(L.cold.gate_groups.size() + L.cold.up_groups.size()) +
+                 ", \"kernel_changes\": " + num(s.kernel_changes) + ", \"modes\": {";
         bool first = true;
         for (int m = 0; m < kTierModes; ++m) {
             if (s.mode_tokens[m] == 0) continue;

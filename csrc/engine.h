@@ -48,6 +48,7 @@ struct LayerStats {
     double true_pos = 0;      // selected and truly active (recall check / oracle)
     double positives = 0;     // truly active cold neurons (recall check / oracle)
     double mode_tokens[kTierModes] = {};  // per TierMode, for the cold tier
+    double kernel_changes = 0;            // decode steps whose cold-tier kernels differ from the step before's
 };
 
 struct PhaseTimes {
@@ -88,7 +89,7 @@ private:
     void gemm_cache(int n_tok, int n_rows, int n_cols, const float *h, int ldh, const uint8_t *cache, int64_t at,
                     int ldw, float *y, int ldy) const;
     void ffn(int64_t il, int64_t n_tok, TierMode cold_mode);
-    TierMode choose_cold_mode(int64_t il, int64_t n_tok) const;
+    TierMode choose_cold_mode(int64_t il, int64_t n_tok);
     void ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n_tok, float *y, LayerStats &st,
                   bool is_cold);
     void predictor_select(const Layer &L, const FfnTier &T, int64_t n_tok);
@@ -166,9 +167,11 @@ private:
 
     // auto mode: measured densities per layer (exponential moving averages over tokens)
     std::vector<double> ema_active_, ema_predicted_, ema_predicted_active_;
-    // per layer, the cold tier's mode at its last decode step since the FFN mode was set (gate and auto keep it
-    // unless another is clearly cheaper)
+    // per layer, the cold tier's mode at its last decode step since the FFN mode was set, and what it has cost beyond
+    // the cheapest mode's since it last was the cheapest (gate and auto change modes when that would pay for the
+    // regrouping a change takes)
     std::vector<std::optional<TierMode>> decode_mode_;
+    std::vector<double> switch_regret_;
     std::vector<bool> predicted_seen_;
 
     std::vector<LayerStats> stats_;

@@ -310,6 +310,23 @@ def test_gate_mode_decode_steps_take_the_cheaper_kernels(tiny_model_dir, convert
         check_groups_follow_decode_modes(stats, layer_group_bytes("q8_0")[1], thresholds)
 
 
+def test_decode_kernels_change_when_it_pays(converted):
+    """A layer's decode steps change kernels only when what the kept ones cost beyond the cheapest's would pay for
+    the regrouping (rent or buy): with densities hovering at the break-even of the dense rule's kernels and gate
+    mode's (~0.55) they keep them, where a change on every swing took 19-43 changes in 242 steps; with densities
+    settling below it after the prompt, each layer changes once, to gate mode's kernels."""
+    tokens = random_tokens(250, 384, seed=3)
+    for thresholds, most, final in (((0.18, 0.18), 1, None), ((0.2, 0.2), 1, "gate")):
+        with engine.Model(converted("llama-silu", "q8_0", thresholds=thresholds), threads=2, sparse_mode="gate") as m:
+            m.eval(tokens[:8], all_logits=False)
+            for t in tokens[8:]:
+                m.eval([t], all_logits=False)
+            layers = m.stats()["layers"]
+        assert all(layer["kernel_changes"] <= most for layer in layers), thresholds
+        if final:
+            assert all(layer["kernel_changes"] == 1 and layer["decode_mode"] == final for layer in layers), thresholds
+
+
 def test_predictor_recall_equals_independent_count(tiny_model_dir, converted):
     path = converted("llama-relu", predictors=True)
     tensors = read_tensors(path)

@@ -1,0 +1,83 @@
+"""Decode speed of two builds of the engine library on one file, each run in fresh processes, alternated per
+round (A then B, then B then A): the median of the per-round ratios B/A with its quartiles, per FFN mode.
+
+Two builds loaded into one process mislead: the one loaded second ran up to ~10 % faster here, in either order
+(docs/perf-notes.md §35, "Tried and dropped"). A process per measurement costs a second of loading and no bias.
+
+    python scripts/ab_engine_builds.py A.so B.so model.powerinfer.gguf gate predictor [--rounds 6] [--threads 2]
+
+Build a library from another tree (a commit to compare with) with `python setup.py build_ext --inplace` there;
+each process loads its build through PI_ENGINE_LIB. Tokens: the start of --text (default: the README) through
+the file's own tokenizer, the same for both builds (real text, so that the sparse modes see real activations).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+
+import numpy as np
+
+from powerinfer_tools.tokenizer import tokenizer_from_file
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+DECODE = """
+import sys, time
+import engine
+path, mode, threads, n_prompt, runs = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+tokens = [int(t) for t in sys.argv[6].split(",")]
+n_gen = len(tokens) - n_prompt
+with engine.Model(path, threads=threads, ctx_size=len(tokens) + 8, sparse_mode=mode) as m:
+    best = 0.0
+    for run in range(runs + 1):  # the first run warms the caches and arranges the layers
+        m.reset()
+        m.eval(tokens[:n_prompt], all_logits=False)
+        t0 = time.perf_counter()
+        for t in tokens[n_prompt:]:
+            m.eval([t], all_logits=False)
+        if run:
+            best = max(best, n_gen / (time.perf_counter() - t0))
+print(best)
+"""
+
+
+def tokens_per_second(lib: str, args: argparse.Namespace, mode: str, tokens: list[int]) -> float:
+    env = dict(os.environ, PI_ENGINE_LIB=lib)
+    out = subprocess.run([sys.executable, "-c", DECODE, args.model, mode, str(args.threads), str(args.prompt),
+                          str(args.runs), ",".join(map(str, tokens))], env=env, capture_output=True, text=True,
+                         check=True)
+    return float(out.stdout.split()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("a", help="engine library A (the baseline)")
+    ap.add_argument("b", help="engine library B")
+    ap.add_argument("model", help="PowerInfer GGUF file")
+    ap.add_argument("modes", nargs="+", help="FFN modes: dense gate predictor auto")
+    ap.add_argument("--rounds", type=int, default=6, help="rounds per mode (default 6)")
+    ap.add_argument("--runs", type=int, default=2, help="timed runs per process, the best kept (default 2)")
+    ap.add_argument("--threads", type=int, default=2, help="engine threads (default 2)")
+    ap.add_argument("--prompt", type=int, default=32, help="prompt tokens before each timed run (default 32)")
+    ap.add_argument("--gen", type=int, default=128, help="decode steps timed per run (default 128)")
+    ap.add_argument("--text", default=os.path.join(ROOT, "README.md"), help="text the tokens come from (default: README)")
+    args = ap.parse_args()
+    with open(args.text, encoding="utf-8") as f:
+        tokens = tokenizer_from_file(args.model)(f.read())["input_ids"][: args.prompt + args.gen]
+    if len(tokens) < args.prompt + args.gen:
+        sys.exit(f"{args.text} gives {len(tokens)} tokens, fewer than --prompt + --gen")
+    for mode in args.modes:
+        a, b = [], []
+        for r in range(args.rounds):
+            for lib, out in ((args.a, a), (args.b, b)) if r % 2 == 0 else ((args.b, b), (args.a, a)):
+                out.append(tokens_per_second(lib, args, mode, tokens))
+        q1, med, q3 = np.percentile([y / x for x, y in zip(a, b)], [25, 50, 75])
+        print(f"{mode:10s} A {statistics.median(a):7.1f} t/s  B {statistics.median(b):7.1f} t/s  "
+              f"B/A {med:.3f} ({q1:.3f}-{q3:.3f})", flush=True)
+
+
+if __name__ == "__main__":
+    main()

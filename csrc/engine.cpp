@@ -601,11 +601,13 @@ TierMode Engine::choose_cold_mode(int64_t il, int64_t n_tok) {
         return best;
     }
     regret += cost[int(*kept)] - cost[int(best)];
-    auto relayout = [&](bool whole_before, bool whole_after, double bytes) {
-        return whole_before == whole_after ? 0.0 : bytes * (whole_after ? kGroupPrice : kUngroupPrice);
+    // what regrouping a matrix costs, where the layer holds it in groups while its kernels read it whole
+    auto relayout = [&](bool whole_before, bool whole_after, const Matrix &m) {
+        if (whole_before == whole_after || !L.cold.groups_fit(m)) return 0.0;
+        return n * double(m.row_bytes) * (whole_after ? kGroupPrice : kUngroupPrice);
     };
-    const double change = relayout(reads_gate_whole(*kept), reads_gate_whole(best), n * g) +
-                          relayout(reads_up_whole(*kept), reads_up_whole(best), n * u);
+    const double change = relayout(reads_gate_whole(*kept), reads_gate_whole(best), L.cold.gate) +
+                          (hp_.gated ? relayout(reads_up_whole(*kept), reads_up_whole(best), L.cold.up) : 0.0);
     if (regret < change) return *kept;
     regret = 0;
     return best;

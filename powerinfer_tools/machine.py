@@ -86,6 +86,7 @@ def rows_by_index(row_bytes: int, threads: int, densities: tuple[float, ...] = P
     order (the engine's read probe: a sparse step's access pattern without its arithmetic), in bytes/s."""
     import engine
 
+    engine.read_rows_rate(int(row_bytes), 0.1, threads, 16 << 20)  # a process's first probe read low (~30 %)
     return {"row_bytes": int(row_bytes), "threads": threads, "density": list(densities),
             "bytes_per_second": [engine.read_rows_rate(int(row_bytes), d, threads) for d in densities]}
 

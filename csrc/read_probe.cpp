@@ -54,7 +54,7 @@ double read_rows_rate(ThreadPool &pool, size_t row_bytes, size_t buffer_bytes, d
     // Every pass's list first, so that the passes run back to back: a pass over 10 % of a region lasts ~0.3 ms,
     // and a worker that fell asleep while a list was drawn would add its wake-up to it.
     Uniform uniform{seed};
-    std::vector<std::vector<const uint8_t *>> lists(size_t(passes));
+    std::vector<std::vector<const uint8_t *>> lists(static_cast<size_t>(passes));
     for (int p = 0; p < passes; ++p) {
         const uint8_t *region = buffer.data() + size_t(p) * region_rows * row_bytes;
         for (size_t r = 0; r < region_rows; ++r)

@@ -29,11 +29,8 @@ const uint8_t *column_slice(const uint8_t *row, uint32_t type, int64_t c0) {
 
 
 // Asks for the first rows of a list gathered by index a little before dot_rows reads them (the kernel
-// prefetches further rows itself as it goes): into L2, as the kernel does.
+// prefetches further rows itself as it goes): into L2 (prefetch_row), as the kernel does.
 const int kListAhead = 32;
-void prefetch_row(const void *row, size_t bytes) {
-    for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const uint8_t *>(row) + off, 0, 2);
-}
 
 // v when keep, else +0, by masking its bits: at moderate sparsity `keep` is a coin flip, and a branch
 // on it (what compilers make of `keep ? v : 0`) mispredicts half the time.

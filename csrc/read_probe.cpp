@@ -5,7 +5,9 @@
 #include <cstring>
 #include <vector>
 
+#include "common.h"
 #include "page_memory.h"
+#include "sampler.h"
 #include "threadpool.h"
 
 namespace pi {
@@ -13,17 +15,6 @@ namespace pi {
 namespace {
 
 const int kProbeAhead = 16;  // rows asked for ahead of the one read (the engine's dot_rows: 3 groups of 4-8 rows)
-
-// splitmix64: a uniform double in [0, 1) per call
-struct Uniform {
-    uint64_t state;
-    double operator()() {
-        uint64_t z = (state += 0x9e3779b97f4a7c15ull);
-        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-        z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-        return double((z ^ (z >> 31)) >> 11) * 0x1.0p-53;
-    }
-};
 
 uint64_t load_word(const uint8_t *at) {  // rows start anywhere (324-byte q4_0 rows): an unaligned load
     uint64_t v;
@@ -39,8 +30,9 @@ uint64_t touch_row(const uint8_t *row, size_t row_bytes) {
     return sum + load_word(row + row_bytes - 8);
 }
 
+// The engine's prefetch of a row, and its last line where the row runs into one more.
 void ask_for_row(const uint8_t *row, size_t row_bytes) {
-    for (size_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(row + o, 0, 2);
+    prefetch_row(row, row_bytes);
     __builtin_prefetch(row + row_bytes - 1, 0, 2);
 }
 
@@ -53,12 +45,12 @@ double read_rows_rate(ThreadPool &pool, size_t row_bytes, size_t buffer_bytes, d
     const bool in_order = density >= 1.0;
     // Every pass's list first, so that the passes run back to back: a pass over 10 % of a region lasts ~0.3 ms,
     // and a worker that fell asleep while a list was drawn would add its wake-up to it.
-    Uniform uniform{seed};
+    Rng rng(seed);
     std::vector<std::vector<const uint8_t *>> lists(static_cast<size_t>(passes));
     for (int p = 0; p < passes; ++p) {
         const uint8_t *region = buffer.data() + size_t(p) * region_rows * row_bytes;
         for (size_t r = 0; r < region_rows; ++r)
-            if (in_order || uniform() < density) lists[size_t(p)].push_back(region + r * row_bytes);
+            if (in_order || rng.uniform() < density) lists[size_t(p)].push_back(region + r * row_bytes);
     }
     std::vector<uint64_t> sinks(size_t(pool.size()), 0);
     const std::vector<const uint8_t *> *rows = nullptr;

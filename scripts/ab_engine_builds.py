@@ -20,6 +20,7 @@ import sys
 
 import numpy as np
 
+from powerinfer_tools.errors import UserError
 from powerinfer_tools.tokenizer import tokenizer_from_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,8 +48,9 @@ print(best)
 def tokens_per_second(lib: str, args: argparse.Namespace, mode: str, tokens: list[int]) -> float:
     env = dict(os.environ, PI_ENGINE_LIB=lib)
     out = subprocess.run([sys.executable, "-c", DECODE, args.model, mode, str(args.threads), str(args.prompt),
-                          str(args.runs), ",".join(map(str, tokens))], env=env, capture_output=True, text=True,
-                         check=True)
+                          str(args.runs), ",".join(map(str, tokens))], env=env, capture_output=True, text=True)
+    if out.returncode != 0:  # the child's own last line: the engine's message (a bad library, file or mode)
+        sys.exit(f"{lib}: {(out.stderr.strip().splitlines() or ['exit status %d' % out.returncode])[-1]}")
     return float(out.stdout.split()[-1])
 
 
@@ -65,8 +67,11 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=128, help="decode steps timed per run (default 128)")
     ap.add_argument("--text", default=os.path.join(ROOT, "README.md"), help="text the tokens come from (default: README)")
     args = ap.parse_args()
-    with open(args.text, encoding="utf-8") as f:
-        tokens = tokenizer_from_file(args.model)(f.read())["input_ids"][: args.prompt + args.gen]
+    try:
+        with open(args.text, encoding="utf-8") as f:
+            tokens = tokenizer_from_file(args.model)(f.read())["input_ids"][: args.prompt + args.gen]
+    except (OSError, UserError) as exc:
+        sys.exit(f"ab_engine_builds.py: {exc}")
     if len(tokens) < args.prompt + args.gen:
         sys.exit(f"{args.text} gives {len(tokens)} tokens, fewer than --prompt + --gen")
     for mode in args.modes:

@@ -68,6 +68,7 @@ const int64_t kGatherRows = 64;     // selected rows per pass of the gathered ga
 const int64_t kDecodeGatherRows = 256;  // the same for one token: longer lists
 static_assert(kDecodeGatherRows >= kGatherRows, "gate_up_gathered's lists are sized for the longer pass");
 const int64_t kAttnTile = 64;       // tokens of a batch whose attention scores are computed together
+const int64_t kPredictorProbeTokens = 16;  // a batch's last tokens auto mode scores the predictor for (measure_predictor)
 const int64_t kHeadsPerTile = 4;    // query heads of a kv head whose outputs one gemm computes (its token tile)
 const int64_t kKeyTile = 64;        // cached positions per tile of a kv head's keys ([d_head][kKeyTile] floats)
 
@@ -576,7 +577,8 @@ TierMode Engine::choose_cold_mode(int64_t il, int64_t n_tok) {
     cost[int(TierMode::DenseRule)] = n * (g + u) + down * rho * n * d;  // gate and up whole
     cost[int(TierMode::Gate)] = n * g + gate_ups * n * u + down * rho * n * d;
     if (mode_ == PI_FFN_AUTO && model_->has_predictor()) {
-        // before predictor mode has run in this layer: a guess from the activation density
+        // before the predictor has been measured in this layer (no batch yet, measure_predictor): a guess from the
+        // activation density
         const bool seen = predicted_seen_[size_t(il)];
         const double pi = any_of(seen ? ema_predicted_[size_t(il)] : std::min(1.0, 1.2 * ema_active_[size_t(il)] + 0.02));
         const double rho_p = any_of(seen ? ema_predicted_active_[size_t(il)] : 0.8 * ema_active_[size_t(il)]);
@@ -628,6 +630,11 @@ void Engine::ffn(int64_t il, int64_t n_tok, TierMode cold_mode) {
     // groups what every decode step of this mode reads whole and drops nothing: it packs what it needs as it
     // goes, and the mapped rows its kernels read by index are handed back after it where groups hold them.
     const bool has_hot = L.hot.size() > 0, batch = n_tok > 1;
+    // auto: the predictor measured once a sequence (its first batch), or until the layer has predictor densities (on
+    // every batch it cost ~3 % of a 512-token prompt's time, docs/perf-notes.md §37)
+    const bool probe = batch && mode_ == PI_FFN_AUTO && model_->has_predictor() && cold_mode != TierMode::Predictor &&
+                       L.cold.size() > 0 && (n_past_ == 0 || !predicted_seen_[size_t(il)]);
+    const int64_t n_probe = probe ? select_for_last_tokens(L, n_tok) : 0;
     if (!batch) {
         model_->arrange_cold_tier(il, reads_gate_whole(cold_mode), reads_up_whole(cold_mode), true);
         const std::optional<TierMode> before = decode_mode_[size_t(il)];
@@ -642,6 +649,7 @@ void Engine::ffn(int64_t il, int64_t n_tok, TierMode cold_mode) {
         ffn_tier(L, L.cold, cold_mode, n_tok, y_cold_.data(), st, true);
         st.mode_tokens[int(cold_mode)] += double(n_tok);
         if (batch) model_->release_grouped_rows(il, !reads_gate_whole(cold_mode), !reads_up_whole(cold_mode));
+        if (n_probe > 0) measure_predictor(il, n_tok, n_probe);
     } else {
         std::fill(y_cold_.begin(), y_cold_.begin() + n_tok * E, 0.0f);
     }
@@ -665,9 +673,38 @@ void Engine::ffn(int64_t il, int64_t n_tok, TierMode cold_mode) {
     }
 }
 
-Operand Engine::predictor_hidden(const Layer &L, int64_t n_tok) {
+int64_t Engine::select_for_last_tokens(const Layer &L, int64_t n_tok) {
+    const auto t0 = Clock::now();
+    const int64_t k = std::min(n_tok, kPredictorProbeTokens), first = n_tok - k, E = hp_.n_embd;
+    Operand last{x_.data() + first * E, E, q_x_.data() + first * (E / QK), false};
+    predictor_select(L, L.cold, last, k);
+    std::memcpy(selected_.data(), mask_.data(), size_t(k * hp_.n_ff));
+    times_.predictor += seconds_since(t0);
+    return k;
+}
+
+void Engine::measure_predictor(int64_t il, int64_t n_tok, int64_t n_probe) {
+    const int64_t F = hp_.n_ff, n = model_->layers()[size_t(il)].cold.size();
+    int64_t selected = 0, computed = 0;  // integer counts, without branches
+    for (int64_t t = 0; t < n_probe; ++t) {
+        const uint8_t *sel = selected_.data() + t * F, *used = mask_.data() + (n_tok - n_probe + t) * F;
+        for (int64_t r = 0; r < n; ++r) {
+            selected += sel[r];
+            computed += sel[r] & (used[r] == 2);
+        }
+    }
+    // the layer's densities as predictor-mode steps keep them (ffn), n_probe tokens weighing as n_probe steps
+    const double a = 1.0 - std::pow(0.8, double(n_probe)), per = double(n_probe) * double(n);
+    const bool seen = predicted_seen_[size_t(il)];
+    double &pi = ema_predicted_[size_t(il)], &rho = ema_predicted_active_[size_t(il)];
+    pi = seen ? (1 - a) * pi + a * double(selected) / per : double(selected) / per;
+    rho = seen ? (1 - a) * rho + a * double(computed) / per : double(computed) / per;
+    predicted_seen_[size_t(il)] = true;
+}
+
+Operand Engine::predictor_hidden(const Layer &L, Operand &x, int64_t n_tok) {
     const int64_t R = L.fc1.rows;
-    matmul(L.fc1, op_x_, n_tok, hid_.data(), R);
+    matmul(L.fc1, x, n_tok, hid_.data(), R);
     for (int64_t i = 0; i < n_tok * R; ++i) hid_[size_t(i)] = std::max(hid_[size_t(i)], 0.0f);
     Operand hid = op_hid_;
     hid.n = R;
@@ -713,9 +750,9 @@ int64_t Engine::list_used_rows(const FfnTier &T, const int32_t *list, int64_t co
     return used;
 }
 
-void Engine::predictor_select(const Layer &L, const FfnTier &T, int64_t n_tok) {
+void Engine::predictor_select(const Layer &L, const FfnTier &T, Operand &x, int64_t n_tok) {
     // hidden = relu(fc1 x); neuron j selected when fc2_j . hidden > threshold
-    const Operand hid = predictor_hidden(L, n_tok);
+    const Operand hid = predictor_hidden(L, x, n_tok);
     const int64_t units = T.fc2_units();
     auto job = [&](int chunk, int n_chunks, int) {
         int64_t u0, u1;
@@ -789,9 +826,9 @@ void Engine::ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n
 
     // Stage A: which neurons each token computes (mask_ 1 = compute the gate).
     if (fused) {
-        hid = predictor_hidden(L, n_tok);
+        hid = predictor_hidden(L, op_x_, n_tok);
     } else if (mode == TierMode::Predictor) {
-        predictor_select(L, T, n_tok);
+        predictor_select(L, T, op_x_, n_tok);
         if (recall_check_) true_mask(L, T, n_tok, truth_.data());
     } else if (mode == TierMode::Oracle) {
         true_mask(L, T, n_tok, truth_.data());

@@ -92,9 +92,16 @@ private:
     TierMode choose_cold_mode(int64_t il, int64_t n_tok);
     void ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n_tok, float *y, LayerStats &st,
                   bool is_cold);
-    void predictor_select(const Layer &L, const FfnTier &T, int64_t n_tok);
+    // mask_ rows [0, n_tok): the tier's neurons the predictor selects for the n_tok tokens of x
+    void predictor_select(const Layer &L, const FfnTier &T, Operand &x, int64_t n_tok);
+    // auto mode, a batch that runs the layer without the predictor: the predictor scored for its last tokens
+    // (selected_ rows [0, returned count)), and after the FFN, what it would have selected and computed there,
+    // taken into the layer's predictor densities, so that its first decode steps price predictor mode at
+    // densities measured on the prompt rather than guessed
+    int64_t select_for_last_tokens(const Layer &L, int64_t n_tok);
+    void measure_predictor(int64_t il, int64_t n_tok, int64_t n_probe);
     // The predictor's hidden layer relu(fc1 x), prepared as fc2's operand.
-    Operand predictor_hidden(const Layer &L, int64_t n_tok);
+    Operand predictor_hidden(const Layer &L, Operand &x, int64_t n_tok);
     // mask_ of the tier's slots in fc2's units [u0, u1) (FfnTier::fc2_units).
     void predictor_score(const Layer &L, const FfnTier &T, const Operand &hid, int64_t n_tok, int64_t u0, int64_t u1);
     // Asks for the layer's predictor weights (fc1, the cold tier's fc2) ahead of predictor_select.

@@ -358,6 +358,26 @@ def test_auto_without_predictor_equals_gate(converted):
     assert modes <= {"gate", "dense_rule"} and "gate" in modes  # sparse enough for gate to win
 
 
+@pytest.mark.parametrize("threshold, first", [(PREDICTOR_SPARSE_THRESHOLD, "predictor"), (-1e9, "gate")])
+def test_auto_prices_the_predictor_it_measured_on_the_prompt(threshold, first, tmp_path, converted):
+    """auto mode scores the predictor for a prompt's last tokens (the prompt itself runs without it), so that its
+    first decode step prices predictor mode at the densities measured there. A predictor selecting 5-25 % of the
+    neurons where ~48 % are active takes every layer from the first step (priced on a guess from the activation
+    density alone, ~60 % selected, it was never tried); one selecting every neuron is priced out."""
+    import gguf
+
+    path = rewrite(converted("llama-relu", "q8_0", predictors=True), tmp_path / "p.gguf", fields={
+        "powerinfer.predictor_thresholds": ([threshold] * N_LAYER, gguf.GGUFValueType.ARRAY)})
+    with engine.Model(path, threads=2, sparse_mode="auto") as m:
+        m.eval(TOKENS[:16], all_logits=False)
+        m.eval(TOKENS[16:17], all_logits=False)
+        layers = m.stats()["layers"]
+    assert [layer["decode_mode"] for layer in layers] == [first] * N_LAYER
+    assert all(layer["density"] > 0.4 for layer in layers)  # the prompt's, through gate mode's kernels
+    if first == "predictor":
+        assert all(0.03 < layer["predicted_density"] < 0.29 for layer in layers)
+
+
 def test_hot_cold_tiers(tmp_path, tiny_model_dir, converted):
     path = converted("llama-relu", predictors=True)
     rng = np.random.default_rng(3)

@@ -29,9 +29,19 @@ Model::Model(const std::string &path, const std::string &gpuidx_path) {
 }
 
 void Model::pack_dense_matrices() {
+    std::vector<Matrix *> dense;
     for (Layer &l : layers_)
-        for (Matrix *m : {&l.wq, &l.wk, &l.wv, &l.wo, &l.fc1}) pack(*m);
-    pack(output_);
+        for (Matrix *m : {&l.wq, &l.wk, &l.wv, &l.wo, &l.fc1}) dense.push_back(m);
+    dense.push_back(&output_);
+    auto aligned = [](int64_t bytes) { return (bytes + 63) / 64 * 64; };
+    int64_t total = 0;
+    for (const Matrix *m : dense) total += aligned(packed_bytes(*m));
+    packed_ = PageMemory(size_t(total), true, "the packed weights");
+    int64_t at = 0;
+    for (Matrix *m : dense) {
+        pack(*m, packed_.data() + at);
+        at += aligned(packed_bytes(*m));
+    }
 }
 
 void FfnTier::pack_groups(const Matrix &src, int64_t g0, int64_t g1, const void *zero_row, uint8_t *out) const {
@@ -84,16 +94,20 @@ void Model::release_grouped_rows(int64_t il, bool gate, bool up) {
     if (up && !t.up_groups.empty()) file_->release(t.up.data, t.up.bytes());
 }
 
-void Model::pack(Matrix &m) {
-    if (m.group_bytes() == 0 || m.rows < kPackRows || m.cols > kGemv8MaxCols || !m.data) return;
+int64_t Model::packed_bytes(const Matrix &m) {
+    if (m.group_bytes() == 0 || m.rows < kPackRows || m.cols > kGemv8MaxCols || !m.data) return 0;
+    return m.rows / kPackRows * m.group_bytes();
+}
+
+void Model::pack(Matrix &m, uint8_t *out) {
+    if (packed_bytes(m) == 0) return;
     const int64_t n_groups = m.rows / kPackRows, group_bytes = m.group_bytes();
-    std::vector<uint8_t> &buf = packed_.emplace_back(size_t(n_groups * group_bytes));
     for (int64_t g = 0; g < n_groups; ++g) {
         const void *rows[kPackRows];
         for (int r = 0; r < kPackRows; ++r) rows[r] = m.row(g * kPackRows + r);
-        pack_rows8(m.type, int(m.cols), rows, buf.data() + g * group_bytes);
+        pack_rows8(m.type, int(m.cols), rows, out + g * group_bytes);
     }
-    m.groups = buf.data();
+    m.groups = out;
     m.n_groups = n_groups;
     // The mapped rows are read once more only where a row is needed alone (an embedding lookup of a tied
     // head, rows past the last group): hand their pages back so the copy does not double the footprint.
@@ -460,7 +474,7 @@ int64_t Model::hot_neurons() const {
 
 WeightCopies Model::weight_copies() const {
     WeightCopies c;
-    for (const std::vector<uint8_t> &b : packed_) c.packed += b.size();
+    c.packed = packed_.size();
     for (const Layer &l : layers_) {
         c.predictor += l.cold.fc2_storage.size();
         c.hot += l.hot.storage.size() + l.hot.gate_groups.size() + l.hot.up_groups.size();

@@ -176,16 +176,19 @@ private:
     void build_tiers(const std::string &gpuidx_path);
     // The cold tier's predictor rows (see FfnTier::fc2), from the layer's fc2.
     void bind_cold_predictor(Layer &l);
-    // Packs the matrices every token reads whole into 8-row groups (see Matrix::groups).
+    // Packs the matrices every token reads whole into 8-row groups (see Matrix::groups), all in one buffer on
+    // 2 MiB pages (streamed every token: on 4 KiB pages a stream misses the TLB every 4 KiB).
     void pack_dense_matrices();
-    void pack(Matrix &m);
+    // bytes of m's groups (0 where it does not pack); pack writes them to `out` and points m at them
+    static int64_t packed_bytes(const Matrix &m);
+    void pack(Matrix &m, uint8_t *out);
 
     std::unique_ptr<GgufFile> file_;
     HParams hp_;
     Matrix tok_embd_, pos_embd_, output_norm_, output_norm_b_, output_;
     std::vector<Layer> layers_;
     bool has_predictor_ = false;
-    std::vector<std::vector<uint8_t>> packed_;  // backing of Matrix::groups
+    PageMemory packed_;  // backing of the packed matrices' Matrix::groups
 };
 
 }  // namespace pi

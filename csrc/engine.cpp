@@ -32,6 +32,13 @@ const uint8_t *column_slice(const uint8_t *row, uint32_t type, int64_t c0) {
 // prefetches further rows itself as it goes): into L2 (prefetch_row), as the kernel does.
 const int kListAhead = 32;
 
+// A layer's densities as auto mode keeps them: a moving average over tokens, 0.2 a token, so that n tokens weigh as
+// n steps; where the average has not `started`, the value replaces its starting guess.
+void take_into_average(double &average, double value, int64_t n_tokens, bool started) {
+    const double a = 1.0 - std::pow(0.8, double(n_tokens));
+    average = started ? (1 - a) * average + a * value : value;
+}
+
 // v when keep, else +0, by masking its bits: at moderate sparsity `keep` is a coin flip, and a branch
 // on it (what compilers make of `keep ? v : 0`) mispredicts half the time.
 float keep_if(bool keep, float v) {
@@ -659,16 +666,14 @@ void Engine::ffn(int64_t il, int64_t n_tok, TierMode cold_mode) {
     add_residual(y_cold_.data(), n_tok);
     st.tokens += double(n_tok);
 
-    // auto mode's (and gate-mode batches') view of this layer: an EMA over tokens, 0.2 a token, so that a batch
-    // of n tokens weighs as n steps
-    const double a = 1.0 - std::pow(0.8, double(n_tok)), nc = double(std::max<int64_t>(L.cold.size(), 1));
+    // auto mode's (and gate-mode batches') view of this layer
     const double act_rate = (st.active - active_before) / double(n_tok) / double(hp_.n_ff);
-    if (cold_mode != TierMode::Predictor) ema_active_[size_t(il)] = (1 - a) * ema_active_[size_t(il)] + a * act_rate;
-    else ema_predicted_active_[size_t(il)] =
-        predicted_seen_[size_t(il)] ? (1 - a) * ema_predicted_active_[size_t(il)] + a * act_rate : act_rate;
+    if (cold_mode != TierMode::Predictor) take_into_average(ema_active_[size_t(il)], act_rate, n_tok, true);
+    else take_into_average(ema_predicted_active_[size_t(il)], act_rate, n_tok, predicted_seen_[size_t(il)]);
     if (st.cold_tokens > cold_before) {
+        const double nc = double(std::max<int64_t>(L.cold.size(), 1));
         const double pred_rate = (st.predicted - predicted_before) / (st.cold_tokens - cold_before) / nc;
-        ema_predicted_[size_t(il)] = predicted_seen_[size_t(il)] ? (1 - a) * ema_predicted_[size_t(il)] + a * pred_rate : pred_rate;
+        take_into_average(ema_predicted_[size_t(il)], pred_rate, n_tok, predicted_seen_[size_t(il)]);
         predicted_seen_[size_t(il)] = true;
     }
 }
@@ -693,12 +698,11 @@ void Engine::measure_predictor(int64_t il, int64_t n_tok, int64_t n_probe) {
             computed += sel[r] & (used[r] == 2);
         }
     }
-    // the layer's densities as predictor-mode steps keep them (ffn), n_probe tokens weighing as n_probe steps
-    const double a = 1.0 - std::pow(0.8, double(n_probe)), per = double(n_probe) * double(n);
+    // the layer's densities as predictor-mode steps keep them (ffn)
+    const double per = double(n_probe) * double(n);
     const bool seen = predicted_seen_[size_t(il)];
-    double &pi = ema_predicted_[size_t(il)], &rho = ema_predicted_active_[size_t(il)];
-    pi = seen ? (1 - a) * pi + a * double(selected) / per : double(selected) / per;
-    rho = seen ? (1 - a) * rho + a * double(computed) / per : double(computed) / per;
+    take_into_average(ema_predicted_[size_t(il)], double(selected) / per, n_probe, seen);
+    take_into_average(ema_predicted_active_[size_t(il)], double(computed) / per, n_probe, seen);
     predicted_seen_[size_t(il)] = true;
 }
 

@@ -7,6 +7,7 @@ written atomically, so an interrupted first run simply resumes at the first miss
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import sys
 from pathlib import Path
@@ -35,10 +36,13 @@ def model_file(model: str = default_model.NAME, outtype: str = "q8_0") -> Path:
 
 
 def _step(title: str, args: list[str]) -> None:
+    """Run one subcommand with its reports on stderr: stdout belongs to the command that asked for the model
+    (`pi-tools run ... | head` must see only the generated text, and a closed pipe must not stop a build)."""
     from powerinfer_tools.cli import app
 
     print(f"pi-tools: {title}: pi-tools {' '.join(args)}", file=sys.stderr)
-    app(args=args, standalone_mode=False)
+    with contextlib.redirect_stdout(sys.stderr):
+        app(args=args, standalone_mode=False)
 
 
 def build(model: str = default_model.NAME, outtype: str = "q8_0", tokens: int = PROFILE_TOKENS,

@@ -10,10 +10,15 @@ from powerinfer_tools.errors import UserError
 
 
 @pytest.fixture()
-def built(tiny_model_dir, tmp_path, monkeypatch):
+def built(tiny_model_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("POWERINFER_TOOLS_CACHE", str(tmp_path / "cache"))
     model = str(tiny_model_dir("llama-silu"))
-    return model, pipeline.build(model, outtype="f32", tokens=1024, rank=8)
+    path = pipeline.build(model, outtype="f32", tokens=1024, rank=8)
+    reports = capsys.readouterr()
+    # the build's reports go to stderr: the stdout of `pi-tools run` is the generated text alone
+    assert reports.out == ""
+    assert "1/3 profile" in reports.err and "hotN%" in reports.err and "predictors to" in reports.err
+    return model, path
 
 
 def test_pipeline_builds_once_then_reuses(built, monkeypatch):

@@ -23,9 +23,14 @@ inline void require(bool ok, pi_status status, const std::string &msg) {
     if (!ok) fail(status, msg);
 }
 
-// Asks for a row's cache lines, one per 64 bytes from its start, into L2 (the gathered kernels' hint).
+// Asks for every cache line a row touches, into L2 (the gathered kernels' hint). Rows start anywhere (324-byte
+// q4_0 rows, 612-byte q8_0 ones), so the walk starts at the line holding the first byte and ends at the one
+// holding the last: one prefetch per 64 bytes from the row's start would leave out the last line of every
+// row that starts late in a line (half of the q8_0 rows).
 inline void prefetch_row(const void *row, size_t bytes) {
-    for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const uint8_t *>(row) + off, 0, 2);
+    const uintptr_t first = reinterpret_cast<uintptr_t>(row) & ~uintptr_t(63);
+    const uintptr_t last = reinterpret_cast<uintptr_t>(row) + bytes - 1;
+    for (uintptr_t line = first; line <= last; line += 64) __builtin_prefetch(reinterpret_cast<const void *>(line), 0, 2);
 }
 
 }  // namespace pi

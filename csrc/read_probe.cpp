@@ -30,12 +30,6 @@ uint64_t touch_row(const uint8_t *row, size_t row_bytes) {
     return sum + load_word(row + row_bytes - 8);
 }
 
-// The engine's prefetch of a row, and its last line where the row runs into one more.
-void ask_for_row(const uint8_t *row, size_t row_bytes) {
-    prefetch_row(row, row_bytes);
-    __builtin_prefetch(row + row_bytes - 1, 0, 2);
-}
-
 }  // namespace
 
 double read_rows_rate(ThreadPool &pool, size_t row_bytes, size_t buffer_bytes, double density, int passes,
@@ -59,7 +53,7 @@ double read_rows_rate(ThreadPool &pool, size_t row_bytes, size_t buffer_bytes, d
         split_range(int64_t(rows->size()), chunk, n_chunks, &i0, &i1);
         uint64_t sum = 0;
         for (int64_t i = i0; i < i1; ++i) {
-            if (!in_order && i + kProbeAhead < i1) ask_for_row((*rows)[size_t(i + kProbeAhead)], row_bytes);
+            if (!in_order && i + kProbeAhead < i1) prefetch_row((*rows)[size_t(i + kProbeAhead)], row_bytes);
             sum += touch_row((*rows)[size_t(i)], row_bytes);
         }
         sinks[size_t(thread)] += sum;

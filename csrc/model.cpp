@@ -33,15 +33,14 @@ void Model::pack_dense_matrices() {
     for (Layer &l : layers_)
         for (Matrix *m : {&l.wq, &l.wk, &l.wv, &l.wo, &l.fc1}) dense.push_back(m);
     dense.push_back(&output_);
-    auto aligned = [](int64_t bytes) { return (bytes + 63) / 64 * 64; };
+    std::vector<int64_t> offsets;  // each matrix's place in the one buffer, on a line boundary
     int64_t total = 0;
-    for (const Matrix *m : dense) total += aligned(packed_bytes(*m));
-    packed_ = PageMemory(size_t(total), true, "the packed weights");
-    int64_t at = 0;
-    for (Matrix *m : dense) {
-        pack(*m, packed_.data() + at);
-        at += aligned(packed_bytes(*m));
+    for (const Matrix *m : dense) {
+        offsets.push_back(total);
+        total += (packed_bytes(*m) + 63) / 64 * 64;
     }
+    packed_ = PageMemory(size_t(total), true, "the packed weights");
+    for (size_t i = 0; i < dense.size(); ++i) pack(*dense[i], packed_.data() + offsets[i]);
 }
 
 void FfnTier::pack_groups(const Matrix &src, int64_t g0, int64_t g1, const void *zero_row, uint8_t *out) const {

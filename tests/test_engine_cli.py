@@ -43,6 +43,17 @@ def test_run_streams_the_greedy_continuation(converted, capsys):
     assert code == 0 and f"KV cache {kv / 2**20:.1f} MiB (f16)" in err, err
 
 
+def test_run_says_when_the_context_cuts_the_generation_short(converted, capsys):
+    path = converted("llama-relu")
+    n_prompt = len(tokenizer_from_file(path)(PROMPT)["input_ids"])
+    code, out, err = run_cli(capsys, "run", "-m", path, "-p", PROMPT, "-n", "50", "--temp", "0", "-c", str(n_prompt + 3))
+    assert code == 0, err
+    assert f"generating at most 3 of the 50 asked (raise --ctx-size" in err
+    assert out.startswith(PROMPT)
+    code, _, err = run_cli(capsys, "run", "-m", path, "-p", PROMPT, "-n", "3", "--temp", "0", "-c", str(n_prompt + 3))
+    assert code == 0 and "raise --ctx-size" not in err
+
+
 def test_run_chat_template_and_seeded_sampling(converted, capsys):
     path = converted("llama-silu")
     args = ["run", "-m", str(path), "-p", PROMPT, "-n", "10", "--temp", "1.0", "--seed", "3"]

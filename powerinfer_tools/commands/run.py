@@ -71,7 +71,11 @@ def run(
         ids = prompt_ids(tokenizer, prompt, chat)
         if len(ids) + 1 > llm.n_ctx:
             raise UserError(f"the prompt has {len(ids)} tokens; --ctx-size {llm.n_ctx} leaves no room to generate")
-        n_predict = min(n_predict, llm.n_ctx - len(ids))
+        room = llm.n_ctx - len(ids)
+        if n_predict > room:
+            typer.echo(f"pi-tools: the context holds {llm.n_ctx} tokens and the prompt takes {len(ids)}: generating "
+                       f"at most {room} of the {n_predict} asked (raise --ctx-size for more)", err=True)
+            n_predict = room
         stops = {t for t in (tokenizer.eos_token_id, llm.info["eos"]) if t is not None and t >= 0}
         decoder = inference.StreamDecoder(tokenizer, ids)
         sys.stdout.write(prompt)

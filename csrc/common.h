@@ -28,6 +28,7 @@ inline void require(bool ok, pi_status status, const std::string &msg) {
 // holding the last: one prefetch per 64 bytes from the row's start would leave out the last line of every
 // row that starts late in a line (half of the q8_0 rows).
 inline void prefetch_row(const void *row, size_t bytes) {
+    if (bytes == 0) return;
     const uintptr_t first = reinterpret_cast<uintptr_t>(row) & ~uintptr_t(63);
     const uintptr_t last = reinterpret_cast<uintptr_t>(row) + bytes - 1;
     for (uintptr_t line = first; line <= last; line += 64) __builtin_prefetch(reinterpret_cast<const void *>(line), 0, 2);

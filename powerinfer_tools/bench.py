@@ -556,7 +556,8 @@ def render_markdown(record: dict) -> str:
         lines += ["", "| target | measured | goal | met |", "|---|---|---|---|"]
         for t in record["targets"]:
             bound = "≤ " if _is_ceiling(t["target"]) else "≥ "
-            lines.append(f"| {t['target']} ({t['where']}) | {t['value']:.2f} | {bound}{t['goal']:.2f} | "
+            # three digits: a value just short of its goal must not print as the goal itself (0.849 as 0.85, "no")
+            lines.append(f"| {t['target']} ({t['where']}) | {t['value']:.3f} | {bound}{t['goal']:.2f} | "
                          f"{'yes' if t['met'] else '**no**'} |")
     for note in record.get("notes", []):
         lines.append(f"\nNote: {note}")

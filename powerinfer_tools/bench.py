@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -244,6 +245,8 @@ def _check_options(opts: BenchOptions) -> None:
             raise UserError(f"sparsity levels must be in [0, 1), got {s}")
     if opts.sweep and not set(opts.modes) & set(SPARSE_MODES):
         raise UserError("--sweep-sparsity needs a sparse mode in --modes (gate, predictor or auto)")
+    if opts.peer_python and "llama.cpp" in opts.peers and shutil.which(opts.peer_python) is None:
+        raise UserError(f"--peer-python {opts.peer_python}: no such executable (a Python with llama-cpp-python)")
 
 
 def _thresholds_at(sample, logits, level: float) -> dict:

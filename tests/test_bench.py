@@ -313,6 +313,7 @@ def _cli(*args, cwd=ROOT):
     (["-m", "smollm2", "--sweep-sparsity", "--sweep-levels", "0.5,1.5"], "sparsity levels must be in"),
     (["-m", "smollm2", "--depth", "-1"], "--depth must be at least 0"),
     (["-m", "smollm2", "--kv-type", "q8_0"], "--kv-type must be f32 or f16"),
+    (["-m", "smollm2", "--peer-python", "/no/such/python"], "--peer-python /no/such/python: no such executable"),
 ])
 def test_cli_bad_input(args, message):
     r = _cli(*args)

@@ -11,17 +11,25 @@ splits off punctuation and groups digits in threes, GPT-2 does neither), the JSO
 
 Reading (`tokenizer_from_file`) rebuilds the tokenizer from those keys alone, so `pi-tools run`
 needs neither the original model directory nor the hub: from the stored JSON when there is one,
-else with transformers' GGUF tokenizer builders.
+else with transformers' GGUF tokenizer builders. Rebuilding means parsing ~100k vocabulary strings
+through gguf-py (~2 s for SmolLM2, most of a `pi-tools run` start), so the result is kept in the cache
+(`cache_dir()/tokenizers`, the newest few files' tokenizers) and loaded from there in ~0.1 s.
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import os
+import shutil
 from pathlib import Path
 
 from powerinfer_tools.errors import UserError
 from powerinfer_tools.models import ModelSource
 
 HF_JSON_KEY = "tokenizer.huggingface.json"
+CACHE_FORMAT = 1        # bump when what tokenizer_from_file builds changes, so older cached tokenizers are not used
+CACHE_KEEP = 8          # tokenizers kept in the cache, the most recently used
 
 
 def write_vocab(writer, source: ModelSource, n_vocab: int, gguf_reader=None) -> str:
@@ -127,7 +135,67 @@ def _copy_gguf_vocab(writer, reader, path: Path) -> str:
 
 
 def tokenizer_from_file(path: str | os.PathLike):
-    """A transformers fast tokenizer built from the vocabulary stored in a GGUF or PowerInfer file."""
+    """A transformers fast tokenizer built from the vocabulary stored in a GGUF or PowerInfer file, or the one
+    built before from the same file (same path, size and modification time; same transformers) when the cache
+    still has it."""
+    entry = _cache_entry(Path(path))
+    if entry is not None and entry.is_dir():
+        cached = _load_cached(entry)
+        if cached is not None:
+            return cached
+    tok = _build_tokenizer(path)
+    if entry is not None:
+        _store_cached(tok, entry)
+    return tok
+
+
+def _cache_entry(path: Path) -> Path | None:
+    """The cache directory of this file's tokenizer; None when the file cannot be looked at (the build says why)."""
+    import transformers
+
+    try:
+        st = path.resolve().stat()
+    except OSError:
+        return None
+    key = json.dumps([CACHE_FORMAT, str(path.resolve()), st.st_size, st.st_mtime_ns, transformers.__version__])
+    return cache_root() / hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def cache_root() -> Path:
+    """Where rebuilt tokenizers are kept, one directory each (the test suite points it at its own)."""
+    from powerinfer_tools.default_model import cache_dir
+
+    return cache_dir() / "tokenizers"
+
+
+def _load_cached(entry: Path):
+    """The tokenizer saved in entry, or None when it does not load (then it is built again and replaces it)."""
+    from transformers import PreTrainedTokenizerFast
+
+    try:
+        tok = PreTrainedTokenizerFast.from_pretrained(entry, local_files_only=True)
+    except Exception:  # a damaged entry raises whatever its reader does (JSON, tokenizers, OSError): build anew
+        return None
+    with contextlib.suppress(OSError):
+        os.utime(entry)  # most recently used: kept by the pruning below
+    return tok
+
+
+def _store_cached(tok, entry: Path) -> None:
+    """Save the tokenizer under entry (atomically) and keep only the CACHE_KEEP most recently used ones. A cache
+    that cannot be written costs the next start its rebuild, nothing else."""
+    from powerinfer_tools.atomic import atomic_dir
+
+    with contextlib.suppress(OSError, UserError):
+        with atomic_dir(entry, force=True) as tmp:
+            tok.save_pretrained(tmp)
+        entries = sorted((e for e in entry.parent.iterdir() if e.is_dir() and not e.name.startswith(".")),
+                         key=lambda e: e.stat().st_mtime, reverse=True)
+        for old in entries[CACHE_KEEP:]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _build_tokenizer(path: str | os.PathLike):
     from transformers import PreTrainedTokenizerFast
     from transformers.integrations.gguf.gguf_tokenizer_mapping import (
         _SPECIAL_TOKENS,

@@ -24,3 +24,15 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(params=KINDS)
 def tiny_kind(request):
     return request.param
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _tokenizer_cache(tmp_path_factory):
+    """Tokenizers built during the tests are cached in the session's temporary directory, not the user's cache
+    (where they would push out the user's own; the smollm2 GGUF itself stays found where it is)."""
+    from powerinfer_tools import tokenizer
+
+    root = tmp_path_factory.mktemp("tokenizer_cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tokenizer, "cache_root", lambda: root)
+        yield root

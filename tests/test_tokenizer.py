@@ -2,10 +2,12 @@
 directory) a tokenizer that encodes and decodes text exactly as the model's own HF tokenizer."""
 from __future__ import annotations
 
+import os
 
 import pytest
 from transformers import AutoTokenizer, LlamaTokenizer
 
+from powerinfer_tools import tokenizer
 from powerinfer_tools.convert import convert_model
 from powerinfer_tools.errors import UserError
 from powerinfer_tools.tokenizer import HF_JSON_KEY, tokenizer_from_file
@@ -21,7 +23,7 @@ def sample_text() -> str:
 
 @pytest.mark.parametrize("kind,model", [("llama-relu", "llama"), ("bamboo", "llama"), ("falcon", "gpt2"),
                                         ("opt", "gpt2")])
-def test_round_trip_matches_hf_tokenizer(kind, model, tiny_model_dir, tmp_path):
+def test_round_trip_matches_hf_tokenizer(kind, model, tiny_model_dir, tmp_path, monkeypatch):
     src = tiny_model_dir(kind)
     out = tmp_path / "m.gguf"
     convert_model(str(src), out, "f32", progress=False)
@@ -29,7 +31,6 @@ def test_round_trip_matches_hf_tokenizer(kind, model, tiny_model_dir, tmp_path):
     # bamboo a generic backend that applies the tiny SentencePiece model's NFKC/whitespace-collapsing
     # normalizer, which neither LlamaTokenizer nor llama.cpp (the file's semantics) apply.
     ref = LlamaTokenizer.from_pretrained(src) if model == "llama" else AutoTokenizer.from_pretrained(src)
-    tok = tokenizer_from_file(out)
     from convert_helpers import read_fields
 
     fields = read_fields(out)
@@ -38,12 +39,41 @@ def test_round_trip_matches_hf_tokenizer(kind, model, tiny_model_dir, tmp_path):
     assert (HF_JSON_KEY in fields) == (model == "gpt2")
     text = sample_text()
     ids = ref(text).input_ids
-    assert tok(text).input_ids == ids
-    assert tok(text, add_special_tokens=False).input_ids == ref(text, add_special_tokens=False).input_ids
-    assert tok.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True)
-    assert tok.bos_token == ref.bos_token and tok.eos_token == ref.eos_token
-    if model == "llama":
-        assert ids[0] == ref.bos_token_id  # the add-BOS flag survived
+    built = tokenizer_from_file(out)
+    with monkeypatch.context() as mp:  # the second time from the cache, without a build
+        mp.setattr(tokenizer, "_build_tokenizer", lambda path: pytest.fail("built again instead of loaded"))
+        cached = tokenizer_from_file(out)
+    for tok in (built, cached):
+        assert tok(text).input_ids == ids
+        assert tok(text, add_special_tokens=False).input_ids == ref(text, add_special_tokens=False).input_ids
+        assert tok.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True)
+        assert tok.bos_token == ref.bos_token and tok.eos_token == ref.eos_token
+        if model == "llama":
+            assert ids[0] == ref.bos_token_id  # the add-BOS flag survived
+
+
+def test_cached_tokenizer_follows_the_file(tiny_model_dir, tmp_path, monkeypatch):
+    """A file rewritten (another modification time) or a damaged cache entry builds the tokenizer again; the cache
+    keeps the most recently used CACHE_KEEP tokenizers."""
+    out = tmp_path / "m.gguf"
+    convert_model(str(tiny_model_dir("llama-relu")), out, "f32", progress=False)
+    builds = []
+    real_build = tokenizer._build_tokenizer
+    monkeypatch.setattr(tokenizer, "_build_tokenizer", lambda path: builds.append(path) or real_build(path))
+    monkeypatch.setattr(tokenizer, "cache_root", lambda: tmp_path / "cache")
+    text = sample_text()
+    ids = tokenizer_from_file(out)(text).input_ids
+    assert tokenizer_from_file(out)(text).input_ids == ids and len(builds) == 1
+    stat = out.stat()
+    os.utime(out, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    assert tokenizer_from_file(out)(text).input_ids == ids and len(builds) == 2
+    (tokenizer._cache_entry(out) / "tokenizer.json").write_text("{ damaged")
+    assert tokenizer_from_file(out)(text).input_ids == ids and len(builds) == 3
+    for i in range(tokenizer.CACHE_KEEP + 2):  # other files' tokenizers push the oldest out
+        copy = tmp_path / f"copy{i}.gguf"
+        copy.write_bytes(out.read_bytes())
+        tokenizer_from_file(copy)
+    assert len([e for e in (tmp_path / "cache").iterdir() if not e.name.startswith(".")]) == tokenizer.CACHE_KEEP
 
 
 def test_file_without_vocabulary_is_refused(tmp_path):

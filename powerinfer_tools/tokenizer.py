@@ -154,10 +154,11 @@ def _cache_entry(path: Path) -> Path | None:
     import transformers
 
     try:
-        st = path.resolve().stat()
+        path = path.resolve()
+        st = path.stat()
     except OSError:
         return None
-    key = json.dumps([CACHE_FORMAT, str(path.resolve()), st.st_size, st.st_mtime_ns, transformers.__version__])
+    key = json.dumps([CACHE_FORMAT, str(path), st.st_size, st.st_mtime_ns, transformers.__version__])
     return cache_root() / hashlib.sha256(key.encode()).hexdigest()[:24]
 
 

@@ -11,7 +11,7 @@ from powerinfer_tools.errors import UserError
 
 app = typer.Typer(
     name="pi-tools",
-    help="Make and run sparsity-aware (PowerInfer) LLMs: profile -> train-predictor -> convert -> run.",
+    help="Make and run sparsity-aware (PowerInfer) LLMs: [sparsify ->] profile -> train-predictor -> convert -> run.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -34,8 +34,9 @@ def _root(version: bool = typer.Option(False, "--version", help="Print the versi
 
 def _register() -> None:
     from powerinfer_tools.commands import (bench, convert, inspect, perplexity, plan, profile, report, run,
-                                           train_predictor)
+                                           sparsify, train_predictor)
 
+    app.command("sparsify", no_args_is_help=True)(sparsify.sparsify)
     app.command("profile", no_args_is_help=True)(profile.profile)
     app.command("train-predictor", no_args_is_help=True)(train_predictor.train_predictor)
     app.command("convert", no_args_is_help=True)(convert.convert)

@@ -170,7 +170,14 @@ class ActivationTap:
 
 
 def _relu_student(teacher, adapter):
+    """A trainable float copy of the teacher with ReLU on the gates. A model read from a GGUF file carries
+    transformers' GGUF quantizer (its weights already dequantized at load): the copy drops it, so that it is
+    saved as the plain float checkpoint it is."""
     student = copy.deepcopy(teacher)
+    student.hf_quantizer = None
+    student.is_quantized = False
+    if hasattr(student.config, "quantization_config"):
+        del student.config.quantization_config
     student.config.hidden_act = "relu"
     for p in student.parameters():
         p.requires_grad_(True)  # the teacher's are frozen
@@ -226,6 +233,9 @@ def _save_checkpoint(work: Path, state: TrainState, student, optimizer, schedule
     os.replace(tmp, work / "checkpoint.pt")
 
 
+E2E_ONLY = ("tokens", "lr")  # options only the end-to-end phase reads: may change on --resume before it starts
+
+
 def _load_checkpoint(work: Path, identity: dict) -> dict:
     path = work / "checkpoint.pt"
     if not path.is_file():
@@ -234,11 +244,14 @@ def _load_checkpoint(work: Path, identity: dict) -> dict:
     if not isinstance(blob, dict) or not {"identity", "state", "student"} <= set(blob):
         raise UserError(f"{path} is not a sparsify checkpoint")
     saved = json.loads(blob["identity"])
-    if saved != identity:
-        changed = sorted(k for k in set(saved) | set(identity) if saved.get(k) != identity.get(k))
+    state = TrainState(**json.loads(blob["state"]))
+    changed = sorted(k for k in set(saved) | set(identity) if saved.get(k) != identity.get(k))
+    if state.phase < 2 or (state.phase == 2 and state.step == 0):
+        changed = [k for k in changed if k not in E2E_ONLY]
+    if changed:
         raise UserError(f"--resume: the checkpoint in {work} was made with other options ({', '.join(changed)}); "
                         "rerun with the same options, or without --resume to start over")
-    blob["state"] = TrainState(**json.loads(blob["state"]))
+    blob["state"] = state
     return blob
 
 
@@ -350,6 +363,43 @@ def _layer_baseline(teacher, adapter, i: int, x: torch.Tensor, device: str) -> t
     return float(F.silu(gate).abs().mean()) or 1.0, float((gate <= 0).float().mean())
 
 
+def _ffn_rows(mlp, x_all: torch.Tensor, device: str, chunk: int = 4096):
+    """(row slice, h = relu(gate x) * up x) over the cached rows, a chunk at a time."""
+    for start in range(0, len(x_all), chunk):
+        x = x_all[start:start + chunk].to(device).float()
+        yield slice(start, start + chunk), F.relu(mlp.gate_proj(x)) * mlp.up_proj(x)
+
+
+@torch.no_grad()
+def refit_down(mlp, x_all: torch.Tensor, y_all: torch.Tensor, y_power: float, device: str,
+               ridge: float = 1e-6) -> tuple[float, float]:
+    """Refit the down projection by least squares on all cached rows: given the gates and ups, the FFN's output is
+    linear in it, so the best down projection for them has a closed form (ridge-regularised normal equations).
+    Returns the normalised error on those rows (before, after); the refit is kept only if it is lower."""
+    if mlp.down_proj.bias is not None:
+        return (float("nan"),) * 2
+    n_ff = mlp.down_proj.in_features
+    gram = torch.zeros(n_ff, n_ff, dtype=torch.float64, device=device)
+    cross = torch.zeros(n_ff, mlp.down_proj.out_features, dtype=torch.float64, device=device)
+    before = 0.0
+    for rows, h in _ffn_rows(mlp, x_all, device):
+        y = y_all[rows].to(device).float()
+        before += float((mlp.down_proj(h) - y).pow(2).sum())
+        gram += (h.T @ h).double()
+        cross += (h.T @ y).double()
+    gram.diagonal().add_(ridge * float(gram.diagonal().mean()) + 1e-12)
+    weight = torch.linalg.solve(gram, cross).T.to(mlp.down_proj.weight.dtype)
+    old = mlp.down_proj.weight.detach().clone()
+    mlp.down_proj.weight.copy_(weight)
+    after = sum(float((mlp.down_proj(h) - y_all[rows].to(device).float()).pow(2).sum())
+                for rows, h in _ffn_rows(mlp, x_all, device))
+    scale = y_power * y_all.numel()
+    if not after < before:
+        mlp.down_proj.weight.copy_(old)
+        after = before
+    return before / scale, after / scale
+
+
 def _layer_steps(n_rows: int, opts: SparsifyOptions) -> tuple[int, int]:
     rows = opts.batch * opts.seq_len
     return rows, opts.local_epochs * max(1, n_rows // rows)
@@ -357,6 +407,9 @@ def _layer_steps(n_rows: int, opts: SparsifyOptions) -> tuple[int, int]:
 
 def _phase1(teacher, student, adapter, train: torch.Tensor, state: TrainState, resumed: dict | None,
             opts: SparsifyOptions, device: str, autocast, checkpointer: Checkpointer) -> None:
+    if opts.local_epochs == 0 or opts.local_tokens == 0:
+        state.phase = 2
+        return
     local = train[:max(1, opts.local_tokens // opts.seq_len)]
     io = _cache_ffn_io(teacher, adapter, local, opts.batch, device)
     rows, steps = _layer_steps(len(io[0][0]), opts)
@@ -389,8 +442,10 @@ def _phase1(teacher, student, adapter, train: torch.Tensor, state: TrainState, r
             bar.update(1)
             bar.set_postfix(layer=i, err=f"{err:.4f}", sparsity=f"{sparsity:.3f}", lam=f"{state.lam[i]:.3g}")
             if state.step == steps:
+                trained, refit = refit_down(mlp, x_all, y_all, y_power, device)
                 state.history.append({"phase": 1, "layer": i, "relu_sparsity_before": start_sparsity,
-                                      "error": err, "sparsity": sparsity, "lambda": state.lam[i]})
+                                      "error_trained": trained, "error": refit, "sparsity": sparsity,
+                                      "lambda": state.lam[i]})
                 state.layer, state.step = i + 1, 0
             checkpointer.after_step(state, student, optimizer if state.step else None, None)
     bar.close()
@@ -568,7 +623,7 @@ def run_sparsify(opts: SparsifyOptions) -> dict:
         "held_out": {"sequences": len(held_out), "tokens": int(held_out.numel()),
                      "perplexity_original": before["perplexity"], "perplexity_sparsified": after["perplexity"],
                      "perplexity_ratio": after["perplexity"] / before["perplexity"]},
-        "tokens_seen": {"layer_local": len(train[:max(1, opts.local_tokens // opts.seq_len)]) * opts.seq_len
+        "tokens_seen": {"layer_local": min(len(train), opts.local_tokens // opts.seq_len) * opts.seq_len
                         * opts.local_epochs, "end_to_end": state.tokens_seen},
         "train_seconds": state.elapsed,
         "options": {k: v for k, v in identity.items() if k != "config_hash"},

@@ -1,24 +1,54 @@
-"""Quality cost of a uniform activation-sparsity target (SiLU/GELU models), measured in transformers.
+"""Quality against FFN activation sparsity, measured in transformers on the same evaluation windows:
+training-free thresholds of a SiLU/GELU model (what `pi-tools profile --target-sparsity` calibrates) next to
+models made sparse by `pi-tools sparsify` (exact zeros of ReLU).
 
     python scripts/sparsity_quality.py --model smollm2 --calib ../shared/data/wikitext-2-valid.txt \
-        --eval ../shared/data/wikitext-2-raw-test.txt --targets 0,0.2,0.25,0.3,0.5 --eval-tokens 8192
+        --eval ../shared/data/wikitext-2-raw-test.txt --eval ../shared/data/tinyshakespeare.txt \
+        --targets 0.3,0.5,0.7,0.85,0.9 --sparsified smollm2-relu85 --eval-tokens 16384
 
-Thresholds are calibrated on --calib, perplexity is measured on --eval (never the same text).
+Thresholds are calibrated on --calib, perplexity is measured on each --eval (never the calibration text).
+Sparsity is measured on the evaluation windows themselves: the share of activations at or below the layer's
+threshold (thresholded rows) or exactly zero (sparsified models), over all layers and tokens.
 """
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
+import torch
+
+from powerinfer_tools import arch as arch_mod
 from powerinfer_tools import calibration, evaluate, models
 from powerinfer_tools.profile import calibrate_thresholds
+
+
+def measured_sparsity(model, adapter, seqs: torch.Tensor, thresholds: list[float] | None, batch: int = 4) -> float:
+    """Share of inactive FFN activations (the engine's rule for the model) over every layer and token of `seqs`."""
+    inactive, total = [0], [0]
+
+    def count(i, a):
+        active = arch_mod.is_active(adapter, a, thresholds[i] if thresholds else 0.0)
+        inactive[0] += int((~active).sum())
+        total[0] += active.numel()
+
+    handles = arch_mod.install_taps(adapter, model, on_activation=count)
+    try:
+        with torch.no_grad():
+            for start in range(0, len(seqs), batch):
+                model(input_ids=seqs[start:start + batch], use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return inactive[0] / total[0]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--calib", required=True)
-    ap.add_argument("--eval", required=True)
-    ap.add_argument("--targets", default="0,0.2,0.25,0.3,0.5")
+    ap.add_argument("--eval", required=True, action="append", help="evaluation text (repeatable)")
+    ap.add_argument("--targets", default="0.2,0.25,0.3,0.5")
+    ap.add_argument("--sparsified", action="append", default=[], help="a `pi-tools sparsify` output (repeatable)")
     ap.add_argument("--calib-tokens", type=int, default=8192)
     ap.add_argument("--eval-tokens", type=int, default=8192)
     ap.add_argument("--seq-len", type=int, default=512)
@@ -27,16 +57,33 @@ def main() -> None:
     source = models.resolve(args.model)
     model, adapter = models.load_model(source)
     tok = models.load_tokenizer(source)
-    calib = calibration.sequences_from_text(tok, [calibration.read_text(args.calib)], args.seq_len, args.calib_tokens)
-    evals = calibration.sequences_from_text(tok, [calibration.read_text(args.eval)], args.seq_len, args.eval_tokens)
+    evals = {Path(p).name: calibration.sequences_from_text(tok, [calibration.read_text(p)], args.seq_len,
+                                                           args.eval_tokens) for p in args.eval}
     n_layer = adapter.dims().n_layer
-    base = evaluate.perplexity(model, adapter, evals)
-    print(f"{'target':>7} {'ppl':>9} {'vs dense':>9}   ({evals.numel()} eval tokens)")
-    print(f"{'dense':>7} {base:>9.3f} {'':>9}")
-    for target in [float(t) for t in args.targets.split(",") if float(t) > 0]:
-        thresholds = calibrate_thresholds(model, adapter, calib, [target] * n_layer, 4, 0)
-        ppl = evaluate.perplexity(model, adapter, evals, thresholds)
-        print(f"{target:>7.2f} {ppl:>9.3f} {100 * (ppl / base - 1):>+8.1f}%")
+    first = next(iter(evals.values()))
+    rows = [("original", model, adapter, None)]
+    if args.targets:
+        calib = calibration.sequences_from_text(tok, [calibration.read_text(args.calib)], args.seq_len,
+                                                args.calib_tokens)
+        for target in [float(t) for t in args.targets.split(",") if float(t) > 0]:
+            thresholds = calibrate_thresholds(model, adapter, calib, [target] * n_layer, 4, 0)
+            rows.append((f"thresholds at {target:g}", model, adapter, thresholds))
+    for directory in args.sparsified:
+        sparse, sparse_adapter = models.load_model(models.resolve(directory))
+        rows.append((f"sparsify {Path(directory).name}", sparse, sparse_adapter, None))
+
+    base = {name: evaluate.perplexity(model, adapter, seqs) for name, seqs in evals.items()}
+    header = " | ".join(f"{name} ppl | vs original" for name in evals)
+    print(f"({', '.join(f'{name}: {s.numel()} tokens' for name, s in evals.items())}, windows of {args.seq_len})")
+    print(f"| model | FFN sparsity | {header} |")
+    print("|---|---:|" + "---:|---:|" * len(evals))
+    for label, m, a, thresholds in rows:
+        sparsity = measured_sparsity(m, a, first, thresholds)
+        cells = []
+        for name, seqs in evals.items():
+            ppl = base[name] if label == "original" else evaluate.perplexity(m, a, seqs, thresholds)
+            cells.append(f"{ppl:.3f} | {ppl / base[name]:.3f}x")
+        print(f"| {label} | {sparsity:.3f} | {' | '.join(cells)} |", flush=True)
 
 
 if __name__ == "__main__":

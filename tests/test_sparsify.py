@@ -72,6 +72,9 @@ def test_l1_raises_sparsity_to_the_target(sparsified):
     assert len(before) == len(report["layer_sparsity"]) == 2
     assert report["sparsity"] > max(before) + 0.15       # a plain ReLU swap leaves about half the gates on
     assert report["sparsity"] > 0.8                      # steered to 0.9
+    layers = [h for h in report["history"] if h["phase"] == 1 and "error" in h]
+    assert all(h["error"] <= h["error_trained"] for h in layers)   # the least-squares down projection
+    assert any(h["error"] < 0.9 * h["error_trained"] for h in layers)
     held = report["held_out"]
     assert held["perplexity_sparsified"] > 0 and held["perplexity_ratio"] == pytest.approx(
         held["perplexity_sparsified"] / held["perplexity_original"])
@@ -153,3 +156,25 @@ def test_resume_with_other_options_is_refused(tiny_model_dir, calib, tmp_path, c
     assert code == 130
     code, _, err = run_cli(capsys, *args, "--resume", "--target-sparsity", "0.7")
     assert_one_line_error(code, err, "other options", "target_sparsity")
+
+
+@pytest.mark.slow
+def test_gguf_source_is_written_as_a_float_checkpoint(tmp_path, capsys):
+    """The default model is a GGUF file, which transformers marks as quantized when it loads one (its weights
+    dequantized): the output must still be a plain float checkpoint. --local-epochs 0 --tokens 0 is the bare
+    ReLU swap, which leaves about half the gates on."""
+    calib = tmp_path / "calib.txt"
+    calib.write_text(training_text()[:40_000])
+    out = tmp_path / "relu"
+    code, _, err = run_cli(capsys, "sparsify", "-m", "smollm2", "--calib", calib, "-o", out, "--local-epochs", "0",
+                           "--tokens", "0", "--seq-len", "64", "--eval-tokens", "256")
+    assert code == 0, err
+    config = json.loads((out / "config.json").read_text())
+    assert config["hidden_act"] == "relu" and "quantization_config" not in config
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(out).config.hidden_act == "relu"
+    report = json.loads((out / "sparsify.json").read_text())
+    assert report["tokens_seen"] == {"layer_local": 0, "end_to_end": 0}
+    assert 0.3 < report["sparsity"] < 0.8
+    assert report["held_out"]["perplexity_ratio"] > 1.5   # the swap alone is far from the original

@@ -282,16 +282,25 @@ class Interrupts:
 
 
 class Checkpointer:
-    """Writes a checkpoint every `minutes` of training and when a stop is asked for."""
+    """Writes a checkpoint every `minutes` of training and when a stop is asked for, with the training time
+    so far (this run's and the runs it resumes)."""
 
-    def __init__(self, work: Path, identity: dict, minutes: float, interrupts: Interrupts):
+    def __init__(self, work: Path, identity: dict, minutes: float, interrupts: Interrupts, state: TrainState):
         self.work, self.identity, self.period, self.interrupts = work, identity, minutes * 60.0, interrupts
+        self.started, self.elapsed_before = time.monotonic(), state.elapsed
+        self.last = self.started
+
+    def clock(self, state: TrainState) -> None:
+        state.elapsed = self.elapsed_before + time.monotonic() - self.started
+
+    def save(self, state, student, optimizer, scheduler) -> None:
+        self.clock(state)
+        _save_checkpoint(self.work, state, student, optimizer, scheduler, self.identity)
         self.last = time.monotonic()
 
     def after_step(self, state, student, optimizer, scheduler) -> None:
         if self.interrupts.requested or time.monotonic() - self.last >= self.period:
-            _save_checkpoint(self.work, state, student, optimizer, scheduler, self.identity)
-            self.last = time.monotonic()
+            self.save(state, student, optimizer, scheduler)
         if self.interrupts.requested:
             tqdm.write(f"pi-tools sparsify: checkpoint saved in {self.work}; rerun the same command with --resume "
                        "to continue", file=sys.stderr)
@@ -599,17 +608,14 @@ def run_sparsify(opts: SparsifyOptions) -> dict:
         autocast = contextlib.nullcontext
 
     with Interrupts() as interrupts:
-        checkpointer = Checkpointer(work, identity, opts.checkpoint_minutes, interrupts)
-        started = time.monotonic()
-        try:
-            if state.phase == 1:
-                _phase1(teacher, student, adapter, train, state, resumed, opts, device, autocast, checkpointer)
-                resumed = None
-                _save_checkpoint(work, state, student, None, None, identity)
-            if state.phase == 2:
-                _phase2(teacher, student, adapter, train, state, resumed, opts, device, autocast, checkpointer)
-        finally:
-            state.elapsed += time.monotonic() - started
+        checkpointer = Checkpointer(work, identity, opts.checkpoint_minutes, interrupts, state)
+        if state.phase == 1:
+            _phase1(teacher, student, adapter, train, state, resumed, opts, device, autocast, checkpointer)
+            resumed = None
+            checkpointer.save(state, student, None, None)
+        if state.phase == 2:
+            _phase2(teacher, student, adapter, train, state, resumed, opts, device, autocast, checkpointer)
+        checkpointer.clock(state)
 
     print("pi-tools sparsify: measuring the result on the held-out text", flush=True)
     before = evaluate(teacher, adapter, held_out, opts.batch, device)

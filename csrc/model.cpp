@@ -116,10 +116,15 @@ void Model::pack(Matrix &m, uint8_t *out) {
 void Model::read_hparams() {
     const GgufFile &f = *file_;
     const std::string &p = f.path();
-    hp_.arch = f.get_string("general.architecture");
-    const std::string &a = hp_.arch;
+    // A SiLU llama is written as llama-silu (docs/formats.md): PowerInfer refuses the name rather than run the
+    // file through its ReLU-only sparse FFN. Files written before name it llama, with ffn_activation silu.
+    hp_.key_prefix = f.get_string("general.architecture");
+    const bool silu_llama = hp_.key_prefix == "llama-silu";
+    hp_.arch = silu_llama ? "llama" : hp_.key_prefix;
+    const std::string &a = hp_.arch, &k = hp_.key_prefix;
     if (a != "llama" && a != "bamboo" && a != "falcon" && a != "opt")
-        fail(PI_ERR_UNSUPPORTED, p + ": unsupported architecture '" + a + "' (this engine runs llama, bamboo, falcon and opt)");
+        fail(PI_ERR_UNSUPPORTED, p + ": unsupported architecture '" + k +
+                                     "' (this engine runs llama, llama-silu, bamboo, falcon and opt)");
     const bool llama_family = a == "llama" || a == "bamboo";
     hp_.norm = llama_family ? NormKind::Rms : NormKind::Layer;
     hp_.rope = a == "opt" ? RopeKind::None : a == "falcon" ? RopeKind::NeoX : RopeKind::Adjacent;
@@ -128,12 +133,12 @@ void Model::read_hparams() {
     hp_.learned_pos = a == "opt";
     hp_.pos_offset = a == "opt" ? 2 : 0;  // OPT's learned table starts its positions at row 2
     const int64_t big = int64_t(1) << 20;
-    hp_.n_embd = f.get_int(a + ".embedding_length", 1, 1 << 16);
-    hp_.n_layer = f.get_int(a + ".block_count", 1, 4096);
-    hp_.n_ff = f.get_int(a + ".feed_forward_length", 1, big);
-    hp_.n_head = f.get_int(a + ".attention.head_count", 1, hp_.n_embd);
-    hp_.n_head_kv = f.get_int_or(a + ".attention.head_count_kv", hp_.n_head, 1, hp_.n_head);
-    hp_.n_ctx_train = f.get_int_or(a + ".context_length", 2048, 1, int64_t(1) << 24);
+    hp_.n_embd = f.get_int(k + ".embedding_length", 1, 1 << 16);
+    hp_.n_layer = f.get_int(k + ".block_count", 1, 4096);
+    hp_.n_ff = f.get_int(k + ".feed_forward_length", 1, big);
+    hp_.n_head = f.get_int(k + ".attention.head_count", 1, hp_.n_embd);
+    hp_.n_head_kv = f.get_int_or(k + ".attention.head_count_kv", hp_.n_head, 1, hp_.n_head);
+    hp_.n_ctx_train = f.get_int_or(k + ".context_length", 2048, 1, int64_t(1) << 24);
     if (hp_.n_embd % hp_.n_head != 0)
         fail(PI_ERR_FORMAT, p + ": embedding_length " + std::to_string(hp_.n_embd) + " is not a multiple of head_count " +
                                 std::to_string(hp_.n_head));
@@ -141,19 +146,19 @@ void Model::read_hparams() {
         fail(PI_ERR_FORMAT, p + ": head_count " + std::to_string(hp_.n_head) + " is not a multiple of head_count_kv " +
                                 std::to_string(hp_.n_head_kv));
     hp_.d_head = hp_.n_embd / hp_.n_head;
-    hp_.n_rot = f.get_int_or(a + ".rope.dimension_count", hp_.d_head, 2, hp_.d_head);
+    hp_.n_rot = f.get_int_or(k + ".rope.dimension_count", hp_.d_head, 2, hp_.d_head);
     if (hp_.n_rot % 2 != 0) fail(PI_ERR_FORMAT, p + ": rope.dimension_count must be even");
-    const std::string eps_key = a + (llama_family ? ".attention.layer_norm_rms_epsilon" : ".attention.layer_norm_epsilon");
+    const std::string eps_key = k + (llama_family ? ".attention.layer_norm_rms_epsilon" : ".attention.layer_norm_epsilon");
     const double eps = f.get_float_or(eps_key, -1.0);
     if (!(eps > 0.0 && eps < 1.0)) fail(PI_ERR_FORMAT, p + ": " + eps_key + " is missing or outside (0, 1)");
     hp_.norm_eps = float(eps);
-    const double base = f.get_float_or(a + ".rope.freq_base", 10000.0);
+    const double base = f.get_float_or(k + ".rope.freq_base", 10000.0);
     if (!(base > 1.0)) fail(PI_ERR_FORMAT, p + ": rope.freq_base must be > 1");
     hp_.rope_base = float(base);
-    if (f.has(a + ".rope.scaling.type")) {
-        const std::string kind = f.get_string(a + ".rope.scaling.type");
+    if (f.has(k + ".rope.scaling.type")) {
+        const std::string kind = f.get_string(k + ".rope.scaling.type");
         if (kind == "linear") {
-            const double factor = f.get_float_or(a + ".rope.scaling.factor", 1.0);
+            const double factor = f.get_float_or(k + ".rope.scaling.factor", 1.0);
             if (!(factor >= 1.0 && factor <= 1024.0)) fail(PI_ERR_FORMAT, p + ": rope.scaling.factor out of range");
             hp_.rope_freq_scale = float(1.0 / factor);
         } else if (kind != "none") {
@@ -166,8 +171,12 @@ void Model::read_hparams() {
     if (file_->tensor("rope_freqs.weight"))
         fail(PI_ERR_UNSUPPORTED, p + ": per-dimension rope frequencies (rope_freqs.weight) are not supported");
 
-    std::string act = a == "bamboo" ? "drelu" : a == "llama" ? "silu" : "relu";
+    // Without powerinfer.ffn_activation (PowerInfer's converters never write it): a PWRI llama file is ReLU, as
+    // PowerInfer's sparse FFN computes nothing else; a plain GGUF llama file is llama.cpp's SiLU.
+    std::string act = a == "bamboo" ? "drelu" : silu_llama || (a == "llama" && !f.pwri_magic()) ? "silu" : "relu";
     if (f.has("powerinfer.ffn_activation")) act = f.get_string("powerinfer.ffn_activation");
+    if (silu_llama && act != "silu")
+        fail(PI_ERR_FORMAT, p + ": architecture llama-silu with FFN activation '" + act + "' (it must be silu)");
     if ((a == "llama" || !llama_family) && act == "relu") hp_.activation = Activation::Relu;
     else if (a == "llama" && act == "silu") hp_.activation = Activation::Silu;
     else if (a == "llama" && act == "fatrelu") {
@@ -259,7 +268,7 @@ void Model::bind_tensors() {
         fail(PI_ERR_FORMAT, p + ": tensor token_embd.weight is not a (n_vocab, n_embd) matrix");
     hp_.n_vocab = int64_t(emb->ne[1]);
     const int64_t V = hp_.n_vocab, E = hp_.n_embd, F = hp_.n_ff, L = hp_.n_layer;
-    if (f.has(hp_.arch + ".vocab_size")) f.get_int(hp_.arch + ".vocab_size", V, V);
+    if (f.has(hp_.key_prefix + ".vocab_size")) f.get_int(hp_.key_prefix + ".vocab_size", V, V);
     if (const GgufValue *toks = f.find("tokenizer.ggml.tokens"))
         if (toks->type == GV_ARRAY && int64_t(toks->array_count) != V)
             fail(PI_ERR_FORMAT, p + ": the vocabulary has " + std::to_string(toks->array_count) +

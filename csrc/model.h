@@ -52,7 +52,8 @@ struct Matrix {
 };
 
 struct HParams {
-    std::string arch;  // general.architecture
+    std::string arch;        // the architecture computed: llama, bamboo, falcon or opt
+    std::string key_prefix;  // general.architecture, which names the hyperparameter keys (llama-silu: below)
     Activation activation = Activation::Silu;
     bool shifted_relu = false;    // FATReLU (ProSparse): ReLU's rule at each layer's act_threshold instead of 0
     int64_t n_vocab = 0, n_embd = 0, n_layer = 0, n_ff = 0, n_head = 0, n_head_kv = 0, d_head = 0;

@@ -14,6 +14,20 @@ from powerinfer_tools.errors import UserError
 
 GGUF_MAGIC = b"GGUF"
 PWRI_MAGIC = b"PWRI"
+# A thresholded (SiLU/GELU) model's file names its architecture `<PowerInfer's name>-<activation>` (llama-silu),
+# its hyperparameter keys under that name as GGUF does: PowerInfer's loader stops at an unknown architecture,
+# where under `llama` its ReLU-only sparse FFN would run the file as a ReLU model without a word.
+THRESHOLDED_ACTIVATIONS = ("silu", "gelu")
+
+
+def thresholded_arch(base: str, activation: str) -> str:
+    return f"{base}-{activation}"
+
+
+def base_arch(name: str) -> str:
+    """PowerInfer's (and llama.cpp's) architecture name behind a file's general.architecture."""
+    base, dash, activation = name.rpartition("-")
+    return base if dash and activation in THRESHOLDED_ACTIVATIONS else name
 
 
 def read_magic(path: str | os.PathLike) -> bytes:

@@ -205,7 +205,7 @@ def test_metadata(kind, tiny_model_dir, tmp_path):
     convert_model(str(model), out, "f16", predictors_dir=pred, profile_dir=prof, progress=False)
     f = read_fields(out)
     cfg = json.loads((model / "config.json").read_text())
-    arch = {"llama-relu": "llama", "llama-silu": "llama", "prosparse": "llama", "falcon": "falcon", "opt": "opt"}[kind]
+    arch = {"llama-relu": "llama", "llama-silu": "llama-silu", "prosparse": "llama", "falcon": "falcon", "opt": "opt"}[kind]
     assert f["general.architecture"] == arch
     assert f[f"{arch}.block_count"] == N_LAYER and f[f"{arch}.embedding_length"] == HIDDEN
     assert f[f"{arch}.feed_forward_length"] == N_FF
@@ -221,11 +221,11 @@ def test_metadata(kind, tiny_model_dir, tmp_path):
         np.testing.assert_allclose(thresholds, [PROSPARSE_THRESHOLD] * N_LAYER, rtol=1e-6)
     else:
         assert thresholds == [0.0, 0.0]  # ReLU-family: active means a != 0
-    if arch == "llama":
-        assert f["llama.attention.head_count_kv"] == N_KV
-        assert f["llama.rope.dimension_count"] == D_HEAD
-        assert f["llama.rope.freq_base"] == cfg.get("rope_theta", cfg.get("rope_parameters", {}).get("rope_theta"))
-        assert abs(f["llama.attention.layer_norm_rms_epsilon"] - cfg["rms_norm_eps"]) < 1e-12
+    if arch.startswith("llama"):
+        assert f[f"{arch}.attention.head_count_kv"] == N_KV
+        assert f[f"{arch}.rope.dimension_count"] == D_HEAD
+        assert f[f"{arch}.rope.freq_base"] == cfg.get("rope_theta", cfg.get("rope_parameters", {}).get("rope_theta"))
+        assert abs(f[f"{arch}.attention.layer_norm_rms_epsilon"] - cfg["rms_norm_eps"]) < 1e-12
     if arch == "falcon":
         assert f["falcon.tensor_data_layout"] == "jploski" and f["falcon.attention.head_count_kv"] == N_KV
 

@@ -8,6 +8,9 @@
 namespace pi {
 
 enum GgmlType : uint32_t { TYPE_F32 = 0, TYPE_F16 = 1, TYPE_Q4_0 = 2, TYPE_Q8_0 = 8, TYPE_I32 = 26 };
+// PowerInfer's ggml (ggml.h's enum ggml_type, before the i-quants took ids 16..23) numbers i32 18, the id
+// later ggml gives iq3_xxs: its gpu-index files carry that code, which is read as i32 in such a file only.
+constexpr uint32_t TYPE_I32_POWERINFER = 18;
 
 struct TypeSize {
     uint32_t block;  // elements per block (0: unknown type id)

@@ -31,7 +31,7 @@ from powerinfer_tools import neuron_order, placement_solver
 from powerinfer_tools.atomic import atomic_file
 from powerinfer_tools.errors import UserError
 from powerinfer_tools.gguf_io import field as gguf_field
-from powerinfer_tools.gguf_io import open_reader, set_pwri_magic
+from powerinfer_tools.gguf_io import open_reader, set_powerinfer_i32, set_pwri_magic
 
 GIB = 1024**3
 MIB = 1024**2
@@ -344,7 +344,8 @@ def breakdown_lines(plan: Plan) -> list[str]:
 def write_gpuidx(plan: Plan, path: str | Path) -> None:
     """PowerInfer's gpu-index file: per layer blk.N.gpu_idx (i32 [n_ff], 1 = GPU) then blk.N.gpu_bucket (sorted
     GPU neuron indices) in that order (the engine reads them by position), `split.vram_capacity` = the bytes the
-    GPU neurons need (PowerInfer's engine loads the file when its remaining budget covers that), PWRI magic."""
+    GPU neurons need (PowerInfer's engine loads the file when its remaining budget covers that), PWRI magic, and
+    i32 in PowerInfer's type code (gguf_io.POWERINFER_I32)."""
     import gguf
 
     with atomic_file(path) as tmp:
@@ -360,6 +361,7 @@ def write_gpuidx(plan: Plan, path: str | Path) -> None:
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
+        set_powerinfer_i32(tmp)
         set_pwri_magic(tmp)
 
 

@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 from convert_helpers import read_fields
 from engine_helpers import converted, hf_logits, max_rel_err, random_tokens, rewrite  # noqa: F401
-from tiny_models import N_LAYER
+from powerinfer_fixtures import POWERINFER_I32, tensor_types, write_powerinfer_gpuidx
+from tiny_models import N_FF, N_LAYER
 
 import engine
 from powerinfer_tools import inspect as pi_inspect
+from powerinfer_tools import placement
 from powerinfer_tools.gguf_io import open_reader
 
 TOKENS = random_tokens(24, 384, seed=3)
@@ -94,3 +96,64 @@ def test_llama_silu_with_another_activation_is_refused(converted, tmp_path):
     bad = rewrite(converted("llama-silu"), tmp_path / "bad.gguf", fields={"powerinfer.ffn_activation": ("relu", STR)})
     with pytest.raises(engine.EngineError, match="llama-silu with FFN activation 'relu'"):
         engine.Model(bad, threads=1)
+
+
+# ---- gpu index: PowerInfer's type code for i32 (18), both ways ----
+
+def hot_masks(seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.random(N_FF) < share for share in np.linspace(0.2, 0.6, N_LAYER)]
+
+
+def test_powerinfer_gpu_index_loads_in_engine_and_inspect(converted, tmp_path):
+    path = converted("llama-relu", predictors=True)
+    masks = hot_masks()
+    theirs = write_powerinfer_gpuidx(tmp_path / "theirs.gpuidx", masks, vram_capacity=12345)
+    _, _, stats = logits(path, sparse_mode="predictor", gpuidx=theirs)
+    assert [layer["hot_neurons"] for layer in stats["layers"]] == [int(m.sum()) for m in masks]
+    info = pi_inspect.describe(theirs)
+    assert [row["gpu"] for row in info["gpu_layers"]] == [int(m.sum()) for m in masks]
+    assert {t["type"] for t in info["tensors"]} == {"I32"}
+    reader = open_reader(theirs)
+    for i, mask in enumerate(masks):
+        np.testing.assert_array_equal(np.asarray(reader.tensors[2 * i].data), mask.astype(np.int32))
+
+
+def test_our_gpu_index_is_written_as_powerinfer_reads_it(converted, tmp_path):
+    """PowerInfer's llama_gpu_split_loader takes tensor 2i as layer i's gpu_idx and 2i+1 as its gpu_bucket, needs
+    exactly 2 per layer, split.vram_capacity as a u64, and i32 as its ggml's type 18 (26 there is past
+    GGML_TYPE_COUNT: a division by a zero block size)."""
+    path = converted("llama-relu", predictors=True)
+    masks = hot_masks(1)
+    n_ff = np.full(N_LAYER, N_FF)
+    plan = placement.Plan(model=str(path), vram_budget=1 << 20, ctx_size=64, dense="none", offload_output=False,
+                          n_ff=n_ff, gpu_neurons=np.array([m.sum() for m in masks]),
+                          gpu_index=[np.flatnonzero(m).astype(np.int32) for m in masks], min_neurons=n_ff * 0,
+                          served=n_ff * 0, total=n_ff, breakdown={"ffn": 4096})
+    ours = tmp_path / "ours.gpuidx"
+    placement.write_gpuidx(plan, ours)
+    types = tensor_types(ours)
+    assert list(types) == [f"blk.{i}.{kind}" for i in range(N_LAYER) for kind in ("gpu_idx", "gpu_bucket")]
+    assert set(types.values()) == {POWERINFER_I32}
+    reader = open_reader(ours)
+    assert reader.fields["split.vram_capacity"].types == [gguf.GGUFValueType.UINT64]
+    assert reader.fields["generic.gpu_index.block_count"].types == [gguf.GGUFValueType.UINT32]
+    theirs = write_powerinfer_gpuidx(tmp_path / "theirs.gpuidx", masks, vram_capacity=4096)
+    assert [np.asarray(t.data).tolist() for t in reader.tensors] == \
+        [np.asarray(t.data).tolist() for t in open_reader(theirs).tensors]
+    _, _, stats = logits(path, sparse_mode="predictor", gpuidx=ours)
+    assert [layer["hot_neurons"] for layer in stats["layers"]] == [int(m.sum()) for m in masks]
+
+
+def test_type_18_outside_a_gpu_index_is_not_i32(converted, tmp_path):
+    """In a model file 18 keeps later ggml's meaning (iq3_xxs), which the engine names and refuses."""
+    path = converted("llama-relu")
+    data = bytearray(path.read_bytes())
+    reader = open_reader(path)
+    t = next(t for t in reader.tensors if t.name == "blk.0.ffn_up.weight")
+    type_at = int(t.field.offset) + sum(int(p.nbytes) for p in t.field.parts[:4])
+    assert int.from_bytes(data[type_at:type_at + 4], "little") == 0  # f32
+    data[type_at:type_at + 4] = POWERINFER_I32.to_bytes(4, "little")
+    (tmp_path / "m.gguf").write_bytes(bytes(data))
+    with pytest.raises(engine.EngineError, match="iq3_xxs"):
+        engine.Model(tmp_path / "m.gguf", threads=1)

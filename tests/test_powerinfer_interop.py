@@ -6,7 +6,7 @@ from __future__ import annotations
 import gguf
 import numpy as np
 import pytest
-from convert_helpers import read_fields
+from convert_helpers import read_fields, read_tensors
 from engine_helpers import converted, hf_logits, max_rel_err, random_tokens, rewrite  # noqa: F401
 from powerinfer_fixtures import POWERINFER_I32, tensor_types, write_powerinfer_gpuidx
 from tiny_models import N_FF, N_LAYER
@@ -14,6 +14,7 @@ from tiny_models import N_FF, N_LAYER
 import engine
 from powerinfer_tools import inspect as pi_inspect
 from powerinfer_tools import placement
+from powerinfer_tools.convert import convert_model
 from powerinfer_tools.gguf_io import open_reader
 
 TOKENS = random_tokens(24, 384, seed=3)
@@ -157,3 +158,29 @@ def test_type_18_outside_a_gpu_index_is_not_i32(converted, tmp_path):
     (tmp_path / "m.gguf").write_bytes(bytes(data))
     with pytest.raises(engine.EngineError, match="iq3_xxs"):
         engine.Model(tmp_path / "m.gguf", threads=1)
+
+
+# ---- ffn_down_t in the type PowerInfer's axpy kernels read ----
+
+@pytest.mark.parametrize("outtype, down", [("f32", "F16"), ("f16", "F16"), ("q8_0", "F16"), ("q4_0", "Q4_0")])
+def test_down_projection_is_stored_as_powerinfer_computes_it(outtype, down, tiny_model_dir, tmp_path):
+    out = tmp_path / "m.gguf"
+    summary = convert_model(str(tiny_model_dir("llama-relu")), out, outtype, progress=False)  # the default
+    assert summary["powerinfer_compatible"] is True
+    tensors = read_tensors(out)
+    assert {qtype for name, (qtype, _) in tensors.items() if name.endswith("ffn_down_t.weight")} == {down}
+    assert tensors["blk.0.ffn_up.weight"][0] == outtype.upper()
+
+
+def test_ours_only_keeps_the_down_projection_in_the_outtype(converted):
+    tensors = read_tensors(converted("llama-relu", "q8_0", powerinfer_compatible=False))
+    assert {qtype for name, (qtype, _) in tensors.items() if name.endswith("ffn_down_t.weight")} == {"Q8_0"}
+
+
+@pytest.mark.parametrize("outtype", ["f32", "q8_0"])
+def test_f16_down_projection_in_an_f32_or_q8_0_file_matches_its_weights(outtype, tiny_model_dir, converted):
+    path = converted("llama-silu", outtype, powerinfer_compatible=True)
+    assert read_tensors(path)["blk.0.ffn_down_t.weight"][0] == "F16"
+    ref = hf_logits(tiny_model_dir("llama-silu"), TOKENS, weights_from=path, q8_inputs=outtype == "q8_0")
+    got, _, _ = logits(path)
+    assert max_rel_err(got, ref) <= (1e-4 if outtype == "f32" else 2e-2)

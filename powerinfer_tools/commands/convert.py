@@ -35,6 +35,10 @@ def convert(
     outtype: Optional[str] = typer.Option(None, "--outtype", "-t", help="Weight type: f32, f16, q8_0 or q4_0 "
                                           "(default f16; with --dry-run f16,q8_0,q4_0, a comma-separated list). "
                                           "Norms and biases stay f32; predictors take the weight type too."),
+    powerinfer_compatible: bool = typer.Option(
+        True, "--powerinfer-compatible/--ours-only", help="Store ffn_down_t as PowerInfer's sparse kernels read "
+        "it: f16 in f32 and q8_0 files (PowerInfer reads those rows as f16 whatever their type; f16 and q4_0 "
+        "files are unchanged). --ours-only keeps ffn_down_t in the outtype, for this toolkit's engine alone."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
     vram_budget: Optional[float] = typer.Option(
         None, "--vram-budget", help="GiB of VRAM: after writing the model, place its hot neurons (as `pi-tools "
@@ -86,7 +90,8 @@ def convert(
 
         activation_dir(profile)  # fail before converting, not after
     summary = convert_model(model, out, outtype=outtype.lower(), predictors_dir=predictors, profile_dir=profile,
-                            progress=not quiet, order_neurons=order_neurons)
+                            progress=not quiet, order_neurons=order_neurons,
+                            powerinfer_compatible=powerinfer_compatible)
     if summary["thresholded"] and profile is None:
         typer.echo(f"note: {summary['arch']} is thresholded but no --profile was given: activation thresholds "
                    "stored as 0 (every neuron counts as active)", err=True)

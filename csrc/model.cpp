@@ -385,6 +385,22 @@ void Model::bind_ffn(int64_t i, Layer &l) {
     l.down_b = bind_vector(blk(i, "ffn_down_t.bias"), E, all_biases);
 }
 
+// A file converted with a profile stores each layer's neurons hottest first and records the order
+// (powerinfer_tools.neuron_order, docs/formats.md); pi-tools plan copies it into the GPU index it makes for
+// the file. An index without it numbers the source order (PowerInfer's solver over a profile's activation
+// files): on such a file it would mark other neurons than its author meant, so it is refused.
+void Model::check_neuron_order(const GgufFile &g) const {
+    static const std::string key = "powerinfer_tools.neuron_order";
+    const GgufValue *ours = file_->find(key), *theirs = g.find(key);
+    const auto text = [](const GgufValue *v) { return v && v->type == GV_STRING ? v->str : std::string(); };
+    if (text(ours) == text(theirs)) return;
+    const std::string &p = g.path(), &m = file_->path();
+    if (!theirs)
+        fail(PI_ERR_FORMAT, p + ": this GPU index numbers neurons in the model's source order, but " + m +
+                                " stores them in a profile's order (" + key + "): make the index with pi-tools plan");
+    fail(PI_ERR_FORMAT, p + ": this GPU index was made for a file with another neuron order (" + key + ") than " + m);
+}
+
 void Model::build_tiers(const std::string &gpuidx_path) {
     const int64_t F = hp_.n_ff, L = hp_.n_layer;
     std::vector<std::vector<uint8_t>> is_hot(size_t(L), std::vector<uint8_t>(size_t(F), 0));
@@ -394,6 +410,7 @@ void Model::build_tiers(const std::string &gpuidx_path) {
         const std::string arch = g.get_string("general.architecture");
         if (arch != "generic.gpu_index")
             fail(PI_ERR_FORMAT, p + ": not a GPU index file (architecture '" + arch + "', expected generic.gpu_index)");
+        check_neuron_order(g);
         const int64_t blocks = g.get_int("generic.gpu_index.block_count", 0, 1 << 20);
         if (blocks != L)
             fail(PI_ERR_FORMAT, p + ": GPU index is for a model with " + std::to_string(blocks) + " layers; " +

@@ -175,6 +175,7 @@ private:
     void read_hparams();
     void bind_tensors();
     void build_tiers(const std::string &gpuidx_path);
+    void check_neuron_order(const GgufFile &gpuidx) const;
     // The cold tier's predictor rows (see FfnTier::fc2), from the layer's fc2.
     void bind_cold_predictor(Layer &l);
     // Packs the matrices every token reads whole into 8-row groups (see Matrix::groups), all in one buffer on

@@ -17,6 +17,7 @@ token. The default minimum is the smallest k whose saving covers the overhead, s
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -213,6 +214,7 @@ class Plan:
     total: np.ndarray  # [L] all activations
     breakdown: dict  # bytes: reserve, output, kv_cache, attention, predictors, ffn, free
     solver: dict = field(default_factory=dict)
+    neuron_order: str | None = None  # the model file's neuron_order.ORDER_KEY: the gpu index numbers its positions
 
     @property
     def ffn_bytes(self) -> int:
@@ -228,6 +230,7 @@ class Plan:
             "breakdown_bytes": {k: int(v) for k, v in self.breakdown.items()},
             "served_fraction": float(self.served.sum()) / total if total else 0.0,
             "gpu_neurons": int(self.gpu_neurons.sum()), "neurons": int(self.n_ff.sum()),
+            "neuron_order": "source" if self.neuron_order is None else "profile",  # as the model file stores them
             "solver": self.solver,
             "layers": [{"layer": i, "n_ff": int(n), "gpu_neurons": int(k), "min_neurons": int(m),
                         "served_fraction": float(s / t) if t else 0.0}
@@ -259,8 +262,9 @@ def plan_for_model(profile_dir: str | Path, model_path: str | Path, vram_budget_
     costs = model_costs(model_path, reader)
     counts = neuron_order.in_file_order(load_activation_counts(profile_dir, costs.n_ff),
                                         neuron_order.read(model_path, costs.n_ff, reader))
-    return plan_placement(costs, counts, profiled_tokens(profile_dir, counts), vram_budget_bytes, ctx_size,
+    plan = plan_placement(costs, counts, profiled_tokens(profile_dir, counts), vram_budget_bytes, ctx_size,
                           min_layer_neurons, reserve_bytes, offload_output, dense, time_limit)
+    return dataclasses.replace(plan, neuron_order=gguf_field(reader, neuron_order.ORDER_KEY))
 
 
 def check_options(vram_budget_bytes: float, ctx_size: int, reserve_bytes: int, dense: str) -> None:
@@ -345,7 +349,9 @@ def write_gpuidx(plan: Plan, path: str | Path) -> None:
     """PowerInfer's gpu-index file: per layer blk.N.gpu_idx (i32 [n_ff], 1 = GPU) then blk.N.gpu_bucket (sorted
     GPU neuron indices) in that order (the engine reads them by position), `split.vram_capacity` = the bytes the
     GPU neurons need (PowerInfer's engine loads the file when its remaining budget covers that), PWRI magic, and
-    i32 in PowerInfer's type code (gguf_io.POWERINFER_I32)."""
+    i32 in PowerInfer's type code (gguf_io.POWERINFER_I32). For a model that stores its neurons in a profile's
+    order, the model's neuron_order.ORDER_KEY is copied too: our engine refuses an index without it on such a
+    model (one built for the source order, as PowerInfer's solver builds from a profile's activation files)."""
     import gguf
 
     with atomic_file(path) as tmp:
@@ -357,6 +363,8 @@ def write_gpuidx(plan: Plan, path: str | Path) -> None:
             writer.add_tensor(f"blk.{i}.gpu_bucket", idx.astype(np.int32), raw_dtype=gguf.GGMLQuantizationType.I32)
         writer.add_block_count(len(plan.n_ff))
         writer.add_uint64("split.vram_capacity", plan.ffn_bytes)
+        if plan.neuron_order is not None:
+            writer.add_string(neuron_order.ORDER_KEY, plan.neuron_order)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()

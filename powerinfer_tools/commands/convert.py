@@ -38,7 +38,9 @@ def convert(
     powerinfer_compatible: bool = typer.Option(
         True, "--powerinfer-compatible/--ours-only", help="Store ffn_down_t as PowerInfer's sparse kernels read "
         "it: f16 in f32 and q8_0 files (PowerInfer reads those rows as f16 whatever their type; f16 and q4_0 "
-        "files are unchanged). --ours-only keeps ffn_down_t in the outtype, for this toolkit's engine alone."),
+        "files are unchanged), and with --vram-budget place GPU neurons in the multiples PowerInfer's CUDA build "
+        "takes (plan --granularity powerinfer). --ours-only keeps ffn_down_t in the outtype and places any count, "
+        "for this toolkit's engine alone."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
     vram_budget: Optional[float] = typer.Option(
         None, "--vram-budget", help="GiB of VRAM: after writing the model, place its hot neurons (as `pi-tools "
@@ -106,7 +108,8 @@ def convert(
     typer.echo(f"wrote {out}")
     if vram_budget is not None:
         try:
-            result = placement.plan_for_model(profile, out, vram_budget * placement.GIB)
+            result = placement.plan_for_model(profile, out, vram_budget * placement.GIB,
+                                              granularity="powerinfer" if powerinfer_compatible else 1)
         except UserError as exc:
             raise UserError(f"wrote {out}, but no GPU plan: {exc}") from None
         gpuidx, plan_summary = write_plan(result, placement.default_gpuidx_path(out))

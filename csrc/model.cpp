@@ -187,7 +187,7 @@ void Model::read_hparams() {
     else fail(PI_ERR_UNSUPPORTED, p + ": FFN activation '" + act + "' is not supported for architecture " + a);
 }
 
-Matrix Model::bind_optional(const std::string &name, int64_t rows, int64_t cols, bool f32_only, bool *found) const {
+Matrix Model::bind_optional(const std::string &name, int64_t rows, int64_t cols, bool f32_only, bool *found) {
     const std::string &p = file_->path();
     const GgufTensor *t = file_->tensor(name);
     *found = t != nullptr;
@@ -204,26 +204,39 @@ Matrix Model::bind_optional(const std::string &name, int64_t rows, int64_t cols,
     const TypeSize ts = type_size(t->type);
     if (f32_only && t->type != TYPE_F32)
         fail(PI_ERR_UNSUPPORTED, p + ": tensor " + name + " has type " + ts.name + "; it must be f32");
-    if (!type_computable(t->type))
-        fail(PI_ERR_UNSUPPORTED, p + ": tensor " + name + " has type " + ts.name +
-                                     "; this engine computes with f32, f16, q8_0 and q4_0");
     Matrix m;
-    m.type = t->type;
     m.rows = rows;
     m.cols = cols;
+    if (type_decodable(t->type)) {  // decoded once, kept as f16 (within half a unit of f16 of the values)
+        std::vector<uint16_t> &rows_f16 = decoded_.emplace_back(static_cast<size_t>(rows * cols));
+        std::vector<float> values(static_cast<size_t>(cols));
+        const size_t src_row_bytes = size_t(cols) / ts.block * ts.bytes;
+        for (int64_t r = 0; r < rows; ++r) {
+            dequantize_row(t->type, t->data + size_t(r) * src_row_bytes, values.data(), cols);
+            for (int64_t c = 0; c < cols; ++c) rows_f16[size_t(r * cols + c)] = f32_to_f16(values[size_t(c)]);
+        }
+        m.type = TYPE_F16;
+        m.row_bytes = size_t(cols) * 2;
+        m.data = reinterpret_cast<const uint8_t *>(rows_f16.data());
+        return m;
+    }
+    if (!type_computable(t->type))
+        fail(PI_ERR_UNSUPPORTED, p + ": tensor " + name + " has type " + ts.name +
+                                     "; this engine computes with f32, f16, q8_0 and q4_0 (and decodes q5_0 and q6_K)");
+    m.type = t->type;
     m.row_bytes = size_t(cols) / ts.block * ts.bytes;
     m.data = t->data;
     return m;
 }
 
-Matrix Model::bind_vector(const std::string &name, int64_t n, bool required) const {
+Matrix Model::bind_vector(const std::string &name, int64_t n, bool required) {
     bool found = false;
     Matrix m = bind_optional(name, 1, n, true, &found);
     if (!found && required) fail(PI_ERR_FORMAT, file_->path() + ": tensor " + name + " is missing");
     return m;
 }
 
-Matrix Model::bind(const std::string &name, int64_t rows, int64_t cols, bool f32_only) const {
+Matrix Model::bind(const std::string &name, int64_t rows, int64_t cols, bool f32_only) {
     bool found = false;
     Matrix m = bind_optional(name, rows, cols, f32_only, &found);
     if (!found) fail(PI_ERR_FORMAT, file_->path() + ": tensor " + name + " is missing");

@@ -166,10 +166,11 @@ public:
     int64_t max_rank() const;
 
 private:
-    Matrix bind(const std::string &name, int64_t rows, int64_t cols, bool f32_only) const;
-    Matrix bind_optional(const std::string &name, int64_t rows, int64_t cols, bool f32_only, bool *found) const;
+    Matrix bind(const std::string &name, int64_t rows, int64_t cols, bool f32_only);
+    // A matrix of a decodable type (types.h) comes back as f16 rows decoded into decoded_.
+    Matrix bind_optional(const std::string &name, int64_t rows, int64_t cols, bool f32_only, bool *found);
     // An f32 vector of n values; absent is an error when `required`, else an empty Matrix.
-    Matrix bind_vector(const std::string &name, int64_t n, bool required) const;
+    Matrix bind_vector(const std::string &name, int64_t n, bool required);
     void bind_attention(int64_t i, Layer &l);
     void bind_ffn(int64_t i, Layer &l);
     void read_hparams();
@@ -191,6 +192,7 @@ private:
     std::vector<Layer> layers_;
     bool has_predictor_ = false;
     PageMemory packed_;  // backing of the packed matrices' Matrix::groups
+    std::vector<std::vector<uint16_t>> decoded_;  // f16 rows of the matrices stored in a decodable type
 };
 
 }  // namespace pi

@@ -184,3 +184,42 @@ def test_f16_down_projection_in_an_f32_or_q8_0_file_matches_its_weights(outtype,
     ref = hf_logits(tiny_model_dir("llama-silu"), TOKENS, weights_from=path, q8_inputs=outtype == "q8_0")
     got, _, _ = logits(path)
     assert max_rel_err(got, ref) <= (1e-4 if outtype == "f32" else 2e-2)
+
+
+# ---- PowerInfer's quantizer: q6_K output.weight (rows of a multiple of 256), q5_0 predictors ----
+
+def random_q6_k(rng, rows: int, cols: int) -> np.ndarray:
+    """Valid q6_K blocks (210 bytes per 256 values: 128 low nibbles, 64 high bits, 16 int8 scales, f16 d)."""
+    blocks = rng.integers(0, 256, size=(rows, cols // 256, 210), dtype=np.uint8)
+    blocks[..., 192:208] = rng.integers(-8, 9, size=(rows, cols // 256, 16)).astype(np.int8).view(np.uint8)
+    blocks[..., 208:210] = np.full((rows, cols // 256, 1), 0.004, np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def test_powerinfer_quantizer_types_are_decoded_at_load(tiny_model_dir, tmp_path):
+    """The engine decodes q6_K and q5_0 at load to the f16 of gguf-py's dequantization: the same logits as the
+    file with those f16 values, in dense and predictor mode (q6_K on fc2 here: rows of 256 need rank 256)."""
+    from convert_helpers import write_predictors
+    from tiny_models import HIDDEN
+
+    Q = gguf.GGMLQuantizationType
+    pred = write_predictors(tmp_path / "pred", N_LAYER, HIDDEN, N_FF, rank=256)
+    src = tmp_path / "f32.gguf"
+    convert_model(str(tiny_model_dir("llama-relu")), src, "f32", predictors_dir=pred, progress=False,
+                  powerinfer_compatible=False)
+    weights = {name: data for name, (_, data) in read_tensors(src).items()}
+    rng = np.random.default_rng(0)
+    quantized = {"output.weight": (gguf.quants.quantize(weights["output.weight"], Q.Q5_0), Q.Q5_0)}
+    for i in range(N_LAYER):
+        quantized[f"blk.{i}.fc1.weight"] = (gguf.quants.quantize(weights[f"blk.{i}.fc1.weight"], Q.Q5_0), Q.Q5_0)
+        quantized[f"blk.{i}.fc2.weight"] = (random_q6_k(rng, N_FF, 256), Q.Q6_K)
+    theirs = rewrite(src, tmp_path / "theirs.gguf", tensors=quantized)
+    decoded = {name: (gguf.quants.dequantize(data, qtype).astype(np.float16), None)
+               for name, (data, qtype) in quantized.items()}
+    reference = rewrite(src, tmp_path / "reference.gguf", tensors=decoded)
+    assert {t["type"] for t in pi_inspect.describe(theirs)["tensors"] if ".fc" in t["name"]} == {"Q5_0", "Q6_K"}
+    for mode in ("dense", "predictor"):
+        got, _, stats = logits(theirs, sparse_mode=mode)
+        want, _, _ = logits(reference, sparse_mode=mode)
+        np.testing.assert_array_equal(got, want)
+    assert 0.0 < stats["density"] < 1.0  # the predictor selected some neurons, not all

@@ -40,27 +40,18 @@ def under_arch(src, dst, new_arch: str, fields: dict | None = None):
 
 # ---- a PWRI file without powerinfer.ffn_activation is ReLU (PowerInfer's converters never write the key) ----
 
-def test_powerinfer_llama_file_without_activation_key_is_relu(converted, tmp_path):
-    ours = converted("llama-relu")
-    assert read_fields(ours)["powerinfer.ffn_activation"] == "relu"
-    theirs = rewrite(ours, tmp_path / "theirs.gguf", fields={"powerinfer.ffn_activation": None,
-                                                             "powerinfer.activation_thresholds": None})
+@pytest.mark.parametrize("kind, magic, activation", [("llama-relu", b"PWRI", "relu"), ("llama-silu", b"GGUF", "silu")])
+def test_a_llama_file_without_the_activation_key(kind, magic, activation, converted, tmp_path):
+    """PowerInfer's converters never write powerinfer.ffn_activation: a PWRI llama file is then ReLU (its sparse
+    FFN computes nothing else), a plain GGUF one (llama.cpp's) SiLU."""
+    ours = converted(kind)
+    theirs = under_arch(ours, tmp_path / "theirs.gguf", "llama", {"powerinfer.ffn_activation": None})
+    data = bytearray(theirs.read_bytes())
+    data[:4] = magic
+    theirs.write_bytes(bytes(data))
     want, _, _ = logits(ours)
     got, info, _ = logits(theirs)
-    assert info["activation"] == "relu"
-    np.testing.assert_array_equal(got, want)
-
-
-def test_plain_gguf_llama_without_activation_key_stays_silu(converted, tmp_path):
-    """llama.cpp's own files (magic GGUF) are SiLU models."""
-    silu = converted("llama-silu")
-    plain = under_arch(silu, tmp_path / "plain.gguf", "llama", {"powerinfer.ffn_activation": None})
-    data = bytearray(plain.read_bytes())
-    data[:4] = b"GGUF"
-    plain.write_bytes(bytes(data))
-    want, _, _ = logits(silu)
-    got, info, _ = logits(plain)
-    assert info["activation"] == "silu"
+    assert info["activation"] == activation
     np.testing.assert_array_equal(got, want)
 
 

@@ -194,6 +194,8 @@ void GgufFile::parse() {
         alignment = uint64_t(a->i);
     }
 
+    const GgufValue *arch = find("general.architecture");
+    const bool gpu_index = arch && arch->type == GV_STRING && arch->str == "generic.gpu_index";
     tensors_.reserve(size_t(n_tensors));
     for (uint64_t t = 0; t < n_tensors; ++t) {
         GgufTensor ti;
@@ -212,6 +214,7 @@ void GgufFile::parse() {
             n_elems *= ti.ne[d];  // an empty tensor (a dimension of 0) is legal and holds no bytes
         }
         ti.type = c.read<uint32_t>("tensor type");
+        if (gpu_index && ti.type == TYPE_I32_POWERINFER) ti.type = TYPE_I32;
         const TypeSize ts = type_size(ti.type);
         if (ts.block == 0) c.bad("tensor " + ti.name + " has unknown type id " + std::to_string(ti.type));
         if (ti.ne[0] % ts.block != 0)

@@ -116,10 +116,15 @@ void Model::pack(Matrix &m, uint8_t *out) {
 void Model::read_hparams() {
     const GgufFile &f = *file_;
     const std::string &p = f.path();
-    hp_.arch = f.get_string("general.architecture");
-    const std::string &a = hp_.arch;
+    // A SiLU llama is written as llama-silu (docs/formats.md): PowerInfer refuses the name rather than run the
+    // file through its ReLU-only sparse FFN. Files written before name it llama, with ffn_activation silu.
+    hp_.key_prefix = f.get_string("general.architecture");
+    const bool silu_llama = hp_.key_prefix == "llama-silu";
+    hp_.arch = silu_llama ? "llama" : hp_.key_prefix;
+    const std::string &a = hp_.arch, &k = hp_.key_prefix;
     if (a != "llama" && a != "bamboo" && a != "falcon" && a != "opt")
-        fail(PI_ERR_UNSUPPORTED, p + ": unsupported architecture '" + a + "' (this engine runs llama, bamboo, falcon and opt)");
+        fail(PI_ERR_UNSUPPORTED, p + ": unsupported architecture '" + k +
+                                     "' (this engine runs llama, llama-silu, bamboo, falcon and opt)");
     const bool llama_family = a == "llama" || a == "bamboo";
     hp_.norm = llama_family ? NormKind::Rms : NormKind::Layer;
     hp_.rope = a == "opt" ? RopeKind::None : a == "falcon" ? RopeKind::NeoX : RopeKind::Adjacent;
@@ -128,12 +133,12 @@ void Model::read_hparams() {
     hp_.learned_pos = a == "opt";
     hp_.pos_offset = a == "opt" ? 2 : 0;  // OPT's learned table starts its positions at row 2
     const int64_t big = int64_t(1) << 20;
-    hp_.n_embd = f.get_int(a + ".embedding_length", 1, 1 << 16);
-    hp_.n_layer = f.get_int(a + ".block_count", 1, 4096);
-    hp_.n_ff = f.get_int(a + ".feed_forward_length", 1, big);
-    hp_.n_head = f.get_int(a + ".attention.head_count", 1, hp_.n_embd);
-    hp_.n_head_kv = f.get_int_or(a + ".attention.head_count_kv", hp_.n_head, 1, hp_.n_head);
-    hp_.n_ctx_train = f.get_int_or(a + ".context_length", 2048, 1, int64_t(1) << 24);
+    hp_.n_embd = f.get_int(k + ".embedding_length", 1, 1 << 16);
+    hp_.n_layer = f.get_int(k + ".block_count", 1, 4096);
+    hp_.n_ff = f.get_int(k + ".feed_forward_length", 1, big);
+    hp_.n_head = f.get_int(k + ".attention.head_count", 1, hp_.n_embd);
+    hp_.n_head_kv = f.get_int_or(k + ".attention.head_count_kv", hp_.n_head, 1, hp_.n_head);
+    hp_.n_ctx_train = f.get_int_or(k + ".context_length", 2048, 1, int64_t(1) << 24);
     if (hp_.n_embd % hp_.n_head != 0)
         fail(PI_ERR_FORMAT, p + ": embedding_length " + std::to_string(hp_.n_embd) + " is not a multiple of head_count " +
                                 std::to_string(hp_.n_head));
@@ -141,19 +146,19 @@ void Model::read_hparams() {
         fail(PI_ERR_FORMAT, p + ": head_count " + std::to_string(hp_.n_head) + " is not a multiple of head_count_kv " +
                                 std::to_string(hp_.n_head_kv));
     hp_.d_head = hp_.n_embd / hp_.n_head;
-    hp_.n_rot = f.get_int_or(a + ".rope.dimension_count", hp_.d_head, 2, hp_.d_head);
+    hp_.n_rot = f.get_int_or(k + ".rope.dimension_count", hp_.d_head, 2, hp_.d_head);
     if (hp_.n_rot % 2 != 0) fail(PI_ERR_FORMAT, p + ": rope.dimension_count must be even");
-    const std::string eps_key = a + (llama_family ? ".attention.layer_norm_rms_epsilon" : ".attention.layer_norm_epsilon");
+    const std::string eps_key = k + (llama_family ? ".attention.layer_norm_rms_epsilon" : ".attention.layer_norm_epsilon");
     const double eps = f.get_float_or(eps_key, -1.0);
     if (!(eps > 0.0 && eps < 1.0)) fail(PI_ERR_FORMAT, p + ": " + eps_key + " is missing or outside (0, 1)");
     hp_.norm_eps = float(eps);
-    const double base = f.get_float_or(a + ".rope.freq_base", 10000.0);
+    const double base = f.get_float_or(k + ".rope.freq_base", 10000.0);
     if (!(base > 1.0)) fail(PI_ERR_FORMAT, p + ": rope.freq_base must be > 1");
     hp_.rope_base = float(base);
-    if (f.has(a + ".rope.scaling.type")) {
-        const std::string kind = f.get_string(a + ".rope.scaling.type");
+    if (f.has(k + ".rope.scaling.type")) {
+        const std::string kind = f.get_string(k + ".rope.scaling.type");
         if (kind == "linear") {
-            const double factor = f.get_float_or(a + ".rope.scaling.factor", 1.0);
+            const double factor = f.get_float_or(k + ".rope.scaling.factor", 1.0);
             if (!(factor >= 1.0 && factor <= 1024.0)) fail(PI_ERR_FORMAT, p + ": rope.scaling.factor out of range");
             hp_.rope_freq_scale = float(1.0 / factor);
         } else if (kind != "none") {
@@ -166,8 +171,12 @@ void Model::read_hparams() {
     if (file_->tensor("rope_freqs.weight"))
         fail(PI_ERR_UNSUPPORTED, p + ": per-dimension rope frequencies (rope_freqs.weight) are not supported");
 
-    std::string act = a == "bamboo" ? "drelu" : a == "llama" ? "silu" : "relu";
+    // Without powerinfer.ffn_activation (PowerInfer's converters never write it): a PWRI llama file is ReLU, as
+    // PowerInfer's sparse FFN computes nothing else; a plain GGUF llama file is llama.cpp's SiLU.
+    std::string act = a == "bamboo" ? "drelu" : silu_llama || (a == "llama" && !f.pwri_magic()) ? "silu" : "relu";
     if (f.has("powerinfer.ffn_activation")) act = f.get_string("powerinfer.ffn_activation");
+    if (silu_llama && act != "silu")
+        fail(PI_ERR_FORMAT, p + ": architecture llama-silu with FFN activation '" + act + "' (it must be silu)");
     if ((a == "llama" || !llama_family) && act == "relu") hp_.activation = Activation::Relu;
     else if (a == "llama" && act == "silu") hp_.activation = Activation::Silu;
     else if (a == "llama" && act == "fatrelu") {
@@ -178,7 +187,7 @@ void Model::read_hparams() {
     else fail(PI_ERR_UNSUPPORTED, p + ": FFN activation '" + act + "' is not supported for architecture " + a);
 }
 
-Matrix Model::bind_optional(const std::string &name, int64_t rows, int64_t cols, bool f32_only, bool *found) const {
+Matrix Model::bind_optional(const std::string &name, int64_t rows, int64_t cols, bool f32_only, bool *found) {
     const std::string &p = file_->path();
     const GgufTensor *t = file_->tensor(name);
     *found = t != nullptr;
@@ -195,26 +204,39 @@ Matrix Model::bind_optional(const std::string &name, int64_t rows, int64_t cols,
     const TypeSize ts = type_size(t->type);
     if (f32_only && t->type != TYPE_F32)
         fail(PI_ERR_UNSUPPORTED, p + ": tensor " + name + " has type " + ts.name + "; it must be f32");
-    if (!type_computable(t->type))
-        fail(PI_ERR_UNSUPPORTED, p + ": tensor " + name + " has type " + ts.name +
-                                     "; this engine computes with f32, f16, q8_0 and q4_0");
     Matrix m;
-    m.type = t->type;
     m.rows = rows;
     m.cols = cols;
+    if (type_decodable(t->type)) {  // decoded once, kept as f16 (within half a unit of f16 of the values)
+        std::vector<uint16_t> &rows_f16 = decoded_.emplace_back(static_cast<size_t>(rows * cols));
+        std::vector<float> values(static_cast<size_t>(cols));
+        const size_t src_row_bytes = size_t(cols) / ts.block * ts.bytes;
+        for (int64_t r = 0; r < rows; ++r) {
+            dequantize_row(t->type, t->data + size_t(r) * src_row_bytes, values.data(), cols);
+            for (int64_t c = 0; c < cols; ++c) rows_f16[size_t(r * cols + c)] = f32_to_f16(values[size_t(c)]);
+        }
+        m.type = TYPE_F16;
+        m.row_bytes = size_t(cols) * 2;
+        m.data = reinterpret_cast<const uint8_t *>(rows_f16.data());
+        return m;
+    }
+    if (!type_computable(t->type))
+        fail(PI_ERR_UNSUPPORTED, p + ": tensor " + name + " has type " + ts.name +
+                                     "; this engine computes with f32, f16, q8_0 and q4_0 (and decodes q5_0 and q6_K)");
+    m.type = t->type;
     m.row_bytes = size_t(cols) / ts.block * ts.bytes;
     m.data = t->data;
     return m;
 }
 
-Matrix Model::bind_vector(const std::string &name, int64_t n, bool required) const {
+Matrix Model::bind_vector(const std::string &name, int64_t n, bool required) {
     bool found = false;
     Matrix m = bind_optional(name, 1, n, true, &found);
     if (!found && required) fail(PI_ERR_FORMAT, file_->path() + ": tensor " + name + " is missing");
     return m;
 }
 
-Matrix Model::bind(const std::string &name, int64_t rows, int64_t cols, bool f32_only) const {
+Matrix Model::bind(const std::string &name, int64_t rows, int64_t cols, bool f32_only) {
     bool found = false;
     Matrix m = bind_optional(name, rows, cols, f32_only, &found);
     if (!found) fail(PI_ERR_FORMAT, file_->path() + ": tensor " + name + " is missing");
@@ -259,7 +281,7 @@ void Model::bind_tensors() {
         fail(PI_ERR_FORMAT, p + ": tensor token_embd.weight is not a (n_vocab, n_embd) matrix");
     hp_.n_vocab = int64_t(emb->ne[1]);
     const int64_t V = hp_.n_vocab, E = hp_.n_embd, F = hp_.n_ff, L = hp_.n_layer;
-    if (f.has(hp_.arch + ".vocab_size")) f.get_int(hp_.arch + ".vocab_size", V, V);
+    if (f.has(hp_.key_prefix + ".vocab_size")) f.get_int(hp_.key_prefix + ".vocab_size", V, V);
     if (const GgufValue *toks = f.find("tokenizer.ggml.tokens"))
         if (toks->type == GV_ARRAY && int64_t(toks->array_count) != V)
             fail(PI_ERR_FORMAT, p + ": the vocabulary has " + std::to_string(toks->array_count) +
@@ -376,6 +398,22 @@ void Model::bind_ffn(int64_t i, Layer &l) {
     l.down_b = bind_vector(blk(i, "ffn_down_t.bias"), E, all_biases);
 }
 
+// A file converted with a profile stores each layer's neurons hottest first and records the order
+// (powerinfer_tools.neuron_order, docs/formats.md); pi-tools plan copies it into the GPU index it makes for
+// the file. An index without it numbers the source order (PowerInfer's solver over a profile's activation
+// files): on such a file it would mark other neurons than its author meant, so it is refused.
+void Model::check_neuron_order(const GgufFile &g) const {
+    static const std::string key = "powerinfer_tools.neuron_order";
+    const GgufValue *ours = file_->find(key), *theirs = g.find(key);
+    const auto text = [](const GgufValue *v) { return v && v->type == GV_STRING ? v->str : std::string(); };
+    if (text(ours) == text(theirs)) return;
+    const std::string &p = g.path(), &m = file_->path();
+    if (!theirs)
+        fail(PI_ERR_FORMAT, p + ": this GPU index numbers neurons in the model's source order, but " + m +
+                                " stores them in a profile's order (" + key + "): make the index with pi-tools plan");
+    fail(PI_ERR_FORMAT, p + ": this GPU index was made for a file with another neuron order (" + key + ") than " + m);
+}
+
 void Model::build_tiers(const std::string &gpuidx_path) {
     const int64_t F = hp_.n_ff, L = hp_.n_layer;
     std::vector<std::vector<uint8_t>> is_hot(size_t(L), std::vector<uint8_t>(size_t(F), 0));
@@ -385,6 +423,7 @@ void Model::build_tiers(const std::string &gpuidx_path) {
         const std::string arch = g.get_string("general.architecture");
         if (arch != "generic.gpu_index")
             fail(PI_ERR_FORMAT, p + ": not a GPU index file (architecture '" + arch + "', expected generic.gpu_index)");
+        check_neuron_order(g);
         const int64_t blocks = g.get_int("generic.gpu_index.block_count", 0, 1 << 20);
         if (blocks != L)
             fail(PI_ERR_FORMAT, p + ": GPU index is for a model with " + std::to_string(blocks) + " layers; " +

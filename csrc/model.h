@@ -52,7 +52,8 @@ struct Matrix {
 };
 
 struct HParams {
-    std::string arch;  // general.architecture
+    std::string arch;        // the architecture computed: llama, bamboo, falcon or opt
+    std::string key_prefix;  // general.architecture, which names the hyperparameter keys (llama-silu: below)
     Activation activation = Activation::Silu;
     bool shifted_relu = false;    // FATReLU (ProSparse): ReLU's rule at each layer's act_threshold instead of 0
     int64_t n_vocab = 0, n_embd = 0, n_layer = 0, n_ff = 0, n_head = 0, n_head_kv = 0, d_head = 0;
@@ -165,15 +166,17 @@ public:
     int64_t max_rank() const;
 
 private:
-    Matrix bind(const std::string &name, int64_t rows, int64_t cols, bool f32_only) const;
-    Matrix bind_optional(const std::string &name, int64_t rows, int64_t cols, bool f32_only, bool *found) const;
+    Matrix bind(const std::string &name, int64_t rows, int64_t cols, bool f32_only);
+    // A matrix of a decodable type (types.h) comes back as f16 rows decoded into decoded_.
+    Matrix bind_optional(const std::string &name, int64_t rows, int64_t cols, bool f32_only, bool *found);
     // An f32 vector of n values; absent is an error when `required`, else an empty Matrix.
-    Matrix bind_vector(const std::string &name, int64_t n, bool required) const;
+    Matrix bind_vector(const std::string &name, int64_t n, bool required);
     void bind_attention(int64_t i, Layer &l);
     void bind_ffn(int64_t i, Layer &l);
     void read_hparams();
     void bind_tensors();
     void build_tiers(const std::string &gpuidx_path);
+    void check_neuron_order(const GgufFile &gpuidx) const;
     // The cold tier's predictor rows (see FfnTier::fc2), from the layer's fc2.
     void bind_cold_predictor(Layer &l);
     // Packs the matrices every token reads whole into 8-row groups (see Matrix::groups), all in one buffer on
@@ -189,6 +192,7 @@ private:
     std::vector<Layer> layers_;
     bool has_predictor_ = false;
     PageMemory packed_;  // backing of the packed matrices' Matrix::groups
+    std::vector<std::vector<uint16_t>> decoded_;  // f16 rows of the matrices stored in a decodable type
 };
 
 }  // namespace pi

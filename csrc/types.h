@@ -7,7 +7,11 @@
 
 namespace pi {
 
-enum GgmlType : uint32_t { TYPE_F32 = 0, TYPE_F16 = 1, TYPE_Q4_0 = 2, TYPE_Q8_0 = 8, TYPE_I32 = 26 };
+enum GgmlType : uint32_t { TYPE_F32 = 0, TYPE_F16 = 1, TYPE_Q4_0 = 2, TYPE_Q5_0 = 6, TYPE_Q8_0 = 8, TYPE_Q6_K = 14,
+                           TYPE_I32 = 26 };
+// PowerInfer's ggml (ggml.h's enum ggml_type, before the i-quants took ids 16..23) numbers i32 18, the id
+// later ggml gives iq3_xxs: its gpu-index files carry that code, which is read as i32 in such a file only.
+constexpr uint32_t TYPE_I32_POWERINFER = 18;
 
 struct TypeSize {
     uint32_t block;  // elements per block (0: unknown type id)
@@ -20,6 +24,11 @@ struct TypeSize {
 TypeSize type_size(uint32_t type);
 // f32, f16, q4_0 and q8_0: the types the kernels compute with.
 bool type_computable(uint32_t type);
+// q5_0 and q6_K: what PowerInfer's quantizer makes of the predictors (all but q4_0 files) and of output.weight
+// (k-quant-able rows), which the engine decodes once at load instead of computing with.
+bool type_decodable(uint32_t type);
+// n values (a whole number of blocks) of a decodable type at src, as floats.
+void dequantize_row(uint32_t type, const uint8_t *src, float *dst, int64_t n);
 
 constexpr int QK = 32;  // elements per q4_0 / q8_0 block
 

@@ -26,7 +26,7 @@ import numpy as np
 from powerinfer_tools import arch, models, neuron_order
 from powerinfer_tools.atomic import atomic_file
 from powerinfer_tools.errors import UserError
-from powerinfer_tools.gguf_io import field, open_reader
+from powerinfer_tools.gguf_io import base_arch, field, open_reader
 
 BENCH_OUTTYPES = ("q4_0", "q8_0", "f16", "f32")
 ACTIVATION_THRESHOLDS = "powerinfer.activation_thresholds"
@@ -120,12 +120,12 @@ def _source_down_matrices(model: str):
     return load
 
 
-def _add_field(writer, f) -> None:
+def _add_field(writer, f, key: str) -> None:
     import gguf
 
     vtype = f.types[0]
     sub_type = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-    writer.add_key_value(f.name, f.contents(), vtype, sub_type=sub_type)
+    writer.add_key_value(key, f.contents(), vtype, sub_type=sub_type)
 
 
 def write_llamacpp_gguf(powerinfer_file: Path, model: str, out: Path) -> dict:
@@ -140,7 +140,8 @@ def write_llamacpp_gguf(powerinfer_file: Path, model: str, out: Path) -> dict:
 
     reader = open_reader(powerinfer_file)
     arch_name = field(reader, "general.architecture")
-    if arch_name not in _LLAMACPP_ARCHES:
+    llamacpp_arch = base_arch(arch_name)  # llama-silu's keys go back under llama's name
+    if llamacpp_arch not in _LLAMACPP_ARCHES:
         raise UserError(f"{powerinfer_file}: llama.cpp comparison supports {', '.join(_LLAMACPP_ARCHES)} files, "
                         f"not '{arch_name}'")
     down = _source_down_matrices(model)
@@ -148,11 +149,14 @@ def write_llamacpp_gguf(powerinfer_file: Path, model: str, out: Path) -> dict:
     orders = neuron_order.read(powerinfer_file, n_ff, reader)  # the source's down columns follow the file's neurons
     copied = requantized = 0
     with atomic_file(out) as tmp:
-        writer = gguf.GGUFWriter(tmp, arch_name)
+        writer = gguf.GGUFWriter(tmp, llamacpp_arch)
         try:
             for f in reader.fields.values():
                 if not f.name.startswith(_SKIPPED_KEYS):
-                    _add_field(writer, f)
+                    key = f.name
+                    if key.startswith(f"{arch_name}."):
+                        key = llamacpp_arch + key[len(arch_name):]
+                    _add_field(writer, f, key)
             for t in reader.tensors:
                 name = t.name
                 if name.endswith((".fc1.weight", ".fc2.weight")):

@@ -157,14 +157,23 @@ def encoded_nbytes(shape: tuple[int, ...], qtype) -> int:
     return int(np.prod(gguf.quants.quant_shape_to_byte_shape(shape, qtype), dtype=np.int64))
 
 
-def plan(adapter: arch.Arch, weights, predictors: Predictors | None, outtype: str) -> list[PlannedTensor]:
+# PowerInfer's sparse down projection (ggml.c, ggml_compute_forward_mul_mat_axpy and its _head variant) reads
+# ffn_down_t's rows as f16 whatever their type; only q4_0 has a kernel of its own. A file PowerInfer computes
+# right therefore stores ffn_down_t in f16 unless it is f16 or q4_0 already.
+POWERINFER_DOWN_T_OUTTYPE = {"f32": "f16", "q8_0": "f16"}
+
+
+def plan(adapter: arch.Arch, weights, predictors: Predictors | None, outtype: str,
+         powerinfer_compatible: bool = True) -> list[PlannedTensor]:
+    down_outtype = POWERINFER_DOWN_T_OUTTYPE.get(outtype, outtype) if powerinfer_compatible else outtype
     planned = []
     for tmap in adapter.tensor_maps(weights.names_with_prefixes()):
         stored = weights.find(tmap.source)
         if stored is None:
             raise UserError(f"the model has no tensor {tmap.source} (needed for {tmap.name})")
         shape = tmap.out_shape(weights.shapes[stored])
-        planned.append(PlannedTensor(tmap.name, shape, tensor_type(shape, outtype),
+        qtype = tensor_type(shape, down_outtype if tmap.name.endswith(".ffn_down_t.weight") else outtype)
+        planned.append(PlannedTensor(tmap.name, shape, qtype,
                                      lambda t=tmap, s=stored: t.apply(weights.load(s)), stored))
     if predictors is not None:
         dims = adapter.dims()
@@ -257,12 +266,14 @@ def n_vocab_of(tensors: list[PlannedTensor]) -> int:
 
 
 def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predictors_dir: str | Path | None = None,
-                  profile_dir: str | Path | None = None, progress: bool = True, order_neurons: bool = True) -> dict:
+                  profile_dir: str | Path | None = None, progress: bool = True, order_neurons: bool = True,
+                  powerinfer_compatible: bool = True) -> dict:
     """Write the PowerInfer GGUF of `model` (a --model spec) to `out_path`; returns a summary dict.
 
     Without `predictors_dir` the file has no fc1/fc2 tensors (dense / gate-only use of our engine). With
     `order_neurons` and a profile with activation counts, the FFN neurons follow neuron_order.py's order of
-    those counts (a profile of thresholds alone leaves the model's order).
+    those counts (a profile of thresholds alone leaves the model's order). `powerinfer_compatible` stores
+    ffn_down_t as PowerInfer's kernels read it (POWERINFER_DOWN_T_OUTTYPE); False keeps it in `outtype`.
     """
     import gguf
     from tqdm import tqdm
@@ -293,7 +304,7 @@ def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predic
         counts = load_activation_counts(profile_dir, dims.n_layer, [dims.n_ff] * dims.n_layer)
         orders = neuron_order.orders_from_counts([c.double().numpy() for c in counts])
     weights = open_weights(source, config)
-    tensors = plan(adapter, weights, predictors, outtype)
+    tensors = plan(adapter, weights, predictors, outtype, powerinfer_compatible)
     if orders is not None:
         tensors = [dataclasses.replace(t, load=lambda t=t: neuron_order.apply(t.name, t.load(), orders))
                    for t in tensors]
@@ -329,7 +340,8 @@ def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predic
         sum(Path(s).stat().st_size for s in sources_used if s not in weights.stored_bytes)
     return {
         "out": str(out_path), "model": source.spec, "arch": adapter.name, "gguf_arch": adapter.gguf_arch,
-        "outtype": outtype, "tensors": len(tensors), "predictors": predictors is not None,
+        "outtype": outtype, "powerinfer_compatible": powerinfer_compatible, "tensors": len(tensors),
+        "predictors": predictors is not None,
         "neuron_order": "profile" if orders is not None else "source",
         "thresholded": adapter.thresholded, "activation_thresholds": activation_thresholds,
         "types": dict(Counter(t.qtype.name for t in tensors)), "bytes_in": int(bytes_in),

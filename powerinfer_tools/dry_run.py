@@ -214,7 +214,8 @@ def plan_from_config(model: ConfigModel, outtype: str, vram_budget_bytes: float,
                       f"min(1, {placement.SYNTHETIC_BASE_RATE} * (r/n_ff)^-{exponent:g}) of tokens "
                       f"({1 - float(counts[0].sum()) / (tokens * costs.n_ff[0]):.0%} sparse; hottest 20% of "
                       f"neurons fire {hot20:.0%} of activations). Real counts: --profile DIR")
-    result = placement.plan_placement(costs, counts, tokens, vram_budget_bytes, **options)
+    step = placement.parse_granularity(options.pop("granularity", 1), outtype == "q4_0")
+    result = placement.plan_placement(costs, counts, tokens, vram_budget_bytes, granularity=step, **options)
     return DryRunPlan(report, result, assumption)
 
 

@@ -14,6 +14,24 @@ from powerinfer_tools.errors import UserError
 
 GGUF_MAGIC = b"GGUF"
 PWRI_MAGIC = b"PWRI"
+GPU_INDEX_ARCH = "generic.gpu_index"
+# PowerInfer's ggml and gguf-py number i32 18 (ggml.h's enum ggml_type ends I8, I16, I32 after q8_K); later
+# ggml gives 18 to iq3_xxs and i32 26. PowerInfer's engine cannot read 26, so gpu-index files carry 18.
+POWERINFER_I32 = 18
+# A thresholded (SiLU/GELU) model's file names its architecture `<PowerInfer's name>-<activation>` (llama-silu),
+# its hyperparameter keys under that name as GGUF does: PowerInfer's loader stops at an unknown architecture,
+# where under `llama` its ReLU-only sparse FFN would run the file as a ReLU model without a word.
+THRESHOLDED_ACTIVATIONS = ("silu", "gelu")
+
+
+def thresholded_arch(base: str, activation: str) -> str:
+    return f"{base}-{activation}"
+
+
+def base_arch(name: str) -> str:
+    """PowerInfer's (and llama.cpp's) architecture name behind a file's general.architecture."""
+    base, dash, activation = name.rpartition("-")
+    return base if dash and activation in THRESHOLDED_ACTIVATIONS else name
 
 
 def read_magic(path: str | os.PathLike) -> bytes:
@@ -42,6 +60,13 @@ def open_reader(path: str | os.PathLike, writable: bool = False):
                 return np.array([gguf.GGUF_MAGIC], dtype=np.uint32)
             return super()._get(offset, dtype, count, override_order)
 
+        def _build_tensors(self, start_offs, fields):
+            if field(self, "general.architecture") == GPU_INDEX_ARCH:  # PowerInfer's i32 code, read as i32
+                for info in fields:
+                    if int(info.parts[4][0]) == POWERINFER_I32:
+                        info.parts[4] = np.array([gguf.GGMLQuantizationType.I32], dtype=np.uint32)
+            super()._build_tensors(start_offs, fields)
+
     if not os.path.isfile(path):
         raise UserError(f"no such file: {path}")
     magic = read_magic(path)
@@ -59,3 +84,14 @@ def field(reader, key: str, default=None):
     if f is None:
         return default
     return f.contents()
+
+
+def set_powerinfer_i32(path: str | os.PathLike) -> None:
+    """Rewrite, in place, the i32 tensor types of a gpu-index file written by gguf-py to PowerInfer's code."""
+    import gguf
+
+    reader = open_reader(path, writable=True)
+    for t in reader.tensors:
+        if t.tensor_type == gguf.GGMLQuantizationType.I32:
+            t.field.parts[4][0] = POWERINFER_I32
+    reader.data.flush()

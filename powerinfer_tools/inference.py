@@ -70,7 +70,8 @@ def cached_plan(model: Path, vram_budget_gib: float, profile: str | os.PathLike 
             saved = json.loads(summary.read_text())
         except json.JSONDecodeError:
             saved = {}
-        if saved.get("vram_budget") == budget and saved.get("ctx_size") == ctx_size:
+        # (an index written before plans recorded the neuron order lacks the model's order: solved again)
+        if saved.get("vram_budget") == budget and saved.get("ctx_size") == ctx_size and "neuron_order" in saved:
             return path
     if profile is None:
         raise UserError(f"--vram-budget: no plan for {vram_budget_gib} GiB is cached beside {model.name}; "

@@ -17,6 +17,7 @@ token. The default minimum is the smallest k whose saving covers the overhead, s
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -31,7 +32,7 @@ from powerinfer_tools import neuron_order, placement_solver
 from powerinfer_tools.atomic import atomic_file
 from powerinfer_tools.errors import UserError
 from powerinfer_tools.gguf_io import field as gguf_field
-from powerinfer_tools.gguf_io import open_reader, set_pwri_magic
+from powerinfer_tools.gguf_io import open_reader, set_powerinfer_i32, set_pwri_magic
 
 GIB = 1024**3
 MIB = 1024**2
@@ -196,6 +197,23 @@ def parse_min_layer_neurons(spec: str) -> str | int:
     raise UserError(f"--min-layer-neurons must be 'auto' or a non-negative integer, not {spec!r}")
 
 
+# PowerInfer's CUDA build (ggml-cuda.cu) takes a layer's GPU neurons in multiples of 32 (its batched down
+# projection, over 100 tokens, asserts it) and, for a q4_0 down projection, of 256 (its decode axpy launches
+# nrows / 256 blocks and drops the rest). A layer on the GPU whole, or not at all, needs neither.
+POWERINFER_GRANULARITY = 32
+POWERINFER_GRANULARITY_Q4_0 = 256
+
+
+def parse_granularity(spec: str | int, down_is_q4_0: bool) -> int:
+    """`powerinfer` (the multiple PowerInfer's CUDA build needs for this file) or a positive integer."""
+    text = str(spec).strip().lower()
+    if text == "powerinfer":
+        return POWERINFER_GRANULARITY_Q4_0 if down_is_q4_0 else POWERINFER_GRANULARITY
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    raise UserError(f"--granularity must be 'powerinfer' or a positive integer, not {spec!r}")
+
+
 @dataclass
 class Plan:
     """Which neurons of each layer live on the GPU, and the VRAM accounting behind it."""
@@ -213,6 +231,8 @@ class Plan:
     total: np.ndarray  # [L] all activations
     breakdown: dict  # bytes: reserve, output, kv_cache, attention, predictors, ffn, free
     solver: dict = field(default_factory=dict)
+    neuron_order: str | None = None  # the model file's neuron_order.ORDER_KEY: the gpu index numbers its positions
+    granularity: int = 1  # each layer's GPU count is 0, a multiple of this, or the whole layer
 
     @property
     def ffn_bytes(self) -> int:
@@ -228,6 +248,8 @@ class Plan:
             "breakdown_bytes": {k: int(v) for k, v in self.breakdown.items()},
             "served_fraction": float(self.served.sum()) / total if total else 0.0,
             "gpu_neurons": int(self.gpu_neurons.sum()), "neurons": int(self.n_ff.sum()),
+            "neuron_order": "source" if self.neuron_order is None else "profile",  # as the model file stores them
+            "granularity": self.granularity,
             "solver": self.solver,
             "layers": [{"layer": i, "n_ff": int(n), "gpu_neurons": int(k), "min_neurons": int(m),
                         "served_fraction": float(s / t) if t else 0.0}
@@ -251,16 +273,20 @@ def fixed_costs(costs: ModelCosts, ctx_size: int, reserve_bytes: int, offload_ou
 def plan_for_model(profile_dir: str | Path, model_path: str | Path, vram_budget_bytes: int,
                    ctx_size: int = DEFAULT_CTX_SIZE, min_layer_neurons: str | int = "auto",
                    reserve_bytes: int = DEFAULT_RESERVE_BYTES, offload_output: bool = True, dense: str = "all",
-                   time_limit: float = 20.0) -> Plan:
+                   time_limit: float = 20.0, granularity: str | int = 1) -> Plan:
     """The best placement of a converted model's neurons for a VRAM budget (the converter's one-line entry).
-    The profile counts source neurons; the gpu index marks file positions (neuron_order.py)."""
+    The profile counts source neurons; the gpu index marks file positions (neuron_order.py). `granularity`:
+    see parse_granularity (`powerinfer` reads the down projection's type from the file)."""
     check_options(vram_budget_bytes, ctx_size, reserve_bytes, dense)
     reader = open_reader(model_path)
+    down_types = {t.tensor_type.name for t in reader.tensors if t.name.endswith(".ffn_down_t.weight")}
+    step = parse_granularity(granularity, down_types == {"Q4_0"})
     costs = model_costs(model_path, reader)
     counts = neuron_order.in_file_order(load_activation_counts(profile_dir, costs.n_ff),
                                         neuron_order.read(model_path, costs.n_ff, reader))
-    return plan_placement(costs, counts, profiled_tokens(profile_dir, counts), vram_budget_bytes, ctx_size,
-                          min_layer_neurons, reserve_bytes, offload_output, dense, time_limit)
+    plan = plan_placement(costs, counts, profiled_tokens(profile_dir, counts), vram_budget_bytes, ctx_size,
+                          min_layer_neurons, reserve_bytes, offload_output, dense, time_limit, step)
+    return dataclasses.replace(plan, neuron_order=gguf_field(reader, neuron_order.ORDER_KEY))
 
 
 def check_options(vram_budget_bytes: float, ctx_size: int, reserve_bytes: int, dense: str) -> None:
@@ -278,9 +304,9 @@ def check_options(vram_budget_bytes: float, ctx_size: int, reserve_bytes: int, d
 def plan_placement(costs: ModelCosts, counts: list[np.ndarray], tokens: float, vram_budget_bytes: int,
                    ctx_size: int = DEFAULT_CTX_SIZE, min_layer_neurons: str | int = "auto",
                    reserve_bytes: int = DEFAULT_RESERVE_BYTES, offload_output: bool = True, dense: str = "all",
-                   time_limit: float = 20.0) -> Plan:
+                   time_limit: float = 20.0, granularity: int = 1) -> Plan:
     """The best placement for byte costs (from a file or from shapes) and per-layer activation counts over
-    `tokens` tokens."""
+    `tokens` tokens; each layer's GPU count 0, a multiple of `granularity`, or the whole layer."""
     check_options(vram_budget_bytes, ctx_size, reserve_bytes, dense)
     vram_budget_bytes = int(vram_budget_bytes)
     mins = parse_min_layer_neurons(min_layer_neurons)
@@ -297,7 +323,7 @@ def plan_placement(costs: ModelCosts, counts: list[np.ndarray], tokens: float, v
                         f"{human_bytes(sum(fixed.values()))} ({parts}); raise --vram-budget or lower "
                         "--ctx-size/--reserve-mib")
     capacity = vram_budget_bytes - sum(fixed.values())
-    inst = placement_solver.Instance(counts, costs.neuron_bytes, per_layer, min_neurons, capacity)
+    inst = placement_solver.Instance(counts, costs.neuron_bytes, per_layer, min_neurons, capacity, granularity)
     if capacity == 0:
         sol = placement_solver.Solution(np.zeros(costs.n_layer, np.int64), 0.0, 0, "no-budget", 0.0)
     else:
@@ -317,7 +343,7 @@ def plan_placement(costs: ModelCosts, counts: list[np.ndarray], tokens: float, v
                 min_neurons=inst.min_neurons, served=np.array([p[k] for p, k in zip(inst.prefix, sol.k)]),
                 total=np.array([p[-1] for p in inst.prefix]), breakdown=breakdown,
                 solver={"method": sol.method, "seconds": round(sol.seconds, 4), "iterations": sol.iterations,
-                        **sol.details})
+                        **sol.details}, granularity=granularity)
 
 
 def human_bytes(n: int) -> str:
@@ -344,7 +370,10 @@ def breakdown_lines(plan: Plan) -> list[str]:
 def write_gpuidx(plan: Plan, path: str | Path) -> None:
     """PowerInfer's gpu-index file: per layer blk.N.gpu_idx (i32 [n_ff], 1 = GPU) then blk.N.gpu_bucket (sorted
     GPU neuron indices) in that order (the engine reads them by position), `split.vram_capacity` = the bytes the
-    GPU neurons need (PowerInfer's engine loads the file when its remaining budget covers that), PWRI magic."""
+    GPU neurons need (PowerInfer's engine loads the file when its remaining budget covers that), PWRI magic, and
+    i32 in PowerInfer's type code (gguf_io.POWERINFER_I32). For a model that stores its neurons in a profile's
+    order, the model's neuron_order.ORDER_KEY is copied too: our engine refuses an index without it on such a
+    model (one built for the source order, as PowerInfer's solver builds from a profile's activation files)."""
     import gguf
 
     with atomic_file(path) as tmp:
@@ -356,10 +385,13 @@ def write_gpuidx(plan: Plan, path: str | Path) -> None:
             writer.add_tensor(f"blk.{i}.gpu_bucket", idx.astype(np.int32), raw_dtype=gguf.GGMLQuantizationType.I32)
         writer.add_block_count(len(plan.n_ff))
         writer.add_uint64("split.vram_capacity", plan.ffn_bytes)
+        if plan.neuron_order is not None:
+            writer.add_string(neuron_order.ORDER_KEY, plan.neuron_order)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
+        set_powerinfer_i32(tmp)
         set_pwri_magic(tmp)
 
 

@@ -4,7 +4,8 @@ The problem. Layer i has n_i neurons with activation counts. Putting one of its 
 b_i bytes (its rows of gate/up/down at the file's quantization) and serves its count from the GPU. A layer
 that places anything also pays c_i bytes once (its dense parts, when those follow the layer) and places at
 least m_i neurons (below that, the launch/sync overhead of a split layer costs more than it saves).
-Maximise the served count within a capacity of R bytes.
+Maximise the served count within a capacity of R bytes. With a granularity g > 1, a layer places 0, a multiple of
+g, or all of its neurons (PowerInfer's CUDA kernels take GPU rows in multiples of 32, or of 256 for q4_0).
 
 The structure that keeps the model small. Every neuron of a layer costs the same, so for a given count k_i the
 hottest k_i neurons are best: the layer's value is F_i(k) = the sum of its k largest counts, a concave function
@@ -13,7 +14,9 @@ y_i (binary: the layer places anything) and t_i (its value), with t_i bounded by
 points (j, F_i(j)), (j+1, F_i(j+1)). By concavity each such line lies on or above F_i at every integer k, so any
 set of them gives a relaxation. We start with a few lines per layer, solve, and wherever t_i overstates
 F_i(k_i) add the two lines through k_i and solve again. When no t_i overstates, the relaxation's optimum is a
-feasible placement with the same true value, hence optimal for the full neuron-level problem.
+feasible placement with the same true value, hence optimal for the full neuron-level problem. A granularity
+only narrows k_i's domain (k_i = g u_i + r_i f_i, u_i integer, f_i binary taking the remainder r_i = n_i mod g
+when u_i is at its top); the lines bound F_i at every integer, so the argument stands.
 """
 from __future__ import annotations
 
@@ -34,13 +37,19 @@ class Instance:
     layer_bytes: np.ndarray  # int64 [L]: bytes a layer pays once when it places any neuron
     min_neurons: np.ndarray  # int64 [L]: a layer places 0 or at least this many neurons
     capacity: int  # bytes available to neurons and per-layer charges
+    granularity: int = 1  # a layer places 0, a multiple of this, or all of its neurons
 
     def __post_init__(self):
         self.counts = [np.asarray(c, dtype=np.float64) for c in self.counts]
         self.n = np.array([len(c) for c in self.counts], dtype=np.int64)
         self.neuron_bytes = np.asarray(self.neuron_bytes, dtype=np.int64)
         self.layer_bytes = np.asarray(self.layer_bytes, dtype=np.int64)
-        self.min_neurons = np.minimum(np.maximum(np.asarray(self.min_neurons, dtype=np.int64), 1), self.n)
+        if self.granularity < 1:
+            raise ValueError("granularity must be at least 1")
+        g = self.granularity
+        # the smallest count a layer may place that is >= its minimum: the next multiple of g, or all
+        mins = np.maximum(np.asarray(self.min_neurons, dtype=np.int64), 1)
+        self.min_neurons = np.minimum(-(-mins // g) * g, self.n)
         self.capacity = int(self.capacity)
         # prefix[i][k] = F_i(k): the value of layer i's k hottest neurons
         self.prefix = [np.concatenate(([0.0], np.cumsum(np.sort(c)[::-1]))) for c in self.counts]
@@ -56,10 +65,20 @@ class Instance:
         k = np.asarray(k, dtype=np.int64)
         return int(np.sum(k * self.neuron_bytes) + np.sum(self.layer_bytes[k > 0]))
 
-    def feasible(self, k: np.ndarray) -> bool:
+    def allowed(self, k: np.ndarray) -> np.ndarray:
+        """Per layer: k is a count the layer may place (0, or from its minimum up, at the granularity)."""
         k = np.asarray(k, dtype=np.int64)
-        in_range = np.all((k == 0) | ((k >= self.min_neurons) & (k <= self.n)))
-        return bool(in_range and self.bytes_used(k) <= self.capacity)
+        in_range = (k >= self.min_neurons) & (k <= self.n) & ((k % self.granularity == 0) | (k == self.n))
+        return (k == 0) | in_range
+
+    def round_down(self, k: np.ndarray) -> np.ndarray:
+        """Each layer's k lowered to the nearest count it may place."""
+        k = np.asarray(k, dtype=np.int64)
+        k = np.where(k >= self.n, self.n, k // self.granularity * self.granularity)
+        return np.where(k >= self.min_neurons, k, 0)
+
+    def feasible(self, k: np.ndarray) -> bool:
+        return bool(np.all(self.allowed(k)) and self.bytes_used(k) <= self.capacity)
 
 
 @dataclass
@@ -114,7 +133,7 @@ def greedy(inst: Instance) -> Solution:
     rest = is_open[layer_sorted] & (rank_in_layer[order] >= k[layer_sorted])
     extra = int(np.searchsorted(np.cumsum(inst.neuron_bytes[layer_sorted[rest]]), left, side="right"))
     k += np.bincount(layer_sorted[rest][:extra], minlength=inst.n_layer).astype(np.int64)
-    return _solution(inst, k, "greedy", start)
+    return _solution(inst, inst.round_down(k), "greedy", start)
 
 
 def _trivial(inst: Instance) -> np.ndarray | None:
@@ -217,7 +236,7 @@ def solve(inst: Instance, time_limit: float = 20.0, gap: float = 1e-6) -> Soluti
                 break
             raise RuntimeError(f"placement MILP failed: {res.message}")
         k = np.round(res.x[:L]).astype(np.int64)
-        t = res.x[2 * L:] * scale
+        t = res.x[2 * L:3 * L] * scale
         overused = inst.bytes_used(k) - inst.capacity
         if overused > 0:  # a float tolerance let the budget row slip: tighten it by the excess and re-solve
             capacity -= overused
@@ -238,8 +257,11 @@ def solve(inst: Instance, time_limit: float = 20.0, gap: float = 1e-6) -> Soluti
 
 def _solve_relaxation(inst: Instance, lines: list[_Lines], capacity: int, scale: float, gap: float,
                       time_limit: float):
-    """One HiGHS solve over variables [k (int), y (binary), t (value / scale)], each of length L."""
+    """One HiGHS solve over variables [k (int), y (binary), t (value / scale)], each of length L, and with a
+    granularity g > 1 also [u (int), f (binary)]: k = g u + (n mod g) f, f only with u at n // g."""
     L = inst.n_layer
+    g = inst.granularity
+    n_vars = 5 * L if g > 1 else 3 * L
     rows, cols, vals, lb, ub = [], [], [], [], []
 
     def row(entries, lo, hi):
@@ -259,10 +281,17 @@ def _solve_relaxation(inst: Instance, lines: list[_Lines], capacity: int, scale:
         row([(i, -1.0), (L + i, float(inst.min_neurons[i]))], -np.inf, 0.0)  # k_i >= m_i y_i
         for slope, intercept in lines[i].rows():  # t_i <= slope k_i + intercept y_i: off when y_i = 0
             row([(2 * L + i, 1.0), (i, -slope / scale), (L + i, -intercept / scale)], -np.inf, 0.0)
-    A = sparse.csr_array((vals, (rows, cols)), shape=(len(lb), 3 * L))
+        if g > 1:
+            chunks, rest = divmod(int(inst.n[i]), g)
+            row([(i, 1.0), (3 * L + i, -float(g)), (4 * L + i, -float(rest))], 0.0, 0.0)  # k_i = g u_i + r_i f_i
+            row([(4 * L + i, float(chunks)), (3 * L + i, -1.0)], -np.inf, 0.0)  # f_i only when u_i = n_i // g
+    A = sparse.csr_array((vals, (rows, cols)), shape=(len(lb), n_vars))
     top = np.array([p[-1] for p in inst.prefix]) / scale
-    bounds = Bounds(np.zeros(3 * L), np.concatenate([inst.n.astype(float), np.ones(L), top]))
-    c = np.concatenate([np.zeros(2 * L), -np.ones(L)])
-    integrality = np.concatenate([np.ones(2 * L), np.zeros(L)])
+    upper = [inst.n.astype(float), np.ones(L), top]
+    if g > 1:
+        upper += [(inst.n // g).astype(float), (inst.n % g > 0).astype(float)]
+    bounds = Bounds(np.zeros(n_vars), np.concatenate(upper))
+    c = np.concatenate([np.zeros(2 * L), -np.ones(L), np.zeros(n_vars - 3 * L)])
+    integrality = np.concatenate([np.ones(2 * L), np.zeros(L), np.ones(n_vars - 3 * L)])
     return milp(c, integrality=integrality, bounds=bounds, constraints=LinearConstraint(A, lb, ub),
                 options={"mip_rel_gap": gap, "time_limit": max(time_limit, 0.5), "disp": False})

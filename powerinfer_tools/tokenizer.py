@@ -204,7 +204,7 @@ def _build_tokenizer(path: str | os.PathLike):
         convert_gguf_tokenizer,
     )
 
-    from powerinfer_tools.gguf_io import field, open_reader
+    from powerinfer_tools.gguf_io import base_arch, field, open_reader
 
     reader = open_reader(path)
     meta = {key: fld.contents() for key, fld in reader.fields.items() if key.startswith("tokenizer.")}
@@ -222,7 +222,7 @@ def _build_tokenizer(path: str | os.PathLike):
         if token_id is not None:
             init_kwargs[name] = tokenizer_dict["tokens"][token_id]
     try:
-        backend, extra = convert_gguf_tokenizer(field(reader, "general.architecture", ""), tokenizer_dict)
+        backend, extra = convert_gguf_tokenizer(base_arch(field(reader, "general.architecture", "")), tokenizer_dict)
     except (ValueError, KeyError) as exc:
         raise UserError(f"{path}: cannot build a tokenizer from its vocabulary ({exc})") from None
     return PreTrainedTokenizerFast(tokenizer_object=backend, **init_kwargs, **extra)

@@ -20,15 +20,18 @@ from powerinfer_tools.gguf_io import open_reader, set_pwri_magic
 
 @pytest.fixture(scope="session")
 def converted(tiny_model_dir, tmp_path_factory):
-    """converted(kind, outtype="f32", predictors=False, thresholds=None) -> path of the tiny model as a
-    PowerInfer file; predictors: random ones (threshold 0); thresholds: per-layer |a| thresholds."""
+    """converted(kind, outtype="f32", predictors=False, thresholds=None, powerinfer_compatible=False) -> path of
+    the tiny model as a PowerInfer file; predictors: random ones (threshold 0); thresholds: per-layer |a|
+    thresholds; powerinfer_compatible: convert's default (ffn_down_t f16 in f32/q8_0 files), off here so that
+    an f32 file holds the model's own weights."""
     import json
 
     cache = {}
     root = tmp_path_factory.mktemp("engine_models")
 
-    def get(kind: str, outtype: str = "f32", predictors: bool = False, thresholds: tuple | None = None) -> Path:
-        key = (kind, outtype, predictors, thresholds)
+    def get(kind: str, outtype: str = "f32", predictors: bool = False, thresholds: tuple | None = None,
+            powerinfer_compatible: bool = False) -> Path:
+        key = (kind, outtype, predictors, thresholds, powerinfer_compatible)
         if key not in cache:
             src = tiny_model_dir(kind)
             pred_dir = profile_dir = None
@@ -43,7 +46,7 @@ def converted(tiny_model_dir, tmp_path_factory):
                                             thresholds=[0.0] * dims.n_layer)
             out = root / f"{kind}.{outtype}.{len(cache)}.gguf"
             convert_model(str(src), out, outtype=outtype, predictors_dir=pred_dir, profile_dir=profile_dir,
-                          progress=False)
+                          progress=False, powerinfer_compatible=powerinfer_compatible)
             cache[key] = out
         return cache[key]
 

@@ -68,8 +68,12 @@ def test_llamacpp_file_holds_the_same_weights(tiny_model_dir, tmp_path, outtype,
             assert np.array_equal(np.asarray(p.data), expected), name  # same source, same quantizer
         else:
             assert np.array_equal(np.asarray(plain[name].data), np.asarray(t.data)), name  # byte copies
-    for key in ("llama.block_count", "llama.rope.freq_base", "tokenizer.ggml.tokens"):
-        assert plain_reader.fields[key].contents() == open_reader(files.powerinfer).fields[key].contents()
+    ours_reader = open_reader(files.powerinfer)
+    ours_arch = ours_reader.fields["general.architecture"].contents()  # llama-silu for a SiLU model
+    assert plain_reader.fields["general.architecture"].contents() == "llama"
+    for key in ("block_count", "rope.freq_base"):
+        assert plain_reader.fields[f"llama.{key}"].contents() == ours_reader.fields[f"{ours_arch}.{key}"].contents()
+    assert plain_reader.fields["tokenizer.ggml.tokens"].contents() == ours_reader.fields["tokenizer.ggml.tokens"].contents()
     # cached: a second call reuses the files
     again = bench_files(model, outtype, tmp_path, predictors=tmp_path / "p", profile=profile, progress=False)
     assert again.powerinfer == files.powerinfer and again.powerinfer.stat().st_mtime_ns == \

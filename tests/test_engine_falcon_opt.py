@@ -66,7 +66,7 @@ def converted_fo(model_dir, tmp_path_factory):
                 pred = write_predictors(root / f"pred_{kind}", dims.n_layer, dims.n_embd, dims.n_ff, rank=32,
                                         thresholds=[0.0] * dims.n_layer)
             out = root / f"{kind}.{predictors}.gguf"
-            convert_model(str(src), out, outtype="f32", predictors_dir=pred, progress=False)
+            convert_model(str(src), out, outtype="f32", predictors_dir=pred, progress=False, powerinfer_compatible=False)
             cache[(kind, predictors)] = out
         return cache[(kind, predictors)]
 

@@ -30,7 +30,8 @@ def smollm2_file(tmp_path_factory):
     def get(outtype):
         path = root / f"smollm2.{outtype}.powerinfer.gguf"
         if not path.exists():
-            convert_model("smollm2", path, outtype=outtype, progress=False)
+            # every matrix in the outtype (PowerInfer's f16 down projection left out): the engine on the type named
+            convert_model("smollm2", path, outtype=outtype, progress=False, powerinfer_compatible=False)
         return path
 
     return get

@@ -34,7 +34,7 @@ def test_tensor_table_and_metadata(tiny_model_dir, tmp_path, capsys):
     code, text, _ = run(["inspect", str(out)], capsys)
     assert code == 0
     assert "magic PWRI, GGUF v3" in text
-    assert re.search(r"general\.architecture\s+'llama'", text)
+    assert re.search(r"general\.architecture\s+'llama-silu'", text)  # a SiLU llama (docs/formats.md)
     assert re.search(r"powerinfer\.predictor_thresholds\s+\[0\.1, 0\.2\] \(2 items\)", text)
     rows = {m.group(1): (json.loads(m.group(2)), m.group(3), int(m.group(4).replace(",", "")))
             for m in re.finditer(r"^  (\S+)\s+(\[[\d, ]+\])\s+(\w+)\s+([\d,]+)$", text, re.M)}
@@ -47,7 +47,7 @@ def test_tensor_table_and_metadata(tiny_model_dir, tmp_path, capsys):
     code, js, _ = run(["inspect", str(out), "--json"], capsys)
     info = json.loads(js)
     assert {t["name"] for t in info["tensors"]} == set(rows)
-    assert info["metadata"]["llama.block_count"] == N_LAYER
+    assert info["metadata"]["llama-silu.block_count"] == N_LAYER
 
 
 def write_gpuidx(path, shares: list[np.ndarray]):

@@ -10,6 +10,7 @@ import pytest
 from cli_helpers import run_cli
 from convert_helpers import write_predictors
 from placement_fixtures import power_law_counts, write_profile
+from powerinfer_fixtures import write_powerinfer_gpuidx
 from tiny_models import HIDDEN, N_FF, N_LAYER
 
 import engine
@@ -136,6 +137,44 @@ def test_plan_marks_file_positions_of_the_hottest_neurons(pair):
         if 0 < k < N_FF:
             hot = set(orders[i][small.gpu_index[i]].tolist())
             assert hot == set(np.argsort(-counts[i], kind="stable")[:k].tolist())
+
+
+def test_a_gpu_index_must_number_the_files_neurons(pair, tmp_path):
+    """An index PowerInfer's solver builds from a profile's activation files numbers source neurons: on a file
+    that stores them hottest first it would mark other neurons, so the engine refuses it; pi-tools plan's index
+    carries the file's order and loads; an index for one order is refused on a file in another."""
+    counts, prof, ordered, source = pair("llama-relu")
+    plan = placement.plan_for_model(prof, ordered, 0.5 * placement.MIB, reserve_bytes=0, min_layer_neurons=0)
+    ours = tmp_path / "ordered.gpuidx"
+    placement.write_gpuidx(plan, ours)
+    with engine.Model(ordered, threads=1, gpuidx=ours) as m:
+        assert m.info["hot_neurons"] == int(plan.gpu_neurons.sum())
+    hottest = [np.isin(np.arange(N_FF), np.argsort(-c, kind="stable")[:int(k)]) for c, k in zip(counts, plan.gpu_neurons)]
+    theirs = write_powerinfer_gpuidx(tmp_path / "theirs.gpuidx", hottest, vram_capacity=1 << 20)
+    with pytest.raises(engine.EngineError, match="source order.*make the index with pi-tools plan"):
+        engine.Model(ordered, threads=1, gpuidx=theirs)
+    with engine.Model(source, threads=1, gpuidx=theirs) as m:  # the order it was made for
+        assert m.info["hot_neurons"] == int(plan.gpu_neurons.sum())
+    with pytest.raises(engine.EngineError, match="another neuron order"):
+        engine.Model(source, threads=1, gpuidx=ours)
+
+
+def test_a_cached_plan_without_the_order_is_solved_again(pair, tmp_path):
+    from powerinfer_tools.inference import cached_plan
+
+    _, prof, ordered, _ = pair("llama-relu")
+    model = tmp_path / ordered.name
+    model.write_bytes(ordered.read_bytes())
+    path = cached_plan(model, 0.3, prof, 64)
+    summary = path.with_name(path.name + ".json")
+    saved = json.loads(summary.read_text())
+    assert saved["neuron_order"] == "profile"
+    del saved["neuron_order"]  # as written before plans recorded it
+    summary.write_text(json.dumps(saved))
+    before = path.stat().st_mtime_ns
+    with engine.Model(model, threads=1, gpuidx=cached_plan(model, 0.3, prof, 64)):
+        pass
+    assert path.stat().st_mtime_ns != before and "neuron_order" in json.loads(summary.read_text())
 
 
 def test_source_order_flag_and_cli_line(tiny_model_dir, pair, tmp_path, capsys):

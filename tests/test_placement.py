@@ -1,5 +1,7 @@
 """pi-tools plan: byte costs from a model file, plans within the budget, the gpu-index file, bad input."""
+import itertools
 import json
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -219,7 +221,9 @@ def test_convert_with_vram_budget_writes_gpuidx_beside_the_model(tiny_model_dir,
     assert run_cli("convert", "-m", tiny_model_dir("llama-relu"), "-p", predictors, "--profile", prof, "-t", "q8_0",
                    "-o", out, "-q", "--vram-budget", 0.5) == 0
     assert "VRAM budget breakdown" in capsys.readouterr().out
-    direct = placement.plan_for_model(prof, out, 0.5 * placement.GIB)
+    direct = placement.plan_for_model(prof, out, 0.5 * placement.GIB, granularity="powerinfer")
+    saved = json.loads(Path(f"{out}.generated.gpuidx.json").read_text())
+    assert saved["granularity"] == placement.POWERINFER_GRANULARITY  # a q8_0 file: f16 down projection
     reader = open_reader(f"{out}.generated.gpuidx")
     assert reader.fields["split.vram_capacity"].contents() == direct.breakdown["ffn"] > 0
     for i, idx in enumerate(direct.gpu_index):
@@ -232,3 +236,39 @@ def test_convert_vram_budget_without_profile_fails_before_converting(tiny_model_
     code = run_cli("convert", "-m", tiny_model_dir("llama-relu"), "-t", "q8_0", "-o", out, "-q", "--vram-budget", 1)
     expect_one_line_error(capsys, code, "--vram-budget needs --profile")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("qtype, step", [("F16", placement.POWERINFER_GRANULARITY),
+                                         ("Q4_0", placement.POWERINFER_GRANULARITY_Q4_0)])
+def test_powerinfer_granularity_equals_enumerating_the_counts(tmp_path, qtype, step):
+    """Each layer's GPU count is 0, a multiple of what PowerInfer's CUDA build takes for the file's down projection
+    (256 for q4_0, else 32), or the whole layer; and the plan serves as much as the best such counts do
+    (enumerated: for a given count the hottest neurons are best)."""
+    n_ff = 640  # 2.5 x 256: the whole layer is a count of its own
+    model = write_model(tmp_path / "m.gguf", N_LAYER, n_ff, qtype)
+    counts = power_law_counts(N_LAYER, n_ff, tokens=4096, seed=5)
+    prof = write_profile(tmp_path / "prof", counts, tokens=4096)
+    free = placement.plan_for_model(prof, model, 10**9, reserve_bytes=0, min_layer_neurons="0")
+    fixed = sum(v for k, v in free.breakdown.items() if k not in ("ffn", "free"))
+    neuron = placement.model_costs(model).neuron_bytes
+    for share in (0.3, 0.55, 0.8):
+        capacity = int(share * n_ff * neuron.sum())
+        plan = placement.plan_for_model(prof, model, fixed + capacity, reserve_bytes=0, min_layer_neurons="0",
+                                        granularity="powerinfer")
+        assert plan.granularity == step
+        k = plan.gpu_neurons
+        assert np.all((k % step == 0) | (k == n_ff)), k
+        assert int(np.sum(k * neuron)) <= capacity
+        prefix = [np.concatenate(([0], np.cumsum(np.sort(c)[::-1]))) for c in counts]
+        allowed = sorted(set(range(0, n_ff + 1, step)) | {n_ff})
+        best = max(sum(p[j] for p, j in zip(prefix, ks)) for ks in itertools.product(allowed, repeat=N_LAYER)
+                   if int(np.sum(np.array(ks) * neuron)) <= capacity)
+        assert plan.served.sum() == pytest.approx(best)
+        fine = placement.plan_for_model(prof, model, fixed + capacity, reserve_bytes=0, min_layer_neurons="0")
+        assert fine.served.sum() >= plan.served.sum()
+    with pytest.raises(UserError, match="--granularity"):
+        placement.plan_for_model(prof, model, 10**9, granularity="0")
+    out = tmp_path / "m.gpuidx"
+    assert run_cli("plan", "--profile", prof, "-m", model, "--vram-budget", 0.5, "--granularity", "powerinfer",
+                   "-o", out) == 0
+    assert json.loads(Path(f"{out}.json").read_text())["granularity"] == step

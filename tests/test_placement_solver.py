@@ -5,15 +5,17 @@ import pytest
 from powerinfer_tools.placement_solver import Instance, greedy, solve
 
 
-def exhaustive_optimum(inst: Instance) -> float:
-    """Best value over every subset of every layer's neurons (not only hottest-first prefixes)."""
+def exhaustive_optimum(inst: Instance, min_neurons=None, granularity: int = 1) -> float:
+    """Best value over every subset of every layer's neurons (not only hottest-first prefixes) whose size is 0,
+    or at least the layer's minimum and a multiple of `granularity` or the whole layer."""
     best_by_bytes = {0: 0.0}  # total bytes -> best value, merged layer by layer
+    mins = inst.min_neurons if min_neurons is None else min_neurons
     for i, c in enumerate(inst.counts):
         n = len(c)
         masks = np.arange(2**n)
         bits = (masks[:, None] >> np.arange(n)) & 1
         size = bits.sum(1)
-        ok = (size == 0) | (size >= inst.min_neurons[i])
+        ok = (size == 0) | ((size >= mins[i]) & ((size % granularity == 0) | (size == n)))
         value = bits @ c
         cost = size * inst.neuron_bytes[i] + np.where(size > 0, inst.layer_bytes[i], 0)
         options = {}
@@ -49,6 +51,27 @@ def test_milp_equals_exhaustive_search_on_small_random_instances():
         assert sol.value == pytest.approx(exhaustive_optimum(inst), abs=1e-9)
         solved_by_milp += sol.method == "milp"
     assert solved_by_milp > 50  # the trivial shortcuts (all fits / nothing fits) do not carry the test
+
+
+def test_granularity_equals_exhaustive_search_on_small_random_instances():
+    """Counts in multiples of g or the whole layer (PowerInfer's CUDA kernels: 32, or 256 for q4_0), scaled down."""
+    rng = np.random.default_rng(99)
+    solved_by_milp = 0
+    for _ in range(120):
+        g = int(rng.integers(2, 5))
+        base = random_instance(rng, max_neurons=10)
+        asked = rng.integers(0, 5, size=base.n_layer)
+        inst = Instance(base.counts, base.neuron_bytes, base.layer_bytes, asked, base.capacity, granularity=g)
+        mins = np.minimum(np.maximum(asked, 1), inst.n)  # a minimum above the width: all or nothing
+        sol = solve(inst)
+        k = sol.k
+        assert inst.bytes_used(k) <= inst.capacity
+        assert np.all((k == 0) | ((k >= mins) & ((k % g == 0) | (k == inst.n)))), (k, g, mins, inst.n)
+        assert sol.value == pytest.approx(exhaustive_optimum(inst, mins, g), abs=1e-9)
+        base_k = greedy(inst).k
+        assert inst.feasible(base_k) and inst.bytes_used(base_k) <= inst.capacity
+        solved_by_milp += sol.method == "milp"
+    assert solved_by_milp > 40
 
 
 def test_never_below_greedy_and_always_within_budget_and_minimum():

@@ -18,7 +18,7 @@ def _drelu_forward(self, x):
 
 class Bamboo(LlamaFamily):
     name = "bamboo"
-    gguf_arch = "bamboo"
+    powerinfer_arch = "bamboo"
     description = "Bamboo / Mistral with dReLU"
     activation = "drelu"
 

@@ -15,6 +15,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from powerinfer_tools import gguf_io
+
 ACTIVE_IF_NONZERO = ("relu", "drelu", "fatrelu")
 
 
@@ -63,7 +65,7 @@ class Arch:
     """Base adapter. Subclasses set the class attributes and the module accessors."""
 
     name: str = ""            # our id, e.g. "llama-relu"
-    gguf_arch: str = ""       # architecture name in PowerInfer GGUF files
+    powerinfer_arch: str = ""  # PowerInfer's name for the architecture (llama, bamboo, falcon, opt)
     description: str = ""
     gated: bool = True        # FFN has a gate projection
 
@@ -84,6 +86,13 @@ class Arch:
     def thresholded(self) -> bool:
         """True when 'active' needs a calibrated |a| threshold rather than a != 0."""
         return self.activation not in ACTIVE_IF_NONZERO
+
+    @property
+    def gguf_arch(self) -> str:
+        """The file's general.architecture: PowerInfer's name, with the activation appended for a thresholded
+        model (llama-silu): PowerInfer's sparse FFN computes ReLU only, and refuses an unknown architecture."""
+        return gguf_io.thresholded_arch(self.powerinfer_arch, self.activation) if self.thresholded \
+            else self.powerinfer_arch
 
     def dims(self) -> Dims:
         raise NotImplementedError

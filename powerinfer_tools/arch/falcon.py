@@ -31,7 +31,7 @@ def n_kv_heads(config) -> int:
 
 class Falcon(Arch):
     name = "falcon"
-    gguf_arch = "falcon"
+    powerinfer_arch = "falcon"
     description = "Falcon (new decoder architecture as Falcon-40B, or 7B layout), ReLU-fied"
     gated = False
 

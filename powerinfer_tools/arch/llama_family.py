@@ -53,7 +53,7 @@ def _head_dim(config) -> int:
 
 
 class LlamaFamily(Arch):
-    gguf_arch = "llama"
+    powerinfer_arch = "llama"
     gated = True
 
     def dims(self) -> Dims:

@@ -15,7 +15,7 @@ BLOCK_TENSORS = {
 
 class Opt(Arch):
     name = "opt"
-    gguf_arch = "opt"
+    powerinfer_arch = "opt"
     description = "OPT (ReLU)"
     gated = False
 

@@ -35,6 +35,12 @@ def convert(
     outtype: Optional[str] = typer.Option(None, "--outtype", "-t", help="Weight type: f32, f16, q8_0 or q4_0 "
                                           "(default f16; with --dry-run f16,q8_0,q4_0, a comma-separated list). "
                                           "Norms and biases stay f32; predictors take the weight type too."),
+    powerinfer_compatible: bool = typer.Option(
+        True, "--powerinfer-compatible/--ours-only", help="Store ffn_down_t as PowerInfer's sparse kernels read "
+        "it: f16 in f32 and q8_0 files (PowerInfer reads those rows as f16 whatever their type; f16 and q4_0 "
+        "files are unchanged), and with --vram-budget place GPU neurons in the multiples PowerInfer's CUDA build "
+        "takes (plan --granularity powerinfer). --ours-only keeps ffn_down_t in the outtype and places any count, "
+        "for this toolkit's engine alone."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
     vram_budget: Optional[float] = typer.Option(
         None, "--vram-budget", help="GiB of VRAM: after writing the model, place its hot neurons (as `pi-tools "
@@ -86,7 +92,8 @@ def convert(
 
         activation_dir(profile)  # fail before converting, not after
     summary = convert_model(model, out, outtype=outtype.lower(), predictors_dir=predictors, profile_dir=profile,
-                            progress=not quiet, order_neurons=order_neurons)
+                            progress=not quiet, order_neurons=order_neurons,
+                            powerinfer_compatible=powerinfer_compatible)
     if summary["thresholded"] and profile is None:
         typer.echo(f"note: {summary['arch']} is thresholded but no --profile was given: activation thresholds "
                    "stored as 0 (every neuron counts as active)", err=True)
@@ -101,7 +108,8 @@ def convert(
     typer.echo(f"wrote {out}")
     if vram_budget is not None:
         try:
-            result = placement.plan_for_model(profile, out, vram_budget * placement.GIB)
+            result = placement.plan_for_model(profile, out, vram_budget * placement.GIB,
+                                              granularity="powerinfer" if powerinfer_compatible else 1)
         except UserError as exc:
             raise UserError(f"wrote {out}, but no GPU plan: {exc}") from None
         gpuidx, plan_summary = write_plan(result, placement.default_gpuidx_path(out))

@@ -36,6 +36,9 @@ def plan(
                               "place neurons."),
     time_limit: float = typer.Option(20.0, "--time-limit", help="Seconds for the MILP; past it the best plan "
                                      "found is used and the proved bound reported."),
+    granularity: str = typer.Option("1", "--granularity", help="Each layer puts 0, a multiple of N, or all of its "
+                                    "neurons on the GPU. 'powerinfer': what PowerInfer's CUDA build takes, 256 "
+                                    "when the file's down projection is q4_0, else 32 (this engine takes any N)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Plan for a model not converted (or downloaded) yet: "
                                  "bytes from its config's shapes at --outtype; counts from --profile, else an "
                                  "assumed power law (labelled as such). Writes nothing unless --out."),
@@ -61,11 +64,13 @@ def plan(
 
       pi-tools plan --dry-run -m relufalcon-40b -t q4_0 --vram-budget 24
 
+      pi-tools plan --profile prof -m model.q4_0.powerinfer.gguf --vram-budget 8 --granularity powerinfer
+
       pi-tools plan --dry-run -m ./ReluLLaMA-70B --profile ./ReluLLaMA-70B-PowerInfer-GGUF/activation --vram-budget 12
     """
     options = dict(ctx_size=ctx_size, min_layer_neurons=min_layer_neurons,
                    reserve_bytes=int(reserve_mib * placement.MIB), offload_output=offload_output, dense=dense,
-                   time_limit=time_limit)
+                   time_limit=time_limit, granularity=granularity)
     if dry_run:
         from powerinfer_tools import dry_run as dry
 

@@ -6,6 +6,7 @@ put it; the environment variable PI_ENGINE_LIB names another build to use instea
 from __future__ import annotations
 
 import ctypes
+import operator
 import os
 from functools import lru_cache
 from pathlib import Path
@@ -105,6 +106,30 @@ def lib() -> ctypes.CDLL:
         fn.restype = restype
         fn.argtypes = argtypes
     return handle
+
+
+INT32_MAX = 2**31 - 1
+UINT64_MAX = 2**64 - 1
+
+
+def c_int(name: str, value, lo: int = -INT32_MAX - 1, hi: int = INT32_MAX) -> int:
+    """`value` as a Python int within [lo, hi] (by default the range of the C int32_t it becomes). ctypes
+    keeps only the low bits of a larger int, and `int()` would truncate a float or parse a string: both
+    are refused here, before the value crosses into the engine."""
+    try:
+        number = operator.index(value)  # ints and numpy integers; not floats, strings or None
+    except TypeError:
+        raise EngineError(f"{name} must be an integer, not {type(value).__name__} {value!r}") from None
+    if not lo <= number <= hi:
+        raise EngineError(f"{name} = {number} is out of range ({lo} to {hi})")
+    return number
+
+
+def c_float(name: str, value) -> float:
+    """`value` as a float for a C float parameter; a string or None is refused instead of a TypeError."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
+        raise EngineError(f"{name} must be a number, not {type(value).__name__} {value!r}")
+    return float(value)
 
 
 def check(status: int) -> None:

@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import ctypes
 import json
+import operator
 import os
 import threading
 from typing import Iterable, Iterator
 
 import numpy as np
 
-from engine._lib import FFN_MODES, KV_TYPES, EngineError, Options, Sampling, check, lib
+from engine._lib import (FFN_MODES, KV_TYPES, UINT64_MAX, EngineError, Options, Sampling, c_float, c_int, check,
+                         lib)
 
 
 class Model:
@@ -35,9 +37,9 @@ class Model:
         self._lock = threading.RLock()
         opts = Options()
         lib().pi_options_default(ctypes.byref(opts))
-        opts.threads = threads or os.cpu_count() or 1
-        opts.ctx_size = ctx_size or 0
-        opts.batch_size = batch_size or 0
+        opts.threads = c_int("threads", threads or os.cpu_count() or 1, 0)
+        opts.ctx_size = c_int("ctx_size", ctx_size or 0, 0)
+        opts.batch_size = c_int("batch_size", batch_size or 0, 0)
         opts.ffn_mode = _mode_id(sparse_mode)
         opts.recall_check = int(recall_check)
         opts.gpuidx_path = os.fsencode(gpuidx) if gpuidx is not None else None
@@ -110,16 +112,11 @@ class Model:
 
     def reset(self, n_keep: int = 0) -> None:
         """Forget cached tokens after the first n_keep."""
-        self._checked(lib().pi_truncate, n_keep)
+        self._checked(lib().pi_truncate, c_int("n_keep", n_keep, 0))
 
     def eval(self, tokens: Iterable[int], all_logits: bool = True) -> np.ndarray:
         """Run tokens after the cached ones; logits [len(tokens), n_vocab] (or [n_vocab] of the last)."""
-        toks = np.ascontiguousarray(np.fromiter(tokens, dtype=np.int64), dtype=np.int64)
-        if toks.size == 0:
-            raise EngineError("eval needs at least one token")
-        if toks.min() < 0 or toks.max() >= self.n_vocab:
-            raise EngineError(f"token id outside the vocabulary (0..{self.n_vocab - 1})")
-        toks = toks.astype(np.int32)
+        toks = _token_ids(tokens, self.n_vocab)
         out = np.empty((toks.size, self.n_vocab) if all_logits else self.n_vocab, dtype=np.float32)
         self._checked(lib().pi_eval, toks.ctypes.data_as(ctypes.c_void_p), toks.size,
                       out.ctypes.data_as(ctypes.c_void_p), int(all_logits))
@@ -128,13 +125,14 @@ class Model:
     def sample(self, temperature: float = 0.0, top_k: int = 40, top_p: float = 0.95,
                repeat_penalty: float = 1.0, repeat_last_n: int = 64) -> int:
         """Next token from the last evaluated logits (greedy when temperature <= 0)."""
-        params = Sampling(temperature, top_k, top_p, repeat_penalty, repeat_last_n)
+        params = Sampling(c_float("temperature", temperature), c_int("top_k", top_k), c_float("top_p", top_p),
+                          c_float("repeat_penalty", repeat_penalty), c_int("repeat_last_n", repeat_last_n))
         token = ctypes.c_int32()
         self._checked(lib().pi_sample, ctypes.byref(params), ctypes.byref(token))
         return int(token.value)
 
     def seed(self, seed: int) -> None:
-        self._checked(lib().pi_set_seed, ctypes.c_uint64(seed & 0xFFFFFFFFFFFFFFFF))
+        self._checked(lib().pi_set_seed, c_int("seed", seed, 0, UINT64_MAX))
 
     def generate(self, prompt: Iterable[int], max_tokens: int, temperature: float = 0.0, top_k: int = 40,
                  top_p: float = 0.95, repeat_penalty: float = 1.0, repeat_last_n: int = 64,
@@ -168,6 +166,24 @@ class Model:
 
     def reset_stats(self) -> None:
         self._checked(lib().pi_stats_reset)
+
+
+def _token_ids(tokens: Iterable[int], n_vocab: int) -> np.ndarray:
+    """Token ids as int32, each an integer in the vocabulary: np.fromiter would truncate 3.7 to 3 and parse "5"."""
+    if isinstance(tokens, np.ndarray) and tokens.dtype.kind in "iu":
+        ids = tokens.ravel().tolist()
+    else:
+        ids = []
+        for t in tokens:
+            try:
+                ids.append(operator.index(t))
+            except TypeError:
+                raise EngineError(f"token ids must be integers, not {type(t).__name__} {t!r}") from None
+    if not ids:
+        raise EngineError("eval needs at least one token")
+    if min(ids) < 0 or max(ids) >= n_vocab:
+        raise EngineError(f"token id outside the vocabulary (0..{n_vocab - 1})")
+    return np.array(ids, dtype=np.int32)
 
 
 def _mode_id(mode: str) -> int:

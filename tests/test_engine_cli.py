@@ -70,6 +70,9 @@ def test_run_chat_template_and_seeded_sampling(converted, capsys):
     (["-t", "0"], "--threads must be at least 1"),
     (["--gpuidx", "/no/such.gpuidx"], "GPU index not found"),
     (["--kv-type", "q8_0"], "unknown --kv-type"),
+    (["-c", "4294967360"], "ctx_size = 4294967360 is out of range"),  # not a 64-token context
+    (["-t", "4294967297"], "threads = 4294967297 is out of range"),  # not one thread
+    (["--top-k", str(2**40)], "top_k = 1099511627776 is out of range"),
 ])
 def test_run_bad_input(args, message, converted, capsys):
     base = {"-m": str(converted("llama-relu"))}

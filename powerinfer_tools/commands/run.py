@@ -68,7 +68,7 @@ def run(
     tokenizer = inference.load_tokenizer(target.model)
     llm = inference.open_engine(target, threads=threads, sparse_mode=sparse_mode, ctx_size=ctx_size, kv_type=kv_type)
     load_seconds = time.perf_counter() - started
-    with llm:
+    with llm, inference.engine_errors():
         ids = prompt_ids(tokenizer, prompt, chat)
         if len(ids) + 1 > llm.n_ctx:
             raise UserError(f"the prompt has {len(ids)} tokens; --ctx-size {llm.n_ctx} leaves no room to generate")

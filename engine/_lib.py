@@ -12,7 +12,7 @@ from functools import lru_cache
 from pathlib import Path
 
 LIBRARY_ENV = "PI_ENGINE_LIB"
-API_VERSION = 3
+API_VERSION = 4
 
 FFN_MODES = {"dense": 0, "gate": 1, "predictor": 2, "auto": 3, "oracle": 4}
 KV_TYPES = {"f32": 0, "f16": 1}
@@ -61,6 +61,7 @@ _SIGNATURES = {
     "pi_sampling_default": (None, [ctypes.POINTER(Sampling)]),
     "pi_open": (_I32, [ctypes.c_char_p, ctypes.POINTER(Options), ctypes.POINTER(_P)]),
     "pi_close": (None, [_P]),
+    "pi_check_gguf": (_I32, [ctypes.c_char_p]),
     "pi_info_json": (_I32, [_P, ctypes.POINTER(ctypes.c_char_p)]),
     "pi_set_ffn_mode": (_I32, [_P, _I32]),
     "pi_set_recall_check": (_I32, [_P, _I32]),

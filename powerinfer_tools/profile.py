@@ -28,7 +28,7 @@ from powerinfer_tools import arch as arch_mod
 from powerinfer_tools import calibration, models
 from powerinfer_tools.atomic import check_output_dir, publish_dir
 from powerinfer_tools.errors import UserError
-from powerinfer_tools.safe_load import load_pt
+from powerinfer_tools.safe_load import checked_tensor, load_pt
 
 FORMAT = "powerinfer-tools.profile/1"
 DEFAULT_TARGET_SPARSITY = 0.2   # SmolLM2: +2.1% wikitext-2 perplexity (docs/profile.md)
@@ -414,13 +414,9 @@ def load_activation_counts(directory: str | Path, n_layer: int,
     counts = []
     for i in range(n_layer):
         path = folder / f"activation_{i}.pt"
-        value = load_pt(path, "activation file")
-        if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.is_complex() or value.dtype == torch.bool:
-            raise UserError(f"{path}: expected a 1-D real tensor of counts")
+        value = checked_tensor(load_pt(path, "activation file"), str(path), "the counts", ndim=1, integers=True)
         if n_ff is not None and value.numel() != n_ff[i]:
             raise UserError(f"{path}: {value.numel()} counts, but layer {i} of the model has {n_ff[i]} neurons")
-        if not bool(torch.isfinite(value).all()):
-            raise UserError(f"{path}: counts contain NaN or infinity")
         if bool((value < 0).any()):
             raise UserError(f"{path}: counts contain negative values (min {float(value.min()):g})")
         counts.append(value)

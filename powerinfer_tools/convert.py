@@ -11,7 +11,6 @@ becomes `PWRI`. With a profile, each layer's FFN neurons are stored in the order
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import time
 from collections import Counter
@@ -23,7 +22,7 @@ import numpy as np
 
 from powerinfer_tools import arch, models, neuron_order
 from powerinfer_tools.atomic import atomic_file
-from powerinfer_tools.errors import UserError
+from powerinfer_tools.errors import UserError, write_failure
 from powerinfer_tools.safe_load import load_pt
 from powerinfer_tools.gguf_io import set_pwri_magic
 
@@ -311,7 +310,7 @@ def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predic
             writer.close()
         except OSError as exc:
             writer.close()
-            if exc.errno == errno.ENOSPC:
+            if write_failure(exc):  # numpy's short write drops errno: "589824 requested and 442208 written"
                 raise UserError(f"disk full while writing {out_path}; nothing was written") from None
             raise UserError(f"cannot write {out_path}: {exc.strerror or exc}") from None
         except BaseException:

@@ -9,6 +9,7 @@ import contextlib
 import os
 import re
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -104,3 +105,24 @@ def atomic_dir(final: str | os.PathLike, force: bool = False):
         publish_dir(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def output_lock(final: str | os.PathLike, wait: bool):
+    """Hold an exclusive lock on `final` (fcntl.flock of a lock file beside it, released however the process
+    ends): two runs writing one output take turns with `wait`, or the later is refused in one line."""
+    import fcntl
+
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = final.parent / f".{final.name}.lock"
+    with open(lock_path, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if not wait:
+                raise UserError(f"another pi-tools run is writing {final} (it holds {lock_path}): wait for it to "
+                                "finish or choose another output") from None
+            print(f"pi-tools: another run is building {final.name}; waiting for it", file=sys.stderr)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from powerinfer_tools import arch as arch_mod
 from powerinfer_tools import calibration, models
-from powerinfer_tools.atomic import check_output_dir, publish_dir
+from powerinfer_tools.atomic import check_output_dir, output_lock, publish_dir
 from powerinfer_tools.errors import UserError
 from powerinfer_tools.safe_load import checked_tensor, load_pt
 
@@ -254,8 +254,14 @@ def run_profile(opts: ProfileOptions) -> dict:
     """Profile a model into opts.out and return the profile.json contents.
 
     Work happens in partial_dir(opts.out), checkpointed every few batches; the finished directory is
-    renamed into place, so an interrupted run never leaves a partial profile under the final name.
+    renamed into place, so an interrupted run never leaves a partial profile under the final name. A second
+    run to the same output while one is going is refused (they would share the partial directory).
     """
+    with output_lock(opts.out, wait=False):
+        return _run_profile(opts)
+
+
+def _run_profile(opts: ProfileOptions) -> dict:
     check_output_dir(opts.out, opts.force)
     source = models.resolve(opts.model)
     config = models.load_config(source)

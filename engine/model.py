@@ -78,7 +78,8 @@ class Model:
             pass
 
     def _call(self, fn, *args):
-        """fn(handle, *args) under the lock, with the failure check (the error text is per thread)."""
+        """fn(handle, *args) under the lock: its raw result (a status is checked by the caller, in the same
+        thread, since the engine's error text is per thread)."""
         with self._lock:
             if self._handle is None:
                 raise EngineError("the model is closed")

@@ -57,7 +57,8 @@ def checked_tensor(value, source: str, what: str, ndim: int, integers: bool = Fa
 
     if not isinstance(value, torch.Tensor):
         raise UserError(f"{source}: {what} must be a tensor, not {type(value).__name__}")
-    kind = "meta" if value.is_meta else "quantized" if value.is_quantized else "sparse" if value.layout != torch.strided else None
+    kind = ("meta" if value.is_meta else "quantized" if value.is_quantized else
+            "sparse" if value.layout != torch.strided else None)
     if kind:
         raise UserError(f"{source}: {what} must be a dense tensor, not a {kind} one")
     if not (value.is_floating_point() or (integers and not value.is_complex() and value.dtype != torch.bool)):

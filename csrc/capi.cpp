@@ -5,6 +5,7 @@
 
 #include "common.h"
 #include "engine.h"
+#include "gguf.h"
 #include "kernels.h"
 #include "packed.h"
 #include "read_probe.h"
@@ -108,6 +109,13 @@ pi_status pi_open(const char *path, const pi_options *opts, pi_engine **out) {
 }
 
 void pi_close(pi_engine *e) { delete e; }
+
+pi_status pi_check_gguf(const char *path) {
+    return guarded([&] {
+        need(path, "path");
+        pi::GgufFile file(path);
+    });
+}
 
 pi_status pi_info_json(pi_engine *e, const char **json) {
     return guarded([&] {

@@ -11,10 +11,28 @@
 
 namespace pi {
 
+// `text` with control bytes (NUL above all: the message crosses the C API as a C string, which would end
+// there) written as \xNN; messages quote names and values read from files.
+inline std::string printable(const std::string &text) {
+    static const char hex[] = "0123456789abcdef";
+    std::string out;
+    out.reserve(text.size());
+    for (const unsigned char ch : text) {
+        if (ch < 0x20 || ch == 0x7f) {
+            out += "\\x";
+            out += hex[ch >> 4];
+            out += hex[ch & 15];
+        } else {
+            out += char(ch);
+        }
+    }
+    return out;
+}
+
 // Thrown anywhere inside the engine; the C API turns it into a status code and pi_last_error().
 struct EngineFailure : std::runtime_error {
     pi_status status;
-    EngineFailure(pi_status s, const std::string &msg) : std::runtime_error(msg), status(s) {}
+    EngineFailure(pi_status s, const std::string &msg) : std::runtime_error(printable(msg)), status(s) {}
 };
 
 [[noreturn]] inline void fail(pi_status status, const std::string &msg) { throw EngineFailure(status, msg); }

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <numeric>
 #include <thread>
 
@@ -14,6 +15,37 @@
 
 namespace pi {
 namespace {
+
+// The least of the memory limits of the cgroup at `path` (relative to `base`) and of every cgroup above it, as
+// `file` states them ("max", v2's "no limit", does not parse and leaves `limit` as it is).
+double cgroup_limit(const std::string &base, std::string path, const char *file, double limit) {
+    while (true) {
+        std::ifstream in(base + (path == "/" ? "" : path) + "/" + file);
+        double value;
+        if (in >> value && value > 0) limit = std::min(limit, value);
+        if (path.empty() || path == "/") return limit;
+        path = path.substr(0, path.rfind('/'));
+    }
+}
+
+// The memory this process may use: the machine's, or less where its cgroup (or one above it) sets a lower
+// limit, a container's, which the kernel enforces by killing the process (the kernel's
+// Documentation/admin-guide/cgroup-v2.rst, memory.max; cgroup-v1/memory.rst, memory.limit_in_bytes).
+double usable_memory_bytes() {
+    double limit = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE));
+    std::ifstream groups("/proc/self/cgroup");
+    std::string line;
+    while (std::getline(groups, line)) {  // "0::/path" (v2), "4:memory:/path" or "4:cpu,memory:/path" (v1)
+        const size_t a = line.find(':'), b = a == std::string::npos ? a : line.find(':', a + 1);
+        if (b == std::string::npos) continue;
+        const std::string controllers = "," + line.substr(a + 1, b - a - 1) + ",", path = line.substr(b + 1);
+        if (controllers == ",,")
+            limit = cgroup_limit("/sys/fs/cgroup", path, "memory.max", limit);
+        else if (controllers.find(",memory,") != std::string::npos)
+            limit = cgroup_limit("/sys/fs/cgroup/memory", path, "memory.limit_in_bytes", limit);
+    }
+    return limit;
+}
 
 using Clock = std::chrono::steady_clock;
 
@@ -196,11 +228,13 @@ void Engine::check_working_memory(int64_t threads) const {
     // Refused before allocating when the buffers exceed the machine's memory, so a file that declares a huge
     // model fails with a message instead of an out-of-memory kill.
     const double bytes = kv_cache_bytes() + work_buffer_bytes(threads);
-    const double available = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE));
+    const double available = usable_memory_bytes();
     if (available > 0 && bytes > available)
         fail(PI_ERR_MEMORY, model_->path() + ": the KV cache and work buffers would need " +
                                 std::to_string(bytes / double(1 << 30)).substr(0, 8) + " GiB for ctx_size " +
-                                std::to_string(n_ctx_) + ", more than this machine's memory; lower ctx_size");
+                                std::to_string(n_ctx_) + ", more than the " +
+                                std::to_string(available / double(1 << 30)).substr(0, 8) +
+                                " GiB this process may use (the machine's memory or its cgroup's limit); lower ctx_size");
 }
 
 void Engine::set_ffn_mode(int32_t mode) {

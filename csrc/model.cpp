@@ -308,7 +308,7 @@ void Model::bind_tensors() {
         std::fill(pred_thr.begin(), pred_thr.end(), float(f.get_float_or("powerinfer.sparse_threshold", 0.0)));
     }
 
-    has_predictor_ = f.tensor(blk(0, "fc1.weight")) != nullptr;
+    has_predictor_ = f.tensor(blk(0, "fc1.weight")) != nullptr || f.tensor(blk(0, "fc2.weight")) != nullptr;
     layers_.resize(size_t(L));
     for (int64_t i = 0; i < L; ++i) {
         Layer &l = layers_[size_t(i)];
@@ -319,7 +319,9 @@ void Model::bind_tensors() {
         const std::string fc1 = blk(i, "fc1.weight"), fc2 = blk(i, "fc2.weight");
         if (has_predictor_) {
             const GgufTensor *t1 = f.tensor(fc1);
-            if (!t1) fail(PI_ERR_FORMAT, p + ": tensor " + fc1 + " is missing (layer 0 has a predictor)");
+            if (!t1)
+                fail(PI_ERR_FORMAT, p + ": tensor " + fc1 + " is missing (" +
+                                        (i == 0 ? fc2 + " is there" : std::string("layer 0 has a predictor")) + ")");
             if (t1->n_dims != 2 || t1->ne[1] < 1 || t1->ne[1] > uint64_t(F))
                 fail(PI_ERR_FORMAT, p + ": tensor " + fc1 + " is not a (rank, n_embd) matrix with rank <= n_ff");
             const int64_t rank = int64_t(t1->ne[1]);

@@ -6,12 +6,13 @@ put it; the environment variable PI_ENGINE_LIB names another build to use instea
 from __future__ import annotations
 
 import ctypes
+import operator
 import os
 from functools import lru_cache
 from pathlib import Path
 
 LIBRARY_ENV = "PI_ENGINE_LIB"
-API_VERSION = 3
+API_VERSION = 4
 
 FFN_MODES = {"dense": 0, "gate": 1, "predictor": 2, "auto": 3, "oracle": 4}
 KV_TYPES = {"f32": 0, "f16": 1}
@@ -60,6 +61,7 @@ _SIGNATURES = {
     "pi_sampling_default": (None, [ctypes.POINTER(Sampling)]),
     "pi_open": (_I32, [ctypes.c_char_p, ctypes.POINTER(Options), ctypes.POINTER(_P)]),
     "pi_close": (None, [_P]),
+    "pi_check_gguf": (_I32, [ctypes.c_char_p]),
     "pi_info_json": (_I32, [_P, ctypes.POINTER(ctypes.c_char_p)]),
     "pi_set_ffn_mode": (_I32, [_P, _I32]),
     "pi_set_recall_check": (_I32, [_P, _I32]),
@@ -105,6 +107,30 @@ def lib() -> ctypes.CDLL:
         fn.restype = restype
         fn.argtypes = argtypes
     return handle
+
+
+INT32_MAX = 2**31 - 1
+UINT64_MAX = 2**64 - 1
+
+
+def c_int(name: str, value, lo: int = -INT32_MAX - 1, hi: int = INT32_MAX) -> int:
+    """`value` as a Python int within [lo, hi] (by default the range of the C int32_t it becomes). ctypes
+    keeps only the low bits of a larger int, and `int()` would truncate a float or parse a string: both
+    are refused here, before the value crosses into the engine."""
+    try:
+        number = operator.index(value)  # ints and numpy integers; not floats, strings or None
+    except TypeError:
+        raise EngineError(f"{name} must be an integer, not {type(value).__name__} {value!r}") from None
+    if not lo <= number <= hi:
+        raise EngineError(f"{name} = {number} is out of range ({lo} to {hi})")
+    return number
+
+
+def c_float(name: str, value) -> float:
+    """`value` as a float for a C float parameter; a string or None is refused instead of a TypeError."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
+        raise EngineError(f"{name} must be a number, not {type(value).__name__} {value!r}")
+    return float(value)
 
 
 def check(status: int) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ctypes
 
-from engine._lib import check, lib
+from engine._lib import UINT64_MAX, c_float, c_int, check, lib
 
 DEFAULT_BUFFER_BYTES = 256 << 20  # 8x a 32 MiB last-level cache: each pass's region is past every cache
 
@@ -15,5 +15,7 @@ def read_rows_rate(row_bytes: int, density: float, threads: int, buffer_bytes: i
     ascending order, each asked for a few rows ahead, as a sparse decode step reads rows by index), or all of
     them in order at density 1. Best of `passes`."""
     out = ctypes.c_double()
-    check(lib().pi_read_rows_rate(row_bytes, density, threads, buffer_bytes, passes, ctypes.byref(out)))
+    check(lib().pi_read_rows_rate(c_int("row_bytes", row_bytes, 0, UINT64_MAX), c_float("density", density),
+                                  c_int("threads", threads), c_int("buffer_bytes", buffer_bytes, 0, UINT64_MAX),
+                                  c_int("passes", passes), ctypes.byref(out)))
     return out.value

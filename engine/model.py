@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import ctypes
 import json
+import operator
 import os
+import threading
 from typing import Iterable, Iterator
 
 import numpy as np
 
-from engine._lib import FFN_MODES, KV_TYPES, EngineError, Options, Sampling, check, lib
+from engine._lib import (FFN_MODES, KV_TYPES, UINT64_MAX, EngineError, Options, Sampling, c_float, c_int, check,
+                         lib)
 
 
 class Model:
@@ -21,17 +24,22 @@ class Model:
     isa: force a kernel set ("scalar", "avx2", "avx512") instead of the best available one; kv_type: the KV
     cache's element type, "f32" (logits within float rounding of the reference) or "f16" (half the cache's
     memory and of what a decode step reads of it, llama.cpp's default).
+
+    One Model may be shared by threads: ctypes lets go of the GIL inside the engine, so a lock held across
+    every engine call serializes them, and close() waits for a call in flight instead of freeing the model
+    under it. (Each call is atomic; a sequence such as reset + eval is not.)
     """
 
     def __init__(self, path: str | os.PathLike, threads: int | None = None, sparse_mode: str = "dense",
                  ctx_size: int | None = None, gpuidx: str | os.PathLike | None = None, recall_check: bool = False,
                  batch_size: int | None = None, isa: str | None = None, kv_type: str = "f32"):
         self._handle = None
+        self._lock = threading.RLock()
         opts = Options()
         lib().pi_options_default(ctypes.byref(opts))
-        opts.threads = threads or os.cpu_count() or 1
-        opts.ctx_size = ctx_size or 0
-        opts.batch_size = batch_size or 0
+        opts.threads = c_int("threads", threads or os.cpu_count() or 1, 0)
+        opts.ctx_size = c_int("ctx_size", ctx_size or 0, 0)
+        opts.batch_size = c_int("batch_size", batch_size or 0, 0)
         opts.ffn_mode = _mode_id(sparse_mode)
         opts.recall_check = int(recall_check)
         opts.gpuidx_path = os.fsencode(gpuidx) if gpuidx is not None else None
@@ -50,9 +58,10 @@ class Model:
 
     # ---- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:
-        if self._handle is not None:
-            lib().pi_close(self._handle)
-            self._handle = None
+        with self._lock:
+            if self._handle is not None:
+                lib().pi_close(self._handle)
+                self._handle = None
 
     def __enter__(self) -> "Model":
         return self
@@ -61,20 +70,29 @@ class Model:
         self.close()
 
     def __del__(self):
+        if not hasattr(self, "_lock"):  # __init__ failed before the lock existed: nothing to close
+            return
         try:
             self.close()
         except Exception:  # interpreter shutdown: the library may already be gone
             pass
 
-    def _h(self):
-        if self._handle is None:
-            raise EngineError("the model is closed")
-        return self._handle
+    def _call(self, fn, *args):
+        """fn(handle, *args) under the lock: its raw result (a status is checked by the caller, in the same
+        thread, since the engine's error text is per thread)."""
+        with self._lock:
+            if self._handle is None:
+                raise EngineError("the model is closed")
+            return fn(self._handle, *args)
+
+    def _checked(self, fn, *args) -> None:
+        check(self._call(fn, *args))
 
     def _json(self, fn) -> dict:
         out = ctypes.c_char_p()
-        check(fn(self._h(), ctypes.byref(out)))
-        return json.loads(out.value.decode())
+        with self._lock:  # the text lives in the engine until its next JSON call
+            self._checked(fn, ctypes.byref(out))
+            return json.loads(out.value.decode())
 
     # ---- settings ---------------------------------------------------------------------------------
     @property
@@ -83,43 +101,39 @@ class Model:
 
     @sparse_mode.setter
     def sparse_mode(self, mode: str) -> None:
-        check(lib().pi_set_ffn_mode(self._h(), _mode_id(mode)))
+        self._checked(lib().pi_set_ffn_mode, _mode_id(mode))
 
     def set_recall_check(self, enabled: bool) -> None:
-        check(lib().pi_set_recall_check(self._h(), int(enabled)))
+        self._checked(lib().pi_set_recall_check, int(enabled))
 
     # ---- evaluation -------------------------------------------------------------------------------
     @property
     def n_past(self) -> int:
-        return int(lib().pi_n_past(self._h()))
+        return int(self._call(lib().pi_n_past))
 
     def reset(self, n_keep: int = 0) -> None:
         """Forget cached tokens after the first n_keep."""
-        check(lib().pi_truncate(self._h(), n_keep))
+        self._checked(lib().pi_truncate, c_int("n_keep", n_keep, 0))
 
     def eval(self, tokens: Iterable[int], all_logits: bool = True) -> np.ndarray:
         """Run tokens after the cached ones; logits [len(tokens), n_vocab] (or [n_vocab] of the last)."""
-        toks = np.ascontiguousarray(np.fromiter(tokens, dtype=np.int64), dtype=np.int64)
-        if toks.size == 0:
-            raise EngineError("eval needs at least one token")
-        if toks.min() < 0 or toks.max() >= self.n_vocab:
-            raise EngineError(f"token id outside the vocabulary (0..{self.n_vocab - 1})")
-        toks = toks.astype(np.int32)
+        toks = _token_ids(tokens, self.n_vocab)
         out = np.empty((toks.size, self.n_vocab) if all_logits else self.n_vocab, dtype=np.float32)
-        check(lib().pi_eval(self._h(), toks.ctypes.data_as(ctypes.c_void_p), toks.size,
-                            out.ctypes.data_as(ctypes.c_void_p), int(all_logits)))
+        self._checked(lib().pi_eval, toks.ctypes.data_as(ctypes.c_void_p), toks.size,
+                      out.ctypes.data_as(ctypes.c_void_p), int(all_logits))
         return out
 
     def sample(self, temperature: float = 0.0, top_k: int = 40, top_p: float = 0.95,
                repeat_penalty: float = 1.0, repeat_last_n: int = 64) -> int:
         """Next token from the last evaluated logits (greedy when temperature <= 0)."""
-        params = Sampling(temperature, top_k, top_p, repeat_penalty, repeat_last_n)
+        params = Sampling(c_float("temperature", temperature), c_int("top_k", top_k), c_float("top_p", top_p),
+                          c_float("repeat_penalty", repeat_penalty), c_int("repeat_last_n", repeat_last_n))
         token = ctypes.c_int32()
-        check(lib().pi_sample(self._h(), ctypes.byref(params), ctypes.byref(token)))
+        self._checked(lib().pi_sample, ctypes.byref(params), ctypes.byref(token))
         return int(token.value)
 
     def seed(self, seed: int) -> None:
-        check(lib().pi_set_seed(self._h(), ctypes.c_uint64(seed & 0xFFFFFFFFFFFFFFFF)))
+        self._checked(lib().pi_set_seed, c_int("seed", seed, 0, UINT64_MAX))
 
     def generate(self, prompt: Iterable[int], max_tokens: int, temperature: float = 0.0, top_k: int = 40,
                  top_p: float = 0.95, repeat_penalty: float = 1.0, repeat_last_n: int = 64,
@@ -152,7 +166,25 @@ class Model:
         return s
 
     def reset_stats(self) -> None:
-        check(lib().pi_stats_reset(self._h()))
+        self._checked(lib().pi_stats_reset)
+
+
+def _token_ids(tokens: Iterable[int], n_vocab: int) -> np.ndarray:
+    """Token ids as int32, each an integer in the vocabulary: np.fromiter would truncate 3.7 to 3 and parse "5"."""
+    if isinstance(tokens, np.ndarray) and tokens.dtype.kind in "iu":
+        ids = tokens.ravel().tolist()
+    else:
+        ids = []
+        for t in tokens:
+            try:
+                ids.append(operator.index(t))
+            except TypeError:
+                raise EngineError(f"token ids must be integers, not {type(t).__name__} {t!r}") from None
+    if not ids:
+        raise EngineError("eval needs at least one token")
+    if min(ids) < 0 or max(ids) >= n_vocab:
+        raise EngineError(f"token id outside the vocabulary (0..{n_vocab - 1})")
+    return np.array(ids, dtype=np.int32)
 
 
 def _mode_id(mode: str) -> int:

@@ -1,3 +1,17 @@
-from powerinfer_tools.cli import main
+"""`python -m powerinfer_tools` and the `pi-tools` script. Ctrl-C while the toolkit is still importing (typer,
+the commands: before cli.main can install its handler) ends as any interruption does: one line, status 130,
+no traceback."""
+import sys
 
-main()
+
+def main() -> None:
+    try:
+        from powerinfer_tools.cli import main as run
+    except KeyboardInterrupt:
+        print("pi-tools: interrupted", file=sys.stderr)
+        sys.exit(130)
+    run()
+
+
+if __name__ == "__main__":
+    main()

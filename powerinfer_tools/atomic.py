@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -20,6 +22,36 @@ def _umask() -> int:
     return mask
 
 
+def _temporary_prefix(final: Path, pid: int | None = None) -> str:
+    """Temporaries of `final` carry the writer's process id, so a rerun can tell the ones of a killed run."""
+    return f".{final.name}.{os.getpid() if pid is None else pid}."
+
+
+def remove_stale_temporaries(final: Path) -> None:
+    """Remove what runs writing `final` that were killed (SIGKILL, the OOM killer) left behind: temporaries
+    whose process is gone. Those of a run still going are kept."""
+    pattern = re.compile(re.escape(f".{final.name}.") + r"(\d+)\..*\.tmp")
+    with contextlib.suppress(OSError):
+        for entry in final.parent.iterdir():
+            match = pattern.fullmatch(entry.name)
+            if match and not _alive(int(match.group(1))):
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    with contextlib.suppress(OSError):
+                        entry.unlink()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    return True
+
+
 @contextlib.contextmanager
 def atomic_file(final: str | os.PathLike):
     """Yield a temporary path in the target's directory; move it to `final` if the block succeeds."""
@@ -27,7 +59,8 @@ def atomic_file(final: str | os.PathLike):
     if final.is_dir():
         raise UserError(f"output path {final} is a directory")
     final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
+    remove_stale_temporaries(final)
+    fd, tmp = tempfile.mkstemp(prefix=_temporary_prefix(final), suffix=".tmp", dir=final.parent)
     os.close(fd)
     os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; outputs get the usual permissions
     try:
@@ -64,9 +97,32 @@ def atomic_dir(final: str | os.PathLike, force: bool = False):
     final = Path(final)
     check_output_dir(final, force)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+    remove_stale_temporaries(final)
+    tmp = Path(tempfile.mkdtemp(prefix=_temporary_prefix(final), suffix=".tmp", dir=final.parent))
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; output directories get the usual permissions
     try:
         yield tmp
         publish_dir(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def output_lock(final: str | os.PathLike, wait: bool):
+    """Hold an exclusive lock on `final` (fcntl.flock of a lock file beside it, released however the process
+    ends): two runs writing one output take turns with `wait`, or the later is refused in one line."""
+    import fcntl
+
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = final.parent / f".{final.name}.lock"
+    with open(lock_path, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if not wait:
+                raise UserError(f"another pi-tools run is writing {final} (it holds {lock_path}): wait for it to "
+                                "finish or choose another output") from None
+            print(f"pi-tools: another run is building {final.name}; waiting for it", file=sys.stderr)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield

@@ -7,7 +7,7 @@ import sys
 import typer
 
 from powerinfer_tools import __version__
-from powerinfer_tools.errors import UserError
+from powerinfer_tools.errors import UserError, write_failure
 
 app = typer.Typer(
     name="pi-tools",
@@ -84,6 +84,9 @@ def _exit_for(exc: BaseException, ctrl_c_seen: bool) -> None:
         _interrupted()
     if isinstance(exc, UserError):
         print(f"pi-tools: error: {exc}", file=sys.stderr)
+        sys.exit(1)
+    if write_failure(exc):
+        print(f"pi-tools: error: {write_failure(exc)}", file=sys.stderr)
         sys.exit(1)
     if isinstance(exc, typer.Exit):
         sys.exit(exc.exit_code)

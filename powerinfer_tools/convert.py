@@ -11,7 +11,6 @@ becomes `PWRI`. With a profile, each layer's FFN neurons are stored in the order
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import time
 from collections import Counter
@@ -23,7 +22,7 @@ import numpy as np
 
 from powerinfer_tools import arch, models, neuron_order
 from powerinfer_tools.atomic import atomic_file
-from powerinfer_tools.errors import UserError
+from powerinfer_tools.errors import UserError, write_failure
 from powerinfer_tools.safe_load import load_pt
 from powerinfer_tools.gguf_io import set_pwri_magic
 
@@ -61,6 +60,8 @@ class Predictors:
 
 def load_predictors(directory: str | Path, dims: arch.Dims) -> Predictors:
     """Check every layer's predictor against the model's shapes before anything is written."""
+    from powerinfer_tools.predictor import check_state
+
     directory = Path(directory)
     if not directory.is_dir():
         raise UserError(f"predictor directory not found: {directory}")
@@ -77,16 +78,9 @@ def load_predictors(directory: str | Path, dims: arch.Dims) -> Predictors:
         if not path.is_file():
             raise UserError(f"{directory}: predictor of layer {i} is missing ({path.name}); "
                             f"the model has {dims.n_layer} layers")
-        state = load_pt(path, "predictor", mmap=True)
-        if not isinstance(state, dict) or "fc1.weight" not in state or "fc2.weight" not in state:
-            raise UserError(f"{path}: expected a state dict with fc1.weight and fc2.weight")
-        fc1, fc2 = state["fc1.weight"], state["fc2.weight"]
-        rank = fc1.shape[0]
-        if tuple(fc1.shape) != (rank, dims.n_embd) or tuple(fc2.shape) != (dims.n_ff, rank):
-            raise UserError(f"{path}: predictor shapes fc1 {tuple(fc1.shape)}, fc2 {tuple(fc2.shape)} do not match "
-                            f"the model (expected fc1 [rank, {dims.n_embd}], fc2 [{dims.n_ff}, rank])")
+        fc1, _ = check_state(load_pt(path, "predictor", mmap=True), str(path), dims.n_embd, dims.n_ff)
         files.append(path)
-        ranks.append(rank)
+        ranks.append(fc1.shape[0])
     layers = {entry.get("layer"): entry for entry in config.get("layers", [])}
     if layers and set(layers) != set(range(dims.n_layer)):
         raise UserError(f"{config_path}: 'layers' must list layers 0..{dims.n_layer - 1}")
@@ -327,7 +321,7 @@ def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predic
             writer.close()
         except OSError as exc:
             writer.close()
-            if exc.errno == errno.ENOSPC:
+            if write_failure(exc):  # numpy's short write drops errno: "589824 requested and 442208 written"
                 raise UserError(f"disk full while writing {out_path}; nothing was written") from None
             raise UserError(f"cannot write {out_path}: {exc.strerror or exc}") from None
         except BaseException:

@@ -72,18 +72,43 @@ def open_reader(path: str | os.PathLike, writable: bool = False):
     magic = read_magic(path)
     if magic not in (GGUF_MAGIC, PWRI_MAGIC):
         raise UserError(f"{path}: not a GGUF/PowerInfer file (magic {magic!r})")
+    check_structure(path)
     try:
-        return PwriReader(path, "r+" if writable else "r")
+        reader = PwriReader(path, "r+" if writable else "r")
     except (ValueError, IndexError, KeyError, OverflowError, MemoryError) as exc:
         raise UserError(f"{path}: damaged GGUF file ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+    reader.source_path = str(path)
+    return reader
 
 
-def field(reader, key: str, default=None):
-    """The value of metadata `key` (str, number or list), or `default` when absent."""
+def check_structure(path: str | os.PathLike) -> None:
+    """The engine's bounds checks of the header, before gguf-py trusts it: gguf-py allocates what a count
+    declares, so one array of 2**62 elements would grow its memory without bound."""
+    import engine
+
+    try:
+        engine.check_gguf(path)
+    except engine.EngineError as exc:
+        raise UserError(str(exc)) from None
+
+
+def field(reader, key: str, default=None, lossy: bool = False):
+    """The value of metadata `key` (str, number or list), or `default` when absent. A string that is not
+    UTF-8 is refused with one line, or with `lossy` shown with U+FFFD in place of the bad bytes."""
     f = reader.fields.get(key)
     if f is None:
         return default
-    return f.contents()
+    try:
+        return f.contents()
+    except UnicodeDecodeError:
+        if not lossy:
+            raise UserError(f"{reader.source_path}: metadata key {key} holds text that is not UTF-8") from None
+    import gguf
+
+    def text(part: int) -> str:
+        return bytes(f.parts[part]).decode("utf-8", "replace")
+
+    return [text(i) for i in f.data] if f.types[0] == gguf.GGUFValueType.ARRAY else text(-1)
 
 
 def set_powerinfer_i32(path: str | os.PathLike) -> None:

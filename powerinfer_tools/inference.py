@@ -7,6 +7,7 @@ put in front without touching the engine side.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -99,9 +100,18 @@ def open_engine(target: EngineTarget, threads: int | None = None, sparse_mode: s
         raise UserError(f"unknown --kv-type {kv_type!r} (choose from {', '.join(KV_TYPES)})")
     if threads is not None and threads < 1:
         raise UserError("--threads must be at least 1")
-    try:
+    with engine_errors():
         return engine.Model(target.model, threads=threads, sparse_mode=sparse_mode, ctx_size=ctx_size,
                             gpuidx=target.gpuidx, recall_check=recall_check, kv_type=kv_type)
+
+
+@contextlib.contextmanager
+def engine_errors():
+    """The engine's refusals (a file, an argument out of range) as UserError: one line from the CLI."""
+    import engine
+
+    try:
+        yield
     except engine.EngineError as exc:
         raise UserError(str(exc)) from None
 

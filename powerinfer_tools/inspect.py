@@ -13,7 +13,7 @@ from powerinfer_tools.gguf_io import field, open_reader, read_magic
 def describe(path: str | os.PathLike) -> dict:
     """The file's magic, metadata (key -> value), tensors and, for a gpuidx, GPU shares per layer."""
     reader = open_reader(path)
-    metadata = {key: fld.contents() for key, fld in reader.fields.items() if not key.startswith("GGUF.")}
+    metadata = {key: field(reader, key, lossy=True) for key in reader.fields if not key.startswith("GGUF.")}
     tensors = [{"name": t.name, "shape": tuple(int(n) for n in reversed(t.shape)), "type": t.tensor_type.name,
                 "bytes": int(t.n_bytes)} for t in reader.tensors]
     info = {"path": str(path), "magic": read_magic(path).decode("ascii", "replace"),

@@ -68,6 +68,7 @@ def layer_locality(layer: int, counts: torch.Tensor, tokens: int) -> LayerLocali
 def analyse(directory: str | Path) -> Locality:
     """Locality of every layer of a profile directory, recomputed from its activation counts."""
     profile = load_profile(directory)
-    counts = load_activation_counts(directory, int(profile["model"]["n_layer"]))
+    n_layer, n_ff = int(profile["model"]["n_layer"]), int(profile["model"]["n_ff"])
+    counts = load_activation_counts(directory, n_layer, [n_ff] * n_layer)  # 257 counts for 256 neurons: refused
     tokens = int(profile["tokens"])
     return Locality(profile, [layer_locality(i, c, tokens) for i, c in enumerate(counts)])

@@ -48,9 +48,16 @@ def _step(title: str, args: list[str]) -> None:
 def build(model: str = default_model.NAME, outtype: str = "q8_0", tokens: int = PROFILE_TOKENS,
           rank: int = PREDICTOR_RANK) -> Path:
     """Path of a model's PowerInfer file with predictors, built through the pipeline on first use."""
+    from powerinfer_tools.atomic import output_lock
+
     final = model_file(model, outtype)
     if final.is_file():
         return final
+    with output_lock(final, wait=True):  # two first runs at once: the later waits and uses the first's build
+        return final if final.is_file() else _build(model, outtype, tokens, rank, final)
+
+
+def _build(model: str, outtype: str, tokens: int, rank: int, final: Path) -> Path:
     root = model_dir(model)
     profile, predictors = root / "profile", root / "predictors"
     print(f"pi-tools: first use of '{model}': building {final.name} through the pipeline "

@@ -18,10 +18,11 @@ import torch
 from torch import nn
 
 from powerinfer_tools.errors import UserError
-from powerinfer_tools.safe_load import load_pt
+from powerinfer_tools.safe_load import checked_tensor, load_pt
 
 CONFIG_FORMAT = "powerinfer-tools.predictors/1"
 STATE_KEYS = ("fc1.weight", "fc2.weight")
+F16_MAX = 65504.0  # the largest finite float16: the converter may store predictors as f16
 AUC_SAMPLE = 500_000  # (row, neuron) pairs drawn to estimate the pooled ROC AUC (exact AUC is a sort of all pairs)
 
 
@@ -49,17 +50,31 @@ class Predictor(nn.Module):
 
     @classmethod
     def from_state(cls, state: dict, source: str = "predictor") -> "Predictor":
-        if not isinstance(state, dict) or set(state) != set(STATE_KEYS):
-            keys = sorted(state) if isinstance(state, dict) else type(state).__name__
-            raise UserError(f"{source}: expected a state dict with exactly {list(STATE_KEYS)}, found {keys}")
-        fc1, fc2 = state["fc1.weight"], state["fc2.weight"]
-        if fc1.ndim != 2 or fc2.ndim != 2 or fc2.shape[1] != fc1.shape[0]:
-            raise UserError(f"{source}: fc1.weight {tuple(fc1.shape)} and fc2.weight {tuple(fc2.shape)} "
-                            "do not form fc2(relu(fc1(x)))")
+        fc1, fc2 = check_state(state, source)
         rank, n_embd = fc1.shape
         model = cls(n_embd, rank, fc2.shape[0])
-        model.load_state_dict({k: v.float() for k, v in state.items()})
+        model.load_state_dict({"fc1.weight": fc1.float(), "fc2.weight": fc2.float()})
         return model
+
+
+def check_state(state, source: str, n_embd: int | None = None, n_ff: int | None = None):
+    """(fc1, fc2) of a model_{i}.pt state dict, by the rules the engine loads a predictor with (csrc/model.cpp:
+    fc1 [rank, n_embd], fc2 [n_ff, rank], 1 <= rank <= n_ff), and finite weights that fit the f16 the
+    converter may store them as; UserError naming the defect otherwise. With n_embd / n_ff: the model's."""
+    if not isinstance(state, dict) or set(state) != set(STATE_KEYS):
+        keys = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
+        raise UserError(f"{source}: expected a state dict with exactly {list(STATE_KEYS)}, found {keys}")
+    fc1, fc2 = (checked_tensor(state[k], source, k, ndim=2, max_abs=F16_MAX) for k in STATE_KEYS)
+    rank = fc1.shape[0]
+    if fc2.shape[1] != rank:
+        raise UserError(f"{source}: fc1.weight {tuple(fc1.shape)} and fc2.weight {tuple(fc2.shape)} "
+                        "do not form fc2(relu(fc1(x)))")
+    if not 1 <= rank <= fc2.shape[0]:
+        raise UserError(f"{source}: predictor rank {rank} is outside 1..n_ff ({fc2.shape[0]}), which the engine loads")
+    if (n_embd is not None and fc1.shape[1] != n_embd) or (n_ff is not None and fc2.shape[0] != n_ff):
+        raise UserError(f"{source}: predictor shapes fc1 {tuple(fc1.shape)}, fc2 {tuple(fc2.shape)} do not match "
+                        f"the model (expected fc1 [rank, {n_embd}], fc2 [{n_ff}, rank])")
+    return fc1, fc2
 
 
 def model_file(directory: Path, layer: int) -> Path:

@@ -26,9 +26,9 @@ from tqdm import tqdm
 
 from powerinfer_tools import arch as arch_mod
 from powerinfer_tools import calibration, models
-from powerinfer_tools.atomic import check_output_dir, publish_dir
+from powerinfer_tools.atomic import check_output_dir, output_lock, publish_dir
 from powerinfer_tools.errors import UserError
-from powerinfer_tools.safe_load import load_pt
+from powerinfer_tools.safe_load import checked_tensor, load_pt
 
 FORMAT = "powerinfer-tools.profile/1"
 DEFAULT_TARGET_SPARSITY = 0.2   # SmolLM2: +2.1% wikitext-2 perplexity (docs/profile.md)
@@ -254,8 +254,14 @@ def run_profile(opts: ProfileOptions) -> dict:
     """Profile a model into opts.out and return the profile.json contents.
 
     Work happens in partial_dir(opts.out), checkpointed every few batches; the finished directory is
-    renamed into place, so an interrupted run never leaves a partial profile under the final name.
+    renamed into place, so an interrupted run never leaves a partial profile under the final name. A second
+    run to the same output while one is going is refused (they would share the partial directory).
     """
+    with output_lock(opts.out, wait=False):
+        return _run_profile(opts)
+
+
+def _run_profile(opts: ProfileOptions) -> dict:
     check_output_dir(opts.out, opts.force)
     source = models.resolve(opts.model)
     config = models.load_config(source)
@@ -414,13 +420,9 @@ def load_activation_counts(directory: str | Path, n_layer: int,
     counts = []
     for i in range(n_layer):
         path = folder / f"activation_{i}.pt"
-        value = load_pt(path, "activation file")
-        if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.is_complex() or value.dtype == torch.bool:
-            raise UserError(f"{path}: expected a 1-D real tensor of counts")
+        value = checked_tensor(load_pt(path, "activation file"), str(path), "the counts", ndim=1, integers=True)
         if n_ff is not None and value.numel() != n_ff[i]:
             raise UserError(f"{path}: {value.numel()} counts, but layer {i} of the model has {n_ff[i]} neurons")
-        if not bool(torch.isfinite(value).all()):
-            raise UserError(f"{path}: counts contain NaN or infinity")
         if bool((value < 0).any()):
             raise UserError(f"{path}: counts contain negative values (min {float(value.min()):g})")
         counts.append(value)

@@ -117,7 +117,7 @@ def _check_source(adapter, spec: str) -> None:
     if adapter.activation in arch_mod.base.ACTIVE_IF_NONZERO:
         raise UserError(f"{spec} is already a {adapter.activation} model ({adapter.description}): its activations "
                         "are sparse as they are; profile it directly")
-    if adapter.activation != "silu" or not adapter.gated or adapter.gguf_arch != "llama":
+    if adapter.activation != "silu" or not adapter.gated or adapter.powerinfer_arch != "llama":
         raise UserError(f"sparsify makes ReLU Llama models from gated SiLU Llama-family ones; {spec} is "
                         f"{adapter.description}")
 

@@ -124,14 +124,16 @@ def _added_special_tokens(directory: Path) -> dict[str, bool]:
 
 def _copy_gguf_vocab(writer, reader, path: Path) -> str:
     """Carry every `tokenizer.*` key of a GGUF source over unchanged."""
+    from powerinfer_tools.gguf_io import field
+
     for key, fld in reader.fields.items():
         if key.startswith("tokenizer."):
             sub_type = fld.types[-1] if len(fld.types) > 1 else None
-            writer.add_key_value(key, fld.contents(), fld.types[0], sub_type=sub_type)
-    kind = reader.fields.get("tokenizer.ggml.model")
+            writer.add_key_value(key, field(reader, key), fld.types[0], sub_type=sub_type)
+    kind = field(reader, "tokenizer.ggml.model")
     if kind is None:
         raise UserError(f"{path} has no vocabulary (tokenizer.ggml.model)")
-    return kind.contents()
+    return kind
 
 
 def tokenizer_from_file(path: str | os.PathLike):
@@ -207,7 +209,7 @@ def _build_tokenizer(path: str | os.PathLike):
     from powerinfer_tools.gguf_io import base_arch, field, open_reader
 
     reader = open_reader(path)
-    meta = {key: fld.contents() for key, fld in reader.fields.items() if key.startswith("tokenizer.")}
+    meta = {key: field(reader, key) for key in reader.fields if key.startswith("tokenizer.")}
     if "tokenizer.ggml.tokens" not in meta:
         raise UserError(f"{path} stores no vocabulary (tokenizer.ggml.tokens)")
     if HF_JSON_KEY in meta:
@@ -217,10 +219,15 @@ def _build_tokenizer(path: str | os.PathLike):
     tokenizer_dict, init_kwargs = grouped["tokenizer"], grouped["tokenizer_config"]
     if tokenizer_dict.get("tokenizer_type") == "llama":
         init_kwargs.setdefault("add_bos_token", True)  # llama.cpp's default for SentencePiece vocabularies
+    n_tokens = len(meta["tokenizer.ggml.tokens"])
     for name, key in _SPECIAL_TOKENS.items():
         token_id = meta.get(f"tokenizer.ggml.{key}")
-        if token_id is not None:
-            init_kwargs[name] = tokenizer_dict["tokens"][token_id]
+        if token_id is None:
+            continue
+        if not isinstance(token_id, int) or not 0 <= token_id < n_tokens:
+            raise UserError(f"{path}: tokenizer.ggml.{key} = {token_id!r} is not a token of its {n_tokens}-token "
+                            "vocabulary")
+        init_kwargs[name] = tokenizer_dict["tokens"][token_id]
     try:
         backend, extra = convert_gguf_tokenizer(base_arch(field(reader, "general.architecture", "")), tokenizer_dict)
     except (ValueError, KeyError) as exc:

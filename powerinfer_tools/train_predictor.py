@@ -22,7 +22,7 @@ import torch
 
 from powerinfer_tools import arch as arch_registry
 from powerinfer_tools.errors import UserError
-from powerinfer_tools.safe_load import load_pt
+from powerinfer_tools.safe_load import checked_tensor, load_pt
 from powerinfer_tools.predictor import (Predictor, layer_metrics, neuron_weights, recall_at_density,
                                         threshold_for_recall, rank_at_fraction)
 
@@ -79,9 +79,10 @@ class Profile:
         path = self.path / kind / f"{kind}_{layer}.pt"
         if not path.is_file():
             raise UserError(f"profile {self.path} is missing {kind}/{path.name}")
-        vec = load_pt(path, f"{kind} file")
-        if not isinstance(vec, torch.Tensor) or vec.shape != (self.n_ff,):
-            raise UserError(f"{path}: expected a tensor of shape ({self.n_ff},)")
+        vec = checked_tensor(load_pt(path, f"{kind} file"), str(path), f"the {kind} values", ndim=1, integers=True)
+        if vec.shape != (self.n_ff,) or bool((vec < 0).any()):
+            raise UserError(f"{path}: expected {self.n_ff} non-negative values (one per neuron), found {vec.numel()}"
+                            f"{' with negative ones' if bool((vec < 0).any()) else ''}")
         return vec.to(dtype)
 
 

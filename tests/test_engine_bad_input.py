@@ -111,6 +111,9 @@ def test_unsupported_tensor_type(good, tmp_path):
 def test_unsupported_architecture(good, tmp_path):
     bad = rewrite(good, tmp_path / "a.gguf", fields={"general.architecture": ("gpt2", gguf.GGUFValueType.STRING)})
     assert "unsupported architecture 'gpt2'" in load_error(bad)
+    nul = rewrite(good, tmp_path / "n.gguf", fields={"general.architecture": ("ll\0ma", gguf.GGUFValueType.STRING)})
+    msg = load_error(nul)  # the message crosses the C API as a C string: a NUL in it would end it there
+    assert "unsupported architecture 'll\\x00ma' (this engine runs llama" in msg, msg
 
 
 def test_gpuidx_for_another_model(good, tmp_path):
@@ -176,3 +179,13 @@ def test_random_mutations_never_crash(good, tmp_path):
     print(outcomes)
     assert outcomes["loaded"] + outcomes["rejected"] == 500
     assert outcomes["rejected"] > 100 and outcomes["loaded"] > 50  # both paths exercised
+
+
+def test_predictor_tensors_of_one_layer_half_missing(converted, tmp_path):
+    with_predictors = converted("llama-relu", predictors=True)
+    only_fc2 = rewrite(with_predictors, tmp_path / "fc2.gguf", drop=("blk.0.fc1.weight",))
+    assert "tensor blk.0.fc1.weight is missing (blk.0.fc2.weight is there)" in load_error(only_fc2)
+    later = rewrite(with_predictors, tmp_path / "l1.gguf", drop=("blk.1.fc1.weight",))
+    assert "tensor blk.1.fc1.weight is missing (layer 0 has a predictor)" in load_error(later)
+    none_at_0 = rewrite(with_predictors, tmp_path / "l0.gguf", drop=("blk.0.fc1.weight", "blk.0.fc2.weight"))
+    assert "layer 1 has a predictor but layer 0 has none" in load_error(none_at_0)

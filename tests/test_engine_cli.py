@@ -43,6 +43,19 @@ def test_run_streams_the_greedy_continuation(converted, capsys):
     assert code == 0 and f"KV cache {kv / 2**20:.1f} MiB (f16)" in err, err
 
 
+def test_run_reads_the_prompt_from_a_file(converted, tmp_path, capsys):
+    path = converted("llama-relu")
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text(PROMPT, encoding="utf-8")
+    args = ["run", "-m", path, "-n", "6", "--temp", "0", "-t", "1"]
+    from_file, from_argv = run_cli(capsys, *args, "-f", prompt_file), run_cli(capsys, *args, "-p", PROMPT)
+    assert from_file[0] == 0 and from_file[1] == from_argv[1] and from_file[1].startswith(PROMPT)
+    code, _, err = run_cli(capsys, *args, "-f", tmp_path / "missing.txt")
+    assert code == 1 and "cannot read the prompt" in err and len(err.strip().splitlines()) == 1
+    code, _, err = run_cli(capsys, *args)
+    assert code == 1 and "--prompt TEXT or --file PATH" in err
+
+
 def test_run_says_when_the_context_cuts_the_generation_short(converted, capsys):
     path = converted("llama-relu")
     n_prompt = len(tokenizer_from_file(path)(PROMPT)["input_ids"])
@@ -70,6 +83,9 @@ def test_run_chat_template_and_seeded_sampling(converted, capsys):
     (["-t", "0"], "--threads must be at least 1"),
     (["--gpuidx", "/no/such.gpuidx"], "GPU index not found"),
     (["--kv-type", "q8_0"], "unknown --kv-type"),
+    (["-c", "4294967360"], "ctx_size = 4294967360 is out of range"),  # not a 64-token context
+    (["-t", "4294967297"], "threads = 4294967297 is out of range"),  # not one thread
+    (["--top-k", str(2**40)], "top_k = 1099511627776 is out of range"),
 ])
 def test_run_bad_input(args, message, converted, capsys):
     base = {"-m": str(converted("llama-relu"))}

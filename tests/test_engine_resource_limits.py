@@ -104,3 +104,47 @@ def test_absurd_hyperparameters_are_refused(converted, tmp_path, key, value):
     path = rewrite(converted("llama-relu"), tmp_path / "m.gguf", fields={key: (value, gguf.GGUFValueType.UINT64)})
     [message] = load_capped([path])
     assert message.startswith("2:") and key in message and "out of range" in message, message
+
+
+CGROUP_PROBE = """
+import sys
+import engine
+
+path, ctx = sys.argv[1], int(sys.argv[2])
+try:
+    with engine.Model(path, threads=1, ctx_size=ctx) as m:
+        print("opened", m.info["kv_cache_bytes"])
+except engine.EngineError as exc:
+    print("refused", exc)
+"""
+
+
+def test_context_is_checked_against_the_cgroup_limit(converted, tmp_path):
+    """A context that fits the machine's memory but not the container's (its cgroup's memory.max) is refused
+    with a message, where it was an out-of-memory kill. The cgroup is a directory bind-mounted over
+    /sys/fs/cgroup in a private user and mount namespace (unshare -rm)."""
+    import shlex
+    import shutil
+
+    path = converted("llama-relu")
+    fake = tmp_path / "cgroup"
+    fake.mkdir()
+    (fake / "memory.max").write_text(f"{16 << 20}\n")  # 16 MiB
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount --bind {fake} /sys/fs/cgroup"], capture_output=True)
+    if not shutil.which("unshare") or probe.returncode != 0:
+        pytest.skip("no user+mount namespace here (unshare -rm) to stand in a cgroup limit")
+
+    def open_with(ctx: int) -> str:
+        script = (f"mount --bind {fake} /sys/fs/cgroup && exec {shlex.quote(sys.executable)} -c "
+                  f"{shlex.quote(CGROUP_PROBE)} {path} {ctx}")
+        done = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=120,
+                              env=os.environ)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.strip()
+
+    small = open_with(256)
+    assert small.startswith("opened"), small
+    assert int(small.split()[1]) * (65536 // 256) > 16 << 20  # so 65536 tokens need more than the limit
+    big = open_with(65536)
+    assert big.startswith("refused") and "GiB this process may use" in big and "cgroup" in big, big
+    assert "0.015625 GiB" in big  # the limit it was held to: 16 MiB

@@ -155,3 +155,47 @@ def test_killed_profile_resumes(tiny_model_dir, whole_profile, tmp_path, sig):
         a = torch.load(out / "activation" / f"activation_{i}.pt", weights_only=True)
         b = torch.load(whole_profile / "activation" / f"activation_{i}.pt", weights_only=True)
         assert torch.equal(a, b)
+
+
+IMPORT_INTERRUPTED = """
+import runpy, sys
+
+class CtrlCAt:  # Ctrl-C lands while the toolkit is importing `name`
+    def __init__(self, name):
+        self.name = name
+
+    def find_spec(self, name, path=None, target=None):
+        if name == self.name:
+            raise KeyboardInterrupt
+        return None
+
+sys.meta_path.insert(0, CtrlCAt(sys.argv[1]))
+sys.argv = ["pi-tools", "inspect", "--help"]
+runpy.run_module("powerinfer_tools", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("module", ["typer", "powerinfer_tools.commands.inspect"])
+def test_ctrl_c_during_imports_is_one_line(module):
+    done = subprocess.run([sys.executable, "-c", IMPORT_INTERRUPTED, module], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 130 and done.stderr.strip() == "pi-tools: interrupted", done.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def interpreter_start() -> float:
+    """Seconds a bare interpreter takes to start here (site included): a signal before then is Python's own."""
+    started = time.monotonic()
+    subprocess.run([sys.executable, "-c", "pass"], check=True, cwd=ROOT)
+    return time.monotonic() - started
+
+
+@pytest.mark.parametrize("after", [0.05, 0.2, 0.5])
+def test_real_ctrl_c_in_the_first_second(after, interpreter_start):
+    proc = start(["inspect", "--help"])
+    time.sleep(2 * interpreter_start + after)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    err = err.decode("utf-8", "replace")
+    assert "Traceback" not in err, err
+    assert proc.returncode in (0, 130, -signal.SIGINT), (proc.returncode, err)  # done, or interrupted

@@ -175,7 +175,7 @@ def bad_profile(tmp_path, counts):
     ("layers", "the model has 3 layers"),
     ("negative", "negative"),
     ("nan", "NaN"),
-    ("2d", "1-D real tensor"),
+    ("2d", "must have 1 dimension, not 2"),
 ])
 def test_bad_activation_files_are_one_line_errors(model, counts, tmp_path, capsys, case, needle):
     bad = [torch.as_tensor(c) for c in counts]

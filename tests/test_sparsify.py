@@ -57,7 +57,7 @@ def test_writes_a_relu_llama_that_transformers_and_the_pipeline_load(sparsified,
     monkeypatch.setenv("POWERINFER_TOOLS_CACHE", str(tmp_path / "cache"))
     path = pipeline.build(str(out), outtype="f32", tokens=1024, rank=8)  # profile -> train-predictor -> convert
     tokens = random_tokens(12, config["vocab_size"])
-    ref = hf_logits(out, tokens)
+    ref = hf_logits(out, tokens, weights_from=path)  # the file's weights (its down projection is f16)
     with engine.Model(path, sparse_mode="dense") as llm:
         dense = llm.eval(tokens)
     with engine.Model(path, sparse_mode="gate") as llm:

@@ -14,7 +14,7 @@
 extern "C" {
 #endif
 
-#define PI_ENGINE_API_VERSION 3
+#define PI_ENGINE_API_VERSION 4
 
 typedef enum {
     PI_OK = 0,
@@ -72,6 +72,11 @@ void pi_sampling_default(pi_sampling *params);
 
 pi_status pi_open(const char *path, const pi_options *opts, pi_engine **out);
 void pi_close(pi_engine *engine);
+
+/* The checks pi_open makes of a GGUF/PowerInfer file's structure (magic, version, every count, length, type
+ * and tensor offset against the file's size), without loading a model: for readers of the file that trust
+ * what its header declares. */
+pi_status pi_check_gguf(const char *path);
 
 /* JSON object describing the model and the run settings (owned by the engine, valid until the next
  * pi_info/pi_stats_json call on it). */

@@ -16,7 +16,10 @@ from powerinfer_tools.inference import KV_TYPE_HELP
 def run(
     model: str = typer.Option(..., "--model", "-m", help="Model file written by 'pi-tools convert', or 'smollm2' "
                               "(the embedded default, built through the pipeline on first use)."),
-    prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text."),
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text (or --file)."),
+    prompt_file: Optional[Path] = typer.Option(None, "--file", "-f", help="Read the prompt from this UTF-8 text "
+                                               "file, as llama.cpp's -f: for a prompt longer than a command "
+                                               "line takes."),
     n_predict: int = typer.Option(128, "--n-predict", "-n", help="Tokens to generate (stops early at end of text)."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Threads. Default: all cores."),
     sparse_mode: str = typer.Option("auto", "--sparse-mode", help="FFN mode: dense (exact), gate (gate exactly, "
@@ -57,18 +60,21 @@ def run(
 
       pi-tools run -m smollm2.powerinfer.gguf -p "Write a haiku about the sea" --chat --sparse-mode gate -t 2
 
+      pi-tools run -m smollm2 -f chapter1.txt -c 8192 -n 256   # a long prompt from a file
+
       pi-tools run -m relullama.q4_0.powerinfer.gguf --gpuidx relullama.generated.gpuidx -p "Hello" --seed 1
     """
     from powerinfer_tools import inference
 
     if n_predict < 0:
         raise UserError("--n-predict must be >= 0")
+    prompt = prompt_text(prompt, prompt_file)
     target = inference.resolve_model_file(model, gpuidx, vram_budget, profile, ctx_size)
     started = time.perf_counter()
     tokenizer = inference.load_tokenizer(target.model)
     llm = inference.open_engine(target, threads=threads, sparse_mode=sparse_mode, ctx_size=ctx_size, kv_type=kv_type)
     load_seconds = time.perf_counter() - started
-    with llm:
+    with llm, inference.engine_errors():
         ids = prompt_ids(tokenizer, prompt, chat)
         if len(ids) + 1 > llm.n_ctx:
             raise UserError(f"the prompt has {len(ids)} tokens; --ctx-size {llm.n_ctx} leaves no room to generate")
@@ -92,6 +98,19 @@ def run(
         sys.stdout.flush()
         for line in inference.timing_lines(llm.stats(), load_seconds, llm.info):
             typer.echo(line, err=True)
+
+
+def prompt_text(prompt: str | None, prompt_file: Path | None) -> str:
+    """The prompt given by exactly one of --prompt and --file."""
+    if (prompt is None) == (prompt_file is None):
+        raise UserError("give the prompt with --prompt TEXT or --file PATH (one of them)")
+    if prompt_file is None:
+        return prompt
+    try:
+        return prompt_file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0]
+        raise UserError(f"--file {prompt_file}: cannot read the prompt ({reason})") from None
 
 
 def prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:

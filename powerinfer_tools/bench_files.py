@@ -88,8 +88,9 @@ def bench_files(model: str, outtype: str, work_dir: Path, predictors: Path | Non
             return BenchFiles(pwri, plain, manifest)
     directory.mkdir(parents=True, exist_ok=True)
     pwri, plain = directory / "model.powerinfer.gguf", directory / "model.llamacpp.gguf"
+    # every tensor in the outtype, as the llama.cpp copy has it (PowerInfer's f16 down projection would differ)
     summary = convert_model(model, pwri, outtype=outtype, predictors_dir=predictors, profile_dir=profile,
-                            progress=progress)
+                            progress=progress, powerinfer_compatible=False)
     copied = write_llamacpp_gguf(pwri, model, plain)
     manifest = {"model": model, "source": str(source.path), "outtype": outtype,
                 "predictors": str(predictors) if predictors else None, "profile": str(profile) if profile else None,

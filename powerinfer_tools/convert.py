@@ -159,7 +159,9 @@ POWERINFER_DOWN_T_OUTTYPE = {"f32": "f16", "q8_0": "f16"}
 
 def plan(adapter: arch.Arch, weights, predictors: Predictors | None, outtype: str,
          powerinfer_compatible: bool = True) -> list[PlannedTensor]:
-    down_outtype = POWERINFER_DOWN_T_OUTTYPE.get(outtype, outtype) if powerinfer_compatible else outtype
+    # a thresholded (SiLU/GELU) file is one PowerInfer refuses by its architecture name: nothing to keep compatible
+    compatible = powerinfer_compatible and not adapter.thresholded
+    down_outtype = POWERINFER_DOWN_T_OUTTYPE.get(outtype, outtype) if compatible else outtype
     planned = []
     for tmap in adapter.tensor_maps(weights.names_with_prefixes()):
         stored = weights.find(tmap.source)

@@ -145,9 +145,9 @@ def test_reduced_types_within_format_error(kind, outtype, tiny_model_dir, tmp_pa
             assert qtype == "F32", name  # norms and biases stay f32
             np.testing.assert_array_equal(data, want, err_msg=name)
         elif (outtype == "f16" or want.shape[-1] % 32 and not (name in preds and outtype == "q4_0")
-              or name.endswith("ffn_down_t.weight") and outtype in POWERINFER_DOWN_T_OUTTYPE):
+              or name.endswith("ffn_down_t.weight") and outtype in POWERINFER_DOWN_T_OUTTYPE and kind != "llama-silu"):
             # rows that do not split into 32-value blocks stay f16 (a rank-16 fc2 in a q8_0 file), and so does
-            # a q8_0 file's down projection (PowerInfer reads it as f16)
+            # a q8_0 file's down projection of a model PowerInfer runs (it reads it as f16; a SiLU file it refuses)
             assert qtype == "F16", name
             np.testing.assert_allclose(data, want, rtol=1e-3, atol=1e-6, err_msg=name)
         else:

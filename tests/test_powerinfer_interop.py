@@ -170,9 +170,9 @@ def test_ours_only_keeps_the_down_projection_in_the_outtype(converted):
 
 @pytest.mark.parametrize("outtype", ["f32", "q8_0"])
 def test_f16_down_projection_in_an_f32_or_q8_0_file_matches_its_weights(outtype, tiny_model_dir, converted):
-    path = converted("llama-silu", outtype, powerinfer_compatible=True)
+    path = converted("llama-relu", outtype, powerinfer_compatible=True)
     assert read_tensors(path)["blk.0.ffn_down_t.weight"][0] == "F16"
-    ref = hf_logits(tiny_model_dir("llama-silu"), TOKENS, weights_from=path, q8_inputs=outtype == "q8_0")
+    ref = hf_logits(tiny_model_dir("llama-relu"), TOKENS, weights_from=path, q8_inputs=outtype == "q8_0")
     got, _, _ = logits(path)
     assert max_rel_err(got, ref) <= (1e-4 if outtype == "f32" else 2e-2)
 
@@ -214,3 +214,12 @@ def test_powerinfer_quantizer_types_are_decoded_at_load(tiny_model_dir, tmp_path
         want, _, _ = logits(reference, sparse_mode=mode)
         np.testing.assert_array_equal(got, want)
     assert 0.0 < stats["density"] < 1.0  # the predictor selected some neurons, not all
+
+
+def test_a_thresholded_file_keeps_its_down_projection_in_the_outtype(tiny_model_dir, tmp_path):
+    """PowerInfer refuses a SiLU file by its architecture name, so its down projection need not be f16 there:
+    the default model's q8_0 file stays all q8_0 (smaller and faster here)."""
+    out = tmp_path / "silu.gguf"
+    convert_model(str(tiny_model_dir("llama-silu")), out, "q8_0", progress=False)
+    tensors = read_tensors(out)
+    assert {qtype for name, (qtype, _) in tensors.items() if name.endswith("ffn_down_t.weight")} == {"Q8_0"}

@@ -52,11 +52,12 @@ class Predictors:
     ranks: list[int]
     thresholds: list[float]       # per-layer logit thresholds
     sparse_threshold: float       # PowerInfer's single global threshold
+    useful: list[bool]            # per layer: train-predictor found it better than chance (PowerInfer's: all)
 
     @classmethod
     def at_rank(cls, n_layer: int, rank: int) -> Predictors:
         """Predictors of one rank in every layer, shapes only: what a dry run sizes."""
-        return cls([], [rank] * n_layer, [0.0] * n_layer, 0.0)
+        return cls([], [rank] * n_layer, [0.0] * n_layer, 0.0, [True] * n_layer)
 
 
 def load_predictors(directory: str | Path, dims: arch.Dims) -> Predictors:
@@ -91,7 +92,8 @@ def load_predictors(directory: str | Path, dims: arch.Dims) -> Predictors:
     if layers and set(layers) != set(range(dims.n_layer)):
         raise UserError(f"{config_path}: 'layers' must list layers 0..{dims.n_layer - 1}")
     thresholds = [float(layers[i].get("threshold", 0.0)) if layers else 0.0 for i in range(dims.n_layer)]
-    return Predictors(files, ranks, thresholds, float(config.get("sparse_threshold", 0.0)))
+    useful = [bool(layers[i].get("useful", True)) if layers else True for i in range(dims.n_layer)]
+    return Predictors(files, ranks, thresholds, float(config.get("sparse_threshold", 0.0)), useful)
 
 
 def load_activation_thresholds(profile_dir: str | Path, n_layer: int) -> list[float]:
@@ -237,6 +239,8 @@ def add_header(writer, adapter: arch.Arch, name: str, outtype: str, predictors: 
         writer.add_key_value("powerinfer.sparse_threshold", predictors.sparse_threshold, f32)
         writer.add_key_value("powerinfer.predictor_thresholds", predictors.thresholds, gguf.GGUFValueType.ARRAY,
                              sub_type=f32)
+        writer.add_key_value("powerinfer.predictor_useful", predictors.useful, gguf.GGUFValueType.ARRAY,
+                             sub_type=gguf.GGUFValueType.BOOL)
     if neuron_orders is not None:
         writer.add_key_value(neuron_order.ORDER_KEY, neuron_order.encode(neuron_orders), gguf.GGUFValueType.STRING)
     if add_vocab is not None:

@@ -70,6 +70,7 @@ def test_run_chat_template_and_seeded_sampling(converted, capsys):
     (["-t", "0"], "--threads must be at least 1"),
     (["--gpuidx", "/no/such.gpuidx"], "GPU index not found"),
     (["--kv-type", "q8_0"], "unknown --kv-type"),
+    (["-p", "abc\udcff\udcfe"], "--prompt is not valid UTF-8 text (byte 0xff at character 3)"),  # $'abc\xff\xfe'
 ])
 def test_run_bad_input(args, message, converted, capsys):
     base = {"-m": str(converted("llama-relu"))}

@@ -63,6 +63,7 @@ def run(
 
     if n_predict < 0:
         raise UserError("--n-predict must be >= 0")
+    check_utf8(prompt)
     target = inference.resolve_model_file(model, gpuidx, vram_budget, profile, ctx_size)
     started = time.perf_counter()
     tokenizer = inference.load_tokenizer(target.model)
@@ -92,6 +93,17 @@ def run(
         sys.stdout.flush()
         for line in inference.timing_lines(llm.stats(), load_seconds, llm.info):
             typer.echo(line, err=True)
+
+
+def check_utf8(prompt: str) -> None:
+    """A prompt whose bytes are not UTF-8 reaches Python with its bad bytes as lone surrogates (PEP 383),
+    which neither the tokenizer nor stdout can take."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = ord(prompt[exc.start])
+        byte = f"byte 0x{bad - 0xDC00:02x}" if 0xDC80 <= bad <= 0xDCFF else f"character U+{bad:04X}"
+        raise UserError(f"--prompt is not valid UTF-8 text ({byte} at character {exc.start})") from None
 
 
 def prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:

@@ -65,15 +65,20 @@ def cached_plan(model: Path, vram_budget_gib: float, profile: str | os.PathLike 
     budget = int(vram_budget_gib * placement.GIB)
     path = placement.default_gpuidx_path(model)
     summary = path.with_name(path.name + ".json")
+    saved = {}
     if path.is_file() and summary.is_file():
         try:
             saved = json.loads(summary.read_text())
         except json.JSONDecodeError:
-            saved = {}
+            pass
         if saved.get("vram_budget") == budget and saved.get("ctx_size") == ctx_size:
             return path
     if profile is None:
-        raise UserError(f"--vram-budget: no plan for {vram_budget_gib} GiB is cached beside {model.name}; "
+        cached = ""
+        if saved.get("vram_budget") is not None:
+            cached = (f" (the one cached, {path.name}, was solved for {saved['vram_budget'] / placement.GIB:g} GiB "
+                      f"and --ctx-size {saved.get('ctx_size')}; this run asks for --ctx-size {ctx_size})")
+        raise UserError(f"--vram-budget: no plan for {vram_budget_gib} GiB is cached beside {model.name}{cached}; "
                         "give --profile DIR (the profile the model was converted from) to solve one")
     plan = placement.plan_for_model(profile, model, budget, ctx_size=ctx_size)
     placement.write_gpuidx(plan, path)

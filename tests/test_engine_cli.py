@@ -130,3 +130,22 @@ def test_perplexity_bad_input(tmp_path, converted, capsys):
                           (["-f", str(corpus(tmp_path)), "--ctx", "100000"], "shorter than one sequence")]:
         code, _, err = run_cli(capsys, "perplexity", "-m", path, *args)
         assert code == 1 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_run_finds_the_plan_that_plan_cached(converted, tmp_path, capsys):
+    """`plan --vram-budget B` then `run --vram-budget B`, both at their default context: run reuses the plan (no
+    --profile needed); at another context it says which plan is cached and for what."""
+    import shutil
+
+    from placement_fixtures import power_law_counts, write_profile
+
+    model = tmp_path / "m.gguf"
+    shutil.copy(converted("llama-relu"), model)
+    profile = write_profile(tmp_path / "prof", power_law_counts(N_LAYER, 256, tokens=4096), tokens=4096)
+    code, _, err = run_cli(capsys, "plan", "--profile", profile, "-m", model, "--vram-budget", "0.3")
+    assert code == 0, err
+    code, _, err = run_cli(capsys, "run", "-m", model, "-p", PROMPT, "-n", "2", "-t", "2", "--vram-budget", "0.3")
+    assert code == 0, err
+    code, _, err = run_cli(capsys, "run", "-m", model, "-p", PROMPT, "-n", "2", "--vram-budget", "0.3", "-c", "256")
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "solved for 0.3 GiB and --ctx-size 512; this run asks for --ctx-size 256" in err

@@ -9,6 +9,7 @@ from typing import Optional
 
 import typer
 
+from powerinfer_tools import placement
 from powerinfer_tools.errors import UserError
 from powerinfer_tools.inference import KV_TYPE_HELP
 
@@ -29,7 +30,8 @@ def run(
                                                 "budget, or solve one from --profile."),
     profile: Optional[Path] = typer.Option(None, "--profile", help="Profile directory, to solve a plan for "
                                            "--vram-budget (known for 'smollm2')."),
-    ctx_size: int = typer.Option(2048, "--ctx-size", "-c", help="Context length (KV cache)."),
+    ctx_size: int = typer.Option(placement.DEFAULT_CTX_SIZE, "--ctx-size", "-c",
+                                 help="Context length (KV cache), as 'plan' sizes it for (so run finds its plans)."),
     kv_type: str = typer.Option("f32", "--kv-type", help=KV_TYPE_HELP),
     temp: float = typer.Option(0.8, "--temp", help="Sampling temperature; 0 = greedy."),
     top_k: int = typer.Option(40, "--top-k", help="Keep the k most likely tokens; 0 = off."),

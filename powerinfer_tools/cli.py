@@ -17,6 +17,9 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # help as click writes it: rich markup would take '[default: ...]' in a help text for a tag and drop it, and
+    # name a flag's value type (<bool>) it does not take
+    rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 

@@ -56,7 +56,7 @@ def _report(mode: str, profile, results, settings: dict) -> dict:
 
 
 def train_predictor(
-    profile_dir: Path = typer.Argument(..., help="Profile directory written by 'pi-tools profile'."),
+    profile_dir: Path = typer.Argument(..., metavar="PROFILE_DIR", help="Profile directory written by 'pi-tools profile'."),
     out: Path = typer.Option(None, "--out", "-o",
                              help="Predictor directory to write [default: PROFILE_DIR-predictors]; "
                                   "with --evaluate, the existing predictor directory to measure."),

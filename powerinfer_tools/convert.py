@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
+import re
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -219,6 +220,12 @@ def _load_predictor(path: Path, key: str, rank: int) -> np.ndarray:
     return np.pad(weight, ((0, missing), (0, 0)) if key == "fc1.weight" else ((0, 0), (0, missing)))
 
 
+def model_name(path: Path) -> str:
+    """general.name of the converted file: the source's name without the weight type a GGUF file's name carries
+    (SmolLM2-135M-Instruct.Q4_1.gguf -> SmolLM2-135M-Instruct), which the conversion replaces."""
+    return re.sub(r"[.\-_](?:I?Q\d\w*|B?F(?:16|32))$", "", path.stem, flags=re.IGNORECASE) or path.stem
+
+
 def add_header(writer, adapter: arch.Arch, name: str, outtype: str, predictors: Predictors | None,
                activation_thresholds: list[float], tensors: list[PlannedTensor], add_vocab,
                neuron_orders: list[np.ndarray] | None = None) -> None:
@@ -306,7 +313,7 @@ def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predic
     with atomic_file(out_path) as tmp:
         writer = gguf.GGUFWriter(tmp, adapter.gguf_arch)
         try:
-            add_header(writer, adapter, source.path.stem, outtype, predictors, activation_thresholds, tensors,
+            add_header(writer, adapter, model_name(source.path), outtype, predictors, activation_thresholds, tensors,
                        lambda w: write_vocab(w, source, n_vocab, getattr(weights, "reader", None)), orders)
             writer.write_header_to_file()
             writer.write_kv_data_to_file()

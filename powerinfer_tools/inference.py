@@ -44,6 +44,9 @@ def resolve_model_file(spec: str, gpuidx: str | os.PathLike | None = None, vram_
         profile = profile or pipeline.model_dir(spec) / "profile"
     else:
         path = Path(spec).expanduser()
+        if path.is_dir():
+            raise UserError(f"{spec} is a directory, not a model file: give the .gguf file 'pi-tools convert' wrote "
+                            f"(convert -m {spec} -o FILE makes one from a model directory)")
         if not path.is_file():
             raise UserError(f"model file not found: {spec} (give a file written by 'pi-tools convert', "
                             f"or '{default_model.NAME}')")
@@ -62,6 +65,7 @@ def cached_plan(model: Path, vram_budget_gib: float, profile: str | os.PathLike 
 
     from powerinfer_tools import placement
 
+    placement.check_budget(vram_budget_gib * placement.GIB)
     budget = int(vram_budget_gib * placement.GIB)
     path = placement.default_gpuidx_path(model)
     summary = path.with_name(path.name + ".json")
@@ -103,6 +107,8 @@ def open_engine(target: EngineTarget, threads: int | None = None, sparse_mode: s
         raise UserError(f"unknown --kv-type {kv_type!r} (choose from {', '.join(KV_TYPES)})")
     if threads is not None and threads < 1:
         raise UserError("--threads must be at least 1")
+    if ctx_size is not None and ctx_size < 1:
+        raise UserError(f"--ctx-size must be at least 1 token, not {ctx_size}")
     try:
         return engine.Model(target.model, threads=threads, sparse_mode=sparse_mode, ctx_size=ctx_size,
                             gpuidx=target.gpuidx, recall_check=recall_check, kv_type=kv_type)
@@ -165,16 +171,19 @@ def timing_lines(stats: dict, load_seconds: float, info: dict | None = None) -> 
     what the process holds: the mapped file, the KV cache, the work buffers, weights copied to other layouts."""
     def rate(tokens, seconds, unit):
         ms = 1000 * seconds
-        per = ms / tokens if tokens else float("nan")
-        tps = tokens / seconds if seconds else float("nan")
-        return f"{ms:10.2f} ms / {int(tokens):5d} {unit} ({per:8.2f} ms per token, {tps:8.2f} tokens per second)"
+        line = f"{ms:10.2f} ms / {int(tokens):5d} {unit}"
+        if not (tokens and seconds):  # none generated (-n 0): no rate to give
+            return line.rstrip()
+        return f"{line} ({ms / tokens:8.2f} ms per token, {tokens / seconds:8.2f} tokens per second)"
 
     phases = stats["phases"]
     total = sum(phases.values()) or 1.0
     share = ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in phases.items())
     density = stats.get("density")
     ffn = f"ffn: mode {stats['ffn_mode']}"
-    if density is not None:
+    if density is not None and stats["ffn_mode"] == "dense":
+        ffn += f", every neuron computed ({density:.3f} of them pass the activation rule)"
+    elif density is not None:
         ffn += f", density {density:.3f} (neurons passing the activation rule)"
     # the kernels each layer's last decode step took (gate and auto choose them per layer by cost)
     kernels = Counter(layer["decode_mode"] for layer in stats.get("layers", []) if layer.get("decode_mode"))

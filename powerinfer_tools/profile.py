@@ -430,9 +430,12 @@ def load_activation_counts(directory: str | Path, n_layer: int,
     folder = activation_dir(directory)
     found = sorted(int(m.group(1)) for p in folder.iterdir() if (m := re.fullmatch(r"activation_(\d+)\.pt", p.name)))
     if found != list(range(n_layer)):
-        listed = f"{found[0]}-{found[-1]} ({len(found)} files)" if found else "none"
-        raise UserError(f"{folder}: activation files for layers {listed}, but the model has "
-                        f"{n_layer} layers (0-{n_layer - 1})")
+        missing = [i for i in range(n_layer) if i not in found]
+        extra = [i for i in found if i >= n_layer]
+        what = (f"activation_{missing[0]}.pt is missing" if len(missing) == 1 else
+                f"the activation files of layers {', '.join(map(str, missing))} are missing" if missing else
+                f"it has activation files for layers {', '.join(map(str, extra))}")
+        raise UserError(f"{folder}: {what}, but the model has {n_layer} layers (0-{n_layer - 1})")
     counts = []
     for i in range(n_layer):
         path = folder / f"activation_{i}.pt"

@@ -82,7 +82,7 @@ def run(
             n_predict = room
         stops = {t for t in (tokenizer.eos_token_id, llm.info["eos"]) if t is not None and t >= 0}
         decoder = inference.StreamDecoder(tokenizer, ids)
-        sys.stdout.write(prompt)
+        sys.stdout.write(prompt + ("\n" if chat else ""))  # a chat's answer starts on a line of its own
         sys.stdout.flush()
         seed = seed if seed >= 0 else random.SystemRandom().randrange(2**32)
         for token in llm.generate(ids, n_predict, temperature=temp, top_k=top_k, top_p=top_p,

@@ -110,10 +110,16 @@ def open_engine(target: EngineTarget, threads: int | None = None, sparse_mode: s
     if ctx_size is not None and ctx_size < 1:
         raise UserError(f"--ctx-size must be at least 1 token, not {ctx_size}")
     try:
-        return engine.Model(target.model, threads=threads, sparse_mode=sparse_mode, ctx_size=ctx_size,
-                            gpuidx=target.gpuidx, recall_check=recall_check, kv_type=kv_type)
+        model = engine.Model(target.model, threads=threads, sparse_mode=sparse_mode, ctx_size=ctx_size,
+                             gpuidx=target.gpuidx, recall_check=recall_check, kv_type=kv_type)
     except engine.EngineError as exc:
         raise UserError(str(exc)) from None
+    useless = [i for i, useful in enumerate(model.info.get("predictor_useful", [])) if not useful]
+    if sparse_mode == "predictor" and useless:
+        print(f"pi-tools: warning: train-predictor found the predictors of layer(s) {', '.join(map(str, useless))} no "
+              "better than chance: predictor mode there computes about every neuron or drops them at random "
+              "(auto mode leaves them out)", file=sys.stderr)
+    return model
 
 
 def load_tokenizer(path: Path):

@@ -139,3 +139,13 @@ def test_predictor_decode_steps_agree_with_the_prompt_path(outtype, dead, tmp_pa
                 assert layer["predicted_density"] == 1.0 and layer["recall"] == 1.0
             else:
                 assert 0.2 < layer["predicted_density"] < 0.8
+
+
+def test_predictor_mode_on_useless_predictors_warns(tmp_path, converted, capsys):
+    path = rewrite(converted("llama-relu", "q8_0", predictors=True), tmp_path / "p.gguf", fields={
+        "powerinfer.predictor_useful": ([False, True], gguf.GGUFValueType.ARRAY)})
+    code, _, err = run_cli(capsys, "run", "-m", path, "-p", "hi", "-n", "2", "-t", "2", "--sparse-mode", "predictor")
+    assert code == 0, err
+    assert "warning: train-predictor found the predictors of layer(s) 0 no better than chance" in err
+    code, _, err = run_cli(capsys, "run", "-m", path, "-p", "hi", "-n", "2", "-t", "2", "--sparse-mode", "gate")
+    assert "warning" not in err

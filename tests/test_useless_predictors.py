@@ -71,7 +71,7 @@ def test_a_useless_predictor_is_reported(silu_profile, tmp_path, capsys):
                                    "--report", tmp_path / "eval.json")
     assert code == 0, stderr
     assert "warning: the predictors of layer(s) 0-1 predict nothing useful" in stderr
-    assert "AUC 0.500" in stderr and "predicted density 1.000 vs true 0.8" in stderr
+    assert "evaluation AUC 0.500" in stderr and "predicted density 1.000 vs true 0.8" in stderr
     assert not any(layer["useful"] for layer in json.loads((tmp_path / "eval.json").read_text())["layers"])
 
 

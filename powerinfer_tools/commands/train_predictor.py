@@ -132,7 +132,7 @@ def train_predictor(
         with _layer_bar(len(selected), "evaluate") as bar:
             results = tp.evaluate_layers(profile, predictors, selected, max_density_ratio, lambda *_: bar.update(1))
         typer.echo(tp.format_table(results))
-        if (warning := tp.useless_warning(results)) is not None:
+        if (warning := tp.useless_warning(results, "evaluation")) is not None:
             typer.echo(warning, err=True)
         if profile.thresholded and predictors.activation_thresholds is not None \
                 and list(predictors.activation_thresholds) != list(profile.meta.get("thresholds") or []):

@@ -585,6 +585,10 @@ void Engine::add_residual(const float *y, int64_t n_tok) {
     for (int64_t i = 0; i < n_tok * hp_.n_embd; ++i) x_[size_t(i)] += y[i];
 }
 
+bool Engine::auto_may_predict(int64_t il) const {
+    return mode_ == PI_FFN_AUTO && model_->has_predictor() && model_->layers()[size_t(il)].predictor_useful;
+}
+
 TierMode Engine::choose_cold_mode(int64_t il, int64_t n_tok) {
     switch (mode_) {
         case PI_FFN_DENSE: return TierMode::Dense;
@@ -617,7 +621,7 @@ TierMode Engine::choose_cold_mode(int64_t il, int64_t n_tok) {
     std::fill_n(cost, kTierModes, HUGE_VAL);
     cost[int(TierMode::DenseRule)] = n * (g + u) + down * rho * n * d;  // gate and up whole
     cost[int(TierMode::Gate)] = n * g + gate_ups * n * u + down * rho * n * d;
-    if (mode_ == PI_FFN_AUTO && model_->has_predictor()) {
+    if (auto_may_predict(il)) {
         // before the predictor has been measured in this layer (no batch yet, measure_predictor): a guess from the
         // activation density
         const bool seen = predicted_seen_[size_t(il)];
@@ -673,7 +677,7 @@ void Engine::ffn(int64_t il, int64_t n_tok, TierMode cold_mode) {
     const bool has_hot = L.hot.size() > 0, batch = n_tok > 1;
     // auto: the predictor measured once a sequence (its first batch), or until the layer has predictor densities (on
     // every batch it cost ~3 % of a 512-token prompt's time, docs/perf-notes.md §37)
-    const bool probe = batch && mode_ == PI_FFN_AUTO && model_->has_predictor() && cold_mode != TierMode::Predictor &&
+    const bool probe = batch && auto_may_predict(il) && cold_mode != TierMode::Predictor &&
                        L.cold.size() > 0 && (n_past_ == 0 || !predicted_seen_[size_t(il)]);
     const int64_t n_probe = probe ? select_for_last_tokens(L, n_tok) : 0;
     if (!batch) {
@@ -682,7 +686,7 @@ void Engine::ffn(int64_t il, int64_t n_tok, TierMode cold_mode) {
         st.kernel_changes += double(before && *before != cold_mode);
         decode_mode_[size_t(il)] = cold_mode;
     } else {
-        const bool gates_whole = mode_ == PI_FFN_DENSE || mode_ == PI_FFN_GATE || (mode_ == PI_FFN_AUTO && !model_->has_predictor());
+        const bool gates_whole = mode_ == PI_FFN_DENSE || mode_ == PI_FFN_GATE || (mode_ == PI_FFN_AUTO && !auto_may_predict(il));
         model_->arrange_cold_tier(il, gates_whole, mode_ == PI_FFN_DENSE, false);
     }
     if (has_hot) ffn_tier(L, L.hot, mode_ == PI_FFN_DENSE ? TierMode::Dense : TierMode::DenseRule, n_tok, y_hot_.data(), st, false);
@@ -1331,6 +1335,9 @@ const std::string &Engine::info_json() {
     for (size_t i = 0; i < model_->layers().size(); ++i) json_ += (i ? ", " : "") + num(model_->layers()[i].act_threshold);
     json_ += "], \"predictor_thresholds\": [";
     for (size_t i = 0; i < model_->layers().size(); ++i) json_ += (i ? ", " : "") + num(model_->layers()[i].pred_threshold);
+    json_ += "], \"predictor_useful\": [";
+    for (size_t i = 0; i < model_->layers().size(); ++i)
+        json_ += std::string(i ? ", " : "") + (model_->layers()[i].predictor_useful ? "true" : "false");
     json_ += "]}";
     return json_;
 }

@@ -90,6 +90,8 @@ private:
                     int ldw, float *y, int ldy) const;
     void ffn(int64_t il, int64_t n_tok, TierMode cold_mode);
     TierMode choose_cold_mode(int64_t il, int64_t n_tok);
+    // auto mode may run layer il's predictor: the file has predictors and train-predictor found this one useful
+    bool auto_may_predict(int64_t il) const;
     void ffn_tier(const Layer &L, const FfnTier &T, TierMode mode, int64_t n_tok, float *y, LayerStats &st,
                   bool is_cold);
     // mask_ rows [0, n_tok): the tier's neurons the predictor selects for the n_tok tokens of x

@@ -292,14 +292,25 @@ double GgufFile::get_float_or(const std::string &key, double fallback) const {
     return x;
 }
 
-std::vector<float> GgufFile::get_f32_array(const std::string &key, uint64_t count) const {
+const GgufValue *GgufFile::find_array(const std::string &key, uint32_t type, const char *type_name,
+                                      uint64_t count) const {
     const GgufValue *v = find(key);
     if (!v) fail(PI_ERR_FORMAT, path_ + ": metadata key " + key + " is missing");
-    if (v->type != GV_ARRAY || v->array_type != GV_FLOAT32)
-        fail(PI_ERR_FORMAT, path_ + ": metadata key " + key + " is not an array of f32");
+    if (v->type != GV_ARRAY || v->array_type != type)
+        fail(PI_ERR_FORMAT, path_ + ": metadata key " + key + " is not an array of " + type_name);
     if (v->array_count != count)
         fail(PI_ERR_FORMAT, path_ + ": " + key + " has " + std::to_string(v->array_count) + " values, expected " +
                                 std::to_string(count));
+    return v;
+}
+
+std::vector<bool> GgufFile::get_bool_array(const std::string &key, uint64_t count) const {
+    const GgufValue *v = find_array(key, GV_BOOL, "bool", count);  // each 0 or 1, checked when read
+    return std::vector<bool>(v->array_data, v->array_data + count);
+}
+
+std::vector<float> GgufFile::get_f32_array(const std::string &key, uint64_t count) const {
+    const GgufValue *v = find_array(key, GV_FLOAT32, "f32", count);
     std::vector<float> out(count);
     std::memcpy(out.data(), v->array_data, count * 4);
     for (float x : out)

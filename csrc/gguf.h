@@ -63,12 +63,16 @@ public:
     double get_float_or(const std::string &key, double fallback) const;
     // A float32 array of exactly `count` finite values.
     std::vector<float> get_f32_array(const std::string &key, uint64_t count) const;
+    // A bool array of exactly `count` values.
+    std::vector<bool> get_bool_array(const std::string &key, uint64_t count) const;
     // Drops the mapped pages wholly inside [p, p + n) from this process's memory (they are read from the
     // file again if touched): for tensors the engine has copied into another layout.
     void release(const uint8_t *p, size_t n) const;
 
 private:
     void parse();
+    // the array under `key`, failing unless it holds exactly `count` values of `type`
+    const GgufValue *find_array(const std::string &key, uint32_t type, const char *type_name, uint64_t count) const;
 
     std::string path_;
     const uint8_t *map_ = nullptr;

@@ -308,6 +308,9 @@ void Model::bind_tensors() {
         std::fill(pred_thr.begin(), pred_thr.end(), float(f.get_float_or("powerinfer.sparse_threshold", 0.0)));
     }
 
+    std::vector<bool> pred_useful(size_t(L), true);
+    if (f.has("powerinfer.predictor_useful")) pred_useful = f.get_bool_array("powerinfer.predictor_useful", uint64_t(L));
+
     has_predictor_ = f.tensor(blk(0, "fc1.weight")) != nullptr || f.tensor(blk(0, "fc2.weight")) != nullptr;
     layers_.resize(size_t(L));
     for (int64_t i = 0; i < L; ++i) {
@@ -316,6 +319,7 @@ void Model::bind_tensors() {
         bind_ffn(i, l);
         l.act_threshold = hp_.activation == Activation::Silu || hp_.shifted_relu ? act_thr[size_t(i)] : 0.0f;
         l.pred_threshold = pred_thr[size_t(i)];
+        l.predictor_useful = pred_useful[size_t(i)];
         const std::string fc1 = blk(i, "fc1.weight"), fc2 = blk(i, "fc2.weight");
         if (has_predictor_) {
             const GgufTensor *t1 = f.tensor(fc1);

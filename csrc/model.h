@@ -127,6 +127,7 @@ struct Layer {
     Matrix fc1, fc2;  // predictor (empty when absent)
     float act_threshold = 0.0f;   // |a| threshold for SiLU, the gate's for FATReLU (0 for ReLU and dReLU)
     float pred_threshold = 0.0f;  // predictor logit threshold
+    bool predictor_useful = true;  // train-predictor found it better than chance (auto mode leaves it out if not)
     FfnTier hot, cold;
 };
 

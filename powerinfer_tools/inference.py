@@ -45,6 +45,9 @@ def resolve_model_file(spec: str, gpuidx: str | os.PathLike | None = None, vram_
         profile = profile or pipeline.model_dir(spec) / "profile"
     else:
         path = Path(spec).expanduser()
+        if path.is_dir():
+            raise UserError(f"{spec} is a directory, not a model file: give the .gguf file 'pi-tools convert' wrote "
+                            f"(convert -m {spec} -o FILE makes one from a model directory)")
         if not path.is_file():
             raise UserError(f"model file not found: {spec} (give a file written by 'pi-tools convert', "
                             f"or '{default_model.NAME}')")
@@ -63,9 +66,11 @@ def cached_plan(model: Path, vram_budget_gib: float, profile: str | os.PathLike 
 
     from powerinfer_tools import placement
 
+    placement.check_budget(vram_budget_gib * placement.GIB)
     budget = int(vram_budget_gib * placement.GIB)
     path = placement.default_gpuidx_path(model)
     summary = path.with_name(path.name + ".json")
+    saved = {}
     if path.is_file() and summary.is_file():
         try:
             saved = json.loads(summary.read_text())
@@ -75,7 +80,11 @@ def cached_plan(model: Path, vram_budget_gib: float, profile: str | os.PathLike 
         if saved.get("vram_budget") == budget and saved.get("ctx_size") == ctx_size and "neuron_order" in saved:
             return path
     if profile is None:
-        raise UserError(f"--vram-budget: no plan for {vram_budget_gib} GiB is cached beside {model.name}; "
+        cached = ""
+        if saved.get("vram_budget") is not None:
+            cached = (f" (the one cached, {path.name}, was solved for {saved['vram_budget'] / placement.GIB:g} GiB "
+                      f"and --ctx-size {saved.get('ctx_size')}; this run asks for --ctx-size {ctx_size})")
+        raise UserError(f"--vram-budget: no plan for {vram_budget_gib} GiB is cached beside {model.name}{cached}; "
                         "give --profile DIR (the profile the model was converted from) to solve one")
     plan = placement.plan_for_model(profile, model, budget, ctx_size=ctx_size)
     placement.write_gpuidx(plan, path)
@@ -100,9 +109,17 @@ def open_engine(target: EngineTarget, threads: int | None = None, sparse_mode: s
         raise UserError(f"unknown --kv-type {kv_type!r} (choose from {', '.join(KV_TYPES)})")
     if threads is not None and threads < 1:
         raise UserError("--threads must be at least 1")
+    if ctx_size is not None and ctx_size < 1:
+        raise UserError(f"--ctx-size must be at least 1 token, not {ctx_size}")
     with engine_errors():
-        return engine.Model(target.model, threads=threads, sparse_mode=sparse_mode, ctx_size=ctx_size,
-                            gpuidx=target.gpuidx, recall_check=recall_check, kv_type=kv_type)
+        model = engine.Model(target.model, threads=threads, sparse_mode=sparse_mode, ctx_size=ctx_size,
+                             gpuidx=target.gpuidx, recall_check=recall_check, kv_type=kv_type)
+    useless = [i for i, useful in enumerate(model.info.get("predictor_useful", [])) if not useful]
+    if sparse_mode == "predictor" and useless:
+        print(f"pi-tools: warning: train-predictor found the predictors of layer(s) {', '.join(map(str, useless))} no "
+              "better than chance: predictor mode there computes about every neuron or drops them at random "
+              "(auto mode leaves them out)", file=sys.stderr)
+    return model
 
 
 @contextlib.contextmanager
@@ -171,16 +188,19 @@ def timing_lines(stats: dict, load_seconds: float, info: dict | None = None) -> 
     what the process holds: the mapped file, the KV cache, the work buffers, weights copied to other layouts."""
     def rate(tokens, seconds, unit):
         ms = 1000 * seconds
-        per = ms / tokens if tokens else float("nan")
-        tps = tokens / seconds if seconds else float("nan")
-        return f"{ms:10.2f} ms / {int(tokens):5d} {unit} ({per:8.2f} ms per token, {tps:8.2f} tokens per second)"
+        line = f"{ms:10.2f} ms / {int(tokens):5d} {unit}"
+        if not (tokens and seconds):  # none generated (-n 0): no rate to give
+            return line.rstrip()
+        return f"{line} ({ms / tokens:8.2f} ms per token, {tokens / seconds:8.2f} tokens per second)"
 
     phases = stats["phases"]
     total = sum(phases.values()) or 1.0
     share = ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in phases.items())
     density = stats.get("density")
     ffn = f"ffn: mode {stats['ffn_mode']}"
-    if density is not None:
+    if density is not None and stats["ffn_mode"] == "dense":
+        ffn += f", every neuron computed ({density:.3f} of them pass the activation rule)"
+    elif density is not None:
         ffn += f", density {density:.3f} (neurons passing the activation rule)"
     # the kernels each layer's last decode step took (gate and auto choose them per layer by cost)
     kernels = Counter(layer["decode_mode"] for layer in stats.get("layers", []) if layer.get("decode_mode"))

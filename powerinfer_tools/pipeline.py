@@ -48,12 +48,10 @@ def _step(title: str, args: list[str]) -> None:
 def build(model: str = default_model.NAME, outtype: str = "q8_0", tokens: int = PROFILE_TOKENS,
           rank: int = PREDICTOR_RANK) -> Path:
     """Path of a model's PowerInfer file with predictors, built through the pipeline on first use."""
-    from powerinfer_tools.atomic import output_lock
-
     final = model_file(model, outtype)
     if final.is_file():
         return final
-    with output_lock(final, wait=True):  # two first runs at once: the later waits and uses the first's build
+    with default_model.cache_lock(model_dir(model), final.name):  # concurrent first runs: one builds
         return final if final.is_file() else _build(model, outtype, tokens, rank, final)
 
 
@@ -63,8 +61,12 @@ def _build(model: str, outtype: str, tokens: int, rank: int, final: Path) -> Pat
     print(f"pi-tools: first use of '{model}': building {final.name} through the pipeline "
           "(a few minutes, once; later runs start at once)", file=sys.stderr)
     if not (profile / "profile.json").is_file():
+        from powerinfer_tools.profile import partial_dir
+
+        # an interrupted first run's profile continues where it stopped
+        again = "--resume" if (partial_dir(profile) / "identity.json").is_file() else "--force"
         _step("1/3 profile (data-free)", ["profile", "-m", model, "--tokens", str(tokens), "--seq-len",
-                                          str(PROFILE_SEQ_LEN), "-o", str(profile), "--force"])
+                                          str(PROFILE_SEQ_LEN), "-o", str(profile), again])
     if not (predictors / "config.json").is_file():
         _step("2/3 train-predictor", ["train-predictor", str(profile), "-o", str(predictors), "--rank", str(rank),
                                       "--force"])

@@ -289,10 +289,15 @@ def plan_for_model(profile_dir: str | Path, model_path: str | Path, vram_budget_
     return dataclasses.replace(plan, neuron_order=gguf_field(reader, neuron_order.ORDER_KEY))
 
 
+def check_budget(vram_budget_bytes: float) -> None:
+    """A budget is given in GiB (--vram-budget), and named so when it is impossible."""
+    if not math.isfinite(vram_budget_bytes) or vram_budget_bytes < 0:
+        raise UserError(f"--vram-budget must be a non-negative number of GiB, not {vram_budget_bytes / GIB:g}")
+
+
 def check_options(vram_budget_bytes: float, ctx_size: int, reserve_bytes: int, dense: str) -> None:
     """Reject impossible settings before any file is read."""
-    if not math.isfinite(vram_budget_bytes) or vram_budget_bytes < 0:
-        raise UserError(f"VRAM budget must be a non-negative number of bytes, not {vram_budget_bytes}")
+    check_budget(vram_budget_bytes)
     if ctx_size < 1:
         raise UserError(f"--ctx-size must be positive, not {ctx_size}")
     if reserve_bytes < 0:

@@ -24,6 +24,11 @@ CONFIG_FORMAT = "powerinfer-tools.predictors/1"
 STATE_KEYS = ("fc1.weight", "fc2.weight")
 F16_MAX = 65504.0  # the largest finite float16: the converter may store predictors as f16
 AUC_SAMPLE = 500_000  # (row, neuron) pairs drawn to estimate the pooled ROC AUC (exact AUC is a sort of all pairs)
+# A predictor is worth running where it ranks active neurons above inactive ones clearly better than chance
+# (held-out AUC 0.5) and leaves some neurons out at its threshold; elsewhere predictor mode computes about every
+# neuron at best, and drops them at random on text unlike the calibration text at worst.
+MIN_USEFUL_AUC = 0.6
+MAX_USEFUL_DENSITY = 0.99
 
 
 class Predictor(nn.Module):
@@ -160,6 +165,14 @@ def threshold_for_density(logits: torch.Tensor, density: float) -> float:
     return float(torch.kthvalue(flat, flat.numel() - keep).values.item())
 
 
+def density_budget(true_density: float, ratio: float) -> float:
+    """What a predictor may mark active when scored at `ratio`: at most `ratio` x the true density, and it must
+    leave out at least 1/`ratio` of the inactive share. The second bound matters for dense layers (a SiLU
+    profile at 0.2 sparsity: 1.3 x 0.8 > 1 would let a predictor that marks everything active score a
+    perfect recall)."""
+    return min(ratio * true_density, 1.0 - (1.0 - true_density) / ratio)
+
+
 def recall_at_density(logits: torch.Tensor, labels: torch.Tensor, density: float) -> float:
     """Recall when the predictor may mark `density` of the pairs active: the quality of its ranking,
     which, unlike recall at a fixed threshold, cannot be bought by predicting more neurons."""
@@ -196,7 +209,7 @@ def layer_metrics(logits: torch.Tensor, labels: torch.Tensor, threshold: float,
         "predicted_density": float(y_pred.mean()),
     }
     out["density_ratio"] = out["predicted_density"] / out["true_density"] if out["true_density"] else math.inf
-    out["recall_at_budget"] = recall_at_density(logits, labels, min(1.0, budget_ratio * out["true_density"]))
+    out["recall_at_budget"] = recall_at_density(logits, labels, density_budget(out["true_density"], budget_ratio))
     if weights is not None:
         sample_weight = np.broadcast_to(weights.astype(np.float64), labels.shape).ravel()
         out["weighted_recall"] = float(recall_score(y_true, y_pred, sample_weight=sample_weight, zero_division=0))
@@ -204,7 +217,15 @@ def layer_metrics(logits: torch.Tensor, labels: torch.Tensor, threshold: float,
     pick = rng.choice(y_true.size, size=min(AUC_SAMPLE, y_true.size), replace=False)
     scores = logits.numpy().ravel()[pick]
     out["auc"] = float(roc_auc_score(y_true[pick], scores)) if 0 < y_true[pick].sum() < pick.size else math.nan
+    out["useful"] = is_useful(out)
     return out
+
+
+def is_useful(metrics: dict) -> bool:
+    """Whether a predictor with these held-out metrics predicts something (MIN_USEFUL_AUC, MAX_USEFUL_DENSITY); a
+    layer of whose neurons (nearly) all or none are active has nothing to predict and counts as useful."""
+    auc = metrics.get("auc", math.nan)
+    return math.isnan(auc) or (auc >= MIN_USEFUL_AUC and metrics["predicted_density"] <= MAX_USEFUL_DENSITY)
 
 
 def rank_at_fraction(n_embd: int, n_ff: int, gated: bool, fraction: float) -> int:

@@ -14,6 +14,7 @@ import math
 import os
 import re
 import shutil
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from tqdm import tqdm
 
 from powerinfer_tools import arch as arch_mod
 from powerinfer_tools import calibration, models
-from powerinfer_tools.atomic import check_output_dir, output_lock, publish_dir
+from powerinfer_tools.atomic import check_output_dir, naming_output, output_lock, publish_dir
 from powerinfer_tools.errors import UserError
 from powerinfer_tools.safe_load import checked_tensor, load_pt
 
@@ -36,7 +37,7 @@ DEFAULT_SEQ_LEN = 512
 CALIBRATION_VALUES = 1 << 20   # |a| values kept per layer to place a threshold
 CALIBRATION_TOKENS = 8192      # tokens of the first pass that place thresholds
 SHARD_ROWS = 4096
-CHECKPOINT_BATCHES = 8      # batches between resumable checkpoints
+CHECKPOINT_BATCHES = 8      # most batches between resumable checkpoints (fewer in a short run: checkpoint_every)
 
 
 @dataclass
@@ -188,10 +189,11 @@ def profile_pass(model, adapter, seqs: torch.Tensor, thresholds: list[float], ba
                  checkpoint=None) -> tuple[_Recorder, float]:
     """A sparsified pass over seqs[start_seq:], recording counts and the rows at flat indices `chosen`.
 
-    `checkpoint(rec, next_seq)` is called every CHECKPOINT_BATCHES batches after all rows are flushed,
+    `checkpoint(rec, next_seq)` is called every checkpoint_every(...) batches after all rows are flushed,
     so an interrupted pass can continue from `next_seq` without counting anything twice.
     """
     n_seq, seq_len = seqs.shape
+    every = checkpoint_every(-(-(n_seq - start_seq) // batch))
     rec = rec or _Recorder(adapter, thresholds, sample_dir, sparsify=True)
     handles = arch_mod.install_taps(adapter, model, on_input=rec.on_input, on_activation=rec.on_activation)
     device = next(model.parameters()).device
@@ -208,7 +210,7 @@ def profile_pass(model, adapter, seqs: torch.Tensor, thresholds: list[float], ba
                 rec.pick_pos = torch.from_numpy(sel % seq_len)
                 model(input_ids=rows.to(device), use_cache=False)
                 bar.update(rows.numel())
-                if checkpoint is not None and n_batch % CHECKPOINT_BATCHES == 0 and start + batch < n_seq:
+                if checkpoint is not None and n_batch % every == 0 and start + batch < n_seq:
                     rec.flush_all()
                     checkpoint(rec, start + len(rows))
     finally:
@@ -217,6 +219,12 @@ def profile_pass(model, adapter, seqs: torch.Tensor, thresholds: list[float], ba
     elapsed = time.perf_counter() - t0
     rec.flush_all()
     return rec, elapsed
+
+
+def checkpoint_every(n_batches: int) -> int:
+    """Batches between checkpoints: CHECKPOINT_BATCHES, or fewer so that a short run (8192 tokens: 4 batches of 4
+    sequences of 512) checkpoints too, about 4 times."""
+    return max(1, min(CHECKPOINT_BATCHES, n_batches // 4))
 
 
 def partial_dir(out: Path) -> Path:
@@ -263,6 +271,10 @@ def run_profile(opts: ProfileOptions) -> dict:
 
 def _run_profile(opts: ProfileOptions) -> dict:
     check_output_dir(opts.out, opts.force)
+    work = partial_dir(opts.out)
+    if not opts.resume and (work / "identity.json").is_file() and not opts.force:
+        raise UserError(f"an interrupted profile of {opts.out} is kept in {work}: continue it with --resume (same "
+                        "options), or start over with --force (which deletes it)")
     source = models.resolve(opts.model)
     config = models.load_config(source)
     adapter = arch_mod.for_config(config)
@@ -279,7 +291,6 @@ def _run_profile(opts: ProfileOptions) -> dict:
         raise UserError("--device cuda: no CUDA device is available")
 
     model, adapter = models.load_model(source, device=opts.device, dtype=opts.dtype)
-    work = partial_dir(opts.out)
     identity = {"model": _model_identity(opts.model, source, config, adapter), "calib": [str(p) for p in opts.calib],
                 "tokens": opts.tokens, "seq_len": seq_len, "targets": targets, "max_samples": opts.max_samples,
                 "seed": opts.seed}
@@ -288,8 +299,13 @@ def _run_profile(opts: ProfileOptions) -> dict:
         print(f"pi-tools profile: resuming {opts.out} from sequence {plan['next_seq']} of {len(plan['seqs'])}")
     else:
         shutil.rmtree(work, ignore_errors=True)
-        plan = _fresh_plan(model, adapter, source, texts, seq_len, targets, opts)
-        work.mkdir(parents=True)
+        with naming_output(opts.out):  # before the calibration text is made: minutes, data-free
+            work.mkdir(parents=True)
+        try:
+            plan = _fresh_plan(model, adapter, source, texts, seq_len, targets, opts)
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)  # nothing saved yet that --resume could use
+            raise
         torch.save({"seqs": plan["seqs"], "thresholds": torch.tensor(plan["thresholds"], dtype=torch.float64),
                     "chosen": torch.from_numpy(plan["chosen"])}, work / "inputs.pt")
         (work / "identity.json").write_text(json.dumps({**identity, "calibration": plan["calibration"]}))
@@ -298,8 +314,14 @@ def _run_profile(opts: ProfileOptions) -> dict:
     rec = _Recorder(adapter, thresholds, work / "samples", sparsify=True)
     if plan.get("state"):
         rec.load_state(plan["state"])
-    rec, elapsed = profile_pass(model, adapter, seqs, thresholds, opts.batch, chosen, work / "samples", rec=rec,
-                                start_seq=plan["next_seq"], checkpoint=lambda r, nxt: _save_checkpoint(work, r, nxt))
+    try:
+        rec, elapsed = profile_pass(model, adapter, seqs, thresholds, opts.batch, chosen, work / "samples", rec=rec,
+                                    start_seq=plan["next_seq"], checkpoint=lambda r, nxt: _save_checkpoint(work, r, nxt))
+    except KeyboardInterrupt:
+        if (work / "identity.json").is_file():
+            print(f"pi-tools profile: the work so far is kept in {work}: the same command with --resume continues "
+                  "it", file=sys.stderr)
+        raise
     n_seq, seq_len = seqs.shape
     n_total = n_seq * seq_len
     (work / "activation").mkdir(exist_ok=True)
@@ -414,9 +436,12 @@ def load_activation_counts(directory: str | Path, n_layer: int,
     folder = activation_dir(directory)
     found = sorted(int(m.group(1)) for p in folder.iterdir() if (m := re.fullmatch(r"activation_(\d+)\.pt", p.name)))
     if found != list(range(n_layer)):
-        listed = f"{found[0]}-{found[-1]} ({len(found)} files)" if found else "none"
-        raise UserError(f"{folder}: activation files for layers {listed}, but the model has "
-                        f"{n_layer} layers (0-{n_layer - 1})")
+        missing = [i for i in range(n_layer) if i not in found]
+        extra = [i for i in found if i >= n_layer]
+        what = (f"activation_{missing[0]}.pt is missing" if len(missing) == 1 else
+                f"the activation files of layers {', '.join(map(str, missing))} are missing" if missing else
+                f"it has activation files for layers {', '.join(map(str, extra))}")
+        raise UserError(f"{folder}: {what}, but the model has {n_layer} layers (0-{n_layer - 1})")
     counts = []
     for i in range(n_layer):
         path = folder / f"activation_{i}.pt"

@@ -315,7 +315,8 @@ def load_plan_summary(path: str | Path, profile: dict) -> dict:
 
 # ---- sections of other inputs --------------------------------------------------------------------------
 
-PREDICTOR_COLUMNS = ("layer", "rank", "threshold", "recall", "precision", "true_density", "predicted_density")
+PREDICTOR_COLUMNS = ("layer", "rank", "threshold", "recall", "precision", "true_density", "predicted_density", "auc",
+                     "useful")
 
 
 def predictor_section(pred: dict) -> Section:
@@ -326,6 +327,11 @@ def predictor_section(pred: dict) -> Section:
              f"{s.get('mean_true_density', float('nan')):.1%} are active.")
     if "predictor_fraction" in pred:
         intro += f" Predictor weights: {pred['predictor_fraction']:.1%} of the FFN weights."
+    useless = [str(row["layer"]) for row in pred["layers"] if row.get("useful") is False]
+    if useless:
+        intro += (f" The predictors of layer(s) {', '.join(useless)} predict nothing useful (held-out AUC near "
+                  "chance, 0.5, or nearly every neuron marked active): their recall is bought by marking neurons "
+                  "active, not by predicting them; auto mode leaves them out.")
     columns = [c for c in PREDICTOR_COLUMNS if all(c in row for row in pred["layers"])]
     return Section("predictors", "Predictors", intro,
                    figures=[("fig-predictor-quality", "Held-out recall and precision of each layer's predictor.",

@@ -7,8 +7,9 @@ random row split would leak and flatter the held-out numbers.
 Quality of a predictor is measured where it is used: its logit threshold is calibrated on held-out
 rows so that the layer reaches the target recall, and the cost is the predicted density there
 (the share of neurons the engine then computes). Equivalently, for early stopping and for picking
-the rank, a predictor is scored by its recall when allowed `max_density_ratio` x the true density:
-recall at a fixed threshold can be bought by predicting more, recall at a fixed density cannot.
+the rank, a predictor is scored by its recall at a density budget (`predictor.density_budget`, from
+`max_density_ratio` and the true density): recall at a fixed threshold can be bought by predicting more,
+recall at a fixed density cannot. A predictor no better than chance is reported as such (`useless_warning`).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import torch
 from powerinfer_tools import arch as arch_registry
 from powerinfer_tools.errors import UserError
 from powerinfer_tools.safe_load import checked_tensor, load_pt
-from powerinfer_tools.predictor import (Predictor, layer_metrics, neuron_weights, recall_at_density,
+from powerinfer_tools.predictor import (Predictor, density_budget, layer_metrics, neuron_weights, recall_at_density,
                                         threshold_for_recall, rank_at_fraction)
 
 MIN_RANK = 4
@@ -205,7 +206,7 @@ class Trained:
     model: Predictor
     threshold: float            # calibrated: logit > threshold reaches target recall on held-out rows
     density_at_target: float    # held-out predicted density at that threshold
-    recall_at_budget: float     # held-out recall when allowed max_density_ratio x the true density
+    recall_at_budget: float     # held-out recall at the density budget (predictor.density_budget)
     epochs: int
     history: list[float] = field(default_factory=list)
 
@@ -242,7 +243,7 @@ def train_one(train: LayerSamples, held: LayerSamples, rank: int, settings: Trai
     density = float(train.active.float().mean())
     held_density = float(held.active.float().mean())
     pos_weight = torch.tensor((1 - density) / density if 0 < density < 1 else 1.0, device=device)
-    budget = min(1.0, settings.max_density_ratio * held_density)
+    budget = density_budget(held_density, settings.max_density_ratio)
 
     model = Predictor(n_embd, rank, n_ff).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
@@ -493,6 +494,34 @@ def summarize(results: list[LayerResult]) -> dict:
             "recall_at_budget", "auc")
     return {f"mean_{k}": float(np.mean([r.metrics[k] for r in results])) for k in keys
             if all(k in r.metrics for r in results)}
+
+
+def format_layers(layers: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5' (as --layers takes them)."""
+    runs: list[list[int]] = []
+    for layer in sorted(layers):
+        if runs and layer == runs[-1][1] + 1:
+            runs[-1][1] = layer
+        else:
+            runs.append([layer, layer])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def useless_warning(results: list[LayerResult], rows: str = "held-out") -> str | None:
+    """One line naming the layers whose predictors predict nothing useful on the `rows` measured
+    (predictor.is_useful), with their AUC and predicted vs true density, or None."""
+    from powerinfer_tools.predictor import MIN_USEFUL_AUC
+
+    bad = [r for r in results if not r.metrics.get("useful", True)]
+    if not bad:
+        return None
+    def mean(key):
+        return float(np.mean([r.metrics[key] for r in bad]))
+    return (f"warning: the predictors of layer(s) {format_layers([r.layer for r in bad])} predict nothing useful: "
+            f"{rows} AUC {mean('auc'):.3f} (chance 0.5, useful from {MIN_USEFUL_AUC}), predicted density "
+            f"{mean('predicted_density'):.3f} vs true {mean('true_density'):.3f}; a converted file's auto mode "
+            "leaves them out, and predictor mode there computes about every neuron or drops them at random "
+            "(profile a higher --target-sparsity, more tokens, or use gate mode)")
 
 
 TABLE = (("recall", "recall", 7, ".4f"), ("weighted_recall", "w.rec", 7, ".4f"), ("precision", "prec", 6, ".3f"),

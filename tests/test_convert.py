@@ -4,6 +4,7 @@ by index), within the format's error bound when quantized; metadata as docs/form
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -271,3 +272,14 @@ def test_predictor_ranks_padded_where_quantizing_pays():
     assert stored_rank(1911, "q4_0", 8192, 28672) == 1920
     assert stored_rank(24, "q4_0", 576, 24) == 24 and stored_rank(24, "f16", 576, 1536) == 24
     assert stored_rank(24, "f32", 576, 1536) == 24
+
+
+@pytest.mark.parametrize("stem, name", [("SmolLM2-135M-Instruct.Q4_1", "SmolLM2-135M-Instruct"),
+                                        ("llama-2-7b.Q4_K_M", "llama-2-7b"), ("model-f16", "model"),
+                                        ("tiny.IQ2_XS", "tiny"), ("Mistral-7B-v0.1", "Mistral-7B-v0.1"),
+                                        ("Q8_0", "Q8_0")])
+def test_the_converted_name_drops_the_sources_weight_type(stem, name):
+    """A llama.cpp GGUF's file name carries its weight type, which a conversion to another type replaces."""
+    from powerinfer_tools.convert import model_name
+
+    assert model_name(Path(f"/models/{stem}.gguf")) == name

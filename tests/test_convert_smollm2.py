@@ -50,6 +50,7 @@ def test_smollm2(outtype, converted, hf_weights, predictors):
     assert summary["arch"] == "llama-silu" and summary["bytes_out"] == out.stat().st_size
 
     reader = open_reader(out)
+    assert reader.fields["general.name"].contents() == "SmolLM2-135M-Instruct"  # not the source's ...Q4_1
     table = {t.name: (tuple(int(n) for n in reversed(t.shape)), t.tensor_type.name, int(t.n_bytes))
              for t in reader.tensors}
     per_layer = {"attn_norm": (N_EMBD,), "ffn_norm": (N_EMBD,), "attn_q": (N_EMBD, N_EMBD),

@@ -86,6 +86,7 @@ def test_run_chat_template_and_seeded_sampling(converted, capsys):
     (["-c", "4294967360"], "ctx_size = 4294967360 is out of range"),  # not a 64-token context
     (["-t", "4294967297"], "threads = 4294967297 is out of range"),  # not one thread
     (["--top-k", str(2**40)], "top_k = 1099511627776 is out of range"),
+    (["-p", "abc\udcff\udcfe"], "--prompt is not valid UTF-8 text (byte 0xff at character 3)"),  # $'abc\xff\xfe'
 ])
 def test_run_bad_input(args, message, converted, capsys):
     base = {"-m": str(converted("llama-relu"))}
@@ -145,3 +146,65 @@ def test_perplexity_bad_input(tmp_path, converted, capsys):
                           (["-f", str(corpus(tmp_path)), "--ctx", "100000"], "shorter than one sequence")]:
         code, _, err = run_cli(capsys, "perplexity", "-m", path, *args)
         assert code == 1 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_run_finds_the_plan_that_plan_cached(converted, tmp_path, capsys):
+    """`plan --vram-budget B` then `run --vram-budget B`, both at their default context: run reuses the plan (no
+    --profile needed); at another context it says which plan is cached and for what."""
+    import shutil
+
+    from placement_fixtures import power_law_counts, write_profile
+
+    model = tmp_path / "m.gguf"
+    shutil.copy(converted("llama-relu"), model)
+    profile = write_profile(tmp_path / "prof", power_law_counts(N_LAYER, 256, tokens=4096), tokens=4096)
+    code, _, err = run_cli(capsys, "plan", "--profile", profile, "-m", model, "--vram-budget", "0.3")
+    assert code == 0, err
+    code, _, err = run_cli(capsys, "run", "-m", model, "-p", PROMPT, "-n", "2", "-t", "2", "--vram-budget", "0.3")
+    assert code == 0, err
+    code, _, err = run_cli(capsys, "run", "-m", model, "-p", PROMPT, "-n", "2", "--vram-budget", "0.3", "-c", "256")
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "solved for 0.3 GiB and --ctx-size 512; this run asks for --ctx-size 256" in err
+
+
+def test_run_timings_without_nan_and_the_dense_ffn_line(converted, capsys):
+    """-n 0 generates nothing and a one-token prompt (BOS alone) runs as a decode step, so the engine counts no
+    prompt tokens: no rate to give for either, not nan; dense mode computes every neuron, which its ffn line says
+    rather than a density."""
+    path = converted("llama-relu")
+    code, out, err = run_cli(capsys, "run", "-m", path, "-p", PROMPT, "-n", "0", "-t", "2", "--sparse-mode", "dense")
+    assert code == 0, err
+    assert not re.search(r"\bnan\b", err) and re.search(r"eval time = +[\d.]+ ms / +0 runs\n", err), err
+    assert "ffn: mode dense, every neuron computed (" in err and "of them pass the activation rule)" in err
+    code, out, err = run_cli(capsys, "run", "-m", path, "-p", "", "-n", "3", "-t", "2", "--temp", "0")
+    assert code == 0, err
+    assert not re.search(r"\bnan\b", err) and re.search(r"prompt eval time = +[\d.]+ ms / +0 tokens\n", err), err
+
+
+def test_run_chat_answer_starts_on_its_own_line(converted, tmp_path, capsys):
+    import gguf
+
+    from engine_helpers import rewrite
+
+    template = "{% for m in messages %}<s>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}:{% endif %}"
+    path = rewrite(converted("llama-relu"), tmp_path / "chat.gguf",
+                   fields={"tokenizer.chat_template": (template, gguf.GGUFValueType.STRING)})
+    code, out, err = run_cli(capsys, "run", "-m", path, "-p", PROMPT, "-n", "4", "-t", "2", "--chat", "--temp", "0")
+    assert code == 0, err
+    assert out.startswith(PROMPT + "\n")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["-c", "0"], "--ctx-size must be at least 1 token, not 0"),
+    (["--vram-budget", "-1"], "--vram-budget must be a non-negative number of GiB, not -1"),
+    (["--vram-budget", "nan"], "--vram-budget must be a non-negative number of GiB, not nan"),
+])
+def test_run_bad_sizes_are_named_as_given(args, message, converted, capsys):
+    code, _, err = run_cli(capsys, "run", "-m", converted("llama-relu"), "-p", "hi", *args)
+    assert code == 1 and len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def test_run_on_a_directory_says_it_is_one(tiny_model_dir, capsys):
+    model = tiny_model_dir("llama-relu")
+    code, _, err = run_cli(capsys, "run", "-m", model, "-p", "hi")
+    assert code == 1 and f"{model} is a directory, not a model file" in err and "not found" not in err, err

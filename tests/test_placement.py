@@ -272,3 +272,15 @@ def test_powerinfer_granularity_equals_enumerating_the_counts(tmp_path, qtype, s
     assert run_cli("plan", "--profile", prof, "-m", model, "--vram-budget", 0.5, "--granularity", "powerinfer",
                    "-o", out) == 0
     assert json.loads(Path(f"{out}.json").read_text())["granularity"] == step
+
+
+def test_a_missing_activation_file_is_named(model, counts, tmp_path, capsys):
+    profile = bad_profile(tmp_path, [torch.as_tensor(c) for c in counts])
+    (profile / "activation" / "activation_1.pt").unlink()
+    code = run_cli("plan", "--profile", profile, "-m", model, "--vram-budget", 1, "-o", tmp_path / "never.gpuidx")
+    expect_one_line_error(capsys, code, "activation_1.pt is missing, but the model has 3 layers (0-2)")
+
+
+def test_a_negative_budget_is_named_in_gib(model, profile, tmp_path, capsys):
+    code = run_cli("plan", "--profile", profile, "-m", model, "--vram-budget", -1, "-o", tmp_path / "never.gpuidx")
+    expect_one_line_error(capsys, code, "--vram-budget must be a non-negative number of GiB, not -1")

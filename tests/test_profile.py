@@ -210,3 +210,32 @@ def test_interrupted_profile_resumes_without_double_counting(tiny_model_dir, tmp
 
     code, _, stderr = run_cli(capsys, *args, "-o", str(tmp_path / "never"), "--resume")
     assert code == 1 and "nothing to resume" in stderr
+
+
+def test_a_short_interrupted_profile_keeps_its_work_and_says_how_to_resume(tiny_model_dir, tmp_path, capsys,
+                                                                            monkeypatch):
+    """A profile of 4 batches (as 8192 tokens of 512 in batches of 4) checkpoints; Ctrl-C says --resume continues
+    it; a rerun without --resume refuses to delete the kept work unless --force."""
+    model = str(tiny_model_dir("llama-silu"))
+    out = tmp_path / "prof"
+    args = ["profile", "-m", model, "--calib", str(TEXT), "--tokens", "1024", "--seq-len", "64", "--batch", "4",
+            "--max-samples", "200", "-o", str(out)]
+    restore = interrupt_profile_at_forward(monkeypatch, 3)
+    code, _, stderr = run_cli(capsys, *args)
+    restore()
+    work = tmp_path / ".prof.partial"
+    assert code == 130 and (work / "checkpoint.pt").is_file()
+    assert f"kept in {work}: the same command with --resume continues it" in stderr
+
+    code, _, stderr = run_cli(capsys, *args)
+    assert_one_line_error(code, stderr, "interrupted profile", "--resume", "--force")
+    assert (work / "checkpoint.pt").is_file()
+    code, stdout, stderr = run_cli(capsys, *args, "--resume")
+    assert code == 0 and "from sequence 8 of 16" in stdout, stderr
+
+    restore = interrupt_profile_at_forward(monkeypatch, 2)
+    code, _, _ = run_cli(capsys, *args[:-2], "-o", str(tmp_path / "again2"))
+    restore()
+    assert code == 130
+    code, _, stderr = run_cli(capsys, *args[:-2], "-o", str(tmp_path / "again2"), "--force")
+    assert code == 0 and not (tmp_path / ".again2.partial").exists(), stderr

@@ -268,3 +268,21 @@ def test_report_refuses_inputs_of_another_model(tiny_profile, tiny_predictors, t
     _bad(["report", str(tiny_profile), "--plan", str(tmp_path / "garbled.json"), "-o", str(out)], capsys,
          "not valid JSON")
     assert not out.exists()
+
+
+def test_report_says_which_predictors_predict_nothing(tiny_profile, tiny_predictors, tmp_path, capsys):
+    import shutil
+
+    pred = tmp_path / "pred"
+    shutil.copytree(tiny_predictors, pred)
+    report = json.loads((pred / "report.json").read_text())
+    report["layers"][0].update(auc=0.9, useful=True, predicted_density=0.6)
+    report["layers"][1].update(auc=0.5, useful=False, predicted_density=1.0, recall=1.0)
+    (pred / "report.json").write_text(json.dumps(report))
+    out = tmp_path / "report.html"
+    code, _, stderr = run_cli(capsys, "report", str(tiny_profile), "--predictors", str(pred), "-o", str(out))
+    assert code == 0, stderr
+    text = out.read_text()
+    assert "The predictors of layer(s) 1 predict nothing useful" in text
+    rows = table_dicts(parse_page(out).tables["tbl-predictors"])
+    assert [row["useful"] for row in rows][:2] == ["True", "False"] and "auc" in rows[0]

@@ -8,7 +8,7 @@ import typer
 
 
 def inspect(
-    file: Path = typer.Argument(..., help="A GGUF, PowerInfer (.powerinfer.gguf) or .gpuidx file."),
+    file: Path = typer.Argument(..., metavar="FILE", help="A GGUF, PowerInfer (.powerinfer.gguf) or .gpuidx file."),
     items: int = typer.Option(6, "--items", help="Array values shown per metadata key."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output (full arrays)."),
 ):

@@ -48,7 +48,7 @@ def profile(
              "layer, comma-separated. Default 0.2 (SmolLM2: +2.1% perplexity). Ignored for ReLU models."),
     max_samples: int = typer.Option(8192, "--max-samples", help="Predictor training rows kept per layer."),
     seed: int = typer.Option(0, help="Random seed (row sampling, data-free generation)."),
-    force: bool = typer.Option(False, "--force", help="Replace a non-empty output directory."),
+    force: bool = typer.Option(False, "--force", help="Replace a non-empty output directory, or an interrupted profile's kept work."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted profile of the same --out "
                                 "with the same options (nothing is counted twice)."),
 ):

@@ -8,7 +8,7 @@ import typer
 
 
 def report(
-    profile_dir: Path = typer.Argument(..., help="Profile directory written by 'pi-tools profile'."),
+    profile_dir: Path = typer.Argument(..., metavar="PROFILE_DIR", help="Profile directory written by 'pi-tools profile'."),
     out: Path = typer.Option(..., "--out", "-o", help="HTML file to write (self-contained: images embedded)."),
     predictors: Optional[Path] = typer.Option(
         None, "--predictors", "-p", help="Predictor directory from 'pi-tools train-predictor' (reads its "

@@ -9,6 +9,7 @@ from typing import Optional
 
 import typer
 
+from powerinfer_tools import placement
 from powerinfer_tools.errors import UserError
 from powerinfer_tools.inference import KV_TYPE_HELP
 
@@ -32,7 +33,8 @@ def run(
                                                 "budget, or solve one from --profile."),
     profile: Optional[Path] = typer.Option(None, "--profile", help="Profile directory, to solve a plan for "
                                            "--vram-budget (known for 'smollm2')."),
-    ctx_size: int = typer.Option(2048, "--ctx-size", "-c", help="Context length (KV cache)."),
+    ctx_size: int = typer.Option(placement.DEFAULT_CTX_SIZE, "--ctx-size", "-c",
+                                 help="Context length (KV cache), as 'plan' sizes it for (so run finds its plans)."),
     kv_type: str = typer.Option("f32", "--kv-type", help=KV_TYPE_HELP),
     temp: float = typer.Option(0.8, "--temp", help="Sampling temperature; 0 = greedy."),
     top_k: int = typer.Option(40, "--top-k", help="Keep the k most likely tokens; 0 = off."),
@@ -69,6 +71,7 @@ def run(
     if n_predict < 0:
         raise UserError("--n-predict must be >= 0")
     prompt = prompt_text(prompt, prompt_file)
+    check_utf8(prompt)
     target = inference.resolve_model_file(model, gpuidx, vram_budget, profile, ctx_size)
     started = time.perf_counter()
     tokenizer = inference.load_tokenizer(target.model)
@@ -85,7 +88,7 @@ def run(
             n_predict = room
         stops = {t for t in (tokenizer.eos_token_id, llm.info["eos"]) if t is not None and t >= 0}
         decoder = inference.StreamDecoder(tokenizer, ids)
-        sys.stdout.write(prompt)
+        sys.stdout.write(prompt + ("\n" if chat else ""))  # a chat's answer starts on a line of its own
         sys.stdout.flush()
         seed = seed if seed >= 0 else random.SystemRandom().randrange(2**32)
         for token in llm.generate(ids, n_predict, temperature=temp, top_k=top_k, top_p=top_p,
@@ -111,6 +114,17 @@ def prompt_text(prompt: str | None, prompt_file: Path | None) -> str:
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0]
         raise UserError(f"--file {prompt_file}: cannot read the prompt ({reason})") from None
+
+
+def check_utf8(prompt: str) -> None:
+    """A prompt whose bytes are not UTF-8 reaches Python with its bad bytes as lone surrogates (PEP 383),
+    which neither the tokenizer nor stdout can take."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = ord(prompt[exc.start])
+        byte = f"byte 0x{bad - 0xDC00:02x}" if 0xDC80 <= bad <= 0xDCFF else f"character U+{bad:04X}"
+        raise UserError(f"--prompt is not valid UTF-8 text ({byte} at character {exc.start})") from None
 
 
 def prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:

@@ -56,7 +56,7 @@ def _report(mode: str, profile, results, settings: dict) -> dict:
 
 
 def train_predictor(
-    profile_dir: Path = typer.Argument(..., help="Profile directory written by 'pi-tools profile'."),
+    profile_dir: Path = typer.Argument(..., metavar="PROFILE_DIR", help="Profile directory written by 'pi-tools profile'."),
     out: Path = typer.Option(None, "--out", "-o",
                              help="Predictor directory to write [default: PROFILE_DIR-predictors]; "
                                   "with --evaluate, the existing predictor directory to measure."),
@@ -70,7 +70,8 @@ def train_predictor(
     max_density_ratio: float = typer.Option(1.3, "--max-density-ratio",
                                             help="Density budget: a rank is enough (--rank auto) when the target "
                                                  "recall is reached predicting at most this many times the true "
-                                                 "density; also the budget of the rec@bud column."),
+                                                 "density and leaving out at least 1/this of the inactive "
+                                                 "neurons; also the budget of the rec@bud column."),
     max_predictor_fraction: float = typer.Option(0.10, "--max-predictor-fraction",
                                                  help="Cap on all predictors' parameters as a fraction of the FFN "
                                                       "weights of the trained layers (--rank auto)."),
@@ -131,6 +132,8 @@ def train_predictor(
         with _layer_bar(len(selected), "evaluate") as bar:
             results = tp.evaluate_layers(profile, predictors, selected, max_density_ratio, lambda *_: bar.update(1))
         typer.echo(tp.format_table(results))
+        if (warning := tp.useless_warning(results, "evaluation")) is not None:
+            typer.echo(warning, err=True)
         if profile.thresholded and predictors.activation_thresholds is not None \
                 and list(predictors.activation_thresholds) != list(profile.meta.get("thresholds") or []):
             typer.echo("note: 'active' was measured with this profile's |a| thresholds, which differ from "
@@ -160,10 +163,13 @@ def train_predictor(
         for r in results:
             save_predictor(r.model, model_file(tmp, r.layer))
         write_config(tmp, profile.model, profile.meta.get("rule", "nonzero"), profile.meta.get("thresholds"),
-                     [{"layer": r.layer, "rank": r.model.rank, "threshold": r.threshold} for r in results])
+                     [{"layer": r.layer, "rank": r.model.rank, "threshold": r.threshold,
+                       "useful": r.metrics["useful"]} for r in results])
         _write_json(tmp / "report.json", _report("train", profile, results, {
             "rank": rank, "target_recall": target_recall, "max_density_ratio": max_density_ratio,
             "max_predictor_fraction": max_predictor_fraction, "epochs": epochs, "held_out": held_out,
             "seed": seed, "split": "by calibration sequence"}))
     typer.echo(tp.format_table(results))
+    if (warning := tp.useless_warning(results)) is not None:
+        typer.echo(warning, err=True)
     typer.echo(f"wrote {len(results)} predictors to {out}")

@@ -126,9 +126,11 @@ def output_lock(final: str | os.PathLike, wait: bool):
     import fcntl
 
     final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
     lock_path = final.parent / f".{final.name}.lock"
-    with open(lock_path, "a") as lock:
+    with naming_output(final):
+        final.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+    with os.fdopen(fd, "r+") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

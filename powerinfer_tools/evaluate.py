@@ -14,13 +14,18 @@ from powerinfer_tools import arch as arch_mod
 
 
 @torch.no_grad()
-def perplexity(model, adapter, seqs: torch.Tensor, thresholds: list[float] | None = None, batch: int = 4) -> float:
+def perplexity(model, adapter, seqs: torch.Tensor, thresholds: list[float] | None = None, batch: int = 4,
+               inactive: torch.Tensor | None = None) -> float:
     """exp(mean NLL) over non-overlapping windows `seqs` [n, L], every token but each window's first
-    predicted; with `thresholds`, activations with |a| <= t are zeroed (the sparse engine's rule)."""
+    predicted; with `thresholds`, activations with |a| <= t are zeroed (the sparse engine's rule). `inactive`
+    (one value per layer), if given, gets each layer's count of inactive activations added to it."""
     handles = []
-    if thresholds is not None:
+    if thresholds is not None or inactive is not None:
         def sparsify(i, a):
-            return a * arch_mod.is_active(adapter, a, thresholds[i])
+            active = arch_mod.is_active(adapter, a, thresholds[i] if thresholds is not None else 0.0)
+            if inactive is not None:
+                inactive[i] += float(active.numel() - active.sum())
+            return a * active if thresholds is not None else None
         handles = arch_mod.install_taps(adapter, model, on_activation=sparsify)
     device = next(model.parameters()).device
     nll, count = 0.0, 0

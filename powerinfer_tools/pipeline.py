@@ -48,10 +48,12 @@ def _step(title: str, args: list[str]) -> None:
 def build(model: str = default_model.NAME, outtype: str = "q8_0", tokens: int = PROFILE_TOKENS,
           rank: int = PREDICTOR_RANK) -> Path:
     """Path of a model's PowerInfer file with predictors, built through the pipeline on first use."""
+    from powerinfer_tools.atomic import output_lock
+
     final = model_file(model, outtype)
     if final.is_file():
         return final
-    with default_model.cache_lock(model_dir(model), final.name):  # concurrent first runs: one builds
+    with output_lock(final, wait=True):  # concurrent first runs: one builds, the others wait for it
         return final if final.is_file() else _build(model, outtype, tokens, rank, final)
 
 

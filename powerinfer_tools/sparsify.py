@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import math
 import os
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from powerinfer_tools import arch as arch_mod
-from powerinfer_tools import calibration, models
+from powerinfer_tools import calibration, evaluate, models
 from powerinfer_tools.atomic import check_output_dir, publish_dir
 from powerinfer_tools.errors import UserError
 from powerinfer_tools.safe_load import load_pt
@@ -186,24 +187,13 @@ def _relu_student(teacher, adapter):
     return student
 
 
-@torch.no_grad()
-def evaluate(model, adapter, seqs: torch.Tensor, batch: int, device: str) -> dict:
-    """Perplexity over `seqs` and each layer's share of exact-zero FFN activations."""
+def perplexity_and_sparsity(model, adapter, seqs: torch.Tensor, batch: int) -> tuple[float, list[float]]:
+    """(perplexity over `seqs`, each layer's share of exact-zero FFN activations on them), in one pass."""
+    dims = adapter.dims()
+    inactive = torch.zeros(dims.n_layer, dtype=torch.float64)
     model.eval()
-    n_layer = adapter.dims().n_layer
-    zeros = torch.zeros(n_layer, dtype=torch.float64)
-    tap = ActivationTap(adapter, model, torch.ones(n_layer))
-    nll, count = 0.0, 0
-    try:
-        for start in range(0, len(seqs), batch):
-            ids = seqs[start:start + batch].to(device)
-            logits = model(input_ids=ids).logits.float()
-            nll += float(F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="sum"))
-            count += ids[:, 1:].numel()
-            zeros += tap.zeros * len(ids)
-    finally:
-        tap.remove()
-    return {"perplexity": math.exp(nll / count), "layer_sparsity": (zeros / len(seqs)).tolist()}
+    ppl = evaluate.perplexity(model, adapter, seqs, batch=batch, inactive=inactive)
+    return ppl, (inactive / (seqs.numel() * dims.n_ff)).tolist()
 
 
 # ---- state, checkpoint ------------------------------------------------------------------------------------------
@@ -580,15 +570,14 @@ def run_sparsify(opts: SparsifyOptions) -> dict:
     resumed = _load_checkpoint(work, identity) if opts.resume else None
     tokenizer = models.load_tokenizer(source)
     seqs = _calibration_text(tokenizer, opts)   # a text too short is refused before the slow load
-    if seqs is not None:
-        _split_data(seqs, opts)
+    split = _split_data(seqs, opts) if seqs is not None else None
     teacher, adapter = models.load_model(source, device=device)
     for p in teacher.parameters():
         p.requires_grad_(False)
-    if seqs is None:
+    if split is None:
         torch.manual_seed(opts.seed)
-        seqs = _self_generated(teacher, tokenizer, opts)
-    train, held_out = _split_data(seqs, opts)
+        split = _split_data(_self_generated(teacher, tokenizer, opts), opts)
+    train, held_out = split
 
     student = _relu_student(teacher, adapter)
     n_layer = adapter.dims().n_layer
@@ -600,12 +589,8 @@ def run_sparsify(opts: SparsifyOptions) -> dict:
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
         state = TrainState(lam=[1e-2] * n_layer, scales=[1.0] * n_layer, start_sparsity=[0.0] * n_layer)
-    if device == "cuda" and compute_dtype != torch.float32:
-        autocast = lambda: torch.autocast("cuda", dtype=compute_dtype)  # noqa: E731
-    elif compute_dtype != torch.float32:
-        autocast = lambda: torch.autocast("cpu", dtype=compute_dtype)  # noqa: E731
-    else:
-        autocast = contextlib.nullcontext
+    autocast = (functools.partial(torch.autocast, device, dtype=compute_dtype) if compute_dtype != torch.float32
+                else contextlib.nullcontext)
 
     with Interrupts() as interrupts:
         checkpointer = Checkpointer(work, identity, opts.checkpoint_minutes, interrupts, state)
@@ -618,17 +603,17 @@ def run_sparsify(opts: SparsifyOptions) -> dict:
         checkpointer.clock(state)
 
     print("pi-tools sparsify: measuring the result on the held-out text", flush=True)
-    before = evaluate(teacher, adapter, held_out, opts.batch, device)
-    after = evaluate(student, adapter, held_out, opts.batch, device)
+    before = evaluate.perplexity(teacher, adapter, held_out, batch=opts.batch)
+    after, sparsity = perplexity_and_sparsity(student, adapter, held_out, opts.batch)
     report = {
         "format": FORMAT,
         "source": identity["model"],
         "target_sparsity": opts.target_sparsity,
-        "sparsity": sum(after["layer_sparsity"]) / n_layer,
-        "layer_sparsity": after["layer_sparsity"],
+        "sparsity": sum(sparsity) / n_layer,
+        "layer_sparsity": sparsity,
         "held_out": {"sequences": len(held_out), "tokens": int(held_out.numel()),
-                     "perplexity_original": before["perplexity"], "perplexity_sparsified": after["perplexity"],
-                     "perplexity_ratio": after["perplexity"] / before["perplexity"]},
+                     "perplexity_original": before, "perplexity_sparsified": after,
+                     "perplexity_ratio": after / before},
         "tokens_seen": {"layer_local": min(len(train), opts.local_tokens // opts.seq_len) * opts.seq_len
                         * opts.local_epochs, "end_to_end": state.tokens_seen},
         "train_seconds": state.elapsed,

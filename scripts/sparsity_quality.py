@@ -7,7 +7,7 @@ models made sparse by `pi-tools sparsify` (exact zeros of ReLU).
         --targets 0.3,0.5,0.7,0.85,0.9 --sparsified smollm2-relu85 --eval-tokens 16384
 
 Thresholds are calibrated on --calib, perplexity is measured on each --eval (never the calibration text).
-Sparsity is measured on the evaluation windows themselves: the share of activations at or below the layer's
+Sparsity is measured on the first --eval text's windows: the share of activations at or below the layer's
 threshold (thresholded rows) or exactly zero (sparsified models), over all layers and tokens.
 """
 from __future__ import annotations
@@ -17,29 +17,8 @@ from pathlib import Path
 
 import torch
 
-from powerinfer_tools import arch as arch_mod
 from powerinfer_tools import calibration, evaluate, models
 from powerinfer_tools.profile import calibrate_thresholds
-
-
-def measured_sparsity(model, adapter, seqs: torch.Tensor, thresholds: list[float] | None, batch: int = 4) -> float:
-    """Share of inactive FFN activations (the engine's rule for the model) over every layer and token of `seqs`."""
-    inactive, total = [0], [0]
-
-    def count(i, a):
-        active = arch_mod.is_active(adapter, a, thresholds[i] if thresholds else 0.0)
-        inactive[0] += int((~active).sum())
-        total[0] += active.numel()
-
-    handles = arch_mod.install_taps(adapter, model, on_activation=count)
-    try:
-        with torch.no_grad():
-            for start in range(0, len(seqs), batch):
-                model(input_ids=seqs[start:start + batch], use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-    return inactive[0] / total[0]
 
 
 def main() -> None:
@@ -72,17 +51,19 @@ def main() -> None:
         sparse, sparse_adapter = models.load_model(models.resolve(directory))
         rows.append((f"sparsify {Path(directory).name}", sparse, sparse_adapter, None))
 
-    base = {name: evaluate.perplexity(model, adapter, seqs) for name, seqs in evals.items()}
-    header = " | ".join(f"{name} ppl | vs original" for name in evals)
+    base: dict[str, float] = {}   # the original's perplexity per text: the first row
     print(f"({', '.join(f'{name}: {s.numel()} tokens' for name, s in evals.items())}, windows of {args.seq_len})")
-    print(f"| model | FFN sparsity | {header} |")
+    print(f"| model | FFN sparsity | {' | '.join(f'{name} ppl | vs original' for name in evals)} |")
     print("|---|---:|" + "---:|---:|" * len(evals))
     for label, m, a, thresholds in rows:
-        sparsity = measured_sparsity(m, a, first, thresholds)
+        dims = a.dims()
+        inactive = torch.zeros(dims.n_layer, dtype=torch.float64)   # counted on the first text
         cells = []
-        for name, seqs in evals.items():
-            ppl = base[name] if label == "original" else evaluate.perplexity(m, a, seqs, thresholds)
+        for k, (name, seqs) in enumerate(evals.items()):
+            ppl = evaluate.perplexity(m, a, seqs, thresholds, inactive=inactive if k == 0 else None)
+            base.setdefault(name, ppl)
             cells.append(f"{ppl:.3f} | {ppl / base[name]:.3f}x")
+        sparsity = float(inactive.sum()) / (first.numel() * dims.n_ff * dims.n_layer)
         print(f"| {label} | {sparsity:.3f} | {' | '.join(cells)} |", flush=True)
 
 

@@ -4,6 +4,13 @@ from __future__ import annotations
 from powerinfer_tools.cli import main
 
 
+def profiled(model_dir, out, calib, tokens: int, seq_len: int):
+    """`out`, a profile of `model_dir` on `calib` made by `pi-tools profile` (for module fixtures)."""
+    main(["profile", "-m", str(model_dir), "--calib", str(calib), "--tokens", str(tokens), "--seq-len", str(seq_len),
+          "-o", str(out)])
+    return out
+
+
 def run_cli(capsys, *args) -> tuple[int, str, str]:
     """(exit code, stdout, stderr) of `pi-tools ARGS`; output printed before the call is dropped."""
     capsys.readouterr()

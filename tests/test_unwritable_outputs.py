@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_helpers import assert_one_line_error, run_cli
+from cli_helpers import assert_one_line_error, profiled, run_cli
 from engine_helpers import converted  # noqa: F401
 from tiny_models import DATA
 
@@ -34,12 +34,8 @@ def read_only(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def profile_dir(tiny_model_dir, tmp_path_factory):
-    from powerinfer_tools.cli import main
-
-    out = tmp_path_factory.mktemp("ro_profile") / "prof"
-    main(["profile", "-m", str(tiny_model_dir("llama-relu")), "--calib", str(DATA / "tinyshakespeare.txt"),
-          "--tokens", "512", "--seq-len", "64", "-o", str(out)])
-    return out
+    return profiled(tiny_model_dir("llama-relu"), tmp_path_factory.mktemp("ro_profile") / "prof",
+                    DATA / "tinyshakespeare.txt", tokens=512, seq_len=64)
 
 
 @pytest.mark.parametrize("command", ["profile", "convert", "plan", "report"])

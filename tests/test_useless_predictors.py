@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import engine
-from cli_helpers import run_cli
+from cli_helpers import profiled, run_cli
 from convert_helpers import read_fields
 from engine_helpers import converted, engine_prompt_then_decode, max_rel_err, random_tokens, rewrite  # noqa: F401
 from tiny_models import DATA, N_LAYER
@@ -27,12 +27,8 @@ from powerinfer_tools.predictor import density_budget, recall_at_density
 @pytest.fixture(scope="module")
 def silu_profile(tiny_model_dir, tmp_path_factory):
     """The tiny SiLU model profiled as the README's pipeline does: default (0.2) sparsity."""
-    from powerinfer_tools.cli import main
-
-    out = tmp_path_factory.mktemp("silu_profile") / "prof"
-    main(["profile", "-m", str(tiny_model_dir("llama-silu")), "--calib", str(DATA / "wikitext-2-valid.txt"),
-          "--tokens", "4096", "--seq-len", "128", "-o", str(out)])
-    return out
+    return profiled(tiny_model_dir("llama-silu"), tmp_path_factory.mktemp("silu_profile") / "prof",
+                    DATA / "wikitext-2-valid.txt", tokens=4096, seq_len=128)
 
 
 def test_a_predictor_marking_everything_does_not_meet_a_dense_layers_budget():

@@ -20,8 +20,8 @@ import sys
 
 import numpy as np
 
-from powerinfer_tools.errors import UserError
-from powerinfer_tools.tokenizer import tokenizer_from_file
+from powerinfer_tools.core.errors import UserError
+from powerinfer_tools.formats.tokenizer import tokenizer_from_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

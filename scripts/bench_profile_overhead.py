@@ -16,8 +16,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from powerinfer_tools import calibration, models
-from powerinfer_tools.profile import profile_pass
+from powerinfer_tools.stages import calibration
+from powerinfer_tools import models
+from powerinfer_tools.stages.profiling import profile_pass
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ def tiny_kind(request):
 def _tokenizer_cache(tmp_path_factory):
     """Tokenizers built during the tests are cached in the session's temporary directory, not the user's cache
     (where they would push out the user's own; the smollm2 GGUF itself stays found where it is)."""
-    from powerinfer_tools import tokenizer
+    from powerinfer_tools.formats import tokenizer
 
     root = tmp_path_factory.mktemp("tokenizer_cache")
     with pytest.MonkeyPatch.context() as mp:

@@ -28,7 +28,7 @@ def read_tensors(path: Path) -> dict[str, tuple[str, np.ndarray]]:
     """name -> (type name, float32 data in numpy (rows, cols) order) of every tensor in a GGUF/PWRI file."""
     import gguf
 
-    from powerinfer_tools.gguf_io import open_reader
+    from powerinfer_tools.formats.gguf_io import open_reader
 
     reader = open_reader(path)
     out = {}
@@ -40,6 +40,6 @@ def read_tensors(path: Path) -> dict[str, tuple[str, np.ndarray]]:
 
 
 def read_fields(path: Path) -> dict:
-    from powerinfer_tools.gguf_io import open_reader
+    from powerinfer_tools.formats.gguf_io import open_reader
 
     return {k: f.contents() for k, f in open_reader(path).fields.items()}

@@ -13,9 +13,10 @@ import torch
 
 from convert_helpers import write_predictors
 
-from powerinfer_tools import arch, models
-from powerinfer_tools.convert import convert_model
-from powerinfer_tools.gguf_io import open_reader, set_pwri_magic
+from powerinfer_tools.models import arch
+from powerinfer_tools import models
+from powerinfer_tools.stages.conversion import convert_model
+from powerinfer_tools.formats.gguf_io import open_reader, set_pwri_magic
 
 
 @pytest.fixture(scope="session")

@@ -30,7 +30,7 @@ def _fields(data: bytes) -> dict[str, tuple[int, list[int]]]:
     infos are keyed "tensor:NAME"."""
     import tempfile
 
-    from powerinfer_tools.gguf_io import open_reader
+    from powerinfer_tools.formats.gguf_io import open_reader
 
     with tempfile.NamedTemporaryFile(suffix=".gguf") as f:
         f.write(data)

@@ -15,7 +15,7 @@ def write_model(path: Path, n_layer: int = 3, n_ff: int = 128, qtype: str = "Q8_
     """Llama-family layout: weights at `qtype`, norms f32, predictors f16 (as a quantized conversion writes)."""
     import gguf
 
-    from powerinfer_tools.gguf_io import set_pwri_magic
+    from powerinfer_tools.formats.gguf_io import set_pwri_magic
 
     rng = np.random.default_rng(0)
     kind = gguf.GGMLQuantizationType[qtype]

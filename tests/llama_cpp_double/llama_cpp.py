@@ -1,4 +1,4 @@
-"""A stand-in for llama-cpp-python in the bench's tests: the calls `bench_worker.LlamaCpp` makes, computed by
+"""A stand-in for llama-cpp-python in the bench's tests: the calls `worker.LlamaCpp` makes, computed by
 transformers from the same GGUF file llama.cpp would load (dequantized to float32). With it CI runs the
 benchmark's llama.cpp path (the worker started in isolated mode, both OpenMP policies, the paired rounds,
 the agreement probe, the ratios and targets) without building llama.cpp, and the agreement probe checks that

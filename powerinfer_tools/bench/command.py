@@ -1,0 +1,123 @@
+"""`pi-tools bench`."""
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from powerinfer_tools.core.errors import UserError
+from powerinfer_tools.runtime.inference import KV_TYPES
+
+
+def _csv(value: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in value.split(",") if v.strip())
+
+
+def _levels(value: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in _csv(value))
+    except ValueError:
+        raise UserError(f"--sweep-levels takes comma-separated numbers, got {value!r}") from None
+
+
+def _wait_policy(value: str | None) -> str | None:
+    from powerinfer_tools.bench.runners import OMP_WAIT_POLICIES
+
+    if value is not None and value.lower() not in OMP_WAIT_POLICIES:
+        raise UserError(f"--llamacpp-wait must be one of {', '.join(OMP_WAIT_POLICIES)}, got {value!r}")
+    return value.lower() if value else None
+
+
+def bench(
+    model: str = typer.Option(..., "--model", "-m", help="Source model: HF directory, llama .gguf file, or "
+                                                         "'smollm2'. Both engines' files are built from it."),
+    outtype: str = typer.Option("q4_0", "--outtype", "-t", help="Weight type of both files: q4_0, q8_0, f16, f32."),
+    threads: int = typer.Option(2, "--threads", help="Threads for every engine."),
+    repeats: int = typer.Option(5, "--repeats", "-r", help="Interleaved rounds of the main table."),
+    modes: str = typer.Option("dense,gate,predictor,auto", "--modes", help="Our FFN modes, comma-separated."),
+    peers: str = typer.Option("llama.cpp,torch", "--peers", help="Other engines: llama.cpp, torch; '' for none."),
+    predictors: Optional[Path] = typer.Option(None, "--predictors", "-p", help="Predictor directory "
+                                              "(train-predictor) to convert with; without it no predictor mode."),
+    profile: Optional[Path] = typer.Option(None, "--profile", help="Profile directory whose activation thresholds "
+                                           "the file stores (the main table's sparsity unless --sparsity) and whose "
+                                           "activation counts order its neurons, as convert does."),
+    sparsity: Optional[float] = typer.Option(None, "--sparsity", help="Run the main table at this FFN sparsity "
+                                             "(thresholds recalibrated) instead of the file's thresholds."),
+    sweep_sparsity: bool = typer.Option(False, "--sweep-sparsity", help="Also time the sparse modes' generation "
+                                        "at each --sweep-levels FFN sparsity."),
+    sweep_levels: str = typer.Option("0.3,0.5,0.7,0.8,0.9,0.95", "--sweep-levels", help="Sparsity levels."),
+    sweep_repeats: int = typer.Option(3, "--sweep-repeats", help="Interleaved rounds per sweep level."),
+    n_prompt: int = typer.Option(512, "--n-prompt", help="Prompt tokens (pp)."),
+    n_gen: int = typer.Option(128, "--n-gen", help="Generated tokens (tg)."),
+    depth: int = typer.Option(0, "--depth", "-d", help="Tokens of the text already in the cache when tg starts "
+                              "(not timed), as llama-bench's -d: generation at a long context."),
+    batch: int = typer.Option(512, "--batch", help="Our engine's prompt batch size."),
+    kv_type: str = typer.Option("f32", "--kv-type", help="Our engine's KV cache type, f32 or f16 (llama.cpp's "
+                                "is f16; matters at a long --depth)."),
+    text: Optional[Path] = typer.Option(None, "--text", help="Text whose tokens are fed (default: the project's "
+                                        "wikitext-2-valid when present, else text the model generates)."),
+    work_dir: Optional[Path] = typer.Option(None, "--work-dir", help="Where the built files are cached, "
+                                            "rebuilt when the inputs or this toolkit's version change "
+                                            "(default: ~/.cache/powerinfer-tools/bench)."),
+    peer_python: Optional[str] = typer.Option(None, "--peer-python", help="Python with llama-cpp-python to run "
+                                              "the llama.cpp peer (default: this Python)."),
+    llamacpp_wait: Optional[str] = typer.Option(None, "--llamacpp-wait", help="OMP_WAIT_POLICY of the llama.cpp "
+                                                "peer: active or passive. Default: both, and every run counts the "
+                                                "faster (spinning collapses on an oversubscribed machine)."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the full record (samples, machine, "
+                                            "byte model, targets) as JSON."),
+    png: Optional[Path] = typer.Option(None, "--png", help="Draw the sweep (tokens/s vs sparsity) as PNG."),
+    markdown: Optional[Path] = typer.Option(None, "--markdown", help="Also write the tables to this file."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars."),
+):
+    """Benchmark prompt processing (pp) and generation (tg) tokens/s: our engine in each FFN mode against
+    llama.cpp (llama-cpp-python) and transformers, same weights, same quantization, same threads.
+
+    Both model files are built from --model at --outtype (cached in --work-dir): our PowerInfer file,
+    and a plain GGUF for llama.cpp holding the same tensor bytes (ffn_down requantized from the same
+    source, as llama.cpp lays it out). Repeats are interleaved and ratios paired per round. Each run of
+    ours is set against a byte model of what a token reads (predicted speedup over dense, achieved /
+    predicted, and achieved / the limit of the measured memory bandwidth). Prints a markdown table.
+
+    Examples:
+
+      pi-tools bench -m smollm2 -t q4_0 -p smollm2-pred --peer-python ~/bench-venv/bin/python
+
+      pi-tools bench -m smollm2 -t q8_0 --modes dense,gate --peers llama.cpp --sweep-sparsity --png sweep.png
+
+      pi-tools bench -m smollm2 --sparsity 0.5 --repeats 9 --json bench.json
+
+      pi-tools bench -m smollm2 --modes dense --peers llama.cpp --depth 2048   # tg128 @ d2048
+
+      pi-tools bench -m smollm2 --modes dense --peers llama.cpp --depth 2048 --kv-type f16   # both caches f16
+    """
+    from powerinfer_tools.bench.harness import BenchOptions, plot_sweep, render_markdown, run_bench, write_json
+
+    if png is not None and not sweep_sparsity:
+        raise UserError("--png draws the sparsity sweep: add --sweep-sparsity")
+    if kv_type not in KV_TYPES:
+        raise UserError(f"--kv-type must be {' or '.join(KV_TYPES)}, not {kv_type!r}")
+    opts = BenchOptions(model=model, outtype=outtype.lower(), threads=threads, repeats=repeats, modes=_csv(modes),
+                        peers=_csv(peers), sparsity=sparsity, sweep=sweep_sparsity, sweep_levels=_levels(sweep_levels),
+                        sweep_repeats=sweep_repeats, n_prompt=n_prompt, n_gen=n_gen, depth=depth, batch=batch,
+                        kv_type=kv_type,
+                        predictors=predictors, profile=profile, text=text, work_dir=work_dir,
+                        peer_python=peer_python, llamacpp_wait=_wait_policy(llamacpp_wait), progress=not quiet,
+                        command="pi-tools " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "")
+    record = run_bench(opts)
+    table = render_markdown(record)
+    typer.echo(table)
+    if markdown is not None:
+        from powerinfer_tools.core.atomic import atomic_file
+
+        with atomic_file(markdown) as tmp:
+            tmp.write_text(table)
+    if json_out is not None:
+        write_json(record, json_out)
+        typer.echo(f"wrote {json_out}")
+    if png is not None:
+        plot_sweep(record, png)
+        typer.echo(f"wrote {png}")

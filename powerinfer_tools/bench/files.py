@@ -1,0 +1,226 @@
+"""The two files a benchmark compares: our PowerInfer GGUF and a plain llama.cpp GGUF of the same weights.
+
+Both come from one source model at one quantization. The PowerInfer file is what `pi-tools convert`
+writes. The llama.cpp file is made from it: every tensor llama.cpp reads is copied byte for byte
+(embeddings, attention, gate, up, norms, output head), the predictors are dropped, and the one tensor
+whose layout differs, `ffn_down_t` (row j = neuron j, for our axpy), becomes llama.cpp's `ffn_down`
+(row i = output channel i) by quantizing the same float32 source matrix with the same gguf-py
+quantizer. A quantized matrix cannot be transposed without requantizing (its 32-value blocks run
+along rows), so ffn_down is the same weights quantized along the other axis: same type, same bytes,
+values within that type's rounding of each other. A file whose neurons were reordered (neuron_order.py)
+gets the source's down columns in the same order.
+
+A benchmark point at a given FFN sparsity rewrites the per-layer thresholds of a working copy of the
+PowerInfer file in place (fixed-size metadata arrays, see `set_thresholds`).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from powerinfer_tools.models import arch
+from powerinfer_tools import models
+from powerinfer_tools.formats import neuron_order
+from powerinfer_tools.core.atomic import atomic_file
+from powerinfer_tools.core.errors import UserError
+from powerinfer_tools.formats.gguf_io import base_arch, field, open_reader
+
+BENCH_OUTTYPES = ("q4_0", "q8_0", "f16", "f32")
+ACTIVATION_THRESHOLDS = "powerinfer.activation_thresholds"
+PREDICTOR_THRESHOLDS = "powerinfer.predictor_thresholds"
+# Metadata llama.cpp has no use for (ours) or that gguf-py's writer sets itself.
+_SKIPPED_KEYS = ("GGUF.", "powerinfer.", "powerinfer_tools.", "general.architecture")
+_LLAMACPP_ARCHES = ("llama",)
+
+
+@dataclass(frozen=True)
+class BenchFiles:
+    """Our file, llama.cpp's file of the same weights, and what they were built from."""
+
+    powerinfer: Path
+    llamacpp: Path
+    manifest: dict
+
+
+def _fingerprint(paths: list[Path]) -> str:
+    """Identity of input files/directories by name, size and modification time (cheap, no hashing of GBs)."""
+    h = hashlib.sha256()
+    for p in paths:
+        entries = sorted(p.rglob("*")) if p.is_dir() else [p]
+        for e in entries:
+            if e.is_file():
+                st = e.stat()
+                h.update(f"{e.resolve()}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def _converter_fingerprint() -> str:
+    """The toolkit's own sources: a file converted by another version (predictors f16 before they took the
+    weight type, say) is not this version's file, so a cached one is rebuilt after any change to them."""
+    h = hashlib.sha256()
+    package = Path(__file__).resolve().parents[1]
+    for path in sorted(package.rglob("*.py")):
+        h.update(f"{path.relative_to(package)}\n".encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def bench_files(model: str, outtype: str, work_dir: Path, predictors: Path | None = None,
+                profile: Path | None = None, progress: bool = True) -> BenchFiles:
+    """Build (or reuse from `work_dir`) the PowerInfer and llama.cpp files of `model` at `outtype`."""
+    from powerinfer_tools.stages.conversion import convert_model
+
+    if outtype not in BENCH_OUTTYPES:
+        raise UserError(f"unknown --outtype '{outtype}' (choose from {', '.join(BENCH_OUTTYPES)})")
+    source = models.resolve(model)
+    inputs = [source.path] + [p for p in (predictors, profile) if p is not None]
+    key = hashlib.sha256(f"{_fingerprint(inputs)}:{_converter_fingerprint()}".encode()).hexdigest()[:16]
+    stem = source.path.stem.replace(".", "_")
+    directory = Path(work_dir) / f"{stem}-{outtype}-{key}"
+    manifest_path = directory / "manifest.json"
+    if manifest_path.is_file():
+        manifest = json.loads(manifest_path.read_text())
+        pwri, plain = directory / manifest["powerinfer"], directory / manifest["llamacpp"]
+        if pwri.is_file() and plain.is_file():
+            return BenchFiles(pwri, plain, manifest)
+    directory.mkdir(parents=True, exist_ok=True)
+    pwri, plain = directory / "model.powerinfer.gguf", directory / "model.llamacpp.gguf"
+    # every tensor in the outtype, as the llama.cpp copy has it (PowerInfer's f16 down projection would differ)
+    summary = convert_model(model, pwri, outtype=outtype, predictors_dir=predictors, profile_dir=profile,
+                            progress=progress, powerinfer_compatible=False)
+    copied = write_llamacpp_gguf(pwri, model, plain)
+    manifest = {"model": model, "source": str(source.path), "outtype": outtype,
+                "predictors": str(predictors) if predictors else None, "profile": str(profile) if profile else None,
+                "powerinfer": pwri.name, "llamacpp": plain.name, "convert": summary, "llamacpp_file": copied}
+    with atomic_file(manifest_path) as tmp:
+        tmp.write_text(json.dumps(manifest, indent=1))
+    return BenchFiles(pwri, plain, manifest)
+
+
+def _source_down_matrices(model: str):
+    """layer -> float32 HF down_proj weight [n_embd, n_ff] of the source model, loaded on demand."""
+    from powerinfer_tools.models.source_weights import open_weights
+
+    source = models.resolve(model)
+    config = models.load_config(source)
+    adapter = arch.for_config(config)
+    weights = open_weights(source, config)
+    maps = {m.name: m for m in adapter.tensor_maps(weights.names_with_prefixes())}
+
+    def load(layer: int) -> np.ndarray:
+        tmap = maps[f"blk.{layer}.ffn_down_t.weight"]
+        stored = weights.find(tmap.source)
+        if stored is None:
+            raise UserError(f"the model has no tensor {tmap.source}")
+        data = weights.load(stored)
+        return data if tmap.reorder is None else tmap.reorder(data)
+
+    return load
+
+
+def _add_field(writer, f, key: str) -> None:
+    import gguf
+
+    vtype = f.types[0]
+    sub_type = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+    writer.add_key_value(key, f.contents(), vtype, sub_type=sub_type)
+
+
+def write_llamacpp_gguf(powerinfer_file: Path, model: str, out: Path) -> dict:
+    """Plain GGUF (magic GGUF, `ffn_down`, no predictors) of the weights in `powerinfer_file`.
+
+    `model` is the source the PowerInfer file was converted from (for ffn_down's float32 data).
+    Returns {"copied": n, "requantized": n} tensor counts.
+    """
+    import gguf
+
+    from powerinfer_tools.stages.conversion import encode
+
+    reader = open_reader(powerinfer_file)
+    arch_name = field(reader, "general.architecture")
+    llamacpp_arch = base_arch(arch_name)  # llama-silu's keys go back under llama's name
+    if llamacpp_arch not in _LLAMACPP_ARCHES:
+        raise UserError(f"{powerinfer_file}: llama.cpp comparison supports {', '.join(_LLAMACPP_ARCHES)} files, "
+                        f"not '{arch_name}'")
+    down = _source_down_matrices(model)
+    n_ff = [int(t.shape[1]) for t in reader.tensors if t.name.endswith(".ffn_down_t.weight")]
+    orders = neuron_order.read(powerinfer_file, n_ff, reader)  # the source's down columns follow the file's neurons
+    copied = requantized = 0
+    with atomic_file(out) as tmp:
+        writer = gguf.GGUFWriter(tmp, llamacpp_arch)
+        try:
+            for f in reader.fields.values():
+                if not f.name.startswith(_SKIPPED_KEYS):
+                    key = f.name
+                    if key.startswith(f"{arch_name}."):
+                        key = llamacpp_arch + key[len(arch_name):]
+                    _add_field(writer, f, key)
+            for t in reader.tensors:
+                name = t.name
+                if name.endswith((".fc1.weight", ".fc2.weight")):
+                    continue
+                data, qtype = t.data, t.tensor_type
+                if name.endswith(".ffn_down_t.weight"):
+                    layer = int(name.split(".")[1])
+                    source = down(layer)
+                    if orders is not None:
+                        source = source[:, orders[layer]]
+                    expected = tuple(int(n) for n in t.shape)  # GGUF ne of ffn_down_t = numpy (n_embd, n_ff)
+                    if source.shape != expected:
+                        raise UserError(f"source down projection of layer {layer} has shape {source.shape}, "
+                                        f"expected {expected} from {name}")
+                    data = encode(source, qtype)
+                    name = name.replace(".ffn_down_t.", ".ffn_down.")
+                    requantized += 1
+                else:
+                    copied += 1
+                if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+                    writer.add_tensor(name, np.asarray(data))
+                else:
+                    writer.add_tensor(name, np.asarray(data), raw_dtype=qtype)
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_tensors_to_file()
+        finally:
+            writer.close()
+    return {"copied": copied, "requantized": requantized}
+
+
+def thresholds(path: Path) -> dict[str, list[float] | None]:
+    """Per-layer activation and predictor thresholds stored in a PowerInfer file (None when absent)."""
+    reader = open_reader(path)
+    return {"activation": _floats(field(reader, ACTIVATION_THRESHOLDS)),
+            "predictor": _floats(field(reader, PREDICTOR_THRESHOLDS))}
+
+
+def _floats(value) -> list[float] | None:
+    return None if value is None else [float(v) for v in value]
+
+
+def working_copy(path: Path, work_dir: Path) -> Path:
+    """A copy of `path` whose thresholds a sweep may rewrite (the original stays untouched)."""
+    out = Path(work_dir) / f"{Path(path).stem}.sweep.gguf"
+    with atomic_file(out) as tmp:
+        shutil.copyfile(path, tmp)
+    return out
+
+
+def set_thresholds(path: Path, activation: list[float] | None = None, predictor: list[float] | None = None) -> None:
+    """Overwrite the per-layer threshold arrays of a PowerInfer file in place (same length, same type)."""
+    reader = open_reader(path, writable=True)
+    for key, values in ((ACTIVATION_THRESHOLDS, activation), (PREDICTOR_THRESHOLDS, predictor)):
+        if values is None:
+            continue
+        f = reader.fields.get(key)
+        if f is None:
+            raise UserError(f"{path}: no {key} to overwrite")
+        if len(f.data) != len(values):
+            raise UserError(f"{path}: {key} has {len(f.data)} entries, got {len(values)}")
+        for index, value in zip(f.data, values):
+            f.parts[index][0] = value
+    reader.data.flush()

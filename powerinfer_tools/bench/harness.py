@@ -1,0 +1,651 @@
+"""`pi-tools bench`: llama-bench-style prompt (pp) and generation (tg) speed of our engine in each FFN
+mode, side by side with llama.cpp and transformers/PyTorch on the same weights and thread count.
+
+Method. Every contestant is timed on the same token ids (real text, so that sparse modes see real
+activations), and the repeats are interleaved: round r times every contestant once before round r+1
+starts. On a shared machine the load drifts; interleaving lets ratios be taken within a round
+(paired), and the reported ratio is the median of the per-round ratios. Speeds are medians with the
+sample standard deviation beside them.
+
+Sparse modes are measured at fixed FFN sparsity levels by rewriting the per-layer thresholds of a
+working copy of the file (sparsity_levels.py), and each run is set against the byte model
+(byte_model.py): predicted speedup over our dense mode, achieved / predicted, and achieved / the
+physical limit of the memory read bandwidth, sampled before every round. The byte model prices a byte of a
+row read by index like a streamed one; the engine's read probe measures what such rows cost on this
+machine, and "achieved / at the probed rates" sets each run against the speedup its bytes allow at them.
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from powerinfer_tools.bench import files as files_mod
+from powerinfer_tools.bench import byte_model
+from powerinfer_tools.bench import machine
+from powerinfer_tools import models
+from powerinfer_tools.bench import sparsity_levels
+from powerinfer_tools.bench.runners import Runner, Worker, llamacpp_runner
+from powerinfer_tools.core.errors import UserError
+
+MODES = ("dense", "gate", "predictor", "auto")
+SPARSE_MODES = ("gate", "predictor", "auto")
+PEERS = ("llama.cpp", "torch")
+SWEEP_LEVELS = (0.3, 0.5, 0.7, 0.8, 0.9, 0.95)
+CALIBRATION_SEQS, CALIBRATION_LEN = 4, 256
+AGREEMENT_TOKENS = 64
+# "of limit" divides by the read bandwidth sampled before every timed round (median), not once per run:
+# on a shared machine it moved between 40 and 69 GB/s from one run to the next.
+BANDWIDTH_PROBE_BYTES = 256 << 20  # far beyond any last-level cache
+BANDWIDTH_PASSES = 2
+
+# issue 7's targets: (what, threshold)
+TARGETS = {
+    "dense_tg_vs_llamacpp": 1.0, "dense_pp_vs_llamacpp": 0.8, "achieved_over_predicted": 0.85,
+    "of_physical_limit": 0.6, "gate@0.5_vs_llamacpp": 1.2, "gate@0.7_vs_llamacpp": 1.35,
+    "predictor@0.9_vs_llamacpp": 1.8, "peak_rss_over_file_kv_buffers": 1.05,
+}
+AT_MOST = {"peak_rss_over_file_kv_buffers"}  # goals that are ceilings
+
+
+def _is_ceiling(target: str) -> bool:
+    """Whether a target (its name, then what it is measured on) is met at or below its goal."""
+    return target.split(" ")[0] in AT_MOST
+
+
+@dataclass
+class BenchOptions:
+    model: str
+    outtype: str = "q4_0"
+    threads: int = 2
+    repeats: int = 5
+    modes: tuple[str, ...] = MODES
+    peers: tuple[str, ...] = PEERS
+    sparsity: float | None = None          # main table at this FFN sparsity (None: the file's thresholds)
+    sweep: bool = False
+    sweep_levels: tuple[float, ...] = SWEEP_LEVELS
+    sweep_repeats: int = 3
+    n_prompt: int = 512
+    n_gen: int = 128
+    depth: int = 0                         # tokens already cached when tg starts (llama-bench's -d)
+    batch: int = 512                       # our engine's prompt batch (llama.cpp's n_ubatch is 512)
+    kv_type: str = "f32"                   # our engine's KV cache type (llama.cpp's is f16)
+    predictors: Path | None = None
+    profile: Path | None = None
+    text: Path | None = None
+    work_dir: Path | None = None
+    peer_python: str | None = None
+    llamacpp_wait: str | None = None       # OMP_WAIT_POLICY of the llama.cpp peer; None: the faster of both per run
+    progress: bool = True
+    command: str = ""
+    log: list[str] = field(default_factory=list)
+
+
+def default_work_dir() -> Path:
+    from powerinfer_tools.models.default_model import cache_dir
+
+    return cache_dir() / "bench"
+
+
+def default_text() -> Path | None:
+    """The project's calibration text when it is around (a checkout beside ../shared/data)."""
+    here = Path(__file__).resolve()
+    for base in (here.parents[2] / ".." / "shared" / "data", Path("/work/shared/data")):
+        candidate = base / "wikitext-2-valid.txt"
+        if candidate.is_file():
+            return candidate.resolve()
+    return None
+
+
+# ---- statistics ---------------------------------------------------------------------------------
+
+def summarize(tokens: int, times: dict) -> dict:
+    """Speeds from per-round wall and CPU seconds: tokens/s, and tokens per CPU-second (the worker
+    process's CPU time, all threads: what the run cost, whatever share of the machine it got)."""
+    tps = [tokens / s for s in times["wall"]]
+    cpu = [tokens / s for s in times["cpu"]]
+    return {"tokens": tokens, "seconds": times["wall"], "cpu_seconds": times["cpu"], "tps": tps,
+            "median": statistics.median(tps), "stdev": statistics.stdev(tps) if len(tps) > 1 else 0.0,
+            "cpu_tps": cpu, "cpu_median": statistics.median(cpu)}
+
+
+def paired_ratio(a: list[float], b: list[float]) -> float | None:
+    """Median over rounds of speed(a) / speed(b), from per-round seconds (b's time / a's time)."""
+    pairs = [tb / ta for ta, tb in zip(a, b) if ta > 0 and tb > 0]
+    return statistics.median(pairs) if pairs else None
+
+
+# ---- the measurement loop -----------------------------------------------------------------------
+
+def _time_rounds(runners: list, tests: dict[str, dict], rounds: int, desc: str, progress: bool,
+                 probe: machine.BandwidthProbe | None = None) -> tuple[dict, float | None]:
+    """({label: {test: {"wall": [...], "cpu": [...]}}}, read bandwidth), every runner once per round, in a fixed
+    order; tests: {"pp": {"tokens": ...}, "tg": {"tokens": ..., "context": ...}}, the runners' arguments. The
+    bandwidth (with `probe`) is the median of one sample per round, taken while every contestant is stopped: the
+    memory system the round had, not a snapshot from the start of the run."""
+    for r in runners:  # warm-up: page in weights, spin up thread pools
+        r.pp(tests.get("pp", tests["tg"])["tokens"][:32])
+        r.tg(tests["tg"]["tokens"][:8])
+    times = {r.label: {t: {"wall": [], "cpu": []} for t in tests} for r in runners}
+    samples = []
+    with tqdm(total=rounds * len(runners) * len(tests), desc=desc, unit="run", disable=not progress) as bar:
+        for _ in range(rounds):
+            if probe is not None:
+                samples.append(probe.measure(BANDWIDTH_PASSES))
+            for r in runners:
+                for test, args in tests.items():
+                    wall, cpu = getattr(r, test)(**args)
+                    times[r.label][test]["wall"].append(wall)
+                    times[r.label][test]["cpu"].append(cpu)
+                    bar.update()
+    return times, (statistics.median(samples) if samples else None)
+
+
+def _layer_sparsity(stats: dict | None) -> dict | None:
+    if not stats:
+        return None
+    layers = [l for l in stats["layers"] if l["tokens"]]
+    computed = sum(l["computed_density"] for l in layers) / len(layers)
+    predicted = [l["predicted_density"] for l in layers if l.get("predicted_density") is not None]
+    return {"ffn_sparsity": 1.0 - computed, "rule_density": stats.get("density"),
+            "gate_rows_read": sum(predicted) / len(predicted) if predicted else 1.0}
+
+
+def _entry(runner, times: dict, n_prompt: int, n_gen: int, target: float | None) -> dict:
+    entry = {"label": runner.label, "backend": runner.backend, "mode": runner.mode, "target_sparsity": target}
+    if "pp" in times:
+        entry["pp"] = summarize(n_prompt, times["pp"])
+    entry["tg"] = summarize(n_gen, times["tg"])
+    if runner.backend == "ours":
+        entry["stats"] = runner.last_stats
+        entry["sparsity"] = _layer_sparsity(runner.last_stats)
+    return entry
+
+
+def _ratios(mine: dict, other: dict) -> dict:
+    """Paired speed ratios per test, by wall time and by CPU time."""
+    out = {}
+    for t in mine:
+        if t in other:
+            out[t] = paired_ratio(mine[t]["wall"], other[t]["wall"])
+            out[f"{t}_cpu"] = paired_ratio(mine[t]["cpu"], other[t]["cpu"])
+    return out
+
+
+def _add_derived(entries: list[dict], times: dict, mb: byte_model.ModelBytes, bandwidth: float, n_gen: int,
+                 depth: int, rates: dict | None = None) -> None:
+    """Ratios to llama.cpp and to our dense mode (paired by round), and the byte model's view; with the machine's
+    read rates (machine.rows_by_index), the speedup over dense those bytes allow at them."""
+    llama = times.get("llama.cpp")
+    dense = times.get("ours dense")
+    position = depth + (n_gen - 1) / 2  # mean cache position over the generated tokens
+    dense_bytes = byte_model.token_bytes(mb, None, position)["total"]
+    dense_seconds = byte_model.machine_seconds(mb, None, position, rates) if rates else None
+    for e in entries:
+        mine = times[e["label"]]
+        if llama is not None and e["backend"] != "llama.cpp":
+            e["vs_llamacpp"] = _ratios(mine, llama)
+        if e["backend"] != "ours":
+            continue
+        layers = e["stats"]["layers"] if e.get("stats") else None
+        parts = byte_model.token_bytes(mb, layers, position)
+        e["bytes_per_token"] = parts
+        e["read_bandwidth"] = bandwidth
+        e["limit_tps"] = bandwidth / parts["total"]
+        e["of_limit"] = e["tg"]["median"] / e["limit_tps"]
+        if dense is not None:
+            e["predicted_speedup"] = dense_bytes / parts["total"]
+            e["achieved_speedup"] = paired_ratio(mine["tg"]["wall"], dense["tg"]["wall"])
+            e["achieved_over_predicted"] = e["achieved_speedup"] / e["predicted_speedup"]
+            e["achieved_speedup_cpu"] = paired_ratio(mine["tg"]["cpu"], dense["tg"]["cpu"])
+            e["achieved_over_predicted_cpu"] = e["achieved_speedup_cpu"] / e["predicted_speedup"]
+            if dense_seconds:
+                e["machine_predicted_speedup"] = dense_seconds / byte_model.machine_seconds(mb, layers, position, rates)
+                e["achieved_over_machine_predicted"] = e["achieved_speedup"] / e["machine_predicted_speedup"]
+
+
+# ---- orchestration ------------------------------------------------------------------------------
+
+def _bench_tokens(opts: BenchOptions, tokenizer, text: str | None, hf_model) -> tuple[list[int], list[int], list[int]]:
+    """Prompt, context (cached before tg: --depth tokens) and generation token ids: consecutive stretches of the
+    text (or of self-generated text); the first token tg's cache sees is BOS where the model has one."""
+    from powerinfer_tools.stages import calibration
+
+    need = opts.n_prompt + opts.depth + opts.n_gen
+    if text is not None:
+        seqs = calibration.sequences_from_text(tokenizer, [text], need, need)
+    else:
+        seqs = calibration.self_generated(hf_model, tokenizer, need, need)
+    ids = seqs[0].tolist()
+    if len(ids) < need:
+        raise UserError(f"the benchmark text gives {len(ids)} tokens, {need} are needed")
+    bos = ids[:1] if tokenizer.bos_token_id is not None else []
+    rest = bos + ids[opts.n_prompt:need - len(bos)]
+    return ids[:opts.n_prompt], rest[:opts.depth], rest[opts.depth:]
+
+
+def _check_options(opts: BenchOptions) -> None:
+    for m in opts.modes:
+        if m not in MODES:
+            raise UserError(f"unknown mode {m!r} in --modes (choose from {', '.join(MODES)})")
+    for p in opts.peers:
+        if p not in PEERS:
+            raise UserError(f"unknown peer {p!r} in --peers (choose from {', '.join(PEERS)})")
+    if opts.threads < 1 or opts.repeats < 1 or opts.sweep_repeats < 1:
+        raise UserError("--threads and --repeats must be at least 1")
+    if opts.n_prompt < 2 or opts.n_gen < 2:
+        raise UserError("--n-prompt and --n-gen must be at least 2")
+    if opts.depth < 0:
+        raise UserError("--depth must be at least 0")
+    for s in ([opts.sparsity] if opts.sparsity is not None else []) + list(opts.sweep_levels if opts.sweep else []):
+        if not 0.0 <= s < 1.0:
+            raise UserError(f"sparsity levels must be in [0, 1), got {s}")
+    if opts.sweep and not set(opts.modes) & set(SPARSE_MODES):
+        raise UserError("--sweep-sparsity needs a sparse mode in --modes (gate, predictor or auto)")
+    if opts.peer_python and "llama.cpp" in opts.peers and shutil.which(opts.peer_python) is None:
+        raise UserError(f"--peer-python {opts.peer_python}: no such executable (a Python with llama-cpp-python)")
+
+
+def _thresholds_at(sample, logits, level: float) -> dict:
+    return {"activation": sparsity_levels.activation_thresholds(sample, level) if sample.thresholded else None,
+            "predictor": sparsity_levels.predictor_thresholds(logits, level) if logits is not None else None}
+
+
+def run_bench(opts: BenchOptions) -> dict:
+    """Build the files, measure, and return the whole record (JSON-ready)."""
+    _check_options(opts)
+    work_dir = Path(opts.work_dir or default_work_dir())
+    started = time.time()
+    record: dict = {"format": "powerinfer-tools.bench/1", "command": opts.command,
+                    "settings": {"model": opts.model, "outtype": opts.outtype, "threads": opts.threads,
+                                 "repeats": opts.repeats, "n_prompt": opts.n_prompt, "n_gen": opts.n_gen, "depth": opts.depth,
+                                 "batch": opts.batch, "kv_type": opts.kv_type, "modes": list(opts.modes),
+                                 "peers": list(opts.peers),
+                                 "sparsity": opts.sparsity}}
+    record["machine"] = machine.machine_record(opts.threads)
+    bandwidth_probe = machine.BandwidthProbe(opts.threads, BANDWIDTH_PROBE_BYTES)
+
+    files = files_mod.bench_files(opts.model, opts.outtype, work_dir, opts.predictors, opts.profile, opts.progress)
+    record["files"] = {"powerinfer": str(files.powerinfer), "llamacpp": str(files.llamacpp),
+                       "powerinfer_bytes": files.powerinfer.stat().st_size,
+                       "llamacpp_bytes": files.llamacpp.stat().st_size, "built": files.manifest}
+    mb = byte_model.model_bytes(files.powerinfer, kv_type=opts.kv_type)
+    record["machine"]["rows_by_index"] = machine.rows_by_index(mb.layers[0].gate_row, opts.threads)
+    has_predictor = any(l.predictor for l in mb.layers)
+
+    source = models.resolve(opts.model)
+    tokenizer = models.load_tokenizer(source)
+    text_path = opts.text or default_text()
+    text = None
+    if text_path is not None:
+        from powerinfer_tools.stages.calibration import read_text
+        text = read_text(text_path)
+    need_calibration = opts.sparsity is not None or opts.sweep
+    hf_model = adapter = None
+    if need_calibration or text is None:
+        hf_model, adapter = models.load_model(source)
+    prompt, context, gen = _bench_tokens(opts, tokenizer, text, hf_model)
+    tg = {"tokens": gen, "context": context}
+    record["tokens"] = {"text": str(text_path) if text is not None else "self-generated",
+                        "prompt": len(prompt), "context": len(context), "generated": len(gen)}
+
+    sample = logits = None
+    if need_calibration:
+        from powerinfer_tools.stages.calibration import self_generated, sequences_from_text
+        seqs = (sequences_from_text(tokenizer, [text[len(text) // 2:]], CALIBRATION_LEN,
+                                    CALIBRATION_SEQS * CALIBRATION_LEN) if text is not None else
+                self_generated(hf_model, tokenizer, CALIBRATION_LEN, CALIBRATION_SEQS * CALIBRATION_LEN))
+        sample = sparsity_levels.collect(hf_model, adapter, seqs)
+        if has_predictor:
+            logits = sparsity_levels.predictor_logits(sample, sparsity_levels.predictor_weights(files.powerinfer))
+        record["calibration_tokens"] = int(seqs.numel())
+
+    modes = [m for m in opts.modes if m != "predictor" or has_predictor]
+    if len(modes) < len(opts.modes):
+        opts.log.append("predictor mode skipped: the file has no predictors (give --predictors DIR)")
+    n_ctx = max(opts.n_prompt, opts.depth + opts.n_gen) + 8
+    workers: list[Worker] = []
+    try:
+        llama = []
+        if "llama.cpp" in opts.peers:
+            runner, llama_workers = llamacpp_runner(files.llamacpp, opts.threads, n_ctx, opts.peer_python,
+                                                    opts.llamacpp_wait)
+            workers.extend(llama_workers)
+            llama = [runner]
+            record["llamacpp"] = llama_workers[0].ask(op="info")
+        torch_runner = []
+        if "torch" in opts.peers:
+            workers.append(Worker("torch", opts.model, opts.threads, n_ctx))
+            torch_runner = [Runner(workers[-1], f"torch {workers[-1].ask(op='info')['torch']} f32")]
+
+        # main table
+        model_file = files.powerinfer
+        if opts.sparsity is not None:
+            model_file = files_mod.working_copy(files.powerinfer, work_dir)
+            files_mod.set_thresholds(model_file, **_thresholds_at(sample, logits, opts.sparsity))
+        ours_worker = Worker("ours", model_file, opts.threads, n_ctx, opts.batch, opts.kv_type)
+        workers.append(ours_worker)
+        info = ours_worker.ask(op="info")
+        record["engine"] = {k: info[k] for k in ("isa", "threads", "n_batch", "weight_type", "kv_type")}
+        record["thresholds"] = {"activation": info["activation_thresholds"], "predictor": info["predictor_thresholds"]}
+        ours = [Runner(ours_worker, f"ours {m}", m) for m in modes]
+        if llama and "dense" in modes:
+            tokens = gen[:AGREEMENT_TOKENS]
+            a, b = ours[modes.index("dense")].argmax(tokens), llama[0].argmax(tokens)
+            record["agreement"] = {"tokens": len(tokens), "top1_ours_dense_vs_llamacpp":
+                                   sum(x == y for x, y in zip(a, b)) / len(tokens)}
+        runners = llama + ours + torch_runner
+        times, bandwidth = _time_rounds(runners, {"pp": {"tokens": prompt}, "tg": tg}, opts.repeats, "bench", opts.progress,
+                                        bandwidth_probe)
+        entries = [_entry(r, times[r.label], len(prompt), len(gen), opts.sparsity) for r in runners]
+        record["engine"]["peak_rss_bytes"] = ours_worker.ask(op="info")["peak_rss_bytes"]
+        record["engine"]["kv_cache_bytes"] = info["kv_cache_bytes"]
+        record["engine"]["work_buffer_bytes"] = info["work_buffer_bytes"]
+        ours_worker.close()
+        record["engine"]["memory_by_mode"] = _memory_by_mode(model_file, opts, n_ctx, modes, prompt, tg)
+        _add_derived(entries, times, mb, bandwidth, len(gen), opts.depth, record["machine"]["rows_by_index"])
+        record["runs"] = entries
+
+        if opts.sweep:
+            record["sweep"] = _sweep(opts, files, work_dir, sample, logits, llama, modes, tg, mb, bandwidth_probe,
+                                     record["machine"]["rows_by_index"])
+        if llama:
+            record["llamacpp"]["peak_rss_bytes"] = max(r.worker.ask(op="info")["peak_rss_bytes"]
+                                                       for r in llama[0].runners.values())
+            record["llamacpp"]["omp_wait_policy"] = "faster of " + " / ".join(llama[0].runners)
+            record["llamacpp"]["omp_wait_wins"] = llama[0].wins
+    finally:
+        for w in workers:
+            w.close()
+    record["targets"] = check_targets(record)
+    record["notes"] = opts.log
+    record["seconds"] = round(time.time() - started, 1)
+    return record
+
+
+def _memory_by_mode(model_file, opts: BenchOptions, n_ctx: int, modes, prompt: list[int], tg: dict) -> dict:
+    """Each mode's peak RSS in a process of its own (the prompt, then the generation), and the worker's RSS
+    before the model opened: what a user running that mode holds. The timed worker runs every mode in one
+    process, so its peak is the union of what the modes touch."""
+    memory = {}
+    for mode in tqdm(modes, desc="memory", unit="mode", disable=not opts.progress):
+        worker = Worker("ours", model_file, opts.threads, n_ctx, opts.batch, opts.kv_type)
+        try:
+            worker.ask(op="mode", mode=mode)
+            worker.ask(op="pp", tokens=prompt)
+            worker.ask(op="tg", **tg)
+            info = worker.ask(op="info")
+        finally:
+            worker.close()
+        memory[mode] = {"peak_rss_bytes": info["peak_rss_bytes"], "rss_before_model_bytes": info["rss_before_model_bytes"]}
+    return memory
+
+
+def _sweep(opts, files, work_dir, sample, logits, llama, modes, tg, mb, probe, rates) -> list[dict]:
+    """tg of every sparse mode at each sparsity level, paired per round with our dense and llama.cpp dense."""
+    copy = files_mod.working_copy(files.powerinfer, work_dir)
+    sparse = [m for m in modes if m in SPARSE_MODES and (m != "gate" or sample.thresholded)]
+    if "gate" in modes and not sample.thresholded:
+        opts.log.append("gate mode not swept: a ReLU-family model's gate sparsity is fixed by the model")
+    n_gen = len(tg["tokens"])
+    n_ctx = opts.depth + n_gen + 8
+    out = []
+    for level in opts.sweep_levels:
+        files_mod.set_thresholds(copy, **_thresholds_at(sample, logits, level))
+        worker = Worker("ours", copy, opts.threads, n_ctx, opts.batch, opts.kv_type)
+        try:
+            runners = llama + [Runner(worker, f"ours {m}", m) for m in ["dense"] + sparse]
+            times, bandwidth = _time_rounds(runners, {"tg": tg}, opts.sweep_repeats, f"sweep {level:.2f}",
+                                            opts.progress, probe)
+            entries = [_entry(r, times[r.label], 0, n_gen, level) for r in runners]
+        finally:
+            worker.close()
+        _add_derived(entries, times, mb, bandwidth, n_gen, opts.depth, rates)
+        out.extend(entries)
+    return out
+
+
+# ---- targets ------------------------------------------------------------------------------------
+
+def check_targets(record: dict) -> list[dict]:
+    """issue 7's targets that this run measured: value, goal, met. Speed ratios to llama.cpp are checked
+    by wall time and, separately, by CPU time (what each engine spent, whatever share of a shared
+    machine it got)."""
+    checks = []
+
+    def add(name: str, value: float | None, where: str) -> None:
+        if value is not None:
+            goal = TARGETS[name.split(" ")[0]]
+            met = value <= goal if _is_ceiling(name) else value >= goal
+            checks.append({"target": name, "where": where, "value": value, "goal": goal, "met": met})
+
+    for e in record.get("runs", []):
+        if e["label"] == "ours dense" and "vs_llamacpp" in e:
+            for test in ("tg", "pp"):
+                add(f"dense_{test}_vs_llamacpp", e["vs_llamacpp"].get(test), "main")
+                add(f"dense_{test}_vs_llamacpp (CPU time)", e["vs_llamacpp"].get(f"{test}_cpu"), "main")
+    for where, entries in (("main", record.get("runs", [])), ("sweep", record.get("sweep", []))):
+        for e in entries:
+            if e["backend"] != "ours":
+                continue
+            at = f"{e['mode']}@{e['target_sparsity']}" if e["target_sparsity"] is not None else e["mode"]
+            if e["mode"] != "dense" and e.get("achieved_over_predicted") is not None:
+                add(f"achieved_over_predicted {at}", e["achieved_over_predicted"], where)
+                add(f"achieved_over_predicted {at} (CPU time)", e.get("achieved_over_predicted_cpu"), where)
+            if e["mode"] != "dense" or e["target_sparsity"] is None:
+                add(f"of_physical_limit {at}", e.get("of_limit"), where)
+            key = f"{e['mode']}@{e['target_sparsity']}_vs_llamacpp"
+            if key in TARGETS and "vs_llamacpp" in e:
+                add(key, e["vs_llamacpp"].get("tg"), where)
+                add(f"{key} (CPU time)", e["vs_llamacpp"].get("tg_cpu"), where)
+    eng, weights = record.get("engine", {}), record.get("files", {}).get("powerinfer_bytes")
+    for mode, m in eng.get("memory_by_mode", {}).items():  # the weights once: the file, the cache, the buffers
+        if weights and m["peak_rss_bytes"] and m["rss_before_model_bytes"] is not None:
+            add(f"peak_rss_over_file_kv_buffers {mode}", (m["peak_rss_bytes"] - m["rss_before_model_bytes"]) /
+                (weights + eng["kv_cache_bytes"] + eng["work_buffer_bytes"]), "main")
+    return checks
+
+
+# ---- reporting ----------------------------------------------------------------------------------
+
+def _f(v, fmt="{:.2f}", none="–"):
+    return none if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
+
+
+def _speed(s: dict | None) -> str:
+    return "–" if not s else f"{s['median']:.1f} ± {s['stdev']:.1f}"
+
+
+def _mib(b) -> str:
+    return _f(b / 2**20 if b is not None else None, "{:.1f}")
+
+
+def _round_bandwidths(record: dict) -> str:
+    """The bandwidth "of limit" divides by: sampled before each round, the median per table."""
+    bws = [e["read_bandwidth"] for e in record.get("runs", []) + record.get("sweep", []) if e.get("read_bandwidth")]
+    if not bws:
+        return ""
+    lo, hi = min(bws) / 1e9, max(bws) / 1e9
+    span = f"{lo:.1f}" if hi - lo < 0.05 else f"{lo:.1f}–{hi:.1f}"
+    return f"; during the timed rounds {span} GB/s ({record['settings']['threads']} threads, median per table)"
+
+
+def _rows_by_index(m: dict) -> str:
+    """The read probe's rates: what a byte of a row picked by index costs here against one read in order."""
+    r = m.get("rows_by_index")
+    if not r:
+        return ""
+    rate = dict(zip(r["density"], r["bytes_per_second"]))
+    shares = ", ".join(f"{rate[d] / 1e9:.1f} GB/s at {d:.0%} of them" for d in (0.1, 0.5, 0.8) if d in rate)
+    return (f"; rows read by index ({r['row_bytes']}-byte rows, {r['threads']} threads, engine.read_rows_rate): "
+            f"{shares}, {rate.get(1.0, float('nan')) / 1e9:.1f} GB/s all in order")
+
+
+def render_markdown(record: dict) -> str:
+    st, m = record["settings"], record["machine"]
+    bw = m.get("read_bandwidth", {})
+    lines = [f"`{record['command']}`" if record.get("command") else "", "",
+             f"Machine: {m['cpu']}, {m['cores']} cores ({', '.join(m['simd'])}); read bandwidth "
+             + ", ".join(f"{_f(v / 1e9, '{:.1f}')} GB/s ({k} thread{'s' if k != '1' else ''})" for k, v in bw.items())
+             + _round_bandwidths(record)
+             + (f"; load average {', '.join(f'{x:.1f}' for x in m['load_average'])}" if m.get("load_average") else "")
+             + _rows_by_index(m),
+             f"Model: {st['model']} {st['outtype']}, {st['threads']} threads, {st['repeats']} interleaved repeats "
+             f"(median ± stdev; t/CPU-s: tokens per CPU-second of the engine's process); "
+             f"text: {record['tokens']['text']}; our kernels: {record.get('engine', {}).get('isa')}, "
+             f"KV cache {st.get('kv_type', 'f32')}",
+             ""]
+    if "llamacpp" in record:
+        lc = record["llamacpp"]
+        lines.append(f"llama.cpp: llama-cpp-python {lc.get('llama_cpp_python')}, OMP_WAIT_POLICY "
+                     f"{lc.get('omp_wait_policy')} (runs won: {lc.get('omp_wait_wins')}); "
+                     f"{lc.get('system_info', '').splitlines()[0] if lc.get('system_info') else ''}")
+        if "agreement" in record:
+            lines.append(f"Same weights check: greedy top-1 of ours dense vs llama.cpp over "
+                         f"{record['agreement']['tokens']} tokens: {record['agreement']['top1_ours_dense_vs_llamacpp']:.3f}")
+    eng = record.get("engine", {})
+    if "peak_rss_bytes" in eng:
+        lines.append(f"Peak RSS of the worker processes (Python included): ours {_mib(eng['peak_rss_bytes'])} MiB "
+                     f"(file {_mib(record['files']['powerinfer_bytes'])} MiB + KV cache {_mib(eng['kv_cache_bytes'])} "
+                     f"MiB)" + (f", llama.cpp {_mib(record['llamacpp']['peak_rss_bytes'])} MiB"
+                                if "peak_rss_bytes" in record.get("llamacpp", {}) else ""))
+    if eng.get("memory_by_mode"):
+        mem = eng["memory_by_mode"]
+        lines.append("Peak RSS with one mode per process, less the worker before the model opened: " + ", ".join(
+            f"{mode} {_mib(m['peak_rss_bytes'] - m['rss_before_model_bytes'])} MiB" for mode, m in mem.items()
+            if m["peak_rss_bytes"] and m["rss_before_model_bytes"] is not None) +
+            f" (file {_mib(record['files']['powerinfer_bytes'])} + KV cache {_mib(eng['kv_cache_bytes'])} + work "
+            f"buffers {_mib(eng['work_buffer_bytes'])} MiB)")
+    lines.append("")
+    pp_n, tg = st["n_prompt"], tg_label(st)
+    lines += [f"| engine | FFN sparsity | pp{pp_n} t/s | {tg} t/s | {tg} t/CPU-s | pp vs llama.cpp | "
+              "tg vs llama.cpp | tg vs llama.cpp, CPU | MiB/token | predicted vs dense | achieved / predicted | "
+              "same, CPU | of limit | achieved / at the probed rates |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for e in record.get("runs", []):
+        sp = e.get("sparsity")
+        vs = e.get("vs_llamacpp", {})
+        lines.append("| " + " | ".join([
+            e["label"], _f(sp["ffn_sparsity"] if sp else None), _speed(e.get("pp")), _speed(e["tg"]),
+            _f(e["tg"].get("cpu_median"), "{:.1f}"), _f(vs.get("pp"), "{:.2f}x"), _f(vs.get("tg"), "{:.2f}x"),
+            _f(vs.get("tg_cpu"), "{:.2f}x"),
+            _mib(e["bytes_per_token"]["total"]) if "bytes_per_token" in e else "–",
+            _f(e.get("predicted_speedup"), "{:.2f}x"), _f(e.get("achieved_over_predicted"), "{:.0%}"),
+            _f(e.get("achieved_over_predicted_cpu"), "{:.0%}"), _f(e.get("of_limit"), "{:.0%}"),
+            _f(e.get("achieved_over_machine_predicted"), "{:.0%}")]) + " |")
+    lines += _phase_table(record.get("runs", []), tg)
+    if record.get("sweep"):
+        lines += ["", f"Sparsity sweep ({tg}, thresholds recalibrated per level):", "",
+                  "| target | engine | FFN sparsity | gate rows read | tg t/s | tg t/CPU-s | vs llama.cpp | "
+                  "vs llama.cpp, CPU | vs ours dense | vs ours dense, CPU | predicted | achieved / predicted | "
+                  "same, CPU | of limit | achieved / at the probed rates |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for e in record["sweep"]:
+            if e["backend"] != "ours":
+                continue
+            sp = e.get("sparsity") or {}
+            vs = e.get("vs_llamacpp", {})
+            lines.append("| " + " | ".join([
+                _f(e["target_sparsity"]), e["label"], _f(sp.get("ffn_sparsity")), _f(sp.get("gate_rows_read")),
+                _speed(e["tg"]), _f(e["tg"].get("cpu_median"), "{:.1f}"), _f(vs.get("tg"), "{:.2f}x"),
+                _f(vs.get("tg_cpu"), "{:.2f}x"), _f(e.get("achieved_speedup"), "{:.2f}x"),
+                _f(e.get("achieved_speedup_cpu"), "{:.2f}x"), _f(e.get("predicted_speedup"), "{:.2f}x"),
+                _f(e.get("achieved_over_predicted"), "{:.0%}"), _f(e.get("achieved_over_predicted_cpu"), "{:.0%}"),
+                _f(e.get("of_limit"), "{:.0%}"), _f(e.get("achieved_over_machine_predicted"), "{:.0%}")]) + " |")
+    if record.get("targets"):
+        lines += ["", "| target | measured | goal | met |", "|---|---|---|---|"]
+        for t in record["targets"]:
+            bound = "≤ " if _is_ceiling(t["target"]) else "≥ "
+            # three digits: a value just short of its goal must not print as the goal itself (0.849 as 0.85, "no")
+            lines.append(f"| {t['target']} ({t['where']}) | {t['value']:.3f} | {bound}{t['goal']:.2f} | "
+                         f"{'yes' if t['met'] else '**no**'} |")
+    for note in record.get("notes", []):
+        lines.append(f"\nNote: {note}")
+    return "\n".join(lines).strip() + "\n"
+
+
+PHASES = ("attention", "predictor", "gate_up", "down", "output")
+
+
+def tg_label(settings: dict) -> str:
+    """llama-bench's name of the generation test: tg128, or tg128 @ d2048 after 2048 cached tokens."""
+    depth = settings.get("depth", 0)
+    return f"tg{settings['n_gen']}" + (f" @ d{depth}" if depth else "")
+
+
+def _phase_table(entries: list[dict], tg: str) -> list[str]:
+    """Where a generated token's time goes in each of our modes: the engine's own phase timers over the last
+    round's tg run, µs per token (the byte model prices bytes; this shows which stage misses it)."""
+    rows = []
+    for e in entries:
+        s = e.get("stats") or {}
+        n, phases = s.get("decode_tokens"), s.get("phases") or {}
+        if e["backend"] != "ours" or not n or not all(k in phases for k in PHASES):
+            continue
+        rest = s["decode_seconds"] - sum(phases[k] for k in PHASES)  # embedding, sampling, the rest of a step
+        rows.append("| " + " | ".join([e["label"]] + [f"{1e6 * phases[k] / n:.0f}" for k in PHASES]
+                                      + [f"{1e6 * rest / n:.0f}", f"{1e6 * s['decode_seconds'] / n:.0f}"]) + " |")
+    if not rows:
+        return []
+    return ["", f"Where a generated token's time goes (µs per token, the engine's phase timers over the last round's "
+                f"{tg}; gate_up: gates, rule and ups; down: the down projection):", "",
+            "| engine | attention | predictor | gate_up | down | output head | other | total |",
+            "|---|---|---|---|---|---|---|---|"] + rows
+
+
+def plot_sweep(record: dict, png: Path) -> None:
+    """Generation speed against FFN sparsity per sparse mode, by wall time and by CPU time, with the dense
+    runs as lines and the byte model's prediction (our dense speed x predicted speedup) dotted."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from powerinfer_tools.core.atomic import atomic_file
+
+    sweep = record.get("sweep") or []
+    if not sweep:
+        raise UserError("--png draws the sparsity sweep: add --sweep-sparsity")
+    by_label: dict[str, list[dict]] = {}
+    for e in sweep:
+        by_label.setdefault(e["label"], []).append(e)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, key, ylabel in ((axes[0], "median", "tokens/s (wall)"), (axes[1], "cpu_median", "tokens per CPU-second")):
+        dense = [d["tg"][key] for d in by_label.get("ours dense", []) if d["tg"].get(key) is not None]
+        for label, entries in by_label.items():
+            ys = [e["tg"].get(key) for e in entries]
+            if None in ys:
+                continue
+            if entries[0]["mode"] == "dense":
+                ax.axhline(statistics.median(ys), ls="--", color="grey" if entries[0]["backend"] == "ours" else "black",
+                           label=f"{label} (median)")
+                continue
+            xs = [e["target_sparsity"] for e in entries]
+            line, = ax.plot(xs, ys, marker="o", label=label)
+            if dense and all(e.get("predicted_speedup") for e in entries):
+                base = statistics.median(dense)
+                ax.plot(xs, [base * e["predicted_speedup"] for e in entries], ls=":", color=line.get_color(),
+                        label=f"{label}: byte model")
+        ax.set_xlabel("FFN sparsity (target level)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=7)
+    st = record["settings"]
+    fig.suptitle(f"{Path(st['model']).name} {st['outtype']}, {st['threads']} threads, {tg_label(st)}")
+    fig.tight_layout()
+    png = Path(png)
+    with atomic_file(png) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+
+
+def write_json(record: dict, path: Path) -> None:
+    from powerinfer_tools.core.atomic import atomic_file
+
+    with atomic_file(path) as tmp:
+        tmp.write_text(json.dumps(record, indent=1))

@@ -1,0 +1,142 @@
+"""`pi-tools convert`."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from powerinfer_tools.stages import placement
+from powerinfer_tools.cli.plan import report, write_plan
+from powerinfer_tools.core.errors import UserError
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def convert(
+    model: str = typer.Option(..., "--model", "-m", help="HF model directory, llama .gguf file, or 'smollm2'. "
+                              "With --dry-run: a bundled config name (relullama-70b, relufalcon-40b, opt-30b, "
+                              "bamboo-7b, ...), a config.json, or a model directory."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output file (conventionally "
+                                       "NAME.powerinfer.gguf). Not used with --dry-run."),
+    predictors: Optional[Path] = typer.Option(
+        None, "--predictors", "-p", help="Predictor directory from train-predictor (model_{i}.pt + config.json). "
+                                         "Without it the file has no predictors (dense / gate-only engine modes)."),
+    profile: Optional[Path] = typer.Option(
+        None, "--profile", help="Profile directory: its per-layer activation thresholds (SiLU/GELU models) are "
+                                "stored as powerinfer.activation_thresholds. ReLU models store 0."),
+    order_neurons: bool = typer.Option(
+        True, "--order-neurons/--source-order", help="With --profile: store each layer's FFN neurons hottest first "
+                                                    "in blocks of 16, spread over the layer (the order is recorded "
+                                                    "in the file), so the rows a sparse step reads come in runs. "
+                                                    "--source-order keeps the model's order."),
+    outtype: Optional[str] = typer.Option(None, "--outtype", "-t", help="Weight type: f32, f16, q8_0 or q4_0 "
+                                          "(default f16; with --dry-run f16,q8_0,q4_0, a comma-separated list). "
+                                          "Norms and biases stay f32; predictors take the weight type too."),
+    powerinfer_compatible: bool = typer.Option(
+        True, "--powerinfer-compatible/--ours-only", help="Store ffn_down_t as PowerInfer's sparse kernels read "
+        "it: f16 in f32 and q8_0 files (PowerInfer reads those rows as f16 whatever their type; f16 and q4_0 "
+        "files are unchanged), and with --vram-budget place GPU neurons in the multiples PowerInfer's CUDA build "
+        "takes (plan --granularity powerinfer). --ours-only keeps ffn_down_t in the outtype and places any count, "
+        "for this toolkit's engine alone."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    vram_budget: Optional[float] = typer.Option(
+        None, "--vram-budget", help="GiB of VRAM: after writing the model, place its hot neurons (as `pi-tools "
+                                    "plan` does, with its defaults) and write OUT.generated.gpuidx beside it. "
+                                    "Needs --profile."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Write nothing: report the file's size by part and "
+                                 "outtype, and the KV cache, from the model's config alone (no weights needed)."),
+    predictor_rank: Optional[int] = typer.Option(
+        None, "--predictor-rank", help="With --dry-run: the predictors' rank (default: train-predictor's cap, "
+                                       "10% of the FFN parameters); 0 for a file without predictors."),
+):
+    """Convert a model (+ predictors) to a PowerInfer GGUF (magic PWRI) that PowerInfer and `pi-tools run` load.
+
+    Tensors are read, transformed and written one at a time, so memory stays near the largest tensor.
+    The file appears under its final name only when complete. --dry-run sizes the file from the config alone.
+
+    Examples:
+
+      pi-tools convert -m smollm2 -p smollm2-pred --profile smollm2-profile -t q8_0 -o smollm2.powerinfer.gguf
+
+      pi-tools convert -m ./ReluLLaMA-7B -p ./ReluLLaMA-7B-pred -t q4_0 -o relullama.q4_0.powerinfer.gguf
+
+      pi-tools convert -m ./tiny-llama -t f32 -o dense.gguf   # no predictors: dense / gate-only use
+
+      pi-tools convert -m smollm2 -p pred --profile prof -t q4_0 -o s.powerinfer.gguf --vram-budget 0.5
+
+      pi-tools convert --dry-run -m relullama-70b              # sizes at f16, q8_0, q4_0; nothing written
+    """
+    if dry_run:
+        if predictors is not None or profile is not None or vram_budget is not None or out is not None:
+            raise UserError("--dry-run sizes the file from the config alone: drop --out/--predictors/--profile/"
+                            "--vram-budget (for a VRAM plan: pi-tools plan --dry-run)")
+        from powerinfer_tools.stages.dry_run import DEFAULT_OUTTYPES
+
+        outtypes = [t.strip().lower() for t in (outtype or ",".join(DEFAULT_OUTTYPES)).split(",") if t.strip()]
+        report_sizes(model, outtypes, predictor_rank)
+        return
+    if predictor_rank is not None:
+        raise UserError("--predictor-rank only applies with --dry-run (a conversion takes the ranks of --predictors)")
+    if out is None:
+        raise UserError("--out is required (or --dry-run to only report sizes)")
+    outtype = outtype or "f16"
+    from powerinfer_tools.stages.conversion import convert_model
+
+    if vram_budget is not None:
+        if profile is None:
+            raise UserError("--vram-budget needs --profile (its activation counts decide the hot neurons)")
+        from powerinfer_tools.stages.profiling import activation_dir
+
+        activation_dir(profile)  # fail before converting, not after
+    summary = convert_model(model, out, outtype=outtype.lower(), predictors_dir=predictors, profile_dir=profile,
+                            progress=not quiet, order_neurons=order_neurons,
+                            powerinfer_compatible=powerinfer_compatible)
+    if summary["thresholded"] and profile is None:
+        typer.echo(f"note: {summary['arch']} is thresholded but no --profile was given: activation thresholds "
+                   "stored as 0 (every neuron counts as active)", err=True)
+    types = ", ".join(f"{n} {k}" for k, n in sorted(summary["types"].items()))
+    typer.echo(f"{summary['arch']} -> {summary['gguf_arch']} {summary['outtype']}: {summary['tensors']} tensors "
+               f"({types}){', with predictors' if summary['predictors'] else ', no predictors'}")
+    if summary["neuron_order"] == "profile":
+        typer.echo("FFN neurons stored hottest first in blocks of 16 by the profile's counts (--source-order: "
+                   "the model's order)")
+    typer.echo(f"bytes: {_mib(summary['bytes_in'])} in the source -> {_mib(summary['bytes_out'])} written "
+               f"({summary['bytes_out'] / max(summary['bytes_in'], 1):.2f}x) in {summary['seconds']:.1f} s")
+    typer.echo(f"wrote {out}")
+    if vram_budget is not None:
+        try:
+            result = placement.plan_for_model(profile, out, vram_budget * placement.GIB,
+                                              granularity="powerinfer" if powerinfer_compatible else 1)
+        except UserError as exc:
+            raise UserError(f"wrote {out}, but no GPU plan: {exc}") from None
+        gpuidx, plan_summary = write_plan(result, placement.default_gpuidx_path(out))
+        report(result)
+        typer.echo(f"wrote {gpuidx} and {plan_summary}")
+
+
+def report_sizes(model: str, outtypes: list[str], predictor_rank: int | None) -> None:
+    """The dry run's table: file bytes by part for each outtype, then the KV cache by context size."""
+    from powerinfer_tools.stages import dry_run
+
+    config_model = dry_run.load(model)
+    reports = [dry_run.size_report(config_model, t, predictor_rank) for t in outtypes]
+    first = reports[0]
+    typer.echo(dry_run.describe(config_model, first))
+    typer.echo(f"predictors: {dry_run.predictor_note(config_model, reports)}")
+    rows = [("FFN (gate/up/down)", "ffn"), ("attention, norms, biases", "attention"), ("predictors", "predictors"),
+            ("output head + norm", "output"), ("token/position embeddings", "embeddings"),
+            ("header + padding", "header")]
+    typer.echo(f"  {'':<26}" + "".join(f"{r.outtype:>12}" for r in reports))
+    for label, key in rows:
+        typer.echo(f"  {label:<26}" + "".join(f"{placement.human_bytes(r.parts()[key]):>12}" for r in reports))
+    typer.echo(f"  {'file':<26}" + "".join(f"{placement.human_bytes(r.file_bytes):>12}" for r in reports))
+    if first.vocab_estimated:
+        typer.echo(f"  (header: vocabulary estimated at {dry_run.VOCAB_BYTES_PER_TOKEN} bytes per token; "
+                   "everything else exact)")
+    contexts = sorted({512, 2048, first.context_length or 2048})
+    typer.echo("KV cache (f16, any outtype): " + ", ".join(
+        f"ctx {c}: {placement.human_bytes(first.kv_cache_bytes(c))}" for c in contexts))
+    typer.echo("dry run: nothing written")

@@ -1,0 +1,82 @@
+"""`pi-tools perplexity`."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from powerinfer_tools.core.errors import UserError
+from powerinfer_tools.runtime.inference import KV_TYPE_HELP
+
+
+def perplexity(
+    model: str = typer.Option(..., "--model", "-m", help="Model file written by 'pi-tools convert', or 'smollm2' "
+                              "(the embedded default, built through the pipeline on first use)."),
+    text_file: Path = typer.Option(..., "--file", "-f", help="UTF-8 text to score."),
+    ctx: int = typer.Option(512, "--ctx", "-c", help="Window length in tokens (each starts with BOS when the model "
+                                                      "has one; windows do not overlap)."),
+    chunks: int = typer.Option(0, "--chunks", help="Windows to score; 0 = as many as the text fills."),
+    sparse_mode: str = typer.Option("dense", "--sparse-mode", help="FFN mode: dense, gate, predictor, auto, oracle."),
+    threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Threads. Default: all cores."),
+    kv_type: str = typer.Option("f32", "--kv-type", help=KV_TYPE_HELP),
+    gpuidx: Optional[Path] = typer.Option(None, "--gpuidx", help="GPU index: hot neurons computed densely."),
+    vram_budget: Optional[float] = typer.Option(None, "--vram-budget", help="GiB of VRAM (as PowerInfer's "
+                                                "--vram-budget): reuse the plan cached beside the model for this "
+                                                "budget, or solve one from --profile."),
+    profile: Optional[Path] = typer.Option(None, "--profile", help="Profile directory, to solve a plan for "
+                                           "--vram-budget (known for 'smollm2')."),
+    recall: bool = typer.Option(False, "--recall", help="In predictor mode, also compute the true activation masks "
+                                                         "and report the predictor's recall (slower)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+):
+    """Perplexity of a converted model on a text file with the bundled engine, in the chosen FFN mode
+    (each token's own sparsity mask applies), with tokens/s and the measured FFN density.
+
+    Windows are cut as `pi-tools profile` cuts calibration text, so the number is comparable with the
+    transformers reference (powerinfer_tools.runtime.evaluate.perplexity) on the same windows.
+
+    Examples:
+
+      pi-tools perplexity -m smollm2.f32.powerinfer.gguf -f wikitext-2-raw-test.txt --ctx 512 --chunks 32
+
+      pi-tools perplexity -m smollm2.q8_0.powerinfer.gguf -f wikitext-2-raw-test.txt --sparse-mode gate --json
+
+      pi-tools perplexity -m smollm2.q8_0.powerinfer.gguf -f wikitext-2-raw-test.txt --ctx 2048 --kv-type f16
+    """
+    from powerinfer_tools.runtime import inference
+    from powerinfer_tools.stages.calibration import read_text, sequences_from_text
+
+    if ctx < 2:
+        raise UserError("--ctx must be at least 2")
+    if chunks < 0:
+        raise UserError("--chunks must be >= 0")
+    target = inference.resolve_model_file(model, gpuidx, vram_budget, profile, ctx)
+    text = read_text(text_file, role="evaluation")
+    tokenizer = inference.load_tokenizer(target.model)
+    n_tokens = ctx * chunks if chunks else len(text)  # len(text) bounds the token count from above
+    windows = sequences_from_text(tokenizer, [text], ctx, n_tokens, length_option="--ctx").numpy()
+    started = time.perf_counter()
+    with inference.open_engine(target, threads=threads, sparse_mode=sparse_mode, ctx_size=ctx,
+                               recall_check=recall, kv_type=kv_type) as llm:
+        result = inference.perplexity(llm, windows, progress=not quiet)
+        stats = llm.stats()
+    seconds = time.perf_counter() - started
+    result.update({"model": str(target.model), "sparse_mode": sparse_mode, "kv_type": kv_type, "ctx": ctx,
+                   "seconds": round(seconds, 2),
+                   "tokens_per_second": stats["prompt_tokens_per_second"], "density": stats["density"],
+                   "recall": stats["recall"], "threads": llm.info["threads"]})
+    if as_json:
+        typer.echo(json.dumps(result))
+        return
+    typer.echo(f"perplexity {result['perplexity']:.4f} over {result['tokens']} predicted tokens "
+               f"({result['windows']} windows of {ctx}), mode {sparse_mode}")
+    line = f"{result['tokens_per_second']:.1f} tokens/s with {result['threads']} threads"
+    if result["density"] is not None:
+        line += f", FFN density {result['density']:.3f}"
+    if result["recall"] is not None:
+        line += f", predictor recall {result['recall']:.4f}"
+    typer.echo(line)

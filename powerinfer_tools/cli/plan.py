@@ -1,0 +1,139 @@
+"""`pi-tools plan`: choose the hot neurons for a VRAM budget and write PowerInfer's gpu-index file."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from powerinfer_tools.stages import placement
+from powerinfer_tools.core.errors import UserError
+
+
+def plan(
+    model: str = typer.Option(..., "--model", "-m", help="Converted model file (MODEL.powerinfer.gguf): its tensor "
+                              "types and shapes give the bytes. With --dry-run: a bundled config name "
+                              "(relullama-70b, relufalcon-40b, opt-30b, bamboo-7b, ...), a config.json or a model "
+                              "directory."),
+    vram_budget: float = typer.Option(..., "--vram-budget", help="GiB of VRAM to use; 0 gives an all-CPU plan."),
+    profile: Optional[Path] = typer.Option(None, "--profile", help="Profile directory from `pi-tools profile` "
+                                           "(reads DIR/activation/activation_{i}.pt; a bare directory of them, as "
+                                           "PowerInfer publishes, works too). Optional with --dry-run."),
+    ctx_size: int = typer.Option(placement.DEFAULT_CTX_SIZE, "--ctx-size", "-c",
+                                 help="Context length the KV cache is sized for."),
+    out: Path = typer.Option(None, "--out", "-o", help="Output gpu-index file (default: MODEL.generated.gpuidx "
+                             "beside the model, where PowerInfer's engine looks); a JSON summary goes to OUT.json. "
+                             "With --dry-run: the JSON summary only, and only when given."),
+    min_layer_neurons: str = typer.Option("auto", "--min-layer-neurons",
+                                          help="A layer that offloads anything offloads at least this many "
+                                          "neurons: 'auto' (from the split-overhead cost model) or N."),
+    reserve_mib: float = typer.Option(placement.DEFAULT_RESERVE_BYTES / placement.MIB, "--reserve-mib",
+                                      help="VRAM kept free for the CUDA context and scratch buffers."),
+    offload_output: bool = typer.Option(True, "--offload-output/--no-offload-output",
+                                        help="Put the output head on the GPU (PowerInfer does)."),
+    dense: str = typer.Option("all", "--dense", help="'all': every layer's attention, predictor and KV cache go "
+                              "to VRAM first, as PowerInfer's engine does; 'with-ffn': only for layers that "
+                              "place neurons."),
+    time_limit: float = typer.Option(20.0, "--time-limit", help="Seconds for the MILP; past it the best plan "
+                                     "found is used and the proved bound reported."),
+    granularity: str = typer.Option("1", "--granularity", help="Each layer puts 0, a multiple of N, or all of its "
+                                    "neurons on the GPU. 'powerinfer': what PowerInfer's CUDA build takes, 256 "
+                                    "when the file's down projection is q4_0, else 32 (this engine takes any N)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Plan for a model not converted (or downloaded) yet: "
+                                 "bytes from its config's shapes at --outtype; counts from --profile, else an "
+                                 "assumed power law (labelled as such). Writes nothing unless --out."),
+    outtype: str = typer.Option("q4_0", "--outtype", "-t", help="With --dry-run: the weight type the model would be "
+                                "converted to (f32, f16, q8_0, q4_0)."),
+    predictor_rank: Optional[int] = typer.Option(
+        None, "--predictor-rank", help="With --dry-run: the predictors' rank (default: train-predictor's cap, 10% "
+                                       "of the FFN parameters); 0 for none."),
+    exponent: float = typer.Option(placement.SYNTHETIC_EXPONENT, "--power-law-exponent",
+                                   help="With --dry-run and no --profile: exponent a of the assumed activation "
+                                   "rate min(1, 0.01 (rank/n_ff)^-a); larger is more skewed."),
+):
+    """Place the hottest FFN neurons on the GPU within a VRAM budget (an exact MILP, HiGHS).
+
+    Maximises the activations served from the GPU, counting bytes at the model file's quantization.
+    --dry-run does the same from a model's config alone, before converting or downloading it.
+
+    Examples:
+
+      pi-tools plan --profile prof --model smollm2.powerinfer.gguf --vram-budget 0.5
+
+      pi-tools plan --profile prof -m model.powerinfer.gguf --vram-budget 8 -c 2048 -o model.gpuidx
+
+      pi-tools plan --dry-run -m relufalcon-40b -t q4_0 --vram-budget 24
+
+      pi-tools plan --profile prof -m model.q4_0.powerinfer.gguf --vram-budget 8 --granularity powerinfer
+
+      pi-tools plan --dry-run -m ./ReluLLaMA-70B --profile ./ReluLLaMA-70B-PowerInfer-GGUF/activation --vram-budget 12
+    """
+    options = dict(ctx_size=ctx_size, min_layer_neurons=min_layer_neurons,
+                   reserve_bytes=int(reserve_mib * placement.MIB), offload_output=offload_output, dense=dense,
+                   time_limit=time_limit, granularity=granularity)
+    if dry_run:
+        from powerinfer_tools.stages import dry_run as dry
+
+        config_model = dry.load(model)
+        result = dry.plan_from_config(config_model, outtype.lower(), vram_budget * placement.GIB, profile,
+                                      predictor_rank, exponent, **options)
+        report_dry_run(config_model, result)
+        if out is not None:
+            placement.write_summary(result.plan, out, extra={"dry_run": dry_run_summary(result)})
+            typer.echo(f"wrote {out}")
+        return
+    if predictor_rank is not None:
+        raise UserError("--predictor-rank only applies with --dry-run (a converted file has its predictors)")
+    if profile is None:
+        raise UserError("--profile is required (its activation counts decide the hot neurons), except with --dry-run")
+    result = placement.plan_for_model(profile, model, vram_budget * placement.GIB, **options)
+    out, summary = write_plan(result, out or placement.default_gpuidx_path(model))
+    report(result)
+    typer.echo(f"wrote {out} and {summary}")
+
+
+def dry_run_summary(result) -> dict:
+    """What the dry run assumed, for the JSON summary."""
+    r = result.report
+    return {"outtype": r.outtype, "predictor_rank": r.predictor_rank, "file_bytes": r.file_bytes,
+            "parts_bytes": r.parts(), "activation_counts": result.assumption or "profile"}
+
+
+def report_dry_run(config_model, result) -> None:
+    from powerinfer_tools.stages import dry_run
+
+    r = result.report
+    typer.echo(f"dry run (nothing converted): {dry_run.describe(config_model, r)}")
+    typer.echo(f"{r.outtype} file {placement.human_bytes(r.file_bytes)}; "
+               f"predictors: {dry_run.predictor_note(config_model, [r])}")
+    if result.assumption:
+        typer.echo(result.assumption)
+    report(result.plan)
+    if result.assumption:
+        typer.echo("(served shares above follow from the ASSUMED counts, not from a profile of this model)")
+
+
+def write_plan(result: placement.Plan, out: Path) -> tuple[Path, Path]:
+    """The gpu-index file and its JSON summary (OUT.json)."""
+    summary = Path(f"{out}.json")
+    placement.write_gpuidx(result, out)
+    placement.write_summary(result, summary)
+    return Path(out), summary
+
+
+def report(result: placement.Plan) -> None:
+    """Print the budget breakdown and each layer's GPU share."""
+    s = result.summary()
+    typer.echo("VRAM budget breakdown:")
+    for line in placement.breakdown_lines(result):
+        typer.echo(line)
+    solver = s["solver"]
+    typer.echo(f"solver: {solver['method']}, {solver['seconds']:.2f} s"
+               + (f", {solver['iterations']} MILP rounds" if solver.get("iterations") else "")
+               + (" (time limit hit: best plan found)" if solver.get("timed_out") else ""))
+    typer.echo(f"GPU neurons {s['gpu_neurons']}/{s['neurons']}, activations served from GPU "
+               f"{100 * s['served_fraction']:.1f}%")
+    typer.echo(f"  {'layer':>5} {'gpu/n_ff':>13} {'min':>6} {'served':>7}")
+    for layer in s["layers"]:
+        typer.echo(f"  {layer['layer']:>5} {layer['gpu_neurons']:>6}/{layer['n_ff']:<6} {layer['min_neurons']:>6} "
+                   f"{100 * layer['served_fraction']:>6.1f}%")

@@ -1,0 +1,77 @@
+"""`pi-tools profile`."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from powerinfer_tools.core.errors import UserError
+
+
+def _parse_targets(value: Optional[str]) -> list[float] | None:
+    if value is None:
+        return None
+    try:
+        return [float(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise UserError(f"--target-sparsity takes a number or a comma-separated list, got {value!r}") from None
+
+
+def print_summary(profile: dict) -> None:
+    m = profile["model"]
+    typer.echo(f"\n{m['arch']} ({m['activation']}), {m['n_layer']} layers x {m['n_ff']} neurons, "
+               f"{profile['tokens']} tokens profiled"
+               + (f" at {profile['tokens_per_second']:.0f} tok/s" if profile.get("tokens_per_second") else ""))
+    typer.echo(f"{'layer':>5} {'threshold':>10} {'sparsity':>9} {'hot10%':>7} {'hot20%':>7} {'hot50%':>7}")
+    for row, t in zip(profile["layers"], profile["thresholds"]):
+        typer.echo(f"{row['layer']:>5} {t:>10.4g} {row['sparsity']:>9.3f} {row['hot10']:>7.3f} "
+                   f"{row['hot20']:>7.3f} {row['hot50']:>7.3f}")
+    typer.echo("hotN% = share of all activations served by the hottest N% of the layer's neurons")
+
+
+def profile(
+    model: str = typer.Option(..., "--model", "-m", help="HF model directory, .gguf file, or 'smollm2'."),
+    out: Path = typer.Option(..., "--out", "-o", help="Output profile directory."),
+    calib: Optional[List[Path]] = typer.Option(None, "--calib", help="Calibration text file (repeatable). "
+                                               "Without it: data-free, on text the model generates itself."),
+    tokens: int = typer.Option(32768, help="Tokens to profile."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sequence. Default: 512, or the "
+                                          "model's context length if shorter."),
+    batch: int = typer.Option(4, help="Sequences per forward pass."),
+    device: str = typer.Option("cpu", help="cpu, cuda, or auto (accelerate device_map spreads a large "
+                                             "model over GPUs and CPU)."),
+    dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
+    target_sparsity: Optional[str] = typer.Option(
+        None, "--target-sparsity",
+        help="SiLU/GELU models: fraction of activations below each layer's threshold; one value or one per "
+             "layer, comma-separated. Default 0.2 (SmolLM2: +2.1% perplexity). Ignored for ReLU models."),
+    max_samples: int = typer.Option(8192, "--max-samples", help="Predictor training rows kept per layer."),
+    seed: int = typer.Option(0, help="Random seed (row sampling, data-free generation)."),
+    force: bool = typer.Option(False, "--force", help="Replace a non-empty output directory, or an interrupted profile's kept work."),
+    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted profile of the same --out "
+                                "with the same options (nothing is counted twice)."),
+):
+    """Profile FFN activations on calibration text: per-neuron activation counts (PowerInfer's
+    activation_{i}.pt), activation thresholds, and predictor training rows.
+
+    Examples:
+
+      pi-tools profile -m smollm2 --calib wiki.txt --out smollm2-profile
+
+      pi-tools profile -m ./ReluLLaMA-7B --calib a.txt --calib b.txt --tokens 65536 --device auto -o prof
+
+      pi-tools profile -m smollm2 --target-sparsity 0.5 --tokens 4096 -o prof   # data-free
+    """
+    from powerinfer_tools.stages.profiling import ProfileOptions, run_profile
+
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise UserError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    if device not in ("cpu", "cuda", "auto"):
+        raise UserError(f"--device must be cpu, cuda or auto, got {device!r}")
+    opts = ProfileOptions(model=model, out=out, calib=list(calib or []), tokens=tokens, seq_len=seq_len,
+                          batch=batch, device=device, dtype=dtype, target_sparsity=_parse_targets(target_sparsity),
+                          max_samples=max_samples, seed=seed, force=force, resume=resume)
+    result = run_profile(opts)
+    print_summary(result)
+    typer.echo(f"wrote {out}")

@@ -1,0 +1,73 @@
+"""`pi-tools sparsify`."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+
+def sparsify(
+    model: str = typer.Option(..., "--model", "-m", help="SiLU Llama-family model: HF directory, .gguf file, "
+                              "or 'smollm2'."),
+    out: Path = typer.Option(..., "--out", "-o", help="Output Hugging Face model directory (ReLU Llama)."),
+    calib: Optional[List[Path]] = typer.Option(None, "--calib", help="Training text file (repeatable; never the "
+                                               "evaluation text). Without it: text the model generates itself."),
+    target_sparsity: float = typer.Option(0.85, "--target-sparsity", help="Share of exact-zero FFN activations "
+                                          "each layer is steered to."),
+    tokens: int = typer.Option(262144, help="End-to-end distillation tokens (0: layer-local phase only)."),
+    local_tokens: int = typer.Option(32768, "--local-tokens", help="Tokens whose FFN inputs/outputs the "
+                                     "layer-local phase trains on."),
+    local_epochs: int = typer.Option(4, "--local-epochs", help="Passes over them per layer (0: skip the phase)."),
+    seq_len: int = typer.Option(256, "--seq-len", help="Tokens per training sequence."),
+    batch: int = typer.Option(4, help="Sequences per step."),
+    lr: float = typer.Option(1e-4, help="End-to-end learning rate (AdamW, warm-up then cosine)."),
+    local_lr: float = typer.Option(1e-3, "--local-lr", help="Layer-local learning rate (Adam)."),
+    eval_tokens: int = typer.Option(16384, "--eval-tokens", help="Tokens held out of the calibration text to "
+                                    "measure the result (at most a tenth of it)."),
+    device: str = typer.Option("auto", help="auto (a GPU when there is one), cpu or cuda."),
+    dtype: str = typer.Option("auto", help="Compute type: auto (bfloat16 on a GPU that has it, float32 on the "
+                              "CPU), float32 or bfloat16. Weights are trained in float32."),
+    grad_checkpointing: bool = typer.Option(False, "--grad-checkpointing/--no-grad-checkpointing",
+                                            help="Recompute activations in the backward pass (less memory)."),
+    checkpoint_minutes: float = typer.Option(5.0, "--checkpoint-minutes", help="Minutes between checkpoints."),
+    seed: int = typer.Option(0, help="Random seed (data order, data-free generation)."),
+    force: bool = typer.Option(False, "--force", help="Replace a non-empty output directory."),
+    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run with the same options, bit "
+                                "for bit."),
+):
+    """Turn a SiLU model into a genuinely sparse ReLU model: SiLU -> ReLU on the gate, then distillation from
+    the original (layer-local, then end-to-end KL) under an L1 penalty on the FFN activations that is steered,
+    per layer, to the target sparsity. Writes a Llama checkpoint with hidden_act relu that profile,
+    train-predictor and convert take as it is, plus OUT/sparsify.json (per-layer sparsity, held-out perplexity
+    against the original, tokens, time). Ctrl-C saves a checkpoint; --resume continues from it.
+
+    Examples:
+
+      pi-tools sparsify -m smollm2 --calib wikitext-2-valid.txt -o smollm2-relu
+
+      pi-tools sparsify -m ./Llama-3.2-1B --calib a.txt --target-sparsity 0.9 --device cuda -o llama-relu
+
+      pi-tools sparsify -m smollm2 --calib wiki.txt -o smollm2-relu --resume   # after Ctrl-C
+    """
+    from powerinfer_tools.stages.sparsification import SparsifyOptions, run_sparsify
+
+    opts = SparsifyOptions(model=model, out=out, calib=list(calib or []), target_sparsity=target_sparsity,
+                           tokens=tokens, local_tokens=local_tokens, local_epochs=local_epochs, seq_len=seq_len,
+                           batch=batch, lr=lr, local_lr=local_lr, eval_tokens=eval_tokens, device=device,
+                           dtype=dtype, grad_checkpointing=grad_checkpointing,
+                           checkpoint_minutes=checkpoint_minutes, seed=seed, force=force, resume=resume)
+    report = run_sparsify(opts)
+    print_summary(report)
+    typer.echo(f"wrote {out}")
+
+
+def print_summary(report: dict) -> None:
+    held = report["held_out"]
+    typer.echo(f"\n{'layer':>5} {'sparsity':>9}")
+    for i, s in enumerate(report["layer_sparsity"]):
+        typer.echo(f"{i:>5} {s:>9.3f}")
+    typer.echo(f"mean FFN sparsity {report['sparsity']:.3f} (target {report['target_sparsity']}); held-out "
+               f"perplexity {held['perplexity_sparsified']:.3f} vs {held['perplexity_original']:.3f} original "
+               f"({held['perplexity_ratio']:.3f}x) on {held['tokens']} tokens; "
+               f"{report['tokens_seen']['end_to_end']} end-to-end tokens in {report['train_seconds']:.0f} s")

@@ -1,1 +1,0 @@
-"""One module per `pi-tools` subcommand: argument parsing and printing only; the work lives in the library."""

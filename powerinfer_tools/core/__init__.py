@@ -1,0 +1,1 @@
+"""Plumbing every stage shares: one-line errors, atomic outputs, safe .pt loading."""

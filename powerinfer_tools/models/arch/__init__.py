@@ -1,0 +1,42 @@
+"""Architecture adapters: pick the one a transformers config belongs to."""
+from __future__ import annotations
+
+from powerinfer_tools.models.arch.bamboo import Bamboo
+from powerinfer_tools.models.arch.base import Arch, Dims, install_taps, is_active
+from powerinfer_tools.models.arch.falcon import Falcon
+from powerinfer_tools.models.arch.llama_family import is_bamboo
+from powerinfer_tools.models.arch.llama_relu import LlamaRelu
+from powerinfer_tools.models.arch.llama_silu import LlamaSilu
+from powerinfer_tools.models.arch.opt import Opt
+from powerinfer_tools.models.arch.prosparse import MODEL_TYPE as PROSPARSE_MODEL_TYPE, ProSparse
+from powerinfer_tools.core.errors import UserError
+
+ADAPTERS: tuple[type[Arch], ...] = (LlamaRelu, LlamaSilu, ProSparse, Bamboo, Falcon, Opt)
+
+__all__ = ["ADAPTERS", "Arch", "Dims", "for_config", "config_class_for", "install_taps", "is_active"]
+
+
+def supported() -> str:
+    return "; ".join(f"{a.name}: {a.description}" for a in ADAPTERS)
+
+
+def for_config(config) -> Arch:
+    """The adapter for a config, or a UserError naming the supported architectures."""
+    for adapter in ADAPTERS:
+        if adapter.matches(config):
+            return adapter(config)
+    act = getattr(config, "hidden_act", None) or getattr(config, "activation", None) or "?"
+    raise UserError(f"unsupported architecture '{config.model_type}' (activation {act}); supported: {supported()}")
+
+
+def config_class_for(raw: dict):
+    """A transformers config class for raw config.json contents that transformers cannot map itself."""
+    from types import SimpleNamespace
+
+    if is_bamboo(SimpleNamespace(model_type=raw.get("model_type"), architectures=raw.get("architectures"))):
+        from transformers import MistralConfig
+        return MistralConfig
+    if raw.get("model_type") == PROSPARSE_MODEL_TYPE:
+        from transformers import LlamaConfig
+        return LlamaConfig
+    return None

@@ -1,0 +1,111 @@
+"""Shared parts of the Llama-family adapters (Llama, Mistral, Bamboo): gated FFN in `layer.mlp`,
+predictor input = the residual entering the FFN block (input of post_attention_layernorm)."""
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+
+from powerinfer_tools.models.arch.base import Arch, Dims, TensorMap, rope_theta
+
+LLAMA_MODEL_TYPES = ("llama", "mistral")
+
+# llama.cpp block tensor -> Hugging Face module inside `model.layers.N.`
+BLOCK_TENSORS = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def rope_to_adjacent(data: np.ndarray, n_heads: int) -> np.ndarray:
+    """Reorder each head's rows from HF's rotate-half RoPE order (pairs i, i+d/2) to the adjacent
+    pairs (2i, 2i+1) that llama.cpp's RoPE rotates, as llama.cpp's converter does for q and k."""
+    return data.reshape(n_heads, 2, data.shape[0] // n_heads // 2, *data.shape[1:]).swapaxes(1, 2).reshape(data.shape)
+
+
+def rope_to_half(data: np.ndarray, n_heads: int) -> np.ndarray:
+    """The inverse of rope_to_adjacent: read a llama.cpp q/k back in HF order."""
+    return data.reshape(n_heads, data.shape[0] // n_heads // 2, 2, *data.shape[1:]).swapaxes(1, 2).reshape(data.shape)
+
+
+def llamacpp_to_hf(name: str, config) -> tuple[str, object]:
+    """For a tensor of a llama.cpp GGUF (e.g. the default SmolLM2): the HF tensor name and the
+    reorder that brings its data back to the HF layout (None when it is already)."""
+    stem, _, suffix = name.rpartition(".")
+    if stem in GLOBAL_TENSORS:
+        return f"{GLOBAL_TENSORS[stem]}.{suffix}", None
+    parts = stem.split(".")
+    if len(parts) != 3 or parts[0] != "blk" or parts[2] not in BLOCK_TENSORS:
+        return "", None
+    hf = f"model.layers.{parts[1]}.{BLOCK_TENSORS[parts[2]]}.{suffix}"
+    heads = {"attn_q": config.num_attention_heads, "attn_k": _n_kv(config)}.get(parts[2])
+    return hf, (partial(rope_to_half, n_heads=heads) if heads else None)
+
+
+def _n_kv(config) -> int:
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaFamily(Arch):
+    powerinfer_arch = "llama"
+    gated = True
+
+    def dims(self) -> Dims:
+        c = self.config
+        return Dims(c.num_hidden_layers, c.hidden_size, c.intermediate_size)
+
+    def layers(self, model):
+        return list(model.model.layers)
+
+    def activation_module(self, layer):
+        return layer.mlp.act_fn
+
+    def predictor_input_module(self, layer):
+        return layer.post_attention_layernorm
+
+    def tensor_maps(self, available):
+        c = self.config
+        rope = {"attn_q": partial(rope_to_adjacent, n_heads=c.num_attention_heads),
+                "attn_k": partial(rope_to_adjacent, n_heads=_n_kv(c))}
+        maps = [TensorMap("token_embd.weight", "model.embed_tokens.weight")]
+        for i in range(c.num_hidden_layers):
+            for ours, theirs in BLOCK_TENSORS.items():
+                src = f"model.layers.{i}.{theirs}"
+                name = f"blk.{i}.{'ffn_down_t' if ours == 'ffn_down' else ours}"
+                maps.append(TensorMap(f"{name}.weight", f"{src}.weight", rope.get(ours), ours == "ffn_down"))
+                if f"{src}.bias" in available:  # attention_bias / mlp_bias checkpoints
+                    maps.append(TensorMap(f"{name}.bias", f"{src}.bias", rope.get(ours)))
+        head = "lm_head.weight" if "lm_head.weight" in available else "model.embed_tokens.weight"
+        return maps + [TensorMap("output_norm.weight", "model.norm.weight"), TensorMap("output.weight", head)]
+
+    def write_hparams(self, writer) -> None:
+        c = self.config
+        writer.add_context_length(c.max_position_embeddings)
+        writer.add_embedding_length(c.hidden_size)
+        writer.add_block_count(c.num_hidden_layers)
+        writer.add_feed_forward_length(c.intermediate_size)
+        writer.add_rope_dimension_count(_head_dim(c))
+        writer.add_head_count(c.num_attention_heads)
+        writer.add_head_count_kv(_n_kv(c))
+        writer.add_layer_norm_rms_eps(float(c.rms_norm_eps))
+        writer.add_rope_freq_base(rope_theta(c))
+        scaling = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
+        if scaling.get("rope_type", scaling.get("type")) == "linear":
+            import gguf
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(float(scaling["factor"]))
+
+
+def hidden_act(config) -> str:
+    return str(getattr(config, "hidden_act", "")).lower()
+
+
+def is_bamboo(config) -> bool:
+    archs = getattr(config, "architectures", None) or []
+    return config.model_type == "bamboo" or any("bamboo" in a.lower() for a in archs)

@@ -1,0 +1,224 @@
+"""Running a converted file with the bundled engine: opening it with one-line errors, perplexity over
+non-overlapping windows, incremental detokenization and llama.cpp-style timing lines.
+
+`pi-tools run` and `pi-tools perplexity` are thin layers over this; the caller decides which file
+and which GPU index to run (see `resolve_model_file`), so model building and VRAM planning can be
+put in front without touching the engine side.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from powerinfer_tools.core.errors import UserError
+
+SPARSE_MODES = ("dense", "gate", "predictor", "auto", "oracle")
+
+
+@dataclass(frozen=True)
+class EngineTarget:
+    """What the engine opens: a converted model file and, optionally, the GPU index splitting its FFN."""
+
+    model: Path
+    gpuidx: Path | None = None
+
+
+def resolve_model_file(spec: str, gpuidx: str | os.PathLike | None = None, vram_budget_gib: float | None = None,
+                       profile: str | os.PathLike | None = None, ctx_size: int = 512) -> EngineTarget:
+    """What --model (+ --gpuidx / --vram-budget) names: a converted file, or `smollm2`, built on first use.
+
+    With a VRAM budget and no explicit GPU index, the plan cached beside the model
+    (MODEL.generated.gpuidx, where PowerInfer looks) is reused when it was solved for that budget;
+    otherwise one is solved from the profile and cached there.
+    """
+    from powerinfer_tools.models import default_model
+    from powerinfer_tools.runtime import default_build as pipeline
+
+    if spec == default_model.NAME:
+        path = pipeline.build(spec)
+        profile = profile or pipeline.model_dir(spec) / "profile"
+    else:
+        path = Path(spec).expanduser()
+        if path.is_dir():
+            raise UserError(f"{spec} is a directory, not a model file: give the .gguf file 'pi-tools convert' wrote "
+                            f"(convert -m {spec} -o FILE makes one from a model directory)")
+        if not path.is_file():
+            raise UserError(f"model file not found: {spec} (give a file written by 'pi-tools convert', "
+                            f"or '{default_model.NAME}')")
+    if gpuidx is not None:
+        gpuidx = Path(gpuidx).expanduser()
+        if not gpuidx.is_file():
+            raise UserError(f"GPU index not found: {gpuidx}")
+    elif vram_budget_gib is not None:
+        gpuidx = cached_plan(path, vram_budget_gib, profile, ctx_size)
+    return EngineTarget(path, gpuidx)
+
+
+def cached_plan(model: Path, vram_budget_gib: float, profile: str | os.PathLike | None, ctx_size: int) -> Path:
+    """MODEL.generated.gpuidx for this budget: reused when its summary says so, else solved and written."""
+    import json
+
+    from powerinfer_tools.stages import placement
+
+    placement.check_budget(vram_budget_gib * placement.GIB)
+    budget = int(vram_budget_gib * placement.GIB)
+    path = placement.default_gpuidx_path(model)
+    summary = path.with_name(path.name + ".json")
+    saved = {}
+    if path.is_file() and summary.is_file():
+        try:
+            saved = json.loads(summary.read_text())
+        except json.JSONDecodeError:
+            saved = {}
+        # (an index written before plans recorded the neuron order lacks the model's order: solved again)
+        if saved.get("vram_budget") == budget and saved.get("ctx_size") == ctx_size and "neuron_order" in saved:
+            return path
+    if profile is None:
+        cached = ""
+        if saved.get("vram_budget") is not None:
+            cached = (f" (the one cached, {path.name}, was solved for {saved['vram_budget'] / placement.GIB:g} GiB "
+                      f"and --ctx-size {saved.get('ctx_size')}; this run asks for --ctx-size {ctx_size})")
+        raise UserError(f"--vram-budget: no plan for {vram_budget_gib} GiB is cached beside {model.name}{cached}; "
+                        "give --profile DIR (the profile the model was converted from) to solve one")
+    plan = placement.plan_for_model(profile, model, budget, ctx_size=ctx_size)
+    placement.write_gpuidx(plan, path)
+    placement.write_summary(plan, summary)
+    print(f"pi-tools: solved a placement for {vram_budget_gib} GiB -> {path}", file=sys.stderr)
+    return path
+
+
+KV_TYPES = ("f32", "f16")
+KV_TYPE_HELP = ("KV cache type: f32 (logits within float rounding of transformers) or f16 (half the cache's memory "
+                "and of what each generated token reads of it at a long context; llama.cpp's default).")
+
+
+def open_engine(target: EngineTarget, threads: int | None = None, sparse_mode: str = "dense",
+                ctx_size: int | None = None, recall_check: bool = False, kv_type: str = "f32"):
+    """engine.Model for the target; engine failures become UserError with the engine's message."""
+    import engine
+
+    if sparse_mode not in SPARSE_MODES:
+        raise UserError(f"unknown --sparse-mode {sparse_mode!r} (choose from {', '.join(SPARSE_MODES)})")
+    if kv_type not in KV_TYPES:
+        raise UserError(f"unknown --kv-type {kv_type!r} (choose from {', '.join(KV_TYPES)})")
+    if threads is not None and threads < 1:
+        raise UserError("--threads must be at least 1")
+    if ctx_size is not None and ctx_size < 1:
+        raise UserError(f"--ctx-size must be at least 1 token, not {ctx_size}")
+    with engine_errors():
+        model = engine.Model(target.model, threads=threads, sparse_mode=sparse_mode, ctx_size=ctx_size,
+                             gpuidx=target.gpuidx, recall_check=recall_check, kv_type=kv_type)
+    useless = [i for i, useful in enumerate(model.info.get("predictor_useful", [])) if not useful]
+    if sparse_mode == "predictor" and useless:
+        print(f"pi-tools: warning: train-predictor found the predictors of layer(s) {', '.join(map(str, useless))} no "
+              "better than chance: predictor mode there computes about every neuron or drops them at random "
+              "(auto mode leaves them out)", file=sys.stderr)
+    return model
+
+
+@contextlib.contextmanager
+def engine_errors():
+    """The engine's refusals (a file, an argument out of range) as UserError: one line from the CLI."""
+    import engine
+
+    try:
+        yield
+    except engine.EngineError as exc:
+        raise UserError(str(exc)) from None
+
+
+def load_tokenizer(path: Path):
+    from powerinfer_tools.formats.tokenizer import tokenizer_from_file
+
+    return tokenizer_from_file(path)
+
+
+def window_nll(logits: np.ndarray, ids: np.ndarray) -> float:
+    """Summed negative log-likelihood of ids[1:] under logits[:-1] (float64 log-softmax)."""
+    z = logits[:-1].astype(np.float64)
+    z -= z.max(axis=1, keepdims=True)
+    log_norm = np.log(np.exp(z).sum(axis=1))
+    return float((log_norm - z[np.arange(len(ids) - 1), ids[1:]]).sum())
+
+
+def perplexity(model, windows: np.ndarray, progress: bool = True) -> dict:
+    """exp(mean NLL) over windows [n, L], every token but each window's first predicted, each window
+    evaluated from an empty cache (as transformers' reference does)."""
+    from tqdm import tqdm
+
+    nll, count = 0.0, 0
+    bar = tqdm(windows, desc="perplexity", unit="window", disable=not progress)
+    for ids in bar:
+        model.reset()
+        nll += window_nll(model.eval(ids.tolist()), ids)
+        count += len(ids) - 1
+        bar.set_postfix(ppl=f"{math.exp(nll / count):.3f}")
+    return {"perplexity": math.exp(nll / count), "tokens": int(count), "windows": int(len(windows))}
+
+
+class StreamDecoder:
+    """Turns generated ids into text pieces as they arrive. Decoding after the prompt's ids keeps the
+    word-boundary spaces SentencePiece attaches to tokens; incomplete UTF-8 sequences are held back."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids)
+        self.printed = len(self._text())
+
+    def _text(self) -> str:
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        text = self._text()
+        if text.endswith("\ufffd"):
+            return ""
+        piece, self.printed = text[self.printed:], len(text)
+        return piece
+
+
+def timing_lines(stats: dict, load_seconds: float, info: dict | None = None) -> list[str]:
+    """llama.cpp's closing timings, plus the FFN density, where the time went and (given the engine's info)
+    what the process holds: the mapped file, the KV cache, the work buffers, weights copied to other layouts."""
+    def rate(tokens, seconds, unit):
+        ms = 1000 * seconds
+        line = f"{ms:10.2f} ms / {int(tokens):5d} {unit}"
+        if not (tokens and seconds):  # none generated (-n 0): no rate to give
+            return line.rstrip()
+        return f"{line} ({ms / tokens:8.2f} ms per token, {tokens / seconds:8.2f} tokens per second)"
+
+    phases = stats["phases"]
+    total = sum(phases.values()) or 1.0
+    share = ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in phases.items())
+    density = stats.get("density")
+    ffn = f"ffn: mode {stats['ffn_mode']}"
+    if density is not None and stats["ffn_mode"] == "dense":
+        ffn += f", every neuron computed ({density:.3f} of them pass the activation rule)"
+    elif density is not None:
+        ffn += f", density {density:.3f} (neurons passing the activation rule)"
+    # the kernels each layer's last decode step took (gate and auto choose them per layer by cost)
+    kernels = Counter(layer["decode_mode"] for layer in stats.get("layers", []) if layer.get("decode_mode"))
+    if kernels:
+        ffn += "; layers' decode kernels: " + ", ".join(f"{name} {n}" for name, n in kernels.most_common())
+    lines = [f"llama_print_timings:        load time = {1000 * load_seconds:10.2f} ms",
+             f"llama_print_timings: prompt eval time = {rate(stats['batch_tokens'], stats['batch_seconds'], 'tokens')}",
+             f"llama_print_timings:        eval time = {rate(stats['decode_tokens'], stats['decode_seconds'], 'runs  ')}",
+             ffn, f"time: {share}"]
+    if stats.get("recall") is not None:
+        lines.append(f"predictor recall: {stats['recall']:.4f}")
+    if info is not None:
+        def mib(n):
+            return f"{n / 2**20:.1f} MiB"
+
+        copies = sum(stats["weight_copies"].values())
+        lines.append(f"memory: file {mib(os.path.getsize(info['path']))} mapped, KV cache {mib(info['kv_cache_bytes'])} "
+                     f"({info['kv_type']}), work buffers {mib(info['work_buffer_bytes'])}; {mib(copies)} of the weights "
+                     "in 8-row groups or other layouts (their mapped pages handed back)")
+    return lines

@@ -1,0 +1,1 @@
+"""The pipeline's stages: profile -> train predictors -> plan (placement) -> convert, and sparsify before them."""

@@ -1,0 +1,358 @@
+"""Hugging Face model (+ predictors, + profile) -> PowerInfer GGUF (docs/formats.md, "Model file").
+
+The file is planned first (names, shapes, types: known from the source's headers without reading
+data), so that gguf-py can write the header and tensor table; then each tensor is loaded,
+transformed (architecture adapter's TensorMap), cast or quantized and written before the next is
+read. Peak memory is therefore about one source tensor in float32 plus its encoded copy.
+The file is built under a temporary name and renamed at the end (atomic.py), then its magic
+becomes `PWRI`. With a profile, each layer's FFN neurons are stored in the order of neuron_order.py
+(hottest-first blocks; the order is recorded in the file).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from powerinfer_tools.models import arch
+from powerinfer_tools import models
+from powerinfer_tools.formats import neuron_order
+from powerinfer_tools.core.atomic import atomic_file
+from powerinfer_tools.core.errors import UserError, write_failure
+from powerinfer_tools.core.safe_load import load_pt
+from powerinfer_tools.formats.gguf_io import set_pwri_magic
+
+OUTTYPES = ("f32", "f16", "q8_0", "q4_0")
+
+
+def _qtype(outtype: str):
+    import gguf
+
+    return {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
+            "q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}[outtype]
+
+
+def _file_type(outtype: str):
+    import gguf
+
+    return {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+            "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[outtype]
+
+
+@dataclass
+class Predictors:
+    """A validated predictor directory (docs/formats.md, "Predictor directory")."""
+
+    files: list[Path]             # empty for predictors known by their ranks only (the dry run)
+    ranks: list[int]
+    thresholds: list[float]       # per-layer logit thresholds
+    sparse_threshold: float       # PowerInfer's single global threshold
+    useful: list[bool]            # per layer: train-predictor found it better than chance (PowerInfer's: all)
+
+    @classmethod
+    def at_rank(cls, n_layer: int, rank: int) -> Predictors:
+        """Predictors of one rank in every layer, shapes only: what a dry run sizes."""
+        return cls([], [rank] * n_layer, [0.0] * n_layer, 0.0, [True] * n_layer)
+
+
+def load_predictors(directory: str | Path, dims: arch.Dims) -> Predictors:
+    """Check every layer's predictor against the model's shapes before anything is written."""
+    from powerinfer_tools.stages.predictor import check_state
+
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise UserError(f"predictor directory not found: {directory}")
+    config_path = directory / "config.json"
+    config = {}
+    if config_path.is_file():
+        try:
+            config = json.loads(config_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{config_path}: invalid JSON ({exc.msg})") from None
+    files, ranks = [], []
+    for i in range(dims.n_layer):
+        path = directory / f"model_{i}.pt"
+        if not path.is_file():
+            raise UserError(f"{directory}: predictor of layer {i} is missing ({path.name}); "
+                            f"the model has {dims.n_layer} layers")
+        fc1, _ = check_state(load_pt(path, "predictor", mmap=True), str(path), dims.n_embd, dims.n_ff)
+        files.append(path)
+        ranks.append(fc1.shape[0])
+    layers = {entry.get("layer"): entry for entry in config.get("layers", [])}
+    if layers and set(layers) != set(range(dims.n_layer)):
+        raise UserError(f"{config_path}: 'layers' must list layers 0..{dims.n_layer - 1}")
+    thresholds = [float(layers[i].get("threshold", 0.0)) if layers else 0.0 for i in range(dims.n_layer)]
+    useful = [bool(layers[i].get("useful", True)) if layers else True for i in range(dims.n_layer)]
+    return Predictors(files, ranks, thresholds, float(config.get("sparse_threshold", 0.0)), useful)
+
+
+def load_activation_thresholds(profile_dir: str | Path, n_layer: int) -> list[float]:
+    """Per-layer |a| thresholds a profile calibrated (0 for ReLU-family models)."""
+    path = Path(profile_dir) / "profile.json"
+    if not path.is_file():
+        raise UserError(f"profile not found: {path}")
+    try:
+        thresholds = json.loads(path.read_text()).get("thresholds")
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path}: invalid JSON ({exc.msg})") from None
+    if not isinstance(thresholds, list) or len(thresholds) != n_layer:
+        raise UserError(f"{path}: 'thresholds' must list {n_layer} per-layer values (the model's layers)")
+    return [float(t) for t in thresholds]
+
+
+@dataclass
+class PlannedTensor:
+    name: str
+    shape: tuple[int, ...]            # numpy shape in the file (before quantization)
+    qtype: object                     # gguf.GGMLQuantizationType
+    load: Callable[[], np.ndarray]    # float32 data in the file's layout
+    source: str                       # what it is made from (bytes accounting)
+
+
+def tensor_type(shape: tuple[int, ...], outtype: str):
+    """Norms and biases f32; matrices, the predictors' included (as PowerInfer quantizes them), the
+    outtype, f16 where a row does not split into whole quantization blocks (an fc2 of rank 16)."""
+    import gguf
+
+    if len(shape) == 1:
+        return gguf.GGMLQuantizationType.F32
+    qtype = _qtype(outtype)
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    return qtype if shape[-1] % block == 0 else gguf.GGMLQuantizationType.F16
+
+
+ENCODE_ROWS = 4096  # rows converted at a time: bounds the temporaries of casting and quantizing
+
+
+def encode(data: np.ndarray, qtype) -> np.ndarray:
+    """`data` (float32, maybe a transposed view) in the file's type, C order, built block by block so
+    that the only full-size temporaries are the input and the (smaller) output."""
+    import gguf
+
+    if qtype == gguf.GGMLQuantizationType.F32 and data.flags.c_contiguous:
+        return data
+    if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+        out = np.empty(data.shape, np.float32 if qtype == gguf.GGMLQuantizationType.F32 else np.float16)
+    else:
+        out = np.empty(gguf.quants.quant_shape_to_byte_shape(data.shape, qtype), np.uint8)
+    rows = data.reshape(-1, data.shape[-1]) if data.flags.c_contiguous else data
+    flat = out.reshape(-1, out.shape[-1])
+    for r in range(0, rows.shape[0], ENCODE_ROWS):
+        block = np.ascontiguousarray(rows[r:r + ENCODE_ROWS], dtype=np.float32)
+        flat[r:r + ENCODE_ROWS] = block if out.dtype != np.uint8 else gguf.quants.quantize(block, qtype)
+    return out
+
+
+def encoded_nbytes(shape: tuple[int, ...], qtype) -> int:
+    import gguf
+
+    return int(np.prod(gguf.quants.quant_shape_to_byte_shape(shape, qtype), dtype=np.int64))
+
+
+# PowerInfer's sparse down projection (ggml.c, ggml_compute_forward_mul_mat_axpy and its _head variant) reads
+# ffn_down_t's rows as f16 whatever their type; only q4_0 has a kernel of its own. A file PowerInfer computes
+# right therefore stores ffn_down_t in f16 unless it is f16 or q4_0 already.
+POWERINFER_DOWN_T_OUTTYPE = {"f32": "f16", "q8_0": "f16"}
+
+
+def plan(adapter: arch.Arch, weights, predictors: Predictors | None, outtype: str,
+         powerinfer_compatible: bool = True) -> list[PlannedTensor]:
+    # a thresholded (SiLU/GELU) file is one PowerInfer refuses by its architecture name: nothing to keep compatible
+    compatible = powerinfer_compatible and not adapter.thresholded
+    down_outtype = POWERINFER_DOWN_T_OUTTYPE.get(outtype, outtype) if compatible else outtype
+    planned = []
+    for tmap in adapter.tensor_maps(weights.names_with_prefixes()):
+        stored = weights.find(tmap.source)
+        if stored is None:
+            raise UserError(f"the model has no tensor {tmap.source} (needed for {tmap.name})")
+        shape = tmap.out_shape(weights.shapes[stored])
+        qtype = tensor_type(shape, down_outtype if tmap.name.endswith(".ffn_down_t.weight") else outtype)
+        planned.append(PlannedTensor(tmap.name, shape, qtype,
+                                     lambda t=tmap, s=stored: t.apply(weights.load(s)), stored))
+    if predictors is not None:
+        dims = adapter.dims()
+        for i, rank in enumerate(predictors.ranks):
+            path = predictors.files[i] if predictors.files else None
+            padded = stored_rank(rank, outtype, dims.n_embd, dims.n_ff)
+            for key, shape, qtype in predictor_tensors(padded, outtype, dims.n_embd, dims.n_ff):
+                planned.append(PlannedTensor(f"blk.{i}.{key}", shape, qtype,
+                                             lambda p=path, k=key, r=padded: _load_predictor(p, k, r), str(path)))
+    return planned
+
+
+# A predictor's fc1 in a 4-bit file is stored at 8 bits: the trainer folds its per-feature input scales into
+# fc1's columns (their magnitudes spread 0.007-0.11 within a row of SmolLM2's), which one q4_0 scale per
+# 32 columns flattens. Measured on SmolLM2 q4_0, predictor-mode perplexity (wikitext-2, 16 x 512 tokens):
+# fc1 f16 97.3, q8_0 95.1, q4_0 539; fc2 at q4_0 costs nothing (96.0 with fc1 f16).
+FC1_OUTTYPE = {"q4_0": "q8_0"}
+
+
+def predictor_tensors(rank: int, outtype: str, n_embd: int, n_ff: int) -> list[tuple[str, tuple[int, int], object]]:
+    """fc1 and fc2 of a rank-`rank` predictor in an `outtype` file: key, shape, type."""
+    fc1, fc2 = (rank, n_embd), (n_ff, rank)
+    return [("fc1.weight", fc1, tensor_type(fc1, FC1_OUTTYPE.get(outtype, outtype))),
+            ("fc2.weight", fc2, tensor_type(fc2, outtype))]
+
+
+def stored_rank(rank: int, outtype: str, n_embd: int, n_ff: int) -> int:
+    """The rank a predictor is written at: in a quantized file, padded to whole 32-value blocks (zero rows
+    of fc1, zero columns of fc2: a hidden unit that is always 0, so the logits do not change) where the
+    padded predictor, its fc2 quantized, is smaller than the unpadded one with an f16 fc2 (so that it is
+    also scored by the engine's integer kernels; for SmolLM2's shapes at q4_0 from rank 13 on). A rank
+    stays at most n_ff (the engine's bound)."""
+    import gguf
+
+    block = gguf.GGML_QUANT_SIZES[_qtype(outtype)][0]
+    padded = -(-rank // block) * block
+    if padded == rank or padded > n_ff:
+        return rank
+
+    def nbytes(r: int) -> int:
+        return sum(encoded_nbytes(shape, qtype) for _, shape, qtype in predictor_tensors(r, outtype, n_embd, n_ff))
+
+    return padded if nbytes(padded) < nbytes(rank) else rank
+
+
+def _load_predictor(path: Path, key: str, rank: int) -> np.ndarray:
+    """A layer's fc1 or fc2 as float32, padded with zeros to `rank` (see stored_rank)."""
+    weight = load_pt(path, "predictor")[key].float().numpy()
+    missing = rank - (weight.shape[0] if key == "fc1.weight" else weight.shape[1])
+    return np.pad(weight, ((0, missing), (0, 0)) if key == "fc1.weight" else ((0, 0), (0, missing)))
+
+
+def model_name(path: Path) -> str:
+    """general.name of the converted file: the source's name without the weight type a GGUF file's name carries
+    (SmolLM2-135M-Instruct.Q4_1.gguf -> SmolLM2-135M-Instruct), which the conversion replaces."""
+    return re.sub(r"[.\-_](?:I?Q\d\w*|B?F(?:16|32))$", "", path.stem, flags=re.IGNORECASE) or path.stem
+
+
+def add_header(writer, adapter: arch.Arch, name: str, outtype: str, predictors: Predictors | None,
+               activation_thresholds: list[float], tensors: list[PlannedTensor], add_vocab,
+               neuron_orders: list[np.ndarray] | None = None) -> None:
+    """Everything the file holds before its tensor data: metadata, the vocabulary (`add_vocab(writer)`, or
+    nothing when None) and the tensor table. Shared with the dry run, which measures it."""
+    import gguf
+
+    writer.add_name(name)
+    writer.add_file_type(_file_type(outtype))
+    if outtype in ("q8_0", "q4_0"):
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    adapter.write_hparams(writer)
+    f32 = gguf.GGUFValueType.FLOAT32
+    writer.add_key_value("powerinfer.ffn_activation", adapter.activation, gguf.GGUFValueType.STRING)
+    writer.add_key_value("powerinfer.activation_thresholds", activation_thresholds, gguf.GGUFValueType.ARRAY,
+                         sub_type=f32)
+    if predictors is not None:
+        writer.add_key_value("powerinfer.sparse_threshold", predictors.sparse_threshold, f32)
+        writer.add_key_value("powerinfer.predictor_thresholds", predictors.thresholds, gguf.GGUFValueType.ARRAY,
+                             sub_type=f32)
+        writer.add_key_value("powerinfer.predictor_useful", predictors.useful, gguf.GGUFValueType.ARRAY,
+                             sub_type=gguf.GGUFValueType.BOOL)
+    if neuron_orders is not None:
+        writer.add_key_value(neuron_order.ORDER_KEY, neuron_order.encode(neuron_orders), gguf.GGUFValueType.STRING)
+    if add_vocab is not None:
+        add_vocab(writer)
+    for t in tensors:
+        nbytes = encoded_nbytes(t.shape, t.qtype)
+        if t.qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            dtype = np.float32 if t.qtype == gguf.GGMLQuantizationType.F32 else np.float16
+            writer.add_tensor_info(t.name, t.shape, np.dtype(dtype), nbytes)
+        else:
+            byte_shape = gguf.quants.quant_shape_to_byte_shape(t.shape, t.qtype)
+            writer.add_tensor_info(t.name, byte_shape, np.dtype(np.uint8), nbytes, raw_dtype=t.qtype)
+
+
+def n_vocab_of(tensors: list[PlannedTensor]) -> int:
+    """Rows of the token embedding: the vocabulary is padded to it."""
+    return next(t.shape[0] for t in tensors if t.name == "token_embd.weight")
+
+
+def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predictors_dir: str | Path | None = None,
+                  profile_dir: str | Path | None = None, progress: bool = True, order_neurons: bool = True,
+                  powerinfer_compatible: bool = True) -> dict:
+    """Write the PowerInfer GGUF of `model` (a --model spec) to `out_path`; returns a summary dict.
+
+    Without `predictors_dir` the file has no fc1/fc2 tensors (dense / gate-only use of our engine). With
+    `order_neurons` and a profile with activation counts, the FFN neurons follow neuron_order.py's order of
+    those counts (a profile of thresholds alone leaves the model's order). `powerinfer_compatible` stores
+    ffn_down_t as PowerInfer's kernels read it (POWERINFER_DOWN_T_OUTTYPE); False keeps it in `outtype`.
+    """
+    import gguf
+    from tqdm import tqdm
+
+    from powerinfer_tools.stages.profiling import has_activation_counts, load_activation_counts
+    from powerinfer_tools.models.source_weights import open_weights
+    from powerinfer_tools.formats.tokenizer import write_vocab
+
+    started = time.time()
+    if outtype not in OUTTYPES:
+        raise UserError(f"unknown outtype '{outtype}' (choose from {', '.join(OUTTYPES)})")
+    out_path = Path(out_path)
+    if out_path.is_dir():
+        raise UserError(f"output path {out_path} is a directory")
+    source = models.resolve(model)
+    config = models.load_config(source)
+    adapter = arch.for_config(config)
+    dims = adapter.dims()
+    predictors = load_predictors(predictors_dir, dims) if predictors_dir is not None else None
+    if profile_dir is not None:
+        activation_thresholds = load_activation_thresholds(profile_dir, dims.n_layer)
+    else:
+        activation_thresholds = [0.0] * dims.n_layer
+    if not adapter.thresholded:  # ReLU-family: active means a != 0, by the model's own rule
+        activation_thresholds = adapter.rule_thresholds()
+    orders = None
+    if profile_dir is not None and order_neurons and has_activation_counts(profile_dir):
+        counts = load_activation_counts(profile_dir, dims.n_layer, [dims.n_ff] * dims.n_layer)
+        orders = neuron_order.orders_from_counts([c.double().numpy() for c in counts])
+    weights = open_weights(source, config)
+    tensors = plan(adapter, weights, predictors, outtype, powerinfer_compatible)
+    if orders is not None:
+        tensors = [dataclasses.replace(t, load=lambda t=t: neuron_order.apply(t.name, t.load(), orders))
+                   for t in tensors]
+    n_vocab = n_vocab_of(tensors)
+
+    with atomic_file(out_path) as tmp:
+        writer = gguf.GGUFWriter(tmp, adapter.gguf_arch)
+        try:
+            add_header(writer, adapter, model_name(source.path), outtype, predictors, activation_thresholds, tensors,
+                       lambda w: write_vocab(w, source, n_vocab, getattr(weights, "reader", None)), orders)
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            for t in tqdm(tensors, desc=f"convert {outtype}", unit="tensor", disable=not progress):
+                data = t.load()
+                if data.shape != t.shape:
+                    raise UserError(f"{t.name}: source data has shape {data.shape}, expected {t.shape}")
+                writer.write_tensor_data(encode(data, t.qtype))
+                del data
+            writer.close()
+        except OSError as exc:
+            writer.close()
+            if write_failure(exc):  # numpy's short write drops errno: "589824 requested and 442208 written"
+                raise UserError(f"disk full while writing {out_path}; nothing was written") from None
+            raise UserError(f"cannot write {out_path}: {exc.strerror or exc}") from None
+        except BaseException:
+            writer.close()
+            raise
+        set_pwri_magic(tmp)
+
+    sources_used = {t.source for t in tensors}
+    bytes_in = sum(weights.stored_bytes.get(s, 0) for s in sources_used) + \
+        sum(Path(s).stat().st_size for s in sources_used if s not in weights.stored_bytes)
+    return {
+        "out": str(out_path), "model": source.spec, "arch": adapter.name, "gguf_arch": adapter.gguf_arch,
+        "outtype": outtype, "powerinfer_compatible": powerinfer_compatible, "tensors": len(tensors),
+        "predictors": predictors is not None,
+        "neuron_order": "profile" if orders is not None else "source",
+        "thresholded": adapter.thresholded, "activation_thresholds": activation_thresholds,
+        "types": dict(Counter(t.qtype.name for t in tensors)), "bytes_in": int(bytes_in),
+        "bytes_out": out_path.stat().st_size, "seconds": round(time.time() - started, 2),
+    }

@@ -1,0 +1,74 @@
+"""Activation locality of a profiled model: how few neurons serve most activations, layer by layer.
+
+PowerInfer pays off when a small "hot" set of neurons covers most activations (they go to the GPU)
+and the rest are rarely needed. The evidence is the curve of cumulative activation share against
+the share of neurons, hottest first: a power law bends sharply up, a uniform model is the diagonal.
+Everything here works from the raw per-neuron counts (activation_{i}.pt), the data PowerInfer's own
+tools consume, so the numbers can be checked against profile.json's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from powerinfer_tools.stages.profiling import load_activation_counts, load_profile, skew
+
+COVERAGE_TARGETS = (0.8, 0.9)   # activation shares for which we report the neurons needed
+
+
+def cumulative_share(counts: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """(neuron share, activation share) of the k hottest neurons for k = 0..n: the power-law curve."""
+    ordered = np.sort(counts.double().numpy())[::-1]
+    total = ordered.sum()
+    activation = np.concatenate([[0.0], np.cumsum(ordered) / total if total > 0 else np.zeros(len(ordered))])
+    neurons = np.arange(len(ordered) + 1) / len(ordered)
+    return neurons, activation
+
+
+def neuron_share_for(counts: torch.Tensor, activation_share: float) -> float:
+    """Smallest share of neurons (hottest first) whose activations reach `activation_share` of all."""
+    neurons, activation = cumulative_share(counts)
+    if activation[-1] == 0:
+        return 0.0
+    k = int(np.searchsorted(activation, activation_share - 1e-12, side="left"))
+    return float(neurons[min(k, len(neurons) - 1)])
+
+
+def sparsity(counts: torch.Tensor, tokens: int) -> float:
+    """Share of (token, neuron) pairs that were inactive: 1 - mean activation frequency."""
+    return 1.0 - float(counts.sum()) / (tokens * len(counts))
+
+
+@dataclass
+class LayerLocality:
+    layer: int
+    sparsity: float
+    hot: dict[str, float]                 # hot10 / hot20 / hot50, as profile.skew computes them
+    neurons_for: dict[float, float]       # activation share -> share of neurons needed for it
+    neuron_share: np.ndarray              # the curve, x
+    activation_share: np.ndarray          # the curve, y
+
+
+@dataclass
+class Locality:
+    profile: dict                         # profile.json as written by `pi-tools profile`
+    layers: list[LayerLocality]
+
+
+def layer_locality(layer: int, counts: torch.Tensor, tokens: int) -> LayerLocality:
+    neurons, activation = cumulative_share(counts)
+    return LayerLocality(layer=layer, sparsity=sparsity(counts, tokens), hot=skew(counts),
+                         neurons_for={s: neuron_share_for(counts, s) for s in COVERAGE_TARGETS},
+                         neuron_share=neurons, activation_share=activation)
+
+
+def analyse(directory: str | Path) -> Locality:
+    """Locality of every layer of a profile directory, recomputed from its activation counts."""
+    profile = load_profile(directory)
+    n_layer, n_ff = int(profile["model"]["n_layer"]), int(profile["model"]["n_ff"])
+    counts = load_activation_counts(directory, n_layer, [n_ff] * n_layer)  # 257 counts for 256 neurons: refused
+    tokens = int(profile["tokens"])
+    return Locality(profile, [layer_locality(i, c, tokens) for i, c in enumerate(counts)])

@@ -1,0 +1,411 @@
+"""Hot/cold neuron placement for a VRAM budget: byte costs from the model file, counts from the profile,
+an exact MILP (placement_solver), and PowerInfer's gpu-index file.
+
+What goes to VRAM, in PowerInfer's engine order: the dense parts first (attention weights and norms,
+predictors, the output head), then the KV cache for the context size, then the hot FFN neurons. A neuron
+costs its rows of ffn_gate, ffn_up and ffn_down_t at the file's quantization. The token embedding stays on
+the CPU, as PowerInfer keeps it. A reserve covers the CUDA context and scratch buffers.
+
+Dense policy: `all` (default) puts every layer's dense parts and KV cache on the GPU before any neuron, which
+is what PowerInfer's engine does, so the file loads there at this budget. `with-ffn` charges a layer's dense
+parts and KV cache only when the layer places neurons (a layer computed on the GPU keeps its attention there).
+
+The per-layer minimum (`auto`): splitting a layer between CPU and GPU costs a fixed time per token (kernel
+launches, one host/device synchronisation, the input vector up and the partial sum back over PCIe). Putting
+the k hottest neurons on the GPU saves the CPU from streaming their rows for the expected F(k)/T activations per
+token. The default minimum is the smallest k whose saving covers the overhead, see `auto_min_neurons`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from powerinfer_tools.formats import neuron_order
+from powerinfer_tools.stages import placement_solver
+from powerinfer_tools.core.atomic import atomic_file
+from powerinfer_tools.core.errors import UserError
+from powerinfer_tools.formats.gguf_io import field as gguf_field
+from powerinfer_tools.formats.gguf_io import open_reader, set_powerinfer_i32, set_pwri_magic
+
+GIB = 1024**3
+MIB = 1024**2
+DEFAULT_CTX_SIZE = 512  # llama.cpp's and PowerInfer's default context
+DEFAULT_RESERVE_BYTES = 256 * MIB  # PowerInfer leaves 256 MiB free when it sizes the budget itself
+DENSE_POLICIES = ("all", "with-ffn")
+KV_BYTES_PER_VALUE = 2  # PowerInfer keeps the KV cache in f16
+
+# The cost model behind `--min-layer-neurons auto` (a desktop PC: PCIe 4.0 x16, dual-channel DDR5).
+SPLIT_LAYER_OVERHEAD_S = 25e-6  # kernel launches for the hot part + one host/device sync per split layer
+PCIE_BYTES_PER_S = 16e9  # effective host<->device copy rate for the per-layer vectors
+CPU_BYTES_PER_S = 50e9  # CPU decode streams each active neuron's rows from RAM once: memory bound
+
+FFN_SPLIT_TENSORS = ("ffn_gate.weight", "ffn_up.weight", "ffn_down_t.weight")
+PREDICTOR_TENSORS = ("fc1.weight", "fc2.weight")
+OUTPUT_TENSORS = re.compile(r"^output(_norm)?\.(weight|bias)$")
+LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+@dataclass
+class ModelCosts:
+    """What each part of a converted model occupies in VRAM, from the file's tensor types and shapes."""
+
+    path: str
+    arch: str
+    n_embd: int
+    n_embd_gqa: int  # width of one K (or V) row: n_kv_heads * head_dim
+    n_ff: np.ndarray  # [L] neurons per layer
+    neuron_bytes: np.ndarray  # [L] bytes of one neuron's rows in gate/up/down_t
+    attention_bytes: np.ndarray  # [L] every other per-layer tensor except the predictor (attention, norms, biases)
+    predictor_bytes: np.ndarray  # [L]
+    output_bytes: int  # output.weight and output_norm
+
+    @property
+    def n_layer(self) -> int:
+        return len(self.n_ff)
+
+    def kv_bytes_per_layer(self, ctx_size: int) -> int:
+        return 2 * ctx_size * self.n_embd_gqa * KV_BYTES_PER_VALUE
+
+
+def model_costs(model_path: str | Path, reader=None) -> ModelCosts:
+    """Read a PowerInfer GGUF's metadata and tensor table (no tensor data) into per-part byte costs
+    (`reader`: the file already open)."""
+    reader = reader if reader is not None else open_reader(model_path)
+    tensors = ((t.name, tuple(int(n) for n in reversed(t.shape)), int(t.n_bytes)) for t in reader.tensors)
+    return costs_from_tensors(str(model_path), lambda key, default=None: gguf_field(reader, key, default), tensors)
+
+
+def costs_from_tensors(label: str, hparam: Callable[..., Any],
+                       tensors: Iterable[tuple[str, tuple[int, ...], int]]) -> ModelCosts:
+    """Per-part byte costs from a tensor table: (name, numpy shape, bytes at the file's types) per tensor, and
+    `hparam(key, default)` giving the file's metadata. Shared by a converted file and the config-only dry run."""
+    arch = hparam("general.architecture")
+    if not arch:
+        raise UserError(f"{label}: no general.architecture: not a converted model file")
+    n_embd = hparam(f"{arch}.embedding_length")
+    n_layer = hparam(f"{arch}.block_count")
+    n_head = hparam(f"{arch}.attention.head_count")
+    if n_embd is None or n_layer is None or n_head is None:
+        raise UserError(f"{label}: missing {arch}.embedding_length/block_count/attention.head_count")
+    n_kv = hparam(f"{arch}.attention.head_count_kv", n_head)
+    n_ff = np.zeros(n_layer, np.int64)
+    neuron = np.zeros(n_layer, np.int64)
+    attention = np.zeros(n_layer, np.int64)
+    predictor = np.zeros(n_layer, np.int64)
+    output = 0
+    for name, shape, nbytes in tensors:
+        if OUTPUT_TENSORS.match(name):
+            output += nbytes
+            continue
+        m = LAYER_TENSOR.match(name)
+        if not m:
+            continue  # token_embd and friends stay on the CPU
+        i, part = int(m.group(1)), m.group(2)
+        if i >= n_layer:
+            raise UserError(f"{label}: tensor {name} beyond block_count {n_layer}")
+        if part in FFN_SPLIT_TENSORS:
+            rows = int(shape[0]) if len(shape) == 2 else 0
+            if rows == 0 or (n_ff[i] and rows != n_ff[i]):
+                raise UserError(f"{label}: {name} has shape {list(shape)}, expected (n_ff, n_embd)")
+            n_ff[i] = rows
+            neuron[i] += nbytes // rows  # rows are contiguous and equally sized at any quantization
+        elif part in PREDICTOR_TENSORS:
+            predictor[i] += nbytes
+        else:
+            attention[i] += nbytes
+    missing = np.flatnonzero(n_ff == 0)
+    if missing.size:
+        raise UserError(f"{label}: layer {missing[0]} has no ffn_up/ffn_down_t rows: not a converted PowerInfer model")
+    return ModelCosts(path=label, arch=str(arch), n_embd=int(n_embd),
+                      n_embd_gqa=int(n_embd) * int(n_kv) // int(n_head), n_ff=n_ff, neuron_bytes=neuron,
+                      attention_bytes=attention, predictor_bytes=predictor, output_bytes=int(output))
+
+
+def load_activation_counts(profile_dir: str | Path, n_ff: np.ndarray) -> list[np.ndarray]:
+    """Per-layer activation counts as float64, checked against the model's shape (profile.py's loader)."""
+    import torch
+
+    from powerinfer_tools.stages.profiling import load_activation_counts as load_counts
+
+    return [c.to(torch.float64).numpy() for c in load_counts(profile_dir, len(n_ff), [int(n) for n in n_ff])]
+
+
+# Synthetic counts, for a plan before any profile exists (the dry run) and the solver benchmark: neuron of rank r
+# (1 = hottest) of a layer of n fires on a share min(1, base * (r / n)^-a) of tokens. With a = 0.9 about 95% of
+# the layer's activations are zero, and its hottest 20% of neurons fire 68% of the activations (the middle of the
+# exponents the solver benchmark draws from, docs/placement.md).
+SYNTHETIC_EXPONENT = 0.9
+SYNTHETIC_BASE_RATE = 0.01
+SYNTHETIC_TOKENS = 32768
+
+
+def power_law_rates(n_ff: int, exponent: float = SYNTHETIC_EXPONENT,
+                    base_rate: float = SYNTHETIC_BASE_RATE) -> np.ndarray:
+    """Per-token activation rate of each neuron of a layer, hottest first (the power law above)."""
+    return np.minimum(1.0, base_rate * (np.arange(1, n_ff + 1) / n_ff) ** -exponent)
+
+
+def synthetic_counts(n_ff: Sequence[int], exponent: float = SYNTHETIC_EXPONENT,
+                     tokens: int = SYNTHETIC_TOKENS) -> list[np.ndarray]:
+    """Expected counts over `tokens` tokens under the power law, per layer in neuron order = hottest first."""
+    return [np.rint(tokens * power_law_rates(int(n), exponent)) for n in n_ff]
+
+
+def profiled_tokens(profile_dir: str | Path, counts: list[np.ndarray]) -> float:
+    """Tokens behind the counts: profile.json's `tokens`, else the largest count (a neuron fires once per token)."""
+    meta = Path(profile_dir) / "profile.json"
+    largest = max((float(c.max()) for c in counts if c.size), default=0.0)
+    if meta.is_file():
+        try:
+            tokens = float(json.loads(meta.read_text()).get("tokens") or 0)
+        except (ValueError, AttributeError):
+            raise UserError(f"{meta}: not valid JSON") from None
+        return max(tokens, largest, 1.0)
+    return max(largest, 1.0)
+
+
+def auto_min_neurons(counts: list[np.ndarray], costs: ModelCosts, tokens: float) -> np.ndarray:
+    """Per layer, the fewest hottest neurons whose CPU time saved per token pays for splitting the layer.
+
+    saved(k) = F(k) / tokens * neuron_bytes / CPU_BYTES_PER_S (F(k): the k largest counts summed);
+    overhead = SPLIT_LAYER_OVERHEAD_S + 2 * n_embd * 4 / PCIE_BYTES_PER_S. A layer where even all neurons do
+    not pay gets its full width: it is either wholly on the GPU (no split, no merge) or wholly on the CPU.
+    """
+    overhead = SPLIT_LAYER_OVERHEAD_S + 2 * costs.n_embd * 4 / PCIE_BYTES_PER_S
+    need = overhead * CPU_BYTES_PER_S * tokens  # in count * bytes
+    out = np.zeros(len(counts), np.int64)
+    for i, c in enumerate(counts):
+        saved = np.cumsum(np.sort(c)[::-1]) * costs.neuron_bytes[i]
+        out[i] = min(int(np.searchsorted(saved, need, side="left")) + 1, c.size)
+    return out
+
+
+def parse_min_layer_neurons(spec: str) -> str | int:
+    """`auto` or a non-negative integer."""
+    spec = str(spec).strip().lower()
+    if spec == "auto":
+        return "auto"
+    if spec.isdigit():
+        return int(spec)
+    raise UserError(f"--min-layer-neurons must be 'auto' or a non-negative integer, not {spec!r}")
+
+
+# PowerInfer's CUDA build (ggml-cuda.cu) takes a layer's GPU neurons in multiples of 32 (its batched down
+# projection, over 100 tokens, asserts it) and, for a q4_0 down projection, of 256 (its decode axpy launches
+# nrows / 256 blocks and drops the rest). A layer on the GPU whole, or not at all, needs neither.
+POWERINFER_GRANULARITY = 32
+POWERINFER_GRANULARITY_Q4_0 = 256
+
+
+def parse_granularity(spec: str | int, down_is_q4_0: bool) -> int:
+    """`powerinfer` (the multiple PowerInfer's CUDA build needs for this file) or a positive integer."""
+    text = str(spec).strip().lower()
+    if text == "powerinfer":
+        return POWERINFER_GRANULARITY_Q4_0 if down_is_q4_0 else POWERINFER_GRANULARITY
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    raise UserError(f"--granularity must be 'powerinfer' or a positive integer, not {spec!r}")
+
+
+@dataclass
+class Plan:
+    """Which neurons of each layer live on the GPU, and the VRAM accounting behind it."""
+
+    model: str
+    vram_budget: int
+    ctx_size: int
+    dense: str
+    offload_output: bool
+    n_ff: np.ndarray
+    gpu_neurons: np.ndarray  # [L] count per layer
+    gpu_index: list[np.ndarray]  # sorted neuron indices on the GPU, per layer
+    min_neurons: np.ndarray
+    served: np.ndarray  # [L] activations served from the GPU
+    total: np.ndarray  # [L] all activations
+    breakdown: dict  # bytes: reserve, output, kv_cache, attention, predictors, ffn, free
+    solver: dict = field(default_factory=dict)
+    neuron_order: str | None = None  # the model file's neuron_order.ORDER_KEY: the gpu index numbers its positions
+    granularity: int = 1  # each layer's GPU count is 0, a multiple of this, or the whole layer
+
+    @property
+    def ffn_bytes(self) -> int:
+        return int(self.breakdown["ffn"])
+
+    def summary(self) -> dict:
+        """The JSON summary written beside the gpu index."""
+        total = float(self.total.sum())
+        return {
+            "format": "powerinfer-tools.plan/1",
+            "model": self.model, "vram_budget": self.vram_budget, "ctx_size": self.ctx_size,
+            "dense": self.dense, "offload_output": self.offload_output,
+            "breakdown_bytes": {k: int(v) for k, v in self.breakdown.items()},
+            "served_fraction": float(self.served.sum()) / total if total else 0.0,
+            "gpu_neurons": int(self.gpu_neurons.sum()), "neurons": int(self.n_ff.sum()),
+            "neuron_order": "source" if self.neuron_order is None else "profile",  # as the model file stores them
+            "granularity": self.granularity,
+            "solver": self.solver,
+            "layers": [{"layer": i, "n_ff": int(n), "gpu_neurons": int(k), "min_neurons": int(m),
+                        "served_fraction": float(s / t) if t else 0.0}
+                       for i, (n, k, m, s, t) in enumerate(zip(self.n_ff, self.gpu_neurons, self.min_neurons,
+                                                               self.served, self.total))],
+        }
+
+
+def fixed_costs(costs: ModelCosts, ctx_size: int, reserve_bytes: int, offload_output: bool, dense: str):
+    """(bytes due before any neuron, by part; bytes a layer pays when it places neurons, per layer)."""
+    kv = np.full(costs.n_layer, costs.kv_bytes_per_layer(ctx_size), np.int64)
+    per_layer = costs.attention_bytes + costs.predictor_bytes + kv
+    fixed = {"reserve": int(reserve_bytes), "output": costs.output_bytes if offload_output else 0}
+    if dense == "all":
+        fixed |= {"kv_cache": int(kv.sum()), "attention": int(costs.attention_bytes.sum()),
+                  "predictors": int(costs.predictor_bytes.sum())}
+        per_layer = np.zeros(costs.n_layer, np.int64)
+    return fixed, per_layer
+
+
+def plan_for_model(profile_dir: str | Path, model_path: str | Path, vram_budget_bytes: int,
+                   ctx_size: int = DEFAULT_CTX_SIZE, min_layer_neurons: str | int = "auto",
+                   reserve_bytes: int = DEFAULT_RESERVE_BYTES, offload_output: bool = True, dense: str = "all",
+                   time_limit: float = 20.0, granularity: str | int = 1) -> Plan:
+    """The best placement of a converted model's neurons for a VRAM budget (the converter's one-line entry).
+    The profile counts source neurons; the gpu index marks file positions (neuron_order.py). `granularity`:
+    see parse_granularity (`powerinfer` reads the down projection's type from the file)."""
+    check_options(vram_budget_bytes, ctx_size, reserve_bytes, dense)
+    reader = open_reader(model_path)
+    down_types = {t.tensor_type.name for t in reader.tensors if t.name.endswith(".ffn_down_t.weight")}
+    step = parse_granularity(granularity, down_types == {"Q4_0"})
+    costs = model_costs(model_path, reader)
+    counts = neuron_order.in_file_order(load_activation_counts(profile_dir, costs.n_ff),
+                                        neuron_order.read(model_path, costs.n_ff, reader))
+    plan = plan_placement(costs, counts, profiled_tokens(profile_dir, counts), vram_budget_bytes, ctx_size,
+                          min_layer_neurons, reserve_bytes, offload_output, dense, time_limit, step)
+    return dataclasses.replace(plan, neuron_order=gguf_field(reader, neuron_order.ORDER_KEY))
+
+
+def check_budget(vram_budget_bytes: float) -> None:
+    """A budget is given in GiB (--vram-budget), and named so when it is impossible."""
+    if not math.isfinite(vram_budget_bytes) or vram_budget_bytes < 0:
+        raise UserError(f"--vram-budget must be a non-negative number of GiB, not {vram_budget_bytes / GIB:g}")
+
+
+def check_options(vram_budget_bytes: float, ctx_size: int, reserve_bytes: int, dense: str) -> None:
+    """Reject impossible settings before any file is read."""
+    check_budget(vram_budget_bytes)
+    if ctx_size < 1:
+        raise UserError(f"--ctx-size must be positive, not {ctx_size}")
+    if reserve_bytes < 0:
+        raise UserError(f"the reserve must be non-negative, not {reserve_bytes}")
+    if dense not in DENSE_POLICIES:
+        raise UserError(f"dense policy must be one of {', '.join(DENSE_POLICIES)}, not {dense!r}")
+
+
+def plan_placement(costs: ModelCosts, counts: list[np.ndarray], tokens: float, vram_budget_bytes: int,
+                   ctx_size: int = DEFAULT_CTX_SIZE, min_layer_neurons: str | int = "auto",
+                   reserve_bytes: int = DEFAULT_RESERVE_BYTES, offload_output: bool = True, dense: str = "all",
+                   time_limit: float = 20.0, granularity: int = 1) -> Plan:
+    """The best placement for byte costs (from a file or from shapes) and per-layer activation counts over
+    `tokens` tokens; each layer's GPU count 0, a multiple of `granularity`, or the whole layer."""
+    check_options(vram_budget_bytes, ctx_size, reserve_bytes, dense)
+    vram_budget_bytes = int(vram_budget_bytes)
+    mins = parse_min_layer_neurons(min_layer_neurons)
+    if mins == "auto":
+        min_neurons = auto_min_neurons(counts, costs, tokens)
+    else:
+        min_neurons = np.minimum(np.full(costs.n_layer, mins, np.int64), costs.n_ff)
+    fixed, per_layer = fixed_costs(costs, ctx_size, reserve_bytes, offload_output, dense)
+    if vram_budget_bytes == 0:  # no GPU: nothing is offloaded, not even the dense parts
+        fixed = {k: 0 for k in fixed}
+    elif sum(fixed.values()) > vram_budget_bytes:
+        parts = ", ".join(f"{_label(k, ctx_size)} {human_bytes(v)}" for k, v in fixed.items() if v)
+        raise UserError(f"VRAM budget {human_bytes(vram_budget_bytes)} is below the fixed costs "
+                        f"{human_bytes(sum(fixed.values()))} ({parts}); raise --vram-budget or lower "
+                        "--ctx-size/--reserve-mib")
+    capacity = vram_budget_bytes - sum(fixed.values())
+    inst = placement_solver.Instance(counts, costs.neuron_bytes, per_layer, min_neurons, capacity, granularity)
+    if capacity == 0:
+        sol = placement_solver.Solution(np.zeros(costs.n_layer, np.int64), 0.0, 0, "no-budget", 0.0)
+    else:
+        sol = placement_solver.solve(inst, time_limit=time_limit)
+    gpu_index = [np.sort(np.argsort(-c, kind="stable")[:k]).astype(np.int32) for c, k in zip(counts, sol.k)]
+    opened = sol.k > 0
+    breakdown = dict(fixed)
+    if dense == "with-ffn":
+        kv = costs.kv_bytes_per_layer(ctx_size)
+        breakdown |= {"kv_cache": int(kv * opened.sum()), "attention": int(costs.attention_bytes[opened].sum()),
+                      "predictors": int(costs.predictor_bytes[opened].sum())}
+    breakdown["ffn"] = int(np.sum(sol.k * costs.neuron_bytes))
+    breakdown["free"] = vram_budget_bytes - sum(breakdown.values())
+    assert breakdown["free"] >= 0, "solver exceeded the budget"
+    return Plan(model=costs.path, vram_budget=vram_budget_bytes, ctx_size=ctx_size, dense=dense,
+                offload_output=offload_output, n_ff=costs.n_ff, gpu_neurons=sol.k, gpu_index=gpu_index,
+                min_neurons=inst.min_neurons, served=np.array([p[k] for p, k in zip(inst.prefix, sol.k)]),
+                total=np.array([p[-1] for p in inst.prefix]), breakdown=breakdown,
+                solver={"method": sol.method, "seconds": round(sol.seconds, 4), "iterations": sol.iterations,
+                        **sol.details}, granularity=granularity)
+
+
+def human_bytes(n: int) -> str:
+    for unit, size in (("GiB", GIB), ("MiB", MIB), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def _label(part: str, ctx_size: int) -> str:
+    return f"KV cache (ctx {ctx_size})" if part == "kv_cache" else part.replace("_", " ")
+
+
+BREAKDOWN_ORDER = ("reserve", "output", "kv_cache", "attention", "predictors", "ffn", "free")
+
+
+def breakdown_lines(plan: Plan) -> list[str]:
+    """The budget breakdown as aligned text lines, for the CLI."""
+    rows = [(_label(k, plan.ctx_size), plan.breakdown[k]) for k in BREAKDOWN_ORDER if k in plan.breakdown]
+    rows.append(("total budget", plan.vram_budget))
+    return [f"  {name:<22} {human_bytes(v):>12}" for name, v in rows]
+
+
+def write_gpuidx(plan: Plan, path: str | Path) -> None:
+    """PowerInfer's gpu-index file: per layer blk.N.gpu_idx (i32 [n_ff], 1 = GPU) then blk.N.gpu_bucket (sorted
+    GPU neuron indices) in that order (the engine reads them by position), `split.vram_capacity` = the bytes the
+    GPU neurons need (PowerInfer's engine loads the file when its remaining budget covers that), PWRI magic, and
+    i32 in PowerInfer's type code (gguf_io.POWERINFER_I32). For a model that stores its neurons in a profile's
+    order, the model's neuron_order.ORDER_KEY is copied too: our engine refuses an index without it on such a
+    model (one built for the source order, as PowerInfer's solver builds from a profile's activation files)."""
+    import gguf
+
+    with atomic_file(path) as tmp:
+        writer = gguf.GGUFWriter(str(tmp), "generic.gpu_index")
+        for i, (n, idx) in enumerate(zip(plan.n_ff, plan.gpu_index)):
+            mask = np.zeros(int(n), np.int32)
+            mask[idx] = 1
+            writer.add_tensor(f"blk.{i}.gpu_idx", mask, raw_dtype=gguf.GGMLQuantizationType.I32)
+            writer.add_tensor(f"blk.{i}.gpu_bucket", idx.astype(np.int32), raw_dtype=gguf.GGMLQuantizationType.I32)
+        writer.add_block_count(len(plan.n_ff))
+        writer.add_uint64("split.vram_capacity", plan.ffn_bytes)
+        if plan.neuron_order is not None:
+            writer.add_string(neuron_order.ORDER_KEY, plan.neuron_order)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        set_powerinfer_i32(tmp)
+        set_pwri_magic(tmp)
+
+
+def write_summary(plan: Plan, path: str | Path, extra: dict | None = None) -> None:
+    with atomic_file(path) as tmp:
+        Path(tmp).write_text(json.dumps(plan.summary() | (extra or {}), indent=2) + "\n")
+
+
+def default_gpuidx_path(model_path: str | Path) -> Path:
+    """Where PowerInfer's engine looks: the model's file name + `.generated.gpuidx`."""
+    return Path(f"{model_path}.generated.gpuidx")

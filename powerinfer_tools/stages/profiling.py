@@ -1,0 +1,455 @@
+"""`pi-tools profile`: run a model over calibration tokens and record, per FFN layer, how often each
+neuron fires (PowerInfer's activation_{i}.pt), how large it is when it fires, and a bounded sample of
+(predictor input, active mask) rows for predictor training. Layout: docs/formats.md.
+
+ReLU-family activations are exactly zero when a neuron is off. SiLU/GELU ones never are, so a neuron
+counts as active when |a| exceeds a per-layer threshold calibrated (CATS-style) to reach a target
+sparsity on a first slice of the data; the main pass then runs the model *sparsified* by those
+thresholds, as the sparse engine will, so later layers see the inputs they will see at inference.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from powerinfer_tools.models import arch as arch_mod
+from powerinfer_tools.stages import calibration
+from powerinfer_tools import models
+from powerinfer_tools.core.atomic import check_output_dir, naming_output, output_lock, publish_dir
+from powerinfer_tools.core.errors import UserError
+from powerinfer_tools.core.safe_load import checked_tensor, load_pt
+
+FORMAT = "powerinfer-tools.profile/1"
+DEFAULT_TARGET_SPARSITY = 0.2   # SmolLM2: +2.1% wikitext-2 perplexity (docs/profile.md)
+DEFAULT_SEQ_LEN = 512
+CALIBRATION_VALUES = 1 << 20   # |a| values kept per layer to place a threshold
+CALIBRATION_TOKENS = 8192      # tokens of the first pass that place thresholds
+SHARD_ROWS = 4096
+CHECKPOINT_BATCHES = 8      # most batches between resumable checkpoints (fewer in a short run: checkpoint_every)
+
+
+@dataclass
+class ProfileOptions:
+    model: str
+    out: Path
+    calib: list[Path] = field(default_factory=list)
+    tokens: int = 32768
+    seq_len: int | None = None   # default: min(512, the model's context length)
+    batch: int = 4
+    device: str = "cpu"
+    dtype: str = "float32"
+    target_sparsity: list[float] | None = None   # one value, or one per layer
+    max_samples: int = 8192
+    seed: int = 0
+    force: bool = False
+    resume: bool = False
+
+
+def skew(counts: torch.Tensor) -> dict[str, float]:
+    """Share of all activations covered by the hottest 10/20/50% of neurons."""
+    total = float(counts.sum())
+    ordered = torch.sort(counts.double(), descending=True).values.cumsum(0)
+    out = {}
+    for pct in (10, 20, 50):
+        k = max(1, math.ceil(len(counts) * pct / 100))
+        out[f"hot{pct}"] = float(ordered[k - 1] / total) if total > 0 else 0.0
+    return out
+
+
+def _per_layer_targets(values: list[float] | None, n_layer: int) -> list[float]:
+    values = values or [DEFAULT_TARGET_SPARSITY]
+    if len(values) == 1:
+        values = values * n_layer
+    if len(values) != n_layer:
+        raise UserError(f"--target-sparsity takes one value or {n_layer} (one per layer), got {len(values)}")
+    for v in values:
+        if not 0.0 <= v < 1.0:
+            raise UserError(f"--target-sparsity must be in [0, 1), got {v}")
+    return values
+
+
+@torch.no_grad()
+def calibrate_thresholds(model, adapter, seqs: torch.Tensor, targets: list[float], batch: int,
+                         seed: int) -> list[float]:
+    """Per-layer |a| thresholds whose share of sub-threshold activations is the target sparsity."""
+    n_layer = adapter.dims().n_layer
+    kept: list[list[torch.Tensor]] = [[] for _ in range(n_layer)]
+    gen = torch.Generator().manual_seed(seed)
+    n_tok = max(1, min(len(seqs), math.ceil(CALIBRATION_TOKENS / seqs.shape[1])))
+    per_batch = max(1, CALIBRATION_VALUES // math.ceil(n_tok / batch))
+
+    def on_activation(i, a):
+        flat = a.detach().reshape(-1).abs().float().cpu()
+        take = torch.randint(0, flat.numel(), (min(per_batch, flat.numel()),), generator=gen)
+        kept[i].append(flat[take])
+
+    handles = arch_mod.install_taps(adapter, model, on_activation=on_activation)
+    device = next(model.parameters()).device
+    try:
+        for start in tqdm(range(0, n_tok, batch), desc="calibrating thresholds", unit="batch", leave=False):
+            model(input_ids=seqs[start:start + batch].to(device), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    thresholds = []
+    for i in range(n_layer):
+        values = torch.sort(torch.cat(kept[i])).values
+        idx = min(len(values) - 1, max(0, int(round(targets[i] * len(values))) - 1))
+        thresholds.append(float(values[idx]) if targets[i] > 0 else 0.0)
+    return thresholds
+
+
+class _Recorder:
+    """Counts, magnitudes and sampled rows for every layer, fed by the architecture taps."""
+
+    def __init__(self, adapter, thresholds: list[float], sample_dir: Path, sparsify: bool):
+        dims = adapter.dims()
+        self.adapter, self.thresholds, self.sparsify = adapter, thresholds, sparsify
+        self.counts = [torch.zeros(dims.n_ff, dtype=torch.int64) for _ in range(dims.n_layer)]
+        self.magnitude = [torch.zeros(dims.n_ff, dtype=torch.float64) for _ in range(dims.n_layer)]
+        self.sample_dir = sample_dir
+        self.rows = [0] * dims.n_layer
+        self.shards = [0] * dims.n_layer
+        self.buffers: list[dict[str, list]] = [{"x": [], "mask": [], "seq": [], "pos": []}
+                                               for _ in range(dims.n_layer)]
+        self.pick: torch.Tensor | None = None       # flat row indices of this batch to sample
+        self.pick_seq: torch.Tensor | None = None
+        self.pick_pos: torch.Tensor | None = None
+
+    def on_input(self, i: int, x: torch.Tensor) -> None:
+        if self.pick is not None and len(self.pick):
+            rows = x.reshape(-1, x.shape[-1])[self.pick.to(x.device)]
+            self.buffers[i]["x"].append(rows.detach().to(torch.float16).cpu())
+
+    def on_activation(self, i: int, a: torch.Tensor):
+        size = a.detach().abs()
+        active = size > self.thresholds[i] if self.adapter.thresholded else a != 0
+        flat = active.reshape(-1, active.shape[-1])
+        self.counts[i] += flat.sum(0).cpu()
+        self.magnitude[i] += (size * active).reshape(-1, a.shape[-1]).sum(0).double().cpu()
+        if self.pick is not None and len(self.pick):
+            mask = flat[self.pick.to(flat.device)].cpu().numpy()
+            buf = self.buffers[i]
+            buf["mask"].append(np.packbits(mask, axis=1, bitorder="little"))
+            buf["seq"].append(self.pick_seq)
+            buf["pos"].append(self.pick_pos)
+            self.rows[i] += len(self.pick)
+            if sum(len(m) for m in buf["mask"]) >= SHARD_ROWS:
+                self.flush(i)
+        if self.sparsify and self.adapter.thresholded:
+            return a * active
+        return None
+
+    def state(self) -> dict:
+        """Everything needed to continue after the rows flushed so far (call flush_all first)."""
+        return {"counts": torch.stack(self.counts), "magnitude": torch.stack(self.magnitude),
+                "rows": torch.tensor(self.rows), "shards": torch.tensor(self.shards)}
+
+    def load_state(self, state: dict) -> None:
+        self.counts = list(state["counts"].clone())
+        self.magnitude = list(state["magnitude"].clone())
+        self.rows = state["rows"].tolist()
+        self.shards = state["shards"].tolist()
+
+    def flush_all(self) -> None:
+        for i in range(len(self.buffers)):
+            self.flush(i)
+
+    def flush(self, i: int) -> None:
+        buf = self.buffers[i]
+        if not buf["mask"]:
+            return
+        tensors = {
+            "x": torch.cat(buf["x"]).contiguous(),
+            "mask": torch.from_numpy(np.concatenate(buf["mask"])).contiguous(),
+            "seq": torch.cat(buf["seq"]).contiguous(),
+            "pos": torch.cat(buf["pos"]).contiguous(),
+        }
+        layer_dir = self.sample_dir / f"layer_{i}"
+        layer_dir.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(layer_dir / f"shard_{self.shards[i]:04d}.safetensors"))
+        self.shards[i] += 1
+        self.buffers[i] = {"x": [], "mask": [], "seq": [], "pos": []}
+
+
+def profile_pass(model, adapter, seqs: torch.Tensor, thresholds: list[float], batch: int,
+                 chosen: np.ndarray, sample_dir: Path, rec: _Recorder | None = None, start_seq: int = 0,
+                 checkpoint=None) -> tuple[_Recorder, float]:
+    """A sparsified pass over seqs[start_seq:], recording counts and the rows at flat indices `chosen`.
+
+    `checkpoint(rec, next_seq)` is called every checkpoint_every(...) batches after all rows are flushed,
+    so an interrupted pass can continue from `next_seq` without counting anything twice.
+    """
+    n_seq, seq_len = seqs.shape
+    every = checkpoint_every(-(-(n_seq - start_seq) // batch))
+    rec = rec or _Recorder(adapter, thresholds, sample_dir, sparsify=True)
+    handles = arch_mod.install_taps(adapter, model, on_input=rec.on_input, on_activation=rec.on_activation)
+    device = next(model.parameters()).device
+    t0 = time.perf_counter()
+    try:
+        with torch.no_grad(), tqdm(total=seqs.numel(), initial=start_seq * seq_len, desc="profiling", unit="tok",
+                                   unit_scale=True) as bar:
+            for n_batch, start in enumerate(range(start_seq, n_seq, batch), 1):
+                rows = seqs[start:start + batch]
+                lo, hi = start * seq_len, (start + len(rows)) * seq_len
+                sel = chosen[(chosen >= lo) & (chosen < hi)]
+                rec.pick = torch.from_numpy(sel - lo)
+                rec.pick_seq = torch.from_numpy(sel // seq_len)
+                rec.pick_pos = torch.from_numpy(sel % seq_len)
+                model(input_ids=rows.to(device), use_cache=False)
+                bar.update(rows.numel())
+                if checkpoint is not None and n_batch % every == 0 and start + batch < n_seq:
+                    rec.flush_all()
+                    checkpoint(rec, start + len(rows))
+    finally:
+        for h in handles:
+            h.remove()
+    elapsed = time.perf_counter() - t0
+    rec.flush_all()
+    return rec, elapsed
+
+
+def checkpoint_every(n_batches: int) -> int:
+    """Batches between checkpoints: CHECKPOINT_BATCHES, or fewer so that a short run (8192 tokens: 4 batches of 4
+    sequences of 512) checkpoints too, about 4 times."""
+    return max(1, min(CHECKPOINT_BATCHES, n_batches // 4))
+
+
+def partial_dir(out: Path) -> Path:
+    """Where an unfinished profile of `out` lives until it is complete (kept for --resume)."""
+    return out.parent / f".{out.name}.partial"
+
+
+def _save_checkpoint(work: Path, rec: _Recorder, next_seq: int) -> None:
+    tmp = work / "checkpoint.pt.tmp"
+    torch.save({**rec.state(), "next_seq": torch.tensor(next_seq)}, tmp)
+    os.replace(tmp, work / "checkpoint.pt")
+
+
+def _load_safe(path: Path) -> dict:
+    return load_pt(path, "profile checkpoint")
+
+
+def _model_identity(spec: str, source, config, adapter) -> dict:
+    dims = adapter.dims()
+    return {"source": str(source.path) if spec != "smollm2" else "smollm2", "arch": adapter.name,
+            "gguf_arch": adapter.gguf_arch, "model_type": config.model_type, "activation": adapter.activation,
+            "n_layer": dims.n_layer, "n_embd": dims.n_embd, "n_ff": dims.n_ff,
+            "config_hash": models.config_hash(config)}
+
+
+def _context_length(config) -> int | None:
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len"):
+        value = getattr(config, key, None)
+        if value:
+            return int(value)
+    return None
+
+
+def run_profile(opts: ProfileOptions) -> dict:
+    """Profile a model into opts.out and return the profile.json contents.
+
+    Work happens in partial_dir(opts.out), checkpointed every few batches; the finished directory is
+    renamed into place, so an interrupted run never leaves a partial profile under the final name. A second
+    run to the same output while one is going is refused (they would share the partial directory).
+    """
+    with output_lock(opts.out, wait=False):
+        return _run_profile(opts)
+
+
+def _run_profile(opts: ProfileOptions) -> dict:
+    check_output_dir(opts.out, opts.force)
+    work = partial_dir(opts.out)
+    if not opts.resume and (work / "identity.json").is_file() and not opts.force:
+        raise UserError(f"an interrupted profile of {opts.out} is kept in {work}: continue it with --resume (same "
+                        "options), or start over with --force (which deletes it)")
+    source = models.resolve(opts.model)
+    config = models.load_config(source)
+    adapter = arch_mod.for_config(config)
+    ctx = _context_length(config)
+    seq_len = opts.seq_len or min(DEFAULT_SEQ_LEN, ctx or DEFAULT_SEQ_LEN)
+    if opts.tokens <= 0 or seq_len <= 1 or opts.batch <= 0 or opts.max_samples < 0:
+        raise UserError("--tokens, --seq-len (>1), --batch must be positive and --max-samples non-negative")
+    if ctx is not None and seq_len > ctx:
+        raise UserError(f"--seq-len {seq_len} is larger than the model's context length {ctx}")
+    texts = [calibration.read_text(p) for p in opts.calib]   # validate input before the slow load
+    dims = adapter.dims()
+    targets = _per_layer_targets(opts.target_sparsity, dims.n_layer) if adapter.thresholded else None
+    if opts.device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA device is available")
+
+    model, adapter = models.load_model(source, device=opts.device, dtype=opts.dtype)
+    identity = {"model": _model_identity(opts.model, source, config, adapter), "calib": [str(p) for p in opts.calib],
+                "tokens": opts.tokens, "seq_len": seq_len, "targets": targets, "max_samples": opts.max_samples,
+                "seed": opts.seed}
+    if opts.resume:
+        plan = _resume_plan(work, identity)
+        print(f"pi-tools profile: resuming {opts.out} from sequence {plan['next_seq']} of {len(plan['seqs'])}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+        with naming_output(opts.out):  # before the calibration text is made: minutes, data-free
+            work.mkdir(parents=True)
+        try:
+            plan = _fresh_plan(model, adapter, source, texts, seq_len, targets, opts)
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)  # nothing saved yet that --resume could use
+            raise
+        torch.save({"seqs": plan["seqs"], "thresholds": torch.tensor(plan["thresholds"], dtype=torch.float64),
+                    "chosen": torch.from_numpy(plan["chosen"])}, work / "inputs.pt")
+        (work / "identity.json").write_text(json.dumps({**identity, "calibration": plan["calibration"]}))
+
+    seqs, thresholds, chosen = plan["seqs"], plan["thresholds"], plan["chosen"]
+    rec = _Recorder(adapter, thresholds, work / "samples", sparsify=True)
+    if plan.get("state"):
+        rec.load_state(plan["state"])
+    try:
+        rec, elapsed = profile_pass(model, adapter, seqs, thresholds, opts.batch, chosen, work / "samples", rec=rec,
+                                    start_seq=plan["next_seq"], checkpoint=lambda r, nxt: _save_checkpoint(work, r, nxt))
+    except KeyboardInterrupt:
+        if (work / "identity.json").is_file():
+            print(f"pi-tools profile: the work so far is kept in {work}: the same command with --resume continues "
+                  "it", file=sys.stderr)
+        raise
+    n_seq, seq_len = seqs.shape
+    n_total = n_seq * seq_len
+    (work / "activation").mkdir(exist_ok=True)
+    (work / "magnitude").mkdir(exist_ok=True)
+    layers = []
+    for i in range(dims.n_layer):
+        torch.save(rec.counts[i].clone(), work / "activation" / f"activation_{i}.pt")
+        torch.save(rec.magnitude[i].float().clone(), work / "magnitude" / f"magnitude_{i}.pt")
+        density = float(rec.counts[i].sum()) / (n_total * dims.n_ff)
+        layers.append({"layer": i, "sparsity": 1.0 - density, **skew(rec.counts[i])})
+    done = (n_seq - plan["next_seq"]) * seq_len
+    profile = {
+        "format": FORMAT,
+        "model": identity["model"],
+        "rule": "threshold" if adapter.thresholded else "nonzero",
+        "thresholds": thresholds,
+        "target_sparsity": targets,
+        "tokens": n_total, "sequences": n_seq, "seq_len": seq_len, "calibration": plan["calibration"],
+        "samples": {"rows": int(len(chosen)), "x_dtype": "float16", "shard_rows": SHARD_ROWS},
+        "tokens_per_second": done / elapsed if elapsed > 0 and done else None,
+        "layers": layers,
+    }
+    (work / "profile.json").write_text(json.dumps(profile, indent=2))
+    for scratch in ("inputs.pt", "identity.json", "checkpoint.pt"):
+        (work / scratch).unlink(missing_ok=True)
+    check_output_dir(opts.out, opts.force)
+    publish_dir(work, opts.out)
+    return profile
+
+
+def _fresh_plan(model, adapter, source, texts, seq_len, targets, opts) -> dict:
+    """Calibration sequences, thresholds and the sampled row positions of a new profile."""
+    tokenizer = models.load_tokenizer(source)
+    if texts:
+        seqs = calibration.sequences_from_text(tokenizer, texts, seq_len, opts.tokens)
+        calib_desc = [str(p) for p in opts.calib]
+    else:
+        print("pi-tools profile: no --calib given: data-free calibration on text the model generates itself")
+        seqs = calibration.self_generated(model, tokenizer, seq_len, opts.tokens, opts.seed)
+        calib_desc = "self-generated"
+    n_layer = adapter.dims().n_layer
+    thresholds = ([0.0] * n_layer if targets is None
+                  else calibrate_thresholds(model, adapter, seqs, targets, opts.batch, opts.seed))
+    rng = np.random.default_rng(opts.seed)
+    chosen = np.sort(rng.choice(seqs.numel(), size=min(opts.max_samples, seqs.numel()), replace=False))
+    return {"seqs": seqs, "thresholds": thresholds, "chosen": chosen, "calibration": calib_desc, "next_seq": 0}
+
+
+def _resume_plan(work: Path, identity: dict) -> dict:
+    """The saved plan and progress of an interrupted profile, checked against the current options."""
+    if not (work / "identity.json").is_file() or not (work / "inputs.pt").is_file():
+        raise UserError(f"nothing to resume: no interrupted profile at {work}")
+    saved = json.loads((work / "identity.json").read_text())
+    calib = saved.pop("calibration")
+    if json.loads(json.dumps(identity)) != saved:
+        raise UserError("--resume: the interrupted profile was started with other options or another model; "
+                        "rerun without --resume to start over")
+    inputs = _load_safe(work / "inputs.pt")
+    plan = {"seqs": inputs["seqs"], "thresholds": inputs["thresholds"].tolist(), "chosen": inputs["chosen"].numpy(),
+            "calibration": calib, "next_seq": 0, "state": None}
+    if (work / "checkpoint.pt").is_file():
+        state = _load_safe(work / "checkpoint.pt")
+        plan["next_seq"], plan["state"] = int(state.pop("next_seq")), state
+        for i, n in enumerate(state["shards"].tolist()):   # drop shards written after the checkpoint
+            for shard in sorted((work / "samples" / f"layer_{i}").glob("shard_*.safetensors"))[n:]:
+                shard.unlink()
+    else:
+        shutil.rmtree(work / "samples", ignore_errors=True)
+    return plan
+
+
+def load_profile(directory: str | Path) -> dict:
+    """profile.json of a profile directory, checked for format and completeness."""
+    directory = Path(directory)
+    path = directory / "profile.json"
+    if not path.is_file():
+        raise UserError(f"{directory} is not a profile directory (no profile.json); run 'pi-tools profile' first")
+    try:
+        profile = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path} is not valid JSON ({exc})") from None
+    if profile.get("format") != FORMAT:
+        raise UserError(f"{path}: unknown profile format {profile.get('format')!r} (expected {FORMAT})")
+    return profile
+
+
+def _activation_folder(directory: Path) -> Path | None:
+    if (directory / "activation").is_dir():
+        return directory / "activation"
+    if (directory / "activation_0.pt").is_file():
+        return directory
+    return None
+
+
+def has_activation_counts(directory: str | Path) -> bool:
+    return _activation_folder(Path(directory)) is not None
+
+
+def activation_dir(directory: str | Path) -> Path:
+    """DIR/activation of a profile; a bare directory of activation_{i}.pt files (as PowerInfer ships) also works."""
+    folder = _activation_folder(Path(directory))
+    if folder is None:
+        raise UserError(f"{directory}: no activation/ directory (run `pi-tools profile --out {directory}` first)")
+    return folder
+
+
+def load_activation_counts(directory: str | Path, n_layer: int,
+                           n_ff: Sequence[int] | None = None) -> list[torch.Tensor]:
+    """activation_{i}.pt of every layer (PowerInfer's layout), loaded safely and checked against the model:
+    files for exactly layers 0..n_layer-1, each a 1-D real tensor of finite, non-negative counts, one per
+    neuron (n_ff[i] of them, when given)."""
+    folder = activation_dir(directory)
+    found = sorted(int(m.group(1)) for p in folder.iterdir() if (m := re.fullmatch(r"activation_(\d+)\.pt", p.name)))
+    if found != list(range(n_layer)):
+        missing = [i for i in range(n_layer) if i not in found]
+        extra = [i for i in found if i >= n_layer]
+        what = (f"activation_{missing[0]}.pt is missing" if len(missing) == 1 else
+                f"the activation files of layers {', '.join(map(str, missing))} are missing" if missing else
+                f"it has activation files for layers {', '.join(map(str, extra))}")
+        raise UserError(f"{folder}: {what}, but the model has {n_layer} layers (0-{n_layer - 1})")
+    counts = []
+    for i in range(n_layer):
+        path = folder / f"activation_{i}.pt"
+        value = checked_tensor(load_pt(path, "activation file"), str(path), "the counts", ndim=1, integers=True)
+        if n_ff is not None and value.numel() != n_ff[i]:
+            raise UserError(f"{path}: {value.numel()} counts, but layer {i} of the model has {n_ff[i]} neurons")
+        if bool((value < 0).any()):
+            raise UserError(f"{path}: counts contain negative values (min {float(value.min()):g})")
+        counts.append(value)
+    return counts

@@ -1,0 +1,183 @@
+"""`pi-tools sparsify` on a tiny random SiLU Llama: the ReLU model it writes loads in transformers and runs
+through the rest of the pipeline, L1 raises its sparsity, an interrupted run resumes bit for bit, bad input
+gets one line."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import engine
+from cli_helpers import assert_one_line_error, run_cli
+from engine_helpers import hf_logits, max_rel_err, random_tokens
+from tiny_models import training_text
+from powerinfer_tools.models import arch
+from powerinfer_tools import models
+from powerinfer_tools.runtime import default_build as pipeline
+from powerinfer_tools.stages import sparsification as sparsify
+
+# a few seconds a run: 32-token sequences, 2 of them a step
+SMALL = ("--seq-len", "32", "--batch", "2", "--local-tokens", "1024", "--local-epochs", "2", "--tokens", "1536",
+         "--eval-tokens", "256")
+
+
+@pytest.fixture(scope="module")
+def calib(tmp_path_factory):
+    path = tmp_path_factory.mktemp("calib") / "calib.txt"
+    path.write_text(training_text()[:60_000])
+    return path
+
+
+@pytest.fixture(scope="module")
+def sparsified(tiny_model_dir, calib, tmp_path_factory):
+    """The tiny SiLU model sparsified at target 0.9 (and the report it wrote)."""
+    out = tmp_path_factory.mktemp("sparsified") / "relu"
+    from powerinfer_tools.cli import main
+    try:
+        main(["sparsify", "-m", str(tiny_model_dir("llama-silu")), "--calib", str(calib), "-o", str(out),
+              "--target-sparsity", "0.9", *SMALL, "--local-epochs", "8"])
+    except SystemExit as exc:
+        assert exc.code in (0, None)
+    return out, json.loads((out / "sparsify.json").read_text())
+
+
+def test_writes_a_relu_llama_that_transformers_and_the_pipeline_load(sparsified, tmp_path, monkeypatch):
+    out, report = sparsified
+    config = json.loads((out / "config.json").read_text())
+    assert config["hidden_act"] == "relu" and config["model_type"] == "llama"
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out)  # plain transformers, no adapter
+    assert model.config.hidden_act == "relu"
+    adapter = arch.for_config(models.load_config(models.resolve(str(out))))
+    assert adapter.name == "llama-relu"
+
+    monkeypatch.setenv("POWERINFER_TOOLS_CACHE", str(tmp_path / "cache"))
+    path = pipeline.build(str(out), outtype="f32", tokens=1024, rank=8)  # profile -> train-predictor -> convert
+    tokens = random_tokens(12, config["vocab_size"])
+    ref = hf_logits(out, tokens, weights_from=path)  # the file's weights (its down projection is f16)
+    with engine.Model(path, sparse_mode="dense") as llm:
+        dense = llm.eval(tokens)
+    with engine.Model(path, sparse_mode="gate") as llm:
+        gate = llm.eval(tokens)
+    assert max_rel_err(dense, ref) < 1e-4
+    np.testing.assert_allclose(gate, dense, rtol=1e-5, atol=1e-5)  # ReLU: skipping exact zeros is exact
+
+
+def test_l1_raises_sparsity_to_the_target(sparsified):
+    _, report = sparsified
+    before = [h["relu_sparsity_before"] for h in report["history"] if h["phase"] == 1 and "error" in h]
+    assert len(before) == len(report["layer_sparsity"]) == 2
+    assert report["sparsity"] > max(before) + 0.15       # a plain ReLU swap leaves about half the gates on
+    assert report["sparsity"] > 0.8                      # steered to 0.9
+    layers = [h for h in report["history"] if h["phase"] == 1 and "error" in h]
+    assert all(h["error"] <= h["error_trained"] for h in layers)   # the least-squares down projection
+    assert any(h["error"] < 0.9 * h["error_trained"] for h in layers)
+    held = report["held_out"]
+    assert held["perplexity_sparsified"] > 0 and held["perplexity_ratio"] == pytest.approx(
+        held["perplexity_sparsified"] / held["perplexity_original"])
+    assert report["tokens_seen"]["end_to_end"] == 1536
+
+
+def _interrupt_at(monkeypatch, name: str, n: int):
+    """Sends this process SIGINT (a real Ctrl-C) during the n-th call of sparsify.<name>."""
+    real = getattr(sparsify, name)
+    calls = {"n": 0}
+
+    def wrapped(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == n:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(sparsify, name, wrapped)
+
+
+def test_interrupted_run_resumes_bit_for_bit(tiny_model_dir, calib, tmp_path, capsys, monkeypatch):
+    model = str(tiny_model_dir("llama-silu"))
+    args = ("sparsify", "-m", model, "--calib", calib, *SMALL)
+    code, _, _ = run_cli(capsys, *args, "-o", tmp_path / "straight")
+    assert code == 0
+
+    with monkeypatch.context() as m:       # Ctrl-C in the layer-local phase (second layer) ...
+        _interrupt_at(m, "local_step", 40)
+        code, _, err = run_cli(capsys, *args, "-o", tmp_path / "resumed")
+    assert code == 130 and "--resume" in err and not (tmp_path / "resumed").exists()
+    with monkeypatch.context() as m:       # ... then in the end-to-end phase
+        _interrupt_at(m, "e2e_step", 5)
+        code, out, err = run_cli(capsys, *args, "-o", tmp_path / "resumed", "--resume")
+    assert code == 130 and "phase 1, layer 1" in out and not (tmp_path / "resumed").exists()
+    code, out, _ = run_cli(capsys, *args, "-o", tmp_path / "resumed", "--resume")
+    assert code == 0 and "phase 2" in out
+
+    straight = load_file(tmp_path / "straight" / "model.safetensors")
+    resumed = load_file(tmp_path / "resumed" / "model.safetensors")
+    assert straight.keys() == resumed.keys()
+    for name in straight:
+        assert torch.equal(straight[name], resumed[name]), name
+    assert not sparsify.partial_dir(tmp_path / "resumed").exists()
+
+
+def test_bad_input_one_line(tiny_model_dir, calib, tmp_path, capsys):
+    silu = str(tiny_model_dir("llama-silu"))
+    out = tmp_path / "out"
+    code, _, err = run_cli(capsys, "sparsify", "-m", str(tiny_model_dir("llama-relu")), "--calib", calib, "-o", out)
+    assert_one_line_error(code, err, "already a relu model")
+    code, _, err = run_cli(capsys, "sparsify", "-m", str(tiny_model_dir("opt")), "--calib", calib, "-o", out)
+    assert_one_line_error(code, err, "already a relu model")
+    for bad in ("0", "1", "1.5", "-0.2"):
+        code, _, err = run_cli(capsys, "sparsify", "-m", silu, "--calib", calib, "-o", out, "--target-sparsity", bad)
+        assert_one_line_error(code, err, "--target-sparsity must be in (0, 1)")
+    small = tmp_path / "small.txt"
+    small.write_text("To be, or not to be, that is the question.")
+    code, _, err = run_cli(capsys, "sparsify", "-m", silu, "--calib", small, "-o", out)
+    assert_one_line_error(code, err, "shorter than one sequence")
+    code, _, err = run_cli(capsys, "sparsify", "-m", silu, "--calib", calib, "-o", out, "--seq-len", "32",
+                           "--batch", "100000")
+    assert_one_line_error(code, err, "sparsify needs at least 100001")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    code, _, err = run_cli(capsys, "sparsify", "-m", silu, "--calib", calib, "-o", blocker / "out")
+    assert_one_line_error(code, err, "not a writable directory")
+    code, _, err = run_cli(capsys, "sparsify", "-m", silu, "--calib", calib, "-o", out, "--resume")
+    assert_one_line_error(code, err, "no interrupted sparsify run")
+    code, _, err = run_cli(capsys, "sparsify", "-m", silu, "--calib", tmp_path / "missing.txt", "-o", out)
+    assert_one_line_error(code, err, "calibration file not found")
+    assert not out.exists() and not sparsify.partial_dir(out).exists()
+
+
+def test_resume_with_other_options_is_refused(tiny_model_dir, calib, tmp_path, capsys, monkeypatch):
+    args = ("sparsify", "-m", str(tiny_model_dir("llama-silu")), "--calib", calib, "-o", tmp_path / "out", *SMALL)
+    with monkeypatch.context() as m:
+        _interrupt_at(m, "local_step", 3)
+        code, _, _ = run_cli(capsys, *args)
+    assert code == 130
+    code, _, err = run_cli(capsys, *args, "--resume", "--target-sparsity", "0.7")
+    assert_one_line_error(code, err, "other options", "target_sparsity")
+
+
+@pytest.mark.slow
+def test_gguf_source_is_written_as_a_float_checkpoint(tmp_path, capsys):
+    """The default model is a GGUF file, which transformers marks as quantized when it loads one (its weights
+    dequantized): the output must still be a plain float checkpoint. --local-epochs 0 --tokens 0 is the bare
+    ReLU swap, which leaves about half the gates on."""
+    calib = tmp_path / "calib.txt"
+    calib.write_text(training_text()[:40_000])
+    out = tmp_path / "relu"
+    code, _, err = run_cli(capsys, "sparsify", "-m", "smollm2", "--calib", calib, "-o", out, "--local-epochs", "0",
+                           "--tokens", "0", "--seq-len", "64", "--eval-tokens", "256")
+    assert code == 0, err
+    config = json.loads((out / "config.json").read_text())
+    assert config["hidden_act"] == "relu" and "quantization_config" not in config
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(out).config.hidden_act == "relu"
+    report = json.loads((out / "sparsify.json").read_text())
+    assert report["tokens_seen"] == {"layer_local": 0, "end_to_end": 0}
+    assert 0.3 < report["sparsity"] < 0.8
+    assert report["held_out"]["perplexity_ratio"] > 1.5   # the swap alone is far from the original

@@ -25,14 +25,14 @@ import numpy as np
 
 from powerinfer_tools.models import arch
 from powerinfer_tools import models
-from powerinfer_tools.formats import neuron_order
+from powerinfer_tools.formats import names, neuron_order
 from powerinfer_tools.core.atomic import atomic_file
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.formats.gguf_io import base_arch, field, open_reader
 
 BENCH_OUTTYPES = ("q4_0", "q8_0", "f16", "f32")
-ACTIVATION_THRESHOLDS = "powerinfer.activation_thresholds"
-PREDICTOR_THRESHOLDS = "powerinfer.predictor_thresholds"
+ACTIVATION_THRESHOLDS = names.KEY_ACTIVATION_THRESHOLDS
+PREDICTOR_THRESHOLDS = names.KEY_PREDICTOR_THRESHOLDS
 # Metadata llama.cpp has no use for (ours) or that gguf-py's writer sets itself.
 _SKIPPED_KEYS = ("GGUF.", "powerinfer.", "powerinfer_tools.", "general.architecture")
 _LLAMACPP_ARCHES = ("llama",)

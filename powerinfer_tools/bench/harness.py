@@ -33,9 +33,10 @@ from powerinfer_tools import models
 from powerinfer_tools.bench import sparsity_levels
 from powerinfer_tools.bench.runners import Runner, Worker, llamacpp_runner
 from powerinfer_tools.core.errors import UserError
+from powerinfer_tools.formats import names
 
-MODES = ("dense", "gate", "predictor", "auto")
-SPARSE_MODES = ("gate", "predictor", "auto")
+MODES = tuple(m for m in names.FFN_MODES if m != "oracle")   # oracle is a test mode: nothing to time
+SPARSE_MODES = tuple(m for m in MODES if m != "dense")
 PEERS = ("llama.cpp", "torch")
 SWEEP_LEVELS = (0.3, 0.5, 0.7, 0.8, 0.9, 0.95)
 CALIBRATION_SEQS, CALIBRATION_LEN = 4, 256

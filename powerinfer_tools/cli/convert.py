@@ -7,12 +7,7 @@ from typing import Optional
 import typer
 
 from powerinfer_tools.stages import placement
-from powerinfer_tools.cli.plan import report, write_plan
 from powerinfer_tools.core.errors import UserError
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
 
 
 def convert(
@@ -82,8 +77,8 @@ def convert(
         raise UserError("--predictor-rank only applies with --dry-run (a conversion takes the ranks of --predictors)")
     if out is None:
         raise UserError("--out is required (or --dry-run to only report sizes)")
-    outtype = outtype or "f16"
-    from powerinfer_tools.stages.conversion import convert_model
+    from powerinfer_tools import stages
+    from powerinfer_tools.stages.conversion import summary_lines
 
     if vram_budget is not None:
         if profile is None:
@@ -91,30 +86,23 @@ def convert(
         from powerinfer_tools.stages.profiling import activation_dir
 
         activation_dir(profile)  # fail before converting, not after
-    summary = convert_model(model, out, outtype=outtype.lower(), predictors_dir=predictors, profile_dir=profile,
-                            progress=not quiet, order_neurons=order_neurons,
-                            powerinfer_compatible=powerinfer_compatible)
+    converted = stages.convert(stages.ConvertOptions(
+        model=model, out=out, outtype=outtype or "f16", predictors=predictors, profile=profile,
+        order_neurons=order_neurons, powerinfer_compatible=powerinfer_compatible, progress=not quiet))
+    summary = converted.summary
     if summary["thresholded"] and profile is None:
         typer.echo(f"note: {summary['arch']} is thresholded but no --profile was given: activation thresholds "
                    "stored as 0 (every neuron counts as active)", err=True)
-    types = ", ".join(f"{n} {k}" for k, n in sorted(summary["types"].items()))
-    typer.echo(f"{summary['arch']} -> {summary['gguf_arch']} {summary['outtype']}: {summary['tensors']} tensors "
-               f"({types}){', with predictors' if summary['predictors'] else ', no predictors'}")
-    if summary["neuron_order"] == "profile":
-        typer.echo("FFN neurons stored hottest first in blocks of 16 by the profile's counts (--source-order: "
-                   "the model's order)")
-    typer.echo(f"bytes: {_mib(summary['bytes_in'])} in the source -> {_mib(summary['bytes_out'])} written "
-               f"({summary['bytes_out'] / max(summary['bytes_in'], 1):.2f}x) in {summary['seconds']:.1f} s")
+    typer.echo("\n".join(summary_lines(summary)))
     typer.echo(f"wrote {out}")
     if vram_budget is not None:
         try:
-            result = placement.plan_for_model(profile, out, vram_budget * placement.GIB,
-                                              granularity="powerinfer" if powerinfer_compatible else 1)
+            written = stages.plan(profile, out, stages.PlanOptions(
+                vram_budget_gib=vram_budget, granularity="powerinfer" if powerinfer_compatible else 1))
         except UserError as exc:
             raise UserError(f"wrote {out}, but no GPU plan: {exc}") from None
-        gpuidx, plan_summary = write_plan(result, placement.default_gpuidx_path(out))
-        report(result)
-        typer.echo(f"wrote {gpuidx} and {plan_summary}")
+        typer.echo("\n".join(placement.report_lines(written.plan)))
+        typer.echo(f"wrote {written.gpuidx} and {written.summary}")
 
 
 def report_sizes(model: str, outtypes: list[str], predictor_rank: int | None) -> None:

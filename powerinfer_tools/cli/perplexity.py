@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 
 from powerinfer_tools.core.errors import UserError
+from powerinfer_tools.formats.names import FFN_MODES
 from powerinfer_tools.runtime.inference import KV_TYPE_HELP
 
 
@@ -19,7 +20,7 @@ def perplexity(
     ctx: int = typer.Option(512, "--ctx", "-c", help="Window length in tokens (each starts with BOS when the model "
                                                       "has one; windows do not overlap)."),
     chunks: int = typer.Option(0, "--chunks", help="Windows to score; 0 = as many as the text fills."),
-    sparse_mode: str = typer.Option("dense", "--sparse-mode", help="FFN mode: dense, gate, predictor, auto, oracle."),
+    sparse_mode: str = typer.Option("dense", "--sparse-mode", help=f"FFN mode: {', '.join(FFN_MODES)}."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Threads. Default: all cores."),
     kv_type: str = typer.Option("f32", "--kv-type", help=KV_TYPE_HELP),
     gpuidx: Optional[Path] = typer.Option(None, "--gpuidx", help="GPU index: hot neurons computed densely."),

@@ -68,15 +68,18 @@ def plan(
 
       pi-tools plan --dry-run -m ./ReluLLaMA-70B --profile ./ReluLLaMA-70B-PowerInfer-GGUF/activation --vram-budget 12
     """
-    options = dict(ctx_size=ctx_size, min_layer_neurons=min_layer_neurons,
-                   reserve_bytes=int(reserve_mib * placement.MIB), offload_output=offload_output, dense=dense,
-                   time_limit=time_limit, granularity=granularity)
+    from powerinfer_tools import stages
+
+    opts = stages.PlanOptions(vram_budget_gib=vram_budget, out=out, ctx_size=ctx_size,
+                              min_layer_neurons=min_layer_neurons, reserve_bytes=int(reserve_mib * placement.MIB),
+                              offload_output=offload_output, dense=dense, time_limit=time_limit,
+                              granularity=granularity)
     if dry_run:
         from powerinfer_tools.stages import dry_run as dry
 
         config_model = dry.load(model)
         result = dry.plan_from_config(config_model, outtype.lower(), vram_budget * placement.GIB, profile,
-                                      predictor_rank, exponent, **options)
+                                      predictor_rank, exponent, **opts.solver_options())
         report_dry_run(config_model, result)
         if out is not None:
             placement.write_summary(result.plan, out, extra={"dry_run": dry_run_summary(result)})
@@ -86,10 +89,9 @@ def plan(
         raise UserError("--predictor-rank only applies with --dry-run (a converted file has its predictors)")
     if profile is None:
         raise UserError("--profile is required (its activation counts decide the hot neurons), except with --dry-run")
-    result = placement.plan_for_model(profile, model, vram_budget * placement.GIB, **options)
-    out, summary = write_plan(result, out or placement.default_gpuidx_path(model))
-    report(result)
-    typer.echo(f"wrote {out} and {summary}")
+    written = stages.plan(profile, model, opts)
+    report(written.plan)
+    typer.echo(f"wrote {written.gpuidx} and {written.summary}")
 
 
 def dry_run_summary(result) -> dict:
@@ -113,27 +115,6 @@ def report_dry_run(config_model, result) -> None:
         typer.echo("(served shares above follow from the ASSUMED counts, not from a profile of this model)")
 
 
-def write_plan(result: placement.Plan, out: Path) -> tuple[Path, Path]:
-    """The gpu-index file and its JSON summary (OUT.json)."""
-    summary = Path(f"{out}.json")
-    placement.write_gpuidx(result, out)
-    placement.write_summary(result, summary)
-    return Path(out), summary
-
-
 def report(result: placement.Plan) -> None:
     """Print the budget breakdown and each layer's GPU share."""
-    s = result.summary()
-    typer.echo("VRAM budget breakdown:")
-    for line in placement.breakdown_lines(result):
-        typer.echo(line)
-    solver = s["solver"]
-    typer.echo(f"solver: {solver['method']}, {solver['seconds']:.2f} s"
-               + (f", {solver['iterations']} MILP rounds" if solver.get("iterations") else "")
-               + (" (time limit hit: best plan found)" if solver.get("timed_out") else ""))
-    typer.echo(f"GPU neurons {s['gpu_neurons']}/{s['neurons']}, activations served from GPU "
-               f"{100 * s['served_fraction']:.1f}%")
-    typer.echo(f"  {'layer':>5} {'gpu/n_ff':>13} {'min':>6} {'served':>7}")
-    for layer in s["layers"]:
-        typer.echo(f"  {layer['layer']:>5} {layer['gpu_neurons']:>6}/{layer['n_ff']:<6} {layer['min_neurons']:>6} "
-                   f"{100 * layer['served_fraction']:>6.1f}%")
+    typer.echo("\n".join(placement.report_lines(result)))

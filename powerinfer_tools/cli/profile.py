@@ -18,18 +18,6 @@ def _parse_targets(value: Optional[str]) -> list[float] | None:
         raise UserError(f"--target-sparsity takes a number or a comma-separated list, got {value!r}") from None
 
 
-def print_summary(profile: dict) -> None:
-    m = profile["model"]
-    typer.echo(f"\n{m['arch']} ({m['activation']}), {m['n_layer']} layers x {m['n_ff']} neurons, "
-               f"{profile['tokens']} tokens profiled"
-               + (f" at {profile['tokens_per_second']:.0f} tok/s" if profile.get("tokens_per_second") else ""))
-    typer.echo(f"{'layer':>5} {'threshold':>10} {'sparsity':>9} {'hot10%':>7} {'hot20%':>7} {'hot50%':>7}")
-    for row, t in zip(profile["layers"], profile["thresholds"]):
-        typer.echo(f"{row['layer']:>5} {t:>10.4g} {row['sparsity']:>9.3f} {row['hot10']:>7.3f} "
-                   f"{row['hot20']:>7.3f} {row['hot50']:>7.3f}")
-    typer.echo("hotN% = share of all activations served by the hottest N% of the layer's neurons")
-
-
 def profile(
     model: str = typer.Option(..., "--model", "-m", help="HF model directory, .gguf file, or 'smollm2'."),
     out: Path = typer.Option(..., "--out", "-o", help="Output profile directory."),
@@ -63,15 +51,17 @@ def profile(
 
       pi-tools profile -m smollm2 --target-sparsity 0.5 --tokens 4096 -o prof   # data-free
     """
-    from powerinfer_tools.stages.profiling import ProfileOptions, run_profile
+    from powerinfer_tools import stages
+    from powerinfer_tools.stages.profiling import summary_lines
 
     if dtype not in ("float32", "bfloat16", "float16"):
         raise UserError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
     if device not in ("cpu", "cuda", "auto"):
         raise UserError(f"--device must be cpu, cuda or auto, got {device!r}")
-    opts = ProfileOptions(model=model, out=out, calib=list(calib or []), tokens=tokens, seq_len=seq_len,
-                          batch=batch, device=device, dtype=dtype, target_sparsity=_parse_targets(target_sparsity),
-                          max_samples=max_samples, seed=seed, force=force, resume=resume)
-    result = run_profile(opts)
-    print_summary(result)
+    opts = stages.ProfileOptions(model=model, out=out, calib=list(calib or []), tokens=tokens, seq_len=seq_len,
+                                 batch=batch, device=device, dtype=dtype,
+                                 target_sparsity=_parse_targets(target_sparsity), max_samples=max_samples, seed=seed,
+                                 force=force, resume=resume)
+    result = stages.profile(opts)
+    typer.echo("\n".join(summary_lines(result.meta)))
     typer.echo(f"wrote {out}")

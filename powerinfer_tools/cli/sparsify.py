@@ -50,15 +50,14 @@ def sparsify(
 
       pi-tools sparsify -m smollm2 --calib wiki.txt -o smollm2-relu --resume   # after Ctrl-C
     """
-    from powerinfer_tools.stages.sparsification import SparsifyOptions, run_sparsify
+    from powerinfer_tools import stages
 
-    opts = SparsifyOptions(model=model, out=out, calib=list(calib or []), target_sparsity=target_sparsity,
-                           tokens=tokens, local_tokens=local_tokens, local_epochs=local_epochs, seq_len=seq_len,
-                           batch=batch, lr=lr, local_lr=local_lr, eval_tokens=eval_tokens, device=device,
-                           dtype=dtype, grad_checkpointing=grad_checkpointing,
-                           checkpoint_minutes=checkpoint_minutes, seed=seed, force=force, resume=resume)
-    report = run_sparsify(opts)
-    print_summary(report)
+    opts = stages.SparsifyOptions(model=model, out=out, calib=list(calib or []), target_sparsity=target_sparsity,
+                                  tokens=tokens, local_tokens=local_tokens, local_epochs=local_epochs,
+                                  seq_len=seq_len, batch=batch, lr=lr, local_lr=local_lr, eval_tokens=eval_tokens,
+                                  device=device, dtype=dtype, grad_checkpointing=grad_checkpointing,
+                                  checkpoint_minutes=checkpoint_minutes, seed=seed, force=force, resume=resume)
+    print_summary(stages.sparsify(opts).report)
     typer.echo(f"wrote {out}")
 
 

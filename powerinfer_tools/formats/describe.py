@@ -7,6 +7,7 @@ import re
 
 import numpy as np
 
+from powerinfer_tools.formats import names
 from powerinfer_tools.formats.gguf_io import field, open_reader, read_magic
 
 
@@ -19,7 +20,7 @@ def describe(path: str | os.PathLike) -> dict:
     info = {"path": str(path), "magic": read_magic(path).decode("ascii", "replace"),
             "version": int(reader.fields["GGUF.version"].contents()), "metadata": metadata, "tensors": tensors,
             "gpu_layers": None}
-    if field(reader, "general.architecture") == "generic.gpu_index":
+    if field(reader, names.KEY_ARCHITECTURE) == names.GPU_INDEX_ARCH:
         info["gpu_layers"] = _gpu_shares(reader)
     return info
 
@@ -27,7 +28,7 @@ def describe(path: str | os.PathLike) -> dict:
 def _gpu_shares(reader) -> list[dict]:
     layers = []
     for t in reader.tensors:
-        match = re.fullmatch(r"blk\.(\d+)\.gpu_idx", t.name)
+        match = re.fullmatch(rf"blk\.(\d+)\.{names.GPU_IDX}", t.name)
         if match:
             on_gpu = np.asarray(t.data).astype(bool)
             layers.append({"layer": int(match.group(1)), "n_ff": int(on_gpu.size), "gpu": int(on_gpu.sum()),

@@ -11,10 +11,10 @@ import os
 import numpy as np
 
 from powerinfer_tools.core.errors import UserError
+from powerinfer_tools.formats import names
 
 GGUF_MAGIC = b"GGUF"
 PWRI_MAGIC = b"PWRI"
-GPU_INDEX_ARCH = "generic.gpu_index"
 # PowerInfer's ggml and gguf-py number i32 18 (ggml.h's enum ggml_type ends I8, I16, I32 after q8_K); later
 # ggml gives 18 to iq3_xxs and i32 26. PowerInfer's engine cannot read 26, so gpu-index files carry 18.
 POWERINFER_I32 = 18
@@ -61,7 +61,7 @@ def open_reader(path: str | os.PathLike, writable: bool = False):
             return super()._get(offset, dtype, count, override_order)
 
         def _build_tensors(self, start_offs, fields):
-            if field(self, "general.architecture") == GPU_INDEX_ARCH:  # PowerInfer's i32 code, read as i32
+            if field(self, names.KEY_ARCHITECTURE) == names.GPU_INDEX_ARCH:  # PowerInfer's i32 code, read as i32
                 for info in fields:
                     if int(info.parts[4][0]) == POWERINFER_I32:
                         info.parts[4] = np.array([gguf.GGMLQuantizationType.I32], dtype=np.uint32)

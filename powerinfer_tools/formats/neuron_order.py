@@ -1,14 +1,13 @@
 """The order a converted file keeps each layer's FFN neurons in: hottest-first blocks, spread over the layer.
 
 An FFN computes the same function whatever the order of its neurons, so the converter may choose one. A sparse
-decode step reads the rows of the neurons it uses by index; on a CPU a row read by index costs about twice a
-streamed one (docs/perf-notes.md §19), unless its neighbours are read too. Neurons that fire about as often sit
+decode step reads the rows of the neurons it uses by index; on a CPU a row read by index costs more than a
+streamed one (docs/engine.md), unless its neighbours are read too. Neurons that fire about as often sit
 side by side here, so the rows one token uses come in runs: the profile's counts sorted hottest first, cut into
 blocks of BLOCK_ROWS neurons. The blocks are then laid out in bit-reversed order of their rank (hottest, median,
 quartiles, ...), so that any contiguous share of the layer, which is what one thread of the engine takes, holds
-hot and cold blocks alike: all the hot ones at the front would give one thread most of the work. Measured on
-SmolLM2 at 50 % sparsity (docs/perf-notes.md §24): runs of 2.0-2.4 rows become 2.3-2.5, and predictor mode's
-speedup over dense mode grows by 3-5 %; gate mode's is unchanged.
+hot and cold blocks alike: all the hot ones at the front would give one thread most of the work. The layout
+and what it holds: docs/formats.md, "Neuron order".
 
 The file records the order (ORDER_KEY: for every layer, the source neuron at each position), so that anything
 indexed by source neuron (a profile's activation counts) can be mapped to the file's positions
@@ -22,15 +21,16 @@ from collections.abc import Sequence
 import numpy as np
 
 from powerinfer_tools.core.errors import UserError
+from powerinfer_tools.formats import names
 
 BLOCK_ROWS = 16
 # The order in the file: a string, base64 of little-endian int32 (layer 0's n_ff source indices, then layer
 # 1's, ...). A GGUF array would do, but gguf-py parses an array element by element (20 s for ReluLLaMA-70B's
 # 2.3M neurons, on every open); a string is one part.
-ORDER_KEY = "powerinfer_tools.neuron_order"
+ORDER_KEY = names.KEY_NEURON_ORDER
 # Tensors whose leading axis is the layer's neurons (file layout), and so follow the order.
-NEURON_TENSORS = ("ffn_gate.weight", "ffn_gate.bias", "ffn_up.weight", "ffn_up.bias", "ffn_down_t.weight",
-                  "fc2.weight")
+NEURON_TENSORS = (names.weight(names.FFN_GATE), names.bias(names.FFN_GATE), names.weight(names.FFN_UP),
+                  names.bias(names.FFN_UP), names.weight(names.FFN_DOWN_T), names.weight(names.PREDICTOR_FC2))
 
 
 def bit_reversed_ranks(n: int) -> np.ndarray:

@@ -1,7 +1,7 @@
 """The embedded default, ready to run: SmolLM2 through the real pipeline, built once into the cache.
 
 `pi-tools run -m smollm2` needs a PowerInfer file with predictors. The first time, this runs the same
-subcommands a user would (profile on self-generated text, train-predictor, convert) into
+stages a user would (powerinfer_tools.stages: profile on self-generated text, train_predictors, convert) into
 `cache_dir()/pipeline/smollm2/`; later runs find the file and start at once. Each step's output is
 written atomically, so an interrupted first run simply resumes at the first missing step.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from powerinfer_tools.models import default_model
@@ -35,14 +36,14 @@ def model_file(model: str = default_model.NAME, outtype: str = "q8_0") -> Path:
     return model_dir(model) / f"{Path(model).name}.{outtype}.powerinfer.gguf"
 
 
-def _step(title: str, args: list[str]) -> None:
-    """Run one subcommand with its reports on stderr: stdout belongs to the command that asked for the model
-    (`pi-tools run ... | head` must see only the generated text, and a closed pipe must not stop a build)."""
-    from powerinfer_tools.cli import app
-
-    print(f"pi-tools: {title}: pi-tools {' '.join(args)}", file=sys.stderr)
-    with contextlib.redirect_stdout(sys.stderr):
-        app(args=args, standalone_mode=False)
+def _step(title: str, out: Path, run: Callable[[], list[str]]) -> None:
+    """Run one stage into `out` and print its report, all on stderr: stdout belongs to the command that asked for
+    the model (`pi-tools run ... | head` must see only the generated text, and a closed pipe must not stop a
+    build)."""
+    print(f"pi-tools: {title} -> {out}", file=sys.stderr)
+    with contextlib.redirect_stdout(sys.stderr):  # the stages' own notes (resuming, data-free) go along
+        for line in run():
+            print(line)
 
 
 def build(model: str = default_model.NAME, outtype: str = "q8_0", tokens: int = PROFILE_TOKENS,
@@ -58,20 +59,27 @@ def build(model: str = default_model.NAME, outtype: str = "q8_0", tokens: int = 
 
 
 def _build(model: str, outtype: str, tokens: int, rank: int, final: Path) -> Path:
+    from powerinfer_tools import stages
+    from powerinfer_tools.stages.conversion import summary_lines as convert_lines
+    from powerinfer_tools.stages.predictor_training import format_table
+    from powerinfer_tools.stages.profiling import partial_dir, summary_lines as profile_lines
+
     root = model_dir(model)
     profile, predictors = root / "profile", root / "predictors"
     print(f"pi-tools: first use of '{model}': building {final.name} through the pipeline "
           "(a few minutes, once; later runs start at once)", file=sys.stderr)
     if not (profile / "profile.json").is_file():
-        from powerinfer_tools.stages.profiling import partial_dir
-
         # an interrupted first run's profile continues where it stopped
-        again = "--resume" if (partial_dir(profile) / "identity.json").is_file() else "--force"
-        _step("1/3 profile (data-free)", ["profile", "-m", model, "--tokens", str(tokens), "--seq-len",
-                                          str(PROFILE_SEQ_LEN), "-o", str(profile), again])
+        resume = (partial_dir(profile) / "identity.json").is_file()
+        opts = stages.ProfileOptions(model=model, out=profile, tokens=tokens, seq_len=PROFILE_SEQ_LEN,
+                                     resume=resume, force=not resume)
+        _step("1/3 profile (data-free)", profile, lambda: profile_lines(stages.profile(opts).meta))
     if not (predictors / "config.json").is_file():
-        _step("2/3 train-predictor", ["train-predictor", str(profile), "-o", str(predictors), "--rank", str(rank),
-                                      "--force"])
-    _step("3/3 convert", ["convert", "-m", model, "-p", str(predictors), "--profile", str(profile),
-                          "-t", outtype, "-o", str(final)])
+        def train() -> list[str]:
+            trained = stages.train_predictors(profile, stages.PredictorOptions(out=predictors, rank=rank, force=True))
+            return [format_table(trained.layers), *trained.warnings,
+                    f"wrote {len(trained.layers)} predictors to {trained.path}"]
+        _step("2/3 train-predictor", predictors, train)
+    convert = stages.ConvertOptions(model=model, out=final, outtype=outtype, predictors=predictors, profile=profile)
+    _step("3/3 convert", final, lambda: convert_lines(stages.convert(convert).summary))
     return final

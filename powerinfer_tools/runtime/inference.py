@@ -18,8 +18,9 @@ from pathlib import Path
 import numpy as np
 
 from powerinfer_tools.core.errors import UserError
+from powerinfer_tools.formats import names
 
-SPARSE_MODES = ("dense", "gate", "predictor", "auto", "oracle")
+SPARSE_MODES = names.FFN_MODES
 
 
 @dataclass(frozen=True)
@@ -88,8 +89,7 @@ def cached_plan(model: Path, vram_budget_gib: float, profile: str | os.PathLike 
         raise UserError(f"--vram-budget: no plan for {vram_budget_gib} GiB is cached beside {model.name}{cached}; "
                         "give --profile DIR (the profile the model was converted from) to solve one")
     plan = placement.plan_for_model(profile, model, budget, ctx_size=ctx_size)
-    placement.write_gpuidx(plan, path)
-    placement.write_summary(plan, summary)
+    placement.write_plan(plan, path)
     print(f"pi-tools: solved a placement for {vram_budget_gib} GiB -> {path}", file=sys.stderr)
     return path
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from powerinfer_tools.models import arch
 from powerinfer_tools import models
-from powerinfer_tools.formats import neuron_order
+from powerinfer_tools.formats import names, neuron_order
 from powerinfer_tools.core.atomic import atomic_file
 from powerinfer_tools.core.errors import UserError, write_failure
 from powerinfer_tools.core.safe_load import load_pt
@@ -173,7 +173,7 @@ def plan(adapter: arch.Arch, weights, predictors: Predictors | None, outtype: st
         if stored is None:
             raise UserError(f"the model has no tensor {tmap.source} (needed for {tmap.name})")
         shape = tmap.out_shape(weights.shapes[stored])
-        qtype = tensor_type(shape, down_outtype if tmap.name.endswith(".ffn_down_t.weight") else outtype)
+        qtype = tensor_type(shape, down_outtype if tmap.name.endswith(f".{names.weight(names.FFN_DOWN_T)}") else outtype)
         planned.append(PlannedTensor(tmap.name, shape, qtype,
                                      lambda t=tmap, s=stored: t.apply(weights.load(s)), stored))
     if predictors is not None:
@@ -197,8 +197,8 @@ FC1_OUTTYPE = {"q4_0": "q8_0"}
 def predictor_tensors(rank: int, outtype: str, n_embd: int, n_ff: int) -> list[tuple[str, tuple[int, int], object]]:
     """fc1 and fc2 of a rank-`rank` predictor in an `outtype` file: key, shape, type."""
     fc1, fc2 = (rank, n_embd), (n_ff, rank)
-    return [("fc1.weight", fc1, tensor_type(fc1, FC1_OUTTYPE.get(outtype, outtype))),
-            ("fc2.weight", fc2, tensor_type(fc2, outtype))]
+    return [(names.weight(names.PREDICTOR_FC1), fc1, tensor_type(fc1, FC1_OUTTYPE.get(outtype, outtype))),
+            (names.weight(names.PREDICTOR_FC2), fc2, tensor_type(fc2, outtype))]
 
 
 def stored_rank(rank: int, outtype: str, n_embd: int, n_ff: int) -> int:
@@ -223,8 +223,9 @@ def stored_rank(rank: int, outtype: str, n_embd: int, n_ff: int) -> int:
 def _load_predictor(path: Path, key: str, rank: int) -> np.ndarray:
     """A layer's fc1 or fc2 as float32, padded with zeros to `rank` (see stored_rank)."""
     weight = load_pt(path, "predictor")[key].float().numpy()
-    missing = rank - (weight.shape[0] if key == "fc1.weight" else weight.shape[1])
-    return np.pad(weight, ((0, missing), (0, 0)) if key == "fc1.weight" else ((0, 0), (0, missing)))
+    fc1 = key == names.weight(names.PREDICTOR_FC1)
+    missing = rank - (weight.shape[0] if fc1 else weight.shape[1])
+    return np.pad(weight, ((0, missing), (0, 0)) if fc1 else ((0, 0), (0, missing)))
 
 
 def model_name(path: Path) -> str:
@@ -246,14 +247,14 @@ def add_header(writer, adapter: arch.Arch, name: str, outtype: str, predictors: 
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     adapter.write_hparams(writer)
     f32 = gguf.GGUFValueType.FLOAT32
-    writer.add_key_value("powerinfer.ffn_activation", adapter.activation, gguf.GGUFValueType.STRING)
-    writer.add_key_value("powerinfer.activation_thresholds", activation_thresholds, gguf.GGUFValueType.ARRAY,
+    writer.add_key_value(names.KEY_FFN_ACTIVATION, adapter.activation, gguf.GGUFValueType.STRING)
+    writer.add_key_value(names.KEY_ACTIVATION_THRESHOLDS, activation_thresholds, gguf.GGUFValueType.ARRAY,
                          sub_type=f32)
     if predictors is not None:
-        writer.add_key_value("powerinfer.sparse_threshold", predictors.sparse_threshold, f32)
-        writer.add_key_value("powerinfer.predictor_thresholds", predictors.thresholds, gguf.GGUFValueType.ARRAY,
+        writer.add_key_value(names.KEY_SPARSE_THRESHOLD, predictors.sparse_threshold, f32)
+        writer.add_key_value(names.KEY_PREDICTOR_THRESHOLDS, predictors.thresholds, gguf.GGUFValueType.ARRAY,
                              sub_type=f32)
-        writer.add_key_value("powerinfer.predictor_useful", predictors.useful, gguf.GGUFValueType.ARRAY,
+        writer.add_key_value(names.KEY_PREDICTOR_USEFUL, predictors.useful, gguf.GGUFValueType.ARRAY,
                              sub_type=gguf.GGUFValueType.BOOL)
     if neuron_orders is not None:
         writer.add_key_value(neuron_order.ORDER_KEY, neuron_order.encode(neuron_orders), gguf.GGUFValueType.STRING)
@@ -356,3 +357,20 @@ def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predic
         "types": dict(Counter(t.qtype.name for t in tensors)), "bytes_in": int(bytes_in),
         "bytes_out": out_path.stat().st_size, "seconds": round(time.time() - started, 2),
     }
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def summary_lines(summary: dict) -> list[str]:
+    """What convert_model wrote, as `pi-tools convert` prints it."""
+    types = ", ".join(f"{n} {k}" for k, n in sorted(summary["types"].items()))
+    lines = [f"{summary['arch']} -> {summary['gguf_arch']} {summary['outtype']}: {summary['tensors']} tensors "
+             f"({types}){', with predictors' if summary['predictors'] else ', no predictors'}"]
+    if summary["neuron_order"] == "profile":
+        lines.append("FFN neurons stored hottest first in blocks of 16 by the profile's counts (--source-order: "
+                     "the model's order)")
+    lines.append(f"bytes: {_mib(summary['bytes_in'])} in the source -> {_mib(summary['bytes_out'])} written "
+                 f"({summary['bytes_out'] / max(summary['bytes_in'], 1):.2f}x) in {summary['seconds']:.1f} s")
+    return lines

@@ -28,17 +28,15 @@ from typing import Any
 
 import numpy as np
 
-from powerinfer_tools.formats import neuron_order
+from powerinfer_tools.formats import names, neuron_order
 from powerinfer_tools.stages import placement_solver
 from powerinfer_tools.core.atomic import atomic_file
 from powerinfer_tools.core.errors import UserError
+from powerinfer_tools.stages.options import DEFAULT_CTX_SIZE, DEFAULT_RESERVE_BYTES, MIB, PlanFiles
 from powerinfer_tools.formats.gguf_io import field as gguf_field
 from powerinfer_tools.formats.gguf_io import open_reader, set_powerinfer_i32, set_pwri_magic
 
 GIB = 1024**3
-MIB = 1024**2
-DEFAULT_CTX_SIZE = 512  # llama.cpp's and PowerInfer's default context
-DEFAULT_RESERVE_BYTES = 256 * MIB  # PowerInfer leaves 256 MiB free when it sizes the budget itself
 DENSE_POLICIES = ("all", "with-ffn")
 KV_BYTES_PER_VALUE = 2  # PowerInfer keeps the KV cache in f16
 
@@ -47,8 +45,8 @@ SPLIT_LAYER_OVERHEAD_S = 25e-6  # kernel launches for the hot part + one host/de
 PCIE_BYTES_PER_S = 16e9  # effective host<->device copy rate for the per-layer vectors
 CPU_BYTES_PER_S = 50e9  # CPU decode streams each active neuron's rows from RAM once: memory bound
 
-FFN_SPLIT_TENSORS = ("ffn_gate.weight", "ffn_up.weight", "ffn_down_t.weight")
-PREDICTOR_TENSORS = ("fc1.weight", "fc2.weight")
+FFN_SPLIT_TENSORS = tuple(names.weight(n) for n in (names.FFN_GATE, names.FFN_UP, names.FFN_DOWN_T))
+PREDICTOR_TENSORS = (names.weight(names.PREDICTOR_FC1), names.weight(names.PREDICTOR_FC2))
 OUTPUT_TENSORS = re.compile(r"^output(_norm)?\.(weight|bias)$")
 LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(.+)$")
 
@@ -280,7 +278,7 @@ def plan_for_model(profile_dir: str | Path, model_path: str | Path, vram_budget_
     see parse_granularity (`powerinfer` reads the down projection's type from the file)."""
     check_options(vram_budget_bytes, ctx_size, reserve_bytes, dense)
     reader = open_reader(model_path)
-    down_types = {t.tensor_type.name for t in reader.tensors if t.name.endswith(".ffn_down_t.weight")}
+    down_types = {t.tensor_type.name for t in reader.tensors if t.name.endswith(f".{names.weight(names.FFN_DOWN_T)}")}
     step = parse_granularity(granularity, down_types == {"Q4_0"})
     costs = model_costs(model_path, reader)
     counts = neuron_order.in_file_order(load_activation_counts(profile_dir, costs.n_ff),
@@ -383,14 +381,14 @@ def write_gpuidx(plan: Plan, path: str | Path) -> None:
     import gguf
 
     with atomic_file(path) as tmp:
-        writer = gguf.GGUFWriter(str(tmp), "generic.gpu_index")
+        writer = gguf.GGUFWriter(str(tmp), names.GPU_INDEX_ARCH)
         for i, (n, idx) in enumerate(zip(plan.n_ff, plan.gpu_index)):
             mask = np.zeros(int(n), np.int32)
             mask[idx] = 1
-            writer.add_tensor(f"blk.{i}.gpu_idx", mask, raw_dtype=gguf.GGMLQuantizationType.I32)
-            writer.add_tensor(f"blk.{i}.gpu_bucket", idx.astype(np.int32), raw_dtype=gguf.GGMLQuantizationType.I32)
+            writer.add_tensor(names.layer_tensor(i, names.GPU_IDX, None), mask, raw_dtype=gguf.GGMLQuantizationType.I32)
+            writer.add_tensor(names.layer_tensor(i, names.GPU_BUCKET, None), idx.astype(np.int32), raw_dtype=gguf.GGMLQuantizationType.I32)
         writer.add_block_count(len(plan.n_ff))
-        writer.add_uint64("split.vram_capacity", plan.ffn_bytes)
+        writer.add_uint64(names.KEY_VRAM_CAPACITY, plan.ffn_bytes)
         if plan.neuron_order is not None:
             writer.add_string(neuron_order.ORDER_KEY, plan.neuron_order)
         writer.write_header_to_file()
@@ -409,3 +407,26 @@ def write_summary(plan: Plan, path: str | Path, extra: dict | None = None) -> No
 def default_gpuidx_path(model_path: str | Path) -> Path:
     """Where PowerInfer's engine looks: the model's file name + `.generated.gpuidx`."""
     return Path(f"{model_path}.generated.gpuidx")
+
+
+def write_plan(plan: Plan, out: str | Path) -> PlanFiles:
+    """The gpu-index file and its JSON summary (OUT.json)."""
+    summary = Path(f"{out}.json")
+    write_gpuidx(plan, out)
+    write_summary(plan, summary)
+    return PlanFiles(plan, Path(out), summary)
+
+
+def report_lines(plan: Plan) -> list[str]:
+    """The budget breakdown and each layer's GPU share, as `pi-tools plan` prints them."""
+    s = plan.summary()
+    solver = s["solver"]
+    return ["VRAM budget breakdown:", *breakdown_lines(plan),
+            f"solver: {solver['method']}, {solver['seconds']:.2f} s"
+            + (f", {solver['iterations']} MILP rounds" if solver.get("iterations") else "")
+            + (" (time limit hit: best plan found)" if solver.get("timed_out") else ""),
+            f"GPU neurons {s['gpu_neurons']}/{s['neurons']}, activations served from GPU "
+            f"{100 * s['served_fraction']:.1f}%",
+            f"  {'layer':>5} {'gpu/n_ff':>13} {'min':>6} {'served':>7}",
+            *(f"  {layer['layer']:>5} {layer['gpu_neurons']:>6}/{layer['n_ff']:<6} {layer['min_neurons']:>6} "
+              f"{100 * layer['served_fraction']:>6.1f}%" for layer in s["layers"])]

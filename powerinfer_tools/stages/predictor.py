@@ -19,9 +19,10 @@ from torch import nn
 
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.core.safe_load import checked_tensor, load_pt
+from powerinfer_tools.formats import names
 
 CONFIG_FORMAT = "powerinfer-tools.predictors/1"
-STATE_KEYS = ("fc1.weight", "fc2.weight")
+STATE_KEYS = (names.weight(names.PREDICTOR_FC1), names.weight(names.PREDICTOR_FC2))  # PowerInfer's model_{i}.pt
 F16_MAX = 65504.0  # the largest finite float16: the converter may store predictors as f16
 AUC_SAMPLE = 500_000  # (row, neuron) pairs drawn to estimate the pooled ROC AUC (exact AUC is a sort of all pairs)
 # A predictor is worth running where it ranks active neurons above inactive ones clearly better than chance
@@ -58,7 +59,7 @@ class Predictor(nn.Module):
         fc1, fc2 = check_state(state, source)
         rank, n_embd = fc1.shape
         model = cls(n_embd, rank, fc2.shape[0])
-        model.load_state_dict({"fc1.weight": fc1.float(), "fc2.weight": fc2.float()})
+        model.load_state_dict(dict(zip(STATE_KEYS, (fc1.float(), fc2.float()))))
         return model
 
 

@@ -13,8 +13,10 @@ recall at a fixed density cannot. A predictor no better than chance is reported 
 """
 from __future__ import annotations
 
+import json
 import math
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,16 +26,20 @@ import torch
 from powerinfer_tools.models import arch as arch_registry
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.core.safe_load import checked_tensor, load_pt
+from powerinfer_tools.stages.options import PredictorOptions, TrainedPredictors
 from powerinfer_tools.stages.predictor import (Predictor, density_budget, layer_metrics, neuron_weights, recall_at_density,
                                         threshold_for_recall, rank_at_fraction)
 
 MIN_RANK = 4
+REPORT_FORMAT = "powerinfer-tools.predictor-report/1"
 
 
 # ---- the profile directory -------------------------------------------------------------------------
 
 @dataclass
-class Profile:
+class ProfileDir:
+    """A profile directory (pi-tools profile): profile.json's contents and the path of its files."""
+
     path: Path
     meta: dict
 
@@ -87,14 +93,14 @@ class Profile:
         return vec.to(dtype)
 
 
-def read_profile(path: Path) -> Profile:
+def read_profile(path: Path) -> ProfileDir:
     from powerinfer_tools.stages.profiling import load_profile
 
     meta = load_profile(path)
     missing = [k for k in ("n_layer", "n_embd", "n_ff") if k not in (meta.get("model") or {})]
     if missing:
         raise UserError(f"{Path(path) / 'profile.json'}: model block lacks {', '.join(missing)}")
-    return Profile(Path(path), meta)
+    return ProfileDir(Path(path), meta)
 
 
 @dataclass
@@ -109,7 +115,7 @@ class LayerSamples:
         return LayerSamples(self.x[rows], self.active[rows], self.seq[rows])
 
 
-def load_samples(profile: Profile, layer: int) -> LayerSamples:
+def load_samples(profile: ProfileDir, layer: int) -> LayerSamples:
     """Read and check every shard of one layer; gaps in the shard numbering or a row count that
     disagrees with profile.json mean missing shards and are errors, not a smaller data set."""
     from safetensors import SafetensorError
@@ -305,7 +311,7 @@ def difficulty(stats: dict, density: float) -> float:
     return float(min(1.0, max(1 / 16, spread * min(1.0, 2.0 * density))))
 
 
-def budget_rank(profile: Profile, fraction: float) -> int:
+def budget_rank(profile: ProfileDir, fraction: float) -> int:
     """The rank whose predictor costs `fraction` of one FFN block."""
     return rank_at_fraction(profile.n_embd, profile.n_ff, profile.gated, fraction)
 
@@ -401,7 +407,7 @@ def check_rank(rank: int | None, n_embd: int) -> None:
                         "(a larger rank cannot see more than the n_embd-dimensional input)")
 
 
-def train_layers(profile: Profile, layers: list[int], rank: int | None, settings: TrainSettings,
+def train_layers(profile: ProfileDir, layers: list[int], rank: int | None, settings: TrainSettings,
                  max_fraction: float, held_out_fraction: float = 0.2, progress=None) -> list[LayerResult]:
     """Train every requested layer and measure the chosen predictors on its held-out sequences.
 
@@ -454,7 +460,7 @@ def train_layers(profile: Profile, layers: list[int], rank: int | None, settings
     return results
 
 
-def check_same_model(profile: Profile, predictors) -> None:
+def check_same_model(profile: ProfileDir, predictors) -> None:
     """Predictors must belong to the profiled model: same config hash when the predictor dir says
     (ours), and always the same n_embd / n_ff shapes (PowerInfer's published dirs carry no identity)."""
     theirs = predictors.model_identity
@@ -473,7 +479,7 @@ def check_same_model(profile: Profile, predictors) -> None:
                             f"profiled model has n_embd={profile.n_embd}, n_ff={profile.n_ff}: another model")
 
 
-def evaluate_layers(profile: Profile, predictors, layers: list[int], budget_ratio: float = 1.3,
+def evaluate_layers(profile: ProfileDir, predictors, layers: list[int], budget_ratio: float = 1.3,
                     progress=None) -> list[LayerResult]:
     """Measure existing predictors on every row of the profile (a separate evaluation profile)."""
     check_same_model(profile, predictors)
@@ -541,3 +547,120 @@ def format_table(results: list[LayerResult]) -> str:
     mean = {k[len("mean_"):]: v for k, v in summarize(results).items()}
     lines.append(f"{'mean':>5} {'':>5} {sum(r.model.params() for r in results):>8} {'':>8} {cells(mean)}")
     return "\n".join(lines)
+
+
+# ---- the stage: train, or measure, a predictor directory ---------------------------------------------------
+
+def _parse_rank(rank: str | int) -> int | None:
+    if rank == "auto":
+        return None
+    try:
+        return int(rank)
+    except ValueError:
+        raise UserError(f"--rank must be 'auto' or a positive integer, not {rank!r}") from None
+
+
+def _device(name: str) -> str:
+    if name == "cpu":
+        return name
+    if name.startswith("cuda") and torch.cuda.is_available():
+        return name
+    if name == "mps" and torch.backends.mps.is_available():
+        return name
+    raise UserError(f"device {name!r} is not available here (use cpu)")
+
+
+def _layer_bar(total: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="layer", file=sys.stderr, dynamic_ncols=True)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, allow_nan=True) + "\n")
+
+
+def _report(mode: str, profile: ProfileDir, results: list[LayerResult], settings: dict) -> dict:
+    params = sum(r.model.params() for r in results)
+    ffn = profile.ffn_params() * len(results)
+    return {"format": REPORT_FORMAT, "mode": mode, "profile": str(profile.path), "model": profile.model,
+            "rule": profile.meta.get("rule"), "settings": settings,
+            "predictor_params": params, "ffn_params": ffn, "predictor_fraction": params / ffn,
+            "summary": summarize(results), "layers": [r.report() for r in results]}
+
+
+def _checked(profile: ProfileDir, opts: PredictorOptions) -> tuple[list[int], float]:
+    """The layers to work on and the target recall, after refusing impossible options; sets torch's threads."""
+    selected = parse_layers(opts.layers, profile.n_layer)
+    target_recall = opts.target_recall
+    if target_recall is None:
+        target_recall = 0.95 if profile.thresholded else 0.99
+    if not 0.0 < target_recall < 1.0:
+        raise UserError(f"--target-recall must be in (0, 1), not {target_recall}")
+    if opts.epochs < 1 or opts.threads < 1 or not 0.0 < opts.held_out < 1.0 or opts.max_density_ratio < 1.0 \
+            or not 0.0 < opts.max_predictor_fraction <= 1.0:
+        raise UserError("need --epochs >= 1, --threads >= 1, 0 < --held-out < 1, --max-density-ratio >= 1 "
+                        "and 0 < --max-predictor-fraction <= 1")
+    torch.set_num_threads(opts.threads)
+    return selected, target_recall
+
+
+def train(profile: ProfileDir, opts: PredictorOptions) -> TrainedPredictors:
+    """Train one predictor per selected layer and write the directory: model_{i}.pt (PowerInfer's state dict),
+    config.json (thresholds, ranks) and report.json, all at once (atomic_dir)."""
+    from powerinfer_tools.core.atomic import atomic_dir, check_output_dir
+    from powerinfer_tools.stages.predictor import model_file, save_predictor, write_config
+
+    selected, target_recall = _checked(profile, opts)
+    out = Path(opts.out) if opts.out is not None else profile.path.with_name(profile.path.name + "-predictors")
+    check_output_dir(out, opts.force)   # before minutes of training, not after
+    fixed_rank = _parse_rank(opts.rank)
+    check_rank(fixed_rank, profile.n_embd)
+    settings = TrainSettings(target_recall=target_recall, max_density_ratio=opts.max_density_ratio,
+                             epochs=opts.epochs, device=_device(opts.device), seed=opts.seed)
+    with _layer_bar(len(selected), "train-predictor") as bar:
+        def progress(layer, chosen, tried, growing):
+            if growing:   # spending the byte cap left over: one more step on the bar
+                bar.total += 1
+            bar.set_postfix_str(f"layer {layer}: ranks tried {sorted(tried)}, picked {chosen.rank}, "
+                                f"held-out recall@budget {chosen.recall_at_budget:.3f}")
+            bar.update(1)
+
+        results = train_layers(profile, selected, fixed_rank, settings, opts.max_predictor_fraction, opts.held_out,
+                               progress)
+    with atomic_dir(out, opts.force) as tmp:
+        for r in results:
+            save_predictor(r.model, model_file(tmp, r.layer))
+        write_config(tmp, profile.model, profile.meta.get("rule", "nonzero"), profile.meta.get("thresholds"),
+                     [{"layer": r.layer, "rank": r.model.rank, "threshold": r.threshold,
+                       "useful": r.metrics["useful"]} for r in results])
+        _write_json(tmp / "report.json", _report("train", profile, results, {
+            "rank": opts.rank, "target_recall": target_recall, "max_density_ratio": opts.max_density_ratio,
+            "max_predictor_fraction": opts.max_predictor_fraction, "epochs": opts.epochs,
+            "held_out": opts.held_out, "seed": opts.seed, "split": "by calibration sequence"}))
+    warning = useless_warning(results)
+    return TrainedPredictors(out, results, [warning] if warning else [])
+
+
+def evaluate(profile: ProfileDir, predictors_dir: Path, opts: PredictorOptions,
+             report: Path | None = None) -> TrainedPredictors:
+    """Measure an existing predictor directory (ours or PowerInfer's published model_{i}.pt) on every row of
+    the profile; with `report`, also write the metrics there as JSON."""
+    from powerinfer_tools.core.atomic import atomic_file
+    from powerinfer_tools.stages.predictor import read_predictor_dir
+
+    selected, _ = _checked(profile, opts)
+    if report is not None and Path(report).is_dir():
+        raise UserError(f"--report {report} is a directory")
+    predictors = read_predictor_dir(predictors_dir)
+    with _layer_bar(len(selected), "evaluate") as bar:
+        results = evaluate_layers(profile, predictors, selected, opts.max_density_ratio, lambda *_: bar.update(1))
+    warnings = [w for w in [useless_warning(results, "evaluation")] if w]
+    if profile.thresholded and predictors.activation_thresholds is not None \
+            and list(predictors.activation_thresholds) != list(profile.meta.get("thresholds") or []):
+        warnings.append("note: 'active' was measured with this profile's |a| thresholds, which differ from "
+                        "those of the profile the predictors were trained on")
+    if report is not None:
+        with atomic_file(report) as tmp:
+            _write_json(tmp, _report("evaluate", profile, results, {"predictors": str(predictors_dir)}))
+    return TrainedPredictors(Path(predictors_dir), results, warnings)

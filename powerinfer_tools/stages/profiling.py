@@ -17,7 +17,7 @@ import shutil
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +31,7 @@ from powerinfer_tools import models
 from powerinfer_tools.core.atomic import check_output_dir, naming_output, output_lock, publish_dir
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.core.safe_load import checked_tensor, load_pt
+from powerinfer_tools.stages.options import ProfileOptions
 
 FORMAT = "powerinfer-tools.profile/1"
 DEFAULT_TARGET_SPARSITY = 0.2   # SmolLM2: +2.1% wikitext-2 perplexity (docs/profile.md)
@@ -39,23 +40,6 @@ CALIBRATION_VALUES = 1 << 20   # |a| values kept per layer to place a threshold
 CALIBRATION_TOKENS = 8192      # tokens of the first pass that place thresholds
 SHARD_ROWS = 4096
 CHECKPOINT_BATCHES = 8      # most batches between resumable checkpoints (fewer in a short run: checkpoint_every)
-
-
-@dataclass
-class ProfileOptions:
-    model: str
-    out: Path
-    calib: list[Path] = field(default_factory=list)
-    tokens: int = 32768
-    seq_len: int | None = None   # default: min(512, the model's context length)
-    batch: int = 4
-    device: str = "cpu"
-    dtype: str = "float32"
-    target_sparsity: list[float] | None = None   # one value, or one per layer
-    max_samples: int = 8192
-    seed: int = 0
-    force: bool = False
-    resume: bool = False
 
 
 def skew(counts: torch.Tensor) -> dict[str, float]:
@@ -392,6 +376,20 @@ def _resume_plan(work: Path, identity: dict) -> dict:
     else:
         shutil.rmtree(work / "samples", ignore_errors=True)
     return plan
+
+
+def summary_lines(profile: dict) -> list[str]:
+    """profile.json in a few lines: the model, then each layer's threshold, sparsity and hot-neuron shares."""
+    m = profile["model"]
+    lines = [f"\n{m['arch']} ({m['activation']}), {m['n_layer']} layers x {m['n_ff']} neurons, "
+             f"{profile['tokens']} tokens profiled"
+             + (f" at {profile['tokens_per_second']:.0f} tok/s" if profile.get("tokens_per_second") else ""),
+             f"{'layer':>5} {'threshold':>10} {'sparsity':>9} {'hot10%':>7} {'hot20%':>7} {'hot50%':>7}"]
+    for row, t in zip(profile["layers"], profile["thresholds"]):
+        lines.append(f"{row['layer']:>5} {t:>10.4g} {row['sparsity']:>9.3f} {row['hot10']:>7.3f} "
+                     f"{row['hot20']:>7.3f} {row['hot50']:>7.3f}")
+    lines.append("hotN% = share of all activations served by the hottest N% of the layer's neurons")
+    return lines
 
 
 def load_profile(directory: str | Path) -> dict:

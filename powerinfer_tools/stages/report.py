@@ -278,7 +278,7 @@ def _read_json(path: Path, what: str) -> dict:
 def load_predictor_report(path: str | Path, profile: dict) -> dict:
     """train-predictor's report.json (a predictor directory, or the JSON file --evaluate --report writes),
     checked to be about the profiled model."""
-    from powerinfer_tools.cli.train_predictor import REPORT_FORMAT
+    from powerinfer_tools.stages.predictor_training import REPORT_FORMAT
 
     path = Path(path)
     if path.is_dir():

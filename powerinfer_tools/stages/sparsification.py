@@ -39,35 +39,13 @@ from powerinfer_tools import models
 from powerinfer_tools.core.atomic import check_output_dir, publish_dir
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.core.safe_load import load_pt
+from powerinfer_tools.stages.options import SparsifyOptions
 
 FORMAT = "powerinfer-tools.sparsify/1"
 REPORT_NAME = "sparsify.json"
 LAMBDA_RANGE = (1e-6, 1e3)
 LAMBDA_GAIN = 0.5     # per step: lambda *= exp(gain * (wanted - measured sparsity))
 RAMP_SHARE = 0.6      # share of a phase-1 layer's steps over which its sparsity target rises to the goal
-
-
-@dataclass
-class SparsifyOptions:
-    model: str
-    out: Path
-    calib: list[Path] = field(default_factory=list)
-    target_sparsity: float = 0.85
-    tokens: int = 262144          # end-to-end (phase 2) training tokens
-    local_tokens: int = 32768     # tokens whose FFN inputs and outputs phase 1 caches
-    local_epochs: int = 4
-    seq_len: int = 256
-    batch: int = 4
-    lr: float = 1e-4
-    local_lr: float = 1e-3
-    eval_tokens: int = 16384
-    device: str = "auto"
-    dtype: str = "auto"
-    grad_checkpointing: bool = False
-    checkpoint_minutes: float = 5.0
-    seed: int = 0
-    force: bool = False
-    resume: bool = False
 
 
 def partial_dir(out: Path) -> Path:

@@ -68,9 +68,8 @@ def test_concurrent_first_runs_build_once(tmp_path, monkeypatch):
     model = str(tmp_path / "some-model")
     steps, started, release = [], threading.Event(), threading.Event()
 
-    def step(title, args):  # each step's output, written as the real ones do (the last one after a wait)
+    def step(title, out, run):  # each step's output, written as the real ones do (the last one after a wait)
         steps.append(title)
-        out = args[args.index("-o") + 1]
         if title.startswith("3/3"):
             started.set()
             assert release.wait(10)

@@ -7,6 +7,7 @@ from functools import partial
 import numpy as np
 
 from powerinfer_tools.models.arch.base import Arch, Dims, TensorMap, optional_maps, rope_theta
+from powerinfer_tools.formats import names
 from powerinfer_tools.core.errors import UserError
 
 FALCON_MODEL_TYPES = ("falcon", "RefinedWeb", "RefinedWebModel")
@@ -77,10 +78,10 @@ class Falcon(Arch):
                 maps += [TensorMap(f"{b}attn_qkv.bias", f"{p}self_attention.query_key_value.bias", qkv)]
             maps += [TensorMap(f"{b}attn_output.weight", f"{p}self_attention.dense.weight"),
                      TensorMap(f"{b}ffn_up.weight", f"{p}mlp.dense_h_to_4h.weight"),
-                     TensorMap(f"{b}ffn_down_t.weight", f"{p}mlp.dense_4h_to_h.weight", transpose=True)]
+                     TensorMap(f"{b}{names.FFN_DOWN_T}.weight", f"{p}mlp.dense_4h_to_h.weight", transpose=True)]
             maps += optional_maps(available, [(f"{b}attn_output.bias", f"{p}self_attention.dense.bias"),
                                               (f"{b}ffn_up.bias", f"{p}mlp.dense_h_to_4h.bias"),
-                                              (f"{b}ffn_down_t.bias", f"{p}mlp.dense_4h_to_h.bias")])
+                                              (f"{b}{names.FFN_DOWN_T}.bias", f"{p}mlp.dense_4h_to_h.bias")])
         head = "lm_head.weight" if "lm_head.weight" in available else "transformer.word_embeddings.weight"
         return maps + [TensorMap("output_norm.weight", "transformer.ln_f.weight"),
                        TensorMap("output_norm.bias", "transformer.ln_f.bias"), TensorMap("output.weight", head)]

@@ -7,6 +7,7 @@ from functools import partial
 import numpy as np
 
 from powerinfer_tools.models.arch.base import Arch, Dims, TensorMap, rope_theta
+from powerinfer_tools.formats import names
 
 LLAMA_MODEL_TYPES = ("llama", "mistral")
 
@@ -77,8 +78,8 @@ class LlamaFamily(Arch):
         for i in range(c.num_hidden_layers):
             for ours, theirs in BLOCK_TENSORS.items():
                 src = f"model.layers.{i}.{theirs}"
-                name = f"blk.{i}.{'ffn_down_t' if ours == 'ffn_down' else ours}"
-                maps.append(TensorMap(f"{name}.weight", f"{src}.weight", rope.get(ours), ours == "ffn_down"))
+                name = f"blk.{i}.{names.FFN_DOWN_T if ours == names.FFN_DOWN else ours}"
+                maps.append(TensorMap(f"{name}.weight", f"{src}.weight", rope.get(ours), ours == names.FFN_DOWN))
                 if f"{src}.bias" in available:  # attention_bias / mlp_bias checkpoints
                     maps.append(TensorMap(f"{name}.bias", f"{src}.bias", rope.get(ours)))
         head = "lm_head.weight" if "lm_head.weight" in available else "model.embed_tokens.weight"

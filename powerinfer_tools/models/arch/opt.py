@@ -3,13 +3,14 @@ input is the residual after attention (input of final_layer_norm)."""
 from __future__ import annotations
 
 from powerinfer_tools.models.arch.base import Arch, Dims, TensorMap
+from powerinfer_tools.formats import names
 from powerinfer_tools.core.errors import UserError
 
 # llama.cpp block tensor -> OPT module inside `model.decoder.layers.N.` (each has weight and bias)
 BLOCK_TENSORS = {
     "attn_norm": "self_attn_layer_norm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.out_proj", "ffn_norm": "final_layer_norm",
-    "ffn_up": "fc1", "ffn_down_t": "fc2",
+    "ffn_up": "fc1", names.FFN_DOWN_T: "fc2",
 }
 
 
@@ -54,7 +55,7 @@ class Opt(Arch):
         for i in range(c.num_hidden_layers):
             for ours, theirs in BLOCK_TENSORS.items():
                 src = f"{d}layers.{i}.{theirs}"
-                maps += [TensorMap(f"blk.{i}.{ours}.weight", f"{src}.weight", transpose=ours == "ffn_down_t"),
+                maps += [TensorMap(f"blk.{i}.{ours}.weight", f"{src}.weight", transpose=ours == names.FFN_DOWN_T),
                          TensorMap(f"blk.{i}.{ours}.bias", f"{src}.bias")]
         return maps + [TensorMap("output_norm.weight", f"{d}final_layer_norm.weight"),
                        TensorMap("output_norm.bias", f"{d}final_layer_norm.bias")]

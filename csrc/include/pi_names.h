@@ -1,0 +1,38 @@
+// The file format's vocabulary as the engine spells it: tensor names, metadata keys, architecture names and
+// the FFN modes (pi_ffn_mode's names, in its order). The same names, once, in Python:
+// powerinfer_tools/formats/names.py; tests/formats/test_names.py keeps the two equal, name for name
+// (KEY_FFN_ACTIVATION there is kKeyFfnActivation here). Layout: docs/formats.md.
+#pragma once
+
+namespace pi::names {
+
+// ---- architectures ----
+inline constexpr char kGpuIndexArch[] = "generic.gpu_index";
+
+// ---- metadata keys ----
+inline constexpr char kKeyArchitecture[] = "general.architecture";
+inline constexpr char kKeyFfnActivation[] = "powerinfer.ffn_activation";
+inline constexpr char kKeyActivationThresholds[] = "powerinfer.activation_thresholds";
+inline constexpr char kKeySparseThreshold[] = "powerinfer.sparse_threshold";
+inline constexpr char kKeyPredictorThresholds[] = "powerinfer.predictor_thresholds";
+inline constexpr char kKeyPredictorUseful[] = "powerinfer.predictor_useful";
+inline constexpr char kKeyNeuronOrder[] = "powerinfer_tools.neuron_order";
+inline constexpr char kKeyVramCapacity[] = "split.vram_capacity";
+inline constexpr char kKeyGpuIndexBlockCount[] = "generic.gpu_index.block_count";
+
+// ---- tensors: blk.N.<name>.weight|bias ----
+inline constexpr char kFfnNorm[] = "ffn_norm";
+inline constexpr char kFfnGate[] = "ffn_gate";
+inline constexpr char kFfnUp[] = "ffn_up";
+inline constexpr char kFfnDown[] = "ffn_down";
+inline constexpr char kFfnDownT[] = "ffn_down_t";
+inline constexpr char kPredictorFc1[] = "fc1";
+inline constexpr char kPredictorFc2[] = "fc2";
+inline constexpr char kGpuIdx[] = "gpu_idx";
+inline constexpr char kGpuBucket[] = "gpu_bucket";
+
+// ---- FFN modes: index = pi_ffn_mode ----
+inline constexpr const char *kFfnModes[] = {"dense", "gate", "predictor", "auto", "oracle"};
+inline constexpr int kFfnModeCount = sizeof(kFfnModes) / sizeof(kFfnModes[0]);
+
+}  // namespace pi::names

@@ -1,0 +1,49 @@
+"""The file format's vocabulary, spelled once: the tensor names, metadata keys and architecture names a
+PowerInfer file and a gpu-index file hold, and the FFN modes the engine runs (`--sparse-mode`).
+
+The engine spells the same names in csrc/include/pi_names.h; tests/formats/test_names.py keeps the two equal
+(and the engine's mode numbers, engine/_lib.py and pi_engine.h, in this order). Layout: docs/formats.md.
+"""
+from __future__ import annotations
+
+# ---- architectures --------------------------------------------------------------------------------------
+GPU_INDEX_ARCH = "generic.gpu_index"          # general.architecture of a gpu-index file (.gpuidx)
+
+# ---- metadata keys --------------------------------------------------------------------------------------
+KEY_ARCHITECTURE = "general.architecture"
+KEY_FFN_ACTIVATION = "powerinfer.ffn_activation"              # relu, silu, gelu, ...
+KEY_ACTIVATION_THRESHOLDS = "powerinfer.activation_thresholds"  # per layer: |a| above it is active (0: ReLU)
+KEY_SPARSE_THRESHOLD = "powerinfer.sparse_threshold"          # PowerInfer's one predictor threshold
+KEY_PREDICTOR_THRESHOLDS = "powerinfer.predictor_thresholds"  # per layer logit thresholds (ours)
+KEY_PREDICTOR_USEFUL = "powerinfer.predictor_useful"          # per layer: better than chance (auto mode)
+KEY_NEURON_ORDER = "powerinfer_tools.neuron_order"            # FFN neurons' source indices (neuron_order.py)
+KEY_VRAM_CAPACITY = "split.vram_capacity"                     # gpu index: bytes its GPU neurons take
+KEY_GPU_INDEX_BLOCK_COUNT = "generic.gpu_index.block_count"   # gpu index: layers
+
+# ---- tensors: blk.N.<name>.weight|bias ------------------------------------------------------------------
+FFN_NORM = "ffn_norm"
+FFN_GATE = "ffn_gate"
+FFN_UP = "ffn_up"
+FFN_DOWN = "ffn_down"        # llama.cpp's down projection [n_embd rows]
+FFN_DOWN_T = "ffn_down_t"    # PowerInfer's: transposed, one row per neuron, so a sparse step reads whole rows
+PREDICTOR_FC1 = "fc1"        # predictor: fc2(relu(fc1(x))); also the keys of PowerInfer's model_{i}.pt
+PREDICTOR_FC2 = "fc2"
+GPU_IDX = "gpu_idx"          # gpu index: i32 [n_ff], 1 = the neuron is on the GPU
+GPU_BUCKET = "gpu_bucket"    # gpu index: the GPU neurons' indices, sorted
+
+# ---- FFN modes: the --sparse-mode values, numbered as the engine's pi_ffn_mode --------------------------
+FFN_MODES = ("dense", "gate", "predictor", "auto", "oracle")
+
+
+def weight(name: str) -> str:
+    """fc1 -> fc1.weight: a tensor's weight as a layer (or a predictor's state dict) names it."""
+    return f"{name}.weight"
+
+
+def bias(name: str) -> str:
+    return f"{name}.bias"
+
+
+def layer_tensor(layer: int, name: str, part: str | None = "weight") -> str:
+    """(3, ffn_down_t) -> blk.3.ffn_down_t.weight; part None for a gpu index's blk.3.gpu_idx."""
+    return f"blk.{layer}.{name}" + (f".{part}" if part else "")

@@ -1,0 +1,132 @@
+"""What each stage takes and what it gives back: plain dataclasses whose defaults are the CLI's.
+
+Kept free of torch, numpy and typer so that naming a stage's options costs nothing: the CLI builds them from
+its flags, the default model's build and the notebooks build them by hand (see powerinfer_tools.stages).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MIB = 1024**2
+DEFAULT_CTX_SIZE = 512  # llama.cpp's and PowerInfer's default context
+DEFAULT_RESERVE_BYTES = 256 * MIB  # PowerInfer leaves 256 MiB free when it sizes the budget itself
+DEFAULT_TRAIN_THREADS = max(1, (os.cpu_count() or 2) // 2)  # small matrices: more threads only add contention
+
+
+@dataclass
+class ProfileOptions:
+    model: str
+    out: Path
+    calib: list[Path] = field(default_factory=list)
+    tokens: int = 32768
+    seq_len: int | None = None   # default: min(512, the model's context length)
+    batch: int = 4
+    device: str = "cpu"
+    dtype: str = "float32"
+    target_sparsity: list[float] | None = None   # one value, or one per layer
+    max_samples: int = 8192
+    seed: int = 0
+    force: bool = False
+    resume: bool = False
+
+
+@dataclass
+class PredictorOptions:
+    out: Path | None = None                  # default: PROFILE_DIR-predictors
+    rank: str | int = "auto"                 # 'auto' (per layer, under max_predictor_fraction) or one rank
+    target_recall: float | None = None       # default: 0.99 for ReLU-family profiles, 0.95 for thresholded ones
+    max_density_ratio: float = 1.3
+    max_predictor_fraction: float = 0.10
+    epochs: int = 8
+    device: str = "cpu"
+    layers: str | None = None                # e.g. '0-3,7'; default: all
+    held_out: float = 0.2
+    threads: int = DEFAULT_TRAIN_THREADS
+    seed: int = 0
+    force: bool = False
+
+
+@dataclass
+class PlanOptions:
+    vram_budget_gib: float
+    out: Path | None = None                  # the gpu-index file; default: MODEL.generated.gpuidx beside the model
+    ctx_size: int = DEFAULT_CTX_SIZE
+    min_layer_neurons: str | int = "auto"
+    reserve_bytes: int = DEFAULT_RESERVE_BYTES
+    offload_output: bool = True
+    dense: str = "all"
+    time_limit: float = 20.0
+    granularity: str | int = 1
+
+    def solver_options(self) -> dict:
+        """The keyword arguments of placement.plan_for_model (and of the dry run's plan_from_config)."""
+        return dict(ctx_size=self.ctx_size, min_layer_neurons=self.min_layer_neurons,
+                    reserve_bytes=self.reserve_bytes, offload_output=self.offload_output, dense=self.dense,
+                    time_limit=self.time_limit, granularity=self.granularity)
+
+
+@dataclass
+class ConvertOptions:
+    model: str
+    out: Path
+    outtype: str = "f16"
+    predictors: Path | None = None
+    profile: Path | None = None
+    order_neurons: bool = True
+    powerinfer_compatible: bool = True
+    progress: bool = True
+
+
+@dataclass
+class SparsifyOptions:
+    model: str
+    out: Path
+    calib: list[Path] = field(default_factory=list)
+    target_sparsity: float = 0.85
+    tokens: int = 262144          # end-to-end (phase 2) training tokens
+    local_tokens: int = 32768     # tokens whose FFN inputs and outputs phase 1 caches
+    local_epochs: int = 4
+    seq_len: int = 256
+    batch: int = 4
+    lr: float = 1e-4
+    local_lr: float = 1e-3
+    eval_tokens: int = 16384
+    device: str = "auto"
+    dtype: str = "auto"
+    grad_checkpointing: bool = False
+    checkpoint_minutes: float = 5.0
+    seed: int = 0
+    force: bool = False
+    resume: bool = False
+
+
+@dataclass
+class TrainedPredictors:
+    """A predictor directory trained (or measured, with evaluate_predictors) and its per-layer results."""
+
+    path: Path
+    layers: list            # predictor_training.LayerResult, one per layer
+    warnings: list[str]     # for stderr: useless layers, thresholds measured against another profile
+
+
+@dataclass
+class PlanFiles:
+    """A placement and the files it was written to: the gpu index and its JSON summary."""
+
+    plan: object            # placement.Plan
+    gpuidx: Path
+    summary: Path
+
+
+@dataclass
+class Converted:
+    path: Path
+    summary: dict           # conversion.convert_model's summary (arch, types, bytes, seconds, ...)
+
+
+@dataclass
+class Sparsified:
+    path: Path
+    report: dict            # what OUT/sparsify.json holds

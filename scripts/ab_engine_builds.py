@@ -2,7 +2,7 @@
 round (A then B, then B then A): the median of the per-round ratios B/A with its quartiles, per FFN mode.
 
 Two builds loaded into one process mislead: the one loaded second ran up to ~10 % faster here, in either order
-(docs/perf-notes.md §35, "Tried and dropped"). A process per measurement costs a second of loading and no bias.
+(docs/log/perf-notes.md §35, "Tried and dropped"). A process per measurement costs a second of loading and no bias.
 
     python scripts/ab_engine_builds.py A.so B.so model.powerinfer.gguf gate predictor [--rounds 6] [--threads 2]
 

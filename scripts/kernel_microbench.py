@@ -10,7 +10,7 @@ at random and sorted, or on all of them in order:
 "hot": one matrix of 768 rows, L2-resident (the kernel's compute cost); "cold": the same call over 60 such
 matrices (~30 MB, more than this machine's L3 share), DRAM latency and bandwidth included. One C call per
 matrix, so the ctypes overhead (~1 us) is small against the work; the best of `--passes` is kept (shared
-machine). Used for docs/perf-notes.md: prediction vs outcome per kernel change.
+machine). Used for docs/log/perf-notes.md: prediction vs outcome per kernel change.
 
     python scripts/kernel_microbench.py [--isa avx2] [--passes 20]
 """

@@ -1,6 +1,6 @@
 // What a row read by index costs on this machine, without the engine: DRAM latency, how many misses
 // one core keeps in flight, and the read bandwidth of rows picked by index against rows read in order.
-// docs/perf-notes.md §19 and §25 quote its output.
+// docs/log/perf-notes.md §19 and §25 quote its output.
 //
 //   g++ -O2 -mavx2 -pthread scripts/memory_probe.cpp -o /tmp/memory_probe && /tmp/memory_probe [row_bytes] [threads]
 //

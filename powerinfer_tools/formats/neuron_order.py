@@ -25,8 +25,8 @@ from powerinfer_tools.formats import names
 
 BLOCK_ROWS = 16
 # The order in the file: a string, base64 of little-endian int32 (layer 0's n_ff source indices, then layer
-# 1's, ...). A GGUF array would do, but gguf-py parses an array element by element (20 s for ReluLLaMA-70B's
-# 2.3M neurons, on every open); a string is one part.
+# 1's, ...). A GGUF array would do, but gguf-py parses an array element by element (seconds for a 70B model's
+# millions of neurons, on every open); a string is one part.
 ORDER_KEY = names.KEY_NEURON_ORDER
 # Tensors whose leading axis is the layer's neurons (file layout), and so follow the order.
 NEURON_TENSORS = (names.weight(names.FFN_GATE), names.bias(names.FFN_GATE), names.weight(names.FFN_UP),

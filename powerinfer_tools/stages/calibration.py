@@ -4,6 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from powerinfer_tools.core.errors import UserError
 
@@ -63,6 +65,7 @@ def self_generated(model, tokenizer, seq_len: int, n_tokens: int, seed: int = 0)
     """Data-free calibration: sequences the model samples itself from a few neutral prompts.
 
     All sequences are sampled in one batch (left-padded prompts), EOS suppressed so each reaches seq_len.
+    A tqdm bar counts the generated tokens: on a busy CPU this is minutes of a first run.
     """
     n_seq = max(1, n_tokens // seq_len)
     device = next(model.parameters()).device
@@ -74,7 +77,21 @@ def self_generated(model, tokenizer, seq_len: int, n_tokens: int, seed: int = 0)
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     torch.manual_seed(seed)
-    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, top_p=0.95, temperature=1.0,
-                         max_new_tokens=seq_len, min_new_tokens=seq_len, pad_token_id=pad)
+    with tqdm(total=n_seq * seq_len, desc="generating calibration text", unit="tok", leave=False) as bar:
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, top_p=0.95, temperature=1.0,
+                             max_new_tokens=seq_len, min_new_tokens=seq_len, pad_token_id=pad,
+                             stopping_criteria=StoppingCriteriaList([_GenerationProgress(bar, n_seq)]))
     rows = [out[i, width - len(p):][:seq_len] for i, p in enumerate(prompts)]
     return torch.stack(rows).cpu()
+
+
+class _GenerationProgress(StoppingCriteria):
+    """Advances a progress bar by one token per sequence at each generation step; never stops generation
+    (max/min_new_tokens do that)."""
+
+    def __init__(self, bar: tqdm, n_seq: int):
+        self.bar, self.n_seq = bar, n_seq
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        self.bar.update(self.n_seq)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)

@@ -38,7 +38,7 @@ def run(args: list[str]) -> tuple[int, str]:
 
 def cell(model: str, outtype: str, budget: str, extra: list[str], work: Path) -> tuple[str, dict | None]:
     out = work / f"{model}-{outtype}-{budget}.json"
-    code, err = run(["plan", "--dry-run", "-m", model, "-t", outtype, "--vram-budget", budget, "-o", str(out), *extra])
+    code, err = run(["plan", "--dry-run", "-m", model, "--outtype", outtype, "--vram-budget", budget, "-o", str(out), *extra])
     if code:
         fixed = re.search(r"below the fixed costs ([\d.]+ \w+)", err)
         if not fixed:

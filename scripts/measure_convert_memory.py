@@ -88,7 +88,7 @@ def main() -> None:
         print(f"built synthetic model in {time.time() - t:.0f} s")
     weight_bytes = sum(p.stat().st_size for p in model.glob("*.safetensors"))
     cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "powerinfer_tools", "convert", "-m", str(model),
-           "-p", str(pred), "-t", args.outtype, "-o", str(out), "-q"]
+           "--predictors", str(pred), "--outtype", args.outtype, "-o", str(out), "-q"]
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if result.returncode != 0:
         sys.exit(result.stderr[-2000:])

@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 
+from powerinfer_tools.cli import flags
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.runtime.inference import KV_TYPES
 
@@ -31,15 +32,29 @@ def _wait_policy(value: str | None) -> str | None:
     return value.lower() if value else None
 
 
+N_PROMPT = 512
+
+
+def _number_or_old_meaning(value: str | None, letter: str, old_flag: str) -> tuple[int | None, str | None]:
+    """-t and -p take llama-bench's meaning (threads, prompt tokens: a number); a value that is no number is the
+    letter's old meaning (weight type, predictor directory), kept as a deprecated alias of `old_flag`."""
+    if value is None or value.strip().lstrip("-").isdigit():
+        return (int(value) if value is not None else None), None
+    flags.deprecated(value, f"{letter} {value}", f"{old_flag} {value}")
+    return None, value
+
+
 def bench(
     model: str = typer.Option(..., "--model", "-m", help="Source model: HF directory, llama .gguf file, or "
                                                          "'smollm2'. Both engines' files are built from it."),
-    outtype: str = typer.Option("q4_0", "--outtype", "-t", help="Weight type of both files: q4_0, q8_0, f16, f32."),
-    threads: int = typer.Option(2, "--threads", help="Threads for every engine."),
+    outtype: str = typer.Option("q4_0", "--outtype", help="Weight type of both files: q4_0, q8_0, f16, f32."),
+    threads: Optional[str] = typer.Option(None, "--threads", "-t", metavar="N", help="Threads for every engine. "
+                                          "Default: all cores. (-t WEIGHT_TYPE, its old meaning: deprecated, "
+                                          "--outtype.)"),
     repeats: int = typer.Option(5, "--repeats", "-r", help="Interleaved rounds of the main table."),
     modes: str = typer.Option("dense,gate,predictor,auto", "--modes", help="Our FFN modes, comma-separated."),
     peers: str = typer.Option("llama.cpp,torch", "--peers", help="Other engines: llama.cpp, torch; '' for none."),
-    predictors: Optional[Path] = typer.Option(None, "--predictors", "-p", help="Predictor directory "
+    predictors: Optional[Path] = typer.Option(None, "--predictors", help="Predictor directory "
                                               "(train-predictor) to convert with; without it no predictor mode."),
     profile: Optional[Path] = typer.Option(None, "--profile", help="Profile directory whose activation thresholds "
                                            "the file stores (the main table's sparsity unless --sparsity) and whose "
@@ -50,11 +65,12 @@ def bench(
                                         "at each --sweep-levels FFN sparsity."),
     sweep_levels: str = typer.Option("0.3,0.5,0.7,0.8,0.9,0.95", "--sweep-levels", help="Sparsity levels."),
     sweep_repeats: int = typer.Option(3, "--sweep-repeats", help="Interleaved rounds per sweep level."),
-    n_prompt: int = typer.Option(512, "--n-prompt", help="Prompt tokens (pp)."),
-    n_gen: int = typer.Option(128, "--n-gen", help="Generated tokens (tg)."),
+    n_prompt: str = typer.Option(str(N_PROMPT), "--n-prompt", "-p", metavar="N", help="Prompt tokens (pp), as llama-bench's "
+                                 "-p. (-p DIR, its old meaning: deprecated, --predictors.)"),
+    n_gen: int = typer.Option(128, "--n-gen", "-n", help="Generated tokens (tg)."),
     depth: int = typer.Option(0, "--depth", "-d", help="Tokens of the text already in the cache when tg starts "
                               "(not timed), as llama-bench's -d: generation at a long context."),
-    batch: int = typer.Option(512, "--batch", help="Our engine's prompt batch size."),
+    batch: int = typer.Option(512, "--batch", "-b", help="Our engine's prompt batch size."),
     kv_type: str = typer.Option("f32", "--kv-type", help="Our engine's KV cache type, f32 or f16 (llama.cpp's "
                                 "is f16; matters at a long --depth)."),
     text: Optional[Path] = typer.Option(None, "--text", help="Text whose tokens are fed (default: the project's "
@@ -84,9 +100,9 @@ def bench(
 
     Examples:
 
-      pi-tools bench -m smollm2 -t q4_0 -p smollm2-pred --peer-python ~/bench-venv/bin/python
+      pi-tools bench -m smollm2 --outtype q4_0 --predictors smollm2-pred --peer-python ~/bench-venv/bin/python
 
-      pi-tools bench -m smollm2 -t q8_0 --modes dense,gate --peers llama.cpp --sweep-sparsity --png sweep.png
+      pi-tools bench -m smollm2 --outtype q8_0 --modes dense,gate --peers llama.cpp --sweep-sparsity --png sweep.png
 
       pi-tools bench -m smollm2 --sparsity 0.5 --repeats 9 --json bench.json
 
@@ -100,6 +116,15 @@ def bench(
         raise UserError("--png draws the sparsity sweep: add --sweep-sparsity")
     if kv_type not in KV_TYPES:
         raise UserError(f"--kv-type must be {' or '.join(KV_TYPES)}, not {kv_type!r}")
+    threads, old_outtype = _number_or_old_meaning(threads, "-t", "--outtype")
+    n_prompt, old_predictors = _number_or_old_meaning(n_prompt, "-p", "--predictors")
+    n_prompt = N_PROMPT if n_prompt is None else n_prompt
+    outtype = old_outtype or outtype
+    predictors = Path(old_predictors) if old_predictors else predictors
+    if threads is None:
+        from powerinfer_tools.bench.machine import usable_cores
+
+        threads = usable_cores()
     opts = BenchOptions(model=model, outtype=outtype.lower(), threads=threads, repeats=repeats, modes=_csv(modes),
                         peers=_csv(peers), sparsity=sparsity, sweep=sweep_sparsity, sweep_levels=_levels(sweep_levels),
                         sweep_repeats=sweep_repeats, n_prompt=n_prompt, n_gen=n_gen, depth=depth, batch=batch,

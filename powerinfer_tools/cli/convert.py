@@ -6,6 +6,7 @@ from typing import Optional
 
 import typer
 
+from powerinfer_tools.cli import flags
 from powerinfer_tools.stages import placement
 from powerinfer_tools.core.errors import UserError
 
@@ -17,7 +18,7 @@ def convert(
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output file (conventionally "
                                        "NAME.powerinfer.gguf). Not used with --dry-run."),
     predictors: Optional[Path] = typer.Option(
-        None, "--predictors", "-p", help="Predictor directory from train-predictor (model_{i}.pt + config.json). "
+        None, "--predictors", help="Predictor directory from train-predictor (model_{i}.pt + config.json). "
                                          "Without it the file has no predictors (dense / gate-only engine modes)."),
     profile: Optional[Path] = typer.Option(
         None, "--profile", help="Profile directory: its per-layer activation thresholds (SiLU/GELU models) are "
@@ -27,7 +28,7 @@ def convert(
                                                     "in blocks of 16, spread over the layer (the order is recorded "
                                                     "in the file), so the rows a sparse step reads come in runs. "
                                                     "--source-order keeps the model's order."),
-    outtype: Optional[str] = typer.Option(None, "--outtype", "-t", help="Weight type: f32, f16, q8_0 or q4_0 "
+    outtype: Optional[str] = typer.Option(None, "--outtype", help="Weight type: f32, f16, q8_0 or q4_0 "
                                           "(default f16; with --dry-run f16,q8_0,q4_0, a comma-separated list). "
                                           "Norms and biases stay f32; predictors take the weight type too."),
     powerinfer_compatible: bool = typer.Option(
@@ -41,6 +42,8 @@ def convert(
         None, "--vram-budget", help="GiB of VRAM: after writing the model, place its hot neurons (as `pi-tools "
                                     "plan` does, with its defaults) and write OUT.generated.gpuidx beside it. "
                                     "Needs --profile."),
+    outtype_old: Optional[str] = flags.outtype_alias(),
+    predictors_old: Optional[Path] = flags.predictors_alias(),
     dry_run: bool = typer.Option(False, "--dry-run", help="Write nothing: report the file's size by part and "
                                  "outtype, and the KV cache, from the model's config alone (no weights needed)."),
     predictor_rank: Optional[int] = typer.Option(
@@ -54,16 +57,18 @@ def convert(
 
     Examples:
 
-      pi-tools convert -m smollm2 -p smollm2-pred --profile smollm2-profile -t q8_0 -o smollm2.powerinfer.gguf
+      pi-tools convert -m smollm2 --predictors smollm2-pred --profile smollm2-profile --outtype q8_0 -o smollm2.powerinfer.gguf
 
-      pi-tools convert -m ./ReluLLaMA-7B -p ./ReluLLaMA-7B-pred -t q4_0 -o relullama.q4_0.powerinfer.gguf
+      pi-tools convert -m ./ReluLLaMA-7B --predictors ./ReluLLaMA-7B-pred --outtype q4_0 -o relullama.q4_0.powerinfer.gguf
 
-      pi-tools convert -m ./tiny-llama -t f32 -o dense.gguf   # no predictors: dense / gate-only use
+      pi-tools convert -m ./tiny-llama --outtype f32 -o dense.gguf   # no predictors: dense / gate-only use
 
-      pi-tools convert -m smollm2 -p pred --profile prof -t q4_0 -o s.powerinfer.gguf --vram-budget 0.5
+      pi-tools convert -m smollm2 --predictors pred --profile prof --outtype q4_0 -o s.powerinfer.gguf --vram-budget 0.5
 
       pi-tools convert --dry-run -m relullama-70b              # sizes at f16, q8_0, q4_0; nothing written
     """
+    outtype = flags.either(outtype, outtype_old, "-t", "--outtype")
+    predictors = flags.either(predictors, predictors_old, "-p", "--predictors")
     if dry_run:
         if predictors is not None or profile is not None or vram_budget is not None or out is not None:
             raise UserError("--dry-run sizes the file from the config alone: drop --out/--predictors/--profile/"

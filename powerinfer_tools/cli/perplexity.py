@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 
+from powerinfer_tools.cli import flags
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.formats.names import FFN_MODES
 from powerinfer_tools.runtime.inference import KV_TYPE_HELP
@@ -17,11 +18,12 @@ def perplexity(
     model: str = typer.Option(..., "--model", "-m", help="Model file written by 'pi-tools convert', or 'smollm2' "
                               "(the embedded default, built through the pipeline on first use)."),
     text_file: Path = typer.Option(..., "--file", "-f", help="UTF-8 text to score."),
-    ctx: int = typer.Option(512, "--ctx", "-c", help="Window length in tokens (each starts with BOS when the model "
+    ctx: int = typer.Option(512, "--ctx-size", "-c", help="Window length in tokens (each starts with BOS when the model "
                                                       "has one; windows do not overlap)."),
     chunks: int = typer.Option(0, "--chunks", help="Windows to score; 0 = as many as the text fills."),
-    sparse_mode: str = typer.Option("dense", "--sparse-mode", help=f"FFN mode: {', '.join(FFN_MODES)}."),
-    threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Threads. Default: all cores."),
+    sparse_mode: str = typer.Option(flags.DEFAULT_SPARSE_MODE, "--sparse-mode",
+                                    help=f"FFN mode: {', '.join(FFN_MODES)}."),
+    threads: Optional[int] = typer.Option(None, "--threads", "-t", help=flags.THREADS_HELP),
     kv_type: str = typer.Option("f32", "--kv-type", help=KV_TYPE_HELP),
     gpuidx: Optional[Path] = typer.Option(None, "--gpuidx", help="GPU index: hot neurons computed densely."),
     vram_budget: Optional[float] = typer.Option(None, "--vram-budget", help="GiB of VRAM (as PowerInfer's "
@@ -33,6 +35,7 @@ def perplexity(
                                                          "and report the predictor's recall (slower)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    ctx_old: Optional[int] = typer.Option(None, "--ctx", hidden=True, help="Deprecated: --ctx-size."),
 ):
     """Perplexity of a converted model on a text file with the bundled engine, in the chosen FFN mode
     (each token's own sparsity mask applies), with tokens/s and the measured FFN density.
@@ -42,24 +45,25 @@ def perplexity(
 
     Examples:
 
-      pi-tools perplexity -m smollm2.f32.powerinfer.gguf -f wikitext-2-raw-test.txt --ctx 512 --chunks 32
+      pi-tools perplexity -m smollm2.f32.powerinfer.gguf -f wikitext-2-raw-test.txt -c 512 --chunks 32
 
       pi-tools perplexity -m smollm2.q8_0.powerinfer.gguf -f wikitext-2-raw-test.txt --sparse-mode gate --json
 
-      pi-tools perplexity -m smollm2.q8_0.powerinfer.gguf -f wikitext-2-raw-test.txt --ctx 2048 --kv-type f16
+      pi-tools perplexity -m smollm2.q8_0.powerinfer.gguf -f wikitext-2-raw-test.txt -c 2048 --kv-type f16
     """
     from powerinfer_tools.runtime import inference
     from powerinfer_tools.stages.calibration import read_text, sequences_from_text
 
+    ctx = flags.either(ctx, ctx_old, "--ctx", "--ctx-size")
     if ctx < 2:
-        raise UserError("--ctx must be at least 2")
+        raise UserError("--ctx-size must be at least 2")
     if chunks < 0:
         raise UserError("--chunks must be >= 0")
     target = inference.resolve_model_file(model, gpuidx, vram_budget, profile, ctx)
     text = read_text(text_file, role="evaluation")
     tokenizer = inference.load_tokenizer(target.model)
     n_tokens = ctx * chunks if chunks else len(text)  # len(text) bounds the token count from above
-    windows = sequences_from_text(tokenizer, [text], ctx, n_tokens, length_option="--ctx").numpy()
+    windows = sequences_from_text(tokenizer, [text], ctx, n_tokens, length_option="--ctx-size").numpy()
     started = time.perf_counter()
     with inference.open_engine(target, threads=threads, sparse_mode=sparse_mode, ctx_size=ctx,
                                recall_check=recall, kv_type=kv_type) as llm:

@@ -6,16 +6,19 @@ from typing import Optional
 
 import typer
 
+from powerinfer_tools.cli import flags
+
 
 def report(
     profile_dir: Path = typer.Argument(..., metavar="PROFILE_DIR", help="Profile directory written by 'pi-tools profile'."),
     out: Path = typer.Option(..., "--out", "-o", help="HTML file to write (self-contained: images embedded)."),
     predictors: Optional[Path] = typer.Option(
-        None, "--predictors", "-p", help="Predictor directory from 'pi-tools train-predictor' (reads its "
+        None, "--predictors", help="Predictor directory from 'pi-tools train-predictor' (reads its "
                                          "report.json), or the JSON file of 'train-predictor --evaluate --report'."),
     plan: Optional[Path] = typer.Option(
         None, "--plan", help="The .gpuidx file 'pi-tools plan' wrote (its OUT.json summary is read), or that "
                              "summary itself."),
+    predictors_old: Optional[Path] = flags.predictors_alias(),
 ):
     """Write one self-contained HTML page of pictures and tables: per-layer activation locality
     (cumulative activation share vs neuron share, hottest 10/20/50% coverage) and sparsity from the
@@ -28,9 +31,10 @@ def report(
 
       pi-tools report smollm2-profile --predictors smollm2-profile-predictors -o report.html
 
-      pi-tools report prof -p pred --plan smollm2.powerinfer.gguf.generated.gpuidx -o report.html
+      pi-tools report prof --predictors pred --plan smollm2.powerinfer.gguf.generated.gpuidx -o report.html
     """
     from powerinfer_tools.stages.report import write_report
 
+    predictors = flags.either(predictors, predictors_old, "-p", "--predictors")
     write_report(profile_dir, out, predictors=predictors, plan=plan)
     typer.echo(f"wrote {out}")

@@ -9,6 +9,7 @@ from typing import Optional
 
 import typer
 
+from powerinfer_tools.cli import flags
 from powerinfer_tools.stages import placement
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.runtime.inference import KV_TYPE_HELP
@@ -22,8 +23,8 @@ def run(
                                                "file, as llama.cpp's -f: for a prompt longer than a command "
                                                "line takes."),
     n_predict: int = typer.Option(128, "--n-predict", "-n", help="Tokens to generate (stops early at end of text)."),
-    threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Threads. Default: all cores."),
-    sparse_mode: str = typer.Option("auto", "--sparse-mode", help="FFN mode: dense (exact), gate (gate exactly, "
+    threads: Optional[int] = typer.Option(None, "--threads", "-t", help=flags.THREADS_HELP),
+    sparse_mode: str = typer.Option(flags.DEFAULT_SPARSE_MODE, "--sparse-mode", help="FFN mode: dense (exact), gate (gate exactly, "
                                     "then only active neurons), predictor (PowerInfer), auto (cheapest per layer), "
                                     "oracle (true mask; for testing)."),
     gpuidx: Optional[Path] = typer.Option(None, "--gpuidx", help="GPU index (.gpuidx from 'pi-tools plan'): its "

@@ -62,7 +62,7 @@ COMMANDS = {
     "plan": lambda i: ["plan", "--profile", i["profile"], "-m", i["pi_model"], "--vram-budget", "1", "-o",
                        i["mount"] / "x.gpuidx"],
     "report": lambda i: ["report", i["profile"], "-o", i["mount"] / "r.html"],
-    "convert": lambda i: ["convert", "-m", i["model"], "-t", "f32", "-o", i["mount"] / "m.gguf", "-q"],
+    "convert": lambda i: ["convert", "-m", i["model"], "--outtype", "f32", "-o", i["mount"] / "m.gguf", "-q"],
 }
 
 

@@ -43,7 +43,7 @@ def test_a_read_only_output_is_one_line(command, read_only, profile_dir, tiny_mo
     model = tiny_model_dir("llama-relu")
     args = {"profile": ["profile", "-m", model, "--calib", DATA / "tinyshakespeare.txt", "--tokens", "256",
                         "--seq-len", "64", "-o", read_only / "prof"],
-            "convert": ["convert", "-m", model, "-t", "f32", "-q", "-o", read_only / "m.gguf"],
+            "convert": ["convert", "-m", model, "--outtype", "f32", "-q", "-o", read_only / "m.gguf"],
             "plan": ["plan", "-m", converted("llama-relu"), "--vram-budget", "0.3", "--profile", profile_dir,
                      "-o", read_only / "m.gpuidx"],
             "report": ["report", profile_dir, "-o", read_only / "r.html"]}[command]

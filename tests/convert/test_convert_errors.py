@@ -26,7 +26,7 @@ def model(tiny_model_dir):
 def test_predictor_shape_mismatch(model, tmp_path, capsys):
     pred = write_predictors(tmp_path / "pred", N_LAYER, HIDDEN, N_FF + 8)  # wrong n_ff
     out = tmp_path / "out" / "m.gguf"
-    code, _, err = run_cli(capsys, *["convert", "-m", model, "-p", str(pred), "-o", str(out)])
+    code, _, err = run_cli(capsys, *["convert", "-m", model, "--predictors", str(pred), "-o", str(out)])
     assert_one_line_error(code, err, "model_0.pt", f"[{N_FF}, rank]")
     assert not out.exists()
 
@@ -35,20 +35,20 @@ def test_predictor_wrong_input_width(model, tmp_path, capsys):
     pred = write_predictors(tmp_path / "pred", N_LAYER, HIDDEN, N_FF)
     torch.save({"fc1.weight": torch.zeros(16, HIDDEN * 2), "fc2.weight": torch.zeros(N_FF, 16)},
                pred / "model_1.pt")
-    code, _, err = run_cli(capsys, *["convert", "-m", model, "-p", str(pred), "-o", str(tmp_path / "m.gguf")])
+    code, _, err = run_cli(capsys, *["convert", "-m", model, "--predictors", str(pred), "-o", str(tmp_path / "m.gguf")])
     assert_one_line_error(code, err, "model_1.pt", "do not match")
 
 
 def test_missing_predictor_layer(model, tmp_path, capsys):
     pred = write_predictors(tmp_path / "pred", N_LAYER, HIDDEN, N_FF)
     (pred / f"model_{N_LAYER - 1}.pt").unlink()
-    code, _, err = run_cli(capsys, *["convert", "-m", model, "-p", str(pred), "-o", str(tmp_path / "m.gguf")])
+    code, _, err = run_cli(capsys, *["convert", "-m", model, "--predictors", str(pred), "-o", str(tmp_path / "m.gguf")])
     assert_one_line_error(code, err, f"layer {N_LAYER - 1} is missing")
     assert not (tmp_path / "m.gguf").exists()
 
 
 def test_unknown_outtype(model, tmp_path, capsys):
-    code, _, err = run_cli(capsys, *["convert", "-m", model, "-t", "q5_k", "-o", str(tmp_path / "m.gguf")])
+    code, _, err = run_cli(capsys, *["convert", "-m", model, "--outtype", "q5_k", "-o", str(tmp_path / "m.gguf")])
     assert_one_line_error(code, err, "unknown outtype 'q5_k'", "q4_0")
 
 
@@ -83,7 +83,7 @@ def test_disk_full_leaves_previous_file(model, tmp_path, capsys, monkeypatch):
     out = tmp_path / "m.gguf"
     out.write_bytes(b"previous version")
     calls = _fail_on_third_tensor(monkeypatch, OSError(errno.ENOSPC, "No space left on device"))
-    code, _, err = run_cli(capsys, *["convert", "-m", model, "-t", "f32", "-o", str(out), "-q"])
+    code, _, err = run_cli(capsys, *["convert", "-m", model, "--outtype", "f32", "-o", str(out), "-q"])
     assert calls["n"] == 3  # it failed mid-write, not before
     assert_one_line_error(code, err, "disk full")
     assert out.read_bytes() == b"previous version" and leftovers(tmp_path) == ["m.gguf"]
@@ -93,6 +93,6 @@ def test_interrupted_write_leaves_nothing(model, tmp_path, capsys, monkeypatch):
     out = tmp_path / "m.gguf"
     _fail_on_third_tensor(monkeypatch, KeyboardInterrupt())
     with pytest.raises(SystemExit) as exc:
-        main(["convert", "-m", model, "-t", "q8_0", "-o", str(out), "-q"])
+        main(["convert", "-m", model, "--outtype", "q8_0", "-o", str(out), "-q"])
     assert exc.value.code == 130
     assert leftovers(tmp_path) == []

@@ -105,7 +105,7 @@ def test_convert_refuses_bad_predictor(case, tiny_model_dir, tmp_path, capsys):
     pred = write_predictors(tmp_path / "pred", N_LAYER, HIDDEN, N_FF, rank=RANK)
     put(pred / "model_0.pt", value)
     out = tmp_path / "m.gguf"
-    code, _, err = run_cli(capsys, "convert", "-m", tiny_model_dir("llama-relu"), "-p", pred, "-o", out, "-q")
+    code, _, err = run_cli(capsys, "convert", "-m", tiny_model_dir("llama-relu"), "--predictors", pred, "-o", out, "-q")
     assert_one_line_error(code, err, "model_0.pt", needle)
     assert not out.exists()
 

@@ -108,7 +108,7 @@ def test_perplexity_equals_transformers_on_the_same_windows(mode, thresholds, tm
                                                             capsys):
     path = converted("llama-silu", thresholds=thresholds)
     text = corpus(tmp_path)
-    code, out, err = run_cli(capsys, "perplexity", "-m", path, "-f", text, "--ctx", "64", "--chunks", "6",
+    code, out, err = run_cli(capsys, "perplexity", "-m", path, "-f", text, "--ctx-size", "64", "--chunks", "6",
                              "--sparse-mode", mode, "--json", "-q")
     assert code == 0, err
     result = json.loads(out)
@@ -129,8 +129,8 @@ def test_perplexity_with_an_f16_kv_cache(tmp_path, converted, capsys):
     path, text = converted("llama-silu"), corpus(tmp_path)
     results = {}
     for kv_type in ("f32", "f16"):
-        code, out, err = run_cli(capsys, "perplexity", "-m", path, "-f", text, "--ctx", "64", "--chunks", "4",
-                                 "--kv-type", kv_type, "--json", "-q")
+        code, out, err = run_cli(capsys, "perplexity", "-m", path, "-f", text, "--ctx-size", "64", "--chunks", "4",
+                                 "--sparse-mode", "dense", "--kv-type", kv_type, "--json", "-q")
         assert code == 0, err
         results[kv_type] = json.loads(out)
     assert results["f16"]["kv_type"] == "f16"
@@ -143,8 +143,8 @@ def test_perplexity_bad_input(tmp_path, converted, capsys):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     for args, message in [(["-f", str(empty)], "evaluation file"), (["-f", str(tmp_path / "none.txt")], "not found"),
-                          (["-f", str(corpus(tmp_path)), "--ctx", "1"], "--ctx"),
-                          (["-f", str(corpus(tmp_path)), "--ctx", "100000"], "shorter than one sequence")]:
+                          (["-f", str(corpus(tmp_path)), "--ctx-size", "1"], "--ctx"),
+                          (["-f", str(corpus(tmp_path)), "--ctx-size", "100000"], "shorter than one sequence")]:
         code, _, err = run_cli(capsys, "perplexity", "-m", path, *args)
         assert code == 1 and message in err and len(err.strip().splitlines()) == 1, err
 

@@ -182,7 +182,7 @@ def test_pipeline_profile_train_convert_run(kind, tmp_path, model_dir, capsys):
     prof, pred, out = tmp_path / "profile", tmp_path / "pred", tmp_path / f"{kind}.powerinfer.gguf"
     steps = [["profile", "-m", src, "-o", str(prof), "--calib", str(text), "--tokens", "2048", "--seq-len", "64"],
              ["train-predictor", str(prof), "--out", str(pred), "--threads", "1", "--epochs", "3"],
-             ["convert", "-m", src, "--predictors", str(pred), "--profile", str(prof), "-t", "f32", "-o", str(out),
+             ["convert", "-m", src, "--predictors", str(pred), "--profile", str(prof), "--outtype", "f32", "-o", str(out),
               "-q"]]
     for args in steps:
         code, _, err = run_cli(capsys, *args)

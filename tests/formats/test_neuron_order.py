@@ -181,11 +181,11 @@ def test_a_cached_plan_without_the_order_is_solved_again(pair, tmp_path):
 def test_source_order_flag_and_cli_line(tiny_model_dir, pair, tmp_path, capsys):
     _, prof, _, _ = pair("llama-relu")
     out = tmp_path / "m.gguf"
-    code, stdout, _ = run_cli(capsys, "convert", "-m", tiny_model_dir("llama-relu"), "--profile", prof, "-t", "f32",
+    code, stdout, _ = run_cli(capsys, "convert", "-m", tiny_model_dir("llama-relu"), "--profile", prof, "--outtype", "f32",
                               "-o", out, "-q")
     assert code == 0 and "hottest first" in stdout
     assert neuron_order.read(out, [N_FF] * N_LAYER) is not None
-    code, stdout, _ = run_cli(capsys, "convert", "-m", tiny_model_dir("llama-relu"), "--profile", prof, "-t", "f32",
+    code, stdout, _ = run_cli(capsys, "convert", "-m", tiny_model_dir("llama-relu"), "--profile", prof, "--outtype", "f32",
                               "-o", out, "-q", "--source-order")
     assert code == 0 and "hottest first" not in stdout
     assert neuron_order.read(out, [N_FF] * N_LAYER) is None

@@ -175,7 +175,7 @@ def test_cli_convert_dry_run_prints_sizes_and_writes_nothing(converted, tmp_path
 
 def test_cli_plan_dry_run_labels_the_assumption_and_writes_only_out(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    code, out, _ = run_cli(capsys, "plan", "--dry-run", "-m", "bamboo-7b", "-t", "q4_0", "--vram-budget", 8)
+    code, out, _ = run_cli(capsys, "plan", "--dry-run", "-m", "bamboo-7b", "--outtype", "q4_0", "--vram-budget", 8)
     assert code == 0 and list(tmp_path.iterdir()) == []
     assert "ASSUMED activation counts" in out and "VRAM budget breakdown" in out and "layer" in out
     summary = tmp_path / "bamboo.plan.json"

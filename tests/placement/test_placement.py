@@ -218,7 +218,7 @@ def test_convert_with_vram_budget_writes_gpuidx_beside_the_model(tiny_model_dir,
     predictors = write_predictors(tmp_path / "pred", TINY_LAYERS, HIDDEN, TINY_FF)
     prof = write_profile(tmp_path / "prof", power_law_counts(TINY_LAYERS, TINY_FF), tokens=4096)
     out = tmp_path / "tiny.powerinfer.gguf"
-    assert run_cli("convert", "-m", tiny_model_dir("llama-relu"), "-p", predictors, "--profile", prof, "-t", "q8_0",
+    assert run_cli("convert", "-m", tiny_model_dir("llama-relu"), "--predictors", predictors, "--profile", prof, "--outtype", "q8_0",
                    "-o", out, "-q", "--vram-budget", 0.5) == 0
     assert "VRAM budget breakdown" in capsys.readouterr().out
     direct = placement.plan_for_model(prof, out, 0.5 * placement.GIB, granularity="powerinfer")
@@ -233,7 +233,7 @@ def test_convert_with_vram_budget_writes_gpuidx_beside_the_model(tiny_model_dir,
 
 def test_convert_vram_budget_without_profile_fails_before_converting(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "never.powerinfer.gguf"
-    code = run_cli("convert", "-m", tiny_model_dir("llama-relu"), "-t", "q8_0", "-o", out, "-q", "--vram-budget", 1)
+    code = run_cli("convert", "-m", tiny_model_dir("llama-relu"), "--outtype", "q8_0", "-o", out, "-q", "--vram-budget", 1)
     expect_one_line_error(capsys, code, "--vram-budget needs --profile")
     assert not out.exists()
 

@@ -224,7 +224,7 @@ def test_report_with_predictors_and_plan(tiny_profile, tiny_predictors, tiny_pla
 
     # the plan summary may be given directly, the predictors as their report file
     again = tmp_path / "again.html"
-    code, _, stderr = run_cli(capsys, *["report", str(tiny_profile), "-p", str(tiny_predictors / "report.json"),
+    code, _, stderr = run_cli(capsys, *["report", str(tiny_profile), "--predictors", str(tiny_predictors / "report.json"),
                                "--plan", str(tiny_plan) + ".json", "-o", str(again)])
     assert code == 0, stderr
     assert parse_page(again).tables == page.tables
@@ -246,7 +246,7 @@ def test_report_bad_input(tiny_profile, tmp_path, capsys):
     (broken / "profile.json").write_text((tiny_profile / "profile.json").read_text())
     _bad(["report", str(broken), "-o", str(out)], capsys, "no activation/ directory")
     _bad(["report", str(tiny_profile), "-o", str(tmp_path)], capsys, "is a directory")
-    _bad(["report", str(tiny_profile), "-p", str(tmp_path), "-o", str(out)], capsys, "no such predictor report")
+    _bad(["report", str(tiny_profile), "--predictors", str(tmp_path), "-o", str(out)], capsys, "no such predictor report")
     _bad(["report", str(tiny_profile), "--plan", str(tmp_path / "x.gpuidx"), "-o", str(out)], capsys,
          "no such plan summary")
     assert not out.exists()
@@ -258,7 +258,7 @@ def test_report_refuses_inputs_of_another_model(tiny_profile, tiny_predictors, t
     pred["model"]["config_hash"] = "0" * 64
     other = tmp_path / "other-report.json"
     other.write_text(json.dumps(pred))
-    _bad(["report", str(tiny_profile), "-p", str(other), "-o", str(out)], capsys, "config hash")
+    _bad(["report", str(tiny_profile), "--predictors", str(other), "-o", str(out)], capsys, "config hash")
     plan = json.loads(tiny_plan.with_name(tiny_plan.name + ".json").read_text())
     plan["layers"] = plan["layers"][:-1]
     short = tmp_path / "short.json"

@@ -61,7 +61,7 @@ def _build(model: str, outtype: str, tokens: int, rank: int, final: Path) -> Pat
     root = model_dir(model)
     profile, predictors = root / "profile", root / "predictors"
     print(f"pi-tools: first use of '{model}': building {final.name} through the pipeline "
-          "(a few minutes, once; later runs start at once)", file=sys.stderr)
+          "(about 12 CPU-minutes, once; later runs start at once)", file=sys.stderr)
     if not (profile / "profile.json").is_file():
         from powerinfer_tools.profile import partial_dir
 

@@ -25,6 +25,9 @@ def sparsify(
     local_lr: float = typer.Option(1e-3, "--local-lr", help="Layer-local learning rate (Adam)."),
     eval_tokens: int = typer.Option(16384, "--eval-tokens", help="Tokens held out of the calibration text to "
                                     "measure the result (at most a tenth of it)."),
+    shift_budget: float = typer.Option(0.01, "--shift-budget", help="Relative perplexity (on training rows) the "
+                                       "last step may spend raising ReLU's cut-off to a FATReLU threshold for "
+                                       "more zeros; 0 keeps plain ReLU, which transformers loads by itself."),
     device: str = typer.Option("auto", help="auto (a GPU when there is one), cpu or cuda."),
     dtype: str = typer.Option("auto", help="Compute type: auto (bfloat16 on a GPU that has it, float32 on the "
                               "CPU), float32 or bfloat16. Weights are trained in float32."),
@@ -55,8 +58,9 @@ def sparsify(
     opts = stages.SparsifyOptions(model=model, out=out, calib=list(calib or []), target_sparsity=target_sparsity,
                                   tokens=tokens, local_tokens=local_tokens, local_epochs=local_epochs,
                                   seq_len=seq_len, batch=batch, lr=lr, local_lr=local_lr, eval_tokens=eval_tokens,
-                                  device=device, dtype=dtype, grad_checkpointing=grad_checkpointing,
-                                  checkpoint_minutes=checkpoint_minutes, seed=seed, force=force, resume=resume)
+                                  shift_budget=shift_budget, device=device, dtype=dtype,
+                                  grad_checkpointing=grad_checkpointing, checkpoint_minutes=checkpoint_minutes,
+                                  seed=seed, force=force, resume=resume)
     print_summary(stages.sparsify(opts).report)
     typer.echo(f"wrote {out}")
 
@@ -66,6 +70,11 @@ def print_summary(report: dict) -> None:
     typer.echo(f"\n{'layer':>5} {'sparsity':>9}")
     for i, s in enumerate(report["layer_sparsity"]):
         typer.echo(f"{i:>5} {s:>9.3f}")
+    shift = report["threshold_shift"]
+    if shift["threshold"] > 0:
+        typer.echo(f"FATReLU threshold {shift['threshold']:.4g}: sparsity {shift['sparsity_relu']:.3f} -> "
+                   f"{shift['sparsity_shifted']:.3f} for perplexity {shift['perplexity_relu']:.3f} -> "
+                   f"{shift['perplexity_shifted']:.3f} on the calibration rows")
     typer.echo(f"mean FFN sparsity {report['sparsity']:.3f} (target {report['target_sparsity']}); held-out "
                f"perplexity {held['perplexity_sparsified']:.3f} vs {held['perplexity_original']:.3f} original "
                f"({held['perplexity_ratio']:.3f}x) on {held['tokens']} tokens; "

@@ -93,6 +93,7 @@ class SparsifyOptions:
     lr: float = 1e-4
     local_lr: float = 1e-3
     eval_tokens: int = 16384
+    shift_budget: float = 0.01    # relative perplexity the FATReLU threshold may cost (0: stay plain ReLU)
     device: str = "auto"
     dtype: str = "auto"
     grad_checkpointing: bool = False

@@ -10,8 +10,10 @@ Two phases, both distilled from the original model (the teacher), never from lab
 Each layer has its own L1 weight, steered step by step so that the layer's measured sparsity follows a
 schedule that rises to the target (progressive regularisation) and then holds it.
 
-The result is a plain Llama checkpoint with `hidden_act: relu`, which transformers loads as it is and every
-stage of the pipeline reads as a ReLU Llama (arch/llama_relu.py).
+Last, ReLU's cut-off may be raised from 0 to the largest t that keeps perplexity within --shift-budget
+(threshold_shift.py). The result is a Llama checkpoint: `hidden_act: relu`, which transformers loads as it
+is, when no t helps (or --shift-budget 0); else ProSparse's FATReLU form (`hidden_act: fatrelu`,
+`hidden_act_param: t`). Every stage of the pipeline reads both (models/arch/llama_relu.py, models/arch/prosparse.py).
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from powerinfer_tools.models import arch as arch_mod
-from powerinfer_tools.stages import calibration
+from powerinfer_tools.stages import calibration, threshold_shift
 from powerinfer_tools.runtime import evaluate
 from powerinfer_tools import models
 from powerinfer_tools.core.atomic import check_output_dir, publish_dir
@@ -61,6 +63,8 @@ def _check_options(opts: SparsifyOptions) -> None:
     for name in ("tokens", "local_tokens", "eval_tokens", "batch"):
         if getattr(opts, name) < 0 or (name == "batch" and opts.batch == 0):
             raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(opts, name)}")
+    if not 0.0 <= opts.shift_budget < 1.0:
+        raise UserError(f"--shift-budget must be in [0, 1), got {opts.shift_budget}")
     if opts.seq_len < 2:
         raise UserError(f"--seq-len must be at least 2, got {opts.seq_len}")
     if opts.local_epochs < 0:
@@ -508,8 +512,10 @@ def _phase2(teacher, student, adapter, train: torch.Tensor, state: TrainState, r
 # ---- the run -------------------------------------------------------------------------------------------------------
 
 def _identity(opts: SparsifyOptions, source, config) -> dict:
+    # what a resumed run may change: where and how it computes, and the shift that follows the training
     keep = {k: v for k, v in asdict(opts).items() if k not in ("out", "force", "resume", "checkpoint_minutes",
-                                                               "device", "dtype", "grad_checkpointing")}
+                                                               "device", "dtype", "grad_checkpointing",
+                                                               "shift_budget")}
     keep["calib"] = [str(Path(p).resolve()) for p in opts.calib]
     keep["model"] = "smollm2" if opts.model == "smollm2" else str(source.path)
     keep["config_hash"] = models.config_hash(config)
@@ -522,7 +528,10 @@ def _write_model(student, tokenizer, report: dict, out: Path, force: bool) -> No
     tmp = out.parent / f".{out.name}.writing"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        student.config.hidden_act = "relu"
+        t = report["threshold_shift"]["threshold"]
+        student.config.hidden_act = "fatrelu" if t > 0 else "relu"
+        if t > 0:
+            student.config.hidden_act_param = t
         student.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / REPORT_NAME).write_text(json.dumps(report, indent=2))
@@ -582,6 +591,10 @@ def run_sparsify(opts: SparsifyOptions) -> dict:
             _phase2(teacher, student, adapter, train, state, resumed, opts, device, autocast, checkpointer)
         checkpointer.clock(state)
 
+    print(f"pi-tools sparsify: shifting the activation threshold (perplexity budget {opts.shift_budget:.1%})",
+          flush=True)
+    # calibrated on training rows: the held-out ones measure the result
+    shift = threshold_shift.calibrate(student, adapter, train[:len(held_out)], opts.shift_budget, opts.batch)
     print("pi-tools sparsify: measuring the result on the held-out text", flush=True)
     before = evaluate.perplexity(teacher, adapter, held_out, batch=opts.batch)
     after, sparsity = perplexity_and_sparsity(student, adapter, held_out, opts.batch)
@@ -594,6 +607,11 @@ def run_sparsify(opts: SparsifyOptions) -> dict:
         "held_out": {"sequences": len(held_out), "tokens": int(held_out.numel()),
                      "perplexity_original": before, "perplexity_sparsified": after,
                      "perplexity_ratio": after / before},
+        "threshold_shift": {"threshold": shift.threshold, "budget": opts.shift_budget,
+                            "calibration_rows": min(len(train), len(held_out)),
+                            "perplexity_relu": shift.perplexity_relu, "perplexity_shifted": shift.perplexity_shifted,
+                            "sparsity_relu": shift.sparsity_relu, "sparsity_shifted": shift.sparsity_shifted,
+                            "tried": [{"threshold": t, "perplexity": p, "sparsity": z} for t, p, z in shift.tried]},
         "tokens_seen": {"layer_local": min(len(train), opts.local_tokens // opts.seq_len) * opts.seq_len
                         * opts.local_epochs, "end_to_end": state.tokens_seen},
         "train_seconds": state.elapsed,

@@ -35,12 +35,12 @@ def calib(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sparsified(tiny_model_dir, calib, tmp_path_factory):
-    """The tiny SiLU model sparsified at target 0.9 (and the report it wrote)."""
+    """The tiny SiLU model sparsified at target 0.9, plain ReLU (no threshold shift), and its report."""
     out = tmp_path_factory.mktemp("sparsified") / "relu"
     from powerinfer_tools.cli import main
     try:
         main(["sparsify", "-m", str(tiny_model_dir("llama-silu")), "--calib", str(calib), "-o", str(out),
-              "--target-sparsity", "0.9", *SMALL, "--local-epochs", "8"])
+              "--target-sparsity", "0.9", *SMALL, "--local-epochs", "8", "--shift-budget", "0"])
     except SystemExit as exc:
         assert exc.code in (0, None)
     return out, json.loads((out / "sparsify.json").read_text())
@@ -67,6 +67,53 @@ def test_writes_a_relu_llama_that_transformers_and_the_pipeline_load(sparsified,
         gate = llm.eval(tokens)
     assert max_rel_err(dense, ref) < 1e-4
     np.testing.assert_allclose(gate, dense, rtol=1e-5, atol=1e-5)  # ReLU: skipping exact zeros is exact
+
+
+def test_threshold_shift_writes_a_fatrelu_model_that_the_pipeline_runs(tiny_model_dir, calib, tmp_path, capsys,
+                                                                       monkeypatch):
+    out = tmp_path / "fatrelu"
+    code, stdout, err = run_cli(capsys, "sparsify", "-m", tiny_model_dir("llama-silu"), "--calib", calib, "-o", out,
+                                "--target-sparsity", "0.6", *SMALL, "--shift-budget", "0.05")
+    assert code == 0, err
+    shift = json.loads((out / "sparsify.json").read_text())["threshold_shift"]
+    t = shift["threshold"]
+    assert t > 0 and "FATReLU threshold" in stdout
+    assert shift["sparsity_shifted"] > shift["sparsity_relu"]
+    assert shift["perplexity_shifted"] <= 1.05 * shift["perplexity_relu"]
+    limit = 1.05 * shift["perplexity_relu"]
+    assert t == max(c["threshold"] for c in shift["tried"] if c["perplexity"] <= limit)  # the largest accepted
+    assert all(c["threshold"] > t for c in shift["tried"] if c["perplexity"] > limit)
+    config = json.loads((out / "config.json").read_text())
+    assert config["hidden_act"] == "fatrelu" and config["hidden_act_param"] == t
+    model, adapter = models.load_model(models.resolve(str(out)))
+    assert adapter.name == "prosparse" and adapter.rule_thresholds() == [t] * 2
+
+    monkeypatch.setenv("POWERINFER_TOOLS_CACHE", str(tmp_path / "cache"))
+    path = pipeline.build(str(out), outtype="f32", tokens=1024, rank=8)
+    tokens = random_tokens(12, config["vocab_size"])
+    ref = hf_logits(out, tokens, weights_from=path)
+    with engine.Model(path, sparse_mode="dense") as llm:
+        dense = llm.eval(tokens)
+    with engine.Model(path, sparse_mode="gate") as llm:
+        gate = llm.eval(tokens)
+    assert max_rel_err(dense, ref) < 1e-4    # the engine cuts at t as transformers' Threshold does
+    np.testing.assert_allclose(gate, dense, rtol=1e-5, atol=1e-5)
+
+
+def test_threshold_search_keeps_the_largest_t_within_the_budget(monkeypatch):
+    """Against an exhaustive reference on a known perplexity curve: ppl(t) = 10 (1 + t^2)."""
+    from powerinfer_tools.stages import threshold_shift as ts
+
+    curve = lambda t: 10.0 * (1.0 + t * t)
+    monkeypatch.setattr(ts, "_measure", lambda model, adapter, seqs, batch, t: (curve(t), 0.5 + t))
+    monkeypatch.setattr(ts, "_top_activation", lambda model, adapter, seqs: 1.0)
+    monkeypatch.setattr(ts, "set_threshold", lambda adapter, model, t: None)
+    shift = ts.calibrate(None, None, None, budget=0.04, batch=1)   # exact answer: t = 0.2
+    grid = [1.0 / 2 ** k for k in range(ts.GRID_OCTAVES, -1, -1)]
+    assert max(t for t in grid if curve(t) <= 10.4) < shift.threshold <= 0.2
+    assert shift.threshold > 0.9 * 0.2       # the refinement closes most of the last octave
+    assert shift.perplexity_shifted == curve(shift.threshold) <= 10.4
+    assert ts.calibrate(None, None, None, budget=0.0, batch=1).threshold == 0.0
 
 
 def test_l1_raises_sparsity_to_the_target(sparsified):
@@ -133,6 +180,9 @@ def test_bad_input_one_line(tiny_model_dir, calib, tmp_path, capsys):
     for bad in ("0", "1", "1.5", "-0.2"):
         code, _, err = run_cli(capsys, "sparsify", "-m", silu, "--calib", calib, "-o", out, "--target-sparsity", bad)
         assert_one_line_error(code, err, "--target-sparsity must be in (0, 1)")
+    for bad in ("1", "-0.01"):
+        code, _, err = run_cli(capsys, "sparsify", "-m", silu, "--calib", calib, "-o", out, "--shift-budget", bad)
+        assert_one_line_error(code, err, "--shift-budget must be in [0, 1)")
     small = tmp_path / "small.txt"
     small.write_text("To be, or not to be, that is the question.")
     code, _, err = run_cli(capsys, "sparsify", "-m", silu, "--calib", small, "-o", out)
@@ -170,7 +220,7 @@ def test_gguf_source_is_written_as_a_float_checkpoint(tmp_path, capsys):
     calib.write_text(training_text()[:40_000])
     out = tmp_path / "relu"
     code, _, err = run_cli(capsys, "sparsify", "-m", "smollm2", "--calib", calib, "-o", out, "--local-epochs", "0",
-                           "--tokens", "0", "--seq-len", "64", "--eval-tokens", "256")
+                           "--tokens", "0", "--seq-len", "64", "--eval-tokens", "256", "--shift-budget", "0")
     assert code == 0, err
     config = json.loads((out / "config.json").read_text())
     assert config["hidden_act"] == "relu" and "quantization_config" not in config

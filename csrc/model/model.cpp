@@ -1,13 +1,13 @@
-#include "model.h"
+#include "model/model.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 
-#include "common.h"
-#include "kernels.h"
-#include "packed.h"
-#include "types.h"
+#include "runtime/common.h"
+#include "kernels/kernels.h"
+#include "kernels/packed.h"
+#include "format/types.h"
 
 namespace pi {
 namespace {

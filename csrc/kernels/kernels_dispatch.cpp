@@ -1,7 +1,7 @@
 // Runtime choice of the kernel set: the widest one the CPU runs, decided once.
 #include <cstring>
 
-#include "kernels.h"
+#include "kernels/kernels.h"
 
 namespace pi {
 

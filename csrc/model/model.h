@@ -12,11 +12,11 @@
 #include <string>
 #include <vector>
 
-#include "gguf.h"
-#include "kernels.h"
-#include "packed.h"
-#include "page_memory.h"
-#include "types.h"
+#include "format/gguf.h"
+#include "kernels/kernels.h"
+#include "kernels/packed.h"
+#include "runtime/page_memory.h"
+#include "format/types.h"
 
 namespace pi {
 

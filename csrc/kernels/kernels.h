@@ -8,7 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "types.h"
+#include "format/types.h"
 
 namespace pi {
 

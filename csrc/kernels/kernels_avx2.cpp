@@ -1,12 +1,12 @@
 // AVX2 + FMA + F16C kernels. Compiled with per-function target attributes so that the rest of the
 // library stays portable; only called after the CPU has been checked (kernels_dispatch.cpp).
-#include "kernels.h"
+#include "kernels/kernels.h"
 
 #include <cmath>
 #include <cstring>
 #include <type_traits>
 
-#include "packed.h"
+#include "kernels/packed.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <cpuid.h>
@@ -19,7 +19,7 @@ namespace {
 
 #define PI_VNNI 0
 #define PI_AVX512 0
-#include "kernels_x86.inc"
+#include "kernels/kernels_x86.inc"
 
 const KernelSet kAvx2 = x86_kernel_set("avx2");
 

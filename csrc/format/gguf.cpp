@@ -1,4 +1,4 @@
-#include "gguf.h"
+#include "format/gguf.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -10,8 +10,8 @@
 #include <cmath>
 #include <cstring>
 
-#include "common.h"
-#include "types.h"
+#include "runtime/common.h"
+#include "format/types.h"
 
 namespace pi {
 namespace {

@@ -1,14 +1,14 @@
-#include "read_probe.h"
+#include "runtime/read_probe.h"
 
 #include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <vector>
 
-#include "common.h"
-#include "page_memory.h"
-#include "sampler.h"
-#include "threadpool.h"
+#include "runtime/common.h"
+#include "runtime/page_memory.h"
+#include "engine/sampler.h"
+#include "runtime/threadpool.h"
 
 namespace pi {
 

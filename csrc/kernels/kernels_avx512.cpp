@@ -3,13 +3,13 @@
 // 512-bit operations in two (AMD Zen 4), 256-bit vectors give the same arithmetic throughput with
 // fewer shuffles; what VNNI buys is fewer instructions per block (no madd, no sign work for q4_0).
 // Results are bit-identical to the AVX2 set.
-#include "kernels.h"
+#include "kernels/kernels.h"
 
 #include <cmath>
 #include <cstring>
 #include <type_traits>
 
-#include "packed.h"
+#include "kernels/packed.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -21,7 +21,7 @@ namespace {
 
 #define PI_VNNI 1
 #define PI_AVX512 1
-#include "kernels_x86.inc"
+#include "kernels/kernels_x86.inc"
 
 const KernelSet kAvx512 = x86_kernel_set("avx512");
 

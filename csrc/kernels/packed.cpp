@@ -1,8 +1,8 @@
-#include "packed.h"
+#include "kernels/packed.h"
 
 #include <cstring>
 
-#include "types.h"
+#include "format/types.h"
 
 namespace pi {
 

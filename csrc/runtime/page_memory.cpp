@@ -1,4 +1,4 @@
-#include "page_memory.h"
+#include "runtime/page_memory.h"
 
 #include <sys/mman.h>
 #include <unistd.h>
@@ -8,7 +8,7 @@
 #include <string>
 #include <utility>
 
-#include "common.h"
+#include "runtime/common.h"
 
 namespace pi {
 

@@ -1,4 +1,4 @@
-#include "types.h"
+#include "format/types.h"
 
 namespace pi {
 

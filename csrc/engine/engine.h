@@ -9,11 +9,11 @@
 #include <string>
 #include <vector>
 
-#include "kernels.h"
-#include "model.h"
-#include "page_memory.h"
-#include "sampler.h"
-#include "threadpool.h"
+#include "kernels/kernels.h"
+#include "model/model.h"
+#include "runtime/page_memory.h"
+#include "engine/sampler.h"
+#include "runtime/threadpool.h"
 
 namespace pi {
 

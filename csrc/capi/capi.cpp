@@ -3,13 +3,13 @@
 #include <new>
 #include <string>
 
-#include "common.h"
-#include "engine.h"
-#include "gguf.h"
-#include "kernels.h"
-#include "packed.h"
-#include "read_probe.h"
-#include "threadpool.h"
+#include "runtime/common.h"
+#include "engine/engine.h"
+#include "format/gguf.h"
+#include "kernels/kernels.h"
+#include "kernels/packed.h"
+#include "runtime/read_probe.h"
+#include "runtime/threadpool.h"
 #include "pi_engine.h"
 
 struct pi_engine {

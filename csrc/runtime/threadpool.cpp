@@ -1,4 +1,4 @@
-#include "threadpool.h"
+#include "runtime/threadpool.h"
 
 #include <chrono>
 

@@ -2,8 +2,8 @@
 #include <cmath>
 #include <cstring>
 
-#include "kernels.h"
-#include "packed.h"
+#include "kernels/kernels.h"
+#include "kernels/packed.h"
 
 namespace pi {
 namespace {

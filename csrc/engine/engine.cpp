@@ -1,4 +1,4 @@
-#include "engine.h"
+#include "engine/engine.h"
 
 #include <unistd.h>
 
@@ -10,8 +10,8 @@
 #include <numeric>
 #include <thread>
 
-#include "common.h"
-#include "packed.h"
+#include "runtime/common.h"
+#include "kernels/packed.h"
 
 namespace pi {
 namespace {

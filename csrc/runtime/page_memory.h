@@ -1,9 +1,9 @@
 // Memory mapped straight from the kernel, outside the allocator, for weights-sized buffers: on 2 MiB pages where
 // the kernel grants them (transparent huge pages in "madvise" mode), the KV cache (every decode step's heads read
-// the whole of it, and on 4 KiB pages they miss the TLB every 4 KiB; docs/perf-notes.md §29) and the packed
-// matrices every token streams (§38); on 4 KiB pages, the cold tier's 8-row groups, built and freed as a layer's
-// kernels change (unmapped, their pages leave the process at once, where the allocator may keep freed memory for
-// later).
+// the whole of it, and on 4 KiB pages they miss the TLB every 4 KiB; docs/engine.md, "The KV cache, by kv head")
+// and the packed matrices every token streams ("Two layouts of a weight row"); on 4 KiB pages, the cold tier's
+// 8-row groups, built and freed as a layer's kernels change (unmapped, their pages leave the process at once,
+// where the allocator may keep freed memory for later).
 #pragma once
 
 #include <cstddef>

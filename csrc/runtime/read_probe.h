@@ -1,6 +1,6 @@
 // How fast this machine reads weight rows picked by index, against the same rows read in order: the price per
 // byte that a sparse decode step pays and the byte model (powerinfer_tools/byte_model.py) does not see. DRAM
-// serves a core only so many misses at a time (docs/perf-notes.md §19), so rows by index, each a few lines
+// serves a core only so many misses at a time (docs/engine.md, "Gathered rows"), so rows by index, each a few lines
 // long, come slower than a stream the hardware prefetchers run ahead of. pi-tools bench records the rate
 // beside the streaming bandwidth.
 #pragma once

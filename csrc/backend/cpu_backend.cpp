@@ -67,9 +67,17 @@ struct CpuTierBackend::Pass {
 };
 
 CpuTierBackend::CpuTierBackend(const HParams &hp, const KernelSet &ks, ThreadPool &pool, int64_t n_batch,
-                               int64_t max_rank)
-    : hp_(hp), ks_(ks), pool_(pool), n_batch_(n_batch), max_rank_(std::max<int64_t>(max_rank, 1)) {
+                               int64_t max_rank, bool copies_tiers)
+    : hp_(hp), ks_(ks), pool_(pool), n_batch_(n_batch), max_rank_(std::max<int64_t>(max_rank, 1)),
+      copies_tiers_(copies_tiers) {
     tiers_.assign(size_t(hp.n_layer), Uploaded{nullptr, nullptr});
+    if (copies_tiers) copies_.resize(size_t(hp.n_layer));
+}
+
+double CpuTierBackend::weight_bytes() const {
+    double bytes = 0;
+    for (const FfnTier &t : copies_) bytes += double(t.storage.size() + t.gate_groups.size() + t.up_groups.size());
+    return bytes;
 }
 
 double CpuTierBackend::scratch_bytes(const HParams &hp, int64_t rows, int64_t n_batch, int64_t threads,
@@ -83,7 +91,8 @@ double CpuTierBackend::scratch_bytes(const HParams &hp, int64_t rows, int64_t n_
 }
 
 void CpuTierBackend::upload(int64_t il, const Layer &layer, const FfnTier &tier) {
-    tiers_[size_t(il)] = {&layer, &tier};
+    if (copies_tiers_) copies_[size_t(il)] = packed_copy(tier, hp_.gated);
+    tiers_[size_t(il)] = {&layer, copies_tiers_ ? &copies_[size_t(il)] : &tier};
     if (tier.size() <= ld_) return;
     ld_ = tier.size();
     const int64_t E = hp_.n_embd, B = n_batch_, F = ld_, threads = pool_.size();

@@ -19,13 +19,17 @@ namespace pi {
 
 class CpuTierBackend : public TierBackend {
 public:
-    // max_rank: the largest predictor rank of the file (0 without predictors).
-    CpuTierBackend(const HParams &hp, const KernelSet &ks, ThreadPool &pool, int64_t n_batch, int64_t max_rank);
+    // max_rank: the largest predictor rank of the file (0 without predictors). copies_tiers: upload takes a
+    // packed_copy of each tier (the hot tier's, read whole every token), else reads the Model's tier in place
+    // (the cold tier's mapped rows, grouped as Model::arrange_cold_tier keeps them).
+    CpuTierBackend(const HParams &hp, const KernelSet &ks, ThreadPool &pool, int64_t n_batch, int64_t max_rank,
+                   bool copies_tiers);
     const char *name() const override { return "cpu"; }
     void upload(int64_t il, const Layer &layer, const FfnTier &tier) override;
     // Runs the job on the pool before it returns (the pool runs one job at a time: two CPU tiers take turns).
     void submit(const TierJob &job) override;
     TierCounts wait() override { return counts_; }
+    double weight_bytes() const override;
     // Bytes of the scratch a backend allocates for tiers of up to `rows` neurons.
     static double scratch_bytes(const HParams &hp, int64_t rows, int64_t n_batch, int64_t threads, int64_t max_rank);
 
@@ -71,6 +75,8 @@ private:
     const KernelSet &ks_;
     ThreadPool &pool_;
     const int64_t n_batch_, max_rank_;
+    const bool copies_tiers_;
+    std::vector<FfnTier> copies_;  // by layer, where copies_tiers_
     struct Uploaded {
         const Layer *layer;
         const FfnTier *tier;

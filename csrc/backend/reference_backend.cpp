@@ -33,6 +33,12 @@ void ReferenceTierBackend::upload(int64_t il, const Layer &layer, const FfnTier 
     r.down_t = copy_rows(layer.down_t, tier.ids);
 }
 
+double ReferenceTierBackend::weight_bytes() const {
+    double bytes = 0;
+    for (const Rows &r : layers_) bytes += double(r.gate.size() + r.up.size() + r.down_t.size());
+    return bytes;
+}
+
 void ReferenceTierBackend::submit(const TierJob &job) {
     if (worker_.joinable()) worker_.join();  // a job left unwaited (its caller threw): finished first
     counts_ = TierCounts{};

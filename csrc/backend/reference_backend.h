@@ -20,6 +20,7 @@ public:
     void upload(int64_t il, const Layer &layer, const FfnTier &tier) override;
     void submit(const TierJob &job) override;  // starts the job on its thread
     TierCounts wait() override;
+    double weight_bytes() const override;
 
 private:
     // A layer's tier as uploaded: its neurons' rows copied out of the file, in slot order.

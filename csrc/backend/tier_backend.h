@@ -54,6 +54,8 @@ public:
     virtual void submit(const TierJob &job) = 0;
     // Returns when the submitted job's y is written, with what it counted.
     virtual TierCounts wait() = 0;
+    // Bytes of weights the backend holds in this process's memory (its copies of the tiers' rows).
+    virtual double weight_bytes() const = 0;
 
     TierCounts run(const TierJob &job) {
         submit(job);

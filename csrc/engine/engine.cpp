@@ -52,8 +52,8 @@ Engine::Engine(const std::string &path, const pi_options &opts, const std::strin
     pool_ = std::make_unique<ThreadPool>(threads);
     const int64_t rank = model_->max_rank();
     if (hot_backend == "reference") hot_ = std::make_unique<ReferenceTierBackend>(hp_, n_batch_);
-    else hot_ = std::make_unique<CpuTierBackend>(hp_, *ks_, *pool_, n_batch_, rank);
-    cold_ = std::make_unique<CpuTierBackend>(hp_, *ks_, *pool_, n_batch_, rank);
+    else hot_ = std::make_unique<CpuTierBackend>(hp_, *ks_, *pool_, n_batch_, rank, true);
+    cold_ = std::make_unique<CpuTierBackend>(hp_, *ks_, *pool_, n_batch_, rank, false);
     for (int64_t il = 0; il < hp_.n_layer; ++il) {
         const Layer &L = model_->layers()[size_t(il)];
         if (L.hot.size() > 0) hot_->upload(il, L, L.hot);
@@ -138,7 +138,9 @@ const std::string &Engine::info_json() {
 }
 
 const std::string &Engine::stats_json() {
-    json_ = pi::stats_json(*model_, stats_, policy_);
+    WeightCopies copies = model_->weight_copies();
+    copies.hot = size_t(hot_->weight_bytes());
+    json_ = pi::stats_json(*model_, copies, stats_, policy_);
     return json_;
 }
 

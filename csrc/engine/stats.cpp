@@ -104,14 +104,13 @@ std::string info_json(const Model &model, const RunSettings &run) {
            per_layer(model, [](const Layer &l) { return std::string(l.predictor_useful ? "true" : "false"); }) + "}";
 }
 
-std::string stats_json(const Model &model, const EngineStats &stats, const FfnPolicy &policy) {
+std::string stats_json(const Model &model, const WeightCopies &wc, const EngineStats &stats, const FfnPolicy &policy) {
     const PhaseTimes &t = stats.times;
     std::string json = "{\"ffn_mode\": " + quoted(mode_name(policy.mode())) + ", \"batch_tokens\": " + num(stats.batch_tokens) +
                        ", \"batch_seconds\": " + num(stats.batch_seconds) + ", \"decode_tokens\": " + num(stats.decode_tokens) +
                        ", \"decode_seconds\": " + num(stats.decode_seconds) + ", \"phases\": {\"embed\": " + num(t.embed) +
                        ", \"attention\": " + num(t.attention) + ", \"predictor\": " + num(t.predictor) +
                        ", \"gate_up\": " + num(t.gate_up) + ", \"down\": " + num(t.down) + ", \"output\": " + num(t.output) + "}";
-    const WeightCopies wc = model.weight_copies();
     json += ", \"weight_copies\": {\"packed\": " + std::to_string(wc.packed) + ", \"predictor\": " + std::to_string(wc.predictor) +
             ", \"hot\": " + std::to_string(wc.hot) + ", \"cold_groups\": " + std::to_string(wc.cold_groups) + "}, \"layers\": [";
     const double F = double(model.hp().n_ff);

@@ -54,6 +54,7 @@ struct RunSettings {
 };
 
 std::string info_json(const Model &model, const RunSettings &run);
-std::string stats_json(const Model &model, const EngineStats &stats, const FfnPolicy &policy);
+// copies: the Model's, with the hot tier's backend's bytes in `hot`
+std::string stats_json(const Model &model, const WeightCopies &copies, const EngineStats &stats, const FfnPolicy &policy);
 
 }  // namespace pi

@@ -476,38 +476,49 @@ void Model::build_tiers(const std::string &gpuidx_path) {
         l.cold.down_t = l.down_t;
         l.cold.packed = false;
         l.cold.fc2 = l.fc2;
-        const int64_t nh = l.hot.size();
         if (has_predictor_) bind_cold_predictor(l);  // the predictor only ever scores cold neurons
-        // Hot tier: contiguous copies, always computed whole: gate and up as 8-row groups where their type
-        // packs (and then as nothing else), as rows otherwise; down_t as rows.
-        l.hot.packed = true;
-        if (nh == 0) continue;
-        const int n_matrices = hp_.gated ? 3 : 2;  // ungated: gate is up
-        const Matrix *src[3] = {&l.down_t, &l.up, &l.gate};
-        Matrix *dst[3] = {&l.hot.down_t, &l.hot.up, &l.hot.gate};
-        // (ungated: the up rows are the rule's, so their groups are gate_groups)
-        PageMemory *groups[3] = {nullptr, hp_.gated ? &l.hot.up_groups : &l.hot.gate_groups, &l.hot.gate_groups};
-        bool as_rows[3];
-        size_t total = 0;
-        for (int k = 0; k < n_matrices; ++k) {
-            *dst[k] = *src[k];
-            dst[k]->rows = nh;
-            dst[k]->data = nullptr;
-            as_rows[k] = !groups[k] || !l.hot.groups_fit(*src[k]);
-            if (as_rows[k]) total += size_t(nh) * src[k]->row_bytes;
-            else *groups[k] = groups_in_pages(l.hot, *src[k]);
-        }
-        l.hot.storage.resize(total);
-        uint8_t *at = l.hot.storage.data();
-        for (int k = 0; k < n_matrices; ++k) {
-            if (!as_rows[k]) continue;
-            dst[k]->data = at;
-            for (int64_t r = 0; r < nh; ++r) std::memcpy(at + size_t(r) * src[k]->row_bytes, src[k]->row(l.hot.ids[size_t(r)]),
-                                                         src[k]->row_bytes);
-            at += size_t(nh) * src[k]->row_bytes;
-        }
-        if (!hp_.gated) l.hot.gate = l.hot.up;
+        // Hot tier: the same mapped views; its backend takes what it computes from (TierBackend::upload).
+        l.hot.gate = l.gate;
+        l.hot.up = l.up;
+        l.hot.down_t = l.down_t;
+        l.hot.packed = false;
     }
+}
+
+FfnTier packed_copy(const FfnTier &mapped, bool gated) {
+    // Contiguous copies, computed whole: gate and up as 8-row groups where their type packs (and then as nothing
+    // else), as rows otherwise; down_t as rows.
+    FfnTier t;
+    t.ids = mapped.ids;
+    t.packed = true;
+    const int64_t n = t.size();
+    if (n == 0) return t;
+    const int n_matrices = gated ? 3 : 2;  // ungated: gate is up
+    const Matrix *src[3] = {&mapped.down_t, &mapped.up, &mapped.gate};
+    Matrix *dst[3] = {&t.down_t, &t.up, &t.gate};
+    // (ungated: the up rows are the rule's, so their groups are gate_groups)
+    PageMemory *groups[3] = {nullptr, gated ? &t.up_groups : &t.gate_groups, &t.gate_groups};
+    bool as_rows[3];
+    size_t total = 0;
+    for (int k = 0; k < n_matrices; ++k) {
+        *dst[k] = *src[k];
+        dst[k]->rows = n;
+        dst[k]->data = nullptr;
+        as_rows[k] = !groups[k] || !t.groups_fit(*src[k]);
+        if (as_rows[k]) total += size_t(n) * src[k]->row_bytes;
+        else *groups[k] = groups_in_pages(t, *src[k]);
+    }
+    t.storage.resize(total);
+    uint8_t *at = t.storage.data();
+    for (int k = 0; k < n_matrices; ++k) {
+        if (!as_rows[k]) continue;
+        dst[k]->data = at;
+        for (int64_t r = 0; r < n; ++r) std::memcpy(at + size_t(r) * src[k]->row_bytes, src[k]->row(t.ids[size_t(r)]),
+                                                    src[k]->row_bytes);
+        at += size_t(n) * src[k]->row_bytes;
+    }
+    if (!gated) t.gate = t.up;
+    return t;
 }
 
 int64_t Model::hot_neurons() const {
@@ -521,7 +532,6 @@ WeightCopies Model::weight_copies() const {
     c.packed = packed_.size();
     for (const Layer &l : layers_) {
         c.predictor += l.cold.fc2_storage.size();
-        c.hot += l.hot.storage.size() + l.hot.gate_groups.size() + l.hot.up_groups.size();
         c.cold_groups += l.cold.gate_groups.size() + l.cold.up_groups.size();
     }
     return c;

@@ -70,8 +70,8 @@ struct HParams {
     int64_t bos = -1, eos = -1;
 };
 
-// One FFN tier: the neurons it holds and their rows. The hot tier owns packed copies (contiguous,
-// ready for a device backend to take); the cold tier points into the mapped file via `ids`.
+// One FFN tier: the neurons it holds and their rows. The Model's tiers point into the mapped file via `ids`; the
+// hot tier's backend takes its own copy at load (packed_copy for the CPU's: contiguous rows and groups).
 struct FfnTier {
     std::vector<int32_t> ids;  // neuron index in the layer for each row slot
     Matrix gate, up, down_t;   // row r of each = neuron ids[r] (packed) or row ids[r] (mapped, see packed)
@@ -97,9 +97,9 @@ struct FfnTier {
     int64_t fc2_units() const { return fc2_transposed ? fc2_tiles() : n_groups(); }
     int64_t fc2_unit_rows() const { return fc2_transposed ? kFc2Tile : kPackRows; }
     // gate and up rows again in 8-row groups (packed.h, the last group padded with zero rows), kept where the
-    // tier's mode reads those rows whole, so that a weight is held once (the hot tier's at load; the cold
+    // tier's mode reads those rows whole, so that a weight is held once (a packed copy's at load; the cold
     // tier's by Model::arrange_cold_tier, as the layer's mode changes); empty otherwise, or for f32/f16
-    // weights. A hot tier whose gate and up are grouped holds no rows of them (gate.data and up.data are
+    // weights. A packed copy whose gate and up are grouped holds no rows of them (gate.data and up.data are
     // null). Ungated FFNs have only gate_groups (gate is up).
     PageMemory gate_groups, up_groups;
     int64_t size() const { return int64_t(ids.size()); }
@@ -115,6 +115,10 @@ struct FfnTier {
     // are 0. A batch packs a pass's groups this way where none are kept.
     void pack_groups(const Matrix &src, int64_t g0, int64_t g1, const void *zero_row, uint8_t *out) const;
 };
+
+// A tier's neurons copied out of the mapped rows `mapped` indexes, computed whole: gate and up as 8-row groups where
+// their type packs (and then as nothing else), as rows otherwise; down_t as rows (the CPU backend's hot tier).
+FfnTier packed_copy(const FfnTier &mapped, bool gated);
 
 // Vectors (norm weights and biases, rows = 1) are f32; an absent optional bias has data == nullptr.
 struct Layer {
@@ -133,7 +137,7 @@ struct Layer {
 
 // Bytes of weights a model holds on the heap, in another layout than the file's (the rest stays mapped):
 // matrices read whole in 8-row groups (attention, output head, predictor fc1), the predictor's fc2 for the
-// cold tier, the hot tier (rows and groups), the cold tier's gate/up groups.
+// cold tier, the hot tier (rows and groups: its backend's copy, which the engine adds), the cold tier's gate/up groups.
 struct WeightCopies {
     size_t packed = 0, predictor = 0, hot = 0, cold_groups = 0;
 };

@@ -9,6 +9,19 @@
 using pi::guarded;
 using pi::need;
 
+namespace {
+
+// f(the engine behind handle e), guarded, e checked first
+template <class F>
+pi_status with_engine(pi_engine *e, F &&f) {
+    return guarded([&] {
+        need(e, "engine");
+        f(e->engine);
+    });
+}
+
+}  // namespace
+
 std::string &pi::last_error() {
     thread_local std::string message;
     return message;
@@ -60,72 +73,51 @@ pi_status pi_check_gguf(const char *path) {
 }
 
 pi_status pi_info_json(pi_engine *e, const char **json) {
-    return guarded([&] {
-        need(e, "engine");
+    return with_engine(e, [&](pi::Engine &engine) {
         need(json, "json");
-        *json = e->engine.info_json().c_str();
+        *json = engine.info_json().c_str();
     });
 }
 
 pi_status pi_set_ffn_mode(pi_engine *e, int32_t mode) {
-    return guarded([&] {
-        need(e, "engine");
-        e->engine.set_ffn_mode(mode);
-    });
+    return with_engine(e, [&](pi::Engine &engine) { engine.set_ffn_mode(mode); });
 }
 
 pi_status pi_set_recall_check(pi_engine *e, int32_t enabled) {
-    return guarded([&] {
-        need(e, "engine");
-        e->engine.set_recall_check(enabled != 0);
-    });
+    return with_engine(e, [&](pi::Engine &engine) { engine.set_recall_check(enabled != 0); });
 }
 
 pi_status pi_eval(pi_engine *e, const int32_t *tokens, int32_t n, float *logits, int32_t all_logits) {
-    return guarded([&] {
-        need(e, "engine");
-        e->engine.eval(tokens, n, logits, all_logits != 0);
-    });
+    return with_engine(e, [&](pi::Engine &engine) { engine.eval(tokens, n, logits, all_logits != 0); });
 }
 
 int32_t pi_n_past(const pi_engine *e) { return e ? e->engine.n_past() : -1; }
 
 pi_status pi_truncate(pi_engine *e, int32_t n_keep) {
-    return guarded([&] {
-        need(e, "engine");
-        e->engine.truncate(n_keep);
-    });
+    return with_engine(e, [&](pi::Engine &engine) { engine.truncate(n_keep); });
 }
 
 pi_status pi_sample(pi_engine *e, const pi_sampling *params, int32_t *token) {
-    return guarded([&] {
-        need(e, "engine");
+    return with_engine(e, [&](pi::Engine &engine) {
         need(params, "params");
         need(token, "token");
-        *token = e->engine.sample(*params);
+        *token = engine.sample(*params);
     });
 }
 
 pi_status pi_set_seed(pi_engine *e, uint64_t seed) {
-    return guarded([&] {
-        need(e, "engine");
-        e->engine.set_seed(seed);
-    });
+    return with_engine(e, [&](pi::Engine &engine) { engine.set_seed(seed); });
 }
 
 pi_status pi_stats_json(pi_engine *e, const char **json) {
-    return guarded([&] {
-        need(e, "engine");
+    return with_engine(e, [&](pi::Engine &engine) {
         need(json, "json");
-        *json = e->engine.stats_json().c_str();
+        *json = engine.stats_json().c_str();
     });
 }
 
 pi_status pi_stats_reset(pi_engine *e) {
-    return guarded([&] {
-        need(e, "engine");
-        e->engine.reset_stats();
-    });
+    return with_engine(e, [&](pi::Engine &engine) { engine.reset_stats(); });
 }
 
 }  // extern "C"

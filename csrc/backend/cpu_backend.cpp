@@ -148,8 +148,7 @@ void CpuTierBackend::submit(const TierJob &job) {
         auto job_fn = [&](int chunk, int n_chunks, int) {
             int64_t i0, i1;
             split_range(n_rows_, chunk, n_chunks, &i0, &i1);
-            Tally c;
-            gate_up_gathered(p, rows_.data() + i0, i1 - i0, c);
+            const Tally c = gate_up_gathered(p, rows_.data() + i0, i1 - i0);
             n_active_ += c.active;
             n_computed_ += c.computed;
         };
@@ -337,8 +336,9 @@ void CpuTierBackend::settle(const Pass &p, int64_t t, int64_t r, bool pass, floa
     h_[size_t(t * ld_ + r)] = keep_if(used, h);
 }
 
-void CpuTierBackend::listed_ups(const Pass &p, int64_t t, int n_up, const int64_t *slot, const void *const *rows,
-                                const float *a, const bool *first_pass, Tally &c) {
+CpuTierBackend::Tally CpuTierBackend::listed_ups(const Pass &p, int64_t t, int n_up, const int64_t *slot,
+                                                 const void *const *rows, const float *a, const bool *first_pass) {
+    Tally c;
     float u[kDecodeGroupsPerPass * kPackRows];
     static_assert(kDecodeGroupsPerPass * kPackRows >= kDecodeGatherRows, "listed_ups holds the longer list");
     p.ku.dot_rows(int(p.E), n_up, rows, p.xn_at(t, p.L.up.type), u);
@@ -348,12 +348,14 @@ void CpuTierBackend::listed_ups(const Pass &p, int64_t t, int n_up, const int64_
         settle(p, t, slot[i], pass, h, c);
         if (p.n_tok == 1) prefetch_row(pass ? p.T.row(p.T.down_t, slot[i]) : rows[i], p.T.down_t.row_bytes);
     }
+    return c;
 }
 
 // Rows read by index (predictor mode, or a tier without 8-row groups), in passes of kGatherRows selected
 // rows (they stay in cache across a batch's tokens). Per token, the pass's rows its mask selects go
 // through dot_rows for their gates, then the ones whose rule needs the up projection for their ups.
-void CpuTierBackend::gate_up_gathered(const Pass &p, const int32_t *list, int64_t count, Tally &c) {
+CpuTierBackend::Tally CpuTierBackend::gate_up_gathered(const Pass &p, const int32_t *list, int64_t count) {
+    Tally c;
     const FfnTier &T = p.T;
     const bool gated = hp_.gated, all_up = p.all_up;
     const void *gate_rows[kDecodeGatherRows], *up_rows[kDecodeGatherRows];
@@ -393,9 +395,10 @@ void CpuTierBackend::gate_up_gathered(const Pass &p, const int32_t *list, int64_
             if (t + 1 == p.n_tok)  // the next pass's first gate rows arrive while this pass's ups are computed
                 for (int64_t i = p1; i < std::min(count, p1 + kListAhead); ++i)
                     prefetch_row(T.row(T.gate, list[i]), T.gate.row_bytes);
-            if (gated) listed_ups(p, t, n_up, up_slot, up_rows, up_a, up_first, c);
+            if (gated) c += listed_ups(p, t, n_up, up_slot, up_rows, up_a, up_first);
         }
     }
+    return c;
 }
 
 // The fused decode step: chunk c scores the predictor's units of range c, lists the neurons selected there
@@ -417,8 +420,7 @@ void CpuTierBackend::fused_predictor_step(Pass &p) {
             listed += mask_[size_t(r)];
         }
         if (thread == 0) score_seconds += seconds_since(ts);  // the main thread may take more than one chunk
-        Tally c;
-        gate_up_gathered(p, list, listed, c);
+        const Tally c = gate_up_gathered(p, list, listed);
         n_active_ += c.active;
         n_computed_ += c.computed;
         chunk_lists_[size_t(chunk)] = {r0, listed, list_used_rows(T, list, listed, r0)};
@@ -468,7 +470,7 @@ void CpuTierBackend::gate_up_grouped(Pass &p) {
             if (hp_.gated && p.all_up)
                 p.ku.gemm8(int(E), ng, groups_of(T.up, T.up_groups, g, ng, size_t(ng * gate_group)), int(n_tok),
                            p.xn_at(0, p.L.up.type), p.job.xn->stride(p.L.up.type), u_.data() + r0, Fp);
-            for (int64_t t = 0; t < n_tok; ++t) grouped_token(p, t, r0, r1, c);
+            for (int64_t t = 0; t < n_tok; ++t) c += grouped_token(p, t, r0, r1);
         }
         n_active_ += c.active;
         n_computed_ += c.computed;
@@ -479,7 +481,8 @@ void CpuTierBackend::gate_up_grouped(Pass &p) {
 // Each neuron's rule for token t over slots [r0, r1) of a grouped pass (SiLU: the pass's activations by the silu
 // kernel first); in gate mode the neurons the gate lets through are listed, then their ups computed by dot_rows
 // (gemm8's arithmetic: the values dense mode's grouped ups would have).
-void CpuTierBackend::grouped_token(const Pass &p, int64_t t, int64_t r0, int64_t r1, Tally &c) {
+CpuTierBackend::Tally CpuTierBackend::grouped_token(const Pass &p, int64_t t, int64_t r0, int64_t r1) {
+    Tally c;
     const FfnTier &T = p.T;
     const ActivationRule &rule = p.rule;
     const int64_t Fp = ld_ + kPackRows;
@@ -491,21 +494,24 @@ void CpuTierBackend::grouped_token(const Pass &p, int64_t t, int64_t r0, int64_t
     rule.activate(gt + r0, r1 - r0, [&](int64_t j) { return r0 + j; });
     int n_up = 0;
     if (rule.plain() && p.all_up) {
-        // the dense modes, in one straight loop the compiler vectorizes
-        const bool silu_act = rule.act == Activation::Silu;
+        // the dense modes, in one straight loop the compiler vectorizes (everything it reads in locals: the
+        // byte stores to mt could alias any other memory)
+        const ActivationRule local = rule;
+        const bool silu_act = rule.act == Activation::Silu, dense = p.dense;
         const float *ut = u_.data() + t * Fp;
         float *ht = h_.data() + t * ld_;
         uint8_t *mt = mask_.data() + t * ld_;
+        int64_t active = 0, computed = 0;
         for (int64_t r = r0; r < r1; ++r) {
-            const bool pass = rule.gate_passes(gt[r]);
+            const bool pass = local.gate_passes(gt[r]);
             const float a = silu_act ? gt[r] : keep_if(pass, gt[r]);
-            const bool used = p.dense || pass;
-            c.active += pass;
-            c.computed += used;
+            const bool used = dense || pass;
+            active += pass;
+            computed += used;
             mt[r] = uint8_t(1 + used);
             ht[r] = keep_if(used, a * ut[r]);
         }
-        return;
+        return {active, computed};
     }
     if (rule.plain()) {
         // gate mode: every neuron settled as not passing at once, the ones the gate lets through listed without
@@ -541,7 +547,8 @@ void CpuTierBackend::grouped_token(const Pass &p, int64_t t, int64_t r0, int64_t
             }
         }
     }
-    if (n_up > 0) listed_ups(p, t, n_up, up_list, up_rows, up_a, nullptr, c);
+    if (n_up > 0) c += listed_ups(p, t, n_up, up_list, up_rows, up_a, nullptr);
+    return c;
 }
 
 // ---- down ------------------------------------------------------------------------------------------------

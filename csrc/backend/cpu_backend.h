@@ -35,8 +35,15 @@ public:
 
 private:
     struct Pass;
+    // neurons a part passed and computed (kept in the part's locals, added once: the byte stores of mask_ could
+    // alias a counter held elsewhere)
     struct Tally {
         int64_t active = 0, computed = 0;
+        Tally &operator+=(const Tally &o) {
+            active += o.active;
+            computed += o.computed;
+            return *this;
+        }
     };
     // select: mask_ rows [0, n_tok) of the neurons each token computes (1), counted where a predictor or the
     // true mask chose them
@@ -45,12 +52,12 @@ private:
     // rows_[0, returned): the slots any token selected, in order
     int64_t list_rows(const Pass &p);
     void gate_up_grouped(Pass &p);
-    void grouped_token(const Pass &p, int64_t t, int64_t r0, int64_t r1, Tally &c);
-    void gate_up_gathered(const Pass &p, const int32_t *list, int64_t count, Tally &c);
+    Tally grouped_token(const Pass &p, int64_t t, int64_t r0, int64_t r1);
+    Tally gate_up_gathered(const Pass &p, const int32_t *list, int64_t count);
     void fused_predictor_step(Pass &p);
     // The ups of token t's n_up listed neurons by dot_rows, each neuron finished by the rule and settled.
-    void listed_ups(const Pass &p, int64_t t, int n_up, const int64_t *slot, const void *const *rows, const float *a,
-                    const bool *first_pass, Tally &c);
+    Tally listed_ups(const Pass &p, int64_t t, int n_up, const int64_t *slot, const void *const *rows, const float *a,
+                     const bool *first_pass);
     // Records neuron slot r of token t: mask 2 (down row used, coefficient h) or 1.
     void settle(const Pass &p, int64_t t, int64_t r, bool pass, float h, Tally &c);
     void down_decode(const Pass &p);

@@ -20,13 +20,14 @@ class BuildEngine(build_ext):
         return []  # a ctypes library, not a Python module: no PyInit_ symbol
 
 
-sources = sorted(glob.glob("csrc/*.cpp"))
+# every .cpp under csrc/ but the fuzz target (scripts/fuzz_engine.sh builds it)
+sources = sorted(p for p in glob.glob("csrc/**/*.cpp", recursive=True) if not p.startswith("csrc/fuzz/"))
 engine = Extension(
     "engine._pi_engine",
     sources=sources,
     include_dirs=["csrc", "csrc/include"],
     # headers and the shared x86 kernel bodies: a change to any of them rebuilds the library
-    depends=sorted(glob.glob("csrc/*.h") + glob.glob("csrc/*.inc") + glob.glob("csrc/include/*.h")),
+    depends=sorted(glob.glob("csrc/**/*.h", recursive=True) + glob.glob("csrc/**/*.inc", recursive=True)),
     language="c++",
     extra_compile_args=["-std=c++17", "-O3", "-fPIC", "-pthread"],
     extra_link_args=["-pthread"],

@@ -12,7 +12,7 @@ from functools import lru_cache
 from pathlib import Path
 
 LIBRARY_ENV = "PI_ENGINE_LIB"
-API_VERSION = 4
+API_VERSION = 5
 
 FFN_MODES = {"dense": 0, "gate": 1, "predictor": 2, "auto": 3, "oracle": 4}
 KV_TYPES = {"f32": 0, "f16": 1}
@@ -72,6 +72,10 @@ _SIGNATURES = {
     "pi_set_seed": (_I32, [_P, ctypes.c_uint64]),
     "pi_stats_json": (_I32, [_P, ctypes.POINTER(ctypes.c_char_p)]),
     "pi_stats_reset": (_I32, [_P]),
+}
+# csrc/include/pi_engine_testing.h: single kernels, the read probe, another hot-tier backend
+_TESTING_SIGNATURES = {
+    "pi_open_with_hot_backend": (_I32, [ctypes.c_char_p, ctypes.POINTER(Options), ctypes.c_char_p, ctypes.POINTER(_P)]),
     "pi_isa_available": (_I32, [ctypes.c_char_p]),
     "pi_isa_selected": (ctypes.c_char_p, []),
     "pi_kernel_dot": (_I32, [ctypes.c_char_p, _I32, _I32, _P, _P, ctypes.POINTER(ctypes.c_float)]),
@@ -102,7 +106,7 @@ def lib() -> ctypes.CDLL:
     # the version first: an older library lacks some of the functions bound below
     if handle.pi_api_version() != API_VERSION:
         raise EngineError(f"{path} speaks engine API {handle.pi_api_version()}, this package expects {API_VERSION}: rebuild it")
-    for name, (restype, argtypes) in _SIGNATURES.items():
+    for name, (restype, argtypes) in {**_SIGNATURES, **_TESTING_SIGNATURES}.items():
         fn = getattr(handle, name)
         fn.restype = restype
         fn.argtypes = argtypes

@@ -1,5 +1,5 @@
 """What this machine's memory gives the engine: the read rate of weight rows picked by index against rows read
-in order (csrc/read_probe.h). The byte model prices every byte alike; this says how far apart they are here."""
+in order (csrc/runtime/read_probe.h). The byte model prices every byte alike; this says how far apart they are here."""
 from __future__ import annotations
 
 import ctypes

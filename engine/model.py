@@ -23,7 +23,8 @@ class Model:
     in predictor mode to report recall; batch_size: tokens per forward batch of a prompt;
     isa: force a kernel set ("scalar", "avx2", "avx512") instead of the best available one; kv_type: the KV
     cache's element type, "f32" (logits within float rounding of the reference) or "f16" (half the cache's
-    memory and of what a decode step reads of it, llama.cpp's default).
+    memory and of what a decode step reads of it, llama.cpp's default); hot_backend: what computes the hot tier,
+    "cpu" or, to test the tier boundary, "reference" (csrc/include/pi_engine_testing.h).
 
     One Model may be shared by threads: ctypes lets go of the GIL inside the engine, so a lock held across
     every engine call serializes them, and close() waits for a call in flight instead of freeing the model
@@ -32,7 +33,8 @@ class Model:
 
     def __init__(self, path: str | os.PathLike, threads: int | None = None, sparse_mode: str = "dense",
                  ctx_size: int | None = None, gpuidx: str | os.PathLike | None = None, recall_check: bool = False,
-                 batch_size: int | None = None, isa: str | None = None, kv_type: str = "f32"):
+                 batch_size: int | None = None, isa: str | None = None, kv_type: str = "f32",
+                 hot_backend: str = "cpu"):
         self._handle = None
         self._lock = threading.RLock()
         opts = Options()
@@ -48,7 +50,11 @@ class Model:
             raise EngineError(f"unknown KV cache type {kv_type!r} (choose from {', '.join(KV_TYPES)})")
         opts.kv_type = KV_TYPES[kv_type]
         handle = ctypes.c_void_p()
-        check(lib().pi_open(os.fsencode(path), ctypes.byref(opts), ctypes.byref(handle)))
+        if hot_backend == "cpu":
+            check(lib().pi_open(os.fsencode(path), ctypes.byref(opts), ctypes.byref(handle)))
+        else:
+            check(lib().pi_open_with_hot_backend(os.fsencode(path), ctypes.byref(opts), str(hot_backend).encode(),
+                                                 ctypes.byref(handle)))
         self._handle = handle
         self.path = str(path)
         self.info = self._json(lib().pi_info_json)

@@ -1,0 +1,85 @@
+#include "backend/reference_backend.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#include "backend/activation_rule.h"
+
+namespace pi {
+namespace {
+
+// The rows of neuron ids `ids` of m, one after the other.
+std::vector<uint8_t> copy_rows(const Matrix &m, const std::vector<int32_t> &ids) {
+    std::vector<uint8_t> out(ids.size() * m.row_bytes);
+    for (size_t r = 0; r < ids.size(); ++r) std::memcpy(out.data() + r * m.row_bytes, m.row(ids[r]), m.row_bytes);
+    return out;
+}
+
+}  // namespace
+
+ReferenceTierBackend::ReferenceTierBackend(const HParams &hp, int64_t) : hp_(hp), layers_(size_t(hp.n_layer)) {}
+
+ReferenceTierBackend::~ReferenceTierBackend() {
+    if (worker_.joinable()) worker_.join();
+}
+
+void ReferenceTierBackend::upload(int64_t il, const Layer &layer, const FfnTier &tier) {
+    Rows &r = layers_[size_t(il)];
+    r.layer = &layer;
+    r.tier = &tier;
+    r.gate = copy_rows(layer.gate, tier.ids);  // ungated: the up projection (Layer::gate is up)
+    if (hp_.gated) r.up = copy_rows(layer.up, tier.ids);
+    r.down_t = copy_rows(layer.down_t, tier.ids);
+}
+
+double ReferenceTierBackend::weight_bytes() const {
+    double bytes = 0;
+    for (const Rows &r : layers_) bytes += double(r.gate.size() + r.up.size() + r.down_t.size());
+    return bytes;
+}
+
+void ReferenceTierBackend::submit(const TierJob &job) {
+    if (worker_.joinable()) worker_.join();  // a job left unwaited (its caller threw): finished first
+    counts_ = TierCounts{};
+    worker_ = std::thread([this, job] { compute(job); });
+}
+
+TierCounts ReferenceTierBackend::wait() {
+    worker_.join();
+    return counts_;
+}
+
+void ReferenceTierBackend::compute(const TierJob &job) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const KernelSet &ks = scalar_kernels();
+    const Rows &rows = layers_[size_t(job.layer)];
+    const Layer &L = *rows.layer;
+    const ActivationRule rule(hp_, L, *rows.tier, ks);
+    const TypeKernels &kg = ks.for_type(L.gate.type), &ku = ks.for_type(L.up.type), &kd = ks.for_type(L.down_t.type);
+    const int64_t E = hp_.n_embd, n = rows.tier->size();
+    const bool dense = job.mode == TierMode::Dense;
+    for (int64_t t = 0; t < job.n_tok; ++t) {
+        float *y = job.y + t * E;
+        std::fill(y, y + E, 0.0f);
+        for (int64_t r = 0; r < n; ++r) {
+            float g = kg.dot(int(E), rows.gate.data() + size_t(r) * L.gate.row_bytes, job.xn->at(t, L.gate.type));
+            rule.activate(&g, 1, [&](int64_t) { return r; });
+            float a, h;
+            bool pass = rule.gate_rule(g, r, &a);
+            if (hp_.gated) {
+                const float u = ku.dot(int(E), rows.up.data() + size_t(r) * L.up.row_bytes, job.xn->at(t, L.up.type));
+                pass = rule.finish(pass, a, rule.up_value(u, r), &h);
+            } else {
+                h = a;
+            }
+            counts_.active += pass;
+            if (!(dense || pass)) continue;
+            counts_.computed += 1;
+            kd.axpy(int(E), h, rows.down_t.data() + size_t(r) * L.down_t.row_bytes, y);
+        }
+    }
+    counts_.gate_up_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace pi

@@ -1,0 +1,147 @@
+#include "engine/engine.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "backend/cpu_backend.h"
+#include "backend/reference_backend.h"
+#include "runtime/common.h"
+#include "runtime/usable_memory.h"
+
+namespace pi {
+namespace {
+
+const int64_t kDefaultCtx = 4096;
+const int64_t kDefaultBatch = 64;
+
+// The largest hot (cold) tier of any layer.
+int64_t largest_tier(const Model &model, bool hot) {
+    int64_t n = 0;
+    for (const Layer &l : model.layers()) n = std::max(n, (hot ? l.hot : l.cold).size());
+    return n;
+}
+
+}  // namespace
+
+Engine::Engine(const std::string &path, const pi_options &opts, const std::string &hot_backend)
+    : model_(std::make_unique<Model>(path, opts.gpuidx_path ? opts.gpuidx_path : "")),
+      hp_(model_->hp()),
+      policy_(*model_),
+      stats_(model_->hp().n_layer),
+      sampler_(model_->hp().n_vocab) {
+    ks_ = kernels_named(opts.isa);
+    if (!ks_) fail(PI_ERR_UNSUPPORTED, std::string("kernel set '") + opts.isa + "' is not available on this CPU/build");
+    if (hot_backend != "cpu" && hot_backend != "reference")
+        fail(PI_ERR_ARGUMENT, "unknown tier backend '" + hot_backend + "' (cpu or reference)");
+    int threads = opts.threads;
+    if (threads <= 0) threads = int(std::max(1u, std::thread::hardware_concurrency()));
+    if (threads > 256) fail(PI_ERR_ARGUMENT, "threads must be at most 256");
+    n_ctx_ = opts.ctx_size > 0 ? opts.ctx_size : std::min(hp_.n_ctx_train, kDefaultCtx);
+    if (n_ctx_ > (int64_t(1) << 20)) fail(PI_ERR_ARGUMENT, "ctx_size is too large");
+    if (hp_.learned_pos) n_ctx_ = std::min(n_ctx_, hp_.n_ctx_train);  // no position beyond the learned table
+    n_batch_ = opts.batch_size > 0 ? std::min<int64_t>(opts.batch_size, 4096) : kDefaultBatch;
+    n_batch_ = std::min(n_batch_, n_ctx_);
+    recall_check_ = opts.recall_check != 0;
+    if (opts.kv_type != PI_KV_F32 && opts.kv_type != PI_KV_F16) fail(PI_ERR_ARGUMENT, "unknown KV cache type " + std::to_string(opts.kv_type));
+    policy_.set_mode(opts.ffn_mode);  // at load no layer is arranged yet: the first steps arrange them
+
+    check_working_memory(threads, opts.kv_type == PI_KV_F16);
+    rs_ = std::make_unique<RunState>(hp_, n_ctx_, n_batch_, threads, opts.kv_type == PI_KV_F16);
+    pool_ = std::make_unique<ThreadPool>(threads);
+    const int64_t rank = model_->max_rank();
+    if (hot_backend == "reference") hot_ = std::make_unique<ReferenceTierBackend>(hp_, n_batch_);
+    else hot_ = std::make_unique<CpuTierBackend>(hp_, *ks_, *pool_, n_batch_, rank, true);
+    cold_ = std::make_unique<CpuTierBackend>(hp_, *ks_, *pool_, n_batch_, rank, false);
+    for (int64_t il = 0; il < hp_.n_layer; ++il) {
+        const Layer &L = model_->layers()[size_t(il)];
+        if (L.hot.size() > 0) hot_->upload(il, L, L.hot);
+        if (L.cold.size() > 0) cold_->upload(il, L, L.cold);
+    }
+}
+
+double Engine::work_buffer_bytes(int64_t threads) const {
+    double bytes = RunState::buffer_bytes(hp_, n_ctx_, n_batch_, threads) + double(hp_.n_layer) * 64;  // + policy
+    for (bool hot : {true, false}) {
+        const int64_t rows = largest_tier(*model_, hot);
+        if (rows > 0) bytes += CpuTierBackend::scratch_bytes(hp_, rows, n_batch_, threads, model_->max_rank());
+    }
+    return bytes;
+}
+
+void Engine::check_working_memory(int64_t threads, bool kv_f16) const {
+    // Refused before allocating when the buffers exceed the machine's memory, so a file that declares a huge
+    // model fails with a message instead of an out-of-memory kill.
+    const double bytes = RunState::kv_cache_bytes(hp_, n_ctx_, kv_f16) + work_buffer_bytes(threads);
+    const double available = usable_memory_bytes();
+    if (available > 0 && bytes > available)
+        fail(PI_ERR_MEMORY, model_->path() + ": the KV cache and work buffers would need " +
+                                std::to_string(bytes / double(1 << 30)).substr(0, 8) + " GiB for ctx_size " +
+                                std::to_string(n_ctx_) + ", more than the " +
+                                std::to_string(available / double(1 << 30)).substr(0, 8) +
+                                " GiB this process may use (the machine's memory or its cgroup's limit); lower ctx_size");
+}
+
+void Engine::set_ffn_mode(int32_t mode) {
+    policy_.set_mode(mode);
+    // A switch arranges every layer for the new mode's decode steps now (at the densities measured so far): its
+    // regrouping is paid here, not by the first token after it.
+    for (int64_t il = 0; il < hp_.n_layer; ++il) {
+        const TierMode m = policy_.cold_mode(il, 1);
+        model_->arrange_cold_tier(il, reads_gate_whole(m), reads_up_whole(m), true);
+    }
+}
+
+void Engine::truncate(int32_t n_keep) {
+    if (n_keep < 0 || n_keep > rs_->n_past)
+        fail(PI_ERR_ARGUMENT, "cannot keep " + std::to_string(n_keep) + " of " + std::to_string(rs_->n_past) + " cached tokens");
+    rs_->n_past = n_keep;
+}
+
+void Engine::eval(const int32_t *tokens, int32_t n, float *logits, bool all_logits) {
+    if (n <= 0) fail(PI_ERR_ARGUMENT, "eval needs at least one token");
+    if (!tokens) fail(PI_ERR_ARGUMENT, "tokens is NULL");
+    if (rs_->n_past + n > n_ctx_)
+        fail(PI_ERR_ARGUMENT, "context full: " + std::to_string(rs_->n_past) + " cached + " + std::to_string(n) +
+                                  " new tokens exceed ctx_size " + std::to_string(n_ctx_));
+    for (int32_t i = 0; i < n; ++i)
+        if (tokens[i] < 0 || tokens[i] >= hp_.n_vocab)
+            fail(PI_ERR_ARGUMENT, "token id " + std::to_string(tokens[i]) + " is outside the vocabulary (0.." +
+                                      std::to_string(hp_.n_vocab - 1) + ")");
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int64_t done = 0; done < n;) {
+        const int64_t chunk = std::min<int64_t>(n_batch_, n - done);
+        const bool last = done + chunk == n;
+        float *out = nullptr;
+        if (all_logits && logits) out = logits + done * hp_.n_vocab;
+        forward(tokens + done, chunk, out, hp_.n_vocab, all_logits || last);
+        done += chunk;
+    }
+    if (logits && !all_logits) std::memcpy(logits, rs_->last_logits.data(), size_t(hp_.n_vocab) * sizeof(float));
+    stats_.take_eval(n, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+}
+
+int32_t Engine::sample(const pi_sampling &p) {
+    if (rs_->n_past == 0) fail(PI_ERR_ARGUMENT, "nothing evaluated yet: call pi_eval before pi_sample");
+    if (!(p.temperature >= 0.0f || p.temperature < 0.0f)) fail(PI_ERR_ARGUMENT, "temperature is NaN");
+    if (!(p.repeat_penalty > 0.0f)) fail(PI_ERR_ARGUMENT, "repeat_penalty must be > 0");
+    if (!(p.top_p > 0.0f)) fail(PI_ERR_ARGUMENT, "top_p must be > 0");
+    return sampler_.sample(rs_->last_logits.data(), p, rs_->history.data(), rs_->n_past, rng_);
+}
+
+const std::string &Engine::info_json() {
+    const RunSettings run{n_ctx_, n_batch_, pool_->size(), ks_->isa, hot_->name(), policy_.mode(), recall_check_, rs_->kv_f16,
+                          RunState::kv_cache_bytes(hp_, n_ctx_, rs_->kv_f16), work_buffer_bytes(pool_->size())};
+    json_ = pi::info_json(*model_, run);
+    return json_;
+}
+
+const std::string &Engine::stats_json() {
+    WeightCopies copies = model_->weight_copies();
+    copies.hot = size_t(hot_->weight_bytes());
+    json_ = pi::stats_json(*model_, copies, stats_, policy_);
+    return json_;
+}
+
+}  // namespace pi

@@ -1,0 +1,82 @@
+// The inference context (docs/engine.md, "Layout"): a loaded Model, its RunState (every buffer, allocated at
+// open), the thread pool, a TierBackend per FFN tier, the FfnPolicy that picks their modes, statistics and
+// sampling. forward.cpp holds the forward pass; engine.cpp opening, the calls of the C API, and the rest.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "backend/tier_backend.h"
+#include "engine/ffn_policy.h"
+#include "engine/run_state.h"
+#include "engine/sampler.h"
+#include "engine/stats.h"
+#include "kernels/kernels.h"
+#include "model/model.h"
+#include "runtime/threadpool.h"
+
+namespace pi {
+
+class Engine {
+public:
+    // hot_backend: what computes the hot tier, "cpu" (the default) or "reference" (the scalar reference kernels,
+    // one token and neuron at a time on a thread of its own: the testing API's check of the tier boundary).
+    Engine(const std::string &path, const pi_options &opts, const std::string &hot_backend = "cpu");
+
+    const Model &model() const { return *model_; }
+    void set_ffn_mode(int32_t mode);
+    void set_recall_check(bool on) { recall_check_ = on; }
+    void eval(const int32_t *tokens, int32_t n, float *logits, bool all_logits);
+    int32_t n_past() const { return int32_t(rs_->n_past); }
+    void truncate(int32_t n_keep);
+    int32_t sample(const pi_sampling &p);
+    void set_seed(uint64_t seed) { rng_.seed_with(seed); }
+    const std::string &info_json();
+    const std::string &stats_json();
+    void reset_stats() { stats_.reset(); }
+
+private:
+    // Refuses (PI_ERR_MEMORY) before allocating when the buffers the hyperparameters imply exceed RAM.
+    void check_working_memory(int64_t threads, bool kv_f16) const;
+    double work_buffer_bytes(int64_t threads) const;
+
+    // forward.cpp, in the order a batch runs them
+    void forward(const int32_t *tokens, int64_t n_tok, float *logits, int64_t ld_logits, bool want_logits);
+    void embed(const int32_t *tokens, int64_t n_tok);
+    // cold_mode: the policy's verdict for the layer (attention fetches a predictor it will need)
+    void attention(int64_t il, int64_t n_tok, TierMode cold_mode);
+    void store_kv(int64_t il, int64_t n_tok);
+    // the heads of a batch of n_tok tokens, and of a decode step over n_keys cached positions, given the layer's
+    // cache (kc, vc); att receives their outputs
+    void batch_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_tok);
+    void decode_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_keys);
+    // gemm_f32 (or gemm_f16 for an f16 cache) with w at element `at` of the cache bytes `cache`
+    void gemm_cache(int n_tok, int n_rows, int n_cols, const float *h, int ldh, const uint8_t *cache, int64_t at,
+                    int ldw, float *y, int ldy) const;
+    // Asks for the layer's predictor weights (fc1, the cold tier's fc2) while attention reads the KV cache.
+    void prefetch_predictor(const Layer &L) const;
+    void ffn(int64_t il, int64_t n_tok, TierMode cold_mode);
+    void output(int64_t n_tok, float *logits, int64_t ld_logits);
+    // RMSNorm or LayerNorm (hp_.norm) of n_tok rows; b may be empty.
+    void norm(const float *x, const Matrix &w, const Matrix &b, int64_t n_tok, float *out) const;
+    // y[t][i] += b[i] for each of n_tok rows ld apart (nothing when b is absent)
+    void add_bias(float *y, const Matrix &b, int64_t n_tok, int64_t ld) const;
+    void add_residual(const float *y, int64_t n_tok);
+    void matmul(const MatmulTarget *targets, int n, Operand &x, int64_t n_tok) { pi::matmul(*ks_, *pool_, targets, n, x, n_tok); }
+
+    std::unique_ptr<Model> model_;
+    const KernelSet *ks_;
+    std::unique_ptr<ThreadPool> pool_;
+    HParams hp_;
+    int64_t n_ctx_, n_batch_;
+    bool recall_check_;
+    std::unique_ptr<RunState> rs_;
+    FfnPolicy policy_;
+    std::unique_ptr<TierBackend> hot_, cold_;
+    EngineStats stats_;
+    Sampler sampler_;
+    Rng rng_;
+    std::string json_;
+};
+
+}  // namespace pi

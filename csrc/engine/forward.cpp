@@ -1,0 +1,314 @@
+// The forward pass of a batch, top to bottom: the token (and position) embedding; per layer attention (norm,
+// q/k/v, RoPE, the KV cache, the heads, the output projection) and the FFN over its tiers' backends; the output
+// norm and head. Every matrix read whole goes through matmul (engine/matmul.h).
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+
+#include "engine/engine.h"
+#include "engine/work.h"
+#include "runtime/common.h"
+
+namespace pi {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+const int64_t kHeadsPerTile = 4;  // query heads of a kv head whose outputs one gemm computes (its token tile)
+
+}  // namespace
+
+void Engine::forward(const int32_t *tokens, int64_t n_tok, float *logits, int64_t ld_logits, bool want_logits) {
+    auto t0 = Clock::now();
+    embed(tokens, n_tok);
+    stats_.times.embed += seconds_since(t0);
+
+    for (int64_t il = 0; il < hp_.n_layer; ++il) {
+        // attention's output lands in tmp; a parallel block adds it after the FFN has read the layer input
+        t0 = Clock::now();
+        const TierMode cold_mode = policy_.cold_mode(il, n_tok);  // attention leaves what it reads unchanged
+        attention(il, n_tok, cold_mode);
+        if (!hp_.parallel_block) add_residual(rs_->tmp.data(), n_tok);
+        stats_.times.attention += seconds_since(t0);
+        ffn(il, n_tok, cold_mode);
+        if (hp_.parallel_block) add_residual(rs_->tmp.data(), n_tok);
+    }
+    for (int64_t t = 0; t < n_tok; ++t) rs_->history[size_t(rs_->n_past + t)] = tokens[t];
+    rs_->n_past += n_tok;
+
+    if (!want_logits) return;
+    t0 = Clock::now();
+    output(n_tok, logits, ld_logits);
+    stats_.times.output += seconds_since(t0);
+}
+
+void Engine::embed(const int32_t *tokens, int64_t n_tok) {
+    const int64_t E = hp_.n_embd;
+    float *x = rs_->x.data();
+    const TypeKernels &ke = ks_->for_type(model_->tok_embd().type);
+    for (int64_t t = 0; t < n_tok; ++t) ke.to_float(int(E), model_->tok_embd().row(tokens[t]), x + t * E);
+    if (!hp_.learned_pos) return;
+    const Matrix &pe = model_->pos_embd();
+    const TypeKernels &kp = ks_->for_type(pe.type);
+    float *tmp = rs_->tmp.data();
+    for (int64_t t = 0; t < n_tok; ++t) {
+        kp.to_float(int(E), pe.row(rs_->n_past + t + hp_.pos_offset), tmp);
+        for (int64_t i = 0; i < E; ++i) x[t * E + i] += tmp[i];
+    }
+}
+
+void Engine::attention(int64_t il, int64_t n_tok, TierMode cold_mode) {
+    const Layer &L = model_->layers()[size_t(il)];
+    RunState &s = *rs_;
+    const int64_t E = hp_.n_embd, Q = hp_.n_head * hp_.d_head, KV = hp_.n_head_kv * hp_.d_head;
+    norm(s.x.data(), L.attn_norm, L.attn_norm_b, n_tok, s.xn.data());
+    s.op_xn.q_ready = false;
+    const MatmulTarget qkv[3] = {{&L.wq, s.q.data(), Q}, {&L.wk, s.k.data(), KV}, {&L.wv, s.v.data(), KV}};
+    matmul(qkv, 3, s.op_xn, n_tok);
+    add_bias(s.q.data(), L.bq, n_tok, Q);
+    add_bias(s.k.data(), L.bk, n_tok, KV);
+    add_bias(s.v.data(), L.bv, n_tok, KV);
+    store_kv(il, n_tok);
+
+    // The predictor's weights come from DRAM every step (too little to stream at speed once the FFN asks
+    // for them); asked for now, they arrive while the heads read the KV cache.
+    if (n_tok == 1 && cold_mode == TierMode::Predictor) prefetch_predictor(L);
+    const uint8_t *kc = s.k_cache.data() + il * RunState::key_slots(n_ctx_) * KV * s.kv_bytes();
+    const uint8_t *vc = s.v_cache.data() + il * n_ctx_ * KV * s.kv_bytes();
+    if (n_tok == 1) decode_heads(kc, vc, s.n_past + 1);
+    else batch_heads(kc, vc, n_tok);
+    s.op_att.q_ready = false;
+    const MatmulTarget wo[1] = {{&L.wo, s.tmp.data(), E}};
+    matmul(wo, 1, s.op_att, n_tok);
+    add_bias(s.tmp.data(), L.bo, n_tok, E);
+}
+
+// RoPE on the batch's queries and keys, then its keys and values into layer il's cache, one kv head after the
+// other, so that a head's keys and values are each one stream: keys in tiles of kKeyTile positions, each tile
+// [D][kKeyTile] (a query's scores over a tile are a gemm over contiguous rows), values [position][D].
+void Engine::store_kv(int64_t il, int64_t n_tok) {
+    RunState &s = *rs_;
+    const int64_t D = hp_.d_head, H = hp_.n_head, HKV = hp_.n_head_kv, Q = H * D, KV = HKV * D, half = hp_.n_rot / 2;
+    // llama.cpp "normal" mode rotates adjacent pairs (the converter permuted llama's q/k rows to match), NeoX
+    // mode (falcon) pairs i with i + n_rot/2; the first n_rot dims of each head
+    const bool neox = hp_.rope == RopeKind::NeoX;
+    auto rope = [&](float *vec, int64_t n_heads, int64_t pos) {
+        if (hp_.rope == RopeKind::None) return;
+        const float *c = s.rope_cos.data() + pos * half, *sn = s.rope_sin.data() + pos * half;
+        for (int64_t h = 0; h < n_heads; ++h) {
+            float *v = vec + h * D;
+            for (int64_t i = 0; i < half; ++i) {
+                const int64_t i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
+                const float x0 = v[i0], x1 = v[i1];
+                v[i0] = x0 * c[i] - x1 * sn[i];
+                v[i1] = x0 * sn[i] + x1 * c[i];
+            }
+        }
+    };
+    const int64_t key_slots = RunState::key_slots(n_ctx_);
+    uint8_t *kc = s.k_cache.data() + il * key_slots * KV * s.kv_bytes(), *vc = s.v_cache.data() + il * n_ctx_ * KV * s.kv_bytes();
+    // element i of a layer's cache set to v (rounded to the nearest half in an f16 cache)
+    auto put = [&](uint8_t *cache, int64_t i, float v) {
+        if (s.kv_f16) reinterpret_cast<uint16_t *>(cache)[i] = f32_to_f16(v);
+        else reinterpret_cast<float *>(cache)[i] = v;
+    };
+    for (int64_t t = 0; t < n_tok; ++t) {
+        const int64_t pos = s.n_past + t, tile = pos / kKeyTile, col = pos % kKeyTile;
+        rope(s.q.data() + t * Q, H, pos);
+        rope(s.k.data() + t * KV, HKV, pos);
+        for (int64_t kvh = 0; kvh < HKV; ++kvh) {
+            const float *k = s.k.data() + t * KV + kvh * D, *v = s.v.data() + t * KV + kvh * D;
+            const int64_t kt = kvh * key_slots * D + tile * D * kKeyTile + col, vt = (kvh * n_ctx_ + pos) * D;
+            for (int64_t d = 0; d < D; ++d) {
+                put(kc, kt + d * kKeyTile, k[d]);
+                put(vc, vt + d, v[d]);
+            }
+        }
+    }
+}
+
+void Engine::gemm_cache(int n_tok, int n_rows, int n_cols, const float *h, int ldh, const uint8_t *cache, int64_t at,
+                        int ldw, float *y, int ldy) const {
+    if (rs_->kv_f16) ks_->gemm_f16(n_tok, n_rows, n_cols, h, ldh, reinterpret_cast<const uint16_t *>(cache) + at, ldw, y, ldy);
+    else ks_->gemm_f32(n_tok, n_rows, n_cols, h, ldh, reinterpret_cast<const float *>(cache) + at, ldw, y, ldy);
+}
+
+void Engine::batch_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_tok) {
+    // Per query head and tile of kAttnTile tokens, two gemms: scores = q K^T over the keys the tile's last token
+    // sees (earlier tokens' later keys get probability 0), out = p V.
+    const int64_t D = hp_.d_head, H = hp_.n_head, HKV = hp_.n_head_kv, group = H / HKV, Q = H * D;
+    const int64_t n_past = rs_->n_past, key_slots = RunState::key_slots(n_ctx_);
+    const int64_t n_tiles = (n_tok + kAttnTile - 1) / kAttnTile, n_all = n_past + n_tok;
+    const float scale = 1.0f / std::sqrt(float(D));
+    const float *q = rs_->q.data();
+    auto job = [&](int chunk, int n_chunks, int thread) {
+        float *sc = rs_->scores.data() + int64_t(thread) * kAttnTile * n_ctx_;
+        int64_t w0, w1;
+        split_range(n_tiles * H, chunk, n_chunks, &w0, &w1);
+        for (int64_t w = w0; w < w1; ++w) {
+            const int64_t t0 = w / H * kAttnTile, h = w % H, kvh = h / group;
+            const int64_t nt = std::min(kAttnTile, n_tok - t0), n_keys = n_past + t0 + nt;
+            std::fill(sc, sc + nt * n_keys, 0.0f);
+            for (int64_t c = 0; c < n_keys; c += kKeyTile)
+                gemm_cache(int(nt), int(D), int(std::min(kKeyTile, n_keys - c)), q + t0 * Q + h * D, int(Q), kc,
+                           (kvh * key_slots + c) * D, int(kKeyTile), sc + c, int(n_keys));
+            for (int64_t t = 0; t < nt; ++t) {  // softmax over the keys token t sees, 0 for the later ones
+                const int64_t n_valid = n_past + t0 + t + 1;
+                ks_->softmax(int(n_valid), scale, sc + t * n_keys);
+                std::fill(sc + t * n_keys + n_valid, sc + (t + 1) * n_keys, 0.0f);
+            }
+            float *out = rs_->att.data() + t0 * Q + h * D;
+            for (int64_t t = 0; t < nt; ++t) std::fill(out + t * Q, out + t * Q + D, 0.0f);
+            gemm_cache(int(nt), int(n_keys), int(D), sc, int(n_keys), vc, kvh * n_ctx_ * D, int(D), out, int(Q));
+        }
+    };
+    // A head's keys and values come from the cache (memory-bound, not multiply-bound): its work is counted as
+    // kCacheReadCost multiply-adds per float read.
+    pool_->run(int(std::min<int64_t>(n_tiles * H, pool_->chunks_for(n_tok * H * n_all * D * 2 * kCacheReadCost, kGrain))), job);
+}
+
+void Engine::decode_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_keys) {
+    // The query heads that share a kv head read its keys and values once, as the rows of one gemm (up to
+    // kHeadsPerTile of them), in three jobs: the scores by (kv head, key tile), so that any head counts split
+    // evenly; each head's softmax; the outputs by (kv head, tile of its heads). The same fma chains, so the
+    // same bits, as one head at a time.
+    const int64_t D = hp_.d_head, H = hp_.n_head, HKV = hp_.n_head_kv, group = H / HKV;
+    const int64_t key_slots = RunState::key_slots(n_ctx_), n_key_tiles = (n_keys + kKeyTile - 1) / kKeyTile;
+    const int64_t n_head_tiles = (group + kHeadsPerTile - 1) / kHeadsPerTile;
+    float *sc = rs_->scores.data();  // [head][n_keys]
+    const float scale = 1.0f / std::sqrt(float(D));
+    const int64_t reads = H * n_keys * D * kCacheReadCost;  // the keys, or the values
+    auto scores = [&](int chunk, int n_chunks, int) {
+        int64_t u0, u1;
+        split_range(HKV * n_key_tiles, chunk, n_chunks, &u0, &u1);
+        for (int64_t u = u0; u < u1; ++u) {
+            const int64_t kvh = u / n_key_tiles, c = u % n_key_tiles * kKeyTile, cols = std::min(kKeyTile, n_keys - c);
+            float *y = sc + kvh * group * n_keys + c;
+            for (int64_t i = 0; i < group; ++i) std::fill(y + i * n_keys, y + i * n_keys + cols, 0.0f);
+            gemm_cache(int(group), int(D), int(cols), rs_->q.data() + kvh * group * D, int(D), kc,
+                       (kvh * key_slots + c) * D, int(kKeyTile), y, int(n_keys));
+        }
+    };
+    pool_->run(int(std::min<int64_t>(HKV * n_key_tiles, pool_->chunks_for(reads, kGrain))), scores);
+    auto softmax = [&](int chunk, int n_chunks, int) {
+        int64_t h0, h1;
+        split_range(H, chunk, n_chunks, &h0, &h1);
+        for (int64_t h = h0; h < h1; ++h) ks_->softmax(int(n_keys), scale, sc + h * n_keys);
+    };
+    pool_->run(int(std::min<int64_t>(H, pool_->chunks_for(H * n_keys * kCacheReadCost, kGrain))), softmax);
+    auto values = [&](int chunk, int n_chunks, int) {
+        int64_t u0, u1;
+        split_range(HKV * n_head_tiles, chunk, n_chunks, &u0, &u1);
+        for (int64_t u = u0; u < u1; ++u) {
+            const int64_t kvh = u / n_head_tiles, h0 = kvh * group + u % n_head_tiles * kHeadsPerTile;
+            const int64_t nh = std::min(kHeadsPerTile, (kvh + 1) * group - h0);
+            float *out = rs_->att.data() + h0 * D;
+            std::fill(out, out + nh * D, 0.0f);
+            gemm_cache(int(nh), int(n_keys), int(D), sc + h0 * n_keys, int(n_keys), vc, kvh * n_ctx_ * D, int(D), out,
+                       int(D));
+        }
+    };
+    pool_->run(int(std::min<int64_t>(HKV * n_head_tiles, pool_->chunks_for(reads, kGrain))), values);
+}
+
+void Engine::prefetch_predictor(const Layer &L) const {
+    const Matrix &fc1 = L.fc1;
+    if (fc1.groups) prefetch_row(fc1.groups, size_t(fc1.n_groups * fc1.group_bytes()));
+    const int64_t loose = fc1.rows - fc1.n_groups * kPackRows;  // rows outside the groups (all of an f16 fc1)
+    if (loose > 0) prefetch_row(fc1.row(fc1.n_groups * kPackRows), size_t(loose) * fc1.row_bytes);
+    prefetch_row(L.cold.fc2_storage.data(), L.cold.fc2_storage.size());  // transposed tiles or 8-row groups
+}
+
+// The layer's FFN: its hot and cold tiers submitted to their backends (the hot one first, so that a backend on
+// another thread or device runs it while the cold one runs here), their partial outputs summed, hot then cold.
+// The cold tier's gates and ups are held as the layer's decode steps read them: in 8-row groups where read whole,
+// else as the mapped rows. A batch groups what every decode step of this mode reads whole and drops nothing: it
+// packs what it needs as it goes, and the mapped rows its kernels read by index are handed back after it where
+// groups hold them.
+void Engine::ffn(int64_t il, int64_t n_tok, TierMode cold_mode) {
+    const Layer &L = model_->layers()[size_t(il)];
+    RunState &s = *rs_;
+    const int64_t E = hp_.n_embd;
+    if (L.ffn_norm.data != L.attn_norm.data) {  // falcon 7B: attention's norm output is the FFN's too
+        norm(s.x.data(), L.ffn_norm, L.ffn_norm_b, n_tok, s.xn.data());
+        s.op_xn.q_ready = false;
+    }
+    // both tiers read the same operand: made once, here, before either starts
+    prepare(*ks_, s.op_xn, n_tok, L.gate.type);
+    prepare(*ks_, s.op_xn, n_tok, L.up.type);
+    // The predictor's input, x as it stands: the residual entering the FFN block (llama family, opt), or the
+    // layer's input in a parallel block (falcon), as PowerInfer feeds them.
+    s.op_x.q_ready = false;
+    const bool has_hot = L.hot.size() > 0, has_cold = L.cold.size() > 0, batch = n_tok > 1;
+    if (!batch) {
+        model_->arrange_cold_tier(il, reads_gate_whole(cold_mode), reads_up_whole(cold_mode), true);
+        stats_.layers[size_t(il)].kernel_changes += double(policy_.decode_step(il, cold_mode));
+    } else {
+        model_->arrange_cold_tier(il, policy_.batch_reads_gates_whole(il), policy_.mode() == PI_FFN_DENSE, false);
+    }
+    TierJob hot_job{il, n_tok, policy_.hot_mode(), &s.op_xn, &s.op_x, false, 0, s.y_hot.data()};
+    TierJob cold_job{il, n_tok, cold_mode, &s.op_xn, &s.op_x, recall_check_,
+                     policy_.probe_tokens(il, n_tok, cold_mode, s.n_past), s.y_cold.data()};
+    if (has_hot) hot_->submit(hot_job);
+    if (has_cold) cold_->submit(cold_job);
+    const TierCounts hot = has_hot ? hot_->wait() : TierCounts{}, cold = has_cold ? cold_->wait() : TierCounts{};
+    if (!has_cold) std::fill(s.y_cold.begin(), s.y_cold.begin() + n_tok * E, 0.0f);
+    if (has_cold && batch) model_->release_grouped_rows(il, !reads_gate_whole(cold_mode), !reads_up_whole(cold_mode));
+    if (has_hot)
+        for (int64_t i = 0; i < n_tok * E; ++i) s.y_cold[size_t(i)] += s.y_hot[size_t(i)];
+    add_bias(s.y_cold.data(), L.down_b, n_tok, E);
+    add_residual(s.y_cold.data(), n_tok);
+    stats_.take_ffn(il, n_tok, cold_mode, has_cold, hot, cold);
+    policy_.take(il, n_tok, cold_mode, hot, cold, has_cold ? cold_job.n_probe : 0);
+}
+
+void Engine::output(int64_t n_tok, float *logits, int64_t ld_logits) {
+    // Only the rows whose logits are wanted go through the head: all of them, or the last one.
+    RunState &s = *rs_;
+    const int64_t E = hp_.n_embd, V = hp_.n_vocab, first = logits ? 0 : n_tok - 1;
+    norm(s.x.data() + first * E, model_->output_norm(), model_->output_norm_b(), n_tok - first, s.xn.data());
+    s.op_xn.q_ready = false;
+    float *out = logits ? logits : s.last_logits.data();
+    const MatmulTarget head[1] = {{&model_->output(), out, ld_logits}};
+    matmul(head, 1, s.op_xn, n_tok - first);
+    if (logits) std::memcpy(s.last_logits.data(), logits + (n_tok - 1) * ld_logits, size_t(V) * sizeof(float));
+}
+
+void Engine::norm(const float *x, const Matrix &w, const Matrix &b, int64_t n_tok, float *out) const {
+    const int64_t E = hp_.n_embd;
+    const float *wv = w.floats(), *bv = b.floats();
+    for (int64_t t = 0; t < n_tok; ++t) {
+        const float *xt = x + t * E;
+        float *ot = out + t * E;
+        if (hp_.norm == NormKind::Rms) {
+            double ss = 0.0;
+            for (int64_t i = 0; i < E; ++i) ss += double(xt[i]) * double(xt[i]);
+            const float scale = 1.0f / std::sqrt(float(ss / double(E)) + hp_.norm_eps);
+            for (int64_t i = 0; i < E; ++i) ot[i] = wv[i] * (xt[i] * scale);
+        } else {  // LayerNorm: (x - mean) / sqrt(var + eps) * w + b
+            double sum = 0.0;
+            for (int64_t i = 0; i < E; ++i) sum += double(xt[i]);
+            const double mean = sum / double(E);
+            double ss = 0.0;
+            for (int64_t i = 0; i < E; ++i) ss += (double(xt[i]) - mean) * (double(xt[i]) - mean);
+            const float scale = 1.0f / std::sqrt(float(ss / double(E)) + hp_.norm_eps);
+            for (int64_t i = 0; i < E; ++i) ot[i] = wv[i] * (float(double(xt[i]) - mean) * scale) + (bv ? bv[i] : 0.0f);
+        }
+    }
+}
+
+void Engine::add_bias(float *y, const Matrix &b, int64_t n_tok, int64_t ld) const {
+    const float *bv = b.floats();
+    if (!bv) return;
+    for (int64_t t = 0; t < n_tok; ++t)
+        for (int64_t i = 0; i < b.cols; ++i) y[t * ld + i] += bv[i];
+}
+
+void Engine::add_residual(const float *y, int64_t n_tok) {
+    for (int64_t i = 0; i < n_tok * hp_.n_embd; ++i) rs_->x[size_t(i)] += y[i];
+}
+
+}  // namespace pi

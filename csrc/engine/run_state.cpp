@@ -1,0 +1,56 @@
+#include "engine/run_state.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace pi {
+
+RunState::RunState(const HParams &hp, int64_t n_ctx_, int64_t n_batch, int64_t threads, bool kv_f16_)
+    : n_ctx(n_ctx_), kv_f16(kv_f16_) {
+    const int64_t E = hp.n_embd, L = hp.n_layer, B = n_batch;
+    const int64_t Q = hp.n_head * hp.d_head, KV = hp.n_head_kv * hp.d_head;
+    k_cache = PageMemory(size_t(L * key_slots(n_ctx) * KV * kv_bytes()), true, "the KV cache");
+    v_cache = PageMemory(size_t(L * n_ctx * KV * kv_bytes()), true, "the KV cache");
+    history.assign(size_t(n_ctx), 0);
+
+    const int64_t half = hp.n_rot / 2;
+    rope_cos.resize(size_t(n_ctx * half));
+    rope_sin.resize(size_t(n_ctx * half));
+    for (int64_t i = 0; i < half; ++i) {
+        // float32 steps, as transformers builds inv_freq and the angles
+        const float inv = 1.0f / std::pow(hp.rope_base, float(2 * i) / float(hp.n_rot));
+        for (int64_t p = 0; p < n_ctx; ++p) {
+            const float angle = (float(p) * hp.rope_freq_scale) * inv;
+            rope_cos[size_t(p * half + i)] = float(std::cos(double(angle)));
+            rope_sin[size_t(p * half + i)] = float(std::sin(double(angle)));
+        }
+    }
+
+    for (std::vector<float> *b : {&x, &xn, &tmp, &y_hot, &y_cold}) b->assign(size_t(B * E), 0.0f);
+    q.assign(size_t(B * Q), 0.0f);
+    att.assign(size_t(B * Q), 0.0f);
+    k.assign(size_t(B * KV), 0.0f);
+    v.assign(size_t(B * KV), 0.0f);
+    last_logits.assign(size_t(hp.n_vocab), 0.0f);
+    scores.assign(size_t(std::max<int64_t>(threads * kAttnTile, hp.n_head) * n_ctx), 0.0f);
+    q_x.resize(size_t(B * (E / QK)));
+    q_xn.resize(size_t(B * (E / QK)));
+    q_att.resize(size_t(B * (Q / QK)));
+    op_x = {x.data(), E, q_x.data(), false};
+    op_xn = {xn.data(), E, q_xn.data(), false};
+    op_att = {att.data(), Q, q_att.data(), false};
+}
+
+double RunState::kv_cache_bytes(const HParams &hp, int64_t n_ctx, bool kv_f16) {
+    return double(hp.n_layer) * double(key_slots(n_ctx) + n_ctx) * double(hp.n_head_kv * hp.d_head) * (kv_f16 ? 2.0 : 4.0);
+}
+
+double RunState::buffer_bytes(const HParams &hp, int64_t n_ctx, int64_t n_batch, int64_t threads) {
+    const double E = double(hp.n_embd), B = double(n_batch), C = double(n_ctx), T = double(threads);
+    const double Q = double(hp.n_head * hp.d_head), KV = double(hp.n_head_kv * hp.d_head);
+    const double floats = C * double(hp.n_rot) + B * (5 * E + 2 * Q + 2 * KV) + double(hp.n_vocab) +
+                          std::max(T * double(kAttnTile), double(hp.n_head)) * C;
+    return 4 * floats + C * 4 + B * (2 * E + Q) / QK * double(sizeof(BlockQ8_0));
+}
+
+}  // namespace pi

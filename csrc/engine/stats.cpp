@@ -1,0 +1,143 @@
+#include "engine/stats.h"
+
+#include <cmath>
+#include <cstdio>
+
+namespace pi {
+
+void EngineStats::take_ffn(int64_t il, int64_t n_tok, TierMode cold_mode, bool has_cold, const TierCounts &hot,
+                           const TierCounts &cold) {
+    LayerStats &st = layers[size_t(il)];
+    st.tokens += double(n_tok);
+    st.active += hot.active + cold.active;
+    st.hot_active += hot.active;
+    st.computed += hot.computed + cold.computed;
+    st.predicted += cold.predicted;
+    st.cold_tokens += cold.scored_tokens;
+    st.true_pos += cold.true_pos;
+    st.positives += cold.positives;
+    if (has_cold) st.mode_tokens[int(cold_mode)] += double(n_tok);
+    for (const TierCounts *c : {&hot, &cold}) {
+        times.predictor += c->predictor_seconds;
+        times.gate_up += c->gate_up_seconds;
+        times.down += c->down_seconds;
+    }
+}
+
+void EngineStats::take_eval(int64_t n, double seconds) {
+    if (n == 1) {
+        decode_tokens += 1;
+        decode_seconds += seconds;
+    } else {
+        batch_tokens += double(n);
+        batch_seconds += seconds;
+    }
+}
+
+namespace {
+
+std::string num(double v) {
+    if (!std::isfinite(v)) return "null";
+    char b[64];
+    std::snprintf(b, sizeof b, "%.9g", v);
+    return b;
+}
+
+std::string quoted(const std::string &s) {
+    std::string out = "\"";
+    for (char c : s) {
+        if (c == '"' || c == '\\') out += '\\';
+        if (static_cast<unsigned char>(c) < 0x20) {
+            char b[8];
+            std::snprintf(b, sizeof b, "\\u%04x", c);
+            out += b;
+            continue;
+        }
+        out += c;
+    }
+    return out + "\"";
+}
+
+const char *mode_name(int32_t m) {
+    static const char *names[] = {"dense", "gate", "predictor", "auto", "oracle"};
+    return m >= 0 && m <= 4 ? names[m] : "?";
+}
+
+const char *activation_name(const HParams &h) {
+    if (h.shifted_relu) return "fatrelu";
+    return h.activation == Activation::Relu ? "relu" : h.activation == Activation::Silu ? "silu" : "drelu";
+}
+
+// ", "-separated f(layer) of every layer, in brackets
+template <class F>
+std::string per_layer(const Model &model, F f) {
+    std::string out = "[";
+    for (size_t i = 0; i < model.layers().size(); ++i) out += (i ? ", " : "") + f(model.layers()[i]);
+    return out + "]";
+}
+
+}  // namespace
+
+std::string info_json(const Model &model, const RunSettings &run) {
+    const HParams &h = model.hp();
+    const Layer &l0 = model.layers()[0];
+    return "{\"path\": " + quoted(model.path()) + ", \"magic\": " + quoted(model.pwri() ? "PWRI" : "GGUF") +
+           ", \"arch\": " + quoted(h.arch) + ", \"activation\": " + quoted(activation_name(h)) +
+           ", \"n_vocab\": " + num(double(h.n_vocab)) + ", \"n_embd\": " + num(double(h.n_embd)) +
+           ", \"n_layer\": " + num(double(h.n_layer)) + ", \"n_ff\": " + num(double(h.n_ff)) +
+           ", \"n_head\": " + num(double(h.n_head)) + ", \"n_head_kv\": " + num(double(h.n_head_kv)) +
+           ", \"n_ctx_train\": " + num(double(h.n_ctx_train)) + ", \"n_ctx\": " + num(double(run.n_ctx)) +
+           ", \"n_batch\": " + num(double(run.n_batch)) + ", \"rope_base\": " + num(h.rope_base) +
+           ", \"bos\": " + num(double(h.bos)) + ", \"eos\": " + num(double(h.eos)) +
+           ", \"weight_type\": " + quoted(type_size(l0.up.type).name) +
+           ", \"has_predictor\": " + (model.has_predictor() ? "true" : "false") +
+           ", \"hot_neurons\": " + num(double(model.hot_neurons())) +
+           ", \"threads\": " + num(double(run.threads)) + ", \"isa\": " + quoted(run.isa) +
+           ", \"hot_backend\": " + quoted(run.hot_backend) +
+           ", \"ffn_mode\": " + quoted(mode_name(run.ffn_mode)) + ", \"recall_check\": " + (run.recall_check ? "true" : "false") +
+           ", \"kv_type\": " + quoted(run.kv_f16 ? "f16" : "f32") +
+           ", \"kv_cache_bytes\": " + std::to_string(int64_t(run.kv_cache_bytes)) +
+           ", \"work_buffer_bytes\": " + std::to_string(int64_t(run.work_buffer_bytes)) +
+           ", \"activation_thresholds\": " + per_layer(model, [](const Layer &l) { return num(l.act_threshold); }) +
+           ", \"predictor_thresholds\": " + per_layer(model, [](const Layer &l) { return num(l.pred_threshold); }) +
+           ", \"predictor_useful\": " +
+           per_layer(model, [](const Layer &l) { return std::string(l.predictor_useful ? "true" : "false"); }) + "}";
+}
+
+std::string stats_json(const Model &model, const WeightCopies &wc, const EngineStats &stats, const FfnPolicy &policy) {
+    const PhaseTimes &t = stats.times;
+    std::string json = "{\"ffn_mode\": " + quoted(mode_name(policy.mode())) + ", \"batch_tokens\": " + num(stats.batch_tokens) +
+                       ", \"batch_seconds\": " + num(stats.batch_seconds) + ", \"decode_tokens\": " + num(stats.decode_tokens) +
+                       ", \"decode_seconds\": " + num(stats.decode_seconds) + ", \"phases\": {\"embed\": " + num(t.embed) +
+                       ", \"attention\": " + num(t.attention) + ", \"predictor\": " + num(t.predictor) +
+                       ", \"gate_up\": " + num(t.gate_up) + ", \"down\": " + num(t.down) + ", \"output\": " + num(t.output) + "}";
+    json += ", \"weight_copies\": {\"packed\": " + std::to_string(wc.packed) + ", \"predictor\": " + std::to_string(wc.predictor) +
+            ", \"hot\": " + std::to_string(wc.hot) + ", \"cold_groups\": " + std::to_string(wc.cold_groups) + "}, \"layers\": [";
+    const double F = double(model.hp().n_ff);
+    for (size_t i = 0; i < stats.layers.size(); ++i) {
+        const LayerStats &s = stats.layers[i];
+        const Layer &L = model.layers()[i];
+        const double nc = double(L.cold.size());
+        const std::optional<TierMode> decode_mode = policy.decode_mode(int64_t(i));
+        json += std::string(i ? ", " : "") + "{\"layer\": " + num(double(i)) + ", \"tokens\": " + num(s.tokens) +
+                ", \"density\": " + num(s.tokens > 0 ? s.active / s.tokens / F : NAN) +
+                ", \"computed_density\": " + num(s.tokens > 0 ? s.computed / s.tokens / F : NAN) +
+                ", \"hot_neurons\": " + num(double(L.hot.size())) +
+                ", \"hot_density\": " + num(s.tokens > 0 && L.hot.size() ? s.hot_active / s.tokens / double(L.hot.size()) : NAN) +
+                ", \"predicted_density\": " + num(s.cold_tokens > 0 && nc > 0 ? s.predicted / s.cold_tokens / nc : NAN) +
+                ", \"recall\": " + num(s.positives > 0 ? s.true_pos / s.positives : NAN) +
+                ", \"decode_mode\": " + (decode_mode ? quoted(tier_mode_name(*decode_mode)) : std::string("null")) +
+                ", \"cold_groups\": " + std::to_string(L.cold.gate_groups.size() + L.cold.up_groups.size()) +
+                ", \"kernel_changes\": " + num(s.kernel_changes) + ", \"modes\": {";
+        bool first = true;
+        for (int m = 0; m < kTierModes; ++m) {
+            if (s.mode_tokens[m] == 0) continue;
+            json += std::string(first ? "" : ", ") + quoted(tier_mode_name(TierMode(m))) + ": " + num(s.mode_tokens[m]);
+            first = false;
+        }
+        json += "}}";
+    }
+    return json + "]}";
+}
+
+}  // namespace pi

@@ -1,0 +1,60 @@
+// What the engine counts as it runs (per layer: tokens, densities, the predictor's selection and recall, the
+// cold tier's modes; per phase: seconds), and the JSON objects pi_info_json and pi_stats_json return.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "backend/tier_backend.h"
+#include "engine/ffn_policy.h"
+#include "engine/tier_mode.h"
+#include "model/model.h"
+
+namespace pi {
+
+struct LayerStats {
+    double tokens = 0;        // tokens through this layer's FFN
+    double active = 0;        // neurons passing the activation rule (all tiers)
+    double hot_active = 0;    // of which in the hot tier
+    double computed = 0;      // neurons whose up/down rows were used
+    double cold_tokens = 0;   // token-tier pairs scored by the predictor
+    double predicted = 0;     // cold neurons selected by the predictor
+    double true_pos = 0;      // selected and truly active (recall check / oracle)
+    double positives = 0;     // truly active cold neurons (recall check / oracle)
+    double mode_tokens[kTierModes] = {};  // per TierMode, for the cold tier
+    double kernel_changes = 0;            // decode steps whose cold-tier kernels differ from the step before's
+};
+
+struct PhaseTimes {
+    double embed = 0, attention = 0, predictor = 0, gate_up = 0, down = 0, output = 0;
+};
+
+struct EngineStats {
+    std::vector<LayerStats> layers;
+    PhaseTimes times;
+    double batch_tokens = 0, batch_seconds = 0, decode_tokens = 0, decode_seconds = 0;
+
+    explicit EngineStats(int64_t n_layer) : layers(size_t(n_layer)) {}
+    void reset() { *this = EngineStats(int64_t(layers.size())); }
+    // A layer's FFN over n_tok tokens: what its tiers counted (the cold tier's in cold_mode).
+    void take_ffn(int64_t il, int64_t n_tok, TierMode cold_mode, bool has_cold, const TierCounts &hot,
+                  const TierCounts &cold);
+    // A pi_eval call of n tokens that took `seconds`.
+    void take_eval(int64_t n, double seconds);
+};
+
+// The run's settings, as pi_info_json reports them.
+struct RunSettings {
+    int64_t n_ctx, n_batch, threads;
+    const char *isa, *hot_backend;
+    int32_t ffn_mode;
+    bool recall_check, kv_f16;
+    double kv_cache_bytes, work_buffer_bytes;
+};
+
+std::string info_json(const Model &model, const RunSettings &run);
+// copies: the Model's, with the hot tier's backend's bytes in `hot`
+std::string stats_json(const Model &model, const WeightCopies &copies, const EngineStats &stats, const FfnPolicy &policy);
+
+}  // namespace pi

@@ -1,0 +1,72 @@
+/* pi_engine_testing: the engine library's entry points for tests and measurements, apart from the inference
+ * API (pi_engine.h, whose contract they keep: status codes, no call aborts). Single kernels of a named
+ * instruction set on caller buffers (to test SIMD against scalar code), the machine's read rate of rows picked
+ * by index (pi-tools bench), and an engine whose hot tier runs on another backend (to test the tier boundary).
+ */
+#ifndef PI_ENGINE_TESTING_H
+#define PI_ENGINE_TESTING_H
+
+#include "pi_engine.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- tier backends ---- */
+/* pi_open with the hot tier (opts->gpuidx_path's neurons) computed by `hot_backend`: "cpu" (what pi_open
+ * uses) or "reference" (the scalar reference kernels, a token and a neuron at a time, on a thread of its own
+ * while the cold tier runs: the same logits within rounding). */
+pi_status pi_open_with_hot_backend(const char *path, const pi_options *opts, const char *hot_backend, pi_engine **out);
+
+/* ---- kernel access for tests: run one kernel of a named instruction set on caller buffers ---- */
+/* 1 when the kernel set `isa` exists in this build and the CPU runs it. */
+int32_t pi_isa_available(const char *isa);
+const char *pi_isa_selected(void);
+/* Weight types: GGML ids (0 f32, 1 f16, 2 q4_0, 8 q8_0). The activation operand of dot is f32 for
+ * f32/f16 weights and q8_0 blocks for q4_0/q8_0 weights. n must be a multiple of the block size. */
+pi_status pi_kernel_dot(const char *isa, int32_t type, int32_t n, const void *w, const void *x, float *out);
+pi_status pi_kernel_axpy(const char *isa, int32_t type, int32_t n, float a, const void *w, float *y);
+/* out[r] = dot of row w[r] with x, for 4 rows (each bit-identical to pi_kernel_dot). */
+pi_status pi_kernel_dot4(const char *isa, int32_t type, int32_t n, const void *const *w, const void *x, float *out);
+/* out[r] = dot of row w[r] with x for n_rows rows read by pointer (a sparse FFN's gathered rows): q4_0/q8_0
+ * with the packed kernels' arithmetic (bit-identical to pi_kernel_gemm8 over pi_kernel_pack8 of the same rows,
+ * 8 at a time), other types bit-identical to pi_kernel_dot. */
+pi_status pi_kernel_dot_rows(const char *isa, int32_t type, int32_t n, int32_t n_rows, const void *const *w,
+                             const void *x, float *out);
+/* y[i] += sum_r a[r] * w[r][col0 + i] for i < n (bit-identical to n_rows pi_kernel_axpy calls in order);
+ * n and col0 multiples of the block size. */
+pi_status pi_kernel_axpy_rows(const char *isa, int32_t type, int32_t n, int32_t n_rows, const void *const *w,
+                              int32_t col0, const float *a, float *y);
+/* Packs 8 rows of q4_0/q8_0 (n elements each) into the engine's 8-row interleaved layout: n/32 blocks of
+ * 144 (q4_0) or 272 (q8_0) bytes. */
+pi_status pi_kernel_pack8(int32_t type, int32_t n, const void *const *rows, void *out);
+/* out[t][8g + r] = dot of row r of packed group g with token t's x (q8_0 blocks, n_tok operands one after
+ * the other), for n_groups consecutive groups. */
+pi_status pi_kernel_gemm8(const char *isa, int32_t type, int32_t n, int32_t n_groups, const void *w, int32_t n_tok,
+                          const void *x, float *out);
+/* y[t][c] += sum_r h[t][r] * w[r][c]: h n_tok x n_rows, w n_rows x n_cols, y n_tok x n_cols, row-major. */
+pi_status pi_kernel_gemm_f32(const char *isa, int32_t n_tok, int32_t n_rows, int32_t n_cols, const float *h,
+                             const float *w, float *y);
+/* The same with w in IEEE half precision, each element widened to float as it is read. */
+pi_status pi_kernel_gemm_f16(const char *isa, int32_t n_tok, int32_t n_rows, int32_t n_cols, const float *h,
+                             const uint16_t *w, float *y);
+/* out[i] = x[i] * sigmoid(x[i]), as the engine's SiLU rule computes it. */
+pi_status pi_kernel_silu(const char *isa, int32_t n, const float *x, float *out);
+/* x[i] = exp(scale x[i] - max) / sum, in place (n >= 1): attention's softmax, bit-identical across sets. */
+pi_status pi_kernel_softmax(const char *isa, int32_t n, float scale, float *x);
+pi_status pi_kernel_to_float(const char *isa, int32_t type, int32_t n, const void *w, float *out);
+pi_status pi_kernel_quantize_q8_0(const char *isa, int32_t n, const float *x, void *out);
+
+/* ---- the machine ---- */
+/* Bytes per second this machine reads rows of `row_bytes` at: `density` of them picked at random from a buffer of
+ * `buffer_bytes` (read in ascending order, each asked for a few rows ahead, as sparse decode steps read rows by
+ * index), or every row in order at density 1; `threads` threads share the list; best of `passes` passes, each
+ * over its own region of the buffer. */
+pi_status pi_read_rows_rate(uint64_t row_bytes, double density, int32_t threads, uint64_t buffer_bytes,
+                            int32_t passes, double *bytes_per_second);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* PI_ENGINE_TESTING_H */

@@ -1,0 +1,118 @@
+// Compute kernels, one set per instruction-set level, chosen once at load (runtime dispatch).
+//
+// Every weight row is read in its stored type. The activation operand of a dot product is f32 for
+// f32/f16 weights and q8_0 blocks for q4_0/q8_0 weights (integer dot products, as llama.cpp).
+// Every set computes the same functions; tests compare each against the scalar reference.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "format/types.h"
+
+namespace pi {
+
+struct TypeKernels {
+    // sum_i w[i] * x[i] over n elements (n a multiple of the type's block size)
+    float (*dot)(int n, const void *w, const void *x);
+    // y[i] += a * w[i]
+    void (*axpy)(int n, float a, const void *w, float *y);
+    // out[i] = w[i]
+    void (*to_float)(int n, const void *w, float *out);
+    // out[r] = dot(n, w[r], x) for 4 rows sharing one operand (each row bit-identical to dot)
+    void (*dot4)(int n, const void *const *w, const void *x, float *out);
+    // y[i] += sum_r a[r] * w[r][col0 + i], i < n, rows in order: bit-identical to n_rows axpy calls, but y
+    // stays in registers across rows (col0 and n multiples of the block size)
+    void (*axpy_rows)(int n, int n_rows, const void *const *w, int col0, const float *a, float *y);
+    // out[t * ldo + 8g + r] = dot of row r of packed group g with token t's operand (q8_0 blocks, x_stride
+    // bytes apart), for n_groups groups in the 8-row layout of packed.h and n_tok tokens; each token's
+    // result is independent of the others (q4_0 / q8_0 only, else nullptr; n <= kGemv8MaxCols)
+    void (*gemm8)(int n, int n_groups, const void *w, int n_tok, const void *x, size_t x_stride, float *out,
+                  int64_t ldo);
+    // out[i] = dot of row w[i] with x for n_rows rows read by pointer (the gathered rows of a sparse FFN):
+    // q4_0 / q8_0 with gemm8's arithmetic, 8 rows at a time interleaved in registers (bit-identical to gemm8
+    // over pack_rows8 of the same rows, so a neuron's value does not depend on the path that computed it);
+    // other types bit-identical to dot
+    void (*dot_rows)(int n, int n_rows, const void *const *w, const void *x, float *out);
+};
+
+constexpr int kGemv8MaxCols = 1 << 16;
+
+struct KernelSet {
+    const char *isa;
+    TypeKernels f32, f16, q4_0, q8_0;
+    // x (n floats, n % 32 == 0) -> n/32 q8_0 blocks, bit-exact with gguf-py's Q8_0 quantizer
+    void (*quantize_q8_0)(int n, const float *x, void *out);
+    // y[t][c] += sum_r h[t][r] * w[r][c] (t < n_tok, c < n_cols, r < n_rows): a batch's
+    // down projection from a panel of widened rows. Each element is an fma chain over r in order.
+    void (*gemm_f32)(int n_tok, int n_rows, int n_cols, const float *h, int ldh, const float *w, int ldw, float *y,
+                     int ldy);
+    // the same with w in f16 (a KV cache in half precision), each element widened as it is read: bit-identical
+    // to gemm_f32 over the widened matrix
+    void (*gemm_f16)(int n_tok, int n_rows, int n_cols, const float *h, int ldh, const uint16_t *w, int ldw, float *y,
+                     int ldy);
+    // out[i] = silu(x[i]) as silu_ref computes it (bit for bit); out may be x
+    void (*silu)(int n, const float *x, float *out);
+    // x[i] = exp(s x[i] - max_j s x[j]) / sum of those, i < n (n >= 1), exps as exp_ref, the sum in a fixed
+    // order (the scalar set's comment): bit-identical across sets
+    void (*softmax)(int n, float scale, float *x);
+
+    const TypeKernels &for_type(uint32_t type) const {
+        switch (type) {
+            case TYPE_F16: return f16;
+            case TYPE_Q4_0: return q4_0;
+            case TYPE_Q8_0: return q8_0;
+            default: return f32;
+        }
+    }
+};
+
+// Byte offset of element `col` (a multiple of the block size) in a row of `type`.
+inline size_t element_offset(uint32_t type, int64_t col) {
+    switch (type) {
+        case TYPE_F16: return size_t(col) * 2;
+        case TYPE_Q4_0: return size_t(col / QK) * sizeof(BlockQ4_0);
+        case TYPE_Q8_0: return size_t(col / QK) * sizeof(BlockQ8_0);
+        default: return size_t(col) * 4;
+    }
+}
+
+// dot4 and axpy_rows composed from a set's dot and axpy: the reference definition, and the
+// implementation where a set has nothing faster.
+template <float (*Dot)(int, const void *, const void *)>
+void dot4_by_rows(int n, const void *const *w, const void *x, float *out) {
+    for (int r = 0; r < 4; ++r) out[r] = Dot(n, w[r], x);
+}
+
+template <float (*Dot)(int, const void *, const void *)>
+void dot_rows_by_row(int n, int n_rows, const void *const *w, const void *x, float *out) {
+    for (int r = 0; r < n_rows; ++r) out[r] = Dot(n, w[r], x);
+}
+
+template <void (*Axpy)(int, float, const void *, float *), uint32_t Type>
+void axpy_rows_by_row(int n, int n_rows, const void *const *w, int col0, const float *a, float *y) {
+    const size_t off = element_offset(Type, col0);
+    for (int r = 0; r < n_rows; ++r) Axpy(n, a[r], static_cast<const uint8_t *>(w[r]) + off, y);
+}
+
+// Whether the activation operand of `type` is q8_0 blocks (else f32).
+inline bool act_is_q8(uint32_t type) { return type == TYPE_Q4_0 || type == TYPE_Q8_0; }
+
+// x * sigmoid(x) with exp as a degree-6 polynomial on [-ln2/2, ln2/2] times 2^n (Cephes' expf steps, each an
+// fma): within 2 ulp of the exact value, and the same bits in every kernel set and in the engine's
+// scalar paths.
+float silu_ref(float x);
+// e^x by the same steps (clamped to [-87.3, 88.3], infinity above)
+float exp_ref(float x);
+
+const KernelSet &scalar_kernels();
+// nullptr when the build or the CPU lacks the instruction set.
+const KernelSet *avx2_kernels();
+const KernelSet *avx512_kernels();
+
+// "scalar", "avx2", "avx512"; nullptr when unknown or unavailable.
+const KernelSet *kernels_named(const char *isa);
+// The best available set, selected on first use.
+const KernelSet &best_kernels();
+
+}  // namespace pi

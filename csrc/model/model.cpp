@@ -1,0 +1,546 @@
+#include "model/model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "runtime/common.h"
+#include "kernels/kernels.h"
+#include "kernels/packed.h"
+#include "format/types.h"
+
+namespace pi {
+namespace {
+
+std::string shape_str(int64_t rows, int64_t cols) {
+    return "(" + std::to_string(rows) + ", " + std::to_string(cols) + ")";
+}
+
+std::string blk(int64_t i, const char *suffix) { return "blk." + std::to_string(i) + "." + suffix; }
+
+}  // namespace
+
+Model::Model(const std::string &path, const std::string &gpuidx_path) {
+    file_ = std::make_unique<GgufFile>(path);
+    read_hparams();
+    bind_tensors();
+    build_tiers(gpuidx_path);
+    pack_dense_matrices();
+}
+
+void Model::pack_dense_matrices() {
+    std::vector<Matrix *> dense;
+    for (Layer &l : layers_)
+        for (Matrix *m : {&l.wq, &l.wk, &l.wv, &l.wo, &l.fc1}) dense.push_back(m);
+    dense.push_back(&output_);
+    std::vector<int64_t> offsets;  // each matrix's place in the one buffer, on a line boundary
+    int64_t total = 0;
+    for (const Matrix *m : dense) {
+        offsets.push_back(total);
+        total += (packed_bytes(*m) + 63) / 64 * 64;
+    }
+    packed_ = PageMemory(size_t(total), true, "the packed weights");
+    for (size_t i = 0; i < dense.size(); ++i) pack(*dense[i], packed_.data() + offsets[i]);
+}
+
+void FfnTier::pack_groups(const Matrix &src, int64_t g0, int64_t g1, const void *zero_row, uint8_t *out) const {
+    const int64_t group_bytes = src.group_bytes();
+    for (int64_t g = g0; g < g1; ++g) {
+        const void *rows[kPackRows];
+        for (int r = 0; r < kPackRows; ++r) {
+            const int64_t slot = g * kPackRows + r;
+            rows[r] = slot >= size() ? zero_row : src.row(ids[size_t(slot)]);
+        }
+        pack_rows8(src.type, int(src.cols), rows, out + (g - g0) * group_bytes);
+    }
+}
+
+namespace {
+
+// All of tier t's groups of src (see FfnTier::pack_groups) into out, t.n_groups() * src.group_bytes() bytes.
+void group_rows(const FfnTier &t, const Matrix &src, uint8_t *out) {
+    const std::vector<uint8_t> zeros(src.row_bytes, 0);
+    t.pack_groups(src, 0, t.n_groups(), zeros.data(), out);
+}
+
+// The same in page memory of their own (a layer's gate/up groups: built and freed as its kernels change).
+PageMemory groups_in_pages(const FfnTier &t, const Matrix &src) {
+    PageMemory out(size_t(t.n_groups() * src.group_bytes()), false, "8-row groups of weights");
+    group_rows(t, src, out.data());
+    return out;
+}
+
+}  // namespace
+
+void Model::arrange_cold_tier(int64_t il, bool gate_groups, bool up_groups, bool may_drop) {
+    FfnTier &t = layers_[size_t(il)].cold;
+    auto arrange = [&](const Matrix &m, PageMemory &groups, bool want) {
+        if (want == !groups.empty() || (want && !t.groups_fit(m)) || (!want && !may_drop)) return;
+        if (!want) {
+            groups = PageMemory();  // unmapped; the rows are read from the mapped file again
+            return;
+        }
+        groups = groups_in_pages(t, m);
+        file_->release(m.data, m.bytes());
+    };
+    arrange(t.gate, t.gate_groups, gate_groups);
+    if (hp_.gated) arrange(t.up, t.up_groups, up_groups);
+}
+
+void Model::release_grouped_rows(int64_t il, bool gate, bool up) {
+    const FfnTier &t = layers_[size_t(il)].cold;
+    if (gate && !t.gate_groups.empty()) file_->release(t.gate.data, t.gate.bytes());
+    if (up && !t.up_groups.empty()) file_->release(t.up.data, t.up.bytes());
+}
+
+int64_t Model::packed_bytes(const Matrix &m) {
+    if (m.group_bytes() == 0 || m.rows < kPackRows || m.cols > kGemv8MaxCols || !m.data) return 0;
+    return m.rows / kPackRows * m.group_bytes();
+}
+
+void Model::pack(Matrix &m, uint8_t *out) {
+    if (packed_bytes(m) == 0) return;
+    const int64_t n_groups = m.rows / kPackRows, group_bytes = m.group_bytes();
+    for (int64_t g = 0; g < n_groups; ++g) {
+        const void *rows[kPackRows];
+        for (int r = 0; r < kPackRows; ++r) rows[r] = m.row(g * kPackRows + r);
+        pack_rows8(m.type, int(m.cols), rows, out + g * group_bytes);
+    }
+    m.groups = out;
+    m.n_groups = n_groups;
+    // The mapped rows are read once more only where a row is needed alone (an embedding lookup of a tied
+    // head, rows past the last group): hand their pages back so the copy does not double the footprint.
+    file_->release(m.data, size_t(n_groups * kPackRows) * m.row_bytes);
+}
+
+void Model::read_hparams() {
+    const GgufFile &f = *file_;
+    const std::string &p = f.path();
+    // A SiLU llama is written as llama-silu (docs/formats.md): PowerInfer refuses the name rather than run the
+    // file through its ReLU-only sparse FFN. Files written before name it llama, with ffn_activation silu.
+    hp_.key_prefix = f.get_string("general.architecture");
+    const bool silu_llama = hp_.key_prefix == "llama-silu";
+    hp_.arch = silu_llama ? "llama" : hp_.key_prefix;
+    const std::string &a = hp_.arch, &k = hp_.key_prefix;
+    if (a != "llama" && a != "bamboo" && a != "falcon" && a != "opt")
+        fail(PI_ERR_UNSUPPORTED, p + ": unsupported architecture '" + k +
+                                     "' (this engine runs llama, llama-silu, bamboo, falcon and opt)");
+    const bool llama_family = a == "llama" || a == "bamboo";
+    hp_.norm = llama_family ? NormKind::Rms : NormKind::Layer;
+    hp_.rope = a == "opt" ? RopeKind::None : a == "falcon" ? RopeKind::NeoX : RopeKind::Adjacent;
+    hp_.gated = llama_family;
+    hp_.parallel_block = a == "falcon";
+    hp_.learned_pos = a == "opt";
+    hp_.pos_offset = a == "opt" ? 2 : 0;  // OPT's learned table starts its positions at row 2
+    const int64_t big = int64_t(1) << 20;
+    hp_.n_embd = f.get_int(k + ".embedding_length", 1, 1 << 16);
+    hp_.n_layer = f.get_int(k + ".block_count", 1, 4096);
+    hp_.n_ff = f.get_int(k + ".feed_forward_length", 1, big);
+    hp_.n_head = f.get_int(k + ".attention.head_count", 1, hp_.n_embd);
+    hp_.n_head_kv = f.get_int_or(k + ".attention.head_count_kv", hp_.n_head, 1, hp_.n_head);
+    hp_.n_ctx_train = f.get_int_or(k + ".context_length", 2048, 1, int64_t(1) << 24);
+    if (hp_.n_embd % hp_.n_head != 0)
+        fail(PI_ERR_FORMAT, p + ": embedding_length " + std::to_string(hp_.n_embd) + " is not a multiple of head_count " +
+                                std::to_string(hp_.n_head));
+    if (hp_.n_head % hp_.n_head_kv != 0)
+        fail(PI_ERR_FORMAT, p + ": head_count " + std::to_string(hp_.n_head) + " is not a multiple of head_count_kv " +
+                                std::to_string(hp_.n_head_kv));
+    hp_.d_head = hp_.n_embd / hp_.n_head;
+    hp_.n_rot = f.get_int_or(k + ".rope.dimension_count", hp_.d_head, 2, hp_.d_head);
+    if (hp_.n_rot % 2 != 0) fail(PI_ERR_FORMAT, p + ": rope.dimension_count must be even");
+    const std::string eps_key = k + (llama_family ? ".attention.layer_norm_rms_epsilon" : ".attention.layer_norm_epsilon");
+    const double eps = f.get_float_or(eps_key, -1.0);
+    if (!(eps > 0.0 && eps < 1.0)) fail(PI_ERR_FORMAT, p + ": " + eps_key + " is missing or outside (0, 1)");
+    hp_.norm_eps = float(eps);
+    const double base = f.get_float_or(k + ".rope.freq_base", 10000.0);
+    if (!(base > 1.0)) fail(PI_ERR_FORMAT, p + ": rope.freq_base must be > 1");
+    hp_.rope_base = float(base);
+    if (f.has(k + ".rope.scaling.type")) {
+        const std::string kind = f.get_string(k + ".rope.scaling.type");
+        if (kind == "linear") {
+            const double factor = f.get_float_or(k + ".rope.scaling.factor", 1.0);
+            if (!(factor >= 1.0 && factor <= 1024.0)) fail(PI_ERR_FORMAT, p + ": rope.scaling.factor out of range");
+            hp_.rope_freq_scale = float(1.0 / factor);
+        } else if (kind != "none") {
+            fail(PI_ERR_UNSUPPORTED, p + ": rope scaling '" + kind + "' is not supported (none, linear)");
+        }
+    }
+    if (a == "falcon" && f.has("falcon.tensor_data_layout") && f.get_string("falcon.tensor_data_layout") != "jploski")
+        fail(PI_ERR_UNSUPPORTED, p + ": falcon.tensor_data_layout '" + f.get_string("falcon.tensor_data_layout") +
+                                     "' is not supported (jploski: fused QKV as all q heads, then k heads, then v heads)");
+    if (file_->tensor("rope_freqs.weight"))
+        fail(PI_ERR_UNSUPPORTED, p + ": per-dimension rope frequencies (rope_freqs.weight) are not supported");
+
+    // Without powerinfer.ffn_activation (PowerInfer's converters never write it): a PWRI llama file is ReLU, as
+    // PowerInfer's sparse FFN computes nothing else; a plain GGUF llama file is llama.cpp's SiLU.
+    std::string act = a == "bamboo" ? "drelu" : silu_llama || (a == "llama" && !f.pwri_magic()) ? "silu" : "relu";
+    if (f.has("powerinfer.ffn_activation")) act = f.get_string("powerinfer.ffn_activation");
+    if (silu_llama && act != "silu")
+        fail(PI_ERR_FORMAT, p + ": architecture llama-silu with FFN activation '" + act + "' (it must be silu)");
+    if ((a == "llama" || !llama_family) && act == "relu") hp_.activation = Activation::Relu;
+    else if (a == "llama" && act == "silu") hp_.activation = Activation::Silu;
+    else if (a == "llama" && act == "fatrelu") {
+        hp_.activation = Activation::Relu;
+        hp_.shifted_relu = true;
+    }
+    else if (a == "bamboo" && act == "drelu") hp_.activation = Activation::DRelu;
+    else fail(PI_ERR_UNSUPPORTED, p + ": FFN activation '" + act + "' is not supported for architecture " + a);
+}
+
+Matrix Model::bind_optional(const std::string &name, int64_t rows, int64_t cols, bool f32_only, bool *found) {
+    const std::string &p = file_->path();
+    const GgufTensor *t = file_->tensor(name);
+    *found = t != nullptr;
+    if (!t) return Matrix{};
+    const bool vector = rows == 1;
+    bool ok = int64_t(t->ne[0]) == cols && (vector || int64_t(t->ne[1]) == rows);
+    for (uint32_t d = vector ? 1 : 2; d < 4; ++d) ok = ok && t->ne[d] == 1;
+    if (!ok) {
+        std::string got = "(";
+        for (int d = int(t->n_dims) - 1; d >= 0; --d) got += std::to_string(t->ne[d]) + (d ? ", " : ")");
+        fail(PI_ERR_FORMAT, p + ": tensor " + name + " has shape " + got + ", the hyperparameters say " +
+                                (vector ? "(" + std::to_string(cols) + ",)" : shape_str(rows, cols)));
+    }
+    const TypeSize ts = type_size(t->type);
+    if (f32_only && t->type != TYPE_F32)
+        fail(PI_ERR_UNSUPPORTED, p + ": tensor " + name + " has type " + ts.name + "; it must be f32");
+    Matrix m;
+    m.rows = rows;
+    m.cols = cols;
+    if (type_decodable(t->type)) {  // decoded once, kept as f16 (within half a unit of f16 of the values)
+        std::vector<uint16_t> &rows_f16 = decoded_.emplace_back(static_cast<size_t>(rows * cols));
+        std::vector<float> values(static_cast<size_t>(cols));
+        const size_t src_row_bytes = size_t(cols) / ts.block * ts.bytes;
+        for (int64_t r = 0; r < rows; ++r) {
+            dequantize_row(t->type, t->data + size_t(r) * src_row_bytes, values.data(), cols);
+            for (int64_t c = 0; c < cols; ++c) rows_f16[size_t(r * cols + c)] = f32_to_f16(values[size_t(c)]);
+        }
+        m.type = TYPE_F16;
+        m.row_bytes = size_t(cols) * 2;
+        m.data = reinterpret_cast<const uint8_t *>(rows_f16.data());
+        return m;
+    }
+    if (!type_computable(t->type))
+        fail(PI_ERR_UNSUPPORTED, p + ": tensor " + name + " has type " + ts.name +
+                                     "; this engine computes with f32, f16, q8_0 and q4_0 (and decodes q5_0 and q6_K)");
+    m.type = t->type;
+    m.row_bytes = size_t(cols) / ts.block * ts.bytes;
+    m.data = t->data;
+    return m;
+}
+
+Matrix Model::bind_vector(const std::string &name, int64_t n, bool required) {
+    bool found = false;
+    Matrix m = bind_optional(name, 1, n, true, &found);
+    if (!found && required) fail(PI_ERR_FORMAT, file_->path() + ": tensor " + name + " is missing");
+    return m;
+}
+
+Matrix Model::bind(const std::string &name, int64_t rows, int64_t cols, bool f32_only) {
+    bool found = false;
+    Matrix m = bind_optional(name, rows, cols, f32_only, &found);
+    if (!found) fail(PI_ERR_FORMAT, file_->path() + ": tensor " + name + " is missing");
+    return m;
+}
+
+void Model::bind_cold_predictor(Layer &l) {
+    FfnTier &t = l.cold;
+    const int64_t nc = t.size(), rank = l.fc2.cols;
+    if (l.fc2.type == TYPE_F32 || l.fc2.type == TYPE_F16) {
+        const size_t es = type_size(l.fc2.type).bytes;
+        t.fc2_storage.resize(size_t(rank * nc) * es);
+        t.fc2.rows = rank;
+        t.fc2.cols = nc;
+        t.fc2.row_bytes = size_t(nc) * es;
+        t.fc2.data = t.fc2_storage.data();
+        t.fc2_transposed = true;
+        for (int64_t r = 0; r < nc; ++r) {
+            const uint8_t *src = l.fc2.row(t.ids[size_t(r)]);
+            const int64_t b = r / FfnTier::kFc2Tile, at = r % FfnTier::kFc2Tile;
+            for (int64_t k = 0; k < rank; ++k)
+                std::memcpy(t.fc2_storage.data() + t.fc2_tile_offset(b, k) + size_t(at) * es, src + size_t(k) * es, es);
+        }
+        file_->release(l.fc2.data, l.fc2.bytes());  // no second copy: the mapped pages go back
+    } else {  // quantized: the tier's rows in 8-row groups, scored by gemm8
+        t.fc2_storage.resize(size_t(t.n_groups() * l.fc2.group_bytes()));
+        group_rows(t, l.fc2, t.fc2_storage.data());
+        t.fc2.rows = nc;
+        t.fc2.data = nullptr;
+        t.fc2.groups = t.fc2_storage.data();
+        t.fc2.n_groups = t.n_groups();
+        file_->release(l.fc2.data, l.fc2.bytes());
+    }
+}
+
+void Model::bind_tensors() {
+    const GgufFile &f = *file_;
+    const std::string &p = f.path();
+    const GgufTensor *emb = f.tensor("token_embd.weight");
+    if (!emb) fail(PI_ERR_FORMAT, p + ": tensor token_embd.weight is missing");
+    if (emb->n_dims != 2 || emb->ne[1] < 1 || emb->ne[1] > (uint64_t(1) << 24))
+        fail(PI_ERR_FORMAT, p + ": tensor token_embd.weight is not a (n_vocab, n_embd) matrix");
+    hp_.n_vocab = int64_t(emb->ne[1]);
+    const int64_t V = hp_.n_vocab, E = hp_.n_embd, F = hp_.n_ff, L = hp_.n_layer;
+    if (f.has(hp_.key_prefix + ".vocab_size")) f.get_int(hp_.key_prefix + ".vocab_size", V, V);
+    if (const GgufValue *toks = f.find("tokenizer.ggml.tokens"))
+        if (toks->type == GV_ARRAY && int64_t(toks->array_count) != V)
+            fail(PI_ERR_FORMAT, p + ": the vocabulary has " + std::to_string(toks->array_count) +
+                                    " tokens but token_embd.weight has " + std::to_string(V) + " rows");
+    hp_.bos = f.get_int_or("tokenizer.ggml.bos_token_id", -1, -1, V - 1);
+    hp_.eos = f.get_int_or("tokenizer.ggml.eos_token_id", -1, -1, V - 1);
+
+    tok_embd_ = bind("token_embd.weight", V, E, false);
+    const bool layer_norm = hp_.norm == NormKind::Layer;
+    output_norm_ = bind_vector("output_norm.weight", E, true);
+    output_norm_b_ = bind_vector("output_norm.bias", E, layer_norm);
+    if (hp_.learned_pos) pos_embd_ = bind("position_embd.weight", hp_.n_ctx_train + hp_.pos_offset, E, false);
+    bool has_output = false;
+    output_ = bind_optional("output.weight", V, E, false, &has_output);
+    if (!has_output) output_ = tok_embd_;  // tied embeddings in a plain GGUF file
+
+    std::vector<float> act_thr(size_t(L), 0.0f), pred_thr(size_t(L), 0.0f);
+    if (f.has("powerinfer.activation_thresholds")) act_thr = f.get_f32_array("powerinfer.activation_thresholds", uint64_t(L));
+    for (float t : act_thr)
+        if (t < 0.0f) fail(PI_ERR_FORMAT, p + ": powerinfer.activation_thresholds holds a negative value");
+    if (f.has("powerinfer.predictor_thresholds")) {
+        pred_thr = f.get_f32_array("powerinfer.predictor_thresholds", uint64_t(L));
+    } else if (f.has("powerinfer.sparse_threshold")) {
+        std::fill(pred_thr.begin(), pred_thr.end(), float(f.get_float_or("powerinfer.sparse_threshold", 0.0)));
+    }
+
+    std::vector<bool> pred_useful(size_t(L), true);
+    if (f.has("powerinfer.predictor_useful")) pred_useful = f.get_bool_array("powerinfer.predictor_useful", uint64_t(L));
+
+    has_predictor_ = f.tensor(blk(0, "fc1.weight")) != nullptr || f.tensor(blk(0, "fc2.weight")) != nullptr;
+    layers_.resize(size_t(L));
+    for (int64_t i = 0; i < L; ++i) {
+        Layer &l = layers_[size_t(i)];
+        bind_attention(i, l);
+        bind_ffn(i, l);
+        l.act_threshold = hp_.activation == Activation::Silu || hp_.shifted_relu ? act_thr[size_t(i)] : 0.0f;
+        l.pred_threshold = pred_thr[size_t(i)];
+        l.predictor_useful = pred_useful[size_t(i)];
+        const std::string fc1 = blk(i, "fc1.weight"), fc2 = blk(i, "fc2.weight");
+        if (has_predictor_) {
+            const GgufTensor *t1 = f.tensor(fc1);
+            if (!t1)
+                fail(PI_ERR_FORMAT, p + ": tensor " + fc1 + " is missing (" +
+                                        (i == 0 ? fc2 + " is there" : std::string("layer 0 has a predictor")) + ")");
+            if (t1->n_dims != 2 || t1->ne[1] < 1 || t1->ne[1] > uint64_t(F))
+                fail(PI_ERR_FORMAT, p + ": tensor " + fc1 + " is not a (rank, n_embd) matrix with rank <= n_ff");
+            const int64_t rank = int64_t(t1->ne[1]);
+            l.fc1 = bind(fc1, rank, E, false);
+            l.fc2 = bind(fc2, F, rank, false);
+            if (act_is_q8(l.fc2.type) && rank > kGemv8MaxCols)
+                fail(PI_ERR_FORMAT, p + ": tensor " + fc2 + " is quantized with rank " + std::to_string(rank) +
+                                        " (at most " + std::to_string(kGemv8MaxCols) + ")");
+        } else if (f.tensor(fc1) || f.tensor(fc2)) {
+            fail(PI_ERR_FORMAT, p + ": layer " + std::to_string(i) + " has a predictor but layer 0 has none");
+        }
+    }
+}
+
+void Model::bind_attention(int64_t i, Layer &l) {
+    const int64_t E = hp_.n_embd, Q = hp_.n_head * hp_.d_head, KV = hp_.n_head_kv * hp_.d_head;
+    const bool layer_norm = hp_.norm == NormKind::Layer, all_biases = hp_.arch == "opt";
+    l.attn_norm = bind_vector(blk(i, "attn_norm.weight"), E, true);
+    l.attn_norm_b = bind_vector(blk(i, "attn_norm.bias"), E, layer_norm);
+    if (hp_.parallel_block) {
+        // PowerInfer's falcon: attn_norm (ln_mlp, or the 7B's only norm) feeds the FFN; attn_norm_2
+        // (ln_attn, new decoder only) feeds attention.
+        l.ffn_norm = l.attn_norm;
+        l.ffn_norm_b = l.attn_norm_b;
+        bool has_norm_2 = false;
+        const Matrix norm_2 = bind_optional(blk(i, "attn_norm_2.weight"), 1, E, true, &has_norm_2);
+        if (has_norm_2) {
+            l.attn_norm = norm_2;
+            l.attn_norm_b = bind_vector(blk(i, "attn_norm_2.bias"), E, true);
+        }
+        const Matrix qkv = bind(blk(i, "attn_qkv.weight"), Q + 2 * KV, E, false);
+        l.wq = qkv.rows_view(0, Q);
+        l.wk = qkv.rows_view(Q, KV);
+        l.wv = qkv.rows_view(Q + KV, KV);
+        const Matrix qkv_b = bind_vector(blk(i, "attn_qkv.bias"), Q + 2 * KV, false);
+        const float *b = qkv_b.floats();
+        if (b) {  // the bias vector split the same way as the rows
+            l.bq = qkv_b;
+            l.bk = qkv_b;
+            l.bk.data = reinterpret_cast<const uint8_t *>(b + Q);
+            l.bv = qkv_b;
+            l.bv.data = reinterpret_cast<const uint8_t *>(b + Q + KV);
+        }
+    } else {
+        l.ffn_norm = bind_vector(blk(i, "ffn_norm.weight"), E, true);
+        l.ffn_norm_b = bind_vector(blk(i, "ffn_norm.bias"), E, layer_norm);
+        l.wq = bind(blk(i, "attn_q.weight"), Q, E, false);
+        l.wk = bind(blk(i, "attn_k.weight"), KV, E, false);
+        l.wv = bind(blk(i, "attn_v.weight"), KV, E, false);
+        l.bq = bind_vector(blk(i, "attn_q.bias"), Q, all_biases);
+        l.bk = bind_vector(blk(i, "attn_k.bias"), KV, all_biases);
+        l.bv = bind_vector(blk(i, "attn_v.bias"), KV, all_biases);
+    }
+    l.wo = bind(blk(i, "attn_output.weight"), E, Q, false);
+    l.bo = bind_vector(blk(i, "attn_output.bias"), E, all_biases);
+}
+
+void Model::bind_ffn(int64_t i, Layer &l) {
+    const GgufFile &f = *file_;
+    const int64_t E = hp_.n_embd, F = hp_.n_ff;
+    const bool all_biases = hp_.arch == "opt";
+    if (hp_.gated) {
+        l.gate = bind(blk(i, "ffn_gate.weight"), F, E, false);
+        l.gate_b = bind_vector(blk(i, "ffn_gate.bias"), F, false);
+    }
+    l.up = bind(blk(i, "ffn_up.weight"), F, E, false);
+    l.up_b = bind_vector(blk(i, "ffn_up.bias"), F, all_biases);
+    if (!hp_.gated) {  // the activation rule reads up's output
+        l.gate = l.up;
+        l.gate_b = l.up_b;
+    }
+    if (!f.tensor(blk(i, "ffn_down_t.weight")) && f.tensor(blk(i, "ffn_down.weight")))
+        fail(PI_ERR_UNSUPPORTED, f.path() + ": tensor " + blk(i, "ffn_down_t.weight") +
+                                     " is missing (this file has ffn_down: convert the model with pi-tools convert)");
+    l.down_t = bind(blk(i, "ffn_down_t.weight"), F, E, false);
+    l.down_b = bind_vector(blk(i, "ffn_down_t.bias"), E, all_biases);
+}
+
+// A file converted with a profile stores each layer's neurons hottest first and records the order
+// (powerinfer_tools.neuron_order, docs/formats.md); pi-tools plan copies it into the GPU index it makes for
+// the file. An index without it numbers the source order (PowerInfer's solver over a profile's activation
+// files): on such a file it would mark other neurons than its author meant, so it is refused.
+void Model::check_neuron_order(const GgufFile &g) const {
+    static const std::string key = "powerinfer_tools.neuron_order";
+    const GgufValue *ours = file_->find(key), *theirs = g.find(key);
+    const auto text = [](const GgufValue *v) { return v && v->type == GV_STRING ? v->str : std::string(); };
+    if (text(ours) == text(theirs)) return;
+    const std::string &p = g.path(), &m = file_->path();
+    if (!theirs)
+        fail(PI_ERR_FORMAT, p + ": this GPU index numbers neurons in the model's source order, but " + m +
+                                " stores them in a profile's order (" + key + "): make the index with pi-tools plan");
+    fail(PI_ERR_FORMAT, p + ": this GPU index was made for a file with another neuron order (" + key + ") than " + m);
+}
+
+void Model::build_tiers(const std::string &gpuidx_path) {
+    const int64_t F = hp_.n_ff, L = hp_.n_layer;
+    std::vector<std::vector<uint8_t>> is_hot(size_t(L), std::vector<uint8_t>(size_t(F), 0));
+    if (!gpuidx_path.empty()) {
+        GgufFile g(gpuidx_path);
+        const std::string &p = g.path();
+        const std::string arch = g.get_string("general.architecture");
+        if (arch != "generic.gpu_index")
+            fail(PI_ERR_FORMAT, p + ": not a GPU index file (architecture '" + arch + "', expected generic.gpu_index)");
+        check_neuron_order(g);
+        const int64_t blocks = g.get_int("generic.gpu_index.block_count", 0, 1 << 20);
+        if (blocks != L)
+            fail(PI_ERR_FORMAT, p + ": GPU index is for a model with " + std::to_string(blocks) + " layers; " +
+                                    file_->path() + " has " + std::to_string(L));
+        for (int64_t i = 0; i < L; ++i) {
+            const std::string name = blk(i, "gpu_idx");
+            const GgufTensor *t = g.tensor(name);
+            if (!t) fail(PI_ERR_FORMAT, p + ": tensor " + name + " is missing");
+            if (t->type != TYPE_I32 || t->n_dims != 1)
+                fail(PI_ERR_FORMAT, p + ": tensor " + name + " must be a 1-D i32 vector");
+            if (int64_t(t->ne[0]) != F)
+                fail(PI_ERR_FORMAT, p + ": GPU index is for a model with n_ff " + std::to_string(t->ne[0]) + "; " +
+                                        file_->path() + " has n_ff " + std::to_string(F));
+            int64_t n_hot = 0;
+            for (int64_t j = 0; j < F; ++j) {
+                int32_t v;
+                std::memcpy(&v, t->data + 4 * j, 4);
+                if (v != 0 && v != 1) fail(PI_ERR_FORMAT, p + ": tensor " + name + " holds a value other than 0 and 1");
+                is_hot[size_t(i)][size_t(j)] = uint8_t(v);
+                n_hot += v;
+            }
+            const std::string bname = blk(i, "gpu_bucket");
+            if (const GgufTensor *b = g.tensor(bname)) {
+                if (b->type != TYPE_I32 || b->n_dims != 1 || int64_t(b->ne[0]) != n_hot)
+                    fail(PI_ERR_FORMAT, p + ": tensor " + bname + " must list the " + std::to_string(n_hot) +
+                                            " neurons that " + name + " marks");
+                int32_t prev = -1;
+                for (int64_t k = 0; k < n_hot; ++k) {
+                    int32_t v;
+                    std::memcpy(&v, b->data + 4 * k, 4);
+                    if (v <= prev || v >= F || !is_hot[size_t(i)][size_t(v)])
+                        fail(PI_ERR_FORMAT, p + ": tensor " + bname + " is not the sorted list of " + name + "'s neurons");
+                    prev = v;
+                }
+            }
+        }
+    }
+    for (int64_t i = 0; i < L; ++i) {
+        Layer &l = layers_[size_t(i)];
+        for (int32_t j = 0; j < int32_t(F); ++j) (is_hot[size_t(i)][size_t(j)] ? l.hot : l.cold).ids.push_back(j);
+        // Cold tier: rows stay in the mapping, gathered by id.
+        l.cold.gate = l.gate;
+        l.cold.up = l.up;
+        l.cold.down_t = l.down_t;
+        l.cold.packed = false;
+        l.cold.fc2 = l.fc2;
+        if (has_predictor_) bind_cold_predictor(l);  // the predictor only ever scores cold neurons
+        // Hot tier: the same mapped views; its backend takes what it computes from (TierBackend::upload).
+        l.hot.gate = l.gate;
+        l.hot.up = l.up;
+        l.hot.down_t = l.down_t;
+        l.hot.packed = false;
+    }
+}
+
+FfnTier packed_copy(const FfnTier &mapped, bool gated) {
+    // Contiguous copies, computed whole: gate and up as 8-row groups where their type packs (and then as nothing
+    // else), as rows otherwise; down_t as rows.
+    FfnTier t;
+    t.ids = mapped.ids;
+    t.packed = true;
+    const int64_t n = t.size();
+    if (n == 0) return t;
+    const int n_matrices = gated ? 3 : 2;  // ungated: gate is up
+    const Matrix *src[3] = {&mapped.down_t, &mapped.up, &mapped.gate};
+    Matrix *dst[3] = {&t.down_t, &t.up, &t.gate};
+    // (ungated: the up rows are the rule's, so their groups are gate_groups)
+    PageMemory *groups[3] = {nullptr, gated ? &t.up_groups : &t.gate_groups, &t.gate_groups};
+    bool as_rows[3];
+    size_t total = 0;
+    for (int k = 0; k < n_matrices; ++k) {
+        *dst[k] = *src[k];
+        dst[k]->rows = n;
+        dst[k]->data = nullptr;
+        as_rows[k] = !groups[k] || !t.groups_fit(*src[k]);
+        if (as_rows[k]) total += size_t(n) * src[k]->row_bytes;
+        else *groups[k] = groups_in_pages(t, *src[k]);
+    }
+    t.storage.resize(total);
+    uint8_t *at = t.storage.data();
+    for (int k = 0; k < n_matrices; ++k) {
+        if (!as_rows[k]) continue;
+        dst[k]->data = at;
+        for (int64_t r = 0; r < n; ++r) std::memcpy(at + size_t(r) * src[k]->row_bytes, src[k]->row(t.ids[size_t(r)]),
+                                                    src[k]->row_bytes);
+        at += size_t(n) * src[k]->row_bytes;
+    }
+    if (!gated) t.gate = t.up;
+    return t;
+}
+
+int64_t Model::hot_neurons() const {
+    int64_t n = 0;
+    for (const Layer &l : layers_) n += l.hot.size();
+    return n;
+}
+
+WeightCopies Model::weight_copies() const {
+    WeightCopies c;
+    c.packed = packed_.size();
+    for (const Layer &l : layers_) {
+        c.predictor += l.cold.fc2_storage.size();
+        c.cold_groups += l.cold.gate_groups.size() + l.cold.up_groups.size();
+    }
+    return c;
+}
+
+int64_t Model::max_rank() const {
+    int64_t r = 0;
+    for (const Layer &l : layers_) r = std::max(r, l.fc1.rows);
+    return r;
+}
+
+}  // namespace pi

@@ -1,0 +1,203 @@
+// A loaded model: hyperparameters, tensor views checked against them, and the FFN's hot/cold tiers.
+//
+// Architectures are described by properties in HParams (norm kind, RoPE kind, gated or plain FFN,
+// parallel or sequential block, learned positions), so that the forward pass branches on properties
+// rather than names: llama and bamboo (RMSNorm, gated FFN), falcon (LayerNorm, fused QKV, NeoX RoPE,
+// attention and FFN in parallel from the layer input) and opt (LayerNorm, learned positions, biases).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "format/gguf.h"
+#include "kernels/kernels.h"
+#include "kernels/packed.h"
+#include "runtime/page_memory.h"
+#include "format/types.h"
+
+namespace pi {
+
+enum class Activation { Relu, Silu, DRelu };
+enum class NormKind { Rms, Layer };         // RMSNorm (llama family) or LayerNorm with bias
+enum class RopeKind { None, Adjacent, NeoX };  // llama.cpp "normal" (pairs 2i, 2i+1), NeoX (i, i + n_rot/2)
+
+// A matrix in its stored type: `rows` rows of `cols` elements, each row `row_bytes` apart.
+struct Matrix {
+    uint32_t type = 0;
+    int64_t rows = 0, cols = 0;
+    size_t row_bytes = 0;
+    const uint8_t *data = nullptr;
+    // Rows [0, 8 * n_groups) again in the 8-row interleaved layout of packed.h, for matrices always read
+    // whole (q4_0/q8_0 attention projections, output head, predictor); the rest are read from `data`.
+    const uint8_t *groups = nullptr;
+    int64_t n_groups = 0;
+    const uint8_t *row(int64_t r) const { return data + size_t(r) * row_bytes; }
+    size_t bytes() const { return size_t(rows) * row_bytes; }
+    // bytes of one 8-row group of these rows in the packed layout (0 for a type that does not pack)
+    int64_t group_bytes() const { return cols / QK * int64_t(packed_block_bytes(type)); }
+    // rows [r0, r0 + n) as a matrix of their own (the parts of a fused tensor)
+    Matrix rows_view(int64_t r0, int64_t n) const {
+        Matrix m = *this;
+        m.rows = n;
+        m.data = data ? row(r0) : nullptr;
+        m.groups = nullptr;
+        m.n_groups = 0;
+        return m;
+    }
+    // An f32 vector (norm weight, bias) or nullptr when the tensor is absent.
+    const float *floats() const { return reinterpret_cast<const float *>(data); }
+};
+
+struct HParams {
+    std::string arch;        // the architecture computed: llama, bamboo, falcon or opt
+    std::string key_prefix;  // general.architecture, which names the hyperparameter keys (llama-silu: below)
+    Activation activation = Activation::Silu;
+    bool shifted_relu = false;    // FATReLU (ProSparse): ReLU's rule at each layer's act_threshold instead of 0
+    int64_t n_vocab = 0, n_embd = 0, n_layer = 0, n_ff = 0, n_head = 0, n_head_kv = 0, d_head = 0;
+    int64_t n_ctx_train = 0, n_rot = 0;
+    NormKind norm = NormKind::Rms;
+    RopeKind rope = RopeKind::Adjacent;
+    bool gated = true;            // FFN a = act(gate x) * (up x); otherwise a = act(up x + b)
+    bool parallel_block = false;  // x + attn(norm x) + ffn(norm' x) (falcon) instead of two residual steps
+    bool learned_pos = false;     // position_embd added to the token embedding (opt)
+    int64_t pos_offset = 0;       // row of position 0 in position_embd (opt: 2)
+    float norm_eps = 1e-5f;
+    float rope_base = 10000.0f;
+    float rope_freq_scale = 1.0f;
+    int64_t bos = -1, eos = -1;
+};
+
+// One FFN tier: the neurons it holds and their rows. The Model's tiers point into the mapped file via `ids`; the
+// hot tier's backend takes its own copy at load (packed_copy for the CPU's: contiguous rows and groups).
+struct FfnTier {
+    std::vector<int32_t> ids;  // neuron index in the layer for each row slot
+    Matrix gate, up, down_t;   // row r of each = neuron ids[r] (packed) or row ids[r] (mapped, see packed)
+    bool packed = false;
+    std::vector<uint8_t> storage;  // backing of packed rows
+    // The predictor's fc2 for this tier's neurons (cold tier only). f32/f16 predictors are kept transposed,
+    // weight k of every neuron, so a token's logits are `rank` axpys over contiguous rows instead of a short
+    // dot per neuron, in tiles of kFc2Tile neurons (each tile's rank rows contiguous: a thread's share of the
+    // tiles is one stream); quantized ones in 8-row groups (fc2.groups, neuron slot order), scored by gemm8.
+    static constexpr int64_t kFc2Tile = 256;
+    Matrix fc2;
+    std::vector<uint8_t> fc2_storage;
+    bool fc2_transposed = false;
+    int64_t fc2_tiles() const { return (size() + kFc2Tile - 1) / kFc2Tile; }
+    // Byte offset in fc2 (fc2_transposed) of weights k of the neurons of tile b: min(kFc2Tile, size() -
+    // b * kFc2Tile) values.
+    int64_t fc2_tile_offset(int64_t b, int64_t k) const {
+        const int64_t width = std::min(kFc2Tile, size() - b * kFc2Tile);
+        return (b * kFc2Tile * fc2.rows + k * width) * int64_t(type_size(fc2.type).bytes);
+    }
+    const uint8_t *fc2_tile_row(int64_t b, int64_t k) const { return fc2.data + fc2_tile_offset(b, k); }
+    // The units fc2 is scored in (tiles or 8-row groups): how many, and the neuron slots each covers.
+    int64_t fc2_units() const { return fc2_transposed ? fc2_tiles() : n_groups(); }
+    int64_t fc2_unit_rows() const { return fc2_transposed ? kFc2Tile : kPackRows; }
+    // gate and up rows again in 8-row groups (packed.h, the last group padded with zero rows), kept where the
+    // tier's mode reads those rows whole, so that a weight is held once (a packed copy's at load; the cold
+    // tier's by Model::arrange_cold_tier, as the layer's mode changes); empty otherwise, or for f32/f16
+    // weights. A packed copy whose gate and up are grouped holds no rows of them (gate.data and up.data are
+    // null). Ungated FFNs have only gate_groups (gate is up).
+    PageMemory gate_groups, up_groups;
+    int64_t size() const { return int64_t(ids.size()); }
+    int64_t n_groups() const { return (size() + 7) / 8; }
+    // Whether matrix m of this tier has an 8-row group layout (its type packs, gemm8 takes its width).
+    bool groups_fit(const Matrix &m) const {
+        return size() > 0 && packed_block_bytes(m.type) != 0 && m.cols <= kGemv8MaxCols;
+    }
+    // Row of neuron slot r in matrix m (packed rows are contiguous; mapped rows are gathered).
+    const uint8_t *row(const Matrix &m, int64_t r) const { return packed ? m.row(r) : m.row(ids[size_t(r)]); }
+    // Groups [g0, g1) of the tier's rows of src (groups_fit), the layer's whole mapped matrix (row ids[slot] is
+    // slot's), into out; the slots past size() are zero_row, src.row_bytes zero bytes: scale 0, so their dots
+    // are 0. A batch packs a pass's groups this way where none are kept.
+    void pack_groups(const Matrix &src, int64_t g0, int64_t g1, const void *zero_row, uint8_t *out) const;
+};
+
+// A tier's neurons copied out of the mapped rows `mapped` indexes, computed whole: gate and up as 8-row groups where
+// their type packs (and then as nothing else), as rows otherwise; down_t as rows (the CPU backend's hot tier).
+FfnTier packed_copy(const FfnTier &mapped, bool gated);
+
+// Vectors (norm weights and biases, rows = 1) are f32; an absent optional bias has data == nullptr.
+struct Layer {
+    Matrix attn_norm, attn_norm_b;  // the norm feeding attention
+    Matrix ffn_norm, ffn_norm_b;    // the norm feeding the FFN (falcon 7B: the same tensor as attn_norm)
+    Matrix wq, wk, wv, wo;          // falcon: row views into the fused attn_qkv
+    Matrix bq, bk, bv, bo;
+    Matrix gate, up, down_t;        // ungated FFN: gate is up (the rule reads the up projection)
+    Matrix gate_b, up_b, down_b;    // per neuron (gate_b, up_b) and per output (down_b)
+    Matrix fc1, fc2;  // predictor (empty when absent)
+    float act_threshold = 0.0f;   // |a| threshold for SiLU, the gate's for FATReLU (0 for ReLU and dReLU)
+    float pred_threshold = 0.0f;  // predictor logit threshold
+    bool predictor_useful = true;  // train-predictor found it better than chance (auto mode leaves it out if not)
+    FfnTier hot, cold;
+};
+
+// Bytes of weights a model holds on the heap, in another layout than the file's (the rest stays mapped):
+// matrices read whole in 8-row groups (attention, output head, predictor fc1), the predictor's fc2 for the
+// cold tier, the hot tier (rows and groups: its backend's copy, which the engine adds), the cold tier's gate/up groups.
+struct WeightCopies {
+    size_t packed = 0, predictor = 0, hot = 0, cold_groups = 0;
+};
+
+class Model {
+public:
+    // Throws EngineFailure with the file name and the first problem found.
+    Model(const std::string &path, const std::string &gpuidx_path);
+
+    const HParams &hp() const { return hp_; }
+    const Matrix &tok_embd() const { return tok_embd_; }
+    const Matrix &output_norm() const { return output_norm_; }
+    const Matrix &output_norm_b() const { return output_norm_b_; }
+    const Matrix &pos_embd() const { return pos_embd_; }  // rows: n_ctx_train + pos_offset (learned_pos)
+    const Matrix &output() const { return output_; }
+    const std::vector<Layer> &layers() const { return layers_; }
+    bool has_predictor() const { return has_predictor_; }
+    bool pwri() const { return file_->pwri_magic(); }
+    const std::string &path() const { return file_->path(); }
+    int64_t hot_neurons() const;
+    // Holds the cold tier's gates (ups) of layer il in 8-row groups or as the mapped rows, as asked, where
+    // the types allow: a mode reads a matrix whole with gemm8 on the groups, or rows of it by index. Grouping
+    // hands the mapped rows' pages back; ungrouping (only where may_drop) frees the groups, and the rows come
+    // from the file again.
+    void arrange_cold_tier(int64_t il, bool gate_groups, bool up_groups, bool may_drop);
+    // Hands back the pages of layer il's mapped cold gate (up) rows where groups also hold them (rows a batch read
+    // by index).
+    void release_grouped_rows(int64_t il, bool gate, bool up);
+    WeightCopies weight_copies() const;
+    // Largest predictor rank over layers (0 without predictors).
+    int64_t max_rank() const;
+
+private:
+    Matrix bind(const std::string &name, int64_t rows, int64_t cols, bool f32_only);
+    // A matrix of a decodable type (types.h) comes back as f16 rows decoded into decoded_.
+    Matrix bind_optional(const std::string &name, int64_t rows, int64_t cols, bool f32_only, bool *found);
+    // An f32 vector of n values; absent is an error when `required`, else an empty Matrix.
+    Matrix bind_vector(const std::string &name, int64_t n, bool required);
+    void bind_attention(int64_t i, Layer &l);
+    void bind_ffn(int64_t i, Layer &l);
+    void read_hparams();
+    void bind_tensors();
+    void build_tiers(const std::string &gpuidx_path);
+    void check_neuron_order(const GgufFile &gpuidx) const;
+    // The cold tier's predictor rows (see FfnTier::fc2), from the layer's fc2.
+    void bind_cold_predictor(Layer &l);
+    // Packs the matrices every token reads whole into 8-row groups (see Matrix::groups), all in one buffer on
+    // 2 MiB pages (streamed every token: on 4 KiB pages a stream misses the TLB every 4 KiB).
+    void pack_dense_matrices();
+    // bytes of m's groups (0 where it does not pack); pack writes them to `out` and points m at them
+    static int64_t packed_bytes(const Matrix &m);
+    void pack(Matrix &m, uint8_t *out);
+
+    std::unique_ptr<GgufFile> file_;
+    HParams hp_;
+    Matrix tok_embd_, pos_embd_, output_norm_, output_norm_b_, output_;
+    std::vector<Layer> layers_;
+    bool has_predictor_ = false;
+    PageMemory packed_;  // backing of the packed matrices' Matrix::groups
+    std::vector<std::vector<uint16_t>> decoded_;  // f16 rows of the matrices stored in a decodable type
+};
+
+}  // namespace pi

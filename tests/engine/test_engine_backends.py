@@ -16,7 +16,7 @@ from engine import EngineError
 
 TOKENS = random_tokens(40, 384, seed=3)
 N_PROMPT = 32
-HEADER = Path(__file__).resolve().parents[1] / "csrc" / "include"
+HEADER = Path(__file__).resolve().parents[2] / "csrc" / "include"
 
 
 def logits(path, mode, hot_backend, **kw):

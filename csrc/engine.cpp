@@ -124,15 +124,23 @@ const char *tier_mode_name(TierMode m) {
     return "?";
 }
 
+namespace {
+
+// The thread count asked for (0 or less: all cores), checked.
+int thread_count(int requested) {
+    if (requested > 256) fail(PI_ERR_ARGUMENT, "threads must be at most 256");
+    return requested > 0 ? requested : int(std::max(1u, std::thread::hardware_concurrency()));
+}
+
+}  // namespace
+
 Engine::Engine(const std::string &path, const pi_options &opts)
-    : model_(std::make_unique<Model>(path, opts.gpuidx_path ? opts.gpuidx_path : "")),
+    : model_(std::make_unique<Model>(path, opts.gpuidx_path ? opts.gpuidx_path : "", thread_count(opts.threads))),
       hp_(model_->hp()),
       sampler_(model_->hp().n_vocab) {
     ks_ = kernels_named(opts.isa);
     if (!ks_) fail(PI_ERR_UNSUPPORTED, std::string("kernel set '") + opts.isa + "' is not available on this CPU/build");
-    int threads = opts.threads;
-    if (threads <= 0) threads = int(std::max(1u, std::thread::hardware_concurrency()));
-    if (threads > 256) fail(PI_ERR_ARGUMENT, "threads must be at most 256");
+    const int threads = thread_count(opts.threads);
     n_ctx_ = opts.ctx_size > 0 ? opts.ctx_size : std::min(hp_.n_ctx_train, kDefaultCtx);
     if (n_ctx_ > (int64_t(1) << 20)) fail(PI_ERR_ARGUMENT, "ctx_size is too large");
     if (hp_.learned_pos) n_ctx_ = std::min(n_ctx_, hp_.n_ctx_train);  // no position beyond the learned table

@@ -11,7 +11,7 @@ so the file's predictors should select at threshold 0 (scripts/synthetic_llama.p
 PowerInfer is a peer, never a dependency: build it from its source in a directory of your own.
 
 Usage: python scripts/bench_powerinfer.py --file model.powerinfer.gguf --powerinfer /tmp/powerinfer/build/bin/main
-         [--rounds 3] [--n-gen 32] [--threads 2] [--mode predictor] [--json out.json]
+         [--rounds 3] [--n-gen 32] [--threads 2] [--mode predictor] [--peer-file plain.gguf] [--json out.json]
 """
 from __future__ import annotations
 
@@ -50,18 +50,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--file", type=Path, required=True, help="PowerInfer GGUF both engines load")
     ap.add_argument("--powerinfer", type=Path, required=True, help="PowerInfer's main binary (CPU build)")
+    ap.add_argument("--peer-file", type=Path, default=None,
+                    help="the file PowerInfer's main runs instead (default: --file); e.g. bench's plain llama.cpp "
+                         "copy of the same weights, which its llama.cpp code runs dense")
     ap.add_argument("--rounds", type=int, default=3, help="default 3")
     ap.add_argument("--n-gen", type=int, default=32, help="tokens generated per run (default 32)")
     ap.add_argument("--threads", type=int, default=2, help="default 2")
     ap.add_argument("--mode", default="predictor", help="our FFN mode (default predictor)")
     ap.add_argument("--json", type=Path, default=None, help="write the per-round rates here")
     args = ap.parse_args()
-    common = ["-m", str(args.file), "-p", PROMPT, "-n", str(args.n_gen), "-t", str(args.threads), "--temp", "0"]
+    common = ["-p", PROMPT, "-n", str(args.n_gen), "-t", str(args.threads), "--temp", "0", "--repeat-penalty", "1.0"]
     contestants = {
-        "powerinfer": ([str(args.powerinfer), *common, "--ignore-eos", "--repeat-penalty", "1.0"],
+        "powerinfer": ([str(args.powerinfer), "-m", str(args.peer_file or args.file), *common, "--ignore-eos"],
                        {"LLAMA_SPARSE_PRED_THRESHOLD": "0"}),
-        f"ours {args.mode}": ([sys.executable, "-m", "powerinfer_tools", "run", *common, "--sparse-mode", args.mode,
-                               "--repeat-penalty", "1.0"], {}),
+        f"ours {args.mode}": ([sys.executable, "-m", "powerinfer_tools", "run", "-m", str(args.file), *common,
+                               "--sparse-mode", args.mode], {}),
     }
     rounds = []
     for r in range(args.rounds):
@@ -76,7 +79,8 @@ def main() -> None:
         print(f"{name}: pp {v['pp']:.1f} t/s, tg {v['tg']:.2f} t/s (medians of {args.rounds})")
     print(f"ours / powerinfer (median of per-round ratios): pp {ratio['pp']:.2f}x, tg {ratio['tg']:.2f}x")
     if args.json:
-        args.json.write_text(json.dumps({"file": str(args.file), "n_gen": args.n_gen, "threads": args.threads,
+        args.json.write_text(json.dumps({"file": str(args.file), "peer_file": str(args.peer_file or args.file),
+                                         "n_gen": args.n_gen, "threads": args.threads,
                                          "mode": args.mode, "rounds": rounds, "median": summary,
                                          "ratio": ratio, "load": os.getloadavg()}, indent=1))
 

@@ -111,7 +111,7 @@ def build_model(out: Path, shape: Shape, seed: int = 0, progress: bool = True) -
     return total
 
 
-def build_tokenizer(out: Path, vocab: int, text_bytes: int | None = None) -> int:
+def build_tokenizer(out: Path, vocab: int) -> int:
     """SentencePiece BPE with byte fallback, as Llama's, trained on the calibration text; returns its size."""
     import sentencepiece as spm
 
@@ -120,7 +120,7 @@ def build_tokenizer(out: Path, vocab: int, text_bytes: int | None = None) -> int
         sys.exit(f"no calibration text under {DATA} to train a tokenizer on")
     work = out / ".spm"
     work.mkdir(parents=True, exist_ok=True)
-    (work / "text.txt").write_text(text[:text_bytes])
+    (work / "text.txt").write_text(text)
     spm.SentencePieceTrainer.train(input=str(work / "text.txt"), model_prefix=str(work / "sp"), vocab_size=vocab,
                                    hard_vocab_limit=False, model_type="bpe", byte_fallback=True, unk_id=0,
                                    bos_id=1, eos_id=2, pad_id=-1, minloglevel=2, num_threads=2)

@@ -61,7 +61,8 @@ def main() -> None:
     args = ap.parse_args()
     common = ["-p", PROMPT, "-n", str(args.n_gen), "-t", str(args.threads), "--temp", "0", "--repeat-penalty", "1.0"]
     contestants = {
-        "powerinfer": ([str(args.powerinfer), "-m", str(args.peer_file or args.file), *common, "--ignore-eos"],
+        "powerinfer": ([str(args.powerinfer), "-m", str(args.peer_file or args.file), *common, "--ignore-eos",
+                        "--log-disable"],
                        {"LLAMA_SPARSE_PRED_THRESHOLD": "0"}),
         f"ours {args.mode}": ([sys.executable, "-m", "powerinfer_tools", "run", "-m", str(args.file), *common,
                                "--sparse-mode", args.mode], {}),

@@ -23,10 +23,16 @@ int64_t largest_tier(const Model &model, bool hot) {
     return n;
 }
 
+// The thread count asked for (0 or less: all cores), checked.
+int thread_count(int requested) {
+    if (requested > 256) fail(PI_ERR_ARGUMENT, "threads must be at most 256");
+    return requested > 0 ? requested : int(std::max(1u, std::thread::hardware_concurrency()));
+}
+
 }  // namespace
 
 Engine::Engine(const std::string &path, const pi_options &opts, const std::string &hot_backend)
-    : model_(std::make_unique<Model>(path, opts.gpuidx_path ? opts.gpuidx_path : "")),
+    : model_(std::make_unique<Model>(path, opts.gpuidx_path ? opts.gpuidx_path : "", thread_count(opts.threads))),
       hp_(model_->hp()),
       policy_(*model_),
       stats_(model_->hp().n_layer),
@@ -35,9 +41,7 @@ Engine::Engine(const std::string &path, const pi_options &opts, const std::strin
     if (!ks_) fail(PI_ERR_UNSUPPORTED, std::string("kernel set '") + opts.isa + "' is not available on this CPU/build");
     if (hot_backend != "cpu" && hot_backend != "reference")
         fail(PI_ERR_ARGUMENT, "unknown tier backend '" + hot_backend + "' (cpu or reference)");
-    int threads = opts.threads;
-    if (threads <= 0) threads = int(std::max(1u, std::thread::hardware_concurrency()));
-    if (threads > 256) fail(PI_ERR_ARGUMENT, "threads must be at most 256");
+    const int threads = thread_count(opts.threads);
     n_ctx_ = opts.ctx_size > 0 ? opts.ctx_size : std::min(hp_.n_ctx_train, kDefaultCtx);
     if (n_ctx_ > (int64_t(1) << 20)) fail(PI_ERR_ARGUMENT, "ctx_size is too large");
     if (hp_.learned_pos) n_ctx_ = std::min(n_ctx_, hp_.n_ctx_train);  // no position beyond the learned table

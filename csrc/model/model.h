@@ -145,7 +145,8 @@ struct WeightCopies {
 class Model {
 public:
     // Throws EngineFailure with the file name and the first problem found.
-    Model(const std::string &path, const std::string &gpuidx_path);
+    // threads: how many pack the dense matrices (the engine's thread count)
+    Model(const std::string &path, const std::string &gpuidx_path, int threads = 1);
 
     const HParams &hp() const { return hp_; }
     const Matrix &tok_embd() const { return tok_embd_; }
@@ -186,7 +187,7 @@ private:
     void bind_cold_predictor(Layer &l);
     // Packs the matrices every token reads whole into 8-row groups (see Matrix::groups), all in one buffer on
     // 2 MiB pages (streamed every token: on 4 KiB pages a stream misses the TLB every 4 KiB).
-    void pack_dense_matrices();
+    void pack_dense_matrices(int threads);
     // bytes of m's groups (0 where it does not pack); pack writes them to `out` and points m at them
     static int64_t packed_bytes(const Matrix &m);
     void pack(Matrix &m, uint8_t *out);

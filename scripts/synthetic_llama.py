@@ -1,0 +1,219 @@
+#!/usr/bin/env python3
+"""Random-weight ReLU Llama checkpoints in the exact shapes of ReluLLaMA-7B / -13B, made here (no download),
+with a profile and predictors that select a chosen share of each layer's neurons.
+
+The model: sharded f16 safetensors, one shard per layer (built one tensor at a time, so the memory it
+needs is about one layer whatever the model's size), config.json (hidden_act relu) and a SentencePiece
+BPE tokenizer trained on the project's calibration text (fewer pieces than the vocabulary when the text
+runs out of merges; the converter pads the rest).
+
+The profile: activation counts following placement's synthetic power law (the placement benchmark's),
+per layer, for `plan` and neuron order.
+
+The predictors: fc2(relu(fc1 x)) with no biases, built so that neuron j is predicted active (logit > 0)
+with probability p_j for any input x: fc1 rows are iid N(0, 1/n_embd), fc2[j] = g_j + c_j * 1 with
+g_j iid N(0, 1). Given h = relu(fc1 x), g_j . h ~ N(0, |h|^2) and sum(h) / |h| ~= sqrt(rank / pi)
+(half-normal moments), so logit_j > 0 <=> g_j . h / |h| > -c_j sqrt(rank / pi), which holds with
+probability p_j when c_j = Phi^-1(p_j) sqrt(pi / rank). The sign of a logit does not depend on the
+scale of x (the predictor is positively homogeneous), so the share holds in every layer of a random
+model whose residual grows from layer to layer, and at threshold 0, which is PowerInfer's default
+(LLAMA_SPARSE_PRED_THRESHOLD): both engines select the same rows. p_j follows the profile's power law,
+scaled to the mean 1 - sparsity.
+
+Usage:
+  python scripts/synthetic_llama.py model --shape 7b --out /work/runs/28/relu7b
+  python scripts/synthetic_llama.py predictors --shape 7b --sparsity 0.9 --out /work/runs/28/pred-s90
+  python scripts/synthetic_llama.py profile --shape 7b --out /work/runs/28/prof
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+DATA = next((p for p in (ROOT.parent / "shared" / "data", Path("/work/shared/data")) if p.is_dir()),
+            Path("/work/shared/data"))
+TOKENIZER_TEXT = ("wikitext-2-valid.txt", "tinyshakespeare.txt")  # calibration text only, never the test split
+
+
+@dataclass(frozen=True)
+class Shape:
+    n_embd: int
+    n_ff: int
+    n_layer: int
+    n_head: int
+    vocab: int = 32000
+    n_ctx: int = 4096
+
+
+SHAPES = {
+    "7b": Shape(4096, 11008, 32, 32),    # ReluLLaMA-7B (Llama-2-7B's shape)
+    "13b": Shape(5120, 13824, 40, 40),   # ReluLLaMA-13B
+    "2b": Shape(2048, 5632, 20, 16),     # measure_convert_memory's default: >= 2 GB of weights
+    "tiny": Shape(128, 512, 3, 4, vocab=600, n_ctx=512),  # tests
+}
+
+
+def shape_of(name: str, layers: int | None = None) -> Shape:
+    shape = SHAPES[name]
+    return replace(shape, n_layer=layers) if layers else shape
+
+
+def build_model(out: Path, shape: Shape, seed: int = 0, progress: bool = True) -> int:
+    """Write the checkpoint, tokenizer included; returns its weight bytes."""
+    out.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    d, f = shape.n_embd, shape.n_ff
+    shards, index, total = [], {}, 0
+
+    def shard(tensors: dict[str, torch.Tensor]) -> None:
+        nonlocal total
+        name = f"model-{len(shards) + 1:05d}-of-{shape.n_layer + 2:05d}.safetensors"
+        save_file(tensors, out / name, metadata={"format": "pt"})
+        shards.append(name)
+        for k, v in tensors.items():
+            index[k] = name
+            total += v.numel() * v.element_size()
+
+    def rand(*dims: int) -> torch.Tensor:
+        return (torch.randn(*dims, generator=gen) * 0.02).to(torch.float16)
+
+    def ones() -> torch.Tensor:
+        return torch.ones(d, dtype=torch.float16)
+
+    shard({"model.embed_tokens.weight": rand(shape.vocab, d)})
+    for i in tqdm(range(shape.n_layer), desc="layers", unit="layer", disable=not progress):
+        p = f"model.layers.{i}."
+        shard({p + "input_layernorm.weight": ones(), p + "post_attention_layernorm.weight": ones(),
+               **{p + f"self_attn.{x}_proj.weight": rand(d, d) for x in "qkvo"},
+               p + "mlp.gate_proj.weight": rand(f, d), p + "mlp.up_proj.weight": rand(f, d),
+               p + "mlp.down_proj.weight": rand(d, f)})
+    shard({"model.norm.weight": ones(), "lm_head.weight": rand(shape.vocab, d)})
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                  "weight_map": index}))
+    (out / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": d, "intermediate_size": f,
+        "num_hidden_layers": shape.n_layer, "num_attention_heads": shape.n_head,
+        "num_key_value_heads": shape.n_head, "hidden_act": "relu", "max_position_embeddings": shape.n_ctx,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "vocab_size": shape.vocab, "tie_word_embeddings": False,
+        "torch_dtype": "float16", "bos_token_id": 1, "eos_token_id": 2}, indent=1))
+    build_tokenizer(out, shape.vocab)
+    return total
+
+
+def build_tokenizer(out: Path, vocab: int) -> int:
+    """SentencePiece BPE with byte fallback, as Llama's, trained on the calibration text; returns its size."""
+    import sentencepiece as spm
+
+    text = "".join((DATA / name).read_text() for name in TOKENIZER_TEXT if (DATA / name).is_file())
+    if not text:
+        sys.exit(f"no calibration text under {DATA} to train a tokenizer on")
+    work = out / ".spm"
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "text.txt").write_text(text)
+    spm.SentencePieceTrainer.train(input=str(work / "text.txt"), model_prefix=str(work / "sp"), vocab_size=vocab,
+                                   hard_vocab_limit=False, model_type="bpe", byte_fallback=True, unk_id=0,
+                                   bos_id=1, eos_id=2, pad_id=-1, minloglevel=2, num_threads=2)
+    shutil.copy(work / "sp.model", out / "tokenizer.model")
+    shutil.rmtree(work)
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "add_bos_token": True, "add_eos_token": False}))
+    return spm.SentencePieceProcessor(model_file=str(out / "tokenizer.model")).get_piece_size()
+
+
+def selection_rates(shape: Shape, sparsity: float) -> np.ndarray:
+    """Per neuron (hottest first) the probability of being predicted active: placement's power law scaled to
+    the mean 1 - sparsity (capped at 1)."""
+    from powerinfer_tools.stages import placement
+
+    rate = placement.power_law_rates(shape.n_ff)
+    target = (1.0 - sparsity) * shape.n_ff
+    low, high = 0.0, shape.n_ff / rate.min()  # bisect the scale: sum(min(1, scale * rate)) is monotone in it
+    for _ in range(100):
+        mid = (low + high) / 2
+        low, high = (mid, high) if np.minimum(1.0, rate * mid).sum() < target else (low, mid)
+    return np.minimum(1.0, rate * high)
+
+
+def neuron_permutation(shape: Shape, layer: int, seed: int = 0) -> np.ndarray:
+    """Source position of the layer's k-th hottest neuron: hot neurons scattered as in a trained model."""
+    return np.random.default_rng([seed, layer]).permutation(shape.n_ff)
+
+
+def build_predictors(out: Path, shape: Shape, sparsity: float, rank: int = 128, seed: int = 0) -> Path:
+    """A predictor directory (docs/formats.md) whose layers predict a share 1 - `sparsity` of neurons active."""
+    from scipy.stats import norm
+
+    from powerinfer_tools.core.atomic import atomic_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    rates = selection_rates(shape, sparsity)
+    shift = torch.tensor(norm.ppf(np.clip(rates, 1e-6, 1 - 1e-6)) * np.sqrt(np.pi / rank), dtype=torch.float32)
+    for i in range(shape.n_layer):
+        gen = torch.Generator().manual_seed(seed * 1000 + i)
+        fc1 = torch.randn(rank, shape.n_embd, generator=gen) / shape.n_embd ** 0.5
+        fc2 = torch.randn(shape.n_ff, rank, generator=gen)
+        fc2[torch.from_numpy(neuron_permutation(shape, i, seed))] += shift[:, None]
+        with atomic_file(out / f"model_{i}.pt") as tmp:
+            torch.save({"fc1.weight": fc1, "fc2.weight": fc2}, tmp)
+    (out / "config.json").write_text(json.dumps({
+        "format": "powerinfer-tools.predictors/1", "sparse_threshold": 0.0, "synthetic_sparsity": sparsity,
+        "layers": [{"layer": i, "rank": rank, "threshold": 0.0} for i in range(shape.n_layer)]}, indent=1))
+    return out
+
+
+def build_profile(out: Path, shape: Shape, tokens: int = 1 << 16, seed: int = 0) -> Path:
+    """A profile directory (docs/formats.md) of power-law counts, the same hot neurons as the predictors'."""
+    from powerinfer_tools.stages import placement
+
+    (out / "activation").mkdir(parents=True, exist_ok=True)
+    hottest_first = placement.synthetic_counts([shape.n_ff] * shape.n_layer, tokens=tokens)
+    layers = []
+    for i, counts in enumerate(hottest_first):
+        by_source = np.zeros(shape.n_ff, dtype=np.int64)
+        by_source[neuron_permutation(shape, i, seed)] = counts.astype(np.int64)
+        torch.save(torch.from_numpy(by_source), out / "activation" / f"activation_{i}.pt")
+        layers.append({"layer": i, "sparsity": float(1.0 - counts.sum() / (tokens * shape.n_ff))})
+    (out / "profile.json").write_text(json.dumps({
+        "format": "powerinfer-tools.profile/1",
+        "model": {"source": "synthetic", "arch": "llama-relu", "gguf_arch": "llama", "model_type": "llama",
+                  "activation": "relu", "n_layer": shape.n_layer, "n_embd": shape.n_embd, "n_ff": shape.n_ff},
+        "rule": "nonzero", "thresholds": [0.0] * shape.n_layer, "target_sparsity": None, "tokens": tokens,
+        "synthetic": "placement.synthetic_counts", "layers": layers}, indent=1))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=("model", "predictors", "profile"))
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="7b", help="default: 7b")
+    ap.add_argument("--layers", type=int, default=None, help="fewer layers than the shape's (default: all)")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--sparsity", type=float, default=0.9, help="predictors: share predicted inactive (default 0.9)")
+    ap.add_argument("--rank", type=int, default=128, help="predictors: rank (default 128)")
+    args = ap.parse_args()
+    shape = shape_of(args.shape, args.layers)
+    if args.what == "model":
+        total = build_model(args.out, shape)
+        print(f"{args.out}: {total / 2**30:.2f} GiB of f16 weights in {shape.n_layer + 2} shards")
+    elif args.what == "predictors":
+        if not 0.0 <= args.sparsity < 1.0:
+            sys.exit(f"--sparsity must be in [0, 1), got {args.sparsity}")
+        build_predictors(args.out, shape, args.sparsity, args.rank)
+    else:
+        build_profile(args.out, shape)
+
+
+if __name__ == "__main__":
+    main()

@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from powerinfer_tools import arch as arch_mod
 from powerinfer_tools import calibration, evaluate, models
+from powerinfer_tools.arch.base import rope_theta
 from powerinfer_tools.atomic import check_output_dir, publish_dir
 from powerinfer_tools.errors import UserError
 from powerinfer_tools.safe_load import load_pt
@@ -536,6 +537,17 @@ def _identity(opts: SparsifyOptions, source, config) -> dict:
     return keep
 
 
+def _write_rope_theta(config_path: Path, config) -> None:
+    """PowerInfer's converters read config.json's top-level `rope_theta`, which transformers 5 writes under
+    `rope_parameters` only: its convert.py then writes no RoPE base (its engine runs 10000 whatever the model's)
+    and its convert-hf-to-powerinfer-gguf.py stops on a KeyError. Written at the top level as well
+    (transformers reads `rope_parameters` first)."""
+    data = json.loads(config_path.read_text())
+    if "rope_theta" not in data:
+        data["rope_theta"] = rope_theta(config)
+        config_path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
 def _write_model(student, tokenizer, report: dict, out: Path, force: bool) -> None:
     check_output_dir(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -544,6 +556,7 @@ def _write_model(student, tokenizer, report: dict, out: Path, force: bool) -> No
     try:
         student.config.hidden_act = "relu"
         student.save_pretrained(tmp, safe_serialization=True)
+        _write_rope_theta(tmp / "config.json", student.config)
         tokenizer.save_pretrained(tmp)
         (tmp / REPORT_NAME).write_text(json.dumps(report, indent=2))
         publish_dir(tmp, out)

@@ -122,8 +122,9 @@ class PowerInfer:
         names = re.findall(r"gguf_ex_read_0: tensor\[\d+\]: name = (\S+), offset", proc.stdout)
         return names, tail(proc.stdout, 1)
 
-    def convert(self, script: str, hf: Path, predictors: Path, out: Path, outtype: str) -> tuple[bool, str]:
-        args = ["--outfile", out, "--outtype", outtype, hf, predictors]
+    def convert(self, script: str, hf: Path, predictors: Path, out: Path, outtype: str,
+                options: list) -> tuple[bool, str]:
+        args = ["--outfile", out, "--outtype", outtype, *options, hf, predictors]
         proc = run([sys.executable, self.source / script, *args], self.log, env={"PYTHONPATH": self.numpy1_path},
                    check=False)
         return proc.returncode == 0 and out.is_file(), tail(proc.stdout, 2)
@@ -245,34 +246,72 @@ def with_uniform_threshold(pred: Path, out: Path) -> Path:
     return out
 
 
+def last_logits(model: Path, tokens: list, mode: str) -> np.ndarray:
+    import engine
+
+    with engine.Model(model, threads=1, sparse_mode=mode, ctx_size=256) as m:
+        return m.eval(tokens, all_logits=False)
+
+
+def quantization_gap(theirs: Generation, ours: Generation, reference: Path, model: Path, mode: str) -> str:
+    """Where PowerInfer and we part on a quantized file: how far apart the two picks are in our logits, next to
+    how far quantization moves our logits there (ours on the file against ours on the unquantized one, same
+    prefix).
+    A gap below that is the quantization's, not the file's."""
+    k = next((i for i, (a, b) in enumerate(zip(theirs.tokens, ours.tokens)) if a != b), None)
+    if k is None:
+        return ""
+    prefix = theirs.prompt + theirs.tokens[:k]
+    q, f = last_logits(model, prefix, mode), last_logits(reference, prefix, mode)
+    a, b = ours.tokens[k], theirs.tokens[k]
+    gap, moved = float(q[a] - q[b]), float(np.sqrt(np.mean((q - f) ** 2)))
+    return (f"at {k}: gap {gap:.3g} {'<' if gap < moved else '>='} quantization's logit error {moved:.3g} "
+            "(rms, against the unquantized file)")
+
+
 def ours_to_theirs(name: str, hf: Path, work: Path, pi: PowerInfer, args, prof: Path, pred: Path,
                    eval_text: Path) -> None:
     log = work / "log.txt"
     uniform = with_uniform_threshold(pred, work / "pred-uniform")
-    theirs_ppl = {}
     for outtype in args.types:
         f = work / f"{name}.{outtype}.powerinfer.gguf"
         if not f.is_file():
             pi_tools("convert", "-m", hf, "--predictors", uniform, "--profile", prof, "-t", outtype, "-o", f,
                      "-q", log=log)
-        g_theirs = pi.main(f, PROMPT, args.tokens, work)
-        if not g_theirs.loads:
-            row(f.name, "pi-tools convert", "PowerInfer main", False, note=g_theirs.error)
+        theirs = pi.main(f, PROMPT, args.tokens, work)
+        if not theirs.loads:
+            row(f.name, "pi-tools convert", "PowerInfer main", False, note=theirs.error)
             continue
-        ours_tok = ours_greedy(f, g_theirs.prompt, args.tokens, "predictor")
-        dense_tok = ours_greedy(f, g_theirs.prompt, args.tokens, "dense")
+        ours = ours_greedy(f, theirs.prompt, args.tokens, "predictor")
+        dense = ours_greedy(f, theirs.prompt, args.tokens, "dense")
+        # with a gpu index (pi-tools plan), beside the model as PowerInfer looks for it
+        idx = Path(str(f) + ".generated.gpuidx")
+        pi_tools("plan", "-m", f, "--vram-budget", args.vram_budget, "--profile", prof, "--reserve-mib", "0",
+                 "--min-layer-neurons", "0", "-o", idx, log=log)
+        theirs_idx = pi.main(f, PROMPT, args.tokens, work)
+        ours_idx = ours_greedy(f, theirs.prompt, args.tokens, "predictor", gpuidx=idx)
+        if outtype == args.types[0]:
+            names, msg = pi.parses(idx)
+            n_layer = gguf_info(f)["n_layer"]
+            want = [f"blk.{i}.{k}" for i in range(n_layer) for k in ("gpu_idx", "gpu_bucket")]
+            row(f"{name} index (pi-tools plan)", "pi-tools plan", "PowerInfer's GGUF parser", names == want,
+                note="the 2 tensors a layer its loader takes by position" if names == want else msg)
+        idx.unlink()
+        Path(str(idx) + ".json").unlink(missing_ok=True)
         ppl = ""
         if outtype in args.ppl_types:
-            theirs, err = pi.perplexity(f, eval_text, args.ctx, args.chunks)
-            theirs_ppl[outtype] = theirs
-            if theirs is not None:
+            their_ppl, err = pi.perplexity(f, eval_text, args.ctx, args.chunks)
+            if their_ppl is not None:
                 tokens, bos = eval_tokens(f, eval_text)
                 mine = ours_perplexity(f, tokens, args.ctx, args.chunks, bos, "predictor")
-                ppl = f"{mine:.3f} vs {theirs:.3f} ({100 * (mine / theirs - 1):+.2f} %)"
+                ppl = f"{mine:.3f} vs {their_ppl:.3f} ({100 * (mine / their_ppl - 1):+.2f} %)"
             else:
                 ppl = f"theirs failed: {err}"
-        row(f.name, "pi-tools convert", "PowerInfer main / ours predictor", True, agreement(g_theirs, ours_tok),
-            ppl, note=f"ours dense vs theirs {agreement(g_theirs, dense_tok)}")
+        note = [f"with the index {agreement(theirs_idx, ours_idx)}", f"ours dense {agreement(theirs, dense)}"]
+        if outtype not in ("f32", "f16"):
+            note.append(quantization_gap(theirs, ours, work / f"{name}.f32.powerinfer.gguf", f, "predictor"))
+        row(f.name, "pi-tools convert", "PowerInfer main / ours predictor", True, agreement(theirs, ours), ppl,
+            note="; ".join(n for n in note if n))
     # per-layer thresholds (what convert writes from train-predictor as it is): PowerInfer uses the lowest
     f = work / f"{name}.f16.per-layer.powerinfer.gguf"
     if not f.is_file():
@@ -281,23 +320,6 @@ def ours_to_theirs(name: str, hf: Path, work: Path, pi: PowerInfer, args, prof: 
     ours_tok = ours_greedy(f, g.prompt, args.tokens, "predictor") if g.loads else Generation(False)
     row(f.name, "pi-tools convert (per-layer thresholds)", "PowerInfer main / ours predictor", g.loads,
         agreement(g, ours_tok), note="PowerInfer reads one threshold (powerinfer.sparse_threshold) for all layers")
-    # with a gpu index (ours, pi-tools plan), beside the model as PowerInfer looks for it
-    f16 = work / f"{name}.f16.powerinfer.gguf"
-    idx = Path(str(f16) + ".generated.gpuidx")
-    pi_tools("plan", "-m", f16, "--vram-budget", args.vram_budget, "--profile", prof, "--reserve-mib", "0",
-             "--min-layer-neurons", "0",
-             "-o", idx, log=log)
-    g = pi.main(f16, PROMPT, args.tokens, work)
-    ours_tok = ours_greedy(f16, g.prompt, args.tokens, "predictor", gpuidx=idx)
-    names, msg = pi.parses(idx)
-    n_layer = gguf_info(f16)["n_layer"]
-    want = [f"blk.{i}.{k}" for i in range(n_layer) for k in ("gpu_idx", "gpu_bucket")]
-    row(idx.name, "pi-tools plan", "PowerInfer gguf parser / main (CPU)", names == want,
-        agreement(g, ours_tok) if g.loads else "",
-        note=("its parser reads the 2 tensors a layer its loader takes by position; its CPU build never loads "
-              "an index (llama.cpp llm_load_gpu_split: #if GGML_USE_CUBLAS); ours computes the index's neurons "
-              "densely") if names == want else f"its parser: {msg}")
-    idx.unlink()
 
 
 def eval_tokens(model: Path, text: Path) -> tuple[list, int | None]:
@@ -317,11 +339,11 @@ def eval_tokens(model: Path, text: Path) -> tuple[list, int | None]:
 def theirs_to_ours(name: str, hf: Path, work: Path, pi: PowerInfer, args, prof: Path, pred: Path,
                    eval_text: Path, scripts: list[str]) -> None:
     uniform = work / "pred-uniform"
-    hf = their_view(hf, work)
+    hf, options = their_view(hf, work)
     for script in scripts:
         base = work / f"theirs.{Path(script).stem}.f16.gguf"
         base.unlink(missing_ok=True)  # its converters leave an empty file when they fail
-        ok, msg = pi.convert(script, hf, uniform, base, "f16")
+        ok, msg = pi.convert(script, hf, uniform, base, "f16", options if script == "convert.py" else [])
         if not ok:
             row(base.name, f"PowerInfer {script}", "-", False, note=msg)
             continue
@@ -334,39 +356,66 @@ def theirs_to_ours(name: str, hf: Path, work: Path, pi: PowerInfer, args, prof: 
                 files.append(q)
             else:
                 row(q.name, "PowerInfer quantize", "-", False, note=msg)
-        reference = None
         for f in files:
             g = pi.main(f, PROMPT, args.tokens, work)
-            ours = ours_greedy(f, g.prompt, args.tokens, "predictor") if g.loads else ours_greedy(
-                f, [1, 2, 3], 1, "predictor")
-            dense = ours_greedy(f, g.prompt, args.tokens, "dense") if g.loads else Generation(False)
+            prompt = g.prompt if g.loads else [1, 2, 3]
+            ours = ours_greedy(f, prompt, args.tokens, "predictor")
+            dense = ours_greedy(f, prompt, args.tokens, "dense")
             producer = f"PowerInfer {script}" + (" + quantize" if f is not base else "")
             note = [] if g.loads else [f"theirs: {g.error}"]
             if not ours.loads:
                 note.append(f"ours: {ours.error}")
             elif g.loads:
-                note.append(f"ours dense vs theirs {agreement(g, dense)}")
-                if reference is None:
-                    reference = ours
-                else:
-                    note.append(f"ours here vs ours on the f16 file {agreement(reference, ours)}")
+                note.append(f"ours dense {agreement(g, dense)}")
+                if f is not base:
+                    note.append(quantization_gap(g, ours, base, f, "predictor"))
+                    down = down_type(f)
+                    if down not in ("F16", "Q4_0"):
+                        note.append(f"its quantize made ffn_down_t {down}, which PowerInfer's CPU axpy reads as f16 "
+                                    "(ggml.c ggml_compute_forward_mul_mat_axpy)")
             row(f.name, producer, "ours predictor / PowerInfer main", ours.loads and g.loads,
-                agreement(g, ours), note="; ".join(note))
+                agreement(g, ours), note="; ".join(n for n in note if n))
 
 
-def their_view(hf: Path, work: Path) -> Path:
-    """The HF directory as PowerInfer's convert.py takes a Bamboo: by model_type "bamboo"
-    (Params.loadHFTransformerJson), which transformers does not know; other models as they are."""
+def down_type(path: Path) -> str:
+    from powerinfer_tools.gguf_io import open_reader
+
+    t = next(t for t in open_reader(path).tensors if t.name == "blk.0.ffn_down_t.weight")
+    return t.tensor_type.name
+
+
+def their_view(hf: Path, work: Path) -> tuple[Path, list]:
+    """The HF directory as PowerInfer's convert.py takes it, and the options it needs: a Bamboo by model_type
+    "bamboo" (Params.loadHFTransformerJson), which transformers does not know; a top-level rope_theta, which
+    transformers 5 writes under rope_parameters only (`pi-tools sparsify` writes both); a byte-level BPE
+    vocabulary from vocab.json with --vocabtype bpe (BpeVocab), where the checkpoint has only tokenizer.json;
+    its merges from merges.txt where tokenizer.json holds them as pairs, as tokenizers >= 0.20 writes them
+    (its gguf-py vocab.py takes them from tokenizer.json only as "a b" strings)."""
     cfg = json.loads((hf / "config.json").read_text())
-    if cfg.get("architectures") != ["BambooForCausalLM"]:
-        return hf
-    view = work / "hf-bamboo-model-type"
+    changed, extra, options = dict(cfg), {}, []
+    if cfg.get("architectures") == ["BambooForCausalLM"]:
+        changed["model_type"] = "bamboo"
+    if "rope_theta" not in cfg and "rope_theta" in (cfg.get("rope_parameters") or {}):
+        changed["rope_theta"] = cfg["rope_parameters"]["rope_theta"]
+    if not (hf / "tokenizer.model").is_file() and (hf / "tokenizer.json").is_file():
+        options = ["--vocabtype", "bpe"]
+        model = json.loads((hf / "tokenizer.json").read_text())["model"]
+        if not (hf / "vocab.json").is_file():
+            extra["vocab.json"] = json.dumps(model["vocab"])
+        merges = model.get("merges") or []
+        if merges and not isinstance(merges[0], str) and not (hf / "merges.txt").is_file():
+            extra["merges.txt"] = "".join(f"{a} {b}\n" for a, b in merges)
+    if changed == cfg and not extra:
+        return hf, options
+    view = work / "hf-as-powerinfer-reads-it"
     view.mkdir(exist_ok=True)
     for f in hf.iterdir():
-        if f.name != "config.json" and not (view / f.name).exists():
+        if f.name not in ("config.json", *extra) and not (view / f.name).exists():
             (view / f.name).symlink_to(f.resolve())
-    (view / "config.json").write_text(json.dumps({**cfg, "model_type": "bamboo"}, indent=2))
-    return view
+    (view / "config.json").write_text(json.dumps(changed, indent=2))
+    for name, text in extra.items():
+        (view / name).write_text(text)
+    return view, options
 
 
 def solver_both_ways(name: str, hf: Path, work: Path, pi: PowerInfer, args, prof: Path) -> None:
@@ -429,7 +478,18 @@ def tiny_model(kind: str, work: Path, args) -> Path:
     hf = work / "hf"
     if not (hf / "config.json").is_file():
         tiny_models.HIDDEN = args.hidden  # PowerInfer's Falcon converter writes n_ff = 4 n_embd
+        config = tiny_models._config
+
+        def opt_of_2048_positions(kind, vocab, n_ff):
+            """PowerInfer runs OPT with 2048 positions only (llama.cpp llm_load_hparams: n_ctx_train = 2050)."""
+            c = config(kind, vocab, n_ff)
+            if kind == "opt":
+                c.max_position_embeddings = 2048
+            return c
+
+        tiny_models._config = opt_of_2048_positions
         tiny_models.make_tiny(kind, hf, n_ff=args.n_ff)
+        tiny_models._config = config
         cfg = json.loads((hf / "config.json").read_text())
         if "rope_parameters" in cfg:  # PowerInfer's converters read a top-level rope_theta (transformers 4's)
             cfg["rope_theta"] = cfg["rope_parameters"]["rope_theta"]
@@ -472,6 +532,7 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--profile-tokens", type=int, default=8192)
     ap.add_argument("--vram-budget", default="0.005", help="GiB for pi-tools plan's index of the tiny models")
+    ap.add_argument("--hf-vram-budget", default="0.25", help="GiB for pi-tools plan's index of the --hf models")
     ap.add_argument("--numpy1-path", default=os.environ.get("PI_NUMPY1_PATH", ""),
                     help="PYTHONPATH entry holding numpy<2, for PowerInfer's gguf-py (its converters and solver)")
     ap.add_argument("--gguf-bin", type=Path, help="PowerInfer's examples/gguf binary [default: BUILD/bin/gguf]; "
@@ -508,7 +569,8 @@ def main() -> None:
         prof, pred = args.hf_profile, args.hf_predictors
         if prof is None or pred is None:
             prof, pred = profile_and_train(hf, work, args)
-        ours_to_theirs(name, hf, work, pi, args, prof, pred, eval_text)
+        ours_to_theirs(name, hf, work, pi, argparse.Namespace(**{**vars(args), "vram_budget": args.hf_vram_budget}),
+                       prof, pred, eval_text)
         theirs_to_ours(name, hf, work, pi, args, prof, pred, eval_text, CONVERTERS["llama-relu"])
     print("== refusal", flush=True)
     (args.work / "silu").mkdir(exist_ok=True)

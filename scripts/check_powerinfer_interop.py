@@ -42,7 +42,7 @@ PROMPT = "The king said to his son"
 
 # ---- running things ------------------------------------------------------------------------------
 
-def run(cmd: list, log: Path, env: dict | None = None, check: bool = True, timeout: int = 1800):
+def run(cmd: list, log: Path, env: dict | None = None, check: bool = True, timeout: int = 3600):
     """Run `cmd` under nice, its output appended to `log`; the CompletedProcess."""
     cmd = ["nice", "-n", "19", *map(str, cmd)]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
@@ -127,7 +127,8 @@ class PowerInfer:
         args = ["--outfile", out, "--outtype", outtype, *options, hf, predictors]
         proc = run([sys.executable, self.source / script, *args], self.log, env={"PYTHONPATH": self.numpy1_path},
                    check=False)
-        return proc.returncode == 0 and out.is_file(), tail(proc.stdout, 2)
+        # its convert-hf-to-powerinfer-gguf.py stops with status 0 on a tensor it cannot map (sys.exit())
+        return proc.returncode == 0 and out.is_file() and out.stat().st_size > 0, tail(proc.stdout, 2)
 
     def solver(self, activation: Path, n_layer: int, n_ff: int, capacity: int, out: Path) -> tuple[bool, str]:
         paths = (self.solver_path, self.numpy1_path, str(self.source / "gguf-py"), str(self.source / "powerinfer-py"))
@@ -298,16 +299,18 @@ def ours_to_theirs(name: str, hf: Path, work: Path, pi: PowerInfer, args, prof: 
                 note="the 2 tensors a layer its loader takes by position" if names == want else msg)
         idx.unlink()
         Path(str(idx) + ".json").unlink(missing_ok=True)
-        ppl = ""
+        ppl, note = "", []
         if outtype in args.ppl_types:
-            their_ppl, err = pi.perplexity(f, eval_text, args.ctx, args.chunks)
-            if their_ppl is not None:
-                tokens, bos = eval_tokens(f, eval_text)
-                mine = ours_perplexity(f, tokens, args.ctx, args.chunks, bos, "predictor")
+            text = eval_file(f, eval_text, work, int(1.2 * args.ctx * args.chunks))
+            their_ppl, err = pi.perplexity(f, text, args.ctx, args.chunks)
+            split = pi.main(f, None, 1, work, prompt_file=text, ctx=2048)
+            if their_ppl is not None and split.loads:
+                mine = ours_perplexity(f, split.prompt, args.ctx, args.chunks, bos_of_spm(f), "predictor")
                 ppl = f"{mine:.3f} vs {their_ppl:.3f} ({100 * (mine / their_ppl - 1):+.2f} %)"
+                note.append(tokenization(f, text, split.prompt))
             else:
-                ppl = f"theirs failed: {err}"
-        note = [f"with the index {agreement(theirs_idx, ours_idx)}", f"ours dense {agreement(theirs, dense)}"]
+                ppl = f"theirs failed: {err or split.error}"
+        note += [f"with the index {agreement(theirs_idx, ours_idx)}", f"ours dense {agreement(theirs, dense)}"]
         if outtype not in ("f32", "f16"):
             note.append(quantization_gap(theirs, ours, work / f"{name}.f32.powerinfer.gguf", f, "predictor"))
         row(f.name, "pi-tools convert", "PowerInfer main / ours predictor", True, agreement(theirs, ours), ppl,
@@ -322,24 +325,45 @@ def ours_to_theirs(name: str, hf: Path, work: Path, pi: PowerInfer, args, prof: 
         agreement(g, ours_tok), note="PowerInfer reads one threshold (powerinfer.sparse_threshold) for all layers")
 
 
-def eval_tokens(model: Path, text: Path) -> tuple[list, int | None]:
-    """The evaluation text as llama.cpp's perplexity tokenizes it (a BOS first for a SentencePiece vocabulary,
-    which then also replaces each window's first token), by the tokenizer rebuilt from the file's own keys."""
+def eval_file(model: Path, text: Path, work: Path, n_tokens: int) -> Path:
+    """The first part of the evaluation text that holds about n_tokens tokens: PowerInfer's main then tokenizes
+    it whole within its 2048 positions (OPT's limit), so both perplexities score its tokens."""
     from powerinfer_tools.tokenizer import tokenizer_from_file
 
-    tok = tokenizer_from_file(model)
+    out = work / "eval.txt"
+    if not out.is_file():
+        full = text.read_text()
+        tok = tokenizer_from_file(model)
+        chars = int(len(full) * min(1.0, n_tokens / len(tok.encode(full, add_special_tokens=False))))
+        out.write_text(full[:chars])
+    return out
+
+
+def bos_of_spm(model: Path) -> int | None:
+    """The BOS that llama.cpp's main and perplexity put first: a SentencePiece vocabulary's only."""
     from powerinfer_tools.gguf_io import open_reader
 
     spm = open_reader(model).fields["tokenizer.ggml.model"].contents() == "llama"
-    bos = gguf_info(model)["bos"] if spm else None
-    ids = tok.encode(text.read_text(), add_special_tokens=False)
-    return ([bos] if bos is not None else []) + list(ids), bos
+    return gguf_info(model)["bos"] if spm else None
+
+
+def tokenization(model: Path, text: Path, theirs: list) -> str:
+    """Whether our tokenizer (rebuilt from the file's keys) splits the text as PowerInfer's does."""
+    from powerinfer_tools.tokenizer import tokenizer_from_file
+
+    bos = bos_of_spm(model)
+    ours = tokenizer_from_file(model).encode(text.read_text().rstrip("\n"), add_special_tokens=False)
+    ours = ([bos] if bos is not None else []) + list(ours)
+    k = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), None)
+    if k is None and len(theirs) == len(ours):
+        return "tokenized alike"
+    return f"tokenized apart from token {k} ({len(ours)} ours, {len(theirs)} theirs)"
 
 
 def theirs_to_ours(name: str, hf: Path, work: Path, pi: PowerInfer, args, prof: Path, pred: Path,
                    eval_text: Path, scripts: list[str]) -> None:
     uniform = work / "pred-uniform"
-    hf, options = their_view(hf, work)
+    source, (hf, options) = hf, their_view(hf, work)
     for script in scripts:
         base = work / f"theirs.{Path(script).stem}.f16.gguf"
         base.unlink(missing_ok=True)  # its converters leave an empty file when they fail
@@ -367,7 +391,9 @@ def theirs_to_ours(name: str, hf: Path, work: Path, pi: PowerInfer, args, prof: 
                 note.append(f"ours: {ours.error}")
             elif g.loads:
                 note.append(f"ours dense {agreement(g, dense)}")
-                if f is not base:
+                if f is base:
+                    note.append(f"ours dense vs transformers: max rel err {against_transformers(source, f):.2g}")
+                else:
                     note.append(quantization_gap(g, ours, base, f, "predictor"))
                     down = down_type(f)
                     if down not in ("F16", "Q4_0"):
@@ -375,6 +401,17 @@ def theirs_to_ours(name: str, hf: Path, work: Path, pi: PowerInfer, args, prof: 
                                     "(ggml.c ggml_compute_forward_mul_mat_axpy)")
             row(f.name, producer, "ours predictor / PowerInfer main", ours.loads and g.loads,
                 agreement(g, ours), note="; ".join(n for n in note if n))
+
+
+def against_transformers(hf: Path, model: Path) -> float:
+    """How far our dense logits on `model` are from transformers' on the checkpoint it was converted from."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import engine
+    from engine_helpers import hf_logits, max_rel_err
+
+    tokens = [int(t) for t in np.random.default_rng(0).integers(3, 300, 16)]
+    with engine.Model(model, threads=1, sparse_mode="dense") as m:
+        return float(max_rel_err(m.eval(tokens), hf_logits(hf, tokens)))
 
 
 def down_type(path: Path) -> str:
@@ -390,7 +427,8 @@ def their_view(hf: Path, work: Path) -> tuple[Path, list]:
     transformers 5 writes under rope_parameters only (`pi-tools sparsify` writes both); a byte-level BPE
     vocabulary from vocab.json with --vocabtype bpe (BpeVocab), where the checkpoint has only tokenizer.json;
     its merges from merges.txt where tokenizer.json holds them as pairs, as tokenizers >= 0.20 writes them
-    (its gguf-py vocab.py takes them from tokenizer.json only as "a b" strings)."""
+    (its gguf-py vocab.py takes them from tokenizer.json only as "a b" strings); an OPT's tensors under the
+    names of Meta's checkpoints (decoder.*: its gguf-py tensor_mapping.py), not transformers' model.decoder.*."""
     cfg = json.loads((hf / "config.json").read_text())
     changed, extra, options = dict(cfg), {}, []
     if cfg.get("architectures") == ["BambooForCausalLM"]:
@@ -405,13 +443,24 @@ def their_view(hf: Path, work: Path) -> tuple[Path, list]:
         merges = model.get("merges") or []
         if merges and not isinstance(merges[0], str) and not (hf / "merges.txt").is_file():
             extra["merges.txt"] = "".join(f"{a} {b}\n" for a, b in merges)
-    if changed == cfg and not extra:
+    renamed = None
+    if cfg.get("architectures") == ["OPTForCausalLM"]:
+        from safetensors.torch import load_file
+
+        renamed = {k.removeprefix("model."): v for k, v in load_file(hf / "model.safetensors").items()}
+    if changed == cfg and not extra and renamed is None:
         return hf, options
     view = work / "hf-as-powerinfer-reads-it"
-    view.mkdir(exist_ok=True)
+    shutil.rmtree(view, ignore_errors=True)
+    view.mkdir()
+    own = ("config.json", *extra, *(["model.safetensors"] if renamed is not None else []))
     for f in hf.iterdir():
-        if f.name not in ("config.json", *extra) and not (view / f.name).exists():
+        if f.name not in own and not (view / f.name).exists():
             (view / f.name).symlink_to(f.resolve())
+    if renamed is not None:
+        from safetensors.torch import save_file
+
+        save_file(renamed, view / "model.safetensors")
     (view / "config.json").write_text(json.dumps(changed, indent=2))
     for name, text in extra.items():
         (view / name).write_text(text)
@@ -469,6 +518,16 @@ def refusal(work: Path, pi: PowerInfer, args) -> None:
     refused = (not g.loads) and "unknown model architecture" in g.error
     row(f.name, "pi-tools convert (thresholded SiLU)", "PowerInfer main", "refused" if refused else g.loads,
         note=(g.error if not g.loads else "PowerInfer ran it: it computes ReLU") + f"; ours loads: {ours.loads}")
+    # a PWRI file without predictors: PowerInfer's sparse loader wants blk.N.fc1/fc2
+    relu = work.parent / "llama-relu" / "hf"
+    if relu.is_dir():
+        f = work / "llama-relu.f16.no-predictors.powerinfer.gguf"
+        if not f.is_file():
+            pi_tools("convert", "-m", relu, "-t", "f16", "-o", f, "-q", log=log)
+        g = pi.main(f, PROMPT, 4, work)
+        ours = ours_greedy(f, [1, 2, 3], 4, "dense")
+        row(f.name, "pi-tools convert (no predictors)", "PowerInfer main", "refused" if not g.loads else True,
+            note=(g.error if not g.loads else "PowerInfer ran it") + f"; ours loads (dense): {ours.loads}")
 
 
 def tiny_model(kind: str, work: Path, args) -> Path:
@@ -480,14 +539,18 @@ def tiny_model(kind: str, work: Path, args) -> Path:
         tiny_models.HIDDEN = args.hidden  # PowerInfer's Falcon converter writes n_ff = 4 n_embd
         config = tiny_models._config
 
-        def opt_of_2048_positions(kind, vocab, n_ff):
-            """PowerInfer runs OPT with 2048 positions only (llama.cpp llm_load_hparams: n_ctx_train = 2050)."""
+        def as_powerinfer_runs_it(kind, vocab, n_ff):
+            """PowerInfer runs OPT with 2048 positions only (llama.cpp llm_load_hparams: n_ctx_train = 2050), and
+            a Falcon with an output matrix of its own: its converter copies the checkpoint's tensors, and its
+            loader wants output.weight (llm_load_sparse_model_tensors)."""
             c = config(kind, vocab, n_ff)
             if kind == "opt":
                 c.max_position_embeddings = 2048
+            if kind == "falcon":
+                c.tie_word_embeddings = False
             return c
 
-        tiny_models._config = opt_of_2048_positions
+        tiny_models._config = as_powerinfer_runs_it
         tiny_models.make_tiny(kind, hf, n_ff=args.n_ff)
         tiny_models._config = config
         cfg = json.loads((hf / "config.json").read_text())

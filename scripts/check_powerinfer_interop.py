@@ -303,9 +303,15 @@ def ours_to_theirs(name: str, hf: Path, work: Path, pi: PowerInfer, args, prof: 
         if outtype in args.ppl_types:
             text = eval_file(f, eval_text, work, int(1.2 * args.ctx * args.chunks))
             their_ppl, err = pi.perplexity(f, text, args.ctx, args.chunks)
-            split = pi.main(f, None, 1, work, prompt_file=text, ctx=2048)
+            bos = bos_of_spm(f)
+            # perplexity's tokens, through main: main tokenizes with special tokens parsed, and then puts no space
+            # before a SentencePiece text, which perplexity does (llama.cpp llama_tokenize_internal)
+            as_main = text if bos is None else work / "eval.main.txt"
+            if bos is not None:
+                as_main.write_text(" " + text.read_text())
+            split = pi.main(f, None, 1, work, prompt_file=as_main, ctx=2048)
             if their_ppl is not None and split.loads:
-                mine = ours_perplexity(f, split.prompt, args.ctx, args.chunks, bos_of_spm(f), "predictor")
+                mine = ours_perplexity(f, split.prompt, args.ctx, args.chunks, bos, "predictor")
                 ppl = f"{mine:.3f} vs {their_ppl:.3f} ({100 * (mine / their_ppl - 1):+.2f} %)"
                 note.append(tokenization(f, text, split.prompt))
             else:
@@ -483,16 +489,34 @@ def solver_both_ways(name: str, hf: Path, work: Path, pi: PowerInfer, args, prof
         return
     g = pi.main(f, PROMPT, args.tokens, work)
     ours = ours_greedy(f, g.prompt, args.tokens, "predictor", gpuidx=idx)
-    note = ours.error
+    note = [ours.error]
     if ours.loads:
         import engine
 
         with engine.Model(f, threads=1, sparse_mode="predictor", gpuidx=idx) as m:
             m.eval([1, 2, 3])
             hot = [layer["hot_neurons"] for layer in m.stats()["layers"]]
-        note = f"hot neurons per layer read here: {hot}"
+        note = [f"GPU neurons per layer read here: {hot}", others_hottest(idx, prof / "activation", n_layer)]
     row(idx.name, "PowerInfer solver (powerinfer-py)", "ours predictor / PowerInfer main", ours.loads,
-        agreement(g, ours), note=note)
+        agreement(g, ours), note="; ".join(n for n in note if n))
+
+
+def others_hottest(idx: Path, activation: Path, n_layer: int) -> str:
+    """Layers whose index marks neurons other than that layer's hottest: its export_split.py sorts the activation
+    file names as strings (load_activation_weights), so from 11 layers on layer i gets another layer's counts."""
+    import torch
+
+    from powerinfer_tools.gguf_io import open_reader
+
+    tensors = open_reader(idx).tensors
+    wrong = []
+    for i in range(n_layer):
+        mask = np.asarray(tensors[2 * i].data).astype(bool)
+        counts = torch.load(activation / f"activation_{i}.pt", weights_only=True).numpy()
+        hottest = np.argsort(-counts, kind="stable")[:int(mask.sum())]
+        if mask.sum() and np.mean(mask[hottest]) < 0.9:
+            wrong.append(i)
+    return f"layers given other layers' hottest neurons: {wrong}" if wrong else "each layer's hottest neurons"
 
 
 def refusal(work: Path, pi: PowerInfer, args) -> None:
@@ -635,6 +659,7 @@ def main() -> None:
         ours_to_theirs(name, hf, work, pi, argparse.Namespace(**{**vars(args), "vram_budget": args.hf_vram_budget}),
                        prof, pred, eval_text)
         theirs_to_ours(name, hf, work, pi, args, prof, pred, eval_text, CONVERTERS["llama-relu"])
+        solver_both_ways(name, hf, work, pi, args, prof)
     print("== refusal", flush=True)
     (args.work / "silu").mkdir(exist_ok=True)
     refusal(args.work / "silu", pi, args)

@@ -149,7 +149,9 @@ void Model::read_hparams() {
     hp_.n_rot = f.get_int_or(k + ".rope.dimension_count", hp_.d_head, 2, hp_.d_head);
     if (hp_.n_rot % 2 != 0) fail(PI_ERR_FORMAT, p + ": rope.dimension_count must be even");
     const std::string eps_key = k + (llama_family ? ".attention.layer_norm_rms_epsilon" : ".attention.layer_norm_epsilon");
-    const double eps = f.get_float_or(eps_key, -1.0);
+    // PowerInfer's OPT converter writes no epsilon (its engine then normalizes with 0): OPT's own, torch's
+    // nn.LayerNorm default, as convert writes it
+    const double eps = f.get_float_or(eps_key, a == "opt" ? 1e-5 : -1.0);
     if (!(eps > 0.0 && eps < 1.0)) fail(PI_ERR_FORMAT, p + ": " + eps_key + " is missing or outside (0, 1)");
     hp_.norm_eps = float(eps);
     const double base = f.get_float_or(k + ".rope.freq_base", 10000.0);

@@ -295,7 +295,14 @@ void Model::bind_tensors() {
     const bool layer_norm = hp_.norm == NormKind::Layer;
     output_norm_ = bind_vector("output_norm.weight", E, true);
     output_norm_b_ = bind_vector("output_norm.bias", E, layer_norm);
-    if (hp_.learned_pos) pos_embd_ = bind("position_embd.weight", hp_.n_ctx_train + hp_.pos_offset, E, false);
+    if (hp_.learned_pos) {
+        // convert writes the positions (context_length) beside a table of n_ctx + 2 rows; PowerInfer's OPT converter
+        // writes the table's rows there (2050, OptModel.set_gguf_parameters): both read here
+        const GgufTensor *t = f.tensor("position_embd.weight");
+        if (t && t->n_dims == 2 && int64_t(t->ne[1]) == hp_.n_ctx_train && hp_.n_ctx_train > hp_.pos_offset)
+            hp_.n_ctx_train -= hp_.pos_offset;
+        pos_embd_ = bind("position_embd.weight", hp_.n_ctx_train + hp_.pos_offset, E, false);
+    }
     bool has_output = false;
     output_ = bind_optional("output.weight", V, E, false, &has_output);
     if (!has_output) output_ = tok_embd_;  // tied embeddings in a plain GGUF file

@@ -50,7 +50,7 @@ def run(cmd: list, log: Path, env: dict | None = None, check: bool = True, timeo
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
-                              timeout=timeout, errors="replace")
+                              timeout=timeout, errors="replace", cwd=log.parent)  # PowerInfer's main.log goes there
         f.write(proc.stdout + f"[rc={proc.returncode}]\n")
     if check and proc.returncode != 0:
         raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}; see {log}")
@@ -629,6 +629,11 @@ def main() -> None:
     args = ap.parse_args()
     for key in ("types", "ppl_types", "their_quants"):
         setattr(args, key, [t for t in getattr(args, key).split(",") if t])
+    args.work, args.build = args.work.resolve(), args.build.resolve()  # its tools run inside the work directory
+    args.hf = [p.resolve() for p in args.hf]
+    args.hf_profile = args.hf_profile and args.hf_profile.resolve()
+    args.hf_predictors = args.hf_predictors and args.hf_predictors.resolve()
+    args.gguf_bin = args.gguf_bin and args.gguf_bin.resolve()
     source = args.source or args.build.parent
     args.work.mkdir(parents=True, exist_ok=True)
     pi = PowerInfer(args.build.resolve(), source.resolve(), args.work / "powerinfer.log", args.solver_path,

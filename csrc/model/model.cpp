@@ -160,7 +160,9 @@ void Model::read_hparams() {
     hp_.n_rot = f.get_int_or(k + ".rope.dimension_count", hp_.d_head, 2, hp_.d_head);
     if (hp_.n_rot % 2 != 0) fail(PI_ERR_FORMAT, p + ": rope.dimension_count must be even");
     const std::string eps_key = k + (llama_family ? ".attention.layer_norm_rms_epsilon" : ".attention.layer_norm_epsilon");
-    const double eps = f.get_float_or(eps_key, -1.0);
+    // PowerInfer's OPT converter writes no epsilon (its engine then normalizes with 0): OPT's own, torch's
+    // nn.LayerNorm default, as convert writes it
+    const double eps = f.get_float_or(eps_key, a == "opt" ? 1e-5 : -1.0);
     if (!(eps > 0.0 && eps < 1.0)) fail(PI_ERR_FORMAT, p + ": " + eps_key + " is missing or outside (0, 1)");
     hp_.norm_eps = float(eps);
     const double base = f.get_float_or(k + ".rope.freq_base", 10000.0);
@@ -304,7 +306,14 @@ void Model::bind_tensors() {
     const bool layer_norm = hp_.norm == NormKind::Layer;
     output_norm_ = bind_vector("output_norm.weight", E, true);
     output_norm_b_ = bind_vector("output_norm.bias", E, layer_norm);
-    if (hp_.learned_pos) pos_embd_ = bind("position_embd.weight", hp_.n_ctx_train + hp_.pos_offset, E, false);
+    if (hp_.learned_pos) {
+        // convert writes the positions (context_length) beside a table of n_ctx + 2 rows; PowerInfer's OPT converter
+        // writes the table's rows there (2050, OptModel.set_gguf_parameters): both read here
+        const GgufTensor *t = f.tensor("position_embd.weight");
+        if (t && t->n_dims == 2 && int64_t(t->ne[1]) == hp_.n_ctx_train && hp_.n_ctx_train > hp_.pos_offset)
+            hp_.n_ctx_train -= hp_.pos_offset;
+        pos_embd_ = bind("position_embd.weight", hp_.n_ctx_train + hp_.pos_offset, E, false);
+    }
     bool has_output = false;
     output_ = bind_optional("output.weight", V, E, false, &has_output);
     if (!has_output) output_ = tok_embd_;  // tied embeddings in a plain GGUF file

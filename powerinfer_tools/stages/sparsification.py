@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from powerinfer_tools.models import arch as arch_mod
+from powerinfer_tools.models.arch.base import rope_theta
 from powerinfer_tools.stages import calibration, threshold_shift
 from powerinfer_tools.runtime import evaluate
 from powerinfer_tools import models
@@ -522,6 +523,17 @@ def _identity(opts: SparsifyOptions, source, config) -> dict:
     return keep
 
 
+def _write_rope_theta(config_path: Path, config) -> None:
+    """PowerInfer's converters read config.json's top-level `rope_theta`, which transformers 5 writes under
+    `rope_parameters` only: its convert.py then writes no RoPE base (its engine runs 10000 whatever the model's)
+    and its convert-hf-to-powerinfer-gguf.py stops on a KeyError. Written at the top level as well
+    (transformers reads `rope_parameters` first)."""
+    data = json.loads(config_path.read_text())
+    if "rope_theta" not in data:
+        data["rope_theta"] = rope_theta(config)
+        config_path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
 def _write_model(student, tokenizer, report: dict, out: Path, force: bool) -> None:
     check_output_dir(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -533,6 +545,7 @@ def _write_model(student, tokenizer, report: dict, out: Path, force: bool) -> No
         if t > 0:
             student.config.hidden_act_param = t
         student.save_pretrained(tmp, safe_serialization=True)
+        _write_rope_theta(tmp / "config.json", student.config)
         tokenizer.save_pretrained(tmp)
         (tmp / REPORT_NAME).write_text(json.dumps(report, indent=2))
         publish_dir(tmp, out)

@@ -90,6 +90,33 @@ def test_llama_silu_with_another_activation_is_refused(converted, tmp_path):
         engine.Model(bad, threads=1)
 
 
+# ---- an OPT file as PowerInfer's converter writes it: no layer-norm epsilon ----
+
+def test_opt_file_without_a_norm_epsilon_uses_opts_own(converted, tmp_path):
+    """convert-hf-to-powerinfer-gguf.py (OptModel.set_gguf_parameters) writes no opt.attention.layer_norm_epsilon;
+    OPT's LayerNorms use torch's default 1e-5, which convert writes."""
+    ours = converted("opt")
+    assert read_fields(ours)["opt.attention.layer_norm_epsilon"] == pytest.approx(1e-5)
+    theirs = rewrite(ours, tmp_path / "theirs.gguf", fields={"opt.attention.layer_norm_epsilon": None})
+    want, _, _ = logits(ours)
+    got, _, _ = logits(theirs)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_opt_file_whose_context_length_counts_the_position_table(converted, tmp_path):
+    """PowerInfer's OPT converter writes context_length 2050, the rows of OPT's position table (2048 positions
+    from row 2); convert writes the positions. Both read as the same model."""
+    ours = converted("opt")
+    fields = read_fields(ours)
+    rows = read_tensors(ours)["position_embd.weight"][1].shape[0]
+    assert rows == fields["opt.context_length"] + 2
+    theirs = rewrite(ours, tmp_path / "theirs.gguf", fields={"opt.context_length": (rows, gguf.GGUFValueType.UINT32)})
+    want, info_ours, _ = logits(ours)
+    got, info_theirs, _ = logits(theirs)
+    assert info_theirs["n_ctx_train"] == info_ours["n_ctx_train"] == rows - 2
+    np.testing.assert_array_equal(got, want)
+
+
 # ---- gpu index: PowerInfer's type code for i32 (18), both ways ----
 
 def hot_masks(seed: int = 0) -> list[np.ndarray]:

@@ -154,8 +154,9 @@ def _vector(n):
     ("opt", {"drop": ("blk.1.ffn_up.bias",)}, "blk.1.ffn_up.bias is missing"),
     ("opt", {"drop": ("blk.0.attn_q.bias",)}, "blk.0.attn_q.bias is missing"),
     ("opt", {"drop": ("position_embd.weight",)}, "position_embd.weight is missing"),
-    ("opt", {"tensors": {"position_embd.weight": (np.zeros((256, 64), np.float32), None)}},
-     r"position_embd.weight has shape \(256, 64\), the hyperparameters say \(258, 64\)"),
+    # (a table of exactly context_length rows is PowerInfer's convention, read as such)
+    ("opt", {"tensors": {"position_embd.weight": (np.zeros((255, 64), np.float32), None)}},
+     r"position_embd.weight has shape \(255, 64\), the hyperparameters say \(258, 64\)"),
     ("opt", {"tensors": {"blk.0.ffn_down_t.bias": _vector(N_FF)}}, "blk.0.ffn_down_t.bias has shape"),
     ("falcon", {"drop": ("blk.0.attn_norm_2.bias",)}, "blk.0.attn_norm_2.bias is missing"),
     ("falcon", {"drop": ("output_norm.bias",)}, "output_norm.bias is missing"),

@@ -50,6 +50,8 @@ def test_writes_a_relu_llama_that_transformers_and_the_pipeline_load(sparsified,
     out, report = sparsified
     config = json.loads((out / "config.json").read_text())
     assert config["hidden_act"] == "relu" and config["model_type"] == "llama"
+    # PowerInfer's converters read a top-level rope_theta (its convert.py: config.get("rope_theta"))
+    assert config["rope_theta"] == config["rope_parameters"]["rope_theta"]
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(out)  # plain transformers, no adapter

@@ -67,7 +67,7 @@ def _build(model: str, outtype: str, tokens: int, rank: int, final: Path) -> Pat
     root = model_dir(model)
     profile, predictors = root / "profile", root / "predictors"
     print(f"pi-tools: first use of '{model}': building {final.name} through the pipeline "
-          "(about 12 CPU-minutes, once; later runs start at once)", file=sys.stderr)
+          "(4-12 CPU-minutes, once; later runs start at once)", file=sys.stderr)
     if not (profile / "profile.json").is_file():
         # an interrupted first run's profile continues where it stopped
         resume = (partial_dir(profile) / "identity.json").is_file()

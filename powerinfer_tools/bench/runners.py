@@ -71,7 +71,10 @@ class Worker:
         line = self.proc.stdout.readline()
         if not line:
             err = self.proc.stderr.read().strip().splitlines()
-            raise UserError(f"the {self.backend} worker exited: {err[-1] if err else 'no message'}")
+            code = self.proc.wait()
+            # a native crash leaves no message: the signal is what names it (SIGILL: a build for another CPU)
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"status {code}"
+            raise UserError(f"the {self.backend} worker exited ({how}): {err[-1] if err else 'no message'}")
         return json.loads(line)
 
     def ask(self, **request) -> dict:

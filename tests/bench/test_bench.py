@@ -444,3 +444,16 @@ def test_bench_at_depth(silu_files, tmp_path, kv_type):
         mb.kv_per_position * len(mb.layers) * (depth + (n_gen - 1) / 2))
     md = bench.render_markdown(rec)
     assert f"tg{n_gen} @ d{depth} t/s" in md and f"KV cache {kv_type}" in md
+
+
+def test_a_peer_killed_by_a_signal_is_named(tmp_path):
+    """A native crash (llama.cpp built for instructions this CPU lacks dies of SIGILL) leaves no message on
+    stderr: the error names the signal instead of saying nothing."""
+    from powerinfer_tools.bench import runners
+    from powerinfer_tools.core.errors import UserError
+
+    crashing = tmp_path / "crashing-python"
+    crashing.write_text("#!/bin/sh\nkill -ILL $$\n")
+    crashing.chmod(0o755)
+    with pytest.raises(UserError, match=r"llama.cpp worker exited \(killed by SIGILL\): no message"):
+        runners.Worker("llama.cpp", tmp_path / "model.gguf", 1, 64, python=str(crashing))

@@ -12,6 +12,7 @@
 
 #include "runtime/common.h"
 #include "format/types.h"
+#include "pi_names.h"
 
 namespace pi {
 namespace {
@@ -194,8 +195,8 @@ void GgufFile::parse() {
         alignment = uint64_t(a->i);
     }
 
-    const GgufValue *arch = find("general.architecture");
-    const bool gpu_index = arch && arch->type == GV_STRING && arch->str == "generic.gpu_index";
+    const GgufValue *arch = find(names::kKeyArchitecture);
+    const bool gpu_index = arch && arch->type == GV_STRING && arch->str == names::kGpuIndexArch;
     tensors_.reserve(size_t(n_tensors));
     for (uint64_t t = 0; t < n_tensors; ++t) {
         GgufTensor ti;

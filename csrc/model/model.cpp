@@ -10,6 +10,7 @@
 #include "kernels/kernels.h"
 #include "kernels/packed.h"
 #include "format/types.h"
+#include "pi_names.h"
 
 namespace pi {
 namespace {
@@ -19,6 +20,8 @@ std::string shape_str(int64_t rows, int64_t cols) {
 }
 
 std::string blk(int64_t i, const char *suffix) { return "blk." + std::to_string(i) + "." + suffix; }
+std::string weight(int64_t i, const char *tensor) { return blk(i, tensor) + ".weight"; }
+std::string bias(int64_t i, const char *tensor) { return blk(i, tensor) + ".bias"; }
 
 }  // namespace
 
@@ -129,7 +132,7 @@ void Model::read_hparams() {
     const std::string &p = f.path();
     // A SiLU llama is written as llama-silu (docs/formats.md): PowerInfer refuses the name rather than run the
     // file through its ReLU-only sparse FFN. Files written before name it llama, with ffn_activation silu.
-    hp_.key_prefix = f.get_string("general.architecture");
+    hp_.key_prefix = f.get_string(names::kKeyArchitecture);
     const bool silu_llama = hp_.key_prefix == "llama-silu";
     hp_.arch = silu_llama ? "llama" : hp_.key_prefix;
     const std::string &a = hp_.arch, &k = hp_.key_prefix;
@@ -187,7 +190,7 @@ void Model::read_hparams() {
     // Without powerinfer.ffn_activation (PowerInfer's converters never write it): a PWRI llama file is ReLU, as
     // PowerInfer's sparse FFN computes nothing else; a plain GGUF llama file is llama.cpp's SiLU.
     std::string act = a == "bamboo" ? "drelu" : silu_llama || (a == "llama" && !f.pwri_magic()) ? "silu" : "relu";
-    if (f.has("powerinfer.ffn_activation")) act = f.get_string("powerinfer.ffn_activation");
+    if (f.has(names::kKeyFfnActivation)) act = f.get_string(names::kKeyFfnActivation);
     if (silu_llama && act != "silu")
         fail(PI_ERR_FORMAT, p + ": architecture llama-silu with FFN activation '" + act + "' (it must be silu)");
     if ((a == "llama" || !llama_family) && act == "relu") hp_.activation = Activation::Relu;
@@ -319,19 +322,19 @@ void Model::bind_tensors() {
     if (!has_output) output_ = tok_embd_;  // tied embeddings in a plain GGUF file
 
     std::vector<float> act_thr(size_t(L), 0.0f), pred_thr(size_t(L), 0.0f);
-    if (f.has("powerinfer.activation_thresholds")) act_thr = f.get_f32_array("powerinfer.activation_thresholds", uint64_t(L));
+    if (f.has(names::kKeyActivationThresholds)) act_thr = f.get_f32_array(names::kKeyActivationThresholds, uint64_t(L));
     for (float t : act_thr)
         if (t < 0.0f) fail(PI_ERR_FORMAT, p + ": powerinfer.activation_thresholds holds a negative value");
-    if (f.has("powerinfer.predictor_thresholds")) {
-        pred_thr = f.get_f32_array("powerinfer.predictor_thresholds", uint64_t(L));
-    } else if (f.has("powerinfer.sparse_threshold")) {
-        std::fill(pred_thr.begin(), pred_thr.end(), float(f.get_float_or("powerinfer.sparse_threshold", 0.0)));
+    if (f.has(names::kKeyPredictorThresholds)) {
+        pred_thr = f.get_f32_array(names::kKeyPredictorThresholds, uint64_t(L));
+    } else if (f.has(names::kKeySparseThreshold)) {
+        std::fill(pred_thr.begin(), pred_thr.end(), float(f.get_float_or(names::kKeySparseThreshold, 0.0)));
     }
 
     std::vector<bool> pred_useful(size_t(L), true);
-    if (f.has("powerinfer.predictor_useful")) pred_useful = f.get_bool_array("powerinfer.predictor_useful", uint64_t(L));
+    if (f.has(names::kKeyPredictorUseful)) pred_useful = f.get_bool_array(names::kKeyPredictorUseful, uint64_t(L));
 
-    has_predictor_ = f.tensor(blk(0, "fc1.weight")) != nullptr || f.tensor(blk(0, "fc2.weight")) != nullptr;
+    has_predictor_ = f.tensor(weight(0, names::kPredictorFc1)) != nullptr || f.tensor(weight(0, names::kPredictorFc2)) != nullptr;
     layers_.resize(size_t(L));
     for (int64_t i = 0; i < L; ++i) {
         Layer &l = layers_[size_t(i)];
@@ -340,7 +343,7 @@ void Model::bind_tensors() {
         l.act_threshold = hp_.activation == Activation::Silu || hp_.shifted_relu ? act_thr[size_t(i)] : 0.0f;
         l.pred_threshold = pred_thr[size_t(i)];
         l.predictor_useful = pred_useful[size_t(i)];
-        const std::string fc1 = blk(i, "fc1.weight"), fc2 = blk(i, "fc2.weight");
+        const std::string fc1 = weight(i, names::kPredictorFc1), fc2 = weight(i, names::kPredictorFc2);
         if (has_predictor_) {
             const GgufTensor *t1 = f.tensor(fc1);
             if (!t1)
@@ -390,8 +393,8 @@ void Model::bind_attention(int64_t i, Layer &l) {
             l.bv.data = reinterpret_cast<const uint8_t *>(b + Q + KV);
         }
     } else {
-        l.ffn_norm = bind_vector(blk(i, "ffn_norm.weight"), E, true);
-        l.ffn_norm_b = bind_vector(blk(i, "ffn_norm.bias"), E, layer_norm);
+        l.ffn_norm = bind_vector(weight(i, names::kFfnNorm), E, true);
+        l.ffn_norm_b = bind_vector(bias(i, names::kFfnNorm), E, layer_norm);
         l.wq = bind(blk(i, "attn_q.weight"), Q, E, false);
         l.wk = bind(blk(i, "attn_k.weight"), KV, E, false);
         l.wv = bind(blk(i, "attn_v.weight"), KV, E, false);
@@ -408,20 +411,20 @@ void Model::bind_ffn(int64_t i, Layer &l) {
     const int64_t E = hp_.n_embd, F = hp_.n_ff;
     const bool all_biases = hp_.arch == "opt";
     if (hp_.gated) {
-        l.gate = bind(blk(i, "ffn_gate.weight"), F, E, false);
-        l.gate_b = bind_vector(blk(i, "ffn_gate.bias"), F, false);
+        l.gate = bind(weight(i, names::kFfnGate), F, E, false);
+        l.gate_b = bind_vector(bias(i, names::kFfnGate), F, false);
     }
-    l.up = bind(blk(i, "ffn_up.weight"), F, E, false);
-    l.up_b = bind_vector(blk(i, "ffn_up.bias"), F, all_biases);
+    l.up = bind(weight(i, names::kFfnUp), F, E, false);
+    l.up_b = bind_vector(bias(i, names::kFfnUp), F, all_biases);
     if (!hp_.gated) {  // the activation rule reads up's output
         l.gate = l.up;
         l.gate_b = l.up_b;
     }
-    if (!f.tensor(blk(i, "ffn_down_t.weight")) && f.tensor(blk(i, "ffn_down.weight")))
-        fail(PI_ERR_UNSUPPORTED, f.path() + ": tensor " + blk(i, "ffn_down_t.weight") +
+    if (!f.tensor(weight(i, names::kFfnDownT)) && f.tensor(weight(i, names::kFfnDown)))
+        fail(PI_ERR_UNSUPPORTED, f.path() + ": tensor " + weight(i, names::kFfnDownT) +
                                      " is missing (this file has ffn_down: convert the model with pi-tools convert)");
-    l.down_t = bind(blk(i, "ffn_down_t.weight"), F, E, false);
-    l.down_b = bind_vector(blk(i, "ffn_down_t.bias"), E, all_biases);
+    l.down_t = bind(weight(i, names::kFfnDownT), F, E, false);
+    l.down_b = bind_vector(bias(i, names::kFfnDownT), E, all_biases);
 }
 
 // A file converted with a profile stores each layer's neurons hottest first and records the order
@@ -429,7 +432,7 @@ void Model::bind_ffn(int64_t i, Layer &l) {
 // the file. An index without it numbers the source order (PowerInfer's solver over a profile's activation
 // files): on such a file it would mark other neurons than its author meant, so it is refused.
 void Model::check_neuron_order(const GgufFile &g) const {
-    static const std::string key = "powerinfer_tools.neuron_order";
+    static const std::string key = names::kKeyNeuronOrder;
     const GgufValue *ours = file_->find(key), *theirs = g.find(key);
     const auto text = [](const GgufValue *v) { return v && v->type == GV_STRING ? v->str : std::string(); };
     if (text(ours) == text(theirs)) return;
@@ -446,16 +449,16 @@ void Model::build_tiers(const std::string &gpuidx_path) {
     if (!gpuidx_path.empty()) {
         GgufFile g(gpuidx_path);
         const std::string &p = g.path();
-        const std::string arch = g.get_string("general.architecture");
-        if (arch != "generic.gpu_index")
+        const std::string arch = g.get_string(names::kKeyArchitecture);
+        if (arch != names::kGpuIndexArch)
             fail(PI_ERR_FORMAT, p + ": not a GPU index file (architecture '" + arch + "', expected generic.gpu_index)");
         check_neuron_order(g);
-        const int64_t blocks = g.get_int("generic.gpu_index.block_count", 0, 1 << 20);
+        const int64_t blocks = g.get_int(names::kKeyGpuIndexBlockCount, 0, 1 << 20);
         if (blocks != L)
             fail(PI_ERR_FORMAT, p + ": GPU index is for a model with " + std::to_string(blocks) + " layers; " +
                                     file_->path() + " has " + std::to_string(L));
         for (int64_t i = 0; i < L; ++i) {
-            const std::string name = blk(i, "gpu_idx");
+            const std::string name = blk(i, names::kGpuIdx);
             const GgufTensor *t = g.tensor(name);
             if (!t) fail(PI_ERR_FORMAT, p + ": tensor " + name + " is missing");
             if (t->type != TYPE_I32 || t->n_dims != 1)
@@ -471,7 +474,7 @@ void Model::build_tiers(const std::string &gpuidx_path) {
                 is_hot[size_t(i)][size_t(j)] = uint8_t(v);
                 n_hot += v;
             }
-            const std::string bname = blk(i, "gpu_bucket");
+            const std::string bname = blk(i, names::kGpuBucket);
             if (const GgufTensor *b = g.tensor(bname)) {
                 if (b->type != TYPE_I32 || b->n_dims != 1 || int64_t(b->ne[0]) != n_hot)
                     fail(PI_ERR_FORMAT, p + ": tensor " + bname + " must list the " + std::to_string(n_hot) +

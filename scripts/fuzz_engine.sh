@@ -4,7 +4,7 @@
 # fuzzes for SECONDS (default 120) from the seed corpus tests/fuzz_corpus/. Inputs found along the way
 # go to build/fuzz/corpus/ (not the repository); a crashing input is written to build/fuzz/crashes/
 # and the script exits non-zero: minimize it, fix the loader, keep it under tests/fuzz_regressions/
-# (tests/test_fuzz_inputs.py loads it; fuzzing reuses it as a seed).
+# (tests/engine/test_fuzz_inputs.py loads it; fuzzing reuses it as a seed).
 #
 #   scripts/fuzz_engine.sh [SECONDS] [JOBS]      e.g. scripts/fuzz_engine.sh 600 2
 #

@@ -4,7 +4,7 @@
 # (PI_ENGINE_LIB selects it; LD_PRELOAD puts the ASan runtime first in the uninstrumented Python).
 # Any sanitizer report aborts the test process, so the run fails.
 #
-#   scripts/sanitize_engine.sh [PYTEST ARGS...]     default: tests/test_engine*.py
+#   scripts/sanitize_engine.sh [PYTEST ARGS...]     default: tests/engine/test_engine*.py
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CXX=${CXX:-g++}
@@ -21,5 +21,5 @@ CXXRT=$("$CXX" -print-file-name=libstdc++.so.6)
 export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:halt_on_error=1:allocator_may_return_null=1
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 export PI_ENGINE_LIB="$PWD/$LIB"
-if [ $# -eq 0 ]; then set -- tests/test_engine*.py; fi
+if [ $# -eq 0 ]; then set -- tests/engine/test_engine*.py; fi
 LD_PRELOAD="$RUNTIME $CXXRT" python -m pytest -q -p no:cacheprovider "$@"

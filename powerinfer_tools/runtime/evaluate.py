@@ -41,3 +41,12 @@ def perplexity(model, adapter, seqs: torch.Tensor, thresholds: list[float] | Non
         for h in handles:
             h.remove()
     return math.exp(nll / count)
+
+
+def perplexity_and_sparsity(model, adapter, seqs: torch.Tensor, batch: int) -> tuple[float, list[float]]:
+    """(perplexity over `seqs`, each layer's share of exact-zero FFN activations on them), in one pass."""
+    dims = adapter.dims()
+    inactive = torch.zeros(dims.n_layer, dtype=torch.float64)
+    model.eval()
+    ppl = perplexity(model, adapter, seqs, batch=batch, inactive=inactive)
+    return ppl, (inactive / (seqs.numel() * dims.n_ff)).tolist()

@@ -167,18 +167,8 @@ def _relu_student(teacher, adapter):
     student.config.hidden_act = "relu"
     for p in student.parameters():
         p.requires_grad_(True)  # the teacher's are frozen
-    for layer in adapter.layers(student):
-        layer.mlp.act_fn = torch.nn.ReLU()
+    threshold_shift.set_threshold(adapter, student, 0.0)  # ReLU on every gate
     return student
-
-
-def perplexity_and_sparsity(model, adapter, seqs: torch.Tensor, batch: int) -> tuple[float, list[float]]:
-    """(perplexity over `seqs`, each layer's share of exact-zero FFN activations on them), in one pass."""
-    dims = adapter.dims()
-    inactive = torch.zeros(dims.n_layer, dtype=torch.float64)
-    model.eval()
-    ppl = evaluate.perplexity(model, adapter, seqs, batch=batch, inactive=inactive)
-    return ppl, (inactive / (seqs.numel() * dims.n_ff)).tolist()
 
 
 # ---- state, checkpoint ------------------------------------------------------------------------------------------
@@ -610,7 +600,7 @@ def run_sparsify(opts: SparsifyOptions) -> dict:
     shift = threshold_shift.calibrate(student, adapter, train[:len(held_out)], opts.shift_budget, opts.batch)
     print("pi-tools sparsify: measuring the result on the held-out text", flush=True)
     before = evaluate.perplexity(teacher, adapter, held_out, batch=opts.batch)
-    after, sparsity = perplexity_and_sparsity(student, adapter, held_out, opts.batch)
+    after, sparsity = evaluate.perplexity_and_sparsity(student, adapter, held_out, opts.batch)
     report = {
         "format": FORMAT,
         "source": identity["model"],

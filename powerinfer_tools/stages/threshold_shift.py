@@ -36,11 +36,9 @@ def set_threshold(adapter, model, t: float) -> None:
 
 def _measure(model, adapter, seqs: torch.Tensor, batch: int, t: float) -> tuple[float, float]:
     """(perplexity, mean share of exact-zero activations) with every layer cut at t."""
-    dims = adapter.dims()
     set_threshold(adapter, model, t)
-    inactive = torch.zeros(dims.n_layer, dtype=torch.float64)
-    ppl = evaluate.perplexity(model, adapter, seqs, batch=batch, inactive=inactive)
-    return ppl, float(inactive.sum()) / (seqs.numel() * dims.n_ff * dims.n_layer)
+    ppl, sparsity = evaluate.perplexity_and_sparsity(model, adapter, seqs, batch)
+    return ppl, sum(sparsity) / len(sparsity)
 
 
 @torch.no_grad()

@@ -1,14 +1,37 @@
-"""Builds the C++ engine (csrc/) as a plain shared library that engine/ loads with ctypes."""
+"""Builds the C++ engine (csrc/) as a plain shared library that engine/ loads with ctypes, and its device libraries
+(csrc/device/, pi_device.h): the host emulation the tests use in place of a GPU, and the CUDA library where nvcc is
+found (PI_CUDA=1 requires it, PI_CUDA=0 skips it; PI_CUDA_ARCHS lists the GPU architectures to build for). The
+engine itself never links a device runtime: it loads a device library at run time, where a run asks for one."""
 import glob
+import os
 import shutil
+import subprocess
 import sys
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
+# Turing to Hopper (consumer cards from the RTX 20 series; A100, H100/H200), plus Hopper's PTX for later GPUs
+DEFAULT_CUDA_ARCHS = "75;80;86;89;90"
+
+
+class CudaExtension(Extension):
+    """A shared library built by nvcc from .cu sources (with static cudart: it loads where no driver is)."""
+
+
+def _nvcc() -> str | None:
+    wanted = os.environ.get("PI_CUDA", "")
+    if wanted == "0":
+        return None
+    nvcc = shutil.which("nvcc")
+    if nvcc is None and wanted == "1":
+        sys.exit("powerinfer-tools: PI_CUDA=1 but nvcc is not on the PATH")
+    return nvcc
+
 
 class BuildEngine(build_ext):
-    """build_ext that fails with one clear line when no C++ compiler is available."""
+    """build_ext that fails with one clear line when no C++ compiler is available, and runs nvcc for the CUDA
+    library."""
 
     def build_extensions(self):
         compiler = self.compiler.compiler_cxx[0] if getattr(self.compiler, "compiler_cxx", None) else "c++"
@@ -16,21 +39,45 @@ class BuildEngine(build_ext):
             sys.exit(f"powerinfer-tools: no C++17 compiler found ('{compiler}'); install g++ or clang++ and retry")
         super().build_extensions()
 
+    def build_extension(self, ext):
+        if not isinstance(ext, CudaExtension):
+            return super().build_extension(ext)
+        out = self.get_ext_fullpath(ext.name)
+        newest_input = max(os.path.getmtime(p) for p in ext.sources + ext.depends)
+        if os.path.exists(out) and os.path.getmtime(out) >= newest_input and not self.force:
+            return
+        archs = [a for a in os.environ.get("PI_CUDA_ARCHS", DEFAULT_CUDA_ARCHS).split(";") if a]
+        gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+        gencode.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        cmd = [_nvcc(), "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-cudart", "static",
+               *[f"-I{d}" for d in ext.include_dirs], *gencode, *ext.sources, "-o", out + ".tmp"]
+        print(" ".join(cmd))
+        if subprocess.call(cmd) != 0:
+            sys.exit("powerinfer-tools: nvcc failed building the CUDA library (PI_CUDA=0 builds without it)")
+        os.replace(out + ".tmp", out)
+
     def get_export_symbols(self, ext):
         return []  # a ctypes library, not a Python module: no PyInit_ symbol
 
 
-# every .cpp under csrc/ but the fuzz target (scripts/fuzz_engine.sh builds it)
-sources = sorted(p for p in glob.glob("csrc/**/*.cpp", recursive=True) if not p.startswith("csrc/fuzz/"))
-engine = Extension(
-    "engine._pi_engine",
-    sources=sources,
-    include_dirs=["csrc", "csrc/include"],
-    # headers and the shared x86 kernel bodies: a change to any of them rebuilds the library
-    depends=sorted(glob.glob("csrc/**/*.h", recursive=True) + glob.glob("csrc/**/*.inc", recursive=True)),
-    language="c++",
-    extra_compile_args=["-std=c++17", "-O3", "-fPIC", "-pthread"],
-    extra_link_args=["-pthread"],
-)
+include_dirs = ["csrc", "csrc/include"]
+# headers and the shared x86 kernel bodies: a change to any of them rebuilds the libraries
+headers = sorted(glob.glob("csrc/**/*.h", recursive=True) + glob.glob("csrc/**/*.inc", recursive=True))
+compile_args = ["-std=c++17", "-O3", "-fPIC", "-pthread"]
+# every .cpp under csrc/ but the fuzz target (scripts/fuzz_engine.sh builds it) and the device libraries
+sources = sorted(p for p in glob.glob("csrc/**/*.cpp", recursive=True)
+                 if not p.startswith(("csrc/fuzz/", "csrc/device/")))
+extensions = []
+if sources:
+    extensions = [
+        Extension("engine._pi_engine", sources=sources, include_dirs=include_dirs, depends=headers, language="c++",
+                  extra_compile_args=compile_args, extra_link_args=["-pthread", "-ldl"]),
+        Extension("engine._pi_device_emulated", sources=["csrc/device/emulated_tier.cpp"], include_dirs=include_dirs,
+                  depends=headers, language="c++", extra_compile_args=compile_args, extra_link_args=["-pthread"]),
+    ]
+    if _nvcc():
+        extensions.append(CudaExtension("engine._pi_cuda", sources=sorted(glob.glob("csrc/device/*.cu")),
+                                        include_dirs=include_dirs, depends=headers))
 
-setup(ext_modules=[engine] if sources else [], cmdclass={"build_ext": BuildEngine})
+setup(ext_modules=extensions, cmdclass={"build_ext": BuildEngine})

@@ -1,7 +1,10 @@
-"""Finding and binding the compiled engine (csrc/, built as engine/_pi_engine*.so) with ctypes.
+"""Finding and binding the compiled engine (csrc/, built as engine/_pi_engine*.so) with ctypes, and the device
+libraries it may load (csrc/device/: engine/_pi_cuda*.so where nvcc was found at install time, and the host
+emulation engine/_pi_device_emulated*.so the tests use in place of a GPU).
 
-The library is looked up inside this package, where `pip install` / `setup.py build_ext --inplace`
-put it; the environment variable PI_ENGINE_LIB names another build to use instead.
+The libraries are looked up inside this package, where `pip install` / `setup.py build_ext --inplace`
+put them; the environment variable PI_ENGINE_LIB names another engine build to use instead, PI_GPU_LIBRARY
+another device library.
 """
 from __future__ import annotations
 
@@ -12,10 +15,13 @@ from functools import lru_cache
 from pathlib import Path
 
 LIBRARY_ENV = "PI_ENGINE_LIB"
-API_VERSION = 5
+API_VERSION = 6
 
 FFN_MODES = {"dense": 0, "gate": 1, "predictor": 2, "auto": 3, "oracle": 4}
 KV_TYPES = {"f32": 0, "f16": 1}
+GPU_MODES = {"off": 0, "auto": 1, "on": 2}
+GPU_LIBRARY_ENV = "PI_GPU_LIBRARY"
+DEVICE_LIBRARIES = {"cuda": "_pi_cuda", "emulated": "_pi_device_emulated"}
 
 
 class EngineError(RuntimeError):
@@ -29,12 +35,30 @@ class EngineError(RuntimeError):
 class Options(ctypes.Structure):
     _fields_ = [("threads", ctypes.c_int32), ("ctx_size", ctypes.c_int32), ("batch_size", ctypes.c_int32),
                 ("ffn_mode", ctypes.c_int32), ("recall_check", ctypes.c_int32), ("gpuidx_path", ctypes.c_char_p),
-                ("isa", ctypes.c_char_p), ("kv_type", ctypes.c_int32)]
+                ("isa", ctypes.c_char_p), ("kv_type", ctypes.c_int32), ("gpu", ctypes.c_int32),
+                ("gpu_device", ctypes.c_int32), ("vram_budget", ctypes.c_int64), ("gpu_library", ctypes.c_char_p)]
 
 
 class Sampling(ctypes.Structure):
     _fields_ = [("temperature", ctypes.c_float), ("top_k", ctypes.c_int32), ("top_p", ctypes.c_float),
                 ("repeat_penalty", ctypes.c_float), ("repeat_last_n", ctypes.c_int32)]
+
+
+def _built(stem: str) -> list[Path]:
+    here = Path(__file__).resolve().parent
+    return sorted(here.glob(f"{stem}*.so")) + sorted(here.glob(f"{stem}*.dylib")) + sorted(here.glob(f"{stem}*.pyd"))
+
+
+def device_library_path(kind: str = "cuda") -> Path | None:
+    """The device library of `kind` ("cuda", or "emulated" for tests) built into this package, or None (the CUDA
+    one exists only where nvcc was found at install time); PI_GPU_LIBRARY overrides the CUDA one."""
+    if kind not in DEVICE_LIBRARIES:
+        raise EngineError(f"unknown device library {kind!r} (choose from {', '.join(DEVICE_LIBRARIES)})")
+    override = os.environ.get(GPU_LIBRARY_ENV)
+    if kind == "cuda" and override:
+        return Path(override)
+    found = _built(DEVICE_LIBRARIES[kind])
+    return found[0] if found else None
 
 
 def library_path() -> Path:
@@ -45,7 +69,7 @@ def library_path() -> Path:
             raise EngineError(f"{LIBRARY_ENV}={override} does not name a file")
         return path
     here = Path(__file__).resolve().parent
-    found = sorted(here.glob("_pi_engine*.so")) + sorted(here.glob("_pi_engine*.dylib")) + sorted(here.glob("_pi_engine*.pyd"))
+    found = _built("_pi_engine")
     if not found:
         raise EngineError(f"the compiled engine is missing from {here}: reinstall with `pip install .` or run "
                           "`python setup.py build_ext --inplace` in the source tree")

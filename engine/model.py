@@ -6,12 +6,13 @@ import json
 import operator
 import os
 import threading
+from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy as np
 
-from engine._lib import (FFN_MODES, KV_TYPES, UINT64_MAX, EngineError, Options, Sampling, c_float, c_int, check,
-                         lib)
+from engine._lib import (FFN_MODES, GPU_MODES, KV_TYPES, UINT64_MAX, EngineError, Options, Sampling, c_float,
+                         c_int, check, device_library_path, lib)
 
 
 class Model:
@@ -24,7 +25,12 @@ class Model:
     isa: force a kernel set ("scalar", "avx2", "avx512") instead of the best available one; kv_type: the KV
     cache's element type, "f32" (logits within float rounding of the reference) or "f16" (half the cache's
     memory and of what a decode step reads of it, llama.cpp's default); hot_backend: what computes the hot tier,
-    "cpu" or, to test the tier boundary, "reference" (csrc/include/pi_engine_testing.h).
+    "cpu" or, to test the tier boundary, "reference" (csrc/include/pi_engine_testing.h); gpu: where the hot
+    tier runs, "auto" (on the GPU when a CUDA device, the CUDA library and a gpuidx are there; info["gpu"] says
+    why not), "on" (the same, or EngineError) or "off"; vram_budget: GiB of device memory the hot tier may take,
+    layer after layer (the rest stay on the CPU; default: what is free, less a reserve); gpu_device: the
+    device's ordinal; gpu_library: the device library, "cuda" (the default), "emulated" (the host emulation
+    the tests use) or a path.
 
     One Model may be shared by threads: ctypes lets go of the GIL inside the engine, so a lock held across
     every engine call serializes them, and close() waits for a call in flight instead of freeing the model
@@ -34,7 +40,8 @@ class Model:
     def __init__(self, path: str | os.PathLike, threads: int | None = None, sparse_mode: str = "dense",
                  ctx_size: int | None = None, gpuidx: str | os.PathLike | None = None, recall_check: bool = False,
                  batch_size: int | None = None, isa: str | None = None, kv_type: str = "f32",
-                 hot_backend: str = "cpu"):
+                 hot_backend: str = "cpu", gpu: str = "auto", vram_budget: float | None = None, gpu_device: int = 0,
+                 gpu_library: str | os.PathLike = "cuda"):
         self._handle = None
         self._lock = threading.RLock()
         opts = Options()
@@ -49,6 +56,17 @@ class Model:
         if kv_type not in KV_TYPES:
             raise EngineError(f"unknown KV cache type {kv_type!r} (choose from {', '.join(KV_TYPES)})")
         opts.kv_type = KV_TYPES[kv_type]
+        if gpu not in GPU_MODES:
+            raise EngineError(f"unknown gpu mode {gpu!r} (choose from {', '.join(GPU_MODES)})")
+        opts.gpu = GPU_MODES[gpu]
+        opts.gpu_device = c_int("gpu_device", gpu_device, 0)
+        if vram_budget is not None:
+            budget = c_float("vram_budget", vram_budget)
+            if not budget > 0:
+                raise EngineError(f"vram_budget must be a positive number of GiB, not {vram_budget!r}")
+            opts.vram_budget = c_int("vram_budget", int(budget * 2**30), 1, 2**63 - 1)
+        library = device_library_path(str(gpu_library)) if str(gpu_library) in ("cuda", "emulated") else Path(gpu_library)
+        opts.gpu_library = os.fsencode(library) if library is not None else None
         handle = ctypes.c_void_p()
         if hot_backend == "cpu":
             check(lib().pi_open(os.fsencode(path), ctypes.byref(opts), ctypes.byref(handle)))

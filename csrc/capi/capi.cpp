@@ -48,6 +48,7 @@ void pi_options_default(pi_options *o) {
     if (!o) return;
     std::memset(o, 0, sizeof *o);
     o->ffn_mode = PI_FFN_DENSE;
+    o->gpu = PI_GPU_AUTO;
 }
 
 void pi_sampling_default(pi_sampling *p) {

@@ -6,6 +6,8 @@
 #include <thread>
 
 #include "backend/cpu_backend.h"
+#include "backend/device_backend.h"
+#include "backend/device_library.h"
 #include "backend/reference_backend.h"
 #include "runtime/common.h"
 #include "runtime/usable_memory.h"
@@ -55,7 +57,10 @@ Engine::Engine(const std::string &path, const pi_options &opts, const std::strin
     rs_ = std::make_unique<RunState>(hp_, n_ctx_, n_batch_, threads, opts.kv_type == PI_KV_F16);
     pool_ = std::make_unique<ThreadPool>(threads);
     const int64_t rank = model_->max_rank();
+    if (opts.gpu < PI_GPU_OFF || opts.gpu > PI_GPU_ON) fail(PI_ERR_ARGUMENT, "unknown gpu mode " + std::to_string(opts.gpu));
+    gpu_mode_ = opts.gpu;
     if (hot_backend == "reference") hot_ = std::make_unique<ReferenceTierBackend>(hp_, n_batch_);
+    else if (opts.gpu != PI_GPU_OFF) hot_ = device_or_cpu(opts, rank);
     else hot_ = std::make_unique<CpuTierBackend>(hp_, *ks_, *pool_, n_batch_, rank, true);
     cold_ = std::make_unique<CpuTierBackend>(hp_, *ks_, *pool_, n_batch_, rank, false);
     for (int64_t il = 0; il < hp_.n_layer; ++il) {
@@ -63,6 +68,37 @@ Engine::Engine(const std::string &path, const pi_options &opts, const std::strin
         if (L.hot.size() > 0) hot_->upload(il, L, L.hot);
         if (L.cold.size() > 0) cold_->upload(il, L, L.cold);
     }
+}
+
+std::unique_ptr<TierBackend> Engine::device_or_cpu(const pi_options &opts, int64_t rank) {
+    // What is missing for a device is a reason to run on the CPU (auto) or a failure (on); a device that is there
+    // but cannot take the request (a budget above its free memory) fails either way.
+    const std::string library = device_library_path(opts.gpu_library ? opts.gpu_library : "");
+    const pi_device_api *api = nullptr;
+    if (model_->hot_neurons() == 0) {
+        gpu_off_ = "no hot tier: give a .gpuidx (pi-tools plan writes one for a VRAM budget)";
+    } else {
+        try {
+            api = &load_device_library(library);
+        } catch (const EngineFailure &e) {
+            gpu_off_ = e.what();
+        }
+    }
+    if (api) {
+        char err[256] = {};
+        const int32_t n = api->device_count(err, sizeof err);
+        if (opts.gpu_device < 0 || opts.gpu_device >= n)
+            gpu_off_ = n == 0 ? std::string(err[0] ? err : "no device")
+                              : "no device " + std::to_string(opts.gpu_device) + " (" + std::to_string(n) + " found)";
+    }
+    if (!gpu_off_.empty()) {
+        if (opts.gpu == PI_GPU_ON) fail(PI_ERR_UNSUPPORTED, "gpu on: " + gpu_off_);
+        return std::make_unique<CpuTierBackend>(hp_, *ks_, *pool_, n_batch_, rank, true);
+    }
+    auto device = std::make_unique<DeviceTierBackend>(*api, library, opts.gpu_device, opts.vram_budget, hp_, *ks_,
+                                                      *pool_, n_batch_, rank, largest_tier(*model_, true));
+    device_ = device.get();
+    return device;
 }
 
 double Engine::work_buffer_bytes(int64_t threads) const {
@@ -135,8 +171,10 @@ int32_t Engine::sample(const pi_sampling &p) {
 }
 
 const std::string &Engine::info_json() {
+    static const char *gpu_modes[] = {"off", "auto", "on"};
     const RunSettings run{n_ctx_, n_batch_, pool_->size(), ks_->isa, hot_->name(), policy_.mode(), recall_check_, rs_->kv_f16,
-                          RunState::kv_cache_bytes(hp_, n_ctx_, rs_->kv_f16), work_buffer_bytes(pool_->size())};
+                          RunState::kv_cache_bytes(hp_, n_ctx_, rs_->kv_f16), work_buffer_bytes(pool_->size()),
+                          gpu_modes[gpu_mode_], device_ ? &device_->use() : nullptr, &gpu_off_};
     json_ = pi::info_json(*model_, run);
     return json_;
 }
@@ -144,7 +182,7 @@ const std::string &Engine::info_json() {
 const std::string &Engine::stats_json() {
     WeightCopies copies = model_->weight_copies();
     copies.hot = size_t(hot_->weight_bytes());
-    json_ = pi::stats_json(*model_, copies, stats_, policy_);
+    json_ = pi::stats_json(*model_, copies, stats_, policy_, device_ ? &device_->use() : nullptr);
     return json_;
 }
 

@@ -6,6 +6,7 @@
 #include <memory>
 #include <string>
 
+#include "backend/device_backend.h"
 #include "backend/tier_backend.h"
 #include "engine/ffn_policy.h"
 #include "engine/run_state.h"
@@ -39,6 +40,9 @@ private:
     // Refuses (PI_ERR_MEMORY) before allocating when the buffers the hyperparameters imply exceed RAM.
     void check_working_memory(int64_t threads, bool kv_f16) const;
     double work_buffer_bytes(int64_t threads) const;
+    // The hot tier's backend where opts ask for a device (gpu auto or on): a DeviceTierBackend, or the CPU's with
+    // gpu_off_ saying why (auto), or a failure (on).
+    std::unique_ptr<TierBackend> device_or_cpu(const pi_options &opts, int64_t rank);
 
     // forward.cpp, in the order a batch runs them
     void forward(const int32_t *tokens, int64_t n_tok, float *logits, int64_t ld_logits, bool want_logits);
@@ -73,6 +77,9 @@ private:
     std::unique_ptr<RunState> rs_;
     FfnPolicy policy_;
     std::unique_ptr<TierBackend> hot_, cold_;
+    int32_t gpu_mode_ = PI_GPU_OFF;
+    DeviceTierBackend *device_ = nullptr;  // hot_, where it is a device's
+    std::string gpu_off_;                  // why the hot tier is not on a device, where gpu_mode_ asked for one
     EngineStats stats_;
     Sampler sampler_;
     Rng rng_;

@@ -21,6 +21,7 @@ void EngineStats::take_ffn(int64_t il, int64_t n_tok, TierMode cold_mode, bool h
         times.predictor += c->predictor_seconds;
         times.gate_up += c->gate_up_seconds;
         times.down += c->down_seconds;
+        times.device += c->device_seconds;
     }
 }
 
@@ -76,6 +77,17 @@ std::string per_layer(const Model &model, F f) {
     return out + "]";
 }
 
+std::string device_json(const DeviceUse *u) {
+    if (!u) return "null";
+    return "{\"library\": " + quoted(u->library) + ", \"device\": " + num(u->device) + ", \"name\": " +
+           quoted(u->device_name) + ", \"free_bytes\": " + num(u->free_bytes) + ", \"total_bytes\": " +
+           num(u->total_bytes) + ", \"budget_bytes\": " + num(u->budget_bytes) + ", \"layers_on_device\": " +
+           num(double(u->layers_on_device)) + ", \"hot_layers\": " + num(double(u->hot_layers)) +
+           ", \"device_bytes\": " + num(u->device_bytes) + ", \"jobs\": " + num(u->jobs) + ", \"tokens\": " +
+           num(u->tokens) + ", \"h2d_bytes\": " + num(u->h2d_bytes) + ", \"d2h_bytes\": " + num(u->d2h_bytes) +
+           ", \"device_seconds\": " + num(u->device_seconds) + ", \"wait_seconds\": " + num(u->wait_seconds) + "}";
+}
+
 }  // namespace
 
 std::string info_json(const Model &model, const RunSettings &run) {
@@ -94,6 +106,9 @@ std::string info_json(const Model &model, const RunSettings &run) {
            ", \"hot_neurons\": " + num(double(model.hot_neurons())) +
            ", \"threads\": " + num(double(run.threads)) + ", \"isa\": " + quoted(run.isa) +
            ", \"hot_backend\": " + quoted(run.hot_backend) +
+           ", \"gpu\": {\"mode\": " + quoted(run.gpu_mode) + ", \"used\": " + (run.device ? "true" : "false") +
+           ", \"reason\": " + (run.gpu_off && !run.gpu_off->empty() ? quoted(*run.gpu_off) : std::string("null")) +
+           ", \"device\": " + device_json(run.device) + "}" +
            ", \"ffn_mode\": " + quoted(mode_name(run.ffn_mode)) + ", \"recall_check\": " + (run.recall_check ? "true" : "false") +
            ", \"kv_type\": " + quoted(run.kv_f16 ? "f16" : "f32") +
            ", \"kv_cache_bytes\": " + std::to_string(int64_t(run.kv_cache_bytes)) +
@@ -104,15 +119,17 @@ std::string info_json(const Model &model, const RunSettings &run) {
            per_layer(model, [](const Layer &l) { return std::string(l.predictor_useful ? "true" : "false"); }) + "}";
 }
 
-std::string stats_json(const Model &model, const WeightCopies &wc, const EngineStats &stats, const FfnPolicy &policy) {
+std::string stats_json(const Model &model, const WeightCopies &wc, const EngineStats &stats, const FfnPolicy &policy,
+                       const DeviceUse *device) {
     const PhaseTimes &t = stats.times;
     std::string json = "{\"ffn_mode\": " + quoted(mode_name(policy.mode())) + ", \"batch_tokens\": " + num(stats.batch_tokens) +
                        ", \"batch_seconds\": " + num(stats.batch_seconds) + ", \"decode_tokens\": " + num(stats.decode_tokens) +
                        ", \"decode_seconds\": " + num(stats.decode_seconds) + ", \"phases\": {\"embed\": " + num(t.embed) +
                        ", \"attention\": " + num(t.attention) + ", \"predictor\": " + num(t.predictor) +
-                       ", \"gate_up\": " + num(t.gate_up) + ", \"down\": " + num(t.down) + ", \"output\": " + num(t.output) + "}";
+                       ", \"gate_up\": " + num(t.gate_up) + ", \"down\": " + num(t.down) + ", \"output\": " + num(t.output) + ", \"device\": " + num(t.device) + "}";
     json += ", \"weight_copies\": {\"packed\": " + std::to_string(wc.packed) + ", \"predictor\": " + std::to_string(wc.predictor) +
-            ", \"hot\": " + std::to_string(wc.hot) + ", \"cold_groups\": " + std::to_string(wc.cold_groups) + "}, \"layers\": [";
+            ", \"hot\": " + std::to_string(wc.hot) + ", \"cold_groups\": " + std::to_string(wc.cold_groups) +
+            "}, \"gpu\": " + device_json(device) + ", \"layers\": [";
     const double F = double(model.hp().n_ff);
     for (size_t i = 0; i < stats.layers.size(); ++i) {
         const LayerStats &s = stats.layers[i];

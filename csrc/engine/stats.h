@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/device_backend.h"
 #include "backend/tier_backend.h"
 #include "engine/ffn_policy.h"
 #include "engine/tier_mode.h"
@@ -28,6 +29,7 @@ struct LayerStats {
 
 struct PhaseTimes {
     double embed = 0, attention = 0, predictor = 0, gate_up = 0, down = 0, output = 0;
+    double device = 0;  // the hot tier's jobs on a device (concurrent with the CPU's phases)
 };
 
 struct EngineStats {
@@ -51,10 +53,15 @@ struct RunSettings {
     int32_t ffn_mode;
     bool recall_check, kv_f16;
     double kv_cache_bytes, work_buffer_bytes;
+    const char *gpu_mode;          // off, auto or on, as asked
+    const DeviceUse *device;       // the hot tier's device, or nullptr: it runs on the CPU
+    const std::string *gpu_off;    // why not, where the mode asked for a device
 };
 
 std::string info_json(const Model &model, const RunSettings &run);
 // copies: the Model's, with the hot tier's backend's bytes in `hot`
-std::string stats_json(const Model &model, const WeightCopies &copies, const EngineStats &stats, const FfnPolicy &policy);
+// device: as in RunSettings
+std::string stats_json(const Model &model, const WeightCopies &copies, const EngineStats &stats, const FfnPolicy &policy,
+                       const DeviceUse *device);
 
 }  // namespace pi

@@ -5,6 +5,13 @@
 #include <cstdint>
 #include <cstring>
 
+// Functions that a device compiler (nvcc, for csrc/device/) also compiles for the device.
+#ifdef __CUDACC__
+#define PI_HD __host__ __device__
+#else
+#define PI_HD
+#endif
+
 namespace pi {
 
 enum GgmlType : uint32_t { TYPE_F32 = 0, TYPE_F16 = 1, TYPE_Q4_0 = 2, TYPE_Q5_0 = 6, TYPE_Q8_0 = 8, TYPE_Q6_K = 14,
@@ -43,7 +50,7 @@ struct BlockQ4_0 {
 static_assert(sizeof(BlockQ8_0) == 34, "q8_0 block layout");
 static_assert(sizeof(BlockQ4_0) == 18, "q4_0 block layout");
 
-inline float f16_to_f32(uint16_t h) {
+PI_HD inline float f16_to_f32(uint16_t h) {
     const uint32_t sign = uint32_t(h & 0x8000) << 16;
     uint32_t exp = (h >> 10) & 0x1f;
     uint32_t mant = h & 0x3ff;

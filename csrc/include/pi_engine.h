@@ -15,7 +15,7 @@
 extern "C" {
 #endif
 
-#define PI_ENGINE_API_VERSION 5
+#define PI_ENGINE_API_VERSION 6
 
 typedef enum {
     PI_OK = 0,
@@ -43,6 +43,15 @@ typedef enum {
     PI_KV_F16 = 1
 } pi_kv_type;
 
+/* Where the hot tier (the gpuidx's neurons) runs. auto: on a device when a device library, a device and a hot
+ * tier are all there, else on the CPU (pi_info_json's "gpu" says why); on: the same, or the open fails saying
+ * what is missing. */
+typedef enum {
+    PI_GPU_OFF = 0,
+    PI_GPU_AUTO = 1,
+    PI_GPU_ON = 2
+} pi_gpu_mode;
+
 typedef struct pi_engine pi_engine;
 
 typedef struct {
@@ -54,6 +63,12 @@ typedef struct {
     const char *gpuidx_path; /* optional PowerInfer .gpuidx file: its neurons form the hot tier */
     const char *isa;         /* optional kernel set: "scalar", "avx2", "avx512"; NULL: best available */
     int32_t kv_type;         /* pi_kv_type */
+    int32_t gpu;             /* pi_gpu_mode (default auto) */
+    int32_t gpu_device;      /* the device's ordinal */
+    int64_t vram_budget;     /* bytes of device memory the hot tier may take, in layer order (the layers past it
+                                keep their hot tier on the CPU); <= 0: the device's free memory less a reserve;
+                                more than is free: the open fails */
+    const char *gpu_library; /* the device library (pi_device.h); NULL: the environment's PI_GPU_LIBRARY */
 } pi_options;
 
 typedef struct {

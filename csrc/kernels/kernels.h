@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "format/types.h"
+#include "kernels/exp_ref.h"
 
 namespace pi {
 
@@ -98,12 +99,6 @@ void axpy_rows_by_row(int n, int n_rows, const void *const *w, int col0, const f
 // Whether the activation operand of `type` is q8_0 blocks (else f32).
 inline bool act_is_q8(uint32_t type) { return type == TYPE_Q4_0 || type == TYPE_Q8_0; }
 
-// x * sigmoid(x) with exp as a degree-6 polynomial on [-ln2/2, ln2/2] times 2^n (Cephes' expf steps, each an
-// fma): within 2 ulp of the exact value, and the same bits in every kernel set and in the engine's
-// scalar paths.
-float silu_ref(float x);
-// e^x by the same steps (clamped to [-87.3, 88.3], infinity above)
-float exp_ref(float x);
 
 const KernelSet &scalar_kernels();
 // nullptr when the build or the CPU lacks the instruction set.

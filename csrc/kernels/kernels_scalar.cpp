@@ -175,14 +175,6 @@ void gemm(int n_tok, int n_rows, int n_cols, const float *h, int ldh, const W *w
         }
 }
 
-// 2^n for -126 <= n <= 127, from its exponent bits.
-float ldexp_bits(int n) {
-    const uint32_t bits = uint32_t(n + 127) << 23;
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
-}
-
 void silu(int n, const float *x, float *out) {
     for (int i = 0; i < n; ++i) out[i] = silu_ref(x[i]);
 }
@@ -242,22 +234,5 @@ const KernelSet kScalar = {
 }  // namespace
 
 const KernelSet &scalar_kernels() { return kScalar; }
-
-float exp_ref(float x) {
-    const float v = std::fmin(std::fmax(x, -87.3f), 88.3f);  // 2^n stays a normal float
-    const float n = std::floor(std::fma(v, 1.44269504088896341f, 0.5f));
-    float r = std::fma(n, -0.693359375f, v);
-    r = std::fma(n, 2.12194440e-4f, r);
-    float p = 1.9875691500e-4f;
-    p = std::fma(p, r, 1.3981999507e-3f);
-    p = std::fma(p, r, 8.3334519073e-3f);
-    p = std::fma(p, r, 4.1665795894e-2f);
-    p = std::fma(p, r, 1.6666665459e-1f);
-    p = std::fma(p, r, 5.0000001201e-1f);
-    const float e = (std::fma(p, r * r, r) + 1.0f) * ldexp_bits(int(n));
-    return x > 88.3f ? INFINITY : e;  // past the clamp
-}
-
-float silu_ref(float x) { return x / (1.0f + exp_ref(-x)); }  // above 88.3: x / inf, sigmoid 0
 
 }  // namespace pi

@@ -1,0 +1,185 @@
+// A device library that emulates one in host memory: the tests' stand-in for the CUDA library (pi_device.h), so
+// that everything on the engine's side of the boundary (loading the library, the VRAM budget, which layers go to
+// the device, the traffic counted, concurrency with the cold tier) runs on a machine without a GPU. It computes
+// with the same arithmetic as the CUDA kernels (tier_math.h), one token and neuron at a time, on a thread of its
+// own. Its device's memory is PI_EMULATED_DEVICE_MIB MiB (default 1024) and PI_EMULATED_DEVICES=0 makes it
+// report none.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "device/tier_math.h"
+#include "pi_device.h"
+
+using namespace pi;
+
+namespace {
+
+int32_t say(char *err, size_t len, const std::string &message) {
+    if (err && len) std::snprintf(err, len, "%s", message.c_str());
+    return 1;
+}
+
+uint64_t env_u64(const char *name, uint64_t fallback) {
+    const char *v = std::getenv(name);
+    return v && *v ? std::strtoull(v, nullptr, 10) : fallback;
+}
+
+uint64_t capacity() { return env_u64("PI_EMULATED_DEVICE_MIB", 1024) << 20; }
+
+// What all emulated tiers of this process hold: the emulated device's used memory, as a real device's is
+// shared by every engine of the process.
+std::atomic<uint64_t> g_used{0};
+
+}  // namespace
+
+struct pi_device_tier {
+    struct Rows {
+        pi_device_layer desc{};
+        bool uploaded = false;
+        std::vector<uint8_t> gate, up, down_t;
+        std::vector<float> gate_b, up_b;
+    };
+    pi_device_tier_desc desc;
+    std::vector<Rows> layers;
+    uint64_t bytes = 0;
+    std::thread worker;
+    pi_device_job job{};
+    pi_device_counts counts{};
+    std::chrono::steady_clock::time_point submitted;
+
+    void compute() {
+        const Rows &R = layers[size_t(job.layer)];
+        const device::Rule rule{desc.activation, desc.gated, R.desc.threshold};
+        const int64_t E = desc.n_embd, nb = E / QK;
+        const uint32_t gb = device::row_bytes(R.desc.gate_type, E), ub = device::row_bytes(R.desc.up_type, E),
+                       db = device::row_bytes(R.desc.down_type, E);
+        for (int64_t t = 0; t < job.n_tok; ++t) {
+            const float *x = job.x + t * E;
+            const BlockQ8_0 *xq = job.x_q8 ? static_cast<const BlockQ8_0 *>(job.x_q8) + t * nb : nullptr;
+            float *y = job.y + t * E;
+            std::fill(y, y + E, 0.0f);
+            for (int64_t r = 0; r < R.desc.n_rows; ++r) {
+                float g = 0, u = 0;
+                for (int64_t k = 0; k < nb; ++k) {
+                    g += device::block_dot(R.desc.gate_type, R.gate.data() + r * gb, k, x, xq);
+                    if (desc.gated) u += device::block_dot(R.desc.up_type, R.up.data() + r * ub, k, x, xq);
+                }
+                bool pass;
+                const float h = rule.coefficient(g, u, R.gate_b.empty() ? 0.0f : R.gate_b[size_t(r)],
+                                                 R.up_b.empty() ? 0.0f : R.up_b[size_t(r)], job.dense != 0, &pass);
+                counts.active += pass;
+                if (!(job.dense || pass)) continue;
+                counts.computed += 1;
+                for (int64_t e = 0; e < E; ++e) y[e] += h * device::element(R.desc.down_type, R.down_t.data() + r * db, e);
+            }
+        }
+    }
+};
+
+namespace {
+
+int32_t device_count(char *err, size_t len) {
+    const int32_t n = int32_t(env_u64("PI_EMULATED_DEVICES", 1));
+    if (n == 0) say(err, len, "the emulated device library reports no device (PI_EMULATED_DEVICES=0)");
+    return n;
+}
+
+int32_t device_memory(int32_t device, uint64_t *free_bytes, uint64_t *total_bytes, char *name, size_t name_len,
+                      char *err, size_t len) {
+    if (device < 0 || device >= device_count(nullptr, 0)) return say(err, len, "no emulated device " + std::to_string(device));
+    const uint64_t total = capacity();
+    if (free_bytes) *free_bytes = total > g_used ? total - g_used : 0;
+    if (total_bytes) *total_bytes = total;
+    if (name && name_len) std::snprintf(name, name_len, "emulated device (host memory)");
+    return 0;
+}
+
+pi_device_tier *tier_create(const pi_device_tier_desc *desc, char *err, size_t len) {
+    if (!desc || desc->n_embd <= 0 || desc->n_embd % QK || desc->n_layer <= 0 || desc->n_batch <= 0) {
+        say(err, len, "bad tier description");
+        return nullptr;
+    }
+    if (device_memory(desc->device, nullptr, nullptr, nullptr, 0, err, len)) return nullptr;
+    pi_device_tier *t = new pi_device_tier;
+    t->desc = *desc;
+    t->layers.resize(size_t(desc->n_layer));
+    return t;
+}
+
+std::vector<uint8_t> copy_bytes(const void *p, size_t n) {
+    const uint8_t *b = static_cast<const uint8_t *>(p);
+    return p ? std::vector<uint8_t>(b, b + n) : std::vector<uint8_t>();
+}
+
+int32_t tier_upload(pi_device_tier *t, const pi_device_layer *rows, int32_t layer, char *err, size_t len) {
+    if (!t || !rows || layer < 0 || layer >= t->desc.n_layer) return say(err, len, "bad upload");
+    for (uint32_t type : {rows->gate_type, rows->down_type, t->desc.gated ? rows->up_type : uint32_t(TYPE_F32)})
+        if (!device::type_supported(type)) return say(err, len, "weight type " + std::to_string(type) + " is not supported");
+    const int64_t E = t->desc.n_embd, n = rows->n_rows;
+    const size_t gb = size_t(n) * device::row_bytes(rows->gate_type, E), ub = t->desc.gated ? size_t(n) * device::row_bytes(rows->up_type, E) : 0,
+                 db = size_t(n) * device::row_bytes(rows->down_type, E);
+    const size_t bias = size_t(n) * sizeof(float) * ((rows->gate_b ? 1 : 0) + (rows->up_b ? 1 : 0));
+    const uint64_t need = gb + ub + db + bias;
+    if (g_used + need > capacity())
+        return say(err, len, "out of emulated device memory uploading layer " + std::to_string(layer));
+    pi_device_tier::Rows &R = t->layers[size_t(layer)];
+    R.desc = *rows;
+    R.gate = copy_bytes(rows->gate, gb);
+    R.up = copy_bytes(t->desc.gated ? rows->up : nullptr, ub);
+    R.down_t = copy_bytes(rows->down_t, db);
+    if (rows->gate_b) R.gate_b.assign(rows->gate_b, rows->gate_b + n);
+    if (rows->up_b) R.up_b.assign(rows->up_b, rows->up_b + n);
+    R.uploaded = true;
+    t->bytes += need;
+    g_used += need;
+    return 0;
+}
+
+int32_t tier_submit(pi_device_tier *t, const pi_device_job *job, char *err, size_t len) {
+    if (!t || !job || job->layer < 0 || job->layer >= t->desc.n_layer || job->n_tok <= 0 || job->n_tok > t->desc.n_batch)
+        return say(err, len, "bad job");
+    const pi_device_tier::Rows &R = t->layers[size_t(job->layer)];
+    if (!R.uploaded) return say(err, len, "layer " + std::to_string(job->layer) + " was not uploaded");
+    const bool quantized = device::reads_q8(R.desc.gate_type) || (t->desc.gated && device::reads_q8(R.desc.up_type));
+    if (quantized && !job->x_q8) return say(err, len, "the layer's weights are quantized: the job needs x_q8");
+    if (t->worker.joinable()) t->worker.join();  // a job left unwaited: finished first
+    t->job = *job;
+    t->counts = pi_device_counts{};
+    const double E = t->desc.n_embd;
+    t->counts.h2d_bytes = job->n_tok * E * 4 + (quantized ? job->n_tok * E / QK * sizeof(BlockQ8_0) : 0);
+    t->counts.d2h_bytes = job->n_tok * E * 4;
+    t->submitted = std::chrono::steady_clock::now();
+    t->worker = std::thread([t] { t->compute(); });
+    return 0;
+}
+
+int32_t tier_wait(pi_device_tier *t, pi_device_counts *counts, char *err, size_t len) {
+    if (!t || !t->worker.joinable()) return say(err, len, "no job to wait for");
+    t->worker.join();
+    t->counts.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t->submitted).count();
+    if (counts) *counts = t->counts;
+    return 0;
+}
+
+uint64_t tier_bytes(const pi_device_tier *t) { return t ? t->bytes : 0; }
+
+void tier_destroy(pi_device_tier *t) {
+    if (!t) return;
+    if (t->worker.joinable()) t->worker.join();
+    g_used -= t->bytes;
+    delete t;
+}
+
+const pi_device_api kApi = {PI_DEVICE_API_VERSION, "emulated", device_count, device_memory, tier_create,
+                            tier_upload, tier_submit, tier_wait, tier_bytes, tier_destroy};
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default"))) const pi_device_api *pi_device_api_get(void) { return &kApi; }

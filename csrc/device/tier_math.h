@@ -1,0 +1,103 @@
+// The hot tier's arithmetic, written once for every device library (compiled by nvcc for the CUDA one, by the
+// host compiler for the emulation): a block of a row's dot product, one element of a down row, and the activation
+// rule of backend/activation_rule.h on one neuron. Operands are as the CPU kernels take them (kernels/kernels.h):
+// f32 rows for f32 and f16 weights, q8_0 blocks for q4_0 and q8_0 weights.
+#pragma once
+
+#include <cstdint>
+
+#include "format/types.h"
+#include "kernels/exp_ref.h"
+#include "pi_device.h"
+
+namespace pi {
+namespace device {
+
+PI_HD inline uint32_t row_bytes(uint32_t type, int64_t n) {
+    switch (type) {
+        case TYPE_F32: return uint32_t(n * 4);
+        case TYPE_F16: return uint32_t(n * 2);
+        case TYPE_Q4_0: return uint32_t(n / QK * sizeof(BlockQ4_0));
+        case TYPE_Q8_0: return uint32_t(n / QK * sizeof(BlockQ8_0));
+        default: return 0;
+    }
+}
+
+inline bool type_supported(uint32_t type) { return row_bytes(type, QK) != 0; }
+inline bool reads_q8(uint32_t type) { return type == TYPE_Q4_0 || type == TYPE_Q8_0; }
+
+// Block k (elements [32k, 32k + 32)) of row . x: x is the token's f32 row, xq its q8_0 blocks.
+PI_HD inline float block_dot(uint32_t type, const uint8_t *row, int64_t k, const float *x, const BlockQ8_0 *xq) {
+    float sum = 0.0f;
+    if (type == TYPE_F32) {
+        const float *w = reinterpret_cast<const float *>(row) + k * QK;
+        for (int i = 0; i < QK; ++i) sum += w[i] * x[k * QK + i];
+    } else if (type == TYPE_F16) {
+        const uint16_t *w = reinterpret_cast<const uint16_t *>(row) + k * QK;
+        for (int i = 0; i < QK; ++i) sum += f16_to_f32(w[i]) * x[k * QK + i];
+    } else if (type == TYPE_Q8_0) {
+        const BlockQ8_0 &a = reinterpret_cast<const BlockQ8_0 *>(row)[k];
+        const BlockQ8_0 &b = xq[k];
+        int32_t isum = 0;
+        for (int i = 0; i < QK; ++i) isum += int32_t(a.qs[i]) * int32_t(b.qs[i]);
+        sum = f16_to_f32(a.d) * f16_to_f32(b.d) * float(isum);
+    } else if (type == TYPE_Q4_0) {
+        const BlockQ4_0 &a = reinterpret_cast<const BlockQ4_0 *>(row)[k];
+        const BlockQ8_0 &b = xq[k];
+        int32_t isum = 0;
+        for (int i = 0; i < QK / 2; ++i) {
+            isum += (int32_t(a.qs[i] & 0x0f) - 8) * int32_t(b.qs[i]);
+            isum += (int32_t(a.qs[i] >> 4) - 8) * int32_t(b.qs[i + QK / 2]);
+        }
+        sum = f16_to_f32(a.d) * f16_to_f32(b.d) * float(isum);
+    }
+    return sum;
+}
+
+// Element i of a row.
+PI_HD inline float element(uint32_t type, const uint8_t *row, int64_t i) {
+    if (type == TYPE_F32) return reinterpret_cast<const float *>(row)[i];
+    if (type == TYPE_F16) return f16_to_f32(reinterpret_cast<const uint16_t *>(row)[i]);
+    const int64_t k = i / QK, j = i % QK;
+    if (type == TYPE_Q8_0) {
+        const BlockQ8_0 &b = reinterpret_cast<const BlockQ8_0 *>(row)[k];
+        return f16_to_f32(b.d) * float(b.qs[j]);
+    }
+    const BlockQ4_0 &b = reinterpret_cast<const BlockQ4_0 *>(row)[k];
+    const int q = j < QK / 2 ? (b.qs[j] & 0x0f) : (b.qs[j - QK / 2] >> 4);
+    return f16_to_f32(b.d) * float(q - 8);
+}
+
+// The activation rule (backend/activation_rule.h) of one neuron from its gate's and up's dot products (biases
+// not yet added): its down row's coefficient h, 0 where the neuron is skipped; *pass: whether the rule passes it.
+struct Rule {
+    int32_t activation;  // pi_device_activation
+    int32_t gated;
+    float threshold;
+
+    PI_HD float coefficient(float g, float u, float gate_b, float up_b, bool dense, bool *pass) const {
+        float a, h;
+        bool passes;
+        if (activation == PI_DEVICE_ACT_SILU) {
+            a = silu_ref(g + gate_b);
+            passes = fabsf(a) > threshold;
+        } else {
+            const float v = g + gate_b;
+            passes = v > threshold;
+            a = passes ? v : 0.0f;
+        }
+        if (!gated) {
+            h = a;
+        } else if (activation == PI_DEVICE_ACT_DRELU) {
+            h = a * fmaxf(u + up_b, 0.0f);
+            passes = h > 0.0f;
+        } else {
+            h = a * (u + up_b);
+        }
+        *pass = passes;
+        return dense || passes ? h : 0.0f;
+    }
+};
+
+}  // namespace device
+}  // namespace pi

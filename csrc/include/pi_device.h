@@ -1,0 +1,92 @@
+/* pi_device: the C ABI between the engine library and a device library that computes the hot tier
+ * (docs/engine.md, "The GPU tier"). A device library is a shared object of its own, loaded with dlopen only
+ * when a run asks for a device, so the engine never links a device runtime: the CUDA one (built where nvcc is
+ * found at install time) and the host emulation the tests load in its place. It exports one symbol,
+ * pi_device_api_get, returning a table of plain C functions.
+ *
+ * The protocol is the TierBackend's (backend/tier_backend.h): each layer's hot rows are uploaded once at load,
+ * then per layer and batch a job is submitted (it may run while the caller computes the cold tier) and waited
+ * for. Every call returns 0 on success, or non-zero with a one-line message in `err`.
+ */
+#ifndef PI_DEVICE_H
+#define PI_DEVICE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define PI_DEVICE_API_VERSION 1
+
+typedef enum { PI_DEVICE_ACT_RELU = 0, PI_DEVICE_ACT_SILU = 1, PI_DEVICE_ACT_DRELU = 2 } pi_device_activation;
+
+/* What every layer of one engine's hot tier shares. */
+typedef struct {
+    int32_t device;      /* the device's ordinal */
+    int32_t n_embd;      /* the FFN's input and output width (a multiple of 32) */
+    int32_t n_layer;
+    int32_t n_batch;     /* the most tokens a job carries */
+    int32_t activation;  /* pi_device_activation */
+    int32_t gated;       /* 1: h = act(gate x) * (up x); 0: h = act(up x + b), the rows given as `gate` */
+} pi_device_tier_desc;
+
+/* One layer's hot rows in host memory, slot after slot, in the file's types (GGML ids: 0 f32, 1 f16, 2 q4_0,
+ * 8 q8_0), each row n_embd elements. The caller may free them once tier_upload returns. */
+typedef struct {
+    int32_t n_rows;
+    uint32_t gate_type, up_type, down_type;
+    const void *gate, *up, *down_t; /* up: NULL when not gated */
+    const float *gate_b, *up_b;     /* per slot, or NULL */
+    float threshold;                /* the activation rule's (SiLU: |a| > t; ReLU, FATReLU: g > t) */
+} pi_device_layer;
+
+/* One layer's hot tier over a batch. The operands are the FFN's normed input: f32 rows (read by f32 and f16
+ * weights) and their q8_0 blocks (read by q4_0 and q8_0 weights; NULL when no weight is quantized). They and
+ * y stay untouched by the caller until tier_wait returns. */
+typedef struct {
+    int32_t layer;
+    int32_t n_tok;
+    int32_t dense;       /* 1: every neuron's down row, the rule not applied; 0: only neurons the rule passes */
+    const float *x;      /* [n_tok][n_embd] */
+    const void *x_q8;    /* [n_tok][n_embd / 32] blocks of 34 bytes */
+    float *y;            /* [n_tok][n_embd], written whole */
+} pi_device_job;
+
+/* What a job counted, and the traffic and time it took. */
+typedef struct {
+    double active;      /* neurons passing the rule, summed over tokens */
+    double computed;    /* neurons whose down row was used */
+    double h2d_bytes, d2h_bytes;
+    double seconds;     /* from submit until the job's output was back in host memory */
+} pi_device_counts;
+
+typedef struct pi_device_tier pi_device_tier;
+
+typedef struct {
+    int32_t api_version; /* PI_DEVICE_API_VERSION */
+    const char *name;    /* "cuda", "emulated" */
+    /* Devices present (0 when none, or no driver); err says why there are none. */
+    int32_t (*device_count)(char *err, size_t err_len);
+    /* Free and total bytes of a device's memory, and its name. */
+    int32_t (*device_memory)(int32_t device, uint64_t *free_bytes, uint64_t *total_bytes, char *name, size_t name_len,
+                             char *err, size_t err_len);
+    pi_device_tier *(*tier_create)(const pi_device_tier_desc *desc, char *err, size_t err_len);
+    int32_t (*tier_upload)(pi_device_tier *tier, const pi_device_layer *layer_rows, int32_t layer, char *err,
+                           size_t err_len);
+    int32_t (*tier_submit)(pi_device_tier *tier, const pi_device_job *job, char *err, size_t err_len);
+    int32_t (*tier_wait)(pi_device_tier *tier, pi_device_counts *counts, char *err, size_t err_len);
+    /* Bytes of device memory the tier holds (weights and scratch). */
+    uint64_t (*tier_bytes)(const pi_device_tier *tier);
+    void (*tier_destroy)(pi_device_tier *tier);
+} pi_device_api;
+
+typedef const pi_device_api *(*pi_device_api_get_fn)(void);
+const pi_device_api *pi_device_api_get(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* PI_DEVICE_H */

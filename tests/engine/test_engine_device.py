@@ -1,0 +1,171 @@
+"""The hot tier on a device (csrc/backend/device_backend.h, csrc/include/pi_device.h): through the host emulation
+of a device library, which computes with the CUDA kernels' arithmetic (csrc/device/tier_math.h), the engine's side
+of the boundary is checked on any machine: the same logits as the CPU backend in every mode, architecture and
+type, the VRAM budget taken layer by layer, what is refused, the traffic counted, no device memory kept after
+close. The tests marked `gpu` run the same checks against the CUDA library on a CUDA device (scripts/gpu_check.sh)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from engine_helpers import converted, max_rel_err, random_tokens, write_gpuidx  # noqa: F401
+from tiny_models import N_FF, N_LAYER
+
+import engine
+from engine import EngineError
+
+TOKENS = random_tokens(40, 384, seed=5)
+N_PROMPT = 24
+KINDS = ["llama-relu", "llama-silu", "bamboo", "falcon", "opt"]
+
+
+def run(path, mode="dense", tokens=TOKENS, **kw):
+    with engine.Model(path, threads=2, sparse_mode=mode, batch_size=16, **kw) as m:
+        rows = [m.eval(tokens[:N_PROMPT])] + [m.eval([t])[None, 0] for t in tokens[N_PROMPT:]]
+        return np.concatenate(rows), m.info, m.stats()
+
+
+def hot_index(tmp_path_factory, share: float, seed: int = 31):
+    hot = [np.random.default_rng(seed + i).random(N_FF) < share for i in range(N_LAYER)]
+    return write_gpuidx(tmp_path_factory.mktemp("hot") / f"hot{share}.gpuidx", hot)
+
+
+@pytest.fixture(scope="module")
+def gpuidx_30(tmp_path_factory):
+    return hot_index(tmp_path_factory, 0.3)
+
+
+@pytest.fixture(scope="module")
+def gpuidx_all(tmp_path_factory):
+    return hot_index(tmp_path_factory, 1.01)
+
+
+@pytest.fixture(params=["emulated", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request, monkeypatch, converted, gpuidx_30):
+    """A device library: the emulated one (a device of 512 MiB), or the CUDA one where a CUDA device is present."""
+    path = engine.device_library_path(request.param)
+    if request.param == "emulated":
+        assert path is not None, "the emulated device library is built with the engine"
+        monkeypatch.setenv("PI_EMULATED_DEVICE_MIB", "512")
+        monkeypatch.delenv("PI_EMULATED_DEVICES", raising=False)
+        return path
+    if path is None:
+        pytest.skip("built without nvcc: no CUDA library")
+    with engine.Model(converted("llama-relu", "q8_0"), gpuidx=gpuidx_30, gpu="auto", gpu_library=path) as m:
+        if not m.info["gpu"]["used"]:
+            pytest.skip(f"no CUDA device: {m.info['gpu']['reason']}")
+    return path
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    """The emulated device library alone, with a device of 512 MiB (the checks that set its device's properties)."""
+    monkeypatch.setenv("PI_EMULATED_DEVICE_MIB", "512")
+    monkeypatch.delenv("PI_EMULATED_DEVICES", raising=False)
+    return engine.device_library_path("emulated")
+
+
+@pytest.mark.parametrize("outtype", ["f32", "f16", "q8_0", "q4_0"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_device_tier_gives_the_cpu_logits(kind, outtype, converted, gpuidx_30, gpuidx_all, device):
+    path = converted(kind, outtype, predictors=True)
+    for index in (gpuidx_30, gpuidx_all):
+        for mode in ("dense", "gate", "predictor", "auto"):
+            cpu, _, cpu_stats = run(path, mode, gpuidx=index, gpu="off")
+            dev, info, dev_stats = run(path, mode, gpuidx=index, gpu="on", gpu_library=device)
+            assert info["hot_backend"] in ("emulated", "cuda") and info["gpu"]["used"]
+            assert info["gpu"]["device"]["layers_on_device"] == N_LAYER
+            # the same rule on the same operands (q8_0 blocks for quantized weights); sums in another order
+            assert max_rel_err(dev, cpu) <= (1e-4 if outtype in ("f32", "f16") else 2e-4), (mode, max_rel_err(dev, cpu))
+            for a, b in zip(dev_stats["layers"], cpu_stats["layers"]):
+                assert abs(a["hot_density"] - b["hot_density"]) <= 0.01, (mode, a, b)
+
+
+def test_without_a_hot_tier_auto_stays_on_the_cpu_and_on_is_refused(converted, emulated):
+    path = converted("llama-relu", "q8_0", predictors=True)
+    cpu, info, _ = run(path, "gate", gpu="auto", gpu_library=emulated)
+    assert not info["gpu"]["used"] and "no hot tier" in info["gpu"]["reason"] and info["hot_backend"] == "cpu"
+    np.testing.assert_array_equal(cpu, run(path, "gate", gpu="off")[0])
+    with pytest.raises(EngineError, match="gpu on: no hot tier"):
+        engine.Model(path, gpu="on", gpu_library=emulated)
+
+
+def test_what_is_missing_for_a_device_is_named(converted, gpuidx_30, emulated, monkeypatch, tmp_path):
+    path = converted("llama-relu", "q8_0")
+    monkeypatch.setenv("PI_EMULATED_DEVICES", "0")
+    with engine.Model(path, gpuidx=gpuidx_30, gpu="auto", gpu_library=emulated) as m:
+        assert not m.info["gpu"]["used"] and "no device" in m.info["gpu"]["reason"]
+    with pytest.raises(EngineError, match="gpu on: .*no device"):
+        engine.Model(path, gpuidx=gpuidx_30, gpu="on", gpu_library=emulated)
+    monkeypatch.delenv("PI_EMULATED_DEVICES")
+    with pytest.raises(EngineError, match="no device 3 \\(1 found\\)"):
+        engine.Model(path, gpuidx=gpuidx_30, gpu="on", gpu_device=3, gpu_library=emulated)
+    not_a_library = tmp_path / "x.so"
+    not_a_library.write_bytes(b"\x7fELF garbage")
+    with pytest.raises(EngineError, match="cannot load the device library"):
+        engine.Model(path, gpuidx=gpuidx_30, gpu="on", gpu_library=not_a_library)
+    with pytest.raises(EngineError, match="is not a device library"):
+        engine.Model(path, gpuidx=gpuidx_30, gpu="on", gpu_library=engine.library_path())
+    for bad in (dict(gpu="yes"), dict(vram_budget=-1), dict(vram_budget="4"), dict(gpu="on", gpu_library="metal")):
+        with pytest.raises(EngineError):
+            engine.Model(path, gpuidx=gpuidx_30, **bad)
+
+
+def test_a_budget_above_the_free_memory_is_refused(converted, gpuidx_30, emulated):
+    with pytest.raises(EngineError, match="VRAM budget of 1.00 GiB is more than the 0.50 GiB free on device 0"):
+        engine.Model(converted("llama-relu", "q8_0"), gpuidx=gpuidx_30, gpu="auto", vram_budget=1, gpu_library=emulated)
+
+
+def test_the_budget_takes_layers_in_order_and_the_rest_stay_on_the_cpu(converted, gpuidx_all, device):
+    path = converted("llama-relu", "f32", predictors=True)
+    with engine.Model(path, gpuidx=gpuidx_all, gpu="on", gpu_library=device) as m:
+        whole = m.info["gpu"]["device"]["device_bytes"]
+    per_layer = whole / N_LAYER  # every layer's hot tier is the same size here (all neurons), scratch aside
+    cpu = run(path, "gate", gpuidx=gpuidx_all, gpu="off")[0]
+    for budget_layers in (1, N_LAYER - 1):
+        budget = (per_layer * budget_layers + per_layer / 2) / 2**30
+        dev, info, stats = run(path, "gate", gpuidx=gpuidx_all, gpu="on", vram_budget=budget, gpu_library=device)
+        used = info["gpu"]["device"]
+        assert 1 <= used["layers_on_device"] <= budget_layers and used["hot_layers"] == N_LAYER
+        assert used["device_bytes"] <= used["budget_bytes"]
+        assert stats["weight_copies"]["hot"] > 0  # the layers past the budget: their hot rows copied on the host
+        assert max_rel_err(dev, cpu) <= 1e-4
+
+
+def test_traffic_and_time_are_counted(converted, gpuidx_30, device):
+    path = converted("llama-relu", "q8_0", predictors=True)
+    _, info, stats = run(path, "gate", gpuidx=gpuidx_30, gpu="on", gpu_library=device)
+    gpu = stats["gpu"]
+    n_tok, E = len(TOKENS), info["n_embd"]
+    batches = 2 + (len(TOKENS) - N_PROMPT)  # the prompt in two batches of 16 and 8, then one token a step
+    assert gpu["jobs"] == N_LAYER * batches and gpu["tokens"] == N_LAYER * n_tok
+    # up: each token's f32 row and its q8_0 blocks; down: its f32 output row
+    assert gpu["h2d_bytes"] == N_LAYER * n_tok * (E * 4 + E // 32 * 34)
+    assert gpu["d2h_bytes"] >= N_LAYER * n_tok * E * 4  # the output rows (and, from CUDA, the job's counts)
+    assert gpu["device_seconds"] > 0 and stats["phases"]["device"] == pytest.approx(gpu["device_seconds"])
+
+
+def test_close_gives_the_device_memory_back(converted, gpuidx_30, device):
+    path = converted("llama-relu", "q4_0", predictors=True)
+    free = []
+    for _ in range(1000 if "cuda" in str(device) else 50):
+        with engine.Model(path, gpuidx=gpuidx_30, gpu="on", gpu_library=device) as m:
+            free.append(m.info["gpu"]["device"]["free_bytes"])
+    # the emulated device's free memory is exact; a real one's moves with other processes' use, by pages
+    assert max(free) - min(free) <= (0 if "emulated" in str(device) else 64 << 20), (min(free), max(free))
+
+
+def test_a_budget_above_the_device_is_refused_on_cuda_too(converted, gpuidx_30, device):
+    with pytest.raises(EngineError, match="VRAM budget of .* is more than the .* free on device 0"):
+        engine.Model(converted("llama-relu", "q8_0"), gpuidx=gpuidx_30, gpu="on", vram_budget=1 << 20, gpu_library=device)
+
+
+def test_the_cuda_library_loads_and_says_there_is_no_device(converted, gpuidx_30):
+    """On a machine without a CUDA device the library still loads (static cudart needs no driver to load) and
+    says why there is no device; `auto` then runs on the CPU. This is what CI checks of the CUDA build."""
+    path = engine.device_library_path("cuda")
+    if path is None:
+        pytest.skip("built without nvcc: no CUDA library")
+    with engine.Model(converted("llama-relu", "q8_0"), gpuidx=gpuidx_30, gpu="auto", gpu_library=path) as m:
+        if m.info["gpu"]["used"]:
+            pytest.skip("a CUDA device is present: the `gpu` tests check it")
+        assert "CUDA" in m.info["gpu"]["reason"], m.info["gpu"]

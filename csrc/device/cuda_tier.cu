@@ -163,11 +163,17 @@ namespace {
 int32_t device_count(char *err, size_t len) {
     int n = 0;
     const cudaError_t status = cudaGetDeviceCount(&n);
-    if (status != cudaSuccess) {
-        failed(status, "looking for devices", err, len);
+    if (status == cudaErrorNoDevice || (status == cudaSuccess && n == 0)) {
+        say(err, len, "no CUDA device");
         return 0;
     }
-    if (n == 0) say(err, len, "CUDA: no device");
+    if (status == cudaErrorInsufficientDriver) {
+        cudaGetLastError();
+        say(err, len, "no CUDA device: no NVIDIA driver, or one older than this build's CUDA " +
+                          std::to_string(CUDART_VERSION / 1000) + "." + std::to_string(CUDART_VERSION % 1000 / 10));
+        return 0;
+    }
+    if (failed(status, "looking for devices", err, len)) return 0;
     return n;
 }
 

@@ -7,6 +7,22 @@ import typer
 
 DEFAULT_SPARSE_MODE = "auto"   # run, perplexity: the cheapest mode per layer, what a user runs
 THREADS_HELP = "Threads. Default: all cores."
+GPU_MODES = ("auto", "on", "off")
+
+
+def gpu_option():
+    """--gpu: where the hot tier runs (run, perplexity, bench)."""
+    return typer.Option("auto", "--gpu", help="Hot tier (the --gpuidx / --vram-budget neurons) on a CUDA GPU: auto "
+                        "(when a device and the CUDA library are there, else the CPU, said on stderr), on (or fail "
+                        "saying what is missing), off.")
+
+
+def vram_budget_option():
+    """--vram-budget: the plan's budget, and the device memory the hot tier may take at run time."""
+    return typer.Option(None, "--vram-budget", help="GiB of VRAM, as PowerInfer's --vram-budget: without --gpuidx, "
+                        "reuse the plan cached beside the model for this budget or solve one from --profile; on a "
+                        "GPU, the most the hot tier takes there, layer after layer (the rest stay on the CPU). "
+                        "Default: the device's free memory.")
 
 
 def deprecated(value, old: str, new: str):

@@ -26,9 +26,8 @@ def perplexity(
     threads: Optional[int] = typer.Option(None, "--threads", "-t", help=flags.THREADS_HELP),
     kv_type: str = typer.Option("f32", "--kv-type", help=KV_TYPE_HELP),
     gpuidx: Optional[Path] = typer.Option(None, "--gpuidx", help="GPU index: hot neurons computed densely."),
-    vram_budget: Optional[float] = typer.Option(None, "--vram-budget", help="GiB of VRAM (as PowerInfer's "
-                                                "--vram-budget): reuse the plan cached beside the model for this "
-                                                "budget, or solve one from --profile."),
+    vram_budget: Optional[float] = flags.vram_budget_option(),
+    gpu: str = flags.gpu_option(),
     profile: Optional[Path] = typer.Option(None, "--profile", help="Profile directory, to solve a plan for "
                                            "--vram-budget (known for 'smollm2')."),
     recall: bool = typer.Option(False, "--recall", help="In predictor mode, also compute the true activation masks "
@@ -50,6 +49,8 @@ def perplexity(
       pi-tools perplexity -m smollm2.q8_0.powerinfer.gguf -f wikitext-2-raw-test.txt --sparse-mode gate --json
 
       pi-tools perplexity -m smollm2.q8_0.powerinfer.gguf -f wikitext-2-raw-test.txt -c 2048 --kv-type f16
+
+      pi-tools perplexity -m relu7b.q4_0.powerinfer.gguf -f wiki.txt --vram-budget 4 --profile prof --gpu on
     """
     from powerinfer_tools.runtime import inference
     from powerinfer_tools.stages.calibration import read_text, sequences_from_text
@@ -66,14 +67,14 @@ def perplexity(
     windows = sequences_from_text(tokenizer, [text], ctx, n_tokens, length_option="--ctx-size").numpy()
     started = time.perf_counter()
     with inference.open_engine(target, threads=threads, sparse_mode=sparse_mode, ctx_size=ctx,
-                               recall_check=recall, kv_type=kv_type) as llm:
+                               recall_check=recall, kv_type=kv_type, gpu=gpu, vram_budget_gib=vram_budget) as llm:
         result = inference.perplexity(llm, windows, progress=not quiet)
         stats = llm.stats()
     seconds = time.perf_counter() - started
     result.update({"model": str(target.model), "sparse_mode": sparse_mode, "kv_type": kv_type, "ctx": ctx,
                    "seconds": round(seconds, 2),
                    "tokens_per_second": stats["prompt_tokens_per_second"], "density": stats["density"],
-                   "recall": stats["recall"], "threads": llm.info["threads"]})
+                   "recall": stats["recall"], "threads": llm.info["threads"], "gpu": llm.info["gpu"]["used"]})
     if as_json:
         typer.echo(json.dumps(result))
         return

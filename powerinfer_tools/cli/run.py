@@ -29,9 +29,8 @@ def run(
                                     "oracle (true mask; for testing)."),
     gpuidx: Optional[Path] = typer.Option(None, "--gpuidx", help="GPU index (.gpuidx from 'pi-tools plan'): its "
                                           "neurons form the hot tier, computed densely without the predictor."),
-    vram_budget: Optional[float] = typer.Option(None, "--vram-budget", help="GiB of VRAM (as PowerInfer's "
-                                                "--vram-budget): reuse the plan cached beside the model for this "
-                                                "budget, or solve one from --profile."),
+    vram_budget: Optional[float] = flags.vram_budget_option(),
+    gpu: str = flags.gpu_option(),
     profile: Optional[Path] = typer.Option(None, "--profile", help="Profile directory, to solve a plan for "
                                            "--vram-budget (known for 'smollm2')."),
     ctx_size: int = typer.Option(placement.DEFAULT_CTX_SIZE, "--ctx-size", "-c",
@@ -66,6 +65,8 @@ def run(
       pi-tools run -m smollm2 -f chapter1.txt -c 8192 -n 256   # a long prompt from a file
 
       pi-tools run -m relullama.q4_0.powerinfer.gguf --gpuidx relullama.generated.gpuidx -p "Hello" --seed 1
+
+      pi-tools run -m relu7b.q4_0.powerinfer.gguf --vram-budget 4 --profile prof --gpu on -p "Hello"   # hot tier on the GPU
     """
     from powerinfer_tools.runtime import inference
 
@@ -76,7 +77,8 @@ def run(
     target = inference.resolve_model_file(model, gpuidx, vram_budget, profile, ctx_size)
     started = time.perf_counter()
     tokenizer = inference.load_tokenizer(target.model)
-    llm = inference.open_engine(target, threads=threads, sparse_mode=sparse_mode, ctx_size=ctx_size, kv_type=kv_type)
+    llm = inference.open_engine(target, threads=threads, sparse_mode=sparse_mode, ctx_size=ctx_size, kv_type=kv_type,
+                                gpu=gpu, vram_budget_gib=vram_budget)
     load_seconds = time.perf_counter() - started
     with llm, inference.engine_errors():
         ids = prompt_ids(tokenizer, prompt, chat)

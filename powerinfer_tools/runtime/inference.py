@@ -99,11 +99,20 @@ KV_TYPE_HELP = ("KV cache type: f32 (logits within float rounding of transformer
                 "and of what each generated token reads of it at a long context; llama.cpp's default).")
 
 
+GPU_MODES = ("auto", "on", "off")
+
+
 def open_engine(target: EngineTarget, threads: int | None = None, sparse_mode: str = "dense",
-                ctx_size: int | None = None, recall_check: bool = False, kv_type: str = "f32"):
-    """engine.Model for the target; engine failures become UserError with the engine's message."""
+                ctx_size: int | None = None, recall_check: bool = False, kv_type: str = "f32", gpu: str = "auto",
+                vram_budget_gib: float | None = None):
+    """engine.Model for the target; engine failures become UserError with the engine's message. With a hot tier
+    (target.gpuidx) and gpu not off, says on stderr where the hot tier runs."""
     import engine
 
+    if gpu not in GPU_MODES:
+        raise UserError(f"unknown --gpu {gpu!r} (choose from {', '.join(GPU_MODES)})")
+    if vram_budget_gib is not None and not vram_budget_gib > 0:
+        raise UserError(f"--vram-budget must be a positive number of GiB, not {vram_budget_gib}")
     if sparse_mode not in SPARSE_MODES:
         raise UserError(f"unknown --sparse-mode {sparse_mode!r} (choose from {', '.join(SPARSE_MODES)})")
     if kv_type not in KV_TYPES:
@@ -114,13 +123,26 @@ def open_engine(target: EngineTarget, threads: int | None = None, sparse_mode: s
         raise UserError(f"--ctx-size must be at least 1 token, not {ctx_size}")
     with engine_errors():
         model = engine.Model(target.model, threads=threads, sparse_mode=sparse_mode, ctx_size=ctx_size,
-                             gpuidx=target.gpuidx, recall_check=recall_check, kv_type=kv_type)
+                             gpuidx=target.gpuidx, recall_check=recall_check, kv_type=kv_type, gpu=gpu,
+                             vram_budget=vram_budget_gib if gpu != "off" else None)
+    if target.gpuidx is not None and gpu != "off":
+        print(f"pi-tools: {gpu_line(model.info['gpu'])}", file=sys.stderr)
     useless = [i for i, useful in enumerate(model.info.get("predictor_useful", [])) if not useful]
     if sparse_mode == "predictor" and useless:
         print(f"pi-tools: warning: train-predictor found the predictors of layer(s) {', '.join(map(str, useless))} no "
               "better than chance: predictor mode there computes about every neuron or drops them at random "
               "(auto mode leaves them out)", file=sys.stderr)
     return model
+
+
+def gpu_line(gpu: dict) -> str:
+    """Where the hot tier runs, from the engine's info["gpu"]."""
+    if not gpu["used"]:
+        return f"hot tier on the CPU: {gpu['reason']}"
+    d = gpu["device"]
+    return (f"hot tier on {d['name']} (device {d['device']}): {d['layers_on_device']} of {d['hot_layers']} layers, "
+            f"{d['device_bytes'] / 2**20:.1f} MiB of a {d['budget_bytes'] / 2**30:.2f} GiB budget"
+            + ("" if d["layers_on_device"] == d["hot_layers"] else "; the other layers' hot neurons on the CPU"))
 
 
 @contextlib.contextmanager
@@ -194,7 +216,7 @@ def timing_lines(stats: dict, load_seconds: float, info: dict | None = None) -> 
             return line.rstrip()
         return f"{line} ({ms / tokens:8.2f} ms per token, {tokens / seconds:8.2f} tokens per second)"
 
-    phases = stats["phases"]
+    phases = {k: v for k, v in stats["phases"].items() if k != "device"}  # the device's time overlaps the CPU's
     total = sum(phases.values()) or 1.0
     share = ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in phases.items())
     density = stats.get("density")
@@ -213,6 +235,13 @@ def timing_lines(stats: dict, load_seconds: float, info: dict | None = None) -> 
              ffn, f"time: {share}"]
     if stats.get("recall") is not None:
         lines.append(f"predictor recall: {stats['recall']:.4f}")
+    gpu = stats.get("gpu")
+    if gpu and gpu["tokens"]:
+        per_token = gpu["tokens"] / max(1, gpu["layers_on_device"])
+        lines.append(f"gpu: {gpu['name']}, hot tier of {gpu['layers_on_device']} layers: "
+                     f"{1000 * gpu['device_seconds'] / per_token:.3f} ms per token on the device, "
+                     f"{1000 * gpu['wait_seconds'] / per_token:.3f} ms per token waited for after the CPU's tier; "
+                     f"{(gpu['h2d_bytes'] + gpu['d2h_bytes']) / per_token / 1024:.1f} KiB per token to and from it")
     if info is not None:
         def mib(n):
             return f"{n / 2**20:.1f} MiB"

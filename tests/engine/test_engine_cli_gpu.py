@@ -1,0 +1,79 @@
+"""`--gpu` and `--vram-budget` of pi-tools run and perplexity: with the emulated device library in place of the
+CUDA one (PI_GPU_LIBRARY), the hot tier runs on the "device" and the output is the CPU's; where the run asks
+for a device that is not there, one line says what is missing; `auto` says on stderr where the hot tier went."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from cli_helpers import assert_one_line_error, run_cli
+from engine_helpers import converted, write_gpuidx  # noqa: F401
+from tiny_models import N_FF, N_LAYER, training_text
+
+import engine
+
+PROMPT = "ROMEO: But soft, what light"
+
+
+@pytest.fixture(scope="module")
+def gpuidx(tmp_path_factory):
+    hot = [np.random.default_rng(7 + i).random(N_FF) < 0.5 for i in range(N_LAYER)]
+    return write_gpuidx(tmp_path_factory.mktemp("hot") / "hot.gpuidx", hot)
+
+
+@pytest.fixture
+def emulated_gpu(monkeypatch):
+    monkeypatch.setenv("PI_GPU_LIBRARY", str(engine.device_library_path("emulated")))
+    monkeypatch.setenv("PI_EMULATED_DEVICE_MIB", "1024")
+    monkeypatch.delenv("PI_EMULATED_DEVICES", raising=False)
+
+
+def test_run_on_the_device_streams_the_cpu_text(converted, gpuidx, emulated_gpu, capsys):
+    path = converted("llama-relu", "q8_0")
+    args = ["run", "-m", path, "--gpuidx", gpuidx, "-p", PROMPT, "-n", "16", "--temp", "0", "-t", "2"]
+    code, on_cpu, err_cpu = run_cli(capsys, *args, "--gpu", "off")
+    assert code == 0, err_cpu
+    assert "hot tier on" not in err_cpu and "gpu:" not in err_cpu
+    code, on_gpu, err = run_cli(capsys, *args, "--gpu", "on", "--vram-budget", "0.5")
+    assert code == 0, err
+    assert on_gpu == on_cpu
+    assert f"pi-tools: hot tier on emulated device (host memory) (device 0): {N_LAYER} of {N_LAYER} layers" in err
+    assert "0.50 GiB budget" in err and "ms per token on the device" in err
+
+
+def test_auto_says_where_the_hot_tier_went(converted, gpuidx, monkeypatch, capsys):
+    monkeypatch.setenv("PI_GPU_LIBRARY", str(engine.device_library_path("emulated")))
+    monkeypatch.setenv("PI_EMULATED_DEVICES", "0")
+    code, _, err = run_cli(capsys, "run", "-m", converted("llama-relu"), "--gpuidx", gpuidx, "-p", PROMPT, "-n", "2")
+    assert code == 0, err
+    assert "pi-tools: hot tier on the CPU: the emulated device library reports no device" in err
+
+
+def test_gpu_on_without_a_device_is_one_line(converted, gpuidx, monkeypatch, capsys):
+    monkeypatch.setenv("PI_GPU_LIBRARY", str(engine.device_library_path("emulated")))
+    monkeypatch.setenv("PI_EMULATED_DEVICES", "0")
+    code, _, err = run_cli(capsys, "run", "-m", converted("llama-relu"), "--gpuidx", gpuidx, "-p", PROMPT, "--gpu", "on")
+    assert_one_line_error(code, err, "gpu on:", "no device")
+
+
+@pytest.mark.parametrize("flags, needle", [(["--gpu", "maybe"], "unknown --gpu 'maybe'"),
+                                           (["--gpu", "on", "--vram-budget", "0"], "--vram-budget must be a positive"),
+                                           (["--gpu", "on", "--vram-budget", "4096"], "is more than the")])
+def test_bad_gpu_flags_are_one_line(converted, gpuidx, emulated_gpu, capsys, flags, needle):
+    code, _, err = run_cli(capsys, "run", "-m", converted("llama-relu"), "--gpuidx", gpuidx, "-p", PROMPT, *flags)
+    assert_one_line_error(code, err, needle)
+
+
+def test_perplexity_on_the_device_equals_the_cpu(converted, gpuidx, emulated_gpu, tmp_path, capsys):
+    text = tmp_path / "text.txt"
+    text.write_text(training_text())
+    args = ["perplexity", "-m", converted("llama-silu", "f32"), "--gpuidx", gpuidx, "-f", text, "-c", "64",
+            "--chunks", "4", "--json", "-q", "-t", "2"]
+    results = {}
+    for gpu in ("off", "on"):
+        code, out, err = run_cli(capsys, *args, "--gpu", gpu)
+        assert code == 0, err
+        results[gpu] = json.loads(out)
+    assert results["on"]["gpu"] and not results["off"]["gpu"]
+    assert results["on"]["perplexity"] == pytest.approx(results["off"]["perplexity"], rel=1e-5)

@@ -73,6 +73,12 @@ def bench(
     batch: int = typer.Option(512, "--batch", "-b", help="Our engine's prompt batch size."),
     kv_type: str = typer.Option("f32", "--kv-type", help="Our engine's KV cache type, f32 or f16 (llama.cpp's "
                                 "is f16; matters at a long --depth)."),
+    gpu: str = flags.gpu_option(),
+    gpuidx: Optional[Path] = typer.Option(None, "--gpuidx", help="Our hot tier's neurons (a .gpuidx for the bench's "
+                                          "file: same neuron order); without it, --vram-budget solves one."),
+    vram_budget: Optional[float] = typer.Option(None, "--vram-budget", help="GiB: solve the hot tier for this budget "
+                                                "from --profile (for the bench's file, cached beside it) and give the "
+                                                "GPU at most that much."),
     text: Optional[Path] = typer.Option(None, "--text", help="Text whose tokens are fed (default: the project's "
                                         "wikitext-2-valid when present, else text the model generates)."),
     work_dir: Optional[Path] = typer.Option(None, "--work-dir", help="Where the built files are cached, "
@@ -109,6 +115,8 @@ def bench(
       pi-tools bench -m smollm2 --modes dense --peers llama.cpp --depth 2048   # tg128 @ d2048
 
       pi-tools bench -m smollm2 --modes dense --peers llama.cpp --depth 2048 --kv-type f16   # both caches f16
+
+      pi-tools bench -m relu7b --predictors pred --profile prof --modes predictor --peers '' --vram-budget 4 --gpu on
     """
     from powerinfer_tools.bench.harness import BenchOptions, plot_sweep, render_markdown, run_bench, write_json
 
@@ -116,6 +124,10 @@ def bench(
         raise UserError("--png draws the sparsity sweep: add --sweep-sparsity")
     if kv_type not in KV_TYPES:
         raise UserError(f"--kv-type must be {' or '.join(KV_TYPES)}, not {kv_type!r}")
+    if gpu not in flags.GPU_MODES:
+        raise UserError(f"unknown --gpu {gpu!r} (choose from {', '.join(flags.GPU_MODES)})")
+    if vram_budget is not None and profile is None and gpuidx is None:
+        raise UserError("--vram-budget solves the hot tier from --profile: give --profile DIR (or --gpuidx FILE)")
     threads, old_outtype = _number_or_old_meaning(threads, "-t", "--outtype")
     n_prompt, old_predictors = _number_or_old_meaning(n_prompt, "-p", "--predictors")
     n_prompt = N_PROMPT if n_prompt is None else n_prompt
@@ -128,7 +140,7 @@ def bench(
     opts = BenchOptions(model=model, outtype=outtype.lower(), threads=threads, repeats=repeats, modes=_csv(modes),
                         peers=_csv(peers), sparsity=sparsity, sweep=sweep_sparsity, sweep_levels=_levels(sweep_levels),
                         sweep_repeats=sweep_repeats, n_prompt=n_prompt, n_gen=n_gen, depth=depth, batch=batch,
-                        kv_type=kv_type,
+                        kv_type=kv_type, gpu=gpu, gpuidx=gpuidx, vram_budget=vram_budget,
                         predictors=predictors, profile=profile, text=text, work_dir=work_dir,
                         peer_python=peer_python, llamacpp_wait=_wait_policy(llamacpp_wait), progress=not quiet,
                         command="pi-tools " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "")

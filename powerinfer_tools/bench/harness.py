@@ -77,6 +77,9 @@ class BenchOptions:
     depth: int = 0                         # tokens already cached when tg starts (llama-bench's -d)
     batch: int = 512                       # our engine's prompt batch (llama.cpp's n_ubatch is 512)
     kv_type: str = "f32"                   # our engine's KV cache type (llama.cpp's is f16)
+    gpu: str = "auto"                      # where our hot tier runs (engine.Model's gpu)
+    gpuidx: Path | None = None             # our hot tier's neurons; None: solved for vram_budget, or none
+    vram_budget: float | None = None       # GiB: the plan's budget (from --profile) and the device's
     predictors: Path | None = None
     profile: Path | None = None
     text: Path | None = None
@@ -86,6 +89,22 @@ class BenchOptions:
     progress: bool = True
     command: str = ""
     log: list[str] = field(default_factory=list)
+
+
+def _ours_worker(opts: BenchOptions, model_file: Path, n_ctx: int):
+    """Our engine's worker on model_file, its hot tier where opts put it (a plan for --vram-budget solved from
+    --profile for this file and cached beside it, as `pi-tools run` does)."""
+    gpuidx = opts.gpuidx
+    if gpuidx is None and opts.vram_budget is not None:
+        from powerinfer_tools.runtime.inference import cached_plan
+
+        gpuidx = cached_plan(Path(model_file), opts.vram_budget, opts.profile, n_ctx)
+    engine_options = {"gpu": opts.gpu}
+    if gpuidx is not None:
+        engine_options["gpuidx"] = str(gpuidx)
+    if opts.vram_budget is not None and opts.gpu != "off":
+        engine_options["vram_budget"] = opts.vram_budget
+    return Worker("ours", model_file, opts.threads, n_ctx, opts.batch, opts.kv_type, engine_options=engine_options)
 
 
 def default_work_dir() -> Path:
@@ -330,10 +349,10 @@ def run_bench(opts: BenchOptions) -> dict:
         if opts.sparsity is not None:
             model_file = files_mod.working_copy(files.powerinfer, work_dir)
             files_mod.set_thresholds(model_file, **_thresholds_at(sample, logits, opts.sparsity))
-        ours_worker = Worker("ours", model_file, opts.threads, n_ctx, opts.batch, opts.kv_type)
+        ours_worker = _ours_worker(opts, model_file, n_ctx)
         workers.append(ours_worker)
         info = ours_worker.ask(op="info")
-        record["engine"] = {k: info[k] for k in ("isa", "threads", "n_batch", "weight_type", "kv_type")}
+        record["engine"] = {k: info[k] for k in ("isa", "threads", "n_batch", "weight_type", "kv_type", "gpu")}
         record["thresholds"] = {"activation": info["activation_thresholds"], "predictor": info["predictor_thresholds"]}
         ours = [Runner(ours_worker, f"ours {m}", m) for m in modes]
         if llama and "dense" in modes:
@@ -376,7 +395,7 @@ def _memory_by_mode(model_file, opts: BenchOptions, n_ctx: int, modes, prompt: l
     process, so its peak is the union of what the modes touch."""
     memory = {}
     for mode in tqdm(modes, desc="memory", unit="mode", disable=not opts.progress):
-        worker = Worker("ours", model_file, opts.threads, n_ctx, opts.batch, opts.kv_type)
+        worker = _ours_worker(opts, model_file, n_ctx)
         try:
             worker.ask(op="mode", mode=mode)
             worker.ask(op="pp", tokens=prompt)
@@ -399,7 +418,7 @@ def _sweep(opts, files, work_dir, sample, logits, llama, modes, tg, mb, probe, r
     out = []
     for level in opts.sweep_levels:
         files_mod.set_thresholds(copy, **_thresholds_at(sample, logits, level))
-        worker = Worker("ours", copy, opts.threads, n_ctx, opts.batch, opts.kv_type)
+        worker = _ours_worker(opts, copy, n_ctx)
         try:
             runners = llama + [Runner(worker, f"ours {m}", m) for m in ["dense"] + sparse]
             times, bandwidth = _time_rounds(runners, {"tg": tg}, opts.sweep_repeats, f"sweep {level:.2f}",

@@ -41,7 +41,7 @@ class Worker:
     as long as their process lives."""
 
     def __init__(self, backend: str, path: Path | str, threads: int, n_ctx: int, batch: int = 0, kv_type: str = "f32",
-                 python: str | None = None, env: dict | None = None):
+                 python: str | None = None, env: dict | None = None, engine_options: dict | None = None):
         self.backend = backend
         python = python or sys.executable
         if backend == "llama.cpp":
@@ -49,6 +49,8 @@ class Worker:
         else:
             cmd = [python, "-m", "powerinfer_tools.bench.worker"]
         cmd += [backend, str(path), str(threads), str(n_ctx), str(batch), kv_type]
+        if engine_options:  # ours: engine.Model's other keywords (the GPU's), as JSON
+            cmd.append(json.dumps(engine_options))
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS="1", **(env or {}))
         root = Path(__file__).resolve().parents[2]
         env["PYTHONPATH"] = os.pathsep.join([str(root)] + [p for p in [env.get("PYTHONPATH")] if p])

@@ -83,12 +83,13 @@ class LlamaCpp:
 
 
 class Ours:
-    def __init__(self, path: str, threads: int, n_ctx: int, batch: int = 0, kv_type: str = "f32", **_):
+    def __init__(self, path: str, threads: int, n_ctx: int, batch: int = 0, kv_type: str = "f32",
+                 engine_options: dict | None = None, **_):
         import engine
 
         self.rss_before_model = _status_bytes("VmRSS")  # the worker's Python and libraries, no weights yet
         self.model = engine.Model(path, threads=threads, sparse_mode="dense", ctx_size=n_ctx, batch_size=batch or None,
-                                  kv_type=kv_type)
+                                  kv_type=kv_type, **(engine_options or {}))
 
     def mode(self, mode):
         self.model.sparse_mode = mode
@@ -166,13 +167,16 @@ BACKENDS = {"llama.cpp": LlamaCpp, "ours": Ours, "torch": Torch}
 
 def main() -> int:
     if len(sys.argv) < 5 or sys.argv[1] not in BACKENDS:
-        print(f"usage: worker.py {{{','.join(BACKENDS)}}} MODEL THREADS N_CTX [BATCH [KV_TYPE]]", file=sys.stderr)
+        print(f"usage: worker.py {{{','.join(BACKENDS)}}} MODEL THREADS N_CTX [BATCH [KV_TYPE [ENGINE_OPTIONS_JSON]]]",
+              file=sys.stderr)
         return 2
     name, path, threads, n_ctx = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     batch = int(sys.argv[5]) if len(sys.argv) > 5 else 0
     kv_type = sys.argv[6] if len(sys.argv) > 6 else "f32"
+    engine_options = json.loads(sys.argv[7]) if len(sys.argv) > 7 else None
     try:
-        backend = BACKENDS[name](path, threads=threads, n_ctx=n_ctx, batch=batch, kv_type=kv_type)
+        backend = BACKENDS[name](path, threads=threads, n_ctx=n_ctx, batch=batch, kv_type=kv_type,
+                                 engine_options=engine_options)
     except ImportError as exc:
         print(json.dumps({"error": f"{name} is not installed in {sys.executable} ({exc})"}), flush=True)
         return 1

@@ -323,6 +323,8 @@ def _cli(*args, cwd=ROOT):
     (["-m", "smollm2", "--sweep-sparsity", "--sweep-levels", "0.5,1.5"], "sparsity levels must be in"),
     (["-m", "smollm2", "--depth", "-1"], "--depth must be at least 0"),
     (["-m", "smollm2", "--kv-type", "q8_0"], "--kv-type must be f32 or f16"),
+    (["-m", "smollm2", "--gpu", "maybe"], "unknown --gpu 'maybe'"),
+    (["-m", "/nonexistent/model", "--vram-budget", "4"], "--vram-budget solves the hot tier from --profile"),
     (["-m", "smollm2", "--peer-python", "/no/such/python"], "--peer-python /no/such/python: no such executable"),
 ])
 def test_cli_bad_input(args, message):
@@ -444,6 +446,27 @@ def test_bench_at_depth(silu_files, tmp_path, kv_type):
         mb.kv_per_position * len(mb.layers) * (depth + (n_gen - 1) / 2))
     md = bench.render_markdown(rec)
     assert f"tg{n_gen} @ d{depth} t/s" in md and f"KV cache {kv_type}" in md
+
+
+def test_bench_with_the_hot_tier_on_a_device(silu_files, tmp_path, monkeypatch):
+    """--gpu on --gpuidx: our worker's hot tier on the device (here the emulated device library, in place of the
+    CUDA one), recorded in the bench's engine record; its numbers are the engine's stats as always."""
+    pytest.importorskip("engine")
+    import engine
+    from engine_helpers import write_gpuidx
+
+    monkeypatch.setenv("PI_GPU_LIBRARY", str(engine.device_library_path("emulated")))
+    model, files, work = silu_files
+    hot = [np.random.default_rng(i).random(N_FF) < 0.5 for i in range(N_LAYER)]
+    gpuidx = write_gpuidx(tmp_path / "hot.gpuidx", hot)
+    opts = bench.BenchOptions(model=model, outtype="q8_0", threads=2, repeats=1, modes=("dense", "gate"), n_prompt=16,
+                              n_gen=8, batch=16, work_dir=work, peers=(), progress=False, text=ROOT / "README.md",
+                              gpu="on", gpuidx=gpuidx)
+    rec = bench.run_bench(opts)
+    gpu = rec["engine"]["gpu"]
+    assert gpu["used"] and gpu["device"]["layers_on_device"] == N_LAYER, gpu
+    ours = next(e for e in rec["runs"] if e["label"] == "ours gate")
+    assert ours["stats"]["gpu"]["tokens"] > 0
 
 
 def test_a_peer_killed_by_a_signal_is_named(tmp_path):

@@ -80,6 +80,19 @@ def test_the_device_tier_gives_the_cpu_logits(kind, outtype, converted, gpuidx_3
                 assert abs(a["hot_density"] - b["hot_density"]) <= 0.01, (mode, a, b)
 
 
+@pytest.mark.parametrize("outtype", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_tokens_agree_over_64_steps(kind, outtype, converted, gpuidx_30, device):
+    path = converted(kind, outtype, predictors=True)
+    prompt = TOKENS[:N_PROMPT]
+    tokens = {}
+    for gpu in ("off", "on"):
+        with engine.Model(path, threads=2, sparse_mode="gate", gpuidx=gpuidx_30, gpu=gpu, gpu_library=device) as m:
+            tokens[gpu] = list(m.generate(prompt, 64))
+            assert m.info["gpu"]["used"] == (gpu == "on")
+    assert tokens["on"] == tokens["off"]
+
+
 def test_without_a_hot_tier_auto_stays_on_the_cpu_and_on_is_refused(converted, emulated):
     path = converted("llama-relu", "q8_0", predictors=True)
     cpu, info, _ = run(path, "gate", gpu="auto", gpu_library=emulated)

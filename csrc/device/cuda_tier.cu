@@ -219,40 +219,31 @@ pi_device_tier *tier_create(const pi_device_tier_desc *desc, char *err, size_t l
 }
 
 int32_t tier_upload(pi_device_tier *t, const pi_device_layer *rows, int32_t layer, char *err, size_t len) {
-    if (!t || !rows || layer < 0 || layer >= t->desc.n_layer || rows->n_rows <= 0) return say(err, len, "bad upload");
+    if (!t || !rows || layer < 0 || layer >= t->desc.n_layer) return say(err, len, "bad upload");
     const bool gated = t->desc.gated != 0;
-    for (uint32_t type : {rows->gate_type, rows->down_type, gated ? rows->up_type : uint32_t(TYPE_F32)})
-        if (!device::type_supported(type)) return say(err, len, "weight type " + std::to_string(type) + " is not supported");
+    if (const char *why = device::refuse_layer(*rows, gated)) return say(err, len, std::string("cannot upload ") + why);
     if (failed(cudaSetDevice(t->desc.device), "selecting the device", err, len)) return 1;
     LayerRows &L = t->layers[size_t(layer)];
     if (L.uploaded) return say(err, len, "layer " + std::to_string(layer) + " was uploaded already");
-    const int64_t E = t->desc.n_embd, n = rows->n_rows;
-    const size_t gb = size_t(n) * device::row_bytes(rows->gate_type, E);
-    const size_t ub = gated ? size_t(n) * device::row_bytes(rows->up_type, E) : 0;
-    const size_t db = size_t(n) * device::row_bytes(rows->down_type, E);
-    const size_t bb = size_t(n) * sizeof(float);
-    const size_t total = gb + ub + db + (rows->gate_b ? bb : 0) + (rows->up_b ? bb : 0);
-    if (t->allocate(reinterpret_cast<void **>(&L.block), total, ("allocating layer " + std::to_string(layer)).c_str(), err, len))
+    const device::LayerLayout layout(*rows, t->desc.n_embd, gated);
+    if (t->allocate(reinterpret_cast<void **>(&L.block), layout.bytes,
+                    ("allocating layer " + std::to_string(layer)).c_str(), err, len))
         return 1;
-    size_t at = 0;
-    auto put = [&](const void *src, size_t n_bytes) -> const uint8_t * {
-        const uint8_t *dst = L.block + at;
-        at += n_bytes;
-        return failed(cudaMemcpy(const_cast<uint8_t *>(dst), src, n_bytes, cudaMemcpyHostToDevice), "copying rows", err, len)
-                   ? nullptr : dst;
-    };
-    L.gate = put(rows->gate, gb);
-    L.up = gated ? put(rows->up, ub) : nullptr;
-    L.down_t = put(rows->down_t, db);
-    L.gate_b = rows->gate_b ? reinterpret_cast<const float *>(put(rows->gate_b, bb)) : nullptr;
-    L.up_b = rows->up_b ? reinterpret_cast<const float *>(put(rows->up_b, bb)) : nullptr;
-    if (!L.gate || (gated && !L.up) || !L.down_t || (rows->gate_b && !L.gate_b) || (rows->up_b && !L.up_b)) return 1;
+    const bool copied = layout.fill(*rows, gated, [&](size_t at, const void *src, size_t n_bytes) {
+        return !failed(cudaMemcpy(L.block + at, src, n_bytes, cudaMemcpyHostToDevice), "copying rows", err, len);
+    });
+    if (!copied) return 1;
+    L.gate = L.block + layout.gate;
+    L.up = gated ? L.block + layout.up : nullptr;
+    L.down_t = L.block + layout.down_t;
+    L.gate_b = rows->gate_b ? reinterpret_cast<const float *>(L.block + layout.gate_b) : nullptr;
+    L.up_b = rows->up_b ? reinterpret_cast<const float *>(L.block + layout.up_b) : nullptr;
     L.n_rows = rows->n_rows;
     L.gate_type = rows->gate_type;
     L.up_type = rows->up_type;
     L.down_type = rows->down_type;
     L.threshold = rows->threshold;
-    L.quantized = device::reads_q8(L.gate_type) || (gated && device::reads_q8(L.up_type));
+    L.quantized = layout.quantized;
     L.uploaded = true;
     if (rows->n_rows > t->max_rows) {  // the coefficients' scratch, for the largest layer
         if (t->d_h) {

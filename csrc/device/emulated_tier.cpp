@@ -41,10 +41,9 @@ std::atomic<uint64_t> g_used{0};
 
 struct pi_device_tier {
     struct Rows {
-        pi_device_layer desc{};
-        bool uploaded = false;
-        std::vector<uint8_t> gate, up, down_t;
-        std::vector<float> gate_b, up_b;
+        pi_device_layer desc{};  // its pointers into `block`
+        bool uploaded = false, quantized = false;
+        std::vector<uint8_t> block;
     };
     pi_device_tier_desc desc;
     std::vector<Rows> layers;
@@ -56,28 +55,31 @@ struct pi_device_tier {
 
     void compute() {
         const Rows &R = layers[size_t(job.layer)];
-        const device::Rule rule{desc.activation, desc.gated, R.desc.threshold};
+        const pi_device_layer &L = R.desc;
+        const device::Rule rule{desc.activation, desc.gated, L.threshold};
         const int64_t E = desc.n_embd, nb = E / QK;
-        const uint32_t gb = device::row_bytes(R.desc.gate_type, E), ub = device::row_bytes(R.desc.up_type, E),
-                       db = device::row_bytes(R.desc.down_type, E);
+        const uint32_t gb = device::row_bytes(L.gate_type, E), ub = device::row_bytes(L.up_type, E),
+                       db = device::row_bytes(L.down_type, E);
+        const uint8_t *gate = static_cast<const uint8_t *>(L.gate), *up = static_cast<const uint8_t *>(L.up),
+                      *down = static_cast<const uint8_t *>(L.down_t);
         for (int64_t t = 0; t < job.n_tok; ++t) {
             const float *x = job.x + t * E;
             const BlockQ8_0 *xq = job.x_q8 ? static_cast<const BlockQ8_0 *>(job.x_q8) + t * nb : nullptr;
             float *y = job.y + t * E;
             std::fill(y, y + E, 0.0f);
-            for (int64_t r = 0; r < R.desc.n_rows; ++r) {
+            for (int64_t r = 0; r < L.n_rows; ++r) {
                 float g = 0, u = 0;
                 for (int64_t k = 0; k < nb; ++k) {
-                    g += device::block_dot(R.desc.gate_type, R.gate.data() + r * gb, k, x, xq);
-                    if (desc.gated) u += device::block_dot(R.desc.up_type, R.up.data() + r * ub, k, x, xq);
+                    g += device::block_dot(L.gate_type, gate + r * gb, k, x, xq);
+                    if (desc.gated) u += device::block_dot(L.up_type, up + r * ub, k, x, xq);
                 }
                 bool pass;
-                const float h = rule.coefficient(g, u, R.gate_b.empty() ? 0.0f : R.gate_b[size_t(r)],
-                                                 R.up_b.empty() ? 0.0f : R.up_b[size_t(r)], job.dense != 0, &pass);
+                const float h = rule.coefficient(g, u, L.gate_b ? L.gate_b[r] : 0.0f, L.up_b ? L.up_b[r] : 0.0f,
+                                                 job.dense != 0, &pass);
                 counts.active += pass;
                 if (!(job.dense || pass)) continue;
                 counts.computed += 1;
-                for (int64_t e = 0; e < E; ++e) y[e] += h * device::element(R.desc.down_type, R.down_t.data() + r * db, e);
+                for (int64_t e = 0; e < E; ++e) y[e] += h * device::element(L.down_type, down + r * db, e);
             }
         }
     }
@@ -113,32 +115,32 @@ pi_device_tier *tier_create(const pi_device_tier_desc *desc, char *err, size_t l
     return t;
 }
 
-std::vector<uint8_t> copy_bytes(const void *p, size_t n) {
-    const uint8_t *b = static_cast<const uint8_t *>(p);
-    return p ? std::vector<uint8_t>(b, b + n) : std::vector<uint8_t>();
-}
-
 int32_t tier_upload(pi_device_tier *t, const pi_device_layer *rows, int32_t layer, char *err, size_t len) {
     if (!t || !rows || layer < 0 || layer >= t->desc.n_layer) return say(err, len, "bad upload");
-    for (uint32_t type : {rows->gate_type, rows->down_type, t->desc.gated ? rows->up_type : uint32_t(TYPE_F32)})
-        if (!device::type_supported(type)) return say(err, len, "weight type " + std::to_string(type) + " is not supported");
-    const int64_t E = t->desc.n_embd, n = rows->n_rows;
-    const size_t gb = size_t(n) * device::row_bytes(rows->gate_type, E), ub = t->desc.gated ? size_t(n) * device::row_bytes(rows->up_type, E) : 0,
-                 db = size_t(n) * device::row_bytes(rows->down_type, E);
-    const size_t bias = size_t(n) * sizeof(float) * ((rows->gate_b ? 1 : 0) + (rows->up_b ? 1 : 0));
-    const uint64_t need = gb + ub + db + bias;
-    if (g_used + need > capacity())
-        return say(err, len, "out of emulated device memory uploading layer " + std::to_string(layer));
+    const bool gated = t->desc.gated != 0;
+    if (const char *why = device::refuse_layer(*rows, gated)) return say(err, len, std::string("cannot upload ") + why);
     pi_device_tier::Rows &R = t->layers[size_t(layer)];
+    if (R.uploaded) return say(err, len, "layer " + std::to_string(layer) + " was uploaded already");
+    const device::LayerLayout layout(*rows, t->desc.n_embd, gated);
+    if (g_used + layout.bytes > capacity())
+        return say(err, len, "out of emulated device memory uploading layer " + std::to_string(layer));
+    // one block, laid out as the CUDA library lays out its allocation, read through pointers into it
+    R.block.assign(layout.bytes, 0);
+    uint8_t *base = R.block.data();
+    layout.fill(*rows, gated, [&](size_t at, const void *src, size_t n_bytes) {
+        std::memcpy(base + at, src, n_bytes);
+        return true;
+    });
     R.desc = *rows;
-    R.gate = copy_bytes(rows->gate, gb);
-    R.up = copy_bytes(t->desc.gated ? rows->up : nullptr, ub);
-    R.down_t = copy_bytes(rows->down_t, db);
-    if (rows->gate_b) R.gate_b.assign(rows->gate_b, rows->gate_b + n);
-    if (rows->up_b) R.up_b.assign(rows->up_b, rows->up_b + n);
+    R.desc.gate = base + layout.gate;
+    R.desc.up = gated ? base + layout.up : nullptr;
+    R.desc.down_t = base + layout.down_t;
+    R.desc.gate_b = rows->gate_b ? reinterpret_cast<const float *>(base + layout.gate_b) : nullptr;
+    R.desc.up_b = rows->up_b ? reinterpret_cast<const float *>(base + layout.up_b) : nullptr;
+    R.quantized = layout.quantized;
     R.uploaded = true;
-    t->bytes += need;
-    g_used += need;
+    t->bytes += layout.bytes;
+    g_used += layout.bytes;
     return 0;
 }
 
@@ -147,7 +149,7 @@ int32_t tier_submit(pi_device_tier *t, const pi_device_job *job, char *err, size
         return say(err, len, "bad job");
     const pi_device_tier::Rows &R = t->layers[size_t(job->layer)];
     if (!R.uploaded) return say(err, len, "layer " + std::to_string(job->layer) + " was not uploaded");
-    const bool quantized = device::reads_q8(R.desc.gate_type) || (t->desc.gated && device::reads_q8(R.desc.up_type));
+    const bool quantized = R.quantized;
     if (quantized && !job->x_q8) return say(err, len, "the layer's weights are quantized: the job needs x_q8");
     if (t->worker.joinable()) t->worker.join();  // a job left unwaited: finished first
     t->job = *job;

@@ -26,6 +26,49 @@ PI_HD inline uint32_t row_bytes(uint32_t type, int64_t n) {
 inline bool type_supported(uint32_t type) { return row_bytes(type, QK) != 0; }
 inline bool reads_q8(uint32_t type) { return type == TYPE_Q4_0 || type == TYPE_Q8_0; }
 
+// Where the parts of a layer's hot rows lie in the one block of device memory that holds them: gate, up and
+// down_t rows, then the biases, each part 16-byte aligned (q8_0 rows are 34 bytes a block; biases are floats).
+struct LayerLayout {
+    size_t gate = 0, up = 0, down_t = 0, gate_b = 0, up_b = 0, bytes = 0;
+    uint32_t gate_row = 0, up_row = 0, down_row = 0;  // bytes a row
+    bool quantized = false;                           // some weight reads the q8_0 operand
+
+    LayerLayout(const pi_device_layer &rows, int64_t n_embd, bool gated) {
+        const size_t n = size_t(rows.n_rows);
+        gate_row = row_bytes(rows.gate_type, n_embd);
+        up_row = gated ? row_bytes(rows.up_type, n_embd) : 0;
+        down_row = row_bytes(rows.down_type, n_embd);
+        quantized = reads_q8(rows.gate_type) || (gated && reads_q8(rows.up_type));
+        auto part = [&](size_t size) {
+            const size_t at = bytes;
+            bytes += (size + 15) / 16 * 16;
+            return at;
+        };
+        gate = part(n * gate_row);
+        up = part(n * up_row);
+        down_t = part(n * down_row);
+        gate_b = part(rows.gate_b ? n * 4 : 0);
+        up_b = part(rows.up_b ? n * 4 : 0);
+    }
+    // Copies each part of `rows` into the block at `base` with copy(destination offset, source, bytes).
+    template <class Copy>
+    bool fill(const pi_device_layer &rows, bool gated, Copy copy) const {
+        const size_t n = size_t(rows.n_rows);
+        return copy(gate, rows.gate, n * gate_row) && (!gated || copy(up, rows.up, n * up_row)) &&
+               copy(down_t, rows.down_t, n * down_row) && (!rows.gate_b || copy(gate_b, rows.gate_b, n * 4)) &&
+               (!rows.up_b || copy(up_b, rows.up_b, n * 4));
+    }
+};
+
+// Why a layer's rows cannot be uploaded, or nullptr.
+inline const char *refuse_layer(const pi_device_layer &rows, bool gated) {
+    if (rows.n_rows <= 0) return "a layer without rows";
+    if (!rows.gate || !rows.down_t || (gated && !rows.up)) return "a layer's rows are missing";
+    for (uint32_t type : {rows.gate_type, rows.down_type, gated ? rows.up_type : uint32_t(TYPE_F32)})
+        if (!type_supported(type)) return "a weight type other than f32, f16, q8_0 and q4_0";
+    return nullptr;
+}
+
 // Block k (elements [32k, 32k + 32)) of row . x: x is the token's f32 row, xq its q8_0 blocks.
 PI_HD inline float block_dot(uint32_t type, const uint8_t *row, int64_t k, const float *x, const BlockQ8_0 *xq) {
     float sum = 0.0f;

@@ -131,7 +131,6 @@ TierCounts DeviceTierBackend::wait() {
     TierCounts c;
     c.active = dc.active;
     c.computed = dc.computed;
-    c.device_seconds = dc.seconds;
     return c;
 }
 

@@ -41,7 +41,6 @@ struct TierCounts {
     double true_pos = 0, positives = 0;  // selected and truly active; truly active (recall check, oracle)
     double probe_selected = 0, probe_computed = 0;  // TierJob::n_probe's counts
     double predictor_seconds = 0, gate_up_seconds = 0, down_seconds = 0;
-    double device_seconds = 0;  // a device backend's job, on the device
 };
 
 class TierBackend {

@@ -21,7 +21,6 @@ void EngineStats::take_ffn(int64_t il, int64_t n_tok, TierMode cold_mode, bool h
         times.predictor += c->predictor_seconds;
         times.gate_up += c->gate_up_seconds;
         times.down += c->down_seconds;
-        times.device += c->device_seconds;
     }
 }
 
@@ -126,7 +125,7 @@ std::string stats_json(const Model &model, const WeightCopies &wc, const EngineS
                        ", \"batch_seconds\": " + num(stats.batch_seconds) + ", \"decode_tokens\": " + num(stats.decode_tokens) +
                        ", \"decode_seconds\": " + num(stats.decode_seconds) + ", \"phases\": {\"embed\": " + num(t.embed) +
                        ", \"attention\": " + num(t.attention) + ", \"predictor\": " + num(t.predictor) +
-                       ", \"gate_up\": " + num(t.gate_up) + ", \"down\": " + num(t.down) + ", \"output\": " + num(t.output) + ", \"device\": " + num(t.device) + "}";
+                       ", \"gate_up\": " + num(t.gate_up) + ", \"down\": " + num(t.down) + ", \"output\": " + num(t.output) + "}";
     json += ", \"weight_copies\": {\"packed\": " + std::to_string(wc.packed) + ", \"predictor\": " + std::to_string(wc.predictor) +
             ", \"hot\": " + std::to_string(wc.hot) + ", \"cold_groups\": " + std::to_string(wc.cold_groups) +
             "}, \"gpu\": " + device_json(device) + ", \"layers\": [";

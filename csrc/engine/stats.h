@@ -29,7 +29,6 @@ struct LayerStats {
 
 struct PhaseTimes {
     double embed = 0, attention = 0, predictor = 0, gate_up = 0, down = 0, output = 0;
-    double device = 0;  // the hot tier's jobs on a device (concurrent with the CPU's phases)
 };
 
 struct EngineStats {

@@ -216,7 +216,7 @@ def timing_lines(stats: dict, load_seconds: float, info: dict | None = None) -> 
             return line.rstrip()
         return f"{line} ({ms / tokens:8.2f} ms per token, {tokens / seconds:8.2f} tokens per second)"
 
-    phases = {k: v for k, v in stats["phases"].items() if k != "device"}  # the device's time overlaps the CPU's
+    phases = stats["phases"]
     total = sum(phases.values()) or 1.0
     share = ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in phases.items())
     density = stats.get("density")

@@ -154,7 +154,7 @@ def test_traffic_and_time_are_counted(converted, gpuidx_30, device):
     # up: each token's f32 row and its q8_0 blocks; down: its f32 output row
     assert gpu["h2d_bytes"] == N_LAYER * n_tok * (E * 4 + E // 32 * 34)
     assert gpu["d2h_bytes"] >= N_LAYER * n_tok * E * 4  # the output rows (and, from CUDA, the job's counts)
-    assert gpu["device_seconds"] > 0 and stats["phases"]["device"] == pytest.approx(gpu["device_seconds"])
+    assert gpu["device_seconds"] > 0 and gpu["wait_seconds"] > 0
 
 
 def test_close_gives_the_device_memory_back(converted, gpuidx_30, device):

@@ -61,6 +61,9 @@ SHAPES = {
     "13b": Shape(5120, 13824, 40, 40),   # ReluLLaMA-13B
     "2b": Shape(2048, 5632, 20, 16),     # measure_convert_memory's default: >= 2 GB of weights
     "tiny": Shape(128, 512, 3, 4, vocab=600, n_ctx=512),  # tests
+    # 7B's attention and KV cache (4 GiB in f32 at 4096 positions), a token FFN and vocabulary: the engine's
+    # open time at 7B's context (scripts/measure_engine_open.py) without 7B's conversion
+    "7b-attention": Shape(4096, 256, 32, 32, vocab=1024),
 }
 
 

@@ -76,8 +76,8 @@ void Engine::attention(int64_t il, int64_t n_tok, TierMode cold_mode) {
     // The predictor's weights come from DRAM every step (too little to stream at speed once the FFN asks
     // for them); asked for now, they arrive while the heads read the KV cache.
     if (n_tok == 1 && cold_mode == TierMode::Predictor) prefetch_predictor(L);
-    const uint8_t *kc = s.k_cache.data() + il * RunState::key_slots(n_ctx_) * KV * s.kv_bytes();
-    const uint8_t *vc = s.v_cache.data() + il * n_ctx_ * KV * s.kv_bytes();
+    const int64_t layer_bytes = s.kv_layer_elements(hp_) * s.kv_bytes();
+    const uint8_t *kc = s.k_cache.data() + il * layer_bytes, *vc = s.v_cache.data() + il * layer_bytes;
     if (n_tok == 1) decode_heads(kc, vc, s.n_past + 1);
     else batch_heads(kc, vc, n_tok);
     s.op_att.q_ready = false;
@@ -86,9 +86,9 @@ void Engine::attention(int64_t il, int64_t n_tok, TierMode cold_mode) {
     add_bias(s.tmp.data(), L.bo, n_tok, E);
 }
 
-// RoPE on the batch's queries and keys, then its keys and values into layer il's cache, one kv head after the
-// other, so that a head's keys and values are each one stream: keys in tiles of kKeyTile positions, each tile
-// [D][kKeyTile] (a query's scores over a tile are a gemm over contiguous rows), values [position][D].
+// RoPE on the batch's queries and keys, then its keys and values into layer il's cache: each position into its
+// kv heads' tiles of kKeyTile positions (RunState's layout), keys [D][kKeyTile] (a query's scores over a tile are
+// a gemm over contiguous rows), values [kKeyTile][D].
 void Engine::store_kv(int64_t il, int64_t n_tok) {
     RunState &s = *rs_;
     const int64_t D = hp_.d_head, H = hp_.n_head, HKV = hp_.n_head_kv, Q = H * D, KV = HKV * D, half = hp_.n_rot / 2;
@@ -108,20 +108,20 @@ void Engine::store_kv(int64_t il, int64_t n_tok) {
             }
         }
     };
-    const int64_t key_slots = RunState::key_slots(n_ctx_);
-    uint8_t *kc = s.k_cache.data() + il * key_slots * KV * s.kv_bytes(), *vc = s.v_cache.data() + il * n_ctx_ * KV * s.kv_bytes();
+    const int64_t layer_bytes = s.kv_layer_elements(hp_) * s.kv_bytes();
+    uint8_t *kc = s.k_cache.data() + il * layer_bytes, *vc = s.v_cache.data() + il * layer_bytes;
     // element i of a layer's cache set to v (rounded to the nearest half in an f16 cache)
     auto put = [&](uint8_t *cache, int64_t i, float v) {
         if (s.kv_f16) reinterpret_cast<uint16_t *>(cache)[i] = f32_to_f16(v);
         else reinterpret_cast<float *>(cache)[i] = v;
     };
     for (int64_t t = 0; t < n_tok; ++t) {
-        const int64_t pos = s.n_past + t, tile = pos / kKeyTile, col = pos % kKeyTile;
+        const int64_t pos = s.n_past + t, col = pos % kKeyTile;
         rope(s.q.data() + t * Q, H, pos);
         rope(s.k.data() + t * KV, HKV, pos);
         for (int64_t kvh = 0; kvh < HKV; ++kvh) {
             const float *k = s.k.data() + t * KV + kvh * D, *v = s.v.data() + t * KV + kvh * D;
-            const int64_t kt = kvh * key_slots * D + tile * D * kKeyTile + col, vt = (kvh * n_ctx_ + pos) * D;
+            const int64_t tile = rs_->kv_tile(HKV, D, kvh, pos), kt = tile + col, vt = tile + col * D;
             for (int64_t d = 0; d < D; ++d) {
                 put(kc, kt + d * kKeyTile, k[d]);
                 put(vc, vt + d, v[d]);
@@ -136,11 +136,28 @@ void Engine::gemm_cache(int n_tok, int n_rows, int n_cols, const float *h, int l
     else ks_->gemm_f32(n_tok, n_rows, n_cols, h, ldh, reinterpret_cast<const float *>(cache) + at, ldw, y, ldy);
 }
 
+// Bytes asked for ahead at the start of the next run of a kv head's cache (a block's tiles lie together, blocks
+// apart), while the current one is read.
+constexpr size_t kRunPrefetch = 4096;
+
+void Engine::value_sum(int n_tok, int64_t n_keys, const float *p, int ldp, const uint8_t *cache, int64_t kvh, float *y,
+                       int ldy) const {
+    // A block of positions at a time (its rows contiguous): the same fma chain per output element as one gemm
+    // over all the rows, since gemm continues from y (the same bits).
+    const int64_t D = hp_.d_head, block = rs_->kv_block;
+    for (int64_t c = 0; c < n_keys; c += block) {
+        if (c + block < n_keys)  // the next block's start: another run of the cache
+            prefetch_row(cache + rs_->kv_tile(hp_.n_head_kv, D, kvh, c + block) * rs_->kv_bytes(), kRunPrefetch);
+        gemm_cache(n_tok, int(std::min(block, n_keys - c)), int(D), p + c, ldp, cache,
+                   rs_->kv_tile(hp_.n_head_kv, D, kvh, c), int(D), y, ldy);
+    }
+}
+
 void Engine::batch_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_tok) {
     // Per query head and tile of kAttnTile tokens, two gemms: scores = q K^T over the keys the tile's last token
     // sees (earlier tokens' later keys get probability 0), out = p V.
     const int64_t D = hp_.d_head, H = hp_.n_head, HKV = hp_.n_head_kv, group = H / HKV, Q = H * D;
-    const int64_t n_past = rs_->n_past, key_slots = RunState::key_slots(n_ctx_);
+    const int64_t n_past = rs_->n_past;
     const int64_t n_tiles = (n_tok + kAttnTile - 1) / kAttnTile, n_all = n_past + n_tok;
     const float scale = 1.0f / std::sqrt(float(D));
     const float *q = rs_->q.data();
@@ -154,7 +171,7 @@ void Engine::batch_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_tok) {
             std::fill(sc, sc + nt * n_keys, 0.0f);
             for (int64_t c = 0; c < n_keys; c += kKeyTile)
                 gemm_cache(int(nt), int(D), int(std::min(kKeyTile, n_keys - c)), q + t0 * Q + h * D, int(Q), kc,
-                           (kvh * key_slots + c) * D, int(kKeyTile), sc + c, int(n_keys));
+                           rs_->kv_tile(HKV, D, kvh, c), int(kKeyTile), sc + c, int(n_keys));
             for (int64_t t = 0; t < nt; ++t) {  // softmax over the keys token t sees, 0 for the later ones
                 const int64_t n_valid = n_past + t0 + t + 1;
                 ks_->softmax(int(n_valid), scale, sc + t * n_keys);
@@ -162,7 +179,7 @@ void Engine::batch_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_tok) {
             }
             float *out = rs_->att.data() + t0 * Q + h * D;
             for (int64_t t = 0; t < nt; ++t) std::fill(out + t * Q, out + t * Q + D, 0.0f);
-            gemm_cache(int(nt), int(n_keys), int(D), sc, int(n_keys), vc, kvh * n_ctx_ * D, int(D), out, int(Q));
+            value_sum(int(nt), n_keys, sc, int(n_keys), vc, kvh, out, int(Q));
         }
     };
     // A head's keys and values come from the cache (memory-bound, not multiply-bound): its work is counted as
@@ -176,7 +193,7 @@ void Engine::decode_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_keys) 
     // evenly; each head's softmax; the outputs by (kv head, tile of its heads). The same fma chains, so the
     // same bits, as one head at a time.
     const int64_t D = hp_.d_head, H = hp_.n_head, HKV = hp_.n_head_kv, group = H / HKV;
-    const int64_t key_slots = RunState::key_slots(n_ctx_), n_key_tiles = (n_keys + kKeyTile - 1) / kKeyTile;
+    const int64_t n_key_tiles = (n_keys + kKeyTile - 1) / kKeyTile;
     const int64_t n_head_tiles = (group + kHeadsPerTile - 1) / kHeadsPerTile;
     float *sc = rs_->scores.data();  // [head][n_keys]
     const float scale = 1.0f / std::sqrt(float(D));
@@ -188,8 +205,13 @@ void Engine::decode_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_keys) 
             const int64_t kvh = u / n_key_tiles, c = u % n_key_tiles * kKeyTile, cols = std::min(kKeyTile, n_keys - c);
             float *y = sc + kvh * group * n_keys + c;
             for (int64_t i = 0; i < group; ++i) std::fill(y + i * n_keys, y + i * n_keys + cols, 0.0f);
+            if (u + 1 < u1) {  // the next tile's start, where it begins a run of its own (another block or head)
+                const int64_t next = u + 1, nc = next % n_key_tiles * kKeyTile;
+                if (nc % rs_->kv_block == 0)
+                    prefetch_row(kc + rs_->kv_tile(HKV, D, next / n_key_tiles, nc) * rs_->kv_bytes(), kRunPrefetch);
+            }
             gemm_cache(int(group), int(D), int(cols), rs_->q.data() + kvh * group * D, int(D), kc,
-                       (kvh * key_slots + c) * D, int(kKeyTile), y, int(n_keys));
+                       rs_->kv_tile(HKV, D, kvh, c), int(kKeyTile), y, int(n_keys));
         }
     };
     pool_->run(int(std::min<int64_t>(HKV * n_key_tiles, pool_->chunks_for(reads, kGrain))), scores);
@@ -207,8 +229,7 @@ void Engine::decode_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_keys) 
             const int64_t nh = std::min(kHeadsPerTile, (kvh + 1) * group - h0);
             float *out = rs_->att.data() + h0 * D;
             std::fill(out, out + nh * D, 0.0f);
-            gemm_cache(int(nh), int(n_keys), int(D), sc + h0 * n_keys, int(n_keys), vc, kvh * n_ctx_ * D, int(D), out,
-                       int(D));
+            value_sum(int(nh), n_keys, sc + h0 * n_keys, int(n_keys), vc, kvh, out, int(D));
         }
     };
     pool_->run(int(std::min<int64_t>(HKV * n_head_tiles, pool_->chunks_for(reads, kGrain))), values);

@@ -23,12 +23,29 @@ struct RunState {
     static int64_t key_slots(int64_t n_ctx) { return (n_ctx + kKeyTile - 1) / kKeyTile * kKeyTile; }
 
     const int64_t n_ctx;
-    // KV cache, a kv head's positions together (each head reads one stream): keys
-    // [layer][kv head][pos / kKeyTile][d_head][pos % kKeyTile] (a query's scores over a tile are a gemm over
-    // contiguous rows), values [layer][kv head][pos][d_head]; elements in f16 or f32
+    // KV cache of each layer in blocks of kv_block positions, each block its kv heads one after the other, a
+    // head's positions in tiles of kKeyTile: [layer][pos / kv_block][kv head] then keys
+    // [pos % kv_block / kKeyTile][d_head][pos % kKeyTile] (a query's scores over a tile are a gemm over
+    // contiguous rows), values [pos % kv_block][d_head] (a head reads each block's values as one stream);
+    // elements in f16 or f32. A block of all heads fills one 2 MiB page where its size allows (kv_block_for),
+    // and a layer's cache fills from its start, so its pages (2 MiB where granted, faulted in by their first
+    // write, never populated ahead) come in with the context: a short context never touches the rest, and
+    // nothing reads a position at or past n_past + the batch being evaluated.
     const bool kv_f16;
+    const int64_t kv_block;
     PageMemory k_cache, v_cache;
     int64_t kv_bytes() const { return kv_f16 ? 2 : 4; }  // bytes of one cache element
+    // positions per block: as many whole tiles as fill a 2 MiB page across the kv heads (one tile at least),
+    // at most the context's tiles; and the positions a layer's cache holds (whole blocks)
+    static int64_t kv_block_for(const HParams &hp, int64_t n_ctx, bool kv_f16);
+    static int64_t kv_slots(const HParams &hp, int64_t n_ctx, bool kv_f16);
+    // elements from a layer's cache to the tile of kv head `kvh` that holds position `pos` (keys or values)
+    int64_t kv_tile(int64_t n_head_kv, int64_t d_head, int64_t kvh, int64_t pos) const {
+        return (pos / kv_block * n_head_kv + kvh) * kv_block * d_head + pos % kv_block / kKeyTile * kKeyTile * d_head;
+    }
+    int64_t kv_layer_elements(const HParams &hp) const {
+        return kv_slots(hp, n_ctx, kv_f16) * hp.n_head_kv * hp.d_head;
+    }
     int64_t n_past = 0;
     std::vector<int32_t> history;           // [n_ctx] the tokens in the cache
     std::vector<float> rope_cos, rope_sin;  // [pos][n_rot/2]

@@ -20,12 +20,12 @@ constexpr int kPopulateWrite = 23;  // <linux/mman.h>'s value, for C libraries o
 #endif
 }
 
-PageMemory::PageMemory(size_t n_bytes, bool huge_pages, const char *what) : n_bytes_(n_bytes) {
+PageMemory::PageMemory(size_t n_bytes, bool huge_pages, const char *what, bool populate) : n_bytes_(n_bytes) {
     if (n_bytes == 0) return;
     const size_t page = huge_pages ? kHugePage : size_t(sysconf(_SC_PAGESIZE));
     const size_t bytes = (n_bytes + page - 1) / page * page;
     map_bytes_ = huge_pages ? bytes + kHugePage : bytes;  // room to start on a 2 MiB boundary
-    map_ = mmap(nullptr, map_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | (huge_pages ? 0 : MAP_POPULATE), -1, 0);
+    map_ = mmap(nullptr, map_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | (populate && !huge_pages ? MAP_POPULATE : 0), -1, 0);
     if (map_ == MAP_FAILED) {
         map_ = nullptr;
         fail(PI_ERR_MEMORY, "cannot allocate " + std::to_string(bytes >> 20) + " MiB for " + what);
@@ -36,8 +36,9 @@ PageMemory::PageMemory(size_t n_bytes, bool huge_pages, const char *what) : n_by
     // 4 KiB pages come populated (MAP_POPULATE: one call, not a fault per page; a switch of FFN mode regroups
     // 17 % faster); huge pages are populated after the advice, by the kernel where it can (MADV_POPULATE_WRITE,
     // Linux 5.14), else by a write per page. The kernel hands out zeroed pages either way: a memset would
-    // write a second time what a 7B model's KV cache (GBs) already holds.
-    if (huge_pages && madvise(bytes_, bytes, kPopulateWrite) != 0) {
+    // write a second time what a large buffer already holds. Unpopulated, a page is faulted in (2 MiB at a time
+    // where the advice holds) by its first write.
+    if (populate && huge_pages && madvise(bytes_, bytes, kPopulateWrite) != 0) {
         const size_t small = size_t(sysconf(_SC_PAGESIZE));
         for (size_t at = 0; at < bytes; at += small) reinterpret_cast<volatile uint8_t *>(bytes_)[at] = 0;
     }

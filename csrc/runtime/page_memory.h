@@ -14,9 +14,11 @@ namespace pi {
 class PageMemory {
 public:
     PageMemory() = default;
-    // n_bytes zeroed bytes, touched now (no step waits for a page); huge_pages: 2 MiB-aligned and advised onto
-    // 2 MiB pages. Fails with PI_ERR_MEMORY, naming `what`, when the system has no memory for them.
-    PageMemory(size_t n_bytes, bool huge_pages, const char *what);
+    // n_bytes zeroed bytes; huge_pages: 2 MiB-aligned and advised onto 2 MiB pages. `populate`: touched now (no
+    // step waits for a page: the packed weights), else each page comes in (zeroed, by the kernel) when first
+    // written (the KV cache, as positions fill it). Fails with PI_ERR_MEMORY, naming `what`, when the system
+    // refuses the mapping.
+    PageMemory(size_t n_bytes, bool huge_pages, const char *what, bool populate = true);
     ~PageMemory();
     PageMemory(const PageMemory &) = delete;
     PageMemory &operator=(const PageMemory &) = delete;

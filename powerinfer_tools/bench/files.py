@@ -59,14 +59,96 @@ def _fingerprint(paths: list[Path]) -> str:
     return h.hexdigest()[:16]
 
 
-def _converter_fingerprint() -> str:
-    """The toolkit's own sources: a file converted by another version (predictors f16 before they took the
-    weight type, say) is not this version's file, so a cached one is rebuilt after any change to them."""
+# The modules that write the two files' bytes: the converter, and this module (the llama.cpp copy).
+WRITER_MODULES = ("powerinfer_tools.stages.conversion", "powerinfer_tools.bench.files")
+# Libraries whose arithmetic or layout is in those bytes (gguf-py's writer and quantizers, numpy's, torch's casts).
+WRITER_LIBRARIES = ("gguf", "numpy", "torch", "safetensors")
+
+
+def _module_file(package: Path, name: str) -> Path | None:
+    """The source of module `name` (powerinfer_tools.x.y) under `package`, None outside the toolkit."""
+    parts = name.split(".")
+    if parts[0] != package.name:
+        return None
+    base = package.joinpath(*parts[1:])
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _imports(package: Path, path: Path, name: str, top_level_only: bool) -> set[tuple[str, bool]]:
+    """(module, wholly) for each module that `path` (module `name`) imports: everywhere in it, or with
+    `top_level_only` only what runs when it is imported (not inside functions, nor under `if TYPE_CHECKING:`).
+    `wholly`: a function of it may be called, so its own imports inside functions count; `from A import B`
+    takes module A.B wholly and package A only as loaded, or, B being a name defined in A, A wholly."""
+    import ast
+
+    package_of = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[tuple[str, bool]] = set()
+
+    def visit(node) -> None:
+        for child in ast.iter_child_nodes(node):
+            if top_level_only and isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                for stmt in child.orelse:
+                    visit(ast.Module(body=[stmt], type_ignores=[]))
+                continue
+            if isinstance(child, ast.Import):
+                found.update((alias.name, True) for alias in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    parts = package_of.split(".")
+                    base = ".".join(parts[:len(parts) - child.level + 1] + ([base] if base else []))
+                for alias in child.names:
+                    module = f"{base}.{alias.name}"
+                    found.add((module, True) if _module_file(package, module) else (base, True))
+                found.add((base, False))
+            visit(child)
+
+    visit(ast.parse(path.read_bytes(), str(path)))
+    return found
+
+
+def converter_sources(package: Path | None = None, roots: tuple[str, ...] = WRITER_MODULES) -> list[Path]:
+    """The toolkit's source files that can run while the bench files are written: `roots` and every toolkit
+    module they import, at any depth, imports inside the functions they may call included (the converter
+    imports most of its helpers where it uses them); a package only loaded on the way to a module counts with
+    what it imports when loaded, not what its functions import when called."""
+    package = package or Path(__file__).resolve().parents[1]
+    seen: dict[Path, bool] = {}  # file -> followed wholly
+    pending = [(name, True) for name in roots]
+    while pending:
+        name, wholly = pending.pop()
+        parts = name.split(".")
+        for depth in range(1, len(parts)):  # importing a.b.c runs a/__init__ and a/b/__init__ first
+            pending.append((".".join(parts[:depth]), False))
+        path = _module_file(package, name)
+        if path is None or (path in seen and (seen[path] or not wholly)):
+            continue  # not the toolkit's, or already followed as far as this import asks
+        seen[path] = wholly
+        pending.extend(_imports(package, path, name, not wholly))
+    return sorted(seen)
+
+
+def converter_fingerprint(package: Path | None = None) -> str:
+    """What decides the bytes of a converted file besides its inputs: the sources converter_sources finds (a
+    file converted by another version, predictors in f16 before they took the weight type say, is not this
+    version's file) and the versions of WRITER_LIBRARIES. An edit anywhere else leaves cached files valid."""
+    from importlib import metadata
+
+    package = package or Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    package = Path(__file__).resolve().parents[1]
-    for path in sorted(package.rglob("*.py")):
+    for path in converter_sources(package):
         h.update(f"{path.relative_to(package)}\n".encode())
         h.update(path.read_bytes())
+    for lib in WRITER_LIBRARIES:
+        try:
+            h.update(f"{lib}=={metadata.version(lib)}\n".encode())
+        except metadata.PackageNotFoundError:
+            h.update(f"{lib} absent\n".encode())
     return h.hexdigest()[:16]
 
 
@@ -79,7 +161,7 @@ def bench_files(model: str, outtype: str, work_dir: Path, predictors: Path | Non
         raise UserError(f"unknown --outtype '{outtype}' (choose from {', '.join(BENCH_OUTTYPES)})")
     source = models.resolve(model)
     inputs = [source.path] + [p for p in (predictors, profile) if p is not None]
-    key = hashlib.sha256(f"{_fingerprint(inputs)}:{_converter_fingerprint()}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{_fingerprint(inputs)}:{outtype}:{converter_fingerprint()}".encode()).hexdigest()[:16]
     stem = source.path.stem.replace(".", "_")
     directory = Path(work_dir) / f"{stem}-{outtype}-{key}"
     manifest_path = directory / "manifest.json"

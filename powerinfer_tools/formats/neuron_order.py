@@ -75,7 +75,11 @@ def read(path, n_ff: Sequence[int], reader=None) -> list[np.ndarray] | None:
     of each layer's neurons. `reader`: the file already open (parsing a header again costs seconds)."""
     from powerinfer_tools.formats.gguf_io import field, open_reader
 
-    text = field(reader if reader is not None else open_reader(path), ORDER_KEY)
+    return decode(path, field(reader if reader is not None else open_reader(path), ORDER_KEY), n_ff)
+
+
+def decode(path, text: str | None, n_ff: Sequence[int]) -> list[np.ndarray] | None:
+    """The order per layer from the value of ORDER_KEY in file `path` (None: the source order), checked."""
     if text is None:
         return None
     try:

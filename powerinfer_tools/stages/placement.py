@@ -33,8 +33,8 @@ from powerinfer_tools.stages import placement_solver
 from powerinfer_tools.core.atomic import atomic_file
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.stages.options import DEFAULT_CTX_SIZE, DEFAULT_RESERVE_BYTES, MIB, PlanFiles
-from powerinfer_tools.formats.gguf_io import field as gguf_field
-from powerinfer_tools.formats.gguf_io import open_reader, set_powerinfer_i32, set_pwri_magic
+from powerinfer_tools.formats.gguf_header import GGUFHeader, read_header
+from powerinfer_tools.formats.gguf_io import set_powerinfer_i32, set_pwri_magic
 
 GIB = 1024**3
 DENSE_POLICIES = ("all", "with-ffn")
@@ -49,6 +49,7 @@ FFN_SPLIT_TENSORS = tuple(names.weight(n) for n in (names.FFN_GATE, names.FFN_UP
 PREDICTOR_TENSORS = (names.weight(names.PREDICTOR_FC1), names.weight(names.PREDICTOR_FC2))
 OUTPUT_TENSORS = re.compile(r"^output(_norm)?\.(weight|bias)$")
 LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(.+)$")
+MAX_HPARAM = 1 << 20  # bound on a file's layer, head and width counts (arrays are sized by them)
 
 
 @dataclass
@@ -73,12 +74,12 @@ class ModelCosts:
         return 2 * ctx_size * self.n_embd_gqa * KV_BYTES_PER_VALUE
 
 
-def model_costs(model_path: str | Path, reader=None) -> ModelCosts:
-    """Read a PowerInfer GGUF's metadata and tensor table (no tensor data) into per-part byte costs
-    (`reader`: the file already open)."""
-    reader = reader if reader is not None else open_reader(model_path)
-    tensors = ((t.name, tuple(int(n) for n in reversed(t.shape)), int(t.n_bytes)) for t in reader.tensors)
-    return costs_from_tensors(str(model_path), lambda key, default=None: gguf_field(reader, key, default), tensors)
+def model_costs(model_path: str | Path, header: GGUFHeader | None = None) -> ModelCosts:
+    """Read a PowerInfer GGUF's metadata and tensor table (no tensor data, no vocabulary) into per-part byte
+    costs (`header`: the file's, already read)."""
+    header = header if header is not None else read_header(model_path)
+    tensors = ((t.name, t.shape, t.n_bytes) for t in header.tensors)
+    return costs_from_tensors(str(model_path), header.get, tensors)
 
 
 def costs_from_tensors(label: str, hparam: Callable[..., Any],
@@ -94,6 +95,10 @@ def costs_from_tensors(label: str, hparam: Callable[..., Any],
     if n_embd is None or n_layer is None or n_head is None:
         raise UserError(f"{label}: missing {arch}.embedding_length/block_count/attention.head_count")
     n_kv = hparam(f"{arch}.attention.head_count_kv", n_head)
+    for key, value in (("embedding_length", n_embd), ("block_count", n_layer), ("attention.head_count", n_head),
+                       ("attention.head_count_kv", n_kv)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or not 0 < value <= MAX_HPARAM:
+            raise UserError(f"{label}: {arch}.{key} = {value!r} is not a count from 1 to {MAX_HPARAM}")
     n_ff = np.zeros(n_layer, np.int64)
     neuron = np.zeros(n_layer, np.int64)
     attention = np.zeros(n_layer, np.int64)
@@ -277,15 +282,16 @@ def plan_for_model(profile_dir: str | Path, model_path: str | Path, vram_budget_
     The profile counts source neurons; the gpu index marks file positions (neuron_order.py). `granularity`:
     see parse_granularity (`powerinfer` reads the down projection's type from the file)."""
     check_options(vram_budget_bytes, ctx_size, reserve_bytes, dense)
-    reader = open_reader(model_path)
-    down_types = {t.tensor_type.name for t in reader.tensors if t.name.endswith(f".{names.weight(names.FFN_DOWN_T)}")}
+    header = read_header(model_path)
+    down_types = {t.type.name for t in header.tensors if t.name.endswith(f".{names.weight(names.FFN_DOWN_T)}")}
     step = parse_granularity(granularity, down_types == {"Q4_0"})
-    costs = model_costs(model_path, reader)
+    costs = model_costs(model_path, header)
+    order_text = header.get(neuron_order.ORDER_KEY)
     counts = neuron_order.in_file_order(load_activation_counts(profile_dir, costs.n_ff),
-                                        neuron_order.read(model_path, costs.n_ff, reader))
+                                        neuron_order.decode(model_path, order_text, costs.n_ff))
     plan = plan_placement(costs, counts, profiled_tokens(profile_dir, counts), vram_budget_bytes, ctx_size,
                           min_layer_neurons, reserve_bytes, offload_output, dense, time_limit, step)
-    return dataclasses.replace(plan, neuron_order=gguf_field(reader, neuron_order.ORDER_KEY))
+    return dataclasses.replace(plan, neuron_order=order_text)
 
 
 def check_budget(vram_budget_bytes: float) -> None:

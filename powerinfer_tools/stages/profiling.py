@@ -26,7 +26,6 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from powerinfer_tools.models import arch as arch_mod
-from powerinfer_tools.stages import calibration
 from powerinfer_tools import models
 from powerinfer_tools.core.atomic import check_output_dir, naming_output, output_lock, publish_dir
 from powerinfer_tools.core.errors import UserError
@@ -269,6 +268,8 @@ def _run_profile(opts: ProfileOptions) -> dict:
         raise UserError("--tokens, --seq-len (>1), --batch must be positive and --max-samples non-negative")
     if ctx is not None and seq_len > ctx:
         raise UserError(f"--seq-len {seq_len} is larger than the model's context length {ctx}")
+    from powerinfer_tools.stages import calibration  # with transformers: not for a reader of counts (plan)
+
     texts = [calibration.read_text(p) for p in opts.calib]   # validate input before the slow load
     dims = adapter.dims()
     targets = _per_layer_targets(opts.target_sparsity, dims.n_layer) if adapter.thresholded else None
@@ -339,6 +340,8 @@ def _run_profile(opts: ProfileOptions) -> dict:
 
 def _fresh_plan(model, adapter, source, texts, seq_len, targets, opts) -> dict:
     """Calibration sequences, thresholds and the sampled row positions of a new profile."""
+    from powerinfer_tools.stages import calibration
+
     tokenizer = models.load_tokenizer(source)
     if texts:
         seqs = calibration.sequences_from_text(tokenizer, texts, seq_len, opts.tokens)

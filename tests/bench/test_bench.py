@@ -94,9 +94,45 @@ def test_cached_files_are_rebuilt_by_another_converter(tiny_model_dir, tmp_path,
     model, pred = str(tiny_model_dir("llama-silu")), write_predictors(tmp_path / "p", N_LAYER, HIDDEN, N_FF)
     first = bench_files(model, "q8_0", tmp_path, predictors=pred, progress=False)
     assert bench_files(model, "q8_0", tmp_path, predictors=pred, progress=False).powerinfer == first.powerinfer
-    monkeypatch.setattr(module, "_converter_fingerprint", lambda: "another version")
+    monkeypatch.setattr(module, "converter_fingerprint", lambda: "another version")
     rebuilt = bench_files(model, "q8_0", tmp_path, predictors=pred, progress=False)
     assert rebuilt.powerinfer != first.powerinfer and rebuilt.powerinfer.is_file() and first.powerinfer.is_file()
+
+
+def test_cache_key_changes_with_the_converter_and_not_with_other_modules(tmp_path):
+    """The key covers the modules the converter imports (found by following its imports, those inside functions
+    too), so that editing the CLI, placement or the bench harness keeps a multi-GB cached file, and editing the
+    converter or anything it imports, directly or not, rebuilds it. Edits are made to a copy of the package."""
+    from powerinfer_tools.bench.files import converter_fingerprint, converter_sources
+
+    package = ROOT / "powerinfer_tools"
+    copy = tmp_path / "powerinfer_tools"
+    shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    key = converter_fingerprint(copy)
+    assert key == converter_fingerprint(package)
+    sources = {p.relative_to(copy).as_posix() for p in converter_sources(copy)}
+    assert {"stages/conversion.py", "bench/files.py", "formats/gguf_io.py", "formats/names.py",
+            "formats/neuron_order.py", "formats/tokenizer.py", "models/source_weights.py", "models/arch/base.py",
+            "models/arch/llama_silu.py", "stages/predictor.py", "core/atomic.py"} <= sources
+    assert not {"cli/app.py", "cli/convert.py", "stages/placement.py", "bench/harness.py", "runtime/inference.py",
+                "stages/sparsification.py", "formats/describe.py"} & sources
+
+    def edit(rel: str) -> str:
+        path = copy / rel
+        path.write_text(path.read_text() + "\n# edited\n")
+        return converter_fingerprint(copy)
+
+    for unrelated in ("cli/app.py", "stages/placement.py", "bench/harness.py", "runtime/inference.py"):
+        assert edit(unrelated) == key, unrelated
+    for used in ("stages/conversion.py", "models/arch/llama_family.py", "formats/names.py", "core/errors.py"):
+        changed = edit(used)
+        assert changed != key, used
+        key = changed
+    # an import added inside a converter function brings its module in
+    conversion = copy / "stages" / "conversion.py"
+    conversion.write_text(conversion.read_text() + "\n\ndef _plan():\n    from powerinfer_tools.stages import placement\n")
+    key = converter_fingerprint(copy)
+    assert edit("stages/placement.py") != key
 
 
 def test_llamacpp_file_refuses_other_architectures(tiny_model_dir, tmp_path):

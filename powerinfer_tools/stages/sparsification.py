@@ -59,6 +59,11 @@ def partial_dir(out: Path) -> Path:
 # ---- setup ------------------------------------------------------------------------------------------------
 
 def _check_options(opts: SparsifyOptions) -> None:
+    if opts.self_tokens < 0:
+        raise UserError(f"--self-tokens must be >= 0, not {opts.self_tokens}")
+    if opts.self_tokens and not opts.calib:
+        raise UserError("--self-tokens adds the model's own text to --calib files; without --calib all the text is "
+                        "the model's own (give --tokens)")
     if not 0.0 < opts.target_sparsity < 1.0:
         raise UserError(f"--target-sparsity must be in (0, 1), got {opts.target_sparsity}")
     for name in ("tokens", "local_tokens", "eval_tokens", "batch"):
@@ -569,6 +574,12 @@ def run_sparsify(opts: SparsifyOptions) -> dict:
     if split is None:
         torch.manual_seed(opts.seed)
         split = _split_data(_self_generated(teacher, tokenizer, opts), opts)
+    elif opts.self_tokens:
+        # text of another kind than the files, in the training rows only: the held-out rows stay the files' tail
+        print(f"pi-tools sparsify: generating {opts.self_tokens} tokens of training text with the model itself")
+        torch.manual_seed(opts.seed)
+        own = calibration.self_generated(teacher, tokenizer, opts.seq_len, opts.self_tokens, opts.seed)
+        split = (torch.cat([split[0], own]), split[1])
     train, held_out = split
 
     student = _relu_student(teacher, adapter)

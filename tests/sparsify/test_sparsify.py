@@ -185,6 +185,10 @@ def test_bad_input_one_line(tiny_model_dir, calib, tmp_path, capsys):
     for bad in ("1", "-0.01"):
         code, _, err = run_cli(capsys, "sparsify", "-m", silu, "--calib", calib, "-o", out, "--shift-budget", bad)
         assert_one_line_error(code, err, "--shift-budget must be in [0, 1)")
+    code, _, err = run_cli(capsys, "sparsify", "-m", silu, "--calib", calib, "-o", out, "--self-tokens", "-1")
+    assert_one_line_error(code, err, "--self-tokens must be >= 0")
+    code, _, err = run_cli(capsys, "sparsify", "-m", silu, "-o", out, "--self-tokens", "64")
+    assert_one_line_error(code, err, "--self-tokens adds the model's own text to --calib files")
     small = tmp_path / "small.txt"
     small.write_text("To be, or not to be, that is the question.")
     code, _, err = run_cli(capsys, "sparsify", "-m", silu, "--calib", small, "-o", out)
@@ -201,6 +205,39 @@ def test_bad_input_one_line(tiny_model_dir, calib, tmp_path, capsys):
     code, _, err = run_cli(capsys, "sparsify", "-m", silu, "--calib", tmp_path / "missing.txt", "-o", out)
     assert_one_line_error(code, err, "calibration file not found")
     assert not out.exists() and not sparsify.partial_dir(out).exists()
+
+
+def test_self_tokens_join_the_training_rows_not_the_held_out(tiny_model_dir, calib, tmp_path, capsys, monkeypatch):
+    """--self-tokens: the model's own text is generated once and appended to the training rows; the held-out
+    rows, which measure the result, stay the calibration file's tail."""
+    generated, trained = [], []
+    real_generate, real_phase2 = sparsify.calibration.self_generated, sparsify._phase2
+
+    def generate(*args, **kw):
+        generated.append(real_generate(*args, **kw))
+        return generated[-1]
+
+    def phase2(teacher, student, adapter, train, *args):
+        trained.append(train)
+        return real_phase2(teacher, student, adapter, train, *args)
+
+    monkeypatch.setattr(sparsify.calibration, "self_generated", generate)
+    monkeypatch.setattr(sparsify, "_phase2", phase2)
+    out = tmp_path / "relu"
+    common = ("sparsify", "-m", str(tiny_model_dir("llama-silu")), "--calib", calib, *SMALL, "--local-epochs", "1",
+              "--shift-budget", "0")
+    code, _, err = run_cli(capsys, *common, "-o", out, "--self-tokens", "64")
+    assert code == 0, err
+    code, _, err = run_cli(capsys, *common, "-o", tmp_path / "files-only")
+    assert code == 0, err
+    (own,) = generated
+    with_own, files_only = trained
+    assert own.shape == (2, 32)
+    assert torch.equal(with_own[:-2], files_only) and torch.equal(with_own[-2:], own)
+    # the same held-out rows: the original model's perplexity on them is the same number
+    held = [json.loads((d / "sparsify.json").read_text())["held_out"] for d in (out, tmp_path / "files-only")]
+    assert held[0]["sequences"] == held[1]["sequences"]
+    assert held[0]["perplexity_original"] == pytest.approx(held[1]["perplexity_original"], rel=1e-6)
 
 
 def test_resume_with_other_options_is_refused(tiny_model_dir, calib, tmp_path, capsys, monkeypatch):

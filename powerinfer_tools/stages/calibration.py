@@ -35,29 +35,31 @@ def _bos(tokenizer) -> list[int]:
     return [bos] if bos is not None else []
 
 
+def _rows(tokenizer, text: str, bos: list[int], body: int, n_rows: int) -> list[list[int]]:
+    """Up to n_rows rows of bos + `body` tokens of text, in order."""
+    ids: list[int] = []
+    # tokenize in pieces so a large corpus never becomes one giant string encode
+    for start in range(0, len(text), 1 << 20):
+        ids.extend(tokenizer(text[start:start + (1 << 20)], add_special_tokens=False)["input_ids"])
+        if len(ids) >= body * n_rows:
+            break
+    return [bos + ids[k:k + body] for k in range(0, len(ids) - body + 1, body)][:n_rows]
+
+
 def sequences_from_text(tokenizer, texts: list[str], seq_len: int, n_tokens: int,
                         length_option: str = "--seq-len") -> torch.Tensor:
-    """Cut the texts' tokens into [n_seq, seq_len] rows (each starting with BOS when the model has one);
-    `length_option` names the caller's option for seq_len in the error when the text is too short."""
+    """Cut the texts' tokens into [n_seq, seq_len] rows (each starting with BOS when the model has one), taken from
+    the texts in turn, a row of each, so that every text given is in them (a first text long enough alone does not
+    crowd out the rest); `length_option` names the caller's option for seq_len in the error when the text is too
+    short."""
     bos = _bos(tokenizer)
-    body = seq_len - len(bos)
     n_seq_wanted = max(1, n_tokens // seq_len)
-    rows: list[list[int]] = []
-    for text in texts:
-        ids: list[int] = []
-        # tokenize in pieces so a large corpus never becomes one giant string encode
-        for start in range(0, len(text), 1 << 20):
-            ids.extend(tokenizer(text[start:start + (1 << 20)], add_special_tokens=False)["input_ids"])
-            if len(ids) >= body * (n_seq_wanted - len(rows)):
-                break
-        for k in range(0, len(ids) - body + 1, body):
-            rows.append(bos + ids[k:k + body])
-            if len(rows) == n_seq_wanted:
-                return torch.tensor(rows, dtype=torch.long)
+    per_text = [_rows(tokenizer, text, bos, seq_len - len(bos), n_seq_wanted) for text in texts]
+    rows = [r[k] for k in range(max(map(len, per_text), default=0)) for r in per_text if k < len(r)]
     if not rows:
         raise UserError(f"the text is shorter than one sequence of {seq_len} tokens; "
                         f"give more text or a smaller {length_option}")
-    return torch.tensor(rows, dtype=torch.long)
+    return torch.tensor(rows[:n_seq_wanted], dtype=torch.long)
 
 
 @torch.no_grad()

@@ -68,6 +68,21 @@ def reference_activations(kind: str, model, seqs: torch.Tensor, thresholds: list
             [inputs[i].reshape(-1, n_embd) for i in range(len(layers))])
 
 
+def test_every_calibration_text_is_in_the_sequences(tiny_model_dir):
+    """Several texts give rows of each in turn: a first text long enough alone does not crowd out the others; one
+    text gives its rows in order, as before."""
+    from powerinfer_tools.stages import calibration
+
+    tokenizer = models.load_tokenizer(models.resolve(str(tiny_model_dir("llama-relu"))))
+    shakespeare = TEXT.read_text()[:40_000]
+    other = " ".join(f"item {i} of a list of numbered things" for i in range(2000))
+    alone = calibration.sequences_from_text(tokenizer, [shakespeare], SEQ_LEN, 8 * SEQ_LEN)
+    second = calibration.sequences_from_text(tokenizer, [other], SEQ_LEN, 8 * SEQ_LEN)
+    both = calibration.sequences_from_text(tokenizer, [shakespeare, other], SEQ_LEN, 8 * SEQ_LEN)
+    assert alone.shape == both.shape == (8, SEQ_LEN)
+    assert torch.equal(both[0::2], alone[:4]) and torch.equal(both[1::2], second[:4])
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_profile_matches_independent_recomputation(kind, tiny_model_dir, tmp_path, capsys):
     model_dir = tiny_model_dir(kind)

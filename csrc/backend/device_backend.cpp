@@ -24,13 +24,6 @@ int32_t device_activation(const HParams &hp) {
            : hp.activation == Activation::DRelu ? PI_DEVICE_ACT_DRELU : PI_DEVICE_ACT_RELU;
 }
 
-// The rows of neuron ids `ids` of m, slot after slot.
-std::vector<uint8_t> gather_rows(const Matrix &m, const std::vector<int32_t> &ids) {
-    std::vector<uint8_t> out(ids.size() * m.row_bytes);
-    for (size_t r = 0; r < ids.size(); ++r) std::memcpy(out.data() + r * m.row_bytes, m.row(ids[r]), m.row_bytes);
-    return out;
-}
-
 std::vector<float> gather_bias(const Matrix &b, const std::vector<int32_t> &ids) {
     std::vector<float> out;
     if (!b.data) return out;

@@ -7,16 +7,6 @@
 #include "backend/activation_rule.h"
 
 namespace pi {
-namespace {
-
-// The rows of neuron ids `ids` of m, one after the other.
-std::vector<uint8_t> copy_rows(const Matrix &m, const std::vector<int32_t> &ids) {
-    std::vector<uint8_t> out(ids.size() * m.row_bytes);
-    for (size_t r = 0; r < ids.size(); ++r) std::memcpy(out.data() + r * m.row_bytes, m.row(ids[r]), m.row_bytes);
-    return out;
-}
-
-}  // namespace
 
 ReferenceTierBackend::ReferenceTierBackend(const HParams &hp, int64_t) : hp_(hp), layers_(size_t(hp.n_layer)) {}
 
@@ -28,9 +18,9 @@ void ReferenceTierBackend::upload(int64_t il, const Layer &layer, const FfnTier 
     Rows &r = layers_[size_t(il)];
     r.layer = &layer;
     r.tier = &tier;
-    r.gate = copy_rows(layer.gate, tier.ids);  // ungated: the up projection (Layer::gate is up)
-    if (hp_.gated) r.up = copy_rows(layer.up, tier.ids);
-    r.down_t = copy_rows(layer.down_t, tier.ids);
+    r.gate = gather_rows(layer.gate, tier.ids);  // ungated: the up projection (Layer::gate is up)
+    if (hp_.gated) r.up = gather_rows(layer.up, tier.ids);
+    r.down_t = gather_rows(layer.down_t, tier.ids);
 }
 
 double ReferenceTierBackend::weight_bytes() const {

@@ -508,6 +508,12 @@ void Model::build_tiers(const std::string &gpuidx_path) {
     }
 }
 
+std::vector<uint8_t> gather_rows(const Matrix &m, const std::vector<int32_t> &ids) {
+    std::vector<uint8_t> out(ids.size() * m.row_bytes);
+    for (size_t r = 0; r < ids.size(); ++r) std::memcpy(out.data() + r * m.row_bytes, m.row(ids[r]), m.row_bytes);
+    return out;
+}
+
 FfnTier packed_copy(const FfnTier &mapped, bool gated) {
     // Contiguous copies, computed whole: gate and up as 8-row groups where their type packs (and then as nothing
     // else), as rows otherwise; down_t as rows.

@@ -119,6 +119,8 @@ struct FfnTier {
 // A tier's neurons copied out of the mapped rows `mapped` indexes, computed whole: gate and up as 8-row groups where
 // their type packs (and then as nothing else), as rows otherwise; down_t as rows (the CPU backend's hot tier).
 FfnTier packed_copy(const FfnTier &mapped, bool gated);
+// The rows of m at neuron ids `ids`, one after the other (a backend's own copy of a tier's rows).
+std::vector<uint8_t> gather_rows(const Matrix &m, const std::vector<int32_t> &ids);
 
 // Vectors (norm weights and biases, rows = 1) are f32; an absent optional bias has data == nullptr.
 struct Layer {

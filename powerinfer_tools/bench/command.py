@@ -10,7 +10,7 @@ import typer
 
 from powerinfer_tools.cli import flags
 from powerinfer_tools.core.errors import UserError
-from powerinfer_tools.runtime.inference import KV_TYPES
+from powerinfer_tools.runtime.inference import GPU_MODES, KV_TYPES
 
 
 def _csv(value: str) -> tuple[str, ...]:
@@ -124,8 +124,8 @@ def bench(
         raise UserError("--png draws the sparsity sweep: add --sweep-sparsity")
     if kv_type not in KV_TYPES:
         raise UserError(f"--kv-type must be {' or '.join(KV_TYPES)}, not {kv_type!r}")
-    if gpu not in flags.GPU_MODES:
-        raise UserError(f"unknown --gpu {gpu!r} (choose from {', '.join(flags.GPU_MODES)})")
+    if gpu not in GPU_MODES:
+        raise UserError(f"unknown --gpu {gpu!r} (choose from {', '.join(GPU_MODES)})")
     if vram_budget is not None and profile is None and gpuidx is None:
         raise UserError("--vram-budget solves the hot tier from --profile: give --profile DIR (or --gpuidx FILE)")
     threads, old_outtype = _number_or_old_meaning(threads, "-t", "--outtype")

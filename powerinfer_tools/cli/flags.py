@@ -7,7 +7,6 @@ import typer
 
 DEFAULT_SPARSE_MODE = "auto"   # run, perplexity: the cheapest mode per layer, what a user runs
 THREADS_HELP = "Threads. Default: all cores."
-GPU_MODES = ("auto", "on", "off")
 
 
 def gpu_option():

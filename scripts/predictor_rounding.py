@@ -13,12 +13,12 @@ the float32 run's.
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
 
 from powerinfer_tools import models
 from powerinfer_tools.models import arch as arch_mod
+from powerinfer_tools.runtime import evaluate
 from powerinfer_tools.stages import calibration
 from powerinfer_tools.stages.predictor import read_predictor_dir
 
@@ -33,27 +33,21 @@ def run(model, adapter, predictors, seqs: torch.Tensor, predict: bool, round_f16
         residual[i] = x
 
     def on_activation(i, a):
-        if not predict:
-            return None
         logits = predictors.models[i](residual[i].float())
         mask = logits > predictors.thresholds[i]
         masks[i].append(mask.reshape(-1, mask.shape[-1]))
         return a * mask
 
-    handles = arch_mod.install_taps(adapter, model, on_input=on_input, on_activation=on_activation)
+    handles = arch_mod.install_taps(adapter, model, on_input=on_input, on_activation=on_activation) if predict else []
     if round_f16:
         for layer in layers:
             handles.append(layer.mlp.down_proj.register_forward_pre_hook(lambda m, args: (args[0].half().float(),)))
-    nll, count = 0.0, 0
     try:
-        for ids in seqs.split(1):
-            logits = model(input_ids=ids, use_cache=False).logits.float()
-            nll += float(torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="sum"))
-            count += ids.shape[1] - 1
+        ppl = evaluate.perplexity(model, adapter, seqs)
     finally:
         for h in handles:
             h.remove()
-    return math.exp(nll / count), ({i: torch.cat(m) for i, m in masks.items()} if predict else None)
+    return ppl, ({i: torch.cat(m) for i, m in masks.items()} if predict else None)
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ def sparsify(
                                      "layer-local phase trains on."),
     local_epochs: int = typer.Option(4, "--local-epochs", help="Passes over them per layer (0: skip the phase)."),
     seq_len: int = typer.Option(256, "--seq-len", help="Tokens per training sequence."),
-    batch: int = typer.Option(4, help="Sequences per step."),
+    batch: int = typer.Option(4, help="Sequences per step (per process under accelerate launch)."),
     lr: float = typer.Option(1e-4, help="End-to-end learning rate (AdamW, warm-up then cosine)."),
     local_lr: float = typer.Option(1e-3, "--local-lr", help="Layer-local learning rate (Adam)."),
     eval_tokens: int = typer.Option(16384, "--eval-tokens", help="Tokens held out of the calibration text to "
@@ -46,7 +46,8 @@ def sparsify(
     the original (layer-local, then end-to-end KL) under an L1 penalty on the FFN activations that is steered,
     per layer, to the target sparsity. Writes a Llama checkpoint with hidden_act relu that profile,
     train-predictor and convert take as it is, plus OUT/sparsify.json (per-layer sparsity, held-out perplexity
-    against the original, tokens, time). Ctrl-C saves a checkpoint; --resume continues from it.
+    against the original, tokens, time). Ctrl-C saves a checkpoint; --resume continues from it. Under accelerate
+    launch it trains data-parallel, one process per GPU (docs/sparsify.md).
 
     Examples:
 
@@ -57,6 +58,8 @@ def sparsify(
       pi-tools sparsify -m smollm2 --calib wiki.txt --self-tokens 24576 --seq-len 512 -o smollm2-relu
 
       pi-tools sparsify -m smollm2 --calib wiki.txt -o smollm2-relu --resume   # after Ctrl-C
+
+      accelerate launch --multi_gpu --num_processes 4 -m powerinfer_tools sparsify -m ./Llama-3.2-1B --calib a.txt -o llama-relu   # 4 GPUs, data-parallel
     """
     from powerinfer_tools import stages
 
@@ -67,8 +70,10 @@ def sparsify(
                                   shift_budget=shift_budget, device=device, dtype=dtype,
                                   grad_checkpointing=grad_checkpointing, checkpoint_minutes=checkpoint_minutes,
                                   seed=seed, force=force, resume=resume)
-    print_summary(stages.sparsify(opts).report)
-    typer.echo(f"wrote {out}")
+    report = stages.sparsify(opts).report
+    if report is not None:   # None in the other processes of a run under accelerate launch
+        print_summary(report)
+        typer.echo(f"wrote {out}")
 
 
 def print_summary(report: dict) -> None:

@@ -131,4 +131,4 @@ class Converted:
 @dataclass
 class Sparsified:
     path: Path
-    report: dict            # what OUT/sparsify.json holds
+    report: dict | None     # what OUT/sparsify.json holds (None in the other processes of accelerate launch)

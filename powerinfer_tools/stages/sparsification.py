@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from powerinfer_tools.models import arch as arch_mod
 from powerinfer_tools.models.arch.base import rope_theta
-from powerinfer_tools.stages import calibration, threshold_shift
+from powerinfer_tools.stages import calibration, data_parallel, threshold_shift
 from powerinfer_tools.runtime import evaluate
 from powerinfer_tools import models
 from powerinfer_tools.core.atomic import check_output_dir, publish_dir
@@ -113,14 +113,14 @@ def _check_source(adapter, spec: str) -> None:
                         f"{adapter.description}")
 
 
-def _split_data(seqs: torch.Tensor, opts: SparsifyOptions) -> tuple[torch.Tensor, torch.Tensor]:
+def _split_data(seqs: torch.Tensor, opts: SparsifyOptions, step_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(training rows, held-out rows): the held-out tail is never trained on; it measures the result."""
     n = len(seqs)
     n_eval = max(1, min(opts.eval_tokens // opts.seq_len, n // 10))
-    if n - n_eval < opts.batch:
+    if n - n_eval < step_rows:
         raise UserError(f"the calibration text gives {n} sequences of {opts.seq_len} tokens; sparsify needs at "
-                        f"least {opts.batch + 1} (--batch for training and one held out): give more text, or a "
-                        "smaller --seq-len or --batch")
+                        f"least {step_rows + 1} (a step's sequences, --batch times the processes, and one held "
+                        "out): give more text, or a smaller --seq-len or --batch")
     return seqs[:n - n_eval], seqs[n - n_eval:]
 
 
@@ -227,53 +227,66 @@ def _load_checkpoint(work: Path, identity: dict) -> dict:
 
 class Interrupts:
     """Ctrl-C while training asks for a clean stop: the step in flight finishes and a checkpoint is written.
-    A second Ctrl-C stops at once (the previous checkpoint stays)."""
+    A second Ctrl-C stops at once (the previous checkpoint stays). SIGTERM asks the same: it is how a launcher
+    (accelerate launch on Ctrl-C, a job scheduler) stops its processes before it kills them."""
 
-    def __init__(self):
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, quiet: bool = False):
         self.requested = False
-        self._previous = None
+        self.quiet = quiet
+        self._previous: dict = {}
 
     def __enter__(self):
-        if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
-            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+        for sig in self.SIGNALS:
+            if signal.getsignal(sig) is not signal.SIG_IGN:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
         return self
 
-    def _on_sigint(self, signum, frame):
+    def _on_signal(self, signum, frame):
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        tqdm.write("pi-tools sparsify: stopping after this step to save a checkpoint (Ctrl-C again to quit now)",
-                   file=sys.stderr)
+        if not self.quiet:
+            tqdm.write("pi-tools sparsify: stopping after this step to save a checkpoint (Ctrl-C again to quit now)",
+                       file=sys.stderr)
 
     def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
         return False
 
 
 class Checkpointer:
     """Writes a checkpoint every `minutes` of training and when a stop is asked for, with the training time
-    so far (this run's and the runs it resumes)."""
+    so far (this run's and the runs it resumes). Of several processes only the main one writes (`writes`):
+    they all hold the same student and optimiser."""
 
-    def __init__(self, work: Path, identity: dict, minutes: float, interrupts: Interrupts, state: TrainState):
+    def __init__(self, work: Path, identity: dict, minutes: float, interrupts: Interrupts, state: TrainState,
+                 writes: bool = True):
         self.work, self.identity, self.period, self.interrupts = work, identity, minutes * 60.0, interrupts
         self.started, self.elapsed_before = time.monotonic(), state.elapsed
-        self.last = self.started
+        self.last, self.writes = self.started, writes
 
     def clock(self, state: TrainState) -> None:
         state.elapsed = self.elapsed_before + time.monotonic() - self.started
 
     def save(self, state, student, optimizer, scheduler) -> None:
         self.clock(state)
-        _save_checkpoint(self.work, state, student, optimizer, scheduler, self.identity)
+        if self.writes:
+            _save_checkpoint(self.work, state, student, optimizer, scheduler, self.identity)
         self.last = time.monotonic()
 
-    def after_step(self, state, student, optimizer, scheduler) -> None:
-        if self.interrupts.requested or time.monotonic() - self.last >= self.period:
+    def after_step(self, state, student, optimizer, scheduler, stop: bool | None = None) -> None:
+        """`stop`: whether to stop here (of several processes: what they agreed); by default whether this
+        process was asked to."""
+        stop = self.interrupts.requested if stop is None else stop
+        if stop or time.monotonic() - self.last >= self.period:
             self.save(state, student, optimizer, scheduler)
-        if self.interrupts.requested:
-            tqdm.write(f"pi-tools sparsify: checkpoint saved in {self.work}; rerun the same command with --resume "
-                       "to continue", file=sys.stderr)
+        if stop:
+            if self.writes:
+                tqdm.write(f"pi-tools sparsify: checkpoint saved in {self.work}; rerun the same command with "
+                           "--resume to continue", file=sys.stderr)
             raise KeyboardInterrupt
 
 
@@ -379,19 +392,20 @@ def refit_down(mlp, x_all: torch.Tensor, y_all: torch.Tensor, y_power: float, de
     return before / scale, after / scale
 
 
-def _layer_steps(n_rows: int, opts: SparsifyOptions) -> tuple[int, int]:
-    rows = opts.batch * opts.seq_len
+def _layer_steps(n_rows: int, batch: int, opts: SparsifyOptions) -> tuple[int, int]:
+    rows = batch * opts.seq_len
     return rows, opts.local_epochs * max(1, n_rows // rows)
 
 
 def _phase1(teacher, student, adapter, train: torch.Tensor, state: TrainState, resumed: dict | None,
-            opts: SparsifyOptions, device: str, autocast, checkpointer: Checkpointer) -> None:
+            opts: SparsifyOptions, batch: int, device: str, autocast, checkpointer: Checkpointer) -> None:
+    """`batch`: sequences a step (of all processes: this phase runs in the main one alone)."""
     if opts.local_epochs == 0 or opts.local_tokens == 0:
         state.phase = 2
         return
     local = train[:max(1, opts.local_tokens // opts.seq_len)]
-    io = _cache_ffn_io(teacher, adapter, local, opts.batch, device)
-    rows, steps = _layer_steps(len(io[0][0]), opts)
+    io = _cache_ffn_io(teacher, adapter, local, batch, device)
+    rows, steps = _layer_steps(len(io[0][0]), batch, opts)
     n_layer = len(io)
     bar = tqdm(total=n_layer * steps, initial=state.layer * steps + state.step, desc="layer-local", unit="step")
     layers = adapter.layers(student)
@@ -459,9 +473,19 @@ def e2e_step(student, teacher, tap: ActivationTap, optimizer, scheduler, ids, la
     return float(kl.detach()), tap.zeros.clone()
 
 
+def _recompute_activations(model, on: bool) -> None:
+    """Gradient checkpointing on or off, under the name of the installed transformers (5.x renamed it)."""
+    name = "activation_checkpointing" if hasattr(model, "activation_checkpointing_enable") else "gradient_checkpointing"
+    getattr(model, f"{name}_{'enable' if on else 'disable'}")()
+
+
 def _phase2(teacher, student, adapter, train: torch.Tensor, state: TrainState, resumed: dict | None,
-            opts: SparsifyOptions, device: str, autocast, checkpointer: Checkpointer) -> None:
-    steps = opts.tokens // (opts.batch * opts.seq_len)
+            opts: SparsifyOptions, procs: data_parallel.Processes, autocast, checkpointer: Checkpointer) -> None:
+    """Each process takes its --batch of a step's sequences; the sparsities that steer the L1 weights are
+    averaged over them, so that every process keeps the same weights, and so is a stop that one of them asks
+    for: the results are those of one process with --batch times as many sequences a step."""
+    step_rows = opts.batch * procs.count
+    steps = opts.tokens // (step_rows * opts.seq_len)
     if steps == 0:
         state.phase = 3
         return
@@ -473,22 +497,28 @@ def _phase2(teacher, student, adapter, train: torch.Tensor, state: TrainState, r
         optimizer.load_state_dict(resumed["optimizer"])
         scheduler.load_state_dict(resumed["scheduler"])
     if opts.grad_checkpointing:
-        student.gradient_checkpointing_enable()
+        _recompute_activations(student, True)
     student.train()
+    trained = procs.wrap(student)
     tap = ActivationTap(adapter, student, torch.tensor(state.scales))
-    per_epoch = max(1, len(train) // opts.batch)
-    bar = tqdm(total=steps, initial=state.step, desc="end-to-end", unit="step")
+    per_epoch = max(1, len(train) // step_rows)
+    bar = tqdm(total=steps, initial=state.step, desc="end-to-end", unit="step", disable=not procs.is_main)
     started, done_here = time.monotonic(), 0
     try:
         while state.step < steps:
             epoch, k = divmod(state.step, per_epoch)
             order = torch.randperm(len(train), generator=_generator(opts.seed, 2, epoch))
-            ids = train[order[k * opts.batch:(k + 1) * opts.batch]].to(device)
-            kl, sparsity = e2e_step(student, teacher, tap, optimizer, scheduler, ids, state.lam, autocast)
+            first = k * step_rows + procs.index * opts.batch
+            ids = train[order[first:first + opts.batch]].to(procs.device)
+            kl, sparsity = e2e_step(trained, teacher, tap, optimizer, scheduler, ids, state.lam, autocast)
+            asked = torch.tensor([kl, float(checkpointer.interrupts.requested)], dtype=sparsity.dtype)
+            measured = procs.mean(torch.cat([sparsity, asked]))
+            sparsity, kl = measured[:-2], float(measured[-2])
+            stop = bool(measured[-1] > 0)   # one process was asked to: all stop after this step
             state.lam = [_steer(lam, float(s), opts.target_sparsity) for lam, s in zip(state.lam, sparsity)]
             state.step += 1
-            state.tokens_seen += ids.numel()
-            done_here += ids.numel()
+            state.tokens_seen += ids.numel() * procs.count
+            done_here += ids.numel() * procs.count
             bar.update(1)
             rate = done_here / max(1e-9, time.monotonic() - started)
             bar.set_postfix(kl=f"{kl:.4f}", sparsity=f"{float(sparsity.mean()):.3f}", tok_s=f"{rate:.0f}")
@@ -497,24 +527,26 @@ def _phase2(teacher, student, adapter, train: torch.Tensor, state: TrainState, r
                                       "sparsity": float(sparsity.mean())})
             if state.step == steps:
                 state.phase = 3
-            checkpointer.after_step(state, student, optimizer, scheduler)
+            checkpointer.after_step(state, student, optimizer, scheduler, stop)
     finally:
         tap.remove()
         bar.close()
         if opts.grad_checkpointing:
-            student.gradient_checkpointing_disable()
+            _recompute_activations(student, False)
 
 
 # ---- the run -------------------------------------------------------------------------------------------------------
 
-def _identity(opts: SparsifyOptions, source, config) -> dict:
-    # what a resumed run may change: where and how it computes, and the shift that follows the training
+def _identity(opts: SparsifyOptions, source, config, processes: int) -> dict:
+    # what a resumed run may change: where and how it computes, and the shift that follows the training; not
+    # the number of processes, which splits every step's sequences
     keep = {k: v for k, v in asdict(opts).items() if k not in ("out", "force", "resume", "checkpoint_minutes",
                                                                "device", "dtype", "grad_checkpointing",
                                                                "shift_budget")}
     keep["calib"] = [str(Path(p).resolve()) for p in opts.calib]
     keep["model"] = "smollm2" if opts.model == "smollm2" else str(source.path)
     keep["config_hash"] = models.config_hash(config)
+    keep["processes"] = processes
     return keep
 
 
@@ -548,8 +580,34 @@ def _write_model(student, tokenizer, report: dict, out: Path, force: bool) -> No
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def run_sparsify(opts: SparsifyOptions) -> dict:
-    """Sparsify opts.model into opts.out (a Hugging Face directory); returns what sparsify.json holds."""
+def _with_own_text(teacher, tokenizer, split: tuple[torch.Tensor, torch.Tensor] | None, opts: SparsifyOptions,
+                   step_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training rows, held-out rows) with the text the model writes itself: all of it without files (split
+    None), else --self-tokens of it added to the files' training rows."""
+    if split is None:
+        torch.manual_seed(opts.seed)
+        return _split_data(_self_generated(teacher, tokenizer, opts), opts, step_rows)
+    # text of another kind than the files, in the training rows only: the held-out rows stay the files' tail
+    print(f"pi-tools sparsify: generating {opts.self_tokens} tokens of training text with the model itself")
+    torch.manual_seed(opts.seed)
+    own = calibration.self_generated(teacher, tokenizer, opts.seq_len, opts.self_tokens, opts.seed)
+    return torch.cat([split[0], own]), split[1]
+
+
+def _main_process_state(procs: data_parallel.Processes, state: TrainState, interrupts: Interrupts) -> TrainState:
+    """The main process's state after its layer-local phase, on every process. If it stopped there instead (a
+    launcher stops all its processes at once), the others' wait ends in a broken connection: the same stop."""
+    try:
+        return procs.share(state)
+    except RuntimeError:
+        if interrupts.requested:
+            raise KeyboardInterrupt from None
+        raise
+
+
+def run_sparsify(opts: SparsifyOptions) -> dict | None:
+    """Sparsify opts.model into opts.out (a Hugging Face directory); returns what sparsify.json holds. Under
+    `accelerate launch` (data_parallel.py) the main process returns it, the others None once they have trained."""
     _check_options(opts)
     check_output_dir(opts.out, opts.force)
     _check_writable(opts.out)
@@ -562,24 +620,19 @@ def run_sparsify(opts: SparsifyOptions) -> dict:
     if context and opts.seq_len > context:
         raise UserError(f"--seq-len {opts.seq_len} is larger than the model's context length {context}")
     device, compute_dtype = _device_and_dtype(opts)
-    identity = _identity(opts, source, config)
+    procs = data_parallel.Processes(device)
+    device, step_rows = procs.device, opts.batch * procs.count
+    identity = _identity(opts, source, config, procs.count)
     work = partial_dir(opts.out)
     resumed = _load_checkpoint(work, identity) if opts.resume else None
     tokenizer = models.load_tokenizer(source)
     seqs = _calibration_text(tokenizer, opts)   # a text too short is refused before the slow load
-    split = _split_data(seqs, opts) if seqs is not None else None
+    split = _split_data(seqs, opts, step_rows) if seqs is not None else None
     teacher, adapter = models.load_model(source, device=device)
     for p in teacher.parameters():
         p.requires_grad_(False)
-    if split is None:
-        torch.manual_seed(opts.seed)
-        split = _split_data(_self_generated(teacher, tokenizer, opts), opts)
-    elif opts.self_tokens:
-        # text of another kind than the files, in the training rows only: the held-out rows stay the files' tail
-        print(f"pi-tools sparsify: generating {opts.self_tokens} tokens of training text with the model itself")
-        torch.manual_seed(opts.seed)
-        own = calibration.self_generated(teacher, tokenizer, opts.seq_len, opts.self_tokens, opts.seed)
-        split = (torch.cat([split[0], own]), split[1])
+    if split is None or opts.self_tokens:   # sampled once, by the main process
+        split = procs.share(_with_own_text(teacher, tokenizer, split, opts, step_rows) if procs.is_main else None)
     train, held_out = split
 
     student = _relu_student(teacher, adapter)
@@ -587,23 +640,31 @@ def run_sparsify(opts: SparsifyOptions) -> dict:
     if resumed is not None:
         student.load_state_dict(resumed["student"])
         state = resumed["state"]
-        print(f"pi-tools sparsify: resuming {opts.out} (phase {state.phase}, layer {state.layer}, step {state.step})")
+        if procs.is_main:
+            print(f"pi-tools sparsify: resuming {opts.out} (phase {state.phase}, layer {state.layer}, "
+                  f"step {state.step})")
     else:
-        shutil.rmtree(work, ignore_errors=True)
-        work.mkdir(parents=True)
+        if procs.is_main:
+            shutil.rmtree(work, ignore_errors=True)
+            work.mkdir(parents=True)
         state = TrainState(lam=[1e-2] * n_layer, scales=[1.0] * n_layer, start_sparsity=[0.0] * n_layer)
-    autocast = (functools.partial(torch.autocast, device, dtype=compute_dtype) if compute_dtype != torch.float32
-                else contextlib.nullcontext)
+    autocast = (functools.partial(torch.autocast, torch.device(device).type, dtype=compute_dtype)
+                if compute_dtype != torch.float32 else contextlib.nullcontext)
 
-    with Interrupts() as interrupts:
-        checkpointer = Checkpointer(work, identity, opts.checkpoint_minutes, interrupts, state)
+    with Interrupts(quiet=not procs.is_main) as interrupts:
+        checkpointer = Checkpointer(work, identity, opts.checkpoint_minutes, interrupts, state, procs.is_main)
         if state.phase == 1:
-            _phase1(teacher, student, adapter, train, state, resumed, opts, device, autocast, checkpointer)
+            if procs.is_main:   # the others wait; phase 2 then starts them from the main process's weights
+                _phase1(teacher, student, adapter, train, state, resumed, opts, step_rows, device, autocast,
+                        checkpointer)
+                checkpointer.save(state, student, None, None)
+            state = _main_process_state(procs, state, interrupts)
             resumed = None
-            checkpointer.save(state, student, None, None)
         if state.phase == 2:
-            _phase2(teacher, student, adapter, train, state, resumed, opts, device, autocast, checkpointer)
+            _phase2(teacher, student, adapter, train, state, resumed, opts, procs, autocast, checkpointer)
         checkpointer.clock(state)
+    if not procs.is_main:
+        return None
 
     print(f"pi-tools sparsify: shifting the activation threshold (perplexity budget {opts.shift_budget:.1%})",
           flush=True)
@@ -630,7 +691,7 @@ def run_sparsify(opts: SparsifyOptions) -> dict:
                         * opts.local_epochs, "end_to_end": state.tokens_seen},
         "train_seconds": state.elapsed,
         "options": {k: v for k, v in identity.items() if k != "config_hash"},
-        "device": device, "compute_dtype": str(compute_dtype).removeprefix("torch."),
+        "device": torch.device(device).type, "compute_dtype": str(compute_dtype).removeprefix("torch."),
         "history": state.history,
     }
     _write_model(student, tokenizer, report, opts.out, opts.force)

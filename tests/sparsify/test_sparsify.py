@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import warnings
 
 import numpy as np
 import pytest
@@ -24,13 +25,6 @@ from powerinfer_tools.stages import sparsification as sparsify
 # a few seconds a run: 32-token sequences, 2 of them a step
 SMALL = ("--seq-len", "32", "--batch", "2", "--local-tokens", "1024", "--local-epochs", "2", "--tokens", "1536",
          "--eval-tokens", "256")
-
-
-@pytest.fixture(scope="module")
-def calib(tmp_path_factory):
-    path = tmp_path_factory.mktemp("calib") / "calib.txt"
-    path.write_text(training_text()[:60_000])
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -133,15 +127,15 @@ def test_l1_raises_sparsity_to_the_target(sparsified):
     assert report["tokens_seen"]["end_to_end"] == 1536
 
 
-def _interrupt_at(monkeypatch, name: str, n: int):
-    """Sends this process SIGINT (a real Ctrl-C) during the n-th call of sparsify.<name>."""
+def _interrupt_at(monkeypatch, name: str, n: int, sig=signal.SIGINT):
+    """Sends this process SIGINT (a real Ctrl-C), or `sig`, during the n-th call of sparsify.<name>."""
     real = getattr(sparsify, name)
     calls = {"n": 0}
 
     def wrapped(*a, **kw):
         calls["n"] += 1
         if calls["n"] == n:
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), sig)
         return real(*a, **kw)
 
     monkeypatch.setattr(sparsify, name, wrapped)
@@ -157,8 +151,8 @@ def test_interrupted_run_resumes_bit_for_bit(tiny_model_dir, calib, tmp_path, ca
         _interrupt_at(m, "local_step", 40)
         code, _, err = run_cli(capsys, *args, "-o", tmp_path / "resumed")
     assert code == 130 and "--resume" in err and not (tmp_path / "resumed").exists()
-    with monkeypatch.context() as m:       # ... then in the end-to-end phase
-        _interrupt_at(m, "e2e_step", 5)
+    with monkeypatch.context() as m:       # ... then in the end-to-end phase, by SIGTERM (as a job scheduler stops it)
+        _interrupt_at(m, "e2e_step", 5, signal.SIGTERM)
         code, out, err = run_cli(capsys, *args, "-o", tmp_path / "resumed", "--resume")
     assert code == 130 and "phase 1, layer 1" in out and not (tmp_path / "resumed").exists()
     code, out, _ = run_cli(capsys, *args, "-o", tmp_path / "resumed", "--resume")
@@ -170,6 +164,23 @@ def test_interrupted_run_resumes_bit_for_bit(tiny_model_dir, calib, tmp_path, ca
     for name in straight:
         assert torch.equal(straight[name], resumed[name]), name
     assert not sparsify.partial_dir(tmp_path / "resumed").exists()
+
+
+def test_gradient_checkpointing_recomputes_the_same_training(tiny_model_dir, calib, tmp_path, capsys):
+    args = ("sparsify", "-m", tiny_model_dir("llama-silu"), "--calib", calib, *SMALL, "--local-epochs", "0",
+            "--tokens", "256", "--shift-budget", "0")
+    code, _, err = run_cli(capsys, *args, "-o", tmp_path / "stored")
+    assert code == 0, err
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)     # transformers' deprecated name is not the one called
+        code, _, err = run_cli(capsys, *args, "-o", tmp_path / "recomputed", "--grad-checkpointing")
+    assert code == 0, err
+    stored = load_file(tmp_path / "stored" / "model.safetensors")
+    recomputed = load_file(tmp_path / "recomputed" / "model.safetensors")
+    source = load_file(tiny_model_dir("llama-silu") / "model.safetensors")
+    assert not torch.equal(stored["model.layers.0.mlp.gate_proj.weight"], source["model.layers.0.mlp.gate_proj.weight"])
+    for name in stored:
+        torch.testing.assert_close(recomputed[name], stored[name], rtol=1e-6, atol=1e-7)
 
 
 def test_bad_input_one_line(tiny_model_dir, calib, tmp_path, capsys):

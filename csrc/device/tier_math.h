@@ -13,17 +13,13 @@
 namespace pi {
 namespace device {
 
+// Bytes of a row of n elements (a whole number of blocks) of a type the kernels compute with; 0 for others.
 PI_HD inline uint32_t row_bytes(uint32_t type, int64_t n) {
-    switch (type) {
-        case TYPE_F32: return uint32_t(n * 4);
-        case TYPE_F16: return uint32_t(n * 2);
-        case TYPE_Q4_0: return uint32_t(n / QK * sizeof(BlockQ4_0));
-        case TYPE_Q8_0: return uint32_t(n / QK * sizeof(BlockQ8_0));
-        default: return 0;
-    }
+    if (!type_computable(type)) return 0;
+    const TypeSize ts = type_size(type);
+    return uint32_t(n / ts.block * ts.bytes);
 }
 
-inline bool type_supported(uint32_t type) { return row_bytes(type, QK) != 0; }
 inline bool reads_q8(uint32_t type) { return type == TYPE_Q4_0 || type == TYPE_Q8_0; }
 
 // Where the parts of a layer's hot rows lie in the one block of device memory that holds them: gate, up and
@@ -65,7 +61,7 @@ inline const char *refuse_layer(const pi_device_layer &rows, bool gated) {
     if (rows.n_rows <= 0) return "a layer without rows";
     if (!rows.gate || !rows.down_t || (gated && !rows.up)) return "a layer's rows are missing";
     for (uint32_t type : {rows.gate_type, rows.down_type, gated ? rows.up_type : uint32_t(TYPE_F32)})
-        if (!type_supported(type)) return "a weight type other than f32, f16, q8_0 and q4_0";
+        if (!type_computable(type)) return "a weight type other than f32, f16, q8_0 and q4_0";
     return nullptr;
 }
 

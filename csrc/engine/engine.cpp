@@ -60,8 +60,8 @@ Engine::Engine(const std::string &path, const pi_options &opts, const std::strin
     if (opts.gpu < PI_GPU_OFF || opts.gpu > PI_GPU_ON) fail(PI_ERR_ARGUMENT, "unknown gpu mode " + std::to_string(opts.gpu));
     gpu_mode_ = opts.gpu;
     if (hot_backend == "reference") hot_ = std::make_unique<ReferenceTierBackend>(hp_, n_batch_);
-    else if (opts.gpu != PI_GPU_OFF) hot_ = device_or_cpu(opts, rank);
-    else hot_ = std::make_unique<CpuTierBackend>(hp_, *ks_, *pool_, n_batch_, rank, true);
+    else if (opts.gpu != PI_GPU_OFF) hot_ = device_tier(opts, rank);
+    if (!hot_) hot_ = std::make_unique<CpuTierBackend>(hp_, *ks_, *pool_, n_batch_, rank, true);
     cold_ = std::make_unique<CpuTierBackend>(hp_, *ks_, *pool_, n_batch_, rank, false);
     for (int64_t il = 0; il < hp_.n_layer; ++il) {
         const Layer &L = model_->layers()[size_t(il)];
@@ -70,7 +70,7 @@ Engine::Engine(const std::string &path, const pi_options &opts, const std::strin
     }
 }
 
-std::unique_ptr<TierBackend> Engine::device_or_cpu(const pi_options &opts, int64_t rank) {
+std::unique_ptr<TierBackend> Engine::device_tier(const pi_options &opts, int64_t rank) {
     // What is missing for a device is a reason to run on the CPU (auto) or a failure (on); a device that is there
     // but cannot take the request (a budget above its free memory) fails either way.
     const std::string library = device_library_path(opts.gpu_library ? opts.gpu_library : "");
@@ -93,7 +93,7 @@ std::unique_ptr<TierBackend> Engine::device_or_cpu(const pi_options &opts, int64
     }
     if (!gpu_off_.empty()) {
         if (opts.gpu == PI_GPU_ON) fail(PI_ERR_UNSUPPORTED, "gpu on: " + gpu_off_);
-        return std::make_unique<CpuTierBackend>(hp_, *ks_, *pool_, n_batch_, rank, true);
+        return nullptr;
     }
     auto device = std::make_unique<DeviceTierBackend>(*api, library, opts.gpu_device, opts.vram_budget, hp_, *ks_,
                                                       *pool_, n_batch_, rank, largest_tier(*model_, true));

@@ -40,9 +40,9 @@ private:
     // Refuses (PI_ERR_MEMORY) before allocating when the buffers the hyperparameters imply exceed RAM.
     void check_working_memory(int64_t threads, bool kv_f16) const;
     double work_buffer_bytes(int64_t threads) const;
-    // The hot tier's backend where opts ask for a device (gpu auto or on): a DeviceTierBackend, or the CPU's with
-    // gpu_off_ saying why (auto), or a failure (on).
-    std::unique_ptr<TierBackend> device_or_cpu(const pi_options &opts, int64_t rank);
+    // The hot tier's backend where opts ask for a device (gpu auto or on): a DeviceTierBackend, or nullptr with
+    // gpu_off_ saying why (auto: the hot tier stays on the CPU), or a failure (on).
+    std::unique_ptr<TierBackend> device_tier(const pi_options &opts, int64_t rank);
 
     // forward.cpp, in the order a batch runs them
     void forward(const int32_t *tokens, int64_t n_tok, float *logits, int64_t ld_logits, bool want_logits);

@@ -27,10 +27,51 @@ struct TypeSize {
 };
 
 // Sizes of every GGML type id (so a file naming a type we cannot compute with is still parsed and
-// reported precisely); block == 0 for ids that are not types.
-TypeSize type_size(uint32_t type);
+// reported precisely); block == 0 for ids that are not types. A switch, not a table, so that device code
+// (csrc/device/) reads the same sizes.
+PI_HD constexpr TypeSize type_size(uint32_t type) {
+    switch (type) {
+        case 0: return {1, 4, "f32"};
+        case 1: return {1, 2, "f16"};
+        case 2: return {32, 18, "q4_0"};
+        case 3: return {32, 20, "q4_1"};
+        case 6: return {32, 22, "q5_0"};
+        case 7: return {32, 24, "q5_1"};
+        case 8: return {32, 34, "q8_0"};
+        case 9: return {32, 40, "q8_1"};
+        case 10: return {256, 84, "q2_K"};
+        case 11: return {256, 110, "q3_K"};
+        case 12: return {256, 144, "q4_K"};
+        case 13: return {256, 176, "q5_K"};
+        case 14: return {256, 210, "q6_K"};
+        case 15: return {256, 292, "q8_K"};
+        case 16: return {256, 66, "iq2_xxs"};
+        case 17: return {256, 74, "iq2_xs"};
+        case 18: return {256, 98, "iq3_xxs"};
+        case 19: return {256, 50, "iq1_s"};
+        case 20: return {32, 18, "iq4_nl"};
+        case 21: return {256, 110, "iq3_s"};
+        case 22: return {256, 82, "iq2_s"};
+        case 23: return {256, 136, "iq4_xs"};
+        case 24: return {1, 1, "i8"};
+        case 25: return {1, 2, "i16"};
+        case 26: return {1, 4, "i32"};
+        case 27: return {1, 8, "i64"};
+        case 28: return {1, 8, "f64"};
+        case 29: return {256, 56, "iq1_m"};
+        case 30: return {1, 2, "bf16"};
+        case 34: return {256, 54, "tq1_0"};
+        case 35: return {256, 66, "tq2_0"};
+        case 39: return {32, 17, "mxfp4"};
+        case 40: return {64, 36, "nvfp4"};
+        case 41: return {128, 18, "q1_0"};
+        default: return {0, 0, nullptr};
+    }
+}
 // f32, f16, q4_0 and q8_0: the types the kernels compute with.
-bool type_computable(uint32_t type);
+PI_HD constexpr bool type_computable(uint32_t type) {
+    return type == TYPE_F32 || type == TYPE_F16 || type == TYPE_Q4_0 || type == TYPE_Q8_0;
+}
 // q5_0 and q6_K: what PowerInfer's quantizer makes of the predictors (all but q4_0 files) and of output.weight
 // (k-quant-able rows), which the engine decodes once at load instead of computing with.
 bool type_decodable(uint32_t type);

@@ -108,6 +108,22 @@ def test_unsupported_tensor_type(good, tmp_path):
     assert "blk.0.ffn_gate.weight has type q4_1" in msg and "f32, f16, q8_0 and q4_0" in msg
 
 
+def test_every_ggml_type_is_read_at_its_size(tmp_path):
+    """A file may name any GGML type (only four are computed with): each of gguf-py's is known, and none is
+    taken for more bytes than gguf-py writes (32 blocks a row, so no padding hides a larger size: the first
+    tensor would overlap the second)."""
+    for qtype, (_, block_bytes) in gguf.GGML_QUANT_SIZES.items():
+        path = tmp_path / f"{qtype.name}.gguf"
+        writer = gguf.GGUFWriter(path, "llama")
+        for name in ("a", "b"):
+            writer.add_tensor(name, np.full((2, 32 * block_bytes), 7, np.uint8), raw_dtype=qtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        engine.check_gguf(path)
+
+
 def test_unsupported_architecture(good, tmp_path):
     bad = rewrite(good, tmp_path / "a.gguf", fields={"general.architecture": ("gpt2", gguf.GGUFValueType.STRING)})
     assert "unsupported architecture 'gpt2'" in load_error(bad)

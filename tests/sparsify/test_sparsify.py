@@ -20,7 +20,8 @@ from tiny_models import training_text
 from powerinfer_tools.models import arch
 from powerinfer_tools import models
 from powerinfer_tools.runtime import default_build as pipeline
-from powerinfer_tools.stages import sparsification as sparsify
+from powerinfer_tools.stages import calibration, sparsification as sparsify
+from powerinfer_tools.stages.sparsification import end_to_end, layer_local
 
 # a few seconds a run: 32-token sequences, 2 of them a step
 SMALL = ("--seq-len", "32", "--batch", "2", "--local-tokens", "1024", "--local-epochs", "2", "--tokens", "1536",
@@ -127,9 +128,9 @@ def test_l1_raises_sparsity_to_the_target(sparsified):
     assert report["tokens_seen"]["end_to_end"] == 1536
 
 
-def _interrupt_at(monkeypatch, name: str, n: int, sig=signal.SIGINT):
-    """Sends this process SIGINT (a real Ctrl-C), or `sig`, during the n-th call of sparsify.<name>."""
-    real = getattr(sparsify, name)
+def _interrupt_at(monkeypatch, module, name: str, n: int, sig=signal.SIGINT):
+    """Sends this process SIGINT (a real Ctrl-C), or `sig`, during the n-th call of module.<name>."""
+    real = getattr(module, name)
     calls = {"n": 0}
 
     def wrapped(*a, **kw):
@@ -138,7 +139,7 @@ def _interrupt_at(monkeypatch, name: str, n: int, sig=signal.SIGINT):
             os.kill(os.getpid(), sig)
         return real(*a, **kw)
 
-    monkeypatch.setattr(sparsify, name, wrapped)
+    monkeypatch.setattr(module, name, wrapped)
 
 
 def test_interrupted_run_resumes_bit_for_bit(tiny_model_dir, calib, tmp_path, capsys, monkeypatch):
@@ -148,11 +149,11 @@ def test_interrupted_run_resumes_bit_for_bit(tiny_model_dir, calib, tmp_path, ca
     assert code == 0
 
     with monkeypatch.context() as m:       # Ctrl-C in the layer-local phase (second layer) ...
-        _interrupt_at(m, "local_step", 40)
+        _interrupt_at(m, layer_local, "local_step", 40)
         code, _, err = run_cli(capsys, *args, "-o", tmp_path / "resumed")
     assert code == 130 and "--resume" in err and not (tmp_path / "resumed").exists()
     with monkeypatch.context() as m:       # ... then in the end-to-end phase, by SIGTERM (as a job scheduler stops it)
-        _interrupt_at(m, "e2e_step", 5, signal.SIGTERM)
+        _interrupt_at(m, end_to_end, "e2e_step", 5, signal.SIGTERM)
         code, out, err = run_cli(capsys, *args, "-o", tmp_path / "resumed", "--resume")
     assert code == 130 and "phase 1, layer 1" in out and not (tmp_path / "resumed").exists()
     code, out, _ = run_cli(capsys, *args, "-o", tmp_path / "resumed", "--resume")
@@ -222,7 +223,7 @@ def test_self_tokens_join_the_training_rows_not_the_held_out(tiny_model_dir, cal
     """--self-tokens: the model's own text is generated once and appended to the training rows; the held-out
     rows, which measure the result, stay the calibration file's tail."""
     generated, trained = [], []
-    real_generate, real_phase2 = sparsify.calibration.self_generated, sparsify._phase2
+    real_generate, real_phase2 = calibration.self_generated, end_to_end.train
 
     def generate(*args, **kw):
         generated.append(real_generate(*args, **kw))
@@ -232,8 +233,8 @@ def test_self_tokens_join_the_training_rows_not_the_held_out(tiny_model_dir, cal
         trained.append(train)
         return real_phase2(teacher, student, adapter, train, *args)
 
-    monkeypatch.setattr(sparsify.calibration, "self_generated", generate)
-    monkeypatch.setattr(sparsify, "_phase2", phase2)
+    monkeypatch.setattr(calibration, "self_generated", generate)
+    monkeypatch.setattr(end_to_end, "train", phase2)
     out = tmp_path / "relu"
     common = ("sparsify", "-m", str(tiny_model_dir("llama-silu")), "--calib", calib, *SMALL, "--local-epochs", "1",
               "--shift-budget", "0")
@@ -254,7 +255,7 @@ def test_self_tokens_join_the_training_rows_not_the_held_out(tiny_model_dir, cal
 def test_resume_with_other_options_is_refused(tiny_model_dir, calib, tmp_path, capsys, monkeypatch):
     args = ("sparsify", "-m", str(tiny_model_dir("llama-silu")), "--calib", calib, "-o", tmp_path / "out", *SMALL)
     with monkeypatch.context() as m:
-        _interrupt_at(m, "local_step", 3)
+        _interrupt_at(m, layer_local, "local_step", 3)
         code, _, _ = run_cli(capsys, *args)
     assert code == 130
     code, _, err = run_cli(capsys, *args, "--resume", "--target-sparsity", "0.7")

@@ -1,0 +1,292 @@
+"""The sparsify run: check the request, read the text, make the ReLU student, train it (layer_local, then
+end_to_end, resumable from a checkpoint), shift its threshold, measure it on held-out text and write it."""
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import json
+import os
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from powerinfer_tools import models
+from powerinfer_tools.core.atomic import check_output_dir, publish_dir
+from powerinfer_tools.core.errors import UserError
+from powerinfer_tools.models import arch as arch_mod
+from powerinfer_tools.models.arch.base import rope_theta
+from powerinfer_tools.runtime import evaluate
+from powerinfer_tools.stages import calibration, data_parallel, threshold_shift
+from powerinfer_tools.stages.options import SparsifyOptions
+from powerinfer_tools.stages.sparsification import end_to_end, layer_local
+from powerinfer_tools.stages.sparsification.state import Checkpointer, Interrupts, TrainState, load_checkpoint
+
+FORMAT = "powerinfer-tools.sparsify/1"
+REPORT_NAME = "sparsify.json"
+
+
+def partial_dir(out: Path) -> Path:
+    """Where an unfinished sparsify run of `out` keeps its checkpoint until the model is written."""
+    return out.parent / f".{out.name}.sparsify.partial"
+
+
+def _check_options(opts: SparsifyOptions) -> None:
+    if opts.self_tokens < 0:
+        raise UserError(f"--self-tokens must be >= 0, not {opts.self_tokens}")
+    if opts.self_tokens and not opts.calib:
+        raise UserError("--self-tokens adds the model's own text to --calib files; without --calib all the text is "
+                        "the model's own (give --tokens)")
+    if not 0.0 < opts.target_sparsity < 1.0:
+        raise UserError(f"--target-sparsity must be in (0, 1), got {opts.target_sparsity}")
+    for name in ("tokens", "local_tokens", "eval_tokens", "batch"):
+        if getattr(opts, name) < 0 or (name == "batch" and opts.batch == 0):
+            raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(opts, name)}")
+    if not 0.0 <= opts.shift_budget < 1.0:
+        raise UserError(f"--shift-budget must be in [0, 1), got {opts.shift_budget}")
+    if opts.seq_len < 2:
+        raise UserError(f"--seq-len must be at least 2, got {opts.seq_len}")
+    if opts.local_epochs < 0:
+        raise UserError(f"--local-epochs must be non-negative, got {opts.local_epochs}")
+    if not (opts.lr > 0 and opts.local_lr > 0 and opts.checkpoint_minutes > 0):
+        raise UserError("--lr, --local-lr and --checkpoint-minutes must be positive")
+    if opts.device not in ("auto", "cpu", "cuda"):
+        raise UserError(f"--device must be auto, cpu or cuda, got {opts.device!r}")
+    if opts.dtype not in ("auto", "float32", "bfloat16"):
+        raise UserError(f"--dtype must be auto, float32 or bfloat16, got {opts.dtype!r}")
+    if opts.device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA device is available")
+
+
+def _device_and_dtype(opts: SparsifyOptions) -> tuple[str, torch.dtype]:
+    """`auto`: the GPU when there is one; bf16 compute where the GPU has it, f32 on the CPU (weights stay f32)."""
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if opts.device == "auto" else opts.device
+    if opts.dtype == "auto":
+        bf16 = device == "cuda" and torch.cuda.is_bf16_supported()
+        return device, torch.bfloat16 if bf16 else torch.float32
+    return device, {"float32": torch.float32, "bfloat16": torch.bfloat16}[opts.dtype]
+
+
+def _check_writable(out: Path) -> None:
+    """Refuse an OUT_DIR we could not create before any slow work starts."""
+    parent = out.parent if out.parent != Path("") else Path(".")
+    probe = parent
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        raise UserError(f"cannot write {out}: {probe} is not a writable directory")
+
+
+def _check_source(adapter, spec: str) -> None:
+    if adapter.activation in arch_mod.base.ACTIVE_IF_NONZERO:
+        raise UserError(f"{spec} is already a {adapter.activation} model ({adapter.description}): its activations "
+                        "are sparse as they are; profile it directly")
+    if adapter.activation != "silu" or not adapter.gated or adapter.powerinfer_arch != "llama":
+        raise UserError(f"sparsify makes ReLU Llama models from gated SiLU Llama-family ones; {spec} is "
+                        f"{adapter.description}")
+
+
+def _split_data(seqs: torch.Tensor, opts: SparsifyOptions, step_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training rows, held-out rows): the held-out tail is never trained on; it measures the result."""
+    n = len(seqs)
+    n_eval = max(1, min(opts.eval_tokens // opts.seq_len, n // 10))
+    if n - n_eval < step_rows:
+        raise UserError(f"the calibration text gives {n} sequences of {opts.seq_len} tokens; sparsify needs at "
+                        f"least {step_rows + 1} (a step's sequences, --batch times the processes, and one held "
+                        "out): give more text, or a smaller --seq-len or --batch")
+    return seqs[:n - n_eval], seqs[n - n_eval:]
+
+
+def _calibration_text(tokenizer, opts: SparsifyOptions) -> torch.Tensor | None:
+    """The calibration files cut into sequences (None without files: the model will write its own)."""
+    if not opts.calib:
+        return None
+    texts = [calibration.read_text(p) for p in opts.calib]
+    return calibration.sequences_from_text(tokenizer, texts, opts.seq_len,
+                                           opts.local_tokens + opts.tokens + opts.eval_tokens)
+
+
+def _self_generated(teacher, tokenizer, opts: SparsifyOptions) -> torch.Tensor:
+    print("pi-tools sparsify: no --calib: generating calibration text with the model itself (slow on a CPU)")
+    return calibration.self_generated(teacher, tokenizer, opts.seq_len,
+                                      opts.local_tokens + opts.tokens + opts.eval_tokens, opts.seed)
+
+
+def _relu_student(teacher, adapter):
+    """A trainable float copy of the teacher with ReLU on the gates. A model read from a GGUF file carries
+    transformers' GGUF quantizer (its weights already dequantized at load): the copy drops it, so that it is
+    saved as the plain float checkpoint it is."""
+    student = copy.deepcopy(teacher)
+    student.hf_quantizer = None
+    student.is_quantized = False
+    if hasattr(student.config, "quantization_config"):
+        del student.config.quantization_config
+    student.config.hidden_act = "relu"
+    for p in student.parameters():
+        p.requires_grad_(True)  # the teacher's are frozen
+    threshold_shift.set_threshold(adapter, student, 0.0)  # ReLU on every gate
+    return student
+
+
+def _identity(opts: SparsifyOptions, source, config, processes: int) -> dict:
+    # what a resumed run may change: where and how it computes, and the shift that follows the training; not
+    # the number of processes, which splits every step's sequences
+    keep = {k: v for k, v in asdict(opts).items() if k not in ("out", "force", "resume", "checkpoint_minutes",
+                                                               "device", "dtype", "grad_checkpointing",
+                                                               "shift_budget")}
+    keep["calib"] = [str(Path(p).resolve()) for p in opts.calib]
+    keep["model"] = "smollm2" if opts.model == "smollm2" else str(source.path)
+    keep["config_hash"] = models.config_hash(config)
+    keep["processes"] = processes
+    return keep
+
+
+def _write_rope_theta(config_path: Path, config) -> None:
+    """PowerInfer's converters read config.json's top-level `rope_theta`, which transformers 5 writes under
+    `rope_parameters` only: its convert.py then writes no RoPE base (its engine runs 10000 whatever the model's)
+    and its convert-hf-to-powerinfer-gguf.py stops on a KeyError. Written at the top level as well
+    (transformers reads `rope_parameters` first)."""
+    data = json.loads(config_path.read_text())
+    if "rope_theta" not in data:
+        data["rope_theta"] = rope_theta(config)
+        config_path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def _write_model(student, tokenizer, report: dict, out: Path, force: bool) -> None:
+    check_output_dir(out, force)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.writing"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        t = report["threshold_shift"]["threshold"]
+        student.config.hidden_act = "fatrelu" if t > 0 else "relu"
+        if t > 0:
+            student.config.hidden_act_param = t
+        student.save_pretrained(tmp, safe_serialization=True)
+        _write_rope_theta(tmp / "config.json", student.config)
+        tokenizer.save_pretrained(tmp)
+        (tmp / REPORT_NAME).write_text(json.dumps(report, indent=2))
+        publish_dir(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _with_own_text(teacher, tokenizer, split: tuple[torch.Tensor, torch.Tensor] | None, opts: SparsifyOptions,
+                   step_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training rows, held-out rows) with the text the model writes itself: all of it without files (split
+    None), else --self-tokens of it added to the files' training rows."""
+    if split is None:
+        torch.manual_seed(opts.seed)
+        return _split_data(_self_generated(teacher, tokenizer, opts), opts, step_rows)
+    # text of another kind than the files, in the training rows only: the held-out rows stay the files' tail
+    print(f"pi-tools sparsify: generating {opts.self_tokens} tokens of training text with the model itself")
+    torch.manual_seed(opts.seed)
+    own = calibration.self_generated(teacher, tokenizer, opts.seq_len, opts.self_tokens, opts.seed)
+    return torch.cat([split[0], own]), split[1]
+
+
+def _main_process_state(procs: data_parallel.Processes, state: TrainState, interrupts: Interrupts) -> TrainState:
+    """The main process's state after its layer-local phase, on every process. If it stopped there instead (a
+    launcher stops all its processes at once), the others' wait ends in a broken connection: the same stop."""
+    try:
+        return procs.share(state)
+    except RuntimeError:
+        if interrupts.requested:
+            raise KeyboardInterrupt from None
+        raise
+
+
+def run_sparsify(opts: SparsifyOptions) -> dict | None:
+    """Sparsify opts.model into opts.out (a Hugging Face directory); returns what sparsify.json holds. Under
+    `accelerate launch` (data_parallel.py) the main process returns it, the others None once they have trained."""
+    _check_options(opts)
+    check_output_dir(opts.out, opts.force)
+    _check_writable(opts.out)
+    for p in opts.calib:
+        calibration.read_text(p)  # a missing or binary file is refused before the slow load
+    source = models.resolve(opts.model)
+    config = models.load_config(source)
+    _check_source(arch_mod.for_config(config), opts.model)
+    context = getattr(config, "max_position_embeddings", None)
+    if context and opts.seq_len > context:
+        raise UserError(f"--seq-len {opts.seq_len} is larger than the model's context length {context}")
+    device, compute_dtype = _device_and_dtype(opts)
+    procs = data_parallel.Processes(device)
+    device, step_rows = procs.device, opts.batch * procs.count
+    identity = _identity(opts, source, config, procs.count)
+    work = partial_dir(opts.out)
+    resumed = load_checkpoint(work, identity) if opts.resume else None
+    tokenizer = models.load_tokenizer(source)
+    seqs = _calibration_text(tokenizer, opts)   # a text too short is refused before the slow load
+    split = _split_data(seqs, opts, step_rows) if seqs is not None else None
+    teacher, adapter = models.load_model(source, device=device)
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    if split is None or opts.self_tokens:   # sampled once, by the main process
+        split = procs.share(_with_own_text(teacher, tokenizer, split, opts, step_rows) if procs.is_main else None)
+    train, held_out = split
+
+    student = _relu_student(teacher, adapter)
+    n_layer = adapter.dims().n_layer
+    if resumed is not None:
+        student.load_state_dict(resumed["student"])
+        state = resumed["state"]
+        if procs.is_main:
+            print(f"pi-tools sparsify: resuming {opts.out} (phase {state.phase}, layer {state.layer}, "
+                  f"step {state.step})")
+    else:
+        if procs.is_main:
+            shutil.rmtree(work, ignore_errors=True)
+            work.mkdir(parents=True)
+        state = TrainState(lam=[1e-2] * n_layer, scales=[1.0] * n_layer, start_sparsity=[0.0] * n_layer)
+    autocast = (functools.partial(torch.autocast, torch.device(device).type, dtype=compute_dtype)
+                if compute_dtype != torch.float32 else contextlib.nullcontext)
+
+    with Interrupts(quiet=not procs.is_main) as interrupts:
+        checkpointer = Checkpointer(work, identity, opts.checkpoint_minutes, interrupts, state, procs.is_main)
+        if state.phase == 1:
+            if procs.is_main:   # the others wait; phase 2 then starts them from the main process's weights
+                layer_local.train(teacher, student, adapter, train, state, resumed, opts, step_rows, device, autocast,
+                        checkpointer)
+                checkpointer.save(state, student, None, None)
+            state = _main_process_state(procs, state, interrupts)
+            resumed = None
+        if state.phase == 2:
+            end_to_end.train(teacher, student, adapter, train, state, resumed, opts, procs, autocast, checkpointer)
+        checkpointer.clock(state)
+    if not procs.is_main:
+        return None
+
+    print(f"pi-tools sparsify: shifting the activation threshold (perplexity budget {opts.shift_budget:.1%})",
+          flush=True)
+    # calibrated on training rows: the held-out ones measure the result
+    shift = threshold_shift.calibrate(student, adapter, train[:len(held_out)], opts.shift_budget, opts.batch)
+    print("pi-tools sparsify: measuring the result on the held-out text", flush=True)
+    before = evaluate.perplexity(teacher, adapter, held_out, batch=opts.batch)
+    after, sparsity = evaluate.perplexity_and_sparsity(student, adapter, held_out, opts.batch)
+    report = {
+        "format": FORMAT,
+        "source": identity["model"],
+        "target_sparsity": opts.target_sparsity,
+        "sparsity": sum(sparsity) / n_layer,
+        "layer_sparsity": sparsity,
+        "held_out": {"sequences": len(held_out), "tokens": int(held_out.numel()),
+                     "perplexity_original": before, "perplexity_sparsified": after,
+                     "perplexity_ratio": after / before},
+        "threshold_shift": {"threshold": shift.threshold, "budget": opts.shift_budget,
+                            "calibration_rows": min(len(train), len(held_out)),
+                            "perplexity_relu": shift.perplexity_relu, "perplexity_shifted": shift.perplexity_shifted,
+                            "sparsity_relu": shift.sparsity_relu, "sparsity_shifted": shift.sparsity_shifted,
+                            "tried": [{"threshold": t, "perplexity": p, "sparsity": z} for t, p, z in shift.tried]},
+        "tokens_seen": {"layer_local": min(len(train), opts.local_tokens // opts.seq_len) * opts.seq_len
+                        * opts.local_epochs, "end_to_end": state.tokens_seen},
+        "train_seconds": state.elapsed,
+        "options": {k: v for k, v in identity.items() if k != "config_hash"},
+        "device": torch.device(device).type, "compute_dtype": str(compute_dtype).removeprefix("torch."),
+        "history": state.history,
+    }
+    _write_model(student, tokenizer, report, opts.out, opts.force)
+    shutil.rmtree(work, ignore_errors=True)
+    return report

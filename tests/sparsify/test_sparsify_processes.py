@@ -5,6 +5,7 @@ the launcher stops both at the same step with a checkpoint that --resume continu
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -37,8 +38,9 @@ class Launched:
                    str(processes), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                    "--main_process_port", str(_free_port()), "-m", "powerinfer_tools", *map(str, args)]
         self.log = log
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}   # gloo over loopback, whatever the host's name resolves to
         with open(log, "w") as f:
-            self.proc = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, env=env)
 
     def output(self) -> str:
         return self.log.read_text()

@@ -13,6 +13,11 @@
 #                                  predicted sparsity, decode and prompt tokens/s with the hot tier on the CPU and
 #                                  on the GPU at VRAM budgets of 4 and 8 GiB (`pi-tools bench`, tables in $OUT);
 #                                  about 8 minutes on 16 cores
+#   scripts/gpu_check.sh sparsify  on the device machine: `pi-tools sparsify --device cuda` on a random-weight SiLU
+#                                  Llama of 1.2B parameters (the 2b shape; its speed does not depend on the weights),
+#                                  both phases' tokens/s, peak GPU memory, hours for 1B end-to-end tokens
+#                                  ($OUT/sparsify.txt); SHAPE and DEVICE override 2b and cuda (SHAPE=tiny DEVICE=cpu
+#                                  tries the command here)
 #
 # The device tool runs one command of at most 10 minutes: `tests` and `speed` are two calls, e.g.
 #   run(command="scripts/gpu_check.sh tests", carry=[".gpu"]); run(command="scripts/gpu_check.sh speed", carry=[".gpu"])
@@ -30,7 +35,9 @@ setup_device_machine() {
     fi
     if [ -d .gpu/data ] && [ ! -d ../shared/data ]; then mkdir -p ../shared && cp -r .gpu/data ../shared/data; fi
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-    nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv | tee "$OUT/gpu.txt"
+    if command -v nvidia-smi >/dev/null; then
+        nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv | tee "$OUT/gpu.txt"
+    fi
 }
 
 case "$what" in
@@ -85,8 +92,39 @@ for name in ("cpu", "gpu4", "gpu8"):
             print(f"{name:5s} {run['label']:16s} pp {pp:8.2f} t/s  tg {tg:7.2f} t/s  {where}")
 EOF
     ;;
+sparsify)
+    setup_device_machine
+    W=/tmp/gpu_sparsify
+    shape="${SHAPE:-2b}"
+    [ -f "$W/silu-$shape/config.json" ] || python3 scripts/synthetic_llama.py model --shape "$shape" --act silu \
+        --out "$W/silu-$shape"
+    rm -rf "$W/relu"
+    python3 -m powerinfer_tools sparsify -m "$W/silu-$shape" --calib ../shared/data/wikitext-2-valid.txt \
+        -o "$W/relu" --device "${DEVICE:-cuda}" --seq-len 512 --batch 8 --local-tokens 16384 --local-epochs 1 \
+        --tokens 65536 --eval-tokens 4096 --shift-budget 0 --checkpoint-minutes 600 > "$OUT/sparsify.log" 2>&1 \
+        || { tail -c 3000 "$OUT/sparsify.log"; exit 1; }
+    cp "$W/relu/sparsify.json" "$OUT/"
+    python3 - "$OUT" "$W/silu-$shape" <<'EOF' | tee "$OUT/sparsify.txt"
+import json, sys
+from pathlib import Path
+out, model = Path(sys.argv[1]), Path(sys.argv[2])
+report = json.loads((out / "sparsify.json").read_text())
+config = json.loads((model / "config.json").read_text())
+d, f, n = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+params = n * (4 * d * d + 3 * d * f) + 2 * config["vocab_size"] * d
+local = [h for h in report["history"] if h["phase"] == 1]
+e2e = [h for h in report["history"] if h["phase"] == 2]
+local_s = local[-1]["seconds"] if local else 0.0
+rate = (e2e[-1]["tokens"] - e2e[0]["tokens"]) / (e2e[-1]["seconds"] - e2e[0]["seconds"])
+peak = report.get("device_memory_peak_bytes")
+print(f"{params / 1e9:.2f}B parameters on {report['device']} ({report['compute_dtype']} compute)")
+print(f"layer-local: {report['tokens_seen']['layer_local']} tokens in {local_s:.0f} s for {n} layers")
+print(f"end-to-end: {rate:.0f} tokens/s (steps {e2e[0]['step']}-{e2e[-1]['step']}); 1B tokens: {1e9 / rate / 3600:.1f} h")
+print(f"peak device memory: {peak / 2**30:.1f} GiB" if peak else "peak device memory: not measured (no GPU)")
+EOF
+    ;;
 *)
-    sed -n 2,18p "$0"
+    sed -n 2,23p "$0"
     exit 2
     ;;
 esac

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Random-weight ReLU Llama checkpoints in the exact shapes of ReluLLaMA-7B / -13B, made here (no download),
-with a profile and predictors that select a chosen share of each layer's neurons.
+"""Random-weight ReLU (or SiLU) Llama checkpoints in the exact shapes of ReluLLaMA-7B / -13B, made here (no
+download), with a profile and predictors that select a chosen share of each layer's neurons.
 
 The model: sharded f16 safetensors, one shard per layer (built one tensor at a time, so the memory it
 needs is about one layer whatever the model's size), config.json (hidden_act relu) and a SentencePiece
@@ -24,6 +24,7 @@ Usage:
   python scripts/synthetic_llama.py model --shape 7b --out /work/runs/28/relu7b
   python scripts/synthetic_llama.py predictors --shape 7b --sparsity 0.9 --out /work/runs/28/pred-s90
   python scripts/synthetic_llama.py profile --shape 7b --out /work/runs/28/prof
+  python scripts/synthetic_llama.py model --shape 2b --act silu --out /tmp/silu2b   # for sparsify's speed
 """
 from __future__ import annotations
 
@@ -72,8 +73,9 @@ def shape_of(name: str, layers: int | None = None) -> Shape:
     return replace(shape, n_layer=layers) if layers else shape
 
 
-def build_model(out: Path, shape: Shape, seed: int = 0, progress: bool = True) -> int:
-    """Write the checkpoint, tokenizer included; returns its weight bytes."""
+def build_model(out: Path, shape: Shape, seed: int = 0, progress: bool = True, act: str = "relu") -> int:
+    """Write the checkpoint, tokenizer included; returns its weight bytes. act silu: a SiLU Llama of the shape,
+    what `pi-tools sparsify` starts from (its speed at the shape: scripts/gpu_check.sh sparsify)."""
     out.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
     d, f = shape.n_embd, shape.n_ff
@@ -107,7 +109,7 @@ def build_model(out: Path, shape: Shape, seed: int = 0, progress: bool = True) -
     (out / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": d, "intermediate_size": f,
         "num_hidden_layers": shape.n_layer, "num_attention_heads": shape.n_head,
-        "num_key_value_heads": shape.n_head, "hidden_act": "relu", "max_position_embeddings": shape.n_ctx,
+        "num_key_value_heads": shape.n_head, "hidden_act": act, "max_position_embeddings": shape.n_ctx,
         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "vocab_size": shape.vocab, "tie_word_embeddings": False,
         "torch_dtype": "float16", "bos_token_id": 1, "eos_token_id": 2}, indent=1))
     build_tokenizer(out, shape.vocab)
@@ -205,10 +207,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--sparsity", type=float, default=0.9, help="predictors: share predicted inactive (default 0.9)")
     ap.add_argument("--rank", type=int, default=128, help="predictors: rank (default 128)")
+    ap.add_argument("--act", choices=("relu", "silu"), default="relu", help="model: FFN activation (default relu)")
     args = ap.parse_args()
     shape = shape_of(args.shape, args.layers)
     if args.what == "model":
-        total = build_model(args.out, shape)
+        total = build_model(args.out, shape, act=args.act)
         print(f"{args.out}: {total / 2**30:.2f} GiB of f16 weights in {shape.n_layer + 2} shards")
     elif args.what == "predictors":
         if not 0.0 <= args.sparsity < 1.0:

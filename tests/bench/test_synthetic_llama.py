@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from cli_helpers import run_cli
-from tiny_models import DATA
+from tiny_models import DATA, training_text
 
 import engine
 
@@ -73,3 +73,21 @@ def test_pipeline_on_the_synthetic_model(synthetic, outtype, capsys):
     code, text, err = run_cli(capsys, "inspect", out, "--json")
     assert code == 0, err
     assert "blk.2.fc2.weight" in text
+
+
+def test_silu_variant_is_what_sparsify_starts_from(tmp_path, capsys):
+    """--act silu (scripts/gpu_check.sh sparsify times sparsify on it): sparsify takes it, and its report times
+    both phases."""
+    model = tmp_path / "silu"
+    synthetic_llama.build_model(model, SHAPE, progress=False, act="silu")
+    assert json.loads((model / "config.json").read_text())["hidden_act"] == "silu"
+    calib = tmp_path / "calib.txt"
+    calib.write_text(training_text()[:40_000])
+    code, _, err = run_cli(capsys, "sparsify", "-m", model, "--calib", calib, "-o", tmp_path / "relu", "--seq-len",
+                           "64", "--batch", "2", "--local-tokens", "1024", "--local-epochs", "1", "--tokens", "512",
+                           "--eval-tokens", "256", "--shift-budget", "0")
+    assert code == 0, err
+    report = json.loads((tmp_path / "relu" / "sparsify.json").read_text())
+    seconds = [h["seconds"] for h in report["history"]]
+    assert [h["phase"] for h in report["history"]] == [1] * SHAPE.n_layer + [2] * 4
+    assert all(0 < a <= b for a, b in zip(seconds, seconds[1:])) and seconds[-1] <= report["train_seconds"]

@@ -112,8 +112,9 @@ def train(teacher, student, adapter, train: torch.Tensor, state: TrainState, res
             rate = done_here / max(1e-9, time.monotonic() - started)
             bar.set_postfix(kl=f"{kl:.4f}", sparsity=f"{float(sparsity.mean()):.3f}", tok_s=f"{rate:.0f}")
             if state.step % max(1, steps // 50) == 0 or state.step == steps:
+                checkpointer.clock(state)
                 state.history.append({"phase": 2, "step": state.step, "tokens": state.tokens_seen, "kl": kl,
-                                      "sparsity": float(sparsity.mean())})
+                                      "sparsity": float(sparsity.mean()), "seconds": state.elapsed})
             if state.step == steps:
                 state.phase = 3
             checkpointer.after_step(state, student, optimizer, scheduler, stop)

@@ -143,9 +143,10 @@ def train(teacher, student, adapter, train: torch.Tensor, state: TrainState, res
             bar.set_postfix(layer=i, err=f"{err:.4f}", sparsity=f"{sparsity:.3f}", lam=f"{state.lam[i]:.3g}")
             if state.step == steps:
                 trained, refit = refit_down(mlp, x_all, y_all, y_power, device)
+                checkpointer.clock(state)
                 state.history.append({"phase": 1, "layer": i, "relu_sparsity_before": start_sparsity,
                                       "error_trained": trained, "error": refit, "sparsity": sparsity,
-                                      "lambda": state.lam[i]})
+                                      "lambda": state.lam[i], "seconds": state.elapsed})
                 state.layer, state.step = i + 1, 0
             checkpointer.after_step(state, student, optimizer if state.step else None, None)
     bar.close()

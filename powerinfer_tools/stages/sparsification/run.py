@@ -285,8 +285,10 @@ def run_sparsify(opts: SparsifyOptions) -> dict | None:
         "train_seconds": state.elapsed,
         "options": {k: v for k, v in identity.items() if k != "config_hash"},
         "device": torch.device(device).type, "compute_dtype": str(compute_dtype).removeprefix("torch."),
-        "history": state.history,
+        "history": state.history,   # "seconds": training time when the entry was made
     }
+    if torch.device(device).type == "cuda":   # this process's, from its start (the others' is the same)
+        report["device_memory_peak_bytes"] = torch.cuda.max_memory_allocated(device)
     _write_model(student, tokenizer, report, opts.out, opts.force)
     shutil.rmtree(work, ignore_errors=True)
     return report

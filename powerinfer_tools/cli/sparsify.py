@@ -59,7 +59,7 @@ def sparsify(
 
       pi-tools sparsify -m smollm2 --calib wiki.txt -o smollm2-relu --resume   # after Ctrl-C
 
-      accelerate launch --multi_gpu --num_processes 4 -m powerinfer_tools sparsify -m ./Llama-3.2-1B --calib a.txt -o llama-relu   # 4 GPUs, data-parallel
+      accelerate launch -q --multi_gpu --num_processes 4 -m powerinfer_tools sparsify -m ./Llama-3.2-1B --calib a.txt -o llama-relu   # 4 GPUs, data-parallel
     """
     from powerinfer_tools import stages
 

@@ -68,7 +68,7 @@ def _recompute_activations(model, on: bool) -> None:
     getattr(model, f"{name}_{'enable' if on else 'disable'}")()
 
 
-def train(teacher, student, adapter, train: torch.Tensor, state: TrainState, resumed: dict | None,
+def train(teacher, student, adapter, sequences: torch.Tensor, state: TrainState, resumed: dict | None,
             opts: SparsifyOptions, procs: data_parallel.Processes, autocast, checkpointer: Checkpointer) -> None:
     """Each process takes its --batch of a step's sequences; the sparsities that steer the L1 weights are
     averaged over them, so that every process keeps the same weights, and so is a stop that one of them asks
@@ -90,15 +90,15 @@ def train(teacher, student, adapter, train: torch.Tensor, state: TrainState, res
     student.train()
     trained = procs.wrap(student)
     tap = ActivationTap(adapter, student, torch.tensor(state.scales))
-    per_epoch = max(1, len(train) // step_rows)
+    per_epoch = max(1, len(sequences) // step_rows)
     bar = tqdm(total=steps, initial=state.step, desc="end-to-end", unit="step", disable=not procs.is_main)
     started, done_here = time.monotonic(), 0
     try:
         while state.step < steps:
             epoch, k = divmod(state.step, per_epoch)
-            order = torch.randperm(len(train), generator=schedule.generator(opts.seed, 2, epoch))
+            order = torch.randperm(len(sequences), generator=schedule.generator(opts.seed, 2, epoch))
             first = k * step_rows + procs.index * opts.batch
-            ids = train[order[first:first + opts.batch]].to(procs.device)
+            ids = sequences[order[first:first + opts.batch]].to(procs.device)
             kl, sparsity = e2e_step(trained, teacher, tap, optimizer, scheduler, ids, state.lam, autocast)
             asked = torch.tensor([kl, float(checkpointer.interrupts.requested)], dtype=sparsity.dtype)
             measured = procs.mean(torch.cat([sparsity, asked]))

@@ -104,13 +104,13 @@ def _layer_steps(n_rows: int, batch: int, opts: SparsifyOptions) -> tuple[int, i
     return rows, opts.local_epochs * max(1, n_rows // rows)
 
 
-def train(teacher, student, adapter, train: torch.Tensor, state: TrainState, resumed: dict | None,
+def train(teacher, student, adapter, sequences: torch.Tensor, state: TrainState, resumed: dict | None,
             opts: SparsifyOptions, batch: int, device: str, autocast, checkpointer: Checkpointer) -> None:
     """`batch`: sequences a step (of all processes: this phase runs in the main one alone)."""
     if opts.local_epochs == 0 or opts.local_tokens == 0:
         state.phase = 2
         return
-    local = train[:max(1, opts.local_tokens // opts.seq_len)]
+    local = sequences[:max(1, opts.local_tokens // opts.seq_len)]
     io = cache_ffn_io(teacher, adapter, local, batch, device)
     rows, steps = _layer_steps(len(io[0][0]), batch, opts)
     n_layer = len(io)

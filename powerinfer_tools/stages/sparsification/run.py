@@ -248,8 +248,8 @@ def run_sparsify(opts: SparsifyOptions) -> dict | None:
         checkpointer = Checkpointer(work, identity, opts.checkpoint_minutes, interrupts, state, procs.is_main)
         if state.phase == 1:
             if procs.is_main:   # the others wait; phase 2 then starts them from the main process's weights
-                layer_local.train(teacher, student, adapter, train, state, resumed, opts, step_rows, device, autocast,
-                        checkpointer)
+                layer_local.train(teacher, student, adapter, train, state, resumed, opts, step_rows, device,
+                                  autocast, checkpointer)
                 checkpointer.save(state, student, None, None)
             state = _main_process_state(procs, state, interrupts)
             resumed = None

@@ -34,9 +34,9 @@ def profile(
         None, "--target-sparsity",
         help="SiLU/GELU models: fraction of activations below each layer's threshold; one value or one per "
              "layer, comma-separated. Default 0.2 (SmolLM2: +2.1% perplexity). Ignored for ReLU models."),
-    max_samples: int = typer.Option(8192, "--max-samples", help="Predictor training rows kept per layer, 2 x n_embd bytes each. "
-                                     "More rows make better predictors (docs/sparsify.md, 'What limits the "
-                                     "predictors'); raise --tokens with them."),
+    max_samples: int = typer.Option(8192, "--max-samples", help="Predictor training rows kept per layer, "
+                                     "2 x n_embd bytes each. More rows make better predictors (docs/sparsify.md, "
+                                     "'What limits the predictors'); raise --tokens with them."),
     seed: int = typer.Option(0, help="Random seed (row sampling, data-free generation)."),
     force: bool = typer.Option(False, "--force", help="Replace a non-empty output directory, or an interrupted profile's kept work."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted profile of the same --out "

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import shutil
 import sys
@@ -27,7 +26,7 @@ from tqdm import tqdm
 
 from powerinfer_tools.models import arch as arch_mod
 from powerinfer_tools import models
-from powerinfer_tools.core.atomic import check_output_dir, naming_output, output_lock, publish_dir
+from powerinfer_tools.core.atomic import atomic_file, check_output_dir, naming_output, output_lock, publish_dir
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.core.safe_load import checked_tensor, load_pt
 from powerinfer_tools.stages.options import ProfileOptions
@@ -217,9 +216,8 @@ def partial_dir(out: Path) -> Path:
 
 
 def _save_checkpoint(work: Path, rec: _Recorder, next_seq: int) -> None:
-    tmp = work / "checkpoint.pt.tmp"
-    torch.save({**rec.state(), "next_seq": torch.tensor(next_seq)}, tmp)
-    os.replace(tmp, work / "checkpoint.pt")
+    with atomic_file(work / "checkpoint.pt") as tmp:
+        torch.save({**rec.state(), "next_seq": torch.tensor(next_seq)}, tmp)
 
 
 def _load_safe(path: Path) -> dict:

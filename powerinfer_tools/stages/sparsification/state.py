@@ -4,7 +4,6 @@ step boundary with a checkpoint."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from powerinfer_tools.core.atomic import atomic_file
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.core.safe_load import load_pt
 
@@ -38,9 +38,8 @@ def save_checkpoint(work: Path, state: TrainState, student, optimizer, scheduler
             "student": student.state_dict(),
             "optimizer": optimizer.state_dict() if optimizer is not None else {},
             "scheduler": scheduler.state_dict() if scheduler is not None else {}}
-    tmp = work / "checkpoint.pt.tmp"
-    torch.save(blob, tmp)
-    os.replace(tmp, work / "checkpoint.pt")
+    with atomic_file(work / "checkpoint.pt") as tmp:   # a process killed mid-save leaves the last one whole
+        torch.save(blob, tmp)
 
 
 E2E_ONLY = ("tokens", "lr")  # options only the end-to-end phase reads: may change on --resume before it starts

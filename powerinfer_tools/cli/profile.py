@@ -27,9 +27,14 @@ def profile(
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sequence. Default: 512, or the "
                                           "model's context length if shorter."),
     batch: int = typer.Option(4, help="Sequences per forward pass."),
-    device: str = typer.Option("cpu", help="cpu, cuda, or auto (accelerate device_map spreads a large "
-                                             "model over GPUs and CPU)."),
+    device: str = typer.Option("cpu", help="cpu, cuda (with --load layer: one layer on the GPU at a time), or auto "
+                                             "(the whole model, spread over GPUs and CPU by accelerate's device map)."),
     dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
+    load: str = typer.Option("auto", "--load",
+                             help="layer: one decoder layer in memory at a time, read from the model's files (a 7B-70B "
+                                  "model on a 16-32 GB PC; needs --calib); whole: the whole model, as transformers "
+                                  "loads it; auto: whole where its weights take at most half the free memory (of the "
+                                  "GPU with --device cuda), else layer. Both give the same profile."),
     target_sparsity: Optional[str] = typer.Option(
         None, "--target-sparsity",
         help="SiLU/GELU models: fraction of activations below each layer's threshold; one value or one per "
@@ -49,9 +54,11 @@ def profile(
 
       pi-tools profile -m smollm2 --calib wiki.txt --out smollm2-profile
 
-      pi-tools profile -m ./ReluLLaMA-7B --calib a.txt --calib b.txt --tokens 65536 --device auto -o prof
+      pi-tools profile -m ./ReluLLaMA-7B --calib a.txt --calib b.txt --tokens 65536 -o prof
 
       pi-tools profile -m smollm2 --target-sparsity 0.5 --tokens 4096 -o prof   # data-free
+
+      pi-tools profile -m ./Llama-2-70b-relu --calib a.txt --tokens 4096 --load layer --dtype bfloat16 -o prof70
     """
     from powerinfer_tools import stages
     from powerinfer_tools.stages.profiling import summary_lines
@@ -61,7 +68,7 @@ def profile(
     if device not in ("cpu", "cuda", "auto"):
         raise UserError(f"--device must be cpu, cuda or auto, got {device!r}")
     opts = stages.ProfileOptions(model=model, out=out, calib=list(calib or []), tokens=tokens, seq_len=seq_len,
-                                 batch=batch, device=device, dtype=dtype,
+                                 batch=batch, device=device, dtype=dtype, load=load,
                                  target_sparsity=_parse_targets(target_sparsity), max_samples=max_samples, seed=seed,
                                  force=force, resume=resume)
     result = stages.profile(opts)

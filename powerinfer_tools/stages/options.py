@@ -25,6 +25,7 @@ class ProfileOptions:
     batch: int = 4
     device: str = "cpu"
     dtype: str = "float32"
+    load: str = "auto"           # 'layer' (one decoder layer in memory at a time), 'whole', or auto: by free memory
     target_sparsity: list[float] | None = None   # one value, or one per layer
     max_samples: int = 8192
     seed: int = 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shutil
 import sys
@@ -63,35 +64,46 @@ def _per_layer_targets(values: list[float] | None, n_layer: int) -> list[float]:
     return values
 
 
+class ThresholdSampler:
+    """|a| values sampled per layer from the first CALIBRATION_TOKENS tokens (the dense model's), and each layer's
+    threshold at its target share of them. Each (layer, batch) draws from its own seeded generator, so the whole
+    model's pass and the layer-by-layer one (which visit them in other orders) place the same thresholds."""
+
+    def __init__(self, n_layer: int, seqs: torch.Tensor, batch: int, seed: int):
+        self.n_seq = max(1, min(len(seqs), math.ceil(CALIBRATION_TOKENS / seqs.shape[1])))
+        self.per_batch = max(1, CALIBRATION_VALUES // math.ceil(self.n_seq / batch))
+        self.seed = seed
+        self.kept: list[list[torch.Tensor]] = [[] for _ in range(n_layer)]
+
+    def add(self, i: int, n_batch: int, a: torch.Tensor) -> None:
+        flat = a.detach().reshape(-1).abs().float().cpu()
+        gen = torch.Generator().manual_seed(((self.seed * 100_003 + i) * 1_000_003 + n_batch) % 2**63)
+        self.kept[i].append(flat[torch.randint(0, flat.numel(), (min(self.per_batch, flat.numel()),), generator=gen)])
+
+    def threshold(self, i: int, target: float) -> float:
+        if target <= 0:
+            return 0.0
+        values = torch.sort(torch.cat(self.kept[i])).values
+        return float(values[min(len(values) - 1, max(0, int(round(target * len(values))) - 1))])
+
+
 @torch.no_grad()
 def calibrate_thresholds(model, adapter, seqs: torch.Tensor, targets: list[float], batch: int,
                          seed: int) -> list[float]:
     """Per-layer |a| thresholds whose share of sub-threshold activations is the target sparsity."""
-    n_layer = adapter.dims().n_layer
-    kept: list[list[torch.Tensor]] = [[] for _ in range(n_layer)]
-    gen = torch.Generator().manual_seed(seed)
-    n_tok = max(1, min(len(seqs), math.ceil(CALIBRATION_TOKENS / seqs.shape[1])))
-    per_batch = max(1, CALIBRATION_VALUES // math.ceil(n_tok / batch))
-
-    def on_activation(i, a):
-        flat = a.detach().reshape(-1).abs().float().cpu()
-        take = torch.randint(0, flat.numel(), (min(per_batch, flat.numel()),), generator=gen)
-        kept[i].append(flat[take])
-
-    handles = arch_mod.install_taps(adapter, model, on_activation=on_activation)
+    sampler = ThresholdSampler(adapter.dims().n_layer, seqs, batch, seed)
+    current = {"batch": 0}
+    handles = arch_mod.install_taps(adapter, model, on_activation=lambda i, a: sampler.add(i, current["batch"], a))
     device = next(model.parameters()).device
     try:
-        for start in tqdm(range(0, n_tok, batch), desc="calibrating thresholds", unit="batch", leave=False):
+        for n_batch, start in enumerate(tqdm(range(0, sampler.n_seq, batch), desc="calibrating thresholds",
+                                             unit="batch", leave=False)):
+            current["batch"] = n_batch
             model(input_ids=seqs[start:start + batch].to(device), use_cache=False)
     finally:
         for h in handles:
             h.remove()
-    thresholds = []
-    for i in range(n_layer):
-        values = torch.sort(torch.cat(kept[i])).values
-        idx = min(len(values) - 1, max(0, int(round(targets[i] * len(values))) - 1))
-        thresholds.append(float(values[idx]) if targets[i] > 0 else 0.0)
-    return thresholds
+    return [sampler.threshold(i, t) for i, t in enumerate(targets)]
 
 
 class _Recorder:
@@ -273,20 +285,34 @@ def _run_profile(opts: ProfileOptions) -> dict:
     targets = _per_layer_targets(opts.target_sparsity, dims.n_layer) if adapter.thresholded else None
     if opts.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device is available")
+    load = choose_load(opts, adapter)
+    if load == "layer" and not texts:
+        raise UserError("a profile layer by layer needs --calib text: data-free calibration generates its text with "
+                        "the whole model (--load whole, if it fits in memory)")
 
-    model, adapter = models.load_model(source, device=opts.device, dtype=opts.dtype)
+    if load == "whole":
+        model, adapter = models.load_model(source, device=opts.device, dtype=opts.dtype)
+    else:
+        from powerinfer_tools.models.layerwise import LayerwiseModel
+
+        device = "cuda" if opts.device == "auto" and torch.cuda.is_available() else \
+            "cpu" if opts.device == "auto" else opts.device
+        model = LayerwiseModel(source, adapter, device=device, dtype=opts.dtype)
+        print(f"pi-tools profile: {source.spec} one layer at a time ({dims.n_layer} layers, {opts.dtype} on {device})")
     identity = {"model": _model_identity(opts.model, source, config, adapter), "calib": [str(p) for p in opts.calib],
                 "tokens": opts.tokens, "seq_len": seq_len, "targets": targets, "max_samples": opts.max_samples,
-                "seed": opts.seed}
+                "seed": opts.seed, "load": load}
     if opts.resume:
         plan = _resume_plan(work, identity)
-        print(f"pi-tools profile: resuming {opts.out} from sequence {plan['next_seq']} of {len(plan['seqs'])}")
+        where = (f"from sequence {plan['next_seq']} of {len(plan['seqs'])}" if load == "whole" else
+                 f"at layer {_layer_checkpoint_next(work)} of {dims.n_layer}")
+        print(f"pi-tools profile: resuming {opts.out} {where}")
     else:
         shutil.rmtree(work, ignore_errors=True)
         with naming_output(opts.out):  # before the calibration text is made: minutes, data-free
             work.mkdir(parents=True)
         try:
-            plan = _fresh_plan(model, adapter, source, texts, seq_len, targets, opts)
+            plan = _fresh_plan(model if load == "whole" else None, adapter, source, texts, seq_len, targets, opts)
         except BaseException:
             shutil.rmtree(work, ignore_errors=True)  # nothing saved yet that --resume could use
             raise
@@ -295,18 +321,28 @@ def _run_profile(opts: ProfileOptions) -> dict:
         (work / "identity.json").write_text(json.dumps({**identity, "calibration": plan["calibration"]}))
 
     seqs, thresholds, chosen = plan["seqs"], plan["thresholds"], plan["chosen"]
+    n_seq, seq_len = seqs.shape
     rec = _Recorder(adapter, thresholds, work / "samples", sparsify=True)
     if plan.get("state"):
         rec.load_state(plan["state"])
     try:
-        rec, elapsed = profile_pass(model, adapter, seqs, thresholds, opts.batch, chosen, work / "samples", rec=rec,
-                                    start_seq=plan["next_seq"], checkpoint=lambda r, nxt: _save_checkpoint(work, r, nxt))
+        if load == "whole":
+            rec, elapsed = profile_pass(model, adapter, seqs, thresholds, opts.batch, chosen, work / "samples",
+                                        rec=rec, start_seq=plan["next_seq"],
+                                        checkpoint=lambda r, nxt: _save_checkpoint(work, r, nxt))
+            done = (n_seq - plan["next_seq"]) * seq_len
+        else:
+            from powerinfer_tools.stages import profile_layers
+
+            sampler = ThresholdSampler(dims.n_layer, seqs, opts.batch, opts.seed) if targets is not None else None
+            thresholds, elapsed, layers_run = profile_layers.streamed_pass(
+                model, adapter, seqs, targets, opts.batch, chosen, work, rec, sampler, resume=opts.resume)
+            done = n_seq * seq_len * layers_run / dims.n_layer   # tokens through the whole model, in layers run now
     except KeyboardInterrupt:
         if (work / "identity.json").is_file():
             print(f"pi-tools profile: the work so far is kept in {work}: the same command with --resume continues "
                   "it", file=sys.stderr)
         raise
-    n_seq, seq_len = seqs.shape
     n_total = n_seq * seq_len
     (work / "activation").mkdir(exist_ok=True)
     (work / "magnitude").mkdir(exist_ok=True)
@@ -316,7 +352,6 @@ def _run_profile(opts: ProfileOptions) -> dict:
         torch.save(rec.magnitude[i].float().clone(), work / "magnitude" / f"magnitude_{i}.pt")
         density = float(rec.counts[i].sum()) / (n_total * dims.n_ff)
         layers.append({"layer": i, "sparsity": 1.0 - density, **skew(rec.counts[i])})
-    done = (n_seq - plan["next_seq"]) * seq_len
     profile = {
         "format": FORMAT,
         "model": identity["model"],
@@ -325,19 +360,64 @@ def _run_profile(opts: ProfileOptions) -> dict:
         "target_sparsity": targets,
         "tokens": n_total, "sequences": n_seq, "seq_len": seq_len, "calibration": plan["calibration"],
         "samples": {"rows": int(len(chosen)), "x_dtype": "float16", "shard_rows": SHARD_ROWS},
+        "load": load,
         "tokens_per_second": done / elapsed if elapsed > 0 and done else None,
         "layers": layers,
     }
     (work / "profile.json").write_text(json.dumps(profile, indent=2))
-    for scratch in ("inputs.pt", "identity.json", "checkpoint.pt"):
-        (work / scratch).unlink(missing_ok=True)
+    for scratch in SCRATCH:
+        for path in work.glob(scratch):
+            path.unlink(missing_ok=True)
     check_output_dir(opts.out, opts.force)
     publish_dir(work, opts.out)
     return profile
 
 
+SCRATCH = ("inputs.pt", "identity.json", "checkpoint.pt", "layer_checkpoint.pt", "hidden_*.bin", "dense_*.bin")
+WHOLE_MODEL_SHARE = 0.5   # --load auto: the whole model when its weights take at most this share of free memory
+
+
+def weight_bytes(adapter, dtype: str) -> int:
+    """The model's weights in `dtype` (from its config: the network built on the meta device)."""
+    from powerinfer_tools.models.source_weights import MetaShapes
+
+    element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return sum(math.prod(shape) for shape in MetaShapes(adapter).shapes.values()) * element
+
+
+def available_memory(device: str) -> int:
+    """Bytes free for the weights: the CUDA device's free memory, or the host's available memory."""
+    if device == "cuda" and torch.cuda.is_available():
+        return int(torch.cuda.mem_get_info()[0])
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def choose_load(opts: ProfileOptions, adapter) -> str:
+    """'whole' (transformers loads the model, as before) or 'layer' (models.layerwise): --load, or for auto the
+    whole model where its weights fit in WHOLE_MODEL_SHARE of the memory free now, and always for --device auto
+    (accelerate's device map spreads it)."""
+    if opts.load not in ("auto", "layer", "whole"):
+        raise UserError(f"--load must be auto, layer or whole, got {opts.load!r}")
+    if opts.load != "auto":
+        if opts.load == "layer" and opts.device == "auto":
+            raise UserError("--device auto spreads the whole model over the devices; with --load layer give "
+                            "--device cpu or cuda")
+        return opts.load
+    if opts.device == "auto":
+        return "whole"
+    need, have = weight_bytes(adapter, opts.dtype), available_memory(opts.device)
+    return "whole" if need <= WHOLE_MODEL_SHARE * have else "layer"
+
+
 def _fresh_plan(model, adapter, source, texts, seq_len, targets, opts) -> dict:
-    """Calibration sequences, thresholds and the sampled row positions of a new profile."""
+    """Calibration sequences, thresholds and the sampled row positions of a new profile. Without `model` (a profile
+    layer by layer), the thresholds are placed layer by layer during the pass and are zeros here."""
     from powerinfer_tools.stages import calibration
 
     tokenizer = models.load_tokenizer(source)
@@ -349,11 +429,18 @@ def _fresh_plan(model, adapter, source, texts, seq_len, targets, opts) -> dict:
         seqs = calibration.self_generated(model, tokenizer, seq_len, opts.tokens, opts.seed)
         calib_desc = "self-generated"
     n_layer = adapter.dims().n_layer
-    thresholds = ([0.0] * n_layer if targets is None
+    thresholds = ([0.0] * n_layer if targets is None or model is None
                   else calibrate_thresholds(model, adapter, seqs, targets, opts.batch, opts.seed))
     rng = np.random.default_rng(opts.seed)
     chosen = np.sort(rng.choice(seqs.numel(), size=min(opts.max_samples, seqs.numel()), replace=False))
     return {"seqs": seqs, "thresholds": thresholds, "chosen": chosen, "calibration": calib_desc, "next_seq": 0}
+
+
+def _layer_checkpoint_next(work: Path) -> int:
+    from powerinfer_tools.stages.profile_layers import CHECKPOINT
+
+    path = work / CHECKPOINT
+    return int(_load_safe(path)["next_layer"]) if path.is_file() else 0
 
 
 def _resume_plan(work: Path, identity: dict) -> dict:
@@ -368,6 +455,8 @@ def _resume_plan(work: Path, identity: dict) -> dict:
     inputs = _load_safe(work / "inputs.pt")
     plan = {"seqs": inputs["seqs"], "thresholds": inputs["thresholds"].tolist(), "chosen": inputs["chosen"].numpy(),
             "calibration": calib, "next_seq": 0, "state": None}
+    if identity["load"] == "layer":
+        return plan   # profile_layers.streamed_pass reads its own checkpoint and drops the rows written after it
     if (work / "checkpoint.pt").is_file():
         state = _load_safe(work / "checkpoint.pt")
         plan["next_seq"], plan["state"] = int(state.pop("next_seq")), state

@@ -7,6 +7,14 @@ needs is about one layer whatever the model's size), config.json (hidden_act rel
 BPE tokenizer trained on the project's calibration text (fewer pieces than the vocabulary when the text
 runs out of merges; the converter pads the rest).
 
+Its ReLU neurons are hot and cold as a trained model's (`power_law_gates`): every embedding row carries one
+shared direction u, and gate row j leans on u by its own amount b_j, so neuron j fires with its own rate
+p_j = Phi(b_j / (0.02 sqrt 2)) (placement's power law, scaled to a mean 1 - --model-sparsity) whatever the token;
+the rest of the gate row is low-rank plus noise, so a predictor of moderate rank can tell which cold neurons fire
+for which token. The attention and down projections are small against the embeddings, so u's share of every
+layer's input, and with it each neuron's rate, holds from the first layer to the last. `pi-tools profile` finds
+the skew (docs/bench.md, "7B and 13B"); nothing in the profile is synthesized.
+
 The profile: activation counts following placement's synthetic power law (the placement benchmark's),
 per layer, for `plan` and neuron order.
 
@@ -22,6 +30,7 @@ scaled to the mean 1 - sparsity.
 
 Usage:
   python scripts/synthetic_llama.py model --shape 7b --out /work/runs/28/relu7b
+  python scripts/synthetic_llama.py model --shape 70b --layers 2 --out /tmp/relu70b-2   # 70B's layer width
   python scripts/synthetic_llama.py predictors --shape 7b --sparsity 0.9 --out /work/runs/28/pred-s90
   python scripts/synthetic_llama.py profile --shape 7b --out /work/runs/28/prof
   python scripts/synthetic_llama.py model --shape 2b --act silu --out /tmp/silu2b   # for sparsify's speed
@@ -55,11 +64,13 @@ class Shape:
     n_head: int
     vocab: int = 32000
     n_ctx: int = 4096
+    n_kv: int | None = None   # grouped-query attention's KV heads (default: n_head)
 
 
 SHAPES = {
     "7b": Shape(4096, 11008, 32, 32),    # ReluLLaMA-7B (Llama-2-7B's shape)
     "13b": Shape(5120, 13824, 40, 40),   # ReluLLaMA-13B
+    "70b": Shape(8192, 28672, 80, 64, n_kv=8),   # ReluLLaMA-70B (Llama-2-70B's shape)
     "2b": Shape(2048, 5632, 20, 16),     # measure_convert_memory's default: >= 2 GB of weights
     "tiny": Shape(128, 512, 3, 4, vocab=600, n_ctx=512),  # tests
     # 7B's attention and KV cache (4 GiB in f32 at 4096 positions), a token FFN and vocabulary: the engine's
@@ -73,43 +84,75 @@ def shape_of(name: str, layers: int | None = None) -> Shape:
     return replace(shape, n_layer=layers) if layers else shape
 
 
-def build_model(out: Path, shape: Shape, seed: int = 0, progress: bool = True, act: str = "relu") -> int:
+GATE_STD = 0.02
+GATE_NOISE = 0.2     # share of a gate row's variance that is full-rank noise; the rest lies in a low-rank subspace
+
+
+def power_law_gates(shape: Shape, sparsity: float, u: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """One layer's gate [n_ff, n_embd]: row j = r_j + b_j u with r_j ~ GATE_STD (low-rank + GATE_NOISE noise) and
+    b_j = GATE_STD sqrt(2) Phi^-1(p_j). An input x = RMSNorm(n + sqrt(d) u) has u.x ~ sqrt(d/2) and r_j.x ~
+    N(0, GATE_STD^2 d), so P(gate_j x > 0) = p_j; the hottest neurons sit at random positions."""
+    from scipy.stats import norm
+
+    d, f = shape.n_embd, shape.n_ff
+    rank = max(8, d // 16)
+    basis = torch.linalg.qr(torch.randn(d, rank, generator=gen))[0]
+    low_rank = (torch.randn(f, rank, generator=gen) * (d / rank) ** 0.5) @ basis.T
+    rows = GATE_STD * ((1 - GATE_NOISE) ** 0.5 * low_rank + GATE_NOISE ** 0.5 * torch.randn(f, d, generator=gen))
+    rates = np.clip(selection_rates(shape, sparsity), 1e-4, 1 - 1e-4)
+    lean = torch.from_numpy(GATE_STD * 2 ** 0.5 * norm.ppf(rates)).float()[torch.randperm(f, generator=gen)]
+    return rows + lean[:, None] * u[None, :]
+
+
+def build_model(out: Path, shape: Shape, seed: int = 0, progress: bool = True, act: str = "relu",
+                sparsity: float | None = 0.9) -> int:
     """Write the checkpoint, tokenizer included; returns its weight bytes. act silu: a SiLU Llama of the shape,
-    what `pi-tools sparsify` starts from (its speed at the shape: scripts/gpu_check.sh sparsify)."""
+    what `pi-tools sparsify` starts from (its speed at the shape: scripts/gpu_check.sh sparsify). `sparsity`: the
+    ReLU model's mean FFN sparsity through power_law_gates; None: every weight iid N(0, 0.02^2), no hot neurons."""
     out.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
-    d, f = shape.n_embd, shape.n_ff
+    d, f, n_kv = shape.n_embd, shape.n_ff, shape.n_kv or shape.n_head
+    kv = d // shape.n_head * n_kv
+    skewed = sparsity is not None and act == "relu"
+    # power-law model: residual additions small against the embeddings (their share of the norm per layer)
+    out_std = 7.7 / d * (32 / shape.n_layer) ** 0.5 if skewed else 0.02
+    u = torch.randn(d, generator=gen)
+    u /= u.norm()
     shards, index, total = [], {}, 0
 
     def shard(tensors: dict[str, torch.Tensor]) -> None:
         nonlocal total
         name = f"model-{len(shards) + 1:05d}-of-{shape.n_layer + 2:05d}.safetensors"
-        save_file(tensors, out / name, metadata={"format": "pt"})
+        save_file({k: v.to(torch.float16).contiguous() for k, v in tensors.items()}, out / name,
+                  metadata={"format": "pt"})
         shards.append(name)
         for k, v in tensors.items():
             index[k] = name
-            total += v.numel() * v.element_size()
+            total += v.numel() * 2
 
-    def rand(*dims: int) -> torch.Tensor:
-        return (torch.randn(*dims, generator=gen) * 0.02).to(torch.float16)
+    def rand(*dims: int, std: float = 0.02) -> torch.Tensor:
+        return torch.randn(*dims, generator=gen) * std
 
     def ones() -> torch.Tensor:
-        return torch.ones(d, dtype=torch.float16)
+        return torch.ones(d)
 
-    shard({"model.embed_tokens.weight": rand(shape.vocab, d)})
+    embed = (torch.randn(shape.vocab, d, generator=gen) + d ** 0.5 * u) if skewed else rand(shape.vocab, d)
+    shard({"model.embed_tokens.weight": embed})
+    del embed
     for i in tqdm(range(shape.n_layer), desc="layers", unit="layer", disable=not progress):
         p = f"model.layers.{i}."
         shard({p + "input_layernorm.weight": ones(), p + "post_attention_layernorm.weight": ones(),
-               **{p + f"self_attn.{x}_proj.weight": rand(d, d) for x in "qkvo"},
-               p + "mlp.gate_proj.weight": rand(f, d), p + "mlp.up_proj.weight": rand(f, d),
-               p + "mlp.down_proj.weight": rand(d, f)})
+               p + "self_attn.q_proj.weight": rand(d, d), p + "self_attn.k_proj.weight": rand(kv, d),
+               p + "self_attn.v_proj.weight": rand(kv, d), p + "self_attn.o_proj.weight": rand(d, d, std=out_std),
+               p + "mlp.gate_proj.weight": power_law_gates(shape, sparsity, u, gen) if skewed else rand(f, d),
+               p + "mlp.up_proj.weight": rand(f, d), p + "mlp.down_proj.weight": rand(d, f, std=out_std)})
     shard({"model.norm.weight": ones(), "lm_head.weight": rand(shape.vocab, d)})
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
                                                                   "weight_map": index}))
     (out / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": d, "intermediate_size": f,
         "num_hidden_layers": shape.n_layer, "num_attention_heads": shape.n_head,
-        "num_key_value_heads": shape.n_head, "hidden_act": act, "max_position_embeddings": shape.n_ctx,
+        "num_key_value_heads": n_kv, "hidden_act": act, "max_position_embeddings": shape.n_ctx,
         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "vocab_size": shape.vocab, "tie_word_embeddings": False,
         "torch_dtype": "float16", "bos_token_id": 1, "eos_token_id": 2}, indent=1))
     build_tokenizer(out, shape.vocab)
@@ -208,10 +251,19 @@ def main() -> None:
     ap.add_argument("--sparsity", type=float, default=0.9, help="predictors: share predicted inactive (default 0.9)")
     ap.add_argument("--rank", type=int, default=128, help="predictors: rank (default 128)")
     ap.add_argument("--act", choices=("relu", "silu"), default="relu", help="model: FFN activation (default relu)")
+    ap.add_argument("--model-sparsity", default="0.9",
+                    help="model: the ReLU model's mean FFN sparsity, hot and cold neurons by a power law "
+                         "(power_law_gates), or 'iid' for plain random weights (default 0.9)")
     args = ap.parse_args()
     shape = shape_of(args.shape, args.layers)
     if args.what == "model":
-        total = build_model(args.out, shape, act=args.act)
+        try:
+            sparsity = None if args.model_sparsity == "iid" else float(args.model_sparsity)
+        except ValueError:
+            sys.exit(f"--model-sparsity takes a number in [0, 1) or 'iid', got {args.model_sparsity!r}")
+        if sparsity is not None and not 0.0 <= sparsity < 1.0:
+            sys.exit(f"--model-sparsity must be in [0, 1), got {sparsity}")
+        total = build_model(args.out, shape, act=args.act, sparsity=sparsity)
         print(f"{args.out}: {total / 2**30:.2f} GiB of f16 weights in {shape.n_layer + 2} shards")
     elif args.what == "predictors":
         if not 0.0 <= args.sparsity < 1.0:

@@ -51,6 +51,10 @@ def train_predictor(
     calibrated on held-out rows to reach --target-recall. Writes OUT/model_{i}.pt (PowerInfer's
     state dict), OUT/config.json (thresholds, ranks) and OUT/report.json, and prints a table.
 
+    Memory: one layer's rows at a time (--max-samples of the profile x (2 n_embd + n_ff / 8) bytes as stored,
+    about 4 n_embd + n_ff bytes a row once loaded) and the predictors of the layer being trained; each layer's
+    choice goes to the output directory at once. The bar shows each layer's training time and the ETA.
+
     Examples:
 
       pi-tools train-predictor smollm2-profile --out smollm2-predictors

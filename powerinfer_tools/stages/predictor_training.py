@@ -17,6 +17,7 @@ import json
 import math
 import re
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -209,16 +210,14 @@ class TrainSettings:
 class Trained:
     """One trained predictor with its held-out calibration."""
 
-    model: Predictor
+    model: Predictor | None     # None once its layer's choice is in the output directory: only the numbers stay
+    rank: int
     threshold: float            # calibrated: logit > threshold reaches target recall on held-out rows
     density_at_target: float    # held-out predicted density at that threshold
     recall_at_budget: float     # held-out recall at the density budget (predictor.density_budget)
     epochs: int
+    seconds: float              # training and calibration time
     history: list[float] = field(default_factory=list)
-
-    @property
-    def rank(self) -> int:
-        return self.model.rank
 
 
 def _logits(model: Predictor, x: torch.Tensor, device: str, batch: int = 8192) -> torch.Tensor:
@@ -239,6 +238,7 @@ def train_one(train: LayerSamples, held: LayerSamples, rank: int, settings: Trai
     logits alike and so keeps the ranking across neurons that the single calibrated threshold uses.
     Inputs are scaled per feature for training and the scale is folded into fc1 (no bias needed).
     """
+    started = time.perf_counter()
     torch.manual_seed(settings.seed)
     device = settings.device
     n_embd, n_ff = train.x.shape[1], train.active.shape[1]
@@ -285,8 +285,8 @@ def train_one(train: LayerSamples, held: LayerSamples, rank: int, settings: Trai
         model.fc1.weight.div_(scale)  # fc1(x / scale) == (fc1 / scale)(x)
     logits = _logits(model, held.x, "cpu")
     threshold = threshold_for_recall(logits, held.active, settings.target_recall)
-    return Trained(model, threshold, float((logits > threshold).float().mean()),
-                   recall_at_density(logits, held.active, budget), best_epoch, history)
+    return Trained(model, rank, threshold, float((logits > threshold).float().mean()),
+                   recall_at_density(logits, held.active, budget), best_epoch, time.perf_counter() - started, history)
 
 
 # ---- choosing the rank ------------------------------------------------------------------------------
@@ -381,24 +381,28 @@ def next_growth(options: dict[int, dict[int, Trained]], chosen: dict[int, Traine
 @dataclass
 class LayerResult:
     layer: int
-    model: Predictor
+    rank: int
+    params: int
     threshold: float
     metrics: dict
     epochs: int | None = None                    # None when only evaluated
     tried: dict = field(default_factory=dict)   # rank -> held-out numbers of that rank's predictor
+    seconds: float | None = None                 # training time of the layer, every rank tried
 
     def report(self) -> dict:
-        out = {"layer": self.layer, "rank": self.model.rank, "params": self.model.params(),
-               "threshold": self.threshold, **self.metrics}
+        out = {"layer": self.layer, "rank": self.rank, "params": self.params, "threshold": self.threshold,
+               **self.metrics}
         if self.epochs is not None:
-            out.update(epochs=self.epochs, ranks_tried=self.tried)
+            out.update(epochs=self.epochs, train_seconds=self.seconds, ranks_tried=self.tried)
         return out
 
 
 def _measure(layer: int, model: Predictor, threshold: float, samples: LayerSamples, weights: np.ndarray,
-             budget_ratio: float, trained: Trained | None = None, tried: dict | None = None) -> LayerResult:
+             budget_ratio: float, trained: Trained | None = None, tried: dict | None = None,
+             seconds: float | None = None) -> LayerResult:
     metrics = layer_metrics(_logits(model, samples.x, "cpu"), samples.active, threshold, weights, budget_ratio)
-    return LayerResult(layer, model, threshold, metrics, trained.epochs if trained else None, tried or {})
+    return LayerResult(layer, model.rank, model.params(), threshold, metrics, trained.epochs if trained else None,
+                       tried or {}, seconds)
 
 
 def check_rank(rank: int | None, n_embd: int) -> None:
@@ -408,13 +412,18 @@ def check_rank(rank: int | None, n_embd: int) -> None:
 
 
 def train_layers(profile: ProfileDir, layers: list[int], rank: int | None, settings: TrainSettings,
-                 max_fraction: float, held_out_fraction: float = 0.2, progress=None) -> list[LayerResult]:
-    """Train every requested layer and measure the chosen predictors on its held-out sequences.
+                 max_fraction: float, store: Path, held_out_fraction: float = 0.2, progress=None) -> list[LayerResult]:
+    """Train every requested layer, write each chosen predictor to `store` (model_{i}.pt) and measure it on its
+    layer's held-out sequences.
 
     Fixed `rank`: one predictor per layer. `rank` None (adaptive): first each layer searches the
     ranks up to its equal share of the byte cap; then the cap left over by layers that needed less
     is spent step by step where the last step up gained the most held-out recall per parameter.
+    Memory holds one layer's rows and the predictors being trained: a layer's choice goes to `store` at once and
+    only its numbers stay (at 70B's widths, predictors at 10 % of the FFN are 22 GB in float32).
     `progress(layer, chosen, tried, growing)` is called after each layer and each growth step."""
+    from powerinfer_tools.stages.predictor import load_predictor, model_file, save_predictor
+
     n_embd, n_ff = profile.n_embd, profile.n_ff
     check_rank(rank, n_embd)
     cost = n_embd + n_ff                                   # parameters per unit of rank
@@ -422,6 +431,13 @@ def train_layers(profile: ProfileDir, layers: list[int], rank: int | None, setti
     ladder = rank_ladder(n_embd, n_ff, n_embd)
     options: dict[int, dict[int, Trained]] = {}
     chosen: dict[int, Trained] = {}
+
+    def keep(layer: int) -> None:
+        """The layer's choice to `store`, every model of the layer out of memory."""
+        if chosen[layer].model is not None:
+            save_predictor(chosen[layer].model, model_file(store, layer))
+        for trained in options[layer].values():
+            trained.model = None
 
     def split(layer: int) -> tuple[LayerSamples, LayerSamples]:
         samples = load_samples(profile, layer)
@@ -438,6 +454,7 @@ def train_layers(profile: ProfileDir, layers: list[int], rank: int | None, setti
             start = max(i for i, r in enumerate(first) if r <= max(guess, first[0]))
             options[layer] = search_rank(train, held, first, start, settings)
         chosen[layer] = choose(options[layer], settings)
+        keep(layer)
         if progress:
             progress(layer, chosen[layer], options[layer], False)
     if rank is None:
@@ -446,6 +463,7 @@ def train_layers(profile: ProfileDir, layers: list[int], rank: int | None, setti
             layer, bigger = step
             options[layer][bigger] = train_one(*split(layer), bigger, settings)
             previous, chosen[layer] = chosen[layer], choose(options[layer], settings)
+            keep(layer)
             leftover -= (chosen[layer].rank - previous.rank) * cost
             if progress:
                 progress(layer, chosen[layer], options[layer], True)
@@ -453,10 +471,11 @@ def train_layers(profile: ProfileDir, layers: list[int], rank: int | None, setti
     for layer in layers:
         _, held = split(layer)
         tried = {str(r): {"recall_at_budget": t.recall_at_budget, "density_at_target": t.density_at_target,
-                          "epochs": t.epochs, "held_out_recall_at_budget_by_epoch": t.history}
+                          "epochs": t.epochs, "seconds": t.seconds, "held_out_recall_at_budget_by_epoch": t.history}
                  for r, t in sorted(options[layer].items())}
-        results.append(_measure(layer, chosen[layer].model, chosen[layer].threshold, held,
-                                profile.neuron_weights(layer), settings.max_density_ratio, chosen[layer], tried))
+        results.append(_measure(layer, load_predictor(model_file(store, layer)), chosen[layer].threshold, held,
+                                profile.neuron_weights(layer), settings.max_density_ratio, chosen[layer], tried,
+                                sum(t.seconds for t in options[layer].values())))
     return results
 
 
@@ -543,9 +562,9 @@ def format_table(results: list[LayerResult]) -> str:
     lines = [f"{'layer':>5} {'rank':>5} {'params':>8} {'thresh':>8} "
              + " ".join(f"{title:>{width}}" for _, title, width, _ in TABLE)]
     for r in results:
-        lines.append(f"{r.layer:>5} {r.model.rank:>5} {r.model.params():>8} {r.threshold:>8.3f} {cells(r.metrics)}")
+        lines.append(f"{r.layer:>5} {r.rank:>5} {r.params:>8} {r.threshold:>8.3f} {cells(r.metrics)}")
     mean = {k[len("mean_"):]: v for k, v in summarize(results).items()}
-    lines.append(f"{'mean':>5} {'':>5} {sum(r.model.params() for r in results):>8} {'':>8} {cells(mean)}")
+    lines.append(f"{'mean':>5} {'':>5} {sum(r.params for r in results):>8} {'':>8} {cells(mean)}")
     return "\n".join(lines)
 
 
@@ -581,7 +600,7 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def _report(mode: str, profile: ProfileDir, results: list[LayerResult], settings: dict) -> dict:
-    params = sum(r.model.params() for r in results)
+    params = sum(r.params for r in results)
     ffn = profile.ffn_params() * len(results)
     return {"format": REPORT_FORMAT, "mode": mode, "profile": str(profile.path), "model": profile.model,
             "rule": profile.meta.get("rule"), "settings": settings,
@@ -609,7 +628,7 @@ def train(profile: ProfileDir, opts: PredictorOptions) -> TrainedPredictors:
     """Train one predictor per selected layer and write the directory: model_{i}.pt (PowerInfer's state dict),
     config.json (thresholds, ranks) and report.json, all at once (atomic_dir)."""
     from powerinfer_tools.core.atomic import atomic_dir, check_output_dir
-    from powerinfer_tools.stages.predictor import model_file, save_predictor, write_config
+    from powerinfer_tools.stages.predictor import write_config
 
     selected, target_recall = _checked(profile, opts)
     out = Path(opts.out) if opts.out is not None else profile.path.with_name(profile.path.name + "-predictors")
@@ -618,21 +637,20 @@ def train(profile: ProfileDir, opts: PredictorOptions) -> TrainedPredictors:
     check_rank(fixed_rank, profile.n_embd)
     settings = TrainSettings(target_recall=target_recall, max_density_ratio=opts.max_density_ratio,
                              epochs=opts.epochs, device=_device(opts.device), seed=opts.seed)
-    with _layer_bar(len(selected), "train-predictor") as bar:
-        def progress(layer, chosen, tried, growing):
-            if growing:   # spending the byte cap left over: one more step on the bar
-                bar.total += 1
-            bar.set_postfix_str(f"layer {layer}: ranks tried {sorted(tried)}, picked {chosen.rank}, "
-                                f"held-out recall@budget {chosen.recall_at_budget:.3f}")
-            bar.update(1)
-
-        results = train_layers(profile, selected, fixed_rank, settings, opts.max_predictor_fraction, opts.held_out,
-                               progress)
     with atomic_dir(out, opts.force) as tmp:
-        for r in results:
-            save_predictor(r.model, model_file(tmp, r.layer))
+        with _layer_bar(len(selected), "train-predictor") as bar:
+            def progress(layer, chosen, tried, growing):
+                if growing:   # spending the byte cap left over: one more step on the bar
+                    bar.total += 1
+                seconds = sum(t.seconds for t in tried.values())
+                bar.set_postfix_str(f"layer {layer}: ranks tried {sorted(tried)} in {seconds:.0f} s, picked "
+                                    f"{chosen.rank}, held-out recall@budget {chosen.recall_at_budget:.3f}")
+                bar.update(1)
+
+            results = train_layers(profile, selected, fixed_rank, settings, opts.max_predictor_fraction, tmp,
+                                   opts.held_out, progress)
         write_config(tmp, profile.model, profile.meta.get("rule", "nonzero"), profile.meta.get("thresholds"),
-                     [{"layer": r.layer, "rank": r.model.rank, "threshold": r.threshold,
+                     [{"layer": r.layer, "rank": r.rank, "threshold": r.threshold,
                        "useful": r.metrics["useful"]} for r in results])
         _write_json(tmp / "report.json", _report("train", profile, results, {
             "rank": opts.rank, "target_recall": target_recall, "max_density_ratio": opts.max_density_ratio,

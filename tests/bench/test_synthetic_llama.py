@@ -91,3 +91,25 @@ def test_silu_variant_is_what_sparsify_starts_from(tmp_path, capsys):
     seconds = [h["seconds"] for h in report["history"]]
     assert [h["phase"] for h in report["history"]] == [1] * SHAPE.n_layer + [2] * 4
     assert all(0 < a <= b for a, b in zip(seconds, seconds[1:])) and seconds[-1] <= report["train_seconds"]
+
+
+def test_the_model_has_hot_and_cold_neurons_that_profile_finds(synthetic, tmp_path, capsys):
+    """`pi-tools profile` (layer by layer) of the power-law model finds a trained ReLU model's skew (the hottest
+    20 % of neurons serve most activations) at about the sparsity it was built for, in every layer; the same
+    shape with iid weights has none."""
+    model, _, _ = synthetic
+    iid = tmp_path / "iid"
+    synthetic_llama.build_model(iid, SHAPE, progress=False, sparsity=None)
+    calib = tmp_path / "calib.txt"
+    calib.write_text(training_text()[:60_000])
+    layers = {}
+    for name, path in (("power-law", model), ("iid", iid)):
+        code, _, err = run_cli(capsys, "profile", "-m", path, "--calib", calib, "--tokens", "2048", "--seq-len", "128",
+                               "--load", "layer", "-o", tmp_path / f"prof-{name}")
+        assert code == 0, err
+        layers[name] = json.loads((tmp_path / f"prof-{name}" / "profile.json").read_text())["layers"]
+    assert len(layers["power-law"]) == SHAPE.n_layer
+    for layer in layers["power-law"]:
+        assert layer["hot20"] > 0.7 and abs(layer["sparsity"] - 0.9) < 0.05, layer
+    for layer in layers["iid"]:
+        assert layer["hot20"] < 0.4 and abs(layer["sparsity"] - 0.5) < 0.05, layer

@@ -10,6 +10,7 @@ computes each step, so the result is the whole-model forward's, bit for bit on t
 """
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,11 +145,22 @@ class LayerwiseModel:
 
     def free_layer(self, i: int) -> None:
         self.layers[i].to("meta")
+        _return_free_heap()
 
     @torch.no_grad()
     def run_layer(self, i: int, inputs: LayerInputs) -> torch.Tensor:
         out = self.layers[i](inputs.hidden, *inputs.args, **inputs.kwargs)
         return out[0] if isinstance(out, tuple) else out
+
+
+def _return_free_heap() -> None:
+    """Give the C heap's free memory back to the system (glibc's malloc_trim). A layer's temporaries of many sizes
+    below glibc's mmap threshold (32 MiB) leave its heap fragmented, and without this the process grows by tens
+    of MiB a layer: at a 7B's 32 layers, the difference between 1.9 and 3.3 GiB of peak RSS."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):   # not glibc: nothing to trim this way
+        pass
 
 
 def _parent_of(model: torch.nn.Module, prefix: str):

@@ -39,8 +39,8 @@ class HiddenFile:
         fresh = not path.is_file() or path.stat().st_size != size
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         if fresh:
-            try:
-                os.posix_fallocate(self.fd, 0, size)   # all the disk it needs now, not a failure hours in
+            try:   # all the disk it needs now, not a failure hours in (macOS has no fallocate: a sparse file)
+                getattr(os, "posix_fallocate", lambda fd, _, n: os.ftruncate(fd, n))(self.fd, 0, size)
             except OSError as exc:
                 os.close(self.fd)
                 path.unlink(missing_ok=True)
@@ -88,8 +88,12 @@ class Stream:
 
 
 def _open_stream(work: Path, name: str, n_seq: int, seq_len: int, n_embd: int, dtype: torch.dtype) -> Stream:
-    return Stream(name, n_seq, tuple(HiddenFile(work / f"{name}_{k}.bin", n_seq, seq_len, n_embd, dtype)
-                                     for k in (0, 1)))
+    first = HiddenFile(work / f"{name}_0.bin", n_seq, seq_len, n_embd, dtype)
+    try:
+        return Stream(name, n_seq, (first, HiddenFile(work / f"{name}_1.bin", n_seq, seq_len, n_embd, dtype)))
+    except BaseException:
+        first.close()
+        raise
 
 
 def _batches(n_seq: int, batch: int) -> list[tuple[int, int]]:
@@ -148,17 +152,24 @@ def streamed_pass(lw: LayerwiseModel, adapter, seqs: torch.Tensor, targets: list
     thresholds, next_layer = [0.0] * n_layer, 0
     if resume and (work / CHECKPOINT).is_file():
         state = load_pt(work / CHECKPOINT, "profile checkpoint")
-        next_layer, thresholds = int(state.pop("next_layer")), [float(t) for t in state.pop("thresholds")]
-        rec.load_state(state)
+        try:
+            next_layer, thresholds = int(state.pop("next_layer")), [float(t) for t in state.pop("thresholds")]
+            rec.load_state(state)
+            intact = 0 <= next_layer <= n_layer and len(thresholds) == n_layer == len(rec.counts)
+        except (KeyError, TypeError, ValueError, AttributeError, RuntimeError):
+            intact = False
+        if not intact:
+            raise UserError(f"{work / CHECKPOINT} is not a checkpoint of this profile: start over with --force")
     for j in range(next_layer, n_layer):   # rows a layer wrote after the last checkpoint
         shutil.rmtree(work / "samples" / f"layer_{j}", ignore_errors=True)
     rec.thresholds = thresholds
-    streams = [_open_stream(work, "hidden", n_seq, seq_len, n_embd, lw.dtype)]
-    if targets is not None:
-        streams.append(_open_stream(work, "dense", sampler.n_seq, seq_len, n_embd, lw.dtype))
-    main, dense = streams[0], (streams[1] if targets is not None else None)
+    streams: list[Stream] = []
     t0 = time.perf_counter()
     try:
+        streams.append(_open_stream(work, "hidden", n_seq, seq_len, n_embd, lw.dtype))
+        if targets is not None:
+            streams.append(_open_stream(work, "dense", sampler.n_seq, seq_len, n_embd, lw.dtype))
+        main, dense = streams[0], (streams[1] if targets is not None else None)
         arguments = _capture(lw, seqs, batch, streams, write=next_layer == 0)
         with tqdm(total=n_layer, initial=next_layer, desc="profiling layers", unit="layer") as layer_bar:
             for i in range(next_layer, n_layer):

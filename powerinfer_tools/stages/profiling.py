@@ -38,6 +38,7 @@ DEFAULT_SEQ_LEN = 512
 CALIBRATION_VALUES = 1 << 20   # |a| values kept per layer to place a threshold
 CALIBRATION_TOKENS = 8192      # tokens of the first pass that place thresholds
 SHARD_ROWS = 4096
+STAT_ROWS = 256             # activation rows per step of the recorder's statistics
 CHECKPOINT_BATCHES = 8      # most batches between resumable checkpoints (fewer in a short run: checkpoint_every)
 
 
@@ -128,15 +129,25 @@ class _Recorder:
             rows = x.reshape(-1, x.shape[-1])[self.pick.to(x.device)]
             self.buffers[i]["x"].append(rows.detach().to(torch.float16).cpu())
 
+    def active(self, i: int, a: torch.Tensor) -> torch.Tensor:
+        return a.abs() > self.thresholds[i] if self.adapter.thresholded else a != 0
+
     def on_activation(self, i: int, a: torch.Tensor):
-        size = a.detach().abs()
-        active = size > self.thresholds[i] if self.adapter.thresholded else a != 0
-        flat = active.reshape(-1, active.shape[-1])
-        self.counts[i] += flat.sum(0).cpu()
-        # in place: one temporary of the activations' size, not two (at 70B's width, 235 MB each per batch)
-        self.magnitude[i] += size.mul_(active).reshape(-1, a.shape[-1]).sum(0).double().cpu()
+        """Counts and magnitudes of a batch's activations, its sampled rows' masks; a thresholded model's
+        activations below the threshold zeroed in place (the sparsified forward). The statistics go STAT_ROWS
+        rows at a time: their temporaries stay small beside the activations (235 MB a batch at 70B's width)."""
+        a = a.contiguous()   # a no-op for every adapter's activation module; `flat` must be a view of `a`
+        flat = a.detach().view(-1, a.shape[-1])
+        for start in range(0, flat.shape[0], STAT_ROWS):
+            chunk = flat[start:start + STAT_ROWS]
+            size = chunk.abs()
+            active = self.active(i, chunk)
+            self.counts[i] += active.sum(0).cpu()
+            self.magnitude[i] += size.mul_(active).sum(0).double().cpu()
+            if self.sparsify and self.adapter.thresholded:
+                chunk.mul_(active)
         if self.pick is not None and len(self.pick):
-            mask = flat[self.pick.to(flat.device)].cpu().numpy()
+            mask = self.active(i, flat[self.pick.to(flat.device)]).cpu().numpy()
             buf = self.buffers[i]
             buf["mask"].append(np.packbits(mask, axis=1, bitorder="little"))
             buf["seq"].append(self.pick_seq)
@@ -144,9 +155,7 @@ class _Recorder:
             self.rows[i] += len(self.pick)
             if sum(len(m) for m in buf["mask"]) >= SHARD_ROWS:
                 self.flush(i)
-        if self.sparsify and self.adapter.thresholded:
-            return a * active
-        return None
+        return a if self.sparsify and self.adapter.thresholded else None
 
     def state(self) -> dict:
         """Everything needed to continue after the rows flushed so far (call flush_all first)."""

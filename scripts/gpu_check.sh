@@ -8,7 +8,8 @@
 #   scripts/gpu_check.sh tests     on the device machine (carry .gpu): builds the engine and the CUDA library in
 #                                  place for the device's architecture and runs the `gpu` tests (hybrid logits
 #                                  against the CPU's for every type and architecture, budgets, 1000 open/close
-#                                  cycles); about 3 minutes
+#                                  cycles; a profile layer by layer on the GPU against the whole model there);
+#                                  about 3 minutes
 #   scripts/gpu_check.sh speed     on the device machine, after `tests`: a ReluLLaMA-7B-shaped q4_0 model at 90 %
 #                                  predicted sparsity, decode and prompt tokens/s with the hot tier on the CPU and
 #                                  on the GPU at VRAM budgets of 4 and 8 GiB (`pi-tools bench`, tables in $OUT);
@@ -58,6 +59,7 @@ tests)
         || { tail -50 "$OUT/build.log"; exit 1; }
     set -o pipefail
     python3 -m pytest -q -p no:cacheprovider -rs tests/engine/test_engine_device.py tests/engine/test_engine_cli_gpu.py \
+        tests/profile/test_profile_layers.py::test_layer_by_layer_on_cuda_equals_the_whole_model_there \
         2>&1 | tee "$OUT/tests.log"
     # the gpu tests must have run, not been skipped for want of a device
     ! grep -q "SKIPPED.*\(no CUDA device\|no CUDA library\)" "$OUT/tests.log"

@@ -93,7 +93,7 @@ class LayerwiseModel:
         for name, _ in list(module.named_parameters(recurse=recurse)):
             stored = self._stored_name(prefix + name)
             try:
-                data = torch.from_numpy(self.weights.load(stored))
+                data = self.weights.load_as(stored, self.dtype)
             except UserError:
                 raise
             except Exception as exc:  # a shard cut short or unreadable after its header was read

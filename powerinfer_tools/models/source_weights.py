@@ -42,6 +42,13 @@ class WeightSource:
     def load(self, name: str) -> np.ndarray:
         raise NotImplementedError
 
+    def load_as(self, name: str, dtype):
+        """The tensor as a torch tensor of `dtype` (through float32 here; a source that stores torch dtypes
+        converts once)."""
+        import torch
+
+        return torch.from_numpy(self.load(name)).to(dtype)
+
 
 class SafetensorsSource(WeightSource):
     def __init__(self, directory: Path):
@@ -66,6 +73,12 @@ class SafetensorsSource(WeightSource):
 
         with safe_open(self.files[name], framework="pt") as f:
             return f.get_tensor(name).float().numpy()
+
+    def load_as(self, name: str, dtype):
+        from safetensors import safe_open
+
+        with safe_open(self.files[name], framework="pt") as f:
+            return f.get_tensor(name).to(dtype)
 
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,

@@ -73,18 +73,18 @@ class LoadLog:
 
         self.loaded: list[str] = []
         self.real_at_run: list[tuple[int, set[int]]] = []
-        real_load, real_run = source_weights.SafetensorsSource.load, layerwise.LayerwiseModel.run_layer
+        real_load, real_run = source_weights.SafetensorsSource.load_as, layerwise.LayerwiseModel.run_layer
 
-        def load(source, name):
+        def load(source, name, dtype):
             self.loaded.append(name)
-            return real_load(source, name)
+            return real_load(source, name, dtype)
 
         def run_layer(lw, i, inputs):
             real = {j for j, layer in enumerate(lw.layers) if any(not p.is_meta for p in layer.parameters())}
             self.real_at_run.append((i, real))
             return real_run(lw, i, inputs)
 
-        monkeypatch.setattr(source_weights.SafetensorsSource, "load", load)
+        monkeypatch.setattr(source_weights.SafetensorsSource, "load_as", load)
         monkeypatch.setattr(layerwise.LayerwiseModel, "run_layer", run_layer)
 
 

@@ -77,15 +77,18 @@ class LayerwiseModel:
         return stored
 
     def _check_shapes(self) -> None:
-        """Every tensor the layers need is in the files with the config's shape: a damaged or foreign checkpoint is
-        refused before the first layer runs, not after hours of profiling."""
-        for prefix, layer in zip(self.layer_prefix, self.layers):
-            for name, param in layer.named_parameters():
-                stored = self._stored_name(prefix + name)
-                shape = tuple(self.weights.shapes[stored])
-                if shape != tuple(param.shape):
-                    raise UserError(f"{self.source.spec}: tensor {stored} is {list(shape)} in "
-                                    f"{_file_of(self.weights, stored)}, but the config needs {list(param.shape)}")
+        """Every tensor the profile reads (the layers' and those outside them but the head) is in the files with the
+        config's shape: a damaged or foreign checkpoint is refused before the first layer runs, not hours into it."""
+        needed = [(prefix + name, param) for prefix, layer in zip(self.layer_prefix, self.layers)
+                  for name, param in layer.named_parameters()]
+        needed += [(f"{where}.{name}", param) for where, module in self._outside_modules()
+                   for name, param in module.named_parameters(recurse=False)]
+        for full_name, param in needed:
+            stored = self._stored_name(full_name)
+            shape = tuple(self.weights.shapes[stored])
+            if shape != tuple(param.shape):
+                raise UserError(f"{self.source.spec}: tensor {stored} is {list(shape)} in "
+                                f"{_file_of(self.weights, stored)}, but the config needs {list(param.shape)}")
 
     def _load(self, module: torch.nn.Module, prefix: str, recurse: bool = True) -> None:
         from accelerate.utils import set_module_tensor_to_device

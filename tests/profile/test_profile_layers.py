@@ -213,6 +213,14 @@ def test_damaged_model_files_are_refused_in_one_line(sharded, tmp_path, capsys):
     refused(capsys, model, tmp_path / "b", name, shard.name, "the config needs [256, 64]")
     save_file(good, shard, metadata={"format": "pt"})
 
+    # the embeddings (outside the layers, read first) of the wrong shape
+    embed = "model.embed_tokens.weight"
+    embed_shard = model / index[embed]
+    kept = load_file(embed_shard)
+    save_file({**kept, embed: kept[embed][:-1].contiguous()}, embed_shard, metadata={"format": "pt"})
+    refused(capsys, model, tmp_path / "e", embed, "the config needs")
+    save_file(kept, embed_shard, metadata={"format": "pt"})
+
     # a shard cut short
     data = shard.read_bytes()
     shard.write_bytes(data[:len(data) // 2])

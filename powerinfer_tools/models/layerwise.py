@@ -21,9 +21,6 @@ from powerinfer_tools import models
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.models.source_weights import WeightSource, open_weights
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
 class _Caught(Exception):
     """Raised by the stand-in for the first layer: carries what the model passed it."""
 
@@ -54,7 +51,7 @@ class LayerwiseModel:
         from accelerate import init_empty_weights
         from transformers import AutoModelForCausalLM
 
-        self.source, self.adapter, self.device, self.dtype = source, adapter, torch.device(device), DTYPES[dtype]
+        self.source, self.adapter, self.device, self.dtype = source, adapter, torch.device(device), getattr(torch, dtype)
         self.weights: WeightSource = open_weights(source, adapter.config)
         model_class = adapter.model_class() or AutoModelForCausalLM
         build = adapter.build_config()

@@ -76,7 +76,6 @@ class HiddenFile:
 class Stream:
     """Sequences seqs[:n_seq] going through the layers: their hidden states, the input of layer i in files[i % 2]."""
 
-    name: str
     n_seq: int
     files: tuple[HiddenFile, HiddenFile]
 
@@ -90,7 +89,7 @@ class Stream:
 def _open_stream(work: Path, name: str, n_seq: int, seq_len: int, n_embd: int, dtype: torch.dtype) -> Stream:
     first = HiddenFile(work / f"{name}_0.bin", n_seq, seq_len, n_embd, dtype)
     try:
-        return Stream(name, n_seq, (first, HiddenFile(work / f"{name}_1.bin", n_seq, seq_len, n_embd, dtype)))
+        return Stream(n_seq, (first, HiddenFile(work / f"{name}_1.bin", n_seq, seq_len, n_embd, dtype)))
     except BaseException:
         first.close()
         raise
@@ -98,14 +97,6 @@ def _open_stream(work: Path, name: str, n_seq: int, seq_len: int, n_embd: int, d
 
 def _batches(n_seq: int, batch: int) -> list[tuple[int, int]]:
     return [(start, min(batch, n_seq - start)) for start in range(0, n_seq, batch)]
-
-
-def _move(value, device):
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_move(v, device) for v in value)
-    return value
 
 
 def _capture(lw: LayerwiseModel, seqs: torch.Tensor, batch: int, streams: list[Stream],
@@ -194,8 +185,7 @@ def _profile_layer(lw: LayerwiseModel, i: int, main: Stream, dense: Stream | Non
     """Load layer i, place its threshold on the dense stream (thresholded models), run the sparsified stream through
     it recording counts and rows, free it."""
     seq_len = seqs.shape[1]
-    lw.load_layer(i)
-    layer = lw.layers[i]
+    layer = lw.load_layer(i)
     try:
         with tqdm(total=(main.n_seq + (dense.n_seq if dense else 0)) * seq_len, desc=f"layer {i}", unit="tok",
                   unit_scale=True, leave=False) as bar:
@@ -217,11 +207,7 @@ def _profile_layer(lw: LayerwiseModel, i: int, main: Stream, dense: Stream | Non
                 rec.thresholds[i] = sampler.threshold(i, targets[i])
 
             def pick(n_batch, start, n):
-                lo, hi = start * seq_len, (start + n) * seq_len
-                sel = chosen[(chosen >= lo) & (chosen < hi)]
-                rec.pick = torch.from_numpy(sel - lo)
-                rec.pick_seq = torch.from_numpy(sel // seq_len)
-                rec.pick_pos = torch.from_numpy(sel % seq_len)
+                rec.select_rows(chosen, start, n, seq_len)
 
             handles = _taps(lw.adapter, layer, on_input=lambda _, x: rec.on_input(i, x),
                             on_activation=lambda _, a: rec.on_activation(i, a))

@@ -129,6 +129,14 @@ class _Recorder:
             rows = x.reshape(-1, x.shape[-1])[self.pick.to(x.device)]
             self.buffers[i]["x"].append(rows.detach().to(torch.float16).cpu())
 
+    def select_rows(self, chosen: np.ndarray, start: int, n: int, seq_len: int) -> None:
+        """The next batch holds sequences start..start+n: pick its rows among the sampled flat indices `chosen`."""
+        lo, hi = start * seq_len, (start + n) * seq_len
+        sel = chosen[(chosen >= lo) & (chosen < hi)]
+        self.pick = torch.from_numpy(sel - lo)
+        self.pick_seq = torch.from_numpy(sel // seq_len)
+        self.pick_pos = torch.from_numpy(sel % seq_len)
+
     def active(self, i: int, a: torch.Tensor) -> torch.Tensor:
         return a.abs() > self.thresholds[i] if self.adapter.thresholded else a != 0
 
@@ -208,11 +216,7 @@ def profile_pass(model, adapter, seqs: torch.Tensor, thresholds: list[float], ba
                                    unit_scale=True) as bar:
             for n_batch, start in enumerate(range(start_seq, n_seq, batch), 1):
                 rows = seqs[start:start + batch]
-                lo, hi = start * seq_len, (start + len(rows)) * seq_len
-                sel = chosen[(chosen >= lo) & (chosen < hi)]
-                rec.pick = torch.from_numpy(sel - lo)
-                rec.pick_seq = torch.from_numpy(sel // seq_len)
-                rec.pick_pos = torch.from_numpy(sel % seq_len)
+                rec.select_rows(chosen, start, len(rows), seq_len)
                 model(input_ids=rows.to(device), use_cache=False)
                 bar.update(rows.numel())
                 if checkpoint is not None and n_batch % every == 0 and start + batch < n_seq:

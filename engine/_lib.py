@@ -15,7 +15,7 @@ from functools import lru_cache
 from pathlib import Path
 
 LIBRARY_ENV = "PI_ENGINE_LIB"
-API_VERSION = 6
+API_VERSION = 7
 
 FFN_MODES = {"dense": 0, "gate": 1, "predictor": 2, "auto": 3, "oracle": 4}
 KV_TYPES = {"f32": 0, "f16": 1}
@@ -41,7 +41,8 @@ class Options(ctypes.Structure):
 
 class Sampling(ctypes.Structure):
     _fields_ = [("temperature", ctypes.c_float), ("top_k", ctypes.c_int32), ("top_p", ctypes.c_float),
-                ("repeat_penalty", ctypes.c_float), ("repeat_last_n", ctypes.c_int32)]
+                ("repeat_penalty", ctypes.c_float), ("repeat_last_n", ctypes.c_int32),
+                ("frequency_penalty", ctypes.c_float), ("presence_penalty", ctypes.c_float)]
 
 
 def _built(stem: str) -> list[Path]:

@@ -148,10 +148,14 @@ class Model:
         return out
 
     def sample(self, temperature: float = 0.0, top_k: int = 40, top_p: float = 0.95,
-               repeat_penalty: float = 1.0, repeat_last_n: int = 64) -> int:
-        """Next token from the last evaluated logits (greedy when temperature <= 0)."""
+               repeat_penalty: float = 1.0, repeat_last_n: int = 64, frequency_penalty: float = 0.0,
+               presence_penalty: float = 0.0) -> int:
+        """Next token from the last evaluated logits (greedy when temperature <= 0). The penalties look at the
+        last repeat_last_n tokens of the cache: repeat_penalty scales their logits (llama.cpp's rule),
+        frequency_penalty subtracts per occurrence and presence_penalty once (OpenAI's rule)."""
         params = Sampling(c_float("temperature", temperature), c_int("top_k", top_k), c_float("top_p", top_p),
-                          c_float("repeat_penalty", repeat_penalty), c_int("repeat_last_n", repeat_last_n))
+                          c_float("repeat_penalty", repeat_penalty), c_int("repeat_last_n", repeat_last_n),
+                          c_float("frequency_penalty", frequency_penalty), c_float("presence_penalty", presence_penalty))
         token = ctypes.c_int32()
         self._checked(lib().pi_sample, ctypes.byref(params), ctypes.byref(token))
         return int(token.value)

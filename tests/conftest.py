@@ -36,3 +36,20 @@ def _tokenizer_cache(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(tokenizer, "cache_root", lambda: root)
         yield root
+
+
+@pytest.fixture(scope="session")
+def smollm2_file(tmp_path_factory):
+    """smollm2_file(outtype) -> Path of the real SmolLM2 converted to that type, every matrix in it (PowerInfer's
+    f16 down projection left out: the engine on the type named), no predictors; built once per session."""
+    from powerinfer_tools.stages.conversion import convert_model
+
+    root = tmp_path_factory.mktemp("smollm2")
+
+    def get(outtype: str) -> Path:
+        path = root / f"smollm2.{outtype}.powerinfer.gguf"
+        if not path.exists():
+            convert_model("smollm2", path, outtype=outtype, progress=False, powerinfer_compatible=False)
+        return path
+
+    return get

@@ -58,6 +58,8 @@ void pi_sampling_default(pi_sampling *p) {
     p->top_p = 0.95f;
     p->repeat_penalty = 1.0f;
     p->repeat_last_n = 64;
+    p->frequency_penalty = 0.0f;
+    p->presence_penalty = 0.0f;
 }
 
 pi_status pi_open(const char *path, const pi_options *opts, pi_engine **out) {

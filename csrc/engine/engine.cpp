@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <thread>
 
@@ -167,6 +168,8 @@ int32_t Engine::sample(const pi_sampling &p) {
     if (!(p.temperature >= 0.0f || p.temperature < 0.0f)) fail(PI_ERR_ARGUMENT, "temperature is NaN");
     if (!(p.repeat_penalty > 0.0f)) fail(PI_ERR_ARGUMENT, "repeat_penalty must be > 0");
     if (!(p.top_p > 0.0f)) fail(PI_ERR_ARGUMENT, "top_p must be > 0");
+    if (!std::isfinite(p.frequency_penalty) || !std::isfinite(p.presence_penalty))
+        fail(PI_ERR_ARGUMENT, "frequency_penalty and presence_penalty must be finite");
     return sampler_.sample(rs_->last_logits.data(), p, rs_->history.data(), rs_->n_past, rng_);
 }
 

@@ -28,23 +28,34 @@ uint64_t Rng::next() {
     return result;
 }
 
-Sampler::Sampler(int64_t n_vocab) : n_vocab_(n_vocab), cand_(size_t(n_vocab)), stamp_(size_t(n_vocab), 0) {}
+Sampler::Sampler(int64_t n_vocab) : n_vocab_(n_vocab), cand_(size_t(n_vocab)), stamp_(size_t(n_vocab), 0), count_(size_t(n_vocab), 0) {}
 
 int32_t Sampler::sample(const float *logits, const pi_sampling &p, const int32_t *history, int64_t n_history, Rng &rng) {
     const int64_t V = n_vocab_;
     for (int64_t i = 0; i < V; ++i) cand_[size_t(i)] = {logits[i], int32_t(i)};
-    if (p.repeat_penalty != 1.0f && p.repeat_last_n > 0) {
+    const bool penalize = p.repeat_penalty != 1.0f || p.frequency_penalty != 0.0f || p.presence_penalty != 0.0f;
+    if (penalize && p.repeat_last_n > 0) {
         if (++epoch_ == 0) {  // wrapped: clear the stamps once
             std::fill(stamp_.begin(), stamp_.end(), 0);
             epoch_ = 1;
         }
         const int64_t from = std::max<int64_t>(0, n_history - p.repeat_last_n);
+        seen_.clear();
         for (int64_t i = from; i < n_history; ++i) {
             const int32_t tok = history[i];
-            if (tok < 0 || tok >= V || stamp_[size_t(tok)] == epoch_) continue;
-            stamp_[size_t(tok)] = epoch_;
+            if (tok < 0 || tok >= V) continue;
+            if (stamp_[size_t(tok)] != epoch_) {
+                stamp_[size_t(tok)] = epoch_;
+                count_[size_t(tok)] = 0;
+                seen_.push_back(tok);
+            }
+            ++count_[size_t(tok)];
+        }
+        // llama.cpp's order: the repetition penalty's scaling, then OpenAI's frequency and presence terms
+        for (const int32_t tok : seen_) {
             float &l = cand_[size_t(tok)].first;
-            l = l > 0.0f ? l / p.repeat_penalty : l * p.repeat_penalty;
+            if (p.repeat_penalty != 1.0f) l = l > 0.0f ? l / p.repeat_penalty : l * p.repeat_penalty;
+            l -= float(count_[size_t(tok)]) * p.frequency_penalty + p.presence_penalty;
         }
     }
     auto greater = [](const std::pair<float, int32_t> &a, const std::pair<float, int32_t> &b) {

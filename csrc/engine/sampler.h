@@ -1,4 +1,4 @@
-// Token sampling (greedy, temperature, top-k, top-p, repetition penalty) with a seeded generator
+// Token sampling (greedy, temperature, top-k, top-p, repetition/frequency/presence penalties) with a seeded generator
 // whose stream is the same on every platform. All buffers are sized once at construction.
 #pragma once
 
@@ -25,13 +25,15 @@ private:
 class Sampler {
 public:
     explicit Sampler(int64_t n_vocab);
-    // history: the tokens so far (the penalty looks at its last repeat_last_n entries).
+    // history: the tokens so far (the penalties look at its last repeat_last_n entries).
     int32_t sample(const float *logits, const pi_sampling &p, const int32_t *history, int64_t n_history, Rng &rng);
 
 private:
     int64_t n_vocab_;
     std::vector<std::pair<float, int32_t>> cand_;
-    std::vector<uint32_t> stamp_;
+    std::vector<uint32_t> stamp_;  // == epoch_: the token was seen in this call's penalty window
+    std::vector<int32_t> count_;   // its occurrences there (valid where stamped)
+    std::vector<int32_t> seen_;    // the window's distinct tokens
     uint32_t epoch_ = 0;
 };
 

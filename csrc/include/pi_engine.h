@@ -15,7 +15,7 @@
 extern "C" {
 #endif
 
-#define PI_ENGINE_API_VERSION 6
+#define PI_ENGINE_API_VERSION 7
 
 typedef enum {
     PI_OK = 0,
@@ -76,7 +76,9 @@ typedef struct {
     int32_t top_k;         /* <= 0: no top-k cut */
     float top_p;           /* >= 1: no nucleus cut */
     float repeat_penalty;  /* 1: off (llama.cpp rule: divide positive logits, multiply negative ones) */
-    int32_t repeat_last_n; /* how many of the latest tokens the penalty looks at */
+    int32_t repeat_last_n; /* how many of the latest tokens the penalties look at */
+    float frequency_penalty; /* 0: off; subtracted from a logit once per occurrence in that window (OpenAI's rule) */
+    float presence_penalty;  /* 0: off; subtracted once from the logit of every token in that window */
 } pi_sampling;
 
 /* Thread-local message of the last failing call in this thread ("" when none). */

@@ -39,7 +39,7 @@ def _root(version: bool = typer.Option(False, "--version", help="Print the versi
 
 def _register() -> None:
     from powerinfer_tools.bench import command as bench
-    from powerinfer_tools.cli import (convert, perplexity, plan, profile, report, run, sparsify,
+    from powerinfer_tools.cli import (chat, convert, perplexity, plan, profile, report, run, serve, sparsify,
                                       train_predictor)
     from powerinfer_tools.cli import inspect_file as inspect
 
@@ -49,6 +49,8 @@ def _register() -> None:
     app.command("convert", no_args_is_help=True)(convert.convert)
     app.command("plan", no_args_is_help=True)(plan.plan)
     app.command("run", no_args_is_help=True)(run.run)
+    app.command("chat", no_args_is_help=True)(chat.chat)
+    app.command("serve", no_args_is_help=True)(serve.serve)
     app.command("perplexity", no_args_is_help=True)(perplexity.perplexity)
     app.command("bench", no_args_is_help=True)(bench.bench)
     app.command("inspect", no_args_is_help=True)(inspect.inspect)

@@ -16,12 +16,74 @@ def gpu_option():
                         "saying what is missing), off.")
 
 
+def gpuidx_option():
+    """--gpuidx: the hot tier's neurons (run, perplexity, chat, serve)."""
+    return typer.Option(None, "--gpuidx", help="GPU index (.gpuidx from 'pi-tools plan'): its neurons form the hot "
+                        "tier, computed densely without the predictor. Default: MODEL.generated.gpuidx when it sits "
+                        "beside the model (as PowerInfer's main finds it; said on stderr); 'none' for no index.")
+
+
+def model_option():
+    """-m/--model: a converted file or the embedded default (run, perplexity, chat, serve)."""
+    return typer.Option(..., "--model", "-m", help="Model file written by 'pi-tools convert', or 'smollm2' (the "
+                        "embedded default, built through the pipeline on first use).")
+
+
+def profile_option():
+    """--profile: what a plan for --vram-budget is solved from."""
+    return typer.Option(None, "--profile", help="Profile directory, to solve a plan for --vram-budget (known for "
+                        "'smollm2').")
+
+
 def vram_budget_option():
     """--vram-budget: the plan's budget, and the device memory the hot tier may take at run time."""
     return typer.Option(None, "--vram-budget", help="GiB of VRAM, as PowerInfer's --vram-budget: without --gpuidx, "
                         "reuse the plan cached beside the model for this budget or solve one from --profile; on a "
                         "GPU, the most the hot tier takes there, layer after layer (the rest stay on the CPU). "
                         "Default: the device's free memory.")
+
+
+CHAT_CTX_SIZE = 4096  # chat and serve: a conversation's room (llama-server's default too)
+
+
+def sparse_mode_option():
+    return typer.Option(DEFAULT_SPARSE_MODE, "--sparse-mode", help="FFN mode: dense (exact), gate (gate exactly, then "
+                        "only active neurons), predictor (PowerInfer), auto (cheapest per layer), oracle (true mask; "
+                        "for testing).")
+
+
+def threads_option():
+    return typer.Option(None, "--threads", "-t", help=THREADS_HELP)
+
+
+def kv_type_option():
+    from powerinfer_tools.runtime.inference import KV_TYPE_HELP
+
+    return typer.Option("f32", "--kv-type", help=KV_TYPE_HELP)
+
+
+def temp_option():
+    return typer.Option(0.8, "--temp", help="Sampling temperature; 0 = greedy.")
+
+
+def top_k_option():
+    return typer.Option(40, "--top-k", help="Keep the k most likely tokens; 0 = off.")
+
+
+def top_p_option():
+    return typer.Option(0.95, "--top-p", help="Nucleus sampling mass; 1 = off.")
+
+
+def repeat_penalty_option():
+    return typer.Option(1.1, "--repeat-penalty", help="Penalty for recent tokens; 1 = off.")
+
+
+def repeat_last_n_option():
+    return typer.Option(64, "--repeat-last-n", help="How many recent tokens the penalty sees.")
+
+
+def seed_option():
+    return typer.Option(-1, "--seed", "-s", help="Sampling seed; -1 = random.")
 
 
 def deprecated(value, old: str, new: str):

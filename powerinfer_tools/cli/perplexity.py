@@ -25,11 +25,10 @@ def perplexity(
                                     help=f"FFN mode: {', '.join(FFN_MODES)}."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", help=flags.THREADS_HELP),
     kv_type: str = typer.Option("f32", "--kv-type", help=KV_TYPE_HELP),
-    gpuidx: Optional[Path] = typer.Option(None, "--gpuidx", help="GPU index: hot neurons computed densely."),
+    gpuidx: Optional[Path] = flags.gpuidx_option(),
     vram_budget: Optional[float] = flags.vram_budget_option(),
     gpu: str = flags.gpu_option(),
-    profile: Optional[Path] = typer.Option(None, "--profile", help="Profile directory, to solve a plan for "
-                                           "--vram-budget (known for 'smollm2')."),
+    profile: Optional[Path] = flags.profile_option(),
     recall: bool = typer.Option(False, "--recall", help="In predictor mode, also compute the true activation masks "
                                                          "and report the predictor's recall (slower)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),

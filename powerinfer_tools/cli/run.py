@@ -12,36 +12,30 @@ import typer
 from powerinfer_tools.cli import flags
 from powerinfer_tools.stages import placement
 from powerinfer_tools.core.errors import UserError
-from powerinfer_tools.runtime.inference import KV_TYPE_HELP
 
 
 def run(
-    model: str = typer.Option(..., "--model", "-m", help="Model file written by 'pi-tools convert', or 'smollm2' "
-                              "(the embedded default, built through the pipeline on first use)."),
+    model: str = flags.model_option(),
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text (or --file)."),
     prompt_file: Optional[Path] = typer.Option(None, "--file", "-f", help="Read the prompt from this UTF-8 text "
                                                "file, as llama.cpp's -f: for a prompt longer than a command "
-                                               "line takes."),
+                                               "line takes; '-' reads it from stdin."),
     n_predict: int = typer.Option(128, "--n-predict", "-n", help="Tokens to generate (stops early at end of text)."),
-    threads: Optional[int] = typer.Option(None, "--threads", "-t", help=flags.THREADS_HELP),
-    sparse_mode: str = typer.Option(flags.DEFAULT_SPARSE_MODE, "--sparse-mode", help="FFN mode: dense (exact), gate (gate exactly, "
-                                    "then only active neurons), predictor (PowerInfer), auto (cheapest per layer), "
-                                    "oracle (true mask; for testing)."),
-    gpuidx: Optional[Path] = typer.Option(None, "--gpuidx", help="GPU index (.gpuidx from 'pi-tools plan'): its "
-                                          "neurons form the hot tier, computed densely without the predictor."),
+    threads: Optional[int] = flags.threads_option(),
+    sparse_mode: str = flags.sparse_mode_option(),
+    gpuidx: Optional[Path] = flags.gpuidx_option(),
     vram_budget: Optional[float] = flags.vram_budget_option(),
     gpu: str = flags.gpu_option(),
-    profile: Optional[Path] = typer.Option(None, "--profile", help="Profile directory, to solve a plan for "
-                                           "--vram-budget (known for 'smollm2')."),
+    profile: Optional[Path] = flags.profile_option(),
     ctx_size: int = typer.Option(placement.DEFAULT_CTX_SIZE, "--ctx-size", "-c",
                                  help="Context length (KV cache), as 'plan' sizes it for (so run finds its plans)."),
-    kv_type: str = typer.Option("f32", "--kv-type", help=KV_TYPE_HELP),
-    temp: float = typer.Option(0.8, "--temp", help="Sampling temperature; 0 = greedy."),
-    top_k: int = typer.Option(40, "--top-k", help="Keep the k most likely tokens; 0 = off."),
-    top_p: float = typer.Option(0.95, "--top-p", help="Nucleus sampling mass; 1 = off."),
-    repeat_penalty: float = typer.Option(1.1, "--repeat-penalty", help="Penalty for recent tokens; 1 = off."),
-    repeat_last_n: int = typer.Option(64, "--repeat-last-n", help="How many recent tokens the penalty sees."),
-    seed: int = typer.Option(-1, "--seed", "-s", help="Sampling seed; -1 = random."),
+    kv_type: str = flags.kv_type_option(),
+    temp: float = flags.temp_option(),
+    top_k: int = flags.top_k_option(),
+    top_p: float = flags.top_p_option(),
+    repeat_penalty: float = flags.repeat_penalty_option(),
+    repeat_last_n: int = flags.repeat_last_n_option(),
+    seed: int = flags.seed_option(),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template (one user turn)."),
 ):
     """Generate text from a prompt with the bundled C++ engine, streaming it, then print llama.cpp-style
@@ -113,6 +107,8 @@ def prompt_text(prompt: str | None, prompt_file: Path | None) -> str:
     if prompt_file is None:
         return prompt
     try:
+        if str(prompt_file) == "-":
+            return sys.stdin.buffer.read().decode("utf-8")
         return prompt_file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0]

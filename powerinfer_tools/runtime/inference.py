@@ -21,6 +21,7 @@ from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.formats import names
 
 SPARSE_MODES = names.FFN_MODES
+NO_GPUIDX = "none"  # --gpuidx none: not even the index beside the model
 
 
 @dataclass(frozen=True)
@@ -35,9 +36,9 @@ def resolve_model_file(spec: str, gpuidx: str | os.PathLike | None = None, vram_
                        profile: str | os.PathLike | None = None, ctx_size: int = 512) -> EngineTarget:
     """What --model (+ --gpuidx / --vram-budget) names: a converted file, or `smollm2`, built on first use.
 
-    With a VRAM budget and no explicit GPU index, the plan cached beside the model
-    (MODEL.generated.gpuidx, where PowerInfer looks) is reused when it was solved for that budget;
-    otherwise one is solved from the profile and cached there.
+    The GPU index: the one given ("none": no index); else, with a VRAM budget, the plan cached beside the model
+    (MODEL.generated.gpuidx, where PowerInfer looks) when it was solved for that budget, otherwise one solved
+    from the profile and cached there; else MODEL.generated.gpuidx when it exists, as PowerInfer's main does.
     """
     from powerinfer_tools.models import default_model
     from powerinfer_tools.runtime import default_build as pipeline
@@ -53,12 +54,22 @@ def resolve_model_file(spec: str, gpuidx: str | os.PathLike | None = None, vram_
         if not path.is_file():
             raise UserError(f"model file not found: {spec} (give a file written by 'pi-tools convert', "
                             f"or '{default_model.NAME}')")
-    if gpuidx is not None:
+    if gpuidx is not None and str(gpuidx) == NO_GPUIDX:
+        gpuidx = None
+    elif gpuidx is not None:
         gpuidx = Path(gpuidx).expanduser()
         if not gpuidx.is_file():
             raise UserError(f"GPU index not found: {gpuidx}")
     elif vram_budget_gib is not None:
         gpuidx = cached_plan(path, vram_budget_gib, profile, ctx_size)
+    else:
+        from powerinfer_tools.stages import placement
+
+        beside = placement.default_gpuidx_path(path)
+        if beside.is_file():  # where PowerInfer's main looks for it too
+            print(f"pi-tools: using the GPU index beside the model, {beside} (--gpuidx none: run without it)",
+                  file=sys.stderr)
+            gpuidx = beside
     return EngineTarget(path, gpuidx)
 
 

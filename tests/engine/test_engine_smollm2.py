@@ -11,7 +11,6 @@ import torch
 import engine
 from powerinfer_tools import models
 from powerinfer_tools.stages.calibration import sequences_from_text
-from powerinfer_tools.stages.conversion import convert_model
 from tiny_models import DATA
 from powerinfer_tools.formats.tokenizer import tokenizer_from_file
 
@@ -21,20 +20,6 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def smollm2():
     return models.load_model(models.resolve("smollm2"))[0]
-
-
-@pytest.fixture(scope="module")
-def smollm2_file(tmp_path_factory):
-    root = tmp_path_factory.mktemp("smollm2")
-
-    def get(outtype):
-        path = root / f"smollm2.{outtype}.powerinfer.gguf"
-        if not path.exists():
-            # every matrix in the outtype (PowerInfer's f16 down projection left out): the engine on the type named
-            convert_model("smollm2", path, outtype=outtype, progress=False, powerinfer_compatible=False)
-        return path
-
-    return get
 
 
 def test_f32_greedy_tokens_equal_transformers(smollm2, smollm2_file):

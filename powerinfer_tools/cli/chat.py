@@ -1,0 +1,140 @@
+"""`pi-tools chat`: a conversation in the terminal, as llama.cpp's `llama-cli -cnv`."""
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+from typing import Callable, Optional
+
+import typer
+
+from powerinfer_tools.cli import flags
+from powerinfer_tools.core.errors import UserError
+
+COMMANDS = "/exit (or Ctrl-D) leaves, /clear starts over, /help shows this; Ctrl-C stops a reply"
+
+
+def chat(
+    model: str = flags.model_option(),
+    system: Optional[str] = typer.Option(None, "--system", "-sys", help="System prompt: who the assistant is. "
+                                         "Default: the chat template's own (if it has one)."),
+    n_predict: int = typer.Option(512, "--n-predict", "-n", help="Most tokens in one reply."),
+    threads: Optional[int] = flags.threads_option(),
+    sparse_mode: str = flags.sparse_mode_option(),
+    gpuidx: Optional[Path] = flags.gpuidx_option(),
+    vram_budget: Optional[float] = flags.vram_budget_option(),
+    gpu: str = flags.gpu_option(),
+    profile: Optional[Path] = flags.profile_option(),
+    ctx_size: int = typer.Option(flags.CHAT_CTX_SIZE, "--ctx-size", "-c", help="Context length (KV cache): the "
+                                 "conversation's room; the oldest turns are dropped when it is full."),
+    kv_type: str = flags.kv_type_option(),
+    temp: float = flags.temp_option(),
+    top_k: int = flags.top_k_option(),
+    top_p: float = flags.top_p_option(),
+    repeat_penalty: float = flags.repeat_penalty_option(),
+    repeat_last_n: int = flags.repeat_last_n_option(),
+    seed: int = flags.seed_option(),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="After each reply, its token counts (how many "
+                                 "of the prompt came from the cache) and speed, on stderr."),
+):
+    """Chat with a model in the terminal: the model's chat template, a system prompt, replies streamed as they
+    are generated. The conversation stays in the KV cache, so each turn evaluates only its new tokens.
+
+    /exit or Ctrl-D leaves, /clear starts a new conversation, Ctrl-C stops a reply without leaving.
+
+    Examples:
+
+      pi-tools chat -m smollm2
+
+      pi-tools chat -m smollm2.q4_0.powerinfer.gguf --system "You are a terse assistant." -t 4
+
+      pi-tools chat -m relu7b.q4_0.powerinfer.gguf --vram-budget 4 --profile prof --sparse-mode predictor -v
+    """
+    from powerinfer_tools.runtime.llm import LLM, Sampling
+
+    sampling = Sampling(temp, top_k, top_p, repeat_penalty, repeat_last_n,
+                        seed=seed if seed >= 0 else random.SystemRandom().randrange(2**32))
+    sampling.check()
+    if n_predict < 1:
+        raise UserError("--n-predict must be at least 1")
+    with LLM(model, threads=threads, sparse_mode=sparse_mode, ctx_size=ctx_size, kv_type=kv_type, gpu=gpu,
+             gpuidx=gpuidx, vram_budget=vram_budget, profile=profile) as llm:
+        converse(llm, system, n_predict, sampling, verbose)
+
+
+def converse(llm, system: str | None, n_predict: int, sampling, verbose: bool,
+             read: Callable[[str], str] = input) -> None:
+    """The read-reply loop: each turn's prompt is the whole conversation through the template, of which the
+    cache already holds all but the new turn."""
+    if not llm.chat_template:
+        raise UserError(f"{llm.name} stores no chat template: use 'pi-tools run' with a prompt")
+    try:
+        import readline  # noqa: F401  (line editing and history for input(), where the platform has it)
+    except ImportError:
+        pass
+    first = [{"role": "system", "content": system}] if system else []
+    history = list(first)
+    print(f"pi-tools chat: {llm.name}, context {llm.n_ctx} tokens. {COMMANDS}.", file=sys.stderr)
+    while True:
+        try:
+            line = read("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return
+        except KeyboardInterrupt:  # at the prompt, as in a shell: a fresh line
+            print(file=sys.stderr)
+            continue
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit", "/bye"):
+            return
+        if text == "/clear":
+            history = list(first)
+            print("(a new conversation)", file=sys.stderr)
+            continue
+        if text == "/help":
+            print(COMMANDS, file=sys.stderr)
+            continue
+        history.append({"role": "user", "content": line})
+        if not fit(llm, history, len(first), n_predict):
+            history.pop()
+            print("(that message alone does not fit the context: raise --ctx-size or write less)", file=sys.stderr)
+            continue
+        reply, completion = "", None
+        try:
+            for chunk in llm.chat(history, max_tokens=n_predict, stream=True, sampling=sampling):
+                reply += chunk.text
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                completion = chunk.completion
+        except KeyboardInterrupt:
+            print("\n(stopped)", file=sys.stderr)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        history.append({"role": "assistant", "content": reply})
+        if verbose and completion is not None:
+            print(turn_line(completion), file=sys.stderr)
+
+
+def fit(llm, history: list[dict], keep: int, n_predict: int) -> bool:
+    """Drop the oldest turns after the first `keep` messages until the prompt leaves room for a reply (at
+    least a quarter of n_predict); False when even the newest message alone does not fit."""
+    room = max(1, n_predict // 4)
+    dropped = 0
+    while llm.count_tokens(llm.chat_prompt(history), chat=True) + room > llm.n_ctx:
+        if len(history) - keep <= 1:
+            return False
+        del history[keep:keep + 2]  # a user turn and its reply
+        dropped += 1
+    if dropped:
+        print(f"(the context is full: the oldest {dropped} exchange(s) left it)", file=sys.stderr)
+    return True
+
+
+def turn_line(c) -> str:
+    t = c.timings
+    rate = f", {t.generated_tokens_per_second:.1f} tokens/s" if t.generated_tokens_per_second else ""
+    return (f"[prompt {c.usage.prompt_tokens} tokens: {c.usage.cached_tokens} from the cache, {t.prompt_tokens} "
+            f"evaluated in {1000 * t.prompt_seconds:.0f} ms; reply {c.usage.completion_tokens} tokens{rate}; "
+            f"{c.finish_reason}]")

@@ -1,0 +1,68 @@
+"""`pi-tools serve`: the OpenAI-compatible HTTP server (powerinfer_tools.server) on uvicorn."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from powerinfer_tools.cli import flags
+from powerinfer_tools.core.errors import UserError
+
+
+def serve(
+    model: str = flags.model_option(),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on: 127.0.0.1 serves this machine "
+                             "only; 0.0.0.0 every network it is on (then give --api-key)."),
+    port: int = typer.Option(8080, "--port", help="TCP port; 0 picks a free one (printed)."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="PI_API_KEY", help="Require "
+                                          "'Authorization: Bearer KEY' on every request but /health (or set "
+                                          "PI_API_KEY)."),
+    alias: Optional[str] = typer.Option(None, "--alias", "-a", help="The model's name in /v1/models. Default: the "
+                                        "file's name."),
+    threads: Optional[int] = flags.threads_option(),
+    sparse_mode: str = flags.sparse_mode_option(),
+    gpuidx: Optional[Path] = flags.gpuidx_option(),
+    vram_budget: Optional[float] = flags.vram_budget_option(),
+    gpu: str = flags.gpu_option(),
+    profile: Optional[Path] = flags.profile_option(),
+    ctx_size: int = typer.Option(flags.CHAT_CTX_SIZE, "--ctx-size", "-c", help="Context length (KV cache): a "
+                                 "request's prompt and reply together."),
+    kv_type: str = flags.kv_type_option(),
+    log_requests: bool = typer.Option(False, "--log-requests", help="Log each request on stderr (uvicorn's "
+                                      "access log)."),
+):
+    """Serve a model over the OpenAI API, as llama.cpp's llama-server does: POST /v1/chat/completions (the
+    model's chat template) and /v1/completions, streamed as server-sent events with "stream": true; GET
+    /v1/models and /health. Requests are answered one at a time in order of arrival; a client that resends its
+    conversation reuses the KV cache for the part it shares with the previous request.
+
+    Point any OpenAI client at http://HOST:PORT/v1 (docs/serve.md).
+
+    Examples:
+
+      pi-tools serve -m smollm2
+
+      pi-tools serve -m smollm2.q4_0.powerinfer.gguf --port 8081 -t 4 --sparse-mode gate
+
+      pi-tools serve -m relu7b.q4_0.powerinfer.gguf --vram-budget 4 --profile prof --host 0.0.0.0 --api-key s3cret
+    """
+    from powerinfer_tools.runtime.llm import LLM
+    from powerinfer_tools.server.app import create_app
+    from powerinfer_tools.server.listen import listen
+
+    if not 0 <= port <= 65535:
+        raise UserError(f"--port must be in 0..65535, not {port}")
+    if api_key is not None and not api_key.strip():
+        raise UserError("--api-key is empty")
+    if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+        print(f"pi-tools: warning: serving on {host} without --api-key: anyone who reaches this port can use it",
+              file=sys.stderr)
+    with LLM(model, threads=threads, sparse_mode=sparse_mode, ctx_size=ctx_size, kv_type=kv_type, gpu=gpu,
+             gpuidx=gpuidx, vram_budget=vram_budget, profile=profile) as llm:
+        app = create_app(llm, alias or llm.name, api_key)
+        try:
+            listen(app, host, port, log_requests)
+        finally:
+            app.state.worker.shutdown()

@@ -1,0 +1,352 @@
+"""Text in, text out: a converted model with its tokenizer, in the style of llama-cpp-python's `Llama`.
+
+    from powerinfer_tools import LLM
+
+    llm = LLM("smollm2", sparse_mode="dense")
+    print(llm.complete("The capital of France is", max_tokens=16, temperature=0).text)
+    for chunk in llm.chat([{"role": "user", "content": "Hi!"}], stream=True):
+        print(chunk.text, end="", flush=True)
+
+The KV cache is kept between calls: a prompt that starts with what the cache holds (the next turn of a chat,
+which repeats the whole conversation) evaluates only its new tokens. `pi-tools chat` and `pi-tools serve` are
+built on this class. One LLM runs one generation at a time; a call made while an earlier stream is still open
+ends that stream.
+"""
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from powerinfer_tools.core.errors import UserError
+
+
+class RequestError(UserError):
+    """A request the model cannot serve as asked (a prompt longer than the context, a bad sampling value)."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is drawn: greedy when temperature is 0. The penalties look at the last
+    repeat_last_n tokens of the cache (prompt included, as llama.cpp does)."""
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None  # None: a fresh random seed each call
+
+    def check(self) -> None:
+        """One line naming the first value out of range (NaN included)."""
+        finite = {"temperature": self.temperature, "top_p": self.top_p, "repeat_penalty": self.repeat_penalty,
+                  "frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty}
+        for name, value in finite.items():
+            if not (-1e30 < value < 1e30):
+                raise RequestError(f"{name} must be a finite number, not {value}")
+        if self.temperature < 0:
+            raise RequestError(f"temperature must be >= 0, not {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise RequestError(f"top_p must be in (0, 1], not {self.top_p}")
+        if self.repeat_penalty <= 0:
+            raise RequestError(f"repeat_penalty must be > 0, not {self.repeat_penalty}")
+        if self.top_k < 0 or self.repeat_last_n < 0:
+            raise RequestError("top_k and repeat_last_n must be >= 0")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise RequestError(f"seed must be in [0, 2^64), not {self.seed}")
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Token counts of one call: prompt_tokens were given, cached_tokens of them came from the KV cache."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class Timings:
+    """The engine's own account of one call: the prompt tokens it evaluated (the uncached ones) and the
+    generated ones, with their seconds, and the share of FFN neurons that passed the activation rule."""
+
+    prompt_tokens: int
+    prompt_seconds: float
+    generated_tokens: int
+    generated_seconds: float
+    ffn_density: float | None
+
+    @property
+    def prompt_tokens_per_second(self) -> float | None:
+        return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds else None
+
+    @property
+    def generated_tokens_per_second(self) -> float | None:
+        return self.generated_tokens / self.generated_seconds if self.generated_seconds else None
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A finished generation: finish_reason is "stop" (an end token or a stop string) or "length"."""
+
+    text: str
+    finish_reason: str
+    usage: Usage
+    timings: Timings
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A piece of a streamed generation; the last one carries the finish reason and the whole Completion."""
+
+    text: str
+    completion: Completion | None = None
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.completion.finish_reason if self.completion else None
+
+
+@dataclass
+class _Cache:
+    """What the KV cache holds, as the tokens evaluated or about to be (`pending`: sampled last, evaluated
+    at the start of the next call if that call keeps it) and, where known exactly, the text they spell."""
+
+    tokens: list[int] = field(default_factory=list)
+    text: str | None = ""
+    pending: int = 0
+
+
+class LLM:
+    """A model file (or "smollm2", the embedded default, built on first use) with its tokenizer.
+
+    The engine options are those of `pi-tools run`: threads, sparse_mode (dense | gate | predictor | auto),
+    ctx_size (default: the model's training context, at most 4096), kv_type (f32 | f16), gpu (auto | on | off),
+    gpuidx (a .gpuidx plan; default: MODEL.generated.gpuidx when it sits beside the model, "none" for none),
+    vram_budget (GiB for the hot tier, solved with `profile`).
+    """
+
+    def __init__(self, model: str | os.PathLike = "smollm2", *, threads: int | None = None,
+                 sparse_mode: str = "dense", ctx_size: int | None = None, kv_type: str = "f32", gpu: str = "auto",
+                 gpuidx: str | os.PathLike | None = None, vram_budget: float | None = None,
+                 profile: str | os.PathLike | None = None):
+        from powerinfer_tools.runtime import inference
+        from powerinfer_tools.stages.options import DEFAULT_CTX_SIZE
+
+        self.target = inference.resolve_model_file(str(model), gpuidx, vram_budget, profile,
+                                                   ctx_size or DEFAULT_CTX_SIZE)
+        self.tokenizer = inference.load_tokenizer(self.target.model)
+        self.model = inference.open_engine(self.target, threads=threads, sparse_mode=sparse_mode, ctx_size=ctx_size,
+                                           kv_type=kv_type, gpu=gpu, vram_budget_gib=vram_budget)
+        self.n_ctx: int = self.model.n_ctx
+        self.name = Path(self.target.model).name if str(model) != "smollm2" else "smollm2"
+        self.stop_tokens = frozenset(t for t in (self.tokenizer.eos_token_id, self.model.info["eos"])
+                                     if t is not None and t >= 0)
+        self._cache = _Cache()
+        self._generation = 0  # bumped by every call: an older stream sees it and ends
+
+    # ---- lifetime -----------------------------------------------------------------------------------
+    def close(self) -> None:
+        self.model.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- text <-> tokens ----------------------------------------------------------------------------
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        """The text's token ids (with the model's BOS where it adds one, when add_special)."""
+        _check_text(text)
+        return list(self.tokenizer(text, add_special_tokens=add_special)["input_ids"])
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    @property
+    def chat_template(self) -> str | None:
+        return getattr(self.tokenizer, "chat_template", None) or None
+
+    def chat_prompt(self, messages: Sequence[dict]) -> str:
+        """The model's chat template applied to messages ({"role", "content"} each), ready for the reply."""
+        if not self.chat_template:
+            raise RequestError(f"{self.name} stores no chat template: use complete() with a prompt of your own")
+        if not messages:
+            raise RequestError("messages is empty")
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise RequestError("each message needs a string 'role' and a string 'content'")
+            _check_text(m["content"])
+        try:
+            return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # the template's own refusal (jinja's TemplateError, a raise_exception in it)
+            raise RequestError(f"the chat template refused the messages: {str(exc).splitlines()[0]}") from None
+
+    # ---- generation ---------------------------------------------------------------------------------
+    def complete(self, prompt: str, max_tokens: int = 128, stop: Sequence[str] = (), stream: bool = False,
+                 sampling: Sampling | None = None, **options) -> Completion | Iterator[Chunk]:
+        """Continue `prompt`. stop: strings that end the text (not included); sampling (or its fields as keyword
+        arguments: temperature, top_k, ...). stream=True gives an iterator of Chunks instead of a Completion."""
+        ids = self._prompt_ids(prompt, add_special=True)
+        return self._finish(self._generate(ids, prompt, max_tokens, stop, _sampling(sampling, options)), stream)
+
+    def chat(self, messages: Sequence[dict], max_tokens: int = 512, stop: Sequence[str] = (), stream: bool = False,
+             sampling: Sampling | None = None, **options) -> Completion | Iterator[Chunk]:
+        """The assistant's reply to messages, through the model's chat template (as complete() otherwise)."""
+        prompt = self.chat_prompt(messages)
+        ids = self._prompt_ids(prompt, add_special=False)  # the template writes its own BOS where it has one
+        return self._finish(self._generate(ids, prompt, max_tokens, stop, _sampling(sampling, options)), stream)
+
+    def count_tokens(self, prompt: str, chat: bool = False) -> int:
+        return len(self._prompt_ids(prompt, add_special=not chat))
+
+    def _prompt_ids(self, prompt: str, add_special: bool) -> list[int]:
+        """The prompt's ids. A prompt that extends the cache's exact text (a chat's next turn, after the reply's
+        end token) keeps the cached ids, so the cache is reused even where the whole text would tokenize
+        otherwise."""
+        cached = self._cache.text
+        if cached and prompt.startswith(cached) and len(prompt) > len(cached):
+            return self._cache.tokens + self.tokenize(prompt[len(cached):], add_special=False)
+        ids = self.tokenize(prompt, add_special=add_special)
+        if not ids:
+            raise RequestError("the prompt is empty and the model has no BOS token to start from")
+        return ids
+
+    def _finish(self, chunks: Iterator[Chunk], stream: bool):
+        if stream:
+            return chunks
+        last = None
+        for last in chunks:
+            pass
+        return last.completion
+
+    def _generate(self, ids: list[int], prompt: str, max_tokens: int, stop: Sequence[str],
+                  sampling: Sampling) -> Iterator[Chunk]:
+        """Checks now (a bad request fails at the call, not at the first next()), then the generator."""
+        sampling.check()
+        if not isinstance(max_tokens, int) or max_tokens < 0:
+            raise RequestError(f"max_tokens must be a non-negative integer, not {max_tokens!r}")
+        stop = [s for s in stop if s]
+        if len(ids) >= self.n_ctx:
+            raise RequestError(f"the prompt has {len(ids)} tokens and the context holds {self.n_ctx}: no room to "
+                               "generate (shorten it, or open the model with a larger ctx_size)")
+        self._generation += 1
+        return self._tokens(ids, prompt, min(max_tokens, self.n_ctx - len(ids)), stop, sampling, self._generation)
+
+    def _tokens(self, ids, prompt, max_tokens, stop, sampling, generation) -> Iterator[Chunk]:
+        from powerinfer_tools.runtime.inference import StreamDecoder, engine_errors
+
+        m = self.model
+        with engine_errors():
+            cached = self._reuse(ids)
+            self._cache, cache = _Cache(), _Cache(list(ids), prompt)  # empty until the prompt is in
+            m.reset_stats()
+            m.seed(sampling.seed if sampling.seed is not None else random.SystemRandom().randrange(2**64))
+            started = time.perf_counter()
+            m.eval(ids[m.n_past:], all_logits=False)
+            prompt_seconds = time.perf_counter() - started
+        self._cache = cache
+        decoder, held = StreamDecoder(self.tokenizer, ids), _StopFilter(stop)
+        specials = set(self.tokenizer.all_special_ids)
+        generated, finish, text, started = 0, "length", "", time.perf_counter()
+        while generated < max_tokens:
+            if generation != self._generation:
+                raise RuntimeError("this stream was ended by a later call on the same LLM")
+            with engine_errors():
+                if cache.pending:  # the token sampled last, not yet evaluated
+                    m.eval(cache.tokens[-1:], all_logits=False)
+                    cache.pending = 0
+                token = m.sample(sampling.temperature, sampling.top_k, sampling.top_p, sampling.repeat_penalty,
+                                 sampling.repeat_last_n, sampling.frequency_penalty, sampling.presence_penalty)
+            cache.tokens.append(token)
+            cache.pending = 1
+            generated += 1
+            if token in self.stop_tokens:
+                finish = "stop"
+                break
+            piece = decoder.push(token)
+            text = text + piece if token not in specials else None  # None: the text no longer spells the tokens
+            out, hit = held.push(piece)
+            if out:
+                yield Chunk(out)
+            if hit:
+                finish = "stop"
+                break
+        seconds = time.perf_counter() - started
+        tail = held.flush()
+        # The cache's text is known exactly where the reply ended at an end token and none of it was cut: the
+        # next turn of a chat then continues it after that token, a boundary no tokenization merges across.
+        exact = finish == "stop" and not held.hit and text is not None and cache.tokens[-1] in specials
+        cache.text = prompt + text + self.tokenizer.decode(cache.tokens[-1:]) if exact else None
+        timings = Timings(len(ids) - cached, prompt_seconds, generated, seconds, m.stats().get("density"))
+        yield Chunk(tail, Completion(held.emitted, finish, Usage(len(ids), generated, cached), timings))
+
+    def _reuse(self, ids: list[int]) -> int:
+        """Truncate the cache to its longest prefix shared with ids (leaving at least one token to evaluate, which
+        gives the logits to sample from); the count of reused tokens."""
+        cache, m = self._cache, self.model
+        n = 0
+        limit = min(len(cache.tokens), len(ids) - 1)
+        while n < limit and cache.tokens[n] == ids[n]:
+            n += 1
+        n = min(n, m.n_past)  # a pending token is not in the engine yet
+        m.reset(n)
+        return n
+
+
+class _StopFilter:
+    """Holds back the end of the text that could be the start of a stop string, so a stop string is never
+    streamed; `emitted` is everything let through."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = list(stops)
+        self.text = ""      # held back
+        self.emitted = ""
+        self.hit = False
+
+    def push(self, piece: str) -> tuple[str, bool]:
+        self.text += piece
+        for s in self.stops:
+            at = self.text.find(s)
+            if at >= 0:
+                out, self.text, self.hit = self.text[:at], "", True
+                self.emitted += out
+                return out, True
+        keep = max((k for s in self.stops for k in range(min(len(s) - 1, len(self.text)), 0, -1)
+                    if self.text.endswith(s[:k])), default=0)
+        out, self.text = self.text[:len(self.text) - keep], self.text[len(self.text) - keep:]
+        self.emitted += out
+        return out, False
+
+    def flush(self) -> str:
+        out, self.text = self.text, ""
+        self.emitted += out
+        return out
+
+
+def _sampling(sampling: Sampling | None, options: dict) -> Sampling:
+    if sampling is not None and options:
+        raise TypeError("give sampling= or its fields as keyword arguments, not both")
+    try:
+        return sampling or Sampling(**options)
+    except TypeError as exc:
+        raise TypeError(f"{exc}: the sampling options are {', '.join(Sampling.__dataclass_fields__)}") from None
+
+
+def _check_text(text) -> None:
+    if not isinstance(text, str):
+        raise RequestError(f"expected text (str), not {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RequestError(f"the text is not valid UTF-8 (at character {exc.start})") from None

@@ -1,0 +1,282 @@
+"""The OpenAI-compatible HTTP API over one LLM: the ASGI application `pi-tools serve` runs with uvicorn.
+
+One engine serves every client. Generations run one at a time on a single worker thread, in the order the
+requests came (a FIFO of one-thread executor), and the LLM's prompt cache makes a client that resends its
+conversation evaluate only the new part. A streaming client that goes away ends its generation at the next
+token; one that goes away while queued never starts.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from powerinfer_tools.core.errors import UserError
+from powerinfer_tools.runtime.llm import LLM, Chunk, Completion, RequestError
+from powerinfer_tools.server.schemas import ChatRequest, CompletionRequest
+
+
+class ApiError(Exception):
+    """An error answered as the OpenAI API answers one: {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.param, self.code = status, kind, param, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": str(self), "type": self.kind, "param": self.param,
+                                       "code": self.code}}, status_code=self.status)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One generation: what to run on the worker, and whether it is a chat."""
+
+    start: Callable[[], Iterator[Chunk]]
+    chat: bool
+
+
+_DONE = object()
+
+
+class Worker:
+    """Runs jobs one after another on one thread; their chunks come back to the event loop through a queue."""
+
+    def __init__(self):
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pi-engine")
+        self.stopping = threading.Event()
+
+    async def run(self, job: Job) -> AsyncIterator[Chunk]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        gone = threading.Event()  # the client left (or the server is stopping): stop at the next token
+
+        def put(item) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        def work() -> None:
+            try:
+                if gone.is_set() or self.stopping.is_set():
+                    return
+                chunks = job.start()
+                try:
+                    for chunk in chunks:
+                        put(chunk)
+                        if gone.is_set() or self.stopping.is_set():
+                            break
+                finally:
+                    chunks.close()
+            except BaseException as exc:  # handed to the request, which answers with it
+                put(exc)
+            finally:
+                put(_DONE)
+
+        loop.run_in_executor(self.executor, work)
+        try:
+            while (item := await queue.get()) is not _DONE:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            gone.set()
+
+    def shutdown(self) -> None:
+        self.stopping.set()
+        self.executor.shutdown(wait=True)
+
+
+def create_app(llm: LLM, model_id: str, api_key: str | None = None) -> FastAPI:
+    """The application for `llm`, answering to `model_id` in /v1/models (any name is accepted in requests)."""
+    worker = Worker()
+    created = int(time.time())
+    app = FastAPI(title="powerinfer-tools", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.worker = worker
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0]
+        kind = first.get("type")
+        if kind == "json_invalid":
+            return ApiError(400, "the body is not valid JSON").response()
+        where = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(where) or None
+        if kind == "extra_forbidden":
+            return ApiError(400, f"unrecognized request argument: {param}", param=param).response()
+        message = first.get("msg", "invalid request")
+        return ApiError(400, f"{param}: {message}" if param else message, param=param).response()
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException):
+        # FastAPI's own 400 for a body it cannot decode (bytes that are not UTF-8) says only "error parsing"
+        detail = "the body is not valid JSON (UTF-8)" if exc.status_code == 400 else str(exc.detail)
+        return ApiError(exc.status_code, detail).response()
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception):
+        return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error").response()
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if api_key is not None and request.url.path != "/health":
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return ApiError(401, "invalid or missing API key (Authorization: Bearer KEY)",
+                                "authentication_error", code="invalid_api_key").response()
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
+                                            "owned_by": "powerinfer-tools", "meta": {"n_ctx": llm.n_ctx}}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest):
+        messages = body.chat_messages()
+
+        def start():
+            prompt = llm.chat_prompt(messages)
+            limit = _limit(llm, llm.count_tokens(prompt, chat=True), body.limit())
+            return llm.chat(messages, max_tokens=limit, stop=body.stops(), stream=True, sampling=body.sampling())
+
+        return await _answer(worker, Job(start, chat=True), body, model_id)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        try:
+            prompt = body.text()
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="prompt") from None
+
+        def start():
+            limit = _limit(llm, llm.count_tokens(prompt), body.limit())
+            return llm.complete(prompt, max_tokens=limit, stop=body.stops(), stream=True, sampling=body.sampling())
+
+        return await _answer(worker, Job(start, chat=False), body, model_id, echo=prompt if body.echo else "")
+
+    return app
+
+
+def _limit(llm: LLM, prompt_tokens: int, asked: int | None) -> int:
+    """The reply's token limit: as asked when prompt and reply fit the context (the OpenAI API's 400 otherwise),
+    else what the context leaves."""
+    room = llm.n_ctx - prompt_tokens
+    if room < 1:
+        raise ApiError(400, f"this model's context holds {llm.n_ctx} tokens; the prompt has {prompt_tokens}",
+                       code="context_length_exceeded", param="messages")
+    if asked is not None and asked > room:
+        raise ApiError(400, f"this model's context holds {llm.n_ctx} tokens: {prompt_tokens} in the prompt and "
+                       f"{asked} asked for the completion; lower max_tokens", code="context_length_exceeded",
+                       param="max_tokens")
+    return room if asked is None else asked
+
+
+async def _answer(worker: Worker, job: Job, body, model_id: str, echo: str = ""):
+    """The whole answer, or a stream of server-sent events; an error before the first chunk is an HTTP error."""
+    chunks = worker.run(job)
+    try:
+        first = await chunks.__anext__()
+    except (RequestError, UserError) as exc:
+        await chunks.aclose()
+        raise ApiError(400, str(exc)) from None
+    except StopAsyncIteration:
+        raise ApiError(500, "the generation ended without an answer", "server_error") from None
+    reply = _Reply(job.chat, model_id)
+    if not body.stream:
+        last = first
+        async for last in chunks:
+            pass
+        return reply.whole(last.completion, echo)
+    return StreamingResponse(reply.events(first, chunks, body.include_usage, echo), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class _Reply:
+    """The JSON objects of one answer, chat or text completion."""
+
+    def __init__(self, chat: bool, model_id: str):
+        self.chat = chat
+        self.model = model_id
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choices: list) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": "powerinfer-tools", "choices": choices}
+
+    def whole(self, c: Completion, echo: str) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
+                      "finish_reason": c.finish_reason}
+            out = self._envelope("chat.completion", [choice])
+        else:
+            choice = {"index": 0, "text": echo + c.text, "logprobs": None, "finish_reason": c.finish_reason}
+            out = self._envelope("text_completion", [choice])
+        return out | {"usage": usage(c), "timings": timings(c)}
+
+    def _piece(self, text: str | None, finish: str | None, first: bool = False) -> dict:
+        if self.chat:
+            delta = ({"role": "assistant", "content": text or ""} if first else
+                     {"content": text} if text is not None else {})
+            return self._envelope("chat.completion.chunk", [{"index": 0, "delta": delta, "logprobs": None,
+                                                             "finish_reason": finish}])
+        return self._envelope("text_completion", [{"index": 0, "text": text or "", "logprobs": None,
+                                                   "finish_reason": finish}])
+
+    async def events(self, first: Chunk, rest: AsyncIterator[Chunk], include_usage: bool, echo: str):
+        try:
+            if self.chat:
+                yield _event(self._piece("", None, first=True))
+            elif echo:
+                yield _event(self._piece(echo, None))
+            chunk = first
+            while True:
+                if chunk.text:
+                    yield _event(self._piece(chunk.text, None))
+                if chunk.completion is not None:
+                    c = chunk.completion
+                    yield _event(self._piece(None, c.finish_reason) | {"timings": timings(c)})
+                    if include_usage:
+                        yield _event(self._envelope(self._piece(None, None)["object"], []) | {"usage": usage(c)})
+                    break
+                chunk = await rest.__anext__()
+            yield "data: [DONE]\n\n"
+        finally:
+            await rest.aclose()  # a client gone mid-stream: the worker stops at its next token
+
+
+def _event(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def usage(c: Completion) -> dict:
+    return {"prompt_tokens": c.usage.prompt_tokens, "completion_tokens": c.usage.completion_tokens,
+            "total_tokens": c.usage.total_tokens, "prompt_tokens_details": {"cached_tokens": c.usage.cached_tokens}}
+
+
+def timings(c: Completion) -> dict:
+    """llama-server's timings object, with the cache's share and the FFN density this engine adds."""
+    t = c.timings
+    return {"cache_n": c.usage.cached_tokens, "prompt_n": t.prompt_tokens, "prompt_ms": 1000 * t.prompt_seconds,
+            "prompt_per_second": t.prompt_tokens_per_second, "predicted_n": t.generated_tokens,
+            "predicted_ms": 1000 * t.generated_seconds, "predicted_per_second": t.generated_tokens_per_second,
+            "ffn_density": t.ffn_density}

@@ -97,18 +97,18 @@ def converse(llm, system: str | None, n_predict: int, sampling, verbose: bool,
             print(COMMANDS, file=sys.stderr)
             continue
         history.append({"role": "user", "content": line})
-        if not fit(llm, history, len(first), n_predict):
-            history.pop()
-            print("(that message alone does not fit the context: raise --ctx-size or write less)", file=sys.stderr)
-            continue
         reply, completion = "", None
         try:
+            if not fit(llm, history, len(first), n_predict):
+                history.pop()
+                print("(that message alone does not fit the context: raise --ctx-size or write less)", file=sys.stderr)
+                continue
             for chunk in llm.chat(history, max_tokens=n_predict, stream=True, sampling=sampling):
                 reply += chunk.text
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
                 completion = chunk.completion
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # the reply so far stays in the conversation, as in llama-cli
             print("\n(stopped)", file=sys.stderr)
         sys.stdout.write("\n")
         sys.stdout.flush()

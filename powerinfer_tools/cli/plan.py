@@ -95,6 +95,18 @@ def plan(
     written = stages.plan(profile, model, opts)
     report(written.plan)
     typer.echo(f"wrote {written.gpuidx} and {written.summary}")
+    if not _nvidia_gpu_visible():
+        typer.echo(f"pi-tools: warning: no NVIDIA GPU is visible here, so the {vram_budget:g} GiB budget is a guess: "
+                   "on this machine 'run' computes these hot neurons on the CPU (densely, without the predictor)",
+                   err=True)
+
+
+def _nvidia_gpu_visible() -> bool:
+    """An NVIDIA device as the driver shows it (Linux: /proc/driver/nvidia/gpus, /dev/nvidia0)."""
+    import os
+
+    gpus = "/proc/driver/nvidia/gpus"
+    return (os.path.isdir(gpus) and bool(os.listdir(gpus))) or os.path.exists("/dev/nvidia0")
 
 
 def dry_run_summary(result) -> dict:

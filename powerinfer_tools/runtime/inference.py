@@ -208,6 +208,11 @@ class StreamDecoder:
     def _text(self) -> str:
         return self.tokenizer.decode(self.ids, skip_special_tokens=True)
 
+    @property
+    def holding(self) -> bool:
+        """True while part of the text is held back (an unfinished UTF-8 sequence)."""
+        return len(self._text()) != self.printed
+
     def push(self, token: int) -> str:
         self.ids.append(token)
         text = self._text()

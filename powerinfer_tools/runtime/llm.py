@@ -211,12 +211,15 @@ class LLM:
         return len(self._prompt_ids(prompt, add_special=not chat))
 
     def _prompt_ids(self, prompt: str, add_special: bool) -> list[int]:
-        """The prompt's ids. A prompt that extends the cache's exact text (a chat's next turn, after the reply's
-        end token) keeps the cached ids, so the cache is reused even where the whole text would tokenize
-        otherwise."""
+        """The prompt's ids. A prompt that extends the cache's exact text at a special token (a chat's next turn,
+        after the reply's end) keeps the cached ids, so the cache is reused even where the whole text would
+        tokenize otherwise."""
         cached = self._cache.text
         if cached and prompt.startswith(cached) and len(prompt) > len(cached):
-            return self._cache.tokens + self.tokenize(prompt[len(cached):], add_special=False)
+            rest = self.tokenize(prompt[len(cached):], add_special=False)
+            specials = self.tokenizer.all_special_ids
+            if rest and (rest[0] in specials or self._cache.tokens[-1] in specials):
+                return self._cache.tokens + rest
         ids = self.tokenize(prompt, add_special=add_special)
         if not ids:
             raise RequestError("the prompt is empty and the model has no BOS token to start from")
@@ -284,10 +287,12 @@ class LLM:
                 break
         seconds = time.perf_counter() - started
         tail = held.flush()
-        # The cache's text is known exactly where the reply ended at an end token and none of it was cut: the
-        # next turn of a chat then continues it after that token, a boundary no tokenization merges across.
-        exact = finish == "stop" and not held.hit and text is not None and cache.tokens[-1] in specials
-        cache.text = prompt + text + self.tokenizer.decode(cache.tokens[-1:]) if exact else None
+        # The cache's text is known exactly unless a stop string cut the reply, a special token or an unfinished
+        # UTF-8 sequence hides in it: a chat's next turn then continues it after a special token (the reply's end),
+        # a boundary no tokenization merges across.
+        exact = not held.hit and text is not None and not decoder.holding
+        ended = self.tokenizer.decode(cache.tokens[-1:]) if finish == "stop" else ""
+        cache.text = prompt + text + ended if exact else None
         timings = Timings(len(ids) - cached, prompt_seconds, generated, seconds, m.stats().get("density"))
         yield Chunk(tail, Completion(held.emitted, finish, Usage(len(ids), generated, cached), timings))
 

@@ -142,8 +142,11 @@ def test_cli_writes_gpuidx_beside_the_model_and_prints_breakdown(model, profile,
     shutil.copy(model, local)
     assert run_cli("plan", "--profile", profile, "--model", local, "--vram-budget", 0.0001, "--ctx-size", 64,
                    "--reserve-mib", 0, "--min-layer-neurons", 4) == 0
-    text = capsys.readouterr().out
+    captured = capsys.readouterr()
+    text = captured.out
     assert "VRAM budget breakdown" in text and "KV cache (ctx 64)" in text and "served" in text
+    from powerinfer_tools.cli import plan as plan_cli  # a machine without a GPU is told the budget is a guess
+    assert ("no NVIDIA GPU is visible here" in captured.err) == (not plan_cli._nvidia_gpu_visible())
     out = tmp_path / "m.powerinfer.gguf.generated.gpuidx"
     assert open_reader(out).fields["generic.gpu_index.block_count"].contents() == N_LAYER
     assert json.loads((tmp_path / "m.powerinfer.gguf.generated.gpuidx.json").read_text())["ctx_size"] == 64

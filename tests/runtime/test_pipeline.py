@@ -125,3 +125,13 @@ def test_concurrent_downloads_of_the_default_model_fetch_it_once(tmp_path, monke
     assert results == [path] * 3 and path.stat().st_size == 4 + (1 << 16)
     assert len(downloads) == 1
     assert [p.name for p in path.parent.iterdir() if p.name.endswith(".part")] == []
+
+
+def test_the_gpu_index_beside_the_model_is_picked_up(built, capsys):
+    model, path = built
+    assert inference.resolve_model_file(str(path)).gpuidx is None
+    gpuidx = inference.cached_plan(path, 0.2510, pipeline.model_dir(model) / "profile", 64)
+    capsys.readouterr()
+    assert inference.resolve_model_file(str(path)).gpuidx == gpuidx  # as PowerInfer's main finds it
+    assert f"using the GPU index beside the model, {gpuidx}" in capsys.readouterr().err
+    assert inference.resolve_model_file(str(path), gpuidx="none").gpuidx is None

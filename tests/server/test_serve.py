@@ -1,0 +1,228 @@
+"""`pi-tools serve` driven by the real `openai` client (and raw HTTP for what a client library never sends),
+against a server the test starts on a free loopback port: chat and text completions, whole and streamed, stop
+sequences, usage counts, the prompt cache, a client that leaves mid-stream, concurrent clients, bad requests
+as OpenAI-style 4xx errors, the API key, SIGTERM."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import http.client
+import urllib.parse
+
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+
+GREEDY = {"temperature": 0, "seed": 1}
+MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "Name a fruit."}]
+
+
+class Server:
+    """`pi-tools serve` in a child process on a free port (port 0: it prints the one it got)."""
+
+    def __init__(self, model, *args):
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "powerinfer_tools", "serve", "-m", str(model), "--port",
+                                      "0", "-t", "2", "--sparse-mode", "dense", "-c", "1024", *args],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        self.log: list[str] = []
+        found = threading.Event()
+
+        def read():
+            for line in self.proc.stderr:
+                self.log.append(line)
+                if "listening on" in line:
+                    found.set()
+        threading.Thread(target=read, daemon=True).start()
+        if not found.wait(120):
+            self.proc.kill()
+            raise AssertionError("the server did not start: " + "".join(self.log))
+        line = next(line for line in self.log if "listening on" in line)
+        self.url = re.search(r"http://[\d.]+:\d+", line).group(0)
+
+    def request(self, method: str, path: str, body: bytes | None = None) -> tuple[int, dict]:
+        """Raw HTTP (what no client library sends: broken JSON, bytes that are not UTF-8): status and JSON."""
+        conn = self.connection()
+        try:
+            conn.request(method, path, body=body, headers={"Content-Type": "application/json"})
+            response = conn.getresponse()
+            return response.status, json.loads(response.read() or b"{}")
+        finally:
+            conn.close()
+
+    def connection(self) -> http.client.HTTPConnection:
+        where = urllib.parse.urlsplit(self.url)
+        return http.client.HTTPConnection(where.hostname, where.port, timeout=60)
+
+    def client(self, key="unused") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+    def rss_kib(self) -> int:
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            return int(next(line for line in f if line.startswith("VmRSS")).split()[1])
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(60)
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_file):
+    s = Server(smollm2_file("q8_0"))
+    yield s
+    if s.proc.poll() is None:
+        s.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_file):
+    """The same answers from the Python API, for what the server must reproduce."""
+    from powerinfer_tools import LLM
+
+    with LLM(smollm2_file("q8_0"), threads=2, sparse_mode="dense", ctx_size=1024) as llm:
+        yield {"chat": llm.chat(MESSAGES, max_tokens=40, temperature=0).text,
+               "text": llm.complete("The capital of France is", max_tokens=20, temperature=0).text}
+
+
+def test_models_and_health(server):
+    assert [m.id for m in server.client().models.list().data] == ["smollm2.q8_0.powerinfer.gguf"]
+    assert server.request("GET", "/health") == (200, {"status": "ok"})
+
+
+def test_chat_whole_and_streamed(server, reference):
+    client = server.client()
+    r = client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=40, **GREEDY)
+    assert r.choices[0].message.content == reference["chat"] and r.choices[0].finish_reason == "stop"
+    assert "<|im_end|>" not in r.choices[0].message.content
+    assert r.usage.prompt_tokens > 20 and r.usage.completion_tokens > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    timings = r.model_extra["timings"]
+    assert timings["predicted_n"] == r.usage.completion_tokens and 0 < timings["ffn_density"] <= 1
+
+    stream = client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=40, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == reference["chat"]
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "stop" and set(finishes[:-1]) == {None}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    # the same conversation again: all of it but what the engine must evaluate to sample comes from the cache
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == r.usage.prompt_tokens - 1
+
+
+def test_completion_stop_sequences_and_echo(server, reference):
+    client = server.client()
+    whole = reference["text"]
+    r = client.completions.create(model="any", prompt="The capital of France is", max_tokens=20, **GREEDY)
+    assert r.choices[0].text == whole and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 20
+    stop = whole.strip().split()[2]
+    r = client.completions.create(model="any", prompt="The capital of France is", max_tokens=20, stop=[stop],
+                                  **GREEDY)
+    assert r.choices[0].text == whole[:whole.index(stop)] and r.choices[0].finish_reason == "stop"
+    pieces = [c.choices[0].text for c in client.completions.create(
+        model="any", prompt="The capital of France is", max_tokens=20, stop=stop, stream=True, **GREEDY)]
+    assert "".join(pieces) == whole[:whole.index(stop)] and all(stop not in p for p in pieces)
+    r = client.completions.create(model="any", prompt="The capital of France is", max_tokens=3, echo=True,
+                                  **GREEDY)
+    assert r.choices[0].text.startswith("The capital of France is")
+
+
+def test_a_client_that_leaves_mid_stream_frees_the_engine(server):
+    rate = server.client().completions.create(model="any", prompt="Hi", max_tokens=20, **GREEDY) \
+        .model_extra["timings"]["predicted_per_second"]
+    body = {"prompt": "1, 2, 3, 4, 5,", "max_tokens": 900, "stream": True, "temperature": 0}  # counts on: no end
+    conn = server.connection()
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data:")
+    conn.close()  # gone after one event: the next request must not wait behind the other 899 tokens
+    started = time.monotonic()
+    status, answer = server.request("POST", "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 1}).encode())
+    assert status == 200 and answer["usage"]["completion_tokens"] == 1
+    assert time.monotonic() - started < 0.3 * 900 / rate
+
+
+def test_concurrent_clients_are_all_answered_in_full(server, reference):
+    client = server.client()
+
+    def ask(i):
+        if i % 2:
+            s = client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=40, stream=True, **GREEDY)
+            return "chat", "".join(c.choices[0].delta.content or "" for c in s if c.choices)
+        r = client.completions.create(model="any", prompt="The capital of France is", max_tokens=20, **GREEDY)
+        return "text", r.choices[0].text
+
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(ask, range(6)))
+    assert all(text == reference[kind] for kind, text in answers)
+
+
+@pytest.mark.parametrize("body, status, message", [
+    (b'{"prompt": "x", ', 400, "not valid JSON"),
+    (b'{"prompt": "\xff\xfe", "max_tokens": 2}', 400, "not valid JSON"),
+    (json.dumps({"prompt": "x", "bogus": 1}).encode(), 400, "unrecognized request argument: bogus"),
+    (json.dumps({"prompt": "x", "max_tokens": 5000}).encode(), 400, "context holds 1024"),
+    (json.dumps({"prompt": "word " * 1100}).encode(), 400, "context holds 1024"),
+    (json.dumps({"prompt": "x", "temperature": -1}).encode(), 400, "temperature"),
+    (b'{"prompt": "x", "top_p": NaN}', 400, "top_p"),
+    (json.dumps({"prompt": "x", "max_tokens": -3}).encode(), 400, "max_tokens"),
+    (json.dumps({"prompt": ["a", "b"]}).encode(), 400, "one prompt per request"),
+    (json.dumps({"prompt": "x", "n": 2}).encode(), 400, "n"),
+])
+def test_bad_completion_requests_are_openai_errors(server, body, status, message):
+    got, answer = server.request("POST", "/v1/completions", body)
+    assert got == status
+    error = answer["error"]
+    assert message in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_bad_chat_requests_through_the_client(server):
+    client = server.client()
+    with pytest.raises(openai.BadRequestError, match="role"):
+        client.chat.completions.create(model="any", messages=[{"role": "robot", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model="any", messages=[])
+    with pytest.raises(openai.BadRequestError, match="context holds"):
+        client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=4000)
+    assert server.request("GET", "/v1/nowhere")[0] == 404
+    assert client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=2).usage.completion_tokens == 2
+
+
+def test_server_memory_stays_flat_under_repeated_streams(server):
+    client = server.client()
+
+    def stream(_):
+        s = client.completions.create(model="any", prompt="Tell me a story.", max_tokens=24, stream=True,
+                                      temperature=0.7)
+        return sum(1 for _ in s)
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(stream, range(8)))  # warm: allocator pools and caches settle
+        before = server.rss_kib()
+        list(pool.map(stream, range(24)))
+    assert server.rss_kib() - before < 16 * 1024
+
+
+def test_api_key_and_sigterm(smollm2_file):
+    s = Server(smollm2_file("q8_0"), "--api-key", "s3cret")
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            s.client("wrong").models.list()
+        assert s.request("GET", "/health")[0] == 200  # probes need no key
+        assert s.client("s3cret").completions.create(model="m", prompt="Hi", max_tokens=2).choices[0].text is not None
+    finally:
+        assert s.stop() == 0
+    assert not any("Traceback" in line for line in s.log)

@@ -197,29 +197,33 @@ def perplexity(model, windows: np.ndarray, progress: bool = True) -> dict:
 
 
 class StreamDecoder:
-    """Turns generated ids into text pieces as they arrive. Decoding after the prompt's ids keeps the
-    word-boundary spaces SentencePiece attaches to tokens; incomplete UTF-8 sequences are held back."""
+    """Turns generated ids into text pieces as they arrive, decoding a short window each time (a token's text
+    can depend on the one before it: SentencePiece's word-boundary spaces), so a token costs the same at any
+    length; incomplete UTF-8 sequences are held back until they complete."""
+
+    CONTEXT = 6  # tokens decoded before the new ones, for their boundary
 
     def __init__(self, tokenizer, prompt_ids: list[int]):
         self.tokenizer = tokenizer
         self.ids = list(prompt_ids)
-        self.printed = len(self._text())
+        self.read = len(self.ids)                          # ids before this are printed
+        self.prefix = max(0, self.read - self.CONTEXT)     # the window's start
 
-    def _text(self) -> str:
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+    def _text(self, end: int | None = None) -> str:
+        return self.tokenizer.decode(self.ids[self.prefix:end], skip_special_tokens=True)
 
     @property
     def holding(self) -> bool:
         """True while part of the text is held back (an unfinished UTF-8 sequence)."""
-        return len(self._text()) != self.printed
+        return self.read != len(self.ids)
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        text = self._text()
-        if text.endswith("\ufffd"):
+        before, text = self._text(self.read), self._text()
+        if len(text) <= len(before) or text.endswith("\ufffd"):
             return ""
-        piece, self.printed = text[self.printed:], len(text)
-        return piece
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(before):]
 
 
 def timing_lines(stats: dict, load_seconds: float, info: dict | None = None) -> list[str]:

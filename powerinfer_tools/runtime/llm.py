@@ -214,6 +214,7 @@ class LLM:
         """The prompt's ids. A prompt that extends the cache's exact text at a special token (a chat's next turn,
         after the reply's end) keeps the cached ids, so the cache is reused even where the whole text would
         tokenize otherwise."""
+        _check_text(prompt)
         cached = self._cache.text
         if cached and prompt.startswith(cached) and len(prompt) > len(cached):
             rest = self.tokenize(prompt[len(cached):], add_special=False)

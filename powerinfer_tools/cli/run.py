@@ -96,8 +96,12 @@ def run(
             sys.stdout.flush()
         sys.stdout.write("\n")
         sys.stdout.flush()
-        for line in inference.timing_lines(llm.stats(), load_seconds, llm.info):
+        stats = llm.stats()
+        for line in inference.timing_lines(stats, load_seconds, llm.info):
             typer.echo(line, err=True)
+        note = inference.sparsity_note(stats)
+        if note:
+            typer.echo(f"pi-tools: {note}", err=True)
 
 
 def prompt_text(prompt: str | None, prompt_file: Path | None) -> str:

@@ -226,6 +226,22 @@ class StreamDecoder:
         return text[len(before):]
 
 
+def sparsity_note(stats: dict) -> str | None:
+    """A plain warning when a sparse mode found too few inactive neurons to pay for choosing them (a SiLU model
+    run with thresholds, above all), saying what to do instead; None in dense mode or when it pays."""
+    from powerinfer_tools.stages.locality import ENOUGH_SPARSITY
+
+    density = stats.get("density")
+    if stats["ffn_mode"] == "dense" or density is None or density <= 1 - ENOUGH_SPARSITY:
+        return None
+    kernels = [layer.get("decode_mode") for layer in stats.get("layers", []) if layer.get("decode_mode")]
+    dense = sum(1 for k in kernels if k and k.startswith("dense"))
+    chose = f" ('auto' ran {dense} of {len(kernels)} layers dense)" if stats["ffn_mode"] == "auto" and kernels else ""
+    return (f"note: {density:.0%} of the FFN neurons were active, too many for the sparse modes to save time{chose}: "
+            "run --sparse-mode dense, or make the model sparse first (a SiLU model: 'pi-tools sparsify', "
+            "docs/sparsify.md)")
+
+
 def timing_lines(stats: dict, load_seconds: float, info: dict | None = None) -> list[str]:
     """llama.cpp's closing timings, plus the FFN density, where the time went and (given the engine's info)
     what the process holds: the mapped file, the KV cache, the work buffers, weights copied to other layouts."""
@@ -249,8 +265,11 @@ def timing_lines(stats: dict, load_seconds: float, info: dict | None = None) -> 
     kernels = Counter(layer["decode_mode"] for layer in stats.get("layers", []) if layer.get("decode_mode"))
     if kernels:
         ffn += "; layers' decode kernels: " + ", ".join(f"{name} {n}" for name, n in kernels.most_common())
+    # a one-token prompt runs as a decode step: the engine counts it with the eval line
+    prompt = (rate(stats['batch_tokens'], stats['batch_seconds'], 'tokens') if stats['batch_tokens'] else
+              "(a one-token prompt runs as one of the eval runs below)")
     lines = [f"llama_print_timings:        load time = {1000 * load_seconds:10.2f} ms",
-             f"llama_print_timings: prompt eval time = {rate(stats['batch_tokens'], stats['batch_seconds'], 'tokens')}",
+             f"llama_print_timings: prompt eval time = {prompt}",
              f"llama_print_timings:        eval time = {rate(stats['decode_tokens'], stats['decode_seconds'], 'runs  ')}",
              ffn, f"time: {share}"]
     if stats.get("recall") is not None:

@@ -17,6 +17,10 @@ import torch
 from powerinfer_tools.stages.profiling import load_activation_counts, load_profile, skew
 
 COVERAGE_TARGETS = (0.8, 0.9)   # activation shares for which we report the neurons needed
+# What the verdict calls enough: under half the neurons skipped, a sparse step saves less than choosing them
+# costs; the hottest 10 % serving under a fifth of activations is close to no locality (10 % is none).
+ENOUGH_SPARSITY = 0.5
+ENOUGH_HOT10 = 0.2
 
 
 def cumulative_share(counts: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -72,3 +76,26 @@ def analyse(directory: str | Path) -> Locality:
     counts = load_activation_counts(directory, n_layer, [n_ff] * n_layer)  # 257 counts for 256 neurons: refused
     tokens = int(profile["tokens"])
     return Locality(profile, [layer_locality(i, c, tokens) for i, c in enumerate(counts)])
+
+
+def verdict(activation: str, sparsity: float, hot10: float) -> str:
+    """What a profile's numbers mean for running the model, in plain words: whether the sparse modes and a GPU
+    hot tier can help, and what to do when they cannot."""
+    if activation not in ("relu", "relu2", "fatrelu", "drelu"):
+        sparse = (f"This {activation.upper()} model has no exact zeros: its {sparsity:.0%} sparsity is what the "
+                  "thresholds chosen while profiling cut away, and every point of it costs quality (measure "
+                  "perplexity in gate mode first). Run it dense, or make it really sparse with 'pi-tools "
+                  "sparsify' (docs/sparsify.md).")
+    elif sparsity < ENOUGH_SPARSITY:
+        sparse = (f"Only {sparsity:.0%} of the FFN neurons are inactive for a token: the sparse modes save less "
+                  "than choosing the active ones costs here, so run it dense ('auto' decides per layer).")
+    else:
+        sparse = (f"{sparsity:.0%} of the FFN neurons are inactive for a token: the sparse modes (gate, predictor, "
+                  "auto) skip that share of the FFN's weights.")
+    if hot10 < ENOUGH_HOT10:
+        local = (f"Almost no locality: the hottest 10% of neurons serve {hot10:.0%} of activations (10% would be "
+                 "none), so a GPU hot tier serves little more than its share of the neurons.")
+    else:
+        local = (f"The hottest 10% of neurons serve {hot10:.0%} of activations: a GPU hot tier of that size takes "
+                 "that share of the FFN's work.")
+    return f"{sparse} {local}"

@@ -12,7 +12,7 @@ from cli_helpers import run_cli
 from tiny_models import N_LAYER, training_text
 
 import engine
-from powerinfer_tools.runtime import evaluate
+from powerinfer_tools.runtime import evaluate, inference
 from powerinfer_tools import models
 from powerinfer_tools.stages.calibration import sequences_from_text
 from powerinfer_tools.formats.tokenizer import tokenizer_from_file
@@ -179,7 +179,23 @@ def test_run_timings_without_nan_and_the_dense_ffn_line(converted, capsys):
     assert "ffn: mode dense, every neuron computed (" in err and "of them pass the activation rule)" in err
     code, out, err = run_cli(capsys, "run", "-m", path, "-p", "", "-n", "3", "-t", "2", "--temp", "0")
     assert code == 0, err
-    assert not re.search(r"\bnan\b", err) and re.search(r"prompt eval time = +[\d.]+ ms / +0 tokens\n", err), err
+    assert not re.search(r"\bnan\b", err) and "prompt eval time = (a one-token prompt runs as one of the eval" in err
+
+
+def test_run_says_when_the_sparse_modes_cannot_pay(converted, capsys):
+    """A sparse mode that finds most neurons active is told so in one line on stderr, with what to do; dense mode
+    and a really sparse run are not."""
+    stats = {"ffn_mode": "auto", "density": 0.78, "layers": [{"decode_mode": "dense_rule"}] * 30}
+    assert "78% of the FFN neurons were active" in inference.sparsity_note(stats) and "30 of 30" in \
+        inference.sparsity_note(stats) and "pi-tools sparsify" in inference.sparsity_note(stats)
+    assert inference.sparsity_note(stats | {"density": 0.3}) is None
+    assert inference.sparsity_note(stats | {"ffn_mode": "dense"}) is None
+    path = converted("llama-relu")
+    for mode in ("gate", "dense"):
+        code, out, err = run_cli(capsys, "run", "-m", path, "-p", PROMPT, "-n", "6", "-t", "2", "--sparse-mode", mode)
+        density = float(re.search(r"(?:density |computed \()([\d.]+)", err).group(1))
+        noted = "too many for the sparse modes to save time" in err
+        assert code == 0 and noted == (mode == "gate" and density > 0.5) and "note" not in out
 
 
 def test_run_chat_answer_starts_on_its_own_line(converted, tmp_path, capsys):

@@ -13,16 +13,17 @@ ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"
 TOKENS = 512                       # 8 sequences of 64 tokens: enough for a held-out split
 # notebook -> how many figures it must display
-FIGURES = {"activation_locality.ipynb": 3, "predictor_quality.ipynb": 2, "placement.ipynb": 2}
+FIGURES = {"activation_locality.ipynb": 3, "predictor_quality.ipynb": 2, "placement.ipynb": 2, "python_api.ipynb": 0}
 
 
 @pytest.fixture(scope="module")
-def notebook_env(tmp_path_factory):
+def notebook_env(tmp_path_factory, smollm2_file):
     """Environment for the kernels: the budget, the data, one work dir shared by all notebooks (the
     profile is made once), and this checkout first on the path."""
     if not (DATA / "wikitext-2-valid.txt").is_file():
         pytest.skip("shared data (../shared/data) not present")
     env = {"PI_NB_TOKENS": str(TOKENS), "PI_NB_RANK": "16", "PI_NB_DATA": str(DATA),
+           "PI_NB_MODEL": str(smollm2_file("q8_0")),  # python_api.ipynb: the default model, converted once
            "PI_NB_WORK": str(tmp_path_factory.mktemp("notebooks")),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     saved = {key: os.environ.get(key) for key in env}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import html
 import json
 from html.parser import HTMLParser
 
@@ -161,6 +162,15 @@ def test_analyse_agrees_with_profile_json(tiny_profile):
         assert np.all(np.diff(layer.activation_share) >= 0) and layer.activation_share[-1] == pytest.approx(1)
 
 
+def test_the_verdict_says_what_the_numbers_mean():
+    silu = locality.verdict("silu", 0.2, 0.115)
+    assert "no exact zeros" in silu and "pi-tools sparsify" in silu and "Almost no locality" in silu
+    dense = locality.verdict("relu", 0.3, 0.5)
+    assert "run it dense" in dense and "serve 50% of activations" in dense
+    sparse = locality.verdict("drelu", 0.9, 0.6)
+    assert "90% of the FFN neurons are inactive" in sparse and "no exact zeros" not in sparse
+
+
 # ---- the report ---------------------------------------------------------------------------------------
 
 def test_report_figures_and_tables(tiny_profile, tmp_path, capsys):
@@ -172,6 +182,10 @@ def test_report_figures_and_tables(tiny_profile, tmp_path, capsys):
         height, width, _ = png_shape(page.images[fig])
         assert width > 300 and height > 200
     assert "http" not in out.read_text().replace("http-equiv", ""), "report must be self-contained"
+    profile = json.loads((tiny_profile / "profile.json").read_text())
+    mean = {k: np.mean([row[k] for row in profile["layers"]]) for k in ("sparsity", "hot10")}
+    verdict = locality.verdict(profile["model"]["activation"], mean["sparsity"], mean["hot10"])
+    assert html.escape(verdict) in out.read_text()  # the report says what its numbers mean
 
     profile = json.loads((tiny_profile / "profile.json").read_text())
     loc = locality.analyse(tiny_profile)

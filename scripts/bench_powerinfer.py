@@ -10,7 +10,7 @@ compares predictor logits with one threshold for every layer (LLAMA_SPARSE_PRED_
 so the file's predictors should select at threshold 0 (scripts/synthetic_llama.py builds them so).
 PowerInfer is a peer, never a dependency: build it from its source in a directory of your own.
 
-Usage: python scripts/bench_powerinfer.py --file model.powerinfer.gguf --powerinfer /tmp/powerinfer/build/bin/main
+Usage: python scripts/bench_powerinfer.py --file model.powerinfer.gguf --powerinfer ../PowerInfer/build/bin/main
          [--rounds 3] [--n-gen 32] [--threads 2] [--mode predictor] [--peer-file plain.gguf] [--json out.json]
 """
 from __future__ import annotations

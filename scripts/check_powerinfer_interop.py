@@ -4,7 +4,7 @@ A peer check, never needed by the tests or CI: PowerInfer (SJTU-IPADS/PowerInfer
 source in a temporary directory, and this script is given its build directory (bin/main, bin/perplexity,
 bin/quantize, bin/gguf) and its source directory (its converters and powerinfer-py).
 
-    scripts/check_powerinfer_interop.sh /tmp/powerinfer/build --work /work/runs/30/interop
+    scripts/check_powerinfer_interop.sh ../PowerInfer/build --work runs/interop
 
 For each model (tiny random ReLU models of every architecture PowerInfer runs sparsely, built by the test
 helpers, and an HF ReLU checkpoint given with --hf such as a `pi-tools sparsify` output):
@@ -34,9 +34,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = Path(os.environ.get("PI_DATA", ROOT.parent / "shared" / "data"))
-if not DATA.is_dir():
-    DATA = Path("/work/shared/data")
+DATA = Path(os.environ.get("PI_DATA", ROOT.parent / "shared" / "data"))  # text: PI_DATA, else ../shared/data
 PROMPT = "The king said to his son"
 
 

@@ -29,16 +29,17 @@ model whose residual grows from layer to layer, and at threshold 0, which is Pow
 scaled to the mean 1 - sparsity.
 
 Usage:
-  python scripts/synthetic_llama.py model --shape 7b --out /work/runs/28/relu7b
+  python scripts/synthetic_llama.py model --shape 7b --out runs/relu7b
   python scripts/synthetic_llama.py model --shape 70b --layers 2 --out /tmp/relu70b-2   # 70B's layer width
-  python scripts/synthetic_llama.py predictors --shape 7b --sparsity 0.9 --out /work/runs/28/pred-s90
-  python scripts/synthetic_llama.py profile --shape 7b --out /work/runs/28/prof
+  python scripts/synthetic_llama.py predictors --shape 7b --sparsity 0.9 --out runs/pred-s90
+  python scripts/synthetic_llama.py profile --shape 7b --out runs/prof
   python scripts/synthetic_llama.py model --shape 2b --act silu --out /tmp/silu2b   # for sparsify's speed
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 from dataclasses import dataclass, replace
@@ -51,8 +52,7 @@ from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-DATA = next((p for p in (ROOT.parent / "shared" / "data", Path("/work/shared/data")) if p.is_dir()),
-            Path("/work/shared/data"))
+DATA = Path(os.environ.get("PI_DATA", ROOT.parent / "shared" / "data"))  # text: PI_DATA, else ../shared/data
 TOKENIZER_TEXT = ("wikitext-2-valid.txt", "tinyshakespeare.txt")  # calibration text only, never the test split
 
 

@@ -79,8 +79,8 @@ def bench(
     vram_budget: Optional[float] = typer.Option(None, "--vram-budget", help="GiB: solve the hot tier for this budget "
                                                 "from --profile (for the bench's file, cached beside it) and give the "
                                                 "GPU at most that much."),
-    text: Optional[Path] = typer.Option(None, "--text", help="Text whose tokens are fed (default: the project's "
-                                        "wikitext-2-valid when present, else text the model generates)."),
+    text: Optional[Path] = typer.Option(None, "--text", help="UTF-8 text whose tokens are fed (e.g. "
+                                        "WikiText-2's validation split). Default: text the model generates itself."),
     work_dir: Optional[Path] = typer.Option(None, "--work-dir", help="Where the built files are cached, "
                                             "rebuilt when the inputs or this toolkit's version change "
                                             "(default: ~/.cache/powerinfer-tools/bench)."),

@@ -113,16 +113,6 @@ def default_work_dir() -> Path:
     return cache_dir() / "bench"
 
 
-def default_text() -> Path | None:
-    """The project's calibration text when it is around (a checkout beside ../shared/data)."""
-    here = Path(__file__).resolve()
-    for base in (here.parents[2] / ".." / "shared" / "data", Path("/work/shared/data")):
-        candidate = base / "wikitext-2-valid.txt"
-        if candidate.is_file():
-            return candidate.resolve()
-    return None
-
-
 # ---- statistics ---------------------------------------------------------------------------------
 
 def summarize(tokens: int, times: dict) -> dict:
@@ -301,7 +291,7 @@ def run_bench(opts: BenchOptions) -> dict:
 
     source = models.resolve(opts.model)
     tokenizer = models.load_tokenizer(source)
-    text_path = opts.text or default_text()
+    text_path = opts.text
     text = None
     if text_path is not None:
         from powerinfer_tools.stages.calibration import read_text

@@ -37,6 +37,8 @@ def run(
     repeat_last_n: int = flags.repeat_last_n_option(),
     seed: int = flags.seed_option(),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template (one user turn)."),
+    conversation: bool = typer.Option(False, "--conversation", "-cnv", "--interactive", "-i", help="Chat instead, "
+                                      "as 'pi-tools chat' (llama.cpp's -cnv / -i): -p is then the system prompt."),
 ):
     """Generate text from a prompt with the bundled C++ engine, streaming it, then print llama.cpp-style
     timings (prompt and generation tokens/s) and the FFN density to stderr.
@@ -61,11 +63,23 @@ def run(
       pi-tools run -m relullama.q4_0.powerinfer.gguf --gpuidx relullama.generated.gpuidx -p "Hello" --seed 1
 
       pi-tools run -m relu7b.q4_0.powerinfer.gguf --vram-budget 4 --profile prof --gpu on -p "Hello"   # hot tier on the GPU
+
+      pi-tools run -m smollm2 -cnv -p "You are a pirate."   # a conversation, as llama-cli -cnv
     """
     from powerinfer_tools.runtime import inference
 
     if n_predict < 0:
         raise UserError("--n-predict must be >= 0")
+    if conversation:
+        from powerinfer_tools.cli import chat as chat_cli
+
+        system = prompt_text(prompt, prompt_file) if prompt is not None or prompt_file is not None else None
+        # run's default context is the plan's; a conversation gets chat's unless -c says otherwise
+        ctx = flags.CHAT_CTX_SIZE if ctx_size == placement.DEFAULT_CTX_SIZE else ctx_size
+        return chat_cli.chat(model=model, system=system, n_predict=n_predict or 512, threads=threads,
+                             sparse_mode=sparse_mode, gpuidx=gpuidx, vram_budget=vram_budget, gpu=gpu, profile=profile,
+                             ctx_size=ctx, kv_type=kv_type, temp=temp, top_k=top_k, top_p=top_p,
+                             repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed, verbose=False)
     prompt = prompt_text(prompt, prompt_file)
     check_utf8(prompt)
     target = inference.resolve_model_file(model, gpuidx, vram_budget, profile, ctx_size)

@@ -66,6 +66,20 @@ def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(smollm2_file):
     assert chat.exitstatus == 0
 
 
+def test_run_cnv_is_the_chat_with_p_as_the_system_prompt(smollm2_file):
+    chat = pexpect.spawn(sys.executable, ["-m", "powerinfer_tools", "run", "-m", str(smollm2_file("q8_0")), "-cnv",
+                                          "-p", "You answer in one word.", "-n", "24", "--temp", "0", "-t", "2"],
+                         encoding="utf-8", timeout=120)
+    chat.expect_exact("pi-tools chat:")
+    chat.expect_exact("> ")
+    chat.sendline("Name a fruit.")
+    chat.expect_exact("> ")
+    chat.sendline("/exit")
+    chat.expect(pexpect.EOF)
+    chat.close()
+    assert chat.exitstatus == 0
+
+
 def test_run_reads_the_prompt_from_stdin(smollm2_file):
     done = subprocess.run([sys.executable, "-m", "powerinfer_tools", "run", "-m", str(smollm2_file("q8_0")), "-f", "-",
                            "-n", "4", "--temp", "0", "-t", "2", "--sparse-mode", "dense"],

@@ -35,22 +35,12 @@ def _wait_policy(value: str | None) -> str | None:
 N_PROMPT = 512
 
 
-def _number_or_old_meaning(value: str | None, letter: str, old_flag: str) -> tuple[int | None, str | None]:
-    """-t and -p take llama-bench's meaning (threads, prompt tokens: a number); a value that is no number is the
-    letter's old meaning (weight type, predictor directory), kept as a deprecated alias of `old_flag`."""
-    if value is None or value.strip().lstrip("-").isdigit():
-        return (int(value) if value is not None else None), None
-    flags.deprecated(value, f"{letter} {value}", f"{old_flag} {value}")
-    return None, value
-
-
 def bench(
     model: str = typer.Option(..., "--model", "-m", help="Source model: HF directory, llama .gguf file, or "
                                                          "'smollm2'. Both engines' files are built from it."),
     outtype: str = typer.Option("q4_0", "--outtype", help="Weight type of both files: q4_0, q8_0, f16, f32."),
-    threads: Optional[str] = typer.Option(None, "--threads", "-t", metavar="N", help="Threads for every engine. "
-                                          "Default: all cores. (-t WEIGHT_TYPE, its old meaning: deprecated, "
-                                          "--outtype.)"),
+    threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Threads for every engine. Default: all "
+                                          "cores."),
     repeats: int = typer.Option(5, "--repeats", "-r", help="Interleaved rounds of the main table."),
     modes: str = typer.Option("dense,gate,predictor,auto", "--modes", help="Our FFN modes, comma-separated."),
     peers: str = typer.Option("llama.cpp,torch", "--peers", help="Other engines: llama.cpp, torch; '' for none."),
@@ -65,8 +55,7 @@ def bench(
                                         "at each --sweep-levels FFN sparsity."),
     sweep_levels: str = typer.Option("0.3,0.5,0.7,0.8,0.9,0.95", "--sweep-levels", help="Sparsity levels."),
     sweep_repeats: int = typer.Option(3, "--sweep-repeats", help="Interleaved rounds per sweep level."),
-    n_prompt: str = typer.Option(str(N_PROMPT), "--n-prompt", "-p", metavar="N", help="Prompt tokens (pp), as llama-bench's "
-                                 "-p. (-p DIR, its old meaning: deprecated, --predictors.)"),
+    n_prompt: int = typer.Option(N_PROMPT, "--n-prompt", "-p", help="Prompt tokens (pp), as llama-bench's -p."),
     n_gen: int = typer.Option(128, "--n-gen", "-n", help="Generated tokens (tg)."),
     depth: int = typer.Option(0, "--depth", "-d", help="Tokens of the text already in the cache when tg starts "
                               "(not timed), as llama-bench's -d: generation at a long context."),
@@ -128,11 +117,6 @@ def bench(
         raise UserError(f"unknown --gpu {gpu!r} (choose from {', '.join(GPU_MODES)})")
     if vram_budget is not None and profile is None and gpuidx is None:
         raise UserError("--vram-budget solves the hot tier from --profile: give --profile DIR (or --gpuidx FILE)")
-    threads, old_outtype = _number_or_old_meaning(threads, "-t", "--outtype")
-    n_prompt, old_predictors = _number_or_old_meaning(n_prompt, "-p", "--predictors")
-    n_prompt = N_PROMPT if n_prompt is None else n_prompt
-    outtype = old_outtype or outtype
-    predictors = Path(old_predictors) if old_predictors else predictors
     if threads is None:
         from powerinfer_tools.bench.machine import usable_cores
 

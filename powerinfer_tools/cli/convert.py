@@ -6,7 +6,6 @@ from typing import Optional
 
 import typer
 
-from powerinfer_tools.cli import flags
 from powerinfer_tools.stages import placement
 from powerinfer_tools.core.errors import UserError
 
@@ -42,8 +41,6 @@ def convert(
         None, "--vram-budget", help="GiB of VRAM: after writing the model, place its hot neurons (as `pi-tools "
                                     "plan` does, with its defaults) and write OUT.generated.gpuidx beside it. "
                                     "Needs --profile."),
-    outtype_old: Optional[str] = flags.outtype_alias(),
-    predictors_old: Optional[Path] = flags.predictors_alias(),
     dry_run: bool = typer.Option(False, "--dry-run", help="Write nothing: report the file's size by part and "
                                  "outtype, and the KV cache, from the model's config alone (no weights needed)."),
     predictor_rank: Optional[int] = typer.Option(
@@ -67,8 +64,6 @@ def convert(
 
       pi-tools convert --dry-run -m relullama-70b              # sizes at f16, q8_0, q4_0; nothing written
     """
-    outtype = flags.either(outtype, outtype_old, "-t", "--outtype")
-    predictors = flags.either(predictors, predictors_old, "-p", "--predictors")
     if dry_run:
         if predictors is not None or profile is not None or vram_budget is not None or out is not None:
             raise UserError("--dry-run sizes the file from the config alone: drop --out/--predictors/--profile/"

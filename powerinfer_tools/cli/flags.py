@@ -1,6 +1,5 @@
 """Flag spellings shared by the commands, as llama.cpp's tools spell them (-t threads, -p prompt, -c/--ctx-size,
--f file, -n tokens to predict), and the toolkit's older spellings kept as deprecated aliases: given, they still
-work and say so in one line on stderr."""
+-f file, -n tokens to predict), each defined once."""
 from __future__ import annotations
 
 import typer
@@ -84,26 +83,3 @@ def repeat_last_n_option():
 
 def seed_option():
     return typer.Option(-1, "--seed", "-s", help="Sampling seed; -1 = random.")
-
-
-def deprecated(value, old: str, new: str):
-    """`value` of a deprecated spelling `old` (None when not given), with the note that `new` replaces it."""
-    if value is not None:
-        typer.echo(f"pi-tools: {old} is deprecated: use {new}", err=True)
-    return value
-
-
-def either(value, alias_value, alias: str, new: str):
-    """The value of the new spelling, or of its deprecated alias when that was given (noted)."""
-    alias_value = deprecated(alias_value, alias, new)
-    return value if alias_value is None else alias_value
-
-
-def outtype_alias():
-    """-t, which meant the weight type in convert and plan: -t is threads in llama.cpp's tools."""
-    return typer.Option(None, "-t", hidden=True, help="Deprecated: --outtype.")
-
-
-def predictors_alias():
-    """-p, which meant the predictor directory in convert and report: -p is the prompt in llama.cpp's tools."""
-    return typer.Option(None, "-p", hidden=True, help="Deprecated: --predictors.")

@@ -33,7 +33,6 @@ def perplexity(
                                                          "and report the predictor's recall (slower)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
-    ctx_old: Optional[int] = typer.Option(None, "--ctx", hidden=True, help="Deprecated: --ctx-size."),
 ):
     """Perplexity of a converted model on a text file with the bundled engine, in the chosen FFN mode
     (each token's own sparsity mask applies), with tokens/s and the measured FFN density.
@@ -54,7 +53,6 @@ def perplexity(
     from powerinfer_tools.runtime import inference
     from powerinfer_tools.stages.calibration import read_text, sequences_from_text
 
-    ctx = flags.either(ctx, ctx_old, "--ctx", "--ctx-size")
     if ctx < 2:
         raise UserError("--ctx-size must be at least 2")
     if chunks < 0:

@@ -6,7 +6,6 @@ from typing import Optional
 
 import typer
 
-from powerinfer_tools.cli import flags
 from powerinfer_tools.stages import placement
 from powerinfer_tools.core.errors import UserError
 
@@ -45,7 +44,6 @@ def plan(
                                  "assumed power law (labelled as such). Writes nothing unless --out."),
     outtype: str = typer.Option("q4_0", "--outtype", help="With --dry-run: the weight type the model would be "
                                 "converted to (f32, f16, q8_0, q4_0)."),
-    outtype_old: Optional[str] = flags.outtype_alias(),
     predictor_rank: Optional[int] = typer.Option(
         None, "--predictor-rank", help="With --dry-run: the predictors' rank (default: train-predictor's cap, 10% "
                                        "of the FFN parameters); 0 for none."),
@@ -72,7 +70,6 @@ def plan(
     """
     from powerinfer_tools import stages
 
-    outtype = flags.either(outtype, outtype_old, "-t", "--outtype")
     opts = stages.PlanOptions(vram_budget_gib=vram_budget, out=out, ctx_size=ctx_size,
                               min_layer_neurons=min_layer_neurons, reserve_bytes=int(reserve_mib * placement.MIB),
                               offload_output=offload_output, dense=dense, time_limit=time_limit,

@@ -6,6 +6,7 @@ from typing import List, Optional
 
 import typer
 
+from powerinfer_tools.cli import flags
 from powerinfer_tools.core.errors import UserError
 
 
@@ -46,6 +47,7 @@ def profile(
     force: bool = typer.Option(False, "--force", help="Replace a non-empty output directory, or an interrupted profile's kept work."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted profile of the same --out "
                                 "with the same options (nothing is counted twice)."),
+    threads: Optional[int] = flags.threads_option(),
 ):
     """Profile FFN activations on calibration text: per-neuron activation counts (PowerInfer's
     activation_{i}.pt), activation thresholds, and predictor training rows.
@@ -67,6 +69,12 @@ def profile(
         raise UserError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
     if device not in ("cpu", "cuda", "auto"):
         raise UserError(f"--device must be cpu, cuda or auto, got {device!r}")
+    if threads is not None:
+        if threads < 1:
+            raise UserError("--threads must be at least 1")
+        import torch
+
+        torch.set_num_threads(threads)
     opts = stages.ProfileOptions(model=model, out=out, calib=list(calib or []), tokens=tokens, seq_len=seq_len,
                                  batch=batch, device=device, dtype=dtype, load=load,
                                  target_sparsity=_parse_targets(target_sparsity), max_samples=max_samples, seed=seed,

@@ -6,7 +6,6 @@ from typing import Optional
 
 import typer
 
-from powerinfer_tools.cli import flags
 
 
 def report(
@@ -18,7 +17,6 @@ def report(
     plan: Optional[Path] = typer.Option(
         None, "--plan", help="The .gpuidx file 'pi-tools plan' wrote (its OUT.json summary is read), or that "
                              "summary itself."),
-    predictors_old: Optional[Path] = flags.predictors_alias(),
 ):
     """Write one self-contained HTML page of pictures and tables: per-layer activation locality
     (cumulative activation share vs neuron share, hottest 10/20/50% coverage) and sparsity from the
@@ -35,6 +33,5 @@ def report(
     """
     from powerinfer_tools.stages.report import write_report
 
-    predictors = flags.either(predictors, predictors_old, "-p", "--predictors")
     write_report(profile_dir, out, predictors=predictors, plan=plan)
     typer.echo(f"wrote {out}")

@@ -38,7 +38,7 @@ def train_predictor(
                                        "published model_{i}.pt) on every row of PROFILE_DIR."),
     report: Path = typer.Option(None, "--report", help="With --evaluate, also write the metrics as JSON here."),
     held_out: float = typer.Option(0.2, "--held-out", help="Fraction of calibration sequences held out."),
-    threads: int = typer.Option(DEFAULT_TRAIN_THREADS, "--threads",
+    threads: int = typer.Option(DEFAULT_TRAIN_THREADS, "--threads", "-t",
                                 help="CPU threads for torch (small matrices: more threads than free cores "
                                      "only add contention)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the split, initialisation and batch order."),

@@ -43,7 +43,7 @@ def test_predictors_select_the_share_they_were_built_for(synthetic, sparsity, tm
     model, _, _ = synthetic
     pred = synthetic_llama.build_predictors(tmp_path / "pred", SHAPE, sparsity, rank=64)
     out = tmp_path / "m.gguf"
-    assert run_cli(capsys, "convert", "-m", model, "-p", pred, "-t", "f32", "-o", out, "-q")[0] == 0
+    assert run_cli(capsys, "convert", "-m", model, "--predictors", pred, "--outtype", "f32", "-o", out, "-q")[0] == 0
     with engine.Model(out, threads=1, sparse_mode="predictor") as m:
         m.eval(list(range(3, 67)))
         layers = m.stats()["layers"]
@@ -56,7 +56,7 @@ def test_pipeline_on_the_synthetic_model(synthetic, outtype, capsys):
     model, profile, root = synthetic
     pred = synthetic_llama.build_predictors(root / f"pred-{outtype}", SHAPE, 0.8, rank=32)
     out = root / f"model.{outtype}.powerinfer.gguf"
-    code, _, err = run_cli(capsys, "convert", "-m", model, "-p", pred, "--profile", profile, "-t", outtype,
+    code, _, err = run_cli(capsys, "convert", "-m", model, "--predictors", pred, "--profile", profile, "--outtype", outtype,
                            "-o", out, "-q")
     assert code == 0, err
     gpuidx = root / f"model.{outtype}.gpuidx"

@@ -79,9 +79,12 @@ def bench(
                                                 "peer: active or passive. Default: both, and every run counts the "
                                                 "faster (spinning collapses on an oversubscribed machine)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the full record (samples, machine, "
-                                            "byte model, targets) as JSON."),
+                                            "byte model) as JSON."),
     png: Optional[Path] = typer.Option(None, "--png", help="Draw the sweep (tokens/s vs sparsity) as PNG."),
-    markdown: Optional[Path] = typer.Option(None, "--markdown", help="Also write the tables to this file."),
+    markdown: Optional[Path] = typer.Option(None, "--markdown", help="Also write every table (as --verbose "
+                                            "prints them) to this file."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Print every table: the machine, CPU time, bytes "
+                                 "per token against the byte model, where a token's time goes, the sweep."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars."),
 ):
     """Benchmark prompt processing (pp) and generation (tg) tokens/s: our engine in each FFN mode against
@@ -91,7 +94,8 @@ def bench(
     and a plain GGUF for llama.cpp holding the same tensor bytes (ffn_down requantized from the same
     source, as llama.cpp lays it out). Repeats are interleaved and ratios paired per round. Each run of
     ours is set against a byte model of what a token reads (predicted speedup over dense, achieved /
-    predicted, and achieved / the limit of the measured memory bandwidth). Prints a markdown table.
+    predicted, and achieved / the limit of the measured memory bandwidth). Prints one table, llama-bench's size
+    (engine, FFN mode, sparsity, pp and tg tokens/s, tg against llama.cpp); --verbose prints every table.
 
     Examples:
 
@@ -107,7 +111,8 @@ def bench(
 
       pi-tools bench -m relu7b --predictors pred --profile prof --modes predictor --peers '' --vram-budget 4 --gpu on
     """
-    from powerinfer_tools.bench.harness import BenchOptions, plot_sweep, render_markdown, run_bench, write_json
+    from powerinfer_tools.bench.harness import (BenchOptions, plot_sweep, render_markdown, render_summary, run_bench,
+                                                write_json)
 
     if png is not None and not sweep_sparsity:
         raise UserError("--png draws the sparsity sweep: add --sweep-sparsity")
@@ -130,7 +135,7 @@ def bench(
                         command="pi-tools " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "")
     record = run_bench(opts)
     table = render_markdown(record)
-    typer.echo(table)
+    typer.echo(table if verbose else render_summary(record))
     if markdown is not None:
         from powerinfer_tools.core.atomic import atomic_file
 

@@ -46,20 +46,6 @@ AGREEMENT_TOKENS = 64
 BANDWIDTH_PROBE_BYTES = 256 << 20  # far beyond any last-level cache
 BANDWIDTH_PASSES = 2
 
-# issue 7's targets: (what, threshold)
-TARGETS = {
-    "dense_tg_vs_llamacpp": 1.0, "dense_pp_vs_llamacpp": 0.8, "achieved_over_predicted": 0.85,
-    "of_physical_limit": 0.6, "gate@0.5_vs_llamacpp": 1.2, "gate@0.7_vs_llamacpp": 1.35,
-    "predictor@0.9_vs_llamacpp": 1.8, "peak_rss_over_file_kv_buffers": 1.05,
-}
-AT_MOST = {"peak_rss_over_file_kv_buffers"}  # goals that are ceilings
-
-
-def _is_ceiling(target: str) -> bool:
-    """Whether a target (its name, then what it is measured on) is met at or below its goal."""
-    return target.split(" ")[0] in AT_MOST
-
-
 @dataclass
 class BenchOptions:
     model: str
@@ -373,7 +359,6 @@ def run_bench(opts: BenchOptions) -> dict:
     finally:
         for w in workers:
             w.close()
-    record["targets"] = check_targets(record)
     record["notes"] = opts.log
     record["seconds"] = round(time.time() - started, 1)
     return record
@@ -421,47 +406,6 @@ def _sweep(opts, files, work_dir, sample, logits, llama, modes, tg, mb, probe, r
     return out
 
 
-# ---- targets ------------------------------------------------------------------------------------
-
-def check_targets(record: dict) -> list[dict]:
-    """issue 7's targets that this run measured: value, goal, met. Speed ratios to llama.cpp are checked
-    by wall time and, separately, by CPU time (what each engine spent, whatever share of a shared
-    machine it got)."""
-    checks = []
-
-    def add(name: str, value: float | None, where: str) -> None:
-        if value is not None:
-            goal = TARGETS[name.split(" ")[0]]
-            met = value <= goal if _is_ceiling(name) else value >= goal
-            checks.append({"target": name, "where": where, "value": value, "goal": goal, "met": met})
-
-    for e in record.get("runs", []):
-        if e["label"] == "ours dense" and "vs_llamacpp" in e:
-            for test in ("tg", "pp"):
-                add(f"dense_{test}_vs_llamacpp", e["vs_llamacpp"].get(test), "main")
-                add(f"dense_{test}_vs_llamacpp (CPU time)", e["vs_llamacpp"].get(f"{test}_cpu"), "main")
-    for where, entries in (("main", record.get("runs", [])), ("sweep", record.get("sweep", []))):
-        for e in entries:
-            if e["backend"] != "ours":
-                continue
-            at = f"{e['mode']}@{e['target_sparsity']}" if e["target_sparsity"] is not None else e["mode"]
-            if e["mode"] != "dense" and e.get("achieved_over_predicted") is not None:
-                add(f"achieved_over_predicted {at}", e["achieved_over_predicted"], where)
-                add(f"achieved_over_predicted {at} (CPU time)", e.get("achieved_over_predicted_cpu"), where)
-            if e["mode"] != "dense" or e["target_sparsity"] is None:
-                add(f"of_physical_limit {at}", e.get("of_limit"), where)
-            key = f"{e['mode']}@{e['target_sparsity']}_vs_llamacpp"
-            if key in TARGETS and "vs_llamacpp" in e:
-                add(key, e["vs_llamacpp"].get("tg"), where)
-                add(f"{key} (CPU time)", e["vs_llamacpp"].get("tg_cpu"), where)
-    eng, weights = record.get("engine", {}), record.get("files", {}).get("powerinfer_bytes")
-    for mode, m in eng.get("memory_by_mode", {}).items():  # the weights once: the file, the cache, the buffers
-        if weights and m["peak_rss_bytes"] and m["rss_before_model_bytes"] is not None:
-            add(f"peak_rss_over_file_kv_buffers {mode}", (m["peak_rss_bytes"] - m["rss_before_model_bytes"]) /
-                (weights + eng["kv_cache_bytes"] + eng["work_buffer_bytes"]), "main")
-    return checks
-
-
 # ---- reporting ----------------------------------------------------------------------------------
 
 def _f(v, fmt="{:.2f}", none="–"):
@@ -497,7 +441,36 @@ def _rows_by_index(m: dict) -> str:
             f"{shares}, {rate.get(1.0, float('nan')) / 1e9:.1f} GB/s all in order")
 
 
+def render_summary(record: dict) -> str:
+    """The table `pi-tools bench` prints: llama-bench's size, one row per engine and mode (--verbose has the rest)."""
+    st, m = record["settings"], record["machine"]
+    pp, tg = f"pp{st['n_prompt']}", tg_label(st)
+    lines = [f"{st['model']} {st['outtype']}, {st['threads']} threads, {m['cpu']}; medians of {st['repeats']} "
+             "interleaved rounds", "",
+             f"| engine | FFN mode | FFN sparsity | {pp} t/s | {tg} t/s | {tg} vs llama.cpp |",
+             "|---|---|---:|---:|---:|---:|"]
+    for e in record.get("runs", []):
+        sp = e.get("sparsity")
+        engine = "ours" if e["backend"] == "ours" else e["label"]
+        lines.append("| " + " | ".join([
+            engine, e["mode"] if e["backend"] == "ours" else "dense", _f(sp["ffn_sparsity"] if sp else None),
+            _f((e.get("pp") or {}).get("median"), "{:.1f}"), _f(e["tg"]["median"], "{:.1f}"),
+            _f(e.get("vs_llamacpp", {}).get("tg"), "{:.2f}x")]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+LEGEND = (
+    "Columns: t/s, tokens per second (median ± stdev over the rounds); t/CPU-s, tokens per CPU-second of the "
+    "engine's process; vs llama.cpp, our speed over llama.cpp's in the same round (median of the rounds' ratios; "
+    "CPU: by CPU time); MiB/token, the bytes a generated token reads (weights, predictors, KV cache); predicted vs "
+    "dense, the speedup over our dense mode those bytes predict; achieved / predicted, the speedup measured over "
+    "that prediction; of limit, tokens/s x bytes/token over the machine's read bandwidth; achieved / at the probed "
+    "rates, the speedup measured over the one predicted when rows read by index cost what the read probe "
+    "measured; gate rows read, the share of gate rows a step reads.")
+
+
 def render_markdown(record: dict) -> str:
+    """Every table and measurement of a run (`pi-tools bench --verbose`, `--markdown`)."""
     st, m = record["settings"], record["machine"]
     bw = m.get("read_bandwidth", {})
     lines = [f"`{record['command']}`" if record.get("command") else "", "",
@@ -568,15 +541,9 @@ def render_markdown(record: dict) -> str:
                 _f(e.get("achieved_speedup_cpu"), "{:.2f}x"), _f(e.get("predicted_speedup"), "{:.2f}x"),
                 _f(e.get("achieved_over_predicted"), "{:.0%}"), _f(e.get("achieved_over_predicted_cpu"), "{:.0%}"),
                 _f(e.get("of_limit"), "{:.0%}"), _f(e.get("achieved_over_machine_predicted"), "{:.0%}")]) + " |")
-    if record.get("targets"):
-        lines += ["", "| target | measured | goal | met |", "|---|---|---|---|"]
-        for t in record["targets"]:
-            bound = "≤ " if _is_ceiling(t["target"]) else "≥ "
-            # three digits: a value just short of its goal must not print as the goal itself (0.849 as 0.85, "no")
-            lines.append(f"| {t['target']} ({t['where']}) | {t['value']:.3f} | {bound}{t['goal']:.2f} | "
-                         f"{'yes' if t['met'] else '**no**'} |")
     for note in record.get("notes", []):
         lines.append(f"\nNote: {note}")
+    lines += ["", LEGEND]
     return "\n".join(lines).strip() + "\n"
 
 

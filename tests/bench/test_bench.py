@@ -19,6 +19,8 @@ from tiny_models import HIDDEN, N_FF, N_LAYER
 
 from powerinfer_tools.models import arch
 from powerinfer_tools.bench import harness as bench
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import bench_targets  # noqa: E402  (the project's goals: a script, not the product)
 from powerinfer_tools.bench import byte_model
 from powerinfer_tools.bench import machine
 from powerinfer_tools import models
@@ -302,7 +304,7 @@ def _record(tg_llama, tg_dense, tg_gate, pp_ratio, achieved_over_predicted):
 
 def test_targets_and_markdown():
     rec = _record(tg_llama=100.0, tg_dense=105.0, tg_gate=118.0, pp_ratio=0.7, achieved_over_predicted=0.9)
-    targets = {t["target"]: t for t in bench.check_targets(rec)}
+    targets = {t["target"]: t for t in bench_targets.check_targets(rec)}
     assert targets["dense_tg_vs_llamacpp"]["met"] and not targets["dense_pp_vs_llamacpp"]["met"]
     assert targets["dense_tg_vs_llamacpp (CPU time)"]["met"] and not targets["dense_pp_vs_llamacpp (CPU time)"]["met"]
     assert not targets["gate@0.5_vs_llamacpp"]["met"]            # 1.18 < 1.2
@@ -310,31 +312,36 @@ def test_targets_and_markdown():
     assert targets["achieved_over_predicted gate@0.5"]["met"]     # 0.9 >= 0.85
     assert targets["achieved_over_predicted gate@0.5 (CPU time)"]["met"]
     assert targets["of_physical_limit dense"]["met"] and not targets["of_physical_limit gate@0.5"]["met"]
-    rec["targets"] = list(targets.values())
     md = bench.render_markdown(rec)
     assert "| ours dense | 0.00 | 70.0 ± 1.0 | 105.0 ± 1.0 | 210.0 | 0.70x | 1.05x | 1.50x |" in md
     assert "| 0.50 | ours gate | 0.50 | 1.00 | 118.0 ± 1.0 | 236.0 | 1.18x | 1.30x | 1.12x | 1.10x | 1.30x | 90% | 85% " \
            "| 50% | 102% |" in md
     assert "rows read by index (324-byte rows, 2 threads, engine.read_rows_rate): 20.0 GB/s at 10% of them, " \
            "25.0 GB/s at 50% of them, 30.0 GB/s at 80% of them, 45.0 GB/s all in order" in md
-    assert "| gate@0.5_vs_llamacpp (sweep) | 1.180 | ≥ 1.20 | **no** |" in md
+    assert "Columns: t/s" in md and "MiB/token, the bytes a generated token reads" in md  # the legend
+    assert "| gate@0.5_vs_llamacpp (sweep) | 1.180 | ≥ 1.20 | **no** |" in bench_targets.targets_table(
+        list(targets.values()))
+    assert "| target | measured | goal | met |" not in md  # the goals are the project's, not the product's output
+    summary = bench.render_summary(rec)
+    assert summary.splitlines()[0] == "m q4_0, 2 threads, cpu; medians of 3 interleaved rounds"
+    assert "| ours | dense | 0.00 | 70.0 | 105.0 | 1.05x |" in summary and len(summary.splitlines()) == 6
     short = _record(tg_llama=100.0, tg_dense=105.0, tg_gate=118.0, pp_ratio=0.7, achieved_over_predicted=0.849)
-    short["targets"] = bench.check_targets(short)
-    assert "| achieved_over_predicted gate@0.5 (sweep) | 0.849 | ≥ 0.85 | **no** |" in bench.render_markdown(short)
+    assert "| achieved_over_predicted gate@0.5 (sweep) | 0.849 | ≥ 0.85 | **no** |" in bench_targets.targets_table(
+        bench_targets.check_targets(short))
     # a ceiling: met at or below its goal
     rec["files"] = {"powerinfer_bytes": 100 * 2**20}
     rec["engine"] = {"kv_cache_bytes": 10 * 2**20, "work_buffer_bytes": 5 * 2**20, "memory_by_mode": {
         "dense": {"peak_rss_bytes": 150 * 2**20, "rss_before_model_bytes": 30 * 2**20},
         "auto": {"peak_rss_bytes": 190 * 2**20, "rss_before_model_bytes": 30 * 2**20}}}
-    targets = {t["target"]: t for t in bench.check_targets(rec)}
+    targets = {t["target"]: t for t in bench_targets.check_targets(rec)}
     assert targets["peak_rss_over_file_kv_buffers dense"]["value"] == pytest.approx(120 / 115)
     assert targets["peak_rss_over_file_kv_buffers dense"]["met"]
     assert not targets["peak_rss_over_file_kv_buffers auto"]["met"]
-    rec["targets"] = list(targets.values())
     md = bench.render_markdown(rec)
     assert "one mode per process, less the worker before the model opened: dense 120.0 MiB, auto 160.0 MiB " \
            "(file 100.0 + KV cache 10.0 + work buffers 5.0 MiB)" in md
-    assert "| peak_rss_over_file_kv_buffers auto (main) | 1.391 | ≤ 1.05 | **no** |" in md
+    assert "| peak_rss_over_file_kv_buffers auto (main) | 1.391 | ≤ 1.05 | **no** |" in bench_targets.targets_table(
+        list(targets.values()))
 
 
 def test_sweep_plot(tmp_path):
@@ -427,12 +434,13 @@ def test_bench_end_to_end_tiny(silu_files, tmp_path):
     for e in rec["sweep"]:
         if e["backend"] == "ours":
             assert e["vs_llamacpp"]["tg"] > 0
-    assert {t["target"] for t in rec["targets"]} >= {"dense_tg_vs_llamacpp", "dense_pp_vs_llamacpp"}
+    targets = bench_targets.check_targets(rec)
+    assert {t["target"] for t in targets} >= {"dense_tg_vs_llamacpp", "dense_pp_vs_llamacpp"}
     memory = rec["engine"]["memory_by_mode"]  # each mode in a process of its own
     assert set(memory) == {"dense", "gate", "predictor", "auto"}
     for mode, m in memory.items():
         assert m["peak_rss_bytes"] > m["rss_before_model_bytes"] > 0
-        rss_target = next(t for t in rec["targets"] if t["target"] == f"peak_rss_over_file_kv_buffers {mode}")
+        rss_target = next(t for t in targets if t["target"] == f"peak_rss_over_file_kv_buffers {mode}")
         assert rss_target["value"] == pytest.approx((m["peak_rss_bytes"] - m["rss_before_model_bytes"]) / (
             rec["files"]["powerinfer_bytes"] + rec["engine"]["kv_cache_bytes"] + rec["engine"]["work_buffer_bytes"]))
     for e in rec["runs"] + rec["sweep"]:  # of limit: against the bandwidth sampled during that table's rounds

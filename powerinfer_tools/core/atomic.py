@@ -122,8 +122,8 @@ def atomic_dir(final: str | os.PathLike, force: bool = False):
 @contextlib.contextmanager
 def output_lock(final: str | os.PathLike, wait: bool):
     """Hold an exclusive lock on `final` (fcntl.flock of a lock file beside it, released however the process
-    ends): two runs writing one output take turns with `wait`, or the later is refused in one line. Without
-    flock (Windows) runs are not locked."""
+    ends, and removed when the run lets go): two runs writing one output take turns with `wait`, or the later is
+    refused in one line. Without flock (Windows) runs are not locked."""
     try:
         import fcntl
     except ImportError:
@@ -133,14 +133,30 @@ def output_lock(final: str | os.PathLike, wait: bool):
     lock_path = final.parent / f".{final.name}.lock"
     with naming_output(final):
         final.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
-    with os.fdopen(fd, "r+") as lock:
+    while True:
+        with naming_output(final):
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             if not wait:
+                os.close(fd)
                 raise UserError(f"another pi-tools run is writing {final} (it holds {lock_path}): wait for it to "
                                 "finish or choose another output") from None
             print(f"pi-tools: another run is building {final.name}; waiting for it", file=sys.stderr)
-            fcntl.flock(lock, fcntl.LOCK_EX)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        # the holder before us removes the file as it lets go: a lock on a removed file locks nothing, try again
+        try:
+            held = os.stat(lock_path)
+        except FileNotFoundError:
+            held = None
+        mine = os.fstat(fd)
+        if held is not None and (held.st_dev, held.st_ino) == (mine.st_dev, mine.st_ino):
+            break
+        os.close(fd)
+    try:
         yield
+    finally:  # removed while still held, so no run is left holding a file that is gone from the directory
+        with contextlib.suppress(OSError):
+            os.unlink(lock_path)
+        os.close(fd)

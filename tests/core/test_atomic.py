@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from powerinfer_tools.core.atomic import atomic_dir, atomic_file
 
 
@@ -82,3 +84,34 @@ def test_two_first_runs_share_one_build(tmp_path, monkeypatch):
     for r in runs:
         r.join(timeout=60)
     assert builds == ["smollm2"] and results == [pipeline.model_file("smollm2")] * 2
+
+
+def test_the_lock_file_goes_with_the_run(tmp_path):
+    from powerinfer_tools.core.atomic import output_lock
+
+    out = tmp_path / "prof"
+    with output_lock(out, wait=False):
+        assert (tmp_path / ".prof.lock").exists()
+    assert not list(tmp_path.iterdir())  # nothing left beside the output
+    with pytest.raises(KeyboardInterrupt):
+        with output_lock(out, wait=False):
+            raise KeyboardInterrupt
+    assert not list(tmp_path.iterdir())
+
+
+def test_runs_that_wait_take_turns_though_each_removes_the_lock_file(tmp_path):
+    """Several processes contending for one output: each holds it alone (the removed file's waiters try again on
+    the new one), and no lock file is left."""
+    script = (
+        "import sys, time\n"
+        "from powerinfer_tools.core.atomic import output_lock\n"
+        "log = open(sys.argv[2], 'a')\n"
+        "for _ in range(5):\n"
+        "    with output_lock(sys.argv[1], wait=True):\n"
+        "        log.write('in\\n'); log.flush(); time.sleep(0.01); log.write('out\\n'); log.flush()\n")
+    log = tmp_path / "log"
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "out"), str(log)],
+                              stderr=subprocess.DEVNULL) for _ in range(4)]
+    assert all(p.wait(60) == 0 for p in procs)
+    assert log.read_text() == "in\nout\n" * 20  # never two inside at once
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["log"]

@@ -170,7 +170,14 @@ def test_cli_convert_dry_run_prints_sizes_and_writes_nothing(converted, tmp_path
     assert header == list(dry_run.DEFAULT_OUTTYPES)
     sizes = [placement.human_bytes(files[t].stat().st_size) for t in dry_run.DEFAULT_OUTTYPES]
     assert file_row.split()[1:] == [part for s in sizes for part in s.split()]
-    assert "KV cache" in out and "nothing written" in out
+    assert "nothing written" in out
+    # the KV cache as the engine holds it: f32 by default, f16 with --kv-type f16
+    import engine
+
+    kv = next(line for line in out.splitlines() if line.startswith("KV cache"))
+    for kv_type in ("f32", "f16"):
+        with engine.Model(files[dry_run.DEFAULT_OUTTYPES[0]], ctx_size=512, kv_type=kv_type) as m:
+            assert f"ctx 512: {placement.human_bytes(m.info['kv_cache_bytes'])}" in kv.replace(" / ", ", ctx 512: ")
 
 
 def test_cli_plan_dry_run_labels_the_assumption_and_writes_only_out(tmp_path, capsys, monkeypatch):

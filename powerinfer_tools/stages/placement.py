@@ -435,4 +435,6 @@ def report_lines(plan: Plan) -> list[str]:
             f"{100 * s['served_fraction']:.1f}%",
             f"  {'layer':>5} {'gpu/n_ff':>13} {'min':>6} {'served':>7}",
             *(f"  {layer['layer']:>5} {layer['gpu_neurons']:>6}/{layer['n_ff']:<6} {layer['min_neurons']:>6} "
-              f"{100 * layer['served_fraction']:>6.1f}%" for layer in s["layers"])]
+              f"{100 * layer['served_fraction']:>6.1f}%" for layer in s["layers"]),
+            "  (gpu/n_ff: the layer's FFN neurons placed on the GPU; min: the fewest a layer may have there if it has "
+            "any (--min-layer-neurons); served: the share of the layer's activations those neurons serve)"]

@@ -17,6 +17,7 @@ import json
 import math
 import re
 import sys
+import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -549,22 +550,31 @@ def useless_warning(results: list[LayerResult], rows: str = "held-out") -> str |
             "(profile a higher --target-sparsity, more tokens, or use gate mode)")
 
 
-TABLE = (("recall", "recall", 7, ".4f"), ("weighted_recall", "w.rec", 7, ".4f"), ("precision", "prec", 6, ".3f"),
-         ("true_density", "true d", 7, ".4f"), ("predicted_density", "pred d", 7, ".4f"),
-         ("density_ratio", "ratio", 6, ".2f"), ("recall_at_budget", "rec@bud", 7, ".4f"), ("auc", "auc", 6, ".3f"))
+TABLE = (("recall", "recall", 7, ".4f", "share of the active (token, neuron) pairs predicted active"),
+         ("weighted_recall", "w.rec", 7, ".4f", "the same, each pair weighed by its activation's size"),
+         ("precision", "prec", 6, ".3f", "share of the predicted pairs that were active"),
+         ("true_density", "true d", 7, ".4f", "share of neurons active"),
+         ("predicted_density", "pred d", 7, ".4f", "share predicted active, what the engine computes"),
+         ("density_ratio", "ratio", 6, ".2f", "pred d / true d"),
+         ("recall_at_budget", "rec@bud", 7, ".4f", "recall when the best-ranked 'budget' x true d are predicted "
+                                                   "(threshold-free ranking quality)"),
+         ("auc", "auc", 6, ".3f", "ROC area of the predictor's scores"))
+LEGEND = ("held-out rows: thresh, the logit above which a neuron is predicted active; "
+          + "; ".join(f"{title}, {meaning}" for _, title, _, _, meaning in TABLE))
 
 
 def format_table(results: list[LayerResult]) -> str:
-    """Per-layer metrics; rec@bud = recall when budget_ratio x the true density may be predicted."""
+    """Per-layer metrics on the held-out rows, then a legend of the columns."""
     def cells(values: dict) -> str:
-        return " ".join(f"{values.get(key, math.nan):>{width}{fmt}}" for key, _, width, fmt in TABLE)
+        return " ".join(f"{values.get(key, math.nan):>{width}{fmt}}" for key, _, width, fmt, _ in TABLE)
 
     lines = [f"{'layer':>5} {'rank':>5} {'params':>8} {'thresh':>8} "
-             + " ".join(f"{title:>{width}}" for _, title, width, _ in TABLE)]
+             + " ".join(f"{title:>{width}}" for _, title, width, _, _ in TABLE)]
     for r in results:
         lines.append(f"{r.layer:>5} {r.rank:>5} {r.params:>8} {r.threshold:>8.3f} {cells(r.metrics)}")
     mean = {k[len("mean_"):]: v for k, v in summarize(results).items()}
     lines.append(f"{'mean':>5} {'':>5} {sum(r.params for r in results):>8} {'':>8} {cells(mean)}")
+    lines += textwrap.wrap(LEGEND, 116)
     return "\n".join(lines)
 
 

@@ -64,7 +64,9 @@ def test_predictors_generalize_to_new_rows_of_the_same_model(trained, tmp_path, 
     assert report["mode"] == "evaluate"
     for layer in report["layers"]:
         assert layer["recall"] >= 0.98 and layer["density_ratio"] <= 1.35, layer
-    assert "mean" in out.splitlines()[-1]
+    table = out.splitlines()
+    mean = next(i for i, line in enumerate(table) if line.lstrip().startswith("mean"))
+    assert "rec@bud, recall when" in " ".join(table[mean + 1:])  # the legend follows the table
 
 
 def test_shuffled_labels_stay_near_chance(tmp_path):

@@ -1,9 +1,7 @@
 """`pi-tools chat`: a conversation in the terminal, as llama.cpp's `llama-cli -cnv`."""
 from __future__ import annotations
 
-import random
 import sys
-from pathlib import Path
 from typing import Callable, Optional
 
 import typer
@@ -14,28 +12,19 @@ from powerinfer_tools.core.errors import UserError
 COMMANDS = "/exit (or Ctrl-D) leaves, /clear starts over, /help shows this; Ctrl-C stops a reply"
 
 
+@flags.engine_options
+@flags.sampling_options
 def chat(
     model: str = flags.model_option(),
     system: Optional[str] = typer.Option(None, "--system", "-sys", help="System prompt: who the assistant is. "
                                          "Default: the chat template's own (if it has one)."),
     n_predict: int = typer.Option(512, "--n-predict", "-n", help="Most tokens in one reply."),
-    threads: Optional[int] = flags.threads_option(),
-    sparse_mode: str = flags.sparse_mode_option(),
-    gpuidx: Optional[Path] = flags.gpuidx_option(),
-    vram_budget: Optional[float] = flags.vram_budget_option(),
-    gpu: str = flags.gpu_option(),
-    profile: Optional[Path] = flags.profile_option(),
     ctx_size: int = typer.Option(flags.CHAT_CTX_SIZE, "--ctx-size", "-c", help="Context length (KV cache): the "
                                  "conversation's room; the oldest turns are dropped when it is full."),
-    kv_type: str = flags.kv_type_option(),
-    temp: float = flags.temp_option(),
-    top_k: int = flags.top_k_option(),
-    top_p: float = flags.top_p_option(),
-    repeat_penalty: float = flags.repeat_penalty_option(),
-    repeat_last_n: int = flags.repeat_last_n_option(),
-    seed: int = flags.seed_option(),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="After each reply, its token counts (how many "
                                  "of the prompt came from the cache) and speed, on stderr."),
+    engine: flags.EngineArgs = None,
+    sampling: flags.SamplingArgs = None,
 ):
     """Chat with a model in the terminal: the model's chat template, a system prompt, replies streamed as they
     are generated. The conversation stays in the KV cache, so each turn evaluates only its new tokens.
@@ -50,15 +39,18 @@ def chat(
 
       pi-tools chat -m relu7b.q4_0.powerinfer.gguf --vram-budget 4 --profile prof --sparse-mode predictor -v
     """
-    from powerinfer_tools.runtime.llm import LLM, Sampling
+    start(model, engine, ctx_size, system, n_predict, sampling.sampling(), verbose)
 
-    sampling = Sampling(temp, top_k, top_p, repeat_penalty, repeat_last_n,
-                        seed=seed if seed >= 0 else random.SystemRandom().randrange(2**32))
+
+def start(model: str, engine: flags.EngineArgs, ctx_size: int, system: str | None, n_predict: int, sampling,
+          verbose: bool) -> None:
+    """Open the model and converse (`chat`, and `run -cnv`)."""
+    from powerinfer_tools.runtime.llm import LLM
+
     sampling.check()
     if n_predict < 1:
         raise UserError("--n-predict must be at least 1")
-    with LLM(model, threads=threads, sparse_mode=sparse_mode, ctx_size=ctx_size, kv_type=kv_type, gpu=gpu,
-             gpuidx=gpuidx, vram_budget=vram_budget, profile=profile) as llm:
+    with LLM(model, ctx_size=ctx_size, **engine.llm_options()) as llm:
         converse(llm, system, n_predict, sampling, verbose)
 
 

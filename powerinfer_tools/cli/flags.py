@@ -2,6 +2,14 @@
 -f file, -n tokens to predict), each defined once."""
 from __future__ import annotations
 
+import functools
+import inspect
+import random
+import typing
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Optional
+
 import typer
 
 DEFAULT_SPARSE_MODE = "auto"   # run, perplexity: the cheapest mode per layer, what a user runs
@@ -83,3 +91,76 @@ def repeat_last_n_option():
 
 def seed_option():
     return typer.Option(-1, "--seed", "-s", help="Sampling seed; -1 = random.")
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """The engine options of the commands that run a model (run, chat, serve), as one record."""
+
+    threads: Optional[int]
+    sparse_mode: str
+    gpuidx: Optional[Path]
+    vram_budget: Optional[float]
+    gpu: str
+    profile: Optional[Path]
+    kv_type: str
+
+    def llm_options(self) -> dict:
+        """The record as powerinfer_tools.LLM's keyword arguments."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+_ENGINE_OPTIONS = {"threads": threads_option, "sparse_mode": sparse_mode_option, "gpuidx": gpuidx_option,
+                   "vram_budget": vram_budget_option, "gpu": gpu_option, "profile": profile_option,
+                   "kv_type": kv_type_option}
+
+
+@dataclass(frozen=True)
+class SamplingArgs:
+    """The sampling options of the commands that generate (run, chat), as one record."""
+
+    temp: float
+    top_k: int
+    top_p: float
+    repeat_penalty: float
+    repeat_last_n: int
+    seed: int
+
+    def sampling(self):
+        """As powerinfer_tools.LLM's Sampling, a random seed drawn for -1."""
+        from powerinfer_tools.runtime.llm import Sampling
+
+        seed = self.seed if self.seed >= 0 else random.SystemRandom().randrange(2**32)
+        return Sampling(self.temp, self.top_k, self.top_p, self.repeat_penalty, self.repeat_last_n, seed=seed)
+
+
+_SAMPLING_OPTIONS = {"temp": temp_option, "top_k": top_k_option, "top_p": top_p_option,
+                     "repeat_penalty": repeat_penalty_option, "repeat_last_n": repeat_last_n_option,
+                     "seed": seed_option}
+
+
+def _grouped(argument: str, record: type, options: dict):
+    """A decorator giving a command the flags of `options` (each defined once, above); the command receives
+    their values as one `record` in its argument named `argument`."""
+    hints = typing.get_type_hints(record)
+
+    def decorate(command):
+        own = [p for name, p in inspect.signature(command).parameters.items() if name != argument]
+        added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option(), annotation=hints[name])
+                 for name, option in options.items()]
+
+        @functools.wraps(command)
+        def with_group(**kwargs):
+            grouped = record(**{name: kwargs.pop(name) for name in options})
+            return command(**kwargs, **{argument: grouped})
+
+        with_group.__signature__ = inspect.Signature(own + added)
+        # typer resolves annotations through typing.get_type_hints: the added ones as real types
+        with_group.__annotations__ = {**command.__annotations__, **{name: hints[name] for name in options}}
+        return with_group
+
+    return decorate
+
+
+engine_options = _grouped("engine", EngineArgs, _ENGINE_OPTIONS)
+sampling_options = _grouped("sampling", SamplingArgs, _SAMPLING_OPTIONS)

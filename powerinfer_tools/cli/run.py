@@ -1,7 +1,6 @@
 """`pi-tools run`."""
 from __future__ import annotations
 
-import random
 import sys
 import time
 from pathlib import Path
@@ -14,6 +13,8 @@ from powerinfer_tools.stages import placement
 from powerinfer_tools.core.errors import UserError
 
 
+@flags.engine_options
+@flags.sampling_options
 def run(
     model: str = flags.model_option(),
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text (or --file)."),
@@ -21,24 +22,13 @@ def run(
                                                "file, as llama.cpp's -f: for a prompt longer than a command "
                                                "line takes; '-' reads it from stdin."),
     n_predict: int = typer.Option(128, "--n-predict", "-n", help="Tokens to generate (stops early at end of text)."),
-    threads: Optional[int] = flags.threads_option(),
-    sparse_mode: str = flags.sparse_mode_option(),
-    gpuidx: Optional[Path] = flags.gpuidx_option(),
-    vram_budget: Optional[float] = flags.vram_budget_option(),
-    gpu: str = flags.gpu_option(),
-    profile: Optional[Path] = flags.profile_option(),
     ctx_size: int = typer.Option(placement.DEFAULT_CTX_SIZE, "--ctx-size", "-c",
                                  help="Context length (KV cache), as 'plan' sizes it for (so run finds its plans)."),
-    kv_type: str = flags.kv_type_option(),
-    temp: float = flags.temp_option(),
-    top_k: int = flags.top_k_option(),
-    top_p: float = flags.top_p_option(),
-    repeat_penalty: float = flags.repeat_penalty_option(),
-    repeat_last_n: int = flags.repeat_last_n_option(),
-    seed: int = flags.seed_option(),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template (one user turn)."),
     conversation: bool = typer.Option(False, "--conversation", "-cnv", "--interactive", "-i", help="Chat instead, "
                                       "as 'pi-tools chat' (llama.cpp's -cnv / -i): -p is then the system prompt."),
+    engine: flags.EngineArgs = None,
+    sampling: flags.SamplingArgs = None,
 ):
     """Generate text from a prompt with the bundled C++ engine, streaming it, then print llama.cpp-style
     timings (prompt and generation tokens/s) and the FFN density to stderr.
@@ -76,17 +66,14 @@ def run(
         system = prompt_text(prompt, prompt_file) if prompt is not None or prompt_file is not None else None
         # run's default context is the plan's; a conversation gets chat's unless -c says otherwise
         ctx = flags.CHAT_CTX_SIZE if ctx_size == placement.DEFAULT_CTX_SIZE else ctx_size
-        return chat_cli.chat(model=model, system=system, n_predict=n_predict or 512, threads=threads,
-                             sparse_mode=sparse_mode, gpuidx=gpuidx, vram_budget=vram_budget, gpu=gpu, profile=profile,
-                             ctx_size=ctx, kv_type=kv_type, temp=temp, top_k=top_k, top_p=top_p,
-                             repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed, verbose=False)
+        return chat_cli.start(model, engine, ctx, system, n_predict or 512, sampling.sampling(), verbose=False)
     prompt = prompt_text(prompt, prompt_file)
     check_utf8(prompt)
-    target = inference.resolve_model_file(model, gpuidx, vram_budget, profile, ctx_size)
+    target = inference.resolve_model_file(model, engine.gpuidx, engine.vram_budget, engine.profile, ctx_size)
     started = time.perf_counter()
     tokenizer = inference.load_tokenizer(target.model)
-    llm = inference.open_engine(target, threads=threads, sparse_mode=sparse_mode, ctx_size=ctx_size, kv_type=kv_type,
-                                gpu=gpu, vram_budget_gib=vram_budget)
+    llm = inference.open_engine(target, threads=engine.threads, sparse_mode=engine.sparse_mode, ctx_size=ctx_size,
+                                kv_type=engine.kv_type, gpu=engine.gpu, vram_budget_gib=engine.vram_budget)
     load_seconds = time.perf_counter() - started
     with llm, inference.engine_errors():
         ids = prompt_ids(tokenizer, prompt, chat)
@@ -101,9 +88,10 @@ def run(
         decoder = inference.StreamDecoder(tokenizer, ids)
         sys.stdout.write(prompt + ("\n" if chat else ""))  # a chat's answer starts on a line of its own
         sys.stdout.flush()
-        seed = seed if seed >= 0 else random.SystemRandom().randrange(2**32)
-        for token in llm.generate(ids, n_predict, temperature=temp, top_k=top_k, top_p=top_p,
-                                  repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed, stop=stops):
+        s = sampling.sampling()
+        for token in llm.generate(ids, n_predict, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                                  repeat_penalty=s.repeat_penalty, repeat_last_n=s.repeat_last_n, seed=s.seed,
+                                  stop=stops):
             if token in stops:
                 break
             sys.stdout.write(decoder.push(token))

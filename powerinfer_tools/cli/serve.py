@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Optional
 
 import typer
@@ -11,6 +10,7 @@ from powerinfer_tools.cli import flags
 from powerinfer_tools.core.errors import UserError
 
 
+@flags.engine_options
 def serve(
     model: str = flags.model_option(),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on: 127.0.0.1 serves this machine "
@@ -21,17 +21,11 @@ def serve(
                                           "PI_API_KEY)."),
     alias: Optional[str] = typer.Option(None, "--alias", "-a", help="The model's name in /v1/models. Default: the "
                                         "file's name."),
-    threads: Optional[int] = flags.threads_option(),
-    sparse_mode: str = flags.sparse_mode_option(),
-    gpuidx: Optional[Path] = flags.gpuidx_option(),
-    vram_budget: Optional[float] = flags.vram_budget_option(),
-    gpu: str = flags.gpu_option(),
-    profile: Optional[Path] = flags.profile_option(),
     ctx_size: int = typer.Option(flags.CHAT_CTX_SIZE, "--ctx-size", "-c", help="Context length (KV cache): a "
                                  "request's prompt and reply together."),
-    kv_type: str = flags.kv_type_option(),
     log_requests: bool = typer.Option(False, "--log-requests", help="Log each request on stderr (uvicorn's "
                                       "access log)."),
+    engine: flags.EngineArgs = None,
 ):
     """Serve a model over the OpenAI API, as llama.cpp's llama-server does: POST /v1/chat/completions (the
     model's chat template) and /v1/completions, streamed as server-sent events with "stream": true; GET
@@ -59,8 +53,7 @@ def serve(
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         print(f"pi-tools: warning: serving on {host} without --api-key: anyone who reaches this port can use it",
               file=sys.stderr)
-    with LLM(model, threads=threads, sparse_mode=sparse_mode, ctx_size=ctx_size, kv_type=kv_type, gpu=gpu,
-             gpuidx=gpuidx, vram_budget=vram_budget, profile=profile) as llm:
+    with LLM(model, ctx_size=ctx_size, **engine.llm_options()) as llm:
         app = create_app(llm, alias or llm.name, api_key)
         try:
             listen(app, host, port, log_requests)

@@ -1,0 +1,119 @@
+"""Damaged libraries are refused before they are mapped (engine/library_check.py for the engine library ctypes
+loads, csrc/backend/library_check.cpp for the device libraries the engine dlopens): a truncated copy was a
+SIGBUS, four zeroed bytes in the program headers a SIGSEGV, libc as the engine library a ctypes traceback. Every
+load happens in a child process, so that a crash is seen as the child's signal instead of ending pytest."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from engine_helpers import converted, write_gpuidx  # noqa: F401
+from tiny_models import N_FF, N_LAYER
+
+import engine
+
+ROOT = Path(__file__).resolve().parents[2]
+
+OPEN_EACH = f"""
+import json, sys
+sys.path.insert(0, {str(ROOT)!r})
+import engine
+model, gpuidx, gpu = sys.argv[1:4]
+for library in sys.argv[4:]:
+    try:
+        with engine.Model(model, threads=1, gpuidx=gpuidx, gpu=gpu, gpu_library=library) as m:
+            print(json.dumps([library, "opened", m.info["gpu"]["reason"] or ""]), flush=True)
+    except engine.EngineError as exc:
+        print(json.dumps([library, "refused", str(exc)]), flush=True)
+"""
+
+
+def mutants(src: Path, out: Path, every_header_word: bool) -> dict[str, Path]:
+    """Copies of the library `src`: cut short at several lengths, and with four bytes zeroed at offset 64 (the
+    first program header) or, with `every_header_word`, at each word of the ELF and program headers."""
+    data = src.read_bytes()
+    [phoff], (phentsize, phnum) = struct.unpack_from("<Q", data, 32), struct.unpack_from("<HH", data, 54)
+    cuts = {64, 4096, 200_000, len(data) // 2, len(data) - 1}
+    zeroed = range(0, phoff + phentsize * phnum, 4) if every_header_word else [64]
+    made = {}
+    for n in sorted(c for c in cuts if c < len(data)):
+        made[f"cut at {n}"] = data[:n]
+    for at in zeroed:
+        made[f"zeroed at {at}"] = data[:at] + bytes(4) + data[at + 4:]
+    out.mkdir(exist_ok=True)
+    paths = {}
+    for i, (name, body) in enumerate(made.items()):
+        paths[name] = out / f"lib{i}.so"
+        paths[name].write_bytes(body)
+    return paths
+
+
+def open_in_child(model: Path, gpuidx: Path, gpu: str, libraries: dict[str, Path]) -> dict[str, tuple[str, str]]:
+    env = dict(os.environ, PI_EMULATED_DEVICE_MIB="512")
+    env.pop("PI_EMULATED_DEVICES", None)
+    done = subprocess.run([sys.executable, "-c", OPEN_EACH, str(model), str(gpuidx), gpu,
+                           *map(str, libraries.values())], capture_output=True, text=True, timeout=600, env=env)
+    results = {Path(p): (what, why) for p, what, why in map(json.loads, done.stdout.splitlines())}
+    by_path = {path: name for name, path in libraries.items()}
+    next_one = next((name for name, path in libraries.items() if path not in results), None)
+    assert done.returncode == 0, f"{gpu}: the child died ({done.returncode}) loading {next_one}: {done.stderr[-1500:]}"
+    return {by_path[p]: r for p, r in results.items()}
+
+
+@pytest.fixture(scope="module")
+def gpuidx(tmp_path_factory):
+    hot = [np.random.default_rng(3 + i).random(N_FF) < 0.5 for i in range(N_LAYER)]
+    return write_gpuidx(tmp_path_factory.mktemp("hot") / "hot.gpuidx", hot)
+
+
+def test_a_damaged_device_library_is_refused_and_auto_runs_on_the_cpu(converted, gpuidx, tmp_path):
+    model = converted("llama-relu", "q8_0")
+    libraries = mutants(engine.device_library_path("emulated"), tmp_path / "libs", every_header_word=True)
+    for gpu in ("auto", "on"):
+        results = open_in_child(model, gpuidx, gpu, libraries)
+        assert len(results) == len(libraries)
+        for name, (what, why) in results.items():
+            if gpu == "auto":
+                assert what == "opened", (name, why)
+            else:
+                assert what == "opened" or why.startswith("gpu on: cannot load the device library"), (name, why)
+            if name.startswith("cut") or name == "zeroed at 64":
+                assert "cannot load the device library" in why and "\n" not in why, (name, why)
+                assert "lies past its end" in why or not name.startswith("cut"), (name, why)
+
+
+def test_an_intact_copy_of_the_device_library_loads(converted, gpuidx, tmp_path):
+    copy = tmp_path / "copy.so"
+    shutil.copy(engine.device_library_path("emulated"), copy)
+    [(what, why)] = open_in_child(converted("llama-relu", "q8_0"), gpuidx, "on", {"copy": copy}).values()
+    assert what == "opened" and why == "", why
+
+
+def inspect_with_engine(library: Path, model: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PI_ENGINE_LIB=str(library), PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "powerinfer_tools", "inspect", str(model)], capture_output=True,
+                          text=True, timeout=300, env=env)
+
+
+def test_a_damaged_engine_library_is_one_line(converted, tmp_path):
+    model = converted("llama-relu")
+    libraries = mutants(engine.library_path(), tmp_path / "libs", every_header_word=False)
+    libraries["libc"] = Path(next(p for p in ("/lib/x86_64-linux-gnu/libc.so.6", "/lib/aarch64-linux-gnu/libc.so.6",
+                                                "/usr/lib64/libc.so.6", "/lib64/libc.so.6") if Path(p).exists()))
+    libraries["the device library"] = engine.device_library_path("emulated")
+    libraries["text"] = tmp_path / "notes.so"
+    libraries["text"].write_text("not a library\n")
+    for name, library in libraries.items():
+        done = inspect_with_engine(library, model)
+        assert done.returncode == 1, (name, done.returncode, done.stderr[-1500:])
+        assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, (name, done.stderr[-1500:])
+        assert done.stderr.startswith(f"pi-tools: error: {library} cannot be the engine library: "), (name, done.stderr)
+    assert "lacks pi_last_error" in inspect_with_engine(libraries["libc"], model).stderr
+    assert inspect_with_engine(engine.library_path(), model).returncode == 0

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import typer
 
+from powerinfer_tools.core.numbers import Range
+from powerinfer_tools.stages.options import DEVICE_BUDGET_GIB
+
 DEFAULT_SPARSE_MODE = "auto"   # run, perplexity: the cheapest mode per layer, what a user runs
 THREADS_HELP = "Threads. Default: all cores."
 
@@ -16,9 +19,17 @@ def gpu_option():
                         "saying what is missing), off.")
 
 
+def within(allowed: Range):
+    """A typer callback holding a float option to `allowed` as it is parsed, before the command starts: one line
+    naming the flag (core/numbers.py), whatever else is wrong with the command line."""
+    def check(param: typer.CallbackParam, value):
+        return allowed.check(param.opts[0], value)
+    return check
+
+
 def vram_budget_option():
     """--vram-budget: the plan's budget, and the device memory the hot tier may take at run time."""
-    return typer.Option(None, "--vram-budget", help="GiB of VRAM, as PowerInfer's --vram-budget: without --gpuidx, "
+    return typer.Option(None, "--vram-budget", callback=within(DEVICE_BUDGET_GIB), help="GiB of VRAM, as PowerInfer's --vram-budget: without --gpuidx, "
                         "reuse the plan cached beside the model for this budget or solve one from --profile; on a "
                         "GPU, the most the hot tier takes there, layer after layer (the rest stay on the CPU). "
                         "Default: the device's free memory.")

@@ -10,6 +10,7 @@ from typing import Optional
 import typer
 
 from powerinfer_tools.cli import flags
+from powerinfer_tools.stages import options as limits
 from powerinfer_tools.stages import placement
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.runtime.inference import KV_TYPE_HELP
@@ -36,10 +37,10 @@ def run(
     ctx_size: int = typer.Option(placement.DEFAULT_CTX_SIZE, "--ctx-size", "-c",
                                  help="Context length (KV cache), as 'plan' sizes it for (so run finds its plans)."),
     kv_type: str = typer.Option("f32", "--kv-type", help=KV_TYPE_HELP),
-    temp: float = typer.Option(0.8, "--temp", help="Sampling temperature; 0 = greedy."),
+    temp: float = typer.Option(0.8, "--temp", callback=flags.within(limits.NON_NEGATIVE), help="Sampling temperature; 0 = greedy."),
     top_k: int = typer.Option(40, "--top-k", help="Keep the k most likely tokens; 0 = off."),
-    top_p: float = typer.Option(0.95, "--top-p", help="Nucleus sampling mass; 1 = off."),
-    repeat_penalty: float = typer.Option(1.1, "--repeat-penalty", help="Penalty for recent tokens; 1 = off."),
+    top_p: float = typer.Option(0.95, "--top-p", callback=flags.within(limits.FRACTION), help="Nucleus sampling mass; 1 = off."),
+    repeat_penalty: float = typer.Option(1.1, "--repeat-penalty", callback=flags.within(limits.POSITIVE), help="Penalty for recent tokens; 1 = off."),
     repeat_last_n: int = typer.Option(64, "--repeat-last-n", help="How many recent tokens the penalty sees."),
     seed: int = typer.Option(-1, "--seed", "-s", help="Sampling seed; -1 = random."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template (one user turn)."),

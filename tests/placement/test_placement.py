@@ -283,4 +283,4 @@ def test_a_missing_activation_file_is_named(model, counts, tmp_path, capsys):
 
 def test_a_negative_budget_is_named_in_gib(model, profile, tmp_path, capsys):
     code = run_cli("plan", "--profile", profile, "-m", model, "--vram-budget", -1, "-o", tmp_path / "never.gpuidx")
-    expect_one_line_error(capsys, code, "--vram-budget must be a non-negative number of GiB, not -1")
+    expect_one_line_error(capsys, code, "--vram-budget must be a number in [0, 1048576] GiB, not -1")

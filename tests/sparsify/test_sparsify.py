@@ -216,6 +216,9 @@ def test_bad_input_one_line(tiny_model_dir, calib, tmp_path, capsys):
     assert_one_line_error(code, err, "no interrupted sparsify run")
     code, _, err = run_cli(capsys, "sparsify", "-m", silu, "--calib", tmp_path / "missing.txt", "-o", out)
     assert_one_line_error(code, err, "calibration file not found")
+    for not_a_file in ("/dev/null", tmp_path):   # there, but no text file: not "not found"
+        code, _, err = run_cli(capsys, "sparsify", "-m", silu, "--calib", not_a_file, "-o", out)
+        assert_one_line_error(code, err, f"calibration file {not_a_file} is not a regular file")
     assert not out.exists() and not sparsify.partial_dir(out).exists()
 
 

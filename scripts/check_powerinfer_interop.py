@@ -272,15 +272,20 @@ def quantization_gap(theirs: Generation, ours: Generation, reference: Path, mode
             "(rms, against the unquantized file)")
 
 
+def converted(f: Path, hf: Path, pred: Path, prof: Path, outtype: str, log: Path) -> Path:
+    """`f`: `pi-tools convert` of `hf` with these predictors and profile, made once (kept for a rerun)."""
+    if not f.is_file():
+        pi_tools("convert", "-m", hf, "--predictors", pred, "--profile", prof, "--outtype", outtype, "-o", f, "-q",
+                 log=log)
+    return f
+
+
 def ours_to_theirs(name: str, hf: Path, work: Path, pi: PowerInfer, args, prof: Path, pred: Path,
                    eval_text: Path) -> None:
     log = work / "log.txt"
     uniform = with_uniform_threshold(pred, work / "pred-uniform")
     for outtype in args.types:
-        f = work / f"{name}.{outtype}.powerinfer.gguf"
-        if not f.is_file():
-            pi_tools("convert", "-m", hf, "--predictors", uniform, "--profile", prof, "--outtype", outtype, "-o", f,
-                     "-q", log=log)
+        f = converted(work / f"{name}.{outtype}.powerinfer.gguf", hf, uniform, prof, outtype, log)
         theirs = pi.main(f, PROMPT, args.tokens, work)
         if not theirs.loads:
             row(f.name, "pi-tools convert", "PowerInfer main", False, note=theirs.error)
@@ -336,10 +341,7 @@ def default_pipeline(name: str, hf: Path, work: Path, pi: PowerInfer, args, prof
         pi_tools("train-predictor", prof, "--out", pred, "--threads", 1, "--force", log=log)
     thresholds = [layer["threshold"] for layer in json.loads((pred / "config.json").read_text())["layers"]]
     for outtype in args.types:
-        f = work / f"{name}.{outtype}.default-pipeline.powerinfer.gguf"
-        if not f.is_file():
-            pi_tools("convert", "-m", hf, "--predictors", pred, "--profile", prof, "--outtype", outtype, "-o", f,
-                     "-q", log=log)
+        f = converted(work / f"{name}.{outtype}.default-pipeline.powerinfer.gguf", hf, pred, prof, outtype, log)
         g = pi.main(f, PROMPT, args.tokens, work)
         ours = ours_greedy(f, g.prompt, args.tokens, "predictor") if g.loads else Generation(False)
         note = [f"per-layer thresholds {min(thresholds):.3g} to {max(thresholds):.3g} folded into fc2"]

@@ -18,6 +18,7 @@ from engine_helpers import converted, write_gpuidx  # noqa: F401
 from tiny_models import N_FF, N_LAYER
 
 import engine
+from engine.library_check import check_library
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -117,3 +118,51 @@ def test_a_damaged_engine_library_is_one_line(converted, tmp_path):
         assert done.stderr.startswith(f"pi-tools: error: {library} cannot be the engine library: "), (name, done.stderr)
     assert "lacks pi_last_error" in inspect_with_engine(libraries["libc"], model).stderr
     assert inspect_with_engine(engine.library_path(), model).returncode == 0
+
+
+LOAD_EACH_ZEROED_WORD = f"""
+import ctypes, struct, sys
+sys.path.insert(0, {str(ROOT)!r})
+from engine._lib import _SIGNATURES
+from engine.library_check import LibraryRefused, check_library
+source, scratch = sys.argv[1:3]
+data = open(source, "rb").read()
+[phoff], (phentsize, phnum) = struct.unpack_from("<Q", data, 32), struct.unpack_from("<HH", data, 54)
+for at in range(0, phoff + phentsize * phnum, 4):
+    print(at, end=" ", flush=True)   # the last one printed is the one a crash happened on
+    path = f"{{scratch}}/lib{{at}}.so"
+    with open(path, "wb") as f:
+        f.write(data[:at] + bytes(4) + data[at + 4:])
+    try:
+        check_library(path, list(_SIGNATURES))
+    except LibraryRefused:
+        continue
+    try:
+        ctypes.CDLL(path)
+    except OSError:
+        pass
+print("done")
+"""
+
+
+def test_the_engine_library_with_any_header_word_zeroed_is_refused_or_loads(tmp_path):
+    """Each word of the engine library's ELF header and program headers zeroed in turn: the check refuses the
+    copy or the loader takes it (or says why not); none crashes the process that loads it."""
+    done = subprocess.run([sys.executable, "-c", LOAD_EACH_ZEROED_WORD, str(engine.library_path()), str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    last = done.stdout.split()[-1] if done.stdout.split() else "before the first"
+    assert done.returncode == 0 and last == "done", f"died ({done.returncode}) at offset {last}: {done.stderr[-1500:]}"
+
+
+def test_every_library_this_process_loaded_passes_the_check():
+    """No false refusals: the shared libraries the interpreter has mapped (numpy's, torch's when imported, the
+    engine's, libc) pass, as the loader took them."""
+    from engine._lib import lib
+
+    lib()  # the engine library mapped too
+    loaded = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+              if len(line.split()) >= 6 and ".so" in Path(line.split()[-1]).name}
+    assert len(loaded) > 5, loaded
+    for path in sorted(loaded):
+        if Path(path).is_file():
+            check_library(path, [])

@@ -42,7 +42,8 @@ def _digest(value, h=None) -> str:
     if isinstance(value, torch.Tensor):
         t = value.detach().cpu().contiguous()
         h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
-        h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        if t.numel():
+            h.update(t.view(-1).view(torch.uint8).numpy())  # the tensor's own bytes, not a copy
     elif isinstance(value, dict):
         h.update(f"D{len(value)}".encode())
         for key in sorted(value, key=repr):

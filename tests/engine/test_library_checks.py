@@ -166,3 +166,19 @@ def test_every_library_this_process_loaded_passes_the_check():
     for path in sorted(loaded):
         if Path(path).is_file():
             check_library(path, [])
+
+
+def test_run_with_a_truncated_device_library_falls_back_to_the_cpu_saying_why(converted, gpuidx, tmp_path):
+    """`pi-tools run --gpu auto` with PI_GPU_LIBRARY naming a cut copy (it was a SIGBUS): the text on the CPU, and
+    one line on stderr saying why; `--gpu on`: one line and exit 1."""
+    cut = tmp_path / "cut.so"
+    cut.write_bytes(engine.device_library_path("emulated").read_bytes()[:4096])
+    env = dict(os.environ, PI_GPU_LIBRARY=str(cut), PYTHONPATH=str(ROOT))
+    args = [sys.executable, "-m", "powerinfer_tools", "run", "-m", str(converted("llama-relu", "q8_0")), "--gpuidx",
+            str(gpuidx), "-p", "hi", "-n", "2", "--temp", "0", "-t", "1"]
+    auto = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
+    assert auto.returncode == 0, auto.stderr[-1500:]
+    assert f"pi-tools: hot tier on the CPU: cannot load the device library {cut}: its " in auto.stderr, auto.stderr
+    assert "lies past its end" in auto.stderr
+    on = subprocess.run([*args, "--gpu", "on"], capture_output=True, text=True, timeout=300, env=env)
+    assert on.returncode == 1 and on.stderr.count("\n") == 1 and "gpu on: cannot load the device library" in on.stderr

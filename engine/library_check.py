@@ -18,9 +18,8 @@ _PHDR = struct.Struct("<IIQQQQQQ")
 _SHDR = struct.Struct("<IIQQQQIIQQ")
 _SYM = struct.Struct("<IBBHQQ")
 _PT_LOAD, _PT_DYNAMIC = 1, 2
-_PF_R = 4
+_PF_X, _PF_W, _PF_R = 1, 2, 4
 _SHT_STRTAB, _SHT_NOBITS, _SHT_DYNSYM = 3, 8, 11
-_PF_X, _PF_W = 1, 2
 _SHF_WRITE, _SHF_ALLOC, _SHF_EXECINSTR, _SHF_TLS = 0x1, 0x2, 0x4, 0x400
 _ET_DYN = 3
 

@@ -14,6 +14,8 @@ import os
 from functools import lru_cache
 from pathlib import Path
 
+from engine.library_check import LibraryRefused, check_library
+
 LIBRARY_ENV = "PI_ENGINE_LIB"
 API_VERSION = 7
 
@@ -124,6 +126,10 @@ _TESTING_SIGNATURES = {
 @lru_cache(maxsize=1)
 def lib() -> ctypes.CDLL:
     path = library_path()
+    try:
+        check_library(path, list(_SIGNATURES) + list(_TESTING_SIGNATURES))
+    except LibraryRefused as exc:
+        raise EngineError(f"{path} cannot be the engine library: {exc}") from None
     try:
         handle = ctypes.CDLL(str(path))
     except OSError as exc:

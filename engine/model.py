@@ -62,8 +62,8 @@ class Model:
         opts.gpu_device = c_int("gpu_device", gpu_device, 0)
         if vram_budget is not None:
             budget = c_float("vram_budget", vram_budget)
-            if not budget > 0:
-                raise EngineError(f"vram_budget must be a positive number of GiB, not {vram_budget!r}")
+            if not 0 < budget < 2**33:  # 2**33 GiB: the int64 byte count the engine takes
+                raise EngineError(f"vram_budget must be a positive number of GiB below 2**33, not {vram_budget!r}")
             opts.vram_budget = c_int("vram_budget", int(budget * 2**30), 1, 2**63 - 1)
         library = device_library_path(str(gpu_library)) if str(gpu_library) in ("cuda", "emulated") else Path(gpu_library)
         opts.gpu_library = os.fsencode(library) if library is not None else None

@@ -12,7 +12,9 @@ helpers, and an HF ReLU checkpoint given with --hf such as a `pi-tools sparsify`
 - ours -> theirs: `pi-tools profile`, `train-predictor`, `convert` at each --types, with and without the gpu
   index `pi-tools plan` writes; PowerInfer's `main` greedy against ours greedy (dense, and predictor mode at
   PowerInfer's one predictor threshold) on the same prompt tokens; PowerInfer's `perplexity` against ours
-  computed its way (llama.cpp's windows: BOS first, the second half of each window scored).
+  computed its way (llama.cpp's windows: BOS first, the second half of each window scored). And the default
+  pipeline's files (train-predictor and convert with their defaults: a threshold a layer, which convert folds
+  into fc2) at each type, greedy against ours; --default-pipeline-only runs these alone (bin/main only).
 - theirs -> ours: PowerInfer's converter on the same HF model with our predictor directory, its `quantize`
   on that file, its solver (powerinfer-py) on our activation files; our engine on all of them.
 - refusal: a SiLU llama converted by us must be refused by PowerInfer's loader.
@@ -268,15 +270,20 @@ def quantization_gap(theirs: Generation, ours: Generation, reference: Path, mode
             "(rms, against the unquantized file)")
 
 
+def converted(f: Path, hf: Path, pred: Path, prof: Path, outtype: str, log: Path) -> Path:
+    """`f`: `pi-tools convert` of `hf` with these predictors and profile, made once (kept for a rerun)."""
+    if not f.is_file():
+        pi_tools("convert", "-m", hf, "--predictors", pred, "--profile", prof, "--outtype", outtype, "-o", f, "-q",
+                 log=log)
+    return f
+
+
 def ours_to_theirs(name: str, hf: Path, work: Path, pi: PowerInfer, args, prof: Path, pred: Path,
                    eval_text: Path) -> None:
     log = work / "log.txt"
     uniform = with_uniform_threshold(pred, work / "pred-uniform")
     for outtype in args.types:
-        f = work / f"{name}.{outtype}.powerinfer.gguf"
-        if not f.is_file():
-            pi_tools("convert", "-m", hf, "--predictors", uniform, "--profile", prof, "--outtype", outtype, "-o", f,
-                     "-q", log=log)
+        f = converted(work / f"{name}.{outtype}.powerinfer.gguf", hf, uniform, prof, outtype, log)
         theirs = pi.main(f, PROMPT, args.tokens, work)
         if not theirs.loads:
             row(f.name, "pi-tools convert", "PowerInfer main", False, note=theirs.error)
@@ -319,14 +326,29 @@ def ours_to_theirs(name: str, hf: Path, work: Path, pi: PowerInfer, args, prof: 
             note.append(quantization_gap(theirs, ours, work / f"{name}.f32.powerinfer.gguf", f, "predictor"))
         row(f.name, "pi-tools convert", "PowerInfer main / ours predictor", True, agreement(theirs, ours), ppl,
             note="; ".join(n for n in note if n))
-    # per-layer thresholds (what convert writes from train-predictor as it is): PowerInfer uses the lowest
-    f = work / f"{name}.f16.per-layer.powerinfer.gguf"
-    if not f.is_file():
-        pi_tools("convert", "-m", hf, "--predictors", pred, "--profile", prof, "--outtype", "f16", "-o", f, "-q", log=log)
-    g = pi.main(f, PROMPT, args.tokens, work)
-    ours_tok = ours_greedy(f, g.prompt, args.tokens, "predictor") if g.loads else Generation(False)
-    row(f.name, "pi-tools convert (per-layer thresholds)", "PowerInfer main / ours predictor", g.loads,
-        agreement(g, ours_tok), note="PowerInfer reads one threshold (powerinfer.sparse_threshold) for all layers")
+    default_pipeline(name, hf, work, pi, args, prof)
+
+
+def default_pipeline(name: str, hf: Path, work: Path, pi: PowerInfer, args, prof: Path) -> None:
+    """A file as the default pipeline writes it: train-predictor with its defaults (a threshold calibrated per
+    layer), convert with its defaults (those thresholds folded into fc2, conversion.ThresholdFold), at each
+    type; PowerInfer's greedy tokens against ours in predictor mode."""
+    log = work / "log.txt"
+    pred = work / "pred-default"
+    if not (pred / "config.json").is_file():
+        pi_tools("train-predictor", prof, "--out", pred, "--threads", 1, "--force", log=log)
+    thresholds = [layer["threshold"] for layer in json.loads((pred / "config.json").read_text())["layers"]]
+    for outtype in args.types:
+        f = converted(work / f"{name}.{outtype}.default-pipeline.powerinfer.gguf", hf, pred, prof, outtype, log)
+        g = pi.main(f, PROMPT, args.tokens, work)
+        ours = ours_greedy(f, g.prompt, args.tokens, "predictor") if g.loads else Generation(False)
+        note = [f"per-layer thresholds {min(thresholds):.3g} to {max(thresholds):.3g} folded into fc2"]
+        if g.loads and ours.loads and outtype not in ("f32", "f16"):
+            reference = work / f"{name}.f32.default-pipeline.powerinfer.gguf"
+            if reference.is_file():
+                note.append(quantization_gap(g, ours, reference, f, "predictor"))
+        row(f.name, "pi-tools train-predictor + convert (defaults)", "PowerInfer main / ours predictor", g.loads,
+            agreement(g, ours), note="; ".join(n for n in note if n) if g.loads else g.error)
 
 
 def eval_file(model: Path, text: Path, work: Path, n_tokens: int) -> Path:
@@ -582,12 +604,17 @@ def tiny_model(kind: str, work: Path, args) -> Path:
     return hf
 
 
-def profile_and_train(hf: Path, work: Path, args) -> tuple[Path, Path]:
-    log = work / "log.txt"
-    prof, pred = work / "prof", work / "pred"
+def profile(hf: Path, work: Path, args) -> Path:
+    prof = work / "prof"
     if not (prof / "profile.json").is_file():
         pi_tools("profile", "-m", hf, "--out", prof, "--calib", DATA / "tinyshakespeare.txt", "--tokens",
-                 args.profile_tokens, "--seq-len", 128, "--force", log=log)
+                 args.profile_tokens, "--seq-len", 128, "--force", log=work / "log.txt")
+    return prof
+
+
+def profile_and_train(hf: Path, work: Path, args) -> tuple[Path, Path]:
+    log = work / "log.txt"
+    prof, pred = profile(hf, work, args), work / "pred"
     if not (pred / "config.json").is_file():
         pi_tools("train-predictor", prof, "--out", pred, "--rank", args.rank, "--threads", 1, "--force", log=log)
     return prof, pred
@@ -624,6 +651,9 @@ def main() -> None:
                     "its CMake builds it with `make gguf`")
     ap.add_argument("--solver-path", default=os.environ.get("PI_SOLVER_PATH", ""),
                     help="PYTHONPATH entry holding cvxopt for PowerInfer's solver")
+    ap.add_argument("--default-pipeline-only", action="store_true",
+                    help="only the default pipeline's files (train-predictor and convert with their defaults) in "
+                         "PowerInfer's main and ours: needs bin/main alone")
     args = ap.parse_args()
     for key in ("types", "ppl_types", "their_quants"):
         setattr(args, key, [t for t in getattr(args, key).split(",") if t])
@@ -647,6 +677,9 @@ def main() -> None:
         work = args.work / kind
         work.mkdir(exist_ok=True)
         hf = tiny_model(kind, work, args)
+        if args.default_pipeline_only:
+            default_pipeline(kind, hf, work, pi, args, profile(hf, work, args))
+            continue
         prof, pred = profile_and_train(hf, work, args)
         ours_to_theirs(kind, hf, work, pi, args, prof, pred, eval_text)
         theirs_to_ours(kind, hf, work, pi, args, prof, pred, eval_text, CONVERTERS.get(kind, []))
@@ -656,6 +689,9 @@ def main() -> None:
         print(f"== {name}", flush=True)
         work = args.work / name
         work.mkdir(exist_ok=True)
+        if args.default_pipeline_only:
+            default_pipeline(name, hf, work, pi, args, args.hf_profile or profile(hf, work, args))
+            continue
         prof, pred = args.hf_profile, args.hf_predictors
         if prof is None or pred is None:
             prof, pred = profile_and_train(hf, work, args)
@@ -663,9 +699,10 @@ def main() -> None:
                        prof, pred, eval_text)
         theirs_to_ours(name, hf, work, pi, args, prof, pred, eval_text, CONVERTERS["llama-relu"])
         solver_both_ways(name, hf, work, pi, args, prof)
-    print("== refusal", flush=True)
-    (args.work / "silu").mkdir(exist_ok=True)
-    refusal(args.work / "silu", pi, args)
+    if not args.default_pipeline_only:
+        print("== refusal", flush=True)
+        (args.work / "silu").mkdir(exist_ok=True)
+        refusal(args.work / "silu", pi, args)
     table = print_table()
     (args.work / "table.md").write_text(f"PowerInfer {commit}\n\n{table}\n")
     print(f"\nPowerInfer {commit}\n\n{table}")

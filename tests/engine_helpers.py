@@ -210,3 +210,12 @@ def rewrite(src: Path, dst: Path, fields: dict | None = None, drop: tuple = (), 
     writer.close()
     set_pwri_magic(dst)
     return dst
+
+
+@pytest.fixture(scope="session")
+def smollm2_q8_0(tmp_path_factory) -> Path:
+    """The default model as convert writes it by default in q8_0 (the layout `pi-tools run` uses, without
+    predictors)."""
+    path = tmp_path_factory.mktemp("smollm2_default") / "smollm2.q8_0.powerinfer.gguf"
+    convert_model("smollm2", path, outtype="q8_0", progress=False)
+    return path

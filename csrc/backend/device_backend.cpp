@@ -80,6 +80,22 @@ std::string DeviceTierBackend::error(const char *what) const {
     return std::string("device ") + std::to_string(use_.device) + " (" + api_.name + "): " + what + ": " + err_;
 }
 
+double DeviceTierBackend::host_bytes(const std::vector<Layer> &layers) const {
+    double room = tier_ ? room_ : -1, staging = 0, on_cpu = 0;
+    for (const Layer &L : layers) {
+        if (L.hot.size() == 0) continue;
+        const double need = layer_bytes(hp_, L, L.hot), copy = L.hot.copy_bytes(hp_.gated);
+        if (need > room) {
+            on_cpu += copy;
+            room = -1;
+        } else {
+            staging = std::max(staging, copy);
+            room -= need;
+        }
+    }
+    return staging + on_cpu;
+}
+
 void DeviceTierBackend::upload(int64_t il, const Layer &L, const FfnTier &T) {
     use_.hot_layers += 1;
     const double need = layer_bytes(hp_, L, T);

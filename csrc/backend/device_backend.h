@@ -42,6 +42,10 @@ public:
     double weight_bytes() const override { return cpu_.weight_bytes(); }  // host copies: the CPU layers'
     const DeviceUse &use() const { return use_; }
 
+    // Host bytes upload will take for `layers`, by its rule (a prefix of the layers within the budget): the
+    // largest layer's rows gathered on their way to the device, and the copies of the layers past the budget.
+    double host_bytes(const std::vector<Layer> &layers) const;
+
     // Device bytes of a layer's hot rows (and biases) and of a tier's scratch for `rows` neurons per layer.
     static double layer_bytes(const HParams &hp, const Layer &layer, const FfnTier &tier);
     static double scratch_bytes(const HParams &hp, int64_t n_batch, int64_t rows);

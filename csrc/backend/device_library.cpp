@@ -4,6 +4,7 @@
 
 #include <cstdlib>
 
+#include "backend/library_check.h"
 #include "runtime/common.h"
 
 namespace pi {
@@ -17,6 +18,8 @@ std::string device_library_path(const std::string &path) {
 const pi_device_api &load_device_library(const std::string &requested) {
     const std::string path = device_library_path(requested);
     if (path.empty()) fail(PI_ERR_UNSUPPORTED, "no device library: this build has no CUDA library (install with nvcc on the PATH)");
+    const std::string problem = library_problem(path, {"pi_device_api_get"});
+    if (!problem.empty()) fail(PI_ERR_UNSUPPORTED, "cannot load the device library " + path + ": " + problem);
     // never closed: the loader counts the opens of a path and maps it once
     void *handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
     if (!handle) fail(PI_ERR_UNSUPPORTED, "cannot load the device library " + path + ": " + dlerror());

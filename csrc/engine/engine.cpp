@@ -54,14 +54,14 @@ Engine::Engine(const std::string &path, const pi_options &opts, const std::strin
     if (opts.kv_type != PI_KV_F32 && opts.kv_type != PI_KV_F16) fail(PI_ERR_ARGUMENT, "unknown KV cache type " + std::to_string(opts.kv_type));
     policy_.set_mode(opts.ffn_mode);  // at load no layer is arranged yet: the first steps arrange them
 
-    check_working_memory(threads, opts.kv_type == PI_KV_F16);
-    rs_ = std::make_unique<RunState>(hp_, n_ctx_, n_batch_, threads, opts.kv_type == PI_KV_F16);
     pool_ = std::make_unique<ThreadPool>(threads);
     const int64_t rank = model_->max_rank();
     if (opts.gpu < PI_GPU_OFF || opts.gpu > PI_GPU_ON) fail(PI_ERR_ARGUMENT, "unknown gpu mode " + std::to_string(opts.gpu));
     gpu_mode_ = opts.gpu;
     if (hot_backend == "reference") hot_ = std::make_unique<ReferenceTierBackend>(hp_, n_batch_);
     else if (opts.gpu != PI_GPU_OFF) hot_ = device_tier(opts, rank);
+    check_working_memory(threads, opts.kv_type == PI_KV_F16);  // where the hot tier goes is known
+    rs_ = std::make_unique<RunState>(hp_, n_ctx_, n_batch_, threads, opts.kv_type == PI_KV_F16);
     if (!hot_) hot_ = std::make_unique<CpuTierBackend>(hp_, *ks_, *pool_, n_batch_, rank, true);
     cold_ = std::make_unique<CpuTierBackend>(hp_, *ks_, *pool_, n_batch_, rank, false);
     for (int64_t il = 0; il < hp_.n_layer; ++il) {
@@ -111,17 +111,29 @@ double Engine::work_buffer_bytes(int64_t threads) const {
     return bytes;
 }
 
+double Engine::weight_copy_bytes() const {
+    double bytes = 0;
+    for (const Layer &L : model_->layers()) {
+        bytes += L.cold.group_bytes(hp_.gated);  // built as a mode that reads them whole runs
+        if (!device_) bytes += L.hot.copy_bytes(hp_.gated);
+    }
+    return device_ ? bytes + device_->host_bytes(model_->layers()) : bytes;
+}
+
 void Engine::check_working_memory(int64_t threads, bool kv_f16) const {
-    // Refused before allocating when the buffers exceed the machine's memory, so a file that declares a huge
-    // model fails with a message instead of an out-of-memory kill.
-    const double bytes = RunState::kv_cache_bytes(hp_, n_ctx_, kv_f16) + work_buffer_bytes(threads);
-    const double available = usable_memory_bytes();
-    if (available > 0 && bytes > available)
-        fail(PI_ERR_MEMORY, model_->path() + ": the KV cache and work buffers would need " +
-                                std::to_string(bytes / double(1 << 30)).substr(0, 8) + " GiB for ctx_size " +
-                                std::to_string(n_ctx_) + ", more than the " +
-                                std::to_string(available / double(1 << 30)).substr(0, 8) +
-                                " GiB this process may use (the machine's memory or its cgroup's limit); lower ctx_size");
+    // Refused before allocating when what the engine will hold (the KV cache at the full context, the work
+    // buffers, the weights it copies out of the mapped file) and a margin for the rest of the process exceed
+    // what the process may still take, so that a context fails with a message instead of an out-of-memory kill
+    // as it fills. The margin: the allocator's slack, thread stacks, the caller's own growth.
+    const double margin = 64.0 * (1 << 20);
+    const double bytes = RunState::kv_cache_bytes(hp_, n_ctx_, kv_f16) + work_buffer_bytes(threads) + weight_copy_bytes() + margin;
+    const double limit = usable_memory_bytes(), held = process_anonymous_bytes();
+    const auto gib = [](double b) { return std::to_string(b / double(1 << 30)).substr(0, 8) + " GiB"; };
+    if (limit > 0 && bytes > limit - held)
+        fail(PI_ERR_MEMORY, model_->path() + ": the KV cache, work buffers and weight copies would need " + gib(bytes) +
+                                " for ctx_size " + std::to_string(n_ctx_) + ", more than the " + gib(std::max(0.0, limit - held)) +
+                                " left of the " + gib(limit) + " this process may use (the machine's memory or its "
+                                "cgroup's limit; it holds " + gib(held) + " already); lower ctx_size");
 }
 
 void Engine::set_ffn_mode(int32_t mode) {

@@ -39,6 +39,9 @@ public:
 private:
     // Refuses (PI_ERR_MEMORY) before allocating when the buffers the hyperparameters imply exceed RAM.
     void check_working_memory(int64_t threads, bool kv_f16) const;
+    // Bytes of weights the engine will copy out of the mapped file from here on (hot_ chosen, nothing uploaded):
+    // the hot tier's copy (or what a device takes on the host) and the cold tiers' gate/up groups.
+    double weight_copy_bytes() const;
     double work_buffer_bytes(int64_t threads) const;
     // The hot tier's backend where opts ask for a device (gpu auto or on): a DeviceTierBackend, or nullptr with
     // gpu_off_ saying why (auto: the hot tier stays on the CPU), or a failure (on).

@@ -104,6 +104,15 @@ struct FfnTier {
     PageMemory gate_groups, up_groups;
     int64_t size() const { return int64_t(ids.size()); }
     int64_t n_groups() const { return (size() + 7) / 8; }
+    // Bytes of a copy of the tier's rows out of the mapped file, in whole 8-row groups: all three matrices (a
+    // backend's copy of the hot tier), or gate and up where their type groups (the cold tier's groups).
+    double copy_bytes(bool gated) const {
+        return double(n_groups() * kPackRows) * double(gate.row_bytes + (gated ? up.row_bytes : 0) + down_t.row_bytes);
+    }
+    double group_bytes(bool gated) const {
+        return double(n_groups() * kPackRows) *
+               double((groups_fit(gate) ? gate.row_bytes : 0) + (gated && groups_fit(up) ? up.row_bytes : 0));
+    }
     // Whether matrix m of this tier has an 8-row group layout (its type packs, gemm8 takes its width).
     bool groups_fit(const Matrix &m) const {
         return size() > 0 && packed_block_bytes(m.type) != 0 && m.cols <= kGemv8MaxCols;

@@ -39,4 +39,18 @@ double usable_memory_bytes() {
     return limit;
 }
 
+double process_anonymous_bytes() {
+    std::ifstream status("/proc/self/status");
+    std::string key;
+    while (status >> key) {
+        if (key == "RssAnon:") {
+            double kib = 0;
+            status >> kib;
+            return kib * 1024;
+        }
+        status.ignore(1 << 16, '\n');
+    }
+    return 0;
+}
+
 }  // namespace pi

@@ -7,4 +7,9 @@ namespace pi {
 // Documentation/admin-guide/cgroup-v2.rst, memory.max; cgroup-v1/memory.rst, memory.limit_in_bytes).
 double usable_memory_bytes();
 
+// Bytes of anonymous memory this process holds now (RssAnon of /proc/self/status, the kernel's
+// Documentation/filesystems/proc.rst): what the interpreter and libraries already took of that limit; mapped file
+// pages are left out, the kernel can drop them.
+double process_anonymous_bytes();
+
 }  // namespace pi

@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 
 from powerinfer_tools.cli import flags
+from powerinfer_tools.stages import options as limits
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.runtime.inference import GPU_MODES, KV_TYPES
 
@@ -49,7 +50,7 @@ def bench(
     profile: Optional[Path] = typer.Option(None, "--profile", help="Profile directory whose activation thresholds "
                                            "the file stores (the main table's sparsity unless --sparsity) and whose "
                                            "activation counts order its neurons, as convert does."),
-    sparsity: Optional[float] = typer.Option(None, "--sparsity", help="Run the main table at this FFN sparsity "
+    sparsity: Optional[float] = typer.Option(None, "--sparsity", callback=flags.within(limits.SPARSITY_LEVEL), help="Run the main table at this FFN sparsity "
                                              "(thresholds recalibrated) instead of the file's thresholds."),
     sweep_sparsity: bool = typer.Option(False, "--sweep-sparsity", help="Also time the sparse modes' generation "
                                         "at each --sweep-levels FFN sparsity."),
@@ -65,7 +66,7 @@ def bench(
     gpu: str = flags.gpu_option(),
     gpuidx: Optional[Path] = typer.Option(None, "--gpuidx", help="Our hot tier's neurons (a .gpuidx for the bench's "
                                           "file: same neuron order); without it, --vram-budget solves one."),
-    vram_budget: Optional[float] = typer.Option(None, "--vram-budget", help="GiB: solve the hot tier for this budget "
+    vram_budget: Optional[float] = typer.Option(None, "--vram-budget", callback=flags.within(limits.DEVICE_BUDGET_GIB), help="GiB: solve the hot tier for this budget "
                                                 "from --profile (for the bench's file, cached beside it) and give the "
                                                 "GPU at most that much."),
     text: Optional[Path] = typer.Option(None, "--text", help="UTF-8 text whose tokens are fed (e.g. "

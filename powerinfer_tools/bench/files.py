@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -152,6 +153,56 @@ def converter_fingerprint(package: Path | None = None) -> str:
     return h.hexdigest()[:16]
 
 
+class _Damaged(Exception):
+    """Why the files cached in a directory cannot be reused (one line)."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _record(path: Path) -> dict:
+    """What the manifest keeps of a file it names, to know it again: its size and SHA-256."""
+    return {"size": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def _cached(directory: Path) -> BenchFiles | None:
+    """The files cached in `directory`, each as the manifest recorded it (size, then digest); None where there
+    is no manifest (nothing built yet); _Damaged saying what is wrong otherwise (a file cut short or
+    overwritten, a manifest edited or damaged)."""
+    path = directory / "manifest.json"
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise _Damaged(f"manifest.json is not readable JSON: {exc}") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise _Damaged("manifest.json is not an object recording its files' sizes and digests")
+    found = []
+    for role in ("powerinfer", "llamacpp"):
+        name, records = manifest.get(role), manifest["files"]
+        if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name:
+            raise _Damaged(f"manifest.json names no {role} file in the directory")
+        record = records.get(name)
+        if not isinstance(record, dict) or not isinstance(record.get("size"), int) \
+                or not isinstance(record.get("sha256"), str):
+            raise _Damaged(f"manifest.json records no size and digest for {name}")
+        file = directory / name
+        if not file.is_file():
+            raise _Damaged(f"{name} is missing")
+        if file.stat().st_size != record["size"]:
+            raise _Damaged(f"{name} has {file.stat().st_size:,} bytes, not the {record['size']:,} recorded")
+        if _sha256(file) != record["sha256"]:
+            raise _Damaged(f"{name} is not the file that was built (its SHA-256 differs from the recorded one)")
+        found.append(file)
+    return BenchFiles(found[0], found[1], manifest)
+
+
 def bench_files(model: str, outtype: str, work_dir: Path, predictors: Path | None = None,
                 profile: Path | None = None, progress: bool = True) -> BenchFiles:
     """Build (or reuse from `work_dir`) the PowerInfer and llama.cpp files of `model` at `outtype`."""
@@ -165,11 +216,14 @@ def bench_files(model: str, outtype: str, work_dir: Path, predictors: Path | Non
     stem = source.path.stem.replace(".", "_")
     directory = Path(work_dir) / f"{stem}-{outtype}-{key}"
     manifest_path = directory / "manifest.json"
-    if manifest_path.is_file():
-        manifest = json.loads(manifest_path.read_text())
-        pwri, plain = directory / manifest["powerinfer"], directory / manifest["llamacpp"]
-        if pwri.is_file() and plain.is_file():
-            return BenchFiles(pwri, plain, manifest)
+    try:
+        cached = _cached(directory)
+    except _Damaged as exc:
+        print(f"pi-tools bench: the files cached in {directory} cannot be reused ({exc}): building them again",
+              file=sys.stderr)
+        cached = None
+    if cached is not None:
+        return cached
     directory.mkdir(parents=True, exist_ok=True)
     pwri, plain = directory / "model.powerinfer.gguf", directory / "model.llamacpp.gguf"
     # every tensor in the outtype, as the llama.cpp copy has it (PowerInfer's f16 down projection would differ)
@@ -178,7 +232,8 @@ def bench_files(model: str, outtype: str, work_dir: Path, predictors: Path | Non
     copied = write_llamacpp_gguf(pwri, model, plain)
     manifest = {"model": model, "source": str(source.path), "outtype": outtype,
                 "predictors": str(predictors) if predictors else None, "profile": str(profile) if profile else None,
-                "powerinfer": pwri.name, "llamacpp": plain.name, "convert": summary, "llamacpp_file": copied}
+                "powerinfer": pwri.name, "llamacpp": plain.name, "convert": summary, "llamacpp_file": copied,
+                "files": {p.name: _record(p) for p in (pwri, plain)}}
     with atomic_file(manifest_path) as tmp:
         tmp.write_text(json.dumps(manifest, indent=1))
     return BenchFiles(pwri, plain, manifest)

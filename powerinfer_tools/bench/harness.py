@@ -34,6 +34,7 @@ from powerinfer_tools.bench import sparsity_levels
 from powerinfer_tools.bench.runners import Runner, Worker, llamacpp_runner
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.formats import names
+from powerinfer_tools.stages.options import SPARSITY_LEVEL
 
 MODES = tuple(m for m in names.FFN_MODES if m != "oracle")   # oracle is a test mode: nothing to time
 SPARSE_MODES = tuple(m for m in MODES if m != "dense")
@@ -239,9 +240,8 @@ def _check_options(opts: BenchOptions) -> None:
         raise UserError("--n-prompt and --n-gen must be at least 2")
     if opts.depth < 0:
         raise UserError("--depth must be at least 0")
-    for s in ([opts.sparsity] if opts.sparsity is not None else []) + list(opts.sweep_levels if opts.sweep else []):
-        if not 0.0 <= s < 1.0:
-            raise UserError(f"sparsity levels must be in [0, 1), got {s}")
+    SPARSITY_LEVEL.check("--sparsity", opts.sparsity)
+    SPARSITY_LEVEL.check("--sweep-levels", list(opts.sweep_levels if opts.sweep else []))
     if opts.sweep and not set(opts.modes) & set(SPARSE_MODES):
         raise UserError("--sweep-sparsity needs a sparse mode in --modes (gate, predictor or auto)")
     if opts.peer_python and "llama.cpp" in opts.peers and shutil.which(opts.peer_python) is None:

@@ -6,6 +6,8 @@ from typing import Optional
 
 import typer
 
+from powerinfer_tools.cli import flags
+from powerinfer_tools.stages import options as limits
 from powerinfer_tools.stages import placement
 from powerinfer_tools.core.errors import UserError
 
@@ -38,7 +40,7 @@ def convert(
         "for this toolkit's engine alone."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
     vram_budget: Optional[float] = typer.Option(
-        None, "--vram-budget", help="GiB of VRAM: after writing the model, place its hot neurons (as `pi-tools "
+        None, "--vram-budget", callback=flags.within(limits.PLAN_BUDGET_GIB), help="GiB of VRAM: after writing the model, place its hot neurons (as `pi-tools "
                                     "plan` does, with its defaults) and write OUT.generated.gpuidx beside it. "
                                     "Needs --profile."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Write nothing: report the file's size by part and "

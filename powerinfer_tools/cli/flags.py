@@ -12,6 +12,9 @@ from typing import Optional
 
 import typer
 
+from powerinfer_tools.core.numbers import Range
+from powerinfer_tools.stages.options import DEVICE_BUDGET_GIB, FRACTION, NON_NEGATIVE, POSITIVE
+
 DEFAULT_SPARSE_MODE = "auto"   # run, perplexity: the cheapest mode per layer, what a user runs
 THREADS_HELP = "Threads. Default: all cores."
 
@@ -42,9 +45,17 @@ def profile_option():
                         "'smollm2').")
 
 
+def within(allowed: Range):
+    """A typer callback holding a float option to `allowed` as it is parsed, before the command starts: one line
+    naming the flag (core/numbers.py), whatever else is wrong with the command line."""
+    def check(param: typer.CallbackParam, value):
+        return allowed.check(param.opts[0], value)
+    return check
+
+
 def vram_budget_option():
     """--vram-budget: the plan's budget, and the device memory the hot tier may take at run time."""
-    return typer.Option(None, "--vram-budget", help="GiB of VRAM, as PowerInfer's --vram-budget: without --gpuidx, "
+    return typer.Option(None, "--vram-budget", callback=within(DEVICE_BUDGET_GIB), help="GiB of VRAM, as PowerInfer's --vram-budget: without --gpuidx, "
                         "reuse the plan cached beside the model for this budget or solve one from --profile; on a "
                         "GPU, the most the hot tier takes there, layer after layer (the rest stay on the CPU). "
                         "Default: the device's free memory.")
@@ -70,7 +81,7 @@ def kv_type_option():
 
 
 def temp_option():
-    return typer.Option(0.8, "--temp", help="Sampling temperature; 0 = greedy.")
+    return typer.Option(0.8, "--temp", callback=within(NON_NEGATIVE), help="Sampling temperature; 0 = greedy.")
 
 
 def top_k_option():
@@ -78,11 +89,11 @@ def top_k_option():
 
 
 def top_p_option():
-    return typer.Option(0.95, "--top-p", help="Nucleus sampling mass; 1 = off.")
+    return typer.Option(0.95, "--top-p", callback=within(FRACTION), help="Nucleus sampling mass; 1 = off.")
 
 
 def repeat_penalty_option():
-    return typer.Option(1.1, "--repeat-penalty", help="Penalty for recent tokens; 1 = off.")
+    return typer.Option(1.1, "--repeat-penalty", callback=within(POSITIVE), help="Penalty for recent tokens; 1 = off.")
 
 
 def repeat_last_n_option():

@@ -6,6 +6,8 @@ from typing import Optional
 
 import typer
 
+from powerinfer_tools.cli import flags
+from powerinfer_tools.stages import options as limits
 from powerinfer_tools.stages import placement
 from powerinfer_tools.core.errors import UserError
 
@@ -15,7 +17,7 @@ def plan(
                               "types and shapes give the bytes. With --dry-run: a bundled config name "
                               "(relullama-70b, relufalcon-40b, opt-30b, bamboo-7b, ...), a config.json or a model "
                               "directory."),
-    vram_budget: float = typer.Option(..., "--vram-budget", help="GiB of VRAM to use; 0 gives an all-CPU plan."),
+    vram_budget: float = typer.Option(..., "--vram-budget", callback=flags.within(limits.PLAN_BUDGET_GIB), help="GiB of VRAM to use; 0 gives an all-CPU plan."),
     profile: Optional[Path] = typer.Option(None, "--profile", help="Profile directory from `pi-tools profile` "
                                            "(reads DIR/activation/activation_{i}.pt; a bare directory of them, as "
                                            "PowerInfer publishes, works too). Optional with --dry-run."),
@@ -27,14 +29,14 @@ def plan(
     min_layer_neurons: str = typer.Option("auto", "--min-layer-neurons",
                                           help="A layer that offloads anything offloads at least this many "
                                           "neurons: 'auto' (from the split-overhead cost model) or N."),
-    reserve_mib: float = typer.Option(placement.DEFAULT_RESERVE_BYTES / placement.MIB, "--reserve-mib",
+    reserve_mib: float = typer.Option(placement.DEFAULT_RESERVE_BYTES / placement.MIB, "--reserve-mib", callback=flags.within(limits.RESERVE_MIB),
                                       help="VRAM kept free for the CUDA context and scratch buffers."),
     offload_output: bool = typer.Option(True, "--offload-output/--no-offload-output",
                                         help="Put the output head on the GPU (PowerInfer does)."),
     dense: str = typer.Option("all", "--dense", help="'all': every layer's attention, predictor and KV cache go "
                               "to VRAM first, as PowerInfer's engine does; 'with-ffn': only for layers that "
                               "place neurons."),
-    time_limit: float = typer.Option(20.0, "--time-limit", help="Seconds for the MILP; past it the best plan "
+    time_limit: float = typer.Option(20.0, "--time-limit", callback=flags.within(limits.POSITIVE), help="Seconds for the MILP; past it the best plan "
                                      "found is used and the proved bound reported."),
     granularity: str = typer.Option("1", "--granularity", help="Each layer puts 0, a multiple of N, or all of its "
                                     "neurons on the GPU. 'powerinfer': what PowerInfer's CUDA build takes, 256 "
@@ -47,7 +49,7 @@ def plan(
     predictor_rank: Optional[int] = typer.Option(
         None, "--predictor-rank", help="With --dry-run: the predictors' rank (default: train-predictor's cap, 10% "
                                        "of the FFN parameters); 0 for none."),
-    exponent: float = typer.Option(placement.SYNTHETIC_EXPONENT, "--power-law-exponent",
+    exponent: float = typer.Option(placement.SYNTHETIC_EXPONENT, "--power-law-exponent", callback=flags.within(limits.EXPONENT),
                                    help="With --dry-run and no --profile: exponent a of the assumed activation "
                                    "rate min(1, 0.01 (rank/n_ff)^-a); larger is more skewed."),
 ):

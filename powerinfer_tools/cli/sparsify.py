@@ -6,6 +6,9 @@ from typing import List, Optional
 
 import typer
 
+from powerinfer_tools.cli import flags
+from powerinfer_tools.stages import options as limits
+
 
 def sparsify(
     model: str = typer.Option(..., "--model", "-m", help="SiLU Llama-family model: HF directory, .gguf file, "
@@ -16,7 +19,7 @@ def sparsify(
     self_tokens: int = typer.Option(0, "--self-tokens", help="With --calib: also train on this many tokens of text "
                                     "the model writes itself (a second kind of text, so the result is not fitted "
                                     "to one corpus; slow on a CPU: about 0.02 CPU-s a token)."),
-    target_sparsity: float = typer.Option(0.85, "--target-sparsity", help="Share of exact-zero FFN activations "
+    target_sparsity: float = typer.Option(0.85, "--target-sparsity", callback=flags.within(limits.SHARE), help="Share of exact-zero FFN activations "
                                           "each layer is steered to."),
     tokens: int = typer.Option(262144, help="End-to-end distillation tokens (0: layer-local phase only)."),
     local_tokens: int = typer.Option(32768, "--local-tokens", help="Tokens whose FFN inputs/outputs the "
@@ -24,11 +27,11 @@ def sparsify(
     local_epochs: int = typer.Option(4, "--local-epochs", help="Passes over them per layer (0: skip the phase)."),
     seq_len: int = typer.Option(256, "--seq-len", help="Tokens per training sequence."),
     batch: int = typer.Option(4, help="Sequences per step (per process under accelerate launch)."),
-    lr: float = typer.Option(1e-4, help="End-to-end learning rate (AdamW, warm-up then cosine)."),
-    local_lr: float = typer.Option(1e-3, "--local-lr", help="Layer-local learning rate (Adam)."),
+    lr: float = typer.Option(1e-4, callback=flags.within(limits.LEARNING_RATE), help="End-to-end learning rate (AdamW, warm-up then cosine)."),
+    local_lr: float = typer.Option(1e-3, "--local-lr", callback=flags.within(limits.LEARNING_RATE), help="Layer-local learning rate (Adam)."),
     eval_tokens: int = typer.Option(16384, "--eval-tokens", help="Tokens held out of the calibration text to "
                                     "measure the result (at most a tenth of it)."),
-    shift_budget: float = typer.Option(0.01, "--shift-budget", help="Relative perplexity (on training rows) the "
+    shift_budget: float = typer.Option(0.01, "--shift-budget", callback=flags.within(limits.SHIFT_BUDGET), help="Relative perplexity (on training rows) the "
                                        "last step may spend raising ReLU's cut-off to a FATReLU threshold for "
                                        "more zeros; 0 keeps plain ReLU, which transformers loads by itself."),
     device: str = typer.Option("auto", help="auto (a GPU when there is one), cpu or cuda."),
@@ -36,7 +39,7 @@ def sparsify(
                               "CPU), float32 or bfloat16. Weights are trained in float32."),
     grad_checkpointing: bool = typer.Option(False, "--grad-checkpointing/--no-grad-checkpointing",
                                             help="Recompute activations in the backward pass (less memory)."),
-    checkpoint_minutes: float = typer.Option(5.0, "--checkpoint-minutes", help="Minutes between checkpoints."),
+    checkpoint_minutes: float = typer.Option(5.0, "--checkpoint-minutes", callback=flags.within(limits.POSITIVE), help="Minutes between checkpoints."),
     seed: int = typer.Option(0, help="Random seed (data order, data-free generation)."),
     force: bool = typer.Option(False, "--force", help="Replace a non-empty output directory."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run with the same options, bit "

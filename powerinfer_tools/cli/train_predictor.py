@@ -5,7 +5,9 @@ from pathlib import Path
 
 import typer
 
+from powerinfer_tools.cli import flags
 from powerinfer_tools.core.errors import UserError
+from powerinfer_tools.stages import options as limits
 from powerinfer_tools.stages.options import DEFAULT_TRAIN_THREADS
 
 
@@ -17,16 +19,16 @@ def train_predictor(
     rank: str = typer.Option("auto", "--rank",
                              help="'auto': per layer, the smallest rank that meets --target-recall, under "
                                   "--max-predictor-fraction; or one fixed rank N <= n_embd for every layer."),
-    target_recall: float = typer.Option(None, "--target-recall",
+    target_recall: float = typer.Option(None, "--target-recall", callback=flags.within(limits.SHARE),
                                         help="Held-out recall each layer's threshold is calibrated to "
                                              "[default: 0.99 for ReLU-family profiles, 0.95 for SiLU/GELU "
                                              "(thresholded) ones]."),
-    max_density_ratio: float = typer.Option(1.3, "--max-density-ratio",
+    max_density_ratio: float = typer.Option(1.3, "--max-density-ratio", callback=flags.within(limits.AT_LEAST_ONE),
                                             help="Density budget: a rank is enough (--rank auto) when the target "
                                                  "recall is reached predicting at most this many times the true "
                                                  "density and leaving out at least 1/this of the inactive "
                                                  "neurons; also the budget of the rec@bud column."),
-    max_predictor_fraction: float = typer.Option(0.10, "--max-predictor-fraction",
+    max_predictor_fraction: float = typer.Option(0.10, "--max-predictor-fraction", callback=flags.within(limits.FRACTION),
                                                  help="Cap on all predictors' parameters as a fraction of the FFN "
                                                       "weights of the trained layers (--rank auto)."),
     epochs: int = typer.Option(8, "--epochs", help="Most epochs per predictor (early stopping on held-out "
@@ -37,7 +39,7 @@ def train_predictor(
                                   help="Do not train: measure the predictors in --out (ours or PowerInfer's "
                                        "published model_{i}.pt) on every row of PROFILE_DIR."),
     report: Path = typer.Option(None, "--report", help="With --evaluate, also write the metrics as JSON here."),
-    held_out: float = typer.Option(0.2, "--held-out", help="Fraction of calibration sequences held out."),
+    held_out: float = typer.Option(0.2, "--held-out", callback=flags.within(limits.SHARE), help="Fraction of calibration sequences held out."),
     threads: int = typer.Option(DEFAULT_TRAIN_THREADS, "--threads", "-t",
                                 help="CPU threads for torch (small matrices: more threads than free cores "
                                      "only add contention)."),

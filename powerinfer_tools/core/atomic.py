@@ -114,6 +114,9 @@ def atomic_dir(final: str | os.PathLike, force: bool = False):
     os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; output directories get the usual permissions
     try:
         yield tmp
+        for path in tmp.rglob("*"):  # writers that go through a temporary file of their own leave it 0600
+            if path.is_file() and not path.is_symlink():
+                os.chmod(path, 0o666 & ~_umask())
         publish_dir(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

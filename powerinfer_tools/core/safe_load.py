@@ -31,11 +31,15 @@ def load_pt(path: str | os.PathLike, what: str, mmap: bool = False):
 def check_declared_sizes(path: str | os.PathLike, what: str) -> None:
     """torch.save stores tensor data uncompressed in its zip; entries declaring more bytes than the whole file
     holds are compressed (a 1 MB file can declare a 1 GiB tensor that torch.load would inflate into memory
-    before any shape is checked), so such a file is refused before it is loaded."""
+    before any shape is checked), so such a file is refused before it is loaded; so is a file that is neither
+    that zip nor the legacy format's pickle (text, say: not a `what` at all)."""
     import zipfile
 
     try:
         if not zipfile.is_zipfile(path):
+            with open(path, "rb") as f:
+                if f.read(1) != b"\x80":  # the legacy format: a pickle, protocol 2 or later
+                    raise UserError(f"{path} is not a {what}: not a file torch.save writes")
             return  # the legacy format stores its tensors raw: what it declares, the file holds
         with zipfile.ZipFile(path) as archive:
             declared = sum(entry.file_size for entry in archive.infolist())

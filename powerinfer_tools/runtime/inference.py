@@ -19,6 +19,7 @@ import numpy as np
 
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.formats import names
+from powerinfer_tools.stages.options import DEVICE_BUDGET_GIB
 
 SPARSE_MODES = names.FFN_MODES
 NO_GPUIDX = "none"  # --gpuidx none: not even the index beside the model
@@ -122,8 +123,7 @@ def open_engine(target: EngineTarget, threads: int | None = None, sparse_mode: s
 
     if gpu not in GPU_MODES:
         raise UserError(f"unknown --gpu {gpu!r} (choose from {', '.join(GPU_MODES)})")
-    if vram_budget_gib is not None and not vram_budget_gib > 0:
-        raise UserError(f"--vram-budget must be a positive number of GiB, not {vram_budget_gib}")
+    DEVICE_BUDGET_GIB.check("--vram-budget", vram_budget_gib)
     if sparse_mode not in SPARSE_MODES:
         raise UserError(f"unknown --sparse-mode {sparse_mode!r} (choose from {', '.join(SPARSE_MODES)})")
     if kv_type not in KV_TYPES:

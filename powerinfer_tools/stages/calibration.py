@@ -16,6 +16,8 @@ NEUTRAL_PROMPTS = ("The", "In the beginning", "Once upon a time", "Here is a sho
 def read_text(path: str | Path, role: str = "calibration") -> str:
     """The text of a calibration (or, `role`, evaluation) file; an empty, missing or binary file is a UserError."""
     path = Path(path)
+    if path.exists() and not path.is_file():   # a directory, a device such as /dev/null or /dev/zero, a pipe
+        raise UserError(f"{role} file {path} is not a regular file; give a text file")
     if not path.is_file():
         raise UserError(f"{role} file not found: {path}")
     data = path.read_bytes()

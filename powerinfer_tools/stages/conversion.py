@@ -11,6 +11,7 @@ becomes `PWRI`. With a profile, each layer's FFN neurons are stored in the order
 from __future__ import annotations
 
 import dataclasses
+import math
 import json
 import re
 import time
@@ -90,7 +91,37 @@ def load_predictors(directory: str | Path, dims: arch.Dims) -> Predictors:
         raise UserError(f"{config_path}: 'layers' must list layers 0..{dims.n_layer - 1}")
     thresholds = [float(layers[i].get("threshold", 0.0)) if layers else 0.0 for i in range(dims.n_layer)]
     useful = [bool(layers[i].get("useful", True)) if layers else True for i in range(dims.n_layer)]
-    return Predictors(files, ranks, thresholds, float(config.get("sparse_threshold", 0.0)), useful)
+    sparse_threshold = float(config.get("sparse_threshold", 0.0))
+    if not all(math.isfinite(t) for t in [*thresholds, sparse_threshold]):
+        raise UserError(f"{config_path}: a predictor threshold is not a finite number")
+    return Predictors(files, ranks, thresholds, sparse_threshold, useful)
+
+
+@dataclass
+class ThresholdFold:
+    """PowerInfer compares every layer's predictor logits with one threshold T (powerinfer.sparse_threshold: its
+    llama.cpp llm_load_hparams, ggml.c's sparse_pred_threshold); ours has one a layer, t_i. Scaling layer i's fc2
+    by T / t_i scales its logits by that factor, which is positive where t_i and T share a sign: "logit > t_i"
+    becomes "logit' > T" exactly, so PowerInfer selects the neurons our engine does. Thresholds of both signs (or
+    0 beside others) cannot be folded: PowerInfer then selects other neurons in some layers."""
+
+    threshold: float | None   # T, every layer's threshold after the fold; None where they cannot be folded
+    scales: list[float]       # fc2's factor per layer (all 1.0 where nothing is folded)
+    note: str = ""            # why they could not be folded
+
+
+def fold_thresholds(predictors: Predictors) -> ThresholdFold:
+    t = predictors.thresholds
+    if all(x == t[0] for x in t):
+        return ThresholdFold(t[0], [1.0] * len(t))
+    if not (all(x > 0 for x in t) or all(x < 0 for x in t)):
+        return ThresholdFold(None, [1.0] * len(t),
+                             f"the per-layer predictor thresholds ({min(t):g} to {max(t):g}) do not share a sign, so "
+                             "they cannot be folded into fc2: PowerInfer, which reads one threshold "
+                             f"({predictors.sparse_threshold:g}) for every layer, selects other neurons than this "
+                             "engine in the layers whose threshold differs")
+    common = predictors.sparse_threshold if predictors.sparse_threshold * t[0] > 0 else min(t)
+    return ThresholdFold(common, [common / x for x in t])
 
 
 def load_activation_thresholds(profile_dir: str | Path, n_layer: int) -> list[float]:
@@ -163,7 +194,9 @@ POWERINFER_DOWN_T_OUTTYPE = {"f32": "f16", "q8_0": "f16"}
 
 
 def plan(adapter: arch.Arch, weights, predictors: Predictors | None, outtype: str,
-         powerinfer_compatible: bool = True) -> list[PlannedTensor]:
+         powerinfer_compatible: bool = True, fc2_scales: list[float] | None = None) -> list[PlannedTensor]:
+    """The tensors of the file, each with how to load it; fc2_scales: layer i's fc2 times fc2_scales[i]
+    (ThresholdFold)."""
     # a thresholded (SiLU/GELU) file is one PowerInfer refuses by its architecture name: nothing to keep compatible
     compatible = powerinfer_compatible and not adapter.thresholded
     down_outtype = POWERINFER_DOWN_T_OUTTYPE.get(outtype, outtype) if compatible else outtype
@@ -182,8 +215,10 @@ def plan(adapter: arch.Arch, weights, predictors: Predictors | None, outtype: st
             path = predictors.files[i] if predictors.files else None
             padded = stored_rank(rank, outtype, dims.n_embd, dims.n_ff)
             for key, shape, qtype in predictor_tensors(padded, outtype, dims.n_embd, dims.n_ff):
+                scale = fc2_scales[i] if fc2_scales and key == names.weight(names.PREDICTOR_FC2) else 1.0
                 planned.append(PlannedTensor(f"blk.{i}.{key}", shape, qtype,
-                                             lambda p=path, k=key, r=padded: _load_predictor(p, k, r), str(path)))
+                                             lambda p=path, k=key, r=padded, s=scale: _load_predictor(p, k, r) * s,
+                                             str(path)))
     return planned
 
 
@@ -303,6 +338,11 @@ def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predic
     adapter = arch.for_config(config)
     dims = adapter.dims()
     predictors = load_predictors(predictors_dir, dims) if predictors_dir is not None else None
+    # a thresholded (SiLU/GELU) file is one PowerInfer refuses by its architecture name: nothing to fold for it
+    fold = fold_thresholds(predictors) if predictors and powerinfer_compatible and not adapter.thresholded else None
+    if fold is not None and fold.threshold is not None:
+        predictors = dataclasses.replace(predictors, thresholds=[fold.threshold] * dims.n_layer,
+                                         sparse_threshold=fold.threshold)
     if profile_dir is not None:
         activation_thresholds = load_activation_thresholds(profile_dir, dims.n_layer)
     else:
@@ -314,7 +354,7 @@ def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predic
         counts = load_activation_counts(profile_dir, dims.n_layer, [dims.n_ff] * dims.n_layer)
         orders = neuron_order.orders_from_counts([c.double().numpy() for c in counts])
     weights = open_weights(source, config)
-    tensors = plan(adapter, weights, predictors, outtype, powerinfer_compatible)
+    tensors = plan(adapter, weights, predictors, outtype, powerinfer_compatible, fold.scales if fold else None)
     if orders is not None:
         tensors = [dataclasses.replace(t, load=lambda t=t: neuron_order.apply(t.name, t.load(), orders))
                    for t in tensors]
@@ -352,6 +392,7 @@ def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predic
         "out": str(out_path), "model": source.spec, "arch": adapter.name, "gguf_arch": adapter.gguf_arch,
         "outtype": outtype, "powerinfer_compatible": powerinfer_compatible, "tensors": len(tensors),
         "predictors": predictors is not None,
+        "predictor_threshold_note": fold.note if fold else "",
         "neuron_order": "profile" if orders is not None else "source",
         "thresholded": adapter.thresholded, "activation_thresholds": activation_thresholds,
         "types": dict(Counter(t.qtype.name for t in tensors)), "bytes_in": int(bytes_in),
@@ -371,6 +412,8 @@ def summary_lines(summary: dict) -> list[str]:
     if summary["neuron_order"] == "profile":
         lines.append("FFN neurons stored hottest first in blocks of 16 by the profile's counts (--source-order: "
                      "the model's order)")
+    if summary.get("predictor_threshold_note"):
+        lines.append(f"note: {summary['predictor_threshold_note']}")
     lines.append(f"bytes: {_mib(summary['bytes_in'])} in the source -> {_mib(summary['bytes_out'])} written "
                  f"({summary['bytes_out'] / max(summary['bytes_in'], 1):.2f}x) in {summary['seconds']:.1f} s")
     return lines

@@ -9,10 +9,27 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from powerinfer_tools.core.numbers import Range
+
 MIB = 1024**2
 DEFAULT_CTX_SIZE = 512  # llama.cpp's and PowerInfer's default context
 DEFAULT_RESERVE_BYTES = 256 * MIB  # PowerInfer leaves 256 MiB free when it sizes the budget itself
 DEFAULT_TRAIN_THREADS = max(1, (os.cpu_count() or 2) // 2)  # small matrices: more threads only add contention
+
+# What the float options may be: the CLI checks each as it parses it (cli/flags.py: within), the stages again for
+# callers of the API. A GiB or MiB figure is held below 2**20 of its unit, far past any device's memory.
+PLAN_BUDGET_GIB = Range(0, 2**20, unit=" GiB")                    # 0: an all-CPU plan
+DEVICE_BUDGET_GIB = Range(0, 2**20, low_open=True, unit=" GiB")   # what the hot tier may take on the device
+RESERVE_MIB = Range(0, 2**20, unit=" MiB")
+SHARE = Range(0, 1, low_open=True, high_open=True)   # a target sparsity or recall, a held-out share
+FRACTION = Range(0, 1, low_open=True)                # a cap on a share, top-p's mass
+LEARNING_RATE = Range(0, 1, low_open=True)
+SHIFT_BUDGET = Range(0, 1, high_open=True)
+SPARSITY_LEVEL = Range(0, 1, high_open=True)
+POSITIVE = Range(0, low_open=True)                   # a time, a penalty factor
+AT_LEAST_ONE = Range(1)
+NON_NEGATIVE = Range(0)                              # a temperature (0: greedy)
+EXPONENT = Range(0, 16)                              # the assumed power law's: 16 puts every neuron past 0.01
 
 
 @dataclass

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from powerinfer_tools.formats import names, neuron_order
 from powerinfer_tools.stages import placement_solver
 from powerinfer_tools.core.atomic import atomic_file
 from powerinfer_tools.core.errors import UserError
+from powerinfer_tools.stages import options as limits
 from powerinfer_tools.stages.options import DEFAULT_CTX_SIZE, DEFAULT_RESERVE_BYTES, MIB, PlanFiles
 from powerinfer_tools.formats.gguf_header import GGUFHeader, read_header
 from powerinfer_tools.formats.gguf_io import set_powerinfer_i32, set_pwri_magic
@@ -296,8 +296,7 @@ def plan_for_model(profile_dir: str | Path, model_path: str | Path, vram_budget_
 
 def check_budget(vram_budget_bytes: float) -> None:
     """A budget is given in GiB (--vram-budget), and named so when it is impossible."""
-    if not math.isfinite(vram_budget_bytes) or vram_budget_bytes < 0:
-        raise UserError(f"--vram-budget must be a non-negative number of GiB, not {vram_budget_bytes / GIB:g}")
+    limits.PLAN_BUDGET_GIB.check("--vram-budget", vram_budget_bytes / GIB)
 
 
 def check_options(vram_budget_bytes: float, ctx_size: int, reserve_bytes: int, dense: str) -> None:

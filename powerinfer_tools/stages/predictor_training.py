@@ -28,6 +28,7 @@ import torch
 from powerinfer_tools.models import arch as arch_registry
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.core.safe_load import checked_tensor, load_pt
+from powerinfer_tools.stages import options as limits
 from powerinfer_tools.stages.options import PredictorOptions, TrainedPredictors
 from powerinfer_tools.stages.predictor import (Predictor, density_budget, layer_metrics, neuron_weights, recall_at_density,
                                         threshold_for_recall, rank_at_fraction)
@@ -624,12 +625,12 @@ def _checked(profile: ProfileDir, opts: PredictorOptions) -> tuple[list[int], fl
     target_recall = opts.target_recall
     if target_recall is None:
         target_recall = 0.95 if profile.thresholded else 0.99
-    if not 0.0 < target_recall < 1.0:
-        raise UserError(f"--target-recall must be in (0, 1), not {target_recall}")
-    if opts.epochs < 1 or opts.threads < 1 or not 0.0 < opts.held_out < 1.0 or opts.max_density_ratio < 1.0 \
-            or not 0.0 < opts.max_predictor_fraction <= 1.0:
-        raise UserError("need --epochs >= 1, --threads >= 1, 0 < --held-out < 1, --max-density-ratio >= 1 "
-                        "and 0 < --max-predictor-fraction <= 1")
+    limits.SHARE.check("--target-recall", target_recall)
+    limits.SHARE.check("--held-out", opts.held_out)
+    limits.AT_LEAST_ONE.check("--max-density-ratio", opts.max_density_ratio)
+    limits.FRACTION.check("--max-predictor-fraction", opts.max_predictor_fraction)
+    if opts.epochs < 1 or opts.threads < 1:
+        raise UserError("need --epochs >= 1 and --threads >= 1")
     torch.set_num_threads(opts.threads)
     return selected, target_recall
 
@@ -637,7 +638,7 @@ def _checked(profile: ProfileDir, opts: PredictorOptions) -> tuple[list[int], fl
 def train(profile: ProfileDir, opts: PredictorOptions) -> TrainedPredictors:
     """Train one predictor per selected layer and write the directory: model_{i}.pt (PowerInfer's state dict),
     config.json (thresholds, ranks) and report.json, all at once (atomic_dir)."""
-    from powerinfer_tools.core.atomic import atomic_dir, check_output_dir
+    from powerinfer_tools.core.atomic import atomic_dir, check_output_dir, output_lock
     from powerinfer_tools.stages.predictor import write_config
 
     selected, target_recall = _checked(profile, opts)
@@ -647,7 +648,8 @@ def train(profile: ProfileDir, opts: PredictorOptions) -> TrainedPredictors:
     check_rank(fixed_rank, profile.n_embd)
     settings = TrainSettings(target_recall=target_recall, max_density_ratio=opts.max_density_ratio,
                              epochs=opts.epochs, device=_device(opts.device), seed=opts.seed)
-    with atomic_dir(out, opts.force) as tmp:
+    # a second run on one output is refused now, not after minutes of training
+    with output_lock(out, wait=False), atomic_dir(out, opts.force) as tmp:
         with _layer_bar(len(selected), "train-predictor") as bar:
             def progress(layer, chosen, tried, growing):
                 if growing:   # spending the byte cap left over: one more step on the bar

@@ -363,7 +363,7 @@ def _cli(*args, cwd=ROOT):
     (["-m", "smollm2", "--png", "x.png"], "--png draws the sparsity sweep"),
     (["-m", "smollm2", "--modes", "dense,fast"], "unknown mode 'fast'"),
     (["-m", "smollm2", "--peers", "vllm"], "unknown peer 'vllm'"),
-    (["-m", "smollm2", "--sweep-sparsity", "--sweep-levels", "0.5,1.5"], "sparsity levels must be in"),
+    (["-m", "smollm2", "--sweep-sparsity", "--sweep-levels", "0.5,1.5"], "--sweep-levels must be a number in [0, 1), not 1.5"),
     (["-m", "smollm2", "--depth", "-1"], "--depth must be at least 0"),
     (["-m", "smollm2", "--kv-type", "q8_0"], "--kv-type must be f32 or f16"),
     (["-m", "smollm2", "--gpu", "maybe"], "unknown --gpu 'maybe'"),

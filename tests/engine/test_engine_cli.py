@@ -213,8 +213,11 @@ def test_run_chat_answer_starts_on_its_own_line(converted, tmp_path, capsys):
 
 @pytest.mark.parametrize("args,message", [
     (["-c", "0"], "--ctx-size must be at least 1 token, not 0"),
-    (["--vram-budget", "-1"], "--vram-budget must be a non-negative number of GiB, not -1"),
-    (["--vram-budget", "nan"], "--vram-budget must be a non-negative number of GiB, not nan"),
+    # one wording for every value out of range, in GiB and under the flag's name
+    (["--vram-budget", "-1"], "--vram-budget must be a number in (0, 1048576] GiB, not -1"),
+    (["--vram-budget", "0"], "--vram-budget must be a number in (0, 1048576] GiB, not 0"),
+    (["--vram-budget", "nan"], "--vram-budget must be a number in (0, 1048576] GiB, not nan"),
+    (["--vram-budget", "1e30"], "--vram-budget must be a number in (0, 1048576] GiB, not 1e+30"),
 ])
 def test_run_bad_sizes_are_named_as_given(args, message, converted, capsys):
     code, _, err = run_cli(capsys, "run", "-m", converted("llama-relu"), "-p", "hi", *args)

@@ -58,7 +58,7 @@ def test_gpu_on_without_a_device_is_one_line(converted, gpuidx, monkeypatch, cap
 
 
 @pytest.mark.parametrize("flags, needle", [(["--gpu", "maybe"], "unknown --gpu 'maybe'"),
-                                           (["--gpu", "on", "--vram-budget", "0"], "--vram-budget must be a positive"),
+                                           (["--gpu", "on", "--vram-budget", "0"], "--vram-budget must be a number in (0, 1048576] GiB, not 0"),
                                            (["--gpu", "on", "--vram-budget", "4096"], "is more than the")])
 def test_bad_gpu_flags_are_one_line(converted, gpuidx, emulated_gpu, capsys, flags, needle):
     code, _, err = run_cli(capsys, "run", "-m", converted("llama-relu"), "--gpuidx", gpuidx, "-p", PROMPT, *flags)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import gguf
 import pytest
-from engine_helpers import converted  # noqa: F401
+from engine_helpers import converted, smollm2_q8_0  # noqa: F401
 from test_engine_bad_input import rewrite
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,43 +108,82 @@ def test_absurd_hyperparameters_are_refused(converted, tmp_path, key, value):
 
 CGROUP_PROBE = """
 import sys
+import numpy as np
 import engine
 
-path, ctx = sys.argv[1], int(sys.argv[2])
+def anonymous_bytes():
+    line = next(l for l in open("/proc/self/status") if l.startswith("RssAnon:"))
+    return int(line.split()[1]) * 1024
+
+path, ctx, fill = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "fill"
+if ctx == 0:  # the largest context the check accepts, to the nearest 64 positions
+    lo, hi = 64, 1 << 17
+    while hi - lo > 64:
+        mid = (lo + hi) // 2
+        try:
+            engine.Model(path, threads=2, ctx_size=mid).close()
+            lo = mid
+        except engine.EngineError:
+            hi = mid
+    ctx = lo
 try:
-    with engine.Model(path, threads=1, ctx_size=ctx) as m:
-        print("opened", m.info["kv_cache_bytes"])
+    with engine.Model(path, threads=2, ctx_size=ctx) as m:
+        tokens = np.random.default_rng(0).integers(3, m.n_vocab, size=m.n_ctx).tolist()
+        for at in range(0, m.n_ctx if fill else 0, 512):
+            m.eval(tokens[at:at + 512], all_logits=False)
+        print("opened", ctx, m.n_past, anonymous_bytes())
 except engine.EngineError as exc:
     print("refused", exc)
 """
 
 
-def test_context_is_checked_against_the_cgroup_limit(converted, tmp_path):
-    """A context that fits the machine's memory but not the container's (its cgroup's memory.max) is refused
-    with a message, where it was an out-of-memory kill. The cgroup is a directory bind-mounted over
-    /sys/fs/cgroup in a private user and mount namespace (unshare -rm)."""
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory):
+    """open_with(path, ctx, limit_mib, fill=False): CGROUP_PROBE's line from a child process held to a memory
+    limit of limit_mib: its cgroup's memory.max, a directory bind-mounted over /sys/fs/cgroup in a private user
+    and mount namespace (unshare -rm). ctx 0: the largest the engine accepts; fill: evaluate it to the end."""
     import shlex
     import shutil
 
-    path = converted("llama-relu")
-    fake = tmp_path / "cgroup"
-    fake.mkdir()
-    (fake / "memory.max").write_text(f"{16 << 20}\n")  # 16 MiB
-    probe = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount --bind {fake} /sys/fs/cgroup"], capture_output=True)
+    empty = tmp_path_factory.mktemp("empty")
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount --bind {empty} /sys/fs/cgroup"], capture_output=True)
     if not shutil.which("unshare") or probe.returncode != 0:
         pytest.skip("no user+mount namespace here (unshare -rm) to stand in a cgroup limit")
 
-    def open_with(ctx: int) -> str:
+    def open_with(path: Path, ctx: int, limit_mib: int, fill: bool = False) -> list[str]:
+        fake = tmp_path_factory.mktemp("cgroup")
+        (fake / "memory.max").write_text(f"{limit_mib << 20}\n")
         script = (f"mount --bind {fake} /sys/fs/cgroup && exec {shlex.quote(sys.executable)} -c "
-                  f"{shlex.quote(CGROUP_PROBE)} {path} {ctx}")
-        done = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=120,
+                  f"{shlex.quote(CGROUP_PROBE)} {path} {ctx} {'fill' if fill else 'open'}")
+        done = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=600,
                               env=os.environ)
         assert done.returncode == 0, done.stderr[-2000:]
-        return done.stdout.strip()
+        return done.stdout.strip().split(" ", 4 if done.stdout.startswith("opened") else 1)
 
-    small = open_with(256)
-    assert small.startswith("opened"), small
-    assert int(small.split()[1]) * (65536 // 256) > 16 << 20  # so 65536 tokens need more than the limit
-    big = open_with(65536)
-    assert big.startswith("refused") and "GiB this process may use" in big and "cgroup" in big, big
-    assert "0.015625 GiB" in big  # the limit it was held to: 16 MiB
+    return open_with
+
+
+def test_context_is_checked_against_the_cgroup_limit(converted, limited):
+    """A context that fits the machine's memory but not the container's (its cgroup's memory.max) is refused
+    with a message, where it was an out-of-memory kill."""
+    path = converted("llama-relu")
+    small = limited(path, 256, 256)
+    assert small[0] == "opened", small
+    big = limited(path, 1 << 20, 256)
+    assert big[0] == "refused" and "of the 0.250000 GiB this process may use" in big[1] and "cgroup" in big[1], big
+
+
+def test_the_check_counts_the_weights_and_the_process(smollm2_q8_0, limited):
+    """The default model's q8_0 file at ctx_size 12000 under 700 MiB: the KV cache and work buffers alone fit
+    (0.589 GiB), so the check passed and the process was killed as the context filled; with the weights the
+    engine copies out of the file and what the process already holds, it is refused at open."""
+    refused = limited(smollm2_q8_0, 12000, 700)
+    assert refused[0] == "refused" and "it holds" in refused[1] and "lower ctx_size" in refused[1], refused
+
+
+def test_a_context_the_check_accepts_fills_within_the_limit(smollm2_q8_0, limited):
+    """The largest context accepted under 400 MiB, evaluated to its last position: the anonymous memory the
+    process then holds is within the limit (the kernel would have killed it past the limit)."""
+    _, ctx, n_past, held = limited(smollm2_q8_0, 0, 400, fill=True)
+    assert int(n_past) == int(ctx) > 1024, (ctx, n_past)
+    assert int(held) <= 400 << 20, f"ctx_size {ctx}: {int(held) / 2**20:.0f} MiB held under a 400 MiB limit"

@@ -206,7 +206,7 @@ def test_library_errors_are_user_errors(model, profile, tmp_path):
         placement.plan_for_model(profile, model, 10**9, min_layer_neurons="many")
     with pytest.raises(UserError, match="no activation"):
         placement.plan_for_model(tmp_path, model, 10**9)
-    with pytest.raises(UserError, match="non-negative"):
+    with pytest.raises(UserError, match=r"--vram-budget must be a number in \[0, 1048576\] GiB"):
         placement.plan_for_model(profile, model, -1)
     not_a_model = tmp_path / "x.gguf"
     not_a_model.write_bytes(b"nope" * 10)
@@ -286,4 +286,4 @@ def test_a_missing_activation_file_is_named(model, counts, tmp_path, capsys):
 
 def test_a_negative_budget_is_named_in_gib(model, profile, tmp_path, capsys):
     code = run_cli("plan", "--profile", profile, "-m", model, "--vram-budget", -1, "-o", tmp_path / "never.gpuidx")
-    expect_one_line_error(capsys, code, "--vram-budget must be a non-negative number of GiB, not -1")
+    expect_one_line_error(capsys, code, "--vram-budget must be a number in [0, 1048576] GiB, not -1")

@@ -180,7 +180,9 @@ def assert_clean_failure(code, err, out_dir, fragment):
     # tqdm's bar may precede the error line when the failure comes mid-run
     assert_one_line_error(code, "\n".join(line for line in err.splitlines() if "|" not in line), fragment)
     assert not out_dir.exists()
-    assert not [p for p in out_dir.parent.iterdir() if p.name.startswith(f".{out_dir.name}")]
+    # nothing half-written beside it (the empty lock file that takes turns on the output stays, as profile's)
+    assert not [p for p in out_dir.parent.iterdir()
+                if p.name.startswith(f".{out_dir.name}") and p.name != f".{out_dir.name}.lock"]
 
 
 def test_rank_larger_than_n_embd(learnable, tmp_path, capsys):
@@ -222,6 +224,18 @@ def test_existing_output_is_not_replaced_without_force(learnable, trained, capsy
     code, _, err = run_cli(capsys, learnable, "--out", trained, "--rank", "8")
     assert code == 1 and "--force" in err
     assert (trained / "model_0.pt").read_bytes() == before
+
+
+def test_a_second_run_on_one_output_is_refused_before_training(learnable, tmp_path, capsys):
+    """While another run holds the output's lock (as `profile` and `sparsify` take it), the second is refused at
+    once: it used to train every layer and lose only at the end."""
+    from powerinfer_tools.core.atomic import output_lock
+
+    out = tmp_path / "pred"
+    with output_lock(out, wait=False):
+        code, _, err = run_cli(capsys, learnable, "--out", out, "--threads", "1")
+    assert_one_line_error(code, err, "another pi-tools run is writing", str(out))
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("args, fragment", [(("--rank", "big"), "'auto' or a positive integer"),

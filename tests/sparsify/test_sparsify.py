@@ -193,10 +193,10 @@ def test_bad_input_one_line(tiny_model_dir, calib, tmp_path, capsys):
     assert_one_line_error(code, err, "already a relu model")
     for bad in ("0", "1", "1.5", "-0.2"):
         code, _, err = run_cli(capsys, "sparsify", "-m", silu, "--calib", calib, "-o", out, "--target-sparsity", bad)
-        assert_one_line_error(code, err, "--target-sparsity must be in (0, 1)")
+        assert_one_line_error(code, err, "--target-sparsity must be a number in (0, 1)")
     for bad in ("1", "-0.01"):
         code, _, err = run_cli(capsys, "sparsify", "-m", silu, "--calib", calib, "-o", out, "--shift-budget", bad)
-        assert_one_line_error(code, err, "--shift-budget must be in [0, 1)")
+        assert_one_line_error(code, err, "--shift-budget must be a number in [0, 1)")
     code, _, err = run_cli(capsys, "sparsify", "-m", silu, "--calib", calib, "-o", out, "--self-tokens", "-1")
     assert_one_line_error(code, err, "--self-tokens must be >= 0")
     code, _, err = run_cli(capsys, "sparsify", "-m", silu, "-o", out, "--self-tokens", "64")
@@ -216,6 +216,9 @@ def test_bad_input_one_line(tiny_model_dir, calib, tmp_path, capsys):
     assert_one_line_error(code, err, "no interrupted sparsify run")
     code, _, err = run_cli(capsys, "sparsify", "-m", silu, "--calib", tmp_path / "missing.txt", "-o", out)
     assert_one_line_error(code, err, "calibration file not found")
+    for not_a_file in ("/dev/null", tmp_path):   # there, but no text file: not "not found"
+        code, _, err = run_cli(capsys, "sparsify", "-m", silu, "--calib", not_a_file, "-o", out)
+        assert_one_line_error(code, err, f"calibration file {not_a_file} is not a regular file")
     assert not out.exists() and not sparsify.partial_dir(out).exists()
 
 
@@ -282,3 +285,12 @@ def test_gguf_source_is_written_as_a_float_checkpoint(tmp_path, capsys):
     assert report["tokens_seen"] == {"layer_local": 0, "end_to_end": 0}
     assert 0.3 < report["sparsity"] < 0.8
     assert report["held_out"]["perplexity_ratio"] > 1.5   # the swap alone is far from the original
+
+
+def test_the_output_files_are_readable_by_all(sparsified):
+    """As every other output (atomic_file, atomic_dir): safetensors' own temporary file left model.safetensors 0600."""
+    out, _ = sparsified
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in out.iterdir():
+        assert path.stat().st_mode & 0o777 == 0o666 & ~mask, path

@@ -14,15 +14,17 @@ from pathlib import Path
 import torch
 
 from powerinfer_tools import models
-from powerinfer_tools.core.atomic import check_output_dir, publish_dir
+from powerinfer_tools.core.atomic import atomic_dir, check_output_dir, output_lock
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.models import arch as arch_mod
 from powerinfer_tools.models.arch.base import rope_theta
 from powerinfer_tools.runtime import evaluate
 from powerinfer_tools.stages import calibration, data_parallel, threshold_shift
+from powerinfer_tools.stages import options as limits
 from powerinfer_tools.stages.options import SparsifyOptions
 from powerinfer_tools.stages.sparsification import end_to_end, layer_local
-from powerinfer_tools.stages.sparsification.state import Checkpointer, Interrupts, TrainState, load_checkpoint
+from powerinfer_tools.stages.sparsification.state import (Checkpointer, Interrupts, TrainState, check_student,
+                                                         load_checkpoint)
 
 FORMAT = "powerinfer-tools.sparsify/1"
 REPORT_NAME = "sparsify.json"
@@ -39,19 +41,18 @@ def _check_options(opts: SparsifyOptions) -> None:
     if opts.self_tokens and not opts.calib:
         raise UserError("--self-tokens adds the model's own text to --calib files; without --calib all the text is "
                         "the model's own (give --tokens)")
-    if not 0.0 < opts.target_sparsity < 1.0:
-        raise UserError(f"--target-sparsity must be in (0, 1), got {opts.target_sparsity}")
+    limits.SHARE.check("--target-sparsity", opts.target_sparsity)
     for name in ("tokens", "local_tokens", "eval_tokens", "batch"):
         if getattr(opts, name) < 0 or (name == "batch" and opts.batch == 0):
             raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(opts, name)}")
-    if not 0.0 <= opts.shift_budget < 1.0:
-        raise UserError(f"--shift-budget must be in [0, 1), got {opts.shift_budget}")
+    limits.SHIFT_BUDGET.check("--shift-budget", opts.shift_budget)
     if opts.seq_len < 2:
         raise UserError(f"--seq-len must be at least 2, got {opts.seq_len}")
     if opts.local_epochs < 0:
         raise UserError(f"--local-epochs must be non-negative, got {opts.local_epochs}")
-    if not (opts.lr > 0 and opts.local_lr > 0 and opts.checkpoint_minutes > 0):
-        raise UserError("--lr, --local-lr and --checkpoint-minutes must be positive")
+    limits.LEARNING_RATE.check("--lr", opts.lr)
+    limits.LEARNING_RATE.check("--local-lr", opts.local_lr)
+    limits.POSITIVE.check("--checkpoint-minutes", opts.checkpoint_minutes)
     if opts.device not in ("auto", "cpu", "cuda"):
         raise UserError(f"--device must be auto, cpu or cuda, got {opts.device!r}")
     if opts.dtype not in ("auto", "float32", "bfloat16"):
@@ -155,11 +156,7 @@ def _write_rope_theta(config_path: Path, config) -> None:
 
 
 def _write_model(student, tokenizer, report: dict, out: Path, force: bool) -> None:
-    check_output_dir(out, force)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.writing"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with atomic_dir(out, force) as tmp:
         t = report["threshold_shift"]["threshold"]
         student.config.hidden_act = "fatrelu" if t > 0 else "relu"
         if t > 0:
@@ -168,9 +165,6 @@ def _write_model(student, tokenizer, report: dict, out: Path, force: bool) -> No
         _write_rope_theta(tmp / "config.json", student.config)
         tokenizer.save_pretrained(tmp)
         (tmp / REPORT_NAME).write_text(json.dumps(report, indent=2))
-        publish_dir(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _with_own_text(teacher, tokenizer, split: tuple[torch.Tensor, torch.Tensor] | None, opts: SparsifyOptions,
@@ -214,10 +208,18 @@ def run_sparsify(opts: SparsifyOptions) -> dict | None:
         raise UserError(f"--seq-len {opts.seq_len} is larger than the model's context length {context}")
     device, compute_dtype = _device_and_dtype(opts)
     procs = data_parallel.Processes(device)
+    # one run per output: a second would delete the first's checkpoint (the main process holds it for the run)
+    with output_lock(opts.out, wait=False) if procs.is_main else contextlib.nullcontext():
+        return _train_and_write(opts, source, config, procs, compute_dtype)
+
+
+def _train_and_write(opts: SparsifyOptions, source, config, procs: data_parallel.Processes,
+                     compute_dtype: torch.dtype) -> dict | None:
     device, step_rows = procs.device, opts.batch * procs.count
     identity = _identity(opts, source, config, procs.count)
     work = partial_dir(opts.out)
-    resumed = load_checkpoint(work, identity) if opts.resume else None
+    n_layer = arch_mod.for_config(config).dims().n_layer
+    resumed = load_checkpoint(work, identity, n_layer) if opts.resume else None
     tokenizer = models.load_tokenizer(source)
     seqs = _calibration_text(tokenizer, opts)   # a text too short is refused before the slow load
     split = _split_data(seqs, opts, step_rows) if seqs is not None else None
@@ -229,8 +231,8 @@ def run_sparsify(opts: SparsifyOptions) -> dict | None:
     train, held_out = split
 
     student = _relu_student(teacher, adapter)
-    n_layer = adapter.dims().n_layer
     if resumed is not None:
+        check_student(resumed["student"], student, work / "checkpoint.pt")
         student.load_state_dict(resumed["student"])
         state = resumed["state"]
         if procs.is_main:

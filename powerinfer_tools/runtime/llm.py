@@ -14,6 +14,7 @@ ends that stream.
 """
 from __future__ import annotations
 
+import math
 import os
 import random
 import time
@@ -47,7 +48,7 @@ class Sampling:
         finite = {"temperature": self.temperature, "top_p": self.top_p, "repeat_penalty": self.repeat_penalty,
                   "frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty}
         for name, value in finite.items():
-            if not (-1e30 < value < 1e30):
+            if not math.isfinite(value):
                 raise RequestError(f"{name} must be a finite number, not {value}")
         if self.temperature < 0:
             raise RequestError(f"temperature must be >= 0, not {self.temperature}")

@@ -17,6 +17,7 @@ VALUES = ["inf", "nan", "-1", "1e30"]
 # penalty that all but bans a repeat, a density budget of "no limit"
 VALID = {("sparsify", "--checkpoint-minutes", "1e30"), ("plan", "--time-limit", "1e30"),
          ("run", "--temp", "1e30"), ("run", "--repeat-penalty", "1e30"),
+         ("chat", "--temp", "1e30"), ("chat", "--repeat-penalty", "1e30"),
          ("train-predictor", "--max-density-ratio", "1e30")}
 
 

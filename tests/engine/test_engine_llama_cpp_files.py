@@ -97,3 +97,18 @@ def test_run_says_what_it_decoded(q4_1_file, capsys):
     assert "pi-tools: decoded 180 q4_1 tensors to q8_0 at load (+80.7 MiB in memory, 47.5 MiB in the file)" in err
     assert ("pi-tools: transposed 30 q4_1 ffn_down tensors (llama.cpp's layout) to q8_0 ffn_down_t at load "
             "(+26.9 MiB in memory, 15.8 MiB in the file); decoding took") in err
+
+
+
+def test_convert_from_a_type_gguf_py_cannot_dequantize_is_one_line(q4_1_file, tmp_path, capsys):
+    """q8_1 (ggml's operand type for q4_1 / q5_1 dot products, never a weight): the engine refuses it by name
+    (test_engine_gguf_types.py), and so does convert, where gguf-py has no dequantizer for it."""
+    from cli_helpers import assert_one_line_error
+
+    odd = np.zeros((576, 576 // 32 * 40), np.uint8)
+    path = rewrite(q4_1_file, tmp_path / "odd.gguf", tensors={"blk.0.attn_q.weight": (odd, Q.Q8_1)})
+    with open(path, "r+b") as f:
+        f.write(b"GGUF")
+    code, _, err = run_cli(capsys, "convert", "-m", path, "-o", tmp_path / "out.gguf", "-q")
+    assert_one_line_error(code, err, "tensor blk.0.attn_q.weight has type Q8_1, which gguf-py", "cannot dequantize")
+    assert not (tmp_path / "out.gguf").exists()

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstring>
 #include <thread>
+#include <utility>
 
 #include "format/dequant.h"
 #include "format/types.h"
@@ -71,7 +72,7 @@ DecodedRows DecodedWeights::decode(const GgufTensor &t, int64_t rows, int64_t co
     const TypeSize src = type_size(t.type), dst = type_size(to);
     const size_t src_row_bytes = size_t(cols / src.block) * src.bytes;
     DecodedRows out{to, size_t(out_cols / dst.block) * dst.bytes, nullptr};
-    PageMemory &buffer = buffers_.emplace_back(size_t(out_rows) * out.row_bytes, false, "decoded weights");
+    PageMemory buffer(size_t(out_rows) * out.row_bytes, false, "decoded weights");
     uint8_t *base = buffer.data();
     out.data = base;
     if (!transpose) {
@@ -103,8 +104,23 @@ DecodedRows DecodedWeights::decode(const GgufTensor &t, int64_t rows, int64_t co
     tally->tensors += 1;
     tally->bytes += buffer.size();
     tally->file_bytes += size_t(t.n_bytes);
+    held_.push_back(Held{std::move(buffer), size_t(tally - tallies_.begin())});
     seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
     return out;
+}
+
+int64_t DecodedWeights::holder(const uint8_t *p) const {
+    for (size_t i = 0; i < held_.size(); ++i) {
+        const PageMemory &rows = held_[i].rows;
+        if (!rows.empty() && p >= rows.data() && p < rows.data() + rows.size()) return int64_t(i);
+    }
+    return -1;
+}
+
+void DecodedWeights::discard(int64_t i) {
+    Held &h = held_[size_t(i)];
+    tallies_[h.kind].bytes -= h.rows.size();
+    h.rows = PageMemory();
 }
 
 size_t DecodedWeights::bytes() const {

@@ -29,7 +29,7 @@ struct DecodeTally {
     uint32_t from = 0, to = 0;
     bool transposed = false;
     int64_t tensors = 0;
-    size_t bytes = 0;       // memory the decoded rows take
+    size_t bytes = 0;       // memory the decoded rows take (less those freed: DecodedWeights::discard)
     size_t file_bytes = 0;  // the tensors' bytes in the file (their mapped pages are handed back)
 };
 
@@ -38,12 +38,21 @@ public:
     // Tensor t, of `rows` rows of `cols` values as stored (its shape checked by the caller), in a computed
     // type; `transpose`: as `cols` rows of `rows` values. Decoded on up to `threads` threads.
     DecodedRows decode(const GgufTensor &t, int64_t rows, int64_t cols, bool transpose, int threads);
+    // How many tensors were decoded; the one whose rows hold p (-1: none).
+    int64_t count() const { return int64_t(held_.size()); }
+    int64_t holder(const uint8_t *p) const;
+    // Frees decoded tensor i's rows, which nothing may read afterwards (their kind's `bytes` go down).
+    void discard(int64_t i);
     const std::vector<DecodeTally> &tallies() const { return tallies_; }
     size_t bytes() const;
     double seconds() const { return seconds_; }
 
 private:
-    std::vector<PageMemory> buffers_;
+    struct Held {
+        PageMemory rows;
+        size_t kind = 0;  // its entry in tallies_
+    };
+    std::vector<Held> held_;
     std::vector<DecodeTally> tallies_;
     double seconds_ = 0.0;
 };

@@ -56,6 +56,21 @@ void Model::pack_dense_matrices(int threads) {
     for (int t = 1; t < std::min<int>(threads, int(dense.size())); ++t) helpers.emplace_back(work);
     work();
     for (std::thread &h : helpers) h.join();
+    free_grouped_decoded(dense);
+}
+
+void Model::free_grouped_decoded(const std::vector<Matrix *> &dense) {
+    const int64_t embedding = decoded_.holder(tok_embd_.data);  // its rows are looked up one by one
+    for (int64_t i = 0; i < decoded_.count(); ++i) {
+        std::vector<Matrix *> views;  // (a fused tensor's parts, as falcon's q, k and v)
+        for (Matrix *m : dense)
+            if (m->data && decoded_.holder(m->data) == i) views.push_back(m);
+        bool grouped = !views.empty() && i != embedding;
+        for (const Matrix *m : views) grouped = grouped && m->n_groups * kPackRows == m->rows;
+        if (!grouped) continue;
+        decoded_.discard(i);
+        for (Matrix *m : views) m->data = nullptr;
+    }
 }
 
 void FfnTier::pack_groups(const Matrix &src, int64_t g0, int64_t g1, const void *zero_row, uint8_t *out) const {

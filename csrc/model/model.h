@@ -195,6 +195,9 @@ private:
     // Packs the matrices every token reads whole into 8-row groups (see Matrix::groups), all in one buffer on
     // 2 MiB pages (streamed every token: on 4 KiB pages a stream misses the TLB every 4 KiB).
     void pack_dense_matrices(int threads);
+    // Frees the decoded rows (model/decode.h) of the matrices among `dense` that every reader now takes from
+    // their groups (all rows grouped, not the embedding's rows), as pack() hands back a mapped matrix's pages.
+    void free_grouped_decoded(const std::vector<Matrix *> &dense);
     // bytes of m's groups (0 where it does not pack); pack writes them to `out` and points m at them
     static int64_t packed_bytes(const Matrix &m);
     void pack(Matrix &m, uint8_t *out);

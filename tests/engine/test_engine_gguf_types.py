@@ -7,10 +7,11 @@ from __future__ import annotations
 import gguf
 import numpy as np
 import pytest
-from engine_helpers import random_tokens
+from engine_helpers import converted, random_tokens, rewrite  # noqa: F401
 from kquants import Q, random_bf16, random_blocks
 
 import engine
+from powerinfer_tools.formats.gguf_io import open_reader
 from powerinfer_tools.runtime.inference import decoded_lines
 
 E, F, V, N_HEAD, N_KV = 256, 512, 64, 4, 2  # rows of 256 values: k-quant super-blocks fit every matrix
@@ -91,10 +92,32 @@ def test_a_file_of_each_type_computes_as_its_decoded_values(qtype, tmp_path):
     name = qtype.name.lower().replace("_k", "_K")
     assert kinds.keys() == {(name, target, False), (name, target, True)}
     assert kinds[(name, target, False)]["tensors"] == 7 and kinds[(name, target, True)]["tensors"] == 1
-    # the transposed down projection: F rows of E values, in pages of its own
-    assert kinds[(name, target, True)]["bytes"] == -(-F * row_bytes // 4096) * 4096
+    assert kinds[(name, target, True)]["bytes"] == F * row_bytes  # the transposed down projection: F rows of E
     assert kinds[(name, target, True)]["file_bytes"] == matrices["ffn_down"][0].nbytes
     assert ref_info["decoded"]["kinds"] == []
+    # q8_0 attention is read from its packed 8-row groups alone, so its decoded rows are freed (f16 does not
+    # pack); the embedding's rows are looked up one by one, gate and up read as rows: theirs stay
+    kept = V + 2 * F + (0 if target == "q8_0" else 2 * E + 2 * KV)
+    assert kinds[(name, target, False)]["bytes"] == kept * row_bytes
+
+
+def test_decoded_parts_of_a_fused_tensor(converted, tmp_path):
+    """Falcon's attn_qkv, decoded once and viewed as its q, k and v parts (freed once all three are packed), and
+    its other matrices in q5_1 / q4_1: the logits of the file of their q8_0 values."""
+    src = converted("falcon")
+    tensors = {t.name: np.array(t.data) for t in open_reader(src).tensors}
+    theirs, ref = {}, {}
+    for name, x in tensors.items():
+        if x.ndim == 2 and name != "token_embd.weight":
+            qtype = Q.Q5_0 if "attn_qkv" in name else Q.Q5_1 if "ffn" in name else Q.Q4_1
+            theirs[name] = (gguf.quants.quantize(x, qtype), qtype)
+            ref[name] = as_decoded(gguf.quants.dequantize(theirs[name][0], qtype), qtype)
+    got, info = logits(rewrite(src, tmp_path / "theirs.gguf", tensors=theirs))
+    want, _ = logits(rewrite(src, tmp_path / "reference.gguf", tensors=ref))
+    np.testing.assert_array_equal(got, want)
+    held = {k["from"]: k["bytes"] for k in info["decoded"]["kinds"]}
+    assert held.keys() == {"q5_0", "q5_1", "q4_1"}
+    assert held["q5_0"] == held["q4_1"] == 0 and held["q5_1"] > 0  # attention and the head: packed groups alone
 
 
 @pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.Q4_0, Q.Q8_0], ids=lambda t: t.name)

@@ -289,7 +289,6 @@ void Model::bind_cold_predictor(Layer &l) {
             for (int64_t k = 0; k < rank; ++k)
                 std::memcpy(t.fc2_storage.data() + t.fc2_tile_offset(b, k) + size_t(at) * es, src + size_t(k) * es, es);
         }
-        file_->release(l.fc2.data, l.fc2.bytes());  // no second copy: the mapped pages go back
     } else {  // quantized: the tier's rows in 8-row groups, scored by gemm8
         t.fc2_storage.resize(size_t(t.n_groups() * l.fc2.group_bytes()));
         group_rows(t, l.fc2, t.fc2_storage.data());
@@ -297,7 +296,14 @@ void Model::bind_cold_predictor(Layer &l) {
         t.fc2.data = nullptr;
         t.fc2.groups = t.fc2_storage.data();
         t.fc2.n_groups = t.n_groups();
+    }
+    // no second copy: the mapped pages go back, or the decoded rows (a tensor of their own) are freed
+    const int64_t held = decoded_.holder(l.fc2.data);
+    if (held < 0) {
         file_->release(l.fc2.data, l.fc2.bytes());
+    } else {
+        decoded_.discard(held);
+        l.fc2.data = nullptr;
     }
 }
 

@@ -190,7 +190,7 @@ private:
     void bind_tensors();
     void build_tiers(const std::string &gpuidx_path);
     void check_neuron_order(const GgufFile &gpuidx) const;
-    // The cold tier's predictor rows (see FfnTier::fc2), from the layer's fc2.
+    // The cold tier's predictor rows (see FfnTier::fc2), from the layer's fc2 (whose rows are not read again).
     void bind_cold_predictor(Layer &l);
     // Packs the matrices every token reads whole into 8-row groups (see Matrix::groups), all in one buffer on
     // 2 MiB pages (streamed every token: on 4 KiB pages a stream misses the TLB every 4 KiB).

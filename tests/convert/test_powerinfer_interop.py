@@ -234,6 +234,7 @@ def test_powerinfer_quantizer_types_are_decoded_at_load(tiny_model_dir, tmp_path
         want, _, _ = logits(reference, sparse_mode=mode)
         np.testing.assert_array_equal(got, want)
     assert 0.0 < stats["density"] < 1.0  # the predictor selected some neurons, not all
+    assert stats["weight_copies"]["decoded"] == 0  # fc1 and the head packed, fc2 regrouped: no decoded rows held
 
 
 def test_a_thresholded_file_keeps_its_down_projection_in_the_outtype(tiny_model_dir, tmp_path):

@@ -10,6 +10,8 @@
 #include "format/dequant.h"
 #include "format/types.h"
 #include "kernels/kernels.h"
+#include "runtime/common.h"
+#include "runtime/usable_memory.h"
 
 namespace pi {
 namespace {
@@ -65,14 +67,24 @@ constexpr int64_t kBand = 256;
 
 }  // namespace
 
-DecodedRows DecodedWeights::decode(const GgufTensor &t, int64_t rows, int64_t cols, bool transpose, int threads) {
+DecodedRows DecodedWeights::decode(const std::string &path, const GgufTensor &t, int64_t rows, int64_t cols,
+                                   bool transpose, int threads) {
     const auto started = std::chrono::steady_clock::now();
     const int64_t out_rows = transpose ? cols : rows, out_cols = transpose ? rows : cols;
     const uint32_t to = target_type(t, out_cols);
     const TypeSize src = type_size(t.type), dst = type_size(to);
     const size_t src_row_bytes = size_t(cols / src.block) * src.bytes;
     DecodedRows out{to, size_t(out_cols / dst.block) * dst.bytes, nullptr};
-    PageMemory buffer(size_t(out_rows) * out.row_bytes, false, "decoded weights");
+    const size_t need = size_t(out_rows) * out.row_bytes;
+    if (usable_ < 0.0) usable_ = usable_memory_bytes();
+    if (usable_ > 0.0 && double(bytes() + need) > usable_) {
+        const auto gib = [](double b) { return std::to_string(b / double(1 << 30)).substr(0, 8); };
+        fail(PI_ERR_MEMORY, path + ": the weights decoded at load (" + src.name + " to " + dst.name + " at tensor " +
+                                t.name + ") would take " + gib(double(bytes() + need)) + " GiB, more than the " +
+                                gib(usable_) + " GiB this process may use (the machine's memory or its cgroup's " +
+                                "limit); pi-tools convert --outtype q4_0 makes a file that runs as stored");
+    }
+    PageMemory buffer(need, false, "decoded weights");
     uint8_t *base = buffer.data();
     out.data = base;
     if (!transpose) {

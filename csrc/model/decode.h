@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "format/gguf.h"
@@ -35,9 +36,11 @@ struct DecodeTally {
 
 class DecodedWeights {
 public:
-    // Tensor t, of `rows` rows of `cols` values as stored (its shape checked by the caller), in a computed
-    // type; `transpose`: as `cols` rows of `rows` values. Decoded on up to `threads` threads.
-    DecodedRows decode(const GgufTensor &t, int64_t rows, int64_t cols, bool transpose, int threads);
+    // Tensor t of file `path`, of `rows` rows of `cols` values as stored (its shape checked by the caller), in a
+    // computed type; `transpose`: as `cols` rows of `rows` values. Decoded on up to `threads` threads. Refused
+    // (PI_ERR_MEMORY) where the decoded weights would pass the memory this process may use.
+    DecodedRows decode(const std::string &path, const GgufTensor &t, int64_t rows, int64_t cols, bool transpose,
+                       int threads);
     // How many tensors were decoded; the one whose rows hold p (-1: none).
     int64_t count() const { return int64_t(held_.size()); }
     int64_t holder(const uint8_t *p) const;
@@ -55,6 +58,7 @@ private:
     std::vector<Held> held_;
     std::vector<DecodeTally> tallies_;
     double seconds_ = 0.0;
+    double usable_ = -1.0;  // usable_memory_bytes(), read at the first decode
 };
 
 }  // namespace pi

@@ -245,7 +245,7 @@ Matrix Model::bind_optional(const std::string &name, int64_t rows, int64_t cols,
     m.rows = rows;
     m.cols = cols;
     if (transposed || !type_computable(t->type)) {
-        const DecodedRows d = decoded_.decode(*t, file_rows, file_cols, transposed, threads_);
+        const DecodedRows d = decoded_.decode(p, *t, file_rows, file_cols, transposed, threads_);
         file_->release(t->data, size_t(t->n_bytes));  // read once: the decoded rows stand in for them
         m.type = d.type;
         m.row_bytes = d.row_bytes;

@@ -12,9 +12,12 @@ import sys
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
 from engine_helpers import converted  # noqa: F401
+from kquants import Q, random_blocks
 from test_engine_bad_input import rewrite
+from test_engine_gguf_types import SHAPES, write_llama
 
 ROOT = Path(__file__).resolve().parents[2]
 STR, ARR = 8, 9  # GGUF metadata value types
@@ -148,3 +151,28 @@ def test_context_is_checked_against_the_cgroup_limit(converted, tmp_path):
     big = open_with(65536)
     assert big.startswith("refused") and "GiB this process may use" in big and "cgroup" in big, big
     assert "0.015625 GiB" in big  # the limit it was held to: 16 MiB
+
+
+def test_weights_decoded_at_load_are_checked_against_the_cgroup_limit(tmp_path):
+    """A k-quant file whose weights, decoded to q8_0 at load, would pass the container's memory (a 256 KiB
+    memory.max, as above) is refused with a message before the allocation that would pass it."""
+    import shlex
+    import shutil
+
+    rng = np.random.default_rng(0)
+    path = write_llama(tmp_path / "k.gguf", {n: (random_blocks(Q.Q4_K, *shape, rng), Q.Q4_K)
+                                             for n, shape in SHAPES.items()})
+    fake = tmp_path / "cgroup"
+    fake.mkdir()
+    (fake / "memory.max").write_text(f"{256 << 10}\n")
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount --bind {fake} /sys/fs/cgroup"], capture_output=True)
+    if not shutil.which("unshare") or probe.returncode != 0:
+        pytest.skip("no user+mount namespace here (unshare -rm) to stand in a cgroup limit")
+    script = (f"mount --bind {fake} /sys/fs/cgroup && exec {shlex.quote(sys.executable)} -c "
+              f"{shlex.quote(CGROUP_PROBE)} {path} 16")
+    done = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=120,
+                          env=os.environ)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout.strip()
+    assert out.startswith("refused") and "the weights decoded at load (q4_K to q8_0 at tensor" in out, out
+    assert "GiB this process may use" in out and "0.000244 GiB" in out and "convert --outtype q4_0" in out, out

@@ -37,7 +37,7 @@ uint32_t target_type(const GgufTensor &t, int64_t out_cols) {
 // n floats as one row of `type`.
 void encode_row(uint32_t type, const float *x, int64_t n, uint8_t *out) {
     if (type == TYPE_Q8_0) {
-        scalar_kernels().quantize_q8_0(int(n), x, out);
+        best_kernels().quantize_q8_0(int(n), x, out);
     } else if (type == TYPE_F16) {
         for (int64_t i = 0; i < n; ++i) {
             const uint16_t h = f32_to_f16(x[i]);

@@ -3,7 +3,9 @@
 A micro Llama (1 layer, n_embd 32, n_ff 32, a 32-token SentencePiece vocabulary) is saved as a Hugging
 Face checkpoint and converted by `convert_model` in each tensor type, with and without predictors, as
 ReLU, SiLU (per-layer thresholds) and bamboo; a GPU index from `placement.write_gpuidx` is appended to
-some after the fuzz target's separator (see csrc/fuzz/fuzz_load.cpp). Each file is a few KB.
+some after the fuzz target's separator (see csrc/fuzz/fuzz_load.cpp). Beside them, llama.cpp's layout (magic
+GGUF, ffn_down) in the types the engine decodes at load: random valid blocks, n_ff 256 so that ffn_down's rows
+take each k-quant. Each file is a few tens of KB at most.
 
     python scripts/make_fuzz_corpus.py [OUT_DIR]
 """
@@ -24,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from convert_helpers import write_predictors  # noqa: E402
+from kquants import Q, random_bf16, random_blocks  # noqa: E402
 
 from powerinfer_tools.stages.conversion import convert_model  # noqa: E402
 from powerinfer_tools.stages.placement import Plan, write_gpuidx  # noqa: E402
@@ -66,6 +69,36 @@ def micro_model(out: Path, kind: str) -> Path:
     return out
 
 
+def llama_cpp_file(path: Path, down: Q, others: list[Q]) -> None:
+    """A 1-layer llama.cpp SiLU llama (n_embd 32, n_ff 256): ffn_down in `down`, the other matrices in `others`
+    in turn, the embedding q8_0; random weights."""
+    import gguf
+
+    rng = np.random.default_rng(int(down))
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    w.add_embedding_length(N_EMBD)
+    w.add_block_count(1)
+    w.add_feed_forward_length(256)
+    w.add_head_count(N_HEAD)
+    w.add_head_count_kv(N_KV)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_context_length(64)
+    for name in ("output_norm", "blk.0.attn_norm", "blk.0.ffn_norm"):
+        w.add_tensor(f"{name}.weight", np.ones(N_EMBD, np.float32))
+    kv = N_EMBD // N_HEAD * N_KV
+    shapes = {"token_embd": (VOCAB, N_EMBD), "blk.0.attn_q": (N_EMBD, N_EMBD), "blk.0.attn_k": (kv, N_EMBD),
+              "blk.0.attn_v": (kv, N_EMBD), "blk.0.attn_output": (N_EMBD, N_EMBD), "blk.0.ffn_gate": (256, N_EMBD),
+              "blk.0.ffn_up": (256, N_EMBD), "blk.0.ffn_down": (N_EMBD, 256)}
+    for k, (name, shape) in enumerate(shapes.items()):
+        qtype = Q.Q8_0 if name == "token_embd" else down if name == "blk.0.ffn_down" else others[k % len(others)]
+        data = random_bf16(*shape, rng) if qtype == Q.BF16 else random_blocks(qtype, *shape, rng)
+        w.add_tensor(f"{name}.weight", data, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def gpuidx_bytes(work: Path, hot: np.ndarray) -> bytes:
     idx = np.flatnonzero(hot).astype(np.int64)
     one = np.ones(1, np.int64)
@@ -102,6 +135,10 @@ def main(out_dir: Path) -> None:
             data = target.read_bytes() + (SPLIT + index if with_index else b"")
             (out_dir / (name + ("+gpuidx" if with_index else ""))).write_bytes(data)
         shutil.copy(work / "plan.gpuidx", out_dir / "gpuidx-alone")  # a GPU index where a model belongs
+        others = [Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.BF16]
+        for down in (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K):
+            llama_cpp_file(out_dir / f"llama-cpp-{down.name.lower()}", down, others)
+            others = others[1:] + others[:1]
     for p in sorted(out_dir.iterdir()):
         print(f"{p.stat().st_size:7d}  {p.name}")
 

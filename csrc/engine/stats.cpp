@@ -87,6 +87,19 @@ std::string device_json(const DeviceUse *u) {
            ", \"device_seconds\": " + num(u->device_seconds) + ", \"wait_seconds\": " + num(u->wait_seconds) + "}";
 }
 
+// The matrices decoded at load (model/decode.h), one entry per kind.
+std::string decoded_json(const DecodedWeights &d) {
+    std::string json = "{\"seconds\": " + num(d.seconds()) + ", \"kinds\": [";
+    for (size_t i = 0; i < d.tallies().size(); ++i) {
+        const DecodeTally &t = d.tallies()[i];
+        json += std::string(i ? ", " : "") + "{\"from\": " + quoted(type_size(t.from).name) + ", \"to\": " +
+                quoted(type_size(t.to).name) + ", \"transposed\": " + (t.transposed ? "true" : "false") +
+                ", \"tensors\": " + std::to_string(t.tensors) + ", \"bytes\": " + std::to_string(t.bytes) +
+                ", \"file_bytes\": " + std::to_string(t.file_bytes) + "}";
+    }
+    return json + "]}";
+}
+
 }  // namespace
 
 std::string info_json(const Model &model, const RunSettings &run) {
@@ -101,6 +114,7 @@ std::string info_json(const Model &model, const RunSettings &run) {
            ", \"n_batch\": " + num(double(run.n_batch)) + ", \"rope_base\": " + num(h.rope_base) +
            ", \"bos\": " + num(double(h.bos)) + ", \"eos\": " + num(double(h.eos)) +
            ", \"weight_type\": " + quoted(type_size(l0.up.type).name) +
+           ", \"decoded\": " + decoded_json(model.decoded()) +
            ", \"has_predictor\": " + (model.has_predictor() ? "true" : "false") +
            ", \"hot_neurons\": " + num(double(model.hot_neurons())) +
            ", \"threads\": " + num(double(run.threads)) + ", \"isa\": " + quoted(run.isa) +
@@ -128,7 +142,7 @@ std::string stats_json(const Model &model, const WeightCopies &wc, const EngineS
                        ", \"gate_up\": " + num(t.gate_up) + ", \"down\": " + num(t.down) + ", \"output\": " + num(t.output) + "}";
     json += ", \"weight_copies\": {\"packed\": " + std::to_string(wc.packed) + ", \"predictor\": " + std::to_string(wc.predictor) +
             ", \"hot\": " + std::to_string(wc.hot) + ", \"cold_groups\": " + std::to_string(wc.cold_groups) +
-            "}, \"gpu\": " + device_json(device) + ", \"layers\": [";
+            ", \"decoded\": " + std::to_string(wc.decoded) + "}, \"gpu\": " + device_json(device) + ", \"layers\": [";
     const double F = double(model.hp().n_ff);
     for (size_t i = 0; i < stats.layers.size(); ++i) {
         const LayerStats &s = stats.layers[i];

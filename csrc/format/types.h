@@ -14,8 +14,9 @@
 
 namespace pi {
 
-enum GgmlType : uint32_t { TYPE_F32 = 0, TYPE_F16 = 1, TYPE_Q4_0 = 2, TYPE_Q5_0 = 6, TYPE_Q8_0 = 8, TYPE_Q6_K = 14,
-                           TYPE_I32 = 26 };
+enum GgmlType : uint32_t { TYPE_F32 = 0, TYPE_F16 = 1, TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q5_0 = 6, TYPE_Q5_1 = 7,
+                           TYPE_Q8_0 = 8, TYPE_Q2_K = 10, TYPE_Q3_K = 11, TYPE_Q4_K = 12, TYPE_Q5_K = 13, TYPE_Q6_K = 14,
+                           TYPE_I32 = 26, TYPE_BF16 = 30 };
 // PowerInfer's ggml (ggml.h's enum ggml_type, before the i-quants took ids 16..23) numbers i32 18, the id
 // later ggml gives iq3_xxs: its gpu-index files carry that code, which is read as i32 in such a file only.
 constexpr uint32_t TYPE_I32_POWERINFER = 18;
@@ -72,11 +73,7 @@ PI_HD constexpr TypeSize type_size(uint32_t type) {
 PI_HD constexpr bool type_computable(uint32_t type) {
     return type == TYPE_F32 || type == TYPE_F16 || type == TYPE_Q4_0 || type == TYPE_Q8_0;
 }
-// q5_0 and q6_K: what PowerInfer's quantizer makes of the predictors (all but q4_0 files) and of output.weight
-// (k-quant-able rows), which the engine decodes once at load instead of computing with.
-bool type_decodable(uint32_t type);
-// n values (a whole number of blocks) of a decodable type at src, as floats.
-void dequantize_row(uint32_t type, const uint8_t *src, float *dst, int64_t n);
+// (Other types a file may hold are decoded at load to one of these: format/dequant.h, model/decode.h.)
 
 constexpr int QK = 32;  // elements per q4_0 / q8_0 block
 

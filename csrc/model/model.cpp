@@ -9,6 +9,7 @@
 #include "runtime/common.h"
 #include "kernels/kernels.h"
 #include "kernels/packed.h"
+#include "format/dequant.h"
 #include "format/types.h"
 #include "pi_names.h"
 
@@ -25,7 +26,7 @@ std::string bias(int64_t i, const char *tensor) { return blk(i, tensor) + ".bias
 
 }  // namespace
 
-Model::Model(const std::string &path, const std::string &gpuidx_path, int threads) {
+Model::Model(const std::string &path, const std::string &gpuidx_path, int threads) : threads_(std::max(threads, 1)) {
     file_ = std::make_unique<GgufFile>(path);
     read_hparams();
     bind_tensors();
@@ -55,6 +56,21 @@ void Model::pack_dense_matrices(int threads) {
     for (int t = 1; t < std::min<int>(threads, int(dense.size())); ++t) helpers.emplace_back(work);
     work();
     for (std::thread &h : helpers) h.join();
+    free_grouped_decoded(dense);
+}
+
+void Model::free_grouped_decoded(const std::vector<Matrix *> &dense) {
+    const int64_t embedding = decoded_.holder(tok_embd_.data);  // its rows are looked up one by one
+    for (int64_t i = 0; i < decoded_.count(); ++i) {
+        std::vector<Matrix *> views;  // (a fused tensor's parts, as falcon's q, k and v)
+        for (Matrix *m : dense)
+            if (m->data && decoded_.holder(m->data) == i) views.push_back(m);
+        bool grouped = !views.empty() && i != embedding;
+        for (const Matrix *m : views) grouped = grouped && m->n_groups * kPackRows == m->rows;
+        if (!grouped) continue;
+        decoded_.discard(i);
+        for (Matrix *m : views) m->data = nullptr;
+    }
 }
 
 void FfnTier::pack_groups(const Matrix &src, int64_t g0, int64_t g1, const void *zero_row, uint8_t *out) const {
@@ -203,42 +219,39 @@ void Model::read_hparams() {
     else fail(PI_ERR_UNSUPPORTED, p + ": FFN activation '" + act + "' is not supported for architecture " + a);
 }
 
-Matrix Model::bind_optional(const std::string &name, int64_t rows, int64_t cols, bool f32_only, bool *found) {
+Matrix Model::bind_optional(const std::string &name, int64_t rows, int64_t cols, bool f32_only, bool *found,
+                            bool transposed) {
     const std::string &p = file_->path();
     const GgufTensor *t = file_->tensor(name);
     *found = t != nullptr;
     if (!t) return Matrix{};
     const bool vector = rows == 1;
-    bool ok = int64_t(t->ne[0]) == cols && (vector || int64_t(t->ne[1]) == rows);
+    const int64_t file_rows = transposed ? cols : rows, file_cols = transposed ? rows : cols;
+    bool ok = int64_t(t->ne[0]) == file_cols && (vector || int64_t(t->ne[1]) == file_rows);
     for (uint32_t d = vector ? 1 : 2; d < 4; ++d) ok = ok && t->ne[d] == 1;
     if (!ok) {
         std::string got = "(";
         for (int d = int(t->n_dims) - 1; d >= 0; --d) got += std::to_string(t->ne[d]) + (d ? ", " : ")");
         fail(PI_ERR_FORMAT, p + ": tensor " + name + " has shape " + got + ", the hyperparameters say " +
-                                (vector ? "(" + std::to_string(cols) + ",)" : shape_str(rows, cols)));
+                                (vector ? "(" + std::to_string(cols) + ",)" : shape_str(file_rows, file_cols)));
     }
     const TypeSize ts = type_size(t->type);
     if (f32_only && t->type != TYPE_F32)
         fail(PI_ERR_UNSUPPORTED, p + ": tensor " + name + " has type " + ts.name + "; it must be f32");
+    if (!type_readable(t->type))
+        fail(PI_ERR_UNSUPPORTED, p + ": tensor " + name + " has type " + ts.name + "; this engine reads " +
+                                     readable_type_names());
     Matrix m;
     m.rows = rows;
     m.cols = cols;
-    if (type_decodable(t->type)) {  // decoded once, kept as f16 (within half a unit of f16 of the values)
-        std::vector<uint16_t> &rows_f16 = decoded_.emplace_back(static_cast<size_t>(rows * cols));
-        std::vector<float> values(static_cast<size_t>(cols));
-        const size_t src_row_bytes = size_t(cols) / ts.block * ts.bytes;
-        for (int64_t r = 0; r < rows; ++r) {
-            dequantize_row(t->type, t->data + size_t(r) * src_row_bytes, values.data(), cols);
-            for (int64_t c = 0; c < cols; ++c) rows_f16[size_t(r * cols + c)] = f32_to_f16(values[size_t(c)]);
-        }
-        m.type = TYPE_F16;
-        m.row_bytes = size_t(cols) * 2;
-        m.data = reinterpret_cast<const uint8_t *>(rows_f16.data());
+    if (transposed || !type_computable(t->type)) {
+        const DecodedRows d = decoded_.decode(p, *t, file_rows, file_cols, transposed, threads_);
+        file_->release(t->data, size_t(t->n_bytes));  // read once: the decoded rows stand in for them
+        m.type = d.type;
+        m.row_bytes = d.row_bytes;
+        m.data = d.data;
         return m;
     }
-    if (!type_computable(t->type))
-        fail(PI_ERR_UNSUPPORTED, p + ": tensor " + name + " has type " + ts.name +
-                                     "; this engine computes with f32, f16, q8_0 and q4_0 (and decodes q5_0 and q6_K)");
     m.type = t->type;
     m.row_bytes = size_t(cols) / ts.block * ts.bytes;
     m.data = t->data;
@@ -276,7 +289,6 @@ void Model::bind_cold_predictor(Layer &l) {
             for (int64_t k = 0; k < rank; ++k)
                 std::memcpy(t.fc2_storage.data() + t.fc2_tile_offset(b, k) + size_t(at) * es, src + size_t(k) * es, es);
         }
-        file_->release(l.fc2.data, l.fc2.bytes());  // no second copy: the mapped pages go back
     } else {  // quantized: the tier's rows in 8-row groups, scored by gemm8
         t.fc2_storage.resize(size_t(t.n_groups() * l.fc2.group_bytes()));
         group_rows(t, l.fc2, t.fc2_storage.data());
@@ -284,7 +296,14 @@ void Model::bind_cold_predictor(Layer &l) {
         t.fc2.data = nullptr;
         t.fc2.groups = t.fc2_storage.data();
         t.fc2.n_groups = t.n_groups();
+    }
+    // no second copy: the mapped pages go back, or the decoded rows (a tensor of their own) are freed
+    const int64_t held = decoded_.holder(l.fc2.data);
+    if (held < 0) {
         file_->release(l.fc2.data, l.fc2.bytes());
+    } else {
+        decoded_.discard(held);
+        l.fc2.data = nullptr;
     }
 }
 
@@ -420,11 +439,13 @@ void Model::bind_ffn(int64_t i, Layer &l) {
         l.gate = l.up;
         l.gate_b = l.up_b;
     }
-    if (!f.tensor(weight(i, names::kFfnDownT)) && f.tensor(weight(i, names::kFfnDown)))
-        fail(PI_ERR_UNSUPPORTED, f.path() + ": tensor " + weight(i, names::kFfnDownT) +
-                                     " is missing (this file has ffn_down: convert the model with pi-tools convert)");
-    l.down_t = bind(weight(i, names::kFfnDownT), F, E, false);
-    l.down_b = bind_vector(bias(i, names::kFfnDownT), E, all_biases);
+    // llama.cpp's files hold ffn_down (a row per output), transposed here into ffn_down_t (a row per neuron)
+    const bool llama_cpp_down = !f.tensor(weight(i, names::kFfnDownT)) && f.tensor(weight(i, names::kFfnDown));
+    const char *down = llama_cpp_down ? names::kFfnDown : names::kFfnDownT;
+    bool found = false;
+    l.down_t = bind_optional(weight(i, down), F, E, false, &found, llama_cpp_down);
+    if (!found) fail(PI_ERR_FORMAT, f.path() + ": tensor " + weight(i, names::kFfnDownT) + " is missing");
+    l.down_b = bind_vector(bias(i, down), E, all_biases);
 }
 
 // A file converted with a profile stores each layer's neurons hottest first and records the order
@@ -559,6 +580,7 @@ int64_t Model::hot_neurons() const {
 WeightCopies Model::weight_copies() const {
     WeightCopies c;
     c.packed = packed_.size();
+    c.decoded = decoded_.bytes();
     for (const Layer &l : layers_) {
         c.predictor += l.cold.fc2_storage.size();
         c.cold_groups += l.cold.gate_groups.size() + l.cold.up_groups.size();

@@ -15,6 +15,7 @@
 #include "format/gguf.h"
 #include "kernels/kernels.h"
 #include "kernels/packed.h"
+#include "model/decode.h"
 #include "runtime/page_memory.h"
 #include "format/types.h"
 
@@ -148,9 +149,10 @@ struct Layer {
 
 // Bytes of weights a model holds on the heap, in another layout than the file's (the rest stays mapped):
 // matrices read whole in 8-row groups (attention, output head, predictor fc1), the predictor's fc2 for the
-// cold tier, the hot tier (rows and groups: its backend's copy, which the engine adds), the cold tier's gate/up groups.
+// cold tier, the hot tier (rows and groups: its backend's copy, which the engine adds), the cold tier's gate/up
+// groups, the matrices decoded at load (model/decode.h).
 struct WeightCopies {
-    size_t packed = 0, predictor = 0, hot = 0, cold_groups = 0;
+    size_t packed = 0, predictor = 0, hot = 0, cold_groups = 0, decoded = 0;
 };
 
 class Model {
@@ -179,13 +181,16 @@ public:
     // by index).
     void release_grouped_rows(int64_t il, bool gate, bool up);
     WeightCopies weight_copies() const;
+    const DecodedWeights &decoded() const { return decoded_; }
     // Largest predictor rank over layers (0 without predictors).
     int64_t max_rank() const;
 
 private:
     Matrix bind(const std::string &name, int64_t rows, int64_t cols, bool f32_only);
-    // A matrix of a decodable type (types.h) comes back as f16 rows decoded into decoded_.
-    Matrix bind_optional(const std::string &name, int64_t rows, int64_t cols, bool f32_only, bool *found);
+    // A matrix of rows x cols (the file's tensor cols x rows where `transposed`); one of a type the kernels do
+    // not compute with, or transposed, comes back decoded into decoded_ (model/decode.h).
+    Matrix bind_optional(const std::string &name, int64_t rows, int64_t cols, bool f32_only, bool *found,
+                         bool transposed = false);
     // An f32 vector of n values; absent is an error when `required`, else an empty Matrix.
     Matrix bind_vector(const std::string &name, int64_t n, bool required);
     void bind_attention(int64_t i, Layer &l);
@@ -194,11 +199,14 @@ private:
     void bind_tensors();
     void build_tiers(const std::string &gpuidx_path);
     void check_neuron_order(const GgufFile &gpuidx) const;
-    // The cold tier's predictor rows (see FfnTier::fc2), from the layer's fc2.
+    // The cold tier's predictor rows (see FfnTier::fc2), from the layer's fc2 (whose rows are not read again).
     void bind_cold_predictor(Layer &l);
     // Packs the matrices every token reads whole into 8-row groups (see Matrix::groups), all in one buffer on
     // 2 MiB pages (streamed every token: on 4 KiB pages a stream misses the TLB every 4 KiB).
     void pack_dense_matrices(int threads);
+    // Frees the decoded rows (model/decode.h) of the matrices among `dense` that every reader now takes from
+    // their groups (all rows grouped, not the embedding's rows), as pack() hands back a mapped matrix's pages.
+    void free_grouped_decoded(const std::vector<Matrix *> &dense);
     // bytes of m's groups (0 where it does not pack); pack writes them to `out` and points m at them
     static int64_t packed_bytes(const Matrix &m);
     void pack(Matrix &m, uint8_t *out);
@@ -209,7 +217,8 @@ private:
     std::vector<Layer> layers_;
     bool has_predictor_ = false;
     PageMemory packed_;  // backing of the packed matrices' Matrix::groups
-    std::vector<std::vector<uint16_t>> decoded_;  // f16 rows of the matrices stored in a decodable type
+    DecodedWeights decoded_;  // the matrices decoded at load (their Matrix::data)
+    int threads_ = 1;         // the engine's threads, which pack and decode at load
 };
 
 }  // namespace pi

@@ -31,7 +31,10 @@ def convert(
                                                     "--source-order keeps the model's order."),
     outtype: Optional[str] = typer.Option(None, "--outtype", help="Weight type: f32, f16, q8_0 or q4_0 "
                                           "(default f16; with --dry-run f16,q8_0,q4_0, a comma-separated list). "
-                                          "Norms and biases stay f32; predictors take the weight type too."),
+                                          "Norms and biases stay f32; predictors take the weight type too. "
+                                          "k-quants (q4_k_m, ...), q4_1, q5_0, q5_1 and bf16 are not written: "
+                                          "the engine reads such files (llama.cpp's) but decodes them at load to "
+                                          "q8_0 (bf16 to f16), so they would only be smaller on disk."),
     powerinfer_compatible: bool = typer.Option(
         True, "--powerinfer-compatible/--ours-only", help="Store ffn_down_t as PowerInfer's sparse kernels read "
         "it: f16 in f32 and q8_0 files (PowerInfer reads those rows as f16 whatever their type; f16 and q4_0 "

@@ -6,6 +6,7 @@ source (the default SmolLM2) is read through gguf-py's memory map and dequantize
 """
 from __future__ import annotations
 
+import importlib.metadata
 from pathlib import Path
 
 import numpy as np
@@ -131,7 +132,11 @@ class LlamaCppGgufSource(WeightSource):
         raw = tensor.data.reshape(-1, tensor.data.shape[-1]) if tensor.data.ndim > 1 else tensor.data[None]
         data = np.empty((raw.shape[0], shape[-1]), np.float32)
         for r in range(0, raw.shape[0], _DEQUANT_ROWS):  # bounded temporaries, not a whole-tensor copy
-            data[r:r + _DEQUANT_ROWS] = gguf.quants.dequantize(raw[r:r + _DEQUANT_ROWS], tensor.tensor_type)
+            try:
+                data[r:r + _DEQUANT_ROWS] = gguf.quants.dequantize(raw[r:r + _DEQUANT_ROWS], tensor.tensor_type)
+            except NotImplementedError:
+                raise UserError(f"tensor {tensor.name} has type {tensor.tensor_type.name}, which gguf-py "
+                                f"{importlib.metadata.version('gguf')} cannot dequantize") from None
         data = data.reshape(shape)
         reorder = self.reorders[name]
         return reorder(data) if reorder is not None else data

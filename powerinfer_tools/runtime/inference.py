@@ -136,6 +136,8 @@ def open_engine(target: EngineTarget, threads: int | None = None, sparse_mode: s
         model = engine.Model(target.model, threads=threads, sparse_mode=sparse_mode, ctx_size=ctx_size,
                              gpuidx=target.gpuidx, recall_check=recall_check, kv_type=kv_type, gpu=gpu,
                              vram_budget=vram_budget_gib if gpu != "off" else None)
+    for line in decoded_lines(model.info["decoded"]):
+        print(f"pi-tools: {line}", file=sys.stderr)
     if target.gpuidx is not None and gpu != "off":
         print(f"pi-tools: {gpu_line(model.info['gpu'])}", file=sys.stderr)
     useless = [i for i, useful in enumerate(model.info.get("predictor_useful", [])) if not useful]
@@ -144,6 +146,19 @@ def open_engine(target: EngineTarget, threads: int | None = None, sparse_mode: s
               "better than chance: predictor mode there computes about every neuron or drops them at random "
               "(auto mode leaves them out)", file=sys.stderr)
     return model
+
+
+def decoded_lines(decoded: dict) -> list[str]:
+    """What the engine decoded at load into a type it computes with, from its info["decoded"] (model/decode.h)."""
+    lines = []
+    for k in decoded["kinds"]:
+        how = (f"transposed {k['tensors']} {k['from']} ffn_down tensors (llama.cpp's layout) to {k['to']} ffn_down_t"
+               if k["transposed"] else f"decoded {k['tensors']} {k['from']} tensors to {k['to']}")
+        lines.append(f"{how} at load (+{k['bytes'] / 2**20:.1f} MiB in memory, {k['file_bytes'] / 2**20:.1f} MiB "
+                     "in the file)")
+    if lines:
+        lines[-1] += f"; decoding took {decoded['seconds']:.2f} s"
+    return lines
 
 
 def gpu_line(gpu: dict) -> str:

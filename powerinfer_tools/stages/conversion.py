@@ -31,6 +31,21 @@ from powerinfer_tools.core.safe_load import load_pt
 from powerinfer_tools.formats.gguf_io import set_pwri_magic
 
 OUTTYPES = ("f32", "f16", "q8_0", "q4_0")
+# llama.cpp's names of the types the engine reads but does not compute with (docs/formats.md, "Weight types read")
+DECODED_ONLY = re.compile(r"q[2-6]_k(_[sml])?|q4_1|q5_[01]|bf16")
+
+
+def check_outtype(outtype: str) -> None:
+    """UserError unless convert writes `outtype`; a type the engine would only decode at load says so."""
+    if outtype in OUTTYPES:
+        return
+    choose = f"choose from {', '.join(OUTTYPES)}"
+    if DECODED_ONLY.fullmatch(outtype.lower()):
+        raise UserError(f"outtype '{outtype}' is not written: the engine reads such files (llama.cpp's) but decodes "
+                        f"them at load to {'f16' if outtype.lower() == 'bf16' else 'q8_0'}, and PowerInfer's sparse "
+                        f"kernels read f16 and q4_0 only, so the file would be smaller on disk and nothing else "
+                        f"({choose}; q4_0 is the smallest that computes as stored)")
+    raise UserError(f"unknown outtype '{outtype}' ({choose})")
 
 
 def _qtype(outtype: str):
@@ -328,8 +343,7 @@ def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predic
     from powerinfer_tools.formats.tokenizer import write_vocab
 
     started = time.time()
-    if outtype not in OUTTYPES:
-        raise UserError(f"unknown outtype '{outtype}' (choose from {', '.join(OUTTYPES)})")
+    check_outtype(outtype)
     out_path = Path(out_path)
     if out_path.is_dir():
         raise UserError(f"output path {out_path} is a directory")

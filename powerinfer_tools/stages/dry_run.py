@@ -21,7 +21,7 @@ import numpy as np
 from powerinfer_tools.models import arch
 from powerinfer_tools import models
 from powerinfer_tools.stages import placement
-from powerinfer_tools.stages.conversion import (OUTTYPES, PlannedTensor, Predictors, add_header, encoded_nbytes, n_vocab_of, plan,
+from powerinfer_tools.stages.conversion import (check_outtype, PlannedTensor, Predictors, add_header, encoded_nbytes, n_vocab_of, plan,
                                      stored_rank)
 from powerinfer_tools.core.errors import UserError
 
@@ -122,8 +122,7 @@ def size_report(model: ConfigModel, outtype: str, predictor_rank: int | None = N
     (default: the trainer's cap; 0: none)."""
     import gguf
 
-    if outtype not in OUTTYPES:
-        raise UserError(f"unknown outtype '{outtype}' (choose from {', '.join(OUTTYPES)})")
+    check_outtype(outtype)
     rank = predictor_rank_cap(model.adapter) if predictor_rank is None else int(predictor_rank)
     if rank < 0:
         raise UserError(f"--predictor-rank must be 0 (no predictors) or positive, not {rank}")

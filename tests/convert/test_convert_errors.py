@@ -48,8 +48,21 @@ def test_missing_predictor_layer(model, tmp_path, capsys):
 
 
 def test_unknown_outtype(model, tmp_path, capsys):
-    code, _, err = run_cli(capsys, *["convert", "-m", model, "--outtype", "q5_k", "-o", str(tmp_path / "m.gguf")])
-    assert_one_line_error(code, err, "unknown outtype 'q5_k'", "q4_0")
+    code, _, err = run_cli(capsys, *["convert", "-m", model, "--outtype", "q9_0", "-o", str(tmp_path / "m.gguf")])
+    assert_one_line_error(code, err, "unknown outtype 'q9_0'", "q4_0")
+
+
+@pytest.mark.parametrize("outtype", ["q4_k_m", "Q5_K_S", "q6_k", "q4_1", "bf16"])
+def test_a_type_the_engine_only_decodes_is_not_written(outtype, model, tmp_path, capsys):
+    """llama.cpp's k-quants and the like: the engine runs such files by decoding them at load, so convert says
+    why it does not write them (and --help says so too)."""
+    code, _, err = run_cli(capsys, *["convert", "-m", model, "--outtype", outtype, "-o", str(tmp_path / "m.gguf")])
+    decoded = "f16" if outtype == "bf16" else "q8_0"
+    assert_one_line_error(code, err, f"outtype '{outtype.lower()}' is not written", f"decodes them at load to {decoded}",
+                          "q4_0 is the smallest that computes as stored")
+    assert not (tmp_path / "m.gguf").exists()
+    code, out, _ = run_cli(capsys, "convert", "--help")
+    assert "k-quants (q4_k_m, ...)" in out and "not written" in out
 
 
 def test_output_is_directory(model, tmp_path, capsys):

@@ -7,6 +7,7 @@ import gguf
 import numpy as np
 import pytest
 from convert_helpers import read_fields, read_tensors
+from kquants import random_blocks
 from engine_helpers import converted, hf_logits, max_rel_err, random_tokens, rewrite  # noqa: F401
 from powerinfer_fixtures import POWERINFER_I32, tensor_types, write_powerinfer_gpuidx
 from tiny_models import N_FF, N_LAYER
@@ -206,17 +207,9 @@ def test_f16_down_projection_in_an_f32_or_q8_0_file_matches_its_weights(outtype,
 
 # ---- PowerInfer's quantizer: q6_K output.weight (rows of a multiple of 256), q5_0 predictors ----
 
-def random_q6_k(rng, rows: int, cols: int) -> np.ndarray:
-    """Valid q6_K blocks (210 bytes per 256 values: 128 low nibbles, 64 high bits, 16 int8 scales, f16 d)."""
-    blocks = rng.integers(0, 256, size=(rows, cols // 256, 210), dtype=np.uint8)
-    blocks[..., 192:208] = rng.integers(-8, 9, size=(rows, cols // 256, 16)).astype(np.int8).view(np.uint8)
-    blocks[..., 208:210] = np.full((rows, cols // 256, 1), 0.004, np.float16).view(np.uint8)
-    return blocks.reshape(rows, -1)
-
-
 def test_powerinfer_quantizer_types_are_decoded_at_load(tiny_model_dir, tmp_path):
-    """The engine decodes q6_K and q5_0 at load to the f16 of gguf-py's dequantization: the same logits as the
-    file with those f16 values, in dense and predictor mode (q6_K on fc2 here: rows of 256 need rank 256)."""
+    """The engine decodes q6_K and q5_0 at load to the q8_0 of gguf-py's dequantization: the same logits as the
+    file with those q8_0 blocks, in dense and predictor mode (q6_K on fc2 here: rows of 256 need rank 256)."""
     from convert_helpers import write_predictors
     from tiny_models import HIDDEN
 
@@ -230,9 +223,9 @@ def test_powerinfer_quantizer_types_are_decoded_at_load(tiny_model_dir, tmp_path
     quantized = {"output.weight": (gguf.quants.quantize(weights["output.weight"], Q.Q5_0), Q.Q5_0)}
     for i in range(N_LAYER):
         quantized[f"blk.{i}.fc1.weight"] = (gguf.quants.quantize(weights[f"blk.{i}.fc1.weight"], Q.Q5_0), Q.Q5_0)
-        quantized[f"blk.{i}.fc2.weight"] = (random_q6_k(rng, N_FF, 256), Q.Q6_K)
+        quantized[f"blk.{i}.fc2.weight"] = (random_blocks(Q.Q6_K, N_FF, 256, rng, scale=0.0005), Q.Q6_K)
     theirs = rewrite(src, tmp_path / "theirs.gguf", tensors=quantized)
-    decoded = {name: (gguf.quants.dequantize(data, qtype).astype(np.float16), None)
+    decoded = {name: (gguf.quants.quantize(gguf.quants.dequantize(data, qtype), Q.Q8_0), Q.Q8_0)
                for name, (data, qtype) in quantized.items()}
     reference = rewrite(src, tmp_path / "reference.gguf", tensors=decoded)
     assert {t["type"] for t in pi_inspect.describe(theirs)["tensors"] if ".fc" in t["name"]} == {"Q5_0", "Q6_K"}
@@ -241,6 +234,7 @@ def test_powerinfer_quantizer_types_are_decoded_at_load(tiny_model_dir, tmp_path
         want, _, _ = logits(reference, sparse_mode=mode)
         np.testing.assert_array_equal(got, want)
     assert 0.0 < stats["density"] < 1.0  # the predictor selected some neurons, not all
+    assert stats["weight_copies"]["decoded"] == 0  # fc1 and the head packed, fc2 regrouped: no decoded rows held
 
 
 def test_a_thresholded_file_keeps_its_down_projection_in_the_outtype(tiny_model_dir, tmp_path):

@@ -101,11 +101,13 @@ def test_missing_tensor(good, tmp_path):
 
 
 def test_unsupported_tensor_type(good, tmp_path):
+    """iq4_nl (an i-quant: not among the types decoded at load, docs/formats.md "Weight types read")."""
     w = next(t for t in open_reader(good).tensors if t.name == "blk.0.ffn_gate.weight")
-    q41 = gguf.quants.quantize(np.array(w.data, dtype=np.float32), Q.Q4_1)
-    bad = rewrite(good, tmp_path / "q.gguf", tensors={"blk.0.ffn_gate.weight": (q41, Q.Q4_1)})
+    rows, cols = (int(n) for n in reversed(w.shape))
+    iq4 = np.random.default_rng(0).integers(0, 256, size=(rows, cols // 32 * 18), dtype=np.uint8)
+    bad = rewrite(good, tmp_path / "q.gguf", tensors={"blk.0.ffn_gate.weight": (iq4, Q.IQ4_NL)})
     msg = load_error(bad)
-    assert "blk.0.ffn_gate.weight has type q4_1" in msg and "f32, f16, q8_0 and q4_0" in msg
+    assert "blk.0.ffn_gate.weight has type iq4_nl" in msg and "this engine reads f32, f16, bf16, q4_0, q4_1" in msg
 
 
 def test_every_ggml_type_is_read_at_its_size(tmp_path):

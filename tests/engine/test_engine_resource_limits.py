@@ -12,9 +12,12 @@ import sys
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
 from engine_helpers import converted, smollm2_q8_0  # noqa: F401
+from kquants import Q, random_blocks
 from test_engine_bad_input import rewrite
+from test_engine_gguf_types import SHAPES, write_llama
 
 ROOT = Path(__file__).resolve().parents[2]
 STR, ARR = 8, 9  # GGUF metadata value types
@@ -150,9 +153,9 @@ def limited(tmp_path_factory):
     if not shutil.which("unshare") or probe.returncode != 0:
         pytest.skip("no user+mount namespace here (unshare -rm) to stand in a cgroup limit")
 
-    def open_with(path: Path, ctx: int, limit_mib: int, fill: bool = False) -> list[str]:
+    def open_with(path: Path, ctx: int, limit_mib: float, fill: bool = False) -> list[str]:
         fake = tmp_path_factory.mktemp("cgroup")
-        (fake / "memory.max").write_text(f"{limit_mib << 20}\n")
+        (fake / "memory.max").write_text(f"{int(limit_mib * 2**20)}\n")
         script = (f"mount --bind {fake} /sys/fs/cgroup && exec {shlex.quote(sys.executable)} -c "
                   f"{shlex.quote(CGROUP_PROBE)} {path} {ctx} {'fill' if fill else 'open'}")
         done = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=600,
@@ -187,3 +190,14 @@ def test_a_context_the_check_accepts_fills_within_the_limit(smollm2_q8_0, limite
     _, ctx, n_past, held = limited(smollm2_q8_0, 0, 400, fill=True)
     assert int(n_past) == int(ctx) > 1024, (ctx, n_past)
     assert int(held) <= 400 << 20, f"ctx_size {ctx}: {int(held) / 2**20:.0f} MiB held under a 400 MiB limit"
+
+
+def test_weights_decoded_at_load_are_checked_against_the_cgroup_limit(tmp_path, limited):
+    """A k-quant file whose weights, decoded to q8_0 at load, would pass the container's memory (a 256 KiB
+    memory.max) is refused with a message before the allocation that would pass it."""
+    rng = np.random.default_rng(0)
+    path = write_llama(tmp_path / "k.gguf", {n: (random_blocks(Q.Q4_K, *shape, rng), Q.Q4_K)
+                                             for n, shape in SHAPES.items()})
+    out = limited(path, 16, 0.25)
+    assert out[0] == "refused" and "the weights decoded at load (q4_K to q8_0 at tensor" in out[1], out
+    assert "GiB this process may use" in out[1] and "0.000244 GiB" in out[1] and "convert --outtype q4_0" in out[1], out

@@ -238,4 +238,6 @@ def test_bad_input_is_one_line(tmp_path, capsys, case, needles):
 
 def test_library_rejects_a_bad_outtype():
     with pytest.raises(UserError, match="unknown outtype"):
+        dry_run.size_report(dry_run.load("bamboo-7b"), "q9_0")
+    with pytest.raises(UserError, match="outtype 'q5_1' is not written"):
         dry_run.size_report(dry_run.load("bamboo-7b"), "q5_1")

@@ -8,7 +8,7 @@ import shutil
 import subprocess
 import sys
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 # Turing to Hopper (consumer cards from the RTX 20 series; A100, H100/H200), plus Hopper's PTX for later GPUs
@@ -71,13 +71,17 @@ sources = sorted(p for p in glob.glob("csrc/**/*.cpp", recursive=True)
 extensions = []
 if sources:
     extensions = [
-        Extension("engine._pi_engine", sources=sources, include_dirs=include_dirs, depends=headers, language="c++",
+        Extension("powerinfer_engine._pi_engine", sources=sources, include_dirs=include_dirs, depends=headers, language="c++",
                   extra_compile_args=compile_args, extra_link_args=["-pthread", "-ldl"]),
-        Extension("engine._pi_device_emulated", sources=["csrc/device/emulated_tier.cpp"], include_dirs=include_dirs,
+        Extension("powerinfer_engine._pi_device_emulated", sources=["csrc/device/emulated_tier.cpp"], include_dirs=include_dirs,
                   depends=headers, language="c++", extra_compile_args=compile_args, extra_link_args=["-pthread"]),
     ]
     if _nvcc():
-        extensions.append(CudaExtension("engine._pi_cuda", sources=sorted(glob.glob("csrc/device/*.cu")),
+        extensions.append(CudaExtension("powerinfer_engine._pi_cuda", sources=sorted(glob.glob("csrc/device/*.cu")),
                                         include_dirs=include_dirs, depends=headers))
 
-setup(ext_modules=extensions, cmdclass={"build_ext": BuildEngine})
+# engine/ is the package powerinfer_engine (its libraries built into it); also installed under its name until 0.1.0,
+# `engine`, whose __init__ hands over to powerinfer_engine with a deprecation warning
+setup(packages=find_packages(include=["powerinfer_tools", "powerinfer_tools.*"]) + ["powerinfer_engine", "engine"],
+      package_dir={"powerinfer_engine": "engine", "engine": "engine"},
+      ext_modules=extensions, cmdclass={"build_ext": BuildEngine})

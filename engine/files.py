@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from engine._lib import check, lib
+from ._lib import check, lib
 
 
 def check_gguf(path: str | os.PathLike) -> None:

@@ -5,7 +5,7 @@ import ctypes
 
 import numpy as np
 
-from engine._lib import check, lib
+from ._lib import check, lib
 
 TYPE_IDS = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8}
 BLOCK = {"f32": (1, 4), "f16": (1, 2), "q4_0": (32, 18), "q8_0": (32, 34)}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ctypes
 
-from engine._lib import UINT64_MAX, c_float, c_int, check, lib
+from ._lib import UINT64_MAX, c_float, c_int, check, lib
 
 DEFAULT_BUFFER_BYTES = 256 << 20  # 8x a 32 MiB last-level cache: each pass's region is past every cache
 

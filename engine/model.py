@@ -11,7 +11,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from engine._lib import (FFN_MODES, GPU_MODES, KV_TYPES, UINT64_MAX, EngineError, Options, Sampling, c_float,
+from ._lib import (FFN_MODES, GPU_MODES, KV_TYPES, UINT64_MAX, EngineError, Options, Sampling, c_float,
                          c_int, check, device_library_path, lib)
 
 

@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 DECODE = """
 import sys, time
-import engine
+import powerinfer_engine as engine
 path, mode, threads, n_prompt, runs = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 tokens = [int(t) for t in sys.argv[6].split(",")]
 n_gen = len(tokens) - n_prompt

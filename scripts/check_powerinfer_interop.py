@@ -144,7 +144,7 @@ class PowerInfer:
 def ours_greedy(model: Path, prompt: list, n: int, mode: str, gpuidx: Path | None = None) -> Generation:
     """Greedy tokens after `prompt` as PowerInfer's main --ignore-eos --repeat-penalty 1 picks them (the
     end-of-sequence token never chosen)."""
-    import engine
+    import powerinfer_engine as engine
 
     try:
         with engine.Model(model, threads=1, sparse_mode=mode, gpuidx=gpuidx, ctx_size=256) as m:
@@ -166,7 +166,7 @@ def ours_greedy(model: Path, prompt: list, n: int, mode: str, gpuidx: Path | Non
 def ours_perplexity(model: Path, tokens: list, ctx: int, chunks: int, bos: int | None, mode: str) -> float:
     """llama.cpp's perplexity (examples/perplexity): windows of ctx tokens, the first replaced by BOS for a
     SentencePiece vocabulary, the last ctx/2 - 1 next-token predictions of each window scored."""
-    import engine
+    import powerinfer_engine as engine
 
     nll, count = 0.0, 0
     with engine.Model(model, threads=1, sparse_mode=mode, ctx_size=ctx) as m:
@@ -186,7 +186,7 @@ def ours_perplexity(model: Path, tokens: list, ctx: int, chunks: int, bos: int |
 
 
 def gguf_info(path: Path) -> dict:
-    import engine
+    import powerinfer_engine as engine
 
     with engine.Model(path, threads=1) as m:
         return m.info
@@ -248,7 +248,7 @@ def with_uniform_threshold(pred: Path, out: Path) -> Path:
 
 
 def last_logits(model: Path, tokens: list, mode: str) -> np.ndarray:
-    import engine
+    import powerinfer_engine as engine
 
     with engine.Model(model, threads=1, sparse_mode=mode, ctx_size=256) as m:
         return m.eval(tokens, all_logits=False)
@@ -432,7 +432,7 @@ def theirs_to_ours(name: str, hf: Path, work: Path, pi: PowerInfer, args, prof: 
 def against_transformers(hf: Path, model: Path) -> float:
     """How far our dense logits on `model` are from transformers' on the checkpoint it was converted from."""
     sys.path.insert(0, str(ROOT / "tests"))
-    import engine
+    import powerinfer_engine as engine
     from engine_helpers import hf_logits, max_rel_err
 
     tokens = [int(t) for t in np.random.default_rng(0).integers(3, 300, 16)]
@@ -511,7 +511,7 @@ def solver_both_ways(name: str, hf: Path, work: Path, pi: PowerInfer, args, prof
     ours = ours_greedy(f, g.prompt, args.tokens, "predictor", gpuidx=idx)
     note = [ours.error]
     if ours.loads:
-        import engine
+        import powerinfer_engine as engine
 
         with engine.Model(f, threads=1, sparse_mode="predictor", gpuidx=idx) as m:
             m.eval([1, 2, 3])

@@ -20,9 +20,9 @@ import time
 
 import numpy as np
 
-import engine
-from engine import kernels
-from engine._lib import lib
+import powerinfer_engine as engine
+from powerinfer_engine import kernels
+from powerinfer_engine._lib import lib
 from powerinfer_tools.bench import machine
 
 E, F = 4096, 11008

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-import engine
+import powerinfer_engine as engine
 from powerinfer_tools.bench import byte_model, machine
 
 

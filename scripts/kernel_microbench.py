@@ -23,8 +23,8 @@ import time
 import gguf
 import numpy as np
 
-from engine import kernels
-from engine._lib import lib
+from powerinfer_engine import kernels
+from powerinfer_engine._lib import lib
 
 Q = gguf.GGMLQuantizationType
 N, ROWS, MATRICES = 576, 1536, 60

@@ -32,7 +32,7 @@ def _status(field: str) -> int:
 def one(path: str, mode: str, ctx: int, threads: int, n_prompt: int, n_gen: int, kv_type: str) -> dict:
     """Measure in this process (the child of `main`)."""
     sys.path.insert(0, str(ROOT))
-    import engine
+    import powerinfer_engine as engine
 
     before = _status("VmRSS")
     t = time.perf_counter()

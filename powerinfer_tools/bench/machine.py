@@ -84,7 +84,7 @@ PROBE_DENSITIES = (0.1, 0.2, 0.35, 0.5, 0.65, 0.8, 0.9, 1.0)
 def rows_by_index(row_bytes: int, threads: int, densities: tuple[float, ...] = PROBE_DENSITIES) -> dict:
     """How fast `threads` threads read rows of `row_bytes` picked by index at each density, against all of them in
     order (the engine's read probe: a sparse step's access pattern without its arithmetic), in bytes/s."""
-    import engine
+    import powerinfer_engine as engine
 
     engine.read_rows_rate(int(row_bytes), 0.1, threads, 16 << 20)  # a process's first probe read low (~30 %)
     return {"row_bytes": int(row_bytes), "threads": threads, "density": list(densities),

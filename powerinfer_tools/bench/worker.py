@@ -85,7 +85,7 @@ class LlamaCpp:
 class Ours:
     def __init__(self, path: str, threads: int, n_ctx: int, batch: int = 0, kv_type: str = "f32",
                  engine_options: dict | None = None, **_):
-        import engine
+        import powerinfer_engine as engine
 
         self.rss_before_model = _status_bytes("VmRSS")  # the worker's Python and libraries, no weights yet
         self.model = engine.Model(path, threads=threads, sparse_mode="dense", ctx_size=n_ctx, batch_size=batch or None,

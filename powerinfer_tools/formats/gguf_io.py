@@ -84,7 +84,7 @@ def open_reader(path: str | os.PathLike, writable: bool = False):
 def check_structure(path: str | os.PathLike) -> None:
     """The engine's bounds checks of the header, before gguf-py trusts it: gguf-py allocates what a count
     declares, so one array of 2**62 elements would grow its memory without bound."""
-    import engine
+    import powerinfer_engine as engine
 
     try:
         engine.check_gguf(path)

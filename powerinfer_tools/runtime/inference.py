@@ -119,7 +119,7 @@ def open_engine(target: EngineTarget, threads: int | None = None, sparse_mode: s
                 vram_budget_gib: float | None = None):
     """engine.Model for the target; engine failures become UserError with the engine's message. With a hot tier
     (target.gpuidx) and gpu not off, says on stderr where the hot tier runs."""
-    import engine
+    import powerinfer_engine as engine
 
     if gpu not in GPU_MODES:
         raise UserError(f"unknown --gpu {gpu!r} (choose from {', '.join(GPU_MODES)})")
@@ -174,7 +174,7 @@ def gpu_line(gpu: dict) -> str:
 @contextlib.contextmanager
 def engine_errors():
     """The engine's refusals (a file, an argument out of range) as UserError: one line from the CLI."""
-    import engine
+    import powerinfer_engine as engine
 
     try:
         yield

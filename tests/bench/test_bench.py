@@ -404,7 +404,7 @@ def test_bench_end_to_end_tiny(silu_files, tmp_path):
     """Our engine in every mode + llama.cpp (the real one when available, else the transformers double) +
     torch on the tiny model, with a sweep: the record is complete, llama.cpp is compared on the same weights,
     and the engine's measured sparsity follows the rewritten thresholds."""
-    engine = pytest.importorskip("engine")
+    engine = pytest.importorskip("powerinfer_engine")
     if not hasattr(engine, "Model"):
         pytest.skip("the C++ engine package is not in this tree")
     model, files, work = silu_files
@@ -473,7 +473,7 @@ def test_bench_at_depth(silu_files, tmp_path, kv_type):
     """--depth: tg runs after that many tokens went into the cache, for ours and the llama.cpp peer alike; the
     byte model's KV reads are those of the deeper positions (in --kv-type's element size), and the tables name
     the test as llama-bench does."""
-    pytest.importorskip("engine")
+    pytest.importorskip("powerinfer_engine")
     model, files, work = silu_files
     depth, n_gen = 40, 8
     opts = bench.BenchOptions(model=model, outtype="q8_0", threads=2, repeats=1, modes=("dense",), n_prompt=16,
@@ -495,8 +495,8 @@ def test_bench_at_depth(silu_files, tmp_path, kv_type):
 def test_bench_with_the_hot_tier_on_a_device(silu_files, tmp_path, monkeypatch):
     """--gpu on --gpuidx: our worker's hot tier on the device (here the emulated device library, in place of the
     CUDA one), recorded in the bench's engine record; its numbers are the engine's stats as always."""
-    pytest.importorskip("engine")
-    import engine
+    pytest.importorskip("powerinfer_engine")
+    import powerinfer_engine as engine
     from engine_helpers import write_gpuidx
 
     monkeypatch.setenv("PI_GPU_LIBRARY", str(engine.device_library_path("emulated")))

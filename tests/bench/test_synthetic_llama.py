@@ -11,7 +11,7 @@ import pytest
 from cli_helpers import run_cli
 from tiny_models import DATA, training_text
 
-import engine
+import powerinfer_engine as engine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import synthetic_llama  # noqa: E402

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import engine
+import powerinfer_engine as engine
 from powerinfer_tools.stages.profiling import partial_dir
 from tiny_models import DATA
 

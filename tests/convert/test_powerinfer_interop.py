@@ -12,7 +12,7 @@ from engine_helpers import converted, hf_logits, max_rel_err, random_tokens, rew
 from powerinfer_fixtures import POWERINFER_I32, tensor_types, write_powerinfer_gpuidx
 from tiny_models import N_FF, N_LAYER
 
-import engine
+import powerinfer_engine as engine
 from powerinfer_tools.formats import describe as pi_inspect
 from powerinfer_tools.stages import placement
 from powerinfer_tools.stages.conversion import convert_model

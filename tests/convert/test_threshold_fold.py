@@ -12,7 +12,7 @@ from convert_helpers import read_fields, read_tensors, write_predictors
 from engine_helpers import random_tokens
 from tiny_models import HIDDEN, N_FF, N_LAYER
 
-import engine
+import powerinfer_engine as engine
 from powerinfer_tools.stages.conversion import convert_model, summary_lines
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from engine_helpers import converted  # noqa: F401
 
-import engine
+import powerinfer_engine as engine
 
 
 @pytest.fixture(scope="module")

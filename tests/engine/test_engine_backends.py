@@ -11,8 +11,8 @@ import pytest
 from engine_helpers import converted, max_rel_err, random_tokens, write_gpuidx  # noqa: F401
 from tiny_models import N_FF, N_LAYER
 
-import engine
-from engine import EngineError
+import powerinfer_engine as engine
+from powerinfer_engine import EngineError
 
 TOKENS = random_tokens(40, 384, seed=3)
 N_PROMPT = 32

@@ -14,7 +14,7 @@ import pytest
 from engine_helpers import converted, rewrite, write_gpuidx  # noqa: F401
 from tiny_models import N_FF, N_LAYER
 
-import engine
+import powerinfer_engine as engine
 from powerinfer_tools.formats.gguf_io import open_reader
 
 Q = gguf.GGMLQuantizationType
@@ -145,7 +145,7 @@ def test_gpuidx_for_another_model(good, tmp_path):
 
 FUZZ_SCRIPT = textwrap.dedent("""
     import random, sys
-    import engine
+    import powerinfer_engine as engine
     src, work, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
     data = open(src, "rb").read()
     header = int(sys.argv[4])

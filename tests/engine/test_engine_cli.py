@@ -11,7 +11,7 @@ from engine_helpers import converted  # noqa: F401
 from cli_helpers import run_cli
 from tiny_models import N_LAYER, training_text
 
-import engine
+import powerinfer_engine as engine
 from powerinfer_tools.runtime import evaluate, inference
 from powerinfer_tools import models
 from powerinfer_tools.stages.calibration import sequences_from_text

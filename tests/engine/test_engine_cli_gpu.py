@@ -11,7 +11,7 @@ from cli_helpers import assert_one_line_error, run_cli
 from engine_helpers import converted, write_gpuidx  # noqa: F401
 from tiny_models import N_FF, N_LAYER, training_text
 
-import engine
+import powerinfer_engine as engine
 
 PROMPT = "ROMEO: But soft, what light"
 

@@ -18,7 +18,7 @@ import pytest
 from engine_helpers import converted, random_tokens, rewrite, write_gpuidx  # noqa: F401
 from tiny_models import KINDS, N_FF, N_LAYER
 
-import engine
+import powerinfer_engine as engine
 
 FIXTURE = Path(__file__).parent / "fixtures" / "logits_digest.json"
 N_PROMPT, N_DECODE, BATCH = 24, 6, 16  # a prompt in two batches (16 + 8), then decode steps

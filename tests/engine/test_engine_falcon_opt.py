@@ -18,8 +18,8 @@ from test_engine_bad_input import rewrite
 from cli_helpers import run_cli
 from tiny_models import N_FF, N_LAYER, training_text
 
-import engine
-from engine import kernels
+import powerinfer_engine as engine
+from powerinfer_engine import kernels
 from powerinfer_tools.models import arch
 from powerinfer_tools import models
 from powerinfer_tools.stages.conversion import convert_model

@@ -10,7 +10,7 @@ import pytest
 from engine_helpers import converted, random_tokens, rewrite  # noqa: F401
 from kquants import Q, random_bf16, random_blocks
 
-import engine
+import powerinfer_engine as engine
 from powerinfer_tools.formats.gguf_io import open_reader
 from powerinfer_tools.runtime.inference import decoded_lines
 

@@ -6,7 +6,7 @@ import gguf
 import numpy as np
 import pytest
 
-from engine import kernels
+from powerinfer_engine import kernels
 
 Q = gguf.GGMLQuantizationType
 QTYPES = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0}
@@ -178,7 +178,7 @@ def test_dot_rows_is_gemm8_on_the_same_rows(isa, wtype, n):
 
 
 def test_pack8_and_gemm8_check_their_arguments():
-    from engine import EngineError
+    from powerinfer_engine import EngineError
 
     rows = [stored("q4_0", np.ones(64)) for _ in range(8)]
     with pytest.raises(EngineError, match="only q4_0 and q8_0"):
@@ -229,7 +229,7 @@ def test_silu_within_two_ulp_and_identical_across_sets(isa):
 
 
 def test_dot_rows_and_softmax_check_their_arguments():
-    from engine import EngineError
+    from powerinfer_engine import EngineError
 
     with pytest.raises(EngineError, match="multiple of the block size"):
         kernels.dot_rows("scalar", "q4_0", 48, [stored("q4_0", np.ones(64))], stored("q8_0", np.ones(64)))
@@ -288,7 +288,7 @@ def test_axpy_rows_is_a_sequence_of_axpys(isa, wtype, n):
 
 
 def test_axpy_rows_checks_its_arguments():
-    from engine import EngineError
+    from powerinfer_engine import EngineError
 
     w = stored("q4_0", np.ones(64))
     with pytest.raises(EngineError, match="multiple of the block size"):

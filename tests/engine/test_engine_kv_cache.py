@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from engine_helpers import converted, random_tokens  # noqa: F401
 
-import engine
+import powerinfer_engine as engine
 
 TOKENS = random_tokens(40, 384, seed=3)  # a prompt batch, then decode steps
 LONG_CTX = 1 << 19  # 256 MiB of f32 cache for the tiny model, 40 positions of it written

@@ -11,7 +11,7 @@ from cli_helpers import run_cli
 from engine_helpers import rewrite
 from kquants import Q, quantize
 
-import engine
+import powerinfer_engine as engine
 from powerinfer_tools.formats.tokenizer import tokenizer_from_file
 from powerinfer_tools.models import default_model
 from powerinfer_tools.stages.conversion import convert_model

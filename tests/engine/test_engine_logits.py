@@ -12,8 +12,8 @@ from engine_helpers import (converted, engine_prompt_then_decode, hf_logits, max
                             q8_round_trip, random_tokens, rewrite, write_gpuidx)
 from tiny_models import HIDDEN, N_FF, N_HEAD, N_KV, N_LAYER, PROSPARSE_THRESHOLD, make_tiny
 
-import engine
-from engine import kernels
+import powerinfer_engine as engine
+from powerinfer_engine import kernels
 from powerinfer_tools.stages.conversion import convert_model
 
 N_PROMPT, N_DECODE = 64, 16

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-import engine
+import powerinfer_engine as engine
 
 
 @pytest.mark.parametrize("row_bytes,density", [(324, 0.5), (612, 0.1), (100, 1.0), (8, 0.3)])

@@ -72,7 +72,7 @@ import json, os, resource, sys
 sys.path.insert(0, {str(ROOT)!r})
 if "libasan" not in os.environ.get("LD_PRELOAD", ""):
     resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
-import engine
+import powerinfer_engine as engine
 out = []
 for p in sys.argv[1:]:
     try:
@@ -112,7 +112,7 @@ def test_absurd_hyperparameters_are_refused(converted, tmp_path, key, value):
 CGROUP_PROBE = """
 import sys
 import numpy as np
-import engine
+import powerinfer_engine as engine
 
 def anonymous_bytes():
     line = next(l for l in open("/proc/self/status") if l.startswith("RssAnon:"))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-import engine
+import powerinfer_engine as engine
 from powerinfer_tools import models
 from powerinfer_tools.stages.calibration import sequences_from_text
 from tiny_models import DATA

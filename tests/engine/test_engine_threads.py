@@ -11,11 +11,11 @@ import textwrap
 import pytest
 from engine_helpers import converted  # noqa: F401
 
-import engine
+import powerinfer_engine as engine
 
 SCENARIO = textwrap.dedent("""
     import sys, threading
-    import engine
+    import powerinfer_engine as engine
 
     path, threads, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     tokens = list(range(3, 67))

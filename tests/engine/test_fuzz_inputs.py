@@ -16,7 +16,7 @@ RUNNER = """
 import json, sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
-import engine
+import powerinfer_engine as engine
 SPLIT = bytes.fromhex(sys.argv[2])
 work = Path(sys.argv[3])
 out = {}

@@ -17,15 +17,15 @@ import pytest
 from engine_helpers import converted, write_gpuidx  # noqa: F401
 from tiny_models import N_FF, N_LAYER
 
-import engine
-from engine.library_check import check_library
+import powerinfer_engine as engine
+from powerinfer_engine.library_check import check_library
 
 ROOT = Path(__file__).resolve().parents[2]
 
 OPEN_EACH = f"""
 import json, sys
 sys.path.insert(0, {str(ROOT)!r})
-import engine
+import powerinfer_engine as engine
 model, gpuidx, gpu = sys.argv[1:4]
 for library in sys.argv[4:]:
     try:
@@ -123,8 +123,8 @@ def test_a_damaged_engine_library_is_one_line(converted, tmp_path):
 LOAD_EACH_ZEROED_WORD = f"""
 import ctypes, struct, sys
 sys.path.insert(0, {str(ROOT)!r})
-from engine._lib import _SIGNATURES
-from engine.library_check import LibraryRefused, check_library
+from powerinfer_engine._lib import _SIGNATURES
+from powerinfer_engine.library_check import LibraryRefused, check_library
 source, scratch = sys.argv[1:3]
 data = open(source, "rb").read()
 [phoff], (phentsize, phnum) = struct.unpack_from("<Q", data, 32), struct.unpack_from("<HH", data, 54)
@@ -157,7 +157,7 @@ def test_the_engine_library_with_any_header_word_zeroed_is_refused_or_loads(tmp_
 def test_every_library_this_process_loaded_passes_the_check():
     """No false refusals: the shared libraries the interpreter has mapped (numpy's, torch's when imported, the
     engine's, libc) pass, as the loader took them."""
-    from engine._lib import lib
+    from powerinfer_engine._lib import lib
 
     lib()  # the engine library mapped too
     loaded = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()

@@ -43,7 +43,7 @@ def test_a_name_changed_on_one_side_is_caught():
 
 
 def test_the_engine_numbers_ffn_modes_in_the_vocabulary_order():
-    from engine._lib import FFN_MODES
+    from powerinfer_engine._lib import FFN_MODES
 
     assert tuple(FFN_MODES) == names.FFN_MODES and list(FFN_MODES.values()) == list(range(len(names.FFN_MODES)))
     enum = re.search(r"typedef enum \{(.*?)\} pi_ffn_mode;", (ROOT / "csrc/include/pi_engine.h").read_text(), re.S)

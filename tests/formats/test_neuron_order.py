@@ -13,7 +13,7 @@ from placement_fixtures import power_law_counts, write_profile
 from powerinfer_fixtures import write_powerinfer_gpuidx
 from tiny_models import HIDDEN, N_FF, N_LAYER
 
-import engine
+import powerinfer_engine as engine
 from powerinfer_tools.formats import neuron_order
 from powerinfer_tools.stages import placement
 from powerinfer_tools.stages.conversion import convert_model

@@ -172,7 +172,7 @@ def test_cli_convert_dry_run_prints_sizes_and_writes_nothing(converted, tmp_path
     assert file_row.split()[1:] == [part for s in sizes for part in s.split()]
     assert "nothing written" in out
     # the KV cache as the engine holds it: f32 by default, f16 with --kv-type f16
-    import engine
+    import powerinfer_engine as engine
 
     kv = next(line for line in out.splitlines() if line.startswith("KV cache"))
     for kv_type in ("f32", "f16"):

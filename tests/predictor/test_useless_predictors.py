@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-import engine
+import powerinfer_engine as engine
 from cli_helpers import profiled, run_cli
 from convert_helpers import read_fields
 from engine_helpers import converted, engine_prompt_then_decode, max_rel_err, random_tokens, rewrite  # noqa: F401

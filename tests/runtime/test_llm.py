@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-import engine
+import powerinfer_engine as engine
 from powerinfer_tools import LLM
 from powerinfer_tools.runtime.llm import RequestError, Sampling
 

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-import engine
+import powerinfer_engine as engine
 from powerinfer_tools.formats import gguf_io
 from powerinfer_tools.runtime import inference
 from powerinfer_tools.runtime import default_build as pipeline

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import engine
+import powerinfer_engine as engine
 from cli_helpers import assert_one_line_error, run_cli
 from engine_helpers import hf_logits, max_rel_err, random_tokens
 from tiny_models import training_text

@@ -23,7 +23,7 @@ def notebook_env(tmp_path_factory, smollm2_file):
     if not (DATA / "wikitext-2-valid.txt").is_file():
         pytest.skip("shared data (../shared/data) not present")
     env = {"PI_NB_TOKENS": str(TOKENS), "PI_NB_RANK": "16", "PI_NB_DATA": str(DATA),
-           "PI_NB_MODEL": str(smollm2_file("q8_0")),  # python_api.ipynb: the default model, converted once
+           "PI_NB_CONVERTED": str(smollm2_file("q8_0")),  # python_api.ipynb: the default model, converted once
            "PI_NB_WORK": str(tmp_path_factory.mktemp("notebooks")),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     saved = {key: os.environ.get(key) for key in env}

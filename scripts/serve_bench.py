@@ -3,7 +3,8 @@
 soak of concurrent streaming clients.
 
 1. Decode tokens/s: run's own "eval time" line against a streaming client's (tokens after the first) / (seconds
-   from the first to the last token), each round a fresh prompt for both (the server's cache cannot help).
+   from the first to the last token), each round a fresh prompt for both (the server's cache cannot help); and the
+   client's rate against the server's own engine timings of the same request (what HTTP and the stream cost).
 2. Time to the first streamed token against run's prompt time plus one token's.
 3. CLIENTS streaming clients for SOAK seconds: every answer complete and well-formed, the server's RSS sampled
    (first against last minute), then SIGTERM: the exit status and how long it took.
@@ -45,17 +46,19 @@ def run_once(model: str, prompt: str, n: int, args) -> dict:
 
 def stream_once(client: openai.OpenAI, prompt: str, n: int) -> dict:
     sent = time.perf_counter()
-    stamps, text, finish = [], "", None
+    stamps, text, finish, engine_tps = [], "", None, None
     for chunk in client.completions.create(model="m", prompt=prompt, max_tokens=n, temperature=0, stream=True):
         choice = chunk.choices[0]
         if choice.text:
             stamps.append(time.perf_counter())
             text += choice.text
         finish = choice.finish_reason or finish
+        if (chunk.model_extra or {}).get("timings"):
+            engine_tps = chunk.model_extra["timings"]["predicted_per_second"]
     usage_n = n if finish == "length" else None
     # one chunk per token here (the default model's pieces are whole tokens but for rare UTF-8 splits)
     return {"ttft_ms": 1000 * (stamps[0] - sent), "decode_tps": (len(stamps) - 1) / (stamps[-1] - stamps[0]),
-            "tokens": len(stamps), "finish": finish, "usage_n": usage_n}
+            "tokens": len(stamps), "finish": finish, "usage_n": usage_n, "engine_tps": engine_tps}
 
 
 def rss_kib(pid: int) -> int:
@@ -138,6 +141,8 @@ def main() -> None:
               f"serve {served['ttft_ms']:.0f} ms, run prompt+1 {ran['prompt_ms'] + ran['eval_ms'] / ran['eval_n']:.0f} "
               "ms", file=sys.stderr)
     ratio = statistics.median(r["serve"]["decode_tps"] / r["run"]["decode_tps"] for r in rounds)
+    # what HTTP and the event stream cost: the client's rate against the server's own engine timings, same request
+    overhead = statistics.median(r["serve"]["decode_tps"] / r["serve"]["engine_tps"] for r in rounds)
     ttft = statistics.median(r["serve"]["ttft_ms"] / (r["run"]["prompt_ms"] + r["run"]["eval_ms"] / r["run"]["eval_n"])
                              for r in rounds)
     soaked = soak(client, proc.pid, args.clients, args.soak)
@@ -146,9 +151,11 @@ def main() -> None:
     code = proc.wait(60)
     result = {"model": os.path.basename(args.model), "threads": args.threads, "sparse_mode": args.sparse_mode,
               "n_gen": args.n_gen, "rounds": rounds, "decode_ratio_median": ratio, "ttft_ratio_median": ttft,
+              "client_over_engine_median": overhead,
               "soak": soaked | {"clients": args.clients, "seconds": args.soak},
               "sigterm": {"exit_status": code, "seconds": time.monotonic() - started}}
     print(f"| decode t/s serve / run (median of {args.rounds} paired rounds) | {ratio:.3f} |")
+    print(f"| decode t/s at the client / the server's engine timings, same request (median) | {overhead:.3f} |")
     print(f"| first token: serve / (run's prompt + one token) | {ttft:.3f} |")
     print(f"| soak: {args.clients} clients x {args.soak:.0f} s | {soaked['answers']} answers, "
           f"{len(soaked['errors'])} errors, {soaked['empty_answers']} empty |")

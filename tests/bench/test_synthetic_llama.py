@@ -16,6 +16,8 @@ import powerinfer_engine as engine
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import synthetic_llama  # noqa: E402
 
+synthetic_llama.DATA = DATA  # the tests' text wherever this checkout is (the script: PI_DATA or ../shared/data)
+
 SHAPE = synthetic_llama.shape_of("tiny")
 
 

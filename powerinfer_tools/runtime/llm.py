@@ -26,7 +26,12 @@ from powerinfer_tools.core.errors import UserError
 
 
 class RequestError(UserError):
-    """A request the model cannot serve as asked (a prompt longer than the context, a bad sampling value)."""
+    """A request the model cannot serve as asked (a prompt longer than the context, a bad sampling value); `param`
+    and `code` name the field and the kind where an API answering with it wants them."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
 
 
 @dataclass(frozen=True)
@@ -119,12 +124,12 @@ class Chunk:
 
 @dataclass
 class _Cache:
-    """What the KV cache holds, as the tokens evaluated or about to be (`pending`: sampled last, evaluated
-    at the start of the next call if that call keeps it) and, where known exactly, the text they spell."""
+    """What the KV cache holds, as the tokens evaluated or about to be (the one sampled last is evaluated when the
+    next step, or the next call that keeps it, needs it: the engine's n_past says how many are in) and, where
+    known exactly, the text they spell."""
 
     tokens: list[int] = field(default_factory=list)
     text: str | None = ""
-    pending: int = 0
 
 
 class LLM:
@@ -194,19 +199,22 @@ class LLM:
             raise RequestError(f"the chat template refused the messages: {str(exc).splitlines()[0]}") from None
 
     # ---- generation ---------------------------------------------------------------------------------
-    def complete(self, prompt: str, max_tokens: int = 128, stop: Sequence[str] = (), stream: bool = False,
-                 sampling: Sampling | None = None, **options) -> Completion | Iterator[Chunk]:
-        """Continue `prompt`. stop: strings that end the text (not included); sampling (or its fields as keyword
-        arguments: temperature, top_k, ...). stream=True gives an iterator of Chunks instead of a Completion."""
+    def complete(self, prompt: str, max_tokens: int | None = 128, stop: Sequence[str] = (), stream: bool = False,
+                 sampling: Sampling | None = None, fit: bool = True, **options) -> Completion | Iterator[Chunk]:
+        """Continue `prompt`. max_tokens: at most this many (None: what the context leaves; more than it leaves is
+        cut to that, or with fit=False refused, as the OpenAI API refuses it); stop: strings that end the text (not
+        included); sampling (or its fields as keyword arguments: temperature, top_k, ...). stream=True gives an
+        iterator of Chunks instead of a Completion."""
         ids = self._prompt_ids(prompt, add_special=True)
-        return self._finish(self._generate(ids, prompt, max_tokens, stop, _sampling(sampling, options)), stream)
+        return self._finish(self._generate(ids, prompt, max_tokens, fit, stop, _sampling(sampling, options)), stream)
 
-    def chat(self, messages: Sequence[dict], max_tokens: int = 512, stop: Sequence[str] = (), stream: bool = False,
-             sampling: Sampling | None = None, **options) -> Completion | Iterator[Chunk]:
+    def chat(self, messages: Sequence[dict], max_tokens: int | None = 512, stop: Sequence[str] = (),
+             stream: bool = False, sampling: Sampling | None = None, fit: bool = True,
+             **options) -> Completion | Iterator[Chunk]:
         """The assistant's reply to messages, through the model's chat template (as complete() otherwise)."""
         prompt = self.chat_prompt(messages)
         ids = self._prompt_ids(prompt, add_special=False)  # the template writes its own BOS where it has one
-        return self._finish(self._generate(ids, prompt, max_tokens, stop, _sampling(sampling, options)), stream)
+        return self._finish(self._generate(ids, prompt, max_tokens, fit, stop, _sampling(sampling, options)), stream)
 
     def count_tokens(self, prompt: str, chat: bool = False) -> int:
         return len(self._prompt_ids(prompt, add_special=not chat))
@@ -235,18 +243,25 @@ class LLM:
             pass
         return last.completion
 
-    def _generate(self, ids: list[int], prompt: str, max_tokens: int, stop: Sequence[str],
+    def _generate(self, ids: list[int], prompt: str, max_tokens: int | None, fit: bool, stop: Sequence[str],
                   sampling: Sampling) -> Iterator[Chunk]:
         """Checks now (a bad request fails at the call, not at the first next()), then the generator."""
         sampling.check()
-        if not isinstance(max_tokens, int) or max_tokens < 0:
-            raise RequestError(f"max_tokens must be a non-negative integer, not {max_tokens!r}")
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 0):
+            raise RequestError(f"max_tokens must be a non-negative integer, not {max_tokens!r}", param="max_tokens")
         stop = [s for s in stop if s]
-        if len(ids) >= self.n_ctx:
+        room = self.n_ctx - len(ids)
+        if room < 1:
             raise RequestError(f"the prompt has {len(ids)} tokens and the context holds {self.n_ctx}: no room to "
-                               "generate (shorten it, or open the model with a larger ctx_size)")
+                               "generate (shorten it, or open the model with a larger ctx_size)",
+                               code="context_length_exceeded")
+        if max_tokens is not None and max_tokens > room and not fit:
+            raise RequestError(f"this model's context holds {self.n_ctx} tokens: {len(ids)} in the prompt and "
+                               f"{max_tokens} asked for the completion; lower max_tokens", param="max_tokens",
+                               code="context_length_exceeded")
         self._generation += 1
-        return self._tokens(ids, prompt, min(max_tokens, self.n_ctx - len(ids)), stop, sampling, self._generation)
+        limit = room if max_tokens is None else min(max_tokens, room)
+        return self._tokens(ids, prompt, limit, stop, sampling, self._generation)
 
     def _tokens(self, ids, prompt, max_tokens, stop, sampling, generation) -> Iterator[Chunk]:
         from powerinfer_tools.runtime.inference import StreamDecoder, engine_errors
@@ -268,13 +283,11 @@ class LLM:
             if generation != self._generation:
                 raise RuntimeError("this stream was ended by a later call on the same LLM")
             with engine_errors():
-                if cache.pending:  # the token sampled last, not yet evaluated
+                if m.n_past < len(cache.tokens):  # the token sampled last, not yet evaluated
                     m.eval(cache.tokens[-1:], all_logits=False)
-                    cache.pending = 0
                 token = m.sample(sampling.temperature, sampling.top_k, sampling.top_p, sampling.repeat_penalty,
                                  sampling.repeat_last_n, sampling.frequency_penalty, sampling.presence_penalty)
             cache.tokens.append(token)
-            cache.pending = 1
             generated += 1
             if token in self.stop_tokens:
                 finish = "stop"
@@ -306,7 +319,7 @@ class LLM:
         limit = min(len(cache.tokens), len(ids) - 1)
         while n < limit and cache.tokens[n] == ids[n]:
             n += 1
-        n = min(n, m.n_past)  # a pending token is not in the engine yet
+        n = min(n, m.n_past)  # the token sampled last may not be in the engine yet
         m.reset(n)
         return n
 

@@ -154,9 +154,8 @@ def create_app(llm: LLM, model_id: str, api_key: str | None = None) -> FastAPI:
         messages = body.chat_messages()
 
         def start():
-            prompt = llm.chat_prompt(messages)
-            limit = _limit(llm, llm.count_tokens(prompt, chat=True), body.limit())
-            return llm.chat(messages, max_tokens=limit, stop=body.stops(), stream=True, sampling=body.sampling())
+            return llm.chat(messages, max_tokens=body.limit(), stop=body.stops(), stream=True, sampling=body.sampling(),
+                            fit=False)
 
         return await _answer(worker, Job(start, chat=True), body, model_id)
 
@@ -168,26 +167,12 @@ def create_app(llm: LLM, model_id: str, api_key: str | None = None) -> FastAPI:
             raise ApiError(400, str(exc), param="prompt") from None
 
         def start():
-            limit = _limit(llm, llm.count_tokens(prompt), body.limit())
-            return llm.complete(prompt, max_tokens=limit, stop=body.stops(), stream=True, sampling=body.sampling())
+            return llm.complete(prompt, max_tokens=body.limit(), stop=body.stops(), stream=True,
+                                sampling=body.sampling(), fit=False)
 
         return await _answer(worker, Job(start, chat=False), body, model_id, echo=prompt if body.echo else "")
 
     return app
-
-
-def _limit(llm: LLM, prompt_tokens: int, asked: int | None) -> int:
-    """The reply's token limit: as asked when prompt and reply fit the context (the OpenAI API's 400 otherwise),
-    else what the context leaves."""
-    room = llm.n_ctx - prompt_tokens
-    if room < 1:
-        raise ApiError(400, f"this model's context holds {llm.n_ctx} tokens; the prompt has {prompt_tokens}",
-                       code="context_length_exceeded", param="messages")
-    if asked is not None and asked > room:
-        raise ApiError(400, f"this model's context holds {llm.n_ctx} tokens: {prompt_tokens} in the prompt and "
-                       f"{asked} asked for the completion; lower max_tokens", code="context_length_exceeded",
-                       param="max_tokens")
-    return room if asked is None else asked
 
 
 async def _answer(worker: Worker, job: Job, body, model_id: str, echo: str = ""):
@@ -195,7 +180,10 @@ async def _answer(worker: Worker, job: Job, body, model_id: str, echo: str = "")
     chunks = worker.run(job)
     try:
         first = await chunks.__anext__()
-    except (RequestError, UserError) as exc:
+    except RequestError as exc:
+        await chunks.aclose()
+        raise ApiError(400, str(exc), param=exc.param, code=exc.code) from None
+    except UserError as exc:
         await chunks.aclose()
         raise ApiError(400, str(exc)) from None
     except StopAsyncIteration:

@@ -19,6 +19,10 @@ def sparsify(
     self_tokens: int = typer.Option(0, "--self-tokens", help="With --calib: also train on this many tokens of text "
                                     "the model writes itself (a second kind of text, so the result is not fitted "
                                     "to one corpus; slow on a CPU: about 0.02 CPU-s a token)."),
+    activation: str = typer.Option("relu", "--activation", help="The student's activation: relu (on the gate: "
+                                   "relu(gate x) * up x; written as a ReLU Llama) or drelu (on gate and up: "
+                                   "relu(gate x) * relu(up x), TurboSparse's dReLU; written as a Bamboo model, no "
+                                   "threshold shift)."),
     target_sparsity: float = typer.Option(0.85, "--target-sparsity", callback=flags.within(limits.SHARE), help="Share of exact-zero FFN activations "
                                           "each layer is steered to."),
     tokens: int = typer.Option(262144, help="End-to-end distillation tokens (0: layer-local phase only)."),
@@ -45,10 +49,10 @@ def sparsify(
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run with the same options, bit "
                                 "for bit."),
 ):
-    """Turn a SiLU model into a genuinely sparse ReLU model: SiLU -> ReLU on the gate, then distillation from
-    the original (layer-local, then end-to-end KL) under an L1 penalty on the FFN activations that is steered,
-    per layer, to the target sparsity. Writes a Llama checkpoint with hidden_act relu that profile,
-    train-predictor and convert take as it is, plus OUT/sparsify.json (per-layer sparsity, held-out perplexity
+    """Turn a SiLU model into a genuinely sparse ReLU-family model: SiLU -> ReLU on the gate (or dReLU, on gate
+    and up), then distillation from the original (layer-local, then end-to-end KL) under an L1 penalty on the
+    FFN activations that is steered, per layer, to the target sparsity. Writes a Llama checkpoint with
+    hidden_act relu (or a Bamboo one for dReLU) that profile, train-predictor and convert take as it is, plus OUT/sparsify.json (per-layer sparsity, held-out perplexity
     against the original, tokens, time). Ctrl-C saves a checkpoint; --resume continues from it. Under accelerate
     launch it trains data-parallel, one process per GPU (docs/sparsify.md).
 
@@ -60,6 +64,8 @@ def sparsify(
 
       pi-tools sparsify -m smollm2 --calib wiki.txt --self-tokens 24576 --seq-len 512 -o smollm2-relu
 
+      pi-tools sparsify -m smollm2 --calib wiki.txt --activation drelu -o smollm2-drelu   # a Bamboo-form model
+
       pi-tools sparsify -m smollm2 --calib wiki.txt -o smollm2-relu --resume   # after Ctrl-C
 
       accelerate launch -q --multi_gpu --num_processes 4 -m powerinfer_tools sparsify -m ./Llama-3.2-1B --calib a.txt -o llama-relu   # 4 GPUs, data-parallel
@@ -67,7 +73,7 @@ def sparsify(
     from powerinfer_tools import stages
 
     opts = stages.SparsifyOptions(model=model, out=out, calib=list(calib or []), self_tokens=self_tokens,
-                                  target_sparsity=target_sparsity,
+                                  activation=activation, target_sparsity=target_sparsity,
                                   tokens=tokens, local_tokens=local_tokens, local_epochs=local_epochs,
                                   seq_len=seq_len, batch=batch, lr=lr, local_lr=local_lr, eval_tokens=eval_tokens,
                                   shift_budget=shift_budget, device=device, dtype=dtype,

@@ -103,6 +103,7 @@ class SparsifyOptions:
     out: Path
     calib: list[Path] = field(default_factory=list)
     self_tokens: int = 0          # with calib: also train on this many tokens the model writes itself
+    activation: str = "relu"      # the student's: relu (gate only) or drelu (gate and up; the Bamboo form)
     target_sparsity: float = 0.85
     tokens: int = 262144          # end-to-end (phase 2) training tokens
     local_tokens: int = 32768     # tokens whose FFN inputs and outputs phase 1 caches

@@ -142,9 +142,10 @@ def _interrupt_at(monkeypatch, module, name: str, n: int, sig=signal.SIGINT):
     monkeypatch.setattr(module, name, wrapped)
 
 
-def test_interrupted_run_resumes_bit_for_bit(tiny_model_dir, calib, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("activation", ["relu", "drelu"])
+def test_interrupted_run_resumes_bit_for_bit(tiny_model_dir, calib, tmp_path, capsys, monkeypatch, activation):
     model = str(tiny_model_dir("llama-silu"))
-    args = ("sparsify", "-m", model, "--calib", calib, *SMALL)
+    args = ("sparsify", "-m", model, "--calib", calib, *SMALL, "--activation", activation)
     code, _, _ = run_cli(capsys, *args, "-o", tmp_path / "straight")
     assert code == 0
 
@@ -197,6 +198,9 @@ def test_bad_input_one_line(tiny_model_dir, calib, tmp_path, capsys):
     for bad in ("1", "-0.01"):
         code, _, err = run_cli(capsys, "sparsify", "-m", silu, "--calib", calib, "-o", out, "--shift-budget", bad)
         assert_one_line_error(code, err, "--shift-budget must be a number in [0, 1)")
+    for bad in ("gelu", "ReLU", ""):
+        code, _, err = run_cli(capsys, "sparsify", "-m", silu, "--calib", calib, "-o", out, "--activation", bad)
+        assert_one_line_error(code, err, f"--activation must be relu or drelu, got {bad!r}")
     code, _, err = run_cli(capsys, "sparsify", "-m", silu, "--calib", calib, "-o", out, "--self-tokens", "-1")
     assert_one_line_error(code, err, "--self-tokens must be >= 0")
     code, _, err = run_cli(capsys, "sparsify", "-m", silu, "-o", out, "--self-tokens", "64")
@@ -263,6 +267,8 @@ def test_resume_with_other_options_is_refused(tiny_model_dir, calib, tmp_path, c
     assert code == 130
     code, _, err = run_cli(capsys, *args, "--resume", "--target-sparsity", "0.7")
     assert_one_line_error(code, err, "other options", "target_sparsity")
+    code, _, err = run_cli(capsys, *args, "--resume", "--activation", "drelu")
+    assert_one_line_error(code, err, "other options", "activation")
 
 
 @pytest.mark.slow

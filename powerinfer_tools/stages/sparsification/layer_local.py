@@ -1,6 +1,6 @@
 """Sparsify's first phase, layer-local: each FFN, on its own, learns to reproduce the original FFN's output on
 the original FFN's inputs (cached once for all layers) under its L1 penalty, whose target rises from the plain
-ReLU swap's sparsity to the goal; then its down projection is refit by least squares."""
+swap's sparsity (to ReLU or dReLU: student.py) to the goal; then its down projection is refit by least squares."""
 from __future__ import annotations
 
 import torch
@@ -10,6 +10,7 @@ from tqdm import tqdm
 from powerinfer_tools.stages.options import SparsifyOptions
 from powerinfer_tools.stages.sparsification import schedule
 from powerinfer_tools.stages.sparsification.state import Checkpointer, TrainState
+from powerinfer_tools.stages.sparsification.student import StudentForm
 
 RAMP_SHARE = 0.6      # share of a layer's steps over which its sparsity target rises to the goal
 
@@ -37,16 +38,12 @@ def cache_ffn_io(teacher, adapter, seqs: torch.Tensor, batch: int, device: str) 
     return [(torch.cat(x), torch.cat(y)) for x, y in zip(xs, ys)]
 
 
-def _mlp_forward(mlp, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    a = F.relu(mlp.gate_proj(x))
-    return mlp.down_proj(a * mlp.up_proj(x)), a
-
-
-def local_step(mlp, optimizer, x, y, y_power: float, lam: float, scale: float, autocast) -> tuple[float, float]:
+def local_step(form: StudentForm, mlp, optimizer, x, y, y_power: float, lam: float, scale: float,
+               autocast) -> tuple[float, float]:
     """One optimiser step of a layer's FFN against the original's outputs; (normalised error, sparsity)."""
     with autocast():
-        out, a = _mlp_forward(mlp, x)
-        err = F.mse_loss(out.float(), y.float()) / y_power
+        a, h = form.ffn(mlp, x)
+        err = F.mse_loss(mlp.down_proj(h).float(), y.float()) / y_power
         loss = err + lam * a.float().mean() / scale
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
@@ -54,23 +51,15 @@ def local_step(mlp, optimizer, x, y, y_power: float, lam: float, scale: float, a
     return float(err.detach()), float((a == 0).float().mean())
 
 
-@torch.no_grad()
-def _layer_baseline(teacher, adapter, i: int, x: torch.Tensor, device: str) -> tuple[float, float]:
-    """(scale, sparsity) of layer i before training: the original's mean |silu(gate)|, which makes the L1 terms of
-    all layers comparable, and the share of gates <= 0, the sparsity a plain swap to ReLU gives."""
-    gate = adapter.layers(teacher)[i].mlp.gate_proj(x.to(device).float())
-    return float(F.silu(gate).abs().mean()) or 1.0, float((gate <= 0).float().mean())
-
-
-def _ffn_rows(mlp, x_all: torch.Tensor, device: str, chunk: int = 4096):
-    """(row slice, h = relu(gate x) * up x) over the cached rows, a chunk at a time."""
+def _ffn_rows(form: StudentForm, mlp, x_all: torch.Tensor, device: str, chunk: int = 4096):
+    """(row slice, h: the down projection's input) over the cached rows, a chunk at a time."""
     for start in range(0, len(x_all), chunk):
         x = x_all[start:start + chunk].to(device).float()
-        yield slice(start, start + chunk), F.relu(mlp.gate_proj(x)) * mlp.up_proj(x)
+        yield slice(start, start + chunk), form.ffn(mlp, x)[1]
 
 
 @torch.no_grad()
-def refit_down(mlp, x_all: torch.Tensor, y_all: torch.Tensor, y_power: float, device: str,
+def refit_down(form: StudentForm, mlp, x_all: torch.Tensor, y_all: torch.Tensor, y_power: float, device: str,
                ridge: float = 1e-6) -> tuple[float, float]:
     """Refit the down projection by least squares on all cached rows: given the gates and ups, the FFN's output is
     linear in it, so the best down projection for them has a closed form (ridge-regularised normal equations).
@@ -81,7 +70,7 @@ def refit_down(mlp, x_all: torch.Tensor, y_all: torch.Tensor, y_power: float, de
     gram = torch.zeros(n_ff, n_ff, dtype=torch.float64, device=device)
     cross = torch.zeros(n_ff, mlp.down_proj.out_features, dtype=torch.float64, device=device)
     before = 0.0
-    for rows, h in _ffn_rows(mlp, x_all, device):
+    for rows, h in _ffn_rows(form, mlp, x_all, device):
         y = y_all[rows].to(device).float()
         before += float((mlp.down_proj(h) - y).pow(2).sum())
         gram += (h.T @ h).double()
@@ -91,7 +80,7 @@ def refit_down(mlp, x_all: torch.Tensor, y_all: torch.Tensor, y_power: float, de
     old = mlp.down_proj.weight.detach().clone()
     mlp.down_proj.weight.copy_(weight)
     after = sum(float((mlp.down_proj(h) - y_all[rows].to(device).float()).pow(2).sum())
-                for rows, h in _ffn_rows(mlp, x_all, device))
+                for rows, h in _ffn_rows(form, mlp, x_all, device))
     scale = y_power * y_all.numel()
     if not after < before:
         mlp.down_proj.weight.copy_(old)
@@ -104,9 +93,10 @@ def _layer_steps(n_rows: int, batch: int, opts: SparsifyOptions) -> tuple[int, i
     return rows, opts.local_epochs * max(1, n_rows // rows)
 
 
-def train(teacher, student, adapter, sequences: torch.Tensor, state: TrainState, resumed: dict | None,
+def train(teacher, student, adapter, form: StudentForm, sequences: torch.Tensor, state: TrainState, resumed: dict | None,
             opts: SparsifyOptions, batch: int, device: str, autocast, checkpointer: Checkpointer) -> None:
-    """`batch`: sequences a step (of all processes: this phase runs in the main one alone)."""
+    """`batch`: sequences a step (of all processes: this phase runs in the main one alone); `adapter`: the
+    teacher's (the student's layers are its copies)."""
     if opts.local_epochs == 0 or opts.local_tokens == 0:
         state.phase = 2
         return
@@ -126,7 +116,8 @@ def train(teacher, student, adapter, sequences: torch.Tensor, state: TrainState,
         x_all, y_all = io[i]
         y_power = float(y_all.float().pow(2).mean()) or 1.0
         if state.step == 0:
-            state.scales[i], state.start_sparsity[i] = _layer_baseline(teacher, adapter, i, x_all[:rows], device)
+            original = adapter.layers(teacher)[i].mlp
+            state.scales[i], state.start_sparsity[i] = form.baseline(original, x_all[:rows].to(device).float())
         start_sparsity = state.start_sparsity[i]
         ramp = max(1, int(RAMP_SHARE * steps))
         per_epoch = max(1, len(x_all) // rows)
@@ -135,14 +126,14 @@ def train(teacher, student, adapter, sequences: torch.Tensor, state: TrainState,
             order = torch.randperm(len(x_all), generator=schedule.generator(opts.seed, 1, i, epoch))
             idx = order[k * rows:(k + 1) * rows]
             x, y = x_all[idx].to(device).float(), y_all[idx].to(device).float()
-            err, sparsity = local_step(mlp, optimizer, x, y, y_power, state.lam[i], state.scales[i], autocast)
+            err, sparsity = local_step(form, mlp, optimizer, x, y, y_power, state.lam[i], state.scales[i], autocast)
             wanted = start_sparsity + (opts.target_sparsity - start_sparsity) * min(1.0, (state.step + 1) / ramp)
             state.lam[i] = schedule.steer(state.lam[i], sparsity, wanted)
             state.step += 1
             bar.update(1)
             bar.set_postfix(layer=i, err=f"{err:.4f}", sparsity=f"{sparsity:.3f}", lam=f"{state.lam[i]:.3g}")
             if state.step == steps:
-                trained, refit = refit_down(mlp, x_all, y_all, y_power, device)
+                trained, refit = refit_down(form, mlp, x_all, y_all, y_power, device)
                 checkpointer.clock(state)
                 state.history.append({"phase": 1, "layer": i, "relu_sparsity_before": start_sparsity,
                                       "error_trained": trained, "error": refit, "sparsity": sparsity,

@@ -1,9 +1,8 @@
-"""The sparsify run: check the request, read the text, make the ReLU student, train it (layer_local, then
+"""The sparsify run: check the request, read the text, make the ReLU or dReLU student, train it (layer_local, then
 end_to_end, resumable from a checkpoint), shift its threshold, measure it on held-out text and write it."""
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import json
 import os
@@ -23,6 +22,7 @@ from powerinfer_tools.stages import calibration, data_parallel, threshold_shift
 from powerinfer_tools.stages import options as limits
 from powerinfer_tools.stages.options import SparsifyOptions
 from powerinfer_tools.stages.sparsification import end_to_end, layer_local
+from powerinfer_tools.stages.sparsification.student import ACTIVATIONS, StudentForm
 from powerinfer_tools.stages.sparsification.state import (Checkpointer, Interrupts, TrainState, check_student,
                                                          load_checkpoint)
 
@@ -41,6 +41,8 @@ def _check_options(opts: SparsifyOptions) -> None:
     if opts.self_tokens and not opts.calib:
         raise UserError("--self-tokens adds the model's own text to --calib files; without --calib all the text is "
                         "the model's own (give --tokens)")
+    if opts.activation not in ACTIVATIONS:
+        raise UserError(f"--activation must be {' or '.join(ACTIVATIONS)}, got {opts.activation!r}")
     limits.SHARE.check("--target-sparsity", opts.target_sparsity)
     for name in ("tokens", "local_tokens", "eval_tokens", "batch"):
         if getattr(opts, name) < 0 or (name == "batch" and opts.batch == 0):
@@ -115,22 +117,6 @@ def _self_generated(teacher, tokenizer, opts: SparsifyOptions) -> torch.Tensor:
                                       opts.local_tokens + opts.tokens + opts.eval_tokens, opts.seed)
 
 
-def _relu_student(teacher, adapter):
-    """A trainable float copy of the teacher with ReLU on the gates. A model read from a GGUF file carries
-    transformers' GGUF quantizer (its weights already dequantized at load): the copy drops it, so that it is
-    saved as the plain float checkpoint it is."""
-    student = copy.deepcopy(teacher)
-    student.hf_quantizer = None
-    student.is_quantized = False
-    if hasattr(student.config, "quantization_config"):
-        del student.config.quantization_config
-    student.config.hidden_act = "relu"
-    for p in student.parameters():
-        p.requires_grad_(True)  # the teacher's are frozen
-    threshold_shift.set_threshold(adapter, student, 0.0)  # ReLU on every gate
-    return student
-
-
 def _identity(opts: SparsifyOptions, source, config, processes: int) -> dict:
     # what a resumed run may change: where and how it computes, and the shift that follows the training; not
     # the number of processes, which splits every step's sequences
@@ -144,25 +130,21 @@ def _identity(opts: SparsifyOptions, source, config, processes: int) -> dict:
     return keep
 
 
-def _write_rope_theta(config_path: Path, config) -> None:
-    """PowerInfer's converters read config.json's top-level `rope_theta`, which transformers 5 writes under
-    `rope_parameters` only: its convert.py then writes no RoPE base (its engine runs 10000 whatever the model's)
-    and its convert-hf-to-powerinfer-gguf.py stops on a KeyError. Written at the top level as well
-    (transformers reads `rope_parameters` first)."""
+def _write_config(config_path: Path, config, fields: dict) -> None:
+    """config.json in the student's form (`fields`), and the top-level `rope_theta` PowerInfer's converters read,
+    which transformers 5 writes under `rope_parameters` only: its convert.py then writes no RoPE base (its engine
+    runs 10000 whatever the model's) and its convert-hf-to-powerinfer-gguf.py stops on a KeyError (transformers
+    reads `rope_parameters` first)."""
     data = json.loads(config_path.read_text())
-    if "rope_theta" not in data:
-        data["rope_theta"] = rope_theta(config)
-        config_path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    data.setdefault("rope_theta", rope_theta(config))
+    data.update(fields)
+    config_path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def _write_model(student, tokenizer, report: dict, out: Path, force: bool) -> None:
+def _write_model(student, tokenizer, form: StudentForm, report: dict, out: Path, force: bool) -> None:
     with atomic_dir(out, force) as tmp:
-        t = report["threshold_shift"]["threshold"]
-        student.config.hidden_act = "fatrelu" if t > 0 else "relu"
-        if t > 0:
-            student.config.hidden_act_param = t
         student.save_pretrained(tmp, safe_serialization=True)
-        _write_rope_theta(tmp / "config.json", student.config)
+        _write_config(tmp / "config.json", student.config, form.config_fields(report["threshold_shift"]["threshold"]))
         tokenizer.save_pretrained(tmp)
         (tmp / REPORT_NAME).write_text(json.dumps(report, indent=2))
 
@@ -190,6 +172,20 @@ def _main_process_state(procs: data_parallel.Processes, state: TrainState, inter
         if interrupts.requested:
             raise KeyboardInterrupt from None
         raise
+
+
+def _shift(student, adapter, form: StudentForm, rows: torch.Tensor, opts: SparsifyOptions) -> threshold_shift.Shift:
+    """The threshold shift, calibrated on training rows (the held-out ones measure the result); for dReLU, whose
+    Bamboo form carries no threshold, the unshifted model measured on them. `adapter`: the student's."""
+    if form.shifts:
+        print(f"pi-tools sparsify: shifting the activation threshold (perplexity budget {opts.shift_budget:.1%})",
+              flush=True)
+        return threshold_shift.calibrate(student, adapter, rows, opts.shift_budget, opts.batch)
+    print("pi-tools sparsify: dReLU: no threshold shift (the Bamboo form carries no threshold)", flush=True)
+    ppl, sparsity = evaluate.perplexity_and_sparsity(student, adapter, rows, opts.batch)
+    mean = sum(sparsity) / len(sparsity)
+    return threshold_shift.Shift(threshold=0.0, perplexity_relu=ppl, perplexity_shifted=ppl, sparsity_relu=mean,
+                                 sparsity_shifted=mean, tried=[])
 
 
 def run_sparsify(opts: SparsifyOptions) -> dict | None:
@@ -230,7 +226,8 @@ def _train_and_write(opts: SparsifyOptions, source, config, procs: data_parallel
         split = procs.share(_with_own_text(teacher, tokenizer, split, opts, step_rows) if procs.is_main else None)
     train, held_out = split
 
-    student = _relu_student(teacher, adapter)
+    form = StudentForm(opts.activation)
+    student, student_adapter = form.make(teacher, adapter)
     if resumed is not None:
         check_student(resumed["student"], student, work / "checkpoint.pt")
         student.load_state_dict(resumed["student"])
@@ -250,34 +247,32 @@ def _train_and_write(opts: SparsifyOptions, source, config, procs: data_parallel
         checkpointer = Checkpointer(work, identity, opts.checkpoint_minutes, interrupts, state, procs.is_main)
         if state.phase == 1:
             if procs.is_main:   # the others wait; phase 2 then starts them from the main process's weights
-                layer_local.train(teacher, student, adapter, train, state, resumed, opts, step_rows, device,
+                layer_local.train(teacher, student, adapter, form, train, state, resumed, opts, step_rows, device,
                                   autocast, checkpointer)
                 checkpointer.save(state, student, None, None)
             state = _main_process_state(procs, state, interrupts)
             resumed = None
         if state.phase == 2:
-            end_to_end.train(teacher, student, adapter, train, state, resumed, opts, procs, autocast, checkpointer)
+            end_to_end.train(teacher, student, student_adapter, train, state, resumed, opts, procs, autocast, checkpointer)
         checkpointer.clock(state)
     if not procs.is_main:
         return None
 
-    print(f"pi-tools sparsify: shifting the activation threshold (perplexity budget {opts.shift_budget:.1%})",
-          flush=True)
-    # calibrated on training rows: the held-out ones measure the result
-    shift = threshold_shift.calibrate(student, adapter, train[:len(held_out)], opts.shift_budget, opts.batch)
+    shift = _shift(student, student_adapter, form, train[:len(held_out)], opts)
     print("pi-tools sparsify: measuring the result on the held-out text", flush=True)
     before = evaluate.perplexity(teacher, adapter, held_out, batch=opts.batch)
-    after, sparsity = evaluate.perplexity_and_sparsity(student, adapter, held_out, opts.batch)
+    after, sparsity = evaluate.perplexity_and_sparsity(student, student_adapter, held_out, opts.batch)
     report = {
         "format": FORMAT,
         "source": identity["model"],
+        "activation": opts.activation,
         "target_sparsity": opts.target_sparsity,
         "sparsity": sum(sparsity) / n_layer,
         "layer_sparsity": sparsity,
         "held_out": {"sequences": len(held_out), "tokens": int(held_out.numel()),
                      "perplexity_original": before, "perplexity_sparsified": after,
                      "perplexity_ratio": after / before},
-        "threshold_shift": {"threshold": shift.threshold, "budget": opts.shift_budget,
+        "threshold_shift": {"threshold": shift.threshold, "budget": opts.shift_budget if form.shifts else 0.0,
                             "calibration_rows": min(len(train), len(held_out)),
                             "perplexity_relu": shift.perplexity_relu, "perplexity_shifted": shift.perplexity_shifted,
                             "sparsity_relu": shift.sparsity_relu, "sparsity_shifted": shift.sparsity_shifted,
@@ -291,6 +286,6 @@ def _train_and_write(opts: SparsifyOptions, source, config, procs: data_parallel
     }
     if torch.device(device).type == "cuda":   # this process's, from its start (the others' is the same)
         report["device_memory_peak_bytes"] = torch.cuda.max_memory_allocated(device)
-    _write_model(student, tokenizer, report, opts.out, opts.force)
+    _write_model(student, tokenizer, form, report, opts.out, opts.force)
     shutil.rmtree(work, ignore_errors=True)
     return report

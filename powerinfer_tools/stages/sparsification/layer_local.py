@@ -93,8 +93,9 @@ def _layer_steps(n_rows: int, batch: int, opts: SparsifyOptions) -> tuple[int, i
     return rows, opts.local_epochs * max(1, n_rows // rows)
 
 
-def train(teacher, student, adapter, form: StudentForm, sequences: torch.Tensor, state: TrainState, resumed: dict | None,
-            opts: SparsifyOptions, batch: int, device: str, autocast, checkpointer: Checkpointer) -> None:
+def train(teacher, student, adapter, form: StudentForm, sequences: torch.Tensor, state: TrainState,
+          resumed: dict | None, opts: SparsifyOptions, batch: int, device: str, autocast,
+          checkpointer: Checkpointer) -> None:
     """`batch`: sequences a step (of all processes: this phase runs in the main one alone); `adapter`: the
     teacher's (the student's layers are its copies)."""
     if opts.local_epochs == 0 or opts.local_tokens == 0:

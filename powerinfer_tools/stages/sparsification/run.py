@@ -253,7 +253,8 @@ def _train_and_write(opts: SparsifyOptions, source, config, procs: data_parallel
             state = _main_process_state(procs, state, interrupts)
             resumed = None
         if state.phase == 2:
-            end_to_end.train(teacher, student, student_adapter, train, state, resumed, opts, procs, autocast, checkpointer)
+            end_to_end.train(teacher, student, student_adapter, train, state, resumed, opts, procs, autocast,
+                             checkpointer)
         checkpointer.clock(state)
     if not procs.is_main:
         return None

@@ -62,8 +62,8 @@ struct pi_device_tier {
                        db = device::row_bytes(L.down_type, E);
         const uint8_t *gate = static_cast<const uint8_t *>(L.gate), *up = static_cast<const uint8_t *>(L.up),
                       *down = static_cast<const uint8_t *>(L.down_t);
-        // a decode step over quantized down rows: the CPU tier's integer sums, from every neuron's h (0 if skipped)
-        const bool int_down = job.n_tok == 1 && (L.down_type == TYPE_Q4_0 || L.down_type == TYPE_Q8_0);
+        // a decode step over q4_0 down rows: the CPU tier's integer sums, from every neuron's h (0 if skipped)
+        const bool int_down = job.n_tok == 1 && L.down_type == TYPE_Q4_0;
         std::vector<float> hs(int_down ? size_t(L.n_rows) : 0, 0.0f);
         for (int64_t t = 0; t < job.n_tok; ++t) {
             const float *x = job.x + t * E;
@@ -87,7 +87,7 @@ struct pi_device_tier {
                     for (int64_t e = 0; e < E; ++e) y[e] += h * device::element(L.down_type, down + r * db, e);
             }
             if (int_down)
-                for (int64_t e = 0; e < E; ++e) y[e] = device::down_element_quantized(L.down_type, down, db, hs.data(), L.n_rows, e);
+                for (int64_t e = 0; e < E; ++e) y[e] = device::down_element_q4_0(down, db, hs.data(), L.n_rows, e);
         }
     }
 };

@@ -109,12 +109,11 @@ PI_HD inline float element(uint32_t type, const uint8_t *row, int64_t i) {
     return f16_to_f32(b.d) * float(q - 8);
 }
 
-// Element e of a token's down projection over quantized down_t rows, exactly as the CPU tier computes a decode
+// Element e of a token's down projection over q4_0 down_t rows, exactly as the CPU tier computes a decode
 // step (backend/down_runs.h, kernels/axpy_int.h): the rows with a nonzero coefficient h in slot order, in runs of
 // kDownRunRows (each summed from zero, the runs then added in order) and groups of kAxpyGroup (the coefficients
 // h_r * d_r rounded against the group's largest, the products summed as integers). The same bits on either side
 // of the tier boundary, so that a q8_0 model's next matrix quantizes the same inputs.
-template <class Block>
 struct DownElement {
     int64_t k;
     int j;
@@ -157,14 +156,13 @@ struct DownElement {
     }
 };
 
-template <class Block>
-PI_HD inline float down_element_int(const uint8_t *down, uint32_t row_bytes, const float *h, int64_t n_rows, int64_t e) {
-    DownElement<Block> d;
+PI_HD inline float down_element_q4_0(const uint8_t *down, uint32_t row_bytes, const float *h, int64_t n_rows, int64_t e) {
+    DownElement d;
     d.k = e / QK;
     d.j = int(e % QK);
     for (int64_t r = 0; r < n_rows; ++r) {
         if (h[r] == 0.0f) continue;
-        const Block &b = reinterpret_cast<const Block *>(down + size_t(r) * row_bytes)[d.k];
+        const BlockQ4_0 &b = reinterpret_cast<const BlockQ4_0 *>(down + size_t(r) * row_bytes)[d.k];
         d.c[d.in_group] = h[r] * f16_to_f32(b.d);
         d.v[d.in_group] = block_value(b, d.j);
         if (++d.in_group == kAxpyGroup) d.add_group();
@@ -173,13 +171,6 @@ PI_HD inline float down_element_int(const uint8_t *down, uint32_t row_bytes, con
     if (d.in_group > 0) d.add_group();
     if (d.in_run > 0) d.add_run();
     return d.y;
-}
-
-// down_element_int for a down_t type (q4_0 or q8_0).
-PI_HD inline float down_element_quantized(uint32_t type, const uint8_t *down, uint32_t row_bytes, const float *h,
-                                          int64_t n_rows, int64_t e) {
-    return type == TYPE_Q4_0 ? down_element_int<BlockQ4_0>(down, row_bytes, h, n_rows, e)
-                             : down_element_int<BlockQ8_0>(down, row_bytes, h, n_rows, e);
 }
 
 // The activation rule (backend/activation_rule.h) of one neuron from its gate's and up's dot products (biases

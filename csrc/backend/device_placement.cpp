@@ -73,14 +73,15 @@ DevicePlacement place_on_device(const pi_device_tier_desc &desc, const HParams &
     double room = budget - p.scratch;
     if (!with_attention) p.attention_off = "gpu_ffn_only: attention kept on the CPU";
     const double attention_scratch = device::attention_scratch_bytes(desc);
-    const double kv = 2.0 * desc.n_ctx * desc.n_head_kv * desc.d_head * (desc.kv_f16 ? 2 : 4);
     for (size_t il = 0; with_attention && il < layers.size(); ++il) {
         const pi_device_attention a = device_attention(layers[il]);
         if (const char *why = device::refuse_attention(a, desc)) {
             if (il == 0) p.attention_off = std::string("attention stays on the CPU: ") + why;
             break;
         }
-        const double need = attention_layer_bytes(desc, layers[il]) + (il == 0 ? attention_scratch : 0.0);
+        const device::AttentionLayout layout(a, desc);
+        const double kv = double(layout.bytes - layout.k_cache);  // the caches come last
+        const double need = double(layout.bytes) + (il == 0 ? attention_scratch : 0.0);
         if (need > room) {
             if (il == 0) p.attention_off = "the budget holds no layer's attention and KV cache";
             break;

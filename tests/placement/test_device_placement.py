@@ -1,0 +1,58 @@
+"""One placement on the device for the engine and the toolkit: powerinfer_tools.stages.device_placement, from a
+converted file's header, places the same layers' attention, KV cache and hot rows, and counts the same bytes, as the
+engine does when it opens the file (csrc/backend/device_placement.cpp, through the emulated device library) at the
+same budget, context, batch size and KV cache type; on every architecture and several budgets, from all of it down
+to nothing."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from engine_helpers import converted, write_gpuidx  # noqa: F401
+from tiny_models import KINDS, N_FF, N_LAYER
+
+import powerinfer_engine as engine
+from powerinfer_tools.formats.gguf_header import read_header
+from powerinfer_tools.stages.device_placement import device_costs, place_on_device
+
+
+@pytest.fixture(scope="module")
+def hot_masks():
+    # a different share of hot neurons per layer, so that the layers' hot rows differ in size
+    return [np.random.default_rng(3 + i).random(N_FF) < 0.2 + 0.3 * i for i in range(N_LAYER)]
+
+
+@pytest.fixture(scope="module")
+def gpuidx(tmp_path_factory, hot_masks):
+    return write_gpuidx(tmp_path_factory.mktemp("hot") / "hot.gpuidx", hot_masks)
+
+
+def engine_placement(path, gpuidx, budget, with_attention=True, **kw):
+    with engine.Model(path, threads=1, gpuidx=gpuidx, gpu="on", gpu_library="emulated", vram_budget=budget / 2**30,
+                      gpu_attention=with_attention, **kw) as m:
+        used = m.info["gpu"]["device"]
+    return ([layer["attention"] == "device" for layer in used["layers"]],
+            [layer["hot_rows"] == "device" for layer in used["layers"]], used["placed_bytes"])
+
+
+@pytest.mark.parametrize("outtype", ["f32", "q4_0"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_toolkit_places_what_the_engine_places(kind, outtype, converted, gpuidx, hot_masks, monkeypatch):
+    monkeypatch.setenv("PI_EMULATED_DEVICE_MIB", "64")
+    path = converted(kind, outtype)
+    hot = [int(m.sum()) for m in hot_masks]
+    for ctx, batch, kv_type in ((128, 16, "f32"), (256, 64, "f16")):
+        costs = device_costs(read_header(path), ctx_size=ctx, n_batch=batch, kv_type=kv_type)
+        whole = place_on_device(costs, 2**40, hot)
+        full = whole.scratch + whole.attention_bytes + whole.kv_cache_bytes + whole.hot_bytes
+        seen = set()
+        for share in (1.05, 0.95, 0.8, 0.6, 0.45, 0.3, 0.05):
+            for with_attention in (True, False):
+                ours = place_on_device(costs, share * full, hot, with_attention)
+                attention, hot_on, placed = engine_placement(path, gpuidx, share * full, with_attention,
+                                                             ctx_size=ctx, batch_size=batch, kv_type=kv_type)
+                assert attention == list(ours.attention) and hot_on == list(ours.hot), (share, with_attention)
+                assert placed == pytest.approx({"scratch": ours.scratch, "attention": ours.attention_bytes,
+                                                "kv_cache": ours.kv_cache_bytes, "hot": ours.hot_bytes})
+                seen.add((ours.attention.sum(), ours.hot.sum()))
+        # the budgets covered all of it, a part of the layers' attention, and attention without hot rows
+        assert (N_LAYER, N_LAYER) in seen and any(0 < a < N_LAYER for a, _ in seen) and any(h == 0 for _, h in seen)

@@ -56,3 +56,27 @@ def test_the_toolkit_places_what_the_engine_places(kind, outtype, converted, gpu
                 seen.add((ours.attention.sum(), ours.hot.sum()))
         # the budgets covered all of it, a part of the layers' attention, and attention without hot rows
         assert (N_LAYER, N_LAYER) in seen and any(0 < a < N_LAYER for a, _ in seen) and any(h == 0 for _, h in seen)
+
+
+@pytest.mark.parametrize("kind", ["llama-relu", "opt"])
+def test_plan_reports_the_engines_placement_for_its_index(kind, converted, tmp_path, monkeypatch):
+    """`plan` writes a gpu index for a budget and says where the engine will put each layer's parts with it: the
+    engine opened with that index, budget and context puts them there."""
+    from placement_fixtures import power_law_counts, write_profile
+
+    from powerinfer_tools.stages import placement
+
+    monkeypatch.setenv("PI_EMULATED_DEVICE_MIB", "64")
+    path = converted(kind, "q8_0")
+    profile = write_profile(tmp_path / "prof", power_law_counts(N_LAYER, N_FF), tokens=4096)
+    costs = device_costs(read_header(path), ctx_size=128)
+    full = place_on_device(costs, 2**40, [N_FF] * N_LAYER)
+    for budget in (2.0 * (full.scratch + full.attention_bytes + full.kv_cache_bytes + full.hot_bytes),
+                   full.scratch + 0.7 * (full.attention_bytes + full.kv_cache_bytes)):
+        plan = placement.plan_for_model(profile, path, int(budget), ctx_size=128, reserve_bytes=0, offload_output=False,
+                                        dense="with-ffn", min_layer_neurons=0)
+        files = placement.write_plan(plan, tmp_path / f"{kind}.gpuidx")
+        attention, hot, _ = engine_placement(path, files.gpuidx, int(budget), ctx_size=128)
+        assert [i for i, on in enumerate(attention) if on] == plan.engine["attention_layers"]
+        assert [i for i, on in enumerate(hot) if on] == plan.engine["hot_layers"]
+        assert any(line.startswith("bundled engine at this budget") for line in placement.report_lines(plan))

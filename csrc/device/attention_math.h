@@ -133,6 +133,14 @@ inline const char *refuse_attention(const pi_device_attention &a, const pi_devic
     return nullptr;
 }
 
+// Why an attention job cannot run on a tier (its layer's upload aside), or nullptr.
+inline const char *refuse_attention_job(const pi_device_attention_job *job, const pi_device_tier_desc &d) {
+    if (!job || job->layer < 0 || job->layer >= d.n_layer || job->n_tok <= 0 || job->n_tok > d.n_batch ||
+        job->n_past < 0 || job->n_past + job->n_tok > d.n_ctx || !job->x || !job->out)
+        return "bad attention job";
+    return nullptr;
+}
+
 // Bytes of the scratch a tier's attention needs for a batch of n_batch tokens (both libraries allocate it as
 // laid out here; the engine charges it to the budget): the input, its norm and q8_0 form, q, k, v, the heads'
 // outputs and their q8_0 form, the block's output, and every head's scores over the context.

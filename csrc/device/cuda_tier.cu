@@ -531,9 +531,8 @@ int32_t attention_upload(pi_device_tier *t, const pi_device_attention *a, int32_
 
 int32_t attention_run(pi_device_tier *t, const pi_device_attention_job *job, pi_device_counts *counts, char *err,
                       size_t len) {
-    if (!t || !job || job->layer < 0 || job->layer >= t->desc.n_layer || job->n_tok <= 0 ||
-        job->n_tok > t->desc.n_batch || job->n_past < 0 || job->n_past + job->n_tok > t->desc.n_ctx || !job->x || !job->out)
-        return say(err, len, "bad attention job");
+    if (!t) return say(err, len, "bad attention job");
+    if (const char *why = device::refuse_attention_job(job, t->desc)) return say(err, len, why);
     const AttentionLayer &A = t->attention[size_t(job->layer)];
     if (!A.uploaded) return say(err, len, "layer " + std::to_string(job->layer) + "'s attention was not uploaded");
     // a hot job left unwaited runs first (the stream's order) and stays to be waited for

@@ -29,10 +29,10 @@ std::vector<float> gather_bias(const Matrix &b, const std::vector<int32_t> &ids)
 }  // namespace
 
 DeviceTierBackend::DeviceTierBackend(const pi_device_api &api, const std::string &library, int32_t device,
-                                     int64_t budget_bytes, const HParams &hp, const std::vector<Layer> &layers,
-                                     const KernelSet &ks, ThreadPool &pool, int64_t n_batch, int64_t n_ctx,
-                                     bool kv_f16, bool with_attention, int64_t max_rank, int64_t largest_tier)
-    : api_(api), hp_(hp), cpu_(hp, ks, pool, n_batch, max_rank, true), n_batch_(n_batch), n_ctx_(n_ctx), kv_f16_(kv_f16) {
+                                     int64_t budget_bytes, const Model &model, const KernelSet &ks, ThreadPool &pool,
+                                     int64_t n_batch, int64_t n_ctx, bool kv_f16, bool with_attention,
+                                     int64_t max_rank, int64_t largest_tier)
+    : api_(api), hp_(model.hp()), cpu_(model.hp(), ks, pool, n_batch, max_rank, true), n_batch_(n_batch), n_ctx_(n_ctx), kv_f16_(kv_f16) {
     use_.library = library;
     use_.device = device;
     uint64_t free = 0, total = 0;
@@ -46,16 +46,19 @@ DeviceTierBackend::DeviceTierBackend(const pi_device_api &api, const std::string
         fail(PI_ERR_MEMORY, "a VRAM budget of " + gib(double(budget_bytes)) + " is more than the " + gib(double(free)) +
                                 " free on device " + std::to_string(device) + " (" + device_name + ")");
     use_.budget_bytes = budget_bytes > 0 ? double(budget_bytes) : std::max(0.0, double(free) - default_reserve(double(total)));
-    const pi_device_tier_desc desc = device_tier_desc(hp, device, n_batch, n_ctx, kv_f16, nullptr, nullptr);
-    use_.placement = place_on_device(desc, hp, layers, use_.budget_bytes, with_attention, largest_tier);
+    const pi_device_tier_desc desc = device_tier_desc(hp_, device, n_batch, n_ctx, kv_f16, nullptr, nullptr);
+    use_.placement = place_on_device(desc, model, use_.budget_bytes, with_attention, largest_tier);
 }
 
-void DeviceTierBackend::begin(const std::vector<Layer> &layers, const float *rope_cos, const float *rope_sin) {
+void DeviceTierBackend::begin(const Model &model, const float *rope_cos, const float *rope_sin) {
     const DevicePlacement &p = use_.placement;
-    if (p.attention_layers() == 0 && p.hot_layers() == 0) return;  // the budget holds nothing: no tier
+    const std::vector<Layer> &layers = model.layers();
+    if (!p.head && p.attention_layers() == 0 && p.hot_layers() == 0) return;  // the budget holds nothing: no tier
     const pi_device_tier_desc desc = device_tier_desc(hp_, use_.device, n_batch_, n_ctx_, kv_f16_, rope_cos, rope_sin);
     tier_ = api_.tier_create(&desc, err_, sizeof err_);
     if (!tier_) fail(PI_ERR_MEMORY, error("setting up the tier"));
+    const pi_device_head h = device_head(model);
+    if (p.head && api_.head_upload(tier_, &h, err_, sizeof err_)) fail(PI_ERR_MEMORY, error("uploading the output head"));
     for (size_t il = 0; il < layers.size(); ++il) {
         if (!p.attention[il]) continue;
         const pi_device_attention a = device_attention(layers[il]);
@@ -63,6 +66,16 @@ void DeviceTierBackend::begin(const std::vector<Layer> &layers, const float *rop
             fail(PI_ERR_MEMORY, error(("uploading layer " + std::to_string(il) + "'s attention").c_str()));
     }
     use_.device_bytes = double(api_.tier_bytes(tier_));
+}
+
+void DeviceTierBackend::head(int64_t n_tok, const float *x, float *logits, int64_t ld) {
+    const pi_device_head_job job{int32_t(n_tok), x, logits, ld};
+    pi_device_counts dc{};
+    if (api_.head_run(tier_, &job, &dc, err_, sizeof err_)) fail(PI_ERR_INTERNAL, error("running the output head"));
+    use_.head_jobs += 1;
+    use_.head_seconds += dc.seconds;
+    use_.h2d_bytes += dc.h2d_bytes;
+    use_.d2h_bytes += dc.d2h_bytes;
 }
 
 void DeviceTierBackend::attend(int64_t il, int64_t n_tok, int64_t n_past, const float *x, float *out) {

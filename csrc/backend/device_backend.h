@@ -31,6 +31,7 @@ struct DeviceUse {
     double wait_seconds = 0;    // time the engine waited for the device after computing the cold tier
     // attention blocks run on the device: how many, their traffic (in h2d_bytes and d2h_bytes too) and time
     double attention_jobs = 0, attention_seconds = 0;
+    double head_jobs = 0, head_seconds = 0;  // the output head's, likewise
 };
 
 class DeviceTierBackend : public TierBackend {
@@ -40,7 +41,7 @@ public:
     // upload() the hot rows. cpu_* configure the CPU backend of the layers past the budget. with_attention: false
     // keeps every layer's attention on the CPU.
     DeviceTierBackend(const pi_device_api &api, const std::string &library, int32_t device, int64_t budget_bytes,
-                      const HParams &hp, const std::vector<Layer> &layers, const KernelSet &ks, ThreadPool &pool,
+                      const Model &model, const KernelSet &ks, ThreadPool &pool,
                       int64_t n_batch, int64_t n_ctx, bool kv_f16, bool with_attention, int64_t max_rank,
                       int64_t largest_tier);
     ~DeviceTierBackend() override;
@@ -51,8 +52,12 @@ public:
     double weight_bytes() const override { return cpu_.weight_bytes(); }  // host copies: the CPU layers'
     const DeviceUse &use() const { return use_; }
 
-    // Creates the device's tier (RoPE's tables: RunState's) and uploads the placed layers' attention blocks.
-    void begin(const std::vector<Layer> &layers, const float *rope_cos, const float *rope_sin);
+    // Creates the device's tier (RoPE's tables: RunState's) and uploads the output head and the placed layers'
+    // attention blocks.
+    void begin(const Model &model, const float *rope_cos, const float *rope_sin);
+    // Whether the output head runs on the device; and running it: logits (rows ld apart) of n_tok rows x.
+    bool heads() const { return tier_ && use_.placement.head; }
+    void head(int64_t n_tok, const float *x, float *logits, int64_t ld);
     // Whether layer il's attention runs on the device; and running it: the block's output for the batch's input x
     // at positions n_past .. n_past + n_tok - 1, into out (the layer's KV cache on the device takes the batch's).
     bool attends(int64_t il) const { return tier_ && use_.placement.attention[size_t(il)] != 0; }

@@ -38,12 +38,18 @@ pi_device_tier_desc device_tier_desc(const HParams &hp, int32_t device, int64_t 
     d.kv_f16 = kv_f16 ? 1 : 0;
     d.rope_cos = d.n_rot ? rope_cos : nullptr;
     d.rope_sin = d.n_rot ? rope_sin : nullptr;
+    d.n_vocab = int32_t(hp.n_vocab);
     return d;
 }
 
 pi_device_attention device_attention(const Layer &L) {
     return pi_device_attention{L.attn_norm.floats(), L.attn_norm_b.floats(), device_matrix(L.wq, L.bq),
                                device_matrix(L.wk, L.bk), device_matrix(L.wv, L.bv), device_matrix(L.wo, L.bo)};
+}
+
+pi_device_head device_head(const Model &model) {
+    return pi_device_head{model.output_norm().floats(), model.output_norm_b().floats(),
+                          device_matrix(model.output(), Matrix{})};
 }
 
 double attention_layer_bytes(const pi_device_tier_desc &desc, const Layer &L) {
@@ -63,15 +69,26 @@ double hot_scratch_bytes(const HParams &hp, int64_t n_batch, int64_t rows) {
     return B * E * 4 * 2 + B * (E / QK) * sizeof(BlockQ8_0) + B * double(rows) * 4 + 16;
 }
 
-DevicePlacement place_on_device(const pi_device_tier_desc &desc, const HParams &hp, const std::vector<Layer> &layers,
-                                double budget, bool with_attention, int64_t largest_tier) {
+DevicePlacement place_on_device(const pi_device_tier_desc &desc, const Model &model, double budget,
+                                bool with_attention, int64_t largest_tier) {
+    const HParams &hp = model.hp();
+    const std::vector<Layer> &layers = model.layers();
     DevicePlacement p;
     p.attention.assign(layers.size(), 0);
     p.hot.assign(layers.size(), 0);
     p.budget = budget;
     p.scratch = hot_scratch_bytes(hp, desc.n_batch, largest_tier);
     double room = budget - p.scratch;
-    if (!with_attention) p.attention_off = "gpu_ffn_only: attention kept on the CPU";
+    if (!with_attention) p.attention_off = "gpu_ffn_only: attention and the output head kept on the CPU";
+    const pi_device_head head = device_head(model);
+    if (with_attention && !device::refuse_head(head, desc)) {
+        const double need = double(device::HeadLayout(head, desc).bytes) + device::head_scratch_bytes(desc);
+        if (need <= room) {
+            p.head = true;
+            p.head_bytes = need;
+            room -= need;
+        }
+    }
     const double attention_scratch = device::attention_scratch_bytes(desc);
     for (size_t il = 0; with_attention && il < layers.size(); ++il) {
         const pi_device_attention a = device_attention(layers[il]);

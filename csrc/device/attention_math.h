@@ -133,6 +133,54 @@ inline const char *refuse_attention(const pi_device_attention &a, const pi_devic
     return nullptr;
 }
 
+// Where the output head's parts lie in its block: the norm's vectors, then the head's rows.
+struct HeadLayout {
+    size_t norm_w = 0, norm_b = 0, out = 0, bytes = 0;
+
+    HeadLayout(const pi_device_head &h, const pi_device_tier_desc &d) {
+        auto part = [&](size_t size) {
+            const size_t at = bytes;
+            bytes += (size + 15) / 16 * 16;
+            return at;
+        };
+        norm_w = part(size_t(d.n_embd) * 4);
+        norm_b = part(h.norm_b ? size_t(d.n_embd) * 4 : 0);
+        out = part(size_t(h.out.rows) * row_bytes(h.out.type, h.out.cols));
+    }
+    template <class Copy>
+    bool fill(const pi_device_head &h, const pi_device_tier_desc &d, Copy copy) const {
+        return copy(norm_w, h.norm_w, size_t(d.n_embd) * 4) && (!h.norm_b || copy(norm_b, h.norm_b, size_t(d.n_embd) * 4)) &&
+               copy(out, h.out.data, size_t(h.out.rows) * row_bytes(h.out.type, h.out.cols));
+    }
+    pi_device_head view(const pi_device_head &h, const uint8_t *base) const {
+        pi_device_head v = h;
+        v.norm_w = reinterpret_cast<const float *>(base + norm_w);
+        v.norm_b = h.norm_b ? reinterpret_cast<const float *>(base + norm_b) : nullptr;
+        v.out.data = base + out;
+        v.out.bias = nullptr;
+        return v;
+    }
+};
+
+inline const char *refuse_head(const pi_device_head &h, const pi_device_tier_desc &d) {
+    if (!h.norm_w || !h.out.data) return "the output head's rows are missing";
+    if (h.out.rows != d.n_vocab || h.out.cols != d.n_embd || d.n_embd % QK) return "an output head of another shape";
+    if (!type_computable(h.out.type)) return "an output head type other than f32, f16, q8_0 and q4_0";
+    return nullptr;
+}
+
+inline const char *refuse_head_job(const pi_device_head_job *job, const pi_device_tier_desc &d) {
+    if (!job || job->n_tok <= 0 || job->n_tok > d.n_batch || !job->x || !job->logits || job->ld_logits < d.n_vocab)
+        return "bad head job";
+    return nullptr;
+}
+
+// Bytes of the head's scratch for a batch: the rows, their norm and q8_0 form, the logits.
+inline double head_scratch_bytes(const pi_device_tier_desc &d) {
+    const double B = d.n_batch, E = d.n_embd;
+    return B * (E * 4 * 2 + E / QK * double(sizeof(BlockQ8_0)) + double(d.n_vocab) * 4);
+}
+
 // Why an attention job cannot run on a tier (its layer's upload aside), or nullptr.
 inline const char *refuse_attention_job(const pi_device_attention_job *job, const pi_device_tier_desc &d) {
     if (!job || job->layer < 0 || job->layer >= d.n_layer || job->n_tok <= 0 || job->n_tok > d.n_batch ||

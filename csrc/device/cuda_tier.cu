@@ -273,6 +273,11 @@ struct pi_device_tier {
     BlockQ8_0 *d_axq = nullptr, *d_attq = nullptr;
     float *p_ax = nullptr, *p_aout = nullptr;
     bool attention_ready = false;
+    // the output head: its block, its view, its scratch (attention_math.h's head_scratch_bytes) and staging
+    uint8_t *head_block = nullptr;
+    pi_device_head head_view{};
+    float *d_hx = nullptr, *d_hxn = nullptr, *d_logits = nullptr, *p_hx = nullptr, *p_logits = nullptr;
+    BlockQ8_0 *d_hxq = nullptr;
     // the job in flight
     bool pending = false;
     pi_device_job job{};
@@ -297,7 +302,11 @@ struct pi_device_tier {
                         static_cast<void *>(d_v), static_cast<void *>(d_att), static_cast<void *>(d_aout),
                         static_cast<void *>(d_scores), static_cast<void *>(d_axq), static_cast<void *>(d_attq)})
             if (p) cudaFree(p);
-        for (void *p : {static_cast<void *>(p_ax), static_cast<void *>(p_aout)})
+        for (void *p : {static_cast<void *>(head_block), static_cast<void *>(d_hx), static_cast<void *>(d_hxn),
+                        static_cast<void *>(d_logits), static_cast<void *>(d_hxq)})
+            if (p) cudaFree(p);
+        for (void *p : {static_cast<void *>(p_ax), static_cast<void *>(p_aout), static_cast<void *>(p_hx),
+                        static_cast<void *>(p_logits)})
             if (p) cudaFreeHost(p);
         for (void *p : {static_cast<void *>(d_x), static_cast<void *>(d_y), static_cast<void *>(d_h),
                         static_cast<void *>(d_xq), static_cast<void *>(d_counts)})
@@ -582,6 +591,69 @@ int32_t attention_run(pi_device_tier *t, const pi_device_attention_job *job, pi_
     return 0;
 }
 
+int32_t head_upload(pi_device_tier *t, const pi_device_head *h, char *err, size_t len) {
+    if (!t || !h) return say(err, len, "bad head upload");
+    if (const char *why = device::refuse_head(*h, t->desc)) return say(err, len, std::string("cannot upload ") + why);
+    if (t->head_block) return say(err, len, "the output head was uploaded already");
+    if (failed(cudaSetDevice(t->desc.device), "selecting the device", err, len)) return 1;
+    const pi_device_tier_desc &d = t->desc;
+    const size_t B = size_t(d.n_batch), E = size_t(d.n_embd), V = size_t(d.n_vocab);
+    const device::HeadLayout layout(*h, d);
+    if (t->allocate(reinterpret_cast<void **>(&t->head_block), layout.bytes, "allocating the output head", err, len) ||
+        t->allocate(reinterpret_cast<void **>(&t->d_hx), B * E * 4, "allocating the head's scratch", err, len) ||
+        t->allocate(reinterpret_cast<void **>(&t->d_hxn), B * E * 4, "allocating the head's scratch", err, len) ||
+        t->allocate(reinterpret_cast<void **>(&t->d_hxq), B * (E / QK) * sizeof(BlockQ8_0), "allocating the head's scratch",
+                    err, len) ||
+        t->allocate(reinterpret_cast<void **>(&t->d_logits), B * V * 4, "allocating the head's scratch", err, len) ||
+        failed(cudaMallocHost(&t->p_hx, B * E * 4), "allocating pinned memory", err, len) ||
+        failed(cudaMallocHost(&t->p_logits, B * V * 4), "allocating pinned memory", err, len))
+        return 1;
+    const bool copied = layout.fill(*h, d, [&](size_t at, const void *src, size_t n_bytes) {
+        return !failed(cudaMemcpy(t->head_block + at, src, n_bytes, cudaMemcpyHostToDevice), "copying the head", err, len);
+    });
+    if (!copied) return 1;
+    t->head_view = layout.view(*h, t->head_block);
+    return 0;
+}
+
+int32_t head_run(pi_device_tier *t, const pi_device_head_job *job, pi_device_counts *counts, char *err, size_t len) {
+    if (!t) return say(err, len, "bad head job");
+    if (const char *why = device::refuse_head_job(job, t->desc)) return say(err, len, why);
+    if (!t->head_block) return say(err, len, "the output head was not uploaded");
+    if (failed(cudaSetDevice(t->desc.device), "selecting the device", err, len)) return 1;
+    const pi_device_tier_desc &d = t->desc;
+    const pi_device_head &h = t->head_view;
+    const int n_tok = job->n_tok, E = d.n_embd, V = d.n_vocab;
+    const size_t x_bytes = size_t(n_tok) * E * 4, logit_bytes = size_t(n_tok) * V * 4;
+    const bool q8 = device::quantized(h.out);
+    std::memcpy(t->p_hx, job->x, x_bytes);
+    cudaStream_t s = t->stream;
+    if (failed(cudaEventRecord(t->started, s), "recording an event", err, len) ||
+        failed(cudaMemcpyAsync(t->d_hx, t->p_hx, x_bytes, cudaMemcpyHostToDevice, s), "copying the input", err, len))
+        return 1;
+    norm_kernel<<<n_tok, kNormThreads, 0, s>>>(t->d_hx, h.norm_w, h.norm_b, E, d.norm, d.norm_eps, t->d_hxn,
+                                               q8 ? t->d_hxq : nullptr);
+    project_kernel<<<dim3((V + kRowsPerBlock - 1) / kRowsPerBlock, n_tok), kRowsPerBlock * kWarp, 0, s>>>(
+        h.out, t->d_hxn, q8 ? t->d_hxq : nullptr, t->d_logits, V);
+    if (failed(cudaGetLastError(), "launching the head's kernels", err, len) ||
+        failed(cudaMemcpyAsync(t->p_logits, t->d_logits, logit_bytes, cudaMemcpyDeviceToHost, s), "copying the logits",
+               err, len) ||
+        failed(cudaEventRecord(t->finished, s), "recording an event", err, len) ||
+        failed(cudaEventSynchronize(t->finished), "running the head", err, len))
+        return 1;
+    for (int tk = 0; tk < n_tok; ++tk)
+        std::memcpy(job->logits + size_t(tk) * size_t(job->ld_logits), t->p_logits + size_t(tk) * V, size_t(V) * 4);
+    if (counts) {
+        float ms = 0;
+        cudaEventElapsedTime(&ms, t->started, t->finished);
+        *counts = pi_device_counts{};
+        counts->h2d_bytes = double(x_bytes);
+        counts->d2h_bytes = double(logit_bytes);
+        counts->seconds = ms / 1e3;
+    }
+    return 0;
+}
+
 uint64_t tier_bytes(const pi_device_tier *t) { return t ? t->bytes : 0; }
 
 void tier_destroy(pi_device_tier *t) {
@@ -594,7 +666,8 @@ void tier_destroy(pi_device_tier *t) {
 
 const pi_device_api kApi = {PI_DEVICE_API_VERSION, "cuda",         device_count,  device_memory,
                             tier_create,           tier_upload,    tier_submit,   tier_wait,
-                            attention_upload,      attention_run,  tier_bytes,    tier_destroy};
+                            attention_upload,      attention_run,  head_upload,   head_run,
+                            tier_bytes,            tier_destroy};
 
 }  // namespace
 

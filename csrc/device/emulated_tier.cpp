@@ -56,6 +56,8 @@ struct pi_device_tier {
     std::vector<Rows> layers;
     std::vector<Attention> attention;
     std::vector<float> rope_cos, rope_sin;
+    std::vector<uint8_t> head_block;  // the output head, where uploaded
+    pi_device_head head_view{};
     uint64_t bytes = 0, bytes_attention_scratch = 0;
     std::thread worker;
     pi_device_job job{};
@@ -104,6 +106,27 @@ struct pi_device_tier {
             y[r] = device::row_dot(m, r, x, xq.data(), 0, 1) + (m.bias ? m.bias[r] : 0.0f);
     }
 
+    // one row's norm (an attention block's or the output's)
+    void normalize(const float *x, const float *w, const float *b, float *out) const {
+        const int64_t E = desc.n_embd;
+        double mean = 0, ss = 0;
+        if (desc.norm == PI_DEVICE_NORM_LAYER) {
+            for (int64_t i = 0; i < E; ++i) mean += double(x[i]);
+            mean /= double(E);
+        }
+        for (int64_t i = 0; i < E; ++i) ss += (double(x[i]) - mean) * (double(x[i]) - mean);
+        const float scale = device::norm_scale(ss, E, desc.norm_eps);
+        for (int64_t i = 0; i < E; ++i) out[i] = device::norm_element(desc.norm, x[i], mean, scale, w[i], b ? b[i] : 0.0f);
+    }
+
+    void head(const pi_device_head_job &j) const {
+        std::vector<float> xn(static_cast<size_t>(desc.n_embd));
+        for (int64_t t = 0; t < j.n_tok; ++t) {
+            normalize(j.x + t * desc.n_embd, head_view.norm_w, head_view.norm_b, xn.data());
+            project(head_view.out, xn.data(), j.logits + t * j.ld_logits);
+        }
+    }
+
     void attend(const pi_device_attention_job &j) const {
         const Attention &A = attention[size_t(j.layer)];
         const pi_device_attention &a = A.view;
@@ -114,16 +137,7 @@ struct pi_device_tier {
         std::vector<float> xn(static_cast<size_t>(E)), q(static_cast<size_t>(j.n_tok * Q)), k(static_cast<size_t>(KV)),
             v(static_cast<size_t>(KV)), att(static_cast<size_t>(Q)), scores(static_cast<size_t>(j.n_past + j.n_tok));
         for (int64_t t = 0; t < j.n_tok; ++t) {  // norm, q/k/v, RoPE; the keys and values into the cache
-            const float *x = j.x + t * E;
-            double mean = 0, ss = 0;
-            if (d.norm == PI_DEVICE_NORM_LAYER) {
-                for (int64_t i = 0; i < E; ++i) mean += double(x[i]);
-                mean /= double(E);
-            }
-            for (int64_t i = 0; i < E; ++i) ss += (double(x[i]) - mean) * (double(x[i]) - mean);
-            const float scale = device::norm_scale(ss, E, d.norm_eps);
-            for (int64_t i = 0; i < E; ++i)
-                xn[size_t(i)] = device::norm_element(d.norm, x[i], mean, scale, a.norm_w[i], a.norm_b ? a.norm_b[i] : 0.0f);
+            normalize(j.x + t * E, a.norm_w, a.norm_b, xn.data());
             float *qt = q.data() + t * Q;
             project(a.q, xn.data(), qt);
             project(a.k, xn.data(), k.data());
@@ -308,6 +322,40 @@ int32_t attention_run(pi_device_tier *t, const pi_device_attention_job *job, pi_
     return 0;
 }
 
+int32_t head_upload(pi_device_tier *t, const pi_device_head *h, char *err, size_t len) {
+    if (!t || !h) return say(err, len, "bad head upload");
+    if (const char *why = device::refuse_head(*h, t->desc)) return say(err, len, std::string("cannot upload ") + why);
+    if (!t->head_block.empty()) return say(err, len, "the output head was uploaded already");
+    const device::HeadLayout layout(*h, t->desc);
+    const uint64_t bytes = layout.bytes + uint64_t(device::head_scratch_bytes(t->desc));
+    if (g_used + bytes > capacity()) return say(err, len, "out of emulated device memory uploading the output head");
+    t->head_block.assign(layout.bytes, 0);
+    uint8_t *base = t->head_block.data();
+    layout.fill(*h, t->desc, [&](size_t at, const void *src, size_t n_bytes) {
+        std::memcpy(base + at, src, n_bytes);
+        return true;
+    });
+    t->head_view = layout.view(*h, base);
+    t->bytes += bytes;
+    g_used += bytes;
+    return 0;
+}
+
+int32_t head_run(pi_device_tier *t, const pi_device_head_job *job, pi_device_counts *counts, char *err, size_t len) {
+    if (!t) return say(err, len, "bad head job");
+    if (const char *why = device::refuse_head_job(job, t->desc)) return say(err, len, why);
+    if (t->head_block.empty()) return say(err, len, "the output head was not uploaded");
+    const auto t0 = std::chrono::steady_clock::now();
+    t->head(*job);
+    if (counts) {
+        *counts = pi_device_counts{};
+        counts->h2d_bytes = double(job->n_tok) * t->desc.n_embd * 4;  // the rows up, their logits down
+        counts->d2h_bytes = double(job->n_tok) * t->desc.n_vocab * 4;
+        counts->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+    return 0;
+}
+
 uint64_t tier_bytes(const pi_device_tier *t) { return t ? t->bytes : 0; }
 
 void tier_destroy(pi_device_tier *t) {
@@ -319,7 +367,8 @@ void tier_destroy(pi_device_tier *t) {
 
 const pi_device_api kApi = {PI_DEVICE_API_VERSION, "emulated", device_count,   device_memory,
                             tier_create,           tier_upload, tier_submit,    tier_wait,
-                            attention_upload,      attention_run, tier_bytes,   tier_destroy};
+                            attention_upload,      attention_run, head_upload,  head_run,
+                            tier_bytes,            tier_destroy};
 
 }  // namespace
 

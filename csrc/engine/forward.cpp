@@ -296,6 +296,12 @@ void Engine::output(int64_t n_tok, float *logits, int64_t ld_logits) {
     // Only the rows whose logits are wanted go through the head: all of them, or the last one.
     RunState &s = *rs_;
     const int64_t E = hp_.n_embd, V = hp_.n_vocab, first = logits ? 0 : n_tok - 1;
+    if (device_ && device_->heads()) {  // the output norm and head on the device
+        float *out = logits ? logits : s.last_logits.data();
+        device_->head(n_tok - first, s.x.data() + first * E, out, logits ? ld_logits : V);
+        if (logits) std::memcpy(s.last_logits.data(), logits + (n_tok - 1) * ld_logits, size_t(V) * sizeof(float));
+        return;
+    }
     norm(s.x.data() + first * E, model_->output_norm(), model_->output_norm_b(), n_tok - first, s.xn.data());
     s.op_xn.q_ready = false;
     float *out = logits ? logits : s.last_logits.data();

@@ -44,6 +44,7 @@ typedef struct {
     int32_t n_ctx;       /* positions a layer's KV cache holds */
     int32_t kv_f16;      /* 1: the cache's elements in f16 (rounded to nearest even), 0: in f32 */
     const float *rope_cos, *rope_sin; /* [n_ctx][n_rot / 2], copied by tier_create; NULL without RoPE */
+    int32_t n_vocab;     /* the output head's rows, read by head_upload and head_run only */
 } pi_device_tier_desc;
 
 /* One layer's hot rows in host memory, slot after slot, in the file's types (GGML ids: 0 f32, 1 f16, 2 q4_0,
@@ -97,6 +98,21 @@ typedef struct {
     float *out;          /* [n_tok][n_embd], written whole */
 } pi_device_attention_job;
 
+/* The output head in host memory: the output norm (as an attention block's) and the head (n_vocab rows of
+ * n_embd, no bias). */
+typedef struct {
+    const float *norm_w, *norm_b;
+    pi_device_matrix out;
+} pi_device_head;
+
+/* The head over n_tok rows of the last layer's output: logits[t * ld_logits + v], written for v < n_vocab. */
+typedef struct {
+    int32_t n_tok;
+    const float *x;      /* [n_tok][n_embd] */
+    float *logits;
+    int64_t ld_logits;
+} pi_device_head_job;
+
 /* What a job counted, and the traffic and time it took. */
 typedef struct {
     double active;      /* neurons passing the rule, summed over tokens */
@@ -127,6 +143,10 @@ typedef struct {
      * (active and computed are 0). */
     int32_t (*attention_run)(pi_device_tier *tier, const pi_device_attention_job *job, pi_device_counts *counts,
                              char *err, size_t err_len);
+    /* The output head's weights (and its scratch), and running it (synchronously). */
+    int32_t (*head_upload)(pi_device_tier *tier, const pi_device_head *head, char *err, size_t err_len);
+    int32_t (*head_run)(pi_device_tier *tier, const pi_device_head_job *job, pi_device_counts *counts, char *err,
+                        size_t err_len);
     /* Bytes of device memory the tier holds (weights, KV caches and scratch). */
     uint64_t (*tier_bytes)(const pi_device_tier *tier);
     void (*tier_destroy)(pi_device_tier *tier);

@@ -1,6 +1,6 @@
 """The engine's placement on a device for a VRAM budget (csrc/backend/device_placement.h), from a converted file's
-header: the GPU tier's scratch, then the attention block and KV cache of as many layers as fit, in layer order,
-then each layer's hot rows (the gpu index's neurons) in layer order while they fit; a layer past the budget, and
+header: the GPU tier's scratch, then the output norm and head, then the attention block and KV cache of as many
+layers as fit, in layer order, then each layer's hot rows (the gpu index's neurons) in layer order while they fit; a layer past the budget, and
 every one after it, keeps that part on the CPU. The bytes are the device libraries' (csrc/device/attention_math.h,
 tier_math.h): each part of a layer's block rounded up to 16 bytes. `pi-tools plan` reports it for the plan it
 writes; tests/placement/test_device_placement.py checks it against what the engine places for the same file,
@@ -40,6 +40,7 @@ class DeviceShape:
     n_head_kv: int
     d_head: int
     n_rot: int  # 0 without RoPE
+    n_vocab: int
     n_batch: int
     n_ctx: int
     kv_element_bytes: int
@@ -56,6 +57,11 @@ class DeviceShape:
         return (b * (e * 4 * 3 + e * q8 + q * 4 * 2 + kv * 4 * 2 + q * q8 + self.n_head * self.n_ctx * 4)
                 + self.n_ctx * (self.n_rot // 2) * 4 * 2)
 
+    def head_scratch_bytes(self) -> float:
+        """attention_math.h's head_scratch_bytes."""
+        b, e = self.n_batch, self.n_embd
+        return b * (e * 4 * 2 + e / QK * Q8_0_BLOCK_BYTES + self.n_vocab * 4)
+
     def hot_scratch_bytes(self, rows: int) -> float:
         """device_placement.cpp's hot_scratch_bytes for the largest hot tier of `rows` neurons."""
         b, e = self.n_batch, self.n_embd
@@ -68,21 +74,24 @@ class DeviceCosts:
     attention: np.ndarray  # [L] bytes of a layer's attention block (norm, matrices, biases) and KV cache
     attention_refused: str | None  # why no layer's attention can go (a matrix the device cannot read)
     neuron: np.ndarray  # [L] bytes of one hot neuron's rows and biases
+    head: int | None  # the output norm's and head's bytes; None where the device cannot read the head
 
 
 @dataclass(frozen=True)
 class DevicePlacement:
     attention: np.ndarray  # [L] bool: the layer's attention and KV cache on the device
     hot: np.ndarray  # [L] bool: the layer's hot rows on the device
+    head: bool  # the output norm and head on the device
+    head_bytes: float  # with its scratch
     scratch: float
     attention_bytes: float
     kv_cache_bytes: float
     hot_bytes: float
 
     def summary(self) -> dict:
-        return {"attention_layers": [int(i) for i in np.flatnonzero(self.attention)],
+        return {"output_head": self.head, "attention_layers": [int(i) for i in np.flatnonzero(self.attention)],
                 "hot_layers": [int(i) for i in np.flatnonzero(self.hot)],
-                "bytes": {"scratch": self.scratch, "attention": self.attention_bytes,
+                "bytes": {"scratch": self.scratch, "head": self.head_bytes, "attention": self.attention_bytes,
                           "kv_cache": self.kv_cache_bytes, "hot": self.hot_bytes}}
 
 
@@ -100,8 +109,14 @@ def device_costs(header: GGUFHeader, ctx_size: int, n_batch: int = ENGINE_DEFAUL
     n_kv = header.get(f"{arch}.attention.head_count_kv", n_head)
     d_head = n_embd // n_head
     n_rot = 0 if arch == "opt" else header.get(f"{arch}.rope.dimension_count", d_head)
-    shape = DeviceShape(n_embd, n_head, n_kv, d_head, n_rot, min(n_batch, ctx_size), ctx_size,
+    tensors = {t.name: t for t in header.tensors}
+    out = tensors.get("output.weight") or tensors.get("token_embd.weight")  # tied embeddings: the head is token_embd
+    if out is None:
+        raise UserError(f"{header.path}: no output.weight or token_embd.weight")
+    shape = DeviceShape(n_embd, n_head, n_kv, d_head, n_rot, int(out.shape[0]), min(n_batch, ctx_size), ctx_size,
                         KV_ELEMENT_BYTES[kv_type])
+    head = (sum(_aligned(tensors[n].n_bytes) for n in ("output_norm.weight", "output_norm.bias") if n in tensors)
+            + _aligned(out.n_bytes)) if out.type.name in COMPUTED_TYPES else None
     q_rows, kv_rows = n_head * d_head, n_kv * d_head
     attention = np.zeros(n_layer, np.int64)
     neuron = np.zeros(n_layer, np.int64)
@@ -131,7 +146,7 @@ def device_costs(header: GGUFHeader, ctx_size: int, n_batch: int = ENGINE_DEFAUL
         parts = norms.get(i, {})
         name = "attn_norm_2" if "attn_norm_2.weight" in parts else "attn_norm"
         attention[i] += parts.get(f"{name}.weight", 0) + parts.get(f"{name}.bias", 0) + shape.kv_cache_bytes()
-    return DeviceCosts(shape, attention, refused, neuron)
+    return DeviceCosts(shape, attention, refused, neuron, head)
 
 
 def place_on_device(costs: DeviceCosts, budget: float, hot_neurons: Sequence[int],
@@ -142,6 +157,10 @@ def place_on_device(costs: DeviceCosts, budget: float, hot_neurons: Sequence[int
     attention, hot = np.zeros(n_layer, bool), np.zeros(n_layer, bool)
     scratch = costs.shape.hot_scratch_bytes(int(hot_neurons.max(initial=0)))
     room = budget - scratch
+    head_bytes = 0.0
+    if with_attention and costs.head is not None and costs.head + costs.shape.head_scratch_bytes() <= room:
+        head_bytes = costs.head + costs.shape.head_scratch_bytes()
+        room -= head_bytes
     attention_bytes = kv_bytes = 0.0
     kv = costs.shape.kv_cache_bytes()
     if with_attention and costs.attention_refused is None:
@@ -165,4 +184,4 @@ def place_on_device(costs: DeviceCosts, budget: float, hot_neurons: Sequence[int
         hot[i] = True
         room -= need
         hot_bytes += need
-    return DevicePlacement(attention, hot, scratch, attention_bytes, kv_bytes, hot_bytes)
+    return DevicePlacement(attention, hot, head_bytes > 0, head_bytes, scratch, attention_bytes, kv_bytes, hot_bytes)

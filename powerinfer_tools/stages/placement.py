@@ -455,6 +455,7 @@ def engine_lines(plan: Plan) -> list[str]:
     n = len(plan.n_ff)
     attention, hot = plan.engine["attention_layers"], plan.engine["hot_layers"]
     with_hot = int(np.count_nonzero(plan.gpu_neurons))
-    return [f"bundled engine at this budget (ctx {plan.ctx_size}, f32 KV cache): attention + KV cache of "
+    head = "the output head, " if plan.engine["output_head"] else ""
+    return [f"bundled engine at this budget (ctx {plan.ctx_size}, f32 KV cache): {head}attention + KV cache of "
             f"{len(attention)}/{n} layers and the hot rows of {len(hot)}/{with_hot} layers on the device"
             + ("" if len(hot) == with_hot else " (the rest on the CPU: pi-tools run --verbose shows each layer)")]

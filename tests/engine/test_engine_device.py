@@ -28,6 +28,7 @@ def test_the_device_tier_gives_the_cpu_logits(kind, outtype, attention, converte
             assert info["hot_backend"] in ("emulated", "cuda") and info["gpu"]["used"]
             assert info["gpu"]["device"]["layers_on_device"] == N_LAYER
             assert info["gpu"]["device"]["attention_layers"] == (N_LAYER if attention else 0)
+            assert info["gpu"]["device"]["output_head"] == ("device" if attention else "cpu")
             assert dev_stats["gpu"]["attention_jobs"] == (N_LAYER * (2 + len(TOKENS) - N_PROMPT) if attention else 0)
             # the same rule on the same operands (q8_0 blocks for quantized weights); sums in another order
             assert max_rel_err(dev, cpu) <= (1e-4 if outtype in ("f32", "f16") else 2e-4), (mode, max_rel_err(dev, cpu))
@@ -112,10 +113,13 @@ def test_traffic_and_time_are_counted(converted, gpuidx_30, device):
         assert gpu["jobs"] == N_LAYER * batches and gpu["tokens"] == N_LAYER * n_tok
         assert gpu["attention_jobs"] == (N_LAYER * batches if attention else 0)
         # the hot tier, up: each token's f32 row and its q8_0 blocks; down: its f32 output row (and, from CUDA,
-        # the job's counts); attention, up: the layer's input row; down: the block's output row
-        rows = N_LAYER * n_tok * (E * 4 if attention else 0)
-        assert gpu["h2d_bytes"] == N_LAYER * n_tok * (E * 4 + E // 32 * 34) + rows
-        assert gpu["d2h_bytes"] >= N_LAYER * n_tok * E * 4 + rows
+        # the job's counts); attention, up: the layer's input row; down: the block's output row; the head, up: the
+        # last layer's output row; down: its logits
+        rows = N_LAYER * n_tok * E * 4 if attention else 0
+        head_up, head_down = (n_tok * E * 4, n_tok * info["n_vocab"] * 4) if attention else (0, 0)
+        assert gpu["h2d_bytes"] == N_LAYER * n_tok * (E * 4 + E // 32 * 34) + rows + head_up
+        assert gpu["d2h_bytes"] >= N_LAYER * n_tok * E * 4 + rows + head_down
+        assert gpu["head_jobs"] == (batches if attention else 0)
         assert gpu["device_seconds"] > 0 and gpu["wait_seconds"] > 0
         assert (gpu["attention_seconds"] > 0) == attention
 

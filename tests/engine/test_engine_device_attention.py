@@ -60,8 +60,9 @@ def test_truncate_and_reset_overwrite_the_device_cache(kind, outtype, converted,
 
 
 def test_the_budget_places_attention_first_then_hot_rows(converted, gpuidx_all, device):
-    """A budget for the scratch and one layer's attention and KV cache: layer 0's attention on the device, every
-    hot row on the CPU; one for every layer's attention and one layer's hot rows: those; the logits the CPU's."""
+    """A budget for the scratch, the output head and one layer's attention and KV cache: those on the device, every
+    hot row on the CPU; one for all that, every layer's attention and one layer's hot rows: those; one for the
+    scratch and the head alone: the head; the logits the CPU's."""
     path = converted("llama-relu", "f32", predictors=True)
     with engine.Model(path, gpuidx=gpuidx_all, gpu="on", gpu_library=device, ctx_size=128, batch_size=16) as m:
         placed = m.info["gpu"]["device"]["placed_bytes"]
@@ -70,8 +71,10 @@ def test_the_budget_places_attention_first_then_hot_rows(converted, gpuidx_all, 
     attention = (placed["attention"] + placed["kv_cache"]) / N_LAYER
     hot = placed["hot"] / N_LAYER
     cpu = run(path, "gate", gpuidx=gpuidx_all, gpu="off", ctx_size=128)[0]
-    cases = [(placed["scratch"] + 1.5 * attention, [1] + [0] * (N_LAYER - 1), [0] * N_LAYER),
-             (placed["scratch"] + N_LAYER * attention + 1.5 * hot, [1] * N_LAYER, [1] + [0] * (N_LAYER - 1))]
+    first = placed["scratch"] + placed["head"]
+    cases = [(first + 1.5 * attention, [1] + [0] * (N_LAYER - 1), [0] * N_LAYER),
+             (first + N_LAYER * attention + 1.5 * hot, [1] * N_LAYER, [1] + [0] * (N_LAYER - 1)),
+             (first + 0.5 * attention, [0] * N_LAYER, [0] * N_LAYER)]
     for budget, attention_on, hot_on in cases:
         dev, info, stats = run(path, "gate", gpuidx=gpuidx_all, gpu="on", gpu_library=device, ctx_size=128,
                                vram_budget=budget / 2**30)
@@ -79,6 +82,7 @@ def test_the_budget_places_attention_first_then_hot_rows(converted, gpuidx_all, 
         assert [layer["attention"] == "device" for layer in used["layers"]] == [bool(x) for x in attention_on]
         assert [layer["hot_rows"] == "device" for layer in used["layers"]] == [bool(x) for x in hot_on]
         assert used["attention_layers"] == sum(attention_on) and used["layers_on_device"] == sum(hot_on)
+        assert used["output_head"] == "device" and stats["gpu"]["head_jobs"] == 2 + len(TOKENS) - 24
         assert used["device_bytes"] <= used["budget_bytes"]
         assert stats["gpu"]["attention_jobs"] == sum(attention_on) * (2 + len(TOKENS) - 24)
         assert max_rel_err(dev, cpu) <= 1e-4
@@ -88,7 +92,8 @@ def test_what_keeps_attention_on_the_cpu_is_said(converted, gpuidx_30, emulated)
     path = converted("llama-relu", "f32")
     with engine.Model(path, gpuidx=gpuidx_30, gpu="on", gpu_library=emulated, gpu_attention=False) as m:
         assert m.info["gpu"]["device"]["attention_layers"] == 0
-        assert "attention kept on the CPU" in m.info["gpu"]["device"]["attention_reason"]
+        assert "attention and the output head kept on the CPU" in m.info["gpu"]["device"]["attention_reason"]
+        assert m.info["gpu"]["device"]["output_head"] == "cpu"
     with engine.Model(path, gpuidx=gpuidx_30, gpu="on", gpu_library=emulated, vram_budget=2**-20) as m:
         assert m.info["gpu"]["device"]["attention_reason"] == "the budget holds no layer's attention and KV cache"
     with pytest.raises(engine.EngineError, match="gpu_attention must be True or False"):

@@ -31,7 +31,8 @@ def engine_placement(path, gpuidx, budget, with_attention=True, **kw):
                       gpu_attention=with_attention, **kw) as m:
         used = m.info["gpu"]["device"]
     return ([layer["attention"] == "device" for layer in used["layers"]],
-            [layer["hot_rows"] == "device" for layer in used["layers"]], used["placed_bytes"])
+            [layer["hot_rows"] == "device" for layer in used["layers"]], used["output_head"] == "device",
+            used["placed_bytes"])
 
 
 @pytest.mark.parametrize("outtype", ["f32", "q4_0"])
@@ -43,19 +44,29 @@ def test_the_toolkit_places_what_the_engine_places(kind, outtype, converted, gpu
     for ctx, batch, kv_type in ((128, 16, "f32"), (256, 64, "f16")):
         costs = device_costs(read_header(path), ctx_size=ctx, n_batch=batch, kv_type=kv_type)
         whole = place_on_device(costs, 2**40, hot)
-        full = whole.scratch + whole.attention_bytes + whole.kv_cache_bytes + whole.hot_bytes
+        full = whole.scratch + whole.head_bytes + whole.attention_bytes + whole.kv_cache_bytes + whole.hot_bytes
+        hot_scratch = costs.shape.hot_scratch_bytes(max(hot))
+        first = whole.scratch + whole.head_bytes  # both scratches and the head
+        smallest_hot = min(n * b for n, b in zip(hot, costs.neuron))
+        budgets = [1.05 * full, 0.95 * full, first + 1.5 * costs.attention[0],  # the head and one layer's attention
+                   first + costs.attention.sum() + 0.5 * smallest_hot,  # every layer's attention, no hot rows
+                   hot_scratch + whole.head_bytes + 0.5 * min(smallest_hot, costs.attention[0]),  # the head alone
+                   0.6 * full, 0.3 * full, 0.05 * full]
         seen = set()
-        for share in (1.05, 0.95, 0.8, 0.6, 0.45, 0.3, 0.05):
+        for budget in budgets:
             for with_attention in (True, False):
-                ours = place_on_device(costs, share * full, hot, with_attention)
-                attention, hot_on, placed = engine_placement(path, gpuidx, share * full, with_attention,
-                                                             ctx_size=ctx, batch_size=batch, kv_type=kv_type)
-                assert attention == list(ours.attention) and hot_on == list(ours.hot), (share, with_attention)
-                assert placed == pytest.approx({"scratch": ours.scratch, "attention": ours.attention_bytes,
-                                                "kv_cache": ours.kv_cache_bytes, "hot": ours.hot_bytes})
-                seen.add((ours.attention.sum(), ours.hot.sum()))
-        # the budgets covered all of it, a part of the layers' attention, and attention without hot rows
-        assert (N_LAYER, N_LAYER) in seen and any(0 < a < N_LAYER for a, _ in seen) and any(h == 0 for _, h in seen)
+                ours = place_on_device(costs, budget, hot, with_attention)
+                attention, hot_on, head, placed = engine_placement(path, gpuidx, budget, with_attention,
+                                                                   ctx_size=ctx, batch_size=batch, kv_type=kv_type)
+                assert attention == list(ours.attention) and hot_on == list(ours.hot), (budget, with_attention)
+                assert head == ours.head
+                assert placed == pytest.approx({"scratch": ours.scratch, "head": ours.head_bytes,
+                                                "attention": ours.attention_bytes, "kv_cache": ours.kv_cache_bytes,
+                                                "hot": ours.hot_bytes})
+                seen.add((ours.head, ours.attention.sum(), ours.hot.sum()))
+        # the budgets covered all of it, a part of the layers' attention, attention without hot rows, the head alone
+        assert (True, N_LAYER, N_LAYER) in seen and any(head and a == 1 for head, a, _ in seen)
+        assert (True, N_LAYER, 0) in seen and (True, 0, 0) in seen
 
 
 @pytest.mark.parametrize("kind", ["llama-relu", "opt"])
@@ -72,11 +83,12 @@ def test_plan_reports_the_engines_placement_for_its_index(kind, converted, tmp_p
     costs = device_costs(read_header(path), ctx_size=128)
     full = place_on_device(costs, 2**40, [N_FF] * N_LAYER)
     for budget in (2.0 * (full.scratch + full.attention_bytes + full.kv_cache_bytes + full.hot_bytes),
-                   full.scratch + 0.7 * (full.attention_bytes + full.kv_cache_bytes)):
+                   full.scratch + full.head_bytes + 0.7 * (full.attention_bytes + full.kv_cache_bytes)):
         plan = placement.plan_for_model(profile, path, int(budget), ctx_size=128, reserve_bytes=0, offload_output=False,
                                         dense="with-ffn", min_layer_neurons=0)
         files = placement.write_plan(plan, tmp_path / f"{kind}.gpuidx")
-        attention, hot, _ = engine_placement(path, files.gpuidx, int(budget), ctx_size=128)
+        attention, hot, head, _ = engine_placement(path, files.gpuidx, int(budget), ctx_size=128)
+        assert head == plan.engine["output_head"]
         assert [i for i, on in enumerate(attention) if on] == plan.engine["attention_layers"]
         assert [i for i, on in enumerate(hot) if on] == plan.engine["hot_layers"]
         assert any(line.startswith("bundled engine at this budget") for line in placement.report_lines(plan))

@@ -72,20 +72,14 @@ void DeviceTierBackend::head(int64_t n_tok, const float *x, float *logits, int64
     const pi_device_head_job job{int32_t(n_tok), x, logits, ld};
     pi_device_counts dc{};
     if (api_.head_run(tier_, &job, &dc, err_, sizeof err_)) fail(PI_ERR_INTERNAL, error("running the output head"));
-    use_.head_jobs += 1;
-    use_.head_seconds += dc.seconds;
-    use_.h2d_bytes += dc.h2d_bytes;
-    use_.d2h_bytes += dc.d2h_bytes;
+    use_.take(dc, &use_.head_jobs, &use_.head_seconds);
 }
 
 void DeviceTierBackend::attend(int64_t il, int64_t n_tok, int64_t n_past, const float *x, float *out) {
     const pi_device_attention_job job{int32_t(il), int32_t(n_tok), int32_t(n_past), x, out};
     pi_device_counts dc{};
     if (api_.attention_run(tier_, &job, &dc, err_, sizeof err_)) fail(PI_ERR_INTERNAL, error("running attention"));
-    use_.attention_jobs += 1;
-    use_.attention_seconds += dc.seconds;
-    use_.h2d_bytes += dc.h2d_bytes;
-    use_.d2h_bytes += dc.d2h_bytes;
+    use_.take(dc, &use_.attention_jobs, &use_.attention_seconds);
 }
 
 DeviceTierBackend::~DeviceTierBackend() {

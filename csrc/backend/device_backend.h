@@ -32,6 +32,14 @@ struct DeviceUse {
     // attention blocks run on the device: how many, their traffic (in h2d_bytes and d2h_bytes too) and time
     double attention_jobs = 0, attention_seconds = 0;
     double head_jobs = 0, head_seconds = 0;  // the output head's, likewise
+
+    // A synchronous job's counts into its kind's (attention's, the head's) and the traffic.
+    void take(const pi_device_counts &c, double *kind_jobs, double *kind_seconds) {
+        *kind_jobs += 1;
+        *kind_seconds += c.seconds;
+        h2d_bytes += c.h2d_bytes;
+        d2h_bytes += c.d2h_bytes;
+    }
 };
 
 class DeviceTierBackend : public TierBackend {

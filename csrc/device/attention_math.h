@@ -73,21 +73,18 @@ struct AttentionLayout {
     size_t norm_w = 0, norm_b = 0, data[4] = {}, bias[4] = {}, k_cache = 0, v_cache = 0, bytes = 0;
 
     AttentionLayout(const pi_device_attention &a, const pi_device_tier_desc &d) {
-        auto part = [&](size_t size) {
-            const size_t at = bytes;
-            bytes += (size + 15) / 16 * 16;
-            return at;
-        };
-        norm_w = part(size_t(d.n_embd) * 4);
-        norm_b = part(a.norm_b ? size_t(d.n_embd) * 4 : 0);
+        BlockParts parts;
+        norm_w = parts.add(size_t(d.n_embd) * 4);
+        norm_b = parts.add(a.norm_b ? size_t(d.n_embd) * 4 : 0);
         const pi_device_matrix *m[4] = {&a.q, &a.k, &a.v, &a.o};
         for (int i = 0; i < 4; ++i) {
-            data[i] = part(size_t(m[i]->rows) * row_bytes(m[i]->type, m[i]->cols));
-            bias[i] = part(m[i]->bias ? size_t(m[i]->rows) * 4 : 0);
+            data[i] = parts.add(size_t(m[i]->rows) * row_bytes(m[i]->type, m[i]->cols));
+            bias[i] = parts.add(m[i]->bias ? size_t(m[i]->rows) * 4 : 0);
         }
         const size_t cache = size_t(d.n_ctx) * size_t(d.n_head_kv) * size_t(d.d_head) * (d.kv_f16 ? 2 : 4);
-        k_cache = part(cache);
-        v_cache = part(cache);
+        k_cache = parts.add(cache);
+        v_cache = parts.add(cache);
+        bytes = parts.bytes;
     }
     // Copies each part of `a` into the block with copy(destination offset, source, bytes); the caches stay.
     template <class Copy>
@@ -138,14 +135,11 @@ struct HeadLayout {
     size_t norm_w = 0, norm_b = 0, out = 0, bytes = 0;
 
     HeadLayout(const pi_device_head &h, const pi_device_tier_desc &d) {
-        auto part = [&](size_t size) {
-            const size_t at = bytes;
-            bytes += (size + 15) / 16 * 16;
-            return at;
-        };
-        norm_w = part(size_t(d.n_embd) * 4);
-        norm_b = part(h.norm_b ? size_t(d.n_embd) * 4 : 0);
-        out = part(size_t(h.out.rows) * row_bytes(h.out.type, h.out.cols));
+        BlockParts parts;
+        norm_w = parts.add(size_t(d.n_embd) * 4);
+        norm_b = parts.add(h.norm_b ? size_t(d.n_embd) * 4 : 0);
+        out = parts.add(size_t(h.out.rows) * row_bytes(h.out.type, h.out.cols));
+        bytes = parts.bytes;
     }
     template <class Copy>
     bool fill(const pi_device_head &h, const pi_device_tier_desc &d, Copy copy) const {

@@ -292,6 +292,30 @@ struct pi_device_tier {
         return 0;
     }
 
+    // A synchronous job's start (attention's, the head's): the started event, n_tok rows x up through the pinned
+    // p_x into d_x, and their norm (w, b) into d_xn, with its q8_0 blocks into d_xq where not null.
+    int32_t normed_input(const float *x, int n_tok, const float *w, const float *b, float *p_x, float *d_x, float *d_xn,
+                         BlockQ8_0 *d_xq, char *err, size_t len) {
+        const size_t x_bytes = size_t(n_tok) * desc.n_embd * sizeof(float);
+        std::memcpy(p_x, x, x_bytes);
+        if (failed(cudaEventRecord(started, stream), "recording an event", err, len) ||
+            failed(cudaMemcpyAsync(d_x, p_x, x_bytes, cudaMemcpyHostToDevice, stream), "copying the input", err, len))
+            return 1;
+        norm_kernel<<<n_tok, kNormThreads, 0, stream>>>(d_x, w, b, desc.n_embd, desc.norm, desc.norm_eps, d_xn, d_xq);
+        return 0;
+    }
+
+    // A synchronous job's counts (attention's, the head's): its traffic, and its time between the two events.
+    void synchronous_counts(pi_device_counts *counts, double h2d_bytes, double d2h_bytes) const {
+        if (!counts) return;
+        float ms = 0;
+        cudaEventElapsedTime(&ms, started, finished);
+        *counts = pi_device_counts{};
+        counts->h2d_bytes = h2d_bytes;
+        counts->d2h_bytes = d2h_bytes;
+        counts->seconds = ms / 1e3;
+    }
+
     void release() {
         for (LayerRows &L : layers)
             if (L.block) cudaFree(L.block);
@@ -300,19 +324,15 @@ struct pi_device_tier {
         for (void *p : {static_cast<void *>(d_rope_cos), static_cast<void *>(d_rope_sin), static_cast<void *>(d_ax),
                         static_cast<void *>(d_axn), static_cast<void *>(d_q), static_cast<void *>(d_k),
                         static_cast<void *>(d_v), static_cast<void *>(d_att), static_cast<void *>(d_aout),
-                        static_cast<void *>(d_scores), static_cast<void *>(d_axq), static_cast<void *>(d_attq)})
-            if (p) cudaFree(p);
-        for (void *p : {static_cast<void *>(head_block), static_cast<void *>(d_hx), static_cast<void *>(d_hxn),
-                        static_cast<void *>(d_logits), static_cast<void *>(d_hxq)})
+                        static_cast<void *>(d_scores), static_cast<void *>(d_axq), static_cast<void *>(d_attq),
+                        static_cast<void *>(head_block), static_cast<void *>(d_hx), static_cast<void *>(d_hxn),
+                        static_cast<void *>(d_logits), static_cast<void *>(d_hxq), static_cast<void *>(d_x),
+                        static_cast<void *>(d_y), static_cast<void *>(d_h), static_cast<void *>(d_xq),
+                        static_cast<void *>(d_counts)})
             if (p) cudaFree(p);
         for (void *p : {static_cast<void *>(p_ax), static_cast<void *>(p_aout), static_cast<void *>(p_hx),
-                        static_cast<void *>(p_logits)})
-            if (p) cudaFreeHost(p);
-        for (void *p : {static_cast<void *>(d_x), static_cast<void *>(d_y), static_cast<void *>(d_h),
-                        static_cast<void *>(d_xq), static_cast<void *>(d_counts)})
-            if (p) cudaFree(p);
-        for (void *p : {static_cast<void *>(p_x), static_cast<void *>(p_y), static_cast<void *>(p_xq),
-                        static_cast<void *>(p_counts)})
+                        static_cast<void *>(p_logits), static_cast<void *>(p_x), static_cast<void *>(p_y),
+                        static_cast<void *>(p_xq), static_cast<void *>(p_counts)})
             if (p) cudaFreeHost(p);
         if (started) cudaEventDestroy(started);
         if (finished) cudaEventDestroy(finished);
@@ -552,13 +572,9 @@ int32_t attention_run(pi_device_tier *t, const pi_device_attention_job *job, pi_
     const size_t x_bytes = size_t(n_tok) * E * sizeof(float);
     const bool q8_in = device::quantized(a.q) || device::quantized(a.k) || device::quantized(a.v);
     const bool q8_att = device::quantized(a.o);
-    std::memcpy(t->p_ax, job->x, x_bytes);
     cudaStream_t s = t->stream;
-    if (failed(cudaEventRecord(t->started, s), "recording an event", err, len) ||
-        failed(cudaMemcpyAsync(t->d_ax, t->p_ax, x_bytes, cudaMemcpyHostToDevice, s), "copying the input", err, len))
+    if (t->normed_input(job->x, n_tok, a.norm_w, a.norm_b, t->p_ax, t->d_ax, t->d_axn, q8_in ? t->d_axq : nullptr, err, len))
         return 1;
-    norm_kernel<<<n_tok, kNormThreads, 0, s>>>(t->d_ax, a.norm_w, a.norm_b, E, d.norm, d.norm_eps, t->d_axn,
-                                               q8_in ? t->d_axq : nullptr);
     const pi_device_matrix *qkv[3] = {&a.q, &a.k, &a.v};
     float *outs[3] = {t->d_q, t->d_k, t->d_v};
     for (int i = 0; i < 3; ++i)
@@ -580,14 +596,7 @@ int32_t attention_run(pi_device_tier *t, const pi_device_attention_job *job, pi_
         failed(cudaEventSynchronize(t->finished), "running attention", err, len))
         return 1;
     std::memcpy(job->out, t->p_aout, x_bytes);
-    if (counts) {
-        float ms = 0;
-        cudaEventElapsedTime(&ms, t->started, t->finished);
-        *counts = pi_device_counts{};
-        counts->h2d_bytes = double(x_bytes);
-        counts->d2h_bytes = double(x_bytes);
-        counts->seconds = ms / 1e3;
-    }
+    t->synchronous_counts(counts, double(x_bytes), double(x_bytes));
     return 0;
 }
 
@@ -626,13 +635,9 @@ int32_t head_run(pi_device_tier *t, const pi_device_head_job *job, pi_device_cou
     const int n_tok = job->n_tok, E = d.n_embd, V = d.n_vocab;
     const size_t x_bytes = size_t(n_tok) * E * 4, logit_bytes = size_t(n_tok) * V * 4;
     const bool q8 = device::quantized(h.out);
-    std::memcpy(t->p_hx, job->x, x_bytes);
     cudaStream_t s = t->stream;
-    if (failed(cudaEventRecord(t->started, s), "recording an event", err, len) ||
-        failed(cudaMemcpyAsync(t->d_hx, t->p_hx, x_bytes, cudaMemcpyHostToDevice, s), "copying the input", err, len))
+    if (t->normed_input(job->x, n_tok, h.norm_w, h.norm_b, t->p_hx, t->d_hx, t->d_hxn, q8 ? t->d_hxq : nullptr, err, len))
         return 1;
-    norm_kernel<<<n_tok, kNormThreads, 0, s>>>(t->d_hx, h.norm_w, h.norm_b, E, d.norm, d.norm_eps, t->d_hxn,
-                                               q8 ? t->d_hxq : nullptr);
     project_kernel<<<dim3((V + kRowsPerBlock - 1) / kRowsPerBlock, n_tok), kRowsPerBlock * kWarp, 0, s>>>(
         h.out, t->d_hxn, q8 ? t->d_hxq : nullptr, t->d_logits, V);
     if (failed(cudaGetLastError(), "launching the head's kernels", err, len) ||
@@ -643,14 +648,7 @@ int32_t head_run(pi_device_tier *t, const pi_device_head_job *job, pi_device_cou
         return 1;
     for (int tk = 0; tk < n_tok; ++tk)
         std::memcpy(job->logits + size_t(tk) * size_t(job->ld_logits), t->p_logits + size_t(tk) * V, size_t(V) * 4);
-    if (counts) {
-        float ms = 0;
-        cudaEventElapsedTime(&ms, t->started, t->finished);
-        *counts = pi_device_counts{};
-        counts->h2d_bytes = double(x_bytes);
-        counts->d2h_bytes = double(logit_bytes);
-        counts->seconds = ms / 1e3;
-    }
+    t->synchronous_counts(counts, double(x_bytes), double(logit_bytes));
     return 0;
 }
 

@@ -15,7 +15,8 @@
 #                                  device and without, a long context, truncate/reset, budgets, 1000 open/close
 #                                  cycles; a profile layer by layer on the GPU against the whole model there
 #   scripts/gpu_check.sh speed     (after build) a ReluLLaMA-7B-shaped q4_0 model of LAYERS layers (default 4 of
-#                                  32: the layers are alike, so per-layer rates hold) at 90 % predicted sparsity:
+#                                  32: the layers are alike, so per-layer rates hold) at 90 % predicted sparsity, the
+#                                  predictor mode (MODES=dense,predictor adds dense; REPEATS rounds, default 1):
 #                                  prompt and decode tokens/s on the CPU alone, then on the GPU at the 7B's 4 and
 #                                  8 GiB budgets scaled to LAYERS, with the layers' attention and KV cache on
 #                                  the device, and at 8 GiB without them ($OUT/speed.txt, the bench's tables)
@@ -28,7 +29,8 @@
 # The device tool runs one command of at most 10 minutes:
 #   run(command="scripts/gpu_check.sh all", carry=[".gpu"], timeout_s=600)
 # Here, with the emulated device in place of CUDA and a smaller model, `speed` times its steps:
-#   PI_GPU_LIBRARY=$(ls engine/_pi_device_emulated*.so) LAYERS=1 THREADS=2 REPEATS=1 scripts/gpu_check.sh speed
+#   PI_GPU_LIBRARY=$(ls engine/_pi_device_emulated*.so) PI_EMULATED_DEVICE_MIB=4096 LAYERS=1 THREADS=2 \
+#       scripts/gpu_check.sh speed
 set -euo pipefail
 cd "$(dirname "$0")/.."
 what="${1:-}"
@@ -107,8 +109,8 @@ speed)
     # q4_0) whole, the rest scaled by layers/32
     b4=$(python3 -c "print(round(0.33 + (4 - 0.33) * $layers / 32, 3))")
     b8=$(python3 -c "print(round(0.33 + (8 - 0.33) * $layers / 32, 3))")
-    common=(bench -m "$m" --outtype q4_0 --predictors "$pred" --profile "$prof" --modes dense,predictor --peers ''
-            --repeats "${REPEATS:-2}" --n-prompt 64 --n-gen 32 -t "${THREADS:-8}" --work-dir "$W/bench" -q)
+    common=(bench -m "$m" --outtype q4_0 --predictors "$pred" --profile "$prof" --modes "${MODES:-predictor}"
+            --peers '' --repeats "${REPEATS:-1}" --n-prompt 64 --n-gen 32 -t "${THREADS:-8}" --work-dir "$W/bench" -q)
     for run in "cpu --gpu off" "gpu4 --gpu on --vram-budget $b4" "gpu8 --gpu on --vram-budget $b8" \
                "gpu8-ffn-only --gpu on --vram-budget $b8 --gpu-ffn-only"; do
         read -r name flags <<< "$run"

@@ -106,6 +106,10 @@ __global__ void down_kernel(LayerRows L, int n_embd, const float *h, int ld_h, f
     const int col = blockIdx.x * kWarp + lane;
     const uint32_t rb = device::row_bytes(L.down_type, n_embd);
     const float *ht = h + size_t(t) * ld_h;
+    if (gridDim.y == 1 && (L.down_type == TYPE_Q4_0 || L.down_type == TYPE_Q8_0)) {  // a decode step: the CPU's sums
+        if (w == 0) y[col] = device::down_element_quantized(L.down_type, L.down_t, rb, ht, L.n_rows, col);
+        return;
+    }
     float acc = 0;
     for (int r = w; r < L.n_rows; r += kDownWarps) {
         const float c = ht[r];

@@ -73,6 +73,9 @@ struct pi_device_tier {
                        db = device::row_bytes(L.down_type, E);
         const uint8_t *gate = static_cast<const uint8_t *>(L.gate), *up = static_cast<const uint8_t *>(L.up),
                       *down = static_cast<const uint8_t *>(L.down_t);
+        // a decode step over quantized down rows: the CPU tier's integer sums, from every neuron's h (0 if skipped)
+        const bool int_down = job.n_tok == 1 && (L.down_type == TYPE_Q4_0 || L.down_type == TYPE_Q8_0);
+        std::vector<float> hs(int_down ? size_t(L.n_rows) : 0, 0.0f);
         for (int64_t t = 0; t < job.n_tok; ++t) {
             const float *x = job.x + t * E;
             const BlockQ8_0 *xq = job.x_q8 ? static_cast<const BlockQ8_0 *>(job.x_q8) + t * nb : nullptr;
@@ -90,8 +93,12 @@ struct pi_device_tier {
                 counts.active += pass;
                 if (!(job.dense || pass)) continue;
                 counts.computed += 1;
-                for (int64_t e = 0; e < E; ++e) y[e] += h * device::element(L.down_type, down + r * db, e);
+                if (int_down) hs[size_t(r)] = h;
+                else
+                    for (int64_t e = 0; e < E; ++e) y[e] += h * device::element(L.down_type, down + r * db, e);
             }
+            if (int_down)
+                for (int64_t e = 0; e < E; ++e) y[e] = device::down_element_quantized(L.down_type, down, db, hs.data(), L.n_rows, e);
         }
     }
 

@@ -6,7 +6,9 @@
 
 #include <cstdint>
 
+#include "backend/down_runs.h"
 #include "format/types.h"
+#include "kernels/axpy_int.h"
 #include "kernels/exp_ref.h"
 #include "pi_device.h"
 
@@ -113,6 +115,79 @@ PI_HD inline float element(uint32_t type, const uint8_t *row, int64_t i) {
     const BlockQ4_0 &b = reinterpret_cast<const BlockQ4_0 *>(row)[k];
     const int q = j < QK / 2 ? (b.qs[j] & 0x0f) : (b.qs[j - QK / 2] >> 4);
     return f16_to_f32(b.d) * float(q - 8);
+}
+
+// Element e of a token's down projection over quantized down_t rows, exactly as the CPU tier computes a decode
+// step (backend/down_runs.h, kernels/axpy_int.h): the rows with a nonzero coefficient h in slot order, in runs of
+// kDownRunRows (each summed from zero, the runs then added in order) and groups of kAxpyGroup (the coefficients
+// h_r * d_r rounded against the group's largest, the products summed as integers). The same bits on either side
+// of the tier boundary, so that a q8_0 model's next matrix quantizes the same inputs.
+template <class Block>
+struct DownElement {
+    int64_t k;
+    int j;
+    float c[kAxpyGroup];
+    int32_t v[kAxpyGroup];
+    int in_group = 0, in_run = 0;
+    float y = 0.0f, partial = 0.0f;
+
+    PI_HD void add_group() {
+        float m = 0.0f;
+        bool finite = true;
+        for (int r = 0; r < in_group; ++r) {
+            finite = finite && axpy_coef_finite(c[r]);
+            m = fmaxf(m, fabsf(c[r]));
+        }
+        if (!(m == 0.0f && finite)) {
+            if (!finite || m < kAxpyMinLargest) {  // axpy_group_block_float: products then sums, unfused
+                for (int r = 0; r < in_group; ++r) partial = unfused_mul_add(c[r], float(v[r]), partial);
+            } else {
+                const float inv = kAxpySteps / m, s = m / kAxpySteps;
+                int32_t t = 0;
+                for (int r = 0; r < in_group; ++r) t += int32_t(nearbyintf(c[r] * inv)) * v[r];
+                partial = fmaf(float(t), s, partial);
+            }
+        }
+        in_group = 0;
+    }
+    PI_HD void add_run() {
+        y = y + partial;
+        partial = 0.0f;
+        in_run = 0;
+    }
+    PI_HD static float unfused_mul_add(float a, float b, float c) {
+#ifdef __CUDA_ARCH__
+        return __fadd_rn(__fmul_rn(a, b), c);
+#else
+        const volatile float p = a * b;  // rounded before the add, whatever the compiler's contraction
+        return p + c;
+#endif
+    }
+};
+
+template <class Block>
+PI_HD inline float down_element_int(const uint8_t *down, uint32_t row_bytes, const float *h, int64_t n_rows, int64_t e) {
+    DownElement<Block> d;
+    d.k = e / QK;
+    d.j = int(e % QK);
+    for (int64_t r = 0; r < n_rows; ++r) {
+        if (h[r] == 0.0f) continue;
+        const Block &b = reinterpret_cast<const Block *>(down + size_t(r) * row_bytes)[d.k];
+        d.c[d.in_group] = h[r] * f16_to_f32(b.d);
+        d.v[d.in_group] = block_value(b, d.j);
+        if (++d.in_group == kAxpyGroup) d.add_group();
+        if (++d.in_run == kDownRunRows) d.add_run();
+    }
+    if (d.in_group > 0) d.add_group();
+    if (d.in_run > 0) d.add_run();
+    return d.y;
+}
+
+// down_element_int for a down_t type (q4_0 or q8_0).
+PI_HD inline float down_element_quantized(uint32_t type, const uint8_t *down, uint32_t row_bytes, const float *h,
+                                          int64_t n_rows, int64_t e) {
+    return type == TYPE_Q4_0 ? down_element_int<BlockQ4_0>(down, row_bytes, h, n_rows, e)
+                             : down_element_int<BlockQ8_0>(down, row_bytes, h, n_rows, e);
 }
 
 // The activation rule (backend/activation_rule.h) of one neuron from its gate's and up's dot products (biases

@@ -201,9 +201,16 @@ def test_quantized_predictors_follow_their_rule(pred_type, tmp_path, tiny_model_
         ref = hf_logits(tiny_model_dir("llama-relu"), TOKENS, weights_from=path if pred_type == "Q8_0" else None,
                         q8_inputs=pred_type == "Q8_0", mask_fn=lambda i, x, a: torch.where(hot_t[i], a, rule(i, x, a)))
         logits, stats = run(path, "predictor", gpuidx=gpuidx)
-        # measured: 7e-7 (q4_0 predictors, f32 model), 4e-3 to 6e-3 (q8_0 model: its rounding moves a few
-        # logits across the threshold); the wrong neuron's fc2 row (a slot/id mix-up in the groups) gives ~1
-        assert max_rel_err(logits, ref) <= (1e-4 if pred_type == "Q4_0" else 2e-2), gpuidx
+        err = np.array([max_rel_err(logits[i:i + 1], ref[i:i + 1]) for i in range(len(ref))])
+        if pred_type == "Q4_0":  # f32 model: its rounding is the reference's
+            assert err.max() <= 1e-4, gpuidx
+        else:
+            # q8_0 model: the prompt's arithmetic is the reference's, but a decode step's down projection
+            # rounds in integers (kernels/axpy_int.h) where the reference sums floats, and the next matrix's
+            # q8_0 inputs now and then carry that across a predictor's threshold: a few steps move by up to
+            # ~0.3. The wrong neuron's fc2 row (a slot/id mix-up in the groups) moves every step by ~1.
+            assert err[:N_PROMPT].max() <= 2e-2, gpuidx
+            assert np.median(err[N_PROMPT:]) <= 2e-2 and (err[N_PROMPT:] > 2e-2).sum() <= 4, (gpuidx, err)
         assert all(0.2 < l["predicted_density"] < 0.8 for l in stats["layers"])
 
 

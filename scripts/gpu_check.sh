@@ -74,7 +74,7 @@ tests)
     setup_device_machine
     # the CUDA library's tests (the emulation's run in CI)
     python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/engine/test_engine_device.py \
-        tests/engine/test_engine_device_attention.py \
+        tests/engine/test_engine_device_attention.py tests/engine/test_device_library_boundary.py \
         tests/profile/test_profile_layers.py::test_layer_by_layer_on_cuda_equals_the_whole_model_there \
         2>&1 | tee "$OUT/tests.log"
     # the gpu tests must have run, not been skipped for want of a device

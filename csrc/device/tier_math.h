@@ -24,6 +24,17 @@ PI_HD inline uint32_t row_bytes(uint32_t type, int64_t n) {
 
 inline bool reads_q8(uint32_t type) { return type == TYPE_Q4_0 || type == TYPE_Q8_0; }
 
+// Parts laid out one after the other in a block of device memory, each 16-byte aligned (q8_0 rows are 34 bytes a
+// block; biases and norms are floats): add returns a part's offset.
+struct BlockParts {
+    size_t bytes = 0;
+    size_t add(size_t size) {
+        const size_t at = bytes;
+        bytes += (size + 15) / 16 * 16;
+        return at;
+    }
+};
+
 // Where the parts of a layer's hot rows lie in the one block of device memory that holds them: gate, up and
 // down_t rows, then the biases, each part 16-byte aligned (q8_0 rows are 34 bytes a block; biases are floats).
 struct LayerLayout {
@@ -37,16 +48,13 @@ struct LayerLayout {
         up_row = gated ? row_bytes(rows.up_type, n_embd) : 0;
         down_row = row_bytes(rows.down_type, n_embd);
         quantized = reads_q8(rows.gate_type) || (gated && reads_q8(rows.up_type));
-        auto part = [&](size_t size) {
-            const size_t at = bytes;
-            bytes += (size + 15) / 16 * 16;
-            return at;
-        };
-        gate = part(n * gate_row);
-        up = part(n * up_row);
-        down_t = part(n * down_row);
-        gate_b = part(rows.gate_b ? n * 4 : 0);
-        up_b = part(rows.up_b ? n * 4 : 0);
+        BlockParts parts;
+        gate = parts.add(n * gate_row);
+        up = parts.add(n * up_row);
+        down_t = parts.add(n * down_row);
+        gate_b = parts.add(rows.gate_b ? n * 4 : 0);
+        up_b = parts.add(rows.up_b ? n * 4 : 0);
+        bytes = parts.bytes;
     }
     // Copies each part of `rows` into the block at `base` with copy(destination offset, source, bytes).
     template <class Copy>

@@ -3,7 +3,7 @@
 
 f32: the split's logits are the CPU-only engine's within 1e-4 relative. q8_0: they differ by a few 1e-2, and so do
 two runs of the CPU-only engine that differ only in the order of their float sums (its batch kernels against its
-decode kernels; its scalar and SIMD kernel sets are bit-identical): each layer's activations are quantized to q8_0 blocks
+decode kernels, its scalar kernel set against its SIMD ones): each layer's activations are quantized to q8_0 blocks
 before the next matrix reads them, and a sum that moves by one rounding can move a block's value across a rounding
 boundary of the quantizer, a step of 1/127 of the block's largest value, which the next layers carry on. No path
 quantizes anything the other does not (both tiers take the same q8_0 operand; the FFN's intermediate is f32 in
@@ -57,8 +57,7 @@ def test_f32_split_gives_the_cpu_logits(smollm2_file, hot_30, emulated):
 def test_q8_0_split_differs_from_the_cpu_as_the_cpu_differs_from_itself(smollm2_file, hot_30, emulated):
     path = smollm2_file("q8_0")
     cpu = logits(path, gpuidx=hot_30, gpu="off")
-    # the CPU-only engine against itself: decode steps against batches (and scalar against SIMD kernels, which agree
-    # bit for bit since the down projection's integer sums)
+    # the CPU-only engine against itself: decode steps against batches, and scalar against SIMD kernels
     spread = max(max_rel_err(decode_only(path, isa="scalar"), decode_only(path)),
                  max_rel_err(decode_only(path), logits(path)))
     assert 1e-3 <= spread <= 0.1, spread  # quantized activations turn rounding into this much

@@ -46,8 +46,9 @@ setup_device_machine() {
     if [ -d .gpu/data ] && [ ! -d ../shared/data ]; then mkdir -p ../shared && cp -r .gpu/data ../shared/data; fi
     # the binding is imported as powerinfer_engine (an install maps engine/ to that name; this checkout is not
     # installed there)
-    mkdir -p /tmp/pi_path && ln -sfn "$PWD/engine" /tmp/pi_path/powerinfer_engine
-    export PYTHONPATH="/tmp/pi_path:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+    local path_dir="${TMPDIR:-/tmp}/pi_path"
+    mkdir -p "$path_dir" && ln -sfn "$PWD/engine" "$path_dir/powerinfer_engine"
+    export PYTHONPATH="$path_dir:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
     if command -v nvidia-smi >/dev/null; then
         nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv | tee "$OUT/gpu.txt"
     fi

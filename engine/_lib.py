@@ -17,7 +17,7 @@ from pathlib import Path
 from .library_check import LibraryRefused, check_library
 
 LIBRARY_ENV = "PI_ENGINE_LIB"
-API_VERSION = 7
+API_VERSION = 8
 
 FFN_MODES = {"dense": 0, "gate": 1, "predictor": 2, "auto": 3, "oracle": 4}
 KV_TYPES = {"f32": 0, "f16": 1}
@@ -38,7 +38,8 @@ class Options(ctypes.Structure):
     _fields_ = [("threads", ctypes.c_int32), ("ctx_size", ctypes.c_int32), ("batch_size", ctypes.c_int32),
                 ("ffn_mode", ctypes.c_int32), ("recall_check", ctypes.c_int32), ("gpuidx_path", ctypes.c_char_p),
                 ("isa", ctypes.c_char_p), ("kv_type", ctypes.c_int32), ("gpu", ctypes.c_int32),
-                ("gpu_device", ctypes.c_int32), ("vram_budget", ctypes.c_int64), ("gpu_library", ctypes.c_char_p)]
+                ("gpu_device", ctypes.c_int32), ("vram_budget", ctypes.c_int64), ("gpu_library", ctypes.c_char_p),
+                ("input_sparsity", ctypes.c_float)]
 
 
 class Sampling(ctypes.Structure):

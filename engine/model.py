@@ -41,7 +41,7 @@ class Model:
                  ctx_size: int | None = None, gpuidx: str | os.PathLike | None = None, recall_check: bool = False,
                  batch_size: int | None = None, isa: str | None = None, kv_type: str = "f32",
                  hot_backend: str = "cpu", gpu: str = "auto", vram_budget: float | None = None, gpu_device: int = 0,
-                 gpu_library: str | os.PathLike = "cuda"):
+                 gpu_library: str | os.PathLike = "cuda", input_sparsity: float = 0.0):
         self._handle = None
         self._lock = threading.RLock()
         opts = Options()
@@ -67,6 +67,7 @@ class Model:
             opts.vram_budget = c_int("vram_budget", int(budget * 2**30), 1, 2**63 - 1)
         library = device_library_path(str(gpu_library)) if str(gpu_library) in ("cuda", "emulated") else Path(gpu_library)
         opts.gpu_library = os.fsencode(library) if library is not None else None
+        opts.input_sparsity = c_float("input_sparsity", input_sparsity)
         handle = ctypes.c_void_p()
         if hot_backend == "cpu":
             check(lib().pi_open(os.fsencode(path), ctypes.byref(opts), ctypes.byref(handle)))

@@ -18,7 +18,6 @@ double seconds_since(Clock::time_point t0) { return std::chrono::duration<double
 // Asks for the first rows of a list gathered by index a little before dot_rows reads them (the kernel
 // prefetches further rows itself as it goes): into L2 (prefetch_row), as the kernel does.
 const int kListAhead = 32;
-const int64_t kDownRows = 256;      // down_t rows per run of a decode step's down projection
 const int64_t kPanelRows = 128;     // down_t rows widened per panel of a batch's down projection
 const int64_t kPanelTokens = 64;    // tokens per gemm_f32 call over a panel
 const int64_t kGatherRows = 64;     // selected rows per pass of the gathered gate/up path
@@ -84,7 +83,7 @@ double CpuTierBackend::scratch_bytes(const HParams &hp, int64_t rows, int64_t n_
                                      int64_t max_rank) {
     const double F = double(rows), E = double(hp.n_embd), B = double(n_batch), T = double(threads);
     const double R = double(std::max<int64_t>(max_rank, 1));
-    const double floats = B * (3 * F + 2 * kPackRows + R) + F + (F / double(kDownRows) + 1) * E +
+    const double floats = B * (3 * F + 2 * kPackRows + R) + F + (F / double(kRowsPerRun) + 2) * E +
                           T * double(kPanelRows) * (E + double(kPanelTokens));
     return 4 * floats + B * F * 3 + F * (1 + 4 + 8) + T * (pack_scratch_bytes(E) + sizeof(ChunkList)) +
            (B * R / QK + E / QK) * double(sizeof(BlockQ8_0));
@@ -108,7 +107,7 @@ void CpuTierBackend::upload(int64_t il, const Layer &layer, const FfnTier &tier)
     rows_.assign(size_t(F), 0);
     down_rows_.assign(size_t(F), nullptr);
     down_coef_.assign(size_t(F), 0.0f);
-    down_partial_.assign(size_t((F + kDownRows - 1) / kDownRows * E), 0.0f);
+    down_partial_.assign(size_t(rows_partial_floats(F, E)), 0.0f);
     chunk_lists_.assign(size_t(threads), ChunkList{});
     panel_w_.assign(size_t(threads * kPanelRows * E), 0.0f);
     panel_h_.assign(size_t(threads * kPanelTokens * kPanelRows), 0.0f);
@@ -564,27 +563,12 @@ int64_t CpuTierBackend::list_used_rows(const FfnTier &T, const int32_t *list, in
     return used;
 }
 
-// One token: the used rows (listed by the fused chunks, else in one pass) in fixed runs of kDownRows, each run
-// added whole (rows stream in order, y's blocks held in registers) into its own partial y, then the partials
-// summed in run order: the same sums whatever the thread count or which thread ran which run.
+// One token: the used rows (listed by the fused chunks, else in one pass) through rows_product (fixed runs, their
+// partials summed in run order: the same sums whatever the thread count).
 void CpuTierBackend::down_decode(const Pass &p) {
-    const int64_t E = p.E;
-    const TypeKernels &kd = ks_.for_type(p.T.down_t.type);
     const int64_t n_used = p.fused ? n_used_ : list_used_rows(p.T, rows_.data(), n_rows_, 0);
-    const int64_t n_runs = (n_used + kDownRows - 1) / kDownRows;
-    auto run_rows = [&](int chunk, int, int) {
-        const int64_t i0 = chunk * kDownRows, i1 = std::min(n_used, i0 + kDownRows);
-        float *part = down_partial_.data() + chunk * E;
-        std::fill(part, part + E, 0.0f);
-        kd.axpy_rows(int(E), int(i1 - i0), down_rows_.data() + i0, 0, down_coef_.data() + i0, part);
-    };
-    pool_.run(int(n_runs), run_rows);
-    float *y = p.job.y;
-    std::fill(y, y + E, 0.0f);
-    for (int64_t c = 0; c < n_runs; ++c) {
-        const float *part = down_partial_.data() + c * E;
-        for (int64_t i = 0; i < E; ++i) y[i] += part[i];
-    }
+    const RowsTarget down{p.T.down_t.type, p.E, 0, down_rows_.data(), down_coef_.data(), n_used, p.job.y};
+    rows_product(ks_, pool_, &down, 1, down_partial_.data());
 }
 
 // A batch: each thread owns a slice of the columns. The used rows go in panels of kPanelRows, widened to floats

@@ -15,7 +15,7 @@
 extern "C" {
 #endif
 
-#define PI_ENGINE_API_VERSION 7
+#define PI_ENGINE_API_VERSION 8
 
 typedef enum {
     PI_OK = 0,
@@ -69,6 +69,9 @@ typedef struct {
                                 keep their hot tier on the CPU); <= 0: the device's free memory less a reserve;
                                 more than is free: the open fails */
     const char *gpu_library; /* the device library (pi_device.h); NULL: the environment's PI_GPU_LIBRARY */
+    float input_sparsity;    /* input sparsity's model-wide share of inputs zeroed (0: off; at most the file's largest
+                                powerinfer.input_sparsity_levels): every matrix's inputs at or below its calibrated
+                                threshold are zeroed, and a decode step skips the rows they multiply */
 } pi_options;
 
 typedef struct {

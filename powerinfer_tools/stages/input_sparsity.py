@@ -135,10 +135,13 @@ class _Sampler:
 
 
 def threshold_at(values: torch.Tensor, share: float) -> float:
-    """The |x| at or below which a share `share` of the sorted sample `values` lies (0 for no share)."""
+    """The |x| at or below which a share `share` of the sorted sample `values` lies (0 for no share): midway
+    between the last value zeroed and the next, so that no input seen in calibration lies on it (a layer's first
+    inputs are a function of the token alone, and an engine's rounding would decide on which side they fall)."""
     if share <= 0:
         return 0.0
-    return float(values[min(len(values) - 1, max(0, int(round(share * len(values))) - 1))])
+    k = min(len(values) - 1, max(0, int(round(share * len(values))) - 1))
+    return float((values[k] + values[min(k + 1, len(values) - 1)]) / 2)
 
 
 @torch.no_grad()

@@ -24,7 +24,7 @@ def main() -> None:
     ap.add_argument("--calib", required=True)
     ap.add_argument("--eval", required=True)
     ap.add_argument("--shares", default="0.25,0.4,0.5")
-    ap.add_argument("--allocations", default=",".join(input_sparsity.ALLOCATIONS))
+    ap.add_argument("--allocations", default="uniform,greedy")
     ap.add_argument("--calib-tokens", type=int, default=input_sparsity.CALIBRATION_TOKENS)
     ap.add_argument("--eval-tokens", type=int, default=16384)
     ap.add_argument("--seq-len", type=int, default=512)

@@ -50,7 +50,7 @@ def profile(
     input_allocation: str = typer.Option(
         "greedy", "--input-allocation",
         help="Input sparsity's thresholds (every matrix's small inputs zeroed; docs/profile.md, 'Input sparsity'), "
-             "for shares 0.05 to 0.6: greedy (TEAL's per-layer search: each layer's share spread over q/k/v, o, "
+             "for shares 0.05 to 0.5: greedy (TEAL's per-layer search: each layer's share spread over q/k/v, o, "
              "gate/up and down where it moves the layer's output least), uniform (the same share at every "
              "input), or none. Needs --load whole."),
     threads: Optional[int] = flags.threads_option(),

@@ -144,7 +144,7 @@ class LLM:
     def __init__(self, model: str | os.PathLike = "smollm2", *, threads: int | None = None,
                  sparse_mode: str = "dense", ctx_size: int | None = None, kv_type: str = "f32", gpu: str = "auto",
                  gpuidx: str | os.PathLike | None = None, vram_budget: float | None = None,
-                 profile: str | os.PathLike | None = None):
+                 profile: str | os.PathLike | None = None, input_sparsity: float | None = None):
         from powerinfer_tools.runtime import inference
         from powerinfer_tools.stages.options import DEFAULT_CTX_SIZE
 
@@ -152,7 +152,8 @@ class LLM:
                                                    ctx_size or DEFAULT_CTX_SIZE)
         self.tokenizer = inference.load_tokenizer(self.target.model)
         self.model = inference.open_engine(self.target, threads=threads, sparse_mode=sparse_mode, ctx_size=ctx_size,
-                                           kv_type=kv_type, gpu=gpu, vram_budget_gib=vram_budget)
+                                           kv_type=kv_type, gpu=gpu, vram_budget_gib=vram_budget,
+                                           input_sparsity=input_sparsity)
         self.n_ctx: int = self.model.n_ctx
         self.name = Path(self.target.model).name if str(model) != "smollm2" else "smollm2"
         self.stop_tokens = frozenset(t for t in (self.tokenizer.eos_token_id, self.model.info["eos"])

@@ -31,13 +31,13 @@ from powerinfer_tools.formats import names
 
 FORMAT = "powerinfer-tools.input-sparsity/1"
 FILE = "input_sparsity.json"
-LEVELS = tuple(round(0.05 * k, 2) for k in range(1, 13))   # model-wide shares calibrated: 0.05 .. 0.60
+LEVELS = tuple(round(0.05 * k, 2) for k in range(1, 11))   # model-wide shares calibrated: 0.05 .. 0.50
 ALLOCATIONS = ("greedy", "uniform")
 DEFAULT_ALLOCATION = "greedy"
 SAMPLE_VALUES = 1 << 18     # |x| values kept per (layer, site) to place its thresholds
 CALIBRATION_TOKENS = 8192   # tokens whose |x| place the thresholds
-GREEDY_TOKENS = 1024        # tokens whose layer outputs the greedy search compares
-GREEDY_STEP = 0.0125        # the share of a layer's weights one greedy step adds to one site
+GREEDY_TOKENS = 512         # tokens whose layer outputs the greedy search compares
+GREEDY_STEP = 0.025         # the share of a layer's weights one greedy step adds to one site
 MAX_SITE_SHARE = 0.95       # no site zeroes more of its inputs than this
 
 

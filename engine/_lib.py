@@ -93,6 +93,7 @@ _SIGNATURES = {
     "pi_info_json": (_I32, [_P, ctypes.POINTER(ctypes.c_char_p)]),
     "pi_set_ffn_mode": (_I32, [_P, _I32]),
     "pi_set_recall_check": (_I32, [_P, _I32]),
+    "pi_set_input_sparsity": (_I32, [_P, ctypes.c_float]),
     "pi_eval": (_I32, [_P, _P, _I32, _P, _I32]),
     "pi_n_past": (_I32, [_P]),
     "pi_truncate": (_I32, [_P, _I32]),

@@ -30,7 +30,8 @@ class Model:
     why not), "on" (the same, or EngineError) or "off"; vram_budget: GiB of device memory the hot tier may take,
     layer after layer (the rest stay on the CPU; default: what is free, less a reserve); gpu_device: the
     device's ordinal; gpu_library: the device library, "cuda" (the default), "emulated" (the host emulation
-    the tests use) or a path.
+    the tests use) or a path; input_sparsity: the share of every matrix's inputs zeroed at the thresholds the
+    file holds (0: off; docs/engine.md, "Input sparsity").
 
     One Model may be shared by threads: ctypes lets go of the GIL inside the engine, so a lock held across
     every engine call serializes them, and close() waits for a call in flight instead of freeing the model
@@ -127,6 +128,15 @@ class Model:
     @sparse_mode.setter
     def sparse_mode(self, mode: str) -> None:
         self._checked(lib().pi_set_ffn_mode, _mode_id(mode))
+
+    @property
+    def input_sparsity(self) -> float:
+        """Input sparsity's share (0: off); set it to run the next calls at another share (docs/engine.md)."""
+        return self.stats()["input_sparsity"]["share"]
+
+    @input_sparsity.setter
+    def input_sparsity(self, share: float) -> None:
+        self._checked(lib().pi_set_input_sparsity, c_float("input_sparsity", share))
 
     def set_recall_check(self, enabled: bool) -> None:
         self._checked(lib().pi_set_recall_check, int(enabled))

@@ -11,7 +11,9 @@ Thresholds are calibrated on --calib (never the evaluation text); perplexity is 
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from pathlib import Path
 
 from powerinfer_tools import models
 from powerinfer_tools.runtime import evaluate
@@ -28,6 +30,9 @@ def main() -> None:
     ap.add_argument("--calib-tokens", type=int, default=input_sparsity.CALIBRATION_TOKENS)
     ap.add_argument("--eval-tokens", type=int, default=16384)
     ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--dense-ppl", type=float, help="the dense model's perplexity on these windows, measured before")
+    ap.add_argument("--save", type=Path, help="keep each allocation's table in SAVE/ALLOCATION (a profile directory "
+                                               "that `pi-tools convert --profile` takes)")
     args = ap.parse_args()
 
     source = models.resolve(args.model)
@@ -36,7 +41,7 @@ def main() -> None:
     calib = calibration.sequences_from_text(tok, [calibration.read_text(args.calib)], args.seq_len, args.calib_tokens)
     seqs = calibration.sequences_from_text(tok, [calibration.read_text(args.eval, "evaluation")], args.seq_len,
                                            args.eval_tokens)
-    dense = evaluate.perplexity(model, adapter, seqs)
+    dense = args.dense_ppl or evaluate.perplexity(model, adapter, seqs)
     print(f"({seqs.numel()} tokens of {args.eval}, windows of {args.seq_len}; thresholds on {calib.numel()} tokens "
           f"of {args.calib})")
     print("| allocation | inputs zeroed (share of weight bytes) | perplexity | vs dense | calibration s |")
@@ -46,6 +51,11 @@ def main() -> None:
         t0 = time.perf_counter()
         table = input_sparsity.calibrate(model, adapter, calib, allocation, 4, 0)
         took = time.perf_counter() - t0
+        if args.save:
+            out = args.save / allocation
+            out.mkdir(parents=True, exist_ok=True)
+            table.save(out)
+            (out / "profile.json").write_text(json.dumps({"thresholds": [0.0] * adapter.dims().n_layer}))
         for share in [float(s) for s in args.shares.split(",")]:
             with input_sparsity.zeroed_inputs(adapter, model, table.at(share)):
                 ppl = evaluate.perplexity(model, adapter, seqs)

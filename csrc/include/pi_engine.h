@@ -105,6 +105,8 @@ pi_status pi_info_json(pi_engine *engine, const char **json);
 
 pi_status pi_set_ffn_mode(pi_engine *engine, int32_t mode);
 pi_status pi_set_recall_check(pi_engine *engine, int32_t enabled);
+/* pi_options.input_sparsity for the next calls (0: off). */
+pi_status pi_set_input_sparsity(pi_engine *engine, float share);
 
 /* Run `n` tokens after the `pi_n_past` already in the cache. `logits` receives n * n_vocab floats
  * when all_logits != 0, else the n_vocab logits of the last token; it may be NULL. */

@@ -130,3 +130,15 @@ def test_run_reports_the_bytes_skipped(input_files, capsys):
     assert code == 0, err
     line = next(line for line in err.splitlines() if line.startswith("input sparsity 0.25"))
     assert "MiB" in line and "skipped" in line
+
+
+def test_the_share_set_on_an_open_model_is_the_share_opened_with(input_files):
+    path, table = input_files("llama-silu")
+    opened, _ = run(path)
+    with engine.Model(path, threads=2, sparse_mode="dense") as m:
+        m.input_sparsity = SHARE
+        assert m.input_sparsity == SHARE
+        assert np.array_equal(engine_prompt_then_decode(m, TOKENS, N_PROMPT), opened)
+        with pytest.raises(engine.EngineError, match="above the largest share calibrated"):
+            m.input_sparsity = table.levels[-1] + 0.05
+        assert m.input_sparsity == SHARE

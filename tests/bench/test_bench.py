@@ -551,6 +551,6 @@ def test_bench_times_the_input_mode_against_dense(tiny_model_dir, tmp_path):
     skipped = runs["ours input"]["bytes_per_token"]["input_skipped"]
     assert 0 < skipped and runs["ours input"]["predicted_speedup"] > 1
     assert rec["settings"]["input_sparsity"] == 0.3
-    assert "ours input" in bench.render_summary(rec) and "ours input" in bench.render_markdown(rec)
+    assert "| ours | input |" in bench.render_summary(rec) and "ours input" in bench.render_markdown(rec)
     with pytest.raises(UserError, match="--input-sparsity"):
         bench.run_bench(dataclasses.replace(opts, input_sparsity=1.5))

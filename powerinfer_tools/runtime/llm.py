@@ -135,10 +135,11 @@ class _Cache:
 class LLM:
     """A model file (or "smollm2", the embedded default, built on first use) with its tokenizer.
 
-    The engine options are those of `pi-tools run`: threads, sparse_mode (dense | gate | predictor | auto),
+    The engine options are those of `pi-tools run`: threads, sparse_mode (dense | gate | predictor | auto | input),
     ctx_size (default: the model's training context, at most 4096), kv_type (f32 | f16), gpu (auto | on | off),
     gpuidx (a .gpuidx plan; default: MODEL.generated.gpuidx when it sits beside the model, "none" for none),
-    vram_budget (GiB for the hot tier, solved with `profile`).
+    vram_budget (GiB for the hot tier, solved with `profile`), input_sparsity (the share of every matrix's inputs
+    zeroed, from the file's input thresholds; docs/engine.md, "Input sparsity").
     """
 
     def __init__(self, model: str | os.PathLike = "smollm2", *, threads: int | None = None,

@@ -49,14 +49,17 @@ def main() -> None:
     print(f"| dense | 0 | {dense:.3f} | | |", flush=True)
     for allocation in args.allocations.split(","):
         t0 = time.perf_counter()
-        table = input_sparsity.calibrate(model, adapter, calib, allocation, 4, 0)
+        shares = [float(s) for s in args.shares.split(",")]
+        # the levels up to the largest share measured (the greedy search's cost grows with the last level)
+        levels = tuple(b for b in input_sparsity.LEVELS if b <= max(shares) + 1e-9)
+        table = input_sparsity.calibrate(model, adapter, calib, allocation, 4, 0, levels)
         took = time.perf_counter() - t0
         if args.save:
             out = args.save / allocation
             out.mkdir(parents=True, exist_ok=True)
             table.save(out)
             (out / "profile.json").write_text(json.dumps({"thresholds": [0.0] * adapter.dims().n_layer}))
-        for share in [float(s) for s in args.shares.split(",")]:
+        for share in shares:
             with input_sparsity.zeroed_inputs(adapter, model, table.at(share)):
                 ppl = evaluate.perplexity(model, adapter, seqs)
             print(f"| {allocation} | {share:g} | {ppl:.3f} | {100 * (ppl / dense - 1):+.1f} % | {took:.0f} |",

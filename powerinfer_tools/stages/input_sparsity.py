@@ -188,8 +188,8 @@ def zeroed_inputs(adapter, model, thresholds: list[list[float]]):
 
 # ---- allocations ---------------------------------------------------------------------------------------------------
 
-def uniform_shares(n_layer: int) -> list[list[list[float]]]:
-    return [[[b] * len(names.INPUT_SITES) for _ in range(n_layer)] for b in LEVELS]
+def uniform_shares(n_layer: int, levels: tuple[float, ...] = LEVELS) -> list[list[list[float]]]:
+    return [[[b] * len(names.INPUT_SITES) for _ in range(n_layer)] for b in levels]
 
 
 def _layer_output(layer, args, kwargs) -> torch.Tensor:
@@ -198,8 +198,8 @@ def _layer_output(layer, args, kwargs) -> torch.Tensor:
 
 
 @torch.no_grad()
-def greedy_shares(model, adapter, seqs: torch.Tensor, values: list[list[torch.Tensor]], batch: int
-                  ) -> list[list[list[float]]]:
+def greedy_shares(model, adapter, seqs: torch.Tensor, values: list[list[torch.Tensor]], batch: int,
+                  levels: tuple[float, ...] = LEVELS) -> list[list[list[float]]]:
     """TEAL's block-wise greedy allocation (module docstring), on the dense model's inputs to each layer."""
     layers = adapter.layers(model)
     sites = site_modules(adapter, model)
@@ -220,9 +220,9 @@ def greedy_shares(model, adapter, seqs: torch.Tensor, values: list[list[torch.Te
             h.remove()
 
     n_sites = len(names.INPUT_SITES)
-    shares = [[[0.0] * n_sites for _ in layers] for _ in LEVELS]
-    steps_per_level = round(LEVELS[0] / GREEDY_STEP)
-    n_steps = steps_per_level * len(LEVELS)
+    shares = [[[0.0] * n_sites for _ in layers] for _ in levels]
+    steps_per_level = round(levels[0] / GREEDY_STEP)
+    n_steps = steps_per_level * len(levels)
     bar = tqdm(total=len(layers) * n_steps, desc="greedy input sparsity", unit="step", leave=False)
     for i, layer in enumerate(layers):
         dense = [_layer_output(layer, a, k) for a, k in captured[i]]
@@ -248,7 +248,7 @@ def greedy_shares(model, adapter, seqs: torch.Tensor, values: list[list[torch.Te
                     best = (e, trial)
             if best is None:
                 raise UserError(f"layer {i}: no site can zero more than {MAX_SITE_SHARE:g} of its inputs, so the "
-                                f"layer cannot reach a share of {LEVELS[-1]:g}")
+                                f"layer cannot reach a share of {levels[-1]:g}")
             current = best[1]
             bar.update(1)
             if step % steps_per_level == 0:
@@ -258,9 +258,11 @@ def greedy_shares(model, adapter, seqs: torch.Tensor, values: list[list[torch.Te
     return shares
 
 
-def calibrate(model, adapter, seqs: torch.Tensor, allocation: str, batch: int, seed: int) -> InputThresholds:
-    """Input thresholds of every level in LEVELS for `allocation`, placed on the dense model's inputs over the
-    first CALIBRATION_TOKENS tokens of `seqs` (the greedy search's errors on the first GREEDY_TOKENS)."""
+def calibrate(model, adapter, seqs: torch.Tensor, allocation: str, batch: int, seed: int,
+              levels: tuple[float, ...] = LEVELS) -> InputThresholds:
+    """Input thresholds of every level in `levels` (multiples of the first) for `allocation`, placed on the dense
+    model's inputs over the first CALIBRATION_TOKENS tokens of `seqs` (the greedy search's errors on the first
+    GREEDY_TOKENS)."""
     if allocation not in ALLOCATIONS:
         raise UserError(f"--input-allocation must be one of {', '.join(ALLOCATIONS)}, got {allocation!r}")
     seq_len = seqs.shape[1]
@@ -268,9 +270,10 @@ def calibrate(model, adapter, seqs: torch.Tensor, allocation: str, batch: int, s
     values = sample_inputs(model, adapter, calib, batch, seed)
     n_layer = len(values)
     if allocation == "uniform":
-        shares = uniform_shares(n_layer)
+        shares = uniform_shares(n_layer, levels)
     else:
-        shares = greedy_shares(model, adapter, seqs[:max(1, math.ceil(GREEDY_TOKENS / seq_len))], values, batch)
+        shares = greedy_shares(model, adapter, seqs[:max(1, math.ceil(GREEDY_TOKENS / seq_len))], values, batch,
+                               levels)
     thresholds = [[[threshold_at(values[i][j], per_level[i][j]) for j in range(len(names.INPUT_SITES))]
                    for i in range(n_layer)] for per_level in shares]
-    return InputThresholds(allocation, list(LEVELS), shares, thresholds, int(calib.numel()))
+    return InputThresholds(allocation, list(levels), shares, thresholds, int(calib.numel()))

@@ -27,11 +27,13 @@ class Model:
     memory and of what a decode step reads of it, llama.cpp's default); hot_backend: what computes the hot tier,
     "cpu" or, to test the tier boundary, "reference" (csrc/include/pi_engine_testing.h); gpu: where the hot
     tier runs, "auto" (on the GPU when a CUDA device, the CUDA library and a gpuidx are there; info["gpu"] says
-    why not), "on" (the same, or EngineError) or "off"; vram_budget: GiB of device memory the hot tier may take,
-    layer after layer (the rest stay on the CPU; default: what is free, less a reserve); gpu_device: the
-    device's ordinal; gpu_library: the device library, "cuda" (the default), "emulated" (the host emulation
-    the tests use) or a path; input_sparsity: the share of every matrix's inputs zeroed at the thresholds the
-    file holds (0: off; docs/engine.md, "Input sparsity").
+    why not), "on" (the same, or EngineError) or "off"; vram_budget: GiB of device memory the device may take:
+    the attention blocks and KV caches of as many layers as fit, then their hot rows, layer after layer (the
+    rest stay on the CPU; default: what is free, less a reserve); gpu_attention: False keeps every layer's
+    attention on the CPU (only the hot tier on the device); gpu_device: the device's ordinal; gpu_library: the
+    device library, "cuda" (the default), "emulated" (the host emulation the tests use) or a path;
+    input_sparsity: the share of every matrix's inputs zeroed at the thresholds the file holds (0: off;
+    docs/engine.md, "Input sparsity").
 
     One Model may be shared by threads: ctypes lets go of the GIL inside the engine, so a lock held across
     every engine call serializes them, and close() waits for a call in flight instead of freeing the model
@@ -42,7 +44,8 @@ class Model:
                  ctx_size: int | None = None, gpuidx: str | os.PathLike | None = None, recall_check: bool = False,
                  batch_size: int | None = None, isa: str | None = None, kv_type: str = "f32",
                  hot_backend: str = "cpu", gpu: str = "auto", vram_budget: float | None = None, gpu_device: int = 0,
-                 gpu_library: str | os.PathLike = "cuda", input_sparsity: float = 0.0):
+                 gpu_library: str | os.PathLike = "cuda", gpu_attention: bool = True,
+                 input_sparsity: float = 0.0):
         self._handle = None
         self._lock = threading.RLock()
         opts = Options()
@@ -68,6 +71,9 @@ class Model:
             opts.vram_budget = c_int("vram_budget", int(budget * 2**30), 1, 2**63 - 1)
         library = device_library_path(str(gpu_library)) if str(gpu_library) in ("cuda", "emulated") else Path(gpu_library)
         opts.gpu_library = os.fsencode(library) if library is not None else None
+        if not isinstance(gpu_attention, bool):
+            raise EngineError(f"gpu_attention must be True or False, not {gpu_attention!r}")
+        opts.gpu_ffn_only = int(not gpu_attention)
         opts.input_sparsity = c_float("input_sparsity", input_sparsity)
         handle = ctypes.c_void_p()
         if hot_backend == "cpu":

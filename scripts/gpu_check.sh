@@ -5,23 +5,32 @@
 #   scripts/gpu_check.sh prepare   here, before a device run: copies what the device machine lacks into .gpu/
 #                                  (git-ignored): the gguf wheel (its image has no gguf-py) and the calibration
 #                                  text the synthetic model's tokenizer is trained on (../shared does not travel)
-#   scripts/gpu_check.sh tests     on the device machine (carry .gpu): builds the engine and the CUDA library in
-#                                  place for the device's architecture and runs the `gpu` tests (hybrid logits
-#                                  against the CPU's for every type and architecture, budgets, 1000 open/close
-#                                  cycles; a profile layer by layer on the GPU against the whole model there);
-#                                  about 3 minutes
-#   scripts/gpu_check.sh speed     on the device machine, after `tests`: a ReluLLaMA-7B-shaped q4_0 model at 90 %
-#                                  predicted sparsity, decode and prompt tokens/s with the hot tier on the CPU and
-#                                  on the GPU at VRAM budgets of 4 and 8 GiB (`pi-tools bench`, tables in $OUT);
-#                                  about 8 minutes on 16 cores
+#   scripts/gpu_check.sh all       on the device machine (carry .gpu), ONE call of at most 10 minutes: `build`,
+#                                  `tests`, then `speed`, each under a time limit of its own (3 minutes, 3 minutes,
+#                                  what is left of 9.5), appending what it finished to $OUT/progress.txt as it
+#                                  goes, so that a call cut short still says how far it got and what it measured
+#   scripts/gpu_check.sh build     the engine and the CUDA library in place, for the device's architecture
+#   scripts/gpu_check.sh tests     (after build) the `gpu` tests on CUDA: the split's logits against the CPU's for
+#                                  every type and architecture with the layers' attention and KV cache on the
+#                                  device and without, a long context, truncate/reset, budgets, 1000 open/close
+#                                  cycles; a profile layer by layer on the GPU against the whole model there
+#   scripts/gpu_check.sh speed     (after build) a ReluLLaMA-7B-shaped q4_0 model of LAYERS layers (default 4 of
+#                                  32: the layers are alike, so per-layer rates hold) at 90 % predicted sparsity, the
+#                                  predictor mode (MODES=dense,predictor adds dense; REPEATS rounds, default 1):
+#                                  prompt and decode tokens/s on the CPU alone, then on the GPU at the 7B's 4 and
+#                                  8 GiB budgets scaled to LAYERS, with the layers' attention and KV cache on
+#                                  the device, and at 8 GiB without them ($OUT/speed.txt, the bench's tables)
 #   scripts/gpu_check.sh sparsify  on the device machine: `pi-tools sparsify --device cuda` on a random-weight SiLU
 #                                  Llama of 1.2B parameters (the 2b shape; its speed does not depend on the weights),
 #                                  both phases' tokens/s, peak GPU memory, hours for 1B end-to-end tokens
 #                                  ($OUT/sparsify.txt); SHAPE and DEVICE override 2b and cuda (SHAPE=tiny DEVICE=cpu
 #                                  tries the command here)
 #
-# The device tool runs one command of at most 10 minutes: `tests` and `speed` are two calls, e.g.
-#   run(command="scripts/gpu_check.sh tests", carry=[".gpu"]); run(command="scripts/gpu_check.sh speed", carry=[".gpu"])
+# The device tool runs one command of at most 10 minutes:
+#   run(command="scripts/gpu_check.sh all", carry=[".gpu"], timeout_s=600)
+# Here, with the emulated device in place of CUDA and a smaller model, `speed` times its steps:
+#   PI_GPU_LIBRARY=$(ls engine/_pi_device_emulated*.so) PI_EMULATED_DEVICE_MIB=4096 LAYERS=1 THREADS=2 \
+#       scripts/gpu_check.sh speed
 set -euo pipefail
 cd "$(dirname "$0")/.."
 what="${1:-}"
@@ -35,7 +44,10 @@ setup_device_machine() {
         export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
     fi
     if [ -d .gpu/data ] && [ ! -d ../shared/data ]; then mkdir -p ../shared && cp -r .gpu/data ../shared/data; fi
-    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+    # the binding is imported as powerinfer_engine (an install maps engine/ to that name; this checkout is not
+    # installed there)
+    mkdir -p /tmp/pi_path && ln -sfn "$PWD/engine" /tmp/pi_path/powerinfer_engine
+    export PYTHONPATH="/tmp/pi_path:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
     if command -v nvidia-smi >/dev/null; then
         nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv | tee "$OUT/gpu.txt"
     fi
@@ -52,47 +64,64 @@ prepare)
     for f in wikitext-2-valid.txt tinyshakespeare.txt; do cp ../shared/data/$f .gpu/data/; done
     du -sh .gpu
     ;;
-tests)
+build)
     setup_device_machine
     # sm_90 alone: the H200 this project is lent; PI_CUDA_ARCHS overrides
-    time PI_CUDA=1 PI_CUDA_ARCHS="${PI_CUDA_ARCHS:-90}" python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 \
+    PI_CUDA=1 PI_CUDA_ARCHS="${PI_CUDA_ARCHS:-90}" python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 \
         || { tail -50 "$OUT/build.log"; exit 1; }
-    set -o pipefail
-    python3 -m pytest -q -p no:cacheprovider -rs tests/engine/test_engine_device.py tests/engine/test_engine_cli_gpu.py \
+    ;;
+tests)
+    setup_device_machine
+    # the CUDA library's tests (the emulation's run in CI)
+    python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/engine/test_engine_device.py \
+        tests/engine/test_engine_device_attention.py tests/engine/test_device_library_boundary.py \
         tests/profile/test_profile_layers.py::test_layer_by_layer_on_cuda_equals_the_whole_model_there \
         2>&1 | tee "$OUT/tests.log"
     # the gpu tests must have run, not been skipped for want of a device
     ! grep -q "SKIPPED.*\(no CUDA device\|no CUDA library\)" "$OUT/tests.log"
     ;;
+all)
+    start=$(date +%s)
+    log() { echo "[$(( $(date +%s) - start )) s] $*" | tee -a "$OUT/progress.txt"; }
+    : > "$OUT/progress.txt"
+    log "build"
+    if timeout 180 "$0" build; then log "build done"; else log "build failed or cut short (rc $?)"; exit 1; fi
+    log "tests"
+    if timeout 180 "$0" tests > "$OUT/tests.out" 2>&1; then log "tests: $(tail -1 "$OUT/tests.log")"
+    else log "tests FAILED or cut short (rc $?): $(tail -1 "$OUT/tests.log" 2>/dev/null || true)"; fi
+    left=$(( 570 - ($(date +%s) - start) ))
+    log "speed, $left s left"
+    if timeout "$left" "$0" speed > "$OUT/speed.out" 2>&1; then log "speed done"; else log "speed cut short or failed (rc $?)"; fi
+    cat "$OUT/speed-steps.txt" "$OUT/speed.txt" 2>/dev/null | tee -a "$OUT/progress.txt" || true
+    ;;
 speed)
     setup_device_machine
     W=/tmp/gpu_speed
+    layers="${LAYERS:-4}"
     mkdir -p "$W"
-    [ -f "$W/relu7b/config.json" ] || python3 scripts/synthetic_llama.py model --shape 7b --out "$W/relu7b"
-    [ -d "$W/prof" ] || python3 scripts/synthetic_llama.py profile --shape 7b --out "$W/prof"
-    [ -d "$W/pred" ] || python3 scripts/synthetic_llama.py predictors --shape 7b --sparsity 0.9 --out "$W/pred"
-    threads="${THREADS:-8}"
-    common=(bench -m "$W/relu7b" --outtype q4_0 --predictors "$W/pred" --profile "$W/prof" --modes dense,predictor
-            --peers '' --repeats 3 --n-prompt 128 --n-gen 64 -t "$threads" --work-dir "$W/bench" -q)
-    python3 -m powerinfer_tools "${common[@]}" --gpu off --json "$OUT/bench-cpu.json" --markdown "$OUT/bench-cpu.md"
-    for budget in 4 8; do
-        python3 -m powerinfer_tools "${common[@]}" --gpu on --vram-budget "$budget" \
-            --json "$OUT/bench-gpu$budget.json" --markdown "$OUT/bench-gpu$budget.md"
+    t0=$(date +%s)
+    m="$W/relu7b-$layers" prof="$W/prof-$layers" pred="$W/pred-$layers"
+    [ -f "$m/config.json" ] || python3 scripts/synthetic_llama.py model --shape 7b --layers "$layers" --out "$m"
+    [ -d "$prof" ] || python3 scripts/synthetic_llama.py profile --shape 7b --layers "$layers" --out "$prof"
+    [ -d "$pred" ] || python3 scripts/synthetic_llama.py predictors --shape 7b --layers "$layers" --sparsity 0.9 --out "$pred"
+    echo "model, profile and predictors: $(( $(date +%s) - t0 )) s" | tee "$OUT/speed-steps.txt"
+    # the 7B's budgets for the layers built: plan's reserve and the output head (a third of a GiB at the 7B's
+    # q4_0) whole, the rest scaled by layers/32
+    b4=$(python3 -c "print(round(0.33 + (4 - 0.33) * $layers / 32, 3))")
+    b8=$(python3 -c "print(round(0.33 + (8 - 0.33) * $layers / 32, 3))")
+    common=(bench -m "$m" --outtype q4_0 --predictors "$pred" --profile "$prof" --modes "${MODES:-predictor}"
+            --peers '' --repeats "${REPEATS:-1}" --n-prompt 64 --n-gen 32 -t "${THREADS:-8}" --work-dir "$W/bench" -q)
+    for run in "cpu --gpu off" "gpu4 --gpu on --vram-budget $b4" "gpu8 --gpu on --vram-budget $b8" \
+               "gpu8-ffn-only --gpu on --vram-budget $b8 --gpu-ffn-only"; do
+        read -r name flags <<< "$run"
+        t0=$(date +%s)
+        # shellcheck disable=SC2086  # the flags split on purpose
+        python3 -m powerinfer_tools "${common[@]}" $flags --json "$OUT/bench-$name.json" --markdown "$OUT/bench-$name.md" \
+            && echo "$name: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/speed-steps.txt" \
+            || echo "$name: FAILED after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/speed-steps.txt"
+        python3 scripts/gpu_speed_table.py "$OUT" "$layers" > "$OUT/speed.txt"  # what is finished, after each run
     done
-    python3 - "$OUT" <<'EOF'
-import json, sys
-from pathlib import Path
-out = Path(sys.argv[1])
-for name in ("cpu", "gpu4", "gpu8"):
-    rec = json.loads((out / f"bench-{name}.json").read_text())
-    gpu = rec["engine"]["gpu"]
-    where = (f"{gpu['device']['layers_on_device']}/{gpu['device']['hot_layers']} layers' hot tier on the GPU"
-             if gpu["used"] else f"CPU ({gpu['reason']})")
-    for run in rec["runs"]:
-        if run["label"].startswith("ours"):
-            pp, tg = run.get("pp", {}).get("median"), run["tg"]["median"]
-            print(f"{name:5s} {run['label']:16s} pp {pp:8.2f} t/s  tg {tg:7.2f} t/s  {where}")
-EOF
+    cat "$OUT/speed.txt"
     ;;
 sparsify)
     setup_device_machine
@@ -126,7 +155,7 @@ print(f"peak device memory: {peak / 2**30:.1f} GiB" if peak else "peak device me
 EOF
     ;;
 *)
-    sed -n 2,23p "$0"
+    sed -n 2,34p "$0"
     exit 2
     ;;
 esac

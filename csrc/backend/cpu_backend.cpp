@@ -5,6 +5,7 @@
 #include <cstring>
 #include <numeric>
 
+#include "backend/down_runs.h"
 #include "engine/work.h"
 #include "runtime/common.h"
 
@@ -83,7 +84,7 @@ double CpuTierBackend::scratch_bytes(const HParams &hp, int64_t rows, int64_t n_
                                      int64_t max_rank) {
     const double F = double(rows), E = double(hp.n_embd), B = double(n_batch), T = double(threads);
     const double R = double(std::max<int64_t>(max_rank, 1));
-    const double floats = B * (3 * F + 2 * kPackRows + R) + F + (F / double(kRowsPerRun) + 2) * E +
+    const double floats = B * (3 * F + 2 * kPackRows + R) + F + (F / double(kDownRunRows) + 1) * E +
                           T * double(kPanelRows) * (E + double(kPanelTokens));
     return 4 * floats + B * F * 3 + F * (1 + 4 + 8) + T * (pack_scratch_bytes(E) + sizeof(ChunkList)) +
            (B * R / QK + E / QK) * double(sizeof(BlockQ8_0));
@@ -107,7 +108,7 @@ void CpuTierBackend::upload(int64_t il, const Layer &layer, const FfnTier &tier)
     rows_.assign(size_t(F), 0);
     down_rows_.assign(size_t(F), nullptr);
     down_coef_.assign(size_t(F), 0.0f);
-    down_partial_.assign(size_t(rows_partial_floats(F, E)), 0.0f);
+    down_partial_.assign(size_t(down_run_count(F) * E), 0.0f);
     chunk_lists_.assign(size_t(threads), ChunkList{});
     panel_w_.assign(size_t(threads * kPanelRows * E), 0.0f);
     panel_h_.assign(size_t(threads * kPanelTokens * kPanelRows), 0.0f);
@@ -552,23 +553,31 @@ CpuTierBackend::Tally CpuTierBackend::grouped_token(const Pass &p, int64_t t, in
 
 // ---- down ------------------------------------------------------------------------------------------------
 
+// The rows used with a nonzero coefficient: the integer axpy_rows rounds each group of rows against its largest
+// (kernels/axpy_int.h), so leaving exact zeros out gives every mode that computes the same neurons (dense, gate,
+// oracle) the same groups, and the same bits.
 int64_t CpuTierBackend::list_used_rows(const FfnTier &T, const int32_t *list, int64_t count, int64_t at) {
     int64_t used = 0;
     for (int64_t i = 0; i < count; ++i) {  // without branches
         const int64_t r = list[i];
         down_rows_[size_t(at + used)] = T.row(T.down_t, r);
         down_coef_[size_t(at + used)] = h_[size_t(r)];
-        used += mask_[size_t(r)] == 2;
+        used += (mask_[size_t(r)] == 2) & (h_[size_t(r)] != 0.0f);
     }
     return used;
 }
 
-// One token: the used rows (listed by the fused chunks, else in one pass) through rows_product (fixed runs, their
-// partials summed in run order: the same sums whatever the thread count).
+// One token: the used rows (listed by the fused chunks, else in one pass) in the runs of down_runs.h, each on a
+// thread: the same sums whatever the thread count or which thread ran which run.
 void CpuTierBackend::down_decode(const Pass &p) {
+    const TypeKernels &kd = ks_.for_type(p.T.down_t.type);
     const int64_t n_used = p.fused ? n_used_ : list_used_rows(p.T, rows_.data(), n_rows_, 0);
-    const RowsTarget down{p.T.down_t.type, p.E, 0, down_rows_.data(), down_coef_.data(), n_used, p.job.y};
-    rows_product(ks_, pool_, &down, 1, down_partial_.data());
+    const int64_t n_runs = down_run_count(n_used);
+    auto run_rows = [&](int run, int, int) {
+        down_run(kd, p.E, n_used, down_rows_.data(), down_coef_.data(), run, down_partial_.data() + run * p.E);
+    };
+    pool_.run(int(n_runs), run_rows);
+    sum_down_runs(p.E, n_runs, down_partial_.data(), p.job.y);
 }
 
 // A batch: each thread owns a slice of the columns. The used rows go in panels of kPanelRows, widened to floats

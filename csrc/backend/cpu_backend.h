@@ -116,7 +116,7 @@ private:
     int64_t n_used_ = 0;                  // down_t rows the chunks listed, moved together (down_rows_, down_coef_)
     std::vector<const void *> down_rows_;  // [ld_] down_t rows used by the one token of a decode step
     std::vector<float> down_coef_;         // [ld_] their coefficients h
-    std::vector<float> down_partial_;      // [ld_ / 256 runs][n_embd] partial sums of those rows
+    std::vector<float> down_partial_;      // [runs of down_runs.h][n_embd] partial sums of those rows
     std::atomic<int64_t> n_active_{0}, n_computed_{0};
     TierCounts counts_;
 };

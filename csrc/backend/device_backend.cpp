@@ -19,11 +19,6 @@ std::string gib(double bytes) {
     return b;
 }
 
-int32_t device_activation(const HParams &hp) {
-    return hp.activation == Activation::Silu ? PI_DEVICE_ACT_SILU
-           : hp.activation == Activation::DRelu ? PI_DEVICE_ACT_DRELU : PI_DEVICE_ACT_RELU;
-}
-
 std::vector<float> gather_bias(const Matrix &b, const std::vector<int32_t> &ids) {
     std::vector<float> out;
     if (!b.data) return out;
@@ -33,23 +28,11 @@ std::vector<float> gather_bias(const Matrix &b, const std::vector<int32_t> &ids)
 
 }  // namespace
 
-double DeviceTierBackend::layer_bytes(const HParams &hp, const Layer &L, const FfnTier &T) {
-    const double n = double(T.size());
-    double row = double(L.gate.row_bytes + L.down_t.row_bytes) + (hp.gated ? double(L.up.row_bytes) : 0.0);
-    if (L.gate_b.data) row += 4;
-    if (hp.gated && L.up_b.data) row += 4;
-    return n * row;
-}
-
-double DeviceTierBackend::scratch_bytes(const HParams &hp, int64_t n_batch, int64_t rows) {
-    const double E = double(hp.n_embd), B = double(n_batch);
-    return B * E * 4 * 2 + B * (E / QK) * sizeof(BlockQ8_0) + B * double(rows) * 4 + 16;
-}
-
 DeviceTierBackend::DeviceTierBackend(const pi_device_api &api, const std::string &library, int32_t device,
-                                     int64_t budget_bytes, const HParams &hp, const KernelSet &ks, ThreadPool &pool,
-                                     int64_t n_batch, int64_t max_rank, int64_t largest_tier)
-    : api_(api), hp_(hp), cpu_(hp, ks, pool, n_batch, max_rank, true), on_device_(size_t(hp.n_layer), 0) {
+                                     int64_t budget_bytes, const Model &model, const KernelSet &ks, ThreadPool &pool,
+                                     int64_t n_batch, int64_t n_ctx, bool kv_f16, bool with_attention,
+                                     int64_t max_rank, int64_t largest_tier)
+    : api_(api), hp_(model.hp()), cpu_(model.hp(), ks, pool, n_batch, max_rank, true), n_batch_(n_batch), n_ctx_(n_ctx), kv_f16_(kv_f16) {
     use_.library = library;
     use_.device = device;
     uint64_t free = 0, total = 0;
@@ -63,13 +46,40 @@ DeviceTierBackend::DeviceTierBackend(const pi_device_api &api, const std::string
         fail(PI_ERR_MEMORY, "a VRAM budget of " + gib(double(budget_bytes)) + " is more than the " + gib(double(free)) +
                                 " free on device " + std::to_string(device) + " (" + device_name + ")");
     use_.budget_bytes = budget_bytes > 0 ? double(budget_bytes) : std::max(0.0, double(free) - default_reserve(double(total)));
-    room_ = use_.budget_bytes - scratch_bytes(hp, n_batch, largest_tier);
-    const pi_device_tier_desc desc{device, int32_t(hp.n_embd), int32_t(hp.n_layer), int32_t(n_batch),
-                                   device_activation(hp), hp.gated ? 1 : 0};
-    if (room_ > 0) {
-        tier_ = api_.tier_create(&desc, err_, sizeof err_);
-        if (!tier_) fail(PI_ERR_MEMORY, error("setting up the hot tier"));
+    const pi_device_tier_desc desc = device_tier_desc(hp_, device, n_batch, n_ctx, kv_f16, nullptr, nullptr);
+    use_.placement = place_on_device(desc, model, use_.budget_bytes, with_attention, largest_tier);
+}
+
+void DeviceTierBackend::begin(const Model &model, const float *rope_cos, const float *rope_sin) {
+    const DevicePlacement &p = use_.placement;
+    const std::vector<Layer> &layers = model.layers();
+    if (!p.head && p.attention_layers() == 0 && p.hot_layers() == 0) return;  // the budget holds nothing: no tier
+    const pi_device_tier_desc desc = device_tier_desc(hp_, use_.device, n_batch_, n_ctx_, kv_f16_, rope_cos, rope_sin);
+    tier_ = api_.tier_create(&desc, err_, sizeof err_);
+    if (!tier_) fail(PI_ERR_MEMORY, error("setting up the tier"));
+    const pi_device_head h = device_head(model);
+    if (p.head && api_.head_upload(tier_, &h, err_, sizeof err_)) fail(PI_ERR_MEMORY, error("uploading the output head"));
+    for (size_t il = 0; il < layers.size(); ++il) {
+        if (!p.attention[il]) continue;
+        const pi_device_attention a = device_attention(layers[il]);
+        if (api_.attention_upload(tier_, &a, int32_t(il), err_, sizeof err_))
+            fail(PI_ERR_MEMORY, error(("uploading layer " + std::to_string(il) + "'s attention").c_str()));
     }
+    use_.device_bytes = double(api_.tier_bytes(tier_));
+}
+
+void DeviceTierBackend::head(int64_t n_tok, const float *x, float *logits, int64_t ld) {
+    const pi_device_head_job job{int32_t(n_tok), x, logits, ld};
+    pi_device_counts dc{};
+    if (api_.head_run(tier_, &job, &dc, err_, sizeof err_)) fail(PI_ERR_INTERNAL, error("running the output head"));
+    use_.take(dc, &use_.head_jobs, &use_.head_seconds);
+}
+
+void DeviceTierBackend::attend(int64_t il, int64_t n_tok, int64_t n_past, const float *x, float *out) {
+    const pi_device_attention_job job{int32_t(il), int32_t(n_tok), int32_t(n_past), x, out};
+    pi_device_counts dc{};
+    if (api_.attention_run(tier_, &job, &dc, err_, sizeof err_)) fail(PI_ERR_INTERNAL, error("running attention"));
+    use_.take(dc, &use_.attention_jobs, &use_.attention_seconds);
 }
 
 DeviceTierBackend::~DeviceTierBackend() {
@@ -81,27 +91,21 @@ std::string DeviceTierBackend::error(const char *what) const {
 }
 
 double DeviceTierBackend::host_bytes(const std::vector<Layer> &layers) const {
-    double room = tier_ ? room_ : -1, staging = 0, on_cpu = 0;
-    for (const Layer &L : layers) {
+    double staging = 0, on_cpu = 0;
+    for (size_t il = 0; il < layers.size(); ++il) {
+        const Layer &L = layers[il];
         if (L.hot.size() == 0) continue;
-        const double need = layer_bytes(hp_, L, L.hot), copy = L.hot.copy_bytes(hp_.gated);
-        if (need > room) {
-            on_cpu += copy;
-            room = -1;
-        } else {
-            staging = std::max(staging, copy);
-            room -= need;
-        }
+        const double copy = L.hot.copy_bytes(hp_.gated);
+        if (use_.placement.hot[il]) staging = std::max(staging, copy);
+        else on_cpu += copy;
     }
     return staging + on_cpu;
 }
 
 void DeviceTierBackend::upload(int64_t il, const Layer &L, const FfnTier &T) {
     use_.hot_layers += 1;
-    const double need = layer_bytes(hp_, L, T);
-    if (!tier_ || need > room_) {  // past the budget: this layer's hot tier stays on the CPU
+    if (!tier_ || !use_.placement.hot[size_t(il)]) {  // past the budget: this layer's hot tier stays on the CPU
         cpu_.upload(il, L, T);
-        room_ = -1;  // and every later one: the device holds a prefix of the layers
         return;
     }
     const std::vector<uint8_t> gate = gather_rows(L.gate, T.ids), up = hp_.gated ? gather_rows(L.up, T.ids) : std::vector<uint8_t>(),
@@ -112,14 +116,12 @@ void DeviceTierBackend::upload(int64_t il, const Layer &L, const FfnTier &T) {
                                up_b.empty() ? nullptr : up_b.data(), L.act_threshold};
     if (api_.tier_upload(tier_, &rows, int32_t(il), err_, sizeof err_))
         fail(PI_ERR_MEMORY, error(("uploading layer " + std::to_string(il)).c_str()));
-    on_device_[size_t(il)] = 1;
-    room_ -= need;
     use_.layers_on_device += 1;
     use_.device_bytes = double(api_.tier_bytes(tier_));
 }
 
 void DeviceTierBackend::submit(const TierJob &job) {
-    job_on_device_ = on_device_[size_t(job.layer)] != 0;
+    job_on_device_ = tier_ && use_.placement.hot[size_t(job.layer)] != 0;
     if (!job_on_device_) return cpu_.submit(job);
     const pi_device_job dj{int32_t(job.layer), int32_t(job.n_tok), job.mode == TierMode::Dense ? 1 : 0, job.xn->f,
                            job.xn->q_ready ? job.xn->q : nullptr, job.y};

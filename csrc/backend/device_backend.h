@@ -1,7 +1,9 @@
-// The device tier backend: the hot tier's layers on a GPU through a device library (pi_device.h), as many as the
-// VRAM budget holds, in layer order; the layers past it keep their hot tier on the CPU backend (docs/engine.md,
-// "The GPU tier"). A job on the device runs while the engine's threads compute the cold tier: submit hands it
-// to the device's stream and returns, wait collects its output.
+// The device tier backend: what a GPU holds of the model through a device library (pi_device.h), as the VRAM budget
+// places it (backend/device_placement.h): the attention blocks and KV caches of a prefix of the layers, which the
+// engine's forward pass hands to attend(), and the hot tier's rows of a prefix of the layers; the layers past the
+// budget keep their hot tier on the CPU backend (docs/engine.md, "The GPU tier"). A hot tier's job on the device
+// runs while the engine's threads compute the cold tier: submit hands it to the device's stream and returns, wait
+// collects its output.
 #pragma once
 
 #include <cstdint>
@@ -10,6 +12,7 @@
 #include <vector>
 
 #include "backend/cpu_backend.h"
+#include "backend/device_placement.h"
 #include "backend/tier_backend.h"
 #include "pi_device.h"
 
@@ -20,19 +23,34 @@ struct DeviceUse {
     std::string library, device_name;
     int32_t device = 0;
     double free_bytes = 0, total_bytes = 0, budget_bytes = 0;
-    int64_t layers_on_device = 0, hot_layers = 0;
-    double device_bytes = 0;  // what the device library allocated (weights and scratch)
+    int64_t layers_on_device = 0, hot_layers = 0;  // layers whose hot rows are on the device; layers with a hot tier
+    DevicePlacement placement;
+    double device_bytes = 0;  // what the device library allocated (weights, KV caches and scratch)
     double jobs = 0, tokens = 0, h2d_bytes = 0, d2h_bytes = 0;
-    double device_seconds = 0;  // the jobs' time on the device, input copy to output copy
+    double device_seconds = 0;  // the hot tier's jobs' time on the device, input copy to output copy
     double wait_seconds = 0;    // time the engine waited for the device after computing the cold tier
+    // attention blocks run on the device: how many, their traffic (in h2d_bytes and d2h_bytes too) and time
+    double attention_jobs = 0, attention_seconds = 0;
+    double head_jobs = 0, head_seconds = 0;  // the output head's, likewise
+
+    // A synchronous job's counts into its kind's (attention's, the head's) and the traffic.
+    void take(const pi_device_counts &c, double *kind_jobs, double *kind_seconds) {
+        *kind_jobs += 1;
+        *kind_seconds += c.seconds;
+        h2d_bytes += c.h2d_bytes;
+        d2h_bytes += c.d2h_bytes;
+    }
 };
 
 class DeviceTierBackend : public TierBackend {
 public:
     // budget_bytes <= 0: the device's free memory less a reserve for its runtime. A budget above the free
-    // memory is refused (PI_ERR_MEMORY). cpu_* configure the CPU backend of the layers past the budget.
+    // memory is refused (PI_ERR_MEMORY). The placement is decided here; begin() uploads the attention blocks and
+    // upload() the hot rows. cpu_* configure the CPU backend of the layers past the budget. with_attention: false
+    // keeps every layer's attention on the CPU.
     DeviceTierBackend(const pi_device_api &api, const std::string &library, int32_t device, int64_t budget_bytes,
-                      const HParams &hp, const KernelSet &ks, ThreadPool &pool, int64_t n_batch, int64_t max_rank,
+                      const Model &model, const KernelSet &ks, ThreadPool &pool,
+                      int64_t n_batch, int64_t n_ctx, bool kv_f16, bool with_attention, int64_t max_rank,
                       int64_t largest_tier);
     ~DeviceTierBackend() override;
     const char *name() const override { return api_.name; }
@@ -42,13 +60,20 @@ public:
     double weight_bytes() const override { return cpu_.weight_bytes(); }  // host copies: the CPU layers'
     const DeviceUse &use() const { return use_; }
 
-    // Host bytes upload will take for `layers`, by its rule (a prefix of the layers within the budget): the
-    // largest layer's rows gathered on their way to the device, and the copies of the layers past the budget.
-    double host_bytes(const std::vector<Layer> &layers) const;
+    // Creates the device's tier (RoPE's tables: RunState's) and uploads the output head and the placed layers'
+    // attention blocks.
+    void begin(const Model &model, const float *rope_cos, const float *rope_sin);
+    // Whether the output head runs on the device; and running it: logits (rows ld apart) of n_tok rows x.
+    bool heads() const { return tier_ && use_.placement.head; }
+    void head(int64_t n_tok, const float *x, float *logits, int64_t ld);
+    // Whether layer il's attention runs on the device; and running it: the block's output for the batch's input x
+    // at positions n_past .. n_past + n_tok - 1, into out (the layer's KV cache on the device takes the batch's).
+    bool attends(int64_t il) const { return tier_ && use_.placement.attention[size_t(il)] != 0; }
+    void attend(int64_t il, int64_t n_tok, int64_t n_past, const float *x, float *out);
 
-    // Device bytes of a layer's hot rows (and biases) and of a tier's scratch for `rows` neurons per layer.
-    static double layer_bytes(const HParams &hp, const Layer &layer, const FfnTier &tier);
-    static double scratch_bytes(const HParams &hp, int64_t n_batch, int64_t rows);
+    // Host bytes upload will take for `layers`, by the placement: the largest layer's rows gathered on their way
+    // to the device, and the copies of the layers past the budget.
+    double host_bytes(const std::vector<Layer> &layers) const;
 
 private:
     std::string error(const char *what) const;
@@ -57,8 +82,8 @@ private:
     const HParams hp_;
     pi_device_tier *tier_ = nullptr;
     CpuTierBackend cpu_;
-    std::vector<uint8_t> on_device_;  // by layer
-    double room_ = 0;                 // budget left for layers
+    const int64_t n_batch_, n_ctx_;
+    const bool kv_f16_;
     bool job_on_device_ = false;
     mutable char err_[512] = {};
     DeviceUse use_;

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "backend/activation_rule.h"
+#include "backend/down_runs.h"
 
 namespace pi {
 
@@ -49,9 +50,14 @@ void ReferenceTierBackend::compute(const TierJob &job) {
     const TypeKernels &kg = ks.for_type(L.gate.type), &ku = ks.for_type(L.up.type), &kd = ks.for_type(L.down_t.type);
     const int64_t E = hp_.n_embd, n = rows.tier->size();
     const bool dense = job.mode == TierMode::Dense;
+    // one token: the used rows with nonzero values listed, then summed in the CPU backend's runs (down_runs.h)
+    std::vector<const void *> used_rows;
+    std::vector<float> used_coef, partials;
     for (int64_t t = 0; t < job.n_tok; ++t) {
         float *y = job.y + t * E;
         std::fill(y, y + E, 0.0f);
+        used_rows.clear();
+        used_coef.clear();
         for (int64_t r = 0; r < n; ++r) {
             float g = kg.dot(int(E), rows.gate.data() + size_t(r) * L.gate.row_bytes, job.xn->at(t, L.gate.type));
             rule.activate(&g, 1, [&](int64_t) { return r; });
@@ -66,7 +72,20 @@ void ReferenceTierBackend::compute(const TierJob &job) {
             counts_.active += pass;
             if (!(dense || pass)) continue;
             counts_.computed += 1;
-            kd.axpy(int(E), h, rows.down_t.data() + size_t(r) * L.down_t.row_bytes, y);
+            const uint8_t *row = rows.down_t.data() + size_t(r) * L.down_t.row_bytes;
+            if (job.n_tok > 1) {
+                kd.axpy(int(E), h, row, y);
+            } else if (h != 0.0f) {
+                used_rows.push_back(row);
+                used_coef.push_back(h);
+            }
+        }
+        if (job.n_tok == 1) {
+            const int64_t n_used = int64_t(used_rows.size()), n_runs = down_run_count(n_used);
+            partials.resize(size_t(n_runs * E));
+            for (int64_t run = 0; run < n_runs; ++run)
+                down_run(kd, E, n_used, used_rows.data(), used_coef.data(), run, partials.data() + run * E);
+            sum_down_runs(E, n_runs, partials.data(), y);
         }
     }
     counts_.gate_up_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -1,8 +1,9 @@
 // A second tier backend, for tests: the tier computed one token and neuron at a time by the scalar reference
-// kernels (dot and axpy, no packed groups, no gathered rows), from its own copy of the tier's rows, on a thread
-// of its own that runs while the engine computes the other tier. Selected through the testing API
-// (pi_engine_testing.h) for the hot tier; its logits agree with the CPU backend's within rounding (its sums run
-// in another order), which checks that the FFN reaches a tier only through TierBackend.
+// kernels (dot and axpy, no packed groups, no gathered rows; a decode step's down projection in the runs of
+// down_runs.h), from its own copy of the tier's rows, on a thread of its own that runs while the engine computes
+// the other tier. Selected through the testing API (pi_engine_testing.h) for the hot tier; its logits agree with
+// the CPU backend's within rounding (its dot products run in another order), which checks that the FFN reaches a
+// tier only through TierBackend.
 #pragma once
 
 #include <thread>

@@ -1,8 +1,8 @@
 // A device library that emulates one in host memory: the tests' stand-in for the CUDA library (pi_device.h), so
 // that everything on the engine's side of the boundary (loading the library, the VRAM budget, which layers go to
-// the device, the traffic counted, concurrency with the cold tier) runs on a machine without a GPU. It computes
-// with the same arithmetic as the CUDA kernels (tier_math.h), one token and neuron at a time, on a thread of its
-// own. Its device's memory is PI_EMULATED_DEVICE_MIB MiB (default 1024) and PI_EMULATED_DEVICES=0 makes it
+// the device, the traffic counted, concurrency with the cold tier, the KV cache held on the device) runs on a
+// machine without a GPU. It computes with the same arithmetic as the CUDA kernels (tier_math.h,
+// attention_math.h), one token, neuron and head at a time; the hot tier's jobs on a thread of its own. Its device's memory is PI_EMULATED_DEVICE_MIB MiB (default 1024) and PI_EMULATED_DEVICES=0 makes it
 // report none.
 #include <algorithm>
 #include <atomic>
@@ -14,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include "device/attention_math.h"
 #include "device/tier_math.h"
 #include "pi_device.h"
 
@@ -45,9 +46,19 @@ struct pi_device_tier {
         bool uploaded = false, quantized = false;
         std::vector<uint8_t> block;
     };
+    struct Attention {
+        pi_device_attention view{};  // its pointers into `block`
+        bool uploaded = false;
+        std::vector<uint8_t> block;
+        uint8_t *k_cache = nullptr, *v_cache = nullptr;
+    };
     pi_device_tier_desc desc;
     std::vector<Rows> layers;
-    uint64_t bytes = 0;
+    std::vector<Attention> attention;
+    std::vector<float> rope_cos, rope_sin;
+    std::vector<uint8_t> head_block;  // the output head, where uploaded
+    pi_device_head head_view{};
+    uint64_t bytes = 0, bytes_attention_scratch = 0;
     std::thread worker;
     pi_device_job job{};
     pi_device_counts counts{};
@@ -62,6 +73,9 @@ struct pi_device_tier {
                        db = device::row_bytes(L.down_type, E);
         const uint8_t *gate = static_cast<const uint8_t *>(L.gate), *up = static_cast<const uint8_t *>(L.up),
                       *down = static_cast<const uint8_t *>(L.down_t);
+        // a decode step over q4_0 down rows: the CPU tier's integer sums, from every neuron's h (0 if skipped)
+        const bool int_down = job.n_tok == 1 && L.down_type == TYPE_Q4_0;
+        std::vector<float> hs(int_down ? size_t(L.n_rows) : 0, 0.0f);
         for (int64_t t = 0; t < job.n_tok; ++t) {
             const float *x = job.x + t * E;
             const BlockQ8_0 *xq = job.x_q8 ? static_cast<const BlockQ8_0 *>(job.x_q8) + t * nb : nullptr;
@@ -79,8 +93,101 @@ struct pi_device_tier {
                 counts.active += pass;
                 if (!(job.dense || pass)) continue;
                 counts.computed += 1;
-                for (int64_t e = 0; e < E; ++e) y[e] += h * device::element(L.down_type, down + r * db, e);
+                if (int_down) hs[size_t(r)] = h;
+                else
+                    for (int64_t e = 0; e < E; ++e) y[e] += h * device::element(L.down_type, down + r * db, e);
             }
+            if (int_down)
+                for (int64_t e = 0; e < E; ++e) y[e] = device::down_element_q4_0(down, db, hs.data(), L.n_rows, e);
+        }
+    }
+
+    // y[r] = m's row r . x (+ its bias) for one token, x's q8_0 blocks made where m's type reads them
+    static void project(const pi_device_matrix &m, const float *x, float *y) {
+        std::vector<BlockQ8_0> xq;
+        if (device::quantized(m)) {
+            xq.resize(size_t(m.cols / QK));
+            for (int64_t k = 0; k < m.cols / QK; ++k) device::quantize_block(x + k * QK, &xq[size_t(k)]);
+        }
+        for (int64_t r = 0; r < m.rows; ++r)
+            y[r] = device::row_dot(m, r, x, xq.data(), 0, 1) + (m.bias ? m.bias[r] : 0.0f);
+    }
+
+    // one row's norm (an attention block's or the output's)
+    void normalize(const float *x, const float *w, const float *b, float *out) const {
+        const int64_t E = desc.n_embd;
+        double mean = 0, ss = 0;
+        if (desc.norm == PI_DEVICE_NORM_LAYER) {
+            for (int64_t i = 0; i < E; ++i) mean += double(x[i]);
+            mean /= double(E);
+        }
+        for (int64_t i = 0; i < E; ++i) ss += (double(x[i]) - mean) * (double(x[i]) - mean);
+        const float scale = device::norm_scale(ss, E, desc.norm_eps);
+        for (int64_t i = 0; i < E; ++i) out[i] = device::norm_element(desc.norm, x[i], mean, scale, w[i], b ? b[i] : 0.0f);
+    }
+
+    void head(const pi_device_head_job &j) const {
+        std::vector<float> xn(static_cast<size_t>(desc.n_embd));
+        for (int64_t t = 0; t < j.n_tok; ++t) {
+            normalize(j.x + t * desc.n_embd, head_view.norm_w, head_view.norm_b, xn.data());
+            project(head_view.out, xn.data(), j.logits + t * j.ld_logits);
+        }
+    }
+
+    void attend(const pi_device_attention_job &j) const {
+        const Attention &A = attention[size_t(j.layer)];
+        const pi_device_attention &a = A.view;
+        const pi_device_tier_desc &d = desc;
+        const int64_t E = d.n_embd, D = d.d_head, H = d.n_head, HKV = d.n_head_kv, Q = H * D, KV = HKV * D;
+        const int64_t half = d.n_rot / 2, group = H / HKV;
+        const bool f16 = d.kv_f16 != 0;
+        std::vector<float> xn(static_cast<size_t>(E)), q(static_cast<size_t>(j.n_tok * Q)), k(static_cast<size_t>(KV)),
+            v(static_cast<size_t>(KV)), att(static_cast<size_t>(Q)), scores(static_cast<size_t>(j.n_past + j.n_tok));
+        for (int64_t t = 0; t < j.n_tok; ++t) {  // norm, q/k/v, RoPE; the keys and values into the cache
+            normalize(j.x + t * E, a.norm_w, a.norm_b, xn.data());
+            float *qt = q.data() + t * Q;
+            project(a.q, xn.data(), qt);
+            project(a.k, xn.data(), k.data());
+            project(a.v, xn.data(), v.data());
+            const int64_t pos = j.n_past + t;
+            if (d.rope != PI_DEVICE_ROPE_NONE) {
+                const float *c = rope_cos.data() + pos * half, *sn = rope_sin.data() + pos * half;
+                for (int64_t i = 0; i < half; ++i) {
+                    int64_t i0, i1;
+                    device::rope_pair(d.rope, i, half, &i0, &i1);
+                    for (int64_t h = 0; h < H; ++h) device::rotate(qt + h * D, i0, i1, c[i], sn[i]);
+                    for (int64_t h = 0; h < HKV; ++h) device::rotate(k.data() + h * D, i0, i1, c[i], sn[i]);
+                }
+            }
+            for (int64_t h = 0; h < HKV; ++h)
+                for (int64_t i = 0; i < D; ++i) {
+                    device::kv_put(A.k_cache, f16, device::kv_index(d, pos, h, i), k[size_t(h * D + i)]);
+                    device::kv_put(A.v_cache, f16, device::kv_index(d, pos, h, i), v[size_t(h * D + i)]);
+                }
+        }
+        const float inv_sqrt_d = 1.0f / std::sqrt(float(D));
+        for (int64_t t = 0; t < j.n_tok; ++t) {  // each head over positions 0 .. its token's, then o
+            const int64_t n_keys = j.n_past + t + 1;
+            for (int64_t h = 0; h < H; ++h) {
+                const float *qh = q.data() + t * Q + h * D;
+                const int64_t kvh = h / group;
+                float mx = -INFINITY;
+                for (int64_t p = 0; p < n_keys; ++p) {
+                    float s = 0;
+                    for (int64_t i = 0; i < D; ++i) s += qh[i] * device::kv_get(A.k_cache, f16, device::kv_index(d, p, kvh, i));
+                    scores[size_t(p)] = s * inv_sqrt_d;
+                    mx = std::max(mx, scores[size_t(p)]);
+                }
+                float sum = 0;
+                for (int64_t p = 0; p < n_keys; ++p) sum += (scores[size_t(p)] = exp_ref(scores[size_t(p)] - mx));
+                float *out = att.data() + h * D;
+                std::fill(out, out + D, 0.0f);
+                for (int64_t p = 0; p < n_keys; ++p) {
+                    const float w = scores[size_t(p)] / sum;
+                    for (int64_t i = 0; i < D; ++i) out[i] += w * device::kv_get(A.v_cache, f16, device::kv_index(d, p, kvh, i));
+                }
+            }
+            project(a.o, att.data(), j.out + t * E);
         }
     }
 };
@@ -112,6 +219,14 @@ pi_device_tier *tier_create(const pi_device_tier_desc *desc, char *err, size_t l
     pi_device_tier *t = new pi_device_tier;
     t->desc = *desc;
     t->layers.resize(size_t(desc->n_layer));
+    t->attention.resize(size_t(desc->n_layer));
+    if (desc->rope_cos && desc->rope_sin && desc->n_ctx > 0 && desc->n_rot > 0) {
+        const size_t n = size_t(desc->n_ctx) * size_t(desc->n_rot / 2);
+        t->rope_cos.assign(desc->rope_cos, desc->rope_cos + n);
+        t->rope_sin.assign(desc->rope_sin, desc->rope_sin + n);
+    }
+    t->desc.rope_cos = t->rope_cos.empty() ? nullptr : t->rope_cos.data();
+    t->desc.rope_sin = t->rope_sin.empty() ? nullptr : t->rope_sin.data();
     return t;
 }
 
@@ -170,6 +285,84 @@ int32_t tier_wait(pi_device_tier *t, pi_device_counts *counts, char *err, size_t
     return 0;
 }
 
+int32_t attention_upload(pi_device_tier *t, const pi_device_attention *a, int32_t layer, char *err, size_t len) {
+    if (!t || !a || layer < 0 || layer >= t->desc.n_layer) return say(err, len, "bad attention upload");
+    if (const char *why = device::refuse_attention(*a, t->desc)) return say(err, len, std::string("cannot upload ") + why);
+    if (t->desc.rope != PI_DEVICE_ROPE_NONE && t->rope_cos.empty()) return say(err, len, "a tier made without RoPE's tables");
+    pi_device_tier::Attention &A = t->attention[size_t(layer)];
+    if (A.uploaded) return say(err, len, "layer " + std::to_string(layer) + "'s attention was uploaded already");
+    const device::AttentionLayout layout(*a, t->desc);
+    // the scratch (attention_math.h) with the first layer, as the CUDA library allocates it
+    const uint64_t scratch = t->bytes_attention_scratch ? 0 : uint64_t(device::attention_scratch_bytes(t->desc));
+    if (g_used + layout.bytes + scratch > capacity())
+        return say(err, len, "out of emulated device memory uploading layer " + std::to_string(layer) + "'s attention");
+    A.block.assign(layout.bytes, 0);
+    uint8_t *base = A.block.data();
+    layout.fill(*a, t->desc, [&](size_t at, const void *src, size_t n_bytes) {
+        std::memcpy(base + at, src, n_bytes);
+        return true;
+    });
+    A.view = layout.view(*a, base);
+    A.k_cache = base + layout.k_cache;
+    A.v_cache = base + layout.v_cache;
+    A.uploaded = true;
+    t->bytes_attention_scratch += scratch;
+    t->bytes += layout.bytes + scratch;
+    g_used += layout.bytes + scratch;
+    return 0;
+}
+
+int32_t attention_run(pi_device_tier *t, const pi_device_attention_job *job, pi_device_counts *counts, char *err,
+                      size_t len) {
+    if (!t) return say(err, len, "bad attention job");
+    if (const char *why = device::refuse_attention_job(job, t->desc)) return say(err, len, why);
+    if (!t->attention[size_t(job->layer)].uploaded)
+        return say(err, len, "layer " + std::to_string(job->layer) + "'s attention was not uploaded");
+    const auto t0 = std::chrono::steady_clock::now();
+    t->attend(*job);
+    if (counts) {
+        *counts = pi_device_counts{};
+        counts->h2d_bytes = double(job->n_tok) * t->desc.n_embd * 4;  // the layer's input up, its output down
+        counts->d2h_bytes = counts->h2d_bytes;
+        counts->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+    return 0;
+}
+
+int32_t head_upload(pi_device_tier *t, const pi_device_head *h, char *err, size_t len) {
+    if (!t || !h) return say(err, len, "bad head upload");
+    if (const char *why = device::refuse_head(*h, t->desc)) return say(err, len, std::string("cannot upload ") + why);
+    if (!t->head_block.empty()) return say(err, len, "the output head was uploaded already");
+    const device::HeadLayout layout(*h, t->desc);
+    const uint64_t bytes = layout.bytes + uint64_t(device::head_scratch_bytes(t->desc));
+    if (g_used + bytes > capacity()) return say(err, len, "out of emulated device memory uploading the output head");
+    t->head_block.assign(layout.bytes, 0);
+    uint8_t *base = t->head_block.data();
+    layout.fill(*h, t->desc, [&](size_t at, const void *src, size_t n_bytes) {
+        std::memcpy(base + at, src, n_bytes);
+        return true;
+    });
+    t->head_view = layout.view(*h, base);
+    t->bytes += bytes;
+    g_used += bytes;
+    return 0;
+}
+
+int32_t head_run(pi_device_tier *t, const pi_device_head_job *job, pi_device_counts *counts, char *err, size_t len) {
+    if (!t) return say(err, len, "bad head job");
+    if (const char *why = device::refuse_head_job(job, t->desc)) return say(err, len, why);
+    if (t->head_block.empty()) return say(err, len, "the output head was not uploaded");
+    const auto t0 = std::chrono::steady_clock::now();
+    t->head(*job);
+    if (counts) {
+        *counts = pi_device_counts{};
+        counts->h2d_bytes = double(job->n_tok) * t->desc.n_embd * 4;  // the rows up, their logits down
+        counts->d2h_bytes = double(job->n_tok) * t->desc.n_vocab * 4;
+        counts->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+    return 0;
+}
+
 uint64_t tier_bytes(const pi_device_tier *t) { return t ? t->bytes : 0; }
 
 void tier_destroy(pi_device_tier *t) {
@@ -179,8 +372,10 @@ void tier_destroy(pi_device_tier *t) {
     delete t;
 }
 
-const pi_device_api kApi = {PI_DEVICE_API_VERSION, "emulated", device_count, device_memory, tier_create,
-                            tier_upload, tier_submit, tier_wait, tier_bytes, tier_destroy};
+const pi_device_api kApi = {PI_DEVICE_API_VERSION, "emulated", device_count,   device_memory,
+                            tier_create,           tier_upload, tier_submit,    tier_wait,
+                            attention_upload,      attention_run, head_upload,  head_run,
+                            tier_bytes,            tier_destroy};
 
 }  // namespace
 

@@ -6,7 +6,9 @@
 
 #include <cstdint>
 
+#include "backend/down_runs.h"
 #include "format/types.h"
+#include "kernels/axpy_int.h"
 #include "kernels/exp_ref.h"
 #include "pi_device.h"
 
@@ -22,6 +24,17 @@ PI_HD inline uint32_t row_bytes(uint32_t type, int64_t n) {
 
 inline bool reads_q8(uint32_t type) { return type == TYPE_Q4_0 || type == TYPE_Q8_0; }
 
+// Parts laid out one after the other in a block of device memory, each 16-byte aligned (q8_0 rows are 34 bytes a
+// block; biases and norms are floats): add returns a part's offset.
+struct BlockParts {
+    size_t bytes = 0;
+    size_t add(size_t size) {
+        const size_t at = bytes;
+        bytes += (size + 15) / 16 * 16;
+        return at;
+    }
+};
+
 // Where the parts of a layer's hot rows lie in the one block of device memory that holds them: gate, up and
 // down_t rows, then the biases, each part 16-byte aligned (q8_0 rows are 34 bytes a block; biases are floats).
 struct LayerLayout {
@@ -35,16 +48,13 @@ struct LayerLayout {
         up_row = gated ? row_bytes(rows.up_type, n_embd) : 0;
         down_row = row_bytes(rows.down_type, n_embd);
         quantized = reads_q8(rows.gate_type) || (gated && reads_q8(rows.up_type));
-        auto part = [&](size_t size) {
-            const size_t at = bytes;
-            bytes += (size + 15) / 16 * 16;
-            return at;
-        };
-        gate = part(n * gate_row);
-        up = part(n * up_row);
-        down_t = part(n * down_row);
-        gate_b = part(rows.gate_b ? n * 4 : 0);
-        up_b = part(rows.up_b ? n * 4 : 0);
+        BlockParts parts;
+        gate = parts.add(n * gate_row);
+        up = parts.add(n * up_row);
+        down_t = parts.add(n * down_row);
+        gate_b = parts.add(rows.gate_b ? n * 4 : 0);
+        up_b = parts.add(rows.up_b ? n * 4 : 0);
+        bytes = parts.bytes;
     }
     // Copies each part of `rows` into the block at `base` with copy(destination offset, source, bytes).
     template <class Copy>
@@ -105,6 +115,70 @@ PI_HD inline float element(uint32_t type, const uint8_t *row, int64_t i) {
     const BlockQ4_0 &b = reinterpret_cast<const BlockQ4_0 *>(row)[k];
     const int q = j < QK / 2 ? (b.qs[j] & 0x0f) : (b.qs[j - QK / 2] >> 4);
     return f16_to_f32(b.d) * float(q - 8);
+}
+
+// Element e of a token's down projection over q4_0 down_t rows, exactly as the CPU tier computes a decode
+// step (backend/down_runs.h, kernels/axpy_int.h): the rows with a nonzero coefficient h in slot order, in runs of
+// kDownRunRows (each summed from zero, the runs then added in order) and groups of kAxpyGroup (the coefficients
+// h_r * d_r rounded against the group's largest, the products summed as integers). The same bits on either side
+// of the tier boundary, so that a q8_0 model's next matrix quantizes the same inputs.
+struct DownElement {
+    int64_t k;
+    int j;
+    float c[kAxpyGroup];
+    int32_t v[kAxpyGroup];
+    int in_group = 0, in_run = 0;
+    float y = 0.0f, partial = 0.0f;
+
+    PI_HD void add_group() {
+        float m = 0.0f;
+        bool finite = true;
+        for (int r = 0; r < in_group; ++r) {
+            finite = finite && axpy_coef_finite(c[r]);
+            m = fmaxf(m, fabsf(c[r]));
+        }
+        if (!(m == 0.0f && finite)) {
+            if (!finite || m < kAxpyMinLargest) {  // axpy_group_block_float: products then sums, unfused
+                for (int r = 0; r < in_group; ++r) partial = unfused_mul_add(c[r], float(v[r]), partial);
+            } else {
+                const float inv = kAxpySteps / m, s = m / kAxpySteps;
+                int32_t t = 0;
+                for (int r = 0; r < in_group; ++r) t += int32_t(nearbyintf(c[r] * inv)) * v[r];
+                partial = fmaf(float(t), s, partial);
+            }
+        }
+        in_group = 0;
+    }
+    PI_HD void add_run() {
+        y = y + partial;
+        partial = 0.0f;
+        in_run = 0;
+    }
+    PI_HD static float unfused_mul_add(float a, float b, float c) {
+#ifdef __CUDA_ARCH__
+        return __fadd_rn(__fmul_rn(a, b), c);
+#else
+        const volatile float p = a * b;  // rounded before the add, whatever the compiler's contraction
+        return p + c;
+#endif
+    }
+};
+
+PI_HD inline float down_element_q4_0(const uint8_t *down, uint32_t row_bytes, const float *h, int64_t n_rows, int64_t e) {
+    DownElement d;
+    d.k = e / QK;
+    d.j = int(e % QK);
+    for (int64_t r = 0; r < n_rows; ++r) {
+        if (h[r] == 0.0f) continue;
+        const BlockQ4_0 &b = reinterpret_cast<const BlockQ4_0 *>(down + size_t(r) * row_bytes)[d.k];
+        d.c[d.in_group] = h[r] * f16_to_f32(b.d);
+        d.v[d.in_group] = block_value(b, d.j);
+        if (++d.in_group == kAxpyGroup) d.add_group();
+        if (++d.in_run == kDownRunRows) d.add_run();
+    }
+    if (d.in_group > 0) d.add_group();
+    if (d.in_run > 0) d.add_run();
+    return d.y;
 }
 
 // The activation rule (backend/activation_rule.h) of one neuron from its gate's and up's dot products (biases

@@ -62,6 +62,7 @@ Engine::Engine(const std::string &path, const pi_options &opts, const std::strin
     else if (opts.gpu != PI_GPU_OFF) hot_ = device_tier(opts, rank);
     check_working_memory(threads, opts.kv_type == PI_KV_F16);  // where the hot tier goes is known
     rs_ = std::make_unique<RunState>(hp_, n_ctx_, n_batch_, threads, opts.kv_type == PI_KV_F16);
+    if (device_) device_->begin(*model_, rs_->rope_cos.data(), rs_->rope_sin.data());
     if (!hot_) hot_ = std::make_unique<CpuTierBackend>(hp_, *ks_, *pool_, n_batch_, rank, true);
     cold_ = std::make_unique<CpuTierBackend>(hp_, *ks_, *pool_, n_batch_, rank, false);
     for (int64_t il = 0; il < hp_.n_layer; ++il) {
@@ -98,8 +99,10 @@ std::unique_ptr<TierBackend> Engine::device_tier(const pi_options &opts, int64_t
         if (opts.gpu == PI_GPU_ON) fail(PI_ERR_UNSUPPORTED, "gpu on: " + gpu_off_);
         return nullptr;
     }
-    auto device = std::make_unique<DeviceTierBackend>(*api, library, opts.gpu_device, opts.vram_budget, hp_, *ks_,
-                                                      *pool_, n_batch_, rank, largest_tier(*model_, true));
+    auto device = std::make_unique<DeviceTierBackend>(*api, library, opts.gpu_device, opts.vram_budget, *model_,
+                                                      *ks_, *pool_, n_batch_, n_ctx_,
+                                                      opts.kv_type == PI_KV_F16, opts.gpu_ffn_only == 0, rank,
+                                                      largest_tier(*model_, true));
     device_ = device.get();
     return device;
 }

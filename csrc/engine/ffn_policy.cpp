@@ -70,8 +70,8 @@ TierMode FfnPolicy::cold_mode(int64_t il, int64_t n_tok) {
     // units of one weight byte streamed through the packed kernels (gemm8; the layer holds a matrix in 8-row
     // groups while its mode reads it whole, Model::arrange_cold_tier). Measured prices (scripts/kernel_microbench.py,
     // docs/engine.md "Choosing a layer's kernels"): a gate/up byte of a row read by index costs ~1.8 (dot_rows), a
-    // down_t byte ~2.5 (axpy: unpack, convert and fma per element; the same kernel in every mode, for the rows
-    // used). f32/f16 rows have no packed form: everything streams alike.
+    // down_t byte ~2.5 (axpy_rows over the rows used: the same kernel in every mode, so its price weighs the rows a
+    // mode uses, not which mode reads them). f32/f16 rows have no packed form: everything streams alike.
     const HParams &hp = model_.hp();
     const Layer &L = model_.layers()[size_t(il)];
     const double n = double(L.cold.size());

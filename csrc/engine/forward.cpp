@@ -64,6 +64,11 @@ void Engine::attention(int64_t il, int64_t n_tok, TierMode cold_mode) {
     const Layer &L = model_->layers()[size_t(il)];
     RunState &s = *rs_;
     const int64_t E = hp_.n_embd, Q = hp_.n_head * hp_.d_head, KV = hp_.n_head_kv * hp_.d_head;
+    if (device_ && device_->attends(il)) {  // the whole block on the device, its KV cache there too
+        if (n_tok == 1 && cold_mode == TierMode::Predictor) prefetch_predictor(L);
+        device_->attend(il, n_tok, s.n_past, s.x.data(), s.tmp.data());
+        return;
+    }
     norm(s.x.data(), L.attn_norm, L.attn_norm_b, n_tok, s.xn.data());
     s.op_xn.q_ready = false;
     const MatmulTarget qkv[3] = {{&L.wq, s.q.data(), Q}, {&L.wk, s.k.data(), KV}, {&L.wv, s.v.data(), KV}};
@@ -255,7 +260,8 @@ void Engine::ffn(int64_t il, int64_t n_tok, TierMode cold_mode) {
     const Layer &L = model_->layers()[size_t(il)];
     RunState &s = *rs_;
     const int64_t E = hp_.n_embd;
-    if (L.ffn_norm.data != L.attn_norm.data) {  // falcon 7B: attention's norm output is the FFN's too
+    // falcon 7B: attention's norm output is the FFN's too, where attention ran here
+    if (L.ffn_norm.data != L.attn_norm.data || (device_ && device_->attends(il))) {
         norm(s.x.data(), L.ffn_norm, L.ffn_norm_b, n_tok, s.xn.data());
         s.op_xn.q_ready = false;
     }
@@ -293,6 +299,12 @@ void Engine::output(int64_t n_tok, float *logits, int64_t ld_logits) {
     // Only the rows whose logits are wanted go through the head: all of them, or the last one.
     RunState &s = *rs_;
     const int64_t E = hp_.n_embd, V = hp_.n_vocab, first = logits ? 0 : n_tok - 1;
+    if (device_ && device_->heads()) {  // the output norm and head on the device
+        float *out = logits ? logits : s.last_logits.data();
+        device_->head(n_tok - first, s.x.data() + first * E, out, logits ? ld_logits : V);
+        if (logits) std::memcpy(s.last_logits.data(), logits + (n_tok - 1) * ld_logits, size_t(V) * sizeof(float));
+        return;
+    }
     norm(s.x.data() + first * E, model_->output_norm(), model_->output_norm_b(), n_tok - first, s.xn.data());
     s.op_xn.q_ready = false;
     float *out = logits ? logits : s.last_logits.data();

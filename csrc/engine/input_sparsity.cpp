@@ -63,7 +63,7 @@ double Engine::input_scratch_bytes() const {
     const double E = double(hp_.n_embd), F = double(hp_.n_ff), Q = double(hp_.n_head * hp_.d_head);
     const double KV = double(hp_.n_head_kv * hp_.d_head), B = double(n_batch_);
     const double n_in = std::max({E, Q, F}), n_out = std::max({E, Q + 2 * KV, F});
-    return 8 * 3 * n_in + 4 * (n_in + 3 * (n_in / double(kRowsPerRun) + 2) * n_out + B * (n_in + n_out + F)) +
+    return 8 * 3 * n_in + 4 * (n_in + 3 * (n_in / double(kDownRunRows) + 2) * n_out + B * (n_in + n_out + F)) +
            B * (n_in / QK + 1) * double(sizeof(BlockQ8_0));
 }
 
@@ -91,7 +91,7 @@ void Engine::input_rows_decode(const InputRows *const *mats, float *const *outs,
     RowsTarget targets[3];
     for (int m = 0; m < n_mats; ++m) {
         const Matrix &w = mats[m]->t;
-        targets[m] = {w.type, mats[m]->n, mats[m]->col0, in_rows_.data() + m * n_in, in_coef_.data(), kept, outs[m]};
+        targets[m] = {w.type, mats[m]->n, in_rows_.data() + m * n_in, in_coef_.data(), kept, outs[m]};
         if (!decode) continue;
         stats_.input.decode_bytes += double(n_in) * double(w.row_bytes) * double(mats[m]->n) / double(w.cols);
         stats_.input.decode_skipped += double(n_in - kept) * double(w.row_bytes) * double(mats[m]->n) / double(w.cols);

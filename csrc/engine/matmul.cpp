@@ -99,7 +99,7 @@ void rows_product(const KernelSet &ks, ThreadPool &pool, const RowsTarget *targe
     int64_t n_runs[8], first_run[9] = {0}, first_partial[8];
     if (n_targets > 8) fail(PI_ERR_INTERNAL, "rows_product: too many targets");
     for (int i = 0, at = 0; i < n_targets; ++i) {
-        n_runs[i] = (targets[i].n_rows + kRowsPerRun - 1) / kRowsPerRun;
+        n_runs[i] = down_run_count(targets[i].n_rows);
         first_run[i + 1] = first_run[i] + n_runs[i];
         first_partial[i] = at;
         at += int(n_runs[i] * targets[i].n);
@@ -108,20 +108,13 @@ void rows_product(const KernelSet &ks, ThreadPool &pool, const RowsTarget *targe
         int i = 0;
         while (chunk >= first_run[i + 1]) ++i;
         const RowsTarget &tg = targets[i];
-        const int64_t run = chunk - first_run[i], r0 = run * kRowsPerRun, r1 = std::min(tg.n_rows, r0 + kRowsPerRun);
-        float *part = partials + first_partial[i] + run * tg.n;
-        std::fill(part, part + tg.n, 0.0f);
-        ks.for_type(tg.type).axpy_rows(int(tg.n), int(r1 - r0), tg.rows + r0, int(tg.col0), tg.coef + r0, part);
+        const int64_t run = chunk - first_run[i];
+        down_run(ks.for_type(tg.type), tg.n, tg.n_rows, tg.rows, tg.coef, run,
+                 partials + first_partial[i] + run * tg.n);
     };
     pool.run(int(first_run[n_targets]), run_rows);
-    for (int i = 0; i < n_targets; ++i) {
-        const RowsTarget &tg = targets[i];
-        std::fill(tg.y, tg.y + tg.n, 0.0f);
-        for (int64_t c = 0; c < n_runs[i]; ++c) {
-            const float *part = partials + first_partial[i] + c * tg.n;
-            for (int64_t j = 0; j < tg.n; ++j) tg.y[j] += part[j];
-        }
-    }
+    for (int i = 0; i < n_targets; ++i)
+        sum_down_runs(targets[i].n, n_runs[i], partials + first_partial[i], targets[i].y);
 }
 
 }  // namespace pi

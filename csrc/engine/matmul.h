@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "backend/down_runs.h"
 #include "kernels/kernels.h"
 #include "model/model.h"
 #include "runtime/threadpool.h"
@@ -42,26 +43,24 @@ void matmul(const KernelSet &ks, ThreadPool &pool, const MatmulTarget *targets, 
 void matmul(const KernelSet &ks, ThreadPool &pool, const Matrix &W, Operand &x, int64_t n_tok, float *out,
             int64_t ldo);
 
-// Rows read by index and scaled (the down projection's ffn_down_t rows, input sparsity's transposed matrices):
-// y[0, n) = the sum over k < n_rows of coef[k] times columns [col0, col0 + n) of rows[k].
+// Rows read by index and scaled (input sparsity's transposed matrices): y[0, n) = the sum over k < n_rows of
+// coef[k] times rows[k]'s first n values.
 struct RowsTarget {
     uint32_t type;
-    int64_t n, col0;
+    int64_t n;
     const void *const *rows;
     const float *coef;
     int64_t n_rows;
     float *y;
 };
 
-const int64_t kRowsPerRun = 256;  // rows per run of rows_product
+// Floats of partial sums rows_product needs for a target of up to n_rows rows of n values.
+inline int64_t rows_partial_floats(int64_t n_rows, int64_t n) { return (down_run_count(n_rows) + 1) * n; }
 
-// Floats of partial sums rows_product needs for targets of up to n_rows rows and n columns each.
-inline int64_t rows_partial_floats(int64_t n_rows, int64_t n) { return ((n_rows + kRowsPerRun - 1) / kRowsPerRun + 1) * n; }
-
-// Every target in one pool job: its rows in fixed runs of kRowsPerRun, each run added whole by the type's
-// axpy_rows (rows stream in order, y's blocks held in registers) into its own partial, then the partials summed in
-// run order: the same sums whatever the thread count or which thread ran which run. partials: room for
-// rows_partial_floats of every target, one after the other.
+// Every target in one pool job, each as the down projection's decode step sums its rows (backend/down_runs.h:
+// runs of kDownRunRows by the type's axpy_rows, the partials added in run order), so these products get what that
+// kernel gets, and the same sums whatever the thread count. partials: room for rows_partial_floats of every
+// target, one after the other.
 void rows_product(const KernelSet &ks, ThreadPool &pool, const RowsTarget *targets, int n_targets, float *partials);
 
 }  // namespace pi

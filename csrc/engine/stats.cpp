@@ -78,13 +78,28 @@ std::string per_layer(const Model &model, F f) {
 
 std::string device_json(const DeviceUse *u) {
     if (!u) return "null";
+    const DevicePlacement &p = u->placement;
+    std::string layers = "[";
+    for (size_t i = 0; i < p.attention.size(); ++i)
+        layers += std::string(i ? ", " : "") + "{\"attention\": " + (p.attention[i] ? "\"device\"" : "\"cpu\"") +
+                  ", \"hot_rows\": " + (p.hot[i] ? "\"device\"" : "\"cpu\"") + "}";
+    layers += "]";
     return "{\"library\": " + quoted(u->library) + ", \"device\": " + num(u->device) + ", \"name\": " +
            quoted(u->device_name) + ", \"free_bytes\": " + num(u->free_bytes) + ", \"total_bytes\": " +
            num(u->total_bytes) + ", \"budget_bytes\": " + num(u->budget_bytes) + ", \"layers_on_device\": " +
            num(double(u->layers_on_device)) + ", \"hot_layers\": " + num(double(u->hot_layers)) +
+           ", \"output_head\": " + (p.head ? "\"device\"" : "\"cpu\"") +
+           ", \"attention_layers\": " + num(double(p.attention_layers())) + ", \"attention_reason\": " +
+           (p.attention_off.empty() ? std::string("null") : quoted(p.attention_off)) +
+           ", \"placed_bytes\": {\"scratch\": " + num(p.scratch) + ", \"head\": " + num(p.head_bytes) +
+           ", \"attention\": " + num(p.attention_bytes) +
+           ", \"kv_cache\": " + num(p.kv_bytes) + ", \"hot\": " + num(p.hot_bytes) + "}, \"layers\": " + layers +
            ", \"device_bytes\": " + num(u->device_bytes) + ", \"jobs\": " + num(u->jobs) + ", \"tokens\": " +
            num(u->tokens) + ", \"h2d_bytes\": " + num(u->h2d_bytes) + ", \"d2h_bytes\": " + num(u->d2h_bytes) +
-           ", \"device_seconds\": " + num(u->device_seconds) + ", \"wait_seconds\": " + num(u->wait_seconds) + "}";
+           ", \"device_seconds\": " + num(u->device_seconds) + ", \"wait_seconds\": " + num(u->wait_seconds) +
+           ", \"attention_jobs\": " + num(u->attention_jobs) + ", \"attention_seconds\": " +
+           num(u->attention_seconds) + ", \"head_jobs\": " + num(u->head_jobs) + ", \"head_seconds\": " +
+           num(u->head_seconds) + "}";
 }
 
 // The matrices decoded at load (model/decode.h), one entry per kind.

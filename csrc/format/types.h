@@ -113,7 +113,7 @@ PI_HD inline float f16_to_f32(uint16_t h) {
 }
 
 // Round to nearest even, as numpy's astype(float16) and the F16C instructions do.
-inline uint16_t f32_to_f16(float f) {
+PI_HD inline uint16_t f32_to_f16(float f) {
     uint32_t x;
     std::memcpy(&x, &f, 4);
     const uint16_t sign = uint16_t((x >> 16) & 0x8000);

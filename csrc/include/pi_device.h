@@ -1,4 +1,5 @@
-/* pi_device: the C ABI between the engine library and a device library that computes the hot tier
+/* pi_device: the C ABI between the engine library and a device library that computes, for the layers it holds,
+ * the attention block (with those layers' KV cache in the device's memory) and the FFN's hot tier
  * (docs/engine.md, "The GPU tier"). A device library is a shared object of its own, loaded with dlopen only
  * when a run asks for a device, so the engine never links a device runtime: the CUDA one (built where nvcc is
  * found at install time) and the host emulation the tests load in its place. It exports one symbol,
@@ -6,7 +7,9 @@
  *
  * The protocol is the TierBackend's (backend/tier_backend.h): each layer's hot rows are uploaded once at load,
  * then per layer and batch a job is submitted (it may run while the caller computes the cold tier) and waited
- * for. Every call returns 0 on success, or non-zero with a one-line message in `err`.
+ * for. A layer's attention weights are uploaded once too (attention_upload), with room for its KV cache; then
+ * per layer and batch attention_run computes the block from the layer's input and returns its output. Every
+ * call returns 0 on success, or non-zero with a one-line message in `err`.
  */
 #ifndef PI_DEVICE_H
 #define PI_DEVICE_H
@@ -18,9 +21,12 @@
 extern "C" {
 #endif
 
-#define PI_DEVICE_API_VERSION 1
+#define PI_DEVICE_API_VERSION 2
 
 typedef enum { PI_DEVICE_ACT_RELU = 0, PI_DEVICE_ACT_SILU = 1, PI_DEVICE_ACT_DRELU = 2 } pi_device_activation;
+typedef enum { PI_DEVICE_NORM_RMS = 0, PI_DEVICE_NORM_LAYER = 1 } pi_device_norm;
+/* RoPE: none (learned positions), llama.cpp's "normal" (pairs 2i, 2i + 1), NeoX (pairs i, i + n_rot/2) */
+typedef enum { PI_DEVICE_ROPE_NONE = 0, PI_DEVICE_ROPE_ADJACENT = 1, PI_DEVICE_ROPE_NEOX = 2 } pi_device_rope;
 
 /* What every layer of one engine's hot tier shares. */
 typedef struct {
@@ -30,6 +36,15 @@ typedef struct {
     int32_t n_batch;     /* the most tokens a job carries */
     int32_t activation;  /* pi_device_activation */
     int32_t gated;       /* 1: h = act(gate x) * (up x); 0: h = act(up x + b), the rows given as `gate` */
+    /* attention's shape, read by attention_upload and attention_run only */
+    int32_t n_head, n_head_kv, d_head, n_rot;
+    int32_t rope;        /* pi_device_rope */
+    int32_t norm;        /* pi_device_norm */
+    float norm_eps;
+    int32_t n_ctx;       /* positions a layer's KV cache holds */
+    int32_t kv_f16;      /* 1: the cache's elements in f16 (rounded to nearest even), 0: in f32 */
+    const float *rope_cos, *rope_sin; /* [n_ctx][n_rot / 2], copied by tier_create; NULL without RoPE */
+    int32_t n_vocab;     /* the output head's rows, read by head_upload and head_run only */
 } pi_device_tier_desc;
 
 /* One layer's hot rows in host memory, slot after slot, in the file's types (GGML ids: 0 f32, 1 f16, 2 q4_0,
@@ -54,6 +69,50 @@ typedef struct {
     float *y;            /* [n_tok][n_embd], written whole */
 } pi_device_job;
 
+/* A matrix in its file's type (GGML ids as above): `rows` rows of `cols` elements, row after row, and its bias
+ * (NULL when the layer has none). */
+typedef struct {
+    uint32_t type;
+    int32_t rows, cols;
+    const void *data;
+    const float *bias;
+} pi_device_matrix;
+
+/* One layer's attention block in host memory: its input norm (f32, n_embd each; norm_b NULL for RMSNorm), the
+ * q (n_head * d_head rows), k and v (n_head_kv * d_head rows each) projections of the normed input, and the
+ * output projection o (n_embd rows of n_head * d_head). The caller may free them once attention_upload returns. */
+typedef struct {
+    const float *norm_w, *norm_b;
+    pi_device_matrix q, k, v, o;
+} pi_device_attention;
+
+/* One layer's attention over a batch at positions n_past .. n_past + n_tok - 1: the batch's keys and values go
+ * into the layer's cache at those positions (positions past them are never read: a truncated context is
+ * overwritten as it grows again), each token attends to positions 0 .. its own, and `out` receives the output
+ * projection (with its bias) of the heads' outputs. Returns when out is written. */
+typedef struct {
+    int32_t layer;
+    int32_t n_tok;
+    int32_t n_past;
+    const float *x;      /* [n_tok][n_embd], the layer's input (the residual stream) */
+    float *out;          /* [n_tok][n_embd], written whole */
+} pi_device_attention_job;
+
+/* The output head in host memory: the output norm (as an attention block's) and the head (n_vocab rows of
+ * n_embd, no bias). */
+typedef struct {
+    const float *norm_w, *norm_b;
+    pi_device_matrix out;
+} pi_device_head;
+
+/* The head over n_tok rows of the last layer's output: logits[t * ld_logits + v], written for v < n_vocab. */
+typedef struct {
+    int32_t n_tok;
+    const float *x;      /* [n_tok][n_embd] */
+    float *logits;
+    int64_t ld_logits;
+} pi_device_head_job;
+
 /* What a job counted, and the traffic and time it took. */
 typedef struct {
     double active;      /* neurons passing the rule, summed over tokens */
@@ -77,7 +136,18 @@ typedef struct {
                            size_t err_len);
     int32_t (*tier_submit)(pi_device_tier *tier, const pi_device_job *job, char *err, size_t err_len);
     int32_t (*tier_wait)(pi_device_tier *tier, pi_device_counts *counts, char *err, size_t err_len);
-    /* Bytes of device memory the tier holds (weights and scratch). */
+    /* A layer's attention weights, and the memory for its KV cache (n_ctx positions). */
+    int32_t (*attention_upload)(pi_device_tier *tier, const pi_device_attention *attention, int32_t layer, char *err,
+                                size_t err_len);
+    /* Runs a layer's attention block (synchronously: its output is the FFN's input); counts: traffic and time
+     * (active and computed are 0). */
+    int32_t (*attention_run)(pi_device_tier *tier, const pi_device_attention_job *job, pi_device_counts *counts,
+                             char *err, size_t err_len);
+    /* The output head's weights (and its scratch), and running it (synchronously). */
+    int32_t (*head_upload)(pi_device_tier *tier, const pi_device_head *head, char *err, size_t err_len);
+    int32_t (*head_run)(pi_device_tier *tier, const pi_device_head_job *job, pi_device_counts *counts, char *err,
+                        size_t err_len);
+    /* Bytes of device memory the tier holds (weights, KV caches and scratch). */
     uint64_t (*tier_bytes)(const pi_device_tier *tier);
     void (*tier_destroy)(pi_device_tier *tier);
 } pi_device_api;

@@ -15,7 +15,7 @@
 extern "C" {
 #endif
 
-#define PI_ENGINE_API_VERSION 8
+#define PI_ENGINE_API_VERSION 9
 
 typedef enum {
     PI_OK = 0,
@@ -65,10 +65,13 @@ typedef struct {
     int32_t kv_type;         /* pi_kv_type */
     int32_t gpu;             /* pi_gpu_mode (default auto) */
     int32_t gpu_device;      /* the device's ordinal */
-    int64_t vram_budget;     /* bytes of device memory the hot tier may take, in layer order (the layers past it
-                                keep their hot tier on the CPU); <= 0: the device's free memory less a reserve;
-                                more than is free: the open fails */
+    int64_t vram_budget;     /* bytes of device memory the device may take (docs/engine.md, "The GPU tier": the
+                                layers' attention and KV cache, then their hot rows, in layer order; the layers past
+                                it keep those on the CPU); <= 0: the device's free memory less a reserve; more than
+                                is free: the open fails */
     const char *gpu_library; /* the device library (pi_device.h); NULL: the environment's PI_GPU_LIBRARY */
+    int32_t gpu_ffn_only;    /* != 0: only the hot tier goes to the device; 0 (PowerInfer's placement): the
+                                attention blocks and KV caches of as many layers as the budget holds go first */
     float input_sparsity;    /* input sparsity's model-wide share of inputs zeroed (0: off; at most the file's largest
                                 powerinfer.input_sparsity_levels): every matrix's inputs at or below its calibrated
                                 threshold are zeroed, and a decode step skips the rows they multiply */

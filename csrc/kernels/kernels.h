@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "format/types.h"
+#include "kernels/axpy_int.h"
 #include "kernels/exp_ref.h"
 
 namespace pi {
@@ -22,8 +23,9 @@ struct TypeKernels {
     void (*to_float)(int n, const void *w, float *out);
     // out[r] = dot(n, w[r], x) for 4 rows sharing one operand (each row bit-identical to dot)
     void (*dot4)(int n, const void *const *w, const void *x, float *out);
-    // y[i] += sum_r a[r] * w[r][col0 + i], i < n, rows in order: bit-identical to n_rows axpy calls, but y
-    // stays in registers across rows (col0 and n multiples of the block size)
+    // y[i] += sum_r a[r] * w[r][col0 + i], i < n (col0 and n multiples of the block size). f32 / f16 / q8_0
+    // rows: bit-identical to n_rows axpy calls in order, y held in registers across rows; q4_0 rows: in
+    // integers, as axpy_int.h defines (bit-identical across sets, within 2^-15 of a group's largest term)
     void (*axpy_rows)(int n, int n_rows, const void *const *w, int col0, const float *a, float *y);
     // out[t * ldo + 8g + r] = dot of row r of packed group g with token t's operand (q8_0 blocks, x_stride
     // bytes apart), for n_groups groups in the 8-row layout of packed.h and n_tok tokens; each token's

@@ -215,15 +215,15 @@ void quantize_q8_0(int n, const float *x, void *out) {
     }
 }
 
-#define PI_TYPE_KERNELS(T, TYPE, GEMM8, DOT_ROWS) \
-    {dot_##T, axpy_##T, to_float_##T, dot4_by_rows<dot_##T>, axpy_rows_by_row<axpy_##T, TYPE>, GEMM8, DOT_ROWS}
+#define PI_TYPE_KERNELS(T, AXPY_ROWS, GEMM8, DOT_ROWS) \
+    {dot_##T, axpy_##T, to_float_##T, dot4_by_rows<dot_##T>, AXPY_ROWS, GEMM8, DOT_ROWS}
 
 const KernelSet kScalar = {
     "scalar",
-    PI_TYPE_KERNELS(f32, TYPE_F32, nullptr, dot_rows_by_row<dot_f32>),
-    PI_TYPE_KERNELS(f16, TYPE_F16, nullptr, dot_rows_by_row<dot_f16>),
-    PI_TYPE_KERNELS(q4_0, TYPE_Q4_0, gemm8<TYPE_Q4_0>, dot_rows_q<BlockQ4_0>),
-    PI_TYPE_KERNELS(q8_0, TYPE_Q8_0, gemm8<TYPE_Q8_0>, dot_rows_q<BlockQ8_0>),
+    PI_TYPE_KERNELS(f32, (axpy_rows_by_row<axpy_f32, TYPE_F32>), nullptr, dot_rows_by_row<dot_f32>),
+    PI_TYPE_KERNELS(f16, (axpy_rows_by_row<axpy_f16, TYPE_F16>), nullptr, dot_rows_by_row<dot_f16>),
+    PI_TYPE_KERNELS(q4_0, axpy_rows_q4_0_reference, gemm8<TYPE_Q4_0>, dot_rows_q<BlockQ4_0>),
+    PI_TYPE_KERNELS(q8_0, (axpy_rows_by_row<axpy_q8_0, TYPE_Q8_0>), gemm8<TYPE_Q8_0>, dot_rows_q<BlockQ8_0>),
     quantize_q8_0,
     gemm<float>,
     gemm<uint16_t>,

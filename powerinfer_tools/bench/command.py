@@ -67,6 +67,9 @@ def bench(
     kv_type: str = typer.Option("f32", "--kv-type", help="Our engine's KV cache type, f32 or f16 (llama.cpp's "
                                 "is f16; matters at a long --depth)."),
     gpu: str = flags.gpu_option(),
+    gpu_attention: bool = typer.Option(True, "--gpu-attention/--gpu-ffn-only", help="With a device: the layers' "
+                                       "attention and KV cache on it first, as PowerInfer places them (default), "
+                                       "or only the hot tier there."),
     gpuidx: Optional[Path] = typer.Option(None, "--gpuidx", help="Our hot tier's neurons (a .gpuidx for the bench's "
                                           "file: same neuron order); without it, --vram-budget solves one."),
     vram_budget: Optional[float] = typer.Option(None, "--vram-budget", callback=flags.within(limits.DEVICE_BUDGET_GIB), help="GiB: solve the hot tier for this budget "
@@ -136,7 +139,7 @@ def bench(
                         input_sparsity=input_sparsity,
                         peers=_csv(peers), sparsity=sparsity, sweep=sweep_sparsity, sweep_levels=_levels(sweep_levels),
                         sweep_repeats=sweep_repeats, n_prompt=n_prompt, n_gen=n_gen, depth=depth, batch=batch,
-                        kv_type=kv_type, gpu=gpu, gpuidx=gpuidx, vram_budget=vram_budget,
+                        kv_type=kv_type, gpu=gpu, gpu_attention=gpu_attention, gpuidx=gpuidx, vram_budget=vram_budget,
                         predictors=predictors, profile=profile, text=text, work_dir=work_dir,
                         peer_python=peer_python, llamacpp_wait=_wait_policy(llamacpp_wait), progress=not quiet,
                         command="pi-tools " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "")

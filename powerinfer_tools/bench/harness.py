@@ -68,6 +68,7 @@ class BenchOptions:
     batch: int = 512                       # our engine's prompt batch (llama.cpp's n_ubatch is 512)
     kv_type: str = "f32"                   # our engine's KV cache type (llama.cpp's is f16)
     gpu: str = "auto"                      # where our hot tier runs (engine.Model's gpu)
+    gpu_attention: bool = True             # the layers' attention and KV cache on the device first (engine.Model's)
     gpuidx: Path | None = None             # our hot tier's neurons; None: solved for vram_budget, or none
     vram_budget: float | None = None       # GiB: the plan's budget (from --profile) and the device's
     predictors: Path | None = None
@@ -94,6 +95,8 @@ def _ours_worker(opts: BenchOptions, model_file: Path, n_ctx: int):
         engine_options["gpuidx"] = str(gpuidx)
     if opts.vram_budget is not None and opts.gpu != "off":
         engine_options["vram_budget"] = opts.vram_budget
+    if not opts.gpu_attention:
+        engine_options["gpu_attention"] = False
     engine_options["input_share"] = opts.input_sparsity  # the input mode's (the worker's, not engine.Model's)
     return Worker("ours", model_file, opts.threads, n_ctx, opts.batch, opts.kv_type, engine_options=engine_options)
 

@@ -21,7 +21,8 @@ THREADS_HELP = "Threads. Default: all cores."
 
 def gpu_option():
     """--gpu: where the hot tier runs (run, perplexity, bench)."""
-    return typer.Option("auto", "--gpu", help="Hot tier (the --gpuidx / --vram-budget neurons) on a CUDA GPU: auto "
+    return typer.Option("auto", "--gpu", help="Hot tier (the --gpuidx / --vram-budget neurons), and before it the "
+                        "output head and the layers' attention and KV cache, on a CUDA GPU within the budget: auto "
                         "(when a device and the CUDA library are there, else the CPU, said on stderr), on (or fail "
                         "saying what is missing), off.")
 

@@ -180,13 +180,19 @@ def decoded_lines(decoded: dict) -> list[str]:
 
 
 def gpu_line(gpu: dict) -> str:
-    """Where the hot tier runs, from the engine's info["gpu"]."""
+    """Where the hot tier and the layers' attention run, from the engine's info["gpu"]."""
     if not gpu["used"]:
         return f"hot tier on the CPU: {gpu['reason']}"
     d = gpu["device"]
+    n_layer = len(d["layers"])
+    attention = (f"attention and KV cache of {d['attention_layers']} of {n_layer} layers"
+                 + (f" ({d['attention_reason']})" if d["attention_reason"] else ""))
     return (f"hot tier on {d['name']} (device {d['device']}): {d['layers_on_device']} of {d['hot_layers']} layers, "
-            f"{d['device_bytes'] / 2**20:.1f} MiB of a {d['budget_bytes'] / 2**30:.2f} GiB budget"
-            + ("" if d["layers_on_device"] == d["hot_layers"] else "; the other layers' hot neurons on the CPU"))
+            f"{attention}, {d['device_bytes'] / 2**20:.1f} MiB of a {d['budget_bytes'] / 2**30:.2f} GiB budget"
+            + ("" if d["layers_on_device"] == d["hot_layers"] else "; the other layers' hot neurons on the CPU")
+            + "; by layer (a: attention and KV cache, h: hot rows; upper case on the device): "
+            + " ".join(("A" if x["attention"] == "device" else "a") + ("H" if x["hot_rows"] == "device" else "h")
+                       for x in d["layers"]))
 
 
 @contextlib.contextmanager
@@ -322,8 +328,10 @@ def timing_lines(stats: dict, load_seconds: float, info: dict | None = None) -> 
         per_token = gpu["tokens"] / max(1, gpu["layers_on_device"])
         lines.append(f"gpu: {gpu['name']}, hot tier of {gpu['layers_on_device']} layers: "
                      f"{1000 * gpu['device_seconds'] / per_token:.3f} ms per token on the device, "
-                     f"{1000 * gpu['wait_seconds'] / per_token:.3f} ms per token waited for after the CPU's tier; "
-                     f"{(gpu['h2d_bytes'] + gpu['d2h_bytes']) / per_token / 1024:.1f} KiB per token to and from it")
+                     f"{1000 * gpu['wait_seconds'] / per_token:.3f} ms per token waited for after the CPU's tier"
+                     + (f"; attention of {gpu['attention_layers']} layers: "
+                        f"{1000 * gpu['attention_seconds'] / per_token:.3f} ms per token" if gpu["attention_jobs"] else "")
+                     + f"; {(gpu['h2d_bytes'] + gpu['d2h_bytes']) / per_token / 1024:.1f} KiB per token to and from it")
     if info is not None:
         def mib(n):
             return f"{n / 2**20:.1f} MiB"

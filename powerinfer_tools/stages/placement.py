@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from powerinfer_tools.formats import names, neuron_order
-from powerinfer_tools.stages import placement_solver
+from powerinfer_tools.stages import device_placement, placement_solver
 from powerinfer_tools.core.atomic import atomic_file
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.stages import options as limits
@@ -237,6 +237,9 @@ class Plan:
     solver: dict = field(default_factory=dict)
     neuron_order: str | None = None  # the model file's neuron_order.ORDER_KEY: the gpu index numbers its positions
     granularity: int = 1  # each layer's GPU count is 0, a multiple of this, or the whole layer
+    # what the bundled engine places on a device at this budget and ctx_size with this gpu index (f32 KV cache,
+    # its default batch): device_placement.DevicePlacement.summary(); None for a plan from shapes alone
+    engine: dict | None = None
 
     @property
     def ffn_bytes(self) -> int:
@@ -255,6 +258,7 @@ class Plan:
             "neuron_order": "source" if self.neuron_order is None else "profile",  # as the model file stores them
             "granularity": self.granularity,
             "solver": self.solver,
+            "engine_placement": self.engine,
             "layers": [{"layer": i, "n_ff": int(n), "gpu_neurons": int(k), "min_neurons": int(m),
                         "served_fraction": float(s / t) if t else 0.0}
                        for i, (n, k, m, s, t) in enumerate(zip(self.n_ff, self.gpu_neurons, self.min_neurons,
@@ -291,7 +295,9 @@ def plan_for_model(profile_dir: str | Path, model_path: str | Path, vram_budget_
                                         neuron_order.decode(model_path, order_text, costs.n_ff))
     plan = plan_placement(costs, counts, profiled_tokens(profile_dir, counts), vram_budget_bytes, ctx_size,
                           min_layer_neurons, reserve_bytes, offload_output, dense, time_limit, step)
-    return dataclasses.replace(plan, neuron_order=order_text)
+    engine = device_placement.place_on_device(device_placement.device_costs(header, ctx_size), vram_budget_bytes,
+                                              plan.gpu_neurons) if vram_budget_bytes > 0 else None
+    return dataclasses.replace(plan, neuron_order=order_text, engine=engine.summary() if engine else None)
 
 
 def check_budget(vram_budget_bytes: float) -> None:
@@ -436,4 +442,20 @@ def report_lines(plan: Plan) -> list[str]:
             *(f"  {layer['layer']:>5} {layer['gpu_neurons']:>6}/{layer['n_ff']:<6} {layer['min_neurons']:>6} "
               f"{100 * layer['served_fraction']:>6.1f}%" for layer in s["layers"]),
             "  (gpu/n_ff: the layer's FFN neurons placed on the GPU; min: the fewest a layer may have there if it has "
-            "any (--min-layer-neurons); served: the share of the layer's activations those neurons serve)"]
+            "any (--min-layer-neurons); served: the share of the layer's activations those neurons serve)",
+            *engine_lines(plan)]
+
+
+def engine_lines(plan: Plan) -> list[str]:
+    """Where the bundled engine puts each layer's parts at this budget with this index (docs/engine.md, "The GPU
+    tier"): its own rule and bytes, which differ from the budget above (its f32 KV cache, its scratch, no
+    predictors or output head on the device)."""
+    if not plan.engine:
+        return []
+    n = len(plan.n_ff)
+    attention, hot = plan.engine["attention_layers"], plan.engine["hot_layers"]
+    with_hot = int(np.count_nonzero(plan.gpu_neurons))
+    head = "the output head, " if plan.engine["output_head"] else ""
+    return [f"bundled engine at this budget (ctx {plan.ctx_size}, f32 KV cache): {head}attention + KV cache of "
+            f"{len(attention)}/{n} layers and the hot rows of {len(hot)}/{with_hot} layers on the device"
+            + ("" if len(hot) == with_hot else " (the rest on the CPU: pi-tools run --verbose shows each layer)")]

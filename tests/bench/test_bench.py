@@ -507,11 +507,14 @@ def test_bench_with_the_hot_tier_on_a_device(silu_files, tmp_path, monkeypatch):
     opts = bench.BenchOptions(model=model, outtype="q8_0", threads=2, repeats=1, modes=("dense", "gate"), n_prompt=16,
                               n_gen=8, batch=16, work_dir=work, peers=(), progress=False, text=ROOT / "README.md",
                               gpu="on", gpuidx=gpuidx)
-    rec = bench.run_bench(opts)
-    gpu = rec["engine"]["gpu"]
-    assert gpu["used"] and gpu["device"]["layers_on_device"] == N_LAYER, gpu
-    ours = next(e for e in rec["runs"] if e["label"] == "ours gate")
-    assert ours["stats"]["gpu"]["tokens"] > 0
+    for attention in (True, False):  # --gpu-attention (the default) and --gpu-ffn-only
+        rec = bench.run_bench(dataclasses.replace(opts, gpu_attention=attention))
+        gpu = rec["engine"]["gpu"]
+        assert gpu["used"] and gpu["device"]["layers_on_device"] == N_LAYER, gpu
+        assert gpu["device"]["attention_layers"] == (N_LAYER if attention else 0), gpu
+        ours = next(e for e in rec["runs"] if e["label"] == "ours gate")
+        assert ours["stats"]["gpu"]["tokens"] > 0
+        assert (ours["stats"]["gpu"]["attention_jobs"] > 0) == attention
 
 
 def test_a_peer_killed_by_a_signal_is_named(tmp_path):

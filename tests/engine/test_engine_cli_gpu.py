@@ -40,6 +40,9 @@ def test_run_on_the_device_streams_the_cpu_text(converted, gpuidx, emulated_gpu,
     assert on_gpu == on_cpu
     assert f"pi-tools: hot tier on emulated device (host memory) (device 0): {N_LAYER} of {N_LAYER} layers" in err
     assert "0.50 GiB budget" in err and "ms per token on the device" in err
+    assert f"attention and KV cache of {N_LAYER} of {N_LAYER} layers" in err
+    assert "upper case on the device): " + " ".join(["AH"] * N_LAYER) in err
+    assert f"attention of {N_LAYER} layers: " in err
 
 
 def test_auto_says_where_the_hot_tier_went(converted, gpuidx, monkeypatch, capsys):

@@ -1,79 +1,35 @@
-"""The hot tier on a device (csrc/backend/device_backend.h, csrc/include/pi_device.h): through the host emulation
-of a device library, which computes with the CUDA kernels' arithmetic (csrc/device/tier_math.h), the engine's side
-of the boundary is checked on any machine: the same logits as the CPU backend in every mode, architecture and
-type, the VRAM budget taken layer by layer, what is refused, the traffic counted, no device memory kept after
-close. The tests marked `gpu` run the same checks against the CUDA library on a CUDA device (scripts/gpu_check.sh)."""
+"""The GPU tier (csrc/backend/device_backend.h, csrc/include/pi_device.h): through the host emulation of a device
+library, which computes with the CUDA kernels' arithmetic (csrc/device/tier_math.h, attention_math.h), the engine's
+side of the boundary is checked on any machine: the same logits as the CPU backend in every mode, architecture and
+type, with the layers' attention and KV cache on the device and without, the VRAM budget taken layer by layer, what
+is refused, the traffic counted, no device memory kept after close (tests/engine/test_engine_device_attention.py:
+attention's own checks). The tests marked `gpu` run the same checks against the CUDA library on a CUDA device (scripts/gpu_check.sh)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from engine_helpers import converted, max_rel_err, random_tokens, write_gpuidx  # noqa: F401
-from tiny_models import N_FF, N_LAYER
+from device_fixtures import KINDS, N_PROMPT, TOKENS, device, emulated, gpuidx_30, gpuidx_all, run  # noqa: F401
+from engine_helpers import converted, max_rel_err  # noqa: F401
+from tiny_models import N_LAYER
 
 import powerinfer_engine as engine
 from powerinfer_engine import EngineError
 
-TOKENS = random_tokens(40, 384, seed=5)
-N_PROMPT = 24
-KINDS = ["llama-relu", "llama-silu", "bamboo", "falcon", "opt"]
 
-
-def run(path, mode="dense", tokens=TOKENS, **kw):
-    with engine.Model(path, threads=2, sparse_mode=mode, batch_size=16, **kw) as m:
-        rows = [m.eval(tokens[:N_PROMPT])] + [m.eval([t])[None, 0] for t in tokens[N_PROMPT:]]
-        return np.concatenate(rows), m.info, m.stats()
-
-
-def hot_index(tmp_path_factory, share: float, seed: int = 31):
-    hot = [np.random.default_rng(seed + i).random(N_FF) < share for i in range(N_LAYER)]
-    return write_gpuidx(tmp_path_factory.mktemp("hot") / f"hot{share}.gpuidx", hot)
-
-
-@pytest.fixture(scope="module")
-def gpuidx_30(tmp_path_factory):
-    return hot_index(tmp_path_factory, 0.3)
-
-
-@pytest.fixture(scope="module")
-def gpuidx_all(tmp_path_factory):
-    return hot_index(tmp_path_factory, 1.01)
-
-
-@pytest.fixture(params=["emulated", pytest.param("cuda", marks=pytest.mark.gpu)])
-def device(request, monkeypatch, converted, gpuidx_30):
-    """A device library: the emulated one (a device of 512 MiB), or the CUDA one where a CUDA device is present."""
-    path = engine.device_library_path(request.param)
-    if request.param == "emulated":
-        assert path is not None, "the emulated device library is built with the engine"
-        monkeypatch.setenv("PI_EMULATED_DEVICE_MIB", "512")
-        monkeypatch.delenv("PI_EMULATED_DEVICES", raising=False)
-        return path
-    if path is None:
-        pytest.skip("built without nvcc: no CUDA library")
-    with engine.Model(converted("llama-relu", "q8_0"), gpuidx=gpuidx_30, gpu="auto", gpu_library=path) as m:
-        if not m.info["gpu"]["used"]:
-            pytest.skip(m.info['gpu']['reason'])
-    return path
-
-
-@pytest.fixture
-def emulated(monkeypatch):
-    """The emulated device library alone, with a device of 512 MiB (the checks that set its device's properties)."""
-    monkeypatch.setenv("PI_EMULATED_DEVICE_MIB", "512")
-    monkeypatch.delenv("PI_EMULATED_DEVICES", raising=False)
-    return engine.device_library_path("emulated")
-
-
+@pytest.mark.parametrize("attention", [True, False], ids=["attention", "ffn-only"])
 @pytest.mark.parametrize("outtype", ["f32", "f16", "q8_0", "q4_0"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_the_device_tier_gives_the_cpu_logits(kind, outtype, converted, gpuidx_30, gpuidx_all, device):
+def test_the_device_tier_gives_the_cpu_logits(kind, outtype, attention, converted, gpuidx_30, gpuidx_all, device):
     path = converted(kind, outtype, predictors=True)
     for index in (gpuidx_30, gpuidx_all):
         for mode in ("dense", "gate", "predictor", "auto"):
             cpu, _, cpu_stats = run(path, mode, gpuidx=index, gpu="off")
-            dev, info, dev_stats = run(path, mode, gpuidx=index, gpu="on", gpu_library=device)
+            dev, info, dev_stats = run(path, mode, gpuidx=index, gpu="on", gpu_library=device, gpu_attention=attention)
             assert info["hot_backend"] in ("emulated", "cuda") and info["gpu"]["used"]
             assert info["gpu"]["device"]["layers_on_device"] == N_LAYER
+            assert info["gpu"]["device"]["attention_layers"] == (N_LAYER if attention else 0)
+            assert info["gpu"]["device"]["output_head"] == ("device" if attention else "cpu")
+            assert dev_stats["gpu"]["attention_jobs"] == (N_LAYER * (2 + len(TOKENS) - N_PROMPT) if attention else 0)
             # the same rule on the same operands (q8_0 blocks for quantized weights); sums in another order
             assert max_rel_err(dev, cpu) <= (1e-4 if outtype in ("f32", "f16") else 2e-4), (mode, max_rel_err(dev, cpu))
             for a, b in zip(dev_stats["layers"], cpu_stats["layers"]):
@@ -130,14 +86,16 @@ def test_a_budget_above_the_free_memory_is_refused(converted, gpuidx_30, emulate
 
 
 def test_the_budget_takes_layers_in_order_and_the_rest_stay_on_the_cpu(converted, gpuidx_all, device):
+    """The hot rows alone (attention kept on the CPU); test_engine_device_attention.py: with attention first."""
     path = converted("llama-relu", "f32", predictors=True)
-    with engine.Model(path, gpuidx=gpuidx_all, gpu="on", gpu_library=device) as m:
+    with engine.Model(path, gpuidx=gpuidx_all, gpu="on", gpu_library=device, gpu_attention=False) as m:
         whole = m.info["gpu"]["device"]["device_bytes"]
     per_layer = whole / N_LAYER  # every layer's hot tier is the same size here (all neurons), scratch aside
     cpu = run(path, "gate", gpuidx=gpuidx_all, gpu="off")[0]
     for budget_layers in (1, N_LAYER - 1):
         budget = (per_layer * budget_layers + per_layer / 2) / 2**30
-        dev, info, stats = run(path, "gate", gpuidx=gpuidx_all, gpu="on", vram_budget=budget, gpu_library=device)
+        dev, info, stats = run(path, "gate", gpuidx=gpuidx_all, gpu="on", vram_budget=budget, gpu_library=device,
+                               gpu_attention=False)
         used = info["gpu"]["device"]
         assert 1 <= used["layers_on_device"] <= budget_layers and used["hot_layers"] == N_LAYER
         assert used["device_bytes"] <= used["budget_bytes"]
@@ -147,15 +105,23 @@ def test_the_budget_takes_layers_in_order_and_the_rest_stay_on_the_cpu(converted
 
 def test_traffic_and_time_are_counted(converted, gpuidx_30, device):
     path = converted("llama-relu", "q8_0", predictors=True)
-    _, info, stats = run(path, "gate", gpuidx=gpuidx_30, gpu="on", gpu_library=device)
-    gpu = stats["gpu"]
-    n_tok, E = len(TOKENS), info["n_embd"]
+    n_tok, E = len(TOKENS), None
     batches = 2 + (len(TOKENS) - N_PROMPT)  # the prompt in two batches of 16 and 8, then one token a step
-    assert gpu["jobs"] == N_LAYER * batches and gpu["tokens"] == N_LAYER * n_tok
-    # up: each token's f32 row and its q8_0 blocks; down: its f32 output row
-    assert gpu["h2d_bytes"] == N_LAYER * n_tok * (E * 4 + E // 32 * 34)
-    assert gpu["d2h_bytes"] >= N_LAYER * n_tok * E * 4  # the output rows (and, from CUDA, the job's counts)
-    assert gpu["device_seconds"] > 0 and gpu["wait_seconds"] > 0
+    for attention in (False, True):
+        _, info, stats = run(path, "gate", gpuidx=gpuidx_30, gpu="on", gpu_library=device, gpu_attention=attention)
+        gpu, E = stats["gpu"], info["n_embd"]
+        assert gpu["jobs"] == N_LAYER * batches and gpu["tokens"] == N_LAYER * n_tok
+        assert gpu["attention_jobs"] == (N_LAYER * batches if attention else 0)
+        # the hot tier, up: each token's f32 row and its q8_0 blocks; down: its f32 output row (and, from CUDA,
+        # the job's counts); attention, up: the layer's input row; down: the block's output row; the head, up: the
+        # last layer's output row; down: its logits
+        rows = N_LAYER * n_tok * E * 4 if attention else 0
+        head_up, head_down = (n_tok * E * 4, n_tok * info["n_vocab"] * 4) if attention else (0, 0)
+        assert gpu["h2d_bytes"] == N_LAYER * n_tok * (E * 4 + E // 32 * 34) + rows + head_up
+        assert gpu["d2h_bytes"] >= N_LAYER * n_tok * E * 4 + rows + head_down
+        assert gpu["head_jobs"] == (batches if attention else 0)
+        assert gpu["device_seconds"] > 0 and gpu["wait_seconds"] > 0
+        assert (gpu["attention_seconds"] > 0) == attention
 
 
 def test_close_gives_the_device_memory_back(converted, gpuidx_30, device):

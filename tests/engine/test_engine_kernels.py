@@ -267,24 +267,98 @@ def _axpy_rows_case(wtype: str, n: int, seed: int):
     return rows, col0, rng.normal(0, 1, n_rows).astype(np.float32), rng.normal(0, 1, n).astype(np.float32)
 
 
+AXPY_ROWS_CASES = CASES + [("q4_0", 64), ("q8_0", 128), ("f32", 64), ("f16", 200)]
+GROUP, STEPS = 32, 16256  # csrc/kernels/axpy_int.h: rows per integer scale, steps to a group's largest
+
+
+def _block_slices(wtype, rows, col0, n):
+    """Each row's float values on [col0, col0 + n)."""
+    return np.stack([values(wtype, r)[col0:col0 + n] for r in rows])
+
+
+def _scales(rows, col0, n):
+    """Each q4_0 row's block scales over the slice, repeated per element (float64)."""
+    d = np.stack([r.reshape(-1).view(np.uint8).reshape(-1, 18)[:, :2].copy().view(np.float16)[:, 0] for r in rows])
+    return np.repeat(d[:, col0 // 32:(col0 + n) // 32].astype(np.float64), 32, axis=1)
+
+
+def axpy_rows_bound(rows, col0, n, a):
+    """The integer path's error bound per element: each coefficient a_r * d_r moves by at most half a step of
+    its group's largest, times the weight's integer value; plus float rounding of the sums."""
+    v, d = _block_slices("q4_0", rows, col0, n), _scales(rows, col0, n)
+    c = a[:, None].astype(np.float64) * d
+    ints = np.where(d != 0, v / np.where(d != 0, d, 1), 0)
+    bound = np.zeros(n)
+    for g in range(0, len(rows), GROUP):
+        m = np.abs(c[g:g + GROUP]).max(axis=0)
+        bound += 0.5 * m / STEPS * np.abs(ints[g:g + GROUP]).sum(axis=0)
+    return bound + 1e-6 * (np.abs(a[:, None] * v).sum(axis=0) + 1)
+
+
 @pytest.mark.parametrize("isa", ["scalar"] + SIMD)
-@pytest.mark.parametrize("wtype,n", CASES + [("q4_0", 64), ("q8_0", 128), ("f32", 64), ("f16", 200)])
-def test_axpy_rows_is_a_sequence_of_axpys(isa, wtype, n):
-    """axpy_rows (y held in registers across rows) equals the set's own axpy applied row after row, bit for
-    bit, and the scalar reference within rounding, on slices that start inside the row."""
+@pytest.mark.parametrize("wtype,n", [(t, n) for t, n in AXPY_ROWS_CASES if t != "q4_0"])
+def test_float_axpy_rows_is_a_sequence_of_axpys(isa, wtype, n):
+    """f32/f16/q8_0 axpy_rows (y held in registers across rows) equals the set's own axpy applied row after row,
+    bit for bit, and the scalar reference within rounding, on slices that start inside the row."""
     rows, col0, a, y = _axpy_rows_case(wtype, n, 4000 + n)
-    width = len(values(wtype, rows[0]))
-    block = 32 if wtype in QTYPES else 1
     expect = y.copy()
     for r, ar in zip(rows, a):
-        piece = r.reshape(-1)[col0 // block * (r.nbytes // (width // block)):] if wtype in QTYPES else r[col0:]
+        piece = r.reshape(-1)[col0 // 32 * 34:] if wtype == "q8_0" else r[col0:]
         expect = kernels.axpy(isa, wtype, n, float(ar), np.ascontiguousarray(piece), expect)
     got = kernels.axpy_rows(isa, wtype, n, rows, col0, a, y)
     np.testing.assert_array_equal(got, expect)
     exact = y.astype(np.float64) + sum(float(ar) * values(wtype, r)[col0:col0 + n] for r, ar in zip(rows, a))
-    ref = kernels.axpy_rows("scalar", wtype, n, rows, col0, a, y)
-    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(ref, exact, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got, exact, rtol=1e-4, atol=1e-4)
+
+
+Q4_CASES = [n for t, n in AXPY_ROWS_CASES if t == "q4_0"] + [576, 4096]  # 576, 4096: SmolLM2's and a 7B's width
+
+
+@pytest.mark.parametrize("isa", SIMD)
+@pytest.mark.parametrize("n", Q4_CASES)
+def test_q4_0_axpy_rows_simd_is_the_scalar_reference(isa, n):
+    """The integer axpy_rows is bit-identical across sets (its definition: csrc/kernels/axpy_int.h)."""
+    rows, col0, a, y = _axpy_rows_case("q4_0", n, 4000 + n)
+    np.testing.assert_array_equal(kernels.axpy_rows(isa, "q4_0", n, rows, col0, a, y),
+                                  kernels.axpy_rows("scalar", "q4_0", n, rows, col0, a, y))
+
+
+@pytest.mark.parametrize("n", Q4_CASES)
+def test_q4_0_axpy_rows_is_within_its_rounding_of_exact(n):
+    """Each coefficient rounds to 14 bits of its group's largest: the result is within that bound of the float64
+    sum, a bound 2^-15 of the group's largest coefficient times the weights' integers."""
+    rows, col0, a, y = _axpy_rows_case("q4_0", n, 4000 + n)
+    got = kernels.axpy_rows("scalar", "q4_0", n, rows, col0, a, y)
+    exact = y.astype(np.float64) + a.astype(np.float64) @ _block_slices("q4_0", rows, col0, n)
+    assert np.all(np.abs(got - exact) <= axpy_rows_bound(rows, col0, n, a) + 1e-6 * np.abs(exact))
+
+
+@pytest.mark.parametrize("isa", ["scalar"] + SIMD)
+def test_q4_0_axpy_rows_edge_coefficients(isa):
+    """Zero groups leave y as it was (signed zeros included); a group holding inf or NaN is summed in floats
+    (so inf and NaN reach y, in that group's columns only); tiny and huge coefficients keep their precision; the
+    extremes of the coefficient's two bytes (exactly +-its group's largest) are exact."""
+    wtype = "q4_0"
+    rng = np.random.default_rng(9)
+    n, n_rows = 96, 70
+    rows = [stored(wtype, rng.normal(0, 1, n)) for _ in range(n_rows)]
+    v = _block_slices(wtype, rows, 0, n)
+    y = np.full(n, -0.0, dtype=np.float32)
+    zero = kernels.axpy_rows(isa, wtype, n, rows, 0, np.zeros(n_rows, np.float32), y)
+    assert np.array_equal(np.signbit(zero), np.ones(n, bool)) and not zero.any()
+    for scale in (1e-25, 1.0, 1e25):
+        a = (rng.normal(0, 1, n_rows) * scale).astype(np.float32)
+        a[5], a[6] = scale * 3, -scale * 3  # the largest of group 0, both signs
+        got = kernels.axpy_rows(isa, wtype, n, rows, 0, a, np.zeros(n, np.float32)).astype(np.float64)
+        exact = a.astype(np.float64) @ v
+        np.testing.assert_allclose(got / scale, exact / scale, rtol=2e-4, atol=2e-4 * np.abs(exact / scale).max())
+    a = rng.normal(0, 1, n_rows).astype(np.float32)
+    a[40] = np.inf  # group 1 (rows 32..63)
+    got = kernels.axpy_rows(isa, wtype, n, rows, 0, a, np.zeros(n, np.float32))
+    np.testing.assert_array_equal(got, kernels.axpy_rows("scalar", wtype, n, rows, 0, a, np.zeros(n, np.float32)))
+    assert not np.isfinite(got[v[40] != 0]).any()
+    a[40] = np.nan
+    assert np.isnan(kernels.axpy_rows(isa, wtype, n, rows, 0, a, np.zeros(n, np.float32))).all()
 
 
 def test_axpy_rows_checks_its_arguments():

@@ -1,0 +1,124 @@
+#include "backend/device_placement.h"
+
+#include <algorithm>
+
+#include "device/attention_math.h"
+
+namespace pi {
+namespace {
+
+pi_device_matrix device_matrix(const Matrix &m, const Matrix &bias) {
+    return pi_device_matrix{m.type, int32_t(m.rows), int32_t(m.cols), m.data, bias.floats()};
+}
+
+}  // namespace
+
+int64_t DevicePlacement::attention_layers() const { return std::count(attention.begin(), attention.end(), 1); }
+int64_t DevicePlacement::hot_layers() const { return std::count(hot.begin(), hot.end(), 1); }
+
+pi_device_tier_desc device_tier_desc(const HParams &hp, int32_t device, int64_t n_batch, int64_t n_ctx, bool kv_f16,
+                                     const float *rope_cos, const float *rope_sin) {
+    pi_device_tier_desc d{};
+    d.device = device;
+    d.n_embd = int32_t(hp.n_embd);
+    d.n_layer = int32_t(hp.n_layer);
+    d.n_batch = int32_t(n_batch);
+    d.activation = hp.activation == Activation::Silu ? PI_DEVICE_ACT_SILU
+                   : hp.activation == Activation::DRelu ? PI_DEVICE_ACT_DRELU : PI_DEVICE_ACT_RELU;
+    d.gated = hp.gated ? 1 : 0;
+    d.n_head = int32_t(hp.n_head);
+    d.n_head_kv = int32_t(hp.n_head_kv);
+    d.d_head = int32_t(hp.d_head);
+    d.n_rot = hp.rope == RopeKind::None ? 0 : int32_t(hp.n_rot);
+    d.rope = hp.rope == RopeKind::None ? PI_DEVICE_ROPE_NONE
+             : hp.rope == RopeKind::NeoX ? PI_DEVICE_ROPE_NEOX : PI_DEVICE_ROPE_ADJACENT;
+    d.norm = hp.norm == NormKind::Rms ? PI_DEVICE_NORM_RMS : PI_DEVICE_NORM_LAYER;
+    d.norm_eps = hp.norm_eps;
+    d.n_ctx = int32_t(n_ctx);
+    d.kv_f16 = kv_f16 ? 1 : 0;
+    d.rope_cos = d.n_rot ? rope_cos : nullptr;
+    d.rope_sin = d.n_rot ? rope_sin : nullptr;
+    d.n_vocab = int32_t(hp.n_vocab);
+    return d;
+}
+
+pi_device_attention device_attention(const Layer &L) {
+    return pi_device_attention{L.attn_norm.floats(), L.attn_norm_b.floats(), device_matrix(L.wq, L.bq),
+                               device_matrix(L.wk, L.bk), device_matrix(L.wv, L.bv), device_matrix(L.wo, L.bo)};
+}
+
+pi_device_head device_head(const Model &model) {
+    return pi_device_head{model.output_norm().floats(), model.output_norm_b().floats(),
+                          device_matrix(model.output(), Matrix{})};
+}
+
+double attention_layer_bytes(const pi_device_tier_desc &desc, const Layer &L) {
+    return double(device::AttentionLayout(device_attention(L), desc).bytes);
+}
+
+double hot_layer_bytes(const HParams &hp, const Layer &L, const FfnTier &T) {
+    const double n = double(T.size());
+    double row = double(L.gate.row_bytes + L.down_t.row_bytes) + (hp.gated ? double(L.up.row_bytes) : 0.0);
+    if (L.gate_b.data) row += 4;
+    if (hp.gated && L.up_b.data) row += 4;
+    return n * row;
+}
+
+double hot_scratch_bytes(const HParams &hp, int64_t n_batch, int64_t rows) {
+    const double E = double(hp.n_embd), B = double(n_batch);
+    return B * E * 4 * 2 + B * (E / QK) * sizeof(BlockQ8_0) + B * double(rows) * 4 + 16;
+}
+
+DevicePlacement place_on_device(const pi_device_tier_desc &desc, const Model &model, double budget,
+                                bool with_attention, int64_t largest_tier) {
+    const HParams &hp = model.hp();
+    const std::vector<Layer> &layers = model.layers();
+    DevicePlacement p;
+    p.attention.assign(layers.size(), 0);
+    p.hot.assign(layers.size(), 0);
+    p.budget = budget;
+    p.scratch = hot_scratch_bytes(hp, desc.n_batch, largest_tier);
+    double room = budget - p.scratch;
+    if (!with_attention) p.attention_off = "gpu_ffn_only: attention and the output head kept on the CPU";
+    const pi_device_head head = device_head(model);
+    if (with_attention && !device::refuse_head(head, desc)) {
+        const double need = double(device::HeadLayout(head, desc).bytes) + device::head_scratch_bytes(desc);
+        if (need <= room) {
+            p.head = true;
+            p.head_bytes = need;
+            room -= need;
+        }
+    }
+    const double attention_scratch = device::attention_scratch_bytes(desc);
+    for (size_t il = 0; with_attention && il < layers.size(); ++il) {
+        const pi_device_attention a = device_attention(layers[il]);
+        if (const char *why = device::refuse_attention(a, desc)) {
+            if (il == 0) p.attention_off = std::string("attention stays on the CPU: ") + why;
+            break;
+        }
+        const device::AttentionLayout layout(a, desc);
+        const double kv = double(layout.bytes - layout.k_cache);  // the caches come last
+        const double need = double(layout.bytes) + (il == 0 ? attention_scratch : 0.0);
+        if (need > room) {
+            if (il == 0) p.attention_off = "the budget holds no layer's attention and KV cache";
+            break;
+        }
+        p.attention[il] = 1;
+        room -= need;
+        p.attention_bytes += need - kv - (il == 0 ? attention_scratch : 0.0);
+        p.kv_bytes += kv;
+        if (il == 0) p.scratch += attention_scratch;
+    }
+    for (size_t il = 0; il < layers.size(); ++il) {
+        const Layer &L = layers[il];
+        if (L.hot.size() == 0) continue;
+        const double need = hot_layer_bytes(hp, L, L.hot);
+        if (need > room) break;
+        p.hot[il] = 1;
+        room -= need;
+        p.hot_bytes += need;
+    }
+    return p;
+}
+
+}  // namespace pi

@@ -1,0 +1,187 @@
+"""The engine's placement on a device for a VRAM budget (csrc/backend/device_placement.h), from a converted file's
+header: the GPU tier's scratch, then the output norm and head, then the attention block and KV cache of as many
+layers as fit, in layer order, then each layer's hot rows (the gpu index's neurons) in layer order while they fit; a layer past the budget, and
+every one after it, keeps that part on the CPU. The bytes are the device libraries' (csrc/device/attention_math.h,
+tier_math.h): each part of a layer's block rounded up to 16 bytes. `pi-tools plan` reports it for the plan it
+writes; tests/placement/test_device_placement.py checks it against what the engine places for the same file,
+budget, context, batch and cache type.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from powerinfer_tools.core.errors import UserError
+from powerinfer_tools.formats.gguf_header import GGUFHeader
+
+QK = 32
+Q8_0_BLOCK_BYTES = 34
+COMPUTED_TYPES = {"F32", "F16", "Q4_0", "Q8_0"}  # what the device's kernels read (tier_math.h)
+ENGINE_DEFAULT_BATCH = 64  # csrc/engine/engine.cpp kDefaultBatch
+KV_ELEMENT_BYTES = {"f32": 4, "f16": 2}
+_ATTENTION_PART = re.compile(r"^blk\.(\d+)\.(attn_norm|attn_norm_2|attn_q|attn_k|attn_v|attn_qkv|attn_output)"
+                             r"\.(weight|bias)$")
+_FFN_PART = re.compile(r"^blk\.(\d+)\.(ffn_gate|ffn_up|ffn_down_t)\.(weight|bias)$")
+
+
+def _aligned(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+@dataclass(frozen=True)
+class DeviceShape:
+    """The tier's description (pi_device_tier_desc) as far as sizes go."""
+
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    d_head: int
+    n_rot: int  # 0 without RoPE
+    n_vocab: int
+    n_batch: int
+    n_ctx: int
+    kv_element_bytes: int
+
+    def kv_cache_bytes(self) -> int:
+        """One layer's keys and values, each part aligned as the libraries lay them out."""
+        return 2 * _aligned(self.n_ctx * self.n_head_kv * self.d_head * self.kv_element_bytes)
+
+    def attention_scratch_bytes(self) -> float:
+        """attention_math.h's attention_scratch_bytes."""
+        b, e = self.n_batch, self.n_embd
+        q, kv = self.n_head * self.d_head, self.n_head_kv * self.d_head
+        q8 = Q8_0_BLOCK_BYTES / QK
+        return (b * (e * 4 * 3 + e * q8 + q * 4 * 2 + kv * 4 * 2 + q * q8 + self.n_head * self.n_ctx * 4)
+                + self.n_ctx * (self.n_rot // 2) * 4 * 2)
+
+    def head_scratch_bytes(self) -> float:
+        """attention_math.h's head_scratch_bytes."""
+        b, e = self.n_batch, self.n_embd
+        return b * (e * 4 * 2 + e / QK * Q8_0_BLOCK_BYTES + self.n_vocab * 4)
+
+    def hot_scratch_bytes(self, rows: int) -> float:
+        """device_placement.cpp's hot_scratch_bytes for the largest hot tier of `rows` neurons."""
+        b, e = self.n_batch, self.n_embd
+        return b * e * 4 * 2 + b * (e / QK) * Q8_0_BLOCK_BYTES + b * rows * 4 + 16
+
+
+@dataclass(frozen=True)
+class DeviceCosts:
+    shape: DeviceShape
+    attention: np.ndarray  # [L] bytes of a layer's attention block (norm, matrices, biases) and KV cache
+    attention_refused: str | None  # why no layer's attention can go (a matrix the device cannot read)
+    neuron: np.ndarray  # [L] bytes of one hot neuron's rows and biases
+    head: int | None  # the output norm's and head's bytes; None where the device cannot read the head
+
+
+@dataclass(frozen=True)
+class DevicePlacement:
+    attention: np.ndarray  # [L] bool: the layer's attention and KV cache on the device
+    hot: np.ndarray  # [L] bool: the layer's hot rows on the device
+    head: bool  # the output norm and head on the device
+    head_bytes: float  # with its scratch
+    scratch: float
+    attention_bytes: float
+    kv_cache_bytes: float
+    hot_bytes: float
+
+    def summary(self) -> dict:
+        return {"output_head": self.head, "attention_layers": [int(i) for i in np.flatnonzero(self.attention)],
+                "hot_layers": [int(i) for i in np.flatnonzero(self.hot)],
+                "bytes": {"scratch": self.scratch, "head": self.head_bytes, "attention": self.attention_bytes,
+                          "kv_cache": self.kv_cache_bytes, "hot": self.hot_bytes}}
+
+
+def device_costs(header: GGUFHeader, ctx_size: int, n_batch: int = ENGINE_DEFAULT_BATCH,
+                 kv_type: str = "f32") -> DeviceCosts:
+    """Per-layer device bytes of a converted file, as the engine opened with these ctx_size, batch_size and
+    kv_type counts them (the engine caps n_batch at the context)."""
+    arch = header.get("general.architecture")
+    if not arch:
+        raise UserError(f"{header.path}: no general.architecture: not a converted model file")
+    n_embd, n_layer = header.get(f"{arch}.embedding_length"), header.get(f"{arch}.block_count")
+    n_head = header.get(f"{arch}.attention.head_count")
+    if not all(isinstance(v, int) and v > 0 for v in (n_embd, n_layer, n_head)):
+        raise UserError(f"{header.path}: missing {arch}.embedding_length/block_count/attention.head_count")
+    n_kv = header.get(f"{arch}.attention.head_count_kv", n_head)
+    d_head = n_embd // n_head
+    n_rot = 0 if arch == "opt" else header.get(f"{arch}.rope.dimension_count", d_head)
+    tensors = {t.name: t for t in header.tensors}
+    out = tensors.get("output.weight") or tensors.get("token_embd.weight")  # tied embeddings: the head is token_embd
+    if out is None:
+        raise UserError(f"{header.path}: no output.weight or token_embd.weight")
+    shape = DeviceShape(n_embd, n_head, n_kv, d_head, n_rot, int(out.shape[0]), min(n_batch, ctx_size), ctx_size,
+                        KV_ELEMENT_BYTES[kv_type])
+    head = (sum(_aligned(tensors[n].n_bytes) for n in ("output_norm.weight", "output_norm.bias") if n in tensors)
+            + _aligned(out.n_bytes)) if out.type.name in COMPUTED_TYPES else None
+    q_rows, kv_rows = n_head * d_head, n_kv * d_head
+    attention = np.zeros(n_layer, np.int64)
+    neuron = np.zeros(n_layer, np.int64)
+    norms: dict[int, dict[str, int]] = {}
+    refused = None
+    for t in header.tensors:
+        if m := _ATTENTION_PART.match(t.name):
+            i, part, kind = int(m.group(1)), m.group(2), m.group(3)
+            if part.startswith("attn_norm"):
+                norms.setdefault(i, {})[f"{part}.{kind}"] = _aligned(t.n_bytes)
+            elif kind == "bias":  # split as the rows are (falcon's fused q, k, v), each part its own
+                rows = [q_rows, kv_rows, kv_rows] if part == "attn_qkv" else [t.n_bytes // 4]
+                attention[i] += sum(_aligned(r * 4) for r in rows)
+            else:
+                if t.type.name not in COMPUTED_TYPES:
+                    refused = refused or f"{t.name} is {t.type.name}, which the device does not read"
+                rows = [q_rows, kv_rows, kv_rows] if part == "attn_qkv" else [int(t.shape[0])]
+                row_bytes = t.n_bytes // sum(rows)
+                attention[i] += sum(_aligned(r * row_bytes) for r in rows)
+        elif m := _FFN_PART.match(t.name):
+            i, part, kind = int(m.group(1)), m.group(2), m.group(3)
+            if kind == "weight":
+                neuron[i] += t.n_bytes // int(t.shape[0])
+            elif part != "ffn_down_t":
+                neuron[i] += 4
+    for i in range(n_layer):  # attention's norm: attn_norm_2 where falcon's new decoder has one, else attn_norm
+        parts = norms.get(i, {})
+        name = "attn_norm_2" if "attn_norm_2.weight" in parts else "attn_norm"
+        attention[i] += parts.get(f"{name}.weight", 0) + parts.get(f"{name}.bias", 0) + shape.kv_cache_bytes()
+    return DeviceCosts(shape, attention, refused, neuron, head)
+
+
+def place_on_device(costs: DeviceCosts, budget: float, hot_neurons: Sequence[int],
+                    with_attention: bool = True) -> DevicePlacement:
+    """The engine's placement (device_placement.cpp's place_on_device) for `hot_neurons` per layer."""
+    n_layer = len(costs.attention)
+    hot_neurons = np.asarray(hot_neurons, np.int64)
+    attention, hot = np.zeros(n_layer, bool), np.zeros(n_layer, bool)
+    scratch = costs.shape.hot_scratch_bytes(int(hot_neurons.max(initial=0)))
+    room = budget - scratch
+    head_bytes = 0.0
+    if with_attention and costs.head is not None and costs.head + costs.shape.head_scratch_bytes() <= room:
+        head_bytes = costs.head + costs.shape.head_scratch_bytes()
+        room -= head_bytes
+    attention_bytes = kv_bytes = 0.0
+    kv = costs.shape.kv_cache_bytes()
+    if with_attention and costs.attention_refused is None:
+        attention_scratch = costs.shape.attention_scratch_bytes()
+        for i in range(n_layer):
+            need = costs.attention[i] + (attention_scratch if i == 0 else 0.0)
+            if need > room:
+                break
+            attention[i] = True
+            room -= need
+            attention_bytes += costs.attention[i] - kv
+            kv_bytes += kv
+            scratch += attention_scratch if i == 0 else 0.0
+    hot_bytes = 0.0
+    for i in range(n_layer):
+        if hot_neurons[i] == 0:
+            continue
+        need = float(hot_neurons[i] * costs.neuron[i])
+        if need > room:
+            break
+        hot[i] = True
+        room -= need
+        hot_bytes += need
+    return DevicePlacement(attention, hot, head_bytes > 0, head_bytes, scratch, attention_bytes, kv_bytes, hot_bytes)

@@ -1,0 +1,45 @@
+#!/usr/bin/env python3
+"""The table of scripts/gpu_check.sh speed, from the bench records it has written so far (OUT/bench-NAME.json):
+per placement and mode, prompt and decode tokens/s, decode against the CPU-only predictor mode, and where the
+layers' parts were.
+
+Usage: scripts/gpu_speed_table.py OUT LAYERS
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+RUNS = ("cpu", "gpu4", "gpu8", "gpu8-ffn-only")
+
+
+def placement(gpu: dict) -> str:
+    if not gpu["used"]:
+        return f"all on the CPU ({gpu['reason'] or '--gpu ' + gpu['mode']})"
+    d = gpu["device"]
+    return (f"hot rows of {d['layers_on_device']}/{d['hot_layers']} layers, attention + KV cache of "
+            f"{d['attention_layers']}/{len(d['layers'])} on the device")
+
+
+def main(out: Path, layers: int) -> None:
+    print(f"7B shape, {layers} of 32 layers, q4_0, 90 % predicted sparsity (budgets: the 7B's, the rest scaled to {layers} layers)")
+    base = None
+    for name in RUNS:
+        path = out / f"bench-{name}.json"
+        if not path.exists():
+            continue
+        rec = json.loads(path.read_text())
+        where = placement(rec["engine"]["gpu"])
+        for run in rec["runs"]:
+            if not run["label"].startswith("ours"):
+                continue
+            pp, tg = (run.get("pp") or {}).get("median") or 0.0, run["tg"]["median"]
+            if name == "cpu" and run["label"] == "ours predictor":
+                base = tg
+            ratio = f"{tg / base:5.2f}x" if base else "  -  "
+            print(f"{name:14s} {run['label']:16s} pp {pp:8.2f} t/s  tg {tg:7.2f} t/s  {ratio} CPU predictor  {where}")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), int(sys.argv[2]))

@@ -5,7 +5,8 @@ the attention output projection, gate/up, down), placed on the dense model's |x|
 
 Two allocations of a model-wide share s (the share of every layer's weight bytes a decode step may skip):
   * uniform: every site of every layer zeroes a share s of its inputs;
-  * greedy (TEAL's block-wise greedy search): per layer, starting from nothing, the share of one site at a time
+  * greedy (TEAL's block-wise greedy search; worse than uniform on SmolLM2, docs/profile.md): per layer,
+    starting from nothing, the share of one site at a time
     grows by a step of GREEDY_STEP of the layer's weights, the site whose step moves the layer's output least
     (squared error against the dense layer on the same inputs) taking it, until the layer's weighted share reaches
     each level. Every layer reaches the same level, so the model-wide share of bytes is the level.
@@ -32,8 +33,8 @@ from powerinfer_tools.formats import names
 FORMAT = "powerinfer-tools.input-sparsity/1"
 FILE = "input_sparsity.json"
 LEVELS = tuple(round(0.05 * k, 2) for k in range(1, 11))   # model-wide shares calibrated: 0.05 .. 0.50
-ALLOCATIONS = ("greedy", "uniform")
-DEFAULT_ALLOCATION = "greedy"
+ALLOCATIONS = ("uniform", "greedy")
+DEFAULT_ALLOCATION = "uniform"   # it won on SmolLM2 (docs/profile.md, "Input sparsity")
 SAMPLE_VALUES = 1 << 18     # |x| values kept per (layer, site) to place its thresholds
 CALIBRATION_TOKENS = 8192   # tokens whose |x| place the thresholds
 GREEDY_TOKENS = 512         # tokens whose layer outputs the greedy search compares

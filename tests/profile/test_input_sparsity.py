@@ -113,13 +113,13 @@ def profile_dir(tiny_model_dir, tmp_path_factory):
 
 def test_profile_writes_the_table_and_convert_stores_it_with_the_transposed_matrices(tiny_model_dir, profile_dir,
                                                                                    tmp_path, capsys):
-    assert json.loads((profile_dir / "profile.json").read_text())["input_sparsity"] == "greedy"
+    assert json.loads((profile_dir / "profile.json").read_text())["input_sparsity"] == "uniform"  # the default
     table = isp.InputThresholds.load(profile_dir, 2)
     out = tmp_path / "m.gguf"
     code, stdout, err = run_cli(capsys, "convert", "-m", tiny_model_dir("llama-silu"), "--profile", profile_dir,
                                 "--outtype", "f32", "-o", out, "-q", "--ours-only")
     assert code == 0, err
-    assert "input sparsity: the profile's greedy thresholds" in stdout
+    assert "input sparsity: the profile's uniform thresholds" in stdout
     fields = read_fields(out)
     assert list(fields[names.KEY_INPUT_SPARSITY_LEVELS]) == pytest.approx(table.levels)
     assert list(fields[names.KEY_INPUT_THRESHOLDS]) == pytest.approx(table.flat_thresholds())

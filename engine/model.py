@@ -31,7 +31,9 @@ class Model:
     the attention blocks and KV caches of as many layers as fit, then their hot rows, layer after layer (the
     rest stay on the CPU; default: what is free, less a reserve); gpu_attention: False keeps every layer's
     attention on the CPU (only the hot tier on the device); gpu_device: the device's ordinal; gpu_library: the
-    device library, "cuda" (the default), "emulated" (the host emulation the tests use) or a path.
+    device library, "cuda" (the default), "emulated" (the host emulation the tests use) or a path;
+    input_sparsity: the share of every matrix's inputs zeroed at the thresholds the file holds (0: off;
+    docs/engine.md, "Input sparsity").
 
     One Model may be shared by threads: ctypes lets go of the GIL inside the engine, so a lock held across
     every engine call serializes them, and close() waits for a call in flight instead of freeing the model
@@ -42,7 +44,8 @@ class Model:
                  ctx_size: int | None = None, gpuidx: str | os.PathLike | None = None, recall_check: bool = False,
                  batch_size: int | None = None, isa: str | None = None, kv_type: str = "f32",
                  hot_backend: str = "cpu", gpu: str = "auto", vram_budget: float | None = None, gpu_device: int = 0,
-                 gpu_library: str | os.PathLike = "cuda", gpu_attention: bool = True):
+                 gpu_library: str | os.PathLike = "cuda", gpu_attention: bool = True,
+                 input_sparsity: float = 0.0):
         self._handle = None
         self._lock = threading.RLock()
         opts = Options()
@@ -71,6 +74,7 @@ class Model:
         if not isinstance(gpu_attention, bool):
             raise EngineError(f"gpu_attention must be True or False, not {gpu_attention!r}")
         opts.gpu_ffn_only = int(not gpu_attention)
+        opts.input_sparsity = c_float("input_sparsity", input_sparsity)
         handle = ctypes.c_void_p()
         if hot_backend == "cpu":
             check(lib().pi_open(os.fsencode(path), ctypes.byref(opts), ctypes.byref(handle)))
@@ -130,6 +134,15 @@ class Model:
     @sparse_mode.setter
     def sparse_mode(self, mode: str) -> None:
         self._checked(lib().pi_set_ffn_mode, _mode_id(mode))
+
+    @property
+    def input_sparsity(self) -> float:
+        """Input sparsity's share (0: off); set it to run the next calls at another share (docs/engine.md)."""
+        return self.stats()["input_sparsity"]["share"]
+
+    @input_sparsity.setter
+    def input_sparsity(self, share: float) -> None:
+        self._checked(lib().pi_set_input_sparsity, c_float("input_sparsity", share))
 
     def set_recall_check(self, enabled: bool) -> None:
         self._checked(lib().pi_set_recall_check, int(enabled))

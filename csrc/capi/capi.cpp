@@ -90,6 +90,10 @@ pi_status pi_set_recall_check(pi_engine *e, int32_t enabled) {
     return with_engine(e, [&](pi::Engine &engine) { engine.set_recall_check(enabled != 0); });
 }
 
+pi_status pi_set_input_sparsity(pi_engine *e, float share) {
+    return with_engine(e, [&](pi::Engine &engine) { engine.set_input_sparsity(share); });
+}
+
 pi_status pi_eval(pi_engine *e, const int32_t *tokens, int32_t n, float *logits, int32_t all_logits) {
     return with_engine(e, [&](pi::Engine &engine) { engine.eval(tokens, n, logits, all_logits != 0); });
 }

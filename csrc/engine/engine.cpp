@@ -70,6 +70,8 @@ Engine::Engine(const std::string &path, const pi_options &opts, const std::strin
         if (L.hot.size() > 0) hot_->upload(il, L, L.hot);
         if (L.cold.size() > 0) cold_->upload(il, L, L.cold);
     }
+    if (!model_->input_levels().empty()) allocate_input_scratch();
+    set_input_sparsity(opts.input_sparsity);
 }
 
 std::unique_ptr<TierBackend> Engine::device_tier(const pi_options &opts, int64_t rank) {
@@ -106,7 +108,8 @@ std::unique_ptr<TierBackend> Engine::device_tier(const pi_options &opts, int64_t
 }
 
 double Engine::work_buffer_bytes(int64_t threads) const {
-    double bytes = RunState::buffer_bytes(hp_, n_ctx_, n_batch_, threads) + double(hp_.n_layer) * 64;  // + policy
+    double bytes = RunState::buffer_bytes(hp_, n_ctx_, n_batch_, threads) + double(hp_.n_layer) * 64 +  // + policy
+                   input_scratch_bytes();
     for (bool hot : {true, false}) {
         const int64_t rows = largest_tier(*model_, hot);
         if (rows > 0) bytes += CpuTierBackend::scratch_bytes(hp_, rows, n_batch_, threads, model_->max_rank());

@@ -27,6 +27,8 @@ public:
     const Model &model() const { return *model_; }
     void set_ffn_mode(int32_t mode);
     void set_recall_check(bool on) { recall_check_ = on; }
+    // The model-wide share of inputs input sparsity zeroes (0: off); refused above the file's largest level.
+    void set_input_sparsity(float share);
     void eval(const int32_t *tokens, int32_t n, float *logits, bool all_logits);
     int32_t n_past() const { return int32_t(rs_->n_past); }
     void truncate(int32_t n_keep);
@@ -74,6 +76,23 @@ private:
     void add_residual(const float *y, int64_t n_tok);
     void matmul(const MatmulTarget *targets, int n, Operand &x, int64_t n_tok) { pi::matmul(*ks_, *pool_, targets, n, x, n_tok); }
 
+    // input_sparsity.cpp
+    bool input_on() const { return input_share_ > 0.0f; }
+    // the FFN computed by input sparsity's own path: dense mode (the other FFN modes keep their own sparsity)
+    bool input_ffn_on() const { return input_on() && policy_.mode() == PI_FFN_DENSE; }
+    float input_thr(int64_t il, int site) const { return input_thr_[size_t(il * Model::kInputSiteCount + site)]; }
+    void allocate_input_scratch();
+    double input_scratch_bytes() const;
+    // out = x (n_tok rows of n) with the values at or below t zeroed (counted); returns how many
+    int64_t zero_small(const float *x, int64_t n, int64_t n_tok, float t, float *out);
+    // outs[m] = matrix m of `mats` (transposed: a row per input, all with as many) times x with its values at or
+    // below t zeroed, reading only the rows of the kept inputs; `decode`: counted as a decode step's bytes
+    void input_rows_decode(const InputRows *const *mats, float *const *outs, int n_mats, const float *x, float t,
+                           bool decode);
+    void input_qkv(const Layer &L, int64_t il, int64_t n_tok);
+    void input_output_projection(const Layer &L, int64_t il, int64_t n_tok);
+    void input_ffn(int64_t il, int64_t n_tok);
+
     std::unique_ptr<Model> model_;
     const KernelSet *ks_;
     std::unique_ptr<ThreadPool> pool_;
@@ -90,6 +109,14 @@ private:
     Sampler sampler_;
     Rng rng_;
     std::string json_;
+    float input_share_ = 0.0f;
+    std::vector<float> input_thr_;  // [layer][site]
+    // input sparsity's scratch (allocated where the file has its matrices): the rows of a decode step's kept
+    // inputs and their coefficients, rows_product's partials, a batch's zeroed input (then its h) and its q8_0
+    // form, gate (or fused q/k/v) and up outputs
+    std::vector<const void *> in_rows_;
+    std::vector<float> in_coef_, in_partials_, in_x_, in_g_, in_u_;
+    std::vector<BlockQ8_0> in_q_;
 };
 
 }  // namespace pi

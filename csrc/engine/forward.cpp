@@ -72,7 +72,8 @@ void Engine::attention(int64_t il, int64_t n_tok, TierMode cold_mode) {
     norm(s.x.data(), L.attn_norm, L.attn_norm_b, n_tok, s.xn.data());
     s.op_xn.q_ready = false;
     const MatmulTarget qkv[3] = {{&L.wq, s.q.data(), Q}, {&L.wk, s.k.data(), KV}, {&L.wv, s.v.data(), KV}};
-    matmul(qkv, 3, s.op_xn, n_tok);
+    if (input_on()) input_qkv(L, il, n_tok);
+    else matmul(qkv, 3, s.op_xn, n_tok);
     add_bias(s.q.data(), L.bq, n_tok, Q);
     add_bias(s.k.data(), L.bk, n_tok, KV);
     add_bias(s.v.data(), L.bv, n_tok, KV);
@@ -87,7 +88,8 @@ void Engine::attention(int64_t il, int64_t n_tok, TierMode cold_mode) {
     else batch_heads(kc, vc, n_tok);
     s.op_att.q_ready = false;
     const MatmulTarget wo[1] = {{&L.wo, s.tmp.data(), E}};
-    matmul(wo, 1, s.op_att, n_tok);
+    if (input_on()) input_output_projection(L, il, n_tok);
+    else matmul(wo, 1, s.op_att, n_tok);
     add_bias(s.tmp.data(), L.bo, n_tok, E);
 }
 
@@ -263,6 +265,7 @@ void Engine::ffn(int64_t il, int64_t n_tok, TierMode cold_mode) {
         norm(s.x.data(), L.ffn_norm, L.ffn_norm_b, n_tok, s.xn.data());
         s.op_xn.q_ready = false;
     }
+    if (input_ffn_on()) return input_ffn(il, n_tok);
     // both tiers read the same operand: made once, here, before either starts
     prepare(*ks_, s.op_xn, n_tok, L.gate.type);
     prepare(*ks_, s.op_xn, n_tok, L.up.type);

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "engine/work.h"
+#include "runtime/common.h"
 
 namespace pi {
 
@@ -92,6 +93,28 @@ void matmul(const KernelSet &ks, ThreadPool &pool, const MatmulTarget *targets, 
         }
     };
     pool.run(pool.chunks_for(work, kGrain), job);
+}
+
+void rows_product(const KernelSet &ks, ThreadPool &pool, const RowsTarget *targets, int n_targets, float *partials) {
+    int64_t n_runs[8], first_run[9] = {0}, first_partial[8];
+    if (n_targets > 8) fail(PI_ERR_INTERNAL, "rows_product: too many targets");
+    for (int i = 0, at = 0; i < n_targets; ++i) {
+        n_runs[i] = down_run_count(targets[i].n_rows);
+        first_run[i + 1] = first_run[i] + n_runs[i];
+        first_partial[i] = at;
+        at += int(n_runs[i] * targets[i].n);
+    }
+    auto run_rows = [&](int chunk, int, int) {
+        int i = 0;
+        while (chunk >= first_run[i + 1]) ++i;
+        const RowsTarget &tg = targets[i];
+        const int64_t run = chunk - first_run[i];
+        down_run(ks.for_type(tg.type), tg.n, tg.n_rows, tg.rows, tg.coef, run,
+                 partials + first_partial[i] + run * tg.n);
+    };
+    pool.run(int(first_run[n_targets]), run_rows);
+    for (int i = 0; i < n_targets; ++i)
+        sum_down_runs(targets[i].n, n_runs[i], partials + first_partial[i], targets[i].y);
 }
 
 }  // namespace pi

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "backend/down_runs.h"
 #include "kernels/kernels.h"
 #include "model/model.h"
 #include "runtime/threadpool.h"
@@ -41,5 +42,25 @@ void matmul(const KernelSet &ks, ThreadPool &pool, const MatmulTarget *targets, 
             int64_t n_tok);
 void matmul(const KernelSet &ks, ThreadPool &pool, const Matrix &W, Operand &x, int64_t n_tok, float *out,
             int64_t ldo);
+
+// Rows read by index and scaled (input sparsity's transposed matrices): y[0, n) = the sum over k < n_rows of
+// coef[k] times rows[k]'s first n values.
+struct RowsTarget {
+    uint32_t type;
+    int64_t n;
+    const void *const *rows;
+    const float *coef;
+    int64_t n_rows;
+    float *y;
+};
+
+// Floats of partial sums rows_product needs for a target of up to n_rows rows of n values.
+inline int64_t rows_partial_floats(int64_t n_rows, int64_t n) { return (down_run_count(n_rows) + 1) * n; }
+
+// Every target in one pool job, each as the down projection's decode step sums its rows (backend/down_runs.h:
+// runs of kDownRunRows by the type's axpy_rows, the partials added in run order), so these products get what that
+// kernel gets, and the same sums whatever the thread count. partials: room for rows_partial_floats of every
+// target, one after the other.
+void rows_product(const KernelSet &ks, ThreadPool &pool, const RowsTarget *targets, int n_targets, float *partials);
 
 }  // namespace pi

@@ -120,6 +120,9 @@ std::string decoded_json(const DecodedWeights &d) {
 std::string info_json(const Model &model, const RunSettings &run) {
     const HParams &h = model.hp();
     const Layer &l0 = model.layers()[0];
+    std::string levels = "[";
+    for (size_t k = 0; k < model.input_levels().size(); ++k) levels += (k ? ", " : "") + num(model.input_levels()[k]);
+    levels += "]";
     return "{\"path\": " + quoted(model.path()) + ", \"magic\": " + quoted(model.pwri() ? "PWRI" : "GGUF") +
            ", \"arch\": " + quoted(h.arch) + ", \"activation\": " + quoted(activation_name(h)) +
            ", \"n_vocab\": " + num(double(h.n_vocab)) + ", \"n_embd\": " + num(double(h.n_embd)) +
@@ -144,7 +147,8 @@ std::string info_json(const Model &model, const RunSettings &run) {
            ", \"activation_thresholds\": " + per_layer(model, [](const Layer &l) { return num(l.act_threshold); }) +
            ", \"predictor_thresholds\": " + per_layer(model, [](const Layer &l) { return num(l.pred_threshold); }) +
            ", \"predictor_useful\": " +
-           per_layer(model, [](const Layer &l) { return std::string(l.predictor_useful ? "true" : "false"); }) + "}";
+           per_layer(model, [](const Layer &l) { return std::string(l.predictor_useful ? "true" : "false"); }) +
+           ", \"input_sparsity_levels\": " + levels + "}";
 }
 
 std::string stats_json(const Model &model, const WeightCopies &wc, const EngineStats &stats, const FfnPolicy &policy,
@@ -155,6 +159,10 @@ std::string stats_json(const Model &model, const WeightCopies &wc, const EngineS
                        ", \"decode_seconds\": " + num(stats.decode_seconds) + ", \"phases\": {\"embed\": " + num(t.embed) +
                        ", \"attention\": " + num(t.attention) + ", \"predictor\": " + num(t.predictor) +
                        ", \"gate_up\": " + num(t.gate_up) + ", \"down\": " + num(t.down) + ", \"output\": " + num(t.output) + "}";
+    const InputStats &in = stats.input;
+    json += ", \"input_sparsity\": {\"share\": " + num(in.share) + ", \"inputs\": " + num(in.inputs) +
+            ", \"zeroed\": " + num(in.zeroed) + ", \"decode_bytes\": " + num(in.decode_bytes) +
+            ", \"decode_bytes_skipped\": " + num(in.decode_skipped) + "}";
     json += ", \"weight_copies\": {\"packed\": " + std::to_string(wc.packed) + ", \"predictor\": " + std::to_string(wc.predictor) +
             ", \"hot\": " + std::to_string(wc.hot) + ", \"cold_groups\": " + std::to_string(wc.cold_groups) +
             ", \"decoded\": " + std::to_string(wc.decoded) + "}, \"gpu\": " + device_json(device) + ", \"layers\": [";

@@ -31,13 +31,24 @@ struct PhaseTimes {
     double embed = 0, attention = 0, predictor = 0, gate_up = 0, down = 0, output = 0;
 };
 
+// Input sparsity: inputs seen and zeroed (every step), and of the decode steps the bytes of the transposed matrices'
+// rows their inputs select from, and of those skipped.
+struct InputStats {
+    double share = 0, inputs = 0, zeroed = 0, decode_bytes = 0, decode_skipped = 0;
+};
+
 struct EngineStats {
     std::vector<LayerStats> layers;
     PhaseTimes times;
+    InputStats input;
     double batch_tokens = 0, batch_seconds = 0, decode_tokens = 0, decode_seconds = 0;
 
     explicit EngineStats(int64_t n_layer) : layers(size_t(n_layer)) {}
-    void reset() { *this = EngineStats(int64_t(layers.size())); }
+    void reset() {
+        const double share = input.share;
+        *this = EngineStats(int64_t(layers.size()));
+        input.share = share;
+    }
     // A layer's FFN over n_tok tokens: what its tiers counted (the cold tier's in cold_mode).
     void take_ffn(int64_t il, int64_t n_tok, TierMode cold_mode, bool has_cold, const TierCounts &hot,
                   const TierCounts &cold);

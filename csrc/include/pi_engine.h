@@ -15,7 +15,7 @@
 extern "C" {
 #endif
 
-#define PI_ENGINE_API_VERSION 8
+#define PI_ENGINE_API_VERSION 9
 
 typedef enum {
     PI_OK = 0,
@@ -72,6 +72,9 @@ typedef struct {
     const char *gpu_library; /* the device library (pi_device.h); NULL: the environment's PI_GPU_LIBRARY */
     int32_t gpu_ffn_only;    /* != 0: only the hot tier goes to the device; 0 (PowerInfer's placement): the
                                 attention blocks and KV caches of as many layers as the budget holds go first */
+    float input_sparsity;    /* input sparsity's model-wide share of inputs zeroed (0: off; at most the file's largest
+                                powerinfer.input_sparsity_levels): every matrix's inputs at or below its calibrated
+                                threshold are zeroed, and a decode step skips the rows they multiply */
 } pi_options;
 
 typedef struct {
@@ -105,6 +108,8 @@ pi_status pi_info_json(pi_engine *engine, const char **json);
 
 pi_status pi_set_ffn_mode(pi_engine *engine, int32_t mode);
 pi_status pi_set_recall_check(pi_engine *engine, int32_t enabled);
+/* pi_options.input_sparsity for the next calls (0: off). */
+pi_status pi_set_input_sparsity(pi_engine *engine, float share);
 
 /* Run `n` tokens after the `pi_n_past` already in the cache. `logits` receives n * n_vocab floats
  * when all_logits != 0, else the n_vocab logits of the last token; it may be NULL. */

@@ -17,6 +17,8 @@ inline constexpr char kKeySparseThreshold[] = "powerinfer.sparse_threshold";
 inline constexpr char kKeyPredictorThresholds[] = "powerinfer.predictor_thresholds";
 inline constexpr char kKeyPredictorUseful[] = "powerinfer.predictor_useful";
 inline constexpr char kKeyNeuronOrder[] = "powerinfer_tools.neuron_order";
+inline constexpr char kKeyInputSparsityLevels[] = "powerinfer.input_sparsity_levels";
+inline constexpr char kKeyInputThresholds[] = "powerinfer.input_thresholds";
 inline constexpr char kKeyVramCapacity[] = "split.vram_capacity";
 inline constexpr char kKeyGpuIndexBlockCount[] = "generic.gpu_index.block_count";
 
@@ -28,8 +30,19 @@ inline constexpr char kFfnDown[] = "ffn_down";
 inline constexpr char kFfnDownT[] = "ffn_down_t";
 inline constexpr char kPredictorFc1[] = "fc1";
 inline constexpr char kPredictorFc2[] = "fc2";
+inline constexpr char kAttnQT[] = "attn_q_t";
+inline constexpr char kAttnKT[] = "attn_k_t";
+inline constexpr char kAttnVT[] = "attn_v_t";
+inline constexpr char kAttnQkvT[] = "attn_qkv_t";
+inline constexpr char kAttnOutputT[] = "attn_output_t";
+inline constexpr char kFfnGateT[] = "ffn_gate_t";
+inline constexpr char kFfnUpT[] = "ffn_up_t";
 inline constexpr char kGpuIdx[] = "gpu_idx";
 inline constexpr char kGpuBucket[] = "gpu_bucket";
+
+// ---- input sparsity's sites, in the order of powerinfer.input_thresholds' innermost axis ----
+inline constexpr const char *kInputSites[] = {"qkv", "o", "gate_up", "down"};
+inline constexpr int kInputSiteCount = sizeof(kInputSites) / sizeof(kInputSites[0]);
 
 // ---- FFN modes: index = pi_ffn_mode ----
 inline constexpr const char *kFfnModes[] = {"dense", "gate", "predictor", "auto", "oracle"};

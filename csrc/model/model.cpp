@@ -380,6 +380,53 @@ void Model::bind_tensors() {
             fail(PI_ERR_FORMAT, p + ": layer " + std::to_string(i) + " has a predictor but layer 0 has none");
         }
     }
+    bind_input_sparsity();
+}
+
+static_assert(Model::kInputSiteCount == names::kInputSiteCount, "input sparsity's sites, as the file orders them");
+
+void Model::bind_input_sparsity() {
+    const GgufFile &f = *file_;
+    const std::string &p = f.path();
+    const int64_t E = hp_.n_embd, F = hp_.n_ff, Q = hp_.n_head * hp_.d_head, KV = hp_.n_head_kv * hp_.d_head;
+    const char *qkv_names[] = {names::kAttnQT, names::kAttnQkvT};
+    const bool tensors = f.tensor(weight(0, qkv_names[hp_.parallel_block ? 1 : 0])) != nullptr;
+    const bool keys = f.has(names::kKeyInputThresholds) || f.has(names::kKeyInputSparsityLevels);
+    if (!tensors && !keys) return;
+    if (!tensors || !keys)
+        fail(PI_ERR_FORMAT, p + ": input sparsity needs both its thresholds (" + names::kKeyInputThresholds + ", " +
+                                names::kKeyInputSparsityLevels + ") and its transposed matrices; the file has only " +
+                                (tensors ? "the matrices" : "the thresholds"));
+    const GgufValue *lv = f.find(names::kKeyInputSparsityLevels);
+    if (!lv || lv->type != GV_ARRAY || lv->array_count < 1 || lv->array_count > 1000)
+        fail(PI_ERR_FORMAT, p + ": " + names::kKeyInputSparsityLevels + " must be an array of 1 to 1000 shares");
+    input_levels_ = f.get_f32_array(names::kKeyInputSparsityLevels, lv->array_count);
+    for (size_t k = 0; k < input_levels_.size(); ++k)
+        if (!(input_levels_[k] > (k ? input_levels_[k - 1] : 0.0f)) || input_levels_[k] > 1.0f)
+            fail(PI_ERR_FORMAT, p + ": " + names::kKeyInputSparsityLevels + " must be increasing shares in (0, 1]");
+    input_table_ = f.get_f32_array(names::kKeyInputThresholds,
+                                   uint64_t(input_levels_.size()) * uint64_t(hp_.n_layer) * kInputSiteCount);
+    for (float t : input_table_)
+        if (t < 0.0f) fail(PI_ERR_FORMAT, p + ": " + names::kKeyInputThresholds + " holds a negative value");
+    auto rows = [&](const char *name, int64_t n_in, int64_t n_out, int64_t i) {
+        return InputRows{bind(weight(i, name), n_in, n_out, false), 0, n_out};
+    };
+    for (int64_t i = 0; i < hp_.n_layer; ++i) {
+        Layer &l = layers_[size_t(i)];
+        if (hp_.parallel_block) {  // one matrix for falcon's fused q/k/v: each its own columns of every row
+            const Matrix qkv = bind(weight(i, names::kAttnQkvT), E, Q + 2 * KV, false);
+            l.q_t = {qkv, 0, Q};
+            l.k_t = {qkv, Q, KV};
+            l.v_t = {qkv, Q + KV, KV};
+        } else {
+            l.q_t = rows(names::kAttnQT, E, Q, i);
+            l.k_t = rows(names::kAttnKT, E, KV, i);
+            l.v_t = rows(names::kAttnVT, E, KV, i);
+        }
+        l.o_t = rows(names::kAttnOutputT, Q, E, i);
+        if (hp_.gated) l.gate_t = rows(names::kFfnGateT, E, F, i);
+        l.up_t = rows(names::kFfnUpT, E, F, i);
+    }
 }
 
 void Model::bind_attention(int64_t i, Layer &l) {

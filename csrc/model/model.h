@@ -132,6 +132,17 @@ FfnTier packed_copy(const FfnTier &mapped, bool gated);
 // The rows of m at neuron ids `ids`, one after the other (a backend's own copy of a tier's rows).
 std::vector<uint8_t> gather_rows(const Matrix &m, const std::vector<int32_t> &ids);
 
+// One of input sparsity's transposed matrices (docs/formats.md, "Input sparsity"): a row per input of the matrix,
+// its outputs at columns [col0, col0 + n) of each row (falcon's q, k and v share the rows of attn_qkv_t).
+struct InputRows {
+    Matrix t;
+    int64_t col0 = 0, n = 0;
+    bool present() const { return t.data != nullptr; }
+};
+
+// Input sparsity's sites (names::kInputSites): the inputs a layer's matrices share, one threshold each.
+enum InputSite { kSiteQkv = 0, kSiteO = 1, kSiteGateUp = 2, kSiteDown = 3 };
+
 // Vectors (norm weights and biases, rows = 1) are f32; an absent optional bias has data == nullptr.
 struct Layer {
     Matrix attn_norm, attn_norm_b;  // the norm feeding attention
@@ -141,6 +152,7 @@ struct Layer {
     Matrix gate, up, down_t;        // ungated FFN: gate is up (the rule reads the up projection)
     Matrix gate_b, up_b, down_b;    // per neuron (gate_b, up_b) and per output (down_b)
     Matrix fc1, fc2;  // predictor (empty when absent)
+    InputRows q_t, k_t, v_t, o_t, gate_t, up_t;  // input sparsity's (empty when the file has none; gate_t: gated)
     float act_threshold = 0.0f;   // |a| threshold for SiLU, the gate's for FATReLU (0 for ReLU and dReLU)
     float pred_threshold = 0.0f;  // predictor logit threshold
     bool predictor_useful = true;  // train-predictor found it better than chance (auto mode leaves it out if not)
@@ -169,6 +181,13 @@ public:
     const Matrix &output() const { return output_; }
     const std::vector<Layer> &layers() const { return layers_; }
     bool has_predictor() const { return has_predictor_; }
+    // Input sparsity's calibrated shares (powerinfer.input_sparsity_levels, increasing; empty when the file has no
+    // input thresholds and transposed matrices) and the thresholds [level][layer][site] of each.
+    const std::vector<float> &input_levels() const { return input_levels_; }
+    float input_threshold(int64_t level, int64_t layer, int64_t site) const {
+        return input_table_[size_t((level * hp_.n_layer + layer) * kInputSiteCount + site)];
+    }
+    static constexpr int64_t kInputSiteCount = 4;
     bool pwri() const { return file_->pwri_magic(); }
     const std::string &path() const { return file_->path(); }
     int64_t hot_neurons() const;
@@ -195,6 +214,8 @@ private:
     Matrix bind_vector(const std::string &name, int64_t n, bool required);
     void bind_attention(int64_t i, Layer &l);
     void bind_ffn(int64_t i, Layer &l);
+    // Input sparsity's thresholds and transposed matrices, where the file has them (both, or neither).
+    void bind_input_sparsity();
     void read_hparams();
     void bind_tensors();
     void build_tiers(const std::string &gpuidx_path);
@@ -216,6 +237,7 @@ private:
     Matrix tok_embd_, pos_embd_, output_norm_, output_norm_b_, output_;
     std::vector<Layer> layers_;
     bool has_predictor_ = false;
+    std::vector<float> input_levels_, input_table_;
     PageMemory packed_;  // backing of the packed matrices' Matrix::groups
     DecodedWeights decoded_;  // the matrices decoded at load (their Matrix::data)
     int threads_ = 1;         // the engine's threads, which pack and decode at load

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from powerinfer_tools.formats import names
 from powerinfer_tools.formats.gguf_io import field, open_reader
 
 _ATTENTION = ("attn_q", "attn_k", "attn_v", "attn_output", "attn_norm", "ffn_norm", "attn_qkv")
@@ -45,6 +46,7 @@ class ModelBytes:
     head: int             # output head (the embedding when there is no output.weight)
     embedding_row: int
     kv_per_position: int  # K and V bytes of one cached position in one layer
+    input_levels: tuple[float, ...] = ()   # input sparsity's calibrated shares (none: the file has no thresholds)
 
 
 def model_bytes(path: Path, kv_type: str = "f32") -> ModelBytes:
@@ -73,7 +75,8 @@ def model_bytes(path: Path, kv_type: str = "f32") -> ModelBytes:
     head = sizes.get("output.weight", sizes["token_embd.weight"])
     embedding_row = sizes["token_embd.weight"] // rows["token_embd.weight"]
     kv = 2 * (n_embd // n_head) * n_kv * {"f32": 4, "f16": 2}[kv_type]
-    return ModelBytes(layers, head, embedding_row, kv)
+    levels = reader.fields.get(names.KEY_INPUT_SPARSITY_LEVELS)
+    return ModelBytes(layers, head, embedding_row, kv, tuple(levels.contents()) if levels is not None else ())
 
 
 @dataclass(frozen=True)

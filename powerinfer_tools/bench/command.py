@@ -43,7 +43,10 @@ def bench(
     threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Threads for every engine. Default: all "
                                           "cores."),
     repeats: int = typer.Option(5, "--repeats", "-r", help="Interleaved rounds of the main table."),
-    modes: str = typer.Option("dense,gate,predictor,auto", "--modes", help="Our FFN modes, comma-separated."),
+    modes: str = typer.Option("dense,gate,predictor,auto", "--modes", help="Our FFN modes, comma-separated; also "
+                              "input (dense with --input-sparsity; needs a --profile with input thresholds)."),
+    input_sparsity: float = typer.Option(0.25, "--input-sparsity", help="The input mode's share of every matrix's "
+                                         "inputs zeroed (run --input-sparsity)."),
     peers: str = typer.Option("llama.cpp,torch", "--peers", help="Other engines: llama.cpp, torch; '' for none."),
     predictors: Optional[Path] = typer.Option(None, "--predictors", help="Predictor directory "
                                               "(train-predictor) to convert with; without it no predictor mode."),
@@ -111,6 +114,8 @@ def bench(
 
       pi-tools bench -m smollm2 --modes dense --peers llama.cpp --depth 2048   # tg128 @ d2048
 
+      pi-tools bench -m smollm2 --profile prof --modes dense,input --input-sparsity 0.25 --peers llama.cpp -t 2
+
       pi-tools bench -m smollm2 --modes dense --peers llama.cpp --depth 2048 --kv-type f16   # both caches f16
 
       pi-tools bench -m relu7b --predictors pred --profile prof --modes predictor --peers '' --vram-budget 4 --gpu on
@@ -131,6 +136,7 @@ def bench(
 
         threads = usable_cores()
     opts = BenchOptions(model=model, outtype=outtype.lower(), threads=threads, repeats=repeats, modes=_csv(modes),
+                        input_sparsity=input_sparsity,
                         peers=_csv(peers), sparsity=sparsity, sweep=sweep_sparsity, sweep_levels=_levels(sweep_levels),
                         sweep_repeats=sweep_repeats, n_prompt=n_prompt, n_gen=n_gen, depth=depth, batch=batch,
                         kv_type=kv_type, gpu=gpu, gpu_attention=gpu_attention, gpuidx=gpuidx, vram_budget=vram_budget,

@@ -34,10 +34,12 @@ from powerinfer_tools.bench import sparsity_levels
 from powerinfer_tools.bench.runners import Runner, Worker, llamacpp_runner
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.formats import names
+from powerinfer_tools.runtime.inference import DEFAULT_INPUT_SPARSITY, INPUT_MODE
 from powerinfer_tools.stages.options import SPARSITY_LEVEL
 
-MODES = tuple(m for m in names.FFN_MODES if m != "oracle")   # oracle is a test mode: nothing to time
-SPARSE_MODES = tuple(m for m in MODES if m != "dense")
+FFN_MODES = tuple(m for m in names.FFN_MODES if m != "oracle")   # oracle is a test mode: nothing to time
+SPARSE_MODES = tuple(m for m in FFN_MODES if m != "dense")
+MODES = (*FFN_MODES, INPUT_MODE)   # input: dense mode with input sparsity at --input-sparsity
 PEERS = ("llama.cpp", "torch")
 SWEEP_LEVELS = (0.3, 0.5, 0.7, 0.8, 0.9, 0.95)
 CALIBRATION_SEQS, CALIBRATION_LEN = 4, 256
@@ -53,9 +55,10 @@ class BenchOptions:
     outtype: str = "q4_0"
     threads: int = 2
     repeats: int = 5
-    modes: tuple[str, ...] = MODES
+    modes: tuple[str, ...] = FFN_MODES
     peers: tuple[str, ...] = PEERS
     sparsity: float | None = None          # main table at this FFN sparsity (None: the file's thresholds)
+    input_sparsity: float = DEFAULT_INPUT_SPARSITY   # the input mode's share (the --profile's input thresholds)
     sweep: bool = False
     sweep_levels: tuple[float, ...] = SWEEP_LEVELS
     sweep_repeats: int = 3
@@ -94,6 +97,7 @@ def _ours_worker(opts: BenchOptions, model_file: Path, n_ctx: int):
         engine_options["vram_budget"] = opts.vram_budget
     if not opts.gpu_attention:
         engine_options["gpu_attention"] = False
+    engine_options["input_share"] = opts.input_sparsity  # the input mode's (the worker's, not engine.Model's)
     return Worker("ours", model_file, opts.threads, n_ctx, opts.batch, opts.kv_type, engine_options=engine_options)
 
 
@@ -151,6 +155,8 @@ def _layer_sparsity(stats: dict | None) -> dict | None:
     if not stats:
         return None
     layers = [l for l in stats["layers"] if l["tokens"]]
+    if not layers:  # the input mode's FFN runs outside the tiers, which count these
+        return None
     computed = sum(l["computed_density"] for l in layers) / len(layers)
     predicted = [l["predicted_density"] for l in layers if l.get("predicted_density") is not None]
     return {"ffn_sparsity": 1.0 - computed, "rule_density": stats.get("density"),
@@ -195,6 +201,11 @@ def _add_derived(entries: list[dict], times: dict, mb: byte_model.ModelBytes, ba
             continue
         layers = e["stats"]["layers"] if e.get("stats") else None
         parts = byte_model.token_bytes(mb, layers, position)
+        if e["mode"] == INPUT_MODE:  # dense mode's bytes less the rows of zeroed inputs the engine counted skipped
+            parts = byte_model.token_bytes(mb, None, position)
+            inputs, tokens = e["stats"]["input_sparsity"], max(e["stats"]["decode_tokens"], 1)
+            parts["input_skipped"] = inputs["decode_bytes_skipped"] / tokens
+            parts["total"] -= parts["input_skipped"]
         e["bytes_per_token"] = parts
         e["read_bandwidth"] = bandwidth
         e["limit_tps"] = bandwidth / parts["total"]
@@ -205,7 +216,7 @@ def _add_derived(entries: list[dict], times: dict, mb: byte_model.ModelBytes, ba
             e["achieved_over_predicted"] = e["achieved_speedup"] / e["predicted_speedup"]
             e["achieved_speedup_cpu"] = paired_ratio(mine["tg"]["cpu"], dense["tg"]["cpu"])
             e["achieved_over_predicted_cpu"] = e["achieved_speedup_cpu"] / e["predicted_speedup"]
-            if dense_seconds:
+            if dense_seconds and e["mode"] != INPUT_MODE:  # the machine's rates price FFN rows, not input rows
                 e["machine_predicted_speedup"] = dense_seconds / byte_model.machine_seconds(mb, layers, position, rates)
                 e["achieved_over_machine_predicted"] = e["achieved_speedup"] / e["machine_predicted_speedup"]
 
@@ -245,6 +256,8 @@ def _check_options(opts: BenchOptions) -> None:
         raise UserError("--depth must be at least 0")
     SPARSITY_LEVEL.check("--sparsity", opts.sparsity)
     SPARSITY_LEVEL.check("--sweep-levels", list(opts.sweep_levels if opts.sweep else []))
+    if not 0 < opts.input_sparsity < 1:
+        raise UserError(f"--input-sparsity must be a share in (0, 1), got {opts.input_sparsity:g}")
     if opts.sweep and not set(opts.modes) & set(SPARSE_MODES):
         raise UserError("--sweep-sparsity needs a sparse mode in --modes (gate, predictor or auto)")
     if opts.peer_python and "llama.cpp" in opts.peers and shutil.which(opts.peer_python) is None:
@@ -266,7 +279,7 @@ def run_bench(opts: BenchOptions) -> dict:
                                  "repeats": opts.repeats, "n_prompt": opts.n_prompt, "n_gen": opts.n_gen, "depth": opts.depth,
                                  "batch": opts.batch, "kv_type": opts.kv_type, "modes": list(opts.modes),
                                  "peers": list(opts.peers),
-                                 "sparsity": opts.sparsity}}
+                                 "sparsity": opts.sparsity, "input_sparsity": opts.input_sparsity}}
     record["machine"] = machine.machine_record(opts.threads)
     bandwidth_probe = machine.BandwidthProbe(opts.threads, BANDWIDTH_PROBE_BYTES)
 
@@ -305,9 +318,13 @@ def run_bench(opts: BenchOptions) -> dict:
             logits = sparsity_levels.predictor_logits(sample, sparsity_levels.predictor_weights(files.powerinfer))
         record["calibration_tokens"] = int(seqs.numel())
 
-    modes = [m for m in opts.modes if m != "predictor" or has_predictor]
-    if len(modes) < len(opts.modes):
+    has_inputs = bool(mb.input_levels)
+    modes = [m for m in opts.modes if (m != "predictor" or has_predictor) and (m != INPUT_MODE or has_inputs)]
+    if "predictor" in opts.modes and not has_predictor:
         opts.log.append("predictor mode skipped: the file has no predictors (give --predictors DIR)")
+    if INPUT_MODE in opts.modes and not has_inputs:
+        opts.log.append("input mode skipped: the file has no input thresholds (give --profile DIR of a profile with "
+                        "them)")
     n_ctx = max(opts.n_prompt, opts.depth + opts.n_gen) + 8
     workers: list[Worker] = []
     try:

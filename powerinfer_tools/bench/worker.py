@@ -88,11 +88,16 @@ class Ours:
         import powerinfer_engine as engine
 
         self.rss_before_model = _status_bytes("VmRSS")  # the worker's Python and libraries, no weights yet
+        options = dict(engine_options or {})
+        self.input_share = options.pop("input_share", 0.0)  # the input mode's share
         self.model = engine.Model(path, threads=threads, sparse_mode="dense", ctx_size=n_ctx, batch_size=batch or None,
-                                  kv_type=kv_type, **(engine_options or {}))
+                                  kv_type=kv_type, **options)
 
     def mode(self, mode):
-        self.model.sparse_mode = mode
+        """An FFN mode, or input (dense mode with input sparsity at input_share); every other mode without it."""
+        self.model.sparse_mode = "dense" if mode == "input" else mode
+        if mode == "input" or self.model.info["input_sparsity_levels"]:
+            self.model.input_sparsity = self.input_share if mode == "input" else 0.0
 
     def pp(self, tokens):
         self.model.reset()

@@ -41,6 +41,10 @@ def convert(
         "files are unchanged), and with --vram-budget place GPU neurons in the multiples PowerInfer's CUDA build "
         "takes (plan --granularity powerinfer). --ours-only keeps ffn_down_t in the outtype and places any count, "
         "for this toolkit's engine alone."),
+    input_sparsity: bool = typer.Option(
+        True, "--input-sparsity/--no-input-sparsity", help="With a --profile that has input thresholds (profile "
+        "--input-allocation): store them, and q/k/v/o/gate/up a second time transposed, which `run "
+        "--input-sparsity` reads (SmolLM2: +75% of the layers' bytes). --no-input-sparsity leaves both out."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
     vram_budget: Optional[float] = typer.Option(
         None, "--vram-budget", callback=flags.within(limits.PLAN_BUDGET_GIB), help="GiB of VRAM: after writing the model, place its hot neurons (as `pi-tools "
@@ -93,7 +97,8 @@ def convert(
         activation_dir(profile)  # fail before converting, not after
     converted = stages.convert(stages.ConvertOptions(
         model=model, out=out, outtype=outtype or "f16", predictors=predictors, profile=profile,
-        order_neurons=order_neurons, powerinfer_compatible=powerinfer_compatible, progress=not quiet))
+        order_neurons=order_neurons, powerinfer_compatible=powerinfer_compatible, progress=not quiet,
+        input_sparsity=input_sparsity))
     summary = converted.summary
     if summary["thresholded"] and profile is None:
         typer.echo(f"note: {summary['arch']} is thresholded but no --profile was given: activation thresholds "

@@ -68,7 +68,16 @@ CHAT_CTX_SIZE = 4096  # chat and serve: a conversation's room (llama-server's de
 def sparse_mode_option():
     return typer.Option(DEFAULT_SPARSE_MODE, "--sparse-mode", help="FFN mode: dense (exact), gate (gate exactly, then "
                         "only active neurons), predictor (PowerInfer), auto (cheapest per layer), oracle (true mask; "
-                        "for testing).")
+                        "for testing), input (dense with --input-sparsity, default 0.25: every matrix's smallest "
+                        "inputs zeroed and their weight rows skipped; SiLU models, no training).")
+
+
+def input_sparsity_option():
+    return typer.Option(None, "--input-sparsity", help="Share of every matrix's inputs "
+                        "zeroed (q/k/v, o, gate/up, down; the smallest by magnitude, at thresholds the profile "
+                        "calibrated and the file holds) and of the weight bytes a generated token skips; e.g. 0.25. "
+                        "With --sparse-mode dense or input on every matrix, with the other modes on attention's. "
+                        "Default: off (0.25 with --sparse-mode input).")
 
 
 def threads_option():
@@ -116,6 +125,7 @@ class EngineArgs:
     gpu: str
     profile: Optional[Path]
     kv_type: str
+    input_sparsity: Optional[float]
 
     def llm_options(self) -> dict:
         """The record as powerinfer_tools.LLM's keyword arguments."""
@@ -124,7 +134,7 @@ class EngineArgs:
 
 _ENGINE_OPTIONS = {"threads": threads_option, "sparse_mode": sparse_mode_option, "gpuidx": gpuidx_option,
                    "vram_budget": vram_budget_option, "gpu": gpu_option, "profile": profile_option,
-                   "kv_type": kv_type_option}
+                   "kv_type": kv_type_option, "input_sparsity": input_sparsity_option}
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ def perplexity(
                                                       "has one; windows do not overlap)."),
     chunks: int = typer.Option(0, "--chunks", help="Windows to score; 0 = as many as the text fills."),
     sparse_mode: str = typer.Option(flags.DEFAULT_SPARSE_MODE, "--sparse-mode",
-                                    help=f"FFN mode: {', '.join(FFN_MODES)}."),
+                                    help=f"FFN mode: {', '.join(FFN_MODES)}, or input (dense with --input-sparsity)."),
+    input_sparsity: Optional[float] = flags.input_sparsity_option(),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", help=flags.THREADS_HELP),
     kv_type: str = typer.Option("f32", "--kv-type", help=KV_TYPE_HELP),
     gpuidx: Optional[Path] = flags.gpuidx_option(),
@@ -48,6 +49,8 @@ def perplexity(
 
       pi-tools perplexity -m smollm2.q8_0.powerinfer.gguf -f wikitext-2-raw-test.txt -c 2048 --kv-type f16
 
+      pi-tools perplexity -m smollm2.q8_0.powerinfer.gguf -f wikitext-2-raw-test.txt --sparse-mode input --input-sparsity 0.25
+
       pi-tools perplexity -m relu7b.q4_0.powerinfer.gguf -f wiki.txt --vram-budget 4 --profile prof --gpu on
     """
     from powerinfer_tools.runtime import inference
@@ -64,11 +67,13 @@ def perplexity(
     windows = sequences_from_text(tokenizer, [text], ctx, n_tokens, length_option="--ctx-size").numpy()
     started = time.perf_counter()
     with inference.open_engine(target, threads=threads, sparse_mode=sparse_mode, ctx_size=ctx,
-                               recall_check=recall, kv_type=kv_type, gpu=gpu, vram_budget_gib=vram_budget) as llm:
+                               recall_check=recall, kv_type=kv_type, gpu=gpu, vram_budget_gib=vram_budget,
+                               input_sparsity=input_sparsity) as llm:
         result = inference.perplexity(llm, windows, progress=not quiet)
         stats = llm.stats()
     seconds = time.perf_counter() - started
     result.update({"model": str(target.model), "sparse_mode": sparse_mode, "kv_type": kv_type, "ctx": ctx,
+                   "input_sparsity": stats["input_sparsity"]["share"],
                    "seconds": round(seconds, 2),
                    "tokens_per_second": stats["prompt_tokens_per_second"], "density": stats["density"],
                    "recall": stats["recall"], "threads": llm.info["threads"], "gpu": llm.info["gpu"]["used"]})
@@ -76,7 +81,8 @@ def perplexity(
         typer.echo(json.dumps(result))
         return
     typer.echo(f"perplexity {result['perplexity']:.4f} over {result['tokens']} predicted tokens "
-               f"({result['windows']} windows of {ctx}), mode {sparse_mode}")
+               f"({result['windows']} windows of {ctx}), mode {sparse_mode}"
+               + (f", input sparsity {result['input_sparsity']:g}" if result["input_sparsity"] else ""))
     line = f"{result['tokens_per_second']:.1f} tokens/s with {result['threads']} threads"
     if result["density"] is not None:
         line += f", FFN density {result['density']:.3f}"

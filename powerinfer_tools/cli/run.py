@@ -55,6 +55,8 @@ def run(
       pi-tools run -m relu7b.q4_0.powerinfer.gguf --vram-budget 4 --profile prof --gpu on -p "Hello"   # hot tier on the GPU
 
       pi-tools run -m smollm2 -cnv -p "You are a pirate."   # a conversation, as llama-cli -cnv
+
+      pi-tools run -m smollm2.q8_0.powerinfer.gguf -p "Hello" --sparse-mode input --input-sparsity 0.25
     """
     from powerinfer_tools.runtime import inference
 
@@ -73,7 +75,8 @@ def run(
     started = time.perf_counter()
     tokenizer = inference.load_tokenizer(target.model)
     llm = inference.open_engine(target, threads=engine.threads, sparse_mode=engine.sparse_mode, ctx_size=ctx_size,
-                                kv_type=engine.kv_type, gpu=engine.gpu, vram_budget_gib=engine.vram_budget)
+                                kv_type=engine.kv_type, gpu=engine.gpu, vram_budget_gib=engine.vram_budget,
+                                input_sparsity=engine.input_sparsity)
     load_seconds = time.perf_counter() - started
     with llm, inference.engine_errors():
         ids = prompt_ids(tokenizer, prompt, chat)

@@ -17,6 +17,10 @@ KEY_SPARSE_THRESHOLD = "powerinfer.sparse_threshold"          # PowerInfer's one
 KEY_PREDICTOR_THRESHOLDS = "powerinfer.predictor_thresholds"  # per layer logit thresholds (ours)
 KEY_PREDICTOR_USEFUL = "powerinfer.predictor_useful"          # per layer: better than chance (auto mode)
 KEY_NEURON_ORDER = "powerinfer_tools.neuron_order"            # FFN neurons' source indices (neuron_order.py)
+# Input sparsity (stages/input_sparsity.py): the model-wide shares of inputs zeroed that thresholds were
+# calibrated for, and per share, layer and INPUT_SITES site the |x| at or below which an input is zeroed
+KEY_INPUT_SPARSITY_LEVELS = "powerinfer.input_sparsity_levels"
+KEY_INPUT_THRESHOLDS = "powerinfer.input_thresholds"             # [level][layer][site], flattened
 KEY_VRAM_CAPACITY = "split.vram_capacity"                     # gpu index: bytes its GPU neurons take
 KEY_GPU_INDEX_BLOCK_COUNT = "generic.gpu_index.block_count"   # gpu index: layers
 
@@ -28,8 +32,20 @@ FFN_DOWN = "ffn_down"        # llama.cpp's down projection [n_embd rows]
 FFN_DOWN_T = "ffn_down_t"    # PowerInfer's: transposed, one row per neuron, so a sparse step reads whole rows
 PREDICTOR_FC1 = "fc1"        # predictor: fc2(relu(fc1(x))); also the keys of PowerInfer's model_{i}.pt
 PREDICTOR_FC2 = "fc2"
+# Input sparsity's transposed copies (row i = input i's weights), which a decode step reads only where input i
+# is not zeroed, as the down projection reads ffn_down_t; written where the profile has input thresholds
+ATTN_Q_T = "attn_q_t"
+ATTN_K_T = "attn_k_t"
+ATTN_V_T = "attn_v_t"
+ATTN_QKV_T = "attn_qkv_t"    # falcon's fused q/k/v
+ATTN_OUTPUT_T = "attn_output_t"
+FFN_GATE_T = "ffn_gate_t"
+FFN_UP_T = "ffn_up_t"
 GPU_IDX = "gpu_idx"          # gpu index: i32 [n_ff], 1 = the neuron is on the GPU
 GPU_BUCKET = "gpu_bucket"    # gpu index: the GPU neurons' indices, sorted
+
+# ---- input sparsity's sites: the inputs a layer's matrices share (q/k/v, o, gate/up, down), one threshold each -
+INPUT_SITES = ("qkv", "o", "gate_up", "down")
 
 # ---- FFN modes: the --sparse-mode values, numbered as the engine's pi_ffn_mode --------------------------
 FFN_MODES = ("dense", "gate", "predictor", "auto", "oracle")

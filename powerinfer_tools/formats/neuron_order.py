@@ -32,6 +32,9 @@ ORDER_KEY = names.KEY_NEURON_ORDER
 NEURON_TENSORS = (names.weight(names.FFN_GATE), names.bias(names.FFN_GATE), names.weight(names.FFN_UP),
                   names.bias(names.FFN_UP), names.weight(names.FFN_DOWN_T), names.weight(names.PREDICTOR_FC2))
 
+# Tensors whose columns are the layer's neurons (input sparsity's transposed gate and up: row i = input i).
+NEURON_COLUMN_TENSORS = (names.weight(names.FFN_GATE_T), names.weight(names.FFN_UP_T))
+
 
 def bit_reversed_ranks(n: int) -> np.ndarray:
     """0..n-1 sorted by the binary fraction of each number's reversed bits (0, 1/2, 1/4, 3/4, ...): every
@@ -60,6 +63,8 @@ def apply(name: str, data: np.ndarray, orders: Sequence[np.ndarray] | None) -> n
     if orders is None or not name.startswith("blk."):
         return data
     layer, _, rest = name[4:].partition(".")
+    if rest in NEURON_COLUMN_TENSORS:
+        return data[:, orders[int(layer)]]
     if rest not in NEURON_TENSORS:
         return data
     return data[orders[int(layer)]]

@@ -22,6 +22,10 @@ from powerinfer_tools.formats import names
 from powerinfer_tools.stages.options import DEVICE_BUDGET_GIB
 
 SPARSE_MODES = names.FFN_MODES
+# --sparse-mode input: dense FFN mode with input sparsity on every matrix, at this share unless --input-sparsity
+INPUT_MODE = "input"
+DEFAULT_INPUT_SPARSITY = 0.25
+CLI_SPARSE_MODES = (*SPARSE_MODES, INPUT_MODE)
 NO_GPUIDX = "none"  # --gpuidx none: not even the index beside the model
 
 
@@ -114,18 +118,32 @@ KV_TYPE_HELP = ("KV cache type: f32 (logits within float rounding of transformer
 GPU_MODES = ("auto", "on", "off")
 
 
+def engine_mode(sparse_mode: str, input_sparsity: float | None) -> tuple[str, float]:
+    """(the engine's FFN mode, input sparsity's share) of --sparse-mode and --input-sparsity, checked."""
+    if sparse_mode not in CLI_SPARSE_MODES:
+        raise UserError(f"unknown --sparse-mode {sparse_mode!r} (choose from {', '.join(CLI_SPARSE_MODES)})")
+    if input_sparsity is not None and not 0.0 <= input_sparsity < 1.0:
+        raise UserError(f"--input-sparsity must be a share in [0, 1), got {input_sparsity:g}")
+    if sparse_mode == INPUT_MODE:
+        share = DEFAULT_INPUT_SPARSITY if input_sparsity is None else input_sparsity
+        if share <= 0:
+            raise UserError("--sparse-mode input needs a positive --input-sparsity")
+        return "dense", share
+    return sparse_mode, input_sparsity or 0.0
+
+
 def open_engine(target: EngineTarget, threads: int | None = None, sparse_mode: str = "dense",
                 ctx_size: int | None = None, recall_check: bool = False, kv_type: str = "f32", gpu: str = "auto",
-                vram_budget_gib: float | None = None):
+                vram_budget_gib: float | None = None, input_sparsity: float | None = None):
     """engine.Model for the target; engine failures become UserError with the engine's message. With a hot tier
-    (target.gpuidx) and gpu not off, says on stderr where the hot tier runs."""
+    (target.gpuidx) and gpu not off, says on stderr where the hot tier runs. sparse_mode may be 'input'
+    (engine_mode)."""
     import powerinfer_engine as engine
 
     if gpu not in GPU_MODES:
         raise UserError(f"unknown --gpu {gpu!r} (choose from {', '.join(GPU_MODES)})")
     DEVICE_BUDGET_GIB.check("--vram-budget", vram_budget_gib)
-    if sparse_mode not in SPARSE_MODES:
-        raise UserError(f"unknown --sparse-mode {sparse_mode!r} (choose from {', '.join(SPARSE_MODES)})")
+    sparse_mode, input_share = engine_mode(sparse_mode, input_sparsity)
     if kv_type not in KV_TYPES:
         raise UserError(f"unknown --kv-type {kv_type!r} (choose from {', '.join(KV_TYPES)})")
     if threads is not None and threads < 1:
@@ -135,7 +153,7 @@ def open_engine(target: EngineTarget, threads: int | None = None, sparse_mode: s
     with engine_errors():
         model = engine.Model(target.model, threads=threads, sparse_mode=sparse_mode, ctx_size=ctx_size,
                              gpuidx=target.gpuidx, recall_check=recall_check, kv_type=kv_type, gpu=gpu,
-                             vram_budget=vram_budget_gib if gpu != "off" else None)
+                             vram_budget=vram_budget_gib if gpu != "off" else None, input_sparsity=input_share)
     for line in decoded_lines(model.info["decoded"]):
         print(f"pi-tools: {line}", file=sys.stderr)
     if target.gpuidx is not None and gpu != "off":
@@ -295,6 +313,16 @@ def timing_lines(stats: dict, load_seconds: float, info: dict | None = None) -> 
              ffn, f"time: {share}"]
     if stats.get("recall") is not None:
         lines.append(f"predictor recall: {stats['recall']:.4f}")
+    inputs = stats.get("input_sparsity")
+    if inputs and inputs["share"] > 0:
+        line = (f"input sparsity {inputs['share']:g}: {inputs['zeroed'] / max(inputs['inputs'], 1):.3f} of the "
+                "matrices' inputs zeroed")
+        if stats["decode_tokens"] and inputs["decode_bytes"]:
+            per_token = 1 / stats["decode_tokens"] / 2**20
+            line += (f"; per generated token {inputs['decode_bytes_skipped'] * per_token:.2f} MiB of "
+                     f"{inputs['decode_bytes'] * per_token:.2f} MiB of the rows they select from skipped "
+                     f"({inputs['decode_bytes_skipped'] / inputs['decode_bytes']:.3f})")
+        lines.append(line)
     gpu = stats.get("gpu")
     if gpu and gpu["tokens"]:
         per_token = gpu["tokens"] / max(1, gpu["layers_on_device"])

@@ -73,7 +73,8 @@ def convert(opts: ConvertOptions) -> Converted:
     summary = conversion.convert_model(opts.model, opts.out, outtype=opts.outtype.lower(),
                                        predictors_dir=opts.predictors, profile_dir=opts.profile,
                                        progress=opts.progress, order_neurons=opts.order_neurons,
-                                       powerinfer_compatible=opts.powerinfer_compatible)
+                                       powerinfer_compatible=opts.powerinfer_compatible,
+                                       input_sparsity=opts.input_sparsity)
     return Converted(Path(opts.out), summary)
 
 

@@ -29,6 +29,7 @@ from powerinfer_tools.core.atomic import atomic_file
 from powerinfer_tools.core.errors import UserError, write_failure
 from powerinfer_tools.core.safe_load import load_pt
 from powerinfer_tools.formats.gguf_io import set_pwri_magic
+from powerinfer_tools.stages.input_sparsity import InputThresholds
 
 OUTTYPES = ("f32", "f16", "q8_0", "q4_0")
 # llama.cpp's names of the types the engine reads but does not compute with (docs/formats.md, "Weight types read")
@@ -208,15 +209,37 @@ def encoded_nbytes(shape: tuple[int, ...], qtype) -> int:
 POWERINFER_DOWN_T_OUTTYPE = {"f32": "f16", "q8_0": "f16"}
 
 
+# The matrices input sparsity reads row by input (docs/formats.md, "Input sparsity"), each stored a second time,
+# transposed: row i holds what input i multiplies, so a decode step skips the rows of zeroed inputs, as it does
+# ffn_down_t's. The down projection has its ffn_down_t already.
+INPUT_TRANSPOSED = {"attn_q": names.ATTN_Q_T, "attn_k": names.ATTN_K_T, "attn_v": names.ATTN_V_T,
+                    "attn_qkv": names.ATTN_QKV_T, "attn_output": names.ATTN_OUTPUT_T, names.FFN_GATE: names.FFN_GATE_T,
+                    names.FFN_UP: names.FFN_UP_T}
+
+
+def input_transposed_maps(maps: list[arch.TensorMap]) -> list[arch.TensorMap]:
+    """The transposed copies (INPUT_TRANSPOSED) of a file's matrices, made from the same sources."""
+    out = []
+    for tmap in maps:
+        layer, _, rest = tmap.name.partition(".")[2].partition(".")
+        base = rest.removesuffix(".weight")
+        if tmap.name.startswith("blk.") and rest.endswith(".weight") and base in INPUT_TRANSPOSED:
+            out.append(dataclasses.replace(tmap, name=names.layer_tensor(int(layer), INPUT_TRANSPOSED[base]),
+                                           transpose=True))
+    return out
+
+
 def plan(adapter: arch.Arch, weights, predictors: Predictors | None, outtype: str,
-         powerinfer_compatible: bool = True, fc2_scales: list[float] | None = None) -> list[PlannedTensor]:
+         powerinfer_compatible: bool = True, fc2_scales: list[float] | None = None,
+         input_sparse: bool = False) -> list[PlannedTensor]:
     """The tensors of the file, each with how to load it; fc2_scales: layer i's fc2 times fc2_scales[i]
-    (ThresholdFold)."""
+    (ThresholdFold); input_sparse: also the transposed copies input sparsity reads (INPUT_TRANSPOSED)."""
     # a thresholded (SiLU/GELU) file is one PowerInfer refuses by its architecture name: nothing to keep compatible
     compatible = powerinfer_compatible and not adapter.thresholded
     down_outtype = POWERINFER_DOWN_T_OUTTYPE.get(outtype, outtype) if compatible else outtype
     planned = []
-    for tmap in adapter.tensor_maps(weights.names_with_prefixes()):
+    maps = adapter.tensor_maps(weights.names_with_prefixes())
+    for tmap in maps + (input_transposed_maps(maps) if input_sparse else []):
         stored = weights.find(tmap.source)
         if stored is None:
             raise UserError(f"the model has no tensor {tmap.source} (needed for {tmap.name})")
@@ -286,7 +309,8 @@ def model_name(path: Path) -> str:
 
 def add_header(writer, adapter: arch.Arch, name: str, outtype: str, predictors: Predictors | None,
                activation_thresholds: list[float], tensors: list[PlannedTensor], add_vocab,
-               neuron_orders: list[np.ndarray] | None = None) -> None:
+               neuron_orders: list[np.ndarray] | None = None,
+               input_thresholds: InputThresholds | None = None) -> None:
     """Everything the file holds before its tensor data: metadata, the vocabulary (`add_vocab(writer)`, or
     nothing when None) and the tensor table. Shared with the dry run, which measures it."""
     import gguf
@@ -306,6 +330,11 @@ def add_header(writer, adapter: arch.Arch, name: str, outtype: str, predictors: 
                              sub_type=f32)
         writer.add_key_value(names.KEY_PREDICTOR_USEFUL, predictors.useful, gguf.GGUFValueType.ARRAY,
                              sub_type=gguf.GGUFValueType.BOOL)
+    if input_thresholds is not None:
+        writer.add_key_value(names.KEY_INPUT_SPARSITY_LEVELS, [float(b) for b in input_thresholds.levels],
+                             gguf.GGUFValueType.ARRAY, sub_type=f32)
+        writer.add_key_value(names.KEY_INPUT_THRESHOLDS, input_thresholds.flat_thresholds(), gguf.GGUFValueType.ARRAY,
+                             sub_type=f32)
     if neuron_orders is not None:
         writer.add_key_value(neuron_order.ORDER_KEY, neuron_order.encode(neuron_orders), gguf.GGUFValueType.STRING)
     if add_vocab is not None:
@@ -327,8 +356,11 @@ def n_vocab_of(tensors: list[PlannedTensor]) -> int:
 
 def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predictors_dir: str | Path | None = None,
                   profile_dir: str | Path | None = None, progress: bool = True, order_neurons: bool = True,
-                  powerinfer_compatible: bool = True) -> dict:
+                  powerinfer_compatible: bool = True, input_sparsity: bool = True) -> dict:
     """Write the PowerInfer GGUF of `model` (a --model spec) to `out_path`; returns a summary dict.
+
+    With `input_sparsity` and a profile with input thresholds (stages/input_sparsity.py), the file holds them and
+    the transposed copies input sparsity reads (INPUT_TRANSPOSED).
 
     Without `predictors_dir` the file has no fc1/fc2 tensors (dense / gate-only use of our engine). With
     `order_neurons` and a profile with activation counts, the FFN neurons follow neuron_order.py's order of
@@ -363,12 +395,14 @@ def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predic
         activation_thresholds = [0.0] * dims.n_layer
     if not adapter.thresholded:  # ReLU-family: active means a != 0, by the model's own rule
         activation_thresholds = adapter.rule_thresholds()
+    inputs = InputThresholds.load(profile_dir, dims.n_layer) if profile_dir is not None and input_sparsity else None
     orders = None
     if profile_dir is not None and order_neurons and has_activation_counts(profile_dir):
         counts = load_activation_counts(profile_dir, dims.n_layer, [dims.n_ff] * dims.n_layer)
         orders = neuron_order.orders_from_counts([c.double().numpy() for c in counts])
     weights = open_weights(source, config)
-    tensors = plan(adapter, weights, predictors, outtype, powerinfer_compatible, fold.scales if fold else None)
+    tensors = plan(adapter, weights, predictors, outtype, powerinfer_compatible, fold.scales if fold else None,
+                   input_sparse=inputs is not None)
     if orders is not None:
         tensors = [dataclasses.replace(t, load=lambda t=t: neuron_order.apply(t.name, t.load(), orders))
                    for t in tensors]
@@ -378,7 +412,7 @@ def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predic
         writer = gguf.GGUFWriter(tmp, adapter.gguf_arch)
         try:
             add_header(writer, adapter, model_name(source.path), outtype, predictors, activation_thresholds, tensors,
-                       lambda w: write_vocab(w, source, n_vocab, getattr(weights, "reader", None)), orders)
+                       lambda w: write_vocab(w, source, n_vocab, getattr(weights, "reader", None)), orders, inputs)
             writer.write_header_to_file()
             writer.write_kv_data_to_file()
             writer.write_ti_data_to_file()
@@ -410,6 +444,9 @@ def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predic
         "neuron_order": "profile" if orders is not None else "source",
         "thresholded": adapter.thresholded, "activation_thresholds": activation_thresholds,
         "types": dict(Counter(t.qtype.name for t in tensors)), "bytes_in": int(bytes_in),
+        "input_sparsity": inputs.allocation if inputs is not None else None,
+        "input_transposed_bytes": sum(encoded_nbytes(t.shape, t.qtype) for t in tensors
+                                      if t.name.removesuffix(".weight").split(".")[-1] in INPUT_TRANSPOSED.values()),
         "bytes_out": out_path.stat().st_size, "seconds": round(time.time() - started, 2),
     }
 
@@ -428,6 +465,10 @@ def summary_lines(summary: dict) -> list[str]:
                      "the model's order)")
     if summary.get("predictor_threshold_note"):
         lines.append(f"note: {summary['predictor_threshold_note']}")
+    if summary.get("input_sparsity"):
+        lines.append(f"input sparsity: the profile's {summary['input_sparsity']} thresholds and the transposed copies "
+                     f"of q/k/v/o/gate/up it reads ({_mib(summary['input_transposed_bytes'])}; --no-input-sparsity "
+                     "leaves both out)")
     lines.append(f"bytes: {_mib(summary['bytes_in'])} in the source -> {_mib(summary['bytes_out'])} written "
                  f"({summary['bytes_out'] / max(summary['bytes_in'], 1):.2f}x) in {summary['seconds']:.1f} s")
     return lines

@@ -48,6 +48,7 @@ class ProfileOptions:
     seed: int = 0
     force: bool = False
     resume: bool = False
+    input_allocation: str = "uniform"  # input sparsity's thresholds (stages/input_sparsity.py), or "none"
 
 
 @dataclass
@@ -95,6 +96,7 @@ class ConvertOptions:
     order_neurons: bool = True
     powerinfer_compatible: bool = True
     progress: bool = True
+    input_sparsity: bool = True   # the profile's input thresholds and the transposed copies they need
 
 
 @dataclass

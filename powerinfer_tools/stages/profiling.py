@@ -294,6 +294,11 @@ def _run_profile(opts: ProfileOptions) -> dict:
         raise UserError(f"--seq-len {seq_len} is larger than the model's context length {ctx}")
     from powerinfer_tools.stages import calibration  # with transformers: not for a reader of counts (plan)
 
+    from powerinfer_tools.stages import input_sparsity
+
+    if opts.input_allocation not in (*input_sparsity.ALLOCATIONS, "none"):
+        raise UserError(f"--input-allocation must be {', '.join(input_sparsity.ALLOCATIONS)} or none, got "
+                        f"{opts.input_allocation!r}")
     texts = [calibration.read_text(p) for p in opts.calib]   # validate input before the slow load
     dims = adapter.dims()
     targets = _per_layer_targets(opts.target_sparsity, dims.n_layer) if adapter.thresholded else None
@@ -357,6 +362,12 @@ def _run_profile(opts: ProfileOptions) -> dict:
             print(f"pi-tools profile: the work so far is kept in {work}: the same command with --resume continues "
                   "it", file=sys.stderr)
         raise
+    input_allocation = opts.input_allocation if load == "whole" else "none"
+    if load != "whole" and opts.input_allocation != "none":
+        print("pi-tools profile: input thresholds are calibrated on the whole model (--load whole); this profile "
+              "has none")
+    if input_allocation != "none":   # on the dense model: the pass's taps are gone
+        input_sparsity.calibrate(model, adapter, seqs, input_allocation, opts.batch, opts.seed).save(work)
     n_total = n_seq * seq_len
     (work / "activation").mkdir(exist_ok=True)
     (work / "magnitude").mkdir(exist_ok=True)
@@ -375,6 +386,7 @@ def _run_profile(opts: ProfileOptions) -> dict:
         "tokens": n_total, "sequences": n_seq, "seq_len": seq_len, "calibration": plan["calibration"],
         "samples": {"rows": int(len(chosen)), "x_dtype": "float16", "shard_rows": SHARD_ROWS},
         "load": load,
+        "input_sparsity": input_allocation if input_allocation != "none" else None,
         "tokens_per_second": done / elapsed if elapsed > 0 and done else None,
         "layers": layers,
     }

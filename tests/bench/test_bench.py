@@ -3,7 +3,6 @@ statistics and reporting, and a small end-to-end run on a tiny model (timings ar
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import os
 import shutil
@@ -529,3 +528,32 @@ def test_a_peer_killed_by_a_signal_is_named(tmp_path):
     crashing.chmod(0o755)
     with pytest.raises(UserError, match=r"llama.cpp worker exited \(killed by SIGILL\): no message"):
         runners.Worker("llama.cpp", tmp_path / "model.gguf", 1, 64, python=str(crashing))
+
+
+def test_bench_times_the_input_mode_against_dense(tiny_model_dir, tmp_path):
+    """--modes dense,input with a profile of input thresholds: both timed on one worker, input mode's statistics
+    are its own (inputs zeroed at the share asked) and dense mode's have none."""
+    import torch
+
+    from powerinfer_tools.stages import input_sparsity
+
+    model_dir = tiny_model_dir("llama-silu")
+    hf, adapter = models.load_model(models.resolve(str(model_dir)))
+    seqs = torch.randint(0, 384, (2, 64), generator=torch.Generator().manual_seed(0))
+    prof = tmp_path / "prof"
+    prof.mkdir()
+    input_sparsity.calibrate(hf, adapter, seqs, "uniform", 2, 0).save(prof)
+    (prof / "profile.json").write_text(json.dumps({"thresholds": [0.0] * N_LAYER}))
+    opts = bench.BenchOptions(model=str(model_dir), outtype="q8_0", threads=2, repeats=2, n_prompt=16, n_gen=8,
+                              batch=16, modes=("dense", "input"), input_sparsity=0.3, peers=(), profile=prof,
+                              work_dir=tmp_path / "work", progress=False, text=ROOT / "README.md")
+    rec = bench.run_bench(opts)
+    runs = {e["label"]: e for e in rec["runs"]}
+    assert set(runs) == {"ours dense", "ours input"}
+    assert runs["ours input"]["tg"]["median"] > 0 and runs["ours input"]["achieved_speedup"] > 0
+    skipped = runs["ours input"]["bytes_per_token"]["input_skipped"]
+    assert 0 < skipped and runs["ours input"]["predicted_speedup"] > 1
+    assert rec["settings"]["input_sparsity"] == 0.3
+    assert "| ours | input |" in bench.render_summary(rec) and "ours input" in bench.render_markdown(rec)
+    with pytest.raises(UserError, match="--input-sparsity"):
+        bench.run_bench(dataclasses.replace(opts, input_sparsity=1.5))

@@ -134,6 +134,12 @@ class Arch:
         """Module whose *input* (first argument or hidden_states) is the predictor input."""
         raise NotImplementedError
 
+    def input_modules(self, layer) -> dict[str, list[torch.nn.Module]]:
+        """The layer's linear modules by the input they share, keyed by names.INPUT_SITES (q/k/v, the attention
+        output projection, gate/up, down): what input sparsity (stages/input_sparsity.py) zeroes the small
+        inputs of, one threshold per key."""
+        raise NotImplementedError
+
 
 def install_taps(adapter: Arch, model,
                  on_input: Callable[[int, torch.Tensor], None] | None = None,

@@ -59,6 +59,10 @@ class Falcon(Arch):
     def predictor_input_module(self, layer):
         return layer
 
+    def input_modules(self, layer):
+        a, m = layer.self_attention, layer.mlp
+        return dict(zip(names.INPUT_SITES, ([a.query_key_value], [a.dense], [m.dense_h_to_4h], [m.dense_4h_to_h])))
+
     def tensor_maps(self, available):
         c = self.config
         if getattr(c, "alibi", False) or not (c.new_decoder_architecture or c.parallel_attn):

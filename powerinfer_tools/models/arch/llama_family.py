@@ -70,6 +70,11 @@ class LlamaFamily(Arch):
     def predictor_input_module(self, layer):
         return layer.post_attention_layernorm
 
+    def input_modules(self, layer):
+        a, m = layer.self_attn, layer.mlp
+        return dict(zip(names.INPUT_SITES, ([a.q_proj, a.k_proj, a.v_proj], [a.o_proj], [m.gate_proj, m.up_proj],
+                                            [m.down_proj])))
+
     def tensor_maps(self, available):
         c = self.config
         rope = {"attn_q": partial(rope_to_adjacent, n_heads=c.num_attention_heads),

@@ -42,6 +42,10 @@ class Opt(Arch):
     def predictor_input_module(self, layer):
         return layer.final_layer_norm
 
+    def input_modules(self, layer):
+        a = layer.self_attn
+        return dict(zip(names.INPUT_SITES, ([a.q_proj, a.k_proj, a.v_proj], [a.out_proj], [layer.fc1], [layer.fc2])))
+
     def tensor_maps(self, available):
         """No `output.weight`: PowerInfer's OPT loader uses `token_embd` as the head (OPT ties them) and
         rejects a file with tensors it does not create. `position_embd` keeps OPT's 2 offset rows."""

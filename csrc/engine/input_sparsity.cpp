@@ -1,0 +1,204 @@
+// Input sparsity (docs/engine.md, "Input sparsity"; TEAL, arXiv 2408.14690): every matrix's inputs at or below
+// the layer's threshold for their site are zeroed. A decode step then reads only the rows of the transposed
+// matrices (the file's *_t tensors, a row per input) whose input is kept, scaled by it, through rows_product, the
+// down projection's path; a batch zeroes the same inputs and runs the dense kernels on them (its tokens together
+// keep nearly every input, so no row could be skipped).
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+
+#include "engine/engine.h"
+#include "runtime/common.h"
+
+namespace pi {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+}  // namespace
+
+void Engine::set_input_sparsity(float share) {
+    const std::vector<float> &levels = model_->input_levels();
+    if (!std::isfinite(share) || share < 0.0f || share >= 1.0f)
+        fail(PI_ERR_ARGUMENT, "input_sparsity must be a share in [0, 1), got " + std::to_string(share));
+    if (share > 0.0f && levels.empty())
+        fail(PI_ERR_UNSUPPORTED, model_->path() + " has no input thresholds: convert it with a profile that has them "
+                                                  "(pi-tools profile --input-allocation, then convert --profile)");
+    if (share > 0.0f && share > levels.back() + 1e-6f)
+        fail(PI_ERR_ARGUMENT, "input_sparsity " + std::to_string(share) + " is above the largest share calibrated (" +
+                                  std::to_string(levels.back()) + ")");
+    input_share_ = share;
+    stats_.input.share = share;
+    const int64_t L = hp_.n_layer, S = Model::kInputSiteCount;
+    input_thr_.assign(size_t(L * S), 0.0f);
+    if (share <= 0.0f) return;
+    // Linear between the two levels around the share (from 0 below the first), as InputThresholds.at in Python.
+    size_t hi = 0;
+    while (hi + 1 < levels.size() && share > levels[hi]) ++hi;
+    const float lo_share = hi ? levels[hi - 1] : 0.0f, w = std::min(1.0f, (share - lo_share) / (levels[hi] - lo_share));
+    for (int64_t il = 0; il < L; ++il)
+        for (int64_t j = 0; j < S; ++j) {
+            const float lo = hi ? model_->input_threshold(int64_t(hi) - 1, il, j) : 0.0f;
+            input_thr_[size_t(il * S + j)] = (1.0f - w) * lo + w * model_->input_threshold(int64_t(hi), il, j);
+        }
+}
+
+void Engine::allocate_input_scratch() {
+    const int64_t E = hp_.n_embd, F = hp_.n_ff, Q = hp_.n_head * hp_.d_head, KV = hp_.n_head_kv * hp_.d_head;
+    const int64_t n_in = std::max({E, Q, F}), n_out = std::max({E, Q + 2 * KV, F}), B = n_batch_;
+    in_rows_.assign(size_t(3 * n_in), nullptr);
+    in_coef_.assign(size_t(n_in), 0.0f);
+    in_partials_.assign(size_t(3 * rows_partial_floats(n_in, n_out)), 0.0f);
+    in_x_.assign(size_t(B * n_in), 0.0f);
+    in_q_.resize(size_t(B * (n_in / QK + 1)));
+    in_g_.assign(size_t(B * n_out), 0.0f);
+    in_u_.assign(size_t(B * F), 0.0f);
+}
+
+double Engine::input_scratch_bytes() const {
+    if (model_->input_levels().empty()) return 0.0;
+    const double E = double(hp_.n_embd), F = double(hp_.n_ff), Q = double(hp_.n_head * hp_.d_head);
+    const double KV = double(hp_.n_head_kv * hp_.d_head), B = double(n_batch_);
+    const double n_in = std::max({E, Q, F}), n_out = std::max({E, Q + 2 * KV, F});
+    return 8 * 3 * n_in + 4 * (n_in + 3 * (n_in / double(kDownRunRows) + 2) * n_out + B * (n_in + n_out + F)) +
+           B * (n_in / QK + 1) * double(sizeof(BlockQ8_0));
+}
+
+int64_t Engine::zero_small(const float *x, int64_t n, int64_t n_tok, float t, float *out) {
+    int64_t zeroed = 0;
+    for (int64_t i = 0; i < n * n_tok; ++i) {
+        const bool keep = std::fabs(x[i]) > t;
+        out[i] = keep ? x[i] : 0.0f;
+        zeroed += !keep;
+    }
+    stats_.input.inputs += double(n * n_tok);
+    stats_.input.zeroed += double(zeroed);
+    return zeroed;
+}
+
+void Engine::input_rows_decode(const InputRows *const *mats, float *const *outs, int n_mats, const float *x, float t,
+                               bool decode) {
+    const int64_t n_in = mats[0]->t.rows;
+    int64_t kept = 0;
+    for (int64_t i = 0; i < n_in; ++i) {  // listed without branches (whether an input is kept is a coin flip)
+        in_coef_[size_t(kept)] = x[i];
+        for (int m = 0; m < n_mats; ++m) in_rows_[size_t(m * n_in + kept)] = mats[m]->t.row(i);
+        kept += std::fabs(x[i]) > t;
+    }
+    RowsTarget targets[3];
+    for (int m = 0; m < n_mats; ++m) {
+        const Matrix &w = mats[m]->t;
+        targets[m] = {w.type, mats[m]->n, in_rows_.data() + m * n_in, in_coef_.data(), kept, outs[m]};
+        if (!decode) continue;
+        stats_.input.decode_bytes += double(n_in) * double(w.row_bytes) * double(mats[m]->n) / double(w.cols);
+        stats_.input.decode_skipped += double(n_in - kept) * double(w.row_bytes) * double(mats[m]->n) / double(w.cols);
+    }
+    stats_.input.inputs += double(n_in);
+    stats_.input.zeroed += double(n_in - kept);
+    rows_product(*ks_, *pool_, targets, n_mats, in_partials_.data());
+}
+
+// q, k and v of the layer's normed input xn (n_tok tokens), its inputs at or below the site's threshold zeroed.
+void Engine::input_qkv(const Layer &L, int64_t il, int64_t n_tok) {
+    RunState &s = *rs_;
+    const int64_t E = hp_.n_embd, Q = hp_.n_head * hp_.d_head, KV = hp_.n_head_kv * hp_.d_head;
+    const float t = input_thr(il, kSiteQkv);
+    if (n_tok > 1) {
+        zero_small(s.xn.data(), E, n_tok, t, in_x_.data());
+        Operand in{in_x_.data(), E, in_q_.data(), false};
+        const MatmulTarget qkv[3] = {{&L.wq, s.q.data(), Q}, {&L.wk, s.k.data(), KV}, {&L.wv, s.v.data(), KV}};
+        matmul(qkv, 3, in, n_tok);
+        return;
+    }
+    if (L.q_t.t.data == L.k_t.t.data) {  // falcon's fused q/k/v_t: every column at once, then split
+        InputRows all{L.q_t.t, 0, Q + 2 * KV};
+        const InputRows *mats[1] = {&all};
+        float *outs[1] = {in_g_.data()};
+        input_rows_decode(mats, outs, 1, s.xn.data(), t, true);
+        std::memcpy(s.q.data(), in_g_.data(), size_t(Q) * sizeof(float));
+        std::memcpy(s.k.data(), in_g_.data() + Q, size_t(KV) * sizeof(float));
+        std::memcpy(s.v.data(), in_g_.data() + Q + KV, size_t(KV) * sizeof(float));
+        return;
+    }
+    const InputRows *mats[3] = {&L.q_t, &L.k_t, &L.v_t};
+    float *outs[3] = {s.q.data(), s.k.data(), s.v.data()};
+    input_rows_decode(mats, outs, 3, s.xn.data(), t, true);
+}
+
+// The attention output projection of att into tmp, att's inputs at or below the site's threshold zeroed.
+void Engine::input_output_projection(const Layer &L, int64_t il, int64_t n_tok) {
+    RunState &s = *rs_;
+    const int64_t E = hp_.n_embd, Q = hp_.n_head * hp_.d_head;
+    const float t = input_thr(il, kSiteO);
+    if (n_tok > 1) {
+        zero_small(s.att.data(), Q, n_tok, t, s.att.data());
+        s.op_att.q_ready = false;
+        const MatmulTarget wo[1] = {{&L.wo, s.tmp.data(), E}};
+        matmul(wo, 1, s.op_att, n_tok);
+        return;
+    }
+    const InputRows *mats[1] = {&L.o_t};
+    float *outs[1] = {s.tmp.data()};
+    input_rows_decode(mats, outs, 1, s.att.data(), t, true);
+}
+
+// The FFN of dense mode with input sparsity: gate and up of xn's kept inputs, the activation h over every neuron
+// (the model's own: SiLU's silu(g) u, ReLU's and FATReLU's, dReLU's, an ungated FFN's relu(u + b)), then the down
+// projection of h's kept values by their ffn_down_t rows, into y_cold.
+void Engine::input_ffn(int64_t il, int64_t n_tok) {
+    const Layer &L = model_->layers()[size_t(il)];
+    RunState &s = *rs_;
+    const int64_t E = hp_.n_embd, F = hp_.n_ff;
+    auto t0 = Clock::now();
+    const float t_in = input_thr(il, kSiteGateUp), t_down = input_thr(il, kSiteDown);
+    float *g = in_g_.data(), *u = in_u_.data();  // [n_tok][F]
+    if (n_tok > 1) {
+        zero_small(s.xn.data(), E, n_tok, t_in, in_x_.data());
+        Operand in{in_x_.data(), E, in_q_.data(), false};
+        const MatmulTarget gate_up[2] = {{&L.up, u, F}, {&L.gate, g, F}};
+        matmul(gate_up, hp_.gated ? 2 : 1, in, n_tok);
+    } else {
+        const InputRows *mats[2] = {&L.up_t, &L.gate_t};
+        float *outs[2] = {u, g};
+        input_rows_decode(mats, outs, hp_.gated ? 2 : 1, s.xn.data(), t_in, true);
+    }
+    const float *gate_b = L.gate_b.floats(), *up_b = L.up_b.floats();
+    float *h = in_x_.data();  // the gate/up input is used up
+    for (int64_t tk = 0; tk < n_tok; ++tk) {
+        float *gt = g + tk * F, *ut = u + tk * F, *ht = h + tk * F;
+        if (up_b)
+            for (int64_t i = 0; i < F; ++i) ut[i] += up_b[i];
+        if (!hp_.gated) {  // a = relu(up x + b): an ungated FFN's bias is its up's
+            for (int64_t i = 0; i < F; ++i) ht[i] = std::max(ut[i], 0.0f);
+            continue;
+        }
+        if (gate_b)
+            for (int64_t i = 0; i < F; ++i) gt[i] += gate_b[i];
+        if (hp_.activation == Activation::Silu) {
+            ks_->silu(int(F), gt, gt);  // the dense path's kernel
+            for (int64_t i = 0; i < F; ++i) ht[i] = gt[i] * ut[i];
+        } else if (hp_.activation == Activation::DRelu) {
+            for (int64_t i = 0; i < F; ++i) ht[i] = std::max(gt[i], 0.0f) * std::max(ut[i], 0.0f);
+        } else {  // ReLU, or FATReLU at the layer's threshold (0 for ReLU)
+            for (int64_t i = 0; i < F; ++i) ht[i] = gt[i] > L.act_threshold ? gt[i] * ut[i] : 0.0f;
+        }
+    }
+    stats_.times.gate_up += seconds_since(t0);
+    t0 = Clock::now();
+    // the down projection: one token at a time over the kept rows of ffn_down_t (a batch's too: its tokens'
+    // kept neurons differ, and the rows stream once per token as the decode step's do)
+    const InputRows down{L.down_t, 0, E};
+    const InputRows *mats[1] = {&down};
+    for (int64_t tk = 0; tk < n_tok; ++tk) {
+        float *outs[1] = {s.y_cold.data() + tk * E};
+        input_rows_decode(mats, outs, 1, h + tk * F, t_down, n_tok == 1);
+    }
+    stats_.times.down += seconds_since(t0);
+    add_bias(s.y_cold.data(), L.down_b, n_tok, E);
+    add_residual(s.y_cold.data(), n_tok);
+}
+
+}  // namespace pi

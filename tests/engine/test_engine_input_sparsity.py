@@ -1,0 +1,144 @@
+"""Input sparsity in the engine against transformers with the same inputs zeroed (f32 files, every architecture's
+tiny random model): prompt batches and decode steps, with the FFN modes it combines with, quantized files, what
+the statistics count, and bad values refused in one line."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from cli_helpers import assert_one_line_error, run_cli
+from engine_helpers import converted, engine_prompt_then_decode, hf_model, max_rel_err, random_tokens  # noqa: F401
+from tiny_models import KINDS
+
+import powerinfer_engine as engine
+from powerinfer_tools.formats import names
+from powerinfer_tools.stages import input_sparsity
+from powerinfer_tools.stages.conversion import convert_model
+
+N_PROMPT, N_DECODE = 48, 16
+TOKENS = random_tokens(N_PROMPT + N_DECODE, 384, seed=3)
+SHARE = 0.25
+N_SITES = len(names.INPUT_SITES)
+
+
+@pytest.fixture(scope="module")
+def input_files(tiny_model_dir, tmp_path_factory):
+    """input_files(kind, outtype) -> (file, InputThresholds): the tiny model converted with input thresholds
+    calibrated (greedy) on random tokens."""
+    cache = {}
+
+    def get(kind: str, outtype: str = "f32"):
+        if kind not in cache:
+            root = tmp_path_factory.mktemp(f"input_{kind}")
+            model, adapter = hf_model(tiny_model_dir(kind))
+            seqs = torch.randint(0, 384, (4, 128), generator=torch.Generator().manual_seed(0))
+            table = input_sparsity.calibrate(model, adapter, seqs, "greedy", 2, 0)
+            (root / "profile.json").write_text(json.dumps({"thresholds": [0.0] * adapter.dims().n_layer}))
+            table.save(root)
+            cache[kind] = (root, table, {})
+        root, table, files = cache[kind]
+        if outtype not in files:
+            files[outtype] = root / f"{outtype}.gguf"
+            convert_model(str(tiny_model_dir(kind)), files[outtype], outtype=outtype, profile_dir=root,
+                          progress=False, powerinfer_compatible=False)
+        return files[outtype], table
+
+    return get
+
+
+def hf_zeroed(model_dir, thresholds) -> np.ndarray:
+    model, adapter = hf_model(model_dir)
+    with input_sparsity.zeroed_inputs(adapter, model, thresholds), torch.no_grad():
+        return model(torch.tensor([TOKENS])).logits[0].float().numpy()
+
+
+def run(path, mode="dense", share=SHARE):
+    with engine.Model(path, threads=2, sparse_mode=mode, input_sparsity=share) as m:
+        return engine_prompt_then_decode(m, TOKENS, N_PROMPT), m.stats()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_logits_equal_transformers_with_the_same_inputs_zeroed(kind, tiny_model_dir, input_files):
+    """Prompt and decode steps alike. Only llama-silu's dense logits agree with transformers' to float rounding
+    (1e-6); the others' differ by ~2e-4, enough to move the odd input across its threshold, and each such input
+    moves the logits by up to a few 1e-2: there the engine must still be far nearer the zeroed model than the dense
+    one."""
+    path, table = input_files(kind)
+    zeroed = hf_zeroed(tiny_model_dir(kind), table.at(SHARE))
+    dense = hf_zeroed(tiny_model_dir(kind), [[-1.0] * N_SITES for _ in table.thresholds[0]])
+    logits, stats = run(path)
+    err = max_rel_err(logits, zeroed)
+    assert err <= (1e-4 if kind == "llama-silu" else 5e-2), err
+    assert err < 0.25 * max_rel_err(logits, dense)
+    assert 0.2 < stats["input_sparsity"]["zeroed"] / stats["input_sparsity"]["inputs"] < 0.6
+    skipped = stats["input_sparsity"]["decode_bytes_skipped"] / stats["input_sparsity"]["decode_bytes"]
+    assert skipped == pytest.approx(SHARE, abs=0.06)
+
+
+def test_input_sparsity_off_is_the_dense_engine_bit_for_bit(input_files, converted):
+    path, _ = input_files("llama-silu")
+    with engine.Model(converted("llama-silu"), threads=2, sparse_mode="dense") as m:
+        plain = engine_prompt_then_decode(m, TOKENS, N_PROMPT)
+    logits, stats = run(path, share=0.0)
+    assert np.array_equal(logits, plain)
+    assert stats["input_sparsity"]["inputs"] == 0
+
+
+@pytest.mark.parametrize("kind", ["llama-relu", "bamboo"])
+def test_gate_mode_keeps_its_ffn_and_takes_input_sparsity_on_attention(kind, tiny_model_dir, input_files):
+    """A ReLU model's gate mode is exact: with input sparsity, its attention's inputs are zeroed and its FFN's not."""
+    path, table = input_files(kind)
+    attention_only = [[t if j < 2 else -1.0 for j, t in enumerate(row)] for row in table.at(SHARE)]
+    logits, _ = run(path, "gate")
+    err = max_rel_err(logits, hf_zeroed(tiny_model_dir(kind), attention_only))
+    assert err <= 5e-2
+    assert err < 0.25 * max_rel_err(logits, hf_zeroed(tiny_model_dir(kind), table.at(SHARE)))
+
+
+@pytest.mark.parametrize("outtype", ["q8_0", "q4_0"])
+def test_quantized_files_skip_the_rows_of_zeroed_inputs(outtype, input_files):
+    """Their logits move from the f32 file's by about what quantization moves the dense model's."""
+    path, _ = input_files("llama-silu", outtype)
+    f32, _ = run(input_files("llama-silu")[0])
+    logits, stats = run(path)
+    quantization = max_rel_err(run(path, share=0.0)[0], run(input_files("llama-silu")[0], share=0.0)[0])
+    assert max_rel_err(logits, f32) < 3 * quantization + 0.05   # and the inputs it moves across their thresholds
+    inputs = stats["input_sparsity"]
+    assert inputs["decode_bytes_skipped"] / inputs["decode_bytes"] == pytest.approx(SHARE, abs=0.06)
+
+
+def test_bad_values_are_refused_in_one_line(input_files, converted, capsys):
+    path, table = input_files("llama-silu")
+    for bad in (-0.1, 1.0, float("nan"), table.levels[-1] + 0.05):
+        with pytest.raises(engine.EngineError, match="input_sparsity"):
+            engine.Model(path, threads=1, input_sparsity=bad)
+    with pytest.raises(engine.EngineError, match="has no input thresholds"):
+        engine.Model(converted("llama-silu"), threads=1, input_sparsity=SHARE)
+    code, _, err = run_cli(capsys, "run", "-m", str(path), "-p", "hi", "-n", "2", "--input-sparsity", "1.5")
+    assert_one_line_error(code, err, "--input-sparsity")
+    code, _, err = run_cli(capsys, "run", "-m", str(converted("llama-silu")), "-p", "hi", "-n", "2", "--sparse-mode",
+                           "input")
+    assert_one_line_error(code, err, "no input thresholds")
+
+
+def test_run_reports_the_bytes_skipped(input_files, capsys):
+    path, _ = input_files("llama-silu")
+    code, _, err = run_cli(capsys, "run", "-m", str(path), "-p", "hi there", "-n", "8", "-t", "2", "--sparse-mode",
+                           "input", "--temp", "0")
+    assert code == 0, err
+    line = next(line for line in err.splitlines() if line.startswith("input sparsity 0.25"))
+    assert "MiB" in line and "skipped" in line
+
+
+def test_the_share_set_on_an_open_model_is_the_share_opened_with(input_files):
+    path, table = input_files("llama-silu")
+    opened, _ = run(path)
+    with engine.Model(path, threads=2, sparse_mode="dense") as m:
+        m.input_sparsity = SHARE
+        assert m.input_sparsity == SHARE
+        assert np.array_equal(engine_prompt_then_decode(m, TOKENS, N_PROMPT), opened)
+        with pytest.raises(engine.EngineError, match="above the largest share calibrated"):
+            m.input_sparsity = table.levels[-1] + 0.05
+        assert m.input_sparsity == SHARE

@@ -45,7 +45,7 @@ def bench(
     repeats: int = typer.Option(5, "--repeats", "-r", help="Interleaved rounds of the main table."),
     modes: str = typer.Option("dense,gate,predictor,auto", "--modes", help="Our FFN modes, comma-separated; also "
                               "input (dense with --input-sparsity; needs a --profile with input thresholds)."),
-    input_sparsity: float = typer.Option(0.25, "--input-sparsity", help="The input mode's share of every matrix's "
+    input_sparsity: float = typer.Option(0.25, "--input-sparsity", callback=flags.within(limits.SPARSITY_LEVEL), help="The input mode's share of every matrix's "
                                          "inputs zeroed (run --input-sparsity)."),
     peers: str = typer.Option("llama.cpp,torch", "--peers", help="Other engines: llama.cpp, torch; '' for none."),
     predictors: Optional[Path] = typer.Option(None, "--predictors", help="Predictor directory "

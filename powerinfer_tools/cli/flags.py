@@ -13,7 +13,7 @@ from typing import Optional
 import typer
 
 from powerinfer_tools.core.numbers import Range
-from powerinfer_tools.stages.options import DEVICE_BUDGET_GIB, FRACTION, NON_NEGATIVE, POSITIVE
+from powerinfer_tools.stages.options import DEVICE_BUDGET_GIB, FRACTION, NON_NEGATIVE, POSITIVE, SPARSITY_LEVEL
 
 DEFAULT_SPARSE_MODE = "auto"   # run, perplexity: the cheapest mode per layer, what a user runs
 THREADS_HELP = "Threads. Default: all cores."
@@ -73,7 +73,7 @@ def sparse_mode_option():
 
 
 def input_sparsity_option():
-    return typer.Option(None, "--input-sparsity", help="Share of every matrix's inputs "
+    return typer.Option(None, "--input-sparsity", callback=within(SPARSITY_LEVEL), help="Share of every matrix's inputs "
                         "zeroed (q/k/v, o, gate/up, down; the smallest by magnitude, at thresholds the profile "
                         "calibrated and the file holds) and of the weight bytes a generated token skips; e.g. 0.25. "
                         "With --sparse-mode dense or input on every matrix, with the other modes on attention's. "

@@ -204,15 +204,17 @@ def _cached(directory: Path) -> BenchFiles | None:
 
 
 def bench_files(model: str, outtype: str, work_dir: Path, predictors: Path | None = None,
-                profile: Path | None = None, progress: bool = True) -> BenchFiles:
-    """Build (or reuse from `work_dir`) the PowerInfer and llama.cpp files of `model` at `outtype`."""
+                profile: Path | None = None, progress: bool = True, input_sparsity: bool = False) -> BenchFiles:
+    """Build (or reuse from `work_dir`) the PowerInfer and llama.cpp files of `model` at `outtype`; with
+    input_sparsity, ours with the profile's input thresholds and the transposed matrices they need."""
     from powerinfer_tools.stages.conversion import convert_model
 
     if outtype not in BENCH_OUTTYPES:
         raise UserError(f"unknown --outtype '{outtype}' (choose from {', '.join(BENCH_OUTTYPES)})")
     source = models.resolve(model)
     inputs = [source.path] + [p for p in (predictors, profile) if p is not None]
-    key = hashlib.sha256(f"{_fingerprint(inputs)}:{outtype}:{converter_fingerprint()}".encode()).hexdigest()[:16]
+    extra = ":input" if input_sparsity else ""
+    key = hashlib.sha256(f"{_fingerprint(inputs)}:{outtype}{extra}:{converter_fingerprint()}".encode()).hexdigest()[:16]
     stem = source.path.stem.replace(".", "_")
     directory = Path(work_dir) / f"{stem}-{outtype}-{key}"
     manifest_path = directory / "manifest.json"
@@ -228,7 +230,7 @@ def bench_files(model: str, outtype: str, work_dir: Path, predictors: Path | Non
     pwri, plain = directory / "model.powerinfer.gguf", directory / "model.llamacpp.gguf"
     # every tensor in the outtype, as the llama.cpp copy has it (PowerInfer's f16 down projection would differ)
     summary = convert_model(model, pwri, outtype=outtype, predictors_dir=predictors, profile_dir=profile,
-                            progress=progress, powerinfer_compatible=False)
+                            progress=progress, powerinfer_compatible=False, input_sparsity=input_sparsity)
     copied = write_llamacpp_gguf(pwri, model, plain)
     manifest = {"model": model, "source": str(source.path), "outtype": outtype,
                 "predictors": str(predictors) if predictors else None, "profile": str(profile) if profile else None,

@@ -283,7 +283,8 @@ def run_bench(opts: BenchOptions) -> dict:
     record["machine"] = machine.machine_record(opts.threads)
     bandwidth_probe = machine.BandwidthProbe(opts.threads, BANDWIDTH_PROBE_BYTES)
 
-    files = files_mod.bench_files(opts.model, opts.outtype, work_dir, opts.predictors, opts.profile, opts.progress)
+    files = files_mod.bench_files(opts.model, opts.outtype, work_dir, opts.predictors, opts.profile, opts.progress,
+                                  input_sparsity="input" in opts.modes)
     record["files"] = {"powerinfer": str(files.powerinfer), "llamacpp": str(files.llamacpp),
                        "powerinfer_bytes": files.powerinfer.stat().st_size,
                        "llamacpp_bytes": files.llamacpp.stat().st_size, "built": files.manifest}

@@ -42,9 +42,10 @@ def convert(
         "takes (plan --granularity powerinfer). --ours-only keeps ffn_down_t in the outtype and places any count, "
         "for this toolkit's engine alone."),
     input_sparsity: bool = typer.Option(
-        True, "--input-sparsity/--no-input-sparsity", help="With a --profile that has input thresholds (profile "
+        False, "--input-sparsity/--no-input-sparsity", help="With a --profile that has input thresholds (profile "
         "--input-allocation): store them, and q/k/v/o/gate/up a second time transposed, which `run "
-        "--input-sparsity` reads (SmolLM2: +75% of the layers' bytes). --no-input-sparsity leaves both out."),
+        "--input-sparsity` reads (SmolLM2: +75% of the layers' bytes). Off by default: input sparsity does not "
+        "yet decode faster than dense (docs/bench.md)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
     vram_budget: Optional[float] = typer.Option(
         None, "--vram-budget", callback=flags.within(limits.PLAN_BUDGET_GIB), help="GiB of VRAM: after writing the model, place its hot neurons (as `pi-tools "

@@ -356,7 +356,7 @@ def n_vocab_of(tensors: list[PlannedTensor]) -> int:
 
 def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predictors_dir: str | Path | None = None,
                   profile_dir: str | Path | None = None, progress: bool = True, order_neurons: bool = True,
-                  powerinfer_compatible: bool = True, input_sparsity: bool = True) -> dict:
+                  powerinfer_compatible: bool = True, input_sparsity: bool = False) -> dict:
     """Write the PowerInfer GGUF of `model` (a --model spec) to `out_path`; returns a summary dict.
 
     With `input_sparsity` and a profile with input thresholds (stages/input_sparsity.py), the file holds them and

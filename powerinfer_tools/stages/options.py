@@ -96,7 +96,7 @@ class ConvertOptions:
     order_neurons: bool = True
     powerinfer_compatible: bool = True
     progress: bool = True
-    input_sparsity: bool = True   # the profile's input thresholds and the transposed copies they need
+    input_sparsity: bool = False  # the profile's input thresholds and the transposed copies they need
 
 
 @dataclass

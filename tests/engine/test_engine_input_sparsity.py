@@ -42,7 +42,7 @@ def input_files(tiny_model_dir, tmp_path_factory):
         if outtype not in files:
             files[outtype] = root / f"{outtype}.gguf"
             convert_model(str(tiny_model_dir(kind)), files[outtype], outtype=outtype, profile_dir=root,
-                          progress=False, powerinfer_compatible=False)
+                          progress=False, powerinfer_compatible=False, input_sparsity=True)
         return files[outtype], table
 
     return get

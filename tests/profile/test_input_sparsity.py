@@ -117,7 +117,7 @@ def test_profile_writes_the_table_and_convert_stores_it_with_the_transposed_matr
     table = isp.InputThresholds.load(profile_dir, 2)
     out = tmp_path / "m.gguf"
     code, stdout, err = run_cli(capsys, "convert", "-m", tiny_model_dir("llama-silu"), "--profile", profile_dir,
-                                "--outtype", "f32", "-o", out, "-q", "--ours-only")
+                                "--outtype", "f32", "-o", out, "-q", "--ours-only", "--input-sparsity")
     assert code == 0, err
     assert "input sparsity: the profile's uniform thresholds" in stdout
     fields = read_fields(out)

@@ -131,36 +131,13 @@ struct DownElement {
     float y = 0.0f, partial = 0.0f;
 
     PI_HD void add_group() {
-        float m = 0.0f;
-        bool finite = true;
-        for (int r = 0; r < in_group; ++r) {
-            finite = finite && axpy_coef_finite(c[r]);
-            m = fmaxf(m, fabsf(c[r]));
-        }
-        if (!(m == 0.0f && finite)) {
-            if (!finite || m < kAxpyMinLargest) {  // axpy_group_block_float: products then sums, unfused
-                for (int r = 0; r < in_group; ++r) partial = unfused_mul_add(c[r], float(v[r]), partial);
-            } else {
-                const float inv = kAxpySteps / m, s = m / kAxpySteps;
-                int32_t t = 0;
-                for (int r = 0; r < in_group; ++r) t += int32_t(nearbyintf(c[r] * inv)) * v[r];
-                partial = fmaf(float(t), s, partial);
-            }
-        }
+        partial = axpy_group_column(c, v, in_group, partial);
         in_group = 0;
     }
     PI_HD void add_run() {
         y = y + partial;
         partial = 0.0f;
         in_run = 0;
-    }
-    PI_HD static float unfused_mul_add(float a, float b, float c) {
-#ifdef __CUDA_ARCH__
-        return __fadd_rn(__fmul_rn(a, b), c);
-#else
-        const volatile float p = a * b;  // rounded before the add, whatever the compiler's contraction
-        return p + c;
-#endif
     }
 };
 

@@ -11,7 +11,7 @@
 // A coefficient carries 14 bits against its group's largest: the rounding moves a term by at most 2^-15 of the
 // largest. A group whose block holds no nonzero coefficient adds nothing; one with an inf or NaN coefficient, or
 // whose largest is too small for m's reciprocal to be finite, is summed in floats, row after row
-// (axpy_group_block_float): inf and NaN still reach y.
+// (axpy_group_column): inf and NaN still reach y.
 #pragma once
 
 #include <cmath>
@@ -33,11 +33,42 @@ PI_HD inline int32_t block_value(const BlockQ4_0 &b, int j) {
 // Whether a coefficient takes the integer path (finite).
 PI_HD inline bool axpy_coef_finite(float c) { return fabsf(c) <= 3.40282347e38f; }
 
-// One group's block k in floats: y_j += c_r * w_r,k,j, rows in order (the path for non-finite coefficients).
-inline void axpy_group_block_float(int n_rows, const void *const *w, int k, const float *c, float *y) {
-    for (int r = 0; r < n_rows; ++r) {
-        const BlockQ4_0 &b = static_cast<const BlockQ4_0 *>(w[r])[k];
-        for (int j = 0; j < QK; ++j) y[j] += c[r] * float(block_value(b, j));
+// a * b + c with the product rounded first, whatever the compiler's contraction (the float path's sums).
+PI_HD inline float unfused_mul_add(float a, float b, float c) {
+#ifdef __CUDA_ARCH__
+    return __fadd_rn(__fmul_rn(a, b), c);
+#else
+    const volatile float p = a * b;
+    return p + c;
+#endif
+}
+
+// One group's terms in one column, added to y: coefficients c[r] (h * block scale) and the column's weights v[r],
+// n rows. The rule every path computes (the scalar set per column, the SIMD sets' float path, the device tier).
+PI_HD inline float axpy_group_column(const float *c, const int32_t *v, int n, float y) {
+    float m = 0.0f;
+    bool finite = true;
+    for (int r = 0; r < n; ++r) {
+        finite = finite && axpy_coef_finite(c[r]);
+        m = fmaxf(m, fabsf(c[r]));
+    }
+    if (m == 0.0f && finite) return y;
+    if (!finite || m < kAxpyMinLargest) {  // floats, rows in order
+        for (int r = 0; r < n; ++r) y = unfused_mul_add(c[r], float(v[r]), y);
+        return y;
+    }
+    const float inv = kAxpySteps / m, s = m / kAxpySteps;
+    int32_t t = 0;
+    for (int r = 0; r < n; ++r) t += int32_t(nearbyintf(c[r] * inv)) * v[r];
+    return fmaf(float(t), s, y);
+}
+
+// One group's block k (coefficients c) into y[0, 32), column by column.
+inline void axpy_group_block(int n_rows, const void *const *w, int k, const float *c, float *y) {
+    for (int j = 0; j < QK; ++j) {
+        int32_t v[kAxpyGroup];
+        for (int r = 0; r < n_rows; ++r) v[r] = block_value(static_cast<const BlockQ4_0 *>(w[r])[k], j);
+        y[j] = axpy_group_column(c, v, n_rows, y[j]);
     }
 }
 
@@ -46,30 +77,10 @@ inline void axpy_rows_q4_0_reference(int n, int n_rows, const void *const *w, in
     const int k0 = col0 / QK, nb = n / QK;
     for (int g = 0; g < n_rows; g += kAxpyGroup) {
         const int m_rows = n_rows - g < kAxpyGroup ? n_rows - g : kAxpyGroup;
-        const void *const *rows = w + g;
         for (int k = 0; k < nb; ++k) {
             float c[kAxpyGroup];
-            float m = 0.0f;
-            bool finite = true;
-            for (int r = 0; r < m_rows; ++r) {
-                c[r] = a[g + r] * f16_to_f32(static_cast<const BlockQ4_0 *>(rows[r])[k0 + k].d);
-                finite = finite && axpy_coef_finite(c[r]);
-                m = std::fmax(m, std::fabs(c[r]));
-            }
-            float *yk = y + k * QK;
-            if (m == 0.0f && finite) continue;
-            if (!finite || m < kAxpyMinLargest) {
-                axpy_group_block_float(m_rows, rows, k0 + k, c, yk);
-                continue;
-            }
-            const float inv = kAxpySteps / m, s = m / kAxpySteps;
-            int32_t t[QK] = {};
-            for (int r = 0; r < m_rows; ++r) {
-                const int32_t q = int32_t(std::nearbyint(c[r] * inv));
-                const BlockQ4_0 &b = static_cast<const BlockQ4_0 *>(rows[r])[k0 + k];
-                for (int j = 0; j < QK; ++j) t[j] += q * block_value(b, j);
-            }
-            for (int j = 0; j < QK; ++j) yk[j] = std::fma(float(t[j]), s, yk[j]);
+            for (int r = 0; r < m_rows; ++r) c[r] = a[g + r] * f16_to_f32(static_cast<const BlockQ4_0 *>(w[g + r])[k0 + k].d);
+            axpy_group_block(m_rows, w + g, k0 + k, c, y + k * QK);
         }
     }
 }

@@ -54,7 +54,8 @@ def bench(
                                            "the file stores (the main table's sparsity unless --sparsity) and whose "
                                            "activation counts order its neurons, as convert does."),
     sparsity: Optional[float] = typer.Option(None, "--sparsity", callback=flags.within(limits.SPARSITY_LEVEL), help="Run the main table at this FFN sparsity "
-                                             "(thresholds recalibrated) instead of the file's thresholds."),
+                                             "(thresholds recalibrated on the source model in float32, refused "
+                                             "where it does not fit in memory) instead of the file's thresholds."),
     sweep_sparsity: bool = typer.Option(False, "--sweep-sparsity", help="Also time the sparse modes' generation "
                                         "at each --sweep-levels FFN sparsity."),
     sweep_levels: str = typer.Option("0.3,0.5,0.7,0.8,0.9,0.95", "--sweep-levels", help="Sparsity levels."),
@@ -76,7 +77,9 @@ def bench(
                                                 "from --profile (for the bench's file, cached beside it) and give the "
                                                 "GPU at most that much."),
     text: Optional[Path] = typer.Option(None, "--text", help="UTF-8 text whose tokens are fed (e.g. "
-                                        "WikiText-2's validation split). Default: text the model generates itself."),
+                                        "WikiText-2's validation split). Default: text our engine writes itself from "
+                                        "the bench's file (dense, sampled from a fixed seed; no float32 copy of "
+                                        "the model)."),
     work_dir: Optional[Path] = typer.Option(None, "--work-dir", help="Where the built files are cached, "
                                             "rebuilt when the inputs or this toolkit's version change "
                                             "(default: ~/.cache/powerinfer-tools/bench)."),

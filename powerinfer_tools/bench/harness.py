@@ -223,22 +223,82 @@ def _add_derived(entries: list[dict], times: dict, mb: byte_model.ModelBytes, ba
 
 # ---- orchestration ------------------------------------------------------------------------------
 
-def _bench_tokens(opts: BenchOptions, tokenizer, text: str | None, hf_model) -> tuple[list[int], list[int], list[int]]:
+TEXT_SEED = 0   # the seed of the text our engine writes when no --text is given: every run times the same tokens
+SELF_GENERATED = f"self-generated (engine, dense, seed {TEXT_SEED})"
+
+
+def engine_text(model_file: Path, tokenizer, n_tokens: int, threads: int, seed: int = TEXT_SEED,
+                progress: bool = True) -> list[int]:
+    """n_tokens token ids our engine writes itself from model_file in dense mode: BOS where the tokenizer has one,
+    calibration's first neutral prompt, then tokens sampled at temperature 1 and top-p 0.95 from `seed`, EOS not a
+    stop (the text only has to be the model's own, so that sparse modes see real activations).
+
+    The engine, not transformers: it reads the q4_0/q8_0 file the bench built, where the source model in float32
+    takes 4 bytes a weight (a 7B, 27 GB, got the bench killed for memory before it timed a token). The engine is
+    closed on return, before the timed workers start."""
+    import powerinfer_engine as engine
+
+    from powerinfer_tools.runtime.inference import engine_errors
+    from powerinfer_tools.stages.calibration import NEUTRAL_PROMPTS
+
+    bos = tokenizer.bos_token_id
+    prompt = ([bos] if bos is not None else []) + tokenizer(NEUTRAL_PROMPTS[0], add_special_tokens=False)["input_ids"]
+    ids = list(prompt)
+    with engine_errors(), engine.Model(model_file, threads=threads, sparse_mode="dense", ctx_size=n_tokens,
+                                       gpu="off") as model:
+        with tqdm(total=n_tokens - len(prompt), desc="generating the bench's text", unit="tok", leave=False,
+                  disable=not progress) as bar:
+            for token in model.generate(prompt, n_tokens - len(prompt), temperature=1.0, top_k=0, top_p=0.95,
+                                        seed=seed):
+                ids.append(token)
+                bar.update()
+    return ids
+
+
+def _bench_tokens(opts: BenchOptions, tokenizer, text: str | None,
+                 model_file: Path) -> tuple[list[int], list[int], list[int]]:
     """Prompt, context (cached before tg: --depth tokens) and generation token ids: consecutive stretches of the
-    text (or of self-generated text); the first token tg's cache sees is BOS where the model has one."""
+    text (or of text our engine writes from model_file); the first token tg's cache sees is BOS where the model has
+    one."""
     from powerinfer_tools.stages import calibration
 
     need = opts.n_prompt + opts.depth + opts.n_gen
     if text is not None:
-        seqs = calibration.sequences_from_text(tokenizer, [text], need, need)
+        ids = calibration.sequences_from_text(tokenizer, [text], need, need)[0].tolist()
     else:
-        seqs = calibration.self_generated(hf_model, tokenizer, need, need)
-    ids = seqs[0].tolist()
+        ids = engine_text(model_file, tokenizer, need, opts.threads, progress=opts.progress)
     if len(ids) < need:
         raise UserError(f"the benchmark text gives {len(ids)} tokens, {need} are needed")
     bos = ids[:1] if tokenizer.bos_token_id is not None else []
     rest = bos + ids[opts.n_prompt:need - len(bos)]
     return ids[:opts.n_prompt], rest[:opts.depth], rest[opts.depth:]
+
+
+def check_source_fits(source: models.ModelSource) -> None:
+    """Refuse in one line, before anything is built, to load a source model that cannot fit in memory in float32
+    (--sparsity and --sweep-sparsity calibrate on it): the kernel would kill the process without a word."""
+    from powerinfer_tools.models import arch
+    from powerinfer_tools.stages import profiling
+
+    need = profiling.weight_bytes(arch.for_config(models.load_config(source)), "float32")
+    have = profiling.available_memory("cpu")
+    if need > have:
+        raise UserError(f"--sparsity and --sweep-sparsity calibrate on {source.spec} in float32: "
+                        f"{need / 2**30:.1f} GiB of weights, {have / 2**30:.1f} GiB of memory available; drop them "
+                        "and give --profile DIR of a `pi-tools profile --target-sparsity S --calib TEXT` (one layer "
+                        "at a time) to time the sparse modes at that profile's thresholds")
+
+
+def _calibrate(source: models.ModelSource, tokenizer, text: str | None):
+    """(activation sample, calibration tokens) of the source model in float32, what --sparsity and --sweep-sparsity
+    set thresholds from. The model lives only in here: it is freed before the timed workers start."""
+    from powerinfer_tools.stages.calibration import self_generated, sequences_from_text
+
+    hf_model, adapter = models.load_model(source)
+    n_tokens = CALIBRATION_SEQS * CALIBRATION_LEN
+    seqs = (sequences_from_text(tokenizer, [text[len(text) // 2:]], CALIBRATION_LEN, n_tokens) if text is not None
+            else self_generated(hf_model, tokenizer, CALIBRATION_LEN, n_tokens))
+    return sparsity_levels.collect(hf_model, adapter, seqs), int(seqs.numel())
 
 
 def _check_options(opts: BenchOptions) -> None:
@@ -280,6 +340,10 @@ def run_bench(opts: BenchOptions) -> dict:
                                  "batch": opts.batch, "kv_type": opts.kv_type, "modes": list(opts.modes),
                                  "peers": list(opts.peers),
                                  "sparsity": opts.sparsity, "input_sparsity": opts.input_sparsity}}
+    source = models.resolve(opts.model)
+    need_calibration = opts.sparsity is not None or opts.sweep
+    if need_calibration:
+        check_source_fits(source)
     record["machine"] = machine.machine_record(opts.threads)
     bandwidth_probe = machine.BandwidthProbe(opts.threads, BANDWIDTH_PROBE_BYTES)
 
@@ -292,32 +356,21 @@ def run_bench(opts: BenchOptions) -> dict:
     record["machine"]["rows_by_index"] = machine.rows_by_index(mb.layers[0].gate_row, opts.threads)
     has_predictor = any(l.predictor for l in mb.layers)
 
-    source = models.resolve(opts.model)
     tokenizer = models.load_tokenizer(source)
-    text_path = opts.text
     text = None
-    if text_path is not None:
+    if opts.text is not None:
         from powerinfer_tools.stages.calibration import read_text
-        text = read_text(text_path)
-    need_calibration = opts.sparsity is not None or opts.sweep
-    hf_model = adapter = None
-    if need_calibration or text is None:
-        hf_model, adapter = models.load_model(source)
-    prompt, context, gen = _bench_tokens(opts, tokenizer, text, hf_model)
+        text = read_text(opts.text)
+    prompt, context, gen = _bench_tokens(opts, tokenizer, text, files.powerinfer)
     tg = {"tokens": gen, "context": context}
-    record["tokens"] = {"text": str(text_path) if text is not None else "self-generated",
+    record["tokens"] = {"text": str(opts.text) if text is not None else SELF_GENERATED,
                         "prompt": len(prompt), "context": len(context), "generated": len(gen)}
 
     sample = logits = None
     if need_calibration:
-        from powerinfer_tools.stages.calibration import self_generated, sequences_from_text
-        seqs = (sequences_from_text(tokenizer, [text[len(text) // 2:]], CALIBRATION_LEN,
-                                    CALIBRATION_SEQS * CALIBRATION_LEN) if text is not None else
-                self_generated(hf_model, tokenizer, CALIBRATION_LEN, CALIBRATION_SEQS * CALIBRATION_LEN))
-        sample = sparsity_levels.collect(hf_model, adapter, seqs)
+        sample, record["calibration_tokens"] = _calibrate(source, tokenizer, text)
         if has_predictor:
             logits = sparsity_levels.predictor_logits(sample, sparsity_levels.predictor_weights(files.powerinfer))
-        record["calibration_tokens"] = int(seqs.numel())
 
     has_inputs = bool(mb.input_levels)
     modes = [m for m in opts.modes if (m != "predictor" or has_predictor) and (m != INPUT_MODE or has_inputs)]

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from cli_helpers import assert_one_line_error, run_cli
 from convert_helpers import write_predictors
 from placement_fixtures import power_law_counts, write_profile
 from tiny_models import HIDDEN, N_FF, N_LAYER
@@ -557,3 +558,51 @@ def test_bench_times_the_input_mode_against_dense(tiny_model_dir, tmp_path):
     assert "| ours | input |" in bench.render_summary(rec) and "ours input" in bench.render_markdown(rec)
     with pytest.raises(UserError, match="--input-sparsity"):
         bench.run_bench(dataclasses.replace(opts, input_sparsity=1.5))
+
+
+def _no_float32_model(*args, **kwargs):
+    raise AssertionError("the source model was loaded in float32")
+
+
+def test_bench_without_text_times_text_our_engine_wrote(silu_files, monkeypatch):
+    """Without --text the timed tokens are written by our engine from the bench's own file: the source model is
+    never loaded in float32 (a 7B's 27 GB got the bench killed for memory), and the record says whose text it is."""
+    pytest.importorskip("powerinfer_engine")
+    monkeypatch.setattr(models, "load_model", _no_float32_model)
+    model, files, work = silu_files
+    opts = bench.BenchOptions(model=model, outtype="q8_0", threads=2, repeats=1, modes=("dense",), n_prompt=16,
+                              n_gen=8, batch=16, predictors=work / "pred", work_dir=work, peers=(), progress=False)
+    rec = bench.run_bench(opts)
+    assert rec["tokens"] == {"text": "self-generated (engine, dense, seed 0)", "prompt": 16, "context": 0,
+                             "generated": 8}
+    assert rec["runs"][0]["label"] == "ours dense" and rec["runs"][0]["tg"]["median"] > 0
+    assert "text: self-generated (engine, dense, seed 0)" in bench.render_markdown(rec)
+
+
+def test_engine_text_repeats_with_its_seed(silu_files):
+    """The same seed writes the same tokens (runs time the same text), BOS first, as many as asked."""
+    pytest.importorskip("powerinfer_engine")
+    model, files, _ = silu_files
+    tokenizer = models.load_tokenizer(models.resolve(model))
+    first = bench.engine_text(files.powerinfer, tokenizer, 48, threads=2, progress=False)
+    assert len(first) == 48 and first[0] == tokenizer.bos_token_id
+    assert bench.engine_text(files.powerinfer, tokenizer, 48, threads=2, progress=False) == first
+    assert bench.engine_text(files.powerinfer, tokenizer, 48, threads=2, seed=1, progress=False) != first
+
+
+def test_calibration_that_cannot_fit_in_memory_is_refused(silu_files, tmp_path, capsys, monkeypatch):
+    """--sparsity loads the source model in float32 to calibrate: where its weights exceed the memory available,
+    one line says so (and what to do instead) before anything is built, instead of the kernel killing the bench."""
+    from powerinfer_tools.stages import profiling
+
+    model = silu_files[0]
+    need = profiling.weight_bytes(arch.for_config(models.load_config(models.resolve(model))), "float32")
+    monkeypatch.setattr(models, "load_model", _no_float32_model)
+    monkeypatch.setattr(profiling, "available_memory", lambda device: need - 1)
+    code, _, err = run_cli(capsys, "bench", "-m", model, "--sparsity", "0.5", "--modes", "dense,gate", "--peers", "",
+                           "--work-dir", tmp_path / "work", "-q")
+    assert_one_line_error(code, err, "--sparsity and --sweep-sparsity calibrate on", "in float32",
+                          "GiB of weights", "GiB of memory available", "--profile DIR")
+    assert not (tmp_path / "work").exists()
+    monkeypatch.setattr(profiling, "available_memory", lambda device: need)
+    bench.check_source_fits(models.resolve(model))

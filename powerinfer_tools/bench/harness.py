@@ -274,19 +274,25 @@ def _bench_tokens(opts: BenchOptions, tokenizer, text: str | None,
     return ids[:opts.n_prompt], rest[:opts.depth], rest[opts.depth:]
 
 
-def check_source_fits(source: models.ModelSource) -> None:
+def check_source_fits(source: models.ModelSource, calibrates: bool, torch_peer: bool) -> None:
     """Refuse in one line, before anything is built, to load a source model that cannot fit in memory in float32
-    (--sparsity and --sweep-sparsity calibrate on it): the kernel would kill the process without a word."""
+    (--sparsity and --sweep-sparsity calibrate on it; the torch peer runs it): the kernel would kill the process
+    without a word."""
     from powerinfer_tools.models import arch
     from powerinfer_tools.stages import profiling
 
+    if not (calibrates or torch_peer):
+        return
     need = profiling.weight_bytes(arch.for_config(models.load_config(source)), "float32")
     have = profiling.available_memory("cpu")
-    if need > have:
-        raise UserError(f"--sparsity and --sweep-sparsity calibrate on {source.spec} in float32: "
-                        f"{need / 2**30:.1f} GiB of weights, {have / 2**30:.1f} GiB of memory available; drop them "
+    if need <= have:
+        return
+    sizes = f"{need / 2**30:.1f} GiB of weights, {have / 2**30:.1f} GiB of memory available"
+    if calibrates:
+        raise UserError(f"--sparsity and --sweep-sparsity calibrate on {source.spec} in float32: {sizes}; drop them "
                         "and give --profile DIR of a `pi-tools profile --target-sparsity S --calib TEXT` (one layer "
                         "at a time) to time the sparse modes at that profile's thresholds")
+    raise UserError(f"the torch peer runs {source.spec} in float32: {sizes}; leave it out (--peers llama.cpp)")
 
 
 def _calibrate(source: models.ModelSource, tokenizer, text: str | None):
@@ -342,8 +348,7 @@ def run_bench(opts: BenchOptions) -> dict:
                                  "sparsity": opts.sparsity, "input_sparsity": opts.input_sparsity}}
     source = models.resolve(opts.model)
     need_calibration = opts.sparsity is not None or opts.sweep
-    if need_calibration:
-        check_source_fits(source)
+    check_source_fits(source, need_calibration, "torch" in opts.peers)
     record["machine"] = machine.machine_record(opts.threads)
     bandwidth_probe = machine.BandwidthProbe(opts.threads, BANDWIDTH_PROBE_BYTES)
 

@@ -590,9 +590,10 @@ def test_engine_text_repeats_with_its_seed(silu_files):
     assert bench.engine_text(files.powerinfer, tokenizer, 48, threads=2, seed=1, progress=False) != first
 
 
-def test_calibration_that_cannot_fit_in_memory_is_refused(silu_files, tmp_path, capsys, monkeypatch):
-    """--sparsity loads the source model in float32 to calibrate: where its weights exceed the memory available,
-    one line says so (and what to do instead) before anything is built, instead of the kernel killing the bench."""
+def test_float32_source_that_cannot_fit_in_memory_is_refused(silu_files, tmp_path, capsys, monkeypatch):
+    """--sparsity loads the source model in float32 to calibrate, and the torch peer runs it: where its weights
+    exceed the memory available, one line says so (and what to do instead) before anything is built, instead of
+    the kernel killing the bench."""
     from powerinfer_tools.stages import profiling
 
     model = silu_files[0]
@@ -604,5 +605,11 @@ def test_calibration_that_cannot_fit_in_memory_is_refused(silu_files, tmp_path, 
     assert_one_line_error(code, err, "--sparsity and --sweep-sparsity calibrate on", "in float32",
                           "GiB of weights", "GiB of memory available", "--profile DIR")
     assert not (tmp_path / "work").exists()
+    code, _, err = run_cli(capsys, "bench", "-m", model, "--modes", "dense", "--peers", "torch",
+                           "--work-dir", tmp_path / "work", "-q")
+    assert_one_line_error(code, err, "the torch peer runs", "in float32", "--peers llama.cpp")
+    assert not (tmp_path / "work").exists()
     monkeypatch.setattr(profiling, "available_memory", lambda device: need)
-    bench.check_source_fits(models.resolve(model))
+    bench.check_source_fits(models.resolve(model), True, True)
+    monkeypatch.setattr(profiling, "available_memory", lambda device: 0)
+    bench.check_source_fits(models.resolve(model), False, False)  # neither loads the source model

@@ -82,6 +82,24 @@ def pack8(wtype: str, n: int, rows: list[np.ndarray]) -> np.ndarray:
     return out
 
 
+def pack_quads(n: int, rows: list[np.ndarray]) -> np.ndarray:
+    """q4_0 rows in the 4-row layout a dense step's down projection reads (kernels/packed.h)."""
+    rows = [_raw(r) for r in rows]
+    ptrs = (ctypes.c_void_p * max(1, len(rows)))(*[r.ctypes.data for r in rows])
+    out = np.zeros((len(rows) + 3) // 4 * (n // 32) * 72, dtype=np.uint8)
+    check(lib().pi_kernel_pack_quads(n, len(rows), ptrs, _ptr(out)))
+    return out
+
+
+def axpy_quads(isa: str, n: int, n_rows: int, quads: np.ndarray, a: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """y + sum_r a[r] * row r over n_rows q4_0 rows packed by pack_quads (as axpy_rows over the rows)."""
+    quads = _raw(quads)
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    y = np.array(y, dtype=np.float32, copy=True)
+    check(lib().pi_kernel_axpy_quads(isa.encode(), n, n_rows, _ptr(quads), _ptr(a), _ptr(y)))
+    return y
+
+
 def gemm8(isa: str, wtype: str, n: int, packed: np.ndarray, x: np.ndarray) -> np.ndarray:
     """The dots of every row of consecutive packed 8-row groups with each token's q8_0 operand: x holds one
     operand (n/32 blocks) per token, one after the other; returns [tokens, rows]."""

@@ -4,7 +4,8 @@ read probes (engine.read_rows_rate at density 1, and the bench's numpy streaming
 Kernels as a dense decode step calls them:
   gemm8 packed, 4096 cols x 11008 rows  (dense FFN gate/up: 8-row groups)
   gemm8 packed, 4096 cols x 4096 rows   (attention q/k/v/o)
-  axpy_rows ffn_down_t, 11008 rows of 4096, in runs of 256 rows into a 4096-float partial (dense down)
+  axpy_rows ffn_down_t, 11008 rows of 4096, in runs of 256 rows into a 4096-float partial (sparse steps' down)
+  axpy_quads the same rows in quads (kernels/packed.h), the same runs (a SiLU model's dense down; AVX-512 only)
   dot_rows by pointer, 11008 rows of 4096 (a sparse step's gate/up rows, all of them here)
 "hot": one matrix resident in L2/L3 (the kernel's compute rate), "cold": cycling over MATS matrices (~1.2 GB),
 each thread over its own half of every matrix's rows (as the pool splits them). Random nibbles, scale 0.01.
@@ -83,6 +84,7 @@ def main():
     print(f"built {sum(m.nbytes for m in ffn) / 1e9:.2f} GB raw + {sum(p.nbytes for p in packed_ffn) / 1e9:.2f} GB "
           f"packed in {time.time() - t0:.0f} s")
     rowptrs = [(ptr * F)(*[m.ctypes.data + r * ROW for r in range(F)]) for m in ffn]
+    quads = [kernels.pack_quads(E, list(m)) for m in ffn] if kernels.selected() == "avx512" else []
     coef = np.full(F, 0.5, np.float32)
 
     def gemm8_job(p, rows, g0, g1, out):
@@ -95,6 +97,13 @@ def main():
                 n = min(256, r1 - c)
                 f.pi_kernel_axpy_rows(isa, tid, E, n, ctypes.cast(ctypes.byref(rp, c * 8), ctypes.c_void_p), 0,
                                       ptr(coef.ctypes.data + c * 4), ptr(part.ctypes.data))
+        return go
+
+    def quads_job(q, r0, r1, part):
+        def go():
+            for c in range(r0, r1, 256):
+                f.pi_kernel_axpy_quads(isa, E, min(256, r1 - c), ptr(q.ctypes.data + c // 4 * BLK * 72),
+                                       ptr(coef.ctypes.data + c * 4), ptr(part.ctypes.data))
         return go
 
     def dot_job(rp, r0, r1, out):
@@ -117,9 +126,12 @@ def main():
                     jobs.append(gemm8_job(p, rows, g0, g1, outs[k]))
             else:
                 r0, r1 = rows * k // threads, rows * (k + 1) // threads
-                r0, r1 = r0 // 256 * 256 if kind == "axpy" else r0, (r1 // 256 * 256 if k < threads - 1 else r1) if kind == "axpy" else r1
+                if kind in ("axpy", "quads"):  # whole runs of 256 rows per thread
+                    r0, r1 = r0 // 256 * 256, r1 // 256 * 256 if k < threads - 1 else r1
                 for i in mats_idx:
-                    jobs.append(axpy_job(rowptrs[i], r0, r1, parts[k]) if kind == "axpy" else dot_job(rowptrs[i], r0, r1, outs[k]))
+                    jobs.append(axpy_job(rowptrs[i], r0, r1, parts[k]) if kind == "axpy" else
+                                quads_job(quads[i], r0, r1, parts[k]) if kind == "quads" else
+                                dot_job(rowptrs[i], r0, r1, outs[k]))
             per.append(lambda jobs=jobs: [j() for j in jobs])
         return run_threads(per)
 
@@ -140,6 +152,7 @@ def main():
     cases = [("gemm8_ffn", F, len(packed_ffn), "gate/up gemm8 packed 11008x4096"),
              ("gemm8_att", E, len(packed_att), "attention gemm8 packed 4096x4096"),
              ("axpy", F, args.mats, "down axpy_rows down_t 11008x4096"),
+             *([("quads", F, args.mats, "down axpy_quads down_t 11008x4096")] if quads else []),
              ("dot", F, args.mats, "dot_rows by index 11008x4096 (all rows)")]
     print(f"{'kernel':42s} {'thr':>3s} {'hot GB/s':>9s} {'cold GB/s':>10s}   (by CPU time: hot, cold)")
     for kind, rows, nm, label in cases:

@@ -568,13 +568,17 @@ int64_t CpuTierBackend::list_used_rows(const FfnTier &T, const int32_t *list, in
 }
 
 // One token: the used rows (listed by the fused chunks, else in one pass) in the runs of down_runs.h, each on a
-// thread: the same sums whatever the thread count or which thread ran which run.
+// thread: the same sums whatever the thread count or which thread ran which run. Where the tier holds its rows in
+// quads and every row is used (rows_ is then every slot in order), a run reads its quads instead: the same bits.
 void CpuTierBackend::down_decode(const Pass &p) {
     const TypeKernels &kd = ks_.for_type(p.T.down_t.type);
     const int64_t n_used = p.fused ? n_used_ : list_used_rows(p.T, rows_.data(), n_rows_, 0);
     const int64_t n_runs = down_run_count(n_used);
+    const bool quads = !p.T.down_quads.empty() && kd.axpy_quads && n_used == p.n;
     auto run_rows = [&](int run, int, int) {
-        down_run(kd, p.E, n_used, down_rows_.data(), down_coef_.data(), run, down_partial_.data() + run * p.E);
+        float *partial = down_partial_.data() + run * p.E;
+        if (quads) down_run_quads(kd, p.E, n_used, p.T.down_quads.data(), down_coef_.data(), run, partial);
+        else down_run(kd, p.E, n_used, down_rows_.data(), down_coef_.data(), run, partial);
     };
     pool_.run(int(n_runs), run_rows);
     sum_down_runs(p.E, n_runs, down_partial_.data(), p.job.y);

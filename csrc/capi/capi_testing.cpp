@@ -119,6 +119,30 @@ pi_status pi_kernel_pack8(int32_t type, int32_t n, const void *const *rows, void
     });
 }
 
+pi_status pi_kernel_pack_quads(int32_t n, int32_t n_rows, const void *const *rows, void *out) {
+    return guarded([&] {
+        check_kernel_args(pi::TYPE_Q4_0, n);
+        if (n_rows < 0) pi::fail(PI_ERR_ARGUMENT, "n_rows must be >= 0");
+        need(rows, "rows");
+        for (int32_t r = 0; r < n_rows; ++r) need(rows[r], "a row");
+        need(out, "out");
+        pi::pack_quads(n, n_rows, rows, static_cast<uint8_t *>(out));
+    });
+}
+
+pi_status pi_kernel_axpy_quads(const char *isa, int32_t n, int32_t n_rows, const void *quads, const float *a, float *y) {
+    return guarded([&] {
+        check_kernel_args(pi::TYPE_Q4_0, n);
+        if (n_rows < 0) pi::fail(PI_ERR_ARGUMENT, "n_rows must be >= 0");
+        const pi::TypeKernels &k = kernel_set(isa).q4_0;
+        if (!k.axpy_quads) pi::fail(PI_ERR_UNSUPPORTED, std::string("the ") + isa + " kernels have no axpy_quads");
+        need(quads, "quads");
+        need(a, "a");
+        need(y, "y");
+        k.axpy_quads(n, n_rows, quads, a, y);
+    });
+}
+
 pi_status pi_kernel_gemm8(const char *isa, int32_t type, int32_t n, int32_t n_groups, const void *w, int32_t n_tok,
                           const void *x, float *out) {
     return guarded([&] {

@@ -121,6 +121,8 @@ double Engine::weight_copy_bytes() const {
     double bytes = 0;
     for (const Layer &L : model_->layers()) {
         bytes += L.cold.group_bytes(hp_.gated);  // built as a mode that reads them whole runs
+        if (hp_.activation == Activation::Silu && ks_->q4_0.axpy_quads && L.cold.down_t.type == TYPE_Q4_0)
+            bytes += L.cold.quad_bytes();  // likewise (down_quads_for)
         if (!device_) bytes += L.hot.copy_bytes(hp_.gated);
     }
     return device_ ? bytes + device_->host_bytes(model_->layers()) : bytes;
@@ -144,11 +146,15 @@ void Engine::check_working_memory(int64_t threads, bool kv_f16) const {
 
 void Engine::set_ffn_mode(int32_t mode) {
     policy_.set_mode(mode);
-    // A switch arranges every layer for the new mode's decode steps now (at the densities measured so far): its
-    // regrouping is paid here, not by the first token after it.
+    // A switch arranges every layer for the new mode's decode steps now: its regrouping is paid here, not by the
+    // first token after it.
+    arrange_decode_layers();
+}
+
+void Engine::arrange_decode_layers() {
     for (int64_t il = 0; il < hp_.n_layer; ++il) {
         const TierMode m = policy_.cold_mode(il, 1);
-        model_->arrange_cold_tier(il, reads_gate_whole(m), reads_up_whole(m), true);
+        model_->arrange_cold_tier(il, reads_gate_whole(m), reads_up_whole(m), down_quads_for(m), true);
     }
 }
 

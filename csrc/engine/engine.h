@@ -80,6 +80,14 @@ private:
     bool input_on() const { return input_share_ > 0.0f; }
     // the FFN computed by input sparsity's own path: dense mode (the other FFN modes keep their own sparsity)
     bool input_ffn_on() const { return input_on() && policy_.mode() == PI_FFN_DENSE; }
+    // Whether the cold tiers' down_t rows are held in quads (FfnTier::down_quads) for decode steps in `m`: where
+    // every step uses every row (dense mode on a SiLU model, whose h is never exactly 0) and the kernels have
+    // axpy_quads; a ReLU model's dense steps leave its zeros' rows unread instead.
+    bool down_quads_for(TierMode m) const {
+        return m == TierMode::Dense && hp_.activation == Activation::Silu && !input_ffn_on() && ks_->q4_0.axpy_quads;
+    }
+    // Arranges every layer's cold tier for the decode steps of the current mode (at the densities measured so far).
+    void arrange_decode_layers();
     float input_thr(int64_t il, int site) const { return input_thr_[size_t(il * Model::kInputSiteCount + site)]; }
     void allocate_input_scratch();
     double input_scratch_bytes() const;

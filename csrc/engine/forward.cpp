@@ -274,10 +274,12 @@ void Engine::ffn(int64_t il, int64_t n_tok, TierMode cold_mode) {
     s.op_x.q_ready = false;
     const bool has_hot = L.hot.size() > 0, has_cold = L.cold.size() > 0, batch = n_tok > 1;
     if (!batch) {
-        model_->arrange_cold_tier(il, reads_gate_whole(cold_mode), reads_up_whole(cold_mode), true);
+        model_->arrange_cold_tier(il, reads_gate_whole(cold_mode), reads_up_whole(cold_mode), down_quads_for(cold_mode),
+                                  true);
         stats_.layers[size_t(il)].kernel_changes += double(policy_.decode_step(il, cold_mode));
     } else {
-        model_->arrange_cold_tier(il, policy_.batch_reads_gates_whole(il), policy_.mode() == PI_FFN_DENSE, false);
+        model_->arrange_cold_tier(il, policy_.batch_reads_gates_whole(il), policy_.mode() == PI_FFN_DENSE,
+                                  down_quads_for(policy_.mode() == PI_FFN_DENSE ? TierMode::Dense : cold_mode), false);
     }
     TierJob hot_job{il, n_tok, policy_.hot_mode(), &s.op_xn, &s.op_x, false, 0, s.y_hot.data()};
     TierJob cold_job{il, n_tok, cold_mode, &s.op_xn, &s.op_x, recall_check_,

@@ -32,6 +32,11 @@ void Engine::set_input_sparsity(float share) {
                                   std::to_string(levels.back()) + ")");
     input_share_ = share;
     stats_.input.share = share;
+    // input sparsity's own FFN reads down_t's rows: a tier arranged for dense steps before gives its quads back
+    for (int64_t il = 0; il < hp_.n_layer && input_ffn_on(); ++il) {
+        const FfnTier &t = model_->layers()[size_t(il)].cold;
+        if (!t.down_quads.empty()) model_->arrange_cold_tier(il, !t.gate_groups.empty(), !t.up_groups.empty(), false, true);
+    }
     const int64_t L = hp_.n_layer, S = Model::kInputSiteCount;
     input_thr_.assign(size_t(L * S), 0.0f);
     if (share <= 0.0f) return;

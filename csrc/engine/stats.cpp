@@ -165,7 +165,7 @@ std::string stats_json(const Model &model, const WeightCopies &wc, const EngineS
             ", \"decode_bytes_skipped\": " + num(in.decode_skipped) + "}";
     json += ", \"weight_copies\": {\"packed\": " + std::to_string(wc.packed) + ", \"predictor\": " + std::to_string(wc.predictor) +
             ", \"hot\": " + std::to_string(wc.hot) + ", \"cold_groups\": " + std::to_string(wc.cold_groups) +
-            ", \"decoded\": " + std::to_string(wc.decoded) + "}, \"gpu\": " + device_json(device) + ", \"layers\": [";
+            ", \"down_quads\": " + std::to_string(wc.down_quads) + ", \"decoded\": " + std::to_string(wc.decoded) + "}, \"gpu\": " + device_json(device) + ", \"layers\": [";
     const double F = double(model.hp().n_ff);
     for (size_t i = 0; i < stats.layers.size(); ++i) {
         const LayerStats &s = stats.layers[i];
@@ -181,6 +181,7 @@ std::string stats_json(const Model &model, const WeightCopies &wc, const EngineS
                 ", \"recall\": " + num(s.positives > 0 ? s.true_pos / s.positives : NAN) +
                 ", \"decode_mode\": " + (decode_mode ? quoted(tier_mode_name(*decode_mode)) : std::string("null")) +
                 ", \"cold_groups\": " + std::to_string(L.cold.gate_groups.size() + L.cold.up_groups.size()) +
+                ", \"down_quads\": " + std::to_string(L.cold.down_quads.size()) +
                 ", \"kernel_changes\": " + num(s.kernel_changes) + ", \"modes\": {";
         bool first = true;
         for (int m = 0; m < kTierModes; ++m) {

@@ -40,6 +40,12 @@ pi_status pi_kernel_axpy_rows(const char *isa, int32_t type, int32_t n, int32_t 
 /* Packs 8 rows of q4_0/q8_0 (n elements each) into the engine's 8-row interleaved layout: n/32 blocks of
  * 144 (q4_0) or 272 (q8_0) bytes. */
 pi_status pi_kernel_pack8(int32_t type, int32_t n, const void *const *rows, void *out);
+/* Packs n_rows q4_0 rows (n elements each) into the 4-row layout of kernels/packed.h: (n_rows + 3) / 4 quads
+ * of n/32 * 72 bytes. */
+pi_status pi_kernel_pack_quads(int32_t n, int32_t n_rows, const void *const *rows, void *out);
+/* y[i] += sum_r a[r] * row r[i], i < n, over n_rows q4_0 rows packed by pi_kernel_pack_quads (bit-identical to
+ * pi_kernel_axpy_rows over the rows); PI_ERR_UNSUPPORTED where the set has no such kernel. */
+pi_status pi_kernel_axpy_quads(const char *isa, int32_t n, int32_t n_rows, const void *quads, const float *a, float *y);
 /* out[t][8g + r] = dot of row r of packed group g with token t's x (q8_0 blocks, n_tok operands one after
  * the other), for n_groups consecutive groups. */
 pi_status pi_kernel_gemm8(const char *isa, int32_t type, int32_t n, int32_t n_groups, const void *w, int32_t n_tok,

@@ -37,6 +37,10 @@ struct TypeKernels {
     // over pack_rows8 of the same rows, so a neuron's value does not depend on the path that computed it);
     // other types bit-identical to dot
     void (*dot_rows)(int n, int n_rows, const void *const *w, const void *x, float *out);
+    // y[i] += sum_r a[r] * row r[i], i < n, for n_rows q4_0 rows in the 4-row layout of packed.h (pack_quads),
+    // starting at quads: bit-identical to axpy_rows over the same rows. Only where the set has a faster path than
+    // axpy_rows (AVX-512 VNNI), else nullptr.
+    void (*axpy_quads)(int n, int n_rows, const void *quads, const float *a, float *y);
 };
 
 constexpr int kGemv8MaxCols = 1 << 16;

@@ -216,7 +216,7 @@ void quantize_q8_0(int n, const float *x, void *out) {
 }
 
 #define PI_TYPE_KERNELS(T, AXPY_ROWS, GEMM8, DOT_ROWS) \
-    {dot_##T, axpy_##T, to_float_##T, dot4_by_rows<dot_##T>, AXPY_ROWS, GEMM8, DOT_ROWS}
+    {dot_##T, axpy_##T, to_float_##T, dot4_by_rows<dot_##T>, AXPY_ROWS, GEMM8, DOT_ROWS, nullptr}
 
 const KernelSet kScalar = {
     "scalar",

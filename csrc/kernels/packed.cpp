@@ -35,4 +35,21 @@ void pack_rows8(uint32_t type, int n, const void *const *rows, uint8_t *out) {
     else if (type == TYPE_Q8_0) pack<BlockQ8_0>(n, rows, out);
 }
 
+void pack_quads(int n, int n_rows, const void *const *rows, uint8_t *out) {
+    const int nb = n / QK;
+    for (int q = 0; q < (n_rows + kQuadRows - 1) / kQuadRows; ++q, out += quad_bytes(n)) {
+        uint8_t *quants = out + size_t(nb) * 8;
+        for (int r = 0; r < kQuadRows; ++r) {
+            const int row = q * kQuadRows + r;
+            for (int k = 0; k < nb; ++k) {
+                BlockQ4_0 b{};  // a missing row: scale 0, every nibble 8 (value 0)
+                std::memset(b.qs, 0x88, sizeof b.qs);
+                if (row < n_rows) b = static_cast<const BlockQ4_0 *>(rows[row])[k];
+                std::memcpy(out + 8 * k + 2 * r, &b.d, 2);
+                for (int j = 0; j < QK / 2; ++j) quants[64 * k + 4 * j + r] = b.qs[j];
+            }
+        }
+    }
+}
+
 }  // namespace pi

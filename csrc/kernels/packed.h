@@ -22,4 +22,17 @@ size_t packed_block_bytes(uint32_t type);
 // Packs rows[0..8) (n elements each, stored as `type`) into n / 32 group-blocks at out.
 void pack_rows8(uint32_t type, int n, const void *const *rows, uint8_t *out);
 
+// The 4-row layout of q4_0 ffn_down_t rows that a dense decode step reads whole (TypeKernels::axpy_quads): the
+// byte transpose that the integer axpy_rows does in registers for each 4 rows and block (kernels/axpy_int.h),
+// done once at load, and the 4 rows' block scales side by side. Quad q (rows 4q..4q+3) is QuadBytes(n) bytes:
+//   n / 32 blocks of 4 f16 scales (block k: row 0..3), then n / 32 blocks of 64 bytes (block k: byte 4j + r is
+//   byte j of row r's quants, so one 32-bit lane holds a column's 4 nibble bytes).
+// As many bytes as the 4 rows: the copy replaces the mapped rows, it does not add to them.
+constexpr int kQuadRows = 4;
+inline size_t quad_bytes(int n) { return size_t(n / 32) * (8 + 64); }
+
+// Packs n_rows q4_0 rows (n elements each) into (n_rows + 3) / 4 quads at out; the last quad's missing rows are
+// zero rows (scale 0).
+void pack_quads(int n, int n_rows, const void *const *rows, uint8_t *out);
+
 }  // namespace pi

@@ -102,7 +102,7 @@ PageMemory groups_in_pages(const FfnTier &t, const Matrix &src) {
 
 }  // namespace
 
-void Model::arrange_cold_tier(int64_t il, bool gate_groups, bool up_groups, bool may_drop) {
+void Model::arrange_cold_tier(int64_t il, bool gate_groups, bool up_groups, bool down_quads, bool may_drop) {
     FfnTier &t = layers_[size_t(il)].cold;
     auto arrange = [&](const Matrix &m, PageMemory &groups, bool want) {
         if (want == !groups.empty() || (want && !t.groups_fit(m)) || (!want && !may_drop)) return;
@@ -115,12 +115,24 @@ void Model::arrange_cold_tier(int64_t il, bool gate_groups, bool up_groups, bool
     };
     arrange(t.gate, t.gate_groups, gate_groups);
     if (hp_.gated) arrange(t.up, t.up_groups, up_groups);
+    const bool quads = down_quads && t.size() > 0 && t.down_t.type == TYPE_Q4_0;
+    if (quads == !t.down_quads.empty() || (!quads && !may_drop)) return;
+    if (!quads) {
+        t.down_quads = PageMemory();
+        return;
+    }
+    std::vector<const void *> rows(size_t(t.size()));
+    for (int64_t r = 0; r < t.size(); ++r) rows[size_t(r)] = t.row(t.down_t, r);
+    t.down_quads = PageMemory(size_t(t.quad_bytes()), false, "4-row quads of down_t");
+    pack_quads(int(t.down_t.cols), int(t.size()), rows.data(), t.down_quads.data());
+    file_->release(t.down_t.data, t.down_t.bytes());
 }
 
 void Model::release_grouped_rows(int64_t il, bool gate, bool up) {
     const FfnTier &t = layers_[size_t(il)].cold;
     if (gate && !t.gate_groups.empty()) file_->release(t.gate.data, t.gate.bytes());
     if (up && !t.up_groups.empty()) file_->release(t.up.data, t.up.bytes());
+    if (!t.down_quads.empty()) file_->release(t.down_t.data, t.down_t.bytes());
 }
 
 int64_t Model::packed_bytes(const Matrix &m) {
@@ -631,6 +643,7 @@ WeightCopies Model::weight_copies() const {
     for (const Layer &l : layers_) {
         c.predictor += l.cold.fc2_storage.size();
         c.cold_groups += l.cold.gate_groups.size() + l.cold.up_groups.size();
+        c.down_quads += l.cold.down_quads.size();
     }
     return c;
 }

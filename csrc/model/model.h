@@ -103,7 +103,12 @@ struct FfnTier {
     // weights. A packed copy whose gate and up are grouped holds no rows of them (gate.data and up.data are
     // null). Ungated FFNs have only gate_groups (gate is up).
     PageMemory gate_groups, up_groups;
+    // down_t's rows in the 4-row layout of kernels/packed.h (pack_quads, slot order), kept where every decode
+    // step uses every row (Model::arrange_cold_tier: a SiLU model's dense mode, q4_0): the down projection's
+    // kernel then reads them without transposing (TypeKernels::axpy_quads). Empty otherwise.
+    PageMemory down_quads;
     int64_t size() const { return int64_t(ids.size()); }
+    double quad_bytes() const { return double((size() + kQuadRows - 1) / kQuadRows) * double(down_t.row_bytes) * kQuadRows; }
     int64_t n_groups() const { return (size() + 7) / 8; }
     // Bytes of a copy of the tier's rows out of the mapped file, in whole 8-row groups: all three matrices (a
     // backend's copy of the hot tier), or gate and up where their type groups (the cold tier's groups).
@@ -164,7 +169,7 @@ struct Layer {
 // cold tier, the hot tier (rows and groups: its backend's copy, which the engine adds), the cold tier's gate/up
 // groups, the matrices decoded at load (model/decode.h).
 struct WeightCopies {
-    size_t packed = 0, predictor = 0, hot = 0, cold_groups = 0, decoded = 0;
+    size_t packed = 0, predictor = 0, hot = 0, cold_groups = 0, down_quads = 0, decoded = 0;
 };
 
 class Model {
@@ -192,12 +197,12 @@ public:
     const std::string &path() const { return file_->path(); }
     int64_t hot_neurons() const;
     // Holds the cold tier's gates (ups) of layer il in 8-row groups or as the mapped rows, as asked, where
-    // the types allow: a mode reads a matrix whole with gemm8 on the groups, or rows of it by index. Grouping
-    // hands the mapped rows' pages back; ungrouping (only where may_drop) frees the groups, and the rows come
-    // from the file again.
-    void arrange_cold_tier(int64_t il, bool gate_groups, bool up_groups, bool may_drop);
+    // the types allow: a mode reads a matrix whole with gemm8 on the groups, or rows of it by index; and its
+    // down_t rows in quads (FfnTier::down_quads, q4_0 only) or as the mapped rows. Grouping hands the mapped
+    // rows' pages back; ungrouping (only where may_drop) frees the groups, and the rows come from the file again.
+    void arrange_cold_tier(int64_t il, bool gate_groups, bool up_groups, bool down_quads, bool may_drop);
     // Hands back the pages of layer il's mapped cold gate (up) rows where groups also hold them (rows a batch read
-    // by index).
+    // by index), and of its down_t rows where quads hold them (a batch reads rows).
     void release_grouped_rows(int64_t il, bool gate, bool up);
     WeightCopies weight_copies() const;
     const DecodedWeights &decoded() const { return decoded_; }

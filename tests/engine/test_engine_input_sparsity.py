@@ -13,6 +13,7 @@ from engine_helpers import converted, engine_prompt_then_decode, hf_model, max_r
 from tiny_models import KINDS
 
 import powerinfer_engine as engine
+from powerinfer_engine import kernels
 from powerinfer_tools.formats import names
 from powerinfer_tools.stages import input_sparsity
 from powerinfer_tools.stages.conversion import convert_model
@@ -142,3 +143,19 @@ def test_the_share_set_on_an_open_model_is_the_share_opened_with(input_files):
         with pytest.raises(engine.EngineError, match="above the largest share calibrated"):
             m.input_sparsity = table.levels[-1] + 0.05
         assert m.input_sparsity == SHARE
+
+
+@pytest.mark.skipif(not kernels.available("avx512"), reason="axpy_quads needs the avx512 kernel set")
+def test_input_sparsity_set_after_dense_steps_gives_the_down_quads_back(input_files):
+    """Dense decode steps on a SiLU q4_0 model hold down_t in quads; input sparsity's own FFN reads down_t's rows,
+    so turning it on gives the quads back (the rows are the file's again), and its logits are the ones of a model
+    opened with it."""
+    path, _ = input_files("llama-silu", "q4_0")
+    opened, _ = run(path)
+    with engine.Model(path, threads=2, sparse_mode="dense", isa="avx512") as m:
+        engine_prompt_then_decode(m, TOKENS[:N_PROMPT + 2], N_PROMPT)
+        assert all(l["down_quads"] > 0 for l in m.stats()["layers"])
+        m.reset()
+        m.input_sparsity = SHARE
+        assert all(l["down_quads"] == 0 for l in m.stats()["layers"])
+        assert np.array_equal(engine_prompt_then_decode(m, TOKENS, N_PROMPT), opened)

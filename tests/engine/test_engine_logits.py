@@ -455,6 +455,22 @@ def test_quantized_files_match_their_dequantized_weights(outtype, tiny_model_dir
         assert (got.argmax(1) == ref.argmax(1)).mean() >= 0.97, isa
 
 
+@pytest.mark.skipif(not kernels.available("avx512"), reason="axpy_quads needs the avx512 kernel set")
+def test_dense_down_projection_over_quads_gives_the_rows_bits(converted):
+    """A SiLU model's dense mode holds each layer's q4_0 down_t rows in quads (every decode step uses every row)
+    and its decode steps read them there: the same logits, bit for bit, as a kernel set without axpy_quads reading
+    the rows; gate mode, whose steps leave rows out, holds none. Input sparsity's own FFN gives them back."""
+    path = converted("llama-silu", "q4_0")
+    with_quads, stats = run(path, isa="avx512")
+    assert all(l["down_quads"] > 0 for l in stats["layers"])
+    assert stats["weight_copies"]["down_quads"] == sum(l["down_quads"] for l in stats["layers"])
+    rows, stats = run(path, isa="avx2" if kernels.available("avx2") else "scalar")
+    assert all(l["down_quads"] == 0 for l in stats["layers"])
+    np.testing.assert_array_equal(with_quads, rows)
+    _, stats = run(path, "gate", isa="avx512")
+    assert all(l["down_quads"] == 0 for l in stats["layers"])
+
+
 @pytest.mark.parametrize("kv_type", ["f32", "f16"])
 @pytest.mark.parametrize("kind", ["llama-relu", "falcon7b"])
 def test_long_context_matches_transformers(kind, kv_type, tiny_model_dir, converted):

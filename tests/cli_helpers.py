@@ -4,10 +4,10 @@ from __future__ import annotations
 from powerinfer_tools.cli import main
 
 
-def profiled(model_dir, out, calib, tokens: int, seq_len: int):
+def profiled(model_dir, out, calib, tokens: int, seq_len: int, *extra: str):
     """`out`, a profile of `model_dir` on `calib` made by `pi-tools profile` (for module fixtures)."""
     main(["profile", "-m", str(model_dir), "--calib", str(calib), "--tokens", str(tokens), "--seq-len", str(seq_len),
-          "-o", str(out)])
+          "-o", str(out), *extra])
     return out
 
 

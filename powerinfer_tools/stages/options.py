@@ -48,7 +48,7 @@ class ProfileOptions:
     seed: int = 0
     force: bool = False
     resume: bool = False
-    input_allocation: str = "uniform"  # input sparsity's thresholds (stages/input_sparsity.py), or "none"
+    input_allocation: str = "none"  # input sparsity's thresholds (stages/input_sparsity.py): "uniform", "greedy"
 
 
 @dataclass

@@ -108,12 +108,12 @@ def profile_dir(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("input_profile")
     calib = root / "calib.txt"
     calib.write_text(training_text()[:40_000])
-    return profiled(tiny_model_dir("llama-silu"), root / "prof", calib, 1024, 128)
+    return profiled(tiny_model_dir("llama-silu"), root / "prof", calib, 1024, 128, "--input-allocation", "uniform")
 
 
 def test_profile_writes_the_table_and_convert_stores_it_with_the_transposed_matrices(tiny_model_dir, profile_dir,
                                                                                    tmp_path, capsys):
-    assert json.loads((profile_dir / "profile.json").read_text())["input_sparsity"] == "uniform"  # the default
+    assert json.loads((profile_dir / "profile.json").read_text())["input_sparsity"] == "uniform"
     table = isp.InputThresholds.load(profile_dir, 2)
     out = tmp_path / "m.gguf"
     code, stdout, err = run_cli(capsys, "convert", "-m", tiny_model_dir("llama-silu"), "--profile", profile_dir,

@@ -93,6 +93,8 @@ def test_profile_matches_independent_recomputation(kind, tiny_model_dir, tmp_pat
     assert "hot10%" in stdout
     profile = json.loads((out / "profile.json").read_text())
     n_layer, n_ff = profile["model"]["n_layer"], profile["model"]["n_ff"]
+    # input sparsity's thresholds only when asked (--input-allocation)
+    assert profile["input_sparsity"] is None and not (out / "input_sparsity.json").exists()
 
     source = models.resolve(str(model_dir))
     model, _ = models.load_model(source)

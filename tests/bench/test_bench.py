@@ -551,6 +551,13 @@ def test_bench_times_the_input_mode_against_dense(tiny_model_dir, tmp_path):
     rec = bench.run_bench(opts)
     runs = {e["label"]: e for e in rec["runs"]}
     assert set(runs) == {"ours dense", "ours input"}
+    # the llama.cpp file of the same weights leaves the transposed copies out (llama.cpp refuses unknown tensors)
+    import gguf
+    ours = {t.name for t in open_reader(rec["files"]["powerinfer"]).tensors}
+    plain = {t.name for t in gguf.GGUFReader(rec["files"]["llamacpp"]).tensors}
+    transposed = {n for n in ours if n.startswith("blk.") and n.split(".")[2].endswith("_t") and ".ffn_down_t." not in n}
+    assert len(transposed) == 6 * N_LAYER and not plain & transposed
+    assert len(plain) == len(ours) - len(transposed)
     assert runs["ours input"]["tg"]["median"] > 0 and runs["ours input"]["achieved_speedup"] > 0
     skipped = runs["ours input"]["bytes_per_token"]["input_skipped"]
     assert 0 < skipped and runs["ours input"]["predicted_speedup"] > 1

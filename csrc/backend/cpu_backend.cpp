@@ -576,9 +576,8 @@ void CpuTierBackend::down_decode(const Pass &p) {
     const int64_t n_runs = down_run_count(n_used);
     const bool quads = !p.T.down_quads.empty() && kd.axpy_quads && n_used == p.n;
     auto run_rows = [&](int run, int, int) {
-        float *partial = down_partial_.data() + run * p.E;
-        if (quads) down_run_quads(kd, p.E, n_used, p.T.down_quads.data(), down_coef_.data(), run, partial);
-        else down_run(kd, p.E, n_used, down_rows_.data(), down_coef_.data(), run, partial);
+        down_run(kd, p.E, n_used, down_rows_.data(), down_coef_.data(), run, down_partial_.data() + run * p.E,
+                 quads ? p.T.down_quads.data() : nullptr);
     };
     pool_.run(int(n_runs), run_rows);
     sum_down_runs(p.E, n_runs, down_partial_.data(), p.job.y);

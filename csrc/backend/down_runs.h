@@ -19,20 +19,14 @@ static_assert(kAxpyGroup % kQuadRows == 0, "groups hold whole quads");
 
 inline int64_t down_run_count(int64_t n_used) { return (n_used + kDownRunRows - 1) / kDownRunRows; }
 
-// Run `run` of n_used rows into partial (E floats, overwritten).
+// Run `run` of n_used rows into partial (E floats, overwritten). `quads`: the rows are every row of the tier, in
+// order, also held as quads (kernels/packed.h), read there by axpy_quads (the same bits); null: read by axpy_rows.
 inline void down_run(const TypeKernels &kd, int64_t E, int64_t n_used, const void *const *rows, const float *coef,
-                     int64_t run, float *partial) {
+                     int64_t run, float *partial, const uint8_t *quads = nullptr) {
     const int64_t i0 = run * kDownRunRows, i1 = std::min(n_used, i0 + kDownRunRows);
     std::fill(partial, partial + E, 0.0f);
-    kd.axpy_rows(int(E), int(i1 - i0), rows + i0, 0, coef + i0, partial);
-}
-
-// The same run of n_used rows held as quads (kernels/packed.h; every row of the tier, in order): bit-identical.
-inline void down_run_quads(const TypeKernels &kd, int64_t E, int64_t n_used, const uint8_t *quads, const float *coef,
-                           int64_t run, float *partial) {
-    const int64_t i0 = run * kDownRunRows, i1 = std::min(n_used, i0 + kDownRunRows);
-    std::fill(partial, partial + E, 0.0f);
-    kd.axpy_quads(int(E), int(i1 - i0), quads + size_t(i0 / kQuadRows) * quad_bytes(int(E)), coef + i0, partial);
+    if (quads) kd.axpy_quads(int(E), int(i1 - i0), quads + size_t(i0 / kQuadRows) * quad_bytes(int(E)), coef + i0, partial);
+    else kd.axpy_rows(int(E), int(i1 - i0), rows + i0, 0, coef + i0, partial);
 }
 
 // y (E floats, overwritten) = the n_runs partials added in run order.

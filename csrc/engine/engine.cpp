@@ -121,8 +121,7 @@ double Engine::weight_copy_bytes() const {
     double bytes = 0;
     for (const Layer &L : model_->layers()) {
         bytes += L.cold.group_bytes(hp_.gated);  // built as a mode that reads them whole runs
-        if (hp_.activation == Activation::Silu && ks_->q4_0.axpy_quads && L.cold.down_t.type == TYPE_Q4_0)
-            bytes += L.cold.quad_bytes();  // likewise (down_quads_for)
+        if (down_quads_for(TierMode::Dense) && L.cold.quads_fit()) bytes += L.cold.quad_bytes();  // likewise
         if (!device_) bytes += L.hot.copy_bytes(hp_.gated);
     }
     return device_ ? bytes + device_->host_bytes(model_->layers()) : bytes;

@@ -279,7 +279,7 @@ void Engine::ffn(int64_t il, int64_t n_tok, TierMode cold_mode) {
         stats_.layers[size_t(il)].kernel_changes += double(policy_.decode_step(il, cold_mode));
     } else {
         model_->arrange_cold_tier(il, policy_.batch_reads_gates_whole(il), policy_.mode() == PI_FFN_DENSE,
-                                  down_quads_for(policy_.mode() == PI_FFN_DENSE ? TierMode::Dense : cold_mode), false);
+                                  down_quads_for(cold_mode), false);
     }
     TierJob hot_job{il, n_tok, policy_.hot_mode(), &s.op_xn, &s.op_x, false, 0, s.y_hot.data()};
     TierJob cold_job{il, n_tok, cold_mode, &s.op_xn, &s.op_x, recall_check_,

@@ -33,7 +33,7 @@ void Engine::set_input_sparsity(float share) {
     input_share_ = share;
     stats_.input.share = share;
     // input sparsity's own FFN reads down_t's rows: a tier arranged for dense steps before gives its quads back
-    for (int64_t il = 0; il < hp_.n_layer && input_ffn_on(); ++il) {
+    for (int64_t il = 0; input_ffn_on() && il < hp_.n_layer; ++il) {
         const FfnTier &t = model_->layers()[size_t(il)].cold;
         if (!t.down_quads.empty()) model_->arrange_cold_tier(il, !t.gate_groups.empty(), !t.up_groups.empty(), false, true);
     }

@@ -115,7 +115,7 @@ void Model::arrange_cold_tier(int64_t il, bool gate_groups, bool up_groups, bool
     };
     arrange(t.gate, t.gate_groups, gate_groups);
     if (hp_.gated) arrange(t.up, t.up_groups, up_groups);
-    const bool quads = down_quads && t.size() > 0 && t.down_t.type == TYPE_Q4_0;
+    const bool quads = down_quads && t.quads_fit();
     if (quads == !t.down_quads.empty() || (!quads && !may_drop)) return;
     if (!quads) {
         t.down_quads = PageMemory();

@@ -108,6 +108,8 @@ struct FfnTier {
     // kernel then reads them without transposing (TypeKernels::axpy_quads). Empty otherwise.
     PageMemory down_quads;
     int64_t size() const { return int64_t(ids.size()); }
+    // Whether down_t has the quad layout (q4_0), and the bytes of its quads.
+    bool quads_fit() const { return size() > 0 && down_t.type == TYPE_Q4_0; }
     double quad_bytes() const { return double((size() + kQuadRows - 1) / kQuadRows) * double(down_t.row_bytes) * kQuadRows; }
     int64_t n_groups() const { return (size() + 7) / 8; }
     // Bytes of a copy of the tier's rows out of the mapped file, in whole 8-row groups: all three matrices (a

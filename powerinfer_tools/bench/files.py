@@ -278,7 +278,7 @@ def write_llamacpp_gguf(powerinfer_file: Path, model: str, out: Path) -> dict:
     """
     import gguf
 
-    from powerinfer_tools.stages.conversion import INPUT_TRANSPOSED, encode
+    from powerinfer_tools.stages.conversion import encode, is_input_transposed
 
     reader = open_reader(powerinfer_file)
     arch_name = field(reader, "general.architecture")
@@ -303,8 +303,7 @@ def write_llamacpp_gguf(powerinfer_file: Path, model: str, out: Path) -> dict:
                 name = t.name
                 # the predictors and input sparsity's transposed copies are ours: llama.cpp refuses a file that
                 # holds tensors it does not know ("wrong number of tensors")
-                if name.endswith((".fc1.weight", ".fc2.weight")) or \
-                        name.removesuffix(".weight").split(".")[-1] in INPUT_TRANSPOSED.values():
+                if name.endswith((".fc1.weight", ".fc2.weight")) or is_input_transposed(name):
                     continue
                 data, qtype = t.data, t.tensor_type
                 if name.endswith(".ffn_down_t.weight"):

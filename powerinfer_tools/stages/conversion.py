@@ -217,6 +217,11 @@ INPUT_TRANSPOSED = {"attn_q": names.ATTN_Q_T, "attn_k": names.ATTN_K_T, "attn_v"
                     names.FFN_UP: names.FFN_UP_T}
 
 
+def is_input_transposed(name: str) -> bool:
+    """Whether tensor `name` (blk.N.attn_q_t.weight ...) is one of input sparsity's transposed copies."""
+    return name.removesuffix(".weight").split(".")[-1] in INPUT_TRANSPOSED.values()
+
+
 def input_transposed_maps(maps: list[arch.TensorMap]) -> list[arch.TensorMap]:
     """The transposed copies (INPUT_TRANSPOSED) of a file's matrices, made from the same sources."""
     out = []
@@ -446,7 +451,7 @@ def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predic
         "types": dict(Counter(t.qtype.name for t in tensors)), "bytes_in": int(bytes_in),
         "input_sparsity": inputs.allocation if inputs is not None else None,
         "input_transposed_bytes": sum(encoded_nbytes(t.shape, t.qtype) for t in tensors
-                                      if t.name.removesuffix(".weight").split(".")[-1] in INPUT_TRANSPOSED.values()),
+                                      if is_input_transposed(t.name)),
         "bytes_out": out_path.stat().st_size, "seconds": round(time.time() - started, 2),
     }
 

@@ -121,7 +121,7 @@ def test_a_damaged_engine_library_is_one_line(converted, tmp_path):
 
 
 LOAD_EACH_ZEROED_WORD = f"""
-import ctypes, struct, sys
+import _ctypes, ctypes, os, struct, sys
 sys.path.insert(0, {str(ROOT)!r})
 from powerinfer_engine._lib import _SIGNATURES
 from powerinfer_engine.library_check import LibraryRefused, check_library
@@ -135,12 +135,10 @@ for at in range(0, phoff + phentsize * phnum, 4):
         f.write(data[:at] + bytes(4) + data[at + 4:])
     try:
         check_library(path, list(_SIGNATURES))
-    except LibraryRefused:
-        continue
-    try:
-        ctypes.CDLL(path)
-    except OSError:
+        _ctypes.dlclose(ctypes.CDLL(path)._handle)
+    except (LibraryRefused, OSError):
         pass
+    os.remove(path)   # one copy on disk at a time, none left mapped
 print("done")
 """
 

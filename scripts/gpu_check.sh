@@ -6,9 +6,13 @@
 #                                  (git-ignored): the gguf wheel (its image has no gguf-py) and the calibration
 #                                  text the synthetic model's tokenizer is trained on (../shared does not travel)
 #   scripts/gpu_check.sh all       on the device machine (carry .gpu), ONE call of at most 10 minutes: `build`,
-#                                  `tests`, then `speed`, each under a time limit of its own (3 minutes, 3 minutes,
-#                                  what is left of 9.5), appending what it finished to $OUT/progress.txt as it
-#                                  goes, so that a call cut short still says how far it got and what it measured
+#                                  `smoke` (it stops there when that fails), `tests`, then `speed`, each under a
+#                                  time limit of its own (3 minutes, 1, 3, what is left of 9.5), appending what it
+#                                  finished to $OUT/progress.txt as it goes, so that a call cut short still says
+#                                  how far it got and what it measured (ALL_SECONDS: the whole budget, 570)
+#   scripts/gpu_check.sh smoke     (after build) seconds: tiny models opened and decoded on the CPU and on CUDA (f32,
+#                                  q8_0, q4_0; the device ABI called directly); a crash is rerun under cuda-gdb for
+#                                  its backtrace ($OUT/smoke.log, $OUT/backtrace.txt)
 #   scripts/gpu_check.sh build     the engine and the CUDA library in place, for the device's architecture
 #   scripts/gpu_check.sh tests     (after build) the `gpu` tests on CUDA: the split's logits against the CPU's for
 #                                  every type and architecture with the layers' attention and KV cache on the
@@ -68,8 +72,24 @@ prepare)
 build)
     setup_device_machine
     # sm_90 alone: the H200 this project is lent; PI_CUDA_ARCHS overrides
-    PI_CUDA=1 PI_CUDA_ARCHS="${PI_CUDA_ARCHS:-90}" python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 \
+    PI_CUDA=1 PI_CUDA_ARCHS="${PI_CUDA_ARCHS:-90}" python3 setup.py build_ext --inplace -j "$(nproc)" > "$OUT/build.log" 2>&1 \
         || { tail -50 "$OUT/build.log"; exit 1; }
+    ;;
+smoke)
+    setup_device_machine
+    smoke=(python3 -X faulthandler -m pytest -x -q -p no:cacheprovider -m gpu -k cuda
+           tests/engine/test_device_library_boundary.py
+           "tests/engine/test_engine_device.py::test_each_tier_is_as_close_to_float64[cuda-llama-relu-f32]"
+           "tests/engine/test_engine_device.py::test_greedy_tokens_agree_over_64_steps[cuda-llama-relu-q8_0]"
+           "tests/engine/test_engine_device.py::test_greedy_tokens_agree_over_64_steps[cuda-llama-relu-q4_0]")
+    rc=0
+    "${smoke[@]}" > "$OUT/smoke.log" 2>&1 || rc=$?
+    tail -5 "$OUT/smoke.log"
+    if [ "$rc" -ge 128 ] && command -v cuda-gdb >/dev/null; then  # killed by a signal: where
+        timeout 120 cuda-gdb -batch -ex run -ex bt -ex "info threads" --args "${smoke[@]}" > "$OUT/backtrace.txt" 2>&1 || true
+        grep -A30 "received signal" "$OUT/backtrace.txt" | head -60
+    fi
+    exit "$rc"
     ;;
 tests)
     setup_device_machine
@@ -87,10 +107,13 @@ all)
     : > "$OUT/progress.txt"
     log "build"
     if timeout 180 "$0" build; then log "build done"; else log "build failed or cut short (rc $?)"; exit 1; fi
+    log "smoke"
+    if timeout 90 "$0" smoke; then log "smoke: $(tail -1 "$OUT/smoke.log")"
+    else log "smoke FAILED (rc $?): stopping here"; exit 1; fi
     log "tests"
     if timeout 180 "$0" tests > "$OUT/tests.out" 2>&1; then log "tests: $(tail -1 "$OUT/tests.log")"
     else log "tests FAILED or cut short (rc $?): $(tail -1 "$OUT/tests.log" 2>/dev/null || true)"; fi
-    left=$(( 570 - ($(date +%s) - start) ))
+    left=$(( ${ALL_SECONDS:-570} - ($(date +%s) - start) ))
     log "speed, $left s left"
     if timeout "$left" "$0" speed > "$OUT/speed.out" 2>&1; then log "speed done"; else log "speed cut short or failed (rc $?)"; fi
     cat "$OUT/speed-steps.txt" "$OUT/speed.txt" 2>/dev/null | tee -a "$OUT/progress.txt" || true

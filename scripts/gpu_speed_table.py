@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The table of scripts/gpu_check.sh speed, from the bench records it has written so far (OUT/bench-NAME.json):
-per placement and mode, prompt and decode tokens/s, decode against the CPU-only predictor mode, and where the
-layers' parts were.
+per placement and mode, prompt and decode tokens/s, decode against the CPU-only predictor mode, where the
+layers' parts were, and the device per generated token: its time, launches, bytes read there and the floor those
+bytes imply at its own copy rate (powerinfer_tools.bench.harness.device_per_token).
 
 Usage: scripts/gpu_speed_table.py OUT LAYERS
 """
@@ -10,6 +11,8 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+
+from powerinfer_tools.bench.harness import device_per_token
 
 RUNS = ("cpu", "gpu4", "gpu8", "gpu8-ffn-only")
 
@@ -39,6 +42,11 @@ def main(out: Path, layers: int) -> None:
                 base = tg
             ratio = f"{tg / base:5.2f}x" if base else "  -  "
             print(f"{name:14s} {run['label']:16s} pp {pp:8.2f} t/s  tg {tg:7.2f} t/s  {ratio} CPU predictor  {where}")
+            d = device_per_token(run.get("stats") or {})
+            if d:
+                print(f"{'':14s} device per token: {d['device_us']:.0f} µs, {d['launches']:.0f} launches, "
+                      f"{d['device_mb']:.1f} MB read, bus {d['h2d_kib']:.1f} KiB up / {d['d2h_kib']:.1f} down; floor "
+                      f"{d['floor_us']:.0f} µs at {d['copy_gbs']:.0f} GB/s + 5 µs a launch ({d['of_floor']:.0%} of it)")
 
 
 if __name__ == "__main__":

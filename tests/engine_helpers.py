@@ -74,16 +74,19 @@ def q8_round_trip(x: torch.Tensor) -> torch.Tensor:
 
 
 def hf_logits(model_dir: Path, tokens: list[int], mask_fn=None, weights_from: Path | None = None,
-              q8_inputs: bool = False, kv_f16: bool = False) -> np.ndarray:
+              q8_inputs: bool = False, kv_f16: bool = False, float64: bool = False) -> np.ndarray:
     """transformers' logits [len(tokens), vocab]; mask_fn(layer, x_pred, a) -> a' sparsifies the FFN
     activation of each layer from its predictor input x_pred (the residual entering the FFN block);
     weights_from: run with the weights stored in that converted file instead; q8_inputs: round the
     inputs of the projections that the engine multiplies as q8_0 blocks (all but the down projection);
-    kv_f16: attention reads keys (after RoPE) and values rounded to f16, as from a half-precision KV cache."""
+    kv_f16: attention reads keys (after RoPE) and values rounded to f16, as from a half-precision KV cache;
+    float64: computed in float64 (the reference every tier's own arithmetic is bounded against)."""
     model, adapter = hf_model(model_dir)
     if weights_from is not None:
         c = model.config
         load_file_weights(model, weights_from, c.num_attention_heads, c.num_key_value_heads)
+    if float64:
+        model = model.double()
     handles = []
     if q8_inputs:
         for name, module in model.named_modules():
@@ -105,7 +108,8 @@ def hf_logits(model_dir: Path, tokens: list[int], mask_fn=None, weights_from: Pa
         cache = {name: HalfCache(), "use_cache": True}
     try:
         with torch.no_grad():
-            return model(torch.tensor([tokens]), **cache).logits[0].float().numpy()
+            logits = model(torch.tensor([tokens]), **cache).logits[0]
+            return logits.numpy() if float64 else logits.float().numpy()
     finally:
         for h in handles:
             h.remove()

@@ -66,6 +66,7 @@ void DeviceTierBackend::begin(const Model &model, const float *rope_cos, const f
             fail(PI_ERR_MEMORY, error(("uploading layer " + std::to_string(il) + "'s attention").c_str()));
     }
     use_.device_bytes = double(api_.tier_bytes(tier_));
+    if (api_.copy_rate(use_.device, &use_.copy_rate, err_, sizeof err_)) fail(PI_ERR_INTERNAL, error("probing its copy rate"));
 }
 
 void DeviceTierBackend::head(int64_t n_tok, const float *x, float *logits, int64_t ld) {
@@ -123,8 +124,7 @@ void DeviceTierBackend::upload(int64_t il, const Layer &L, const FfnTier &T) {
 void DeviceTierBackend::submit(const TierJob &job) {
     job_on_device_ = tier_ && use_.placement.hot[size_t(job.layer)] != 0;
     if (!job_on_device_) return cpu_.submit(job);
-    const pi_device_job dj{int32_t(job.layer), int32_t(job.n_tok), job.mode == TierMode::Dense ? 1 : 0, job.xn->f,
-                           job.xn->q_ready ? job.xn->q : nullptr, job.y};
+    const pi_device_job dj{int32_t(job.layer), int32_t(job.n_tok), job.mode == TierMode::Dense ? 1 : 0, job.xn->f, job.y};
     if (api_.tier_submit(tier_, &dj, err_, sizeof err_)) fail(PI_ERR_INTERNAL, error("starting a job"));
     use_.tokens += double(job.n_tok);
 }
@@ -136,8 +136,7 @@ TierCounts DeviceTierBackend::wait() {
     if (api_.tier_wait(tier_, &dc, err_, sizeof err_)) fail(PI_ERR_INTERNAL, error("running a job"));
     use_.wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     use_.jobs += 1;
-    use_.h2d_bytes += dc.h2d_bytes;
-    use_.d2h_bytes += dc.d2h_bytes;
+    use_.traffic(dc);
     use_.device_seconds += dc.seconds;
     TierCounts c;
     c.active = dc.active;

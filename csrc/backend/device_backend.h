@@ -32,13 +32,27 @@ struct DeviceUse {
     // attention blocks run on the device: how many, their traffic (in h2d_bytes and d2h_bytes too) and time
     double attention_jobs = 0, attention_seconds = 0;
     double head_jobs = 0, head_seconds = 0;  // the output head's, likewise
+    // every job's kernels launched and bytes read from device memory, and the device's copy rate (bytes read and
+    // written per second) they are measured against: device_read_bytes / copy_rate is the jobs' floor
+    double launches = 0, device_read_bytes = 0, copy_rate = 0;
 
+    // The jobs' counts from zero again (pi_stats_reset), what is placed and held kept.
+    void reset_counts() {
+        jobs = tokens = h2d_bytes = d2h_bytes = device_seconds = wait_seconds = 0;
+        attention_jobs = attention_seconds = head_jobs = head_seconds = launches = device_read_bytes = 0;
+    }
+    // A job's traffic over the bus and on the device.
+    void traffic(const pi_device_counts &c) {
+        h2d_bytes += c.h2d_bytes;
+        d2h_bytes += c.d2h_bytes;
+        launches += c.launches;
+        device_read_bytes += c.device_bytes;
+    }
     // A synchronous job's counts into its kind's (attention's, the head's) and the traffic.
     void take(const pi_device_counts &c, double *kind_jobs, double *kind_seconds) {
         *kind_jobs += 1;
         *kind_seconds += c.seconds;
-        h2d_bytes += c.h2d_bytes;
-        d2h_bytes += c.d2h_bytes;
+        traffic(c);
     }
 };
 
@@ -59,6 +73,7 @@ public:
     TierCounts wait() override;
     double weight_bytes() const override { return cpu_.weight_bytes(); }  // host copies: the CPU layers'
     const DeviceUse &use() const { return use_; }
+    void reset_counts() { use_.reset_counts(); }
 
     // Creates the device's tier (RoPE's tables: RunState's) and uploads the output head and the placed layers'
     // attention blocks.

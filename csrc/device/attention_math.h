@@ -33,14 +33,8 @@ PI_HD inline void quantize_block(const float *x, BlockQ8_0 *out) {
     }
 }
 
-// Row r of a projection times its input, blocks [k0, nb) every `step` (a warp's lanes split them), without the bias.
-PI_HD inline float row_dot(const pi_device_matrix &m, int64_t r, const float *x, const BlockQ8_0 *xq, int64_t k0,
-                           int64_t step) {
-    const uint8_t *row = static_cast<const uint8_t *>(m.data) + size_t(r) * row_bytes(m.type, m.cols);
-    float sum = 0.0f;
-    for (int64_t k = k0; k < m.cols / QK; k += step) sum += block_dot(m.type, row, k, x, xq);
-    return sum;
-}
+// A matrix as its library holds it (its data in DeviceRows' layout).
+PI_HD inline DeviceRows device_rows(const pi_device_matrix &m) { return DeviceRows{m.type, m.rows, m.cols, static_cast<const uint8_t *>(m.data)}; }
 
 // The two elements of a head's vector that pair i of RoPE rotates (i < n_rot / 2), and the rotation.
 PI_HD inline void rope_pair(int32_t rope, int64_t i, int64_t half, int64_t *i0, int64_t *i1) {
@@ -93,7 +87,7 @@ struct AttentionLayout {
         if (!copy(norm_w, a.norm_w, size_t(d.n_embd) * 4)) return false;
         if (a.norm_b && !copy(norm_b, a.norm_b, size_t(d.n_embd) * 4)) return false;
         for (int i = 0; i < 4; ++i) {
-            if (!copy(data[i], m[i]->data, size_t(m[i]->rows) * row_bytes(m[i]->type, m[i]->cols))) return false;
+            if (!copy_rows(copy, data[i], m[i]->type, m[i]->rows, m[i]->cols, m[i]->data)) return false;
             if (m[i]->bias && !copy(bias[i], m[i]->bias, size_t(m[i]->rows) * 4)) return false;
         }
         return true;
@@ -144,7 +138,7 @@ struct HeadLayout {
     template <class Copy>
     bool fill(const pi_device_head &h, const pi_device_tier_desc &d, Copy copy) const {
         return copy(norm_w, h.norm_w, size_t(d.n_embd) * 4) && (!h.norm_b || copy(norm_b, h.norm_b, size_t(d.n_embd) * 4)) &&
-               copy(out, h.out.data, size_t(h.out.rows) * row_bytes(h.out.type, h.out.cols));
+               copy_rows(copy, out, h.out.type, h.out.rows, h.out.cols, h.out.data);
     }
     pi_device_head view(const pi_device_head &h, const uint8_t *base) const {
         pi_device_head v = h;
@@ -182,6 +176,23 @@ inline const char *refuse_attention_job(const pi_device_attention_job *job, cons
         return "bad attention job";
     return nullptr;
 }
+
+// Kernels an attention job launches: the norm (with its q8_0 form), q/k/v, RoPE and the cache's store, the
+// heads, the heads' outputs' q8_0 form where o is quantized, o.
+inline double attention_launches(const pi_device_attention &a) { return quantized(a.o) ? 6.0 : 5.0; }
+
+// Bytes an attention job reads of device memory: the four matrices once a pass, and each head's keys and
+// values over the positions its token sees.
+inline double attention_bytes(const pi_device_attention &a, const pi_device_tier_desc &d, int64_t n_tok, int64_t n_past) {
+    double weights = 0;
+    for (const pi_device_matrix *m : {&a.q, &a.k, &a.v, &a.o}) weights += double(device_rows(*m).bytes());
+    const double seen = double(n_tok) * double(n_past) + double(n_tok) * double(n_tok + 1) / 2;  // keys, all tokens
+    return weights * double(passes(n_tok)) + seen * d.n_head * d.d_head * (d.kv_f16 ? 2 : 4) * 2;
+}
+
+// The head's: the norm (with its q8_0 form) and the projection, which reads the head once a pass.
+inline double head_launches() { return 2.0; }
+inline double head_bytes(const pi_device_head &h, int64_t n_tok) { return double(device_rows(h.out).bytes()) * double(passes(n_tok)); }
 
 // Bytes of the scratch a tier's attention needs for a batch of n_batch tokens (both libraries allocate it as
 // laid out here; the engine charges it to the budget): the input, its norm and q8_0 form, q, k, v, the heads'

@@ -1,17 +1,20 @@
-// The CUDA device library (pi_device.h): each layer's hot rows in device memory, and per job two kernels on a
-// stream of the tier's own, so that the job runs while the engine's threads compute the cold tier. The layers'
-// attention blocks and KV caches too: per attention job the norm, the q/k/v projections, RoPE and the cache's
-// store, the heads and the output projection, one kernel each (attention_math.h's arithmetic), on the same stream.
-//   gate_up: one warp per neuron and token, the row's blocks split between the lanes (tier_math.h's block_dot),
-//            summed by shuffles; lane 0 applies the rule and writes the neuron's coefficient h.
-//   down:    one block per 32 output columns and token; its warps take the neurons in turn (skipping h = 0, as
-//            the rule leaves most of a ReLU model's), lane c adding column c of each row; the warps' sums are
-//            added in a fixed order, so a job's output does not depend on scheduling.
-//   norm:    one block per token, its sums in double reduced in a fixed order, then the token's q8_0 blocks.
-//   project: a warp per output row and token, as gate_up (q, k, v and o).
-//   rope:    a thread per head and token: RoPE on q and k, then k and v into the layer's cache.
-//   heads:   one block per head and token: its scores over the positions it sees, the softmax and the value sum.
-// The operands go up and the output comes back through pinned host buffers, asynchronously on the stream.
+// The CUDA device library (pi_device.h): each layer's hot rows, attention block and KV cache, and the output head in
+// device memory, each matrix in DeviceRows' layout (tier_math.h); per job a few kernels on a stream of the tier's
+// own, so that a hot job runs while the engine's threads compute the cold tier. The kernels are the GPU's own
+// arithmetic (docs/engine.md, "The GPU tier"):
+//   quantize: a warp per 32 elements: the operand's q8_0 quants and scales (the CPU kernels' quantizer).
+//   matvec:   a warp per output row and up to kTokensPerPass tokens, the lanes over the row's blocks (a q4_0
+//             block's quants one 16-byte load, summed with dp4a against the operand's int8 quants), the lanes'
+//             sums added by shuffles; q, k and v in one launch.
+//   gate_up:  matvec's warp on a neuron's gate and up rows, lane 0 applies the rule and writes the coefficient h.
+//   down:     only the neurons with h != 0 are read: a block per 1024 output columns, split of the neurons and
+//             token; its warps take the split's neurons in turn, lane l adding block l of each row into 32
+//             registers; the warps' sums added in shared memory, the splits' partials by down_sum, in order.
+//   norm:     a block per token, its sums in double reduced in a fixed order, then the token's q8_0 form.
+//   rope:     a block per head and token: RoPE's pairs on q and k, then k and v into the layer's cache.
+//   heads:    a block per head and token: a warp per position for the scores (lanes over d_head), the softmax,
+//             then a thread per element of d_head summing the values position by position (coalesced reads).
+// The operands go up and the outputs come back through pinned host buffers, asynchronously on the stream.
 // Built with static cudart (nvcc's default): the library loads where no driver is, and says there is no device.
 #include <cuda_runtime.h>
 
@@ -26,14 +29,20 @@
 #include "pi_device.h"
 
 using namespace pi;
+using device::DeviceRows;
+using device::kTokensPerPass;
 
 namespace {
 
 constexpr int kWarp = 32;
-constexpr int kRowsPerBlock = 8;  // gate_up: warps (neurons) per block
-constexpr int kDownWarps = 8;     // down: warps per block
-constexpr int kNormThreads = 256;  // norm: threads per block (a power of two: the sums' tree)
-constexpr int kHeadThreads = 128;  // heads: threads per block (a power of two)
+constexpr unsigned kFull = 0xffffffffu;
+constexpr int kRowWarps = 8;        // matvec, gate_up: warps (rows) per block
+constexpr int kDownWarps = 8;       // down: warps per block
+constexpr int kDownTile = kWarp;    // down: blocks of 32 columns per CUDA block (a lane each)
+constexpr int kNormThreads = 256;   // norm: threads per block (a power of two: the sums' tree)
+constexpr int kHeadThreads = 128;   // heads: threads per block (a power of two)
+constexpr int kRopeThreads = 64;
+constexpr int kQuantizeWarps = 8;
 
 int32_t say(char *err, size_t len, const std::string &message) {
     if (err && len) std::snprintf(err, len, "%s", message.c_str());
@@ -48,47 +57,182 @@ bool failed(cudaError_t status, const char *what, char *err, size_t len) {
     return true;
 }
 
-struct LayerRows {
-    bool uploaded = false;
-    int32_t n_rows = 0;
-    uint32_t gate_type = 0, up_type = 0, down_type = 0;
-    float threshold = 0;
-    uint8_t *block = nullptr;  // one allocation: gate, up, down_t rows, then the biases
-    const uint8_t *gate = nullptr, *up = nullptr, *down_t = nullptr;
-    const float *gate_b = nullptr, *up_b = nullptr;
-    bool quantized = false;  // some weight reads the q8_0 operand
+// Tokens' operand on the device: f32 rows (read by f32 and f16 weights) and, for quantized weights, their q8_0
+// form as int8 quants (row after row, 16-byte aligned) and f16 scales (a block's).
+struct Operand {
+    const float *x = nullptr;     // [n_tok][n]
+    const int8_t *q = nullptr;    // [n_tok][n]
+    const uint16_t *d = nullptr;  // [n_tok][n / QK]
+    int n = 0;
+};
+
+// An operand's device memory for up to B tokens of n elements: the rows, then the quants and the scales in the
+// 34 bytes a q8_0 block takes.
+struct OperandBuffers {
+    float *x = nullptr;
+    int8_t *q = nullptr;
+    uint16_t *d = nullptr;
+    int n = 0;
+    Operand operand() const { return Operand{x, q, d, n}; }
 };
 
 struct Counters {
     unsigned long long active, computed;
 };
 
-__global__ void gate_up_kernel(LayerRows L, device::Rule rule, int n_embd, int dense, const float *x,
-                               const BlockQ8_0 *xq, float *h, int ld_h, Counters *counts) {
+// A layer's hot rows on the device.
+struct LayerRows {
+    bool uploaded = false;
+    DeviceRows gate, up, down;
+    const float *gate_b = nullptr, *up_b = nullptr;
+    float threshold = 0;
+    uint8_t *block = nullptr;  // one allocation: gate, up, down_t rows, then the biases
+    device::LayerLayout layout{pi_device_layer{}, 0, false};
+};
+
+__device__ inline float warp_sum(float v) {
+    for (int off = kWarp / 2; off > 0; off /= 2) v += __shfl_xor_sync(kFull, v, off);
+    return v;
+}
+
+// The 8 nibbles of a 4-byte word of q4_0 quants, less 8, as two words of signed bytes: the low nibbles (elements
+// j..j+3 of the block) and the high ones (elements j+16..j+19).
+__device__ inline int q4_low(int w) { return __vsub4(w & 0x0f0f0f0f, 0x08080808); }
+__device__ inline int q4_high(int w) { return __vsub4((w >> 4) & 0x0f0f0f0f, 0x08080808); }
+
+// Lane `lane`'s share of row r of m times tokens t0 .. t0 + n_t - 1 (n_t <= kTokensPerPass) into sum[].
+__device__ inline void row_dots(const DeviceRows &m, int64_t r, const Operand &in, int t0, int n_t, int lane,
+                                float (&sum)[kTokensPerPass]) {
+#pragma unroll
+    for (int t = 0; t < kTokensPerPass; ++t) sum[t] = 0.0f;
+    const int nb = int(m.blocks());
+    if (m.type == TYPE_Q4_0 || m.type == TYPE_Q8_0) {
+        const bool q4 = m.type == TYPE_Q4_0;
+        for (int k = lane; k < nb; k += kWarp) {
+            int w[8];
+            const int4 w0 = *reinterpret_cast<const int4 *>(m.quants(r, k));
+            if (q4) {
+                w[0] = q4_low(w0.x), w[1] = q4_low(w0.y), w[2] = q4_low(w0.z), w[3] = q4_low(w0.w);
+                w[4] = q4_high(w0.x), w[5] = q4_high(w0.y), w[6] = q4_high(w0.z), w[7] = q4_high(w0.w);
+            } else {
+                const int4 w1 = *(reinterpret_cast<const int4 *>(m.quants(r, k)) + 1);
+                w[0] = w0.x, w[1] = w0.y, w[2] = w0.z, w[3] = w0.w, w[4] = w1.x, w[5] = w1.y, w[6] = w1.z, w[7] = w1.w;
+            }
+            const float dw = m.scale(r, k);
+#pragma unroll
+            for (int t = 0; t < kTokensPerPass; ++t) {
+                if (t >= n_t) break;
+                const size_t row = size_t(t0 + t);
+                const int4 *xv = reinterpret_cast<const int4 *>(in.q + row * in.n + size_t(k) * QK);
+                const int4 a = xv[0], b = xv[1];
+                int s = __dp4a(w[0], a.x, 0);
+                s = __dp4a(w[1], a.y, s), s = __dp4a(w[2], a.z, s), s = __dp4a(w[3], a.w, s);
+                s = __dp4a(w[4], b.x, s), s = __dp4a(w[5], b.y, s), s = __dp4a(w[6], b.z, s), s = __dp4a(w[7], b.w, s);
+                sum[t] += dw * f16_to_f32(in.d[row * (in.n / QK) + k]) * float(s);
+            }
+        }
+    } else if (m.type == TYPE_F16) {
+        const uint16_t *w_row = reinterpret_cast<const uint16_t *>(m.row(r));
+        for (int i = lane * 8; i < m.cols; i += kWarp * 8) {
+            const uint4 raw = *reinterpret_cast<const uint4 *>(w_row + i);
+            const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+            float w[8];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                w[2 * j] = f16_to_f32(uint16_t(words[j] & 0xffff));
+                w[2 * j + 1] = f16_to_f32(uint16_t(words[j] >> 16));
+            }
+#pragma unroll
+            for (int t = 0; t < kTokensPerPass; ++t) {
+                if (t >= n_t) break;
+                const float4 *xv = reinterpret_cast<const float4 *>(in.x + size_t(t0 + t) * in.n + i);
+                const float4 a = xv[0], b = xv[1];
+                sum[t] += w[0] * a.x + w[1] * a.y + w[2] * a.z + w[3] * a.w + w[4] * b.x + w[5] * b.y + w[6] * b.z + w[7] * b.w;
+            }
+        }
+    } else {  // f32
+        const float *w_row = reinterpret_cast<const float *>(m.row(r));
+        for (int i = lane * 4; i < m.cols; i += kWarp * 4) {
+            const float4 w = *reinterpret_cast<const float4 *>(w_row + i);
+#pragma unroll
+            for (int t = 0; t < kTokensPerPass; ++t) {
+                if (t >= n_t) break;
+                const float4 a = *reinterpret_cast<const float4 *>(in.x + size_t(t0 + t) * in.n + i);
+                sum[t] += w.x * a.x + w.y * a.y + w.z * a.z + w.w * a.w;
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < kTokensPerPass; ++t) sum[t] = warp_sum(sum[t]);
+}
+
+// The q8_0 form of n_blocks blocks of 32 floats (a warp a block); block 0's first thread clears `zero` (the job's
+// counters) on the way.
+__global__ void quantize_kernel(const float *x, int64_t n_blocks, int8_t *q, uint16_t *d, Counters *zero) {
+    if (zero && blockIdx.x == 0 && threadIdx.x == 0) *zero = Counters{0, 0};
+    const int lane = threadIdx.x % kWarp;
+    const int64_t b = int64_t(blockIdx.x) * kQuantizeWarps + threadIdx.x / kWarp;
+    if (b >= n_blocks) return;
+    const float v = x[b * QK + lane];
+    float amax = fabsf(v);
+    for (int off = kWarp / 2; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, off));
+    const float scale = amax / 127.0f;  // as attention_math.h's quantize_block, element by element
+    const float inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+    const float r = roundf(v * inv);
+    q[b * QK + lane] = (r >= -127.0f && r <= 127.0f) ? int8_t(r) : int8_t(0);
+    if (lane == 0) d[b] = f32_to_f16(scale);
+}
+
+// Up to three projections in one launch (q, k and v): y_i[t][r] = m_i's row r . x[t] + bias_i[r].
+struct Projection {
+    DeviceRows m;
+    const float *bias;
+    float *y;
+};
+struct Projections {
+    Projection p[3];
+    int count;
+    int first_block[4];  // the launch's blocks: projection i takes [first_block[i], first_block[i + 1])
+};
+
+__global__ void matvec_kernel(Projections P, Operand in, int n_tok) {
+    int i = 0;
+    while (i + 1 < P.count && int(blockIdx.x) >= P.first_block[i + 1]) ++i;
+    const Projection &pr = P.p[i];
+    const int lane = threadIdx.x % kWarp;
+    const int64_t r = int64_t(blockIdx.x - P.first_block[i]) * kRowWarps + threadIdx.x / kWarp;
+    if (r >= pr.m.rows) return;
+    const int t0 = blockIdx.y * kTokensPerPass, n_t = min(kTokensPerPass, n_tok - t0);
+    float sum[kTokensPerPass];
+    row_dots(pr.m, r, in, t0, n_t, lane, sum);
+    if (lane < n_t) {  // lane t writes token t0 + t's
+        float v = sum[0];
+#pragma unroll
+        for (int t = 1; t < kTokensPerPass; ++t)
+            if (lane == t) v = sum[t];
+        pr.y[size_t(t0 + lane) * pr.m.rows + r] = v + (pr.bias ? pr.bias[r] : 0.0f);
+    }
+}
+
+__global__ void gate_up_kernel(LayerRows L, device::Rule rule, Operand in, int n_tok, int dense, float *h, int ld_h,
+                               Counters *counts) {
     __shared__ unsigned int block_active, block_computed;
     if (threadIdx.x == 0) block_active = block_computed = 0;
     __syncthreads();
-    const int lane = threadIdx.x % kWarp, r = blockIdx.x * kRowsPerBlock + threadIdx.x / kWarp, t = blockIdx.y;
-    const int nb = n_embd / QK;
-    if (r < L.n_rows) {
-        const float *xt = x + size_t(t) * n_embd;
-        const BlockQ8_0 *xqt = xq ? xq + size_t(t) * nb : nullptr;
-        const uint8_t *g_row = L.gate + size_t(r) * device::row_bytes(L.gate_type, n_embd);
-        const uint8_t *u_row = rule.gated ? L.up + size_t(r) * device::row_bytes(L.up_type, n_embd) : nullptr;
-        float g = 0, u = 0;
-        for (int k = lane; k < nb; k += kWarp) {
-            g += device::block_dot(L.gate_type, g_row, k, xt, xqt);
-            if (u_row) u += device::block_dot(L.up_type, u_row, k, xt, xqt);
-        }
-        for (int off = kWarp / 2; off > 0; off /= 2) {
-            g += __shfl_down_sync(0xffffffffu, g, off);
-            u += __shfl_down_sync(0xffffffffu, u, off);
-        }
-        if (lane == 0) {
+    const int lane = threadIdx.x % kWarp;
+    const int64_t r = int64_t(blockIdx.x) * kRowWarps + threadIdx.x / kWarp;
+    const int t0 = blockIdx.y * kTokensPerPass, n_t = min(kTokensPerPass, n_tok - t0);
+    if (r < L.gate.rows) {
+        float g[kTokensPerPass], u[kTokensPerPass];
+        row_dots(L.gate, r, in, t0, n_t, lane, g);
+        if (rule.gated) row_dots(L.up, r, in, t0, n_t, lane, u);
+#pragma unroll
+        for (int t = 0; t < kTokensPerPass; ++t) {
+            if (t >= n_t || lane != t) continue;  // lane t applies the rule for token t0 + t
             bool pass;
-            const float c = rule.coefficient(g, u, L.gate_b ? L.gate_b[r] : 0.0f, L.up_b ? L.up_b[r] : 0.0f,
-                                             dense != 0, &pass);
-            h[size_t(t) * ld_h + r] = c;
+            const float c = rule.coefficient(g[t], rule.gated ? u[t] : 0.0f, L.gate_b ? L.gate_b[r] : 0.0f,
+                                             L.up_b ? L.up_b[r] : 0.0f, dense != 0, &pass);
+            h[size_t(t0 + t) * ld_h + r] = c;
             if (pass) atomicAdd(&block_active, 1u);
             if (dense || pass) atomicAdd(&block_computed, 1u);
         }
@@ -100,34 +244,87 @@ __global__ void gate_up_kernel(LayerRows L, device::Rule rule, int n_embd, int d
     }
 }
 
-__global__ void down_kernel(LayerRows L, int n_embd, const float *h, int ld_h, float *y) {
-    __shared__ float partial[kDownWarps][kWarp];
-    const int lane = threadIdx.x % kWarp, w = threadIdx.x / kWarp, t = blockIdx.y;
-    const int col = blockIdx.x * kWarp + lane;
-    const uint32_t rb = device::row_bytes(L.down_type, n_embd);
-    const float *ht = h + size_t(t) * ld_h;
-    if (gridDim.y == 1 && L.down_type == TYPE_Q4_0) {  // a decode step: the CPU's integer sums (tier_math.h)
-        if (w == 0) y[col] = device::down_element_q4_0(L.down_t, rb, ht, L.n_rows, col);
-        return;
-    }
-    float acc = 0;
-    for (int r = w; r < L.n_rows; r += kDownWarps) {
-        const float c = ht[r];
-        if (c == 0.0f) continue;  // the same for the whole warp: no divergence
-        acc += c * device::element(L.down_type, L.down_t + size_t(r) * rb, col);
-    }
-    partial[w][lane] = acc;
-    __syncthreads();
-    if (w == 0) {
-        float sum = 0;
-        for (int j = 0; j < kDownWarps; ++j) sum += partial[j][lane];
-        y[size_t(t) * n_embd + col] = sum;
+// acc[j] += c * element j of block k of row r.
+__device__ inline void add_block(const DeviceRows &m, int64_t r, int64_t k, float c, float (&acc)[QK]) {
+    if (m.type == TYPE_Q4_0) {
+        const int4 w = *reinterpret_cast<const int4 *>(m.quants(r, k));
+        const float cd = c * m.scale(r, k);
+        const int words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            const int byte = (words[j / 4] >> (8 * (j % 4))) & 0xff;
+            acc[j] += cd * float((byte & 0x0f) - 8);
+            acc[j + 16] += cd * float((byte >> 4) - 8);
+        }
+    } else if (m.type == TYPE_Q8_0) {
+        const int4 *p = reinterpret_cast<const int4 *>(m.quants(r, k));
+        const int4 w0 = p[0], w1 = p[1];
+        const int words[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+        const float cd = c * m.scale(r, k);
+#pragma unroll
+        for (int j = 0; j < QK; ++j) acc[j] += cd * float(int8_t((words[j / 4] >> (8 * (j % 4))) & 0xff));
+    } else if (m.type == TYPE_F16) {
+        const uint4 *p = reinterpret_cast<const uint4 *>(reinterpret_cast<const uint16_t *>(m.row(r)) + k * QK);
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+            const uint4 raw = p[v];
+            const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                acc[v * 8 + 2 * j] += c * f16_to_f32(uint16_t(words[j] & 0xffff));
+                acc[v * 8 + 2 * j + 1] += c * f16_to_f32(uint16_t(words[j] >> 16));
+            }
+        }
+    } else {
+        const float4 *p = reinterpret_cast<const float4 *>(reinterpret_cast<const float *>(m.row(r)) + k * QK);
+#pragma unroll
+        for (int v = 0; v < 8; ++v) {
+            const float4 w = p[v];
+            acc[4 * v] += c * w.x, acc[4 * v + 1] += c * w.y, acc[4 * v + 2] += c * w.z, acc[4 * v + 3] += c * w.w;
+        }
     }
 }
 
+// Token blockIdx.z's down projection over split blockIdx.y of the neurons (every splits-th group of kDownWarps
+// rows), for the 32 blocks of columns of tile blockIdx.x: into out[(t * splits + split) * n_embd + column].
+__global__ void down_kernel(DeviceRows down, const float *h, int ld_h, int splits, float *out) {
+    __shared__ float part[kDownWarps][kWarp][QK + 1];
+    const int lane = threadIdx.x % kWarp, w = threadIdx.x / kWarp, split = blockIdx.y, t = blockIdx.z;
+    const int64_t nb = down.blocks(), k = int64_t(blockIdx.x) * kDownTile + lane, E = down.cols;
+    const float *ht = h + size_t(t) * ld_h;
+    float acc[QK];
+#pragma unroll
+    for (int j = 0; j < QK; ++j) acc[j] = 0.0f;
+    for (int64_t r = int64_t(split) * kDownWarps + w; r < down.rows; r += int64_t(splits) * kDownWarps) {
+        const float c = ht[r];
+        if (c == 0.0f || k >= nb) continue;  // c: the same for the whole warp
+        add_block(down, r, k, c, acc);
+    }
+#pragma unroll
+    for (int j = 0; j < QK; ++j) part[w][lane][j] = acc[j];
+    __syncthreads();
+    float *o = out + (size_t(t) * splits + split) * E;
+    for (int c = threadIdx.x; c < kDownTile * QK; c += blockDim.x) {
+        const int l = c / QK, j = c % QK;
+        const int64_t col = (int64_t(blockIdx.x) * kDownTile + l) * QK + j;
+        if (col >= E) continue;
+        float s = 0.0f;
+        for (int v = 0; v < kDownWarps; ++v) s += part[v][l][j];
+        o[col] = s;
+    }
+}
 
-// The token's sum of v over [0, n) by the block's threads, in double, reduced in a fixed order (n a multiple of
-// nothing: each thread strides the row).
+// y[t][c] = the splits' partials of token t summed in order.
+__global__ void down_sum_kernel(const float *partial, int n_tok, int splits, int n_embd, float *y) {
+    const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i >= int64_t(n_tok) * n_embd) return;
+    const int64_t t = i / n_embd, c = i % n_embd;
+    float s = 0.0f;
+    for (int v = 0; v < splits; ++v) s += partial[(t * splits + v) * n_embd + c];
+    y[i] = s;
+}
+
+// The token's sum of v over [0, n) by the block's threads, in double, reduced in a fixed order.
 template <class F>
 __device__ double block_sum(int n, F v, double *shared) {
     double acc = 0;
@@ -143,103 +340,99 @@ __device__ double block_sum(int n, F v, double *shared) {
     return sum;
 }
 
-__global__ void norm_kernel(const float *x, const float *w, const float *b, int n_embd, int kind, float eps, float *xn,
-                            BlockQ8_0 *xq) {
+// Token blockIdx.x's norm into out.x, and its q8_0 form where out.q is set.
+__global__ void norm_kernel(const float *x, const float *w, const float *b, int kind, float eps, OperandBuffers out) {
     __shared__ double shared[kNormThreads];
-    const float *xt = x + size_t(blockIdx.x) * n_embd;
-    float *ot = xn + size_t(blockIdx.x) * n_embd;
-    const double mean = kind == PI_DEVICE_NORM_LAYER
-                            ? block_sum(n_embd, [&](int i) { return double(xt[i]); }, shared) / double(n_embd)
-                            : 0.0;
-    const double ss = block_sum(n_embd, [&](int i) { return (double(xt[i]) - mean) * (double(xt[i]) - mean); }, shared);
-    const float scale = device::norm_scale(ss, n_embd, eps);
-    for (int i = threadIdx.x; i < n_embd; i += blockDim.x) ot[i] = device::norm_element(kind, xt[i], mean, scale, w[i], b ? b[i] : 0.0f);
+    const int n = out.n;
+    const float *xt = x + size_t(blockIdx.x) * n;
+    float *ot = out.x + size_t(blockIdx.x) * n;
+    const double mean =
+        kind == PI_DEVICE_NORM_LAYER ? block_sum(n, [&](int i) { return double(xt[i]); }, shared) / double(n) : 0.0;
+    const double ss = block_sum(n, [&](int i) { return (double(xt[i]) - mean) * (double(xt[i]) - mean); }, shared);
+    const float scale = device::norm_scale(ss, n, eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) ot[i] = device::norm_element(kind, xt[i], mean, scale, w[i], b ? b[i] : 0.0f);
     __syncthreads();  // the row's elements written, and seen by the block's threads, before its blocks are made
-    if (xq)
-        for (int k = threadIdx.x; k < n_embd / QK; k += blockDim.x)
-            device::quantize_block(ot + k * QK, xq + size_t(blockIdx.x) * (n_embd / QK) + k);
+    if (!out.q) return;
+    for (int k = threadIdx.x; k < n / QK; k += blockDim.x) {
+        BlockQ8_0 block;
+        device::quantize_block(ot + k * QK, &block);
+        int8_t *q = out.q + size_t(blockIdx.x) * n + size_t(k) * QK;
+        for (int i = 0; i < QK; ++i) q[i] = block.qs[i];
+        out.d[size_t(blockIdx.x) * (n / QK) + k] = block.d;
+    }
 }
 
-__global__ void quantize_kernel(const float *x, int n, int n_tok, BlockQ8_0 *xq) {
-    const int k = blockIdx.x * blockDim.x + threadIdx.x, nb = n / QK;
-    if (k < nb * n_tok) device::quantize_block(x + size_t(k) * QK, xq + k);
-}
-
-// y[t][r] = m's row r . x[t] + bias, a warp per row.
-__global__ void project_kernel(pi_device_matrix m, const float *x, const BlockQ8_0 *xq, float *y, int ldy) {
-    const int lane = threadIdx.x % kWarp, r = blockIdx.x * kRowsPerBlock + threadIdx.x / kWarp, t = blockIdx.y;
-    if (r >= m.rows) return;
-    const float *xt = x + size_t(t) * m.cols;
-    const BlockQ8_0 *xqt = xq ? xq + size_t(t) * (m.cols / QK) : nullptr;
-    float sum = device::row_dot(m, r, xt, xqt, lane, kWarp);
-    for (int off = kWarp / 2; off > 0; off /= 2) sum += __shfl_down_sync(0xffffffffu, sum, off);
-    if (lane == 0) y[size_t(t) * ldy + r] = sum + (m.bias ? m.bias[r] : 0.0f);
-}
-
-// Thread j of token t: RoPE on query head j (j < n_head), or on key head j - n_head, whose key and value it then
-// stores at position n_past + t.
+// Head blockIdx.x of token blockIdx.y (query heads, then key heads): RoPE's pairs, then for a key head its key and
+// value into the layer's cache at position n_past + t.
 __global__ void rope_store_kernel(pi_device_tier_desc d, int n_past, float *q, float *k, const float *v,
                                   const float *rope_cos, const float *rope_sin, uint8_t *k_cache, uint8_t *v_cache) {
-    const int t = blockIdx.x, j = threadIdx.x, D = d.d_head, half = d.n_rot / 2;
-    if (j >= d.n_head + d.n_head_kv) return;
+    const int j = blockIdx.x, t = blockIdx.y, D = d.d_head, half = d.n_rot / 2;
     const int64_t pos = n_past + t;
     const bool is_key = j >= d.n_head;
     const int h = is_key ? j - d.n_head : j;
     float *vec = is_key ? k + (size_t(t) * d.n_head_kv + h) * D : q + (size_t(t) * d.n_head + h) * D;
     if (d.rope != PI_DEVICE_ROPE_NONE)
-        for (int i = 0; i < half; ++i) {
+        for (int i = threadIdx.x; i < half; i += blockDim.x) {  // the pairs are disjoint
             int64_t i0, i1;
             device::rope_pair(d.rope, i, half, &i0, &i1);
             device::rotate(vec, i0, i1, rope_cos[pos * half + i], rope_sin[pos * half + i]);
         }
     if (!is_key) return;
+    __syncthreads();
     const float *vt = v + (size_t(t) * d.n_head_kv + h) * D;
-    for (int i = 0; i < D; ++i) {
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
         device::kv_put(k_cache, d.kv_f16 != 0, device::kv_index(d, pos, h, i), vec[i]);
         device::kv_put(v_cache, d.kv_f16 != 0, device::kv_index(d, pos, h, i), vt[i]);
     }
 }
 
-// Head blockIdx.x of token blockIdx.y over positions 0 .. n_past + t: scores into its row of `scores`, the softmax
-// (max, e^(s - max) by exp_ref, their sum), then each output element as the weighted sum of the values.
+// The block's max (op fmaxf) or sum of v, every thread receiving it.
+template <bool kMax>
+__device__ float block_reduce(float v, float *shared) {
+    shared[threadIdx.x] = v;
+    __syncthreads();
+    for (int w = blockDim.x / 2; w > 0; w /= 2) {
+        if (threadIdx.x < w)
+            shared[threadIdx.x] = kMax ? fmaxf(shared[threadIdx.x], shared[threadIdx.x + w]) : shared[threadIdx.x] + shared[threadIdx.x + w];
+        __syncthreads();
+    }
+    const float r = shared[0];
+    __syncthreads();
+    return r;
+}
+
+// Head blockIdx.x of token blockIdx.y over positions 0 .. n_past + t: scores into its row of `scores` (a warp per
+// position, its lanes over d_head), the softmax (max, e^(s - max) by exp_ref, their sum), then each output element
+// as the weighted sum of the values (a thread per element, positions in order).
 __global__ void heads_kernel(pi_device_tier_desc d, int n_past, const float *q, const uint8_t *k_cache,
                              const uint8_t *v_cache, float *scores, float *att) {
     __shared__ float reduce[kHeadThreads];
     const int h = blockIdx.x, t = blockIdx.y, D = d.d_head, kvh = h / (d.n_head / d.n_head_kv);
+    const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, n_warps = blockDim.x / kWarp;
     const int n_keys = n_past + t + 1;
     const bool f16 = d.kv_f16 != 0;
     const float *qh = q + (size_t(t) * d.n_head + h) * D;
     float *sc = scores + (size_t(t) * d.n_head + h) * d.n_ctx;
     const float inv_sqrt_d = 1.0f / sqrtf(float(D));
-    float mx = -INFINITY;
-    for (int p = threadIdx.x; p < n_keys; p += blockDim.x) {
+    for (int p = warp; p < n_keys; p += n_warps) {
         float s = 0;
-        for (int i = 0; i < D; ++i) s += qh[i] * device::kv_get(k_cache, f16, device::kv_index(d, p, kvh, i));
-        sc[p] = s * inv_sqrt_d;
-        mx = fmaxf(mx, sc[p]);
+        for (int i = lane; i < D; i += kWarp) s += qh[i] * device::kv_get(k_cache, f16, device::kv_index(d, p, kvh, i));
+        s = warp_sum(s);
+        if (lane == 0) sc[p] = s * inv_sqrt_d;
     }
-    reduce[threadIdx.x] = mx;
     __syncthreads();
-    for (int w = blockDim.x / 2; w > 0; w /= 2) {
-        if (threadIdx.x < w) reduce[threadIdx.x] = fmaxf(reduce[threadIdx.x], reduce[threadIdx.x + w]);
-        __syncthreads();
-    }
-    mx = reduce[0];
-    __syncthreads();
+    float mx = -INFINITY;
+    for (int p = threadIdx.x; p < n_keys; p += blockDim.x) mx = fmaxf(mx, sc[p]);
+    mx = block_reduce<true>(mx, reduce);
     float sum = 0;
     for (int p = threadIdx.x; p < n_keys; p += blockDim.x) sum += (sc[p] = exp_ref(sc[p] - mx));
-    reduce[threadIdx.x] = sum;
-    __syncthreads();
-    for (int w = blockDim.x / 2; w > 0; w /= 2) {
-        if (threadIdx.x < w) reduce[threadIdx.x] += reduce[threadIdx.x + w];
-        __syncthreads();
-    }
-    sum = reduce[0];
+    sum = block_reduce<false>(sum, reduce);  // its barriers also order the exponentials' stores before the reads
+    const float inv_sum = 1.0f / sum;
     float *out = att + (size_t(t) * d.n_head + h) * D;
     for (int i = threadIdx.x; i < D; i += blockDim.x) {
         float acc = 0;
-        for (int p = 0; p < n_keys; ++p) acc += sc[p] / sum * device::kv_get(v_cache, f16, device::kv_index(d, p, kvh, i));
-        out[i] = acc;
+        for (int p = 0; p < n_keys; ++p) acc += sc[p] * device::kv_get(v_cache, f16, device::kv_index(d, p, kvh, i));
+        out[i] = acc * inv_sum;
     }
 }
 
@@ -250,6 +443,27 @@ struct AttentionLayer {
     uint8_t *k_cache = nullptr, *v_cache = nullptr;
 };
 
+// The launch of up to three projections over n_tok tokens of `in`.
+void launch_matvec(cudaStream_t s, std::initializer_list<Projection> list, const Operand &in, int n_tok) {
+    Projections P{};
+    P.count = 0;
+    P.first_block[0] = 0;
+    for (const Projection &p : list) {
+        P.p[P.count] = p;
+        P.first_block[P.count + 1] = P.first_block[P.count] + int((p.m.rows + kRowWarps - 1) / kRowWarps);
+        ++P.count;
+    }
+    const dim3 grid(unsigned(P.first_block[P.count]), unsigned(device::passes(n_tok)));
+    matvec_kernel<<<grid, kRowWarps * kWarp, 0, s>>>(P, in, n_tok);
+}
+
+// The q8_0 form of n_tok rows of b's f32 rows (and the counters cleared, where given).
+void launch_quantize(cudaStream_t s, const OperandBuffers &b, int n_tok, Counters *zero) {
+    const int64_t n_blocks = int64_t(n_tok) * (b.n / QK);
+    const unsigned grid = unsigned((n_blocks + kQuantizeWarps - 1) / kQuantizeWarps);
+    quantize_kernel<<<grid, kQuantizeWarps * kWarp, 0, s>>>(b.x, n_blocks, b.q, b.d, zero);
+}
+
 }  // namespace
 
 struct pi_device_tier {
@@ -259,84 +473,93 @@ struct pi_device_tier {
     cudaEvent_t started = nullptr, finished = nullptr;
     uint64_t bytes = 0;
     int32_t max_rows = 0;
-    // device scratch
-    float *d_x = nullptr, *d_y = nullptr, *d_h = nullptr;
-    BlockQ8_0 *d_xq = nullptr;
-    Counters *d_counts = nullptr;
+    // the hot tier's scratch: the operand (whose rows take the down projection's partials once read), the
+    // counters then the output rows in one allocation (one copy back), the coefficients
+    OperandBuffers hot_in;
+    uint8_t *d_out = nullptr;
+    float *d_h = nullptr;
     // pinned host staging
-    float *p_x = nullptr, *p_y = nullptr;
-    BlockQ8_0 *p_xq = nullptr;
-    Counters *p_counts = nullptr;
+    float *p_x = nullptr;
+    uint8_t *p_out = nullptr;
     // attention: the layers' blocks, RoPE's tables (on the host until the first layer's upload), the scratch
     // (attention_math.h's attention_scratch_bytes) and its pinned staging, allocated with the first layer
     std::vector<AttentionLayer> attention;
     std::vector<float> rope_cos, rope_sin;
     float *d_rope_cos = nullptr, *d_rope_sin = nullptr;
-    float *d_ax = nullptr, *d_axn = nullptr, *d_q = nullptr, *d_k = nullptr, *d_v = nullptr, *d_att = nullptr,
-          *d_aout = nullptr, *d_scores = nullptr;
-    BlockQ8_0 *d_axq = nullptr, *d_attq = nullptr;
+    float *d_ax = nullptr, *d_q = nullptr, *d_k = nullptr, *d_v = nullptr, *d_aout = nullptr, *d_scores = nullptr;
+    OperandBuffers axn, att;
     float *p_ax = nullptr, *p_aout = nullptr;
     bool attention_ready = false;
     // the output head: its block, its view, its scratch (attention_math.h's head_scratch_bytes) and staging
     uint8_t *head_block = nullptr;
     pi_device_head head_view{};
-    float *d_hx = nullptr, *d_hxn = nullptr, *d_logits = nullptr, *p_hx = nullptr, *p_logits = nullptr;
-    BlockQ8_0 *d_hxq = nullptr;
+    float *d_hx = nullptr, *d_logits = nullptr, *p_hx = nullptr, *p_logits = nullptr;
+    OperandBuffers hxn;
+    std::vector<void *> device_allocations;
     // the job in flight
     bool pending = false;
     pi_device_job job{};
     double h2d = 0, d2h = 0;
 
     size_t x_bytes() const { return size_t(desc.n_batch) * desc.n_embd * sizeof(float); }
-    size_t xq_bytes() const { return size_t(desc.n_batch) * (desc.n_embd / QK) * sizeof(BlockQ8_0); }
 
     int32_t allocate(void **p, size_t n, const char *what, char *err, size_t len) {
         if (failed(cudaMalloc(p, n), what, err, len)) return 1;
+        device_allocations.push_back(*p);
         bytes += n;
+        return 0;
+    }
+    // An operand's buffers for n_batch rows of n elements: the rows, their quants and scales in one allocation.
+    int32_t allocate_operand(OperandBuffers *b, int n, const char *what, char *err, size_t len) {
+        const size_t B = size_t(desc.n_batch), rows = B * n * sizeof(float), quants = B * n, scales = B * (n / QK) * 2;
+        uint8_t *p = nullptr;
+        if (allocate(reinterpret_cast<void **>(&p), rows + quants + scales, what, err, len)) return 1;
+        *b = OperandBuffers{reinterpret_cast<float *>(p), reinterpret_cast<int8_t *>(p + rows),
+                            reinterpret_cast<uint16_t *>(p + rows + quants), n};
         return 0;
     }
 
     // A synchronous job's start (attention's, the head's): the started event, n_tok rows x up through the pinned
-    // p_x into d_x, and their norm (w, b) into d_xn, with its q8_0 blocks into d_xq where not null.
-    int32_t normed_input(const float *x, int n_tok, const float *w, const float *b, float *p_x, float *d_x, float *d_xn,
-                         BlockQ8_0 *d_xq, char *err, size_t len) {
+    // p_x into d_x, and their norm (w, b) into out, with its q8_0 form where q8.
+    int32_t normed_input(const float *x, int n_tok, const float *w, const float *b, float *p_x, float *d_x,
+                         OperandBuffers out, bool q8, char *err, size_t len) {
         const size_t x_bytes = size_t(n_tok) * desc.n_embd * sizeof(float);
         std::memcpy(p_x, x, x_bytes);
         if (failed(cudaEventRecord(started, stream), "recording an event", err, len) ||
             failed(cudaMemcpyAsync(d_x, p_x, x_bytes, cudaMemcpyHostToDevice, stream), "copying the input", err, len))
             return 1;
-        norm_kernel<<<n_tok, kNormThreads, 0, stream>>>(d_x, w, b, desc.n_embd, desc.norm, desc.norm_eps, d_xn, d_xq);
+        if (!q8) out.q = nullptr;
+        norm_kernel<<<n_tok, kNormThreads, 0, stream>>>(d_x, w, b, desc.norm, desc.norm_eps, out);
         return 0;
     }
 
-    // A synchronous job's counts (attention's, the head's): its traffic, and its time between the two events.
-    void synchronous_counts(pi_device_counts *counts, double h2d_bytes, double d2h_bytes) const {
-        if (!counts) return;
-        float ms = 0;
-        cudaEventElapsedTime(&ms, started, finished);
-        *counts = pi_device_counts{};
-        counts->h2d_bytes = h2d_bytes;
-        counts->d2h_bytes = d2h_bytes;
-        counts->seconds = ms / 1e3;
+    // A synchronous job's end: the output copied back, waited for, and its counts (traffic, time between the two
+    // events, launches and bytes read).
+    int32_t finish(void *host, const void *device_out, size_t out_bytes, pi_device_counts *counts, double h2d_bytes,
+                   double launches, double device_bytes, char *err, size_t len) {
+        if (failed(cudaGetLastError(), "launching the kernels", err, len) ||
+            failed(cudaMemcpyAsync(host, device_out, out_bytes, cudaMemcpyDeviceToHost, stream), "copying the output",
+                   err, len) ||
+            failed(cudaEventRecord(finished, stream), "recording an event", err, len) ||
+            failed(cudaEventSynchronize(finished), "running the job", err, len))
+            return 1;
+        if (counts) {
+            float ms = 0;
+            cudaEventElapsedTime(&ms, started, finished);
+            *counts = pi_device_counts{};
+            counts->h2d_bytes = h2d_bytes;
+            counts->d2h_bytes = double(out_bytes);
+            counts->seconds = ms / 1e3;
+            counts->launches = launches;
+            counts->device_bytes = device_bytes;
+        }
+        return 0;
     }
 
     void release() {
-        for (LayerRows &L : layers)
-            if (L.block) cudaFree(L.block);
-        for (AttentionLayer &A : attention)
-            if (A.block) cudaFree(A.block);
-        for (void *p : {static_cast<void *>(d_rope_cos), static_cast<void *>(d_rope_sin), static_cast<void *>(d_ax),
-                        static_cast<void *>(d_axn), static_cast<void *>(d_q), static_cast<void *>(d_k),
-                        static_cast<void *>(d_v), static_cast<void *>(d_att), static_cast<void *>(d_aout),
-                        static_cast<void *>(d_scores), static_cast<void *>(d_axq), static_cast<void *>(d_attq),
-                        static_cast<void *>(head_block), static_cast<void *>(d_hx), static_cast<void *>(d_hxn),
-                        static_cast<void *>(d_logits), static_cast<void *>(d_hxq), static_cast<void *>(d_x),
-                        static_cast<void *>(d_y), static_cast<void *>(d_h), static_cast<void *>(d_xq),
-                        static_cast<void *>(d_counts)})
-            if (p) cudaFree(p);
+        for (void *p : device_allocations) cudaFree(p);
         for (void *p : {static_cast<void *>(p_ax), static_cast<void *>(p_aout), static_cast<void *>(p_hx),
-                        static_cast<void *>(p_logits), static_cast<void *>(p_x), static_cast<void *>(p_y),
-                        static_cast<void *>(p_xq), static_cast<void *>(p_counts)})
+                        static_cast<void *>(p_logits), static_cast<void *>(p_x), static_cast<void *>(p_out)})
             if (p) cudaFreeHost(p);
         if (started) cudaEventDestroy(started);
         if (finished) cudaEventDestroy(finished);
@@ -376,6 +599,36 @@ int32_t device_memory(int32_t device, uint64_t *free_bytes, uint64_t *total_byte
     return 0;
 }
 
+// A device-to-device copy of 256 MiB, the best of five after a warm-up: bytes read plus written per second.
+int32_t copy_rate(int32_t device, double *bytes_per_second, char *err, size_t len) {
+    if (failed(cudaSetDevice(device), "selecting the device", err, len)) return 1;
+    const size_t n = size_t(256) << 20;
+    void *a = nullptr, *b = nullptr;
+    cudaEvent_t e0 = nullptr, e1 = nullptr;
+    float best = 0;
+    bool ok = !failed(cudaMalloc(&a, n), "allocating the copy probe", err, len) &&
+              !failed(cudaMalloc(&b, n), "allocating the copy probe", err, len) &&
+              !failed(cudaEventCreate(&e0), "creating an event", err, len) &&
+              !failed(cudaEventCreate(&e1), "creating an event", err, len) &&
+              !failed(cudaMemcpy(b, a, n, cudaMemcpyDeviceToDevice), "copying", err, len);
+    for (int i = 0; ok && i < 5; ++i) {
+        float ms = 0;
+        ok = !failed(cudaEventRecord(e0), "recording an event", err, len) &&
+             !failed(cudaMemcpyAsync(b, a, n, cudaMemcpyDeviceToDevice), "copying", err, len) &&
+             !failed(cudaEventRecord(e1), "recording an event", err, len) &&
+             !failed(cudaEventSynchronize(e1), "copying", err, len) &&
+             !failed(cudaEventElapsedTime(&ms, e0, e1), "timing the copy", err, len);
+        if (ok && (best == 0 || ms < best)) best = ms;
+    }
+    for (void *p : {a, b})
+        if (p) cudaFree(p);
+    for (cudaEvent_t e : {e0, e1})
+        if (e) cudaEventDestroy(e);
+    if (!ok) return 1;
+    *bytes_per_second = best > 0 ? 2.0 * double(n) / (best / 1e3) : 0.0;
+    return 0;
+}
+
 pi_device_tier *tier_create(const pi_device_tier_desc *desc, char *err, size_t len) {
     if (!desc || desc->n_embd <= 0 || desc->n_embd % QK || desc->n_layer <= 0 || desc->n_batch <= 0) {
         say(err, len, "bad tier description");
@@ -392,17 +645,14 @@ pi_device_tier *tier_create(const pi_device_tier_desc *desc, char *err, size_t l
         t->rope_sin.assign(desc->rope_sin, desc->rope_sin + n);
     }
     t->desc.rope_cos = t->desc.rope_sin = nullptr;  // the host's, read here only
+    const size_t out_bytes = sizeof(Counters) + t->x_bytes();
     bool ok = !failed(cudaStreamCreateWithFlags(&t->stream, cudaStreamNonBlocking), "creating a stream", err, len) &&
               !failed(cudaEventCreate(&t->started), "creating an event", err, len) &&
               !failed(cudaEventCreate(&t->finished), "creating an event", err, len) &&
-              !t->allocate(reinterpret_cast<void **>(&t->d_x), t->x_bytes(), "allocating the input", err, len) &&
-              !t->allocate(reinterpret_cast<void **>(&t->d_xq), t->xq_bytes(), "allocating the input", err, len) &&
-              !t->allocate(reinterpret_cast<void **>(&t->d_y), t->x_bytes(), "allocating the output", err, len) &&
-              !t->allocate(reinterpret_cast<void **>(&t->d_counts), sizeof(Counters), "allocating counters", err, len) &&
+              !t->allocate_operand(&t->hot_in, desc->n_embd, "allocating the input", err, len) &&
+              !t->allocate(reinterpret_cast<void **>(&t->d_out), out_bytes, "allocating the output", err, len) &&
               !failed(cudaMallocHost(&t->p_x, t->x_bytes()), "allocating pinned memory", err, len) &&
-              !failed(cudaMallocHost(&t->p_xq, t->xq_bytes()), "allocating pinned memory", err, len) &&
-              !failed(cudaMallocHost(&t->p_y, t->x_bytes()), "allocating pinned memory", err, len) &&
-              !failed(cudaMallocHost(&t->p_counts, sizeof(Counters)), "allocating pinned memory", err, len);
+              !failed(cudaMallocHost(&t->p_out, out_bytes), "allocating pinned memory", err, len);
     if (!ok) {
         t->release();
         delete t;
@@ -418,29 +668,27 @@ int32_t tier_upload(pi_device_tier *t, const pi_device_layer *rows, int32_t laye
     if (failed(cudaSetDevice(t->desc.device), "selecting the device", err, len)) return 1;
     LayerRows &L = t->layers[size_t(layer)];
     if (L.uploaded) return say(err, len, "layer " + std::to_string(layer) + " was uploaded already");
-    const device::LayerLayout layout(*rows, t->desc.n_embd, gated);
+    const int64_t E = t->desc.n_embd, n = rows->n_rows;
+    const device::LayerLayout layout(*rows, E, gated);
     if (t->allocate(reinterpret_cast<void **>(&L.block), layout.bytes,
                     ("allocating layer " + std::to_string(layer)).c_str(), err, len))
         return 1;
-    const bool copied = layout.fill(*rows, gated, [&](size_t at, const void *src, size_t n_bytes) {
+    const bool copied = layout.fill(*rows, E, gated, [&](size_t at, const void *src, size_t n_bytes) {
         return !failed(cudaMemcpy(L.block + at, src, n_bytes, cudaMemcpyHostToDevice), "copying rows", err, len);
     });
     if (!copied) return 1;
-    L.gate = L.block + layout.gate;
-    L.up = gated ? L.block + layout.up : nullptr;
-    L.down_t = L.block + layout.down_t;
+    L.gate = DeviceRows{rows->gate_type, n, E, L.block + layout.gate};
+    L.up = gated ? DeviceRows{rows->up_type, n, E, L.block + layout.up} : DeviceRows{};
+    L.down = DeviceRows{rows->down_type, n, E, L.block + layout.down_t};
     L.gate_b = rows->gate_b ? reinterpret_cast<const float *>(L.block + layout.gate_b) : nullptr;
     L.up_b = rows->up_b ? reinterpret_cast<const float *>(L.block + layout.up_b) : nullptr;
-    L.n_rows = rows->n_rows;
-    L.gate_type = rows->gate_type;
-    L.up_type = rows->up_type;
-    L.down_type = rows->down_type;
     L.threshold = rows->threshold;
-    L.quantized = layout.quantized;
+    L.layout = layout;
     L.uploaded = true;
     if (rows->n_rows > t->max_rows) {  // the coefficients' scratch, for the largest layer
         if (t->d_h) {
             cudaFree(t->d_h);
+            t->device_allocations.erase(std::find(t->device_allocations.begin(), t->device_allocations.end(), t->d_h));
             t->bytes -= size_t(t->desc.n_batch) * t->max_rows * sizeof(float);
             t->d_h = nullptr;
         }
@@ -457,35 +705,38 @@ int32_t tier_submit(pi_device_tier *t, const pi_device_job *job, char *err, size
         return say(err, len, "bad job");
     const LayerRows &L = t->layers[size_t(job->layer)];
     if (!L.uploaded) return say(err, len, "layer " + std::to_string(job->layer) + " was not uploaded");
-    if (L.quantized && !job->x_q8) return say(err, len, "the layer's weights are quantized: the job needs x_q8");
     if (t->pending && cudaStreamSynchronize(t->stream) != cudaSuccess) cudaGetLastError();  // a job left unwaited
     if (failed(cudaSetDevice(t->desc.device), "selecting the device", err, len)) return 1;
     const int E = t->desc.n_embd, n_tok = job->n_tok;
-    const size_t x_bytes = size_t(n_tok) * E * sizeof(float), xq_bytes = size_t(n_tok) * (E / QK) * sizeof(BlockQ8_0);
+    const size_t x_bytes = size_t(n_tok) * E * sizeof(float);
     std::memcpy(t->p_x, job->x, x_bytes);
-    if (L.quantized) std::memcpy(t->p_xq, job->x_q8, xq_bytes);
     const device::Rule rule{t->desc.activation, t->desc.gated, L.threshold};
+    const int splits = int(device::down_splits(t->desc.n_batch, n_tok));
     cudaStream_t s = t->stream;
+    Counters *counts = reinterpret_cast<Counters *>(t->d_out);
+    float *y = reinterpret_cast<float *>(t->d_out + sizeof(Counters));
     if (failed(cudaEventRecord(t->started, s), "recording an event", err, len) ||
-        failed(cudaMemcpyAsync(t->d_x, t->p_x, x_bytes, cudaMemcpyHostToDevice, s), "copying the input", err, len) ||
-        (L.quantized &&
-         failed(cudaMemcpyAsync(t->d_xq, t->p_xq, xq_bytes, cudaMemcpyHostToDevice, s), "copying the input", err, len)) ||
-        failed(cudaMemsetAsync(t->d_counts, 0, sizeof(Counters), s), "clearing counters", err, len))
+        failed(cudaMemcpyAsync(t->hot_in.x, t->p_x, x_bytes, cudaMemcpyHostToDevice, s), "copying the input", err, len))
         return 1;
-    const dim3 gate_grid((L.n_rows + kRowsPerBlock - 1) / kRowsPerBlock, n_tok);
-    gate_up_kernel<<<gate_grid, kRowsPerBlock * kWarp, 0, s>>>(L, rule, E, job->dense, t->d_x,
-                                                                L.quantized ? t->d_xq : nullptr, t->d_h, t->max_rows,
-                                                                t->d_counts);
-    down_kernel<<<dim3(E / kWarp, n_tok), kDownWarps * kWarp, 0, s>>>(L, E, t->d_h, t->max_rows, t->d_y);
+    launch_quantize(s, t->hot_in, n_tok, counts);
+    const dim3 gate_grid(unsigned((L.gate.rows + kRowWarps - 1) / kRowWarps), unsigned(device::passes(n_tok)));
+    gate_up_kernel<<<gate_grid, kRowWarps * kWarp, 0, s>>>(L, rule, t->hot_in.operand(), n_tok, job->dense, t->d_h,
+                                                            t->max_rows, counts);
+    const dim3 down_grid(unsigned((L.down.blocks() + kDownTile - 1) / kDownTile), unsigned(splits), unsigned(n_tok));
+    float *partial = splits > 1 ? t->hot_in.x : y;  // the operand's rows are read by now
+    down_kernel<<<down_grid, kDownWarps * kWarp, 0, s>>>(L.down, t->d_h, t->max_rows, splits, partial);
+    if (splits > 1) {
+        const int64_t n = int64_t(n_tok) * E;
+        down_sum_kernel<<<unsigned((n + 255) / 256), 256, 0, s>>>(partial, n_tok, splits, E, y);
+    }
     if (failed(cudaGetLastError(), "launching the tier's kernels", err, len) ||
-        failed(cudaMemcpyAsync(t->p_y, t->d_y, x_bytes, cudaMemcpyDeviceToHost, s), "copying the output", err, len) ||
-        failed(cudaMemcpyAsync(t->p_counts, t->d_counts, sizeof(Counters), cudaMemcpyDeviceToHost, s),
-               "copying counters", err, len) ||
+        failed(cudaMemcpyAsync(t->p_out, t->d_out, sizeof(Counters) + x_bytes, cudaMemcpyDeviceToHost, s),
+               "copying the output", err, len) ||
         failed(cudaEventRecord(t->finished, s), "recording an event", err, len))
         return 1;
     t->job = *job;
     t->pending = true;
-    t->h2d = double(x_bytes + (L.quantized ? xq_bytes : 0));
+    t->h2d = double(x_bytes);
     t->d2h = double(x_bytes + sizeof(Counters));
     return 0;
 }
@@ -496,13 +747,18 @@ int32_t tier_wait(pi_device_tier *t, pi_device_counts *counts, char *err, size_t
     if (failed(cudaEventSynchronize(t->finished), "running the tier's job", err, len)) return 1;
     float ms = 0;
     cudaEventElapsedTime(&ms, t->started, t->finished);
-    std::memcpy(t->job.y, t->p_y, size_t(t->job.n_tok) * t->desc.n_embd * sizeof(float));
+    std::memcpy(t->job.y, t->p_out + sizeof(Counters), size_t(t->job.n_tok) * t->desc.n_embd * sizeof(float));
     if (counts) {
-        counts->active = double(t->p_counts->active);
-        counts->computed = double(t->p_counts->computed);
+        const Counters c = *reinterpret_cast<const Counters *>(t->p_out);
+        const LayerRows &L = t->layers[size_t(t->job.layer)];
+        *counts = pi_device_counts{};
+        counts->active = double(c.active);
+        counts->computed = double(c.computed);
         counts->h2d_bytes = t->h2d;
         counts->d2h_bytes = t->d2h;
         counts->seconds = ms / 1e3;
+        counts->launches = device::hot_launches(t->desc.n_batch, t->job.n_tok);
+        counts->device_bytes = device::hot_bytes(L.layout, L.gate.rows, t->job.n_tok, counts->computed);
     }
     return 0;
 }
@@ -510,25 +766,22 @@ int32_t tier_wait(pi_device_tier *t, pi_device_counts *counts, char *err, size_t
 // The attention scratch, as attention_math.h's attention_scratch_bytes counts it, and RoPE's tables on the device.
 int32_t attention_scratch(pi_device_tier *t, char *err, size_t len) {
     const pi_device_tier_desc &d = t->desc;
-    const size_t B = size_t(d.n_batch), E = size_t(d.n_embd), Q = size_t(d.n_head) * d.d_head,
-                 KV = size_t(d.n_head_kv) * d.d_head, table = size_t(d.n_ctx) * size_t(d.n_rot / 2) * sizeof(float);
+    const size_t B = size_t(d.n_batch), E = size_t(d.n_embd), KV = size_t(d.n_head_kv) * d.d_head,
+                 table = size_t(d.n_ctx) * size_t(d.n_rot / 2) * sizeof(float);
+    const int Q = d.n_head * d.d_head;
     const struct {
-        void **p;
+        float **p;
         size_t bytes;
-    } parts[] = {{reinterpret_cast<void **>(&t->d_ax), B * E * 4},
-                 {reinterpret_cast<void **>(&t->d_axn), B * E * 4},
-                 {reinterpret_cast<void **>(&t->d_aout), B * E * 4},
-                 {reinterpret_cast<void **>(&t->d_axq), B * (E / QK) * sizeof(BlockQ8_0)},
-                 {reinterpret_cast<void **>(&t->d_q), B * Q * 4},
-                 {reinterpret_cast<void **>(&t->d_att), B * Q * 4},
-                 {reinterpret_cast<void **>(&t->d_k), B * KV * 4},
-                 {reinterpret_cast<void **>(&t->d_v), B * KV * 4},
-                 {reinterpret_cast<void **>(&t->d_attq), B * (Q / QK) * sizeof(BlockQ8_0)},
-                 {reinterpret_cast<void **>(&t->d_scores), B * size_t(d.n_head) * size_t(d.n_ctx) * 4},
-                 {reinterpret_cast<void **>(&t->d_rope_cos), table},
-                 {reinterpret_cast<void **>(&t->d_rope_sin), table}};
+    } parts[] = {{&t->d_ax, B * E * 4},       {&t->d_aout, B * E * 4},   {&t->d_q, B * size_t(Q) * 4},
+                 {&t->d_k, B * KV * 4},       {&t->d_v, B * KV * 4},
+                 {&t->d_scores, B * size_t(d.n_head) * size_t(d.n_ctx) * 4},
+                 {&t->d_rope_cos, table},     {&t->d_rope_sin, table}};
     for (const auto &part : parts)
-        if (part.bytes && t->allocate(part.p, part.bytes, "allocating attention's scratch", err, len)) return 1;
+        if (part.bytes && t->allocate(reinterpret_cast<void **>(part.p), part.bytes, "allocating attention's scratch", err, len))
+            return 1;
+    if (t->allocate_operand(&t->axn, d.n_embd, "allocating attention's scratch", err, len) ||
+        t->allocate_operand(&t->att, Q, "allocating attention's scratch", err, len))
+        return 1;
     if (table && (failed(cudaMemcpy(t->d_rope_cos, t->rope_cos.data(), table, cudaMemcpyHostToDevice), "copying RoPE's tables", err, len) ||
                   failed(cudaMemcpy(t->d_rope_sin, t->rope_sin.data(), table, cudaMemcpyHostToDevice), "copying RoPE's tables", err, len)))
         return 1;
@@ -572,35 +825,26 @@ int32_t attention_run(pi_device_tier *t, const pi_device_attention_job *job, pi_
     if (failed(cudaSetDevice(t->desc.device), "selecting the device", err, len)) return 1;
     const pi_device_tier_desc &d = t->desc;
     const pi_device_attention &a = A.view;
-    const int n_tok = job->n_tok, E = d.n_embd, Q = d.n_head * d.d_head;
-    const size_t x_bytes = size_t(n_tok) * E * sizeof(float);
+    const int n_tok = job->n_tok;
+    const size_t x_bytes = size_t(n_tok) * d.n_embd * sizeof(float);
     const bool q8_in = device::quantized(a.q) || device::quantized(a.k) || device::quantized(a.v);
     const bool q8_att = device::quantized(a.o);
     cudaStream_t s = t->stream;
-    if (t->normed_input(job->x, n_tok, a.norm_w, a.norm_b, t->p_ax, t->d_ax, t->d_axn, q8_in ? t->d_axq : nullptr, err, len))
-        return 1;
-    const pi_device_matrix *qkv[3] = {&a.q, &a.k, &a.v};
-    float *outs[3] = {t->d_q, t->d_k, t->d_v};
-    for (int i = 0; i < 3; ++i)
-        project_kernel<<<dim3((qkv[i]->rows + kRowsPerBlock - 1) / kRowsPerBlock, n_tok), kRowsPerBlock * kWarp, 0, s>>>(
-            *qkv[i], t->d_axn, device::quantized(*qkv[i]) ? t->d_axq : nullptr, outs[i], qkv[i]->rows);
-    rope_store_kernel<<<n_tok, d.n_head + d.n_head_kv, 0, s>>>(d, job->n_past, t->d_q, t->d_k, t->d_v, t->d_rope_cos,
-                                                              t->d_rope_sin, A.k_cache, A.v_cache);
+    if (t->normed_input(job->x, n_tok, a.norm_w, a.norm_b, t->p_ax, t->d_ax, t->axn, q8_in, err, len)) return 1;
+    launch_matvec(s,
+                  {Projection{device::device_rows(a.q), a.q.bias, t->d_q}, Projection{device::device_rows(a.k), a.k.bias, t->d_k},
+                   Projection{device::device_rows(a.v), a.v.bias, t->d_v}},
+                  t->axn.operand(), n_tok);
+    rope_store_kernel<<<dim3(d.n_head + d.n_head_kv, n_tok), kRopeThreads, 0, s>>>(
+        d, job->n_past, t->d_q, t->d_k, t->d_v, t->d_rope_cos, t->d_rope_sin, A.k_cache, A.v_cache);
     heads_kernel<<<dim3(d.n_head, n_tok), kHeadThreads, 0, s>>>(d, job->n_past, t->d_q, A.k_cache, A.v_cache,
-                                                               t->d_scores, t->d_att);
-    if (q8_att) {
-        const int blocks = n_tok * (Q / QK);
-        quantize_kernel<<<(blocks + 255) / 256, 256, 0, s>>>(t->d_att, Q, n_tok, t->d_attq);
-    }
-    project_kernel<<<dim3((E + kRowsPerBlock - 1) / kRowsPerBlock, n_tok), kRowsPerBlock * kWarp, 0, s>>>(
-        a.o, t->d_att, q8_att ? t->d_attq : nullptr, t->d_aout, E);
-    if (failed(cudaGetLastError(), "launching attention's kernels", err, len) ||
-        failed(cudaMemcpyAsync(t->p_aout, t->d_aout, x_bytes, cudaMemcpyDeviceToHost, s), "copying the output", err, len) ||
-        failed(cudaEventRecord(t->finished, s), "recording an event", err, len) ||
-        failed(cudaEventSynchronize(t->finished), "running attention", err, len))
+                                                               t->d_scores, t->att.x);
+    if (q8_att) launch_quantize(s, t->att, n_tok, nullptr);
+    launch_matvec(s, {Projection{device::device_rows(a.o), a.o.bias, t->d_aout}}, t->att.operand(), n_tok);
+    if (t->finish(t->p_aout, t->d_aout, x_bytes, counts, double(x_bytes), device::attention_launches(a),
+                  device::attention_bytes(a, d, n_tok, job->n_past), err, len))
         return 1;
     std::memcpy(job->out, t->p_aout, x_bytes);
-    t->synchronous_counts(counts, double(x_bytes), double(x_bytes));
     return 0;
 }
 
@@ -614,9 +858,7 @@ int32_t head_upload(pi_device_tier *t, const pi_device_head *h, char *err, size_
     const device::HeadLayout layout(*h, d);
     if (t->allocate(reinterpret_cast<void **>(&t->head_block), layout.bytes, "allocating the output head", err, len) ||
         t->allocate(reinterpret_cast<void **>(&t->d_hx), B * E * 4, "allocating the head's scratch", err, len) ||
-        t->allocate(reinterpret_cast<void **>(&t->d_hxn), B * E * 4, "allocating the head's scratch", err, len) ||
-        t->allocate(reinterpret_cast<void **>(&t->d_hxq), B * (E / QK) * sizeof(BlockQ8_0), "allocating the head's scratch",
-                    err, len) ||
+        t->allocate_operand(&t->hxn, d.n_embd, "allocating the head's scratch", err, len) ||
         t->allocate(reinterpret_cast<void **>(&t->d_logits), B * V * 4, "allocating the head's scratch", err, len) ||
         failed(cudaMallocHost(&t->p_hx, B * E * 4), "allocating pinned memory", err, len) ||
         failed(cudaMallocHost(&t->p_logits, B * V * 4), "allocating pinned memory", err, len))
@@ -636,23 +878,17 @@ int32_t head_run(pi_device_tier *t, const pi_device_head_job *job, pi_device_cou
     if (failed(cudaSetDevice(t->desc.device), "selecting the device", err, len)) return 1;
     const pi_device_tier_desc &d = t->desc;
     const pi_device_head &h = t->head_view;
-    const int n_tok = job->n_tok, E = d.n_embd, V = d.n_vocab;
-    const size_t x_bytes = size_t(n_tok) * E * 4, logit_bytes = size_t(n_tok) * V * 4;
-    const bool q8 = device::quantized(h.out);
+    const int n_tok = job->n_tok, V = d.n_vocab;
+    const size_t x_bytes = size_t(n_tok) * d.n_embd * 4, logit_bytes = size_t(n_tok) * V * 4;
     cudaStream_t s = t->stream;
-    if (t->normed_input(job->x, n_tok, h.norm_w, h.norm_b, t->p_hx, t->d_hx, t->d_hxn, q8 ? t->d_hxq : nullptr, err, len))
+    if (t->normed_input(job->x, n_tok, h.norm_w, h.norm_b, t->p_hx, t->d_hx, t->hxn, device::quantized(h.out), err, len))
         return 1;
-    project_kernel<<<dim3((V + kRowsPerBlock - 1) / kRowsPerBlock, n_tok), kRowsPerBlock * kWarp, 0, s>>>(
-        h.out, t->d_hxn, q8 ? t->d_hxq : nullptr, t->d_logits, V);
-    if (failed(cudaGetLastError(), "launching the head's kernels", err, len) ||
-        failed(cudaMemcpyAsync(t->p_logits, t->d_logits, logit_bytes, cudaMemcpyDeviceToHost, s), "copying the logits",
-               err, len) ||
-        failed(cudaEventRecord(t->finished, s), "recording an event", err, len) ||
-        failed(cudaEventSynchronize(t->finished), "running the head", err, len))
+    launch_matvec(s, {Projection{device::device_rows(h.out), nullptr, t->d_logits}}, t->hxn.operand(), n_tok);
+    if (t->finish(t->p_logits, t->d_logits, logit_bytes, counts, double(x_bytes), device::head_launches(),
+                  device::head_bytes(h, n_tok), err, len))
         return 1;
     for (int tk = 0; tk < n_tok; ++tk)
         std::memcpy(job->logits + size_t(tk) * size_t(job->ld_logits), t->p_logits + size_t(tk) * V, size_t(V) * 4);
-    t->synchronous_counts(counts, double(x_bytes), double(logit_bytes));
     return 0;
 }
 
@@ -669,7 +905,7 @@ void tier_destroy(pi_device_tier *t) {
 const pi_device_api kApi = {PI_DEVICE_API_VERSION, "cuda",         device_count,  device_memory,
                             tier_create,           tier_upload,    tier_submit,   tier_wait,
                             attention_upload,      attention_run,  head_upload,   head_run,
-                            tier_bytes,            tier_destroy};
+                            copy_rate,             tier_bytes,     tier_destroy};
 
 }  // namespace
 

@@ -1,8 +1,8 @@
 // A device library that emulates one in host memory: the tests' stand-in for the CUDA library (pi_device.h), so
 // that everything on the engine's side of the boundary (loading the library, the VRAM budget, which layers go to
 // the device, the traffic counted, concurrency with the cold tier, the KV cache held on the device) runs on a
-// machine without a GPU. It computes with the same arithmetic as the CUDA kernels (tier_math.h,
-// attention_math.h), one token, neuron and head at a time; the hot tier's jobs on a thread of its own. Its device's memory is PI_EMULATED_DEVICE_MIB MiB (default 1024) and PI_EMULATED_DEVICES=0 makes it
+// machine without a GPU. It computes the same definitions as the CUDA kernels (tier_math.h, attention_math.h:
+// the layouts, the operands' q8_0 form, integer block sums) in its own order, one token, neuron and head at a time; the hot tier's jobs on a thread of its own. Its device's memory is PI_EMULATED_DEVICE_MIB MiB (default 1024) and PI_EMULATED_DEVICES=0 makes it
 // report none.
 #include <algorithm>
 #include <atomic>
@@ -42,8 +42,11 @@ std::atomic<uint64_t> g_used{0};
 
 struct pi_device_tier {
     struct Rows {
-        pi_device_layer desc{};  // its pointers into `block`
-        bool uploaded = false, quantized = false;
+        device::DeviceRows gate, up, down;  // pointing into `block`
+        const float *gate_b = nullptr, *up_b = nullptr;
+        float threshold = 0;
+        device::LayerLayout layout{pi_device_layer{}, 0, false};
+        bool uploaded = false;
         std::vector<uint8_t> block;
     };
     struct Attention {
@@ -66,40 +69,32 @@ struct pi_device_tier {
 
     void compute() {
         const Rows &R = layers[size_t(job.layer)];
-        const pi_device_layer &L = R.desc;
-        const device::Rule rule{desc.activation, desc.gated, L.threshold};
+        const device::Rule rule{desc.activation, desc.gated, R.threshold};
         const int64_t E = desc.n_embd, nb = E / QK;
-        const uint32_t gb = device::row_bytes(L.gate_type, E), ub = device::row_bytes(L.up_type, E),
-                       db = device::row_bytes(L.down_type, E);
-        const uint8_t *gate = static_cast<const uint8_t *>(L.gate), *up = static_cast<const uint8_t *>(L.up),
-                      *down = static_cast<const uint8_t *>(L.down_t);
-        // a decode step over q4_0 down rows: the CPU tier's integer sums, from every neuron's h (0 if skipped)
-        const bool int_down = job.n_tok == 1 && L.down_type == TYPE_Q4_0;
-        std::vector<float> hs(int_down ? size_t(L.n_rows) : 0, 0.0f);
+        std::vector<BlockQ8_0> xq(static_cast<size_t>(nb));
         for (int64_t t = 0; t < job.n_tok; ++t) {
             const float *x = job.x + t * E;
-            const BlockQ8_0 *xq = job.x_q8 ? static_cast<const BlockQ8_0 *>(job.x_q8) + t * nb : nullptr;
+            for (int64_t k = 0; k < nb; ++k) device::quantize_block(x + k * QK, &xq[size_t(k)]);
             float *y = job.y + t * E;
             std::fill(y, y + E, 0.0f);
-            for (int64_t r = 0; r < L.n_rows; ++r) {
+            for (int64_t r = 0; r < R.gate.rows; ++r) {
                 float g = 0, u = 0;
                 for (int64_t k = 0; k < nb; ++k) {
-                    g += device::block_dot(L.gate_type, gate + r * gb, k, x, xq);
-                    if (desc.gated) u += device::block_dot(L.up_type, up + r * ub, k, x, xq);
+                    g += device::block_dot(R.gate, r, k, x, xq.data());
+                    if (desc.gated) u += device::block_dot(R.up, r, k, x, xq.data());
                 }
                 bool pass;
-                const float h = rule.coefficient(g, u, L.gate_b ? L.gate_b[r] : 0.0f, L.up_b ? L.up_b[r] : 0.0f,
+                const float h = rule.coefficient(g, u, R.gate_b ? R.gate_b[r] : 0.0f, R.up_b ? R.up_b[r] : 0.0f,
                                                  job.dense != 0, &pass);
                 counts.active += pass;
                 if (!(job.dense || pass)) continue;
                 counts.computed += 1;
-                if (int_down) hs[size_t(r)] = h;
-                else
-                    for (int64_t e = 0; e < E; ++e) y[e] += h * device::element(L.down_type, down + r * db, e);
+                if (h != 0.0f)
+                    for (int64_t e = 0; e < E; ++e) y[e] += h * device::element(R.down, r, e);
             }
-            if (int_down)
-                for (int64_t e = 0; e < E; ++e) y[e] = device::down_element_q4_0(down, db, hs.data(), L.n_rows, e);
         }
+        counts.launches = device::hot_launches(desc.n_batch, job.n_tok);
+        counts.device_bytes = device::hot_bytes(R.layout, R.gate.rows, job.n_tok, counts.computed);
     }
 
     // y[r] = m's row r . x (+ its bias) for one token, x's q8_0 blocks made where m's type reads them
@@ -109,8 +104,12 @@ struct pi_device_tier {
             xq.resize(size_t(m.cols / QK));
             for (int64_t k = 0; k < m.cols / QK; ++k) device::quantize_block(x + k * QK, &xq[size_t(k)]);
         }
-        for (int64_t r = 0; r < m.rows; ++r)
-            y[r] = device::row_dot(m, r, x, xq.data(), 0, 1) + (m.bias ? m.bias[r] : 0.0f);
+        const device::DeviceRows rows = device::device_rows(m);
+        for (int64_t r = 0; r < m.rows; ++r) {
+            float sum = 0.0f;
+            for (int64_t k = 0; k < m.cols / QK; ++k) sum += device::block_dot(rows, r, k, x, xq.data());
+            y[r] = sum + (m.bias ? m.bias[r] : 0.0f);
+        }
     }
 
     // one row's norm (an attention block's or the output's)
@@ -242,17 +241,18 @@ int32_t tier_upload(pi_device_tier *t, const pi_device_layer *rows, int32_t laye
     // one block, laid out as the CUDA library lays out its allocation, read through pointers into it
     R.block.assign(layout.bytes, 0);
     uint8_t *base = R.block.data();
-    layout.fill(*rows, gated, [&](size_t at, const void *src, size_t n_bytes) {
+    const int64_t E = t->desc.n_embd, n = rows->n_rows;
+    layout.fill(*rows, E, gated, [&](size_t at, const void *src, size_t n_bytes) {
         std::memcpy(base + at, src, n_bytes);
         return true;
     });
-    R.desc = *rows;
-    R.desc.gate = base + layout.gate;
-    R.desc.up = gated ? base + layout.up : nullptr;
-    R.desc.down_t = base + layout.down_t;
-    R.desc.gate_b = rows->gate_b ? reinterpret_cast<const float *>(base + layout.gate_b) : nullptr;
-    R.desc.up_b = rows->up_b ? reinterpret_cast<const float *>(base + layout.up_b) : nullptr;
-    R.quantized = layout.quantized;
+    R.gate = device::DeviceRows{rows->gate_type, n, E, base + layout.gate};
+    R.up = gated ? device::DeviceRows{rows->up_type, n, E, base + layout.up} : device::DeviceRows{};
+    R.down = device::DeviceRows{rows->down_type, n, E, base + layout.down_t};
+    R.gate_b = rows->gate_b ? reinterpret_cast<const float *>(base + layout.gate_b) : nullptr;
+    R.up_b = rows->up_b ? reinterpret_cast<const float *>(base + layout.up_b) : nullptr;
+    R.threshold = rows->threshold;
+    R.layout = layout;
     R.uploaded = true;
     t->bytes += layout.bytes;
     g_used += layout.bytes;
@@ -264,14 +264,12 @@ int32_t tier_submit(pi_device_tier *t, const pi_device_job *job, char *err, size
         return say(err, len, "bad job");
     const pi_device_tier::Rows &R = t->layers[size_t(job->layer)];
     if (!R.uploaded) return say(err, len, "layer " + std::to_string(job->layer) + " was not uploaded");
-    const bool quantized = R.quantized;
-    if (quantized && !job->x_q8) return say(err, len, "the layer's weights are quantized: the job needs x_q8");
     if (t->worker.joinable()) t->worker.join();  // a job left unwaited: finished first
     t->job = *job;
     t->counts = pi_device_counts{};
     const double E = t->desc.n_embd;
-    t->counts.h2d_bytes = job->n_tok * E * 4 + (quantized ? job->n_tok * E / QK * sizeof(BlockQ8_0) : 0);
-    t->counts.d2h_bytes = job->n_tok * E * 4;
+    t->counts.h2d_bytes = job->n_tok * E * 4;  // the rows up; the output rows and the CUDA library's counters down
+    t->counts.d2h_bytes = job->n_tok * E * 4 + 16;
     t->submitted = std::chrono::steady_clock::now();
     t->worker = std::thread([t] { t->compute(); });
     return 0;
@@ -325,6 +323,9 @@ int32_t attention_run(pi_device_tier *t, const pi_device_attention_job *job, pi_
         counts->h2d_bytes = double(job->n_tok) * t->desc.n_embd * 4;  // the layer's input up, its output down
         counts->d2h_bytes = counts->h2d_bytes;
         counts->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        const pi_device_attention &a = t->attention[size_t(job->layer)].view;
+        counts->launches = device::attention_launches(a);
+        counts->device_bytes = device::attention_bytes(a, t->desc, job->n_tok, job->n_past);
     }
     return 0;
 }
@@ -359,7 +360,24 @@ int32_t head_run(pi_device_tier *t, const pi_device_head_job *job, pi_device_cou
         counts->h2d_bytes = double(job->n_tok) * t->desc.n_embd * 4;  // the rows up, their logits down
         counts->d2h_bytes = double(job->n_tok) * t->desc.n_vocab * 4;
         counts->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        counts->launches = device::head_launches();
+        counts->device_bytes = device::head_bytes(t->head_view, job->n_tok);
     }
+    return 0;
+}
+
+// A host copy of 16 MiB, the best of three: bytes read plus written per second, as the CUDA library's probe.
+int32_t copy_rate(int32_t device, double *bytes_per_second, char *err, size_t len) {
+    if (device < 0 || device >= device_count(nullptr, 0)) return say(err, len, "no emulated device " + std::to_string(device));
+    std::vector<uint8_t> a(size_t(16) << 20, 1), b(a.size());
+    double best = 0;
+    for (int i = 0; i < 3; ++i) {
+        const auto t0 = std::chrono::steady_clock::now();
+        std::memcpy(b.data(), a.data(), a.size());
+        const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        if (best == 0 || s < best) best = s;
+    }
+    *bytes_per_second = best > 0 ? 2.0 * double(a.size()) / best : 0.0;
     return 0;
 }
 
@@ -375,7 +393,7 @@ void tier_destroy(pi_device_tier *t) {
 const pi_device_api kApi = {PI_DEVICE_API_VERSION, "emulated", device_count,   device_memory,
                             tier_create,           tier_upload, tier_submit,    tier_wait,
                             attention_upload,      attention_run, head_upload,  head_run,
-                            tier_bytes,            tier_destroy};
+                            copy_rate,             tier_bytes,  tier_destroy};
 
 }  // namespace
 

@@ -1,14 +1,17 @@
-// The hot tier's arithmetic, written once for every device library (compiled by nvcc for the CUDA one, by the
-// host compiler for the emulation): a block of a row's dot product, one element of a down row, and the activation
-// rule of backend/activation_rule.h on one neuron. Operands are as the CPU kernels take them (kernels/kernels.h):
-// f32 rows for f32 and f16 weights, q8_0 blocks for q4_0 and q8_0 weights.
+// The hot tier's definitions, written once for every device library (compiled by nvcc for the CUDA one, by the
+// host compiler for the emulation): how a matrix is laid out in device memory (DeviceRows), a block of a row's dot
+// product, one element of a row, the activation rule of backend/activation_rule.h on one neuron, and what a job
+// launches and reads. Operands are f32 rows for f32 and f16 weights and their q8_0 quantization (the CPU
+// kernels' quantizer, bit for bit) for q4_0 and q8_0 weights. Each library sums in its own order: the emulation
+// block by block, the CUDA kernels lane by lane, then across lanes.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
-#include "backend/down_runs.h"
 #include "format/types.h"
-#include "kernels/axpy_int.h"
 #include "kernels/exp_ref.h"
 #include "pi_device.h"
 
@@ -24,8 +27,56 @@ PI_HD inline uint32_t row_bytes(uint32_t type, int64_t n) {
 
 inline bool reads_q8(uint32_t type) { return type == TYPE_Q4_0 || type == TYPE_Q8_0; }
 
-// Parts laid out one after the other in a block of device memory, each 16-byte aligned (q8_0 rows are 34 bytes a
-// block; biases and norms are floats): add returns a part's offset.
+// Bytes of one block's quants in DeviceRows' split layout: 16 for q4_0, 32 for q8_0, 0 for the float types.
+PI_HD inline uint32_t quant_bytes(uint32_t type) { return type == TYPE_Q4_0 ? 16u : type == TYPE_Q8_0 ? 32u : 0u; }
+
+// A matrix in device memory. f32 and f16 rows are the file's. q4_0 and q8_0 rows are split: first every block's
+// quants (row after row, block after block), then every block's f16 scale in the same order. The same bytes as
+// the file's 18- or 34-byte blocks, in an order where a block's quants are one (q4_0) or two (q8_0) aligned
+// 16-byte loads and a warp's lanes read consecutive blocks.
+struct DeviceRows {
+    uint32_t type = 0;
+    int64_t rows = 0, cols = 0;
+    const uint8_t *data = nullptr;
+
+    PI_HD int64_t blocks() const { return cols / QK; }
+    PI_HD const uint8_t *row(int64_t r) const { return data + r * int64_t(row_bytes(type, cols)); }  // f32, f16
+    PI_HD const uint8_t *quants(int64_t r, int64_t k) const { return data + (r * blocks() + k) * quant_bytes(type); }
+    PI_HD float scale(int64_t r, int64_t k) const {
+        return f16_to_f32(reinterpret_cast<const uint16_t *>(data + rows * blocks() * quant_bytes(type))[r * blocks() + k]);
+    }
+    PI_HD int64_t bytes() const { return rows * int64_t(row_bytes(type, cols)); }
+};
+
+// n_rows rows of the file's layout (src) in DeviceRows' layout: `bytes` of them, the same number as src's.
+inline std::vector<uint8_t> split_rows(uint32_t type, int64_t n_rows, int64_t cols, const void *src) {
+    const size_t bytes = size_t(n_rows) * row_bytes(type, cols);
+    std::vector<uint8_t> out(bytes);
+    const uint8_t *in = static_cast<const uint8_t *>(src);
+    const uint32_t qb = quant_bytes(type);
+    if (!qb) {
+        std::memcpy(out.data(), in, bytes);
+        return out;
+    }
+    const int64_t n = n_rows * (cols / QK);
+    const uint32_t bb = type_size(type).bytes;  // the file's block: its f16 scale, then its quants
+    uint8_t *scales = out.data() + n * qb;
+    for (int64_t i = 0; i < n; ++i) {
+        std::memcpy(scales + 2 * i, in + i * bb, 2);
+        std::memcpy(out.data() + i * qb, in + i * bb + 2, qb);
+    }
+    return out;
+}
+
+// Copies rows of the file's layout into device memory in DeviceRows' layout, with copy(offset, source, bytes).
+template <class Copy>
+bool copy_rows(Copy &copy, size_t at, uint32_t type, int64_t n_rows, int64_t cols, const void *src) {
+    const std::vector<uint8_t> split = split_rows(type, n_rows, cols, src);
+    return copy(at, split.data(), split.size());
+}
+
+// Parts laid out one after the other in a block of device memory, each 16-byte aligned (biases and norms are
+// floats; a DeviceRows' quants are 16-byte loads): add returns a part's offset.
 struct BlockParts {
     size_t bytes = 0;
     size_t add(size_t size) {
@@ -36,7 +87,7 @@ struct BlockParts {
 };
 
 // Where the parts of a layer's hot rows lie in the one block of device memory that holds them: gate, up and
-// down_t rows, then the biases, each part 16-byte aligned (q8_0 rows are 34 bytes a block; biases are floats).
+// down_t rows (DeviceRows), then the biases, each part 16-byte aligned.
 struct LayerLayout {
     size_t gate = 0, up = 0, down_t = 0, gate_b = 0, up_b = 0, bytes = 0;
     uint32_t gate_row = 0, up_row = 0, down_row = 0;  // bytes a row
@@ -56,13 +107,15 @@ struct LayerLayout {
         up_b = parts.add(rows.up_b ? n * 4 : 0);
         bytes = parts.bytes;
     }
-    // Copies each part of `rows` into the block at `base` with copy(destination offset, source, bytes).
+    // Copies each part of `rows` into the block with copy(destination offset, source, bytes).
     template <class Copy>
-    bool fill(const pi_device_layer &rows, bool gated, Copy copy) const {
-        const size_t n = size_t(rows.n_rows);
-        return copy(gate, rows.gate, n * gate_row) && (!gated || copy(up, rows.up, n * up_row)) &&
-               copy(down_t, rows.down_t, n * down_row) && (!rows.gate_b || copy(gate_b, rows.gate_b, n * 4)) &&
-               (!rows.up_b || copy(up_b, rows.up_b, n * 4));
+    bool fill(const pi_device_layer &rows, int64_t n_embd, bool gated, Copy copy) const {
+        const int64_t n = rows.n_rows;
+        return copy_rows(copy, gate, rows.gate_type, n, n_embd, rows.gate) &&
+               (!gated || copy_rows(copy, up, rows.up_type, n, n_embd, rows.up)) &&
+               copy_rows(copy, down_t, rows.down_type, n, n_embd, rows.down_t) &&
+               (!rows.gate_b || copy(gate_b, rows.gate_b, size_t(n) * 4)) &&
+               (!rows.up_b || copy(up_b, rows.up_b, size_t(n) * 4));
     }
 };
 
@@ -75,87 +128,64 @@ inline const char *refuse_layer(const pi_device_layer &rows, bool gated) {
     return nullptr;
 }
 
-// Block k (elements [32k, 32k + 32)) of row . x: x is the token's f32 row, xq its q8_0 blocks.
-PI_HD inline float block_dot(uint32_t type, const uint8_t *row, int64_t k, const float *x, const BlockQ8_0 *xq) {
+// Block k (elements [32k, 32k + 32)) of row r of m times a token: x its f32 row, xq its q8_0 blocks. Integer
+// sums for the quantized types, scaled once per block.
+PI_HD inline float block_dot(const DeviceRows &m, int64_t r, int64_t k, const float *x, const BlockQ8_0 *xq) {
     float sum = 0.0f;
-    if (type == TYPE_F32) {
-        const float *w = reinterpret_cast<const float *>(row) + k * QK;
+    if (m.type == TYPE_F32) {
+        const float *w = reinterpret_cast<const float *>(m.row(r)) + k * QK;
         for (int i = 0; i < QK; ++i) sum += w[i] * x[k * QK + i];
-    } else if (type == TYPE_F16) {
-        const uint16_t *w = reinterpret_cast<const uint16_t *>(row) + k * QK;
+    } else if (m.type == TYPE_F16) {
+        const uint16_t *w = reinterpret_cast<const uint16_t *>(m.row(r)) + k * QK;
         for (int i = 0; i < QK; ++i) sum += f16_to_f32(w[i]) * x[k * QK + i];
-    } else if (type == TYPE_Q8_0) {
-        const BlockQ8_0 &a = reinterpret_cast<const BlockQ8_0 *>(row)[k];
-        const BlockQ8_0 &b = xq[k];
+    } else {
+        const uint8_t *q = m.quants(r, k);
+        const int8_t *b = xq[k].qs;
         int32_t isum = 0;
-        for (int i = 0; i < QK; ++i) isum += int32_t(a.qs[i]) * int32_t(b.qs[i]);
-        sum = f16_to_f32(a.d) * f16_to_f32(b.d) * float(isum);
-    } else if (type == TYPE_Q4_0) {
-        const BlockQ4_0 &a = reinterpret_cast<const BlockQ4_0 *>(row)[k];
-        const BlockQ8_0 &b = xq[k];
-        int32_t isum = 0;
-        for (int i = 0; i < QK / 2; ++i) {
-            isum += (int32_t(a.qs[i] & 0x0f) - 8) * int32_t(b.qs[i]);
-            isum += (int32_t(a.qs[i] >> 4) - 8) * int32_t(b.qs[i + QK / 2]);
+        if (m.type == TYPE_Q8_0) {
+            for (int i = 0; i < QK; ++i) isum += int32_t(int8_t(q[i])) * int32_t(b[i]);
+        } else {
+            for (int i = 0; i < QK / 2; ++i) {
+                isum += (int32_t(q[i] & 0x0f) - 8) * int32_t(b[i]);
+                isum += (int32_t(q[i] >> 4) - 8) * int32_t(b[i + QK / 2]);
+            }
         }
-        sum = f16_to_f32(a.d) * f16_to_f32(b.d) * float(isum);
+        sum = m.scale(r, k) * f16_to_f32(xq[k].d) * float(isum);
     }
     return sum;
 }
 
-// Element i of a row.
-PI_HD inline float element(uint32_t type, const uint8_t *row, int64_t i) {
-    if (type == TYPE_F32) return reinterpret_cast<const float *>(row)[i];
-    if (type == TYPE_F16) return f16_to_f32(reinterpret_cast<const uint16_t *>(row)[i]);
+// Element i of row r of m.
+PI_HD inline float element(const DeviceRows &m, int64_t r, int64_t i) {
+    if (m.type == TYPE_F32) return reinterpret_cast<const float *>(m.row(r))[i];
+    if (m.type == TYPE_F16) return f16_to_f32(reinterpret_cast<const uint16_t *>(m.row(r))[i]);
     const int64_t k = i / QK, j = i % QK;
-    if (type == TYPE_Q8_0) {
-        const BlockQ8_0 &b = reinterpret_cast<const BlockQ8_0 *>(row)[k];
-        return f16_to_f32(b.d) * float(b.qs[j]);
-    }
-    const BlockQ4_0 &b = reinterpret_cast<const BlockQ4_0 *>(row)[k];
-    const int q = j < QK / 2 ? (b.qs[j] & 0x0f) : (b.qs[j - QK / 2] >> 4);
-    return f16_to_f32(b.d) * float(q - 8);
+    const uint8_t *q = m.quants(r, k);
+    if (m.type == TYPE_Q8_0) return m.scale(r, k) * float(int8_t(q[j]));
+    const int v = j < QK / 2 ? (q[j] & 0x0f) : (q[j - QK / 2] >> 4);
+    return m.scale(r, k) * float(v - 8);
 }
 
-// Element e of a token's down projection over q4_0 down_t rows, exactly as the CPU tier computes a decode
-// step (backend/down_runs.h, kernels/axpy_int.h): the rows with a nonzero coefficient h in slot order, in runs of
-// kDownRunRows (each summed from zero, the runs then added in order) and groups of kAxpyGroup (the coefficients
-// h_r * d_r rounded against the group's largest, the products summed as integers). The same bits on either side
-// of the tier boundary, so that a q8_0 model's next matrix quantizes the same inputs.
-struct DownElement {
-    int64_t k;
-    int j;
-    float c[kAxpyGroup];
-    int32_t v[kAxpyGroup];
-    int in_group = 0, in_run = 0;
-    float y = 0.0f, partial = 0.0f;
+// Tokens a matrix-vector kernel takes per pass over a matrix's rows: a batch reads the matrix once a pass.
+constexpr int kTokensPerPass = 8;
+PI_HD inline int64_t passes(int64_t n_tok) { return (n_tok + kTokensPerPass - 1) / kTokensPerPass; }
 
-    PI_HD void add_group() {
-        partial = axpy_group_column(c, v, in_group, partial);
-        in_group = 0;
-    }
-    PI_HD void add_run() {
-        y = y + partial;
-        partial = 0.0f;
-        in_run = 0;
-    }
-};
+// The down projection's neurons split in up to kDownSplits interleaved sets, each summed by its own blocks into a
+// partial output, the partials then added in order by a second kernel: enough blocks to fill the device for a
+// decode step, in a fixed order (the same output every run). A batch's tokens share the splits (its rows'
+// partials take the job's input scratch: n_batch rows).
+constexpr int64_t kDownSplits = 32;
+inline int64_t down_splits(int64_t n_batch, int64_t n_tok) {
+    return std::max<int64_t>(1, std::min<int64_t>(kDownSplits, n_batch / n_tok));
+}
 
-PI_HD inline float down_element_q4_0(const uint8_t *down, uint32_t row_bytes, const float *h, int64_t n_rows, int64_t e) {
-    DownElement d;
-    d.k = e / QK;
-    d.j = int(e % QK);
-    for (int64_t r = 0; r < n_rows; ++r) {
-        if (h[r] == 0.0f) continue;
-        const BlockQ4_0 &b = reinterpret_cast<const BlockQ4_0 *>(down + size_t(r) * row_bytes)[d.k];
-        d.c[d.in_group] = h[r] * f16_to_f32(b.d);
-        d.v[d.in_group] = block_value(b, d.j);
-        if (++d.in_group == kAxpyGroup) d.add_group();
-        if (++d.in_run == kDownRunRows) d.add_run();
-    }
-    if (d.in_group > 0) d.add_group();
-    if (d.in_run > 0) d.add_run();
-    return d.y;
+// Kernels a hot job launches: the operand's quantization, gate_up, down, and the partials' sum where split.
+inline double hot_launches(int64_t n_batch, int64_t n_tok) { return 3.0 + (down_splits(n_batch, n_tok) > 1 ? 1.0 : 0.0); }
+
+// Bytes a hot job reads of device memory: the gate (and up) rows once a pass, each token's computed neurons'
+// down rows.
+inline double hot_bytes(const LayerLayout &l, int64_t n_rows, int64_t n_tok, double computed) {
+    return double(n_rows) * double(l.gate_row + l.up_row) * double(passes(n_tok)) + computed * double(l.down_row);
 }
 
 // The activation rule (backend/activation_rule.h) of one neuron from its gate's and up's dot products (biases

@@ -36,7 +36,10 @@ public:
     void set_seed(uint64_t seed) { rng_.seed_with(seed); }
     const std::string &info_json();
     const std::string &stats_json();
-    void reset_stats() { stats_.reset(); }
+    void reset_stats() {
+        stats_.reset();
+        if (device_) device_->reset_counts();
+    }
 
 private:
     // Refuses (PI_ERR_MEMORY) before allocating when the buffers the hyperparameters imply exceed RAM.

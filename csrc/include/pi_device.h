@@ -21,7 +21,7 @@
 extern "C" {
 #endif
 
-#define PI_DEVICE_API_VERSION 2
+#define PI_DEVICE_API_VERSION 3
 
 typedef enum { PI_DEVICE_ACT_RELU = 0, PI_DEVICE_ACT_SILU = 1, PI_DEVICE_ACT_DRELU = 2 } pi_device_activation;
 typedef enum { PI_DEVICE_NORM_RMS = 0, PI_DEVICE_NORM_LAYER = 1 } pi_device_norm;
@@ -57,15 +57,14 @@ typedef struct {
     float threshold;                /* the activation rule's (SiLU: |a| > t; ReLU, FATReLU: g > t) */
 } pi_device_layer;
 
-/* One layer's hot tier over a batch. The operands are the FFN's normed input: f32 rows (read by f32 and f16
- * weights) and their q8_0 blocks (read by q4_0 and q8_0 weights; NULL when no weight is quantized). They and
- * y stay untouched by the caller until tier_wait returns. */
+/* One layer's hot tier over a batch. The operand is the FFN's normed input, f32 rows; the library quantizes them
+ * to q8_0 (the CPU kernels' quantizer) where its weights are quantized. x and y stay untouched by the caller
+ * until tier_wait returns. */
 typedef struct {
     int32_t layer;
     int32_t n_tok;
     int32_t dense;       /* 1: every neuron's down row, the rule not applied; 0: only neurons the rule passes */
     const float *x;      /* [n_tok][n_embd] */
-    const void *x_q8;    /* [n_tok][n_embd / 32] blocks of 34 bytes */
     float *y;            /* [n_tok][n_embd], written whole */
 } pi_device_job;
 
@@ -119,6 +118,8 @@ typedef struct {
     double computed;    /* neurons whose down row was used */
     double h2d_bytes, d2h_bytes;
     double seconds;     /* from submit until the job's output was back in host memory */
+    double launches;    /* kernels launched (tier_math.h's and attention_math.h's *_launches) */
+    double device_bytes; /* bytes the kernels read from device memory: weights and KV cache (*_bytes, likewise) */
 } pi_device_counts;
 
 typedef struct pi_device_tier pi_device_tier;
@@ -147,6 +148,9 @@ typedef struct {
     int32_t (*head_upload)(pi_device_tier *tier, const pi_device_head *head, char *err, size_t err_len);
     int32_t (*head_run)(pi_device_tier *tier, const pi_device_head_job *job, pi_device_counts *counts, char *err,
                         size_t err_len);
+    /* The device's own copy rate (bytes read plus written per second, a device-to-device copy): what a job's
+     * device_bytes are measured against. */
+    int32_t (*copy_rate)(int32_t device, double *bytes_per_second, char *err, size_t err_len);
     /* Bytes of device memory the tier holds (weights, KV caches and scratch). */
     uint64_t (*tier_bytes)(const pi_device_tier *tier);
     void (*tier_destroy)(pi_device_tier *tier);

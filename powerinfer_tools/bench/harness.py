@@ -602,6 +602,7 @@ def render_markdown(record: dict) -> str:
             _f(e.get("achieved_over_predicted_cpu"), "{:.0%}"), _f(e.get("of_limit"), "{:.0%}"),
             _f(e.get("achieved_over_machine_predicted"), "{:.0%}")]) + " |")
     lines += _phase_table(record.get("runs", []), tg)
+    lines += _device_table(record.get("runs", []), tg)
     if record.get("sweep"):
         lines += ["", f"Sparsity sweep ({tg}, thresholds recalibrated per level):", "",
                   "| target | engine | FFN sparsity | gate rows read | tg t/s | tg t/CPU-s | vs llama.cpp | "
@@ -653,6 +654,42 @@ def _phase_table(entries: list[dict], tg: str) -> list[str]:
                 f"{tg}; gate_up: gates, rule and ups; down: the down projection):", "",
             "| engine | attention | predictor | gate_up | down | output head | other | total |",
             "|---|---|---|---|---|---|---|---|"] + rows
+
+
+LAUNCH_SECONDS = 5e-6  # what a kernel launch is allowed beside its bytes, in the device's floor
+
+
+def device_per_token(stats: dict) -> dict | None:
+    """A run's device work per generated token (the engine's counters over the last round's generation): time on
+    the device (its events), kernels launched, bytes read there and over the bus, and the floor those bytes
+    imply at the device's own copy rate plus LAUNCH_SECONDS a launch."""
+    gpu, n = stats.get("gpu"), stats.get("decode_tokens")
+    if not gpu or not n or not gpu.get("copy_rate"):
+        return None
+    seconds = gpu["device_seconds"] + gpu["attention_seconds"] + gpu["head_seconds"]
+    floor = gpu["device_read_bytes"] / gpu["copy_rate"] + LAUNCH_SECONDS * gpu["launches"]
+    return {"device_us": 1e6 * seconds / n, "launches": gpu["launches"] / n,
+            "device_mb": gpu["device_read_bytes"] / n / 1e6, "h2d_kib": gpu["h2d_bytes"] / n / 1024,
+            "d2h_kib": gpu["d2h_bytes"] / n / 1024, "floor_us": 1e6 * floor / n,
+            "of_floor": floor / seconds if seconds else None, "copy_gbs": gpu["copy_rate"] / 1e9}
+
+
+def _device_table(entries: list[dict], tg: str) -> list[str]:
+    """Where the device's share of a generated token goes, against the floor of its bytes (device_per_token)."""
+    rows = []
+    for e in entries:
+        d = device_per_token(e.get("stats") or {}) if e["backend"] == "ours" else None
+        if d:
+            rows.append("| " + " | ".join([e["label"], f"{d['device_us']:.0f}", f"{d['launches']:.0f}",
+                                           f"{d['device_mb']:.1f}", f"{d['h2d_kib']:.1f} / {d['d2h_kib']:.1f}",
+                                           f"{d['floor_us']:.0f}", _f(d["of_floor"], "{:.0%}")]) + " |")
+    if not rows:
+        return []
+    copy = device_per_token(next(e["stats"] for e in entries if device_per_token(e.get("stats") or {})))["copy_gbs"]
+    return ["", f"The device per generated token ({tg}; its copy probe: {copy:.0f} GB/s read + written; floor: its "
+                f"bytes at that rate plus {LAUNCH_SECONDS * 1e6:.0f} µs a launch):", "",
+            "| engine | device µs | launches | device MB read | bus KiB up / down | floor µs | of floor |",
+            "|---|---|---|---|---|---|---|"] + rows
 
 
 def plot_sweep(record: dict, png: Path) -> None:

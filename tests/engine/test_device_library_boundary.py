@@ -49,7 +49,8 @@ class HeadJob(C.Structure):
 
 
 class Counts(C.Structure):
-    _fields_ = [(n, C.c_double) for n in ("active", "computed", "h2d_bytes", "d2h_bytes", "seconds")]
+    _fields_ = [(n, C.c_double) for n in ("active", "computed", "h2d_bytes", "d2h_bytes", "seconds", "launches",
+                                          "device_bytes")]
 
 
 ERR = (C.c_char_p, C.c_size_t)
@@ -63,6 +64,7 @@ CALLS = [("device_count", C.c_int32, [*ERR]),
          ("attention_run", C.c_int32, [C.c_void_p, C.POINTER(AttentionJob), C.POINTER(Counts), *ERR]),
          ("head_upload", C.c_int32, [C.c_void_p, C.POINTER(Head), *ERR]),
          ("head_run", C.c_int32, [C.c_void_p, C.POINTER(HeadJob), C.POINTER(Counts), *ERR]),
+         ("copy_rate", C.c_int32, [C.c_int32, C.POINTER(C.c_double), *ERR]),
          ("tier_bytes", C.c_uint64, [C.c_void_p]),
          ("tier_destroy", None, [C.c_void_p])]
 
@@ -86,7 +88,7 @@ def api(request, monkeypatch):
     lib = C.CDLL(str(path))
     lib.pi_device_api_get.restype = C.POINTER(Api)
     table = lib.pi_device_api_get().contents
-    assert table.api_version == 2 and table.name == request.param.encode()
+    assert table.api_version == 3 and table.name == request.param.encode()
     err = C.create_string_buffer(256)
     if table.device_count(err, 256) == 0:
         pytest.skip(err.value.decode())

@@ -6,7 +6,7 @@
 #                                  (git-ignored): the gguf wheel (its image has no gguf-py) and the calibration
 #                                  text the synthetic model's tokenizer is trained on (../shared does not travel)
 #   scripts/gpu_check.sh all       on the device machine (carry .gpu), ONE call of at most 10 minutes: `build`,
-#                                  `smoke` (it stops there when that fails), `tests`, then `speed`, each under a
+#                                  `smoke` (it stops there on a crash or a hang), `tests`, then `speed`, each under a
 #                                  time limit of its own (3 minutes, 1, 3, what is left of 9.5), appending what it
 #                                  finished to $OUT/progress.txt as it goes, so that a call cut short still says
 #                                  how far it got and what it measured (ALL_SECONDS: the whole budget, 570)
@@ -79,7 +79,7 @@ smoke)
     setup_device_machine
     smoke=(python3 -X faulthandler -m pytest -x -q -p no:cacheprovider -m gpu -k cuda
            tests/engine/test_device_library_boundary.py
-           "tests/engine/test_engine_device.py::test_each_tier_is_as_close_to_float64[cuda-llama-relu-f32]"
+           "tests/engine/test_engine_device.py::test_the_device_tier_gives_the_cpu_logits[cuda-llama-relu-f32-attention]"
            "tests/engine/test_engine_device.py::test_greedy_tokens_agree_over_64_steps[cuda-llama-relu-q8_0]"
            "tests/engine/test_engine_device.py::test_greedy_tokens_agree_over_64_steps[cuda-llama-relu-q4_0]")
     rc=0
@@ -108,8 +108,11 @@ all)
     log "build"
     if timeout 180 "$0" build; then log "build done"; else log "build failed or cut short (rc $?)"; exit 1; fi
     log "smoke"
-    if timeout 90 "$0" smoke; then log "smoke: $(tail -1 "$OUT/smoke.log")"
-    else log "smoke FAILED (rc $?): stopping here"; exit 1; fi
+    rc=0
+    timeout 90 "$0" smoke || rc=$?
+    log "smoke (rc $rc): $(tail -1 "$OUT/smoke.log")"
+    # a crash or a hang stops the run; a failed check leaves the rest worth measuring
+    if [ "$rc" -ge 124 ]; then log "smoke crashed or hung: stopping here"; exit 1; fi
     log "tests"
     if timeout 180 "$0" tests > "$OUT/tests.out" 2>&1; then log "tests: $(tail -1 "$OUT/tests.log")"
     else log "tests FAILED or cut short (rc $?): $(tail -1 "$OUT/tests.log" 2>/dev/null || true)"; fi

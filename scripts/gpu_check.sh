@@ -23,7 +23,8 @@
 #                                  predictor mode (MODES=dense,predictor adds dense; REPEATS rounds, default 1):
 #                                  prompt and decode tokens/s on the CPU alone, then on the GPU at the 7B's 4 and
 #                                  8 GiB budgets scaled to LAYERS, with the layers' attention and KV cache on
-#                                  the device, and at 8 GiB without them ($OUT/speed.txt, the bench's tables)
+#                                  the device, and at 8 GiB without them ($OUT/speed.txt, the bench's tables; the
+#                                  device's steps timed by CUDA events: $OUT/steps-NAME.tsv, PI_CUDA_STEP_TIMES)
 #   scripts/gpu_check.sh sparsify  on the device machine: `pi-tools sparsify --device cuda` on a random-weight SiLU
 #                                  Llama of 1.2B parameters (the 2b shape; its speed does not depend on the weights),
 #                                  both phases' tokens/s, peak GPU memory, hours for 1B end-to-end tokens
@@ -143,6 +144,7 @@ speed)
         read -r name flags <<< "$run"
         t0=$(date +%s)
         # shellcheck disable=SC2086  # the flags split on purpose
+        PI_CUDA_STEP_TIMES="$OUT/steps-$name.tsv" \
         python3 -m powerinfer_tools "${common[@]}" $flags --json "$OUT/bench-$name.json" --markdown "$OUT/bench-$name.md" \
             && echo "$name: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/speed-steps.txt" \
             || echo "$name: FAILED after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/speed-steps.txt"

@@ -25,6 +25,24 @@ def placement(gpu: dict) -> str:
             f"{d['attention_layers']}/{len(d['layers'])} on the device")
 
 
+def step_times(path: Path) -> list[str]:
+    """The device's decode steps (PI_CUDA_STEP_TIMES: step, times, total µs a line, summed over the bench's
+    engines): per generated token (one `head` step each) and per occurrence."""
+    totals: dict[str, list[float]] = {}
+    for line in path.read_text().splitlines():
+        name, times, micros = line.split("\t")
+        entry = totals.setdefault(name, [0, 0.0])
+        entry[0] += int(times)
+        entry[1] += float(micros)
+    tokens = totals.get("head", [0])[0]
+    if not tokens:
+        return []
+    steps = [(n, t, us) for n, (t, us) in totals.items() if not n.startswith("batch ")]
+    total = sum(us for _, _, us in steps)
+    return [f"{'':14s} device steps per decode token (CUDA events, {tokens} tokens): {total / tokens:.0f} µs: "
+            + ", ".join(f"{n} {us / tokens:.0f} ({us / t:.1f} x {t // tokens})" for n, t, us in steps)]
+
+
 def main(out: Path, layers: int) -> None:
     print(f"7B shape, {layers} of 32 layers, q4_0, 90 % predicted sparsity (budgets: the 7B's, the rest scaled to {layers} layers)")
     base = None
@@ -47,6 +65,8 @@ def main(out: Path, layers: int) -> None:
                 print(f"{'':14s} device per token: {d['device_us']:.0f} µs, {d['launches']:.0f} launches, "
                       f"{d['device_mb']:.1f} MB read, bus {d['h2d_kib']:.1f} KiB up / {d['d2h_kib']:.1f} down; floor "
                       f"{d['floor_us']:.0f} µs at {d['copy_gbs']:.0f} GB/s + 5 µs a launch ({d['of_floor']:.0%} of it)")
+        if (out / f"steps-{name}.tsv").exists():
+            print("\n".join(step_times(out / f"steps-{name}.tsv")))
 
 
 if __name__ == "__main__":

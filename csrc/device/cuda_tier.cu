@@ -16,10 +16,12 @@
 //             then a thread per element of d_head summing the values position by position (coalesced reads).
 // The operands go up and the outputs come back through pinned host buffers, asynchronously on the stream.
 // Built with static cudart (nvcc's default): the library loads where no driver is, and says there is no device.
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -31,6 +33,7 @@
 using namespace pi;
 using device::DeviceRows;
 using device::kTokensPerPass;
+using device::quant_bytes;
 
 namespace {
 
@@ -100,50 +103,77 @@ __device__ inline float warp_sum(float v) {
 __device__ inline int q4_low(int w) { return __vsub4(w & 0x0f0f0f0f, 0x08080808); }
 __device__ inline int q4_high(int w) { return __vsub4((w >> 4) & 0x0f0f0f0f, 0x08080808); }
 
-// Lane `lane`'s share of row r of m times tokens t0 .. t0 + n_t - 1 (n_t <= kTokensPerPass) into sum[].
+// An f16 value (its bits) as a float: the device's conversion instruction (exact, as format/types.h's).
+__device__ inline float half_bits(uint16_t bits) { return __half2float(__ushort_as_half(bits)); }
+__device__ inline float scale_of(const DeviceRows &m, int64_t r, int64_t k) {
+    return half_bits(__ldg(reinterpret_cast<const unsigned short *>(m.data + m.rows * m.blocks() * quant_bytes(m.type)) +
+                           r * m.blocks() + k));
+}
+
+// Blocks a lane loads before it computes with them: the loads of a row in flight together.
+constexpr int kLoadsAhead = 4;
+
+// Lane `lane`'s share of row r of m times tokens t0 .. t0 + n_t - 1 (n_t <= NT) into sum[], the warp's lanes' shares
+// then added (every lane receives the sums). NT: 1 for a decode step (fewer registers, more warps in flight),
+// kTokensPerPass for a batch.
+template <int NT>
 __device__ inline void row_dots(const DeviceRows &m, int64_t r, const Operand &in, int t0, int n_t, int lane,
-                                float (&sum)[kTokensPerPass]) {
+                                float (&sum)[NT]) {
 #pragma unroll
-    for (int t = 0; t < kTokensPerPass; ++t) sum[t] = 0.0f;
+    for (int t = 0; t < NT; ++t) sum[t] = 0.0f;
     const int nb = int(m.blocks());
     if (m.type == TYPE_Q4_0 || m.type == TYPE_Q8_0) {
         const bool q4 = m.type == TYPE_Q4_0;
-        for (int k = lane; k < nb; k += kWarp) {
-            int w[8];
-            const int4 w0 = *reinterpret_cast<const int4 *>(m.quants(r, k));
-            if (q4) {
-                w[0] = q4_low(w0.x), w[1] = q4_low(w0.y), w[2] = q4_low(w0.z), w[3] = q4_low(w0.w);
-                w[4] = q4_high(w0.x), w[5] = q4_high(w0.y), w[6] = q4_high(w0.z), w[7] = q4_high(w0.w);
-            } else {
-                const int4 w1 = *(reinterpret_cast<const int4 *>(m.quants(r, k)) + 1);
-                w[0] = w0.x, w[1] = w0.y, w[2] = w0.z, w[3] = w0.w, w[4] = w1.x, w[5] = w1.y, w[6] = w1.z, w[7] = w1.w;
-            }
-            const float dw = m.scale(r, k);
+        for (int k0 = lane; k0 < nb; k0 += kWarp * kLoadsAhead) {
+            int4 lo[kLoadsAhead], hi[kLoadsAhead];
+            float dw[kLoadsAhead];
 #pragma unroll
-            for (int t = 0; t < kTokensPerPass; ++t) {
-                if (t >= n_t) break;
-                const size_t row = size_t(t0 + t);
-                const int4 *xv = reinterpret_cast<const int4 *>(in.q + row * in.n + size_t(k) * QK);
-                const int4 a = xv[0], b = xv[1];
-                int s = __dp4a(w[0], a.x, 0);
-                s = __dp4a(w[1], a.y, s), s = __dp4a(w[2], a.z, s), s = __dp4a(w[3], a.w, s);
-                s = __dp4a(w[4], b.x, s), s = __dp4a(w[5], b.y, s), s = __dp4a(w[6], b.z, s), s = __dp4a(w[7], b.w, s);
-                sum[t] += dw * f16_to_f32(in.d[row * (in.n / QK) + k]) * float(s);
+            for (int u = 0; u < kLoadsAhead; ++u) {
+                const int k = k0 + u * kWarp;
+                if (k >= nb) break;
+                const int4 *q = reinterpret_cast<const int4 *>(m.quants(r, k));
+                lo[u] = __ldg(q);
+                if (!q4) hi[u] = __ldg(q + 1);
+                dw[u] = scale_of(m, r, k);
+            }
+#pragma unroll
+            for (int u = 0; u < kLoadsAhead; ++u) {
+                const int k = k0 + u * kWarp;
+                if (k >= nb) break;
+                int w[8];
+                if (q4) {
+                    w[0] = q4_low(lo[u].x), w[1] = q4_low(lo[u].y), w[2] = q4_low(lo[u].z), w[3] = q4_low(lo[u].w);
+                    w[4] = q4_high(lo[u].x), w[5] = q4_high(lo[u].y), w[6] = q4_high(lo[u].z), w[7] = q4_high(lo[u].w);
+                } else {
+                    w[0] = lo[u].x, w[1] = lo[u].y, w[2] = lo[u].z, w[3] = lo[u].w;
+                    w[4] = hi[u].x, w[5] = hi[u].y, w[6] = hi[u].z, w[7] = hi[u].w;
+                }
+#pragma unroll
+                for (int t = 0; t < NT; ++t) {
+                    if (t >= n_t) break;
+                    const size_t row = size_t(t0 + t);
+                    const int4 *xv = reinterpret_cast<const int4 *>(in.q + row * in.n + size_t(k) * QK);
+                    const int4 a = xv[0], b = xv[1];
+                    int s = __dp4a(w[0], a.x, 0);
+                    s = __dp4a(w[1], a.y, s), s = __dp4a(w[2], a.z, s), s = __dp4a(w[3], a.w, s);
+                    s = __dp4a(w[4], b.x, s), s = __dp4a(w[5], b.y, s), s = __dp4a(w[6], b.z, s), s = __dp4a(w[7], b.w, s);
+                    sum[t] += dw[u] * half_bits(in.d[row * (in.n / QK) + k]) * float(s);
+                }
             }
         }
     } else if (m.type == TYPE_F16) {
         const uint16_t *w_row = reinterpret_cast<const uint16_t *>(m.row(r));
         for (int i = lane * 8; i < m.cols; i += kWarp * 8) {
-            const uint4 raw = *reinterpret_cast<const uint4 *>(w_row + i);
+            const uint4 raw = __ldg(reinterpret_cast<const uint4 *>(w_row + i));
             const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
             float w[8];
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-                w[2 * j] = f16_to_f32(uint16_t(words[j] & 0xffff));
-                w[2 * j + 1] = f16_to_f32(uint16_t(words[j] >> 16));
+                w[2 * j] = half_bits(uint16_t(words[j] & 0xffff));
+                w[2 * j + 1] = half_bits(uint16_t(words[j] >> 16));
             }
 #pragma unroll
-            for (int t = 0; t < kTokensPerPass; ++t) {
+            for (int t = 0; t < NT; ++t) {
                 if (t >= n_t) break;
                 const float4 *xv = reinterpret_cast<const float4 *>(in.x + size_t(t0 + t) * in.n + i);
                 const float4 a = xv[0], b = xv[1];
@@ -153,9 +183,9 @@ __device__ inline void row_dots(const DeviceRows &m, int64_t r, const Operand &i
     } else {  // f32
         const float *w_row = reinterpret_cast<const float *>(m.row(r));
         for (int i = lane * 4; i < m.cols; i += kWarp * 4) {
-            const float4 w = *reinterpret_cast<const float4 *>(w_row + i);
+            const float4 w = __ldg(reinterpret_cast<const float4 *>(w_row + i));
 #pragma unroll
-            for (int t = 0; t < kTokensPerPass; ++t) {
+            for (int t = 0; t < NT; ++t) {
                 if (t >= n_t) break;
                 const float4 a = *reinterpret_cast<const float4 *>(in.x + size_t(t0 + t) * in.n + i);
                 sum[t] += w.x * a.x + w.y * a.y + w.z * a.z + w.w * a.w;
@@ -163,7 +193,7 @@ __device__ inline void row_dots(const DeviceRows &m, int64_t r, const Operand &i
         }
     }
 #pragma unroll
-    for (int t = 0; t < kTokensPerPass; ++t) sum[t] = warp_sum(sum[t]);
+    for (int t = 0; t < NT; ++t) sum[t] = warp_sum(sum[t]);
 }
 
 // The q8_0 form of n_blocks blocks of 32 floats (a warp a block); block 0's first thread clears `zero` (the job's
@@ -195,6 +225,7 @@ struct Projections {
     int first_block[4];  // the launch's blocks: projection i takes [first_block[i], first_block[i + 1])
 };
 
+template <int NT>
 __global__ void matvec_kernel(Projections P, Operand in, int n_tok) {
     int i = 0;
     while (i + 1 < P.count && int(blockIdx.x) >= P.first_block[i + 1]) ++i;
@@ -202,18 +233,19 @@ __global__ void matvec_kernel(Projections P, Operand in, int n_tok) {
     const int lane = threadIdx.x % kWarp;
     const int64_t r = int64_t(blockIdx.x - P.first_block[i]) * kRowWarps + threadIdx.x / kWarp;
     if (r >= pr.m.rows) return;
-    const int t0 = blockIdx.y * kTokensPerPass, n_t = min(kTokensPerPass, n_tok - t0);
-    float sum[kTokensPerPass];
-    row_dots(pr.m, r, in, t0, n_t, lane, sum);
+    const int t0 = blockIdx.y * NT, n_t = min(NT, n_tok - t0);
+    float sum[NT];
+    row_dots<NT>(pr.m, r, in, t0, n_t, lane, sum);
     if (lane < n_t) {  // lane t writes token t0 + t's
         float v = sum[0];
 #pragma unroll
-        for (int t = 1; t < kTokensPerPass; ++t)
+        for (int t = 1; t < NT; ++t)
             if (lane == t) v = sum[t];
         pr.y[size_t(t0 + lane) * pr.m.rows + r] = v + (pr.bias ? pr.bias[r] : 0.0f);
     }
 }
 
+template <int NT>
 __global__ void gate_up_kernel(LayerRows L, device::Rule rule, Operand in, int n_tok, int dense, float *h, int ld_h,
                                Counters *counts) {
     __shared__ unsigned int block_active, block_computed;
@@ -221,13 +253,13 @@ __global__ void gate_up_kernel(LayerRows L, device::Rule rule, Operand in, int n
     __syncthreads();
     const int lane = threadIdx.x % kWarp;
     const int64_t r = int64_t(blockIdx.x) * kRowWarps + threadIdx.x / kWarp;
-    const int t0 = blockIdx.y * kTokensPerPass, n_t = min(kTokensPerPass, n_tok - t0);
+    const int t0 = blockIdx.y * NT, n_t = min(NT, n_tok - t0);
     if (r < L.gate.rows) {
-        float g[kTokensPerPass], u[kTokensPerPass];
-        row_dots(L.gate, r, in, t0, n_t, lane, g);
-        if (rule.gated) row_dots(L.up, r, in, t0, n_t, lane, u);
+        float g[NT], u[NT];
+        row_dots<NT>(L.gate, r, in, t0, n_t, lane, g);
+        if (rule.gated) row_dots<NT>(L.up, r, in, t0, n_t, lane, u);
 #pragma unroll
-        for (int t = 0; t < kTokensPerPass; ++t) {
+        for (int t = 0; t < NT; ++t) {
             if (t >= n_t || lane != t) continue;  // lane t applies the rule for token t0 + t
             bool pass;
             const float c = rule.coefficient(g[t], rule.gated ? u[t] : 0.0f, L.gate_b ? L.gate_b[r] : 0.0f,
@@ -244,61 +276,98 @@ __global__ void gate_up_kernel(LayerRows L, device::Rule rule, Operand in, int n
     }
 }
 
-// acc[j] += c * element j of block k of row r.
-__device__ inline void add_block(const DeviceRows &m, int64_t r, int64_t k, float c, float (&acc)[QK]) {
-    if (m.type == TYPE_Q4_0) {
-        const int4 w = *reinterpret_cast<const int4 *>(m.quants(r, k));
-        const float cd = c * m.scale(r, k);
-        const int words[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-            const int byte = (words[j / 4] >> (8 * (j % 4))) & 0xff;
-            acc[j] += cd * float((byte & 0x0f) - 8);
-            acc[j + 16] += cd * float((byte >> 4) - 8);
+// Block k of row r's 32 values into w (raw words: 4 for q4_0, 8 for q8_0, 16 for f16, 32 for f32) and its scale.
+struct BlockWords {
+    int w[QK];
+    float d;
+};
+__device__ inline void load_block(const DeviceRows &m, int64_t r, int64_t k, BlockWords &b) {
+    if (m.type == TYPE_Q4_0 || m.type == TYPE_Q8_0) {
+        const int4 *q = reinterpret_cast<const int4 *>(m.quants(r, k));
+        const int4 a = __ldg(q);
+        b.w[0] = a.x, b.w[1] = a.y, b.w[2] = a.z, b.w[3] = a.w;
+        if (m.type == TYPE_Q8_0) {
+            const int4 c = __ldg(q + 1);
+            b.w[4] = c.x, b.w[5] = c.y, b.w[6] = c.z, b.w[7] = c.w;
         }
-    } else if (m.type == TYPE_Q8_0) {
-        const int4 *p = reinterpret_cast<const int4 *>(m.quants(r, k));
-        const int4 w0 = p[0], w1 = p[1];
-        const int words[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
-        const float cd = c * m.scale(r, k);
-#pragma unroll
-        for (int j = 0; j < QK; ++j) acc[j] += cd * float(int8_t((words[j / 4] >> (8 * (j % 4))) & 0xff));
-    } else if (m.type == TYPE_F16) {
-        const uint4 *p = reinterpret_cast<const uint4 *>(reinterpret_cast<const uint16_t *>(m.row(r)) + k * QK);
-#pragma unroll
-        for (int v = 0; v < 4; ++v) {
-            const uint4 raw = p[v];
-            const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                acc[v * 8 + 2 * j] += c * f16_to_f32(uint16_t(words[j] & 0xffff));
-                acc[v * 8 + 2 * j + 1] += c * f16_to_f32(uint16_t(words[j] >> 16));
-            }
-        }
+        b.d = scale_of(m, r, k);
     } else {
-        const float4 *p = reinterpret_cast<const float4 *>(reinterpret_cast<const float *>(m.row(r)) + k * QK);
+        const int words = m.type == TYPE_F16 ? 16 : 32;
+        const int4 *p = reinterpret_cast<const int4 *>(m.row(r) + k * QK * (m.type == TYPE_F16 ? 2 : 4));
 #pragma unroll
         for (int v = 0; v < 8; ++v) {
-            const float4 w = p[v];
-            acc[4 * v] += c * w.x, acc[4 * v + 1] += c * w.y, acc[4 * v + 2] += c * w.z, acc[4 * v + 3] += c * w.w;
+            if (v * 4 >= words) break;
+            const int4 a = __ldg(p + v);
+            b.w[4 * v] = a.x, b.w[4 * v + 1] = a.y, b.w[4 * v + 2] = a.z, b.w[4 * v + 3] = a.w;
         }
+        b.d = 1.0f;
     }
 }
 
+// acc[j] += c * element j of a loaded block.
+__device__ inline void add_block(uint32_t type, const BlockWords &b, float c, float (&acc)[QK]) {
+    const float cd = c * b.d;
+    if (type == TYPE_Q4_0) {
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            const int byte = (b.w[j / 4] >> (8 * (j % 4))) & 0xff;
+            acc[j] += cd * float((byte & 0x0f) - 8);
+            acc[j + 16] += cd * float((byte >> 4) - 8);
+        }
+    } else if (type == TYPE_Q8_0) {
+#pragma unroll
+        for (int j = 0; j < QK; ++j) acc[j] += cd * float(int8_t((b.w[j / 4] >> (8 * (j % 4))) & 0xff));
+    } else if (type == TYPE_F16) {
+#pragma unroll
+        for (int j = 0; j < QK; ++j) acc[j] += c * half_bits(uint16_t(uint32_t(b.w[j / 2]) >> (16 * (j % 2))));
+    } else {
+#pragma unroll
+        for (int j = 0; j < QK; ++j) acc[j] += c * __int_as_float(b.w[j]);
+    }
+}
+
+// Neurons a down warp loads before it adds them.
+constexpr int kDownAhead = 2;
+
 // Token blockIdx.z's down projection over split blockIdx.y of the neurons (every splits-th group of kDownWarps
-// rows), for the 32 blocks of columns of tile blockIdx.x: into out[(t * splits + split) * n_embd + column].
+// rows), for the 32 blocks of columns of tile blockIdx.x: into out[(t * splits + split) * n_embd + column]. A
+// warp reads the coefficients of 32 of its rows at once (a lane each), and takes the nonzero ones in order,
+// kDownAhead rows' blocks loaded before they are added.
 __global__ void down_kernel(DeviceRows down, const float *h, int ld_h, int splits, float *out) {
     __shared__ float part[kDownWarps][kWarp][QK + 1];
     const int lane = threadIdx.x % kWarp, w = threadIdx.x / kWarp, split = blockIdx.y, t = blockIdx.z;
     const int64_t nb = down.blocks(), k = int64_t(blockIdx.x) * kDownTile + lane, E = down.cols;
+    const bool has_block = k < nb;
     const float *ht = h + size_t(t) * ld_h;
+    const int64_t stride = int64_t(splits) * kDownWarps;
     float acc[QK];
 #pragma unroll
     for (int j = 0; j < QK; ++j) acc[j] = 0.0f;
-    for (int64_t r = int64_t(split) * kDownWarps + w; r < down.rows; r += int64_t(splits) * kDownWarps) {
-        const float c = ht[r];
-        if (c == 0.0f || k >= nb) continue;  // c: the same for the whole warp
-        add_block(down, r, k, c, acc);
+    for (int64_t base = int64_t(split) * kDownWarps + w; base < down.rows; base += stride * kWarp) {
+        const int64_t mine = base + lane * stride;  // lane j: the chunk's j-th row of this warp
+        const float c_mine = mine < down.rows ? ht[mine] : 0.0f;
+        unsigned live = __ballot_sync(kFull, c_mine != 0.0f);
+        while (live) {
+            int src[kDownAhead];
+            int n = 0;
+            for (; n < kDownAhead && live; ++n) {
+                src[n] = __ffs(live) - 1;
+                live &= live - 1;
+            }
+            BlockWords blocks[kDownAhead];
+            float c[kDownAhead];
+#pragma unroll
+            for (int u = 0; u < kDownAhead; ++u) {
+                if (u >= n) break;
+                c[u] = __shfl_sync(kFull, c_mine, src[u]);
+                if (has_block) load_block(down, base + src[u] * stride, k, blocks[u]);
+            }
+#pragma unroll
+            for (int u = 0; u < kDownAhead; ++u) {
+                if (u >= n) break;
+                if (has_block) add_block(down.type, blocks[u], c[u], acc);
+            }
+        }
     }
 #pragma unroll
     for (int j = 0; j < QK; ++j) part[w][lane][j] = acc[j];
@@ -431,10 +500,66 @@ __global__ void heads_kernel(pi_device_tier_desc d, int n_past, const float *q, 
     float *out = att + (size_t(t) * d.n_head + h) * D;
     for (int i = threadIdx.x; i < D; i += blockDim.x) {
         float acc = 0;
+#pragma unroll 8
         for (int p = 0; p < n_keys; ++p) acc += sc[p] * device::kv_get(v_cache, f16, device::kv_index(d, p, kvh, i));
         out[i] = acc * inv_sum;
     }
 }
+
+// Where jobs' device time goes, step by step, when the environment's PI_CUDA_STEP_TIMES names a file: an event
+// after each step (a copy, a kernel) on the stream, the intervals added per step once the job is waited for, and
+// appended to that file as one line per step when the tier is destroyed. Unset, it records nothing.
+struct StepTimes {
+    std::string path;
+    std::vector<cudaEvent_t> events;
+    std::vector<const char *> names;
+    size_t used = 0;
+    std::vector<std::pair<std::string, std::pair<double, long>>> totals;  // step: milliseconds, times
+    bool batch = false;  // the job's steps are a batch's ("batch " before their names), not a decode step's
+
+    void begin(int n_tok) { batch = n_tok > 1; }
+
+    void mark(cudaStream_t s, const char *name) {
+        if (path.empty()) return;
+        if (used == events.size()) {
+            cudaEvent_t e;
+            if (cudaEventCreate(&e) != cudaSuccess) return;
+            events.push_back(e);
+            names.push_back(name);
+        }
+        names[used] = name;
+        cudaEventRecord(events[used++], s);
+    }
+    // After the job's last event: each step's interval from the one before (the first's from `started`).
+    void collect(cudaEvent_t started) {
+        cudaEvent_t prev = started;
+        for (size_t i = 0; i < used; ++i) {
+            float ms = 0;
+            if (cudaEventElapsedTime(&ms, prev, events[i]) == cudaSuccess) add((batch ? "batch " : "") + std::string(names[i]), ms);
+            prev = events[i];
+        }
+        used = 0;
+    }
+    void add(const std::string &name, double ms) {
+        for (auto &entry : totals)
+            if (entry.first == name) {
+                entry.second.first += ms;
+                entry.second.second += 1;
+                return;
+            }
+        totals.push_back({name, {ms, 1}});
+    }
+    void write_and_release() {
+        if (!path.empty() && !totals.empty())
+            if (FILE *f = std::fopen(path.c_str(), "a")) {
+                for (const auto &entry : totals)
+                    std::fprintf(f, "%s\t%ld\t%.3f\n", entry.first.c_str(), entry.second.second, entry.second.first * 1e3);
+                std::fclose(f);
+            }
+        for (cudaEvent_t e : events) cudaEventDestroy(e);
+        events.clear();
+    }
+};
 
 struct AttentionLayer {
     bool uploaded = false;
@@ -454,7 +579,8 @@ void launch_matvec(cudaStream_t s, std::initializer_list<Projection> list, const
         ++P.count;
     }
     const dim3 grid(unsigned(P.first_block[P.count]), unsigned(device::passes(n_tok)));
-    matvec_kernel<<<grid, kRowWarps * kWarp, 0, s>>>(P, in, n_tok);
+    if (n_tok == 1) matvec_kernel<1><<<grid, kRowWarps * kWarp, 0, s>>>(P, in, n_tok);
+    else matvec_kernel<kTokensPerPass><<<grid, kRowWarps * kWarp, 0, s>>>(P, in, n_tok);
 }
 
 // The q8_0 form of n_tok rows of b's f32 rows (and the counters cleared, where given).
@@ -496,6 +622,7 @@ struct pi_device_tier {
     float *d_hx = nullptr, *d_logits = nullptr, *p_hx = nullptr, *p_logits = nullptr;
     OperandBuffers hxn;
     std::vector<void *> device_allocations;
+    StepTimes steps;
     // the job in flight
     bool pending = false;
     pi_device_job job{};
@@ -525,11 +652,14 @@ struct pi_device_tier {
                          OperandBuffers out, bool q8, char *err, size_t len) {
         const size_t x_bytes = size_t(n_tok) * desc.n_embd * sizeof(float);
         std::memcpy(p_x, x, x_bytes);
+        steps.begin(n_tok);
         if (failed(cudaEventRecord(started, stream), "recording an event", err, len) ||
             failed(cudaMemcpyAsync(d_x, p_x, x_bytes, cudaMemcpyHostToDevice, stream), "copying the input", err, len))
             return 1;
+        steps.mark(stream, "h2d");
         if (!q8) out.q = nullptr;
         norm_kernel<<<n_tok, kNormThreads, 0, stream>>>(d_x, w, b, desc.norm, desc.norm_eps, out);
+        steps.mark(stream, "norm");
         return 0;
     }
 
@@ -539,10 +669,13 @@ struct pi_device_tier {
                    double launches, double device_bytes, char *err, size_t len) {
         if (failed(cudaGetLastError(), "launching the kernels", err, len) ||
             failed(cudaMemcpyAsync(host, device_out, out_bytes, cudaMemcpyDeviceToHost, stream), "copying the output",
-                   err, len) ||
-            failed(cudaEventRecord(finished, stream), "recording an event", err, len) ||
+                   err, len))
+            return 1;
+        steps.mark(stream, "d2h");
+        if (failed(cudaEventRecord(finished, stream), "recording an event", err, len) ||
             failed(cudaEventSynchronize(finished), "running the job", err, len))
             return 1;
+        steps.collect(started);
         if (counts) {
             float ms = 0;
             cudaEventElapsedTime(&ms, started, finished);
@@ -557,6 +690,7 @@ struct pi_device_tier {
     }
 
     void release() {
+        steps.write_and_release();
         for (void *p : device_allocations) cudaFree(p);
         for (void *p : {static_cast<void *>(p_ax), static_cast<void *>(p_aout), static_cast<void *>(p_hx),
                         static_cast<void *>(p_logits), static_cast<void *>(p_x), static_cast<void *>(p_out)})
@@ -645,6 +779,7 @@ pi_device_tier *tier_create(const pi_device_tier_desc *desc, char *err, size_t l
         t->rope_sin.assign(desc->rope_sin, desc->rope_sin + n);
     }
     t->desc.rope_cos = t->desc.rope_sin = nullptr;  // the host's, read here only
+    if (const char *path = std::getenv("PI_CUDA_STEP_TIMES")) t->steps.path = path;
     const size_t out_bytes = sizeof(Counters) + t->x_bytes();
     bool ok = !failed(cudaStreamCreateWithFlags(&t->stream, cudaStreamNonBlocking), "creating a stream", err, len) &&
               !failed(cudaEventCreate(&t->started), "creating an event", err, len) &&
@@ -718,22 +853,33 @@ int32_t tier_submit(pi_device_tier *t, const pi_device_job *job, char *err, size
     if (failed(cudaEventRecord(t->started, s), "recording an event", err, len) ||
         failed(cudaMemcpyAsync(t->hot_in.x, t->p_x, x_bytes, cudaMemcpyHostToDevice, s), "copying the input", err, len))
         return 1;
+    t->steps.begin(n_tok);
+    t->steps.mark(s, "h2d");
     launch_quantize(s, t->hot_in, n_tok, counts);
+    t->steps.mark(s, "quantize");
     const dim3 gate_grid(unsigned((L.gate.rows + kRowWarps - 1) / kRowWarps), unsigned(device::passes(n_tok)));
-    gate_up_kernel<<<gate_grid, kRowWarps * kWarp, 0, s>>>(L, rule, t->hot_in.operand(), n_tok, job->dense, t->d_h,
-                                                            t->max_rows, counts);
+    if (n_tok == 1)
+        gate_up_kernel<1><<<gate_grid, kRowWarps * kWarp, 0, s>>>(L, rule, t->hot_in.operand(), n_tok, job->dense,
+                                                                   t->d_h, t->max_rows, counts);
+    else
+        gate_up_kernel<kTokensPerPass><<<gate_grid, kRowWarps * kWarp, 0, s>>>(L, rule, t->hot_in.operand(), n_tok,
+                                                                                job->dense, t->d_h, t->max_rows, counts);
+    t->steps.mark(s, "gate_up");
     const dim3 down_grid(unsigned((L.down.blocks() + kDownTile - 1) / kDownTile), unsigned(splits), unsigned(n_tok));
     float *partial = splits > 1 ? t->hot_in.x : y;  // the operand's rows are read by now
     down_kernel<<<down_grid, kDownWarps * kWarp, 0, s>>>(L.down, t->d_h, t->max_rows, splits, partial);
+    t->steps.mark(s, "down");
     if (splits > 1) {
         const int64_t n = int64_t(n_tok) * E;
         down_sum_kernel<<<unsigned((n + 255) / 256), 256, 0, s>>>(partial, n_tok, splits, E, y);
+        t->steps.mark(s, "down_sum");
     }
     if (failed(cudaGetLastError(), "launching the tier's kernels", err, len) ||
         failed(cudaMemcpyAsync(t->p_out, t->d_out, sizeof(Counters) + x_bytes, cudaMemcpyDeviceToHost, s),
-               "copying the output", err, len) ||
-        failed(cudaEventRecord(t->finished, s), "recording an event", err, len))
+               "copying the output", err, len))
         return 1;
+    t->steps.mark(s, "d2h");
+    if (failed(cudaEventRecord(t->finished, s), "recording an event", err, len)) return 1;
     t->job = *job;
     t->pending = true;
     t->h2d = double(x_bytes);
@@ -747,6 +893,7 @@ int32_t tier_wait(pi_device_tier *t, pi_device_counts *counts, char *err, size_t
     if (failed(cudaEventSynchronize(t->finished), "running the tier's job", err, len)) return 1;
     float ms = 0;
     cudaEventElapsedTime(&ms, t->started, t->finished);
+    t->steps.collect(t->started);
     std::memcpy(t->job.y, t->p_out + sizeof(Counters), size_t(t->job.n_tok) * t->desc.n_embd * sizeof(float));
     if (counts) {
         const Counters c = *reinterpret_cast<const Counters *>(t->p_out);
@@ -835,12 +982,17 @@ int32_t attention_run(pi_device_tier *t, const pi_device_attention_job *job, pi_
                   {Projection{device::device_rows(a.q), a.q.bias, t->d_q}, Projection{device::device_rows(a.k), a.k.bias, t->d_k},
                    Projection{device::device_rows(a.v), a.v.bias, t->d_v}},
                   t->axn.operand(), n_tok);
+    t->steps.mark(s, "qkv");
     rope_store_kernel<<<dim3(d.n_head + d.n_head_kv, n_tok), kRopeThreads, 0, s>>>(
         d, job->n_past, t->d_q, t->d_k, t->d_v, t->d_rope_cos, t->d_rope_sin, A.k_cache, A.v_cache);
+    t->steps.mark(s, "rope");
     heads_kernel<<<dim3(d.n_head, n_tok), kHeadThreads, 0, s>>>(d, job->n_past, t->d_q, A.k_cache, A.v_cache,
                                                                t->d_scores, t->att.x);
+    t->steps.mark(s, "heads");
     if (q8_att) launch_quantize(s, t->att, n_tok, nullptr);
+    t->steps.mark(s, "quantize_att");
     launch_matvec(s, {Projection{device::device_rows(a.o), a.o.bias, t->d_aout}}, t->att.operand(), n_tok);
+    t->steps.mark(s, "o");
     if (t->finish(t->p_aout, t->d_aout, x_bytes, counts, double(x_bytes), device::attention_launches(a),
                   device::attention_bytes(a, d, n_tok, job->n_past), err, len))
         return 1;
@@ -884,6 +1036,7 @@ int32_t head_run(pi_device_tier *t, const pi_device_head_job *job, pi_device_cou
     if (t->normed_input(job->x, n_tok, h.norm_w, h.norm_b, t->p_hx, t->d_hx, t->hxn, device::quantized(h.out), err, len))
         return 1;
     launch_matvec(s, {Projection{device::device_rows(h.out), nullptr, t->d_logits}}, t->hxn.operand(), n_tok);
+    t->steps.mark(s, "head");
     if (t->finish(t->p_logits, t->d_logits, logit_bytes, counts, double(x_bytes), device::head_launches(),
                   device::head_bytes(h, n_tok), err, len))
         return 1;

@@ -178,3 +178,36 @@ def test_the_cuda_library_loads_and_says_there_is_no_device(converted, gpuidx_30
         if m.info["gpu"]["used"]:
             pytest.skip("a CUDA device is present: the `gpu` tests check it")
         assert "no CUDA device" in m.info["gpu"]["reason"], m.info["gpu"]
+
+
+def test_launches_and_device_bytes_follow_the_kernels(converted, gpuidx_all, device):
+    """The stats' kernels launched and bytes read on the device, per job kind, from the file's own tensor sizes
+    (gguf-py's reader) and the kernels' plan (tier_math.h: 8 tokens a pass over a matrix; the down projection's 32 splits
+    summed by a second kernel where a batch leaves room for them; attention_math.h's launches): the floor the bench
+    measures the device against is made of these."""
+    from powerinfer_tools.formats.gguf_io import open_reader
+
+    path = converted("llama-relu", "q8_0", predictors=True)
+    size = {t.name: int(t.n_bytes) for t in open_reader(path).tensors}
+    _, info, stats = run(path, "dense", gpuidx=gpuidx_all, gpu="on", gpu_library=device, gpu_attention=True)
+    E, n_batch = info["n_embd"], info["n_batch"]
+    D = E // 4  # d_head of the tiny llama: 4 heads
+    batches = [16, 8] + [1] * (len(TOKENS) - N_PROMPT)
+    passes = [(n + 7) // 8 for n in batches]
+    launches = reads = 0.0
+    n_past = 0
+    for n, p in zip(batches, passes):
+        for il in range(N_LAYER):
+            attn = sum(size[f"blk.{il}.attn_{m}.weight"] for m in ("q", "k", "v", "output"))
+            seen = n * n_past + n * (n + 1) / 2
+            launches += 6 + 3 + (1 if max(1, min(32, n_batch // n)) > 1 else 0)
+            reads += attn * p + seen * 4 * D * 4 * 2  # every head's keys and values, f32 cache
+            gate_up = size[f"blk.{il}.ffn_gate.weight"] + size[f"blk.{il}.ffn_up.weight"]
+            reads += gate_up * p + n * size[f"blk.{il}.ffn_down_t.weight"]  # dense: every neuron's down row
+        launches += 2
+        reads += size["output.weight" if "output.weight" in size else "token_embd.weight"] * p
+        n_past += n
+    gpu = stats["gpu"]
+    assert gpu["launches"] == launches
+    assert gpu["device_read_bytes"] == pytest.approx(reads, rel=1e-12)
+    assert gpu["copy_rate"] > 0

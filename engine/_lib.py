@@ -102,7 +102,7 @@ _SIGNATURES = {
     "pi_stats_json": (_I32, [_P, ctypes.POINTER(ctypes.c_char_p)]),
     "pi_stats_reset": (_I32, [_P]),
 }
-# csrc/include/pi_engine_testing.h: single kernels, the read probe, another hot-tier backend
+# csrc/include/pi_engine_testing.h: single kernels, the read probe, the memory limits, another hot-tier backend
 _TESTING_SIGNATURES = {
     "pi_open_with_hot_backend": (_I32, [ctypes.c_char_p, ctypes.POINTER(Options), ctypes.c_char_p, ctypes.POINTER(_P)]),
     "pi_isa_available": (_I32, [ctypes.c_char_p]),
@@ -124,6 +124,8 @@ _TESTING_SIGNATURES = {
     "pi_kernel_quantize_q8_0": (_I32, [ctypes.c_char_p, _I32, _P, _P]),
     "pi_read_rows_rate": (_I32, [ctypes.c_uint64, ctypes.c_double, _I32, ctypes.c_uint64, _I32,
                                  ctypes.POINTER(ctypes.c_double)]),
+    "pi_memory_limits": (_I32, [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_double, ctypes.POINTER(ctypes.c_double),
+                                ctypes.POINTER(ctypes.c_double)]),
 }
 
 

@@ -1,4 +1,5 @@
-// The testing API (pi_engine_testing.h): single kernels, the read probe, an engine with another hot-tier backend.
+// The testing API (pi_engine_testing.h): single kernels, the read probe, the memory limits read from other files, an
+// engine with another hot-tier backend.
 #include <cstring>
 #include <string>
 
@@ -8,6 +9,7 @@
 #include "pi_engine_testing.h"
 #include "runtime/read_probe.h"
 #include "runtime/threadpool.h"
+#include "runtime/usable_memory.h"
 
 using pi::guarded;
 using pi::need;
@@ -216,6 +218,18 @@ pi_status pi_read_rows_rate(uint64_t row_bytes, double density, int32_t threads,
             pi::fail(PI_ERR_ARGUMENT, "buffer_bytes must hold at least 64 rows per pass");
         pi::ThreadPool pool(threads);
         *bytes_per_second = pi::read_rows_rate(pool, size_t(row_bytes), size_t(buffer_bytes), density, passes, 1);
+    });
+}
+
+pi_status pi_memory_limits(const char *proc, const char *cgroup_root, double machine_bytes, double *usable_bytes,
+                           double *anonymous_bytes) {
+    return guarded([&] {
+        need(proc, "proc");
+        need(cgroup_root, "cgroup_root");
+        need(usable_bytes, "usable_bytes");
+        need(anonymous_bytes, "anonymous_bytes");
+        *usable_bytes = pi::usable_memory_bytes(proc, cgroup_root, machine_bytes);
+        *anonymous_bytes = pi::process_anonymous_bytes(proc);
     });
 }
 

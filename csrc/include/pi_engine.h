@@ -15,6 +15,12 @@
 extern "C" {
 #endif
 
+/* The library is built with hidden visibility and a version script (docs/engine.md, "Linking: what the libraries
+ * export"): it exports the functions declared here and nothing else. */
+#if defined(__GNUC__)
+#pragma GCC visibility push(default)
+#endif
+
 #define PI_ENGINE_API_VERSION 9
 
 typedef enum {
@@ -125,6 +131,10 @@ pi_status pi_set_seed(pi_engine *engine, uint64_t seed);
 /* Statistics since open or the last pi_stats_reset, as JSON (owned by the engine). */
 pi_status pi_stats_json(pi_engine *engine, const char **json);
 pi_status pi_stats_reset(pi_engine *engine);
+
+#if defined(__GNUC__)
+#pragma GCC visibility pop
+#endif
 
 #ifdef __cplusplus
 }

@@ -1,7 +1,8 @@
 /* pi_engine_testing: the engine library's entry points for tests and measurements, apart from the inference
  * API (pi_engine.h, whose contract they keep: status codes, no call aborts). Single kernels of a named
  * instruction set on caller buffers (to test SIMD against scalar code), the machine's read rate of rows picked
- * by index (pi-tools bench), and an engine whose hot tier runs on another backend (to test the tier boundary).
+ * by index (pi-tools bench), the memory limits the engine checks against read from files a test wrote, and an
+ * engine whose hot tier runs on another backend (to test the tier boundary).
  */
 #ifndef PI_ENGINE_TESTING_H
 #define PI_ENGINE_TESTING_H
@@ -10,6 +11,11 @@
 
 #ifdef __cplusplus
 extern "C" {
+#endif
+
+/* Exported as pi_engine.h's functions are (the library's others are hidden). */
+#if defined(__GNUC__)
+#pragma GCC visibility push(default)
 #endif
 
 /* ---- tier backends ---- */
@@ -70,6 +76,16 @@ pi_status pi_kernel_quantize_q8_0(const char *isa, int32_t n, const float *x, vo
  * over its own region of the buffer. */
 pi_status pi_read_rows_rate(uint64_t row_bytes, double density, int32_t threads, uint64_t buffer_bytes,
                             int32_t passes, double *bytes_per_second);
+/* What the engine's memory checks read, from other files: `usable_bytes`, `machine_bytes` lowered by the cgroup
+ * limits that `proc`/cgroup (standing for /proc/self/cgroup) places this process under, read below `cgroup_root`
+ * (for /sys/fs/cgroup: v2's memory.max, v1's memory/.../memory.limit_in_bytes; a missing file, "max" or anything
+ * but a number leaves it as it was), and `anonymous_bytes`, RssAnon of `proc`/status (0 where it is missing). */
+pi_status pi_memory_limits(const char *proc, const char *cgroup_root, double machine_bytes, double *usable_bytes,
+                           double *anonymous_bytes);
+
+#if defined(__GNUC__)
+#pragma GCC visibility pop
+#endif
 
 #ifdef __cplusplus
 }

@@ -61,7 +61,7 @@ void DeviceTierBackend::begin(const Model &model, const float *rope_cos, const f
     if (p.head && api_.head_upload(tier_, &h, err_, sizeof err_)) fail(PI_ERR_MEMORY, error("uploading the output head"));
     for (size_t il = 0; il < layers.size(); ++il) {
         if (!p.attention[il]) continue;
-        const pi_device_attention a = device_attention(layers[il]);
+        const pi_device_attention a = device_attention(hp_, layers[il]);
         if (api_.attention_upload(tier_, &a, int32_t(il), err_, sizeof err_))
             fail(PI_ERR_MEMORY, error(("uploading layer " + std::to_string(il) + "'s attention").c_str()));
     }
@@ -69,11 +69,39 @@ void DeviceTierBackend::begin(const Model &model, const float *rope_cos, const f
     if (api_.copy_rate(use_.device, &use_.copy_rate, err_, sizeof err_)) fail(PI_ERR_INTERNAL, error("probing its copy rate"));
 }
 
-void DeviceTierBackend::head(int64_t n_tok, const float *x, float *logits, int64_t ld) {
-    const pi_device_head_job job{int32_t(n_tok), x, logits, ld};
+void DeviceTierBackend::head(int64_t n_tok, const float *x, int64_t first, float *logits, int64_t ld) {
+    const pi_device_head_job job{int32_t(n_tok), x, logits, ld, int32_t(first)};
     pi_device_counts dc{};
     if (api_.head_run(tier_, &job, &dc, err_, sizeof err_)) fail(PI_ERR_INTERNAL, error("running the output head"));
     use_.take(dc, &use_.head_jobs, &use_.head_seconds);
+}
+
+bool DeviceTierBackend::runs_layer(int64_t il) const {
+    return attends(il) && use_.placement.hot[size_t(il)] != 0 && !hp_.parallel_block;
+}
+
+void DeviceTierBackend::layer(int64_t il, int64_t n_tok, int64_t n_past, bool dense, const float *x_in, float *x_out) {
+    layer_counts_.resize(use_.placement.hot.size());
+    const pi_device_layer_job job{int32_t(il), int32_t(n_tok), int32_t(n_past), dense ? 1 : 0, x_in, x_out,
+                                  &layer_counts_[size_t(il)]};
+    if (api_.layer_run(tier_, &job, err_, sizeof err_))
+        fail(PI_ERR_INTERNAL, error(("running layer " + std::to_string(il)).c_str()));
+    pending_layers_.push_back(il);
+    use_.tokens += double(n_tok);
+}
+
+std::vector<std::pair<int64_t, TierCounts>> DeviceTierBackend::take_layers() {
+    std::vector<std::pair<int64_t, TierCounts>> out;
+    for (int64_t il : pending_layers_) {
+        const pi_device_counts &dc = layer_counts_[size_t(il)];
+        use_.take(dc, &use_.layer_jobs, &use_.layer_seconds);
+        TierCounts c;
+        c.active = dc.active;
+        c.computed = dc.computed;
+        out.push_back({il, c});
+    }
+    pending_layers_.clear();
+    return out;
 }
 
 void DeviceTierBackend::attend(int64_t il, int64_t n_tok, int64_t n_past, const float *x, float *out) {

@@ -32,6 +32,7 @@ struct DeviceUse {
     // attention blocks run on the device: how many, their traffic (in h2d_bytes and d2h_bytes too) and time
     double attention_jobs = 0, attention_seconds = 0;
     double head_jobs = 0, head_seconds = 0;  // the output head's, likewise
+    double layer_jobs = 0, layer_seconds = 0;  // whole layers run on the device (their tokens in `tokens`)
     // every job's kernels launched and bytes read from device memory, and the device's copy rate (bytes read and
     // written per second) they are measured against: device_read_bytes / copy_rate is the jobs' floor
     double launches = 0, device_read_bytes = 0, copy_rate = 0;
@@ -39,7 +40,8 @@ struct DeviceUse {
     // The jobs' counts from zero again (pi_stats_reset), what is placed and held kept.
     void reset_counts() {
         jobs = tokens = h2d_bytes = d2h_bytes = device_seconds = wait_seconds = 0;
-        attention_jobs = attention_seconds = head_jobs = head_seconds = launches = device_read_bytes = 0;
+        attention_jobs = attention_seconds = head_jobs = head_seconds = layer_jobs = layer_seconds = 0;
+        launches = device_read_bytes = 0;
     }
     // A job's traffic over the bus and on the device.
     void traffic(const pi_device_counts &c) {
@@ -78,9 +80,18 @@ public:
     // Creates the device's tier (RoPE's tables: RunState's) and uploads the output head and the placed layers'
     // attention blocks.
     void begin(const Model &model, const float *rope_cos, const float *rope_sin);
-    // Whether the output head runs on the device; and running it: logits (rows ld apart) of n_tok rows x.
+    // Whether the output head runs on the device; and running it: logits (rows ld apart) of n_tok rows x (null:
+    // rows first.. of the stream the last layer() left on the device).
     bool heads() const { return tier_ && use_.placement.head; }
-    void head(int64_t n_tok, const float *x, float *logits, int64_t ld);
+    void head(int64_t n_tok, const float *x, int64_t first, float *logits, int64_t ld);
+    // Whether the device can run layer il whole (its attention, FFN norm and hot rows there; a sequential block);
+    // the engine asks this only of a layer without a cold tier or a down bias. And running it: the residual stream
+    // x += attention(x), x += ffn(x) for the batch (x_in null: the stream the last call left on the device;
+    // x_out null: left there, the call maybe returning before the device is done). take_layers: the counts of the
+    // layers run since the last call, once a layer() with x_out or a head() has returned.
+    bool runs_layer(int64_t il) const;
+    void layer(int64_t il, int64_t n_tok, int64_t n_past, bool dense, const float *x_in, float *x_out);
+    std::vector<std::pair<int64_t, TierCounts>> take_layers();
     // Whether layer il's attention runs on the device; and running it: the block's output for the batch's input x
     // at positions n_past .. n_past + n_tok - 1, into out (the layer's KV cache on the device takes the batch's).
     bool attends(int64_t il) const { return tier_ && use_.placement.attention[size_t(il)] != 0; }
@@ -100,6 +111,8 @@ private:
     const int64_t n_batch_, n_ctx_;
     const bool kv_f16_;
     bool job_on_device_ = false;
+    std::vector<pi_device_counts> layer_counts_;  // [layer], written by the library by the stream's end
+    std::vector<int64_t> pending_layers_;
     mutable char err_[512] = {};
     DeviceUse use_;
 };

@@ -42,9 +42,15 @@ pi_device_tier_desc device_tier_desc(const HParams &hp, int32_t device, int64_t 
     return d;
 }
 
-pi_device_attention device_attention(const Layer &L) {
-    return pi_device_attention{L.attn_norm.floats(), L.attn_norm_b.floats(), device_matrix(L.wq, L.bq),
-                               device_matrix(L.wk, L.bk), device_matrix(L.wv, L.bv), device_matrix(L.wo, L.bo)};
+pi_device_attention device_attention(const HParams &hp, const Layer &L) {
+    return pi_device_attention{L.attn_norm.floats(),
+                               L.attn_norm_b.floats(),
+                               device_matrix(L.wq, L.bq),
+                               device_matrix(L.wk, L.bk),
+                               device_matrix(L.wv, L.bv),
+                               device_matrix(L.wo, L.bo),
+                               hp.parallel_block ? nullptr : L.ffn_norm.floats(),
+                               hp.parallel_block ? nullptr : L.ffn_norm_b.floats()};
 }
 
 pi_device_head device_head(const Model &model) {
@@ -52,8 +58,8 @@ pi_device_head device_head(const Model &model) {
                           device_matrix(model.output(), Matrix{})};
 }
 
-double attention_layer_bytes(const pi_device_tier_desc &desc, const Layer &L) {
-    return double(device::AttentionLayout(device_attention(L), desc).bytes);
+double attention_layer_bytes(const pi_device_tier_desc &desc, const HParams &hp, const Layer &L) {
+    return double(device::AttentionLayout(device_attention(hp, L), desc).bytes);
 }
 
 double hot_layer_bytes(const HParams &hp, const Layer &L, const FfnTier &T) {
@@ -91,7 +97,7 @@ DevicePlacement place_on_device(const pi_device_tier_desc &desc, const Model &mo
     }
     const double attention_scratch = device::attention_scratch_bytes(desc);
     for (size_t il = 0; with_attention && il < layers.size(); ++il) {
-        const pi_device_attention a = device_attention(layers[il]);
+        const pi_device_attention a = device_attention(hp, layers[il]);
         if (const char *why = device::refuse_attention(a, desc)) {
             if (il == 0) p.attention_off = std::string("attention stays on the CPU: ") + why;
             break;

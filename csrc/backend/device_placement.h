@@ -36,13 +36,15 @@ pi_device_tier_desc device_tier_desc(const HParams &hp, int32_t device, int64_t 
 
 // The device's view of a layer's attention block: pointers into the model's rows; a matrix's data is null where
 // the model holds it only in 8-row groups (a matrix decoded at load: model/decode.h), which the device cannot read.
-pi_device_attention device_attention(const Layer &L);
+// With it the FFN's norm, which a whole layer on the device applies, except in a parallel block (the FFN reads
+// attention's norm there).
+pi_device_attention device_attention(const HParams &hp, const Layer &L);
 
 // The device's view of the output norm and head (its data null where held only in 8-row groups).
 pi_device_head device_head(const Model &model);
 
 // Device bytes of a layer's attention block and KV cache, and of its hot rows (and biases) for tier T.
-double attention_layer_bytes(const pi_device_tier_desc &desc, const Layer &L);
+double attention_layer_bytes(const pi_device_tier_desc &desc, const HParams &hp, const Layer &L);
 double hot_layer_bytes(const HParams &hp, const Layer &L, const FfnTier &T);
 double hot_scratch_bytes(const HParams &hp, int64_t n_batch, int64_t rows);
 

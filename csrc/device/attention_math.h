@@ -62,9 +62,10 @@ PI_HD inline void kv_put(uint8_t *cache, bool f16, int64_t i, float v) {
 inline bool quantized(const pi_device_matrix &m) { return reads_q8(m.type); }
 
 // Where a layer's attention parts lie in its block of device memory, each 16-byte aligned: the norm's vectors,
-// the four matrices' rows and biases, then its KV cache.
+// the four matrices' rows (DeviceRows) and biases, the FFN norm's vectors, then its KV cache.
 struct AttentionLayout {
-    size_t norm_w = 0, norm_b = 0, data[4] = {}, bias[4] = {}, k_cache = 0, v_cache = 0, bytes = 0;
+    size_t norm_w = 0, norm_b = 0, data[4] = {}, bias[4] = {}, ffn_norm_w = 0, ffn_norm_b = 0, k_cache = 0, v_cache = 0,
+           bytes = 0;
 
     AttentionLayout(const pi_device_attention &a, const pi_device_tier_desc &d) {
         BlockParts parts;
@@ -75,6 +76,8 @@ struct AttentionLayout {
             data[i] = parts.add(size_t(m[i]->rows) * row_bytes(m[i]->type, m[i]->cols));
             bias[i] = parts.add(m[i]->bias ? size_t(m[i]->rows) * 4 : 0);
         }
+        ffn_norm_w = parts.add(a.ffn_norm_w ? size_t(d.n_embd) * 4 : 0);
+        ffn_norm_b = parts.add(a.ffn_norm_b ? size_t(d.n_embd) * 4 : 0);
         const size_t cache = size_t(d.n_ctx) * size_t(d.n_head_kv) * size_t(d.d_head) * (d.kv_f16 ? 2 : 4);
         k_cache = parts.add(cache);
         v_cache = parts.add(cache);
@@ -90,7 +93,8 @@ struct AttentionLayout {
             if (!copy_rows(copy, data[i], m[i]->type, m[i]->rows, m[i]->cols, m[i]->data)) return false;
             if (m[i]->bias && !copy(bias[i], m[i]->bias, size_t(m[i]->rows) * 4)) return false;
         }
-        return true;
+        return (!a.ffn_norm_w || copy(ffn_norm_w, a.ffn_norm_w, size_t(d.n_embd) * 4)) &&
+               (!a.ffn_norm_b || copy(ffn_norm_b, a.ffn_norm_b, size_t(d.n_embd) * 4));
     }
     // The layer's view of the block at `base`: the same matrices, pointing into it.
     pi_device_attention view(const pi_device_attention &a, const uint8_t *base) const {
@@ -102,6 +106,8 @@ struct AttentionLayout {
             m[i]->data = base + data[i];
             m[i]->bias = m[i]->bias ? reinterpret_cast<const float *>(base + bias[i]) : nullptr;
         }
+        v.ffn_norm_w = a.ffn_norm_w ? reinterpret_cast<const float *>(base + ffn_norm_w) : nullptr;
+        v.ffn_norm_b = a.ffn_norm_b ? reinterpret_cast<const float *>(base + ffn_norm_b) : nullptr;
         return v;
     }
 };
@@ -158,7 +164,8 @@ inline const char *refuse_head(const pi_device_head &h, const pi_device_tier_des
 }
 
 inline const char *refuse_head_job(const pi_device_head_job *job, const pi_device_tier_desc &d) {
-    if (!job || job->n_tok <= 0 || job->n_tok > d.n_batch || !job->x || !job->logits || job->ld_logits < d.n_vocab)
+    if (!job || job->n_tok <= 0 || job->n_tok > d.n_batch || !job->logits || job->ld_logits < d.n_vocab ||
+        job->first < 0 || job->first + job->n_tok > d.n_batch)
         return "bad head job";
     return nullptr;
 }
@@ -188,6 +195,18 @@ inline double attention_bytes(const pi_device_attention &a, const pi_device_tier
     for (const pi_device_matrix *m : {&a.q, &a.k, &a.v, &a.o}) weights += double(device_rows(*m).bytes());
     const double seen = double(n_tok) * double(n_past) + double(n_tok) * double(n_tok + 1) / 2;  // keys, all tokens
     return weights * double(passes(n_tok)) + seen * d.n_head * d.d_head * (d.kv_f16 ? 2 : 4) * 2;
+}
+
+// A whole layer's (layer_run): attention's, the o projection adding into the stream; the FFN's norm (with its
+// q8_0 form), gate_up, down and the partials' sum into the stream.
+inline double fused_ffn_launches() { return 4.0; }
+
+// Why a layer job cannot run on a tier (its layer's uploads aside), or nullptr.
+inline const char *refuse_layer_job(const pi_device_layer_job *job, const pi_device_tier_desc &d) {
+    if (!job || job->layer < 0 || job->layer >= d.n_layer || job->n_tok <= 0 || job->n_tok > d.n_batch ||
+        job->n_past < 0 || job->n_past + job->n_tok > d.n_ctx || !job->counts)
+        return "bad layer job";
+    return nullptr;
 }
 
 // The head's: the norm (with its q8_0 form) and the projection, which reads the head once a pass.

@@ -218,6 +218,7 @@ struct Projection {
     DeviceRows m;
     const float *bias;
     float *y;
+    bool accumulate = false;  // y += the projection (the residual stream), instead of y =
 };
 struct Projections {
     Projection p[3];
@@ -241,7 +242,8 @@ __global__ void matvec_kernel(Projections P, Operand in, int n_tok) {
 #pragma unroll
         for (int t = 1; t < NT; ++t)
             if (lane == t) v = sum[t];
-        pr.y[size_t(t0 + lane) * pr.m.rows + r] = v + (pr.bias ? pr.bias[r] : 0.0f);
+        float &y = pr.y[size_t(t0 + lane) * pr.m.rows + r];
+        y = (pr.accumulate ? y : 0.0f) + (v + (pr.bias ? pr.bias[r] : 0.0f));
     }
 }
 
@@ -383,14 +385,14 @@ __global__ void down_kernel(DeviceRows down, const float *h, int ld_h, int split
     }
 }
 
-// y[t][c] = the splits' partials of token t summed in order.
-__global__ void down_sum_kernel(const float *partial, int n_tok, int splits, int n_embd, float *y) {
+// y[t][c] = the splits' partials of token t summed in order (accumulate: y[t][c] += that sum, the residual stream).
+__global__ void down_sum_kernel(const float *partial, int n_tok, int splits, int n_embd, float *y, bool accumulate) {
     const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i >= int64_t(n_tok) * n_embd) return;
     const int64_t t = i / n_embd, c = i % n_embd;
     float s = 0.0f;
     for (int v = 0; v < splits; ++v) s += partial[(t * splits + v) * n_embd + c];
-    y[i] = s;
+    y[i] = (accumulate ? y[i] : 0.0f) + s;
 }
 
 // The token's sum of v over [0, n) by the block's threads, in double, reduced in a fixed order.
@@ -409,9 +411,11 @@ __device__ double block_sum(int n, F v, double *shared) {
     return sum;
 }
 
-// Token blockIdx.x's norm into out.x, and its q8_0 form where out.q is set.
-__global__ void norm_kernel(const float *x, const float *w, const float *b, int kind, float eps, OperandBuffers out) {
+// Token blockIdx.x's norm into out.x, and its q8_0 form where out.q is set; `zero` (a job's counters) cleared.
+__global__ void norm_kernel(const float *x, const float *w, const float *b, int kind, float eps, OperandBuffers out,
+                            Counters *zero) {
     __shared__ double shared[kNormThreads];
+    if (zero && blockIdx.x == 0 && threadIdx.x == 0) *zero = Counters{0, 0};
     const int n = out.n;
     const float *xt = x + size_t(blockIdx.x) * n;
     float *ot = out.x + size_t(blockIdx.x) * n;
@@ -511,13 +515,20 @@ __global__ void heads_kernel(pi_device_tier_desc d, int n_past, const float *q, 
 // appended to that file as one line per step when the tier is destroyed. Unset, it records nothing.
 struct StepTimes {
     std::string path;
+    cudaEvent_t start = nullptr;
     std::vector<cudaEvent_t> events;
     std::vector<const char *> names;
     size_t used = 0;
     std::vector<std::pair<std::string, std::pair<double, long>>> totals;  // step: milliseconds, times
     bool batch = false;  // the job's steps are a batch's ("batch " before their names), not a decode step's
 
-    void begin(int n_tok) { batch = n_tok > 1; }
+    // A job's first step follows: timed from here, unless an unfinished chain of layer jobs is being timed.
+    void begin(cudaStream_t s, int n_tok) {
+        if (path.empty() || used > 0) return;
+        if (!start && cudaEventCreate(&start) != cudaSuccess) return;
+        batch = n_tok > 1;
+        cudaEventRecord(start, s);
+    }
 
     void mark(cudaStream_t s, const char *name) {
         if (path.empty()) return;
@@ -530,9 +541,9 @@ struct StepTimes {
         names[used] = name;
         cudaEventRecord(events[used++], s);
     }
-    // After the job's last event: each step's interval from the one before (the first's from `started`).
-    void collect(cudaEvent_t started) {
-        cudaEvent_t prev = started;
+    // After the job's last event: each step's interval from the one before (the first's from begin's).
+    void collect() {
+        cudaEvent_t prev = start;
         for (size_t i = 0; i < used; ++i) {
             float ms = 0;
             if (cudaEventElapsedTime(&ms, prev, events[i]) == cudaSuccess) add((batch ? "batch " : "") + std::string(names[i]), ms);
@@ -558,7 +569,14 @@ struct StepTimes {
             }
         for (cudaEvent_t e : events) cudaEventDestroy(e);
         events.clear();
+        if (start) cudaEventDestroy(start);
     }
+};
+
+// A layer job whose counts come down with its chain's end (pi_device_layer_job), and the event after its kernels.
+struct ChainLayer {
+    pi_device_layer_job job;
+    cudaEvent_t done;
 };
 
 struct AttentionLayer {
@@ -623,6 +641,12 @@ struct pi_device_tier {
     OperandBuffers hxn;
     std::vector<void *> device_allocations;
     StepTimes steps;
+    // layer_run's stream (d_ax holds it once a layer job ran, until an attention job takes d_ax), and the chain of
+    // layer jobs since the last whose stream came back (their counters in d_out's rows, a slot a layer)
+    bool stream_ready = false;
+    std::vector<ChainLayer> chain;
+    std::vector<cudaEvent_t> chain_events;
+    cudaEvent_t chain_start = nullptr;
     // the job in flight
     bool pending = false;
     pi_device_job job{};
@@ -646,21 +670,114 @@ struct pi_device_tier {
         return 0;
     }
 
-    // A synchronous job's start (attention's, the head's): the started event, n_tok rows x up through the pinned
-    // p_x into d_x, and their norm (w, b) into out, with its q8_0 form where q8.
-    int32_t normed_input(const float *x, int n_tok, const float *w, const float *b, float *p_x, float *d_x,
-                         OperandBuffers out, bool q8, char *err, size_t len) {
+    // A synchronous job's start (attention's, the head's, a chain of layer jobs'): the started event, and n_tok rows
+    // x up through the pinned p_x into d_x where x is given.
+    int32_t start_job(const float *x, int n_tok, float *p_x, float *d_x, char *err, size_t len) {
+        steps.begin(stream, n_tok);
+        if (failed(cudaEventRecord(started, stream), "recording an event", err, len)) return 1;
+        if (!x) return 0;
         const size_t x_bytes = size_t(n_tok) * desc.n_embd * sizeof(float);
         std::memcpy(p_x, x, x_bytes);
-        steps.begin(n_tok);
-        if (failed(cudaEventRecord(started, stream), "recording an event", err, len) ||
-            failed(cudaMemcpyAsync(d_x, p_x, x_bytes, cudaMemcpyHostToDevice, stream), "copying the input", err, len))
+        if (failed(cudaMemcpyAsync(d_x, p_x, x_bytes, cudaMemcpyHostToDevice, stream), "copying the input", err, len))
             return 1;
         steps.mark(stream, "h2d");
-        if (!q8) out.q = nullptr;
-        norm_kernel<<<n_tok, kNormThreads, 0, stream>>>(d_x, w, b, desc.norm, desc.norm_eps, out);
-        steps.mark(stream, "norm");
         return 0;
+    }
+    // n_tok rows of d_x normed (w, b) into out, with their q8_0 form where q8; `zero` cleared on the way.
+    void normalize(const float *d_x, int n_tok, const float *w, const float *b, OperandBuffers out, bool q8,
+                   Counters *zero, const char *step) {
+        if (!q8) out.q = nullptr;
+        norm_kernel<<<n_tok, kNormThreads, 0, stream>>>(d_x, w, b, desc.norm, desc.norm_eps, out, zero);
+        steps.mark(stream, step);
+    }
+    // A layer's attention block over n_tok rows of the stream d_x at positions n_past..: its output into y (or
+    // added to it: the stream itself).
+    void attend(const AttentionLayer &A, int n_tok, int n_past, const float *d_x, float *y, bool accumulate) {
+        const pi_device_tier_desc &d = desc;
+        const pi_device_attention &a = A.view;
+        const bool q8_in = device::quantized(a.q) || device::quantized(a.k) || device::quantized(a.v);
+        cudaStream_t s = stream;
+        normalize(d_x, n_tok, a.norm_w, a.norm_b, axn, q8_in, nullptr, "norm");
+        launch_matvec(s,
+                      {Projection{device::device_rows(a.q), a.q.bias, d_q}, Projection{device::device_rows(a.k), a.k.bias, d_k},
+                       Projection{device::device_rows(a.v), a.v.bias, d_v}},
+                      axn.operand(), n_tok);
+        steps.mark(s, "qkv");
+        rope_store_kernel<<<dim3(d.n_head + d.n_head_kv, n_tok), kRopeThreads, 0, s>>>(
+            d, n_past, d_q, d_k, d_v, d_rope_cos, d_rope_sin, A.k_cache, A.v_cache);
+        steps.mark(s, "rope");
+        heads_kernel<<<dim3(d.n_head, n_tok), kHeadThreads, 0, s>>>(d, n_past, d_q, A.k_cache, A.v_cache, d_scores, att.x);
+        steps.mark(s, "heads");
+        if (device::quantized(a.o)) {
+            launch_quantize(s, att, n_tok, nullptr);
+            steps.mark(s, "quantize_att");
+        }
+        launch_matvec(s, {Projection{device::device_rows(a.o), a.o.bias, y, accumulate}}, att.operand(), n_tok);
+        steps.mark(s, "o");
+    }
+
+    Counters *layer_counters() const { return reinterpret_cast<Counters *>(d_out + sizeof(Counters)); }
+
+    // The hot rows' FFN over the operand hot_in (made by now, with `counts` cleared): gate_up, down over the
+    // neurons with h != 0, and the splits' sum into y (or added to it: the stream), the sum skipped where the down
+    // kernel can write y itself.
+    void hot_ffn(const LayerRows &L, int n_tok, int dense, Counters *counts, float *y, bool accumulate) {
+        const int E = desc.n_embd;
+        const device::Rule rule{desc.activation, desc.gated, L.threshold};
+        const int splits = int(device::down_splits(desc.n_batch, n_tok));
+        cudaStream_t s = stream;
+        const dim3 gate_grid(unsigned((L.gate.rows + kRowWarps - 1) / kRowWarps), unsigned(device::passes(n_tok)));
+        if (n_tok == 1)
+            gate_up_kernel<1><<<gate_grid, kRowWarps * kWarp, 0, s>>>(L, rule, hot_in.operand(), n_tok, dense, d_h,
+                                                                       max_rows, counts);
+        else
+            gate_up_kernel<kTokensPerPass><<<gate_grid, kRowWarps * kWarp, 0, s>>>(L, rule, hot_in.operand(), n_tok,
+                                                                                    dense, d_h, max_rows, counts);
+        steps.mark(s, "gate_up");
+        const bool sum = splits > 1 || accumulate;
+        float *partial = sum ? hot_in.x : y;  // the operand's rows are read by now
+        const dim3 down_grid(unsigned((L.down.blocks() + kDownTile - 1) / kDownTile), unsigned(splits), unsigned(n_tok));
+        down_kernel<<<down_grid, kDownWarps * kWarp, 0, s>>>(L.down, d_h, max_rows, splits, partial);
+        steps.mark(s, "down");
+        if (!sum) return;
+        const int64_t n = int64_t(n_tok) * E;
+        down_sum_kernel<<<unsigned((n + 255) / 256), 256, 0, s>>>(partial, n_tok, splits, E, y, accumulate);
+        steps.mark(s, "down_sum");
+    }
+
+    // The chain's layers' counters into p_out's slots (on the stream, before the copy that ends the chain).
+    int32_t chain_counts_down(char *err, size_t len) {
+        if (chain.empty()) return 0;
+        int lo = chain[0].job.layer, hi = lo;
+        for (const ChainLayer &c : chain) lo = std::min(lo, c.job.layer), hi = std::max(hi, c.job.layer);
+        const size_t at = sizeof(Counters) * (1 + size_t(lo)), bytes = sizeof(Counters) * size_t(hi - lo + 1);
+        return failed(cudaMemcpyAsync(p_out + at, d_out + at, bytes, cudaMemcpyDeviceToHost, stream),
+                      "copying the layers' counts", err, len);
+    }
+    // After the chain's last copy was waited for: each layer job's counts.
+    void end_chain() {
+        cudaEvent_t prev = chain_start;
+        for (const ChainLayer &c : chain) {
+            const pi_device_layer_job &j = c.job;
+            const Counters k = reinterpret_cast<const Counters *>(p_out + sizeof(Counters))[j.layer];
+            const AttentionLayer &A = attention[size_t(j.layer)];
+            const LayerRows &L = layers[size_t(j.layer)];
+            const double x_bytes = double(j.n_tok) * desc.n_embd * 4;
+            float ms = 0;
+            cudaEventElapsedTime(&ms, prev, c.done);
+            prev = c.done;
+            pi_device_counts &out = *j.counts;
+            out = pi_device_counts{};
+            out.active = double(k.active);
+            out.computed = double(k.computed);
+            out.h2d_bytes = j.x_in ? x_bytes : 0.0;
+            out.d2h_bytes = (j.x_out ? x_bytes : 0.0) + sizeof(Counters);
+            out.seconds = ms / 1e3;
+            out.launches = device::attention_launches(A.view) + device::fused_ffn_launches();
+            out.device_bytes = device::attention_bytes(A.view, desc, j.n_tok, j.n_past) +
+                               device::hot_bytes(L.layout, L.gate.rows, j.n_tok, out.computed);
+        }
+        chain.clear();
     }
 
     // A synchronous job's end: the output copied back, waited for, and its counts (traffic, time between the two
@@ -675,7 +792,7 @@ struct pi_device_tier {
         if (failed(cudaEventRecord(finished, stream), "recording an event", err, len) ||
             failed(cudaEventSynchronize(finished), "running the job", err, len))
             return 1;
-        steps.collect(started);
+        steps.collect();
         if (counts) {
             float ms = 0;
             cudaEventElapsedTime(&ms, started, finished);
@@ -697,6 +814,8 @@ struct pi_device_tier {
             if (p) cudaFreeHost(p);
         if (started) cudaEventDestroy(started);
         if (finished) cudaEventDestroy(finished);
+        if (chain_start) cudaEventDestroy(chain_start);
+        for (cudaEvent_t e : chain_events) cudaEventDestroy(e);
         if (stream) cudaStreamDestroy(stream);
     }
 };
@@ -845,35 +964,17 @@ int32_t tier_submit(pi_device_tier *t, const pi_device_job *job, char *err, size
     const int E = t->desc.n_embd, n_tok = job->n_tok;
     const size_t x_bytes = size_t(n_tok) * E * sizeof(float);
     std::memcpy(t->p_x, job->x, x_bytes);
-    const device::Rule rule{t->desc.activation, t->desc.gated, L.threshold};
-    const int splits = int(device::down_splits(t->desc.n_batch, n_tok));
     cudaStream_t s = t->stream;
     Counters *counts = reinterpret_cast<Counters *>(t->d_out);
     float *y = reinterpret_cast<float *>(t->d_out + sizeof(Counters));
+    t->steps.begin(s, n_tok);
     if (failed(cudaEventRecord(t->started, s), "recording an event", err, len) ||
         failed(cudaMemcpyAsync(t->hot_in.x, t->p_x, x_bytes, cudaMemcpyHostToDevice, s), "copying the input", err, len))
         return 1;
-    t->steps.begin(n_tok);
     t->steps.mark(s, "h2d");
     launch_quantize(s, t->hot_in, n_tok, counts);
     t->steps.mark(s, "quantize");
-    const dim3 gate_grid(unsigned((L.gate.rows + kRowWarps - 1) / kRowWarps), unsigned(device::passes(n_tok)));
-    if (n_tok == 1)
-        gate_up_kernel<1><<<gate_grid, kRowWarps * kWarp, 0, s>>>(L, rule, t->hot_in.operand(), n_tok, job->dense,
-                                                                   t->d_h, t->max_rows, counts);
-    else
-        gate_up_kernel<kTokensPerPass><<<gate_grid, kRowWarps * kWarp, 0, s>>>(L, rule, t->hot_in.operand(), n_tok,
-                                                                                job->dense, t->d_h, t->max_rows, counts);
-    t->steps.mark(s, "gate_up");
-    const dim3 down_grid(unsigned((L.down.blocks() + kDownTile - 1) / kDownTile), unsigned(splits), unsigned(n_tok));
-    float *partial = splits > 1 ? t->hot_in.x : y;  // the operand's rows are read by now
-    down_kernel<<<down_grid, kDownWarps * kWarp, 0, s>>>(L.down, t->d_h, t->max_rows, splits, partial);
-    t->steps.mark(s, "down");
-    if (splits > 1) {
-        const int64_t n = int64_t(n_tok) * E;
-        down_sum_kernel<<<unsigned((n + 255) / 256), 256, 0, s>>>(partial, n_tok, splits, E, y);
-        t->steps.mark(s, "down_sum");
-    }
+    t->hot_ffn(L, n_tok, job->dense, counts, y, false);
     if (failed(cudaGetLastError(), "launching the tier's kernels", err, len) ||
         failed(cudaMemcpyAsync(t->p_out, t->d_out, sizeof(Counters) + x_bytes, cudaMemcpyDeviceToHost, s),
                "copying the output", err, len))
@@ -893,7 +994,7 @@ int32_t tier_wait(pi_device_tier *t, pi_device_counts *counts, char *err, size_t
     if (failed(cudaEventSynchronize(t->finished), "running the tier's job", err, len)) return 1;
     float ms = 0;
     cudaEventElapsedTime(&ms, t->started, t->finished);
-    t->steps.collect(t->started);
+    t->steps.collect();
     std::memcpy(t->job.y, t->p_out + sizeof(Counters), size_t(t->job.n_tok) * t->desc.n_embd * sizeof(float));
     if (counts) {
         const Counters c = *reinterpret_cast<const Counters *>(t->p_out);
@@ -970,31 +1071,12 @@ int32_t attention_run(pi_device_tier *t, const pi_device_attention_job *job, pi_
     if (!A.uploaded) return say(err, len, "layer " + std::to_string(job->layer) + "'s attention was not uploaded");
     // a hot job left unwaited runs first (the stream's order) and stays to be waited for
     if (failed(cudaSetDevice(t->desc.device), "selecting the device", err, len)) return 1;
-    const pi_device_tier_desc &d = t->desc;
-    const pi_device_attention &a = A.view;
-    const int n_tok = job->n_tok;
-    const size_t x_bytes = size_t(n_tok) * d.n_embd * sizeof(float);
-    const bool q8_in = device::quantized(a.q) || device::quantized(a.k) || device::quantized(a.v);
-    const bool q8_att = device::quantized(a.o);
-    cudaStream_t s = t->stream;
-    if (t->normed_input(job->x, n_tok, a.norm_w, a.norm_b, t->p_ax, t->d_ax, t->axn, q8_in, err, len)) return 1;
-    launch_matvec(s,
-                  {Projection{device::device_rows(a.q), a.q.bias, t->d_q}, Projection{device::device_rows(a.k), a.k.bias, t->d_k},
-                   Projection{device::device_rows(a.v), a.v.bias, t->d_v}},
-                  t->axn.operand(), n_tok);
-    t->steps.mark(s, "qkv");
-    rope_store_kernel<<<dim3(d.n_head + d.n_head_kv, n_tok), kRopeThreads, 0, s>>>(
-        d, job->n_past, t->d_q, t->d_k, t->d_v, t->d_rope_cos, t->d_rope_sin, A.k_cache, A.v_cache);
-    t->steps.mark(s, "rope");
-    heads_kernel<<<dim3(d.n_head, n_tok), kHeadThreads, 0, s>>>(d, job->n_past, t->d_q, A.k_cache, A.v_cache,
-                                                               t->d_scores, t->att.x);
-    t->steps.mark(s, "heads");
-    if (q8_att) launch_quantize(s, t->att, n_tok, nullptr);
-    t->steps.mark(s, "quantize_att");
-    launch_matvec(s, {Projection{device::device_rows(a.o), a.o.bias, t->d_aout}}, t->att.operand(), n_tok);
-    t->steps.mark(s, "o");
-    if (t->finish(t->p_aout, t->d_aout, x_bytes, counts, double(x_bytes), device::attention_launches(a),
-                  device::attention_bytes(a, d, n_tok, job->n_past), err, len))
+    const size_t x_bytes = size_t(job->n_tok) * t->desc.n_embd * sizeof(float);
+    t->stream_ready = false;  // d_ax takes this job's input
+    if (t->start_job(job->x, job->n_tok, t->p_ax, t->d_ax, err, len)) return 1;
+    t->attend(A, job->n_tok, job->n_past, t->d_ax, t->d_aout, false);
+    if (t->finish(t->p_aout, t->d_aout, x_bytes, counts, double(x_bytes), device::attention_launches(A.view),
+                  device::attention_bytes(A.view, t->desc, job->n_tok, job->n_past), err, len))
         return 1;
     std::memcpy(job->out, t->p_aout, x_bytes);
     return 0;
@@ -1027,21 +1109,76 @@ int32_t head_run(pi_device_tier *t, const pi_device_head_job *job, pi_device_cou
     if (!t) return say(err, len, "bad head job");
     if (const char *why = device::refuse_head_job(job, t->desc)) return say(err, len, why);
     if (!t->head_block) return say(err, len, "the output head was not uploaded");
+    if (!job->x && !t->stream_ready) return say(err, len, "no stream on the device for the head to read");
     if (failed(cudaSetDevice(t->desc.device), "selecting the device", err, len)) return 1;
     const pi_device_tier_desc &d = t->desc;
     const pi_device_head &h = t->head_view;
     const int n_tok = job->n_tok, V = d.n_vocab;
     const size_t x_bytes = size_t(n_tok) * d.n_embd * 4, logit_bytes = size_t(n_tok) * V * 4;
     cudaStream_t s = t->stream;
-    if (t->normed_input(job->x, n_tok, h.norm_w, h.norm_b, t->p_hx, t->d_hx, t->hxn, device::quantized(h.out), err, len))
-        return 1;
+    if (t->start_job(job->x, n_tok, t->p_hx, t->d_hx, err, len)) return 1;
+    const float *rows = job->x ? t->d_hx : t->d_ax + size_t(job->first) * d.n_embd;
+    t->normalize(rows, n_tok, h.norm_w, h.norm_b, t->hxn, device::quantized(h.out), nullptr, "head_norm");
     launch_matvec(s, {Projection{device::device_rows(h.out), nullptr, t->d_logits}}, t->hxn.operand(), n_tok);
     t->steps.mark(s, "head");
-    if (t->finish(t->p_logits, t->d_logits, logit_bytes, counts, double(x_bytes), device::head_launches(),
+    if (t->chain_counts_down(err, len) ||
+        t->finish(t->p_logits, t->d_logits, logit_bytes, counts, job->x ? double(x_bytes) : 0.0, device::head_launches(),
                   device::head_bytes(h, n_tok), err, len))
         return 1;
+    t->end_chain();
     for (int tk = 0; tk < n_tok; ++tk)
         std::memcpy(job->logits + size_t(tk) * size_t(job->ld_logits), t->p_logits + size_t(tk) * V, size_t(V) * 4);
+    return 0;
+}
+
+int32_t layer_run(pi_device_tier *t, const pi_device_layer_job *job, char *err, size_t len) {
+    if (!t) return say(err, len, "bad layer job");
+    if (const char *why = device::refuse_layer_job(job, t->desc)) return say(err, len, why);
+    const AttentionLayer &A = t->attention[size_t(job->layer)];
+    const LayerRows &L = t->layers[size_t(job->layer)];
+    if (!A.uploaded || !A.view.ffn_norm_w || !L.uploaded)
+        return say(err, len, "layer " + std::to_string(job->layer) + "'s attention, FFN norm and hot rows were not all uploaded");
+    if (!job->x_in && !t->stream_ready) return say(err, len, "no stream on the device to continue");
+    if (t->pending && cudaStreamSynchronize(t->stream) != cudaSuccess) cudaGetLastError();  // a job left unwaited
+    t->pending = false;
+    if (failed(cudaSetDevice(t->desc.device), "selecting the device", err, len)) return 1;
+    const int E = t->desc.n_embd, n_tok = job->n_tok;
+    const size_t x_bytes = size_t(n_tok) * E * sizeof(float);
+    cudaStream_t s = t->stream;
+    if (t->chain.empty()) {
+        if (t->start_job(job->x_in, n_tok, t->p_ax, t->d_ax, err, len)) return 1;
+        if (!t->chain_start && failed(cudaEventCreate(&t->chain_start), "creating an event", err, len)) return 1;
+        if (failed(cudaEventRecord(t->chain_start, s), "recording an event", err, len)) return 1;
+    } else if (job->x_in) {  // a new stream in the middle of a chain
+        std::memcpy(t->p_ax, job->x_in, x_bytes);
+        if (failed(cudaMemcpyAsync(t->d_ax, t->p_ax, x_bytes, cudaMemcpyHostToDevice, s), "copying the input", err, len))
+            return 1;
+    }
+    t->attend(A, n_tok, job->n_past, t->d_ax, t->d_ax, true);
+    Counters *slot = t->layer_counters() + job->layer;
+    t->normalize(t->d_ax, n_tok, A.view.ffn_norm_w, A.view.ffn_norm_b, t->hot_in, L.layout.quantized, slot, "ffn_norm");
+    t->hot_ffn(L, n_tok, job->dense, slot, t->d_ax, true);
+    if (failed(cudaGetLastError(), "launching the layer's kernels", err, len)) return 1;
+    if (t->chain_events.size() <= t->chain.size()) {
+        cudaEvent_t e;
+        if (failed(cudaEventCreate(&e), "creating an event", err, len)) return 1;
+        t->chain_events.push_back(e);
+    }
+    cudaEvent_t done = t->chain_events[t->chain.size()];
+    if (failed(cudaEventRecord(done, s), "recording an event", err, len)) return 1;
+    t->chain.push_back(ChainLayer{*job, done});
+    t->stream_ready = true;
+    if (!job->x_out) return 0;
+    if (t->chain_counts_down(err, len) ||
+        failed(cudaMemcpyAsync(t->p_ax, t->d_ax, x_bytes, cudaMemcpyDeviceToHost, s), "copying the output", err, len))
+        return 1;
+    t->steps.mark(s, "d2h");
+    if (failed(cudaEventRecord(t->finished, s), "recording an event", err, len) ||
+        failed(cudaEventSynchronize(t->finished), "running the layers", err, len))
+        return 1;
+    t->steps.collect();
+    std::memcpy(job->x_out, t->p_ax, x_bytes);
+    t->end_chain();
     return 0;
 }
 
@@ -1058,7 +1195,7 @@ void tier_destroy(pi_device_tier *t) {
 const pi_device_api kApi = {PI_DEVICE_API_VERSION, "cuda",         device_count,  device_memory,
                             tier_create,           tier_upload,    tier_submit,   tier_wait,
                             attention_upload,      attention_run,  head_upload,   head_run,
-                            copy_rate,             tier_bytes,     tier_destroy};
+                            layer_run,             copy_rate,      tier_bytes,    tier_destroy};
 
 }  // namespace
 

@@ -60,6 +60,8 @@ struct pi_device_tier {
     std::vector<Attention> attention;
     std::vector<float> rope_cos, rope_sin;
     std::vector<uint8_t> head_block;  // the output head, where uploaded
+    std::vector<float> stream;        // layer_run's residual stream, [n_batch][n_embd], once a layer job ran
+    bool stream_ready = false;
     pi_device_head head_view{};
     uint64_t bytes = 0, bytes_attention_scratch = 0;
     std::thread worker;
@@ -127,8 +129,9 @@ struct pi_device_tier {
 
     void head(const pi_device_head_job &j) const {
         std::vector<float> xn(static_cast<size_t>(desc.n_embd));
+        const float *x = j.x ? j.x : stream.data() + int64_t(j.first) * desc.n_embd;
         for (int64_t t = 0; t < j.n_tok; ++t) {
-            normalize(j.x + t * desc.n_embd, head_view.norm_w, head_view.norm_b, xn.data());
+            normalize(x + t * desc.n_embd, head_view.norm_w, head_view.norm_b, xn.data());
             project(head_view.out, xn.data(), j.logits + t * j.ld_logits);
         }
     }
@@ -353,16 +356,50 @@ int32_t head_run(pi_device_tier *t, const pi_device_head_job *job, pi_device_cou
     if (!t) return say(err, len, "bad head job");
     if (const char *why = device::refuse_head_job(job, t->desc)) return say(err, len, why);
     if (t->head_block.empty()) return say(err, len, "the output head was not uploaded");
+    if (!job->x && !t->stream_ready) return say(err, len, "no stream on the device for the head to read");
     const auto t0 = std::chrono::steady_clock::now();
     t->head(*job);
     if (counts) {
         *counts = pi_device_counts{};
-        counts->h2d_bytes = double(job->n_tok) * t->desc.n_embd * 4;  // the rows up, their logits down
+        counts->h2d_bytes = job->x ? double(job->n_tok) * t->desc.n_embd * 4 : 0.0;  // the rows up, their logits down
         counts->d2h_bytes = double(job->n_tok) * t->desc.n_vocab * 4;
         counts->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         counts->launches = device::head_launches();
         counts->device_bytes = device::head_bytes(t->head_view, job->n_tok);
     }
+    return 0;
+}
+
+int32_t layer_run(pi_device_tier *t, const pi_device_layer_job *job, char *err, size_t len) {
+    if (!t) return say(err, len, "bad layer job");
+    if (const char *why = device::refuse_layer_job(job, t->desc)) return say(err, len, why);
+    const pi_device_tier::Attention &A = t->attention[size_t(job->layer)];
+    if (!A.uploaded || !A.view.ffn_norm_w || !t->layers[size_t(job->layer)].uploaded)
+        return say(err, len, "layer " + std::to_string(job->layer) + "'s attention, FFN norm and hot rows were not all uploaded");
+    if (!job->x_in && !t->stream_ready) return say(err, len, "no stream on the device to continue");
+    if (t->worker.joinable()) t->worker.join();  // a hot job left unwaited: finished first
+    const auto t0 = std::chrono::steady_clock::now();
+    const int64_t E = t->desc.n_embd, n = int64_t(job->n_tok) * E;
+    t->stream.resize(size_t(t->desc.n_batch) * size_t(E));
+    float *x = t->stream.data();
+    if (job->x_in) std::copy(job->x_in, job->x_in + n, x);
+    std::vector<float> out(static_cast<size_t>(n)), xn(static_cast<size_t>(n));
+    t->attend(pi_device_attention_job{job->layer, job->n_tok, job->n_past, x, out.data()});
+    for (int64_t i = 0; i < n; ++i) x[i] += out[size_t(i)];
+    for (int64_t k = 0; k < job->n_tok; ++k) t->normalize(x + k * E, A.view.ffn_norm_w, A.view.ffn_norm_b, xn.data() + k * E);
+    t->job = pi_device_job{job->layer, job->n_tok, job->dense, xn.data(), out.data()};
+    t->counts = pi_device_counts{};
+    t->compute();
+    for (int64_t i = 0; i < n; ++i) x[i] += out[size_t(i)];
+    t->stream_ready = true;
+    if (job->x_out) std::copy(x, x + n, job->x_out);
+    pi_device_counts &c = *job->counts;
+    c = t->counts;
+    c.h2d_bytes = job->x_in ? double(n) * 4 : 0.0;
+    c.d2h_bytes = (job->x_out ? double(n) * 4 : 0.0) + 16;  // and the layer's counters, with the stream's end
+    c.launches = device::attention_launches(A.view) + device::fused_ffn_launches();
+    c.device_bytes += device::attention_bytes(A.view, t->desc, job->n_tok, job->n_past);
+    c.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return 0;
 }
 
@@ -393,7 +430,7 @@ void tier_destroy(pi_device_tier *t) {
 const pi_device_api kApi = {PI_DEVICE_API_VERSION, "emulated", device_count,   device_memory,
                             tier_create,           tier_upload, tier_submit,    tier_wait,
                             attention_upload,      attention_run, head_upload,  head_run,
-                            copy_rate,             tier_bytes,  tier_destroy};
+                            layer_run,             copy_rate,   tier_bytes,     tier_destroy};
 
 }  // namespace
 

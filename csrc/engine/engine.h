@@ -71,6 +71,11 @@ private:
     // Asks for the layer's predictor weights (fc1, the cold tier's fc2) while attention reads the KV cache.
     void prefetch_predictor(const Layer &L) const;
     void ffn(int64_t il, int64_t n_tok, TierMode cold_mode);
+    // Whether layer il runs whole on the device: its attention and hot rows there, no cold tier, no down bias, no
+    // input sparsity (DeviceTierBackend::runs_layer).
+    bool device_layer(int64_t il) const;
+    // The device's whole layers' counts into the stats and the policy, once their stream has come back.
+    void take_device_layers(int64_t n_tok);
     void output(int64_t n_tok, float *logits, int64_t ld_logits);
     // RMSNorm or LayerNorm (hp_.norm) of n_tok rows; b may be empty.
     void norm(const float *x, const Matrix &w, const Matrix &b, int64_t n_tok, float *out) const;
@@ -115,6 +120,8 @@ private:
     std::unique_ptr<TierBackend> hot_, cold_;
     int32_t gpu_mode_ = PI_GPU_OFF;
     DeviceTierBackend *device_ = nullptr;  // hot_, where it is a device's
+    std::vector<TierMode> device_layer_modes_;  // [layer] the cold mode a whole layer on the device ran in
+    bool stream_on_device_ = false;             // the last layer's output is on the device, not in rs_->x
     std::string gpu_off_;                  // why the hot tier is not on a device, where gpu_mode_ asked for one
     EngineStats stats_;
     Sampler sampler_;

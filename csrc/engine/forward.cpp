@@ -30,6 +30,21 @@ void Engine::forward(const int32_t *tokens, int64_t n_tok, float *logits, int64_
         // attention's output lands in tmp; a parallel block adds it after the FFN has read the layer input
         t0 = Clock::now();
         const TierMode cold_mode = policy_.cold_mode(il, n_tok);  // attention leaves what it reads unchanged
+        if (device_layer(il)) {
+            // the whole layer on the device (its time counted as attention's); the residual stream stays there
+            // from one such layer to the next, and for the head where it is there too
+            const bool in = il == 0 || !device_layer(il - 1);
+            const bool out = il + 1 < hp_.n_layer ? !device_layer(il + 1) : !(want_logits && device_->heads());
+            float *x = rs_->x.data();
+            device_->layer(il, n_tok, rs_->n_past, policy_.hot_mode() == TierMode::Dense, in ? x : nullptr,
+                           out ? x : nullptr);
+            device_layer_modes_[size_t(il)] = cold_mode;
+            if (n_tok == 1) stats_.layers[size_t(il)].kernel_changes += double(policy_.decode_step(il, cold_mode));
+            stream_on_device_ = !out;
+            if (out) take_device_layers(n_tok);
+            stats_.times.attention += seconds_since(t0);
+            continue;
+        }
         attention(il, n_tok, cold_mode);
         if (!hp_.parallel_block) add_residual(rs_->tmp.data(), n_tok);
         stats_.times.attention += seconds_since(t0);
@@ -297,13 +312,30 @@ void Engine::ffn(int64_t il, int64_t n_tok, TierMode cold_mode) {
     policy_.take(il, n_tok, cold_mode, hot, cold, has_cold ? cold_job.n_probe : 0);
 }
 
+bool Engine::device_layer(int64_t il) const {
+    const Layer &L = model_->layers()[size_t(il)];
+    return device_ && device_->runs_layer(il) && L.hot.size() > 0 && L.cold.size() == 0 && !L.down_b.data &&
+           L.ffn_norm.data && !input_on();
+}
+
+void Engine::take_device_layers(int64_t n_tok) {
+    for (const auto &[il, hot] : device_->take_layers()) {
+        const TierMode mode = device_layer_modes_[size_t(il)];
+        stats_.take_ffn(il, n_tok, mode, false, hot, TierCounts{});
+        policy_.take(il, n_tok, mode, hot, TierCounts{}, 0);
+    }
+}
+
 void Engine::output(int64_t n_tok, float *logits, int64_t ld_logits) {
     // Only the rows whose logits are wanted go through the head: all of them, or the last one.
     RunState &s = *rs_;
     const int64_t E = hp_.n_embd, V = hp_.n_vocab, first = logits ? 0 : n_tok - 1;
     if (device_ && device_->heads()) {  // the output norm and head on the device
         float *out = logits ? logits : s.last_logits.data();
-        device_->head(n_tok - first, s.x.data() + first * E, out, logits ? ld_logits : V);
+        device_->head(n_tok - first, stream_on_device_ ? nullptr : s.x.data() + first * E, first, out,
+                      logits ? ld_logits : V);
+        if (stream_on_device_) take_device_layers(n_tok);
+        stream_on_device_ = false;
         if (logits) std::memcpy(s.last_logits.data(), logits + (n_tok - 1) * ld_logits, size_t(V) * sizeof(float));
         return;
     }

@@ -99,7 +99,8 @@ std::string device_json(const DeviceUse *u) {
            ", \"device_seconds\": " + num(u->device_seconds) + ", \"wait_seconds\": " + num(u->wait_seconds) +
            ", \"attention_jobs\": " + num(u->attention_jobs) + ", \"attention_seconds\": " +
            num(u->attention_seconds) + ", \"head_jobs\": " + num(u->head_jobs) + ", \"head_seconds\": " +
-           num(u->head_seconds) + ", \"launches\": " + num(u->launches) + ", \"device_read_bytes\": " +
+           num(u->head_seconds) + ", \"layer_jobs\": " + num(u->layer_jobs) + ", \"layer_seconds\": " +
+           num(u->layer_seconds) + ", \"launches\": " + num(u->launches) + ", \"device_read_bytes\": " +
            num(u->device_read_bytes) + ", \"copy_rate\": " + num(u->copy_rate) + "}";
 }
 

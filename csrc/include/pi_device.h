@@ -79,10 +79,13 @@ typedef struct {
 
 /* One layer's attention block in host memory: its input norm (f32, n_embd each; norm_b NULL for RMSNorm), the
  * q (n_head * d_head rows), k and v (n_head_kv * d_head rows each) projections of the normed input, and the
- * output projection o (n_embd rows of n_head * d_head). The caller may free them once attention_upload returns. */
+ * output projection o (n_embd rows of n_head * d_head); and the FFN's norm (likewise), which layer_run applies
+ * (NULL where the layer's FFN reads attention's norm: a parallel block). The caller may free them once
+ * attention_upload returns. */
 typedef struct {
     const float *norm_w, *norm_b;
     pi_device_matrix q, k, v, o;
+    const float *ffn_norm_w, *ffn_norm_b;
 } pi_device_attention;
 
 /* One layer's attention over a batch at positions n_past .. n_past + n_tok - 1: the batch's keys and values go
@@ -104,14 +107,6 @@ typedef struct {
     pi_device_matrix out;
 } pi_device_head;
 
-/* The head over n_tok rows of the last layer's output: logits[t * ld_logits + v], written for v < n_vocab. */
-typedef struct {
-    int32_t n_tok;
-    const float *x;      /* [n_tok][n_embd] */
-    float *logits;
-    int64_t ld_logits;
-} pi_device_head_job;
-
 /* What a job counted, and the traffic and time it took. */
 typedef struct {
     double active;      /* neurons passing the rule, summed over tokens */
@@ -121,6 +116,32 @@ typedef struct {
     double launches;    /* kernels launched (tier_math.h's and attention_math.h's *_launches) */
     double device_bytes; /* bytes the kernels read from device memory: weights and KV cache (*_bytes, likewise) */
 } pi_device_counts;
+
+/* The head over n_tok rows of the last layer's output: logits[t * ld_logits + v], written for v < n_vocab. */
+typedef struct {
+    int32_t n_tok;
+    const float *x;      /* [n_tok][n_embd]; NULL: rows first .. first + n_tok - 1 of the stream layer_run left */
+    float *logits;
+    int64_t ld_logits;
+    int32_t first;
+} pi_device_head_job;
+
+/* A whole layer on the device (its attention block, its FFN's norm, and its hot rows, which are all its neurons:
+ * no cold tier): x += attention(x), then x += ffn(ffn_norm(x)), for n_tok tokens at positions n_past ..; the
+ * FFN's bias-free down projection over the neurons its rule passes (all of them where dense). The residual stream x
+ * stays in the device's memory between such calls: x_in NULL continues from the previous call's stream, x_out
+ * NULL leaves it there (the call may then return before the device is done). `counts` (active and computed
+ * neurons, traffic, launches, bytes) is written by the time a call with x_out, or a head_run, returns. */
+typedef struct {
+    int32_t layer;
+    int32_t n_tok;
+    int32_t n_past;
+    int32_t dense;
+    const float *x_in;   /* [n_tok][n_embd], or NULL */
+    float *x_out;        /* [n_tok][n_embd], or NULL */
+    pi_device_counts *counts;
+} pi_device_layer_job;
+
 
 typedef struct pi_device_tier pi_device_tier;
 
@@ -148,6 +169,9 @@ typedef struct {
     int32_t (*head_upload)(pi_device_tier *tier, const pi_device_head *head, char *err, size_t err_len);
     int32_t (*head_run)(pi_device_tier *tier, const pi_device_head_job *job, pi_device_counts *counts, char *err,
                         size_t err_len);
+    /* A whole layer (pi_device_layer_job), for a layer whose attention (with its FFN norm) and hot rows were
+     * uploaded. */
+    int32_t (*layer_run)(pi_device_tier *tier, const pi_device_layer_job *job, char *err, size_t err_len);
     /* The device's own copy rate (bytes read plus written per second, a device-to-device copy): what a job's
      * device_bytes are measured against. */
     int32_t (*copy_rate)(int32_t device, double *bytes_per_second, char *err, size_t err_len);

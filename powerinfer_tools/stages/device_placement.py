@@ -22,7 +22,7 @@ Q8_0_BLOCK_BYTES = 34
 COMPUTED_TYPES = {"F32", "F16", "Q4_0", "Q8_0"}  # what the device's kernels read (tier_math.h)
 ENGINE_DEFAULT_BATCH = 64  # csrc/engine/engine.cpp kDefaultBatch
 KV_ELEMENT_BYTES = {"f32": 4, "f16": 2}
-_ATTENTION_PART = re.compile(r"^blk\.(\d+)\.(attn_norm|attn_norm_2|attn_q|attn_k|attn_v|attn_qkv|attn_output)"
+_ATTENTION_PART = re.compile(r"^blk\.(\d+)\.(attn_norm|attn_norm_2|ffn_norm|attn_q|attn_k|attn_v|attn_qkv|attn_output)"
                              r"\.(weight|bias)$")
 _FFN_PART = re.compile(r"^blk\.(\d+)\.(ffn_gate|ffn_up|ffn_down_t)\.(weight|bias)$")
 
@@ -125,7 +125,7 @@ def device_costs(header: GGUFHeader, ctx_size: int, n_batch: int = ENGINE_DEFAUL
     for t in header.tensors:
         if m := _ATTENTION_PART.match(t.name):
             i, part, kind = int(m.group(1)), m.group(2), m.group(3)
-            if part.startswith("attn_norm"):
+            if part.startswith("attn_norm") or part == "ffn_norm":
                 norms.setdefault(i, {})[f"{part}.{kind}"] = _aligned(t.n_bytes)
             elif kind == "bias":  # split as the rows are (falcon's fused q, k, v), each part its own
                 rows = [q_rows, kv_rows, kv_rows] if part == "attn_qkv" else [t.n_bytes // 4]
@@ -146,6 +146,8 @@ def device_costs(header: GGUFHeader, ctx_size: int, n_batch: int = ENGINE_DEFAUL
         parts = norms.get(i, {})
         name = "attn_norm_2" if "attn_norm_2.weight" in parts else "attn_norm"
         attention[i] += parts.get(f"{name}.weight", 0) + parts.get(f"{name}.bias", 0) + shape.kv_cache_bytes()
+        if arch != "falcon":  # the FFN's norm, for a whole layer on the device (a parallel block has none of its own)
+            attention[i] += parts.get("ffn_norm.weight", 0) + parts.get("ffn_norm.bias", 0)
     return DeviceCosts(shape, attention, refused, neuron, head)
 
 

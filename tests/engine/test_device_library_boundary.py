@@ -31,7 +31,7 @@ class Matrix(C.Structure):
 
 class Attention(C.Structure):
     _fields_ = [("norm_w", C.POINTER(C.c_float)), ("norm_b", C.POINTER(C.c_float)), ("q", Matrix), ("k", Matrix),
-                ("v", Matrix), ("o", Matrix)]
+                ("v", Matrix), ("o", Matrix), ("ffn_norm_w", C.POINTER(C.c_float)), ("ffn_norm_b", C.POINTER(C.c_float))]
 
 
 class AttentionJob(C.Structure):
@@ -45,7 +45,7 @@ class Head(C.Structure):
 
 class HeadJob(C.Structure):
     _fields_ = [("n_tok", C.c_int32), ("x", C.POINTER(C.c_float)), ("logits", C.POINTER(C.c_float)),
-                ("ld_logits", C.c_int64)]
+                ("ld_logits", C.c_int64), ("first", C.c_int32)]
 
 
 class Counts(C.Structure):
@@ -64,6 +64,7 @@ CALLS = [("device_count", C.c_int32, [*ERR]),
          ("attention_run", C.c_int32, [C.c_void_p, C.POINTER(AttentionJob), C.POINTER(Counts), *ERR]),
          ("head_upload", C.c_int32, [C.c_void_p, C.POINTER(Head), *ERR]),
          ("head_run", C.c_int32, [C.c_void_p, C.POINTER(HeadJob), C.POINTER(Counts), *ERR]),
+         ("layer_run", C.c_int32, [C.c_void_p, C.c_void_p, *ERR]),
          ("copy_rate", C.c_int32, [C.c_int32, C.POINTER(C.c_double), *ERR]),
          ("tier_bytes", C.c_uint64, [C.c_void_p]),
          ("tier_destroy", None, [C.c_void_p])]

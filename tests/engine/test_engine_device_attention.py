@@ -84,7 +84,10 @@ def test_the_budget_places_attention_first_then_hot_rows(converted, gpuidx_all, 
         assert used["attention_layers"] == sum(attention_on) and used["layers_on_device"] == sum(hot_on)
         assert used["output_head"] == "device" and stats["gpu"]["head_jobs"] == 2 + len(TOKENS) - 24
         assert used["device_bytes"] <= used["budget_bytes"]
-        assert stats["gpu"]["attention_jobs"] == sum(attention_on) * (2 + len(TOKENS) - 24)
+        # a layer with its attention and all its neurons (every one hot) on the device runs there whole
+        whole = sum(a and h for a, h in zip(attention_on, hot_on))
+        assert stats["gpu"]["layer_jobs"] == whole * (2 + len(TOKENS) - 24)
+        assert stats["gpu"]["attention_jobs"] == (sum(attention_on) - whole) * (2 + len(TOKENS) - 24)
         assert max_rel_err(dev, cpu) <= 1e-4
 
 

@@ -666,7 +666,7 @@ def device_per_token(stats: dict) -> dict | None:
     gpu, n = stats.get("gpu"), stats.get("decode_tokens")
     if not gpu or not n or not gpu.get("copy_rate"):
         return None
-    seconds = gpu["device_seconds"] + gpu["attention_seconds"] + gpu["head_seconds"]
+    seconds = gpu["device_seconds"] + gpu["attention_seconds"] + gpu["head_seconds"] + gpu.get("layer_seconds", 0.0)
     floor = gpu["device_read_bytes"] / gpu["copy_rate"] + LAUNCH_SECONDS * gpu["launches"]
     return {"device_us": 1e6 * seconds / n, "launches": gpu["launches"] / n,
             "device_mb": gpu["device_read_bytes"] / n / 1e6, "h2d_kib": gpu["h2d_bytes"] / n / 1024,

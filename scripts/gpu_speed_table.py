@@ -14,7 +14,7 @@ from pathlib import Path
 
 from powerinfer_tools.bench.harness import device_per_token
 
-RUNS = ("cpu", "gpu4", "gpu8", "gpu8-ffn-only")
+RUNS = ("cpu", "hybrid", "gpu4", "gpu8", "gpu8-ffn-only")
 
 
 def placement(gpu: dict) -> str:

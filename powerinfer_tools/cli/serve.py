@@ -8,6 +8,7 @@ import typer
 
 from powerinfer_tools.cli import flags
 from powerinfer_tools.core.errors import UserError
+from powerinfer_tools.server.intake import MAX_BODY_MIB
 
 
 @flags.engine_options
@@ -25,6 +26,8 @@ def serve(
                                  "request's prompt and reply together."),
     log_requests: bool = typer.Option(False, "--log-requests", help="Log each request on stderr (uvicorn's "
                                       "access log)."),
+    max_body_mib: float = typer.Option(MAX_BODY_MIB, "--max-body-mib", help="Refuse a request body larger than "
+                                       "this many MiB with a 413, before parsing it."),
     engine: flags.EngineArgs = None,
 ):
     """Serve a model over the OpenAI API, as llama.cpp's llama-server does: POST /v1/chat/completions (the
@@ -48,14 +51,30 @@ def serve(
 
     if not 0 <= port <= 65535:
         raise UserError(f"--port must be in 0..65535, not {port}")
-    if api_key is not None and not api_key.strip():
-        raise UserError("--api-key is empty")
+    if not max_body_mib > 0:
+        raise UserError(f"--max-body-mib must be > 0, not {max_body_mib}")
+    if api_key is not None:
+        check_api_key(api_key)
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         print(f"pi-tools: warning: serving on {host} without --api-key: anyone who reaches this port can use it",
               file=sys.stderr)
     with LLM(model, ctx_size=ctx_size, **engine.llm_options()) as llm:
-        app = create_app(llm, alias or llm.name, api_key)
+        app = create_app(llm, alias or llm.name, api_key, max_body_mib)
         try:
-            listen(app, host, port, log_requests)
+            listen(app, host, port, log_requests, app.state.worker.stop)
         finally:
             app.state.worker.shutdown()
+
+
+def check_api_key(key: str) -> None:
+    """Only a key that 'Authorization: Bearer KEY' can carry: printable ASCII (clients refuse other characters or
+    send bytes that never match), with no space at either end (a header drops it)."""
+    if not key.strip():
+        raise UserError("--api-key is empty")
+    for i, ch in enumerate(key, 1):
+        if not " " <= ch <= "~":
+            kind = "a non-ASCII character" if ord(ch) > 127 else "a control character"
+            raise UserError(f"--api-key (or PI_API_KEY) has {kind} at position {i}: an HTTP header carries only "
+                            "printable ASCII")
+    if key != key.strip():
+        raise UserError("--api-key (or PI_API_KEY) starts or ends with a space, which an HTTP header drops")

@@ -2,8 +2,11 @@
 
 One engine serves every client. Generations run one at a time on a single worker thread, in the order the
 requests came (a FIFO of one-thread executor), and the LLM's prompt cache makes a client that resends its
-conversation evaluate only the new part. A streaming client that goes away ends its generation at the next
-token; one that goes away while queued never starts.
+conversation evaluate only the new part. Rendering and tokenizing a prompt to check that it fits happen on a
+thread of their own before the request queues, so a huge or bad request never takes the engine's turn. A client
+that goes away, streaming or not, ends its generation at the next token; one that goes away while queued never
+starts. When the server stops, every request ends where it stands: a stream with a last chunk and [DONE], any
+other with a 503.
 """
 from __future__ import annotations
 
@@ -15,15 +18,16 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from contextlib import aclosing
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.runtime.llm import LLM, Chunk, Completion, RequestError
+from powerinfer_tools.server.intake import MAX_BODY_MIB, Intake, ended, race
 from powerinfer_tools.server.schemas import ChatRequest, CompletionRequest
 
 
@@ -40,37 +44,59 @@ class ApiError(Exception):
                                        "code": self.code}}, status_code=self.status)
 
 
-@dataclass(frozen=True)
-class Job:
-    """One generation: what to run on the worker, and whether it is a chat."""
+class ClientGone(Exception):
+    """The client closed its connection: its generation is ended and nobody is left to answer."""
 
-    start: Callable[[], Iterator[Chunk]]
-    chat: bool
+
+class ShuttingDown(Exception):
+    """The server is stopping: the request ends where it stands."""
 
 
 _DONE = object()
 
 
 class Worker:
-    """Runs jobs one after another on one thread; their chunks come back to the event loop through a queue."""
+    """Runs jobs one after another on one thread; their chunks come back to the event loop through a queue. A job
+    ends at its next token when its client leaves or the server stops, and the request waiting on it is released
+    at once (ClientGone, ShuttingDown): an engine step in progress never holds an answer back."""
 
     def __init__(self):
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pi-engine")
-        self.stopping = threading.Event()
+        self.stopping = threading.Event()  # read by the engine's thread
+        self.stopped = asyncio.Event()     # awaited by the requests
 
-    async def run(self, job: Job) -> AsyncIterator[Chunk]:
+    def stop(self) -> None:
+        """The server begins to shut down (called on the event loop): every job ends, running or queued."""
+        self.stopping.set()
+        self.stopped.set()
+
+    def _why(self) -> Exception:
+        return ShuttingDown() if self.stopped.is_set() else ClientGone()
+
+    async def beside(self, fn: Callable, left: asyncio.Event):
+        """fn() on a thread of its own, beside the engine's, released as a job is: a slow tokenization holds
+        neither the engine nor the request."""
+        result = await race(asyncio.to_thread(fn), self.stopped, left)
+        if ended(result):
+            raise self._why()
+        return result
+
+    async def run(self, start: Callable[[], Iterator[Chunk]], left: asyncio.Event) -> AsyncIterator[Chunk]:
+        """The chunks of the generation start() begins on the engine's thread, up to the one with the Completion
+        (ask no further); ShuttingDown or ClientGone where it is cut short."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        gone = threading.Event()  # the client left (or the server is stopping): stop at the next token
+        gone = threading.Event()  # the client left, the request ended, or the server is stopping: stop now
 
         def put(item) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+            if not loop.is_closed():  # the server stopped during this step: nobody waits for it
+                loop.call_soon_threadsafe(queue.put_nowait, item)
 
         def work() -> None:
             try:
                 if gone.is_set() or self.stopping.is_set():
                     return
-                chunks = job.start()
+                chunks = start()
                 try:
                     for chunk in chunks:
                         put(chunk)
@@ -83,9 +109,12 @@ class Worker:
             finally:
                 put(_DONE)
 
-        loop.run_in_executor(self.executor, work)
+        self.executor.submit(work)
         try:
-            while (item := await queue.get()) is not _DONE:
+            while True:
+                item = await race(queue.get(), self.stopped, left)
+                if ended(item) or item is _DONE:  # _DONE before the Completion: the job was cut
+                    raise self._why()
                 if isinstance(item, BaseException):
                     raise item
                 yield item
@@ -97,8 +126,9 @@ class Worker:
         self.executor.shutdown(wait=True)
 
 
-def create_app(llm: LLM, model_id: str, api_key: str | None = None) -> FastAPI:
-    """The application for `llm`, answering to `model_id` in /v1/models (any name is accepted in requests)."""
+def create_app(llm: LLM, model_id: str, api_key: str | None = None, max_body_mib: float = MAX_BODY_MIB) -> FastAPI:
+    """The application for `llm`, answering to `model_id` in /v1/models (any name is accepted in requests);
+    call app.state.worker.stop() when the server begins to shut down."""
     worker = Worker()
     created = int(time.time())
     app = FastAPI(title="powerinfer-tools", docs_url=None, redoc_url=None, openapi_url=None)
@@ -107,6 +137,22 @@ def create_app(llm: LLM, model_id: str, api_key: str | None = None) -> FastAPI:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
         return exc.response()
+
+    @app.exception_handler(RequestError)
+    async def _refused(request: Request, exc: RequestError):
+        return ApiError(400, str(exc), param=exc.param, code=exc.code).response()
+
+    @app.exception_handler(UserError)
+    async def _user_error(request: Request, exc: UserError):
+        return ApiError(400, str(exc)).response()
+
+    @app.exception_handler(ShuttingDown)
+    async def _stopping(request: Request, exc: ShuttingDown):
+        return ApiError(503, "the server is shutting down", "server_error", code="server_shutting_down").response()
+
+    @app.exception_handler(ClientGone)
+    async def _gone(request: Request, exc: ClientGone):
+        return Response(status_code=499)  # nginx's "client closed request", for the access log: nobody reads it
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -140,6 +186,8 @@ def create_app(llm: LLM, model_id: str, api_key: str | None = None) -> FastAPI:
                                 "authentication_error", code="invalid_api_key").response()
         return await call_next(request)
 
+    app.add_middleware(Intake, max_body=int(max_body_mib * 2**20), stopped=worker.stopped)  # outermost
+
     @app.get("/health")
     async def health():
         return {"status": "ok"}
@@ -150,49 +198,63 @@ def create_app(llm: LLM, model_id: str, api_key: str | None = None) -> FastAPI:
                                             "owned_by": "powerinfer-tools", "meta": {"n_ctx": llm.n_ctx}}]}
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatRequest):
+    async def chat_completions(body: ChatRequest, request: Request):
         messages = body.chat_messages()
+        left = request.state.client_left
+        await worker.beside(lambda: _fits(llm, llm.chat_prompt(messages), False, body, "messages"), left)
 
         def start():
             return llm.chat(messages, max_tokens=body.limit(), stop=body.stops(), stream=True, sampling=body.sampling(),
                             fit=False)
 
-        return await _answer(worker, Job(start, chat=True), body, model_id)
+        return await _answer(worker.run(start, left), body, model_id, chat=True)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, request: Request):
         try:
             prompt = body.text()
         except ValueError as exc:
             raise ApiError(400, str(exc), param="prompt") from None
+        left = request.state.client_left
+        await worker.beside(lambda: _fits(llm, prompt, True, body, "prompt"), left)
 
         def start():
             return llm.complete(prompt, max_tokens=body.limit(), stop=body.stops(), stream=True,
                                 sampling=body.sampling(), fit=False)
 
-        return await _answer(worker, Job(start, chat=False), body, model_id, echo=prompt if body.echo else "")
+        return await _answer(worker.run(start, left), body, model_id, chat=False,
+                             echo=prompt if body.echo else "")
 
     return app
 
 
-async def _answer(worker: Worker, job: Job, body, model_id: str, echo: str = ""):
+def _fits(llm: LLM, prompt: str, add_special: bool, body, param: str) -> None:
+    """The checks the engine's turn makes, made before the request queues for it: the sampling values, and the
+    prompt's tokens against the context. The LLM checks again at its turn (where a prompt that extends the cached
+    conversation may tokenize a little differently), but a prompt that got this far is within the context, so its
+    tokenizing there is short."""
+    body.sampling().check()
+    n = len(llm.tokenize(prompt, add_special=add_special))
+    room = llm.n_ctx - n
+    if room < 1:
+        raise RequestError(f"the prompt has {n} tokens and the context holds {llm.n_ctx}: no room to generate "
+                           "(shorten it)", param=param, code="context_length_exceeded")
+    limit = body.limit()
+    if limit is not None and limit > room:
+        raise RequestError(f"this model's context holds {llm.n_ctx} tokens: {n} in the prompt and {limit} asked "
+                           "for the completion; lower max_tokens", param="max_tokens",
+                           code="context_length_exceeded")
+
+
+async def _answer(chunks: AsyncIterator[Chunk], body, model_id: str, chat: bool, echo: str = ""):
     """The whole answer, or a stream of server-sent events; an error before the first chunk is an HTTP error."""
-    chunks = worker.run(job)
-    try:
-        first = await chunks.__anext__()
-    except RequestError as exc:
-        await chunks.aclose()
-        raise ApiError(400, str(exc), param=exc.param, code=exc.code) from None
-    except UserError as exc:
-        await chunks.aclose()
-        raise ApiError(400, str(exc)) from None
-    except StopAsyncIteration:
-        raise ApiError(500, "the generation ended without an answer", "server_error") from None
-    reply = _Reply(job.chat, model_id)
+    first = await chunks.__anext__()
+    reply = _Reply(chat, model_id)
     if not body.stream:
-        last = first
-        async for last in chunks:
-            pass
+        async with aclosing(chunks):
+            last = first
+            while last.completion is None:
+                last = await chunks.__anext__()
         return reply.whole(last.completion, echo)
     return StreamingResponse(reply.events(first, chunks, body.include_usage, echo), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -246,8 +308,14 @@ class _Reply:
                     if include_usage:
                         yield _event(self._envelope(self._piece(None, None)["object"], []) | {"usage": usage(c)})
                     break
-                chunk = await rest.__anext__()
+                try:
+                    chunk = await rest.__anext__()
+                except ShuttingDown:  # cut short, as at max_tokens; no usage (OpenAI's own may miss a cut stream's)
+                    yield _event(self._piece(None, "length"))
+                    break
             yield "data: [DONE]\n\n"
+        except ClientGone:
+            return  # nobody to send the rest to
         finally:
             await rest.aclose()  # a client gone mid-stream: the worker stops at its next token
 

@@ -1,13 +1,15 @@
 """`pi-tools serve` driven by the real `openai` client (and raw HTTP for what a client library never sends),
 against a server the test starts on a free loopback port: chat and text completions, whole and streamed, stop
-sequences, usage counts, the prompt cache, a client that leaves mid-stream, concurrent clients, bad requests
-as OpenAI-style 4xx errors, the API key, SIGTERM."""
+sequences, usage counts, the prompt cache, clients that leave (streaming or not), concurrent clients, bad
+requests as OpenAI-style 4xx errors, the body size limit, a long prompt tokenized beside the engine, the API key,
+SIGTERM with requests in flight."""
 from __future__ import annotations
 
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -226,3 +228,111 @@ def test_api_key_and_sigterm(smollm2_file):
     finally:
         assert s.stop() == 0
     assert not any("Traceback" in line for line in s.log)
+
+
+def raw_socket(server: Server) -> socket.socket:
+    """A bare connection, for requests http.client cannot leave unfinished."""
+    where = urllib.parse.urlsplit(server.url)
+    return socket.create_connection((where.hostname, where.port), timeout=15)
+
+
+def raw_answer(sock: socket.socket) -> tuple[int, dict]:
+    """The status and JSON body of the response that comes on a bare connection."""
+    response = http.client.HTTPResponse(sock)
+    response.begin()
+    return response.status, json.loads(response.read())
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_read(server):
+    head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    # a 50 MB Content-Length, of which only the first bytes come: the answer cannot wait for the rest
+    with raw_socket(server) as sock:
+        sock.sendall(f"{head}Content-Length: {50 * 2**20}\r\n\r\n".encode() + b'{"prompt": "')
+        status, answer = raw_answer(sock)
+    assert status == 413 and answer["error"]["type"] == "invalid_request_error"
+    assert "larger than this server's limit of 4 MiB" in answer["error"]["message"]
+    # a chunked body, which says no length: refused once what came passes the limit, the end never sent
+    with raw_socket(server) as sock:
+        sock.sendall(f"{head}Transfer-Encoding: chunked\r\n\r\n".encode())
+        piece = b"x" * 2**18
+        for _ in range(17):  # 4.25 MiB
+            sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+        status, answer = raw_answer(sock)
+    assert status == 413 and answer["error"]["code"] == "request_too_large"
+    # the real client, sending all of a prompt over the limit, reads the 413 too
+    with pytest.raises(openai.APIStatusError, match="limit of 4 MiB") as caught:
+        server.client().completions.create(model="any", prompt="word " * (5 * 2**20 // 5), max_tokens=1)
+    assert caught.value.status_code == 413
+    assert server.client().completions.create(model="any", prompt="Hi", max_tokens=1).usage.completion_tokens == 1
+
+
+def test_a_long_prompt_is_tokenized_beside_the_engine(server):
+    """A prompt of 3.5 MiB takes seconds to tokenize before its 400 (it cannot fit the context): a one-token
+    request sent while it tokenizes is answered first."""
+    done: dict[str, float] = {}
+
+    def big():
+        status, answer = server.request("POST", "/v1/completions",
+                                        json.dumps({"prompt": "word " * (7 * 2**20 // 10), "max_tokens": 1}).encode())
+        done["big"] = time.monotonic()
+        return status, answer
+
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(big)
+        time.sleep(0.5)  # its body is in and its tokenizing begun
+        small = server.client().completions.create(model="any", prompt="Hi", max_tokens=1)
+        done["small"] = time.monotonic()
+        status, answer = pending.result()
+    assert small.usage.completion_tokens == 1
+    assert status == 400 and "context holds 1024" in answer["error"]["message"]
+    assert done["small"] < done["big"]
+
+
+def test_a_client_that_leaves_before_a_whole_answer_frees_the_engine(server):
+    rate = server.client().completions.create(model="any", prompt="Hi", max_tokens=20, **GREEDY) \
+        .model_extra["timings"]["predicted_per_second"]
+    body = {"prompt": "1, 2, 3, 4, 5,", "max_tokens": 900, "temperature": 0}  # not streamed: counts on, no end
+    conn = server.connection()
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    time.sleep(0.5)
+    conn.close()  # gone before its answer: the next request must not wait for the other tokens
+    started = time.monotonic()
+    status, answer = server.request("POST", "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 1}).encode())
+    assert status == 200 and answer["usage"]["completion_tokens"] == 1
+    assert time.monotonic() - started < 0.3 * 900 / rate
+
+
+def test_sigterm_ends_every_request_in_flight_and_exits_0(smollm2_file):
+    s = Server(smollm2_file("q8_0"))
+    try:
+        stream = s.connection()
+        stream.request("POST", "/v1/completions", headers={"Content-Type": "application/json"},
+                       body=json.dumps({"prompt": "1, 2, 3, 4, 5,", "max_tokens": 900, "stream": True,
+                                        "temperature": 0}))  # counts on: no end of its own
+        response = stream.getresponse()
+        assert response.status == 200
+        events = [response.readline() for _ in range(6)]  # three events in: it is generating
+        with ThreadPoolExecutor(1) as pool:
+            queued = pool.submit(s.client().completions.create, model="any", prompt="Hi", max_tokens=4)
+            half = raw_socket(s)  # a body still coming
+            half.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+            time.sleep(0.5)
+            s.proc.send_signal(signal.SIGTERM)
+            started = time.monotonic()
+            with pytest.raises(openai.InternalServerError, match="shutting down") as caught:
+                queued.result()
+        assert caught.value.status_code == 503
+        with half:
+            status, answer = raw_answer(half)
+        assert status == 503 and answer["error"]["code"] == "server_shutting_down"
+        events += response.read().splitlines(keepends=True)
+        data = [e[len(b"data: "):].strip() for e in events if e.startswith(b"data: ")]
+        assert data[-1] == b"[DONE]"
+        assert json.loads(data[-2])["choices"][0]["finish_reason"] == "length"
+        assert all(json.loads(d)["choices"][0]["finish_reason"] is None for d in data[:-2])
+        assert s.proc.wait(10) == 0 and time.monotonic() - started < 5
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
+    assert not any("Traceback" in line or "Exception in ASGI" in line for line in s.log), "".join(s.log)

@@ -20,8 +20,11 @@ class Model:
 
     threads: worker threads (default: all cores); sparse_mode: dense | gate | predictor | auto | oracle;
     ctx_size: KV cache length (default: min(training context, 4096)); gpuidx: optional PowerInfer
-    .gpuidx file whose neurons form the hot tier; recall_check: also compute the true activation mask
-    in predictor mode to report recall; batch_size: tokens per forward batch of a prompt;
+    .gpuidx file whose neurons form the hot tier on a device (without one it is checked and ignored: every neuron
+    is computed by sparse_mode, info["gpu"]["gpuidx_ignored"]); cpu_hot_tier: True keeps it a tier of its own on
+    the CPU where no device takes it (its neurons computed whole: for testing the tiers); recall_check: also
+    compute the true activation mask in predictor mode to report recall; batch_size: tokens per forward batch of
+    a prompt;
     isa: force a kernel set ("scalar", "avx2", "avx512") instead of the best available one; kv_type: the KV
     cache's element type, "f32" (logits within float rounding of the reference) or "f16" (half the cache's
     memory and of what a decode step reads of it, llama.cpp's default); hot_backend: what computes the hot tier,
@@ -45,7 +48,7 @@ class Model:
                  batch_size: int | None = None, isa: str | None = None, kv_type: str = "f32",
                  hot_backend: str = "cpu", gpu: str = "auto", vram_budget: float | None = None, gpu_device: int = 0,
                  gpu_library: str | os.PathLike = "cuda", gpu_attention: bool = True,
-                 input_sparsity: float = 0.0):
+                 input_sparsity: float = 0.0, cpu_hot_tier: bool = False):
         self._handle = None
         self._lock = threading.RLock()
         opts = Options()
@@ -56,6 +59,9 @@ class Model:
         opts.ffn_mode = _mode_id(sparse_mode)
         opts.recall_check = int(recall_check)
         opts.gpuidx_path = os.fsencode(gpuidx) if gpuidx is not None else None
+        if not isinstance(cpu_hot_tier, bool):
+            raise EngineError(f"cpu_hot_tier must be True or False, not {cpu_hot_tier!r}")
+        opts.cpu_hot_tier = int(cpu_hot_tier)
         opts.isa = isa.encode() if isa else None
         if kv_type not in KV_TYPES:
             raise EngineError(f"unknown KV cache type {kv_type!r} (choose from {', '.join(KV_TYPES)})")

@@ -143,11 +143,12 @@ class PowerInfer:
 
 def ours_greedy(model: Path, prompt: list, n: int, mode: str, gpuidx: Path | None = None) -> Generation:
     """Greedy tokens after `prompt` as PowerInfer's main --ignore-eos --repeat-penalty 1 picks them (the
-    end-of-sequence token never chosen)."""
+    end-of-sequence token never chosen). A gpuidx's neurons are a hot tier on the CPU, computed whole, as the
+    results recorded in docs/formats.md were."""
     import powerinfer_engine as engine
 
     try:
-        with engine.Model(model, threads=1, sparse_mode=mode, gpuidx=gpuidx, ctx_size=256) as m:
+        with engine.Model(model, threads=1, sparse_mode=mode, gpuidx=gpuidx, cpu_hot_tier=True, ctx_size=256) as m:
             eos = m.info["eos"]
             logits = m.eval(prompt, all_logits=False)
             out = []
@@ -513,7 +514,7 @@ def solver_both_ways(name: str, hf: Path, work: Path, pi: PowerInfer, args, prof
     if ours.loads:
         import powerinfer_engine as engine
 
-        with engine.Model(f, threads=1, sparse_mode="predictor", gpuidx=idx) as m:
+        with engine.Model(f, threads=1, sparse_mode="predictor", gpuidx=idx, cpu_hot_tier=True) as m:
             m.eval([1, 2, 3])
             hot = [layer["hot_neurons"] for layer in m.stats()["layers"]]
         note = [f"GPU neurons per layer read here: {hot}", others_hottest(idx, prof / "activation", n_layer)]

@@ -35,15 +35,18 @@ int thread_count(int requested) {
 }  // namespace
 
 Engine::Engine(const std::string &path, const pi_options &opts, const std::string &hot_backend)
-    : model_(std::make_unique<Model>(path, opts.gpuidx_path ? opts.gpuidx_path : "", thread_count(opts.threads))),
+    : device_api_(find_device(opts, hot_backend)),
+      // a gpuidx places neurons on a device: without one its neurons join the cold tier, unless asked otherwise
+      gpuidx_ignored_(opts.gpuidx_path && *opts.gpuidx_path && !device_api_ && opts.cpu_hot_tier == 0 &&
+                      hot_backend != "reference"),
+      model_(std::make_unique<Model>(path, opts.gpuidx_path ? opts.gpuidx_path : "", thread_count(opts.threads),
+                                     !gpuidx_ignored_)),
       hp_(model_->hp()),
       policy_(*model_),
       stats_(model_->hp().n_layer),
       sampler_(model_->hp().n_vocab) {
     ks_ = kernels_named(opts.isa);
     if (!ks_) fail(PI_ERR_UNSUPPORTED, std::string("kernel set '") + opts.isa + "' is not available on this CPU/build");
-    if (hot_backend != "cpu" && hot_backend != "reference")
-        fail(PI_ERR_ARGUMENT, "unknown tier backend '" + hot_backend + "' (cpu or reference)");
     const int threads = thread_count(opts.threads);
     n_ctx_ = opts.ctx_size > 0 ? opts.ctx_size : std::min(hp_.n_ctx_train, kDefaultCtx);
     if (n_ctx_ > (int64_t(1) << 20)) fail(PI_ERR_ARGUMENT, "ctx_size is too large");
@@ -56,7 +59,6 @@ Engine::Engine(const std::string &path, const pi_options &opts, const std::strin
 
     pool_ = std::make_unique<ThreadPool>(threads);
     const int64_t rank = model_->max_rank();
-    if (opts.gpu < PI_GPU_OFF || opts.gpu > PI_GPU_ON) fail(PI_ERR_ARGUMENT, "unknown gpu mode " + std::to_string(opts.gpu));
     gpu_mode_ = opts.gpu;
     if (hot_backend == "reference") hot_ = std::make_unique<ReferenceTierBackend>(hp_, n_batch_);
     else if (opts.gpu != PI_GPU_OFF) hot_ = device_tier(opts, rank);
@@ -75,32 +77,41 @@ Engine::Engine(const std::string &path, const pi_options &opts, const std::strin
     set_input_sparsity(opts.input_sparsity);
 }
 
+const pi_device_api *Engine::find_device(const pi_options &opts, const std::string &hot_backend) {
+    if (hot_backend != "cpu" && hot_backend != "reference")
+        fail(PI_ERR_ARGUMENT, "unknown tier backend '" + hot_backend + "' (cpu or reference)");
+    if (opts.gpu < PI_GPU_OFF || opts.gpu > PI_GPU_ON) fail(PI_ERR_ARGUMENT, "unknown gpu mode " + std::to_string(opts.gpu));
+    if (hot_backend == "reference" || opts.gpu == PI_GPU_OFF) return nullptr;
+    if (!opts.gpuidx_path || !*opts.gpuidx_path) {
+        gpu_off_ = "no hot tier: give a .gpuidx (pi-tools plan writes one for a VRAM budget)";
+        return nullptr;
+    }
+    const pi_device_api *api = nullptr;
+    try {
+        api = &load_device_library(device_library_path(opts.gpu_library ? opts.gpu_library : ""));
+    } catch (const EngineFailure &e) {
+        gpu_off_ = e.what();
+        return nullptr;
+    }
+    char err[256] = {};
+    const int32_t n = api->device_count(err, sizeof err);
+    if (opts.gpu_device >= 0 && opts.gpu_device < n) return api;
+    gpu_off_ = n == 0 ? std::string(err[0] ? err : "no device")
+                      : "no device " + std::to_string(opts.gpu_device) + " (" + std::to_string(n) + " found)";
+    return nullptr;
+}
+
 std::unique_ptr<TierBackend> Engine::device_tier(const pi_options &opts, int64_t rank) {
     // What is missing for a device is a reason to run on the CPU (auto) or a failure (on); a device that is there
     // but cannot take the request (a budget above its free memory) fails either way.
-    const std::string library = device_library_path(opts.gpu_library ? opts.gpu_library : "");
-    const pi_device_api *api = nullptr;
-    if (model_->hot_neurons() == 0) {
-        gpu_off_ = "no hot tier: give a .gpuidx (pi-tools plan writes one for a VRAM budget)";
-    } else {
-        try {
-            api = &load_device_library(library);
-        } catch (const EngineFailure &e) {
-            gpu_off_ = e.what();
-        }
-    }
-    if (api) {
-        char err[256] = {};
-        const int32_t n = api->device_count(err, sizeof err);
-        if (opts.gpu_device < 0 || opts.gpu_device >= n)
-            gpu_off_ = n == 0 ? std::string(err[0] ? err : "no device")
-                              : "no device " + std::to_string(opts.gpu_device) + " (" + std::to_string(n) + " found)";
-    }
+    if (gpu_off_.empty() && model_->hot_neurons() == 0)
+        gpu_off_ = "no hot tier: the .gpuidx marks no neuron (pi-tools plan writes one for a VRAM budget)";
     if (!gpu_off_.empty()) {
         if (opts.gpu == PI_GPU_ON) fail(PI_ERR_UNSUPPORTED, "gpu on: " + gpu_off_);
         return nullptr;
     }
-    auto device = std::make_unique<DeviceTierBackend>(*api, library, opts.gpu_device, opts.vram_budget, *model_,
+    const std::string library = device_library_path(opts.gpu_library ? opts.gpu_library : "");
+    auto device = std::make_unique<DeviceTierBackend>(*device_api_, library, opts.gpu_device, opts.vram_budget, *model_,
                                                       *ks_, *pool_, n_batch_, n_ctx_,
                                                       opts.kv_type == PI_KV_F16, opts.gpu_ffn_only == 0, rank,
                                                       largest_tier(*model_, true));
@@ -201,7 +212,7 @@ const std::string &Engine::info_json() {
     static const char *gpu_modes[] = {"off", "auto", "on"};
     const RunSettings run{n_ctx_, n_batch_, pool_->size(), ks_->isa, hot_->name(), policy_.mode(), recall_check_, rs_->kv_f16,
                           RunState::kv_cache_bytes(hp_, n_ctx_, rs_->kv_f16), work_buffer_bytes(pool_->size()),
-                          gpu_modes[gpu_mode_], device_ ? &device_->use() : nullptr, &gpu_off_};
+                          gpu_modes[gpu_mode_], device_ ? &device_->use() : nullptr, &gpu_off_, gpuidx_ignored_};
     json_ = pi::info_json(*model_, run);
     return json_;
 }

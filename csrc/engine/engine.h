@@ -48,8 +48,12 @@ private:
     // the hot tier's copy (or what a device takes on the host) and the cold tiers' gate/up groups.
     double weight_copy_bytes() const;
     double work_buffer_bytes(int64_t threads) const;
-    // The hot tier's backend where opts ask for a device (gpu auto or on): a DeviceTierBackend, or nullptr with
-    // gpu_off_ saying why (auto: the hot tier stays on the CPU), or a failure (on).
+    // Before the model loads (it holds a hot tier only for a device, or where asked): checks hot_backend and
+    // opts.gpu, and returns the device library where opts ask for a device (gpu auto or on), give a gpuidx and
+    // the library finds the device; else nullptr, with gpu_off_ saying why where a device was asked for.
+    const pi_device_api *find_device(const pi_options &opts, const std::string &hot_backend);
+    // The hot tier's backend where opts ask for a device: a DeviceTierBackend, or nullptr with gpu_off_ saying why
+    // (auto: the hot tier, where the model kept one, stays on the CPU), or a failure (on).
     std::unique_ptr<TierBackend> device_tier(const pi_options &opts, int64_t rank);
 
     // forward.cpp, in the order a batch runs them
@@ -109,6 +113,10 @@ private:
     void input_output_projection(const Layer &L, int64_t il, int64_t n_tok);
     void input_ffn(int64_t il, int64_t n_tok);
 
+    // (declared before model_: set before the model loads)
+    std::string gpu_off_;                        // why the hot tier is not on a device, where opts asked for one
+    const pi_device_api *device_api_ = nullptr;  // the device library, where a device takes the hot tier
+    bool gpuidx_ignored_ = false;                // a gpuidx was given, no device took it: every neuron is cold
     std::unique_ptr<Model> model_;
     const KernelSet *ks_;
     std::unique_ptr<ThreadPool> pool_;
@@ -122,7 +130,6 @@ private:
     DeviceTierBackend *device_ = nullptr;  // hot_, where it is a device's
     std::vector<TierMode> device_layer_modes_;  // [layer] the cold mode a whole layer on the device ran in
     bool stream_on_device_ = false;             // the last layer's output is on the device, not in rs_->x
-    std::string gpu_off_;                  // why the hot tier is not on a device, where gpu_mode_ asked for one
     EngineStats stats_;
     Sampler sampler_;
     Rng rng_;

@@ -48,6 +48,10 @@ bool FfnPolicy::auto_may_predict(int64_t il) const {
     return mode_ == PI_FFN_AUTO && model_.has_predictor() && model_.layers()[size_t(il)].predictor_useful;
 }
 
+TierMode FfnPolicy::whole_mode() const {
+    return mode_ == PI_FFN_AUTO && model_.hp().activation == Activation::Silu ? TierMode::Dense : TierMode::DenseRule;
+}
+
 bool FfnPolicy::batch_reads_gates_whole(int64_t il) const {
     return mode_ == PI_FFN_DENSE || mode_ == PI_FFN_GATE || (mode_ == PI_FFN_AUTO && !auto_may_predict(il));
 }
@@ -90,7 +94,13 @@ TierMode FfnPolicy::cold_mode(int64_t il, int64_t n_tok) {
     const double gate_ups = batch && packable ? kBatchRowDot * ema_active_[size_t(il)] : gathered * rho;
     double cost[kTierModes];  // per mode on offer; the others never chosen
     std::fill_n(cost, kTierModes, HUGE_VAL);
-    cost[int(TierMode::DenseRule)] = n * (g + u) + down * rho * n * d;  // gate and up whole
+    // gate and up whole. Where auto computes every neuron of a SiLU layer instead of the rule's (whole_mode), its
+    // down rows are still priced as the rule's: a sparse mode must beat the rule's kernels to be chosen, as it
+    // must in gate mode, since at such densities the gate's kernels price lower than they run (on SmolLM2 q8_0
+    // at 50 % sparsity, gate mode's gate and up took longer than dense mode's: docs/bench.md, "Where a generated
+    // token's time goes").
+    const TierMode whole = whole_mode();
+    cost[int(whole)] = n * (g + u) + down * rho * n * d;
     cost[int(TierMode::Gate)] = n * g + gate_ups * n * u + down * rho * n * d;
     if (auto_may_predict(il)) {
         // before the predictor has been measured in this layer (no batch yet, probe_tokens): a guess from the
@@ -101,7 +111,7 @@ TierMode FfnPolicy::cold_mode(int64_t il, int64_t n_tok) {
         cost[int(TierMode::Predictor)] = 2.5 * (double(L.fc1.bytes()) + n * double(L.fc2.row_bytes)) +
                                          gathered * (pi * n * g + rho_p * n * u) + down * rho_p * n * d;
     }
-    TierMode best = TierMode::DenseRule;
+    TierMode best = whole;
     for (TierMode m : {TierMode::Gate, TierMode::Predictor})
         if (cost[int(m)] < cost[int(best)]) best = m;
     // A layer's decode steps keep their kernels (and the layout they read) until what they have cost beyond the

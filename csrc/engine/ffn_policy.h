@@ -23,8 +23,11 @@ public:
     int32_t mode() const { return mode_; }
     // Checks and sets the FFN mode (pi_ffn_mode); every layer's decode history starts again.
     void set_mode(int32_t mode);
-    // The hot tier's mode: every neuron (dense), else every neuron the rule passes.
-    TierMode hot_mode() const { return mode_ == PI_FFN_DENSE ? TierMode::Dense : TierMode::DenseRule; }
+    // The hot tier's mode beside a cold tier in `cold_mode`: every neuron where the layer runs dense (dense mode,
+    // auto's dense verdict), else every neuron the rule passes.
+    static TierMode hot_mode(TierMode cold_mode) {
+        return cold_mode == TierMode::Dense ? TierMode::Dense : TierMode::DenseRule;
+    }
     // The cold tier's mode for layer il and a batch of n_tok tokens (a decode step may keep its last kernels).
     TierMode cold_mode(int64_t il, int64_t n_tok);
     // Whether a batch's cold tier reads every gate of layer il whole (and so holds them in groups).
@@ -41,6 +44,10 @@ public:
     std::optional<TierMode> decode_mode(int64_t il) const { return decode_mode_[size_t(il)]; }
 
 private:
+    // The mode of the kernels that read every gate and up: auto computes every neuron there on a SiLU model
+    // (dense's values, the exact model: the rule's threshold would change them), the rule's neurons otherwise
+    // (a ReLU-family rule drops only zeros: dense's values, fewer down rows).
+    TierMode whole_mode() const;
     // auto mode may run layer il's predictor: the file has predictors and train-predictor found this one useful
     bool auto_may_predict(int64_t il) const;
 

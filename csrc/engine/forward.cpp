@@ -36,7 +36,7 @@ void Engine::forward(const int32_t *tokens, int64_t n_tok, float *logits, int64_
             const bool in = il == 0 || !device_layer(il - 1);
             const bool out = il + 1 < hp_.n_layer ? !device_layer(il + 1) : !(want_logits && device_->heads());
             float *x = rs_->x.data();
-            device_->layer(il, n_tok, rs_->n_past, policy_.hot_mode() == TierMode::Dense, in ? x : nullptr,
+            device_->layer(il, n_tok, rs_->n_past, FfnPolicy::hot_mode(cold_mode) == TierMode::Dense, in ? x : nullptr,
                            out ? x : nullptr);
             device_layer_modes_[size_t(il)] = cold_mode;
             if (n_tok == 1) stats_.layers[size_t(il)].kernel_changes += double(policy_.decode_step(il, cold_mode));
@@ -296,7 +296,7 @@ void Engine::ffn(int64_t il, int64_t n_tok, TierMode cold_mode) {
         model_->arrange_cold_tier(il, policy_.batch_reads_gates_whole(il), policy_.mode() == PI_FFN_DENSE,
                                   down_quads_for(cold_mode), false);
     }
-    TierJob hot_job{il, n_tok, policy_.hot_mode(), &s.op_xn, &s.op_x, false, 0, s.y_hot.data()};
+    TierJob hot_job{il, n_tok, FfnPolicy::hot_mode(cold_mode), &s.op_xn, &s.op_x, false, 0, s.y_hot.data()};
     TierJob cold_job{il, n_tok, cold_mode, &s.op_xn, &s.op_x, recall_check_,
                      policy_.probe_tokens(il, n_tok, cold_mode, s.n_past), s.y_cold.data()};
     if (has_hot) hot_->submit(hot_job);

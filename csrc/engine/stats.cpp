@@ -141,6 +141,7 @@ std::string info_json(const Model &model, const RunSettings &run) {
            ", \"hot_backend\": " + quoted(run.hot_backend) +
            ", \"gpu\": {\"mode\": " + quoted(run.gpu_mode) + ", \"used\": " + (run.device ? "true" : "false") +
            ", \"reason\": " + (run.gpu_off && !run.gpu_off->empty() ? quoted(*run.gpu_off) : std::string("null")) +
+           ", \"gpuidx_ignored\": " + (run.gpuidx_ignored ? "true" : "false") +
            ", \"device\": " + device_json(run.device) + "}" +
            ", \"ffn_mode\": " + quoted(mode_name(run.ffn_mode)) + ", \"recall_check\": " + (run.recall_check ? "true" : "false") +
            ", \"kv_type\": " + quoted(run.kv_f16 ? "f16" : "f32") +

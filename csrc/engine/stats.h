@@ -66,6 +66,7 @@ struct RunSettings {
     const char *gpu_mode;          // off, auto or on, as asked
     const DeviceUse *device;       // the hot tier's device, or nullptr: it runs on the CPU
     const std::string *gpu_off;    // why not, where the mode asked for a device
+    bool gpuidx_ignored;           // a gpuidx was given and no device took it: its neurons are cold
 };
 
 std::string info_json(const Model &model, const RunSettings &run);

@@ -21,7 +21,7 @@ extern "C" {
 #pragma GCC visibility push(default)
 #endif
 
-#define PI_ENGINE_API_VERSION 9
+#define PI_ENGINE_API_VERSION 10
 
 typedef enum {
     PI_OK = 0,
@@ -50,8 +50,9 @@ typedef enum {
 } pi_kv_type;
 
 /* Where the hot tier (the gpuidx's neurons) runs. auto: on a device when a device library, a device and a hot
- * tier are all there, else on the CPU (pi_info_json's "gpu" says why); on: the same, or the open fails saying
- * what is missing. */
+ * tier are all there (pi_info_json's "gpu" says why not); on: the same, or the open fails saying what is missing.
+ * Without a device the gpuidx is checked and otherwise ignored: every neuron is computed by the FFN mode, as
+ * without one (a placement is for a device; pi_options.cpu_hot_tier keeps it as a tier on the CPU). */
 typedef enum {
     PI_GPU_OFF = 0,
     PI_GPU_AUTO = 1,
@@ -81,6 +82,9 @@ typedef struct {
     float input_sparsity;    /* input sparsity's model-wide share of inputs zeroed (0: off; at most the file's largest
                                 powerinfer.input_sparsity_levels): every matrix's inputs at or below its calibrated
                                 threshold are zeroed, and a decode step skips the rows they multiply */
+    int32_t cpu_hot_tier;    /* != 0: where no device takes the gpuidx's hot tier, it stays a tier of its own on the
+                                CPU (every hot neuron computed whole, the FFN mode for the rest: testing the tiers);
+                                0: every neuron goes to the cold tier there */
 } pi_options;
 
 typedef struct {

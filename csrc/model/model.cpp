@@ -26,11 +26,12 @@ std::string bias(int64_t i, const char *tensor) { return blk(i, tensor) + ".bias
 
 }  // namespace
 
-Model::Model(const std::string &path, const std::string &gpuidx_path, int threads) : threads_(std::max(threads, 1)) {
+Model::Model(const std::string &path, const std::string &gpuidx_path, int threads, bool hot_tier)
+    : threads_(std::max(threads, 1)) {
     file_ = std::make_unique<GgufFile>(path);
     read_hparams();
     bind_tensors();
-    build_tiers(gpuidx_path);
+    build_tiers(gpuidx_path, hot_tier);
     pack_dense_matrices(threads);
 }
 
@@ -523,7 +524,7 @@ void Model::check_neuron_order(const GgufFile &g) const {
     fail(PI_ERR_FORMAT, p + ": this GPU index was made for a file with another neuron order (" + key + ") than " + m);
 }
 
-void Model::build_tiers(const std::string &gpuidx_path) {
+void Model::build_tiers(const std::string &gpuidx_path, bool hot_tier) {
     const int64_t F = hp_.n_ff, L = hp_.n_layer;
     std::vector<std::vector<uint8_t>> is_hot(size_t(L), std::vector<uint8_t>(size_t(F), 0));
     if (!gpuidx_path.empty()) {
@@ -572,7 +573,7 @@ void Model::build_tiers(const std::string &gpuidx_path) {
     }
     for (int64_t i = 0; i < L; ++i) {
         Layer &l = layers_[size_t(i)];
-        for (int32_t j = 0; j < int32_t(F); ++j) (is_hot[size_t(i)][size_t(j)] ? l.hot : l.cold).ids.push_back(j);
+        for (int32_t j = 0; j < int32_t(F); ++j) (hot_tier && is_hot[size_t(i)][size_t(j)] ? l.hot : l.cold).ids.push_back(j);
         // Cold tier: rows stay in the mapping, gathered by id.
         l.cold.gate = l.gate;
         l.cold.up = l.up;

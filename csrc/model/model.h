@@ -177,8 +177,9 @@ struct WeightCopies {
 class Model {
 public:
     // Throws EngineFailure with the file name and the first problem found.
-    // threads: how many pack the dense matrices (the engine's thread count)
-    Model(const std::string &path, const std::string &gpuidx_path, int threads = 1);
+    // threads: how many pack the dense matrices (the engine's thread count); hot_tier: false puts every neuron in
+    // the cold tier (the gpuidx is still checked)
+    Model(const std::string &path, const std::string &gpuidx_path, int threads = 1, bool hot_tier = true);
 
     const HParams &hp() const { return hp_; }
     const Matrix &tok_embd() const { return tok_embd_; }
@@ -225,7 +226,7 @@ private:
     void bind_input_sparsity();
     void read_hparams();
     void bind_tensors();
-    void build_tiers(const std::string &gpuidx_path);
+    void build_tiers(const std::string &gpuidx_path, bool hot_tier);
     void check_neuron_order(const GgufFile &gpuidx) const;
     // The cold tier's predictor rows (see FfnTier::fc2), from the layer's fc2 (whose rows are not read again).
     void bind_cold_predictor(Layer &l);

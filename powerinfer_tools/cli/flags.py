@@ -24,14 +24,16 @@ def gpu_option():
     return typer.Option("auto", "--gpu", help="Hot tier (the --gpuidx / --vram-budget neurons), and before it the "
                         "output head and the layers' attention and KV cache, on a CUDA GPU within the budget: auto "
                         "(when a device and the CUDA library are there, else the CPU, said on stderr), on (or fail "
-                        "saying what is missing), off.")
+                        "saying what is missing), off. Without a device the GPU index is ignored: --sparse-mode "
+                        "computes every neuron on the CPU.")
 
 
 def gpuidx_option():
     """--gpuidx: the hot tier's neurons (run, perplexity, chat, serve)."""
     return typer.Option(None, "--gpuidx", help="GPU index (.gpuidx from 'pi-tools plan'): its neurons form the hot "
-                        "tier, computed densely without the predictor. Default: MODEL.generated.gpuidx when it sits "
-                        "beside the model (as PowerInfer's main finds it; said on stderr); 'none' for no index.")
+                        "tier on the GPU, computed densely without the predictor (without a GPU it is ignored, said "
+                        "on stderr). Default: MODEL.generated.gpuidx when it sits beside the model (as PowerInfer's "
+                        "main finds it; said on stderr); 'none' for no index.")
 
 
 def model_option():
@@ -67,7 +69,8 @@ CHAT_CTX_SIZE = 4096  # chat and serve: a conversation's room (llama-server's de
 
 def sparse_mode_option():
     return typer.Option(DEFAULT_SPARSE_MODE, "--sparse-mode", help="FFN mode: dense (exact), gate (gate exactly, then "
-                        "only active neurons), predictor (PowerInfer), auto (cheapest per layer), oracle (true mask; "
+                        "only active neurons), predictor (PowerInfer), auto (cheapest per layer: dense, the exact model, where "
+                        "sparsity does not pay), oracle (true mask; "
                         "for testing), input (dense with --input-sparsity, default 0.25: every matrix's smallest "
                         "inputs zeroed and their weight rows skipped; SiLU models, no training).")
 

@@ -17,7 +17,7 @@ def plan(
                               "types and shapes give the bytes. With --dry-run: a bundled config name "
                               "(relullama-70b, relufalcon-40b, opt-30b, bamboo-7b, ...), a config.json or a model "
                               "directory."),
-    vram_budget: float = typer.Option(..., "--vram-budget", callback=flags.within(limits.PLAN_BUDGET_GIB), help="GiB of VRAM to use; 0 gives an all-CPU plan."),
+    vram_budget: float = typer.Option(..., "--vram-budget", callback=flags.within(limits.PLAN_BUDGET_GIB), help="GiB of VRAM to use, on the GPU the plan is for (a machine without one runs the model without the plan); 0 gives an all-CPU plan."),
     profile: Optional[Path] = typer.Option(None, "--profile", help="Profile directory from `pi-tools profile` "
                                            "(reads DIR/activation/activation_{i}.pt; a bare directory of them, as "
                                            "PowerInfer publishes, works too). Optional with --dry-run."),
@@ -95,9 +95,10 @@ def plan(
     report(written.plan)
     typer.echo(f"wrote {written.gpuidx} and {written.summary}")
     if not _nvidia_gpu_visible():
-        typer.echo(f"pi-tools: warning: no NVIDIA GPU is visible here, so the {vram_budget:g} GiB budget is a guess: "
-                   "on this machine 'run' computes these hot neurons on the CPU (densely, without the predictor)",
-                   err=True)
+        typer.echo(f"pi-tools: warning: no NVIDIA GPU is visible here: this plan is for another machine, one with "
+                   f"{vram_budget:g} GiB of GPU memory to give (--vram-budget); here run, perplexity, chat and serve "
+                   "ignore it and compute every neuron on the CPU by --sparse-mode (predictor: the predictor in every "
+                   "layer)", err=True)
 
 
 def _nvidia_gpu_visible() -> bool:

@@ -104,7 +104,7 @@ def run(
         stats = llm.stats()
         for line in inference.timing_lines(stats, load_seconds, llm.info):
             typer.echo(line, err=True)
-        note = inference.sparsity_note(stats)
+        note = inference.sparsity_note(stats, llm.info["activation"])
         if note:
             typer.echo(f"pi-tools: {note}", err=True)
 

@@ -136,8 +136,8 @@ def open_engine(target: EngineTarget, threads: int | None = None, sparse_mode: s
                 ctx_size: int | None = None, recall_check: bool = False, kv_type: str = "f32", gpu: str = "auto",
                 vram_budget_gib: float | None = None, input_sparsity: float | None = None):
     """engine.Model for the target; engine failures become UserError with the engine's message. With a hot tier
-    (target.gpuidx) and gpu not off, says on stderr where the hot tier runs. sparse_mode may be 'input'
-    (engine_mode)."""
+    (target.gpuidx) and gpu not off, says on stderr where the hot tier runs, or that the index is ignored where no
+    device takes it. sparse_mode may be 'input' (engine_mode)."""
     import powerinfer_engine as engine
 
     if gpu not in GPU_MODES:
@@ -156,7 +156,9 @@ def open_engine(target: EngineTarget, threads: int | None = None, sparse_mode: s
                              vram_budget=vram_budget_gib if gpu != "off" else None, input_sparsity=input_share)
     for line in decoded_lines(model.info["decoded"]):
         print(f"pi-tools: {line}", file=sys.stderr)
-    if target.gpuidx is not None and gpu != "off":
+    if model.info["gpu"]["gpuidx_ignored"]:
+        print(f"pi-tools: {ignored_gpuidx_line(model.info['gpu'], sparse_mode)}", file=sys.stderr)
+    elif target.gpuidx is not None and gpu != "off":
         print(f"pi-tools: {gpu_line(model.info['gpu'])}", file=sys.stderr)
     useless = [i for i, useful in enumerate(model.info.get("predictor_useful", [])) if not useful]
     if sparse_mode == "predictor" and useless:
@@ -177,6 +179,14 @@ def decoded_lines(decoded: dict) -> list[str]:
     if lines:
         lines[-1] += f"; decoding took {decoded['seconds']:.2f} s"
     return lines
+
+
+def ignored_gpuidx_line(gpu: dict, sparse_mode: str) -> str:
+    """Why the engine left a GPU index out, from its info["gpu"]: a placement is for a device, and the CPU computes
+    its neurons as it does the rest (a hot tier there would compute them whole, the predictor left out)."""
+    predictor = ", the predictor choosing them in every layer" if sparse_mode == "predictor" else ""
+    return (f"no GPU for the GPU index ({gpu['reason'] or '--gpu off'}): it is ignored, and --sparse-mode "
+            f"{sparse_mode} computes every neuron on the CPU{predictor}")
 
 
 def gpu_line(gpu: dict) -> str:
@@ -265,9 +275,11 @@ class StreamDecoder:
         return text[len(before):]
 
 
-def sparsity_note(stats: dict) -> str | None:
+def sparsity_note(stats: dict, activation: str | None = None) -> str | None:
     """A plain warning when a sparse mode found too few inactive neurons to pay for choosing them (a SiLU model
-    run with thresholds, above all), saying what to do instead; None in dense mode or when it pays."""
+    run with thresholds, above all), saying what to do instead; None in dense mode or when it pays. In auto mode
+    it counts the layers run dense, and on a SiLU model (`activation`, the engine's info) says that the others
+    applied the file's activation thresholds (the dense layers are exact)."""
     from powerinfer_tools.stages.locality import ENOUGH_SPARSITY
 
     density = stats.get("density")
@@ -275,7 +287,11 @@ def sparsity_note(stats: dict) -> str | None:
         return None
     kernels = [layer.get("decode_mode") for layer in stats.get("layers", []) if layer.get("decode_mode")]
     dense = sum(1 for k in kernels if k and k.startswith("dense"))
-    chose = f" ('auto' ran {dense} of {len(kernels)} layers dense)" if stats["ffn_mode"] == "auto" and kernels else ""
+    chose = ""
+    if stats["ffn_mode"] == "auto" and kernels:
+        thresholded = (f"; the other {len(kernels) - dense} through sparse kernels, at the file's activation "
+                       "thresholds: not the exact model") if activation == "silu" and dense < len(kernels) else ""
+        chose = f" ('auto' ran {dense} of {len(kernels)} layers dense{thresholded})"
     return (f"note: {density:.0%} of the FFN neurons were active, too many for the sparse modes to save time{chose}: "
             "run --sparse-mode dense, or make the model sparse first (a SiLU model: 'pi-tools sparsify', "
             "docs/sparsify.md)")

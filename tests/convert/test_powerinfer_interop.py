@@ -129,7 +129,7 @@ def test_powerinfer_gpu_index_loads_in_engine_and_inspect(converted, tmp_path):
     path = converted("llama-relu", predictors=True)
     masks = hot_masks()
     theirs = write_powerinfer_gpuidx(tmp_path / "theirs.gpuidx", masks, vram_capacity=12345)
-    _, _, stats = logits(path, sparse_mode="predictor", gpuidx=theirs)
+    _, _, stats = logits(path, sparse_mode="predictor", gpuidx=theirs, cpu_hot_tier=True)
     assert [layer["hot_neurons"] for layer in stats["layers"]] == [int(m.sum()) for m in masks]
     info = pi_inspect.describe(theirs)
     assert [row["gpu"] for row in info["gpu_layers"]] == [int(m.sum()) for m in masks]
@@ -161,7 +161,7 @@ def test_our_gpu_index_is_written_as_powerinfer_reads_it(converted, tmp_path):
     theirs = write_powerinfer_gpuidx(tmp_path / "theirs.gpuidx", masks, vram_capacity=4096)
     assert [np.asarray(t.data).tolist() for t in reader.tensors] == \
         [np.asarray(t.data).tolist() for t in open_reader(theirs).tensors]
-    _, _, stats = logits(path, sparse_mode="predictor", gpuidx=ours)
+    _, _, stats = logits(path, sparse_mode="predictor", gpuidx=ours, cpu_hot_tier=True)
     assert [layer["hot_neurons"] for layer in stats["layers"]] == [int(m.sum()) for m in masks]
 
 

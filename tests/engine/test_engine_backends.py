@@ -37,7 +37,7 @@ def gpuidx(tmp_path_factory):
 def test_reference_hot_backend_gives_the_same_logits(kind, outtype, converted, gpuidx):
     path = converted(kind, outtype, predictors=True)
     for mode in ("dense", "gate", "predictor", "auto"):
-        cpu, cpu_stats = logits(path, mode, "cpu", gpuidx=gpuidx)
+        cpu, cpu_stats = logits(path, mode, "cpu", gpuidx=gpuidx, cpu_hot_tier=True)
         ref, ref_stats = logits(path, mode, "reference", gpuidx=gpuidx)
         # the same rule on the same values; the sums in another order (and q8_0 dots without gemm8's grouping)
         assert max_rel_err(ref, cpu) <= 2e-4, (mode, max_rel_err(ref, cpu))

@@ -189,6 +189,11 @@ def test_run_says_when_the_sparse_modes_cannot_pay(converted, capsys):
     assert "78% of the FFN neurons were active" in inference.sparsity_note(stats) and "30 of 30" in \
         inference.sparsity_note(stats) and "pi-tools sparsify" in inference.sparsity_note(stats)
     assert inference.sparsity_note(stats | {"density": 0.3}) is None
+    # auto's sparse layers on a SiLU model apply its thresholds (issue 56): said; a ReLU model's are exact
+    mixed = stats | {"layers": [{"decode_mode": "dense"}] * 28 + [{"decode_mode": "gate"}] * 2}
+    assert ("('auto' ran 28 of 30 layers dense; the other 2 through sparse kernels, at the file's activation "
+            "thresholds: not the exact model)") in inference.sparsity_note(mixed, "silu")
+    assert "('auto' ran 28 of 30 layers dense)" in inference.sparsity_note(mixed, "relu")
     assert inference.sparsity_note(stats | {"ffn_mode": "dense"}) is None
     path = converted("llama-relu")
     for mode in ("gate", "dense"):

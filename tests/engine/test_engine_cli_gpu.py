@@ -50,7 +50,8 @@ def test_auto_says_where_the_hot_tier_went(converted, gpuidx, monkeypatch, capsy
     monkeypatch.setenv("PI_EMULATED_DEVICES", "0")
     code, _, err = run_cli(capsys, "run", "-m", converted("llama-relu"), "--gpuidx", gpuidx, "-p", PROMPT, "-n", "2")
     assert code == 0, err
-    assert "pi-tools: hot tier on the CPU: the emulated device library reports no device" in err
+    assert err.count("pi-tools: no GPU for the GPU index (the emulated device library reports no device") == 1
+    assert "): it is ignored, and --sparse-mode auto computes every neuron on the CPU\n" in err
 
 
 def test_gpu_on_without_a_device_is_one_line(converted, gpuidx, monkeypatch, capsys):
@@ -80,3 +81,25 @@ def test_perplexity_on_the_device_equals_the_cpu(converted, gpuidx, emulated_gpu
         results[gpu] = json.loads(out)
     assert results["on"]["gpu"] and not results["off"]["gpu"]
     assert results["on"]["perplexity"] == pytest.approx(results["off"]["perplexity"], rel=1e-5)
+
+
+def test_without_a_gpu_the_predictor_drives_every_layer(converted, tmp_path, capsys):
+    """Issue 56, the README's recipe on a machine without a GPU: `plan` marks neurons hot, and run and perplexity
+    ignore the index there (said once on stderr), so predictor mode is the predictor's in every layer; an index
+    marking every neuron used to give exactly gate mode's perplexity (the marked neurons computed whole)."""
+    path = converted("llama-relu", "q8_0", predictors=True)
+    every = write_gpuidx(tmp_path / "all.gpuidx", [np.ones(N_FF, bool)] * N_LAYER)
+    text = tmp_path / "text.txt"
+    text.write_text(training_text())
+
+    def perplexity(mode, *flags):
+        code, out, err = run_cli(capsys, "perplexity", "-m", path, "-f", text, "-c", "64", "--chunks", "4", "--json",
+                                 "-q", "-t", "2", "--sparse-mode", mode, *flags)
+        assert code == 0, err
+        return json.loads(out)["perplexity"], err
+
+    alone, _ = perplexity("predictor", "--gpuidx", "none")
+    ignored, err = perplexity("predictor", "--gpuidx", every, "--gpu", "off")
+    assert ignored == alone != perplexity("gate")[0]
+    assert err.count("pi-tools: no GPU for the GPU index (--gpu off): it is ignored, and --sparse-mode predictor "
+                     "computes every neuron on the CPU, the predictor choosing them in every layer\n") == 1

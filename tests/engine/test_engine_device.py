@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from device_fixtures import KINDS, N_PROMPT, TOKENS, device, emulated, gpuidx_30, gpuidx_all, run  # noqa: F401
-from engine_helpers import converted, engine_prompt_then_decode, hf_logits, max_rel_err  # noqa: F401
-from tiny_models import N_LAYER
+from engine_helpers import converted, engine_prompt_then_decode, hf_logits, max_rel_err, write_gpuidx  # noqa: F401
+from tiny_models import N_FF, N_LAYER
 
 import powerinfer_engine as engine
 from powerinfer_engine import EngineError
@@ -26,7 +26,7 @@ def test_the_device_tier_gives_the_cpu_logits(kind, outtype, attention, converte
     path = converted(kind, outtype, predictors=True)
     for index in (gpuidx_30, gpuidx_all):
         for mode in ("dense", "gate", "predictor", "auto"):
-            cpu, _, cpu_stats = run(path, mode, gpuidx=index, gpu="off")
+            cpu, _, cpu_stats = run(path, mode, gpuidx=index, gpu="off", cpu_hot_tier=True)
             dev, info, dev_stats = run(path, mode, gpuidx=index, gpu="on", gpu_library=device, gpu_attention=attention)
             assert info["hot_backend"] in ("emulated", "cuda") and info["gpu"]["used"]
             assert info["gpu"]["device"]["layers_on_device"] == N_LAYER
@@ -57,7 +57,7 @@ def test_each_tier_is_as_close_to_float64(kind, outtype, converted, gpuidx_all, 
     path = converted(kind, outtype, predictors=True)
     quantized = outtype != "f32"
     ref = hf_logits(tiny_model_dir(kind), TOKENS, weights_from=path, q8_inputs=quantized, float64=True)
-    cpu = run(path, "dense", gpuidx=gpuidx_all, gpu="off")[0]
+    cpu = run(path, "dense", gpuidx=gpuidx_all, gpu="off", cpu_hot_tier=True)[0]
     dev = run(path, "dense", gpuidx=gpuidx_all, gpu="on", gpu_library=device, gpu_attention=True)[0]
     cpu_err, dev_err = max_rel_err(cpu, ref), max_rel_err(dev, ref)
     assert dev_err <= (1e-4 if not quantized else 1.1 * cpu_err + 1e-6), (cpu_err, dev_err)
@@ -74,7 +74,7 @@ def test_greedy_tokens_agree_over_64_steps(kind, outtype, converted, gpuidx_30, 
     with engine.Model(path, threads=2, sparse_mode="gate", gpuidx=gpuidx_30, gpu="on", gpu_library=device) as m:
         assert m.info["gpu"]["used"]
         tokens = list(m.generate(prompt, 64))
-    with engine.Model(path, threads=2, sparse_mode="gate", gpuidx=gpuidx_30, gpu="off") as m:
+    with engine.Model(path, threads=2, sparse_mode="gate", gpuidx=gpuidx_30, gpu="off", cpu_hot_tier=True) as m:
         cpu = engine_prompt_then_decode(m, prompt + tokens[:-1], N_PROMPT)[N_PROMPT - 1:]
     margin = TOLERANCE[outtype] * np.abs(cpu).max()
     for step, (token, logits) in enumerate(zip(tokens, cpu)):
@@ -114,6 +114,30 @@ def test_what_is_missing_for_a_device_is_named(converted, gpuidx_30, emulated, m
             engine.Model(path, gpuidx=gpuidx_30, **bad)
 
 
+def test_without_a_device_a_gpuidx_is_ignored_unless_asked_to_keep_a_cpu_tier(converted, gpuidx_30, emulated,
+                                                                              monkeypatch, tmp_path):
+    """A gpuidx places neurons on a device (issue 56): where none takes them (gpu off, or auto finding no device),
+    the engine checks the index and computes every neuron by the FFN mode, so predictor mode is the predictor's in
+    every layer, not gate mode's for the marked ones; cpu_hot_tier keeps the marked ones a CPU tier of their own."""
+    path = converted("llama-relu", "q8_0", predictors=True)
+    plain = run(path, "predictor")[0]
+    monkeypatch.setenv("PI_EMULATED_DEVICES", "0")
+    for kw in (dict(gpu="off"), dict(gpu="auto", gpu_library=emulated)):
+        logits, info, stats = run(path, "predictor", gpuidx=gpuidx_30, **kw)
+        assert info["gpu"]["gpuidx_ignored"] and info["hot_neurons"] == 0, kw
+        assert [layer["hot_neurons"] for layer in stats["layers"]] == [0] * N_LAYER, kw
+        np.testing.assert_array_equal(logits, plain, err_msg=str(kw))
+    kept, info, _ = run(path, "predictor", gpuidx=gpuidx_30, gpu="off", cpu_hot_tier=True)
+    assert not info["gpu"]["gpuidx_ignored"] and info["hot_neurons"] > 0
+    assert not np.array_equal(kept, plain)  # the hot neurons computed whole
+    other = write_gpuidx(tmp_path / "other.gpuidx", [np.ones(N_FF, bool)] * (N_LAYER + 1))
+    with pytest.raises(EngineError, match=f"for a model with {N_LAYER + 1} layers"):
+        engine.Model(path, gpuidx=other, gpu="off")  # ignored, but checked
+    monkeypatch.delenv("PI_EMULATED_DEVICES")
+    _, info, _ = run(path, "predictor", gpuidx=gpuidx_30, gpu="auto", gpu_library=emulated)
+    assert info["gpu"]["used"] and not info["gpu"]["gpuidx_ignored"] and info["hot_neurons"] > 0
+
+
 def test_a_budget_above_the_free_memory_is_refused(converted, gpuidx_30, emulated):
     with pytest.raises(EngineError, match="VRAM budget of 1.00 GiB is more than the 0.50 GiB free on device 0"):
         engine.Model(converted("llama-relu", "q8_0"), gpuidx=gpuidx_30, gpu="auto", vram_budget=1, gpu_library=emulated)
@@ -125,7 +149,7 @@ def test_the_budget_takes_layers_in_order_and_the_rest_stay_on_the_cpu(converted
     with engine.Model(path, gpuidx=gpuidx_all, gpu="on", gpu_library=device, gpu_attention=False) as m:
         whole = m.info["gpu"]["device"]["device_bytes"]
     per_layer = whole / N_LAYER  # every layer's hot tier is the same size here (all neurons), scratch aside
-    cpu = run(path, "gate", gpuidx=gpuidx_all, gpu="off")[0]
+    cpu = run(path, "gate", gpuidx=gpuidx_all, gpu="off", cpu_hot_tier=True)[0]
     for budget_layers in (1, N_LAYER - 1):
         budget = (per_layer * budget_layers + per_layer / 2) / 2**30
         dev, info, stats = run(path, "gate", gpuidx=gpuidx_all, gpu="on", vram_budget=budget, gpu_library=device,

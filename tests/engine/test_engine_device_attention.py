@@ -28,7 +28,7 @@ def long_context(path, **kw):
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_long_context_on_the_device_gives_the_cpu_logits(kind, kv_type, converted, gpuidx_30, device):
     path = converted(kind, "f32", predictors=True)
-    cpu, _ = long_context(path, gpuidx=gpuidx_30, gpu="off", kv_type=kv_type)
+    cpu, _ = long_context(path, gpuidx=gpuidx_30, gpu="off", cpu_hot_tier=True, kv_type=kv_type)
     dev, stats = long_context(path, gpuidx=gpuidx_30, gpu="on", gpu_library=device, kv_type=kv_type)
     assert stats["gpu"]["attention_jobs"] == N_LAYER * (100 // 16 + 1 + 130)
     assert max_rel_err(dev, cpu) <= 1e-4, max_rel_err(dev, cpu)
@@ -49,7 +49,7 @@ def test_truncate_and_reset_overwrite_the_device_cache(kind, outtype, converted,
             fresh = m.eval(a[:16])
             return np.concatenate(kept), fresh
 
-    cpu_kept, cpu_fresh = session(gpu="off")
+    cpu_kept, cpu_fresh = session(gpu="off", cpu_hot_tier=True)
     dev_kept, dev_fresh = session(gpu="on", gpu_library=device)
     tol = 1e-4 if outtype == "f32" else 2e-3
     assert max_rel_err(dev_kept, cpu_kept) <= tol and max_rel_err(dev_fresh, cpu_fresh) <= tol
@@ -70,7 +70,7 @@ def test_the_budget_places_attention_first_then_hot_rows(converted, gpuidx_all, 
         assert sum(placed.values()) - placed["scratch"] <= m.info["gpu"]["device"]["device_bytes"] <= sum(placed.values())
     attention = (placed["attention"] + placed["kv_cache"]) / N_LAYER
     hot = placed["hot"] / N_LAYER
-    cpu = run(path, "gate", gpuidx=gpuidx_all, gpu="off", ctx_size=128)[0]
+    cpu = run(path, "gate", gpuidx=gpuidx_all, gpu="off", cpu_hot_tier=True, ctx_size=128)[0]
     first = placed["scratch"] + placed["head"]
     cases = [(first + 1.5 * attention, [1] + [0] * (N_LAYER - 1), [0] * N_LAYER),
              (first + N_LAYER * attention + 1.5 * hot, [1] * N_LAYER, [1] + [0] * (N_LAYER - 1)),

@@ -48,7 +48,7 @@ def emulated(monkeypatch):
 
 def test_f32_split_gives_the_cpu_logits(smollm2_file, hot_30, emulated):
     path = smollm2_file("f32")
-    cpu = logits(path, gpuidx=hot_30, gpu="off")
+    cpu = logits(path, gpuidx=hot_30, gpu="off", cpu_hot_tier=True)
     for attention in (True, False):
         dev = logits(path, gpuidx=hot_30, gpu="on", gpu_library=emulated, gpu_attention=attention)
         assert max_rel_err(dev, cpu) <= 1e-4, (attention, max_rel_err(dev, cpu))
@@ -56,7 +56,7 @@ def test_f32_split_gives_the_cpu_logits(smollm2_file, hot_30, emulated):
 
 def test_q8_0_split_differs_from_the_cpu_as_the_cpu_differs_from_itself(smollm2_file, hot_30, emulated):
     path = smollm2_file("q8_0")
-    cpu = logits(path, gpuidx=hot_30, gpu="off")
+    cpu = logits(path, gpuidx=hot_30, gpu="off", cpu_hot_tier=True)
     # the CPU-only engine against itself: decode steps against batches, and scalar against SIMD kernels
     spread = max(max_rel_err(decode_only(path, isa="scalar"), decode_only(path)),
                  max_rel_err(decode_only(path), logits(path)))

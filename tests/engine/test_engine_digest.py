@@ -48,14 +48,14 @@ def cases(converted, tmp: Path):
             for mode in MODES:
                 yield f"{kind}/{outtype}/{mode}", f"{kind}/{outtype}", path, mode, {}
             for mode in ("dense", "gate", "predictor"):
-                yield f"{kind}/{outtype}/{mode}/hot", f"{kind}/{outtype}", path, mode, {"gpuidx": gpuidx}
+                yield f"{kind}/{outtype}/{mode}/hot", f"{kind}/{outtype}", path, mode, {"gpuidx": gpuidx, "cpu_hot_tier": True}
     for outtype in ("f32", "q4_0"):
         sparse = rewrite(converted("llama-relu", outtype, predictors=True), tmp / f"sparse.{outtype}.gguf", fields={
             "powerinfer.predictor_thresholds": ([SPARSE_THRESHOLD] * N_LAYER, gguf.GGUFValueType.ARRAY)})
         name = f"llama-relu/{outtype}/sparse"
         for mode in ("predictor", "auto"):
             yield f"{name}/{mode}", name, sparse, mode, {}
-        yield f"{name}/predictor/hot", name, sparse, "predictor", {"gpuidx": gpuidx}
+        yield f"{name}/predictor/hot", name, sparse, "predictor", {"gpuidx": gpuidx, "cpu_hot_tier": True}
         yield f"{name}/predictor/recall", name, sparse, "predictor", {"recall_check": True}
     yield "bamboo/q8_0/gate/kv_f16", "bamboo/q8_0", converted("bamboo", "q8_0", predictors=True), "gate", {"kv_type": "f16"}
 

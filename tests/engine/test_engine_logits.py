@@ -200,7 +200,7 @@ def test_quantized_predictors_follow_their_rule(pred_type, tmp_path, tiny_model_
         hot_t = [torch.from_numpy(h) for h in is_hot]
         ref = hf_logits(tiny_model_dir("llama-relu"), TOKENS, weights_from=path if pred_type == "Q8_0" else None,
                         q8_inputs=pred_type == "Q8_0", mask_fn=lambda i, x, a: torch.where(hot_t[i], a, rule(i, x, a)))
-        logits, stats = run(path, "predictor", gpuidx=gpuidx)
+        logits, stats = run(path, "predictor", gpuidx=gpuidx, cpu_hot_tier=True)
         # measured: 7e-7 (q4_0 predictors, f32 model), 4e-3 to 6e-3 (q8_0 model: its rounding moves a few
         # logits across the threshold); the wrong neuron's fc2 row (a slot/id mix-up in the groups) gives ~1
         assert max_rel_err(logits, ref) <= (1e-4 if pred_type == "Q4_0" else 2e-2), gpuidx
@@ -221,7 +221,7 @@ def test_decode_steps_do_not_depend_on_threads_or_staging(hot_share, outtype, tm
         runs = [dict(threads=t) for t in (1, 2, 3)] + ([dict(threads=2, recall_check=True)] if mode == "predictor" else [])
         results = []
         for kw in runs:
-            with engine.Model(path, sparse_mode=mode, gpuidx=gpuidx, **kw) as m:
+            with engine.Model(path, sparse_mode=mode, gpuidx=gpuidx, cpu_hot_tier=True, **kw) as m:
                 logits = engine_prompt_then_decode(m, TOKENS, N_PROMPT)
                 layers = m.stats()["layers"]
             results.append((logits, np.array([[l[k] for k in ("density", "computed_density", "predicted_density")]
@@ -267,7 +267,7 @@ def test_each_weight_held_once(outtype, tmp_path, converted):
     assert run(path, "dense")[1]["weight_copies"]["cold_groups"] == 2 * N_LAYER * layer_groups
     rng = np.random.default_rng(5)
     hot = [rng.random(N_FF) < 0.3 for _ in range(N_LAYER)]
-    _, stats = run(path, "predictor", gpuidx=write_gpuidx(tmp_path / "m.gpuidx", hot))
+    _, stats = run(path, "predictor", gpuidx=write_gpuidx(tmp_path / "m.gpuidx", hot), cpu_hot_tier=True)
     n_hot = [int(h.sum()) for h in hot]
     group_bytes = layer_groups // (N_FF // 8)
     assert stats["weight_copies"]["hot"] == sum(n * row_bytes + 2 * -(-n // 8) * group_bytes for n in n_hot)
@@ -349,13 +349,22 @@ def test_predictor_recall_equals_independent_count(tiny_model_dir, converted):
         assert layer["predicted_density"] == pytest.approx(selected[i] / len(TOKENS) / N_FF, abs=2e-3)
 
 
-def test_auto_without_predictor_equals_gate(converted):
+def test_auto_on_a_silu_file_is_dense_where_it_reads_every_gate_and_the_rule_elsewhere(converted):
+    """auto on a SiLU file with activation thresholds (issue 56): where it reads every gate and up it computes
+    every neuron, dense's values (the exact model), not the rule's; where gate mode's kernels cost less, the rule's
+    (the thresholded model). Here the prompt's batch reads every row, and the decode steps are sparse enough for
+    gate mode's kernels: the values of a prompt in dense mode followed by decode steps in gate mode."""
     path = converted("llama-silu", thresholds=(0.05, 0.08))
+    dense, _ = run(path, "dense")
     gate, _ = run(path, "gate")
     auto, stats = run(path, "auto")
-    assert np.array_equal(auto, gate)
-    modes = set().union(*(l["modes"] for l in stats["layers"]))
-    assert modes <= {"gate", "dense_rule"} and "gate" in modes  # sparse enough for gate to win
+    assert not np.array_equal(gate[:N_PROMPT], dense[:N_PROMPT])  # the thresholds change the model
+    assert [layer["modes"] for layer in stats["layers"]] == [{"dense": N_PROMPT, "gate": N_DECODE}] * N_LAYER
+    with engine.Model(path, threads=2, sparse_mode="dense") as m:
+        mixed = [m.eval(TOKENS[:N_PROMPT])]
+        m.sparse_mode = "gate"
+        mixed += [m.eval([t])[None, 0] for t in TOKENS[N_PROMPT:]]
+    np.testing.assert_array_equal(auto, np.concatenate(mixed))
 
 
 @pytest.mark.parametrize("threshold, first", [(PREDICTOR_SPARSE_THRESHOLD, "predictor"), (-1e9, "gate")])
@@ -384,7 +393,7 @@ def test_hot_cold_tiers(tmp_path, tiny_model_dir, converted):
     hot = [rng.random(N_FF) < 0.3 for _ in range(N_LAYER)]
     gpuidx = write_gpuidx(tmp_path / "m.gpuidx", hot)
     dense, _ = run(path, "dense")
-    oracle, stats = run(path, "oracle", gpuidx=gpuidx)
+    oracle, stats = run(path, "oracle", gpuidx=gpuidx, cpu_hot_tier=True)
     assert max_rel_err(oracle, dense) <= 1e-5  # two partial sums instead of one: rounding only
     for i, layer in enumerate(stats["layers"]):
         assert layer["hot_neurons"] == hot[i].sum()
@@ -396,7 +405,7 @@ def check_predictor_with_hot_tier(path, model_dir, hot, gpuidx, tol=1e-4):
     rule = predictor_rule(path, "llama-relu")
     hot_t = [torch.from_numpy(h) for h in hot]
     ref = hf_logits(model_dir, TOKENS, mask_fn=lambda i, x, a: torch.where(hot_t[i], a, rule(i, x, a)))
-    with engine.Model(path, threads=2, sparse_mode="predictor", gpuidx=gpuidx) as m:
+    with engine.Model(path, threads=2, sparse_mode="predictor", gpuidx=gpuidx, cpu_hot_tier=True) as m:
         assert m.info["hot_neurons"] == sum(h.sum() for h in hot)
         logits = engine_prompt_then_decode(m, TOKENS, N_PROMPT)
     assert max_rel_err(logits, ref) <= tol
@@ -419,7 +428,7 @@ def test_predictor_over_several_fc2_tiles(tmp_path):
     gpuidx = write_gpuidx(tmp_path / "m.gpuidx", hot)
     check_predictor_with_hot_tier(path, src, hot, gpuidx, tol=0.2)
     # a decode step scores, lists and computes each thread's tiles in one job: the same bits as the staged path
-    fused, staged = (run(path, "predictor", gpuidx=gpuidx, recall_check=check)[0] for check in (False, True))
+    fused, staged = (run(path, "predictor", gpuidx=gpuidx, cpu_hot_tier=True, recall_check=check)[0] for check in (False, True))
     np.testing.assert_array_equal(fused, staged)
 
 

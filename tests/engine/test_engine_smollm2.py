@@ -65,3 +65,37 @@ def test_q8_0_top1_agreement_on_wikitext(smollm2, smollm2_file):
           f"{weights_only_agreement:.4f}")
     assert engine_agreement >= 0.94
     assert engine_agreement >= weights_only_agreement - 0.02
+
+
+# The |silu| thresholds the default pipeline's profile places in SmolLM2's layers (20 % of the activations below
+# them, on the model's own text; rounded): what `pi-tools run -m smollm2` runs with.
+DEFAULT_THRESHOLDS = [0.039, 0.0564, 0.0657, 0.0625, 0.0775, 0.0903, 0.0872, 0.0908, 0.0919, 0.0925, 0.0887, 0.0861,
+                      0.0812, 0.0934, 0.085, 0.0924, 0.0856, 0.0808, 0.0916, 0.099, 0.1044, 0.1032, 0.1101, 0.116,
+                      0.1099, 0.1042, 0.1093, 0.1139, 0.1092, 0.1231]
+
+
+def test_auto_is_dense_with_the_default_pipelines_thresholds(smollm2_file, tmp_path):
+    """Issue 56: auto on the default model picks the kernels that read every gate and up in every layer, where it
+    computed the thresholded model (the rule's neurons: +1.2 % perplexity over dense on wikitext). It computes
+    every neuron there now: dense's logits, bit for bit, over a prompt's batches and decode steps; gate mode's
+    (the thresholds) differ."""
+    import gguf
+    from engine_helpers import max_rel_err, rewrite
+
+    text_file = DATA / "wikitext-2-raw-test.txt"
+    if not text_file.is_file():
+        pytest.skip("shared data not present")
+    path = rewrite(smollm2_file("q8_0"), tmp_path / "thresholds.gguf", fields={
+        "powerinfer.activation_thresholds": (DEFAULT_THRESHOLDS, gguf.GGUFValueType.ARRAY)})
+    ids = tokenizer_from_file(path)(text_file.read_text()[:20_000])["input_ids"][:224]
+
+    def logits(mode):
+        with engine.Model(path, threads=2, ctx_size=256, sparse_mode=mode) as m:
+            rows = [m.eval(ids[:192])] + [m.eval([t])[None, 0] for t in ids[192:]]
+            return np.concatenate(rows), m.stats()
+
+    dense, _ = logits("dense")
+    auto, stats = logits("auto")
+    np.testing.assert_array_equal(auto, dense)
+    assert {layer["decode_mode"] for layer in stats["layers"]} == {"dense"}
+    assert max_rel_err(logits("gate")[0], dense) > 1e-2

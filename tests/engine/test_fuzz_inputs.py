@@ -29,7 +29,7 @@ for i, src in enumerate(sys.argv[4:]):
         gpuidx = work / f"{i}.gpuidx"
         gpuidx.write_bytes(index)
     try:
-        with engine.Model(work / f"{i}.gguf", threads=1, ctx_size=16, gpuidx=gpuidx) as m:
+        with engine.Model(work / f"{i}.gguf", threads=1, ctx_size=16, gpuidx=gpuidx, cpu_hot_tier=True) as m:
             for mode in ("dense", "gate", "predictor", "auto"):
                 try:
                     m.sparse_mode = mode

@@ -176,7 +176,7 @@ def test_run_with_a_truncated_device_library_falls_back_to_the_cpu_saying_why(co
             str(gpuidx), "-p", "hi", "-n", "2", "--temp", "0", "-t", "1"]
     auto = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
     assert auto.returncode == 0, auto.stderr[-1500:]
-    assert f"pi-tools: hot tier on the CPU: cannot load the device library {cut}: its " in auto.stderr, auto.stderr
+    assert f"pi-tools: no GPU for the GPU index (cannot load the device library {cut}: its " in auto.stderr, auto.stderr
     assert "lies past its end" in auto.stderr
     on = subprocess.run([*args, "--gpu", "on"], capture_output=True, text=True, timeout=300, env=env)
     assert on.returncode == 1 and on.stderr.count("\n") == 1 and "gpu on: cannot load the device library" in on.stderr

@@ -148,13 +148,13 @@ def test_a_gpu_index_must_number_the_files_neurons(pair, tmp_path):
     plan = placement.plan_for_model(prof, ordered, 0.5 * placement.MIB, reserve_bytes=0, min_layer_neurons=0)
     ours = tmp_path / "ordered.gpuidx"
     placement.write_gpuidx(plan, ours)
-    with engine.Model(ordered, threads=1, gpuidx=ours) as m:
+    with engine.Model(ordered, threads=1, gpuidx=ours, cpu_hot_tier=True) as m:
         assert m.info["hot_neurons"] == int(plan.gpu_neurons.sum())
     hottest = [np.isin(np.arange(N_FF), np.argsort(-c, kind="stable")[:int(k)]) for c, k in zip(counts, plan.gpu_neurons)]
     theirs = write_powerinfer_gpuidx(tmp_path / "theirs.gpuidx", hottest, vram_capacity=1 << 20)
     with pytest.raises(engine.EngineError, match="source order.*make the index with pi-tools plan"):
         engine.Model(ordered, threads=1, gpuidx=theirs)
-    with engine.Model(source, threads=1, gpuidx=theirs) as m:  # the order it was made for
+    with engine.Model(source, threads=1, gpuidx=theirs, cpu_hot_tier=True) as m:  # the order it was made for
         assert m.info["hot_neurons"] == int(plan.gpu_neurons.sum())
     with pytest.raises(engine.EngineError, match="another neuron order"):
         engine.Model(source, threads=1, gpuidx=ours)

@@ -152,6 +152,21 @@ def test_cli_writes_gpuidx_beside_the_model_and_prints_breakdown(model, profile,
     assert json.loads((tmp_path / "m.powerinfer.gguf.generated.gpuidx.json").read_text())["ctx_size"] == 64
 
 
+@pytest.mark.parametrize("visible", [False, True])
+def test_plan_without_a_gpu_says_the_plan_is_for_another_machine(visible, model, profile, tmp_path, capsys,
+                                                                 monkeypatch):
+    """Issue 56: on a machine without a GPU a plan only serves another one (run and perplexity ignore a .gpuidx
+    there), and plan says so once; with a GPU it says nothing of the kind."""
+    from powerinfer_tools.cli import plan as plan_cli
+
+    monkeypatch.setattr(plan_cli, "_nvidia_gpu_visible", lambda: visible)
+    assert run_cli("plan", "--profile", profile, "-m", model, "--vram-budget", 0.001, "-o", tmp_path / "p.gpuidx",
+                   "--reserve-mib", 0) == 0
+    err = capsys.readouterr().err
+    assert err.count("no NVIDIA GPU is visible here: this plan is for another machine, one with 0.001 GiB of GPU "
+                     "memory to give (--vram-budget); here run, perplexity, chat and serve ignore it") == (not visible)
+
+
 def expect_one_line_error(capsys, code, *needles):
     assert code == 1
     err = capsys.readouterr().err.strip()

@@ -96,10 +96,12 @@ class Model:
 
     # ---- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:
+        """Free the model. The handle is let go of before the call: a Ctrl-C raised as the call returns must not
+        leave it there for __del__ to free a second time."""
         with self._lock:
-            if self._handle is not None:
-                lib().pi_close(self._handle)
-                self._handle = None
+            handle, self._handle = self._handle, None
+            if handle is not None:
+                lib().pi_close(handle)
 
     def __enter__(self) -> "Model":
         return self

@@ -1,6 +1,6 @@
 """`python -m powerinfer_tools` and the `pi-tools` script. Ctrl-C while the toolkit is still importing (typer,
 the commands: before cli.main can install its handler) ends as any interruption does: one line, status 130,
-no traceback."""
+no traceback; once a command is over, the process's exit ignores Ctrl-C."""
 import sys
 
 
@@ -10,7 +10,7 @@ def main() -> None:
     except KeyboardInterrupt:
         print("pi-tools: interrupted", file=sys.stderr)
         sys.exit(130)
-    run()
+    run(process=True)
 
 
 if __name__ == "__main__":

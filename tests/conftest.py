@@ -53,3 +53,24 @@ def smollm2_file(tmp_path_factory):
         return path
 
     return get
+
+
+# role and content between <s> and </s> (the tiny tokenizer's BOS and EOS): a reply ends at </s>
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+                      "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_file(tiny_model_dir, tmp_path_factory):
+    """The tiny llama-relu model as an f32 PowerInfer file carrying a chat template: the text API, `chat` and
+    `serve` in seconds instead of the real model's minutes."""
+    import gguf
+
+    from engine_helpers import rewrite
+    from powerinfer_tools.stages.conversion import convert_model
+
+    root = tmp_path_factory.mktemp("tiny_chat")
+    convert_model(str(tiny_model_dir("llama-relu")), root / "tiny.gguf", outtype="f32", progress=False,
+                  powerinfer_compatible=False)
+    return rewrite(root / "tiny.gguf", root / "tiny-chat.gguf",
+                   fields={"tokenizer.chat_template": (TINY_CHAT_TEMPLATE, gguf.GGUFValueType.STRING)})

@@ -63,14 +63,29 @@ _register()
 class _CtrlC:
     """Remembers that Ctrl-C came: native code it lands in (torch inside safetensors' get_tensor) may turn the
     KeyboardInterrupt into another exception ("could not determine the shape of object type
-    'torch.storage.UntypedStorage'"), which must still end as an interruption, not a traceback."""
+    'torch.storage.UntypedStorage'"), which must still end as an interruption, not a traceback. Once the command
+    is `over`, Ctrl-C is only remembered: raised into the exit (the error's line, an atexit hook, a __del__ at
+    shutdown) it could only turn that end into a traceback."""
 
     def __init__(self):
         self.seen = False
+        self.over = False
 
     def __call__(self, signum, frame):
         self.seen = True
-        signal.default_int_handler(signum, frame)  # raises KeyboardInterrupt, as without this handler
+        if not self.over:
+            signal.default_int_handler(signum, frame)  # raises KeyboardInterrupt, as without this handler
+
+
+def _unraisable_but_ctrl_c(default):
+    """sys.unraisablehook for a process of ours: Ctrl-C landing in a finalizer (a __del__, a generator's cleanup)
+    interrupts nothing there, so it is dropped instead of printed as a traceback; the rest as `default` does."""
+
+    def hook(info) -> None:
+        if not isinstance(info.exc_value, KeyboardInterrupt):
+            default(info)
+
+    return hook
 
 
 def _interrupted() -> None:
@@ -115,20 +130,29 @@ def _exit_for(exc: BaseException, ctrl_c_seen: bool) -> None:
     raise exc
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Entry point: bad input becomes one line on stderr and exit status 1, never a traceback."""
+def main(argv: list[str] | None = None, process: bool = False) -> None:
+    """Entry point: bad input becomes one line on stderr and exit status 1, never a traceback. process: the
+    command is the whole process (`pi-tools`), whose exit then ignores Ctrl-C; an in-process caller gets Python's
+    handler back."""
     ctrl_c = _CtrlC()
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when started with Ctrl-C ignored
+    installed = signal.getsignal(signal.SIGINT) is signal.default_int_handler  # not when started with it ignored
+    if installed:
         signal.signal(signal.SIGINT, ctrl_c)
+        if process:
+            sys.unraisablehook = _unraisable_but_ctrl_c(sys.unraisablehook)
     try:
         code = app(args=argv, standalone_mode=False)  # returns the exit code of an Exit (Ctrl-C: 130)
     except SystemExit:
+        ctrl_c.over = True
         raise
     except BaseException as exc:
+        ctrl_c.over = True  # first: another Ctrl-C must not break the handling of this one (a burst of them)
         _exit_for(exc, ctrl_c.seen)
     finally:
-        if signal.getsignal(signal.SIGINT) is ctrl_c:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+        ctrl_c.over = True
+        if installed and signal.getsignal(signal.SIGINT) is ctrl_c:
+            # the process's exit ignores Ctrl-C (Python's finalization would put back its default, death by SIGINT)
+            signal.signal(signal.SIGINT, signal.SIG_IGN if process else signal.default_int_handler)
     if isinstance(code, int) and code:
         if code == 130:
             print("pi-tools: interrupted", file=sys.stderr)

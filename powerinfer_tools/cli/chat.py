@@ -8,6 +8,7 @@ import typer
 
 from powerinfer_tools.cli import flags
 from powerinfer_tools.core.errors import UserError
+from powerinfer_tools.runtime.llm import RequestError
 
 COMMANDS = "/exit (or Ctrl-D) leaves, /clear starts over, /help shows this; Ctrl-C stops a reply"
 
@@ -29,7 +30,9 @@ def chat(
     """Chat with a model in the terminal: the model's chat template, a system prompt, replies streamed as they
     are generated. The conversation stays in the KV cache, so each turn evaluates only its new tokens.
 
-    /exit or Ctrl-D leaves, /clear starts a new conversation, Ctrl-C stops a reply without leaving.
+    /exit or Ctrl-D leaves, /clear starts a new conversation, Ctrl-C stops a reply without leaving. Input that
+    is not UTF-8 is read with U+FFFD in place of its bad bytes; a message the chat template refuses is one line,
+    and the conversation goes on without it.
 
     Examples:
 
@@ -50,14 +53,24 @@ def start(model: str, engine: flags.EngineArgs, ctx_size: int, system: str | Non
     sampling.check()
     if n_predict < 1:
         raise UserError("--n-predict must be at least 1")
+    tolerant_stdin()
     with LLM(model, ctx_size=ctx_size, **engine.llm_options()) as llm:
         converse(llm, system, n_predict, sampling, verbose)
+
+
+def tolerant_stdin() -> None:
+    """Bytes that are not UTF-8 (a paste from a Latin-1 file, a stray byte) reach the chat as U+FFFD instead of
+    ending it: input() decodes a line as stdin's errors setting says, whether from a terminal or a pipe."""
+    reconfigure = getattr(sys.stdin, "reconfigure", None)
+    if reconfigure is not None:
+        reconfigure(errors="replace")
 
 
 def converse(llm, system: str | None, n_predict: int, sampling, verbose: bool,
              read: Callable[[str], str] = input) -> None:
     """The read-reply loop: each turn's prompt is the whole conversation through the template, of which the
-    cache already holds all but the new turn."""
+    cache already holds all but the new turn. A message the model refuses (the template's own refusal, text that
+    is not UTF-8) is one line, and the conversation goes on without it."""
     if not llm.chat_template:
         raise UserError(f"{llm.name} stores no chat template: use 'pi-tools run' with a prompt")
     try:
@@ -95,13 +108,18 @@ def converse(llm, system: str | None, n_predict: int, sampling, verbose: bool,
                 history.pop()
                 print("(that message alone does not fit the context: raise --ctx-size or write less)", file=sys.stderr)
                 continue
-            for chunk in llm.chat(history, max_tokens=n_predict, stream=True, sampling=sampling):
-                reply += chunk.text
-                sys.stdout.write(chunk.text)
-                sys.stdout.flush()
-                completion = chunk.completion
+            with llm.chat(history, max_tokens=n_predict, stream=True, sampling=sampling) as chunks:
+                for chunk in chunks:
+                    reply += chunk.text
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+                    completion = chunk.completion
         except KeyboardInterrupt:  # the reply so far stays in the conversation, as in llama-cli
             print("\n(stopped)", file=sys.stderr)
+        except RequestError as exc:
+            history.pop()
+            print(f"(not sent: {exc})", file=sys.stderr)
+            continue
         sys.stdout.write("\n")
         sys.stdout.flush()
         history.append({"role": "assistant", "content": reply})

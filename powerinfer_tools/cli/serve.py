@@ -19,7 +19,7 @@ def serve(
     port: int = typer.Option(8080, "--port", help="TCP port; 0 picks a free one (printed)."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="PI_API_KEY", help="Require "
                                           "'Authorization: Bearer KEY' on every request but /health (or set "
-                                          "PI_API_KEY)."),
+                                          "PI_API_KEY); printable ASCII, what a header carries."),
     alias: Optional[str] = typer.Option(None, "--alias", "-a", help="The model's name in /v1/models. Default: the "
                                         "file's name."),
     ctx_size: int = typer.Option(flags.CHAT_CTX_SIZE, "--ctx-size", "-c", help="Context length (KV cache): a "
@@ -53,8 +53,8 @@ def serve(
         raise UserError(f"--port must be in 0..65535, not {port}")
     if not max_body_mib > 0:
         raise UserError(f"--max-body-mib must be > 0, not {max_body_mib}")
-    if api_key is not None and not api_key.strip():
-        raise UserError("--api-key is empty")
+    if api_key is not None:
+        check_api_key(api_key)
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         print(f"pi-tools: warning: serving on {host} without --api-key: anyone who reaches this port can use it",
               file=sys.stderr)
@@ -64,3 +64,17 @@ def serve(
             listen(app, host, port, log_requests, app.state.worker.stop)
         finally:
             app.state.worker.shutdown()
+
+
+def check_api_key(key: str) -> None:
+    """Only a key that 'Authorization: Bearer KEY' can carry: printable ASCII (clients refuse other characters or
+    send bytes that never match), with no space at either end (a header drops it)."""
+    if not key.strip():
+        raise UserError("--api-key is empty")
+    for i, ch in enumerate(key, 1):
+        if not " " <= ch <= "~":
+            kind = "a non-ASCII character" if ord(ch) > 127 else "a control character"
+            raise UserError(f"--api-key (or PI_API_KEY) has {kind} at position {i}: an HTTP header carries only "
+                            "printable ASCII")
+    if key != key.strip():
+        raise UserError("--api-key (or PI_API_KEY) starts or ends with a space, which an HTTP header drops")

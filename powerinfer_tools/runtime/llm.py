@@ -9,16 +9,20 @@
 
 The KV cache is kept between calls: a prompt that starts with what the cache holds (the next turn of a chat,
 which repeats the whole conversation) evaluates only its new tokens. `pi-tools chat` and `pi-tools serve` are
-built on this class. One LLM runs one generation at a time; a call made while an earlier stream is still open
-ends that stream.
+built on this class. One LLM may be shared by threads: its calls run one at a time (a streaming call holds it
+until its stream is exhausted, closed or dropped), and a call made in the thread that holds an open stream ends
+that stream.
 """
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import random
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,22 +53,25 @@ class Sampling:
     seed: int | None = None  # None: a fresh random seed each call
 
     def check(self) -> None:
-        """One line naming the first value out of range (NaN included)."""
+        """One line naming the first value of the wrong type or out of range (NaN included)."""
         finite = {"temperature": self.temperature, "top_p": self.top_p, "repeat_penalty": self.repeat_penalty,
                   "frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty}
         for name, value in finite.items():
+            if not _is_number(value):
+                raise RequestError(f"{name} must be a number, not {value!r}", param=name)
             if not math.isfinite(value):
-                raise RequestError(f"{name} must be a finite number, not {value}")
+                raise RequestError(f"{name} must be a finite number, not {value}", param=name)
+        for name, value in {"top_k": self.top_k, "repeat_last_n": self.repeat_last_n}.items():
+            if not _is_integer(value) or not 0 <= value < 2**31:  # the engine's int32
+                raise RequestError(f"{name} must be an integer in [0, 2^31), not {value!r}", param=name)
+        if self.seed is not None and (not _is_integer(self.seed) or not 0 <= self.seed < 2**64):
+            raise RequestError(f"seed must be None or an integer in [0, 2^64), not {self.seed!r}", param="seed")
         if self.temperature < 0:
             raise RequestError(f"temperature must be >= 0, not {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise RequestError(f"top_p must be in (0, 1], not {self.top_p}")
         if self.repeat_penalty <= 0:
             raise RequestError(f"repeat_penalty must be > 0, not {self.repeat_penalty}")
-        if self.top_k < 0 or self.repeat_last_n < 0:
-            raise RequestError("top_k and repeat_last_n must be >= 0")
-        if self.seed is not None and not 0 <= self.seed < 2**64:
-            raise RequestError(f"seed must be in [0, 2^64), not {self.seed}")
 
 
 @dataclass(frozen=True)
@@ -122,14 +129,87 @@ class Chunk:
         return self.completion.finish_reason if self.completion else None
 
 
+@dataclass(frozen=True)
+class _Request:
+    """A generation's checked arguments: max_tokens (None: what the context leaves), the stop strings."""
+
+    max_tokens: int | None
+    stop: tuple[str, ...]
+    sampling: Sampling
+
+
 @dataclass
 class _Cache:
     """What the KV cache holds, as the tokens evaluated or about to be (the one sampled last is evaluated when the
     next step, or the next call that keeps it, needs it: the engine's n_past says how many are in) and, where
-    known exactly, the text they spell."""
+    known exactly once their generation has ended, the text they spell."""
 
     tokens: list[int] = field(default_factory=list)
     text: str | None = ""
+
+
+class _Gate:
+    """One call at a time: a call waits while another thread holds the LLM, a streaming call from its start until
+    its stream is exhausted, closed or dropped. The holding thread never waits on itself: a generation there takes
+    the hold over (the stream it had ends), other calls run within the hold."""
+
+    def __init__(self):
+        self._changed = threading.Condition()
+        self._holder: object | None = None  # the current hold's token
+        self._thread: int | None = None     # the thread that took it
+
+    def enter(self, generation: bool) -> object | None:
+        """Wait for the LLM; the token that leave() takes, None for a call within its own thread's hold."""
+        me = threading.get_ident()
+        with self._changed:
+            while self._holder is not None and self._thread != me:
+                self._changed.wait()
+            if self._holder is not None and not generation:
+                return None
+            self._holder, self._thread = object(), me
+            return self._holder
+
+    def leave(self, token: object | None) -> None:
+        """End the hold `token` took, unless a later generation of its thread took it over."""
+        with self._changed:
+            if token is not None and self._holder is token:
+                self._holder = self._thread = None
+                self._changed.notify()
+
+
+class _Stream(Iterator[Chunk]):
+    """The Chunks of a streamed generation, holding the LLM until they are exhausted, or closed (close(), a with
+    block) or dropped: a stream left open keeps every other thread's call waiting."""
+
+    def __init__(self, chunks: Iterator[Chunk], step: threading.Lock, release: Callable[[], None]):
+        self._chunks = chunks
+        self._step = step  # the LLM's: a token's work is never interleaved with another call's
+        self._release: Callable[[], None] | None = release
+
+    def __next__(self) -> Chunk:
+        try:
+            with self._step:
+                return next(self._chunks)
+        except BaseException:  # the end, an error or Ctrl-C: the LLM is free again
+            self.close()
+            raise
+
+    def close(self) -> None:
+        release, self._release = self._release, None
+        try:
+            self._chunks.close()
+        finally:
+            if release is not None:
+                release()
+
+    def __enter__(self) -> "_Stream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        self.close()
 
 
 class LLM:
@@ -140,6 +220,9 @@ class LLM:
     gpuidx (a .gpuidx plan; default: MODEL.generated.gpuidx when it sits beside the model, "none" for none),
     vram_budget (GiB for the hot tier, solved with `profile`), input_sparsity (the share of every matrix's inputs
     zeroed, from the file's input thresholds; docs/engine.md, "Input sparsity").
+
+    Threads may share one LLM: complete, chat and count_tokens run one at a time (see _Gate); tokenize, detokenize
+    and chat_prompt use only the tokenizer and never wait.
     """
 
     def __init__(self, model: str | os.PathLike = "smollm2", *, threads: int | None = None,
@@ -160,7 +243,9 @@ class LLM:
         self.stop_tokens = frozenset(t for t in (self.tokenizer.eos_token_id, self.model.info["eos"])
                                      if t is not None and t >= 0)
         self._cache = _Cache()
-        self._generation = 0  # bumped by every call: an older stream sees it and ends
+        self._gate = _Gate()
+        self._step = threading.Lock()  # held while a call works on the engine and the cache
+        self._generation = 0  # bumped by every call: an older stream (taken over in its own thread) sees it and ends
 
     # ---- lifetime -----------------------------------------------------------------------------------
     def close(self) -> None:
@@ -178,8 +263,15 @@ class LLM:
         _check_text(text)
         return list(self.tokenizer(text, add_special_tokens=add_special)["input_ids"])
 
-    def detokenize(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+    def detokenize(self, ids: Iterable[int]) -> str:
+        """The text of token ids (special tokens left out); an id outside the vocabulary is a RequestError."""
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+            raise RequestError(f"detokenize takes a list of token ids, not {type(ids).__name__}")
+        ids = list(ids)
+        for i in ids:
+            if not _is_integer(i) or not 0 <= i < self.model.n_vocab:
+                raise RequestError(f"token ids must be integers in [0, {self.model.n_vocab}), not {i!r}")
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
 
     @property
     def chat_template(self) -> str | None:
@@ -201,25 +293,58 @@ class LLM:
             raise RequestError(f"the chat template refused the messages: {str(exc).splitlines()[0]}") from None
 
     # ---- generation ---------------------------------------------------------------------------------
-    def complete(self, prompt: str, max_tokens: int | None = 128, stop: Sequence[str] = (), stream: bool = False,
-                 sampling: Sampling | None = None, fit: bool = True, **options) -> Completion | Iterator[Chunk]:
+    def complete(self, prompt: str, max_tokens: int | None = 128, stop: str | Sequence[str] | None = (),
+                 stream: bool = False, sampling: Sampling | None = None, fit: bool = True,
+                 **options) -> Completion | Iterator[Chunk]:
         """Continue `prompt`. max_tokens: at most this many (None: what the context leaves; more than it leaves is
-        cut to that, or with fit=False refused, as the OpenAI API refuses it); stop: strings that end the text (not
-        included); sampling (or its fields as keyword arguments: temperature, top_k, ...). stream=True gives an
-        iterator of Chunks instead of a Completion."""
-        ids = self._prompt_ids(prompt, add_special=True)
-        return self._finish(self._generate(ids, prompt, max_tokens, fit, stop, _sampling(sampling, options)), stream)
+        cut to that, or with fit=False refused, as the OpenAI API refuses it); stop: a string or strings that end
+        the text (not included); sampling (or its fields as keyword arguments: temperature, top_k, ...).
+        stream=True gives an iterator of Chunks instead of a Completion (it holds the LLM until exhausted or
+        closed)."""
+        request = _request(max_tokens, stop, _sampling(sampling, options))
+        _check_text(prompt)
+        return self._run(prompt, True, request, fit, stream)
 
-    def chat(self, messages: Sequence[dict], max_tokens: int | None = 512, stop: Sequence[str] = (),
+    def chat(self, messages: Sequence[dict], max_tokens: int | None = 512, stop: str | Sequence[str] | None = (),
              stream: bool = False, sampling: Sampling | None = None, fit: bool = True,
              **options) -> Completion | Iterator[Chunk]:
         """The assistant's reply to messages, through the model's chat template (as complete() otherwise)."""
+        request = _request(max_tokens, stop, _sampling(sampling, options))
         prompt = self.chat_prompt(messages)
-        ids = self._prompt_ids(prompt, add_special=False)  # the template writes its own BOS where it has one
-        return self._finish(self._generate(ids, prompt, max_tokens, fit, stop, _sampling(sampling, options)), stream)
+        return self._run(prompt, False, request, fit, stream)  # the template writes its own BOS where it has one
 
     def count_tokens(self, prompt: str, chat: bool = False) -> int:
-        return len(self._prompt_ids(prompt, add_special=not chat))
+        """What the prompt costs as the next call would see it (it may reuse the cache's ids)."""
+        with self._held():
+            return len(self._prompt_ids(prompt, add_special=not chat))
+
+    @contextmanager
+    def _held(self):
+        token = self._gate.enter(generation=False)
+        try:
+            with self._step:
+                yield
+        finally:
+            self._gate.leave(token)
+
+    def _run(self, prompt: str, add_special: bool, request: _Request, fit: bool, stream: bool):
+        """Take the LLM (waiting for another thread's call), then generate: the stream releases it at its end."""
+        token = self._gate.enter(generation=True)
+        try:
+            with self._step:
+                ids = self._prompt_ids(prompt, add_special)
+                chunks = _Stream(self._generate(ids, prompt, request, fit), self._step,
+                                 lambda: self._gate.leave(token))
+        except BaseException:
+            self._gate.leave(token)
+            raise
+        if stream:
+            return chunks
+        with chunks:
+            last = None
+            for last in chunks:
+                pass
+        return last.completion
 
     def _prompt_ids(self, prompt: str, add_special: bool) -> list[int]:
         """The prompt's ids. A prompt that extends the cache's exact text at a special token (a chat's next turn,
@@ -237,21 +362,9 @@ class LLM:
             raise RequestError("the prompt is empty and the model has no BOS token to start from")
         return ids
 
-    def _finish(self, chunks: Iterator[Chunk], stream: bool):
-        if stream:
-            return chunks
-        last = None
-        for last in chunks:
-            pass
-        return last.completion
-
-    def _generate(self, ids: list[int], prompt: str, max_tokens: int | None, fit: bool, stop: Sequence[str],
-                  sampling: Sampling) -> Iterator[Chunk]:
+    def _generate(self, ids: list[int], prompt: str, request: _Request, fit: bool) -> Iterator[Chunk]:
         """Checks now (a bad request fails at the call, not at the first next()), then the generator."""
-        sampling.check()
-        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 0):
-            raise RequestError(f"max_tokens must be a non-negative integer, not {max_tokens!r}", param="max_tokens")
-        stop = [s for s in stop if s]
+        max_tokens = request.max_tokens
         room = self.n_ctx - len(ids)
         if room < 1:
             raise RequestError(f"the prompt has {len(ids)} tokens and the context holds {self.n_ctx}: no room to "
@@ -263,15 +376,21 @@ class LLM:
                                code="context_length_exceeded")
         self._generation += 1
         limit = room if max_tokens is None else min(max_tokens, room)
-        return self._tokens(ids, prompt, limit, stop, sampling, self._generation)
+        return self._tokens(ids, prompt, limit, request.stop, request.sampling, self._generation)
 
     def _tokens(self, ids, prompt, max_tokens, stop, sampling, generation) -> Iterator[Chunk]:
         from powerinfer_tools.runtime.inference import StreamDecoder, engine_errors
 
+        def current() -> None:
+            """A later call (in the thread holding the LLM) ended this stream: not one more step in its engine."""
+            if generation != self._generation:
+                raise RuntimeError("this stream was ended by a later call on the same LLM")
+
         m = self.model
+        current()
         with engine_errors():
             cached = self._reuse(ids)
-            self._cache, cache = _Cache(), _Cache(list(ids), prompt)  # empty until the prompt is in
+            self._cache, cache = _Cache(), _Cache(list(ids), None)  # empty until the prompt is in
             m.reset_stats()
             m.seed(sampling.seed if sampling.seed is not None else random.SystemRandom().randrange(2**64))
             started = time.perf_counter()
@@ -282,8 +401,7 @@ class LLM:
         specials = set(self.tokenizer.all_special_ids)
         generated, finish, text, started = 0, "length", "", time.perf_counter()
         while generated < max_tokens:
-            if generation != self._generation:
-                raise RuntimeError("this stream was ended by a later call on the same LLM")
+            current()
             with engine_errors():
                 if m.n_past < len(cache.tokens):  # the token sampled last, not yet evaluated
                     m.eval(cache.tokens[-1:], all_logits=False)
@@ -302,6 +420,7 @@ class LLM:
             if hit:
                 finish = "stop"
                 break
+        current()
         seconds = time.perf_counter() - started
         tail = held.flush()
         # The cache's text is known exactly unless a stop string cut the reply, a special token or an unfinished
@@ -357,12 +476,45 @@ class _StopFilter:
 
 
 def _sampling(sampling: Sampling | None, options: dict) -> Sampling:
+    """The call's Sampling, checked."""
     if sampling is not None and options:
-        raise TypeError("give sampling= or its fields as keyword arguments, not both")
-    try:
-        return sampling or Sampling(**options)
-    except TypeError as exc:
-        raise TypeError(f"{exc}: the sampling options are {', '.join(Sampling.__dataclass_fields__)}") from None
+        raise RequestError("give sampling= or its fields as keyword arguments, not both")
+    if sampling is not None and not isinstance(sampling, Sampling):
+        raise RequestError(f"sampling must be a Sampling record (or give its fields as keyword arguments), "
+                           f"not {sampling!r}", param="sampling")
+    unknown = sorted(set(options) - set(Sampling.__dataclass_fields__))
+    if unknown:
+        raise RequestError(f"unknown option {unknown[0]!r}: the sampling options are "
+                           f"{', '.join(Sampling.__dataclass_fields__)}", param=unknown[0])
+    sampling = sampling or Sampling(**options)
+    sampling.check()
+    return sampling
+
+
+def _request(max_tokens, stop, sampling: Sampling) -> _Request:
+    """A generation's arguments checked before it waits for the LLM. stop: a string, strings, or None for none."""
+    if max_tokens is not None and (not _is_integer(max_tokens) or max_tokens < 0):
+        raise RequestError(f"max_tokens must be None or a non-negative integer, not {max_tokens!r}",
+                           param="max_tokens")
+    if stop is None or isinstance(stop, str):
+        stop = () if stop is None else (stop,)
+    if isinstance(stop, bytes) or not isinstance(stop, Iterable):
+        raise RequestError(f"stop must be a string or a list of strings, not {stop!r}", param="stop")
+    stop = tuple(stop)
+    if not all(isinstance(s, str) for s in stop):
+        raise RequestError(f"stop must be a string or a list of strings, not {stop!r}", param="stop")
+    for s in stop:
+        _check_text(s)
+    return _Request(None if max_tokens is None else int(max_tokens), tuple(s for s in stop if s), sampling)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _is_integer(value) -> bool:
+    """An int (or a numpy integer), not a bool: True taken for 1 would hide a mistake."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _check_text(text) -> None:

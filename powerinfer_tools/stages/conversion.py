@@ -145,13 +145,15 @@ def load_activation_thresholds(profile_dir: str | Path, n_layer: int) -> list[fl
     path = Path(profile_dir) / "profile.json"
     if not path.is_file():
         raise UserError(f"profile not found: {path}")
+    from powerinfer_tools.stages.profile_files import check_thresholds
+
     try:
-        thresholds = json.loads(path.read_text()).get("thresholds")
+        profile = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise UserError(f"{path}: invalid JSON ({exc.msg})") from None
-    if not isinstance(thresholds, list) or len(thresholds) != n_layer:
-        raise UserError(f"{path}: 'thresholds' must list {n_layer} per-layer values (the model's layers)")
-    return [float(t) for t in thresholds]
+    if not isinstance(profile, dict):
+        raise UserError(f"{path} is not a profile: a JSON {type(profile).__name__}, not an object")
+    return check_thresholds(profile.get("thresholds"), path, n_layer)
 
 
 @dataclass
@@ -401,6 +403,11 @@ def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predic
     if not adapter.thresholded:  # ReLU-family: active means a != 0, by the model's own rule
         activation_thresholds = adapter.rule_thresholds()
     inputs = InputThresholds.load(profile_dir, dims.n_layer) if profile_dir is not None and input_sparsity else None
+    if input_sparsity and inputs is None:   # a file without them would fail only later, in run --sparse-mode input
+        where = "no --profile was given" if profile_dir is None else f"{Path(profile_dir) / 'input_sparsity.json'} " \
+                                                                     "does not exist"
+        raise UserError(f"--input-sparsity needs a profile with input thresholds, but {where}: profile with "
+                        "--input-allocation uniform (or greedy), or convert without --input-sparsity")
     orders = None
     if profile_dir is not None and order_neurons and has_activation_counts(profile_dir):
         counts = load_activation_counts(profile_dir, dims.n_layer, [dims.n_ff] * dims.n_layer)

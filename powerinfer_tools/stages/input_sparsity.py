@@ -42,6 +42,13 @@ GREEDY_STEP = 0.025         # the share of a layer's weights one greedy step add
 MAX_SITE_SHARE = 0.95       # no site zeroes more of its inputs than this
 
 
+FLOAT32_MAX = 3.4028234663852886e38   # the largest threshold a converted file (float32) holds
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 @dataclass
 class InputThresholds:
     """Per level, layer and site: the share of the site's calibration inputs zeroed and the |x| threshold that
@@ -60,29 +67,36 @@ class InputThresholds:
     @classmethod
     def load(cls, directory: str | Path, n_layer: int) -> InputThresholds | None:
         """The profile's input thresholds, checked against the model; None when the profile has none."""
+        from powerinfer_tools.stages.profile_files import check_recorded
+
         path = Path(directory) / FILE
         if not path.is_file():
             return None
+        check_recorded(Path(directory), FILE)
         try:
             raw = json.loads(path.read_text())
             value = cls(**raw)
-        except (json.JSONDecodeError, TypeError) as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as exc:
             raise UserError(f"{path} is not an input-sparsity file ({exc})") from None
         if value.format != FORMAT or value.allocation not in ALLOCATIONS:
             raise UserError(f"{path}: unknown format {value.format!r} or allocation {value.allocation!r}")
         n_sites = len(names.INPUT_SITES)
         levels = value.levels
-        if not levels or any(not 0 < b <= 1 for b in levels) or sorted(set(levels)) != list(levels):
+        if not isinstance(levels, list) or not levels or not all(_is_number(b) and 0 < b <= 1 for b in levels) \
+                or sorted(set(levels)) != list(levels):
             raise UserError(f"{path}: 'levels' must be increasing shares in (0, 1]")
+        if not _is_number(value.calibration_tokens) or value.calibration_tokens < 0:
+            raise UserError(f"{path}: 'calibration_tokens' must be a count")
         for what in ("shares", "thresholds"):
             table = getattr(value, what)
-            shape_ok = len(table) == len(levels) and all(
-                len(per_level) == n_layer and all(len(row) == n_sites for row in per_level) for per_level in table)
+            shape_ok = isinstance(table, list) and len(table) == len(levels) and all(
+                isinstance(per_level, list) and len(per_level) == n_layer
+                and all(isinstance(row, list) and len(row) == n_sites for row in per_level) for per_level in table)
             if not shape_ok:
                 raise UserError(f"{path}: '{what}' must be {len(levels)} levels x {n_layer} layers x {n_sites} sites")
-            if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0
-                       for per_level in table for row in per_level for v in row):
-                raise UserError(f"{path}: '{what}' holds a value that is not a finite non-negative number")
+            # the file stores them as float32: a larger value would not fit
+            if not all(_is_number(v) and 0 <= v <= FLOAT32_MAX for per_level in table for row in per_level for v in row):
+                raise UserError(f"{path}: '{what}' holds a value that is not a finite non-negative float32 number")
         return value
 
     def flat_thresholds(self) -> list[float]:

@@ -13,6 +13,7 @@ recall at a fixed density cannot. A predictor no better than chance is reported 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -63,6 +64,11 @@ class ProfileDir:
         return int(self.model["n_ff"])
 
     @property
+    def digests(self) -> dict[str, str]:
+        """What profile.json recorded of its files: {} for a profile made before it recorded them."""
+        return self.meta.get("sha256", {})
+
+    @property
     def thresholded(self) -> bool:
         return self.meta.get("rule") == "threshold"
 
@@ -89,6 +95,9 @@ class ProfileDir:
         path = self.path / kind / f"{kind}_{layer}.pt"
         if not path.is_file():
             raise UserError(f"profile {self.path} is missing {kind}/{path.name}")
+        from powerinfer_tools.stages.profile_files import check_recorded
+
+        check_recorded(self.path, f"{kind}/{path.name}", self.digests)
         vec = checked_tensor(load_pt(path, f"{kind} file"), str(path), f"the {kind} values", ndim=1, integers=True)
         if vec.shape != (self.n_ff,) or bool((vec < 0).any()):
             raise UserError(f"{path}: expected {self.n_ff} non-negative values (one per neuron), found {vec.numel()}"
@@ -97,12 +106,20 @@ class ProfileDir:
 
 
 def read_profile(path: Path) -> ProfileDir:
+    from powerinfer_tools.stages.profile_files import check_thresholds
     from powerinfer_tools.stages.profiling import load_profile
 
     meta = load_profile(path)
-    missing = [k for k in ("n_layer", "n_embd", "n_ff") if k not in (meta.get("model") or {})]
-    if missing:
-        raise UserError(f"{Path(path) / 'profile.json'}: model block lacks {', '.join(missing)}")
+    source = Path(path) / "profile.json"
+    model = meta.get("model")
+    if not isinstance(model, dict):
+        raise UserError(f"{source}: 'model' must be an object giving n_layer, n_embd and n_ff")
+    bad = [k for k in ("n_layer", "n_embd", "n_ff") if not (isinstance(model.get(k), int) and model[k] > 0)]
+    if bad:
+        raise UserError(f"{source}: the model block lacks {', '.join(bad)} as positive integers")
+    check_thresholds(meta.get("thresholds"), source, model["n_layer"])
+    if not isinstance(meta.get("samples", {}), dict):
+        raise UserError(f"{source}: 'samples' must be an object")
     return ProfileDir(Path(path), meta)
 
 
@@ -120,9 +137,10 @@ class LayerSamples:
 
 def load_samples(profile: ProfileDir, layer: int) -> LayerSamples:
     """Read and check every shard of one layer; gaps in the shard numbering or a row count that
-    disagrees with profile.json mean missing shards and are errors, not a smaller data set."""
+    disagrees with profile.json mean missing shards and are errors, not a smaller data set, and so is a shard whose
+    bytes differ from the digest profile.json recorded (damage would otherwise train a different predictor)."""
     from safetensors import SafetensorError
-    from safetensors.numpy import load_file
+    from safetensors.numpy import load
 
     directory = profile.path / "samples" / f"layer_{layer}"
     shards = sorted(directory.glob("shard_*.safetensors")) if directory.is_dir() else []
@@ -134,10 +152,17 @@ def load_samples(profile: ProfileDir, layer: int) -> LayerSamples:
         gap = next(k for k in range(len(shards) + 1) if k not in numbers)
         raise UserError(f"profile {profile.path}: layer {layer} is missing shard_{gap:04d}.safetensors")
     packed_width = (profile.n_ff + 7) // 8
+    prefix = f"samples/layer_{layer}/"
+    gone = sorted({k for k in profile.digests if k.startswith(prefix)} - {prefix + s.name for s in shards})
+    if gone:
+        raise UserError(f"profile {profile.path}: {gone[0]} is missing; profile again")
     xs, masks, seqs = [], [], []
     for shard in shards:
         try:
-            data = load_file(shard)
+            raw = shard.read_bytes()
+            if profile.digests:
+                _check_shard(shard, raw, profile.digests.get(prefix + shard.name))
+            data = load(raw)
         except (SafetensorError, OSError) as exc:
             raise UserError(f"cannot read {shard}: {exc}") from None
         if not {"x", "mask", "seq"} <= set(data):
@@ -161,6 +186,16 @@ def load_samples(profile: ProfileDir, layer: int) -> LayerSamples:
     if not torch.isfinite(samples.x).all():
         raise UserError(f"profile {profile.path}: layer {layer} samples contain inf/NaN inputs")
     return samples
+
+
+def _check_shard(shard: Path, raw: bytes, expected: str | None) -> None:
+    """A shard's bytes against the digest profile.json recorded when the profile wrote it."""
+    if expected is None:
+        raise UserError(f"{shard}: profile.json records no checksum for it (a shard the profile did not write); "
+                        "profile again")
+    if hashlib.sha256(raw).hexdigest() != expected:
+        raise UserError(f"{shard} is damaged (its contents do not match the checksum profile.json recorded): "
+                        "profile again")
 
 
 def split_by_sequence(seq: torch.Tensor, held_out_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

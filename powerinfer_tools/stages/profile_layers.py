@@ -19,11 +19,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from powerinfer_tools.core.atomic import atomic_file
+from powerinfer_tools.core.digests import check_file, file_sha256
 from powerinfer_tools.core.errors import UserError
-from powerinfer_tools.core.safe_load import load_pt
 from powerinfer_tools.models import arch as arch_mod
 from powerinfer_tools.models.layerwise import LayerInputs, LayerwiseModel
+from powerinfer_tools.stages.profile_files import RESTART, checked_checkpoint, checked_shards, save_checkpoint
 
 CHECKPOINT = "layer_checkpoint.pt"
 
@@ -132,25 +132,42 @@ def _run_stream(lw: LayerwiseModel, i: int, stream: Stream, batch: int, argument
             bar.update(n * hidden.shape[1])
 
 
-def streamed_pass(lw: LayerwiseModel, adapter, seqs: torch.Tensor, targets: list[float] | None, batch: int,
-                  chosen: np.ndarray, work: Path, rec, sampler, resume: bool) -> tuple[list[float], float, int]:
-    """Every layer in turn over all sequences, recording into `rec` (profiling._Recorder) and, for a thresholded
-    model, placing each layer's threshold with `sampler` (profiling.ThresholdSampler) on the dense stream first.
+def resume_point(path: Path, n_layer: int, n_ff: int) -> dict:
+    """The checkpoint at `path` (written after a layer), checked, with every file the next layer continues from:
+    the shards of the layers done and the next layer's input hidden states, each against its digest. Returns
+    next_layer, the thresholds placed so far and the recorder's state."""
+    state = checked_checkpoint(path, n_layer, n_ff, ("next_layer", "thresholds", "hidden"))
+    next_layer, thresholds, hidden = state.pop("next_layer"), state.pop("thresholds"), state.pop("hidden")
+    if not isinstance(next_layer, torch.Tensor) or next_layer.dim() != 0 or next_layer.is_floating_point() \
+            or not 1 <= int(next_layer) <= n_layer or not isinstance(thresholds, torch.Tensor) \
+            or thresholds.shape != (n_layer,) or not thresholds.is_floating_point() \
+            or not bool(torch.isfinite(thresholds).all()) or bool((thresholds < 0).any()) \
+            or not isinstance(hidden, dict) or not all(isinstance(v, str) for v in hidden.values()):
+        raise UserError(f"{path} does not hold a layer and finite thresholds of this model: {RESTART}")
+    next_layer = int(next_layer)
+    checked_shards(path, state, range(next_layer))
+    if next_layer < n_layer:   # the inputs of the next layer: the last one finished wrote them
+        names = [f"{stream}_{next_layer % 2}.bin" for stream in ("hidden", "dense")]
+        if names[0] not in hidden:
+            raise UserError(f"{path} records no checksum for {names[0]}: {RESTART}")
+        for name in names:
+            if name in hidden:
+                check_file(path.parent / name, hidden[name], RESTART)
+    return {"next_layer": next_layer, "thresholds": thresholds.tolist(), "state": state}
 
-    Returns (thresholds, seconds, layers run now). A checkpoint after each layer lets `resume` start at the next."""
+
+def streamed_pass(lw: LayerwiseModel, adapter, seqs: torch.Tensor, targets: list[float] | None, batch: int,
+                  chosen: np.ndarray, work: Path, rec, sampler, next_layer: int,
+                  thresholds: list[float]) -> tuple[list[float], float, int]:
+    """Every layer from `next_layer` on over all sequences, recording into `rec` (profiling._Recorder) and, for a
+    thresholded model, placing each layer's threshold with `sampler` (profiling.ThresholdSampler) on the dense stream
+    first; `thresholds` are those of the layers before.
+
+    Returns (thresholds, seconds, layers run now). A checkpoint after each layer (resume_point) lets a resumed run
+    start at the next."""
     n_seq, seq_len = seqs.shape
     n_layer, n_embd = adapter.dims().n_layer, adapter.dims().n_embd
-    thresholds, next_layer = [0.0] * n_layer, 0
-    if resume and (work / CHECKPOINT).is_file():
-        state = load_pt(work / CHECKPOINT, "profile checkpoint")
-        try:
-            next_layer, thresholds = int(state.pop("next_layer")), [float(t) for t in state.pop("thresholds")]
-            rec.load_state(state)
-            intact = 0 <= next_layer <= n_layer and len(thresholds) == n_layer == len(rec.counts)
-        except (KeyError, TypeError, ValueError, AttributeError, RuntimeError):
-            intact = False
-        if not intact:
-            raise UserError(f"{work / CHECKPOINT} is not a checkpoint of this profile: start over with --force")
+    thresholds = list(thresholds)
     for j in range(next_layer, n_layer):   # rows a layer wrote after the last checkpoint
         shutil.rmtree(work / "samples" / f"layer_{j}", ignore_errors=True)
     rec.thresholds = thresholds
@@ -166,11 +183,14 @@ def streamed_pass(lw: LayerwiseModel, adapter, seqs: torch.Tensor, targets: list
             for i in range(next_layer, n_layer):
                 _profile_layer(lw, i, main, dense, seqs, batch, chosen, arguments, rec, sampler, targets,
                                last=i == n_layer - 1)
+                hidden = {}
                 for stream in streams:
                     stream.output_of(i).sync()
-                with atomic_file(work / CHECKPOINT) as tmp:
-                    torch.save({**rec.state(), "next_layer": torch.tensor(i + 1),
-                                "thresholds": torch.tensor(rec.thresholds, dtype=torch.float64)}, tmp)
+                    if i + 1 < n_layer:
+                        hidden[stream.output_of(i).path.name] = file_sha256(stream.output_of(i).path)
+                save_checkpoint(work / CHECKPOINT, {**rec.state(), "next_layer": torch.tensor(i + 1),
+                                                    "thresholds": torch.tensor(rec.thresholds, dtype=torch.float64),
+                                                    "hidden": hidden})
                 layer_bar.update(1)
     finally:
         for stream in streams:

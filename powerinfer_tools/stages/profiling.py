@@ -9,6 +9,7 @@ thresholds, as the sparse engine will, so later layers see the inputs they will 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -22,15 +23,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save as safetensors_bytes
 from tqdm import tqdm
 
 from powerinfer_tools.models import arch as arch_mod
 from powerinfer_tools import models
 from powerinfer_tools.core.atomic import atomic_file, check_output_dir, naming_output, output_lock, publish_dir
-from powerinfer_tools.core.errors import UserError
+from powerinfer_tools.core.digests import check_file, file_sha256
+from powerinfer_tools.core.errors import UserError, write_failure
 from powerinfer_tools.core.safe_load import checked_tensor, load_pt
 from powerinfer_tools.stages.options import ProfileOptions
+from powerinfer_tools.stages.profile_files import (RESTART, check_recorded, check_thresholds, checked_checkpoint,
+                                                   checked_shards, recorded_digests, save_checkpoint, shard_name)
 
 FORMAT = "powerinfer-tools.profile/1"
 DEFAULT_TARGET_SPARSITY = 0.2   # its cost in perplexity, per model: docs/profile.md
@@ -116,6 +120,7 @@ class _Recorder:
         self.counts = [torch.zeros(dims.n_ff, dtype=torch.int64) for _ in range(dims.n_layer)]
         self.magnitude = [torch.zeros(dims.n_ff, dtype=torch.float64) for _ in range(dims.n_layer)]
         self.sample_dir = sample_dir
+        self.sha256: dict[str, str] = {}   # shard path under sample_dir -> digest of its bytes, as written
         self.rows = [0] * dims.n_layer
         self.shards = [0] * dims.n_layer
         self.buffers: list[dict[str, list]] = [{"x": [], "mask": [], "seq": [], "pos": []}
@@ -168,13 +173,15 @@ class _Recorder:
     def state(self) -> dict:
         """Everything needed to continue after the rows flushed so far (call flush_all first)."""
         return {"counts": torch.stack(self.counts), "magnitude": torch.stack(self.magnitude),
-                "rows": torch.tensor(self.rows), "shards": torch.tensor(self.shards)}
+                "rows": torch.tensor(self.rows), "shards": torch.tensor(self.shards), "sha256": dict(self.sha256)}
 
     def load_state(self, state: dict) -> None:
+        """`state` as _checked_checkpoint returns it."""
         self.counts = list(state["counts"].clone())
         self.magnitude = list(state["magnitude"].clone())
         self.rows = state["rows"].tolist()
         self.shards = state["shards"].tolist()
+        self.sha256 = dict(state["sha256"])
 
     def flush_all(self) -> None:
         for i in range(len(self.buffers)):
@@ -190,9 +197,11 @@ class _Recorder:
             "seq": torch.cat(buf["seq"]).contiguous(),
             "pos": torch.cat(buf["pos"]).contiguous(),
         }
-        layer_dir = self.sample_dir / f"layer_{i}"
-        layer_dir.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(layer_dir / f"shard_{self.shards[i]:04d}.safetensors"))
+        name = shard_name(i, self.shards[i])
+        data = safetensors_bytes(tensors)
+        with atomic_file(self.sample_dir / name) as tmp:
+            tmp.write_bytes(data)
+        self.sha256[name] = hashlib.sha256(data).hexdigest()
         self.shards[i] += 1
         self.buffers[i] = {"x": [], "mask": [], "seq": [], "pos": []}
 
@@ -242,12 +251,7 @@ def partial_dir(out: Path) -> Path:
 
 
 def _save_checkpoint(work: Path, rec: _Recorder, next_seq: int) -> None:
-    with atomic_file(work / "checkpoint.pt") as tmp:
-        torch.save({**rec.state(), "next_seq": torch.tensor(next_seq)}, tmp)
-
-
-def _load_safe(path: Path) -> dict:
-    return load_pt(path, "profile checkpoint")
+    save_checkpoint(work / "checkpoint.pt", {**rec.state(), "next_seq": torch.tensor(next_seq)})
 
 
 def _model_identity(spec: str, source, config, adapter) -> dict:
@@ -274,7 +278,26 @@ def run_profile(opts: ProfileOptions) -> dict:
     run to the same output while one is going is refused (they would share the partial directory).
     """
     with output_lock(opts.out, wait=False):
-        return _run_profile(opts)
+        try:
+            return _run_profile(opts)
+        except UserError:   # its own line already, whatever it was raised from
+            raise
+        except Exception as exc:
+            if write_failure(exc) is None:
+                raise
+            raise UserError(_disk_full(partial_dir(opts.out), write_failure(exc))) from None
+
+
+def _disk_full(work: Path, message: str) -> str:
+    """The line for a write that failed for want of space: work that --resume can continue is kept (saying so and
+    its size); anything else is removed, so that it does not keep the disk full."""
+    what = message.rpartition("; ")[0] or message
+    if (work / "identity.json").is_file():
+        size = sum(p.stat().st_size for p in work.rglob("*") if p.is_file())
+        return (f"{what}: the profile so far is kept in {work} ({size / 2**20:.1f} MiB); free space and rerun with "
+                "--resume, or delete it")
+    shutil.rmtree(work, ignore_errors=True)
+    return f"{what}; nothing was kept"
 
 
 def _run_profile(opts: ProfileOptions) -> dict:
@@ -322,9 +345,9 @@ def _run_profile(opts: ProfileOptions) -> dict:
                 "tokens": opts.tokens, "seq_len": seq_len, "targets": targets, "max_samples": opts.max_samples,
                 "seed": opts.seed, "load": load}
     if opts.resume:
-        plan = _resume_plan(work, identity)
+        plan = _resume_plan(work, identity, dims.n_layer, dims.n_ff)
         where = (f"from sequence {plan['next_seq']} of {len(plan['seqs'])}" if load == "whole" else
-                 f"at layer {_layer_checkpoint_next(work)} of {dims.n_layer}")
+                 f"at layer {plan['next_layer']} of {dims.n_layer}")
         print(f"pi-tools profile: resuming {opts.out} {where}")
     else:
         shutil.rmtree(work, ignore_errors=True)
@@ -335,9 +358,12 @@ def _run_profile(opts: ProfileOptions) -> dict:
         except BaseException:
             shutil.rmtree(work, ignore_errors=True)  # nothing saved yet that --resume could use
             raise
-        torch.save({"seqs": plan["seqs"], "thresholds": torch.tensor(plan["thresholds"], dtype=torch.float64),
-                    "chosen": torch.from_numpy(plan["chosen"])}, work / "inputs.pt")
-        (work / "identity.json").write_text(json.dumps({**identity, "calibration": plan["calibration"]}))
+        with atomic_file(work / "inputs.pt") as tmp:
+            torch.save({"seqs": plan["seqs"], "thresholds": torch.tensor(plan["thresholds"], dtype=torch.float64),
+                        "chosen": torch.from_numpy(plan["chosen"])}, tmp)
+        saved = {**identity, "calibration": plan["calibration"], "inputs_sha256": file_sha256(work / "inputs.pt")}
+        with atomic_file(work / "identity.json") as tmp:   # last: with it, the work is one --resume continues
+            tmp.write_text(json.dumps(saved))
 
     seqs, thresholds, chosen = plan["seqs"], plan["thresholds"], plan["chosen"]
     n_seq, seq_len = seqs.shape
@@ -355,7 +381,8 @@ def _run_profile(opts: ProfileOptions) -> dict:
 
             sampler = ThresholdSampler(dims.n_layer, seqs, opts.batch, opts.seed) if targets is not None else None
             thresholds, elapsed, layers_run = profile_layers.streamed_pass(
-                model, adapter, seqs, targets, opts.batch, chosen, work, rec, sampler, resume=opts.resume)
+                model, adapter, seqs, targets, opts.batch, chosen, work, rec, sampler, plan["next_layer"],
+                thresholds)
             done = n_seq * seq_len * layers_run / dims.n_layer   # tokens through the whole model, in layers run now
     except KeyboardInterrupt:
         if (work / "identity.json").is_file():
@@ -372,9 +399,14 @@ def _run_profile(opts: ProfileOptions) -> dict:
     (work / "activation").mkdir(exist_ok=True)
     (work / "magnitude").mkdir(exist_ok=True)
     layers = []
+    digests = {f"samples/{name}": digest for name, digest in sorted(rec.sha256.items())}
+    if input_allocation != "none":
+        digests[input_sparsity.FILE] = file_sha256(work / input_sparsity.FILE)
     for i in range(dims.n_layer):
-        torch.save(rec.counts[i].clone(), work / "activation" / f"activation_{i}.pt")
-        torch.save(rec.magnitude[i].float().clone(), work / "magnitude" / f"magnitude_{i}.pt")
+        for name, value in ((f"activation/activation_{i}.pt", rec.counts[i].clone()),
+                            (f"magnitude/magnitude_{i}.pt", rec.magnitude[i].float().clone())):
+            torch.save(value, work / name)
+            digests[name] = file_sha256(work / name)
         density = float(rec.counts[i].sum()) / (n_total * dims.n_ff)
         layers.append({"layer": i, "sparsity": 1.0 - density, **skew(rec.counts[i])})
     profile = {
@@ -389,6 +421,7 @@ def _run_profile(opts: ProfileOptions) -> dict:
         "input_sparsity": input_allocation if input_allocation != "none" else None,
         "tokens_per_second": done / elapsed if elapsed > 0 and done else None,
         "layers": layers,
+        "sha256": digests,
     }
     (work / "profile.json").write_text(json.dumps(profile, indent=2))
     for scratch in SCRATCH:
@@ -459,33 +492,69 @@ def _fresh_plan(model, adapter, source, texts, seq_len, targets, opts) -> dict:
                   else calibrate_thresholds(model, adapter, seqs, targets, opts.batch, opts.seed))
     rng = np.random.default_rng(opts.seed)
     chosen = np.sort(rng.choice(seqs.numel(), size=min(opts.max_samples, seqs.numel()), replace=False))
-    return {"seqs": seqs, "thresholds": thresholds, "chosen": chosen, "calibration": calib_desc, "next_seq": 0}
+    return {"seqs": seqs, "thresholds": thresholds, "chosen": chosen, "calibration": calib_desc, "next_seq": 0,
+            "next_layer": 0}
 
 
-def _layer_checkpoint_next(work: Path) -> int:
-    from powerinfer_tools.stages.profile_layers import CHECKPOINT
+def _saved_identity(work: Path) -> dict:
+    """identity.json of an interrupted profile, checked for the fields a resume reads."""
+    path = work / "identity.json"
+    try:
+        saved = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError):
+        raise UserError(f"{path} is damaged (not JSON): {RESTART}") from None
+    if not isinstance(saved, dict) or not isinstance(saved.get("inputs_sha256"), str) \
+            or not isinstance(saved.get("calibration"), (str, list)):
+        raise UserError(f"{path} is not the identity of an interrupted profile of this version: {RESTART}")
+    return saved
 
-    path = work / CHECKPOINT
-    return int(_load_safe(path)["next_layer"]) if path.is_file() else 0
+
+def _checked_inputs(path: Path, n_layer: int, seq_len: int) -> dict:
+    """inputs.pt (already matched with its digest): the sequences, thresholds and sampled rows, of their kinds."""
+    inputs = load_pt(path, "profile inputs")
+    bad = UserError(f"{path} does not hold this profile's sequences, thresholds and sampled rows: {RESTART}")
+    if not isinstance(inputs, dict) or set(inputs) != {"seqs", "thresholds", "chosen"} \
+            or not all(isinstance(v, torch.Tensor) for v in inputs.values()):
+        raise bad
+    seqs, thresholds, chosen = inputs["seqs"], inputs["thresholds"], inputs["chosen"]
+    if seqs.dtype != torch.int64 or seqs.dim() != 2 or seqs.shape[1] != seq_len or thresholds.shape != (n_layer,) \
+            or not thresholds.is_floating_point() or not bool(torch.isfinite(thresholds).all()) \
+            or bool((thresholds < 0).any()) or chosen.dtype != torch.int64 or chosen.dim() != 1 \
+            or (chosen.numel() and not 0 <= int(chosen.min()) <= int(chosen.max()) < seqs.numel()):
+        raise bad
+    return inputs
 
 
-def _resume_plan(work: Path, identity: dict) -> dict:
-    """The saved plan and progress of an interrupted profile, checked against the current options."""
+def _resume_plan(work: Path, identity: dict, n_layer: int, n_ff: int) -> dict:
+    """The saved plan and progress of an interrupted profile, checked against the current options, and every file
+    it continues from against the digest recorded when that file was written."""
     if not (work / "identity.json").is_file() or not (work / "inputs.pt").is_file():
         raise UserError(f"nothing to resume: no interrupted profile at {work}")
-    saved = json.loads((work / "identity.json").read_text())
-    calib = saved.pop("calibration")
+    saved = _saved_identity(work)
+    calib, inputs_sha256 = saved.pop("calibration"), saved.pop("inputs_sha256")
     if json.loads(json.dumps(identity)) != saved:
         raise UserError("--resume: the interrupted profile was started with other options or another model; "
                         "rerun without --resume to start over")
-    inputs = _load_safe(work / "inputs.pt")
+    check_file(work / "inputs.pt", inputs_sha256, RESTART)
+    inputs = _checked_inputs(work / "inputs.pt", n_layer, identity["seq_len"])
     plan = {"seqs": inputs["seqs"], "thresholds": inputs["thresholds"].tolist(), "chosen": inputs["chosen"].numpy(),
-            "calibration": calib, "next_seq": 0, "state": None}
+            "calibration": calib, "next_seq": 0, "next_layer": 0, "state": None}
     if identity["load"] == "layer":
-        return plan   # profile_layers.streamed_pass reads its own checkpoint and drops the rows written after it
-    if (work / "checkpoint.pt").is_file():
-        state = _load_safe(work / "checkpoint.pt")
-        plan["next_seq"], plan["state"] = int(state.pop("next_seq")), state
+        from powerinfer_tools.stages import profile_layers
+
+        path = work / profile_layers.CHECKPOINT
+        if path.is_file():
+            plan.update(profile_layers.resume_point(path, n_layer, n_ff))
+        return plan   # profile_layers.streamed_pass drops the rows of layers after the checkpoint
+    path = work / "checkpoint.pt"
+    if path.is_file():
+        state = checked_checkpoint(path, n_layer, n_ff, ("next_seq",))
+        next_seq = state.pop("next_seq")
+        if not isinstance(next_seq, torch.Tensor) or next_seq.dim() != 0 or next_seq.is_floating_point() \
+                or not 0 <= int(next_seq) <= len(inputs["seqs"]):
+            raise UserError(f"{path} does not hold a position in this profile's sequences: {RESTART}")
+        checked_shards(path, state, range(n_layer))
+        plan["next_seq"], plan["state"] = int(next_seq), state
         for i, n in enumerate(state["shards"].tolist()):   # drop shards written after the checkpoint
             for shard in sorted((work / "samples" / f"layer_{i}").glob("shard_*.safetensors"))[n:]:
                 shard.unlink()
@@ -516,10 +585,17 @@ def load_profile(directory: str | Path) -> dict:
         raise UserError(f"{directory} is not a profile directory (no profile.json); run 'pi-tools profile' first")
     try:
         profile = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise UserError(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(profile, dict):
+        raise UserError(f"{path} is not a profile: a JSON {type(profile).__name__}, not an object")
     if profile.get("format") != FORMAT:
         raise UserError(f"{path}: unknown profile format {profile.get('format')!r} (expected {FORMAT})")
+    if "thresholds" in profile:
+        check_thresholds(profile["thresholds"], path)
+    digests = profile.get("sha256", {})
+    if not isinstance(digests, dict) or not all(isinstance(v, str) for v in digests.values()):
+        raise UserError(f"{path}: 'sha256' must map the profile's files to their digests")
     return profile
 
 
@@ -558,8 +634,11 @@ def load_activation_counts(directory: str | Path, n_layer: int,
                 f"it has activation files for layers {', '.join(map(str, extra))}")
         raise UserError(f"{folder}: {what}, but the model has {n_layer} layers (0-{n_layer - 1})")
     counts = []
+    directory = Path(directory)
+    digests = recorded_digests(directory) if folder == directory / "activation" else {}
     for i in range(n_layer):
         path = folder / f"activation_{i}.pt"
+        check_recorded(directory, f"activation/{path.name}", digests)
         value = checked_tensor(load_pt(path, "activation file"), str(path), "the counts", ndim=1, integers=True)
         if n_ff is not None and value.numel() != n_ff[i]:
             raise UserError(f"{path}: {value.numel()} counts, but layer {i} of the model has {n_ff[i]} neurons")

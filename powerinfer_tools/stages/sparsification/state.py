@@ -3,7 +3,6 @@ atomically, read back only with the same options), and stop requests (Ctrl-C, SI
 step boundary with a checkpoint."""
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import signal
@@ -16,6 +15,7 @@ import torch
 from tqdm import tqdm
 
 from powerinfer_tools.core.atomic import atomic_file
+from powerinfer_tools.core.digests import tree_sha256 as _digest
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.core.safe_load import load_pt
 
@@ -33,29 +33,6 @@ class TrainState:
     scales: list[float] = field(default_factory=list)
     start_sparsity: list[float] = field(default_factory=list)
     history: list[dict] = field(default_factory=list)
-
-
-def _digest(value, h=None) -> str:
-    """SHA-256 of everything a checkpoint holds (keys, numbers, strings, tensors' type, shape and bytes), in a
-    fixed order: torch.save stores tensor data unchecked, so a flipped bit would otherwise load as a weight."""
-    h = h or hashlib.sha256()
-    if isinstance(value, torch.Tensor):
-        t = value.detach().cpu().contiguous()
-        h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
-        if t.numel():
-            h.update(t.view(-1).view(torch.uint8).numpy())  # the tensor's own bytes, not a copy
-    elif isinstance(value, dict):
-        h.update(f"D{len(value)}".encode())
-        for key in sorted(value, key=repr):
-            h.update(repr(key).encode())
-            _digest(value[key], h)
-    elif isinstance(value, (list, tuple)):
-        h.update(f"L{len(value)}".encode())
-        for item in value:
-            _digest(item, h)
-    else:
-        h.update(f"V{value!r}".encode())
-    return h.hexdigest()
 
 
 def save_checkpoint(work: Path, state: TrainState, student, optimizer, scheduler, identity: dict) -> None:

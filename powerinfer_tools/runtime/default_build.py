@@ -36,14 +36,15 @@ def model_file(model: str = default_model.NAME, outtype: str = "q8_0") -> Path:
     return model_dir(model) / f"{Path(model).name}.{outtype}.powerinfer.gguf"
 
 
-def _step(title: str, out: Path, run: Callable[[], list[str]]) -> None:
-    """Run one stage into `out` and print its report, all on stderr: stdout belongs to the command that asked for
-    the model (`pi-tools run ... | head` must see only the generated text, and a closed pipe must not stop a
-    build)."""
+def _step(title: str, out: Path, report: Path, run: Callable[[], list[str]]) -> None:
+    """Run one stage into `out`: its title on stderr (stdout belongs to the command that asked for the model:
+    `pi-tools run ... | head` must see only the generated text, and a closed pipe must not stop a build), its
+    report (tables a first-time user did not ask for) appended to `report` beside the model."""
     print(f"pi-tools: {title} -> {out}", file=sys.stderr)
     with contextlib.redirect_stdout(sys.stderr):  # the stages' own notes (resuming, data-free) go along
-        for line in run():
-            print(line)
+        lines = run()
+    with open(report, "a", encoding="utf-8") as f:
+        f.write(f"== {title} -> {out}\n" + "".join(line + "\n" for line in lines))
 
 
 def build(model: str = default_model.NAME, outtype: str = "q8_0", tokens: int = PROFILE_TOKENS,
@@ -65,21 +66,21 @@ def _build(model: str, outtype: str, tokens: int, rank: int, final: Path) -> Pat
     from powerinfer_tools.stages.profiling import partial_dir, summary_lines as profile_lines
 
     root = model_dir(model)
-    profile, predictors = root / "profile", root / "predictors"
+    profile, predictors, report = root / "profile", root / "predictors", root / "build-report.txt"
     print(f"pi-tools: first use of '{model}': building {final.name} through the pipeline "
-          "(4-12 CPU-minutes, once; later runs start at once)", file=sys.stderr)
+          f"(4-12 CPU-minutes, once; later runs start at once; the stages' reports go to {report})", file=sys.stderr)
     if not (profile / "profile.json").is_file():
         # an interrupted first run's profile continues where it stopped
         resume = (partial_dir(profile) / "identity.json").is_file()
         opts = stages.ProfileOptions(model=model, out=profile, tokens=tokens, seq_len=PROFILE_SEQ_LEN,
                                      resume=resume, force=not resume)
-        _step("1/3 profile (data-free)", profile, lambda: profile_lines(stages.profile(opts).meta))
+        _step("1/3 profile (data-free)", profile, report, lambda: profile_lines(stages.profile(opts).meta))
     if not (predictors / "config.json").is_file():
         def train() -> list[str]:
             trained = stages.train_predictors(profile, stages.PredictorOptions(out=predictors, rank=rank, force=True))
             return [format_table(trained.layers), *trained.warnings,
                     f"wrote {len(trained.layers)} predictors to {trained.path}"]
-        _step("2/3 train-predictor", predictors, train)
+        _step("2/3 train-predictor", predictors, report, train)
     convert = stages.ConvertOptions(model=model, out=final, outtype=outtype, predictors=predictors, profile=profile)
-    _step("3/3 convert", final, lambda: convert_lines(stages.convert(convert).summary))
+    _step("3/3 convert", final, report, lambda: convert_lines(stages.convert(convert).summary))
     return final

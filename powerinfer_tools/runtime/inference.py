@@ -276,23 +276,25 @@ class StreamDecoder:
 
 
 def sparsity_note(stats: dict, activation: str | None = None) -> str | None:
-    """A plain warning when a sparse mode found too few inactive neurons to pay for choosing them (a SiLU model
-    run with thresholds, above all), saying what to do instead; None in dense mode or when it pays. In auto mode
-    it counts the layers run dense, and on a SiLU model (`activation`, the engine's info) says that the others
-    applied the file's activation thresholds (the dense layers are exact)."""
+    """A plain warning when a sparse mode the user asked for found too few inactive neurons to pay for choosing
+    them (a SiLU model run with thresholds, above all), saying what to do instead; None in dense mode or when it
+    pays. Auto chooses its kernels itself, so it is told only what its choice costs: on a SiLU model (`activation`,
+    the engine's info) the layers it ran through sparse kernels applied the file's activation thresholds."""
     from powerinfer_tools.stages.locality import ENOUGH_SPARSITY
 
     density = stats.get("density")
-    if stats["ffn_mode"] == "dense" or density is None or density <= 1 - ENOUGH_SPARSITY:
+    if stats["ffn_mode"] == "dense" or density is None:
         return None
-    kernels = [layer.get("decode_mode") for layer in stats.get("layers", []) if layer.get("decode_mode")]
-    dense = sum(1 for k in kernels if k and k.startswith("dense"))
-    chose = ""
-    if stats["ffn_mode"] == "auto" and kernels:
-        thresholded = (f"; the other {len(kernels) - dense} through sparse kernels, at the file's activation "
-                       "thresholds: not the exact model") if activation == "silu" and dense < len(kernels) else ""
-        chose = f" ('auto' ran {dense} of {len(kernels)} layers dense{thresholded})"
-    return (f"note: {density:.0%} of the FFN neurons were active, too many for the sparse modes to save time{chose}: "
+    if stats["ffn_mode"] == "auto":
+        kernels = [layer.get("decode_mode") for layer in stats.get("layers", []) if layer.get("decode_mode")]
+        dense = sum(1 for k in kernels if k and k.startswith("dense"))
+        if activation != "silu" or dense == len(kernels):
+            return None
+        return (f"note: 'auto' ran {dense} of {len(kernels)} layers dense; the other {len(kernels) - dense} through "
+                "sparse kernels, at the file's activation thresholds: not the exact model (--sparse-mode dense is)")
+    if density <= 1 - ENOUGH_SPARSITY:
+        return None
+    return (f"note: {density:.0%} of the FFN neurons were active, too many for the sparse modes to save time: "
             "run --sparse-mode dense, or make the model sparse first (a SiLU model: 'pi-tools sparsify', "
             "docs/sparsify.md)")
 

@@ -20,9 +20,13 @@ def built(tiny_model_dir, tmp_path, monkeypatch, capsys):
     model = str(tiny_model_dir("llama-silu"))
     path = pipeline.build(model, outtype="f32", tokens=1024, rank=8)
     reports = capsys.readouterr()
-    # the build's reports go to stderr: the stdout of `pi-tools run` is the generated text alone
+    # the stages' titles go to stderr (the stdout of `pi-tools run` is the generated text alone), their tables to a
+    # report beside the model: a first run says what it does, not five minutes of tables
     assert reports.out == ""
-    assert "1/3 profile" in reports.err and "hotN%" in reports.err and "predictors to" in reports.err
+    assert "1/3 profile" in reports.err and "3/3 convert" in reports.err
+    assert "hotN%" not in reports.err and "predictors to" not in reports.err
+    report = (path.parent / "build-report.txt").read_text()
+    assert "hotN%" in report and "predictors to" in report and "== 3/3 convert" in report
     return model, path
 
 
@@ -68,7 +72,7 @@ def test_concurrent_first_runs_build_once(tmp_path, monkeypatch):
     model = str(tmp_path / "some-model")
     steps, started, release = [], threading.Event(), threading.Event()
 
-    def step(title, out, run):  # each step's output, written as the real ones do (the last one after a wait)
+    def step(title, out, report, run):  # each step's output, written as the real ones do (the last one after a wait)
         steps.append(title)
         if title.startswith("3/3"):
             started.set()

@@ -79,10 +79,13 @@ class _CtrlC:
 
 def _unraisable_but_ctrl_c(default):
     """sys.unraisablehook for a process of ours: Ctrl-C landing in a finalizer (a __del__, a generator's cleanup)
-    interrupts nothing there, so it is dropped instead of printed as a traceback; the rest as `default` does."""
+    interrupts nothing there, so it is dropped instead of printed as a traceback, as is Python's notice of one that
+    came as the exit set it ignored; the rest as `default` does."""
+    raced = f"Signal {int(signal.SIGINT)} ignored due to race condition"
 
     def hook(info) -> None:
-        if not isinstance(info.exc_value, KeyboardInterrupt):
+        exc = info.exc_value
+        if not isinstance(exc, KeyboardInterrupt) and not (isinstance(exc, OSError) and str(exc) == raced):
             default(info)
 
     return hook

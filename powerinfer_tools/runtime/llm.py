@@ -179,36 +179,40 @@ class _Gate:
 
 class _Stream(Iterator[Chunk]):
     """The Chunks of a streamed generation, holding the LLM until they are exhausted, or closed (close(), a with
-    block) or dropped: a stream left open keeps every other thread's call waiting."""
+    block) or dropped: a stream left open keeps every other thread's call waiting. The hold lives in a generator
+    started at once, whose finally releases it: a stream that ended has nothing left to run when it is dropped (no
+    __del__, where a Ctrl-C could land and print a traceback)."""
 
     def __init__(self, chunks: Iterator[Chunk], step: threading.Lock, release: Callable[[], None]):
-        self._chunks = chunks
-        self._step = step  # the LLM's: a token's work is never interleaved with another call's
-        self._release: Callable[[], None] | None = release
+        self._held = self._hold(chunks, step, release)
+        next(self._held)  # inside its try: from here on, closing or dropping it releases the LLM
+
+    @staticmethod
+    def _hold(chunks: Iterator[Chunk], step: threading.Lock, release: Callable[[], None]) -> Iterator[Chunk | None]:
+        try:
+            yield None
+            while True:
+                with step:  # a token's work is never interleaved with another call's
+                    chunk = next(chunks, None)
+                if chunk is None:
+                    return
+                yield chunk
+        finally:  # the end, an error, Ctrl-C, close() or the stream dropped: the LLM is free again
+            try:
+                chunks.close()
+            finally:
+                release()
 
     def __next__(self) -> Chunk:
-        try:
-            with self._step:
-                return next(self._chunks)
-        except BaseException:  # the end, an error or Ctrl-C: the LLM is free again
-            self.close()
-            raise
+        return next(self._held)
 
     def close(self) -> None:
-        release, self._release = self._release, None
-        try:
-            self._chunks.close()
-        finally:
-            if release is not None:
-                release()
+        self._held.close()
 
     def __enter__(self) -> "_Stream":
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self):
         self.close()
 
 

@@ -8,6 +8,7 @@ import typer
 
 from powerinfer_tools.cli import flags
 from powerinfer_tools.core.errors import UserError
+from powerinfer_tools.core.numbers import Range
 from powerinfer_tools.server.intake import MAX_BODY_MIB
 
 
@@ -51,8 +52,7 @@ def serve(
 
     if not 0 <= port <= 65535:
         raise UserError(f"--port must be in 0..65535, not {port}")
-    if not max_body_mib > 0:
-        raise UserError(f"--max-body-mib must be > 0, not {max_body_mib}")
+    Range(0, 1 << 20, low_open=True, unit=" MiB").check("--max-body-mib", max_body_mib)
     if api_key is not None:
         check_api_key(api_key)
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:

@@ -39,11 +39,11 @@ def plant(path, tmp_path, name: str):
     return marker  # ... so the real marker staying absent means the toolkit never ran it
 
 
-def assert_refused(code, stderr, path, marker):
+def assert_refused(code, stderr, path, marker, why="refused"):
     assert code == 1, stderr
     lines = [line for line in stderr.splitlines() if line.strip() and "%|" not in line]  # minus progress bars
     assert len(lines) == 1 and "Traceback" not in stderr, stderr
-    assert str(path) in lines[0] and "refused" in lines[0], lines[0]
+    assert str(path) in lines[0] and why in lines[0], lines[0]
     assert not marker.exists()
 
 
@@ -64,13 +64,22 @@ def profile_dir(tiny_model_dir, tmp_path_factory):
     return out
 
 
-def test_activation_file(profile_dir, tmp_path, capsys):
+@pytest.mark.parametrize("digests", [True, False], ids=["our-profile", "without-digests"])
+def test_activation_file(profile_dir, tmp_path, capsys, digests):
+    """Our profile's digests refuse the planted file before it is read; a folder without them (PowerInfer's, an
+    older profile) is read with weights_only, which refuses it."""
+    import json
+
     profile = tmp_path / "profile"
     shutil.copytree(profile_dir, profile)
+    if not digests:
+        meta = json.loads((profile / "profile.json").read_text())
+        meta.pop("sha256")
+        (profile / "profile.json").write_text(json.dumps(meta))
     path = profile / "activation" / "activation_1.pt"
     marker = plant(path, tmp_path, "activation")
     code, _, stderr = run_cli(capsys, "train-predictor", profile, "-o", tmp_path / "pred", "--epochs", "1")
-    assert_refused(code, stderr, path, marker)
+    assert_refused(code, stderr, path, marker, "is damaged" if digests else "refused")
     assert not (tmp_path / "pred").exists()
 
 

@@ -72,6 +72,7 @@ def profile(
       pi-tools profile -m ./Llama-2-70b-relu --calib a.txt --tokens 4096 --load layer --dtype bfloat16 -o prof70
     """
     from powerinfer_tools import stages
+    from powerinfer_tools.stages.locality import profile_verdict
     from powerinfer_tools.stages.profiling import summary_lines
 
     if dtype not in ("float32", "bfloat16", "float16"):
@@ -91,3 +92,4 @@ def profile(
     result = stages.profile(opts)
     typer.echo("\n".join(summary_lines(result.meta)))
     typer.echo(f"wrote {out}")
+    typer.echo(f"verdict: {profile_verdict(result.meta)}")

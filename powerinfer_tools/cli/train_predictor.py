@@ -66,7 +66,7 @@ def train_predictor(
       pi-tools train-predictor test-profile --out smollm2-predictors --evaluate --report eval.json
     """
     from powerinfer_tools import stages
-    from powerinfer_tools.stages.predictor_training import format_table
+    from powerinfer_tools.stages.predictor_training import format_table, predictor_verdict
 
     opts = stages.PredictorOptions(out=out, rank=rank, target_recall=target_recall,
                                    max_density_ratio=max_density_ratio, max_predictor_fraction=max_predictor_fraction,
@@ -83,3 +83,4 @@ def train_predictor(
         typer.echo(warning, err=True)
     if not evaluate:
         typer.echo(f"wrote {len(result.layers)} predictors to {result.path}")
+    typer.echo(f"verdict: {predictor_verdict(result.layers)}")

@@ -78,6 +78,14 @@ def analyse(directory: str | Path) -> Locality:
     return Locality(profile, [layer_locality(i, c, tokens) for i, c in enumerate(counts)])
 
 
+def profile_verdict(profile: dict) -> str:
+    """The verdict on a profile (profile.json's contents) that `report` gives, from the layers' mean sparsity and
+    hottest-10% share: what `profile` ends with."""
+    layers = profile["layers"]
+    return verdict(profile["model"].get("activation", "relu"), float(np.mean([row["sparsity"] for row in layers])),
+                   float(np.mean([row["hot10"] for row in layers])))
+
+
 def verdict(activation: str, sparsity: float, hot10: float) -> str:
     """What a profile's numbers mean for running the model, in plain words: whether the sparse modes and a GPU
     hot tier can help, and what to do when they cannot."""

@@ -586,6 +586,22 @@ def useless_warning(results: list[LayerResult], rows: str = "held-out") -> str |
             "(profile a higher --target-sparsity, more tokens, or use gate mode)")
 
 
+def predictor_verdict(results: list[LayerResult]) -> str:
+    """One line on what the predictors buy, as `report` judges them (predictor.is_useful): how many layers' are
+    useful, what predictor mode computes of those layers at what recall, and what runs where none is."""
+    useful = [r for r in results if r.metrics.get("useful", True)]
+    if not useful:
+        return (f"none of the {len(results)} layers' predictors predicts anything useful: run gate or dense mode, or "
+                "profile a higher --target-sparsity or more tokens and train again")
+    recall = float(np.mean([r.metrics["recall"] for r in useful if "recall" in r.metrics] or [math.nan]))
+    density = float(np.mean([r.metrics["predicted_density"] for r in useful if "predicted_density" in r.metrics]
+                            or [math.nan]))
+    rest = len(results) - len(useful)
+    return (f"{len(useful)} of {len(results)} layers' predictors are useful: predictor mode computes about "
+            f"{density:.0%} of their neurons at {recall:.1%} held-out recall"
+            + (f"; auto mode runs the other {rest} without theirs" if rest else ""))
+
+
 TABLE = (("recall", "recall", 7, ".4f", "share of the active (token, neuron) pairs predicted active"),
          ("weighted_recall", "w.rec", 7, ".4f", "the same, each pair weighed by its activation's size"),
          ("precision", "prec", 6, ".3f", "share of the predicted pairs that were active"),

@@ -27,7 +27,7 @@ from matplotlib.ticker import MaxNLocator
 
 from powerinfer_tools.core.atomic import atomic_file
 from powerinfer_tools.core.errors import UserError
-from powerinfer_tools.stages.locality import COVERAGE_TARGETS, Locality, analyse, verdict
+from powerinfer_tools.stages.locality import COVERAGE_TARGETS, Locality, analyse, profile_verdict
 from powerinfer_tools.stages.placement import MIB, human_bytes
 
 FIGSIZE = (7.5, 4.0)
@@ -211,7 +211,7 @@ def locality_section(loc: Locality) -> Section:
     intro = (f"{p['tokens']} tokens profiled ({p['sequences']} sequences of {p['seq_len']}). On average the "
              f"hottest 10% of a layer's neurons serve {mean['hot10']:.1%} of its activations, the hottest 20% "
              f"{mean['hot20']:.1%}, the hottest 50% {mean['hot50']:.1%}; mean sparsity {mean['sparsity']:.1%}. "
-             + verdict(p["model"].get("activation", "relu"), mean["sparsity"], mean["hot10"]))
+             + profile_verdict(p))
     columns = ["layer", "threshold", "sparsity", "hot10", "hot20", "hot50"] + \
         [f"neurons for {t:.0%}" for t in COVERAGE_TARGETS]
     rows = [[row["layer"], float(t), row["sparsity"], row["hot10"], row["hot20"], row["hot50"]]

@@ -66,6 +66,7 @@ void DeviceTierBackend::begin(const Model &model, const float *rope_cos, const f
             fail(PI_ERR_MEMORY, error(("uploading layer " + std::to_string(il) + "'s attention").c_str()));
     }
     use_.device_bytes = double(api_.tier_bytes(tier_));
+    layer_counts_.resize(layers.size());
     if (api_.copy_rate(use_.device, &use_.copy_rate, err_, sizeof err_)) fail(PI_ERR_INTERNAL, error("probing its copy rate"));
 }
 
@@ -81,7 +82,6 @@ bool DeviceTierBackend::runs_layer(int64_t il) const {
 }
 
 void DeviceTierBackend::layer(int64_t il, int64_t n_tok, int64_t n_past, bool dense, const float *x_in, float *x_out) {
-    layer_counts_.resize(use_.placement.hot.size());
     const pi_device_layer_job job{int32_t(il), int32_t(n_tok), int32_t(n_past), dense ? 1 : 0, x_in, x_out,
                                   &layer_counts_[size_t(il)]};
     if (api_.layer_run(tier_, &job, err_, sizeof err_))

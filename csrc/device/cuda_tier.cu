@@ -82,6 +82,7 @@ struct OperandBuffers {
 struct Counters {
     unsigned long long active, computed;
 };
+static_assert(sizeof(Counters) == device::kJobCountersBytes, "the counters' bytes the traffic counts");
 
 // A layer's hot rows on the device.
 struct LayerRows {

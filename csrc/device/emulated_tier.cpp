@@ -272,7 +272,7 @@ int32_t tier_submit(pi_device_tier *t, const pi_device_job *job, char *err, size
     t->counts = pi_device_counts{};
     const double E = t->desc.n_embd;
     t->counts.h2d_bytes = job->n_tok * E * 4;  // the rows up; the output rows and the CUDA library's counters down
-    t->counts.d2h_bytes = job->n_tok * E * 4 + 16;
+    t->counts.d2h_bytes = job->n_tok * E * 4 + double(device::kJobCountersBytes);
     t->submitted = std::chrono::steady_clock::now();
     t->worker = std::thread([t] { t->compute(); });
     return 0;
@@ -396,7 +396,7 @@ int32_t layer_run(pi_device_tier *t, const pi_device_layer_job *job, char *err, 
     pi_device_counts &c = *job->counts;
     c = t->counts;
     c.h2d_bytes = job->x_in ? double(n) * 4 : 0.0;
-    c.d2h_bytes = (job->x_out ? double(n) * 4 : 0.0) + 16;  // and the layer's counters, with the stream's end
+    c.d2h_bytes = (job->x_out ? double(n) * 4 : 0.0) + double(device::kJobCountersBytes);  // with the stream's end
     c.launches = device::attention_launches(A.view) + device::fused_ffn_launches();
     c.device_bytes += device::attention_bytes(A.view, t->desc, job->n_tok, job->n_past);
     c.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -166,6 +166,10 @@ PI_HD inline float element(const DeviceRows &m, int64_t r, int64_t i) {
     return m.scale(r, k) * float(v - 8);
 }
 
+// Bytes of a hot job's (or a whole layer's) counters of active and computed neurons, which come back with its
+// output: part of its bus traffic in both libraries.
+constexpr size_t kJobCountersBytes = 16;
+
 // Tokens a matrix-vector kernel takes per pass over a matrix's rows: a batch reads the matrix once a pass.
 constexpr int kTokensPerPass = 8;
 PI_HD inline int64_t passes(int64_t n_tok) { return (n_tok + kTokensPerPass - 1) / kTokensPerPass; }

@@ -88,7 +88,8 @@ const pi_device_api *Engine::find_device(const pi_options &opts, const std::stri
     }
     const pi_device_api *api = nullptr;
     try {
-        api = &load_device_library(device_library_path(opts.gpu_library ? opts.gpu_library : ""));
+        device_library_ = device_library_path(opts.gpu_library ? opts.gpu_library : "");
+        api = &load_device_library(device_library_);
     } catch (const EngineFailure &e) {
         gpu_off_ = e.what();
         return nullptr;
@@ -110,8 +111,7 @@ std::unique_ptr<TierBackend> Engine::device_tier(const pi_options &opts, int64_t
         if (opts.gpu == PI_GPU_ON) fail(PI_ERR_UNSUPPORTED, "gpu on: " + gpu_off_);
         return nullptr;
     }
-    const std::string library = device_library_path(opts.gpu_library ? opts.gpu_library : "");
-    auto device = std::make_unique<DeviceTierBackend>(*device_api_, library, opts.gpu_device, opts.vram_budget, *model_,
+    auto device = std::make_unique<DeviceTierBackend>(*device_api_, device_library_, opts.gpu_device, opts.vram_budget, *model_,
                                                       *ks_, *pool_, n_batch_, n_ctx_,
                                                       opts.kv_type == PI_KV_F16, opts.gpu_ffn_only == 0, rank,
                                                       largest_tier(*model_, true));

@@ -115,6 +115,7 @@ private:
 
     // (declared before model_: set before the model loads)
     std::string gpu_off_;                        // why the hot tier is not on a device, where opts asked for one
+    std::string device_library_;                 // its path, where opts ask for a device and give a gpuidx
     const pi_device_api *device_api_ = nullptr;  // the device library, where a device takes the hot tier
     bool gpuidx_ignored_ = false;                // a gpuidx was given, no device took it: every neuron is cold
     std::unique_ptr<Model> model_;

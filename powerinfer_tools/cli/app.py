@@ -146,7 +146,6 @@ def main(argv: list[str] | None = None, process: bool = False) -> None:
     try:
         code = app(args=argv, standalone_mode=False)  # returns the exit code of an Exit (Ctrl-C: 130)
     except SystemExit:
-        ctrl_c.over = True
         raise
     except BaseException as exc:
         ctrl_c.over = True  # first: another Ctrl-C must not break the handling of this one (a burst of them)

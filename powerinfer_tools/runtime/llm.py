@@ -368,19 +368,24 @@ class LLM:
 
     def _generate(self, ids: list[int], prompt: str, request: _Request, fit: bool) -> Iterator[Chunk]:
         """Checks now (a bad request fails at the call, not at the first next()), then the generator."""
-        max_tokens = request.max_tokens
-        room = self.n_ctx - len(ids)
+        limit = self.token_limit(len(ids), request.max_tokens, fit)
+        self._generation += 1
+        return self._tokens(ids, prompt, limit, request.stop, request.sampling, self._generation)
+
+    def token_limit(self, n_prompt: int, max_tokens: int | None, fit: bool = True, param: str | None = None) -> int:
+        """How many tokens may follow a prompt of n_prompt tokens: max_tokens (None: all the context leaves), cut
+        to what it leaves or, with fit=False, refused where it asks more. A RequestError (param: the argument to
+        name) where the prompt leaves no room."""
+        room = self.n_ctx - n_prompt
         if room < 1:
-            raise RequestError(f"the prompt has {len(ids)} tokens and the context holds {self.n_ctx}: no room to "
-                               "generate (shorten it, or open the model with a larger ctx_size)",
+            raise RequestError(f"the prompt has {n_prompt} tokens and the context holds {self.n_ctx}: no room to "
+                               "generate (shorten it, or open the model with a larger ctx_size)", param=param,
                                code="context_length_exceeded")
         if max_tokens is not None and max_tokens > room and not fit:
-            raise RequestError(f"this model's context holds {self.n_ctx} tokens: {len(ids)} in the prompt and "
+            raise RequestError(f"this model's context holds {self.n_ctx} tokens: {n_prompt} in the prompt and "
                                f"{max_tokens} asked for the completion; lower max_tokens", param="max_tokens",
                                code="context_length_exceeded")
-        self._generation += 1
-        limit = room if max_tokens is None else min(max_tokens, room)
-        return self._tokens(ids, prompt, limit, request.stop, request.sampling, self._generation)
+        return room if max_tokens is None else min(max_tokens, room)
 
     def _tokens(self, ids, prompt, max_tokens, stop, sampling, generation) -> Iterator[Chunk]:
         from powerinfer_tools.runtime.inference import StreamDecoder, engine_errors

@@ -234,16 +234,7 @@ def _fits(llm: LLM, prompt: str, add_special: bool, body, param: str) -> None:
     conversation may tokenize a little differently), but a prompt that got this far is within the context, so its
     tokenizing there is short."""
     body.sampling().check()
-    n = len(llm.tokenize(prompt, add_special=add_special))
-    room = llm.n_ctx - n
-    if room < 1:
-        raise RequestError(f"the prompt has {n} tokens and the context holds {llm.n_ctx}: no room to generate "
-                           "(shorten it)", param=param, code="context_length_exceeded")
-    limit = body.limit()
-    if limit is not None and limit > room:
-        raise RequestError(f"this model's context holds {llm.n_ctx} tokens: {n} in the prompt and {limit} asked "
-                           "for the completion; lower max_tokens", param="max_tokens",
-                           code="context_length_exceeded")
+    llm.token_limit(len(llm.tokenize(prompt, add_special=add_special)), body.limit(), fit=False, param=param)
 
 
 async def _answer(chunks: AsyncIterator[Chunk], body, model_id: str, chat: bool, echo: str = ""):

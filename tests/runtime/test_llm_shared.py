@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import gc
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -78,6 +80,16 @@ def waiting_call(llm: LLM, prompt: str) -> tuple[threading.Thread, threading.Eve
     return thread, done, out
 
 
+@contextmanager
+def another_thread_waits(llm: LLM, prompt: str, theirs: str) -> Iterator[None]:
+    """A complete() on another thread that waits while the block has not yet run, and answers `theirs` after."""
+    thread, done, out = waiting_call(llm, prompt)
+    assert not done.wait(0.3)
+    yield
+    assert done.wait(60) and out == [theirs]
+    thread.join(60)
+
+
 def test_a_stream_holds_the_llm_until_exhausted_and_another_thread_waits(llm):
     mine, theirs = (llm.complete(p, **GREEDY).text for p in PROMPTS[:2])
     stream = llm.complete(PROMPTS[0], stream=True, **GREEDY)
@@ -95,28 +107,22 @@ def test_a_stream_closed_or_dropped_lets_the_waiting_call_run(llm, how):
     theirs = llm.complete(PROMPTS[1], **GREEDY).text
     stream = llm.chat([{"role": "user", "content": PROMPTS[0]}], stream=True, **GREEDY)
     next(stream)
-    thread, done, out = waiting_call(llm, PROMPTS[1])
-    assert not done.wait(0.3)
-    if how == "close":
-        stream.close()
-    elif how == "with":
-        with stream:
-            next(stream)
-    else:
-        del stream
-        gc.collect()
-    assert done.wait(60) and out == [theirs]
-    thread.join(60)
+    with another_thread_waits(llm, PROMPTS[1], theirs):
+        if how == "close":
+            stream.close()
+        elif how == "with":
+            with stream:
+                next(stream)
+        else:
+            del stream
+            gc.collect()
 
 
 def test_an_unstarted_stream_holds_the_llm_too(llm):
     theirs = llm.complete(PROMPTS[1], **GREEDY).text
     stream = llm.complete(PROMPTS[0], stream=True, **GREEDY)
-    thread, done, out = waiting_call(llm, PROMPTS[1])
-    assert not done.wait(0.3)
-    stream.close()
-    assert done.wait(60) and out == [theirs]
-    thread.join(60)
+    with another_thread_waits(llm, PROMPTS[1], theirs):
+        stream.close()
 
 
 def test_a_later_call_in_the_streams_own_thread_ends_it(llm):

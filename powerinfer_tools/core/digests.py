@@ -11,6 +11,10 @@ from powerinfer_tools.core.errors import UserError
 _CHUNK = 1 << 22
 
 
+def bytes_sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
 def file_sha256(path: str | Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -44,10 +48,11 @@ def tree_sha256(value, h=None) -> str:
     return h.hexdigest()
 
 
-def check_file(path: Path, expected: str, fix: str) -> None:
-    """UserError naming `path` and what to do (`fix`) when it is missing or its bytes are not those recorded."""
+def check_file(path: Path, expected: str, fix: str, data: bytes | None = None) -> None:
+    """UserError naming `path` and what to do (`fix`) when it is missing or its bytes are not those recorded;
+    `data`: its bytes, where the caller has read them already (not read again)."""
     try:
-        actual = file_sha256(path)
+        actual = file_sha256(path) if data is None else bytes_sha256(data)
     except FileNotFoundError:
         raise UserError(f"{path} is missing: {fix}") from None
     except OSError as exc:

@@ -13,7 +13,6 @@ recall at a fixed density cannot. A predictor no better than chance is reported 
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import re
@@ -142,6 +141,8 @@ def load_samples(profile: ProfileDir, layer: int) -> LayerSamples:
     from safetensors import SafetensorError
     from safetensors.numpy import load
 
+    from powerinfer_tools.stages.profile_files import check_recorded
+
     directory = profile.path / "samples" / f"layer_{layer}"
     shards = sorted(directory.glob("shard_*.safetensors")) if directory.is_dir() else []
     if not shards:
@@ -160,8 +161,7 @@ def load_samples(profile: ProfileDir, layer: int) -> LayerSamples:
     for shard in shards:
         try:
             raw = shard.read_bytes()
-            if profile.digests:
-                _check_shard(shard, raw, profile.digests.get(prefix + shard.name))
+            check_recorded(profile.path, prefix + shard.name, profile.digests, raw)
             data = load(raw)
         except (SafetensorError, OSError) as exc:
             raise UserError(f"cannot read {shard}: {exc}") from None
@@ -186,16 +186,6 @@ def load_samples(profile: ProfileDir, layer: int) -> LayerSamples:
     if not torch.isfinite(samples.x).all():
         raise UserError(f"profile {profile.path}: layer {layer} samples contain inf/NaN inputs")
     return samples
-
-
-def _check_shard(shard: Path, raw: bytes, expected: str | None) -> None:
-    """A shard's bytes against the digest profile.json recorded when the profile wrote it."""
-    if expected is None:
-        raise UserError(f"{shard}: profile.json records no checksum for it (a shard the profile did not write); "
-                        "profile again")
-    if hashlib.sha256(raw).hexdigest() != expected:
-        raise UserError(f"{shard} is damaged (its contents do not match the checksum profile.json recorded): "
-                        "profile again")
 
 
 def split_by_sequence(seq: torch.Tensor, held_out_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

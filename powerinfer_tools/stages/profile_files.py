@@ -53,6 +53,18 @@ def checked_checkpoint(path: Path, n_layer: int, n_ff: int, position: tuple[str,
     return blob
 
 
+def is_position(value, lo: int, hi: int) -> bool:
+    """A pass's position as a checkpoint stores it: a 0-d integer tensor from lo to hi."""
+    return isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_floating_point() \
+        and lo <= int(value) <= hi
+
+
+def is_thresholds(value, n_layer: int) -> bool:
+    """Per-layer thresholds as the work files store them: n_layer finite, non-negative floating-point values."""
+    return isinstance(value, torch.Tensor) and value.shape == (n_layer,) and value.is_floating_point() \
+        and bool(torch.isfinite(value).all()) and not bool((value < 0).any())
+
+
 def checked_shards(checkpoint: Path, state: dict, layers: range) -> None:
     """Every shard the checkpoint counts for `layers`, each with the digest it was written with."""
     for i in layers:
@@ -75,9 +87,11 @@ def recorded_digests(directory: Path) -> dict[str, str]:
     return digests if isinstance(digests, dict) else {}
 
 
-def check_recorded(directory: Path, name: str, digests: dict[str, str] | None = None) -> None:
-    """The profile file `name` (a path under `directory`) against the digest profile.json recorded when the profile
-    wrote it (`digests`, or read from it): damage is one line, not a different result."""
+def check_recorded(directory: Path, name: str, digests: dict[str, str] | None = None,
+                   data: bytes | None = None) -> None:
+    """The profile file `name` (a path under `directory`; `data`, its bytes where already read) against the digest
+    profile.json recorded when the profile wrote it (`digests`, or read from it): damage is one line, not a different
+    result."""
     if digests is None:
         digests = recorded_digests(directory)
     if not digests:
@@ -85,7 +99,7 @@ def check_recorded(directory: Path, name: str, digests: dict[str, str] | None = 
     if name not in digests:
         raise UserError(f"{directory / name}: profile.json records no checksum for it (not a file the profile "
                         "wrote); profile again")
-    check_file(directory / name, digests[name], "profile again")
+    check_file(directory / name, digests[name], "profile again", data)
 
 
 def check_thresholds(values, source, n_layer: int | None = None) -> list[float]:

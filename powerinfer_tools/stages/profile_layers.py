@@ -23,7 +23,8 @@ from powerinfer_tools.core.digests import check_file, file_sha256
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.models import arch as arch_mod
 from powerinfer_tools.models.layerwise import LayerInputs, LayerwiseModel
-from powerinfer_tools.stages.profile_files import RESTART, checked_checkpoint, checked_shards, save_checkpoint
+from powerinfer_tools.stages.profile_files import (RESTART, checked_checkpoint, checked_shards, is_position,
+                                                   is_thresholds, save_checkpoint)
 
 CHECKPOINT = "layer_checkpoint.pt"
 
@@ -138,10 +139,7 @@ def resume_point(path: Path, n_layer: int, n_ff: int) -> dict:
     next_layer, the thresholds placed so far and the recorder's state."""
     state = checked_checkpoint(path, n_layer, n_ff, ("next_layer", "thresholds", "hidden"))
     next_layer, thresholds, hidden = state.pop("next_layer"), state.pop("thresholds"), state.pop("hidden")
-    if not isinstance(next_layer, torch.Tensor) or next_layer.dim() != 0 or next_layer.is_floating_point() \
-            or not 1 <= int(next_layer) <= n_layer or not isinstance(thresholds, torch.Tensor) \
-            or thresholds.shape != (n_layer,) or not thresholds.is_floating_point() \
-            or not bool(torch.isfinite(thresholds).all()) or bool((thresholds < 0).any()) \
+    if not is_position(next_layer, 1, n_layer) or not is_thresholds(thresholds, n_layer) \
             or not isinstance(hidden, dict) or not all(isinstance(v, str) for v in hidden.values()):
         raise UserError(f"{path} does not hold a layer and finite thresholds of this model: {RESTART}")
     next_layer = int(next_layer)

@@ -9,7 +9,6 @@ thresholds, as the sparse engine will, so later layers see the inputs they will 
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -29,12 +28,13 @@ from tqdm import tqdm
 from powerinfer_tools.models import arch as arch_mod
 from powerinfer_tools import models
 from powerinfer_tools.core.atomic import atomic_file, check_output_dir, naming_output, output_lock, publish_dir
-from powerinfer_tools.core.digests import check_file, file_sha256
+from powerinfer_tools.core.digests import bytes_sha256, check_file, file_sha256
 from powerinfer_tools.core.errors import UserError, write_failure
 from powerinfer_tools.core.safe_load import checked_tensor, load_pt
 from powerinfer_tools.stages.options import ProfileOptions
 from powerinfer_tools.stages.profile_files import (RESTART, check_recorded, check_thresholds, checked_checkpoint,
-                                                   checked_shards, recorded_digests, save_checkpoint, shard_name)
+                                                   checked_shards, is_position, is_thresholds, recorded_digests,
+                                                   save_checkpoint, shard_name)
 
 FORMAT = "powerinfer-tools.profile/1"
 DEFAULT_TARGET_SPARSITY = 0.2   # its cost in perplexity, per model: docs/profile.md
@@ -201,7 +201,7 @@ class _Recorder:
         data = safetensors_bytes(tensors)
         with atomic_file(self.sample_dir / name) as tmp:
             tmp.write_bytes(data)
-        self.sha256[name] = hashlib.sha256(data).hexdigest()
+        self.sha256[name] = bytes_sha256(data)
         self.shards[i] += 1
         self.buffers[i] = {"x": [], "mask": [], "seq": [], "pos": []}
 
@@ -283,9 +283,10 @@ def run_profile(opts: ProfileOptions) -> dict:
         except UserError:   # its own line already, whatever it was raised from
             raise
         except Exception as exc:
-            if write_failure(exc) is None:
+            failure = write_failure(exc)
+            if failure is None:
                 raise
-            raise UserError(_disk_full(partial_dir(opts.out), write_failure(exc))) from None
+            raise UserError(_disk_full(partial_dir(opts.out), failure)) from None
 
 
 def _disk_full(work: Path, message: str) -> str:
@@ -517,9 +518,8 @@ def _checked_inputs(path: Path, n_layer: int, seq_len: int) -> dict:
             or not all(isinstance(v, torch.Tensor) for v in inputs.values()):
         raise bad
     seqs, thresholds, chosen = inputs["seqs"], inputs["thresholds"], inputs["chosen"]
-    if seqs.dtype != torch.int64 or seqs.dim() != 2 or seqs.shape[1] != seq_len or thresholds.shape != (n_layer,) \
-            or not thresholds.is_floating_point() or not bool(torch.isfinite(thresholds).all()) \
-            or bool((thresholds < 0).any()) or chosen.dtype != torch.int64 or chosen.dim() != 1 \
+    if seqs.dtype != torch.int64 or seqs.dim() != 2 or seqs.shape[1] != seq_len \
+            or not is_thresholds(thresholds, n_layer) or chosen.dtype != torch.int64 or chosen.dim() != 1 \
             or (chosen.numel() and not 0 <= int(chosen.min()) <= int(chosen.max()) < seqs.numel()):
         raise bad
     return inputs
@@ -550,8 +550,7 @@ def _resume_plan(work: Path, identity: dict, n_layer: int, n_ff: int) -> dict:
     if path.is_file():
         state = checked_checkpoint(path, n_layer, n_ff, ("next_seq",))
         next_seq = state.pop("next_seq")
-        if not isinstance(next_seq, torch.Tensor) or next_seq.dim() != 0 or next_seq.is_floating_point() \
-                or not 0 <= int(next_seq) <= len(inputs["seqs"]):
+        if not is_position(next_seq, 0, len(inputs["seqs"])):
             raise UserError(f"{path} does not hold a position in this profile's sequences: {RESTART}")
         checked_shards(path, state, range(n_layer))
         plan["next_seq"], plan["state"] = int(next_seq), state

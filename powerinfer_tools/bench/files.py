@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from powerinfer_tools.core.digests import file_sha256
 from powerinfer_tools.models import arch
 from powerinfer_tools import models
 from powerinfer_tools.formats import names, neuron_order
@@ -157,17 +158,9 @@ class _Damaged(Exception):
     """Why the files cached in a directory cannot be reused (one line)."""
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _record(path: Path) -> dict:
     """What the manifest keeps of a file it names, to know it again: its size and SHA-256."""
-    return {"size": path.stat().st_size, "sha256": _sha256(path)}
+    return {"size": path.stat().st_size, "sha256": file_sha256(path)}
 
 
 def _cached(directory: Path) -> BenchFiles | None:
@@ -197,7 +190,7 @@ def _cached(directory: Path) -> BenchFiles | None:
             raise _Damaged(f"{name} is missing")
         if file.stat().st_size != record["size"]:
             raise _Damaged(f"{name} has {file.stat().st_size:,} bytes, not the {record['size']:,} recorded")
-        if _sha256(file) != record["sha256"]:
+        if file_sha256(file) != record["sha256"]:
             raise _Damaged(f"{name} is not the file that was built (its SHA-256 differs from the recorded one)")
         found.append(file)
     return BenchFiles(found[0], found[1], manifest)

@@ -1,8 +1,10 @@
 """`pi-tools chat`: a conversation in the terminal, as llama.cpp's `llama-cli -cnv`."""
 from __future__ import annotations
 
+import signal
 import sys
-from typing import Callable, Optional
+import threading
+from typing import Optional
 
 import typer
 
@@ -54,8 +56,9 @@ def start(model: str, engine: flags.EngineArgs, ctx_size: int, system: str | Non
     if n_predict < 1:
         raise UserError("--n-predict must be at least 1")
     tolerant_stdin()
-    with LLM(model, ctx_size=ctx_size, **engine.llm_options()) as llm:
-        converse(llm, system, n_predict, sampling, verbose)
+    with CtrlC() as ctrl_c, LLM(model, ctx_size=ctx_size, **engine.llm_options()) as llm:
+        ctrl_c.armed = True  # from here to the end: opening the model (maybe a first build) stays interruptible
+        converse(llm, system, n_predict, sampling, verbose, ctrl_c)
 
 
 def tolerant_stdin() -> None:
@@ -66,8 +69,51 @@ def tolerant_stdin() -> None:
         reconfigure(errors="replace")
 
 
-def converse(llm, system: str | None, n_predict: int, sampling, verbose: bool,
-             read: Callable[[str], str] = input) -> None:
+class CtrlC:
+    """Ctrl-C in a chat, once `armed`, as a request rather than an exception wherever it lands: at the prompt it
+    raises KeyboardInterrupt out of input() (a fresh line, as in a shell); anywhere else (a reply, the model's
+    close) it only sets `stop`, which the reply loop reads between tokens. A burst of them then never raises
+    inside a finalizer or Python's own hooks, where an exception can only be printed. Before it is armed, the
+    handler it replaced handles Ctrl-C. Installed in the main thread only (where signal handlers can be set)."""
+
+    def __init__(self):
+        self.armed = False
+        self.reading = False
+        self.stop = False
+        self._previous = None
+
+    def __call__(self, signum, frame):
+        if not self.armed:
+            self._previous(signum, frame)
+        elif self.reading:
+            # Python's own handler (C): input() may call this again with the first KeyboardInterrupt still set,
+            # where raising from Python code would be a SystemError
+            signal.default_int_handler(signum, frame)
+        else:
+            self.stop = True
+
+    def read(self, prompt: str) -> str:
+        self.stop = False
+        self.reading = True
+        try:
+            return input(prompt)
+        finally:
+            self.reading = False
+
+    def __enter__(self) -> "CtrlC":
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.getsignal(signal.SIGINT)
+            if callable(previous):  # not when the process ignores Ctrl-C
+                self._previous = previous
+                signal.signal(signal.SIGINT, self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+def converse(llm, system: str | None, n_predict: int, sampling, verbose: bool, ctrl_c: CtrlC) -> None:
     """The read-reply loop: each turn's prompt is the whole conversation through the template, of which the
     cache already holds all but the new turn. A message the model refuses (the template's own refusal, text that
     is not UTF-8) is one line, and the conversation goes on without it."""
@@ -82,7 +128,7 @@ def converse(llm, system: str | None, n_predict: int, sampling, verbose: bool,
     print(f"pi-tools chat: {llm.name}, context {llm.n_ctx} tokens. {COMMANDS}.", file=sys.stderr)
     while True:
         try:
-            line = read("> ")
+            line = ctrl_c.read("> ")
         except EOFError:
             print(file=sys.stderr)
             return
@@ -114,8 +160,9 @@ def converse(llm, system: str | None, n_predict: int, sampling, verbose: bool,
                     sys.stdout.write(chunk.text)
                     sys.stdout.flush()
                     completion = chunk.completion
-        except KeyboardInterrupt:  # the reply so far stays in the conversation, as in llama-cli
-            print("\n(stopped)", file=sys.stderr)
+                    if ctrl_c.stop:  # the reply so far stays in the conversation, as in llama-cli
+                        print("\n(stopped)", file=sys.stderr)
+                        break
         except RequestError as exc:
             history.pop()
             print(f"(not sent: {exc})", file=sys.stderr)

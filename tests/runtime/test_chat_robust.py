@@ -5,6 +5,7 @@ lines that are not UTF-8 (real stdin bytes, whatever stdin's error handler), a m
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import subprocess
@@ -77,6 +78,28 @@ def test_ctrl_c_bursts_leave_the_chat_alive_or_end_it_with_130(tiny_chat_file, c
             chat.expect_exact("> ")
             chat.sendline("/exit")
     ended_cleanly(chat)
+
+
+@pytest.mark.parametrize("run", range(6))
+def test_hundreds_of_ctrl_c_stop_the_reply_and_the_chat_goes_on(tiny_chat_file, run):
+    """300-1000 signals 0-2 ms apart, from the reply's first tokens on: each one only asks the reply to stop (or,
+    at the prompt, starts a fresh line), so none lands as an exception in a generator's cleanup, a finalizer or
+    the code between two turns. The chat stays, answers the next message whole, and exits 0."""
+    rng = random.Random(run)
+    chat = spawn(tiny_chat_file)
+    chat.expect_exact("> ")
+    chat.sendline("Tell me a long story.")
+    for _ in range(rng.randint(300, 1000)):
+        chat.kill(signal.SIGINT)
+        time.sleep(rng.uniform(0, 2e-3))
+    time.sleep(0.3)
+    assert chat.isalive(), chat.before
+    chat.sendline("Say hello.")
+    chat.expect(TURN)
+    chat.expect_exact("> ")
+    chat.sendline("/exit")
+    ended_cleanly(chat)
+    assert chat.exitstatus == 0
 
 
 def test_ctrl_c_while_the_chat_exits_is_no_traceback(tiny_chat_file):

@@ -24,8 +24,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tqdm import tqdm
 
+from powerinfer_tools.core.progress import progress_bar
 from powerinfer_tools.bench import files as files_mod
 from powerinfer_tools.bench import byte_model
 from powerinfer_tools.bench import machine
@@ -138,7 +138,7 @@ def _time_rounds(runners: list, tests: dict[str, dict], rounds: int, desc: str, 
         r.tg(tests["tg"]["tokens"][:8])
     times = {r.label: {t: {"wall": [], "cpu": []} for t in tests} for r in runners}
     samples = []
-    with tqdm(total=rounds * len(runners) * len(tests), desc=desc, unit="run", disable=not progress) as bar:
+    with progress_bar(total=rounds * len(runners) * len(tests), desc=desc, unit="run", disable=not progress) as bar:
         for _ in range(rounds):
             if probe is not None:
                 samples.append(probe.measure(BANDWIDTH_PASSES))
@@ -246,7 +246,7 @@ def engine_text(model_file: Path, tokenizer, n_tokens: int, threads: int, seed: 
     ids = list(prompt)
     with engine_errors(), engine.Model(model_file, threads=threads, sparse_mode="dense", ctx_size=n_tokens,
                                        gpu="off") as model:
-        with tqdm(total=n_tokens - len(prompt), desc="generating the bench's text", unit="tok", leave=False,
+        with progress_bar(total=n_tokens - len(prompt), desc="generating the bench's text", unit="tok", leave=False,
                   disable=not progress) as bar:
             for token in model.generate(prompt, n_tokens - len(prompt), temperature=1.0, top_k=0, top_p=0.95,
                                         seed=seed):
@@ -448,7 +448,7 @@ def _memory_by_mode(model_file, opts: BenchOptions, n_ctx: int, modes, prompt: l
     before the model opened: what a user running that mode holds. The timed worker runs every mode in one
     process, so its peak is the union of what the modes touch."""
     memory = {}
-    for mode in tqdm(modes, desc="memory", unit="mode", disable=not opts.progress):
+    for mode in progress_bar(modes, desc="memory", unit="mode", disable=not opts.progress):
         worker = _ours_worker(opts, model_file, n_ctx)
         try:
             worker.ask(op="mode", mode=mode)

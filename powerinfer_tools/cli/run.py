@@ -27,11 +27,14 @@ def run(
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template (one user turn)."),
     conversation: bool = typer.Option(False, "--conversation", "-cnv", "--interactive", "-i", help="Chat instead, "
                                       "as 'pi-tools chat' (llama.cpp's -cnv / -i): -p is then the system prompt."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="End with llama.cpp's timings, the FFN's density "
+                                 "and kernels, where the time went and what the process holds (several lines), "
+                                 "instead of one line."),
     engine: flags.EngineArgs = None,
     sampling: flags.SamplingArgs = None,
 ):
-    """Generate text from a prompt with the bundled C++ engine, streaming it, then print llama.cpp-style
-    timings (prompt and generation tokens/s) and the FFN density to stderr.
+    """Generate text from a prompt with the bundled C++ engine, streaming it, then one line on stderr: load time,
+    prompt and generation tokens/s, the FFN's mode (-v: llama.cpp-style timings and more).
 
     The tokenizer is rebuilt from the vocabulary stored in the file (no model directory or hub access) and
     cached, so later runs of the same file start faster.
@@ -40,7 +43,7 @@ def run(
 
       pi-tools run -m smollm2 -p "The capital of France is" -n 32 --temp 0   # builds it once, then cached
 
-      pi-tools run -m smollm2.powerinfer.gguf -p "The capital of France is" -n 32 --temp 0
+      pi-tools run -m smollm2.powerinfer.gguf -p "The capital of France is" -n 32 --temp 0 -v   # all timings
 
       pi-tools run -m smollm2 --vram-budget 0.3 -p "Hello"   # hot/cold split solved for 0.3 GiB
 
@@ -102,7 +105,9 @@ def run(
         sys.stdout.write("\n")
         sys.stdout.flush()
         stats = llm.stats()
-        for line in inference.timing_lines(stats, load_seconds, llm.info):
+        lines = (inference.timing_lines(stats, load_seconds, llm.info) if verbose else
+                 [inference.timing_line(stats, load_seconds)])
+        for line in lines:
             typer.echo(line, err=True)
         note = inference.sparsity_note(stats, llm.info["activation"])
         if note:

@@ -51,11 +51,12 @@ def build(model: str = default_model.NAME, outtype: str = "q8_0", tokens: int = 
           rank: int = PREDICTOR_RANK) -> Path:
     """Path of a model's PowerInfer file with predictors, built through the pipeline on first use."""
     from powerinfer_tools.core.atomic import output_lock
+    from powerinfer_tools.core.progress import terminal_only
 
     final = model_file(model, outtype)
     if final.is_file():
         return final
-    with output_lock(final, wait=True):  # concurrent first runs: one builds, the others wait for it
+    with output_lock(final, wait=True), terminal_only():  # concurrent first runs: one builds, the others wait
         return final if final.is_file() else _build(model, outtype, tokens, rank, final)
 
 

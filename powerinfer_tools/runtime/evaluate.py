@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 
 import torch
-from tqdm import tqdm
 
+from powerinfer_tools.core.progress import progress_bar
 from powerinfer_tools.models import arch as arch_mod
 
 
@@ -30,7 +30,7 @@ def perplexity(model, adapter, seqs: torch.Tensor, thresholds: list[float] | Non
     device = next(model.parameters()).device
     nll, count = 0.0, 0
     try:
-        for start in tqdm(range(0, len(seqs), batch), desc="perplexity", unit="batch", leave=False):
+        for start in progress_bar(range(0, len(seqs), batch), desc="perplexity", unit="batch", leave=False):
             ids = seqs[start:start + batch].to(device)
             logits = model(input_ids=ids, use_cache=False).logits.float()
             loss = torch.nn.functional.cross_entropy(

@@ -233,10 +233,10 @@ def window_nll(logits: np.ndarray, ids: np.ndarray) -> float:
 def perplexity(model, windows: np.ndarray, progress: bool = True) -> dict:
     """exp(mean NLL) over windows [n, L], every token but each window's first predicted, each window
     evaluated from an empty cache (as transformers' reference does)."""
-    from tqdm import tqdm
+    from powerinfer_tools.core.progress import progress_bar
 
     nll, count = 0.0, 0
-    bar = tqdm(windows, desc="perplexity", unit="window", disable=not progress)
+    bar = progress_bar(windows, desc="perplexity", unit="window", disable=not progress)
     for ids in bar:
         model.reset()
         nll += window_nll(model.eval(ids.tolist()), ids)
@@ -297,6 +297,20 @@ def sparsity_note(stats: dict, activation: str | None = None) -> str | None:
     return (f"note: {density:.0%} of the FFN neurons were active, too many for the sparse modes to save time: "
             "run --sparse-mode dense, or make the model sparse first (a SiLU model: 'pi-tools sparsify', "
             "docs/sparsify.md)")
+
+
+def timing_line(stats: dict, load_seconds: float) -> str:
+    """The one line a run ends with: load, prompt and generation speed, and what the FFN computed
+    (timing_lines has the whole account, for -v)."""
+    def rate(tokens, seconds):
+        return f"{tokens / seconds:.1f} tokens/s" if tokens and seconds else "-"
+
+    kernels = Counter(layer["decode_mode"] for layer in stats.get("layers", []) if layer.get("decode_mode"))
+    ffn = f"ffn {stats['ffn_mode']}" + (" (" + ", ".join(f"{name} {n}" for name, n in kernels.most_common())
+                                        + " layers)" if kernels else "")
+    return (f"pi-tools: load {load_seconds:.2f} s, prompt {stats['batch_tokens']} tokens at "
+            f"{rate(stats['batch_tokens'], stats['batch_seconds'])}, {stats['decode_tokens']} generated at "
+            f"{rate(stats['decode_tokens'], stats['decode_seconds'])}; {ffn}")
 
 
 def timing_lines(stats: dict, load_seconds: float, info: dict | None = None) -> list[str]:

@@ -4,10 +4,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from powerinfer_tools.core.errors import UserError
+from powerinfer_tools.core.progress import progress_bar
 
 NEUTRAL_PROMPTS = ("The", "In the beginning", "Once upon a time", "Here is a short history of",
                    "Today", "The following article explains", "A list of facts:", "Dear friend,")
@@ -81,7 +81,7 @@ def self_generated(model, tokenizer, seq_len: int, n_tokens: int, seed: int = 0)
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     torch.manual_seed(seed)
-    with tqdm(total=n_seq * seq_len, desc="generating calibration text", unit="tok", leave=False) as bar:
+    with progress_bar(total=n_seq * seq_len, desc="generating calibration text", unit="tok", leave=False) as bar:
         out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, top_p=0.95, temperature=1.0,
                              max_new_tokens=seq_len, min_new_tokens=seq_len, pad_token_id=pad,
                              stopping_criteria=StoppingCriteriaList([_GenerationProgress(bar, n_seq)]))
@@ -93,7 +93,7 @@ class _GenerationProgress(StoppingCriteria):
     """Advances a progress bar by one token per sequence at each generation step; never stops generation
     (max/min_new_tokens do that)."""
 
-    def __init__(self, bar: tqdm, n_seq: int):
+    def __init__(self, bar, n_seq: int):
         self.bar, self.n_seq = bar, n_seq
 
     def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:

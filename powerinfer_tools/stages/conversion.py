@@ -375,7 +375,7 @@ def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predic
     ffn_down_t as PowerInfer's kernels read it (POWERINFER_DOWN_T_OUTTYPE); False keeps it in `outtype`.
     """
     import gguf
-    from tqdm import tqdm
+    from powerinfer_tools.core.progress import progress_bar
 
     from powerinfer_tools.stages.profiling import has_activation_counts, load_activation_counts
     from powerinfer_tools.models.source_weights import open_weights
@@ -428,7 +428,7 @@ def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predic
             writer.write_header_to_file()
             writer.write_kv_data_to_file()
             writer.write_ti_data_to_file()
-            for t in tqdm(tensors, desc=f"convert {outtype}", unit="tensor", disable=not progress):
+            for t in progress_bar(tensors, desc=f"convert {outtype}", unit="tensor", disable=not progress):
                 data = t.load()
                 if data.shape != t.shape:
                     raise UserError(f"{t.name}: source data has shape {data.shape}, expected {t.shape}")

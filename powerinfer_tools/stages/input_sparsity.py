@@ -24,8 +24,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
+from powerinfer_tools.core.progress import progress_bar
 from powerinfer_tools.core.atomic import atomic_file
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.formats import names
@@ -173,7 +173,7 @@ def sample_inputs(model, adapter, seqs: torch.Tensor, batch: int, seed: int) -> 
             handles.append(layer[s][0].register_forward_pre_hook(hook))
     device = next(model.parameters()).device
     try:
-        for sampler.batch, start in enumerate(tqdm(range(0, len(seqs), batch), desc="input thresholds",
+        for sampler.batch, start in enumerate(progress_bar(range(0, len(seqs), batch), desc="input thresholds",
                                                     unit="batch", leave=False)):
             model(input_ids=seqs[start:start + batch].to(device), use_cache=False)
     finally:
@@ -238,7 +238,7 @@ def greedy_shares(model, adapter, seqs: torch.Tensor, values: list[list[torch.Te
     shares = [[[0.0] * n_sites for _ in layers] for _ in levels]
     steps_per_level = round(levels[0] / GREEDY_STEP)
     n_steps = steps_per_level * len(levels)
-    bar = tqdm(total=len(layers) * n_steps, desc="greedy input sparsity", unit="step", leave=False)
+    bar = progress_bar(total=len(layers) * n_steps, desc="greedy input sparsity", unit="step", leave=False)
     for i, layer in enumerate(layers):
         dense = [_layer_output(layer, a, k) for a, k in captured[i]]
         total = float(sum(weights[i]))

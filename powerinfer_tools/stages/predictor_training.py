@@ -642,9 +642,9 @@ def _device(name: str) -> str:
 
 
 def _layer_bar(total: int, desc: str):
-    from tqdm import tqdm
+    from powerinfer_tools.core.progress import progress_bar
 
-    return tqdm(total=total, desc=desc, unit="layer", file=sys.stderr, dynamic_ncols=True)
+    return progress_bar(total=total, desc=desc, unit="layer", file=sys.stderr, dynamic_ncols=True)
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
+from powerinfer_tools.core.progress import progress_bar
 from powerinfer_tools.core.digests import check_file, file_sha256
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.models import arch as arch_mod
@@ -177,7 +177,7 @@ def streamed_pass(lw: LayerwiseModel, adapter, seqs: torch.Tensor, targets: list
             streams.append(_open_stream(work, "dense", sampler.n_seq, seq_len, n_embd, lw.dtype))
         main, dense = streams[0], (streams[1] if targets is not None else None)
         arguments = _capture(lw, seqs, batch, streams, write=next_layer == 0)
-        with tqdm(total=n_layer, initial=next_layer, desc="profiling layers", unit="layer") as layer_bar:
+        with progress_bar(total=n_layer, initial=next_layer, desc="profiling layers", unit="layer") as layer_bar:
             for i in range(next_layer, n_layer):
                 _profile_layer(lw, i, main, dense, seqs, batch, chosen, arguments, rec, sampler, targets,
                                last=i == n_layer - 1)
@@ -205,8 +205,8 @@ def _profile_layer(lw: LayerwiseModel, i: int, main: Stream, dense: Stream | Non
     seq_len = seqs.shape[1]
     layer = lw.load_layer(i)
     try:
-        with tqdm(total=(main.n_seq + (dense.n_seq if dense else 0)) * seq_len, desc=f"layer {i}", unit="tok",
-                  unit_scale=True, leave=False) as bar:
+        with progress_bar(total=(main.n_seq + (dense.n_seq if dense else 0)) * seq_len, desc=f"layer {i}", unit="tok",
+                          unit_scale=True, leave=False) as bar:
             if dense is not None:
                 current = {"batch": 0}
 

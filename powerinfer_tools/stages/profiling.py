@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import save as safetensors_bytes
-from tqdm import tqdm
 
+from powerinfer_tools.core.progress import progress_bar
 from powerinfer_tools.models import arch as arch_mod
 from powerinfer_tools import models
 from powerinfer_tools.core.atomic import atomic_file, check_output_dir, naming_output, output_lock, publish_dir
@@ -101,7 +101,7 @@ def calibrate_thresholds(model, adapter, seqs: torch.Tensor, targets: list[float
     handles = arch_mod.install_taps(adapter, model, on_activation=lambda i, a: sampler.add(i, current["batch"], a))
     device = next(model.parameters()).device
     try:
-        for n_batch, start in enumerate(tqdm(range(0, sampler.n_seq, batch), desc="calibrating thresholds",
+        for n_batch, start in enumerate(progress_bar(range(0, sampler.n_seq, batch), desc="calibrating thresholds",
                                              unit="batch", leave=False)):
             current["batch"] = n_batch
             model(input_ids=seqs[start:start + batch].to(device), use_cache=False)
@@ -221,8 +221,8 @@ def profile_pass(model, adapter, seqs: torch.Tensor, thresholds: list[float], ba
     device = next(model.parameters()).device
     t0 = time.perf_counter()
     try:
-        with torch.no_grad(), tqdm(total=seqs.numel(), initial=start_seq * seq_len, desc="profiling", unit="tok",
-                                   unit_scale=True) as bar:
+        with torch.no_grad(), progress_bar(total=seqs.numel(), initial=start_seq * seq_len, desc="profiling",
+                                           unit="tok", unit_scale=True) as bar:
             for n_batch, start in enumerate(range(start_seq, n_seq, batch), 1):
                 rows = seqs[start:start + batch]
                 rec.select_rows(chosen, start, len(rows), seq_len)

@@ -23,7 +23,7 @@ PROMPT = "ROMEO: But soft, what light"
 def test_run_streams_the_greedy_continuation(converted, capsys):
     path = converted("llama-relu")
     code, out, err = run_cli(capsys, "run", "-m", path, "-p", PROMPT, "-n", "12", "--temp", "0", "-t", "2",
-                             "--sparse-mode", "gate")
+                             "--sparse-mode", "gate", "-v")
     assert code == 0, err
     tok = tokenizer_from_file(path)
     ids = tok(PROMPT)["input_ids"]
@@ -38,7 +38,7 @@ def test_run_streams_the_greedy_continuation(converted, capsys):
     assert sum(int(n) for n in re.findall(r"(?:gate|dense_rule) (\d+)", kernels)) == N_LAYER, kernels
     assert f"memory: file {path.stat().st_size / 2**20:.1f} MiB mapped, KV cache " in err and "(f32)" in err
     code, _, err = run_cli(capsys, "run", "-m", path, "-p", PROMPT, "-n", "4", "-t", "2", "-c", "256",
-                           "--kv-type", "f16")
+                           "--kv-type", "f16", "-v")
     with engine.Model(path, ctx_size=256, kv_type="f16") as m:
         kv = m.info["kv_cache_bytes"]
     assert code == 0 and f"KV cache {kv / 2**20:.1f} MiB (f16)" in err, err
@@ -168,16 +168,27 @@ def test_run_finds_the_plan_that_plan_cached(converted, tmp_path, capsys):
     assert "solved for 0.3 GiB and --ctx-size 512; this run asks for --ctx-size 256" in err
 
 
+def test_run_ends_with_one_line_unless_verbose(converted, capsys):
+    """Without -v a run's stderr is one line (load, prompt and generation rates, the FFN's mode and kernels), as
+    the README's first run shows; -v gives llama.cpp's timings and the rest."""
+    path = converted("llama-relu")
+    code, out, err = run_cli(capsys, "run", "-m", path, "-p", PROMPT, "-n", "5", "--temp", "0", "-t", "2",
+                             "--sparse-mode", "dense")
+    assert code == 0 and out.startswith(PROMPT), err
+    assert re.fullmatch(r"pi-tools: load [\d.]+ s, prompt \d+ tokens at [\d.]+ tokens/s, 5 generated at [\d.]+ "
+                        r"tokens/s; ffn dense \(dense \d+ layers\)\n", err), err
+
+
 def test_run_timings_without_nan_and_the_dense_ffn_line(converted, capsys):
     """-n 0 generates nothing and a one-token prompt (BOS alone) runs as a decode step, so the engine counts no
     prompt tokens: no rate to give for either, not nan; dense mode computes every neuron, which its ffn line says
     rather than a density."""
     path = converted("llama-relu")
-    code, out, err = run_cli(capsys, "run", "-m", path, "-p", PROMPT, "-n", "0", "-t", "2", "--sparse-mode", "dense")
+    code, out, err = run_cli(capsys, "run", "-m", path, "-p", PROMPT, "-n", "0", "-t", "2", "--sparse-mode", "dense", "-v")
     assert code == 0, err
     assert not re.search(r"\bnan\b", err) and re.search(r"eval time = +[\d.]+ ms / +0 runs\n", err), err
     assert "ffn: mode dense, every neuron computed (" in err and "of them pass the activation rule)" in err
-    code, out, err = run_cli(capsys, "run", "-m", path, "-p", "", "-n", "3", "-t", "2", "--temp", "0")
+    code, out, err = run_cli(capsys, "run", "-m", path, "-p", "", "-n", "3", "-t", "2", "--temp", "0", "-v")
     assert code == 0, err
     assert not re.search(r"\bnan\b", err) and "prompt eval time = (a one-token prompt runs as one of the eval" in err
 
@@ -199,7 +210,8 @@ def test_run_says_when_the_sparse_modes_cannot_pay(converted, capsys):
     assert inference.sparsity_note(mixed, "relu") is None  # a ReLU model's sparse kernels are exact
     path = converted("llama-relu")
     for mode in ("gate", "dense"):
-        code, out, err = run_cli(capsys, "run", "-m", path, "-p", PROMPT, "-n", "6", "-t", "2", "--sparse-mode", mode)
+        code, out, err = run_cli(capsys, "run", "-m", path, "-p", PROMPT, "-n", "6", "-t", "2", "--sparse-mode", mode,
+                               "-v")
         density = float(re.search(r"(?:density |computed \()([\d.]+)", err).group(1))
         noted = "too many for the sparse modes to save time" in err
         assert code == 0 and noted == (mode == "gate" and density > 0.5) and "note" not in out

@@ -31,7 +31,7 @@ def emulated_gpu(monkeypatch):
 
 def test_run_on_the_device_streams_the_cpu_text(converted, gpuidx, emulated_gpu, capsys):
     path = converted("llama-relu", "q8_0")
-    args = ["run", "-m", path, "--gpuidx", gpuidx, "-p", PROMPT, "-n", "16", "--temp", "0", "-t", "2"]
+    args = ["run", "-m", path, "--gpuidx", gpuidx, "-p", PROMPT, "-n", "16", "--temp", "0", "-t", "2", "-v"]
     code, on_cpu, err_cpu = run_cli(capsys, *args, "--gpu", "off")
     assert code == 0, err_cpu
     assert "hot tier on" not in err_cpu and "gpu:" not in err_cpu

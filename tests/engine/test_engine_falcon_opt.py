@@ -189,7 +189,7 @@ def test_pipeline_profile_train_convert_run(kind, tmp_path, model_dir, capsys):
         code, _, err = run_cli(capsys, *args)
         assert code == 0, (args[0], err)
     code, text_out, err = run_cli(capsys, *["run", "-m", str(out), "-p", "ROMEO:", "-n", "8", "--temp", "0", "-t", "2",
-                                   "--sparse-mode", "predictor"])
+                                   "--sparse-mode", "predictor", "-v"])
     assert code == 0, err
     assert text_out.startswith("ROMEO:") and "ffn: mode predictor" in err
     with engine.Model(out, threads=2, sparse_mode="predictor", recall_check=True) as m:

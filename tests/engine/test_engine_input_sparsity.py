@@ -127,7 +127,7 @@ def test_bad_values_are_refused_in_one_line(input_files, converted, capsys):
 def test_run_reports_the_bytes_skipped(input_files, capsys):
     path, _ = input_files("llama-silu")
     code, _, err = run_cli(capsys, "run", "-m", str(path), "-p", "hi there", "-n", "8", "-t", "2", "--sparse-mode",
-                           "input", "--temp", "0")
+                           "input", "--temp", "0", "-v")
     assert code == 0, err
     line = next(line for line in err.splitlines() if line.startswith("input sparsity 0.25"))
     assert "MiB" in line and "skipped" in line

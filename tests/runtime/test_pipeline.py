@@ -18,6 +18,7 @@ from powerinfer_tools.core.errors import UserError
 def built(tiny_model_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("POWERINFER_TOOLS_CACHE", str(tmp_path / "cache"))
     model = str(tiny_model_dir("llama-silu"))
+    capsys.readouterr()  # the tiny model's own making
     path = pipeline.build(model, outtype="f32", tokens=1024, rank=8)
     reports = capsys.readouterr()
     # the stages' titles go to stderr (the stdout of `pi-tools run` is the generated text alone), their tables to a
@@ -25,6 +26,9 @@ def built(tiny_model_dir, tmp_path, monkeypatch, capsys):
     assert reports.out == ""
     assert "1/3 profile" in reports.err and "3/3 convert" in reports.err
     assert "hotN%" not in reports.err and "predictors to" not in reports.err
+    # and no progress bars where stderr is not a terminal (a log, a pipe): every line is one of the build's own
+    assert "%|" not in reports.err and "\r" not in reports.err, reports.err
+    assert all(line.startswith("pi-tools") for line in reports.err.splitlines()), reports.err
     report = (path.parent / "build-report.txt").read_text()
     assert "hotN%" in report and "predictors to" in report and "== 3/3 convert" in report
     return model, path

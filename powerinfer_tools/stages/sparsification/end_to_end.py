@@ -8,8 +8,8 @@ import time
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
+from powerinfer_tools.core.progress import progress_bar
 from powerinfer_tools.models import arch as arch_mod
 from powerinfer_tools.stages import data_parallel
 from powerinfer_tools.stages.options import SparsifyOptions
@@ -91,7 +91,7 @@ def train(teacher, student, adapter, sequences: torch.Tensor, state: TrainState,
     trained = procs.wrap(student)
     tap = ActivationTap(adapter, student, torch.tensor(state.scales))
     per_epoch = max(1, len(sequences) // step_rows)
-    bar = tqdm(total=steps, initial=state.step, desc="end-to-end", unit="step", disable=not procs.is_main)
+    bar = progress_bar(total=steps, initial=state.step, desc="end-to-end", unit="step", disable=not procs.is_main)
     started, done_here = time.monotonic(), 0
     try:
         while state.step < steps:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
+from powerinfer_tools.core.progress import progress_bar
 from powerinfer_tools.stages.options import SparsifyOptions
 from powerinfer_tools.stages.sparsification import schedule
 from powerinfer_tools.stages.sparsification.state import Checkpointer, TrainState
@@ -30,7 +30,7 @@ def cache_ffn_io(teacher, adapter, seqs: torch.Tensor, batch: int, device: str) 
 
     handles = [layer.mlp.register_forward_hook(hook(i)) for i, layer in enumerate(layers)]
     try:
-        for start in tqdm(range(0, len(seqs), batch), desc="caching FFN inputs", unit="batch", leave=False):
+        for start in progress_bar(range(0, len(seqs), batch), desc="caching FFN inputs", unit="batch", leave=False):
             teacher(input_ids=seqs[start:start + batch].to(device))
     finally:
         for h in handles:
@@ -105,7 +105,7 @@ def train(teacher, student, adapter, form: StudentForm, sequences: torch.Tensor,
     io = cache_ffn_io(teacher, adapter, local, batch, device)
     rows, steps = _layer_steps(len(io[0][0]), batch, opts)
     n_layer = len(io)
-    bar = tqdm(total=n_layer * steps, initial=state.layer * steps + state.step, desc="layer-local", unit="step")
+    bar = progress_bar(total=n_layer * steps, initial=state.layer * steps + state.step, desc="layer-local", unit="step")
     layers = adapter.layers(student)
     for i in range(state.layer, n_layer):
         mlp = layers[i].mlp

@@ -4,9 +4,11 @@ tqdm redraws them in place and they vanish when done: in a pipe or a log every r
 output the user did not ask for."""
 from __future__ import annotations
 
+import io
+import re
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr
 from contextvars import ContextVar
 
 from tqdm import tqdm
@@ -38,3 +40,23 @@ def terminal_only() -> Iterator[None]:
         _terminal_only.reset(token)
         if hf_bars:
             hf_logging.enable_progress_bar()
+
+
+_BAR = re.compile(r"\d+%\|")  # tqdm's "  42%|████      |"
+
+
+@contextmanager
+def library_bars() -> Iterator[None]:
+    """Around a library call that draws tqdm bars past any switch (transformers' GGUF loader): inside
+    terminal_only() with stderr no terminal, what the call writes to stderr is held, and all but its bars
+    written after it."""
+    if not _terminal_only.get() or sys.stderr.isatty():
+        yield
+        return
+    held = io.StringIO()
+    try:
+        with redirect_stderr(held):
+            yield
+    finally:
+        kept = [part for part in re.split(r"[\r\n]", held.getvalue()) if part.strip() and not _BAR.search(part)]
+        sys.stderr.write("".join(part + "\n" for part in kept))

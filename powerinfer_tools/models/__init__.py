@@ -103,6 +103,7 @@ def load_model(source: ModelSource, device: str = "cpu", dtype: str = "float32")
     import torch
     from transformers import AutoModelForCausalLM
 
+    from powerinfer_tools.core.progress import library_bars
     from powerinfer_tools.models import arch
 
     config = load_config(source)
@@ -113,7 +114,8 @@ def load_model(source: ModelSource, device: str = "cpu", dtype: str = "float32")
         kwargs["device_map"] = "auto"
     model_class = adapter.model_class() or AutoModelForCausalLM
     try:
-        model = model_class.from_pretrained(source.directory, **kwargs)
+        with library_bars():  # a GGUF source's de-quantizing bar
+            model = model_class.from_pretrained(source.directory, **kwargs)
     except (OSError, ValueError, RuntimeError) as exc:
         raise UserError(f"cannot load {source.spec}: {str(exc).splitlines()[0]}") from None
     if device != "auto":

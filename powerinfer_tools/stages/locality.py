@@ -14,12 +14,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from powerinfer_tools.stages.predictor import MAX_USEFUL_DENSITY
 from powerinfer_tools.stages.profiling import load_activation_counts, load_profile, skew
 
 COVERAGE_TARGETS = (0.8, 0.9)   # activation shares for which we report the neurons needed
 # What the verdict calls enough: under half the neurons skipped, a sparse step saves less than choosing them
-# costs; the hottest 10 % serving under a fifth of activations is close to no locality (10 % is none).
-ENOUGH_SPARSITY = 0.5
+# costs (as a predictor marking more is not useful); the hottest 10 % serving under a fifth of activations is
+# close to no locality (10 % is none).
+ENOUGH_SPARSITY = 1 - MAX_USEFUL_DENSITY
 ENOUGH_HOT10 = 0.2
 
 

@@ -26,10 +26,11 @@ STATE_KEYS = (names.weight(names.PREDICTOR_FC1), names.weight(names.PREDICTOR_FC
 F16_MAX = 65504.0  # the largest finite float16: the converter may store predictors as f16
 AUC_SAMPLE = 500_000  # (row, neuron) pairs drawn to estimate the pooled ROC AUC (exact AUC is a sort of all pairs)
 # A predictor is worth running where it ranks active neurons above inactive ones clearly better than chance
-# (held-out AUC 0.5) and leaves some neurons out at its threshold; elsewhere predictor mode computes about every
-# neuron at best, and drops them at random on text unlike the calibration text at worst.
+# (held-out AUC 0.5) and leaves at least half the neurons out at its threshold: with more marked active, a sparse
+# step saves less than choosing the neurons costs (the profile verdict's rule, locality.ENOUGH_SPARSITY), and a
+# poor ranking drops neurons at random on text unlike the calibration text.
 MIN_USEFUL_AUC = 0.6
-MAX_USEFUL_DENSITY = 0.99
+MAX_USEFUL_DENSITY = 0.5
 
 
 class Predictor(nn.Module):
@@ -223,10 +224,11 @@ def layer_metrics(logits: torch.Tensor, labels: torch.Tensor, threshold: float,
 
 
 def is_useful(metrics: dict) -> bool:
-    """Whether a predictor with these held-out metrics predicts something (MIN_USEFUL_AUC, MAX_USEFUL_DENSITY); a
-    layer of whose neurons (nearly) all or none are active has nothing to predict and counts as useful."""
+    """Whether a predictor with these held-out metrics saves work (MIN_USEFUL_AUC, MAX_USEFUL_DENSITY). A layer of
+    whose neurons (nearly) all or none are active has no ranking to judge (AUC undefined): its predictor is useful
+    when it marks few neurons active, as where none fire."""
     auc = metrics.get("auc", math.nan)
-    return math.isnan(auc) or (auc >= MIN_USEFUL_AUC and metrics["predicted_density"] <= MAX_USEFUL_DENSITY)
+    return (math.isnan(auc) or auc >= MIN_USEFUL_AUC) and metrics["predicted_density"] <= MAX_USEFUL_DENSITY
 
 
 def rank_at_fraction(n_embd: int, n_ff: int, gated: bool, fraction: float) -> int:

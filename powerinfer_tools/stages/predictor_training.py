@@ -562,7 +562,7 @@ def format_layers(layers: list[int]) -> str:
 def useless_warning(results: list[LayerResult], rows: str = "held-out") -> str | None:
     """One line naming the layers whose predictors predict nothing useful on the `rows` measured
     (predictor.is_useful), with their AUC and predicted vs true density, or None."""
-    from powerinfer_tools.stages.predictor import MIN_USEFUL_AUC
+    from powerinfer_tools.stages.predictor import MAX_USEFUL_DENSITY, MIN_USEFUL_AUC
 
     bad = [r for r in results if not r.metrics.get("useful", True)]
     if not bad:
@@ -571,7 +571,8 @@ def useless_warning(results: list[LayerResult], rows: str = "held-out") -> str |
         return float(np.mean([r.metrics[key] for r in bad]))
     return (f"warning: the predictors of layer(s) {format_layers([r.layer for r in bad])} predict nothing useful: "
             f"{rows} AUC {mean('auc'):.3f} (chance 0.5, useful from {MIN_USEFUL_AUC}), predicted density "
-            f"{mean('predicted_density'):.3f} vs true {mean('true_density'):.3f}; a converted file's auto mode "
+            f"{mean('predicted_density'):.3f} (useful up to {MAX_USEFUL_DENSITY}) vs true "
+            f"{mean('true_density'):.3f}; a converted file's auto mode "
             "leaves them out, and predictor mode there computes about every neuron or drops them at random "
             "(profile a higher --target-sparsity, more tokens, or use gate mode)")
 

@@ -331,8 +331,9 @@ def predictor_section(pred: dict) -> Section:
     useless = [str(row["layer"]) for row in pred["layers"] if row.get("useful") is False]
     if useless:
         intro += (f" The predictors of layer(s) {', '.join(useless)} predict nothing useful (held-out AUC near "
-                  "chance, 0.5, or nearly every neuron marked active): their recall is bought by marking neurons "
-                  "active, not by predicting them; auto mode leaves them out.")
+                  "chance, 0.5, or more than half the neurons marked active, where a sparse step saves less than "
+                  "choosing them costs): their recall is bought by marking neurons active, not by predicting "
+                  "them; auto mode leaves them out.")
     columns = [c for c in PREDICTOR_COLUMNS if all(c in row for row in pred["layers"])]
     return Section("predictors", "Predictors", intro,
                    figures=[("fig-predictor-quality", "Held-out recall and precision of each layer's predictor.",

@@ -38,7 +38,7 @@ class EngineTarget:
 
 
 def resolve_model_file(spec: str, gpuidx: str | os.PathLike | None = None, vram_budget_gib: float | None = None,
-                       profile: str | os.PathLike | None = None, ctx_size: int = 512) -> EngineTarget:
+                       profile: str | os.PathLike | None = None, ctx_size: int | None = None) -> EngineTarget:
     """What --model (+ --gpuidx / --vram-budget) names: a converted file, or `smollm2`, built on first use.
 
     The GPU index: the one given ("none": no index); else, with a VRAM budget, the plan cached beside the model
@@ -78,12 +78,15 @@ def resolve_model_file(spec: str, gpuidx: str | os.PathLike | None = None, vram_
     return EngineTarget(path, gpuidx)
 
 
-def cached_plan(model: Path, vram_budget_gib: float, profile: str | os.PathLike | None, ctx_size: int) -> Path:
-    """MODEL.generated.gpuidx for this budget: reused when its summary says so, else solved and written."""
+def cached_plan(model: Path, vram_budget_gib: float, profile: str | os.PathLike | None,
+                ctx_size: int | None) -> Path:
+    """MODEL.generated.gpuidx for this budget and context (None: the model's default): reused when its summary
+    says so, else solved and written."""
     import json
 
     from powerinfer_tools.stages import placement
 
+    ctx_size = context_size(model, ctx_size)
     placement.check_budget(vram_budget_gib * placement.GIB)
     budget = int(vram_budget_gib * placement.GIB)
     path = placement.default_gpuidx_path(model)
@@ -132,6 +135,19 @@ def engine_mode(sparse_mode: str, input_sparsity: float | None) -> tuple[str, fl
     return sparse_mode, input_sparsity or 0.0
 
 
+def context_size(model: str | os.PathLike, ctx_size: int | None) -> int:
+    """The context to run `model` with: ctx_size, or the model's default (options.default_ctx_size), which plans
+    are sized and cached by."""
+    from powerinfer_tools.formats.gguf_header import read_header
+    from powerinfer_tools.stages import placement
+
+    if ctx_size is not None:
+        if ctx_size < 1:
+            raise UserError(f"--ctx-size must be at least 1 token, not {ctx_size}")
+        return ctx_size
+    return placement.model_ctx_size(read_header(model))
+
+
 def open_engine(target: EngineTarget, threads: int | None = None, sparse_mode: str = "dense",
                 ctx_size: int | None = None, recall_check: bool = False, kv_type: str = "f32", gpu: str = "auto",
                 vram_budget_gib: float | None = None, input_sparsity: float | None = None):
@@ -148,8 +164,7 @@ def open_engine(target: EngineTarget, threads: int | None = None, sparse_mode: s
         raise UserError(f"unknown --kv-type {kv_type!r} (choose from {', '.join(KV_TYPES)})")
     if threads is not None and threads < 1:
         raise UserError("--threads must be at least 1")
-    if ctx_size is not None and ctx_size < 1:
-        raise UserError(f"--ctx-size must be at least 1 token, not {ctx_size}")
+    ctx_size = context_size(target.model, ctx_size)
     with engine_errors():
         model = engine.Model(target.model, threads=threads, sparse_mode=sparse_mode, ctx_size=ctx_size,
                              gpuidx=target.gpuidx, recall_check=recall_check, kv_type=kv_type, gpu=gpu,

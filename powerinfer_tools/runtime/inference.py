@@ -165,11 +165,14 @@ def open_engine(target: EngineTarget, threads: int | None = None, sparse_mode: s
     if threads is not None and threads < 1:
         raise UserError("--threads must be at least 1")
     ctx_size = context_size(target.model, ctx_size)
+    cache = decode_cache_path(target.model)
     with engine_errors():
         model = engine.Model(target.model, threads=threads, sparse_mode=sparse_mode, ctx_size=ctx_size,
                              gpuidx=target.gpuidx, recall_check=recall_check, kv_type=kv_type, gpu=gpu,
-                             vram_budget=vram_budget_gib if gpu != "off" else None, input_sparsity=input_share)
-    for line in decoded_lines(model.info["decoded"]):
+                             vram_budget=vram_budget_gib if gpu != "off" else None, input_sparsity=input_share,
+                             decode_cache=cache)
+    line = decoded_line(model.info["decoded"], cache)
+    if line:
         print(f"pi-tools: {line}", file=sys.stderr)
     if model.info["gpu"]["gpuidx_ignored"]:
         print(f"pi-tools: {ignored_gpuidx_line(model.info['gpu'], sparse_mode)}", file=sys.stderr)
@@ -183,17 +186,43 @@ def open_engine(target: EngineTarget, threads: int | None = None, sparse_mode: s
     return model
 
 
-def decoded_lines(decoded: dict) -> list[str]:
-    """What the engine decoded at load into a type it computes with, from its info["decoded"] (model/decode.h)."""
-    lines = []
-    for k in decoded["kinds"]:
-        how = (f"transposed {k['tensors']} {k['from']} ffn_down tensors (llama.cpp's layout) to {k['to']} ffn_down_t"
-               if k["transposed"] else f"decoded {k['tensors']} {k['from']} tensors to {k['to']}")
-        lines.append(f"{how} at load (+{k['bytes'] / 2**20:.1f} MiB in memory, {k['file_bytes'] / 2**20:.1f} MiB "
-                     "in the file)")
-    if lines:
-        lines[-1] += f"; decoding took {decoded['seconds']:.2f} s"
-    return lines
+DECODE_CACHE_DIR = "decoded"  # under models.default_model.cache_dir()
+
+
+def decode_cache_path(model: str | os.PathLike) -> Path:
+    """The file the engine keeps `model`'s weights decoded at load in (csrc/model/decode_cache.h), in the cache
+    directory, one per model path; the engine checks the model's size and modification time recorded inside and
+    writes it anew when they changed."""
+    import hashlib
+
+    from powerinfer_tools.models.default_model import cache_dir
+
+    folder = cache_dir() / DECODE_CACHE_DIR
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        pass  # the engine then decodes without keeping the rows (info["decoded"]["cache"]: not written)
+    key = hashlib.sha256(os.fsencode(Path(model).resolve())).hexdigest()[:32]
+    return folder / f"{key}.decoded"
+
+
+def decoded_line(decoded: dict, cache: Path | None = None) -> str | None:
+    """One line saying what the engine decoded at load into a type it computes with, from its info["decoded"]
+    (model/decode.h), and where it kept the rows; None when nothing was decoded, or all came from the cache."""
+    if not decoded["kinds"] or decoded.get("cache") == "read":
+        return None
+    parts = [f"transposed {k['tensors']} {k['from']} ffn_down tensors (llama.cpp's layout) to {k['to']} ffn_down_t"
+             if k["transposed"] else f"decoded {k['tensors']} {k['from']} tensors to {k['to']}"
+             for k in decoded["kinds"]]
+    held = sum(k["bytes"] for k in decoded["kinds"]) / 2**20
+    stored = sum(k["file_bytes"] for k in decoded["kinds"]) / 2**20
+    line = (f"{', '.join(parts)} at load in {decoded['seconds']:.2f} s (+{held:.1f} MiB in memory, {stored:.1f} MiB "
+            "in the file)")
+    if decoded.get("cache") == "written":
+        line += f"; kept in {cache} for the next load"
+    elif decoded.get("cache") == "not written":
+        line += f"; could not keep them in {cache}: decoded again at every load"
+    return line
 
 
 def ignored_gpuidx_line(gpu: dict, sparse_mode: str) -> str:

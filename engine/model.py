@@ -36,7 +36,9 @@ class Model:
     attention on the CPU (only the hot tier on the device); gpu_device: the device's ordinal; gpu_library: the
     device library, "cuda" (the default), "emulated" (the host emulation the tests use) or a path;
     input_sparsity: the share of every matrix's inputs zeroed at the thresholds the file holds (0: off;
-    docs/engine.md, "Input sparsity").
+    docs/engine.md, "Input sparsity"); decode_cache: a file for the weights decoded at load (a llama.cpp file's
+    K-quants, q4_1, q5_x, bf16 and ffn_down), read instead of decoding when whole and made from this model file,
+    else written for the next load (info["decoded"]["cache"]: read, written, not written or off).
 
     One Model may be shared by threads: ctypes lets go of the GIL inside the engine, so a lock held across
     every engine call serializes them, and close() waits for a call in flight instead of freeing the model
@@ -48,7 +50,8 @@ class Model:
                  batch_size: int | None = None, isa: str | None = None, kv_type: str = "f32",
                  hot_backend: str = "cpu", gpu: str = "auto", vram_budget: float | None = None, gpu_device: int = 0,
                  gpu_library: str | os.PathLike = "cuda", gpu_attention: bool = True,
-                 input_sparsity: float = 0.0, cpu_hot_tier: bool = False):
+                 input_sparsity: float = 0.0, cpu_hot_tier: bool = False,
+                 decode_cache: str | os.PathLike | None = None):
         self._handle = None
         self._lock = threading.RLock()
         opts = Options()
@@ -59,6 +62,7 @@ class Model:
         opts.ffn_mode = _mode_id(sparse_mode)
         opts.recall_check = int(recall_check)
         opts.gpuidx_path = os.fsencode(gpuidx) if gpuidx is not None else None
+        opts.decode_cache = os.fsencode(decode_cache) if decode_cache is not None else None
         if not isinstance(cpu_hot_tier, bool):
             raise EngineError(f"cpu_hot_tier must be True or False, not {cpu_hot_tier!r}")
         opts.cpu_hot_tier = int(cpu_hot_tier)

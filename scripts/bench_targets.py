@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""The project's own speed and memory goals, checked against a `pi-tools bench --json` record: a development
+"""The project's own speed and memory goals, checked against a `pi-tools bench --json-out` record: a development
 yardstick (docs/bench.md, "Targets"), not something the product prints.
 
-  pi-tools bench -m smollm2 --outtype q4_0 --predictors pred --sweep-sparsity --json bench.json
+  pi-tools bench -m smollm2 --outtype q4_0 --predictors pred --sweep-sparsity --json-out bench.json
   python scripts/bench_targets.py bench.json
 """
 from __future__ import annotations
@@ -75,7 +75,7 @@ def targets_table(checks: list[dict]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("record", help="a pi-tools bench --json file")
+    ap.add_argument("record", help="a pi-tools bench --json-out file")
     args = ap.parse_args()
     with open(args.record) as f:
         print(targets_table(check_targets(json.load(f))), end="")

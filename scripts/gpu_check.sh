@@ -149,7 +149,7 @@ speed)
         t0=$(date +%s)
         # shellcheck disable=SC2086  # the flags split on purpose
         PI_CUDA_STEP_TIMES="$OUT/steps-$name.tsv" \
-        python3 -m powerinfer_tools "${common[@]}" $flags --json "$OUT/bench-$name.json" --markdown "$OUT/bench-$name.md" \
+        python3 -m powerinfer_tools "${common[@]}" $flags --json-out "$OUT/bench-$name.json" --markdown "$OUT/bench-$name.md" \
             && echo "$name: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/speed-steps.txt" \
             || echo "$name: FAILED after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/speed-steps.txt"
         python3 scripts/gpu_speed_table.py "$OUT" "$layers" > "$OUT/speed.txt"  # what is finished, after each run

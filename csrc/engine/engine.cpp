@@ -40,7 +40,7 @@ Engine::Engine(const std::string &path, const pi_options &opts, const std::strin
       gpuidx_ignored_(opts.gpuidx_path && *opts.gpuidx_path && !device_api_ && opts.cpu_hot_tier == 0 &&
                       hot_backend != "reference"),
       model_(std::make_unique<Model>(path, opts.gpuidx_path ? opts.gpuidx_path : "", thread_count(opts.threads),
-                                     !gpuidx_ignored_)),
+                                     !gpuidx_ignored_, opts.decode_cache ? opts.decode_cache : "")),
       hp_(model_->hp()),
       policy_(*model_),
       stats_(model_->hp().n_layer),

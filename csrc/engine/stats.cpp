@@ -106,7 +106,8 @@ std::string device_json(const DeviceUse *u) {
 
 // The matrices decoded at load (model/decode.h), one entry per kind.
 std::string decoded_json(const DecodedWeights &d) {
-    std::string json = "{\"seconds\": " + num(d.seconds()) + ", \"kinds\": [";
+    std::string json = "{\"seconds\": " + num(d.seconds()) + ", \"cache\": " + quoted(d.cache_state()) +
+                       ", \"from_cache\": " + std::to_string(d.from_cache()) + ", \"kinds\": [";
     for (size_t i = 0; i < d.tallies().size(); ++i) {
         const DecodeTally &t = d.tallies()[i];
         json += std::string(i ? ", " : "") + "{\"from\": " + quoted(type_size(t.from).name) + ", \"to\": " +

@@ -21,7 +21,7 @@ extern "C" {
 #pragma GCC visibility push(default)
 #endif
 
-#define PI_ENGINE_API_VERSION 10
+#define PI_ENGINE_API_VERSION 11
 
 typedef enum {
     PI_OK = 0,
@@ -85,6 +85,9 @@ typedef struct {
     int32_t cpu_hot_tier;    /* != 0: where no device takes the gpuidx's hot tier, it stays a tier of its own on the
                                 CPU (every hot neuron computed whole, the FFN mode for the rest: testing the tiers);
                                 0: every neuron goes to the cold tier there */
+    const char *decode_cache; /* optional file for the weights decoded at load (llama.cpp's K-quants, q4_1, q5_x,
+                                bf16, its ffn_down layout): read instead of decoding when it is whole and made from
+                                this model file, else written for the next load; NULL: decode every time */
 } pi_options;
 
 typedef struct {

@@ -87,7 +87,9 @@ DecodedRows DecodedWeights::decode(const std::string &path, const GgufTensor &t,
     PageMemory buffer(need, false, "decoded weights");
     uint8_t *base = buffer.data();
     out.data = base;
-    if (!transpose) {
+    if (cache_.read(t.name, transpose, to, out.row_bytes, base, need)) {
+        from_cache_ += 1;
+    } else if (!transpose) {
         const int64_t chunk = 64;
         parallel_for((rows + chunk - 1) / chunk, threads, [&](int64_t c) {
             std::vector<float> x(static_cast<size_t>(cols));
@@ -109,6 +111,7 @@ DecodedRows DecodedWeights::decode(const std::string &path, const GgufTensor &t,
             }
         });
     }
+    cache_.add(t.name, transpose, to, out.row_bytes, base, need);
     auto tally = std::find_if(tallies_.begin(), tallies_.end(), [&](const DecodeTally &d) {
         return d.from == t.type && d.to == to && d.transposed == transpose;
     });

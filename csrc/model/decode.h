@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "format/gguf.h"
+#include "model/decode_cache.h"
 #include "runtime/page_memory.h"
 
 namespace pi {
@@ -49,6 +50,12 @@ public:
     const std::vector<DecodeTally> &tallies() const { return tallies_; }
     size_t bytes() const;
     double seconds() const { return seconds_; }
+    // The decoded rows of model file `source` kept in (or read from) cache file `path` (model/decode_cache.h;
+    // "": none): opened before the first decode, finished after the last.
+    void open_cache(const std::string &path, const std::string &source) { cache_.open(path, source); }
+    void finish_cache() { cache_.finish(); }
+    const char *cache_state() const { return cache_.state(); }
+    int64_t from_cache() const { return from_cache_; }  // tensors copied from the cache instead of decoded
 
 private:
     struct Held {
@@ -58,7 +65,9 @@ private:
     std::vector<Held> held_;
     std::vector<DecodeTally> tallies_;
     double seconds_ = 0.0;
-    double usable_ = -1.0;  // usable_memory_bytes(), read at the first decode
+    double usable_ = -1.0;
+    DecodeCache cache_;
+    int64_t from_cache_ = 0;  // usable_memory_bytes(), read at the first decode
 };
 
 }  // namespace pi

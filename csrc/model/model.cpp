@@ -26,13 +26,16 @@ std::string bias(int64_t i, const char *tensor) { return blk(i, tensor) + ".bias
 
 }  // namespace
 
-Model::Model(const std::string &path, const std::string &gpuidx_path, int threads, bool hot_tier)
+Model::Model(const std::string &path, const std::string &gpuidx_path, int threads, bool hot_tier,
+             const std::string &decode_cache)
     : threads_(std::max(threads, 1)) {
     file_ = std::make_unique<GgufFile>(path);
     read_hparams();
+    decoded_.open_cache(decode_cache, path);
     bind_tensors();
     build_tiers(gpuidx_path, hot_tier);
     pack_dense_matrices(threads);
+    decoded_.finish_cache();  // after the last decoding
 }
 
 void Model::pack_dense_matrices(int threads) {

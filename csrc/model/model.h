@@ -178,8 +178,10 @@ class Model {
 public:
     // Throws EngineFailure with the file name and the first problem found.
     // threads: how many pack the dense matrices (the engine's thread count); hot_tier: false puts every neuron in
-    // the cold tier (the gpuidx is still checked)
-    Model(const std::string &path, const std::string &gpuidx_path, int threads = 1, bool hot_tier = true);
+    // the cold tier (the gpuidx is still checked); decode_cache: the file the rows decoded at load are kept in
+    // and read from (model/decode_cache.h; "": none)
+    Model(const std::string &path, const std::string &gpuidx_path, int threads = 1, bool hot_tier = true,
+          const std::string &decode_cache = "");
 
     const HParams &hp() const { return hp_; }
     const Matrix &tok_embd() const { return tok_embd_; }

@@ -60,8 +60,9 @@ def bench(
                                         "at each --sweep-levels FFN sparsity."),
     sweep_levels: str = typer.Option("0.3,0.5,0.7,0.8,0.9,0.95", "--sweep-levels", help="Sparsity levels."),
     sweep_repeats: int = typer.Option(3, "--sweep-repeats", help="Interleaved rounds per sweep level."),
-    n_prompt: int = typer.Option(N_PROMPT, "--n-prompt", "-p", help="Prompt tokens (pp), as llama-bench's -p."),
-    n_gen: int = typer.Option(128, "--n-gen", "-n", help="Generated tokens (tg)."),
+    # no -p/-n: those are run's and chat's prompt and reply length (llama.cpp's main); the long names are llama-bench's
+    n_prompt: int = typer.Option(N_PROMPT, "--n-prompt", help="Prompt tokens (pp), as llama-bench's --n-prompt."),
+    n_gen: int = typer.Option(128, "--n-gen", help="Generated tokens (tg), as llama-bench's --n-gen."),
     depth: int = typer.Option(0, "--depth", "-d", help="Tokens of the text already in the cache when tg starts "
                               "(not timed), as llama-bench's -d: generation at a long context."),
     batch: int = typer.Option(512, "--batch", "-b", help="Our engine's prompt batch size."),
@@ -88,7 +89,7 @@ def bench(
     llamacpp_wait: Optional[str] = typer.Option(None, "--llamacpp-wait", help="OMP_WAIT_POLICY of the llama.cpp "
                                                 "peer: active or passive. Default: both, and every run counts the "
                                                 "faster (spinning collapses on an oversubscribed machine)."),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the full record (samples, machine, "
+    json_out: Optional[Path] = typer.Option(None, "--json-out", help="Write the full record (samples, machine, "
                                             "byte model) as JSON."),
     png: Optional[Path] = typer.Option(None, "--png", help="Draw the sweep (tokens/s vs sparsity) as PNG."),
     markdown: Optional[Path] = typer.Option(None, "--markdown", help="Also write every table (as --verbose "
@@ -113,7 +114,7 @@ def bench(
 
       pi-tools bench -m smollm2 --outtype q8_0 --modes dense,gate --peers llama.cpp --sweep-sparsity --png sweep.png
 
-      pi-tools bench -m smollm2 --sparsity 0.5 --repeats 9 --json bench.json
+      pi-tools bench -m smollm2 --sparsity 0.5 --repeats 9 --json-out bench.json
 
       pi-tools bench -m smollm2 --modes dense --peers llama.cpp --depth 2048   # tg128 @ d2048
 

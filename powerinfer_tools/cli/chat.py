@@ -22,8 +22,8 @@ def chat(
     system: Optional[str] = typer.Option(None, "--system", "-sys", help="System prompt: who the assistant is. "
                                          "Default: the chat template's own (if it has one)."),
     n_predict: int = typer.Option(512, "--n-predict", "-n", help="Most tokens in one reply."),
-    ctx_size: int = typer.Option(flags.CHAT_CTX_SIZE, "--ctx-size", "-c", help="Context length (KV cache): the "
-                                 "conversation's room; the oldest turns are dropped when it is full."),
+    ctx_size: Optional[int] = flags.ctx_size_option("The conversation's room: the oldest turns are dropped when it "
+                                                    "is full."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="After each reply, its token counts (how many "
                                  "of the prompt came from the cache) and speed, on stderr."),
     engine: flags.EngineArgs = None,
@@ -47,7 +47,7 @@ def chat(
     start(model, engine, ctx_size, system, n_predict, sampling.sampling(), verbose)
 
 
-def start(model: str, engine: flags.EngineArgs, ctx_size: int, system: str | None, n_predict: int, sampling,
+def start(model: str, engine: flags.EngineArgs, ctx_size: int | None, system: str | None, n_predict: int, sampling,
           verbose: bool) -> None:
     """Open the model and converse (`chat`, and `run -cnv`)."""
     from powerinfer_tools.runtime.llm import LLM

@@ -41,11 +41,11 @@ def convert(
         "files are unchanged), and with --vram-budget place GPU neurons in the multiples PowerInfer's CUDA build "
         "takes (plan --granularity powerinfer). --ours-only keeps ffn_down_t in the outtype and places any count, "
         "for this toolkit's engine alone."),
-    input_sparsity: bool = typer.Option(
-        False, "--input-sparsity/--no-input-sparsity", help="With a --profile that has input thresholds (profile "
-        "--input-allocation): store them, and q/k/v/o/gate/up a second time transposed, which `run "
-        "--input-sparsity` reads (SmolLM2: +75% of the layers' bytes). Off by default: input sparsity does not "
-        "yet decode faster than dense (docs/bench.md)."),
+    input_thresholds: bool = typer.Option(
+        False, "--input-thresholds/--no-input-thresholds", help="With a --profile that has input thresholds "
+        "(profile --input-allocation): store them, and q/k/v/o/gate/up a second time transposed, what `run "
+        "--input-sparsity SHARE` reads (SmolLM2: +75% of the layers' bytes). Off by default: input sparsity does "
+        "not yet decode faster than dense (docs/bench.md)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
     vram_budget: Optional[float] = typer.Option(
         None, "--vram-budget", callback=flags.within(limits.PLAN_BUDGET_GIB), help="GiB of VRAM: after writing the model, place its hot neurons (as `pi-tools "
@@ -99,7 +99,7 @@ def convert(
     converted = stages.convert(stages.ConvertOptions(
         model=model, out=out, outtype=outtype or "f16", predictors=predictors, profile=profile,
         order_neurons=order_neurons, powerinfer_compatible=powerinfer_compatible, progress=not quiet,
-        input_sparsity=input_sparsity))
+        input_sparsity=input_thresholds))
     summary = converted.summary
     if summary["thresholded"] and profile is None:
         typer.echo(f"note: {summary['arch']} is thresholded but no --profile was given: activation thresholds "

@@ -37,8 +37,10 @@ def gpuidx_option():
 
 
 def model_option():
-    """-m/--model: a converted file or the embedded default (run, perplexity, chat, serve)."""
-    return typer.Option(..., "--model", "-m", help="Model file written by 'pi-tools convert', or 'smollm2' (the "
+    """-m/--model: every model file the engine opens, or the embedded default (run, perplexity, chat, serve)."""
+    return typer.Option(..., "--model", "-m", help="Model file: one written by 'pi-tools convert', a PowerInfer "
+                        "GGUF, or a llama.cpp GGUF (f32, f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q2_K to q6_K; the "
+                        "types the kernels do not compute with are decoded to q8_0 at load); or 'smollm2' (the "
                         "embedded default, built through the pipeline on first use).")
 
 
@@ -64,7 +66,12 @@ def vram_budget_option():
                         "Default: the device's free memory.")
 
 
-CHAT_CTX_SIZE = 4096  # chat and serve: a conversation's room (llama-server's default too)
+def ctx_size_option(what: str = ""):
+    """-c/--ctx-size: the context (KV cache) of run, chat, serve and plan, one default for all (options.CTX_SIZE_HELP);
+    `what`: how the command uses it."""
+    from powerinfer_tools.stages.options import CTX_SIZE_HELP
+
+    return typer.Option(None, "--ctx-size", "-c", help=f"{CTX_SIZE_HELP} {what}".strip())
 
 
 def sparse_mode_option():

@@ -12,14 +12,16 @@ from powerinfer_tools.cli import flags
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.formats.names import FFN_MODES
 from powerinfer_tools.runtime.inference import KV_TYPE_HELP
+from powerinfer_tools.stages.options import PERPLEXITY_WINDOW
 
 
 def perplexity(
-    model: str = typer.Option(..., "--model", "-m", help="Model file written by 'pi-tools convert', or 'smollm2' "
-                              "(the embedded default, built through the pipeline on first use)."),
+    model: str = flags.model_option(),
     text_file: Path = typer.Option(..., "--file", "-f", help="UTF-8 text to score."),
-    ctx: int = typer.Option(512, "--ctx-size", "-c", help="Window length in tokens (each starts with BOS when the model "
-                                                      "has one; windows do not overlap)."),
+    ctx: int = typer.Option(PERPLEXITY_WINDOW, "--ctx-size", "-c", help="Window length in tokens, as llama.cpp's "
+                            "perplexity's -c: the text is scored in windows of this many tokens (each starts with BOS "
+                            "when the model has one; windows do not overlap), and the KV cache holds one window. Not "
+                            "run's context: that defaults to the model's."),
     chunks: int = typer.Option(0, "--chunks", help="Windows to score; 0 = as many as the text fills."),
     sparse_mode: str = typer.Option(flags.DEFAULT_SPARSE_MODE, "--sparse-mode",
                                     help=f"FFN mode: {', '.join(FFN_MODES)}, or input (dense with --input-sparsity)."),

@@ -21,8 +21,9 @@ def plan(
     profile: Optional[Path] = typer.Option(None, "--profile", help="Profile directory from `pi-tools profile` "
                                            "(reads DIR/activation/activation_{i}.pt; a bare directory of them, as "
                                            "PowerInfer publishes, works too). Optional with --dry-run."),
-    ctx_size: int = typer.Option(placement.DEFAULT_CTX_SIZE, "--ctx-size", "-c",
-                                 help="Context length the KV cache is sized for."),
+    ctx_size: Optional[int] = flags.ctx_size_option("The plan sizes the KV cache for it (run, chat and serve default "
+                                                    "to the same, and find the plan). With --dry-run: the config's "
+                                                    "max_position_embeddings, at most the same cap."),
     out: Path = typer.Option(None, "--out", "-o", help="Output gpu-index file (default: MODEL.generated.gpuidx "
                              "beside the model, where PowerInfer's engine looks); a JSON summary goes to OUT.json. "
                              "With --dry-run: the JSON summary only, and only when given."),

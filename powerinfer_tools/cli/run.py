@@ -9,7 +9,6 @@ from typing import Optional
 import typer
 
 from powerinfer_tools.cli import flags
-from powerinfer_tools.stages import placement
 from powerinfer_tools.core.errors import UserError
 
 
@@ -22,8 +21,8 @@ def run(
                                                "file, as llama.cpp's -f: for a prompt longer than a command "
                                                "line takes; '-' reads it from stdin."),
     n_predict: int = typer.Option(128, "--n-predict", "-n", help="Tokens to generate (stops early at end of text)."),
-    ctx_size: int = typer.Option(placement.DEFAULT_CTX_SIZE, "--ctx-size", "-c",
-                                 help="Context length (KV cache), as 'plan' sizes it for (so run finds its plans)."),
+    ctx_size: Optional[int] = flags.ctx_size_option("Plans (--vram-budget) are sized and cached for it, as 'plan' "
+                                                    "sizes them."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template (one user turn)."),
     conversation: bool = typer.Option(False, "--conversation", "-cnv", "--interactive", "-i", help="Chat instead, "
                                       "as 'pi-tools chat' (llama.cpp's -cnv / -i): -p is then the system prompt."),
@@ -69,9 +68,7 @@ def run(
         from powerinfer_tools.cli import chat as chat_cli
 
         system = prompt_text(prompt, prompt_file) if prompt is not None or prompt_file is not None else None
-        # run's default context is the plan's; a conversation gets chat's unless -c says otherwise
-        ctx = flags.CHAT_CTX_SIZE if ctx_size == placement.DEFAULT_CTX_SIZE else ctx_size
-        return chat_cli.start(model, engine, ctx, system, n_predict or 512, sampling.sampling(), verbose=False)
+        return chat_cli.start(model, engine, ctx_size, system, n_predict or 512, sampling.sampling(), verbose=False)
     prompt = prompt_text(prompt, prompt_file)
     check_utf8(prompt)
     target = inference.resolve_model_file(model, engine.gpuidx, engine.vram_budget, engine.profile, ctx_size)

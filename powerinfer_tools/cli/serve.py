@@ -23,8 +23,7 @@ def serve(
                                           "PI_API_KEY); printable ASCII, what a header carries."),
     alias: Optional[str] = typer.Option(None, "--alias", "-a", help="The model's name in /v1/models. Default: the "
                                         "file's name."),
-    ctx_size: int = typer.Option(flags.CHAT_CTX_SIZE, "--ctx-size", "-c", help="Context length (KV cache): a "
-                                 "request's prompt and reply together."),
+    ctx_size: Optional[int] = flags.ctx_size_option("It holds a request's prompt and reply together."),
     log_requests: bool = typer.Option(False, "--log-requests", help="Log each request on stderr (uvicorn's "
                                       "access log)."),
     max_body_mib: float = typer.Option(MAX_BODY_MIB, "--max-body-mib", help="Refuse a request body larger than "

@@ -38,7 +38,7 @@ class EngineTarget:
 
 
 def resolve_model_file(spec: str, gpuidx: str | os.PathLike | None = None, vram_budget_gib: float | None = None,
-                       profile: str | os.PathLike | None = None, ctx_size: int = 512) -> EngineTarget:
+                       profile: str | os.PathLike | None = None, ctx_size: int | None = None) -> EngineTarget:
     """What --model (+ --gpuidx / --vram-budget) names: a converted file, or `smollm2`, built on first use.
 
     The GPU index: the one given ("none": no index); else, with a VRAM budget, the plan cached beside the model
@@ -78,12 +78,15 @@ def resolve_model_file(spec: str, gpuidx: str | os.PathLike | None = None, vram_
     return EngineTarget(path, gpuidx)
 
 
-def cached_plan(model: Path, vram_budget_gib: float, profile: str | os.PathLike | None, ctx_size: int) -> Path:
-    """MODEL.generated.gpuidx for this budget: reused when its summary says so, else solved and written."""
+def cached_plan(model: Path, vram_budget_gib: float, profile: str | os.PathLike | None,
+                ctx_size: int | None) -> Path:
+    """MODEL.generated.gpuidx for this budget and context (None: the model's default): reused when its summary
+    says so, else solved and written."""
     import json
 
     from powerinfer_tools.stages import placement
 
+    ctx_size = context_size(model, ctx_size)
     placement.check_budget(vram_budget_gib * placement.GIB)
     budget = int(vram_budget_gib * placement.GIB)
     path = placement.default_gpuidx_path(model)
@@ -132,6 +135,19 @@ def engine_mode(sparse_mode: str, input_sparsity: float | None) -> tuple[str, fl
     return sparse_mode, input_sparsity or 0.0
 
 
+def context_size(model: str | os.PathLike, ctx_size: int | None) -> int:
+    """The context to run `model` with: ctx_size, or the model's default (options.default_ctx_size), which plans
+    are sized and cached by."""
+    from powerinfer_tools.formats.gguf_header import read_header
+    from powerinfer_tools.stages import placement
+
+    if ctx_size is not None:
+        if ctx_size < 1:
+            raise UserError(f"--ctx-size must be at least 1 token, not {ctx_size}")
+        return ctx_size
+    return placement.model_ctx_size(read_header(model))
+
+
 def open_engine(target: EngineTarget, threads: int | None = None, sparse_mode: str = "dense",
                 ctx_size: int | None = None, recall_check: bool = False, kv_type: str = "f32", gpu: str = "auto",
                 vram_budget_gib: float | None = None, input_sparsity: float | None = None):
@@ -148,13 +164,15 @@ def open_engine(target: EngineTarget, threads: int | None = None, sparse_mode: s
         raise UserError(f"unknown --kv-type {kv_type!r} (choose from {', '.join(KV_TYPES)})")
     if threads is not None and threads < 1:
         raise UserError("--threads must be at least 1")
-    if ctx_size is not None and ctx_size < 1:
-        raise UserError(f"--ctx-size must be at least 1 token, not {ctx_size}")
+    ctx_size = context_size(target.model, ctx_size)
+    cache = decode_cache_path(target.model)
     with engine_errors():
         model = engine.Model(target.model, threads=threads, sparse_mode=sparse_mode, ctx_size=ctx_size,
                              gpuidx=target.gpuidx, recall_check=recall_check, kv_type=kv_type, gpu=gpu,
-                             vram_budget=vram_budget_gib if gpu != "off" else None, input_sparsity=input_share)
-    for line in decoded_lines(model.info["decoded"]):
+                             vram_budget=vram_budget_gib if gpu != "off" else None, input_sparsity=input_share,
+                             decode_cache=cache)
+    line = decoded_line(model.info["decoded"], cache)
+    if line:
         print(f"pi-tools: {line}", file=sys.stderr)
     if model.info["gpu"]["gpuidx_ignored"]:
         print(f"pi-tools: {ignored_gpuidx_line(model.info['gpu'], sparse_mode)}", file=sys.stderr)
@@ -168,17 +186,43 @@ def open_engine(target: EngineTarget, threads: int | None = None, sparse_mode: s
     return model
 
 
-def decoded_lines(decoded: dict) -> list[str]:
-    """What the engine decoded at load into a type it computes with, from its info["decoded"] (model/decode.h)."""
-    lines = []
-    for k in decoded["kinds"]:
-        how = (f"transposed {k['tensors']} {k['from']} ffn_down tensors (llama.cpp's layout) to {k['to']} ffn_down_t"
-               if k["transposed"] else f"decoded {k['tensors']} {k['from']} tensors to {k['to']}")
-        lines.append(f"{how} at load (+{k['bytes'] / 2**20:.1f} MiB in memory, {k['file_bytes'] / 2**20:.1f} MiB "
-                     "in the file)")
-    if lines:
-        lines[-1] += f"; decoding took {decoded['seconds']:.2f} s"
-    return lines
+DECODE_CACHE_DIR = "decoded"  # under models.default_model.cache_dir()
+
+
+def decode_cache_path(model: str | os.PathLike) -> Path:
+    """The file the engine keeps `model`'s weights decoded at load in (csrc/model/decode_cache.h), in the cache
+    directory, one per model path; the engine checks the model's size and modification time recorded inside and
+    writes it anew when they changed."""
+    import hashlib
+
+    from powerinfer_tools.models.default_model import cache_dir
+
+    folder = cache_dir() / DECODE_CACHE_DIR
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        pass  # the engine then decodes without keeping the rows (info["decoded"]["cache"]: not written)
+    key = hashlib.sha256(os.fsencode(Path(model).resolve())).hexdigest()[:32]
+    return folder / f"{key}.decoded"
+
+
+def decoded_line(decoded: dict, cache: Path | None = None) -> str | None:
+    """One line saying what the engine decoded at load into a type it computes with, from its info["decoded"]
+    (model/decode.h), and where it kept the rows; None when nothing was decoded, or all came from the cache."""
+    if not decoded["kinds"] or decoded.get("cache") == "read":
+        return None
+    parts = [f"transposed {k['tensors']} {k['from']} ffn_down tensors (llama.cpp's layout) to {k['to']} ffn_down_t"
+             if k["transposed"] else f"decoded {k['tensors']} {k['from']} tensors to {k['to']}"
+             for k in decoded["kinds"]]
+    held = sum(k["bytes"] for k in decoded["kinds"]) / 2**20
+    stored = sum(k["file_bytes"] for k in decoded["kinds"]) / 2**20
+    line = (f"{', '.join(parts)} at load in {decoded['seconds']:.2f} s (+{held:.1f} MiB in memory, {stored:.1f} MiB "
+            "in the file)")
+    if decoded.get("cache") == "written":
+        line += f"; kept in {cache} for the next load"
+    elif decoded.get("cache") == "not written":
+        line += f"; could not keep them in {cache}: decoded again at every load"
+    return line
 
 
 def ignored_gpuidx_line(gpu: dict, sparse_mode: str) -> str:

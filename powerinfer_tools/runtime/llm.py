@@ -220,7 +220,7 @@ class LLM:
     """A model file (or "smollm2", the embedded default, built on first use) with its tokenizer.
 
     The engine options are those of `pi-tools run`: threads, sparse_mode (dense | gate | predictor | auto | input),
-    ctx_size (default: the model's training context, at most 4096), kv_type (f32 | f16), gpu (auto | on | off),
+    ctx_size (default: the model's trained context, at most options.CTX_CAP), kv_type (f32 | f16), gpu (auto | on | off),
     gpuidx (a .gpuidx plan; default: MODEL.generated.gpuidx when it sits beside the model, "none" for none),
     vram_budget (GiB for the hot tier, solved with `profile`), input_sparsity (the share of every matrix's inputs
     zeroed, from the file's input thresholds; docs/engine.md, "Input sparsity").
@@ -234,10 +234,8 @@ class LLM:
                  gpuidx: str | os.PathLike | None = None, vram_budget: float | None = None,
                  profile: str | os.PathLike | None = None, input_sparsity: float | None = None):
         from powerinfer_tools.runtime import inference
-        from powerinfer_tools.stages.options import DEFAULT_CTX_SIZE
 
-        self.target = inference.resolve_model_file(str(model), gpuidx, vram_budget, profile,
-                                                   ctx_size or DEFAULT_CTX_SIZE)
+        self.target = inference.resolve_model_file(str(model), gpuidx, vram_budget, profile, ctx_size)
         self.tokenizer = inference.load_tokenizer(self.target.model)
         self.model = inference.open_engine(self.target, threads=threads, sparse_mode=sparse_mode, ctx_size=ctx_size,
                                            kv_type=kv_type, gpu=gpu, vram_budget_gib=vram_budget,

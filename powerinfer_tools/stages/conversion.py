@@ -406,8 +406,8 @@ def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predic
     if input_sparsity and inputs is None:   # a file without them would fail only later, in run --sparse-mode input
         where = "no --profile was given" if profile_dir is None else f"{Path(profile_dir) / 'input_sparsity.json'} " \
                                                                      "does not exist"
-        raise UserError(f"--input-sparsity needs a profile with input thresholds, but {where}: profile with "
-                        "--input-allocation uniform (or greedy), or convert without --input-sparsity")
+        raise UserError(f"--input-thresholds needs a profile with input thresholds, but {where}: profile with "
+                        "--input-allocation uniform (or greedy), or convert without --input-thresholds")
     orders = None
     if profile_dir is not None and order_neurons and has_activation_counts(profile_dir):
         counts = load_activation_counts(profile_dir, dims.n_layer, [dims.n_ff] * dims.n_layer)
@@ -479,7 +479,7 @@ def summary_lines(summary: dict) -> list[str]:
         lines.append(f"note: {summary['predictor_threshold_note']}")
     if summary.get("input_sparsity"):
         lines.append(f"input sparsity: the profile's {summary['input_sparsity']} thresholds and the transposed copies "
-                     f"of q/k/v/o/gate/up it reads ({_mib(summary['input_transposed_bytes'])}; --no-input-sparsity "
+                     f"of q/k/v/o/gate/up it reads ({_mib(summary['input_transposed_bytes'])}; --no-input-thresholds "
                      "leaves both out)")
     lines.append(f"bytes: {_mib(summary['bytes_in'])} in the source -> {_mib(summary['bytes_out'])} written "
                  f"({summary['bytes_out'] / max(summary['bytes_in'], 1):.2f}x) in {summary['seconds']:.1f} s")

@@ -197,7 +197,7 @@ def plan_from_config(model: ConfigModel, outtype: str, vram_budget_bytes: float,
                      **options) -> DryRunPlan:
     """`pi-tools plan` for a model not converted yet: byte costs from its shapes, activation counts from a
     profile (PowerInfer's published activation files work) or, without one, the synthetic power law."""
-    placement.check_options(vram_budget_bytes, options.get("ctx_size", placement.DEFAULT_CTX_SIZE),
+    placement.check_options(vram_budget_bytes, options.get("ctx_size"),
                             options.get("reserve_bytes", placement.DEFAULT_RESERVE_BYTES),
                             options.get("dense", "all"))
     if not 0.0 < exponent < 2.0:

@@ -12,7 +12,14 @@ from pathlib import Path
 from powerinfer_tools.core.numbers import Range
 
 MIB = 1024**2
-DEFAULT_CTX_SIZE = 512  # llama.cpp's and PowerInfer's default context
+# The context run, chat, serve and plan default to: the model's trained one (GGUF <arch>.context_length), at most
+# CTX_CAP tokens (llama-server's default), so a long prompt fits without a flag while the KV cache stays bounded.
+# The engine applies the same rule to ctx_size 0 (csrc/engine/engine.cpp, kDefaultCtx).
+CTX_CAP = 4096
+TRAINED_CTX_UNKNOWN = 2048  # a file without <arch>.context_length: the engine's assumption (csrc/model/model.cpp)
+PERPLEXITY_WINDOW = 512  # perplexity's -c is a window length, as llama.cpp's perplexity's
+CTX_SIZE_HELP = (f"Context length in tokens (the KV cache). Default: the model's trained context "
+                 f"(<arch>.context_length in the file), at most {CTX_CAP}.")
 DEFAULT_RESERVE_BYTES = 256 * MIB  # PowerInfer leaves 256 MiB free when it sizes the budget itself
 DEFAULT_TRAIN_THREADS = max(1, (os.cpu_count() or 2) // 2)  # small matrices: more threads only add contention
 
@@ -67,11 +74,16 @@ class PredictorOptions:
     force: bool = False
 
 
+def default_ctx_size(trained: int | None) -> int:
+    """The context a model runs with when none is asked for: its trained context, at most CTX_CAP."""
+    return min(trained or TRAINED_CTX_UNKNOWN, CTX_CAP)
+
+
 @dataclass
 class PlanOptions:
     vram_budget_gib: float
     out: Path | None = None                  # the gpu-index file; default: MODEL.generated.gpuidx beside the model
-    ctx_size: int = DEFAULT_CTX_SIZE
+    ctx_size: int | None = None              # default: default_ctx_size of the model's trained context
     min_layer_neurons: str | int = "auto"
     reserve_bytes: int = DEFAULT_RESERVE_BYTES
     offload_output: bool = True

@@ -32,7 +32,7 @@ from powerinfer_tools.stages import device_placement, placement_solver
 from powerinfer_tools.core.atomic import atomic_file
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.stages import options as limits
-from powerinfer_tools.stages.options import DEFAULT_CTX_SIZE, DEFAULT_RESERVE_BYTES, MIB, PlanFiles
+from powerinfer_tools.stages.options import DEFAULT_RESERVE_BYTES, MIB, PlanFiles, default_ctx_size
 from powerinfer_tools.formats.gguf_header import GGUFHeader, read_header
 from powerinfer_tools.formats.gguf_io import set_powerinfer_i32, set_pwri_magic
 
@@ -65,6 +65,7 @@ class ModelCosts:
     attention_bytes: np.ndarray  # [L] every other per-layer tensor except the predictor (attention, norms, biases)
     predictor_bytes: np.ndarray  # [L]
     output_bytes: int  # output.weight and output_norm
+    context_length: int | None = None  # the trained context (<arch>.context_length), None when the file has none
 
     @property
     def n_layer(self) -> int:
@@ -80,6 +81,18 @@ def model_costs(model_path: str | Path, header: GGUFHeader | None = None) -> Mod
     header = header if header is not None else read_header(model_path)
     tensors = ((t.name, t.shape, t.n_bytes) for t in header.tensors)
     return costs_from_tensors(str(model_path), header.get, tensors)
+
+
+def trained_context(hparam: Callable[..., Any]) -> int | None:
+    """The model's trained context from its metadata (`hparam(key, default)`), None when absent or not a count."""
+    value = hparam(f"{hparam('general.architecture')}.context_length", None)
+    ok = isinstance(value, (int, np.integer)) and not isinstance(value, bool) and 0 < value <= 1 << 24
+    return int(value) if ok else None
+
+
+def model_ctx_size(header: GGUFHeader) -> int:
+    """The context a model file runs with by default (options.default_ctx_size of its trained one)."""
+    return default_ctx_size(trained_context(header.get))
 
 
 def costs_from_tensors(label: str, hparam: Callable[..., Any],
@@ -129,7 +142,8 @@ def costs_from_tensors(label: str, hparam: Callable[..., Any],
         raise UserError(f"{label}: layer {missing[0]} has no ffn_up/ffn_down_t rows: not a converted PowerInfer model")
     return ModelCosts(path=label, arch=str(arch), n_embd=int(n_embd),
                       n_embd_gqa=int(n_embd) * int(n_kv) // int(n_head), n_ff=n_ff, neuron_bytes=neuron,
-                      attention_bytes=attention, predictor_bytes=predictor, output_bytes=int(output))
+                      attention_bytes=attention, predictor_bytes=predictor, output_bytes=int(output),
+                      context_length=trained_context(hparam))
 
 
 def load_activation_counts(profile_dir: str | Path, n_ff: np.ndarray) -> list[np.ndarray]:
@@ -279,14 +293,16 @@ def fixed_costs(costs: ModelCosts, ctx_size: int, reserve_bytes: int, offload_ou
 
 
 def plan_for_model(profile_dir: str | Path, model_path: str | Path, vram_budget_bytes: int,
-                   ctx_size: int = DEFAULT_CTX_SIZE, min_layer_neurons: str | int = "auto",
+                   ctx_size: int | None = None, min_layer_neurons: str | int = "auto",
                    reserve_bytes: int = DEFAULT_RESERVE_BYTES, offload_output: bool = True, dense: str = "all",
                    time_limit: float = 20.0, granularity: str | int = 1) -> Plan:
     """The best placement of a converted model's neurons for a VRAM budget (the converter's one-line entry).
     The profile counts source neurons; the gpu index marks file positions (neuron_order.py). `granularity`:
-    see parse_granularity (`powerinfer` reads the down projection's type from the file)."""
+    see parse_granularity (`powerinfer` reads the down projection's type from the file); `ctx_size` None: the
+    model's default (model_ctx_size)."""
     check_options(vram_budget_bytes, ctx_size, reserve_bytes, dense)
     header = read_header(model_path)
+    ctx_size = ctx_size or model_ctx_size(header)
     down_types = {t.type.name for t in header.tensors if t.name.endswith(f".{names.weight(names.FFN_DOWN_T)}")}
     step = parse_granularity(granularity, down_types == {"Q4_0"})
     costs = model_costs(model_path, header)
@@ -305,10 +321,10 @@ def check_budget(vram_budget_bytes: float) -> None:
     limits.PLAN_BUDGET_GIB.check("--vram-budget", vram_budget_bytes / GIB)
 
 
-def check_options(vram_budget_bytes: float, ctx_size: int, reserve_bytes: int, dense: str) -> None:
-    """Reject impossible settings before any file is read."""
+def check_options(vram_budget_bytes: float, ctx_size: int | None, reserve_bytes: int, dense: str) -> None:
+    """Reject impossible settings before any file is read (ctx_size None: the model's default)."""
     check_budget(vram_budget_bytes)
-    if ctx_size < 1:
+    if ctx_size is not None and ctx_size < 1:
         raise UserError(f"--ctx-size must be positive, not {ctx_size}")
     if reserve_bytes < 0:
         raise UserError(f"the reserve must be non-negative, not {reserve_bytes}")
@@ -317,12 +333,14 @@ def check_options(vram_budget_bytes: float, ctx_size: int, reserve_bytes: int, d
 
 
 def plan_placement(costs: ModelCosts, counts: list[np.ndarray], tokens: float, vram_budget_bytes: int,
-                   ctx_size: int = DEFAULT_CTX_SIZE, min_layer_neurons: str | int = "auto",
+                   ctx_size: int | None = None, min_layer_neurons: str | int = "auto",
                    reserve_bytes: int = DEFAULT_RESERVE_BYTES, offload_output: bool = True, dense: str = "all",
                    time_limit: float = 20.0, granularity: int = 1) -> Plan:
     """The best placement for byte costs (from a file or from shapes) and per-layer activation counts over
-    `tokens` tokens; each layer's GPU count 0, a multiple of `granularity`, or the whole layer."""
+    `tokens` tokens; each layer's GPU count 0, a multiple of `granularity`, or the whole layer. `ctx_size` None:
+    the trained context of costs' model, capped (options.default_ctx_size)."""
     check_options(vram_budget_bytes, ctx_size, reserve_bytes, dense)
+    ctx_size = ctx_size or default_ctx_size(costs.context_length)
     vram_budget_bytes = int(vram_budget_bytes)
     mins = parse_min_layer_neurons(min_layer_neurons)
     if mins == "auto":

@@ -12,7 +12,7 @@ from kquants import Q, random_bf16, random_blocks
 
 import powerinfer_engine as engine
 from powerinfer_tools.formats.gguf_io import open_reader
-from powerinfer_tools.runtime.inference import decoded_lines
+from powerinfer_tools.runtime.inference import decoded_line
 
 E, F, V, N_HEAD, N_KV = 256, 512, 64, 4, 2  # rows of 256 values: k-quant super-blocks fit every matrix
 KV = E // N_HEAD * N_KV
@@ -152,15 +152,18 @@ def test_bf16_beyond_the_range_of_f16_is_decoded_to_f32(tmp_path):
     assert counts == {("f16", False): 6, ("f32", False): 1, ("f16", True): 1}
 
 
-def test_decoded_lines_say_what_and_how_much():
-    info = {"seconds": 0.47, "kinds": [
+def test_the_decoded_line_says_what_how_much_and_where_it_is_kept(tmp_path):
+    kinds = [
         {"from": "q4_1", "to": "q8_0", "transposed": False, "tensors": 180, "bytes": 84602880, "file_bytes": 49766400},
-        {"from": "q4_1", "to": "q8_0", "transposed": True, "tensors": 30, "bytes": 28200960, "file_bytes": 16588800}]}
-    assert decoded_lines(info) == [
-        "decoded 180 q4_1 tensors to q8_0 at load (+80.7 MiB in memory, 47.5 MiB in the file)",
-        "transposed 30 q4_1 ffn_down tensors (llama.cpp's layout) to q8_0 ffn_down_t at load (+26.9 MiB in memory, "
-        "15.8 MiB in the file); decoding took 0.47 s"]
-    assert decoded_lines({"seconds": 0.0, "kinds": []}) == []
+        {"from": "q4_1", "to": "q8_0", "transposed": True, "tensors": 30, "bytes": 28200960, "file_bytes": 16588800}]
+    cache = tmp_path / "m.decoded"
+    assert decoded_line({"seconds": 0.47, "cache": "written", "kinds": kinds}, cache) == (
+        "decoded 180 q4_1 tensors to q8_0, transposed 30 q4_1 ffn_down tensors (llama.cpp's layout) to q8_0 "
+        f"ffn_down_t at load in 0.47 s (+107.6 MiB in memory, 63.3 MiB in the file); kept in {cache} for the next load")
+    assert decoded_line({"seconds": 0.47, "cache": "not written", "kinds": kinds}, cache).endswith(
+        f"could not keep them in {cache}: decoded again at every load")
+    assert decoded_line({"seconds": 0.01, "cache": "read", "kinds": kinds}, cache) is None  # quiet once kept
+    assert decoded_line({"seconds": 0.0, "cache": "off", "kinds": []}) is None
 
 
 @pytest.mark.parametrize("qtype", [Q.IQ2_XXS, Q.TQ1_0, Q.Q8_K], ids=lambda t: t.name)

@@ -89,15 +89,25 @@ def test_k_quant_file_runs_as_its_q8_0_conversion(k_quant_file, q4_1_file, tmp_p
     assert np.sqrt(((got - original) ** 2).mean()) < 0.2 * original.std()
 
 
-def test_run_says_what_it_decoded(q4_1_file, capsys):
-    code, out, err = run_cli(capsys, "run", "-m", q4_1_file, "-p", "The capital of France is", "-n", "4", "--temp", "0",
-                             "-t", "2")
-    assert code == 0
-    assert out.startswith("The capital of France is Paris")
+def test_run_says_once_what_it_decoded_and_then_reads_it_back(q4_1_file, tmp_path, monkeypatch, capsys):
+    """The first run decodes and says so in one line, keeping the rows in the cache directory; later runs read
+    them back and say nothing of it."""
+    from powerinfer_tools.runtime.inference import decode_cache_path
+
+    monkeypatch.setenv("POWERINFER_TOOLS_CACHE", str(tmp_path))
+    cache = decode_cache_path(q4_1_file)
+    args = ("run", "-m", q4_1_file, "-p", "The capital of France is", "-n", "4", "--temp", "0", "-t", "2")
+    code, out, err = run_cli(capsys, *args)
+    assert code == 0 and out.startswith("The capital of France is Paris")
+    said = [line for line in err.splitlines() if "tensors" in line]
     # (attention's 120 tensors: read from their packed groups alone, their decoded rows freed)
-    assert "pi-tools: decoded 180 q4_1 tensors to q8_0 at load (+53.8 MiB in memory, 47.5 MiB in the file)" in err
-    assert ("pi-tools: transposed 30 q4_1 ffn_down tensors (llama.cpp's layout) to q8_0 ffn_down_t at load "
-            "(+26.9 MiB in memory, 15.8 MiB in the file); decoding took") in err
+    assert len(said) == 1 and said[0].startswith(
+        "pi-tools: decoded 180 q4_1 tensors to q8_0, transposed 30 q4_1 ffn_down tensors (llama.cpp's layout) to q8_0 "
+        "ffn_down_t at load in ")
+    assert said[0].endswith(f"(+80.7 MiB in memory, 63.3 MiB in the file); kept in {cache} for the next load")
+    assert cache.is_file() and cache.parent == tmp_path / "decoded"
+    code, again, err = run_cli(capsys, *args)
+    assert code == 0 and again == out and "tensors" not in err
 
 
 

@@ -61,10 +61,10 @@ def test_costs_metadata_and_tensors_equal_gguf_py_on_a_32000_token_file(model):
 def test_plan_maps_the_profile_through_the_files_neuron_order(model, tmp_path):
     counts = power_law_counts(N_LAYER, N_FF)
     costs = placement.model_costs(model)
-    fixed, _ = placement.fixed_costs(costs, placement.DEFAULT_CTX_SIZE, 0, True, "all")
+    fixed, _ = placement.fixed_costs(costs, 512, 0, True, "all")
     half = sum(fixed.values()) + int(costs.neuron_bytes[0]) * N_FF  # room for half of the neurons
-    plan = placement.plan_for_model(write_profile(tmp_path / "prof", counts), model, half, reserve_bytes=0,
-                                    min_layer_neurons=0)
+    plan = placement.plan_for_model(write_profile(tmp_path / "prof", counts), model, half, ctx_size=512,
+                                    reserve_bytes=0, min_layer_neurons=0)
     assert 0 < plan.gpu_neurons.sum() < N_LAYER * N_FF
     assert plan.neuron_order == field(open_reader(model), neuron_order.ORDER_KEY)
     for c, idx in zip(counts, plan.gpu_index):  # the file keeps each layer reversed: position p is neuron n-1-p

@@ -14,7 +14,7 @@ from convert_helpers import write_predictors
 from placement_fixtures import power_law_counts, write_profile
 from tiny_models import HIDDEN, KINDS, N_FF, N_LAYER
 
-from powerinfer_tools.stages import dry_run
+from powerinfer_tools.stages import dry_run, options
 from powerinfer_tools.stages import placement
 from powerinfer_tools.stages.conversion import convert_model, encoded_nbytes
 from powerinfer_tools.core.errors import UserError
@@ -127,8 +127,12 @@ def test_bundled_configs_have_the_published_shapes():
 @pytest.mark.parametrize("name", REAL_SIZES)
 def test_dry_run_plans_on_real_sizes_respect_the_budget(name):
     model = dry_run.load(name)
-    parts = dry_run.size_report(model, "q4_0", predictor_rank=256).parts()
-    fixed = placement.DEFAULT_RESERVE_BYTES + parts["attention"] + parts["predictors"] + parts["output"] + 2**30
+    report = dry_run.size_report(model, "q4_0", predictor_rank=256)
+    parts = report.parts()
+    # the KV cache at the default context: the config's, at most 4096
+    ctx = options.default_ctx_size(report.costs.context_length)
+    kv = report.costs.kv_bytes_per_layer(ctx) * report.costs.n_layer
+    fixed = placement.DEFAULT_RESERVE_BYTES + parts["attention"] + parts["predictors"] + parts["output"] + kv + 2**30
     for share in (0.2, 0.6):  # budgets that hold a fifth / three fifths of the FFN beside the fixed costs
         budget = fixed + share * parts["ffn"]
         result = dry_run.plan_from_config(model, "q4_0", budget, predictor_rank=256)
@@ -138,7 +142,7 @@ def test_dry_run_plans_on_real_sizes_respect_the_budget(name):
         assert plan.breakdown["ffn"] >= share * parts["ffn"]
         assert plan.breakdown["free"] >= 0
         assert plan.breakdown["attention"] == costs.attention_bytes.sum()
-        assert plan.breakdown["kv_cache"] == costs.kv_bytes_per_layer(512) * costs.n_layer
+        assert plan.breakdown["kv_cache"] == kv and plan.ctx_size == ctx
         assert plan.breakdown["ffn"] == int(np.sum(plan.gpu_neurons * costs.neuron_bytes))
         opened = plan.gpu_neurons > 0
         assert np.all(plan.gpu_neurons[opened] >= plan.min_neurons[opened]) and opened.any()

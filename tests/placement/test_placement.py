@@ -178,8 +178,12 @@ def expect_one_line_error(capsys, code, *needles):
 
 def test_budget_below_fixed_costs_is_one_line_with_breakdown(model, profile, tmp_path, capsys):
     out = tmp_path / "never.gpuidx"
+    from powerinfer_tools.formats.gguf_header import read_header
+
     code = run_cli("plan", "--profile", profile, "-m", model, "--vram-budget", 0.00001, "-o", out)
-    expect_one_line_error(capsys, code, "below the fixed costs", "reserve", "output", "KV cache (ctx 512)",
+    ctx = placement.model_ctx_size(read_header(model))  # the model's default context, which run opens it with
+    assert ctx == 2048  # the file names no context_length: the engine's assumption
+    expect_one_line_error(capsys, code, "below the fixed costs", "reserve", "output", f"KV cache (ctx {ctx})",
                           "attention", "predictors")
     assert not out.exists()
 

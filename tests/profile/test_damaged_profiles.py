@@ -255,7 +255,7 @@ def write_input_table(value):
     return edit
 
 
-INPUT = ["--input-sparsity"]
+INPUT = ["--input-thresholds"]
 
 
 @pytest.mark.parametrize("edit,args,needle", [

@@ -117,7 +117,7 @@ def test_profile_writes_the_table_and_convert_stores_it_with_the_transposed_matr
     table = isp.InputThresholds.load(profile_dir, 2)
     out = tmp_path / "m.gguf"
     code, stdout, err = run_cli(capsys, "convert", "-m", tiny_model_dir("llama-silu"), "--profile", profile_dir,
-                                "--outtype", "f32", "-o", out, "-q", "--ours-only", "--input-sparsity")
+                                "--outtype", "f32", "-o", out, "-q", "--ours-only", "--input-thresholds")
     assert code == 0, err
     assert "input sparsity: the profile's uniform thresholds" in stdout
     fields = read_fields(out)
@@ -132,7 +132,7 @@ def test_profile_writes_the_table_and_convert_stores_it_with_the_transposed_matr
             assert np.array_equal(tensors[f"blk.{i}.{transposed}.weight"], tensors[f"blk.{i}.{base}.weight"].T)
     plain = tmp_path / "plain.gguf"
     code, stdout, err = run_cli(capsys, "convert", "-m", tiny_model_dir("llama-silu"), "--profile", profile_dir,
-                                "--outtype", "f32", "-o", plain, "-q", "--ours-only", "--no-input-sparsity")
+                                "--outtype", "f32", "-o", plain, "-q", "--ours-only", "--no-input-thresholds")
     assert code == 0, err
     assert names.KEY_INPUT_THRESHOLDS not in read_fields(plain)
     assert not any(name.endswith("_t.weight") and "down" not in name for name in read_tensors(plain))

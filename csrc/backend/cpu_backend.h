@@ -62,8 +62,8 @@ private:
     void settle(const Pass &p, int64_t t, int64_t r, bool pass, float h, Tally &c);
     void down_decode(const Pass &p);
     void down_batch(const Pass &p);
-    // down_batch's integer path: rows_[0, n_used) (every row where in_place, h_ read without the mask)
-    void down_batch_int(const Pass &p, int64_t n_used, bool in_place);
+    // down_batch's integer path over the used rows rows_[0, n_used) (in slot order)
+    void down_batch_int(const Pass &p, int64_t n_used);
     // bytes of one thread's requantized tile of down_batch_int
     static size_t down_tile_bytes();
 
@@ -104,6 +104,8 @@ private:
     std::vector<BlockQ8_0> down_q_;  // [batch][used rows / 32 + 1]: the integer path's coefficients in q8_0
     std::vector<uint8_t> down_tile_;  // [threads][down_tile_bytes()]: a tile's transpose in q8_0 8-row groups
     std::vector<float> down_out_;     // [threads][batch][tile columns]: a panel's sums
+    std::vector<int32_t> down_blocks_;       // [slots / 32 + 1]: the blocks of 32 slots a batch uses
+    std::vector<int64_t> down_panel_first_;  // [panels + 1]: each panel's first among them
     // [threads][pack_scratch_bytes_]: a batch's pass of gate and up groups packed from rows (no kept groups)
     std::vector<uint8_t> pack_scratch_;
     size_t pack_scratch_bytes_ = 0;

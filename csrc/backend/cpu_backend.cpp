@@ -710,16 +710,16 @@ void CpuTierBackend::down_batch_int(const Pass &p, int64_t n_used) {
         float *part = down_out_.data() + int64_t(thread) * n_batch_ * kDownTileCols;
         const void *rows[kDownPanelRows];
         for (int64_t t = 0; t < n_tok; ++t) std::fill(y + t * E + c0, y + t * E + c1, 0.0f);
-        for (int64_t tc = c0; tc < c1; tc += kDownTileCols) {
-            const int cn = int(std::min(kDownTileCols, c1 - tc));
-            for (int64_t pn = 0; pn < n_panels; ++pn) {
-                const int64_t j0 = down_panel_first_[size_t(pn)], j1 = down_panel_first_[size_t(pn + 1)];
-                if (j0 == j1) continue;
-                const int np = int((j1 - j0) * QK);
-                for (int i = 0; i < np; ++i) {
-                    const int64_t r = int64_t(down_blocks_[size_t(j0 + i / QK)]) * QK + i % QK;
-                    rows[i] = r < n ? static_cast<const void *>(T.row(T.down_t, r)) : static_cast<const void *>(zero_row_.data());
-                }
+        for (int64_t pn = 0; pn < n_panels; ++pn) {  // a panel's coefficients stay in cache across its tiles
+            const int64_t j0 = down_panel_first_[size_t(pn)], j1 = down_panel_first_[size_t(pn + 1)];
+            if (j0 == j1) continue;
+            const int np = int((j1 - j0) * QK);
+            for (int i = 0; i < np; ++i) {
+                const int64_t r = int64_t(down_blocks_[size_t(j0 + i / QK)]) * QK + i % QK;
+                rows[i] = r < n ? static_cast<const void *>(T.row(T.down_t, r)) : static_cast<const void *>(zero_row_.data());
+            }
+            for (int64_t tc = c0; tc < c1; tc += kDownTileCols) {
+                const int cn = int(std::min(kDownTileCols, c1 - tc));
                 kd.pack_columns8(np, rows, int(tc), cn, tile);
                 kq.gemm8(np, cn / kPackRows, tile, int(n_tok), down_q_.data() + j0, x_stride, part, kDownTileCols);
                 for (int64_t t = 0; t < n_tok; ++t) {

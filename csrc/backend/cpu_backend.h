@@ -3,7 +3,8 @@
 // computes: every one, the predictor's, or the true mask), gate/up grouped (8-row groups by gemm8, for the modes
 // that read every gate), gate/up gathered (rows by index), the fused predictor step (a decode step's scoring,
 // listing and gates/ups in one pool job), down decode (one token's used rows in fixed runs) and down batch
-// (panels of widened rows through gemm_f32). Every path applies the one ActivationRule, so a neuron's value does
+// (q4_0/q8_0 rows: tiles requantized by pack_columns8 through gemm8, in integers; f32/f16: panels of widened rows
+// through gemm_f32). Every path applies the one ActivationRule, so a neuron's value does
 // not depend on the path that computed it.
 #pragma once
 

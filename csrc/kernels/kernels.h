@@ -58,7 +58,7 @@ struct KernelSet {
     // x (n floats, n % 32 == 0) -> n/32 q8_0 blocks, bit-exact with gguf-py's Q8_0 quantizer
     void (*quantize_q8_0)(int n, const float *x, void *out);
     // y[t][c] += sum_r h[t][r] * w[r][c] (t < n_tok, c < n_cols, r < n_rows): a batch's
-    // down projection from a panel of widened rows. Each element is an fma chain over r in order.
+    // down projection from a panel of widened f32/f16 rows, and attention. Each element is an fma chain over r in order.
     void (*gemm_f32)(int n_tok, int n_rows, int n_cols, const float *h, int ldh, const float *w, int ldw, float *y,
                      int ldy);
     // the same with w in f16 (a KV cache in half precision), each element widened as it is read: bit-identical

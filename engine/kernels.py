@@ -100,6 +100,16 @@ def axpy_quads(isa: str, n: int, n_rows: int, quads: np.ndarray, a: np.ndarray, 
     return y
 
 
+def pack_columns8(isa: str, wtype: str, rows: list[np.ndarray], col0: int, n_cols: int) -> np.ndarray:
+    """Columns [col0, col0 + n_cols) of stored q4_0/q8_0 rows, transposed and requantized to q8_0 8-row groups
+    (gemm8's q8_0 layout; a batch's down projection in integers): group g holds columns col0 + 8g .. + 8."""
+    rows = [_raw(r) for r in rows]
+    ptrs = (ctypes.c_void_p * max(1, len(rows)))(*[r.ctypes.data for r in rows])
+    out = np.zeros(n_cols // 8 * (len(rows) // 32) * PACKED_BLOCK["q8_0"], dtype=np.uint8)
+    check(lib().pi_kernel_pack_columns8(isa.encode(), TYPE_IDS[wtype], len(rows), ptrs, col0, n_cols, _ptr(out)))
+    return out
+
+
 def gemm8(isa: str, wtype: str, n: int, packed: np.ndarray, x: np.ndarray) -> np.ndarray:
     """The dots of every row of consecutive packed 8-row groups with each token's q8_0 operand: x holds one
     operand (n/32 blocks) per token, one after the other; returns [tokens, rows]."""

@@ -1,10 +1,12 @@
-"""Decode speed of two builds of the engine library on one file, each run in fresh processes, alternated per
+"""Decode (or, with --phase prefill, prompt) speed of two builds of the engine library on one file, each run in fresh
+processes, alternated per
 round (A then B, then B then A): the median of the per-round ratios B/A with its quartiles, per FFN mode.
 
 Two builds loaded into one process mislead: the one loaded second ran up to ~10 % faster here, in either order
 (docs/log/perf-notes.md §35, "Tried and dropped"). A process per measurement costs a second of loading and no bias.
 
     python scripts/ab_engine_builds.py A.so B.so model.powerinfer.gguf gate predictor [--rounds 6] [--threads 2]
+    python scripts/ab_engine_builds.py A.so B.so model.powerinfer.gguf dense --phase prefill --prompt 128
 
 Build a library from another tree (a commit to compare with) with `python setup.py build_ext --inplace` there;
 each process loads its build through PI_ENGINE_LIB. Tokens: the start of --text (default: the README) through
@@ -44,10 +46,28 @@ with engine.Model(path, threads=threads, ctx_size=len(tokens) + 8, sparse_mode=m
 print(best)
 """
 
+# --phase prefill: the prompt as one batch (the runs' best), its tokens per second
+PREFILL = """
+import sys, time
+import powerinfer_engine as engine
+path, mode, threads, n_prompt, runs = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+tokens = [int(t) for t in sys.argv[6].split(",")][:n_prompt]
+with engine.Model(path, threads=threads, ctx_size=n_prompt + 8, sparse_mode=mode, batch_size=n_prompt) as m:
+    best = 0.0
+    for run in range(runs + 1):  # the first run warms the caches and arranges the layers
+        m.reset()
+        t0 = time.perf_counter()
+        m.eval(tokens, all_logits=False)
+        if run:
+            best = max(best, n_prompt / (time.perf_counter() - t0))
+print(best)
+"""
+
 
 def tokens_per_second(lib: str, args: argparse.Namespace, mode: str, tokens: list[int]) -> float:
     env = dict(os.environ, PI_ENGINE_LIB=lib)
-    out = subprocess.run([sys.executable, "-c", DECODE, args.model, mode, str(args.threads), str(args.prompt),
+    code = PREFILL if args.phase == "prefill" else DECODE
+    out = subprocess.run([sys.executable, "-c", code, args.model, mode, str(args.threads), str(args.prompt),
                           str(args.runs), ",".join(map(str, tokens))], env=env, capture_output=True, text=True)
     if out.returncode != 0:  # the child's own last line: the engine's message (a bad library, file or mode)
         sys.exit(f"{lib}: {(out.stderr.strip().splitlines() or ['exit status %d' % out.returncode])[-1]}")
@@ -65,6 +85,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="engine threads (default 2)")
     ap.add_argument("--prompt", type=int, default=32, help="prompt tokens before each timed run (default 32)")
     ap.add_argument("--gen", type=int, default=128, help="decode steps timed per run (default 128)")
+    ap.add_argument("--phase", choices=("decode", "prefill"), default="decode",
+                    help="what is timed: decode steps, or the prompt as one batch (default decode)")
     ap.add_argument("--text", default=os.path.join(ROOT, "README.md"), help="text the tokens come from (default: README)")
     args = ap.parse_args()
     try:
@@ -72,6 +94,8 @@ def main() -> None:
             tokens = tokenizer_from_file(args.model)(f.read())["input_ids"][: args.prompt + args.gen]
     except (OSError, UserError) as exc:
         sys.exit(f"ab_engine_builds.py: {exc}")
+    if args.prompt < 1 or args.gen < 0:
+        sys.exit("ab_engine_builds.py: --prompt must be at least 1 and --gen at least 0")
     if len(tokens) < args.prompt + args.gen:
         sys.exit(f"{args.text} gives {len(tokens)} tokens, fewer than --prompt + --gen")
     for mode in args.modes:

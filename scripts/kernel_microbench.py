@@ -7,12 +7,21 @@ at random and sorted, or on all of them in order:
 * `dot_rows` over gathered rows (a sparse FFN's gate/up rows read by index),
 * `axpy_rows` over gathered rows (the down projection's `ffn_down_t` rows).
 
+and as a prompt batch calls them on one L2-resident tile (`--tokens` tokens, 128 by default):
+
+* `gemm8` over a packed tile of 128 rows x 1024 values (a batch's gate/up, or attention),
+* the batch down projection in integers over the same number of weights, a panel of 1024 `ffn_down_t` rows x
+  128 columns: `pack_columns8` (the panel's transpose requantized to q8_0 groups) then `gemm8` on them,
+* `gemm_f32` over the panel already widened to floats (the float path it replaced, without its widening).
+
+Batch rows give GB/s of the tile's stored bytes per batch call and ns per 32-value block per token.
+
 "hot": one matrix of 768 rows, L2-resident (the kernel's compute cost); "cold": the same call over 60 such
 matrices (~30 MB, more than this machine's L3 share), DRAM latency and bandwidth included. One C call per
 matrix, so the ctypes overhead (~1 us) is small against the work; the best of `--passes` is kept (shared
 machine). Used for docs/log/perf-notes.md: prediction vs outcome per kernel change.
 
-    python scripts/kernel_microbench.py [--isa avx2] [--passes 20]
+    python scripts/kernel_microbench.py [--isa avx2] [--passes 20] [--tokens 128]
 """
 from __future__ import annotations
 
@@ -28,6 +37,7 @@ from powerinfer_engine._lib import lib
 
 Q = gguf.GGMLQuantizationType
 N, ROWS, MATRICES = 576, 1536, 60
+PANEL_ROWS, TILE_COLS = 1024, 128  # csrc/backend/cpu_backend.cpp kDownPanelRows, kDownTileCols
 PACKED_BLOCK = {"q4_0": 144, "q8_0": 272}
 
 
@@ -45,7 +55,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--isa", default=kernels.selected())
     ap.add_argument("--passes", type=int, default=20)
+    ap.add_argument("--tokens", type=int, default=128, help="tokens of the batch kernels (default 128)")
     args = ap.parse_args()
+    if args.tokens < 1:
+        raise SystemExit("kernel_microbench: --tokens must be at least 1")
     rng = np.random.default_rng(0)
     f, isa = lib(), args.isa.encode()
     xq = gguf.quants.quantize(rng.normal(0, 1, N).astype(np.float32), Q.Q8_0)
@@ -81,6 +94,53 @@ def main() -> None:
             cold = best(lambda: [fn(k) for k in range(MATRICES)], max(3, args.passes // 4)) / MATRICES
             print(f"{args.isa:8s} {wtype:5s} {name:10s} {which:10s} {nbytes / hot / 1e9:9.1f} {hot / blocks * 1e9:7.2f} "
                   f"{nbytes / cold / 1e9:10.1f} {cold / blocks * 1e9:7.2f}")
+
+
+    batch(args, rng)
+
+
+def batch(args, rng) -> None:
+    """The batch kernels on one tile (module docstring)."""
+    f, isa, ptr, T = lib(), args.isa.encode(), ctypes.c_void_p, args.tokens
+    h = rng.normal(0, 1, (T, PANEL_ROWS)).astype(np.float32)
+    hq = np.ascontiguousarray(gguf.quants.quantize(h, Q.Q8_0))
+    tile = np.zeros(TILE_COLS // 8 * PANEL_ROWS // 32 * PACKED_BLOCK["q8_0"], np.uint8)
+    out = np.zeros((T, max(TILE_COLS, PANEL_ROWS)), np.float32)
+    y = np.zeros((T, TILE_COLS), np.float32)
+    blocks = PANEL_ROWS * TILE_COLS / 32 * T
+    print(f"\n{'isa':8s} {'type':5s} {'batch kernel':34s} {'tokens':>6s} {'GB/s':>7s} {'ns/blk/tok':>11s}")
+    for wtype, qt in (("q4_0", Q.Q4_0), ("q8_0", Q.Q8_0)):
+        tid = kernels.TYPE_IDS[wtype]
+        down_t = np.ascontiguousarray(gguf.quants.quantize(rng.normal(0, 1, (PANEL_ROWS, TILE_COLS)).astype(np.float32), qt))
+        rows = (ptr * PANEL_ROWS)(*[down_t.ctypes.data + r * down_t.shape[1] for r in range(PANEL_ROWS)])
+        gate = np.ascontiguousarray(gguf.quants.quantize(rng.normal(0, 1, (TILE_COLS, PANEL_ROWS)).astype(np.float32), qt))
+        packed = np.concatenate([kernels.pack8(wtype, PANEL_ROWS, list(gate[g:g + 8])) for g in range(0, TILE_COLS, 8)])
+        widened = gguf.quants.dequantize(down_t, qt).astype(np.float32)
+        nbytes = down_t.nbytes
+
+        def pack():
+            f.pi_kernel_pack_columns8(isa, tid, PANEL_ROWS, rows, 0, TILE_COLS, ptr(tile.ctypes.data))
+
+        def down_int():
+            pack()
+            f.pi_kernel_gemm8(isa, kernels.TYPE_IDS["q8_0"], PANEL_ROWS, TILE_COLS // 8, ptr(tile.ctypes.data), T,
+                              ptr(hq.ctypes.data), ptr(out.ctypes.data))
+
+        def gate_gemm8():
+            f.pi_kernel_gemm8(isa, tid, PANEL_ROWS, TILE_COLS // 8, ptr(packed.ctypes.data), T, ptr(hq.ctypes.data),
+                              ptr(out.ctypes.data))
+
+        def down_f32():
+            f.pi_kernel_gemm_f32(isa, T, PANEL_ROWS, TILE_COLS, ptr(h.ctypes.data), ptr(widened.ctypes.data),
+                                 ptr(y.ctypes.data))
+
+        for name, fn, per_token in (("gemm8 (gate/up tile)", gate_gemm8, True),
+                                    ("down: pack_columns8 + gemm8 q8_0", down_int, True),
+                                    ("down: pack_columns8 alone", pack, False),
+                                    ("down: gemm_f32 on widened rows", down_f32, True)):
+            t = best(fn, args.passes)
+            per_blk = f"{t / blocks * 1e9:11.3f}" if per_token else f"{'':>11s}"
+            print(f"{args.isa:8s} {wtype:5s} {name:34s} {T if per_token else '':>6} {nbytes / t / 1e9:7.2f} {per_blk}")
 
 
 if __name__ == "__main__":

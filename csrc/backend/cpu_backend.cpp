@@ -21,6 +21,12 @@ double seconds_since(Clock::time_point t0) { return std::chrono::duration<double
 const int kListAhead = 32;
 const int64_t kPanelRows = 128;     // down_t rows widened per panel of a batch's down projection
 const int64_t kPanelTokens = 64;    // tokens per gemm_f32 call over a panel
+// A quantized batch's down projection in integers: tiles of kDownTileCols columns by kDownPanelRows rows, the
+// tile's transpose requantized once (pack_columns8) and multiplied by gemm8 for every token while it stays in L2
+// (about 140 KB, and the tokens' coefficients for those rows beside it)
+const int64_t kDownTileCols = 128;
+const int64_t kDownPanelRows = 1024;
+static_assert(kDownTileCols % QK == 0 && kDownPanelRows % QK == 0, "tiles are whole blocks");
 const int64_t kGatherRows = 64;     // selected rows per pass of the gathered gate/up path
 const int64_t kDecodeGatherRows = 256;  // the same for one token: longer lists
 static_assert(kDecodeGatherRows >= kGatherRows, "gate_up_gathered's lists are sized for the longer pass");
@@ -66,6 +72,10 @@ struct CpuTierBackend::Pass {
     const void *xn_at(int64_t t, uint32_t type) const { return job.xn->at(t, type); }
 };
 
+size_t CpuTierBackend::down_tile_bytes() {
+    return size_t(kDownTileCols / kPackRows) * size_t(kDownPanelRows / QK) * packed_block_bytes(TYPE_Q8_0);
+}
+
 CpuTierBackend::CpuTierBackend(const HParams &hp, const KernelSet &ks, ThreadPool &pool, int64_t n_batch,
                                int64_t max_rank, bool copies_tiers)
     : hp_(hp), ks_(ks), pool_(pool), n_batch_(n_batch), max_rank_(std::max<int64_t>(max_rank, 1)),
@@ -85,9 +95,10 @@ double CpuTierBackend::scratch_bytes(const HParams &hp, int64_t rows, int64_t n_
     const double F = double(rows), E = double(hp.n_embd), B = double(n_batch), T = double(threads);
     const double R = double(std::max<int64_t>(max_rank, 1));
     const double floats = B * (3 * F + 2 * kPackRows + R) + F + (F / double(kDownRunRows) + 1) * E +
-                          T * double(kPanelRows) * (E + double(kPanelTokens));
+                          T * double(kPanelRows) * (E + double(kPanelTokens)) + T * B * double(kDownTileCols);
     return 4 * floats + B * F * 3 + F * (1 + 4 + 8) + T * (pack_scratch_bytes(E) + sizeof(ChunkList)) +
-           (B * R / QK + E / QK) * double(sizeof(BlockQ8_0));
+           (B * R / QK + E / QK + B * (F / QK + 1)) * double(sizeof(BlockQ8_0)) + T * double(down_tile_bytes()) +
+           (F / QK + F / double(kDownPanelRows) + 3) * 8;
 }
 
 void CpuTierBackend::upload(int64_t il, const Layer &layer, const FfnTier &tier) {
@@ -112,6 +123,11 @@ void CpuTierBackend::upload(int64_t il, const Layer &layer, const FfnTier &tier)
     chunk_lists_.assign(size_t(threads), ChunkList{});
     panel_w_.assign(size_t(threads * kPanelRows * E), 0.0f);
     panel_h_.assign(size_t(threads * kPanelTokens * kPanelRows), 0.0f);
+    down_q_.resize(size_t(B * (F / QK + 1)));
+    down_blocks_.assign(size_t(F / QK + 1), 0);
+    down_panel_first_.assign(size_t(F / kDownPanelRows + 2), 0);
+    down_tile_.assign(size_t(threads) * size_t(down_tile_bytes()), 0);
+    down_out_.assign(size_t(threads * B * kDownTileCols), 0.0f);
     zero_row_.assign(size_t(E / QK) * sizeof(BlockQ8_0), 0);  // the widest row that packs
     pack_scratch_bytes_ = size_t(pack_scratch_bytes(double(E)));
     pack_scratch_.assign(size_t(threads) * pack_scratch_bytes_, 0);
@@ -602,6 +618,7 @@ void CpuTierBackend::down_batch(const Pass &p) {
         rows_[size_t(n_used)] = int32_t(r);
         n_used += users > 0;
     }
+    if (kd.pack_columns8 && ks_.q8_0.gemm8) return down_batch_int(p, n_used);
     // every token's every row settled: the modes that list every row, and a predictor batch that read every
     // gate in order (its unselected neurons settled as not used)
     const bool settled_all = (p.mode != TierMode::Predictor && p.mode != TierMode::Oracle) || p.stream_selected;
@@ -640,6 +657,81 @@ void CpuTierBackend::down_batch(const Pass &p) {
     };
     const int64_t column_units = (E + align - 1) / align;
     pool_.run(int(std::min<int64_t>(column_units, pool_.chunks_for(n_used * E * n_tok, kGrain))), down);
+}
+
+// The same product in integers (q4_0 / q8_0 rows), on a fixed grid of the tier's slots: blocks of 32 slots, the
+// operand's blocks (each token's coefficients there in q8_0, 0 where a token leaves a row out) and the weights'
+// (pack_columns8: the transpose of a tile's columns requantized per column and block); panels of kDownPanelRows
+// slots, whose sums gemm8 computes for every token and which are added to y in order. Blocks no token uses are
+// left out: they would add exact zeros, so a token's sums do not depend on the modes or the batch it came in
+// (dense, gate and oracle batches, a prompt in any batches, give the same bits). Each thread owns tiles of
+// columns. The arithmetic is this tier's own (as llama.cpp multiplies its matrices): tests bound it against the
+// decode step's and float64.
+void CpuTierBackend::down_batch_int(const Pass &p, int64_t n_used) {
+    const FfnTier &T = p.T;
+    const int64_t E = p.E, n_tok = p.n_tok, F = ld_, n = p.n;
+    constexpr int64_t kPanelBlocks = kDownPanelRows / QK;
+    const int64_t n_panels = (n + kDownPanelRows - 1) / kDownPanelRows;
+    // the used blocks in slot order (rows_ is), and where each panel's start among them
+    int64_t nb = 0;
+    for (int64_t i = 0; i < n_used; ++i) {
+        const int32_t b = rows_[size_t(i)] / int32_t(QK);
+        if (nb == 0 || down_blocks_[size_t(nb - 1)] != b) down_blocks_[size_t(nb++)] = b;
+    }
+    for (int64_t pn = 0, j = 0; pn <= n_panels; ++pn) {
+        while (j < nb && down_blocks_[size_t(j)] < pn * kPanelBlocks) ++j;
+        down_panel_first_[size_t(pn)] = j;
+    }
+    const size_t x_stride = size_t(nb) * sizeof(BlockQ8_0);
+    auto coefficients = [&](int chunk, int n_chunks, int) {
+        int64_t t0, t1;
+        split_range(n_tok, chunk, n_chunks, &t0, &t1);
+        for (int64_t t = t0; t < t1; ++t) {
+            float c[QK];
+            for (int64_t j = 0; j < nb; ++j) {
+                for (int64_t i = 0; i < QK; ++i) {
+                    const int64_t r = int64_t(down_blocks_[size_t(j)]) * QK + i;
+                    const size_t at = size_t(t * F + std::min(r, n - 1));
+                    c[i] = r < n && mask_[at] == 2 ? h_[at] : 0.0f;
+                }
+                ks_.quantize_q8_0(QK, c, down_q_.data() + t * nb + j);
+            }
+        }
+    };
+    pool_.run(int(std::min<int64_t>(n_tok, pool_.chunks_for(n_tok * nb * QK * 8, kGrain))), coefficients);
+
+    const TypeKernels &kd = ks_.for_type(T.down_t.type);
+    const TypeKernels &kq = ks_.q8_0;
+    float *y = p.job.y;
+    auto down = [&](int chunk, int n_chunks, int thread) {
+        int64_t c0, c1;
+        split_range(E, chunk, n_chunks, &c0, &c1, kDownTileCols);
+        uint8_t *tile = down_tile_.data() + size_t(thread) * size_t(down_tile_bytes());
+        float *part = down_out_.data() + int64_t(thread) * n_batch_ * kDownTileCols;
+        const void *rows[kDownPanelRows];
+        for (int64_t t = 0; t < n_tok; ++t) std::fill(y + t * E + c0, y + t * E + c1, 0.0f);
+        for (int64_t pn = 0; pn < n_panels; ++pn) {  // a panel's coefficients stay in cache across its tiles
+            const int64_t j0 = down_panel_first_[size_t(pn)], j1 = down_panel_first_[size_t(pn + 1)];
+            if (j0 == j1) continue;
+            const int np = int((j1 - j0) * QK);
+            for (int i = 0; i < np; ++i) {
+                const int64_t r = int64_t(down_blocks_[size_t(j0 + i / QK)]) * QK + i % QK;
+                rows[i] = r < n ? static_cast<const void *>(T.row(T.down_t, r)) : static_cast<const void *>(zero_row_.data());
+            }
+            for (int64_t tc = c0; tc < c1; tc += kDownTileCols) {
+                const int cn = int(std::min(kDownTileCols, c1 - tc));
+                kd.pack_columns8(np, rows, int(tc), cn, tile);
+                kq.gemm8(np, cn / kPackRows, tile, int(n_tok), down_q_.data() + j0, x_stride, part, kDownTileCols);
+                for (int64_t t = 0; t < n_tok; ++t) {
+                    float *yt = y + t * E + tc;
+                    const float *pt = part + t * kDownTileCols;
+                    for (int c = 0; c < cn; ++c) yt[c] += pt[c];
+                }
+            }
+        }
+    };
+    const int64_t tiles = (E + kDownTileCols - 1) / kDownTileCols;
+    pool_.run(int(std::min<int64_t>(tiles, pool_.chunks_for(nb * QK * E * n_tok, kGrain))), down);
 }
 
 }  // namespace pi

@@ -3,7 +3,8 @@
 // computes: every one, the predictor's, or the true mask), gate/up grouped (8-row groups by gemm8, for the modes
 // that read every gate), gate/up gathered (rows by index), the fused predictor step (a decode step's scoring,
 // listing and gates/ups in one pool job), down decode (one token's used rows in fixed runs) and down batch
-// (panels of widened rows through gemm_f32). Every path applies the one ActivationRule, so a neuron's value does
+// (q4_0/q8_0 rows: tiles requantized by pack_columns8 through gemm8, in integers; f32/f16: panels of widened rows
+// through gemm_f32). Every path applies the one ActivationRule, so a neuron's value does
 // not depend on the path that computed it.
 #pragma once
 
@@ -62,6 +63,10 @@ private:
     void settle(const Pass &p, int64_t t, int64_t r, bool pass, float h, Tally &c);
     void down_decode(const Pass &p);
     void down_batch(const Pass &p);
+    // down_batch's integer path over the used rows rows_[0, n_used) (in slot order)
+    void down_batch_int(const Pass &p, int64_t n_used);
+    // bytes of one thread's requantized tile of down_batch_int
+    static size_t down_tile_bytes();
 
     // The predictor's hidden layer relu(fc1 x), prepared as fc2's operand.
     Operand predictor_hidden(const Layer &L, Operand &x, int64_t n_tok);
@@ -97,6 +102,11 @@ private:
     std::vector<BlockQ8_0> q_hid_;
     std::vector<float> panel_w_;  // [threads][panel rows][n_embd]: widened down_t rows of a batch
     std::vector<float> panel_h_;  // [threads][panel tokens][panel rows]: their coefficients
+    std::vector<BlockQ8_0> down_q_;  // [batch][used rows / 32 + 1]: the integer path's coefficients in q8_0
+    std::vector<uint8_t> down_tile_;  // [threads][down_tile_bytes()]: a tile's transpose in q8_0 8-row groups
+    std::vector<float> down_out_;     // [threads][batch][tile columns]: a panel's sums
+    std::vector<int32_t> down_blocks_;       // [slots / 32 + 1]: the blocks of 32 slots a batch uses
+    std::vector<int64_t> down_panel_first_;  // [panels + 1]: each panel's first among them
     // [threads][pack_scratch_bytes_]: a batch's pass of gate and up groups packed from rows (no kept groups)
     std::vector<uint8_t> pack_scratch_;
     size_t pack_scratch_bytes_ = 0;

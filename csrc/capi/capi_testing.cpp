@@ -145,6 +145,21 @@ pi_status pi_kernel_axpy_quads(const char *isa, int32_t n, int32_t n_rows, const
     });
 }
 
+pi_status pi_kernel_pack_columns8(const char *isa, int32_t type, int32_t n_rows, const void *const *rows, int32_t col0,
+                                  int32_t n_cols, void *out) {
+    return guarded([&] {
+        check_kernel_args(type, n_cols);
+        const pi::TypeKernels &k = kernel_set(isa).for_type(uint32_t(type));
+        if (!k.pack_columns8) pi::fail(PI_ERR_ARGUMENT, "only q4_0 and q8_0 rows are packed by columns");
+        if (n_rows < 0 || n_rows % pi::QK != 0 || col0 < 0 || col0 % pi::QK != 0)
+            pi::fail(PI_ERR_ARGUMENT, "n_rows and col0 must be non-negative multiples of 32");
+        need(rows, "rows");
+        for (int32_t r = 0; r < n_rows; ++r) need(rows[r], "a row");
+        need(out, "out");
+        k.pack_columns8(n_rows, rows, col0, n_cols, static_cast<uint8_t *>(out));
+    });
+}
+
 pi_status pi_kernel_gemm8(const char *isa, int32_t type, int32_t n, int32_t n_groups, const void *w, int32_t n_tok,
                           const void *x, float *out) {
     return guarded([&] {

@@ -52,6 +52,11 @@ pi_status pi_kernel_pack_quads(int32_t n, int32_t n_rows, const void *const *row
 /* y[i] += sum_r a[r] * row r[i], i < n, over n_rows q4_0 rows packed by pi_kernel_pack_quads (bit-identical to
  * pi_kernel_axpy_rows over the rows); PI_ERR_UNSUPPORTED where the set has no such kernel. */
 pi_status pi_kernel_axpy_quads(const char *isa, int32_t n, int32_t n_rows, const void *quads, const float *a, float *y);
+/* The transpose of columns [col0, col0 + n_cols) of n_rows q4_0/q8_0 rows requantized to q8_0 8-row groups
+ * (a batch's down projection in integers, kernels.h pack_columns8): n_cols / 8 groups of n_rows / 32 blocks of 272
+ * bytes, group g holding columns col0 + 8g .. + 8; n_rows, col0 and n_cols multiples of 32. */
+pi_status pi_kernel_pack_columns8(const char *isa, int32_t type, int32_t n_rows, const void *const *rows, int32_t col0,
+                                  int32_t n_cols, void *out);
 /* out[t][8g + r] = dot of row r of packed group g with token t's x (q8_0 blocks, n_tok operands one after
  * the other), for n_groups consecutive groups. */
 pi_status pi_kernel_gemm8(const char *isa, int32_t type, int32_t n, int32_t n_groups, const void *w, int32_t n_tok,

@@ -41,6 +41,13 @@ struct TypeKernels {
     // starting at quads: bit-identical to axpy_rows over the same rows. Only where the set has a faster path than
     // axpy_rows (AVX-512 VNNI), else nullptr.
     void (*axpy_quads)(int n, int n_rows, const void *quads, const float *a, float *y);
+    // The transpose of a panel of rows requantized for gemm8 (a batch's down projection in integers): columns
+    // [col0, col0 + n_cols) of rows w[0, n_rows) become n_cols / 8 q8_0 groups in the 8-row layout of packed.h,
+    // group g = columns col0 + 8g .. + 8 (gemm8's rows), block k = rows 32k .. 32k + 32 (gemm8's columns). Each
+    // column's 32 values (to_float's) are requantized as one q8_0 block: d = amax / 127 (stored in f16),
+    // q = nearbyint(v / d) (ties to even), bit-identical across sets. n_rows, col0 and n_cols multiples of 32.
+    // q4_0 / q8_0 only, else nullptr.
+    void (*pack_columns8)(int n_rows, const void *const *w, int col0, int n_cols, uint8_t *out);
 };
 
 constexpr int kGemv8MaxCols = 1 << 16;
@@ -51,7 +58,7 @@ struct KernelSet {
     // x (n floats, n % 32 == 0) -> n/32 q8_0 blocks, bit-exact with gguf-py's Q8_0 quantizer
     void (*quantize_q8_0)(int n, const float *x, void *out);
     // y[t][c] += sum_r h[t][r] * w[r][c] (t < n_tok, c < n_cols, r < n_rows): a batch's
-    // down projection from a panel of widened rows. Each element is an fma chain over r in order.
+    // down projection from a panel of widened f32/f16 rows, and attention. Each element is an fma chain over r in order.
     void (*gemm_f32)(int n_tok, int n_rows, int n_cols, const float *h, int ldh, const float *w, int ldw, float *y,
                      int ldy);
     // the same with w in f16 (a KV cache in half precision), each element widened as it is read: bit-identical

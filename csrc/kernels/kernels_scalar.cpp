@@ -215,15 +215,44 @@ void quantize_q8_0(int n, const float *x, void *out) {
     }
 }
 
-#define PI_TYPE_KERNELS(T, AXPY_ROWS, GEMM8, DOT_ROWS) \
-    {dot_##T, axpy_##T, to_float_##T, dot4_by_rows<dot_##T>, AXPY_ROWS, GEMM8, DOT_ROWS, nullptr}
+// pack_columns8 by its definition (kernels.h): each 32 x 32 tile widened by to_float, then column by column.
+template <void (*ToFloat)(int, const void *, float *), uint32_t Type>
+void pack_columns8(int n_rows, const void *const *w, int col0, int n_cols, uint8_t *out) {
+    const size_t bb = packed_block_bytes(TYPE_Q8_0);
+    const int nb = n_rows / QK;
+    float v[QK][QK];
+    for (int k = 0; k < nb; ++k)
+        for (int c0 = 0; c0 < n_cols; c0 += QK) {
+            for (int i = 0; i < QK; ++i)
+                ToFloat(QK, static_cast<const uint8_t *>(w[QK * k + i]) + element_offset(Type, col0 + c0), v[i]);
+            for (int c = 0; c < QK; ++c) {
+                float amax = 0.0f;
+                for (int i = 0; i < QK; ++i) amax = std::fmax(amax, std::fabs(v[i][c]));
+                const float d = amax / 127.0f;
+                const float id = d != 0.0f ? 1.0f / d : 0.0f;
+                const int col = c0 + c, r = col % kPackRows;
+                uint8_t *blk = out + (size_t(col / kPackRows) * nb + k) * bb;
+                const uint16_t h = f32_to_f16(d);
+                std::memcpy(blk + 2 * r, &h, 2);
+                for (int i = 0; i < QK; ++i) {
+                    const float q = std::nearbyintf(v[i][c] * id);
+                    blk[2 * kPackRows + 32 * (i / 4) + 4 * r + i % 4] = uint8_t(q >= -127.0f && q <= 127.0f ? int8_t(q) : 0);
+                }
+            }
+        }
+}
+
+#define PI_TYPE_KERNELS(T, AXPY_ROWS, GEMM8, DOT_ROWS, PACK_COLUMNS) \
+    {dot_##T, axpy_##T, to_float_##T, dot4_by_rows<dot_##T>, AXPY_ROWS, GEMM8, DOT_ROWS, nullptr, PACK_COLUMNS}
 
 const KernelSet kScalar = {
     "scalar",
-    PI_TYPE_KERNELS(f32, (axpy_rows_by_row<axpy_f32, TYPE_F32>), nullptr, dot_rows_by_row<dot_f32>),
-    PI_TYPE_KERNELS(f16, (axpy_rows_by_row<axpy_f16, TYPE_F16>), nullptr, dot_rows_by_row<dot_f16>),
-    PI_TYPE_KERNELS(q4_0, axpy_rows_q4_0_reference, gemm8<TYPE_Q4_0>, dot_rows_q<BlockQ4_0>),
-    PI_TYPE_KERNELS(q8_0, (axpy_rows_by_row<axpy_q8_0, TYPE_Q8_0>), gemm8<TYPE_Q8_0>, dot_rows_q<BlockQ8_0>),
+    PI_TYPE_KERNELS(f32, (axpy_rows_by_row<axpy_f32, TYPE_F32>), nullptr, dot_rows_by_row<dot_f32>, nullptr),
+    PI_TYPE_KERNELS(f16, (axpy_rows_by_row<axpy_f16, TYPE_F16>), nullptr, dot_rows_by_row<dot_f16>, nullptr),
+    PI_TYPE_KERNELS(q4_0, axpy_rows_q4_0_reference, gemm8<TYPE_Q4_0>, dot_rows_q<BlockQ4_0>,
+                    (pack_columns8<to_float_q4_0, TYPE_Q4_0>)),
+    PI_TYPE_KERNELS(q8_0, (axpy_rows_by_row<axpy_q8_0, TYPE_Q8_0>), gemm8<TYPE_Q8_0>, dot_rows_q<BlockQ8_0>,
+                    (pack_columns8<to_float_q8_0, TYPE_Q8_0>)),
     quantize_q8_0,
     gemm<float>,
     gemm<uint16_t>,

@@ -14,9 +14,19 @@ N_PROMPT = 24
 KINDS = ["llama-relu", "llama-silu", "prosparse", "bamboo", "falcon", "falcon7b", "opt"]
 
 
-def run(path, mode="dense", tokens=TOKENS, **kw):
-    """Logits of every token (the first N_PROMPT as batches of 16, then one at a time), info and stats."""
-    with engine.Model(path, threads=2, sparse_mode=mode, batch_size=16, **kw) as m:
+def comparable_batch(outtype: str) -> int:
+    """The batch size at which a device run's logits are compared with a CPU run's: 16, or token by token for a
+    quantized file. A CPU batch (the device run's cold tier's too) multiplies a quantized down projection in
+    integers (its input and the transposed weights in q8_0), the device in floats, and a random tiny model's
+    predictor or rule thresholds turn that rounding into other neurons; decode steps sum as the device does,
+    within TOLERANCE. Each tier's batches are bounded against float64 instead (test_engine_device.py
+    test_each_tier_is_as_close_to_float64)."""
+    return 1 if outtype in ("q8_0", "q4_0") else 16
+
+
+def run(path, mode="dense", tokens=TOKENS, batch_size=16, **kw):
+    """Logits of every token (the first N_PROMPT as batches of batch_size, then one at a time), info and stats."""
+    with engine.Model(path, threads=2, sparse_mode=mode, batch_size=batch_size, **kw) as m:
         rows = [m.eval(tokens[:N_PROMPT])] + [m.eval([t])[None, 0] for t in tokens[N_PROMPT:]]
         return np.concatenate(rows), m.info, m.stats()
 

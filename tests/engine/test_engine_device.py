@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from device_fixtures import KINDS, N_PROMPT, TOKENS, device, emulated, gpuidx_30, gpuidx_all, run  # noqa: F401
+from device_fixtures import KINDS, N_PROMPT, TOKENS, comparable_batch, device, emulated, gpuidx_30, gpuidx_all, run  # noqa: F401
 from engine_helpers import converted, engine_prompt_then_decode, hf_logits, max_rel_err, write_gpuidx  # noqa: F401
 from tiny_models import N_FF, N_LAYER
 
@@ -24,10 +24,12 @@ TOLERANCE = {"f32": 1e-4, "f16": 1e-4, "q8_0": 2e-3, "q4_0": 6e-2}
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_device_tier_gives_the_cpu_logits(kind, outtype, attention, converted, gpuidx_30, gpuidx_all, device):
     path = converted(kind, outtype, predictors=True)
+    bs = comparable_batch(outtype)
     for index in (gpuidx_30, gpuidx_all):
         for mode in ("dense", "gate", "predictor", "auto"):
-            cpu, _, cpu_stats = run(path, mode, gpuidx=index, gpu="off", cpu_hot_tier=True)
-            dev, info, dev_stats = run(path, mode, gpuidx=index, gpu="on", gpu_library=device, gpu_attention=attention)
+            cpu, _, cpu_stats = run(path, mode, gpuidx=index, batch_size=bs, gpu="off", cpu_hot_tier=True)
+            dev, info, dev_stats = run(path, mode, gpuidx=index, batch_size=bs, gpu="on", gpu_library=device,
+                                       gpu_attention=attention)
             assert info["hot_backend"] in ("emulated", "cuda") and info["gpu"]["used"]
             assert info["gpu"]["device"]["layers_on_device"] == N_LAYER
             assert info["gpu"]["device"]["attention_layers"] == (N_LAYER if attention else 0)
@@ -35,7 +37,7 @@ def test_the_device_tier_gives_the_cpu_logits(kind, outtype, attention, converte
             gpu = dev_stats["gpu"]
             # a layer without a cold tier runs whole on the device (a sequential block without a down bias)
             whole = attention and index == gpuidx_all and kind not in ("falcon", "falcon7b", "opt")
-            batches = N_LAYER * (2 + len(TOKENS) - N_PROMPT)
+            batches = N_LAYER * (-(-N_PROMPT // bs) + len(TOKENS) - N_PROMPT)
             assert gpu["layer_jobs"] == (batches if whole else 0)
             assert gpu["attention_jobs"] == (batches if attention and not whole else 0)
             # the same rule on the same operands (q8_0 blocks for quantized weights), each tier summing in its own
@@ -57,11 +59,17 @@ def test_each_tier_is_as_close_to_float64(kind, outtype, converted, gpuidx_all, 
     path = converted(kind, outtype, predictors=True)
     quantized = outtype != "f32"
     ref = hf_logits(tiny_model_dir(kind), TOKENS, weights_from=path, q8_inputs=quantized, float64=True)
-    cpu = run(path, "dense", gpuidx=gpuidx_all, gpu="off", cpu_hot_tier=True)[0]
+    cpu = run(path, "dense", gpuidx=gpuidx_all, batch_size=comparable_batch(outtype), gpu="off", cpu_hot_tier=True)[0]
     dev = run(path, "dense", gpuidx=gpuidx_all, gpu="on", gpu_library=device, gpu_attention=True)[0]
     cpu_err, dev_err = max_rel_err(cpu, ref), max_rel_err(dev, ref)
     assert dev_err <= (1e-4 if not quantized else 1.1 * cpu_err + 1e-6), (cpu_err, dev_err)
     assert cpu_err <= (1e-4 if not quantized else 1.1 * dev_err + 1e-6), (cpu_err, dev_err)
+    # the CPU's batches: a quantized down projection in integers (q8_0 input and transposed weights, which the
+    # reference above leaves in floats), against float64 without any rounding, about as close as the device
+    batch = run(path, "dense", gpuidx=gpuidx_all, gpu="off", cpu_hot_tier=True)[0]
+    exact = ref if not quantized else hf_logits(tiny_model_dir(kind), TOKENS, weights_from=path, float64=True)
+    batch_err, dev_exact_err = max_rel_err(batch, exact), max_rel_err(dev, exact)
+    assert batch_err <= (1e-4 if not quantized else 1.5 * dev_exact_err + 1e-6), (batch_err, dev_exact_err)
 
 
 @pytest.mark.parametrize("outtype", ["q8_0", "q4_0"])
@@ -71,10 +79,13 @@ def test_greedy_tokens_agree_over_64_steps(kind, outtype, converted, gpuidx_30, 
     tolerance of its choice (a random tiny model's near-ties: the two tiers sum in their own arithmetic)."""
     path = converted(kind, outtype, predictors=True)
     prompt = TOKENS[:N_PROMPT]
-    with engine.Model(path, threads=2, sparse_mode="gate", gpuidx=gpuidx_30, gpu="on", gpu_library=device) as m:
+    bs = comparable_batch(outtype)
+    with engine.Model(path, threads=2, sparse_mode="gate", gpuidx=gpuidx_30, gpu="on", gpu_library=device,
+                      batch_size=bs) as m:
         assert m.info["gpu"]["used"]
         tokens = list(m.generate(prompt, 64))
-    with engine.Model(path, threads=2, sparse_mode="gate", gpuidx=gpuidx_30, gpu="off", cpu_hot_tier=True) as m:
+    with engine.Model(path, threads=2, sparse_mode="gate", gpuidx=gpuidx_30, gpu="off", cpu_hot_tier=True,
+                      batch_size=bs) as m:
         cpu = engine_prompt_then_decode(m, prompt + tokens[:-1], N_PROMPT)[N_PROMPT - 1:]
     margin = TOLERANCE[outtype] * np.abs(cpu).max()
     for step, (token, logits) in enumerate(zip(tokens, cpu)):

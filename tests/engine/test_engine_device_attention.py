@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from device_fixtures import KINDS, TOKENS, device, emulated, gpuidx_30, gpuidx_all, run  # noqa: F401
+from device_fixtures import KINDS, TOKENS, comparable_batch, device, emulated, gpuidx_30, gpuidx_all, run  # noqa: F401
 from engine_helpers import converted, max_rel_err, random_tokens  # noqa: F401
 from tiny_models import N_LAYER
 
@@ -40,8 +40,8 @@ def test_truncate_and_reset_overwrite_the_device_cache(kind, outtype, converted,
     path = converted(kind, outtype, predictors=True)
     a, b = TOKENS, random_tokens(40, 384, seed=11)
 
-    def session(**kw):
-        with engine.Model(path, threads=2, sparse_mode="dense", batch_size=16, gpuidx=gpuidx_30, **kw) as m:
+    def session(batch_size=16, **kw):
+        with engine.Model(path, threads=2, sparse_mode="dense", batch_size=batch_size, gpuidx=gpuidx_30, **kw) as m:
             m.eval(a)
             m.reset(12)  # keep 12 positions; the next tokens overwrite the rest
             kept = [m.eval(b[:20])] + [m.eval([t])[None, 0] for t in b[20:30]]
@@ -49,8 +49,9 @@ def test_truncate_and_reset_overwrite_the_device_cache(kind, outtype, converted,
             fresh = m.eval(a[:16])
             return np.concatenate(kept), fresh
 
-    cpu_kept, cpu_fresh = session(gpu="off", cpu_hot_tier=True)
-    dev_kept, dev_fresh = session(gpu="on", gpu_library=device)
+    bs = comparable_batch(outtype)
+    cpu_kept, cpu_fresh = session(batch_size=bs, gpu="off", cpu_hot_tier=True)
+    dev_kept, dev_fresh = session(batch_size=bs, gpu="on", gpu_library=device)
     tol = 1e-4 if outtype == "f32" else 2e-3
     assert max_rel_err(dev_kept, cpu_kept) <= tol and max_rel_err(dev_fresh, cpu_fresh) <= tol
     # the truncated positions matter: a session that kept all of them computes other logits

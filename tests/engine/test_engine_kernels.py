@@ -417,3 +417,84 @@ def test_axpy_rows_checks_its_arguments():
     w = stored("q4_0", np.ones(64))
     with pytest.raises(EngineError, match="multiple of the block size"):
         kernels.axpy_rows("scalar", "q4_0", 32, [w], 16, np.ones(1), np.zeros(32))
+
+
+def _columns_case(wtype: str, n_rows: int, col0: int, n_cols: int, seed: int):
+    """Rows wider than the slice, with one block of rows zero on the slice (a column block of scale 0)."""
+    rng = np.random.default_rng(seed)
+    width = col0 + n_cols + 32 * int(rng.integers(0, 2))
+    x = rng.normal(0, 1, (n_rows, width)) * rng.uniform(0.01, 5, (n_rows, 1))
+    x[:32, col0:col0 + 32] = 0.0
+    return [stored(wtype, r) for r in x]
+
+
+def pack_columns8_reference(wtype: str, rows, col0: int, n_cols: int) -> np.ndarray:
+    """kernels.h pack_columns8 in numpy: each column's 32 values per block of rows as one q8_0 block (float32
+    arithmetic: d = amax / 127, q = nearest, ties to even, of v * (1 / d)), in pack_rows8's layout."""
+    v = np.stack([values(wtype, r).astype(np.float32)[col0:col0 + n_cols] for r in rows])  # [rows, cols]
+    nb = len(rows) // 32
+    blocks = v.T.reshape(n_cols, nb, 32)  # [col, block, row in block]
+    amax = np.abs(blocks).max(axis=2)
+    d = (amax / np.float32(127)).astype(np.float32)
+    inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), 0).astype(np.float32)
+    q = np.rint(blocks * inv[:, :, None]).astype(np.int8)
+    out = np.zeros((n_cols // 8, nb, 272), np.uint8)
+    for g in range(n_cols // 8):
+        cols = slice(8 * g, 8 * g + 8)
+        out[g, :, :16] = d[cols].astype(np.float16).T.copy().view(np.uint8).reshape(nb, 16)
+        # chunk c, lane r: rows 4c..4c+3 of column r
+        chunks = q[cols].transpose(1, 2, 0).reshape(nb, 8, 4, 8).transpose(0, 1, 3, 2)
+        out[g, :, 16:] = chunks.reshape(nb, 256).view(np.uint8)
+    return out.reshape(-1)
+
+
+COLUMN_CASES = [(t, n_rows, col0, n_cols) for t in ("q4_0", "q8_0")
+                for n_rows, col0, n_cols in ((32, 0, 32), (96, 32, 64), (160, 64, 160), (1056, 0, 128))]
+
+
+@pytest.mark.parametrize("wtype,n_rows,col0,n_cols", COLUMN_CASES)
+def test_pack_columns8_is_the_q8_0_transpose_and_identical_across_sets(wtype, n_rows, col0, n_cols):
+    """A batch's down projection in integers packs the transpose of its rows requantized to q8_0: the scalar
+    set as the numpy definition, every SIMD set bit for bit (a zero block of rows: scale 0, quants 0)."""
+    rows = _columns_case(wtype, n_rows, col0, n_cols, 7000 + n_rows + col0)
+    expect = pack_columns8_reference(wtype, rows, col0, n_cols)
+    for isa in ["scalar"] + SIMD:
+        np.testing.assert_array_equal(kernels.pack_columns8(isa, wtype, rows, col0, n_cols), expect)
+
+
+@pytest.mark.parametrize("isa", ["scalar"] + SIMD)
+@pytest.mark.parametrize("wtype", ["q4_0", "q8_0"])
+def test_batch_down_in_integers_is_within_its_rounding_of_float64(isa, wtype):
+    """gemm8 over pack_columns8's transpose with the tokens' coefficients in q8_0 (the CPU's batch down
+    projection) against h @ W in float64: within the two requantizations' half steps (the weights' per column
+    and block of rows, d rounded to f16, the coefficients' per token and block) and float rounding."""
+    n_rows, col0, n_cols, n_tok = 160, 32, 64, 5
+    rows = _columns_case(wtype, n_rows, col0, n_cols, 7100)
+    rng = np.random.default_rng(7101)
+    h = (rng.normal(0, 1, (n_tok, n_rows)) * rng.uniform(0.01, 3, n_rows)).astype(np.float32)
+    hq = np.stack([stored("q8_0", t) for t in h])
+    got = kernels.gemm8(isa, "q8_0", n_rows, kernels.pack_columns8(isa, wtype, rows, col0, n_cols), hq.reshape(-1))
+    w = np.stack([values(wtype, r)[col0:col0 + n_cols] for r in rows])  # [rows, cols]
+    exact = h.astype(np.float64) @ w
+    # half a step of each requantization, 127 steps of f16's rounding of d (2^-11 relative) on top
+    dw = np.repeat(np.abs(w).reshape(n_rows // 32, 32, n_cols).max(axis=1) / 127, 32, axis=0) * (0.5 + 127 / 2048)
+    dh = np.repeat(np.abs(h).reshape(n_tok, n_rows // 32, 32).max(axis=2) / 127, 32, axis=1) * (0.5 + 127 / 2048)
+    ah = np.abs(h).astype(np.float64)
+    bound = ah @ dw + dh @ np.abs(w) + dh @ dw + 1e-5 * (ah @ np.abs(w)) + 1e-30
+    assert np.all(np.abs(got - exact) <= bound)
+    assert np.abs(got - exact).max() > 0  # the bound is met by rounding, not by exact arithmetic
+    np.testing.assert_array_equal(got, kernels.gemm8("scalar", "q8_0", n_rows,
+                                                     kernels.pack_columns8("scalar", wtype, rows, col0, n_cols),
+                                                     hq.reshape(-1)))
+
+
+def test_pack_columns8_checks_its_arguments():
+    from powerinfer_engine import EngineError
+
+    rows = [stored("q4_0", np.ones(64)) for _ in range(32)]
+    with pytest.raises(EngineError, match="only q4_0 and q8_0"):
+        kernels.pack_columns8("scalar", "f16", [stored("f16", np.ones(64))] * 32, 0, 32)
+    with pytest.raises(EngineError, match="multiples of 32"):
+        kernels.pack_columns8("scalar", "q4_0", rows[:31], 0, 32)
+    with pytest.raises(EngineError, match="multiple of the block size"):
+        kernels.pack_columns8("scalar", "q4_0", rows, 0, 40)

@@ -118,7 +118,10 @@ def test_predictor_decode_steps_agree_with_the_prompt_path(outtype, dead, tmp_pa
     """Predictor mode one token at a time (the fused decode step) against the same tokens as one batch: with
     random predictors (threshold 0: about half selected), and with the dead one the default pipeline made (fc1 0:
     every logit exactly 0) at the threshold it was calibrated to, the float just below 0, where each logit
-    counts as selected."""
+    counts as selected. q8_0: a batch multiplies its down projection in integers (q8_0 input and transposed weights)
+    and a decode step in floats, so the decode rows are bounded by that rounding where every neuron is selected
+    (random predictors turn it into other neurons: f32 compares those), and the prompt's rows, batches both ways,
+    keep the same bits whatever the batch."""
     src = converted("llama-relu", outtype, predictors=True)
     threshold = float(np.nextafter(np.float32(0), np.float32(-1))) if dead else 0.0
     from convert_helpers import read_tensors
@@ -134,7 +137,12 @@ def test_predictor_decode_steps_agree_with_the_prompt_path(outtype, dead, tmp_pa
             m.reset()
             steps = engine_prompt_then_decode(m, tokens, 8)
             stats = m.stats()
-        assert max_rel_err(steps, batch) <= 1e-5, (threads, max_rel_err(steps, batch))
+        if outtype == "f32":
+            assert max_rel_err(steps, batch) <= 1e-5, (threads, max_rel_err(steps, batch))
+        else:
+            np.testing.assert_array_equal(steps[:8], batch[:8])
+            if dead:  # measured 1.8e-2
+                assert max_rel_err(steps, batch) <= 2.5e-2, (threads, max_rel_err(steps, batch))
         for layer in stats["layers"]:
             if dead:
                 assert layer["predicted_density"] == 1.0 and layer["recall"] == 1.0

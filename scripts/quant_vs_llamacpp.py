@@ -7,7 +7,9 @@ The source is the default model's GGUF (a llama.cpp Q4_1 file). Its tensors, deq
 plain llama.cpp GGUF at --source-type (f32: the values `pi-tools convert` quantizes from, bit for bit; f16: what
 llama.cpp's converter would hand its quantizer), which llama.cpp's quantizer (llama-cpp-python's low-level
 `llama_model_quantize`, run by --peer-python) turns into Q4_0 and Q8_0. `pi-tools convert` writes ours from the
-same source; every file is scored by `pi-tools perplexity --sparse-mode dense` on the same windows.
+same source; every file is scored by `pi-tools perplexity --sparse-mode dense` on the same windows, and
+llama.cpp's files (and the plain source) also by llama.cpp itself (the bench's worker, --peer-python), as a
+cross-check of our engine on them.
 """
 from __future__ import annotations
 
@@ -77,6 +79,17 @@ def perplexity(path: Path, text: Path, chunks: int, ctx: int, threads: int) -> f
     return float(json.loads(out)["perplexity"])
 
 
+def llamacpp_perplexity(peer_python: str, path: Path, windows: list[list[int]], threads: int) -> float:
+    """llama.cpp's own perplexity of `path` on `windows` (the bench worker's nll op)."""
+    from powerinfer_tools.bench.runners import Runner, Worker
+
+    worker = Worker("llama.cpp", path, threads, len(windows[0]) + 8, python=peer_python)
+    try:
+        return Runner(worker, "llama.cpp").perplexity(windows)
+    finally:
+        worker.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--peer-python", required=True, help="a Python with llama-cpp-python")
@@ -106,11 +119,22 @@ def main() -> None:
         for who, path in (("llama.cpp", theirs), ("pi-tools", ours)):
             rows.append((outtype, who, perplexity(path, args.text, args.chunks, args.ctx, args.threads),
                          path.stat().st_size, tensor_types(path)))
-    print(f"source: {src.name} -> {args.source_type}; {args.chunks} windows of {args.ctx} of {args.text.name}")
-    print("| type | quantizer | perplexity | bytes | matrices |")
-    print("|---|---|---|---|---|")
+    from powerinfer_tools.formats.tokenizer import tokenizer_from_file
+    from powerinfer_tools.stages.calibration import read_text, sequences_from_text
+
+    windows = sequences_from_text(tokenizer_from_file(plain), [read_text(args.text, role="evaluation")], args.ctx,
+                                  args.ctx * args.chunks).tolist()
+    own = {path: llamacpp_perplexity(args.peer_python, path, windows, args.threads)
+           for path in [plain] + [args.work / f"llamacpp.{t}.gguf" for t in args.types.split(",")]}
+    print(f"source: {src.name} -> {args.source_type}; {args.chunks} windows of {args.ctx} of {args.text.name}; "
+          f"llama.cpp's own perplexity of the source {own[plain]:.4f}, ours of it "
+          f"{perplexity(plain, args.text, args.chunks, args.ctx, args.threads):.4f}")
+    print("| type | quantizer | perplexity (pi-tools) | perplexity (llama.cpp) | bytes | matrices |")
+    print("|---|---|---|---|---|---|")
     for outtype, who, ppl, size, types in rows:
-        print(f"| {outtype} | {who} | {ppl:.4f} | {size:,} | {types} |")
+        theirs = own.get(args.work / f"llamacpp.{outtype}.gguf") if who == "llama.cpp" else None
+        print(f"| {outtype} | {who} | {ppl:.4f} | {f'{theirs:.4f}' if theirs else '– (reads no PowerInfer file)'} "
+              f"| {size:,} | {types} |")
 
 
 if __name__ == "__main__":

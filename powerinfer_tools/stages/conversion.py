@@ -23,7 +23,7 @@ import numpy as np
 
 from powerinfer_tools.models import arch
 from powerinfer_tools import models
-from powerinfer_tools.formats import names, neuron_order
+from powerinfer_tools.formats import names, neuron_order, q4_0_scale
 from powerinfer_tools.core.atomic import atomic_file
 from powerinfer_tools.core.errors import UserError, write_failure
 from powerinfer_tools.core.safe_load import load_pt
@@ -194,8 +194,18 @@ def encode(data: np.ndarray, qtype) -> np.ndarray:
     flat = out.reshape(-1, out.shape[-1])
     for r in range(0, rows.shape[0], ENCODE_ROWS):
         block = np.ascontiguousarray(rows[r:r + ENCODE_ROWS], dtype=np.float32)
-        flat[r:r + ENCODE_ROWS] = block if out.dtype != np.uint8 else gguf.quants.quantize(block, qtype)
+        flat[r:r + ENCODE_ROWS] = block if out.dtype != np.uint8 else quantize(block, qtype)
     return out
+
+
+def quantize(rows: np.ndarray, qtype) -> np.ndarray:
+    """Quantized blocks of float32 rows: q4_0 with a searched scale (q4_0_scale.py), q8_0 by gguf-py (ggml's
+    reference rounding; its one scale per block leaves nothing to search)."""
+    import gguf
+
+    if qtype == gguf.GGMLQuantizationType.Q4_0:
+        return q4_0_scale.quantize(rows)
+    return gguf.quants.quantize(rows, qtype)
 
 
 def encoded_nbytes(shape: tuple[int, ...], qtype) -> int:

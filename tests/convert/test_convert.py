@@ -13,7 +13,7 @@ from convert_helpers import read_fields, read_tensors, write_predictors
 from safetensors.numpy import load_file
 from tiny_models import HIDDEN, KINDS, N_FF, N_HEAD, N_KV, N_LAYER, PROSPARSE_THRESHOLD
 
-from powerinfer_tools.stages.conversion import POWERINFER_DOWN_T_OUTTYPE, convert_model
+from powerinfer_tools.stages.conversion import POWERINFER_DOWN_T_OUTTYPE, convert_model, summary_lines
 from powerinfer_tools.formats.gguf_io import read_magic
 
 D_HEAD = HIDDEN // N_HEAD
@@ -173,6 +173,21 @@ def test_reduced_types_within_format_error(kind, outtype, tiny_model_dir, tmp_pa
             err = np.abs(data - want)
             assert np.all(err <= block_bound(want, qtype)), (name, float(err.max()))
             assert err.max() > 0  # really quantized
+
+
+@pytest.mark.parametrize("kind, head", [("llama-relu", "output"), ("falcon", "token_embd")])
+def test_summary_names_every_kind_of_tensor_with_its_type(kind, head, tiny_model_dir, tmp_path):
+    """convert's first line says what each kind of tensor was written as: the q4_0 file's head (the separate
+    output.weight, or the tied embedding stored once) at q8_0, every other matrix at q4_0, vectors f32."""
+    summary = convert_model(str(tiny_model_dir(kind)), tmp_path / "m.gguf", "q4_0", progress=False,
+                            powerinfer_compatible=False)
+    types = summary["types"]
+    assert types["q8_0"] == [head]
+    assert {"attn_norm", "output_norm"} <= set(types["f32"])
+    assert "ffn_down_t" in types["q4_0"] and head not in types["q4_0"]
+    assert sum(map(len, types.values())) == len({k for kinds in types.values() for k in kinds})  # each kind once
+    groups = summary_lines(summary)[0].split(" (", 1)[1].split(")")[0].split("; ")
+    assert f"q8_0 {head}" in groups
 
 
 def test_rope_permutation_keeps_attention_scores(tiny_model_dir, tmp_path):

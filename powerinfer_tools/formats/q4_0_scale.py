@@ -6,8 +6,8 @@ values q in [-8, 7] (x ~ d * q), and d = m / -8 is not the best one: a slightly 
 near a level. Here d = m / s for s from -8 to -6.5 (the reference first), the values rounded against d as stored
 (f16), and the block keeps the d of least squared error, so no block is worse than the reference's; the search
 follows the idea of llama.cpp's make_qx_quants (ggml-quants.c), without weights. Same format: every reader of
-q4_0 (this engine, PowerInfer, llama.cpp) reads the blocks as they are. On SmolLM2 it takes the q4_0 file's
-perplexity from 36.38 to 35.36 (docs/bench.md, "Quantizer quality").
+q4_0 (this engine, PowerInfer, llama.cpp) reads the blocks as they are. docs/bench.md, "Quantizer quality",
+measures what it changes.
 """
 from __future__ import annotations
 

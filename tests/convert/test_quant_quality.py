@@ -3,9 +3,10 @@ llama.cpp's quantizer keeps it (conversion.HEAD_OUTTYPE), and its perplexity sta
 file's on the same wikitext windows.
 
 Measured (docs/bench.md, "Quantizer quality"), 4 windows of 512 of wikitext-2 test, engine dense: q8_0 31.80,
-q4_0 36.65 (1.153x); with the head at q4_0, as before, 41.29 (1.298x); with only the embedding's lookup at
-q4_0 (a separate q8_0 output.weight) 37.47 (1.179x). The bound, 1.20x, is 4 % above what was measured and
-below the q4_0 head's ratio."""
+q4_0 37.47 (1.178x); with the head at q4_0 and ggml's rounding, as before, 41.29 (1.298x). The bound, 1.22x, is
+3.5 % above what was measured and below the q4_0 head's ratio. (Four windows do not rank close files: ggml's
+rounding scores 36.65 here, and the searched scales 1 point better than it over 32 windows.)
+"""
 from __future__ import annotations
 
 import math
@@ -21,7 +22,7 @@ from powerinfer_tools.stages.calibration import sequences_from_text
 
 pytestmark = pytest.mark.slow
 WINDOWS, CTX = 4, 512
-MAX_RATIO = 1.20
+MAX_RATIO = 1.22
 
 
 def file_perplexity(path, windows) -> float:

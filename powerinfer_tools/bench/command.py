@@ -85,9 +85,8 @@ def bench(
                                             "each engine on its own file and our engine in each mode, so that a "
                                             "speed is read beside what it costs in quality. Default: none "
                                             "measured."),
-    ppl_chunks: int = typer.Option(4, "--ppl-chunks", help="Windows of --ppl-file to score (SmolLM2, 2 threads, "
-                                   "a 512-token window: ~2 s in our engine, ~4 s in llama.cpp, which scores it a "
-                                   "token at a time)."),
+    ppl_chunks: int = typer.Option(4, "--ppl-chunks", help="Windows of --ppl-file to score (our engine scores a "
+                                   "window as one batch, llama.cpp a token at a time: about its tg speed)."),
     ppl_ctx: int = typer.Option(512, "--ppl-ctx", help="Tokens a perplexity window (as pi-tools perplexity's -c)."),
     work_dir: Optional[Path] = typer.Option(None, "--work-dir", help="Where the built files are cached, "
                                             "rebuilt when the inputs or this toolkit's version change "

@@ -81,6 +81,14 @@ def bench(
                                         "WikiText-2's validation split). Default: text our engine writes itself from "
                                         "the bench's file (dense, sampled from a fixed seed; no float32 copy of "
                                         "the model)."),
+    ppl_file: Optional[Path] = typer.Option(None, "--ppl-file", help="UTF-8 text (e.g. WikiText-2's test split) on "
+                                            "which every row's perplexity is measured after the timed rounds, "
+                                            "each engine on its own file and our engine in each mode, so that a "
+                                            "speed is read beside what it costs in quality. Default: none "
+                                            "measured."),
+    ppl_chunks: int = typer.Option(4, "--ppl-chunks", help="Windows of --ppl-file to score (our engine scores a "
+                                   "window as one batch, llama.cpp a token at a time: about its tg speed)."),
+    ppl_ctx: int = typer.Option(512, "--ppl-ctx", help="Tokens a perplexity window (as pi-tools perplexity's -c)."),
     work_dir: Optional[Path] = typer.Option(None, "--work-dir", help="Where the built files are cached, "
                                             "rebuilt when the inputs or this toolkit's version change "
                                             "(default: ~/.cache/powerinfer-tools/bench)."),
@@ -118,6 +126,8 @@ def bench(
 
       pi-tools bench -m smollm2 --modes dense --peers llama.cpp --depth 2048   # tg128 @ d2048
 
+      pi-tools bench -m smollm2 --modes dense,gate --peers llama.cpp --ppl-file wikitext-2-raw-test.txt -t 2
+
       pi-tools bench -m smollm2 --profile prof --modes dense,input --input-sparsity 0.25 --peers llama.cpp -t 2
 
       pi-tools bench -m smollm2 --modes dense --peers llama.cpp --depth 2048 --kv-type f16   # both caches f16
@@ -144,7 +154,8 @@ def bench(
                         peers=_csv(peers), sparsity=sparsity, sweep=sweep_sparsity, sweep_levels=_levels(sweep_levels),
                         sweep_repeats=sweep_repeats, n_prompt=n_prompt, n_gen=n_gen, depth=depth, batch=batch,
                         kv_type=kv_type, gpu=gpu, gpu_attention=gpu_attention, gpuidx=gpuidx, vram_budget=vram_budget,
-                        predictors=predictors, profile=profile, text=text, work_dir=work_dir,
+                        predictors=predictors, profile=profile, text=text, ppl_file=ppl_file,
+                        ppl_chunks=ppl_chunks, ppl_ctx=ppl_ctx, work_dir=work_dir,
                         peer_python=peer_python, llamacpp_wait=_wait_policy(llamacpp_wait), progress=not quiet,
                         command="pi-tools " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "")
     record = run_bench(opts)

@@ -48,6 +48,9 @@ AGREEMENT_TOKENS = 64
 # on a shared machine it moved between 40 and 69 GB/s from one run to the next.
 BANDWIDTH_PROBE_BYTES = 256 << 20  # far beyond any last-level cache
 BANDWIDTH_PASSES = 2
+# Perplexity beside the speeds (--ppl-file): a few windows of `pi-tools perplexity`'s default length, enough to see
+# what a mode or a file costs in quality, not to rank models.
+PPL_CTX, PPL_CHUNKS = 512, 4
 
 @dataclass
 class BenchOptions:
@@ -74,6 +77,9 @@ class BenchOptions:
     predictors: Path | None = None
     profile: Path | None = None
     text: Path | None = None
+    ppl_file: Path | None = None           # text every row's perplexity is measured on (None: none measured)
+    ppl_chunks: int = PPL_CHUNKS           # its windows
+    ppl_ctx: int = PPL_CTX                 # tokens a window
     work_dir: Path | None = None
     peer_python: str | None = None
     llamacpp_wait: str | None = None       # OMP_WAIT_POLICY of the llama.cpp peer; None: the faster of both per run
@@ -320,6 +326,9 @@ def _check_options(opts: BenchOptions) -> None:
         raise UserError("--n-prompt and --n-gen must be at least 2")
     if opts.depth < 0:
         raise UserError("--depth must be at least 0")
+    if opts.ppl_chunks < 1 or opts.ppl_ctx < 2:
+        raise UserError(f"--ppl-chunks must be at least 1 and --ppl-ctx at least 2, got {opts.ppl_chunks} and "
+                        f"{opts.ppl_ctx}")
     SPARSITY_LEVEL.check("--sparsity", opts.sparsity)
     SPARSITY_LEVEL.check("--sweep-levels", list(opts.sweep_levels if opts.sweep else []))
     if not 0 < opts.input_sparsity < 1:
@@ -330,6 +339,19 @@ def _check_options(opts: BenchOptions) -> None:
         raise UserError(f"--peer-python {opts.peer_python}: no such executable (a Python with llama-cpp-python)")
 
 
+def _ppl_windows(opts: BenchOptions, tokenizer, text: str | None) -> list[list[int]]:
+    """The windows of --ppl-file's `text` every row's perplexity is measured on; none without it."""
+    if text is None:
+        return []
+    from powerinfer_tools.stages.calibration import sequences_from_text
+
+    try:
+        return sequences_from_text(tokenizer, [text], opts.ppl_ctx, opts.ppl_ctx * opts.ppl_chunks).tolist()
+    except UserError:
+        raise UserError(f"--ppl-file {opts.ppl_file} is shorter than one window of {opts.ppl_ctx} tokens; give a "
+                        "longer text or a smaller --ppl-ctx") from None
+
+
 def _thresholds_at(sample, logits, level: float) -> dict:
     return {"activation": sparsity_levels.activation_thresholds(sample, level) if sample.thresholded else None,
             "predictor": sparsity_levels.predictor_thresholds(logits, level) if logits is not None else None}
@@ -338,6 +360,11 @@ def _thresholds_at(sample, logits, level: float) -> dict:
 def run_bench(opts: BenchOptions) -> dict:
     """Build the files, measure, and return the whole record (JSON-ready)."""
     _check_options(opts)
+    ppl_text = None
+    if opts.ppl_file is not None:  # read before anything is built: a wrong path fails at once
+        from powerinfer_tools.stages.calibration import read_text
+
+        ppl_text = read_text(opts.ppl_file, role="--ppl-file")
     work_dir = Path(opts.work_dir or default_work_dir())
     started = time.time()
     record: dict = {"format": "powerinfer-tools.bench/1", "command": opts.command,
@@ -384,7 +411,8 @@ def run_bench(opts: BenchOptions) -> dict:
     if INPUT_MODE in opts.modes and not has_inputs:
         opts.log.append("input mode skipped: the file has no input thresholds (give --profile DIR of a profile with "
                         "them)")
-    n_ctx = max(opts.n_prompt, opts.depth + opts.n_gen) + 8
+    ppl_windows = _ppl_windows(opts, tokenizer, ppl_text)
+    n_ctx = max(opts.n_prompt, opts.depth + opts.n_gen, opts.ppl_ctx if ppl_windows else 0) + 8
     workers: list[Worker] = []
     try:
         llama = []
@@ -419,6 +447,10 @@ def run_bench(opts: BenchOptions) -> dict:
         times, bandwidth = _time_rounds(runners, {"pp": {"tokens": prompt}, "tg": tg}, opts.repeats, "bench", opts.progress,
                                         bandwidth_probe)
         entries = [_entry(r, times[r.label], len(prompt), len(gen), opts.sparsity) for r in runners]
+        if ppl_windows:  # after the timed rounds: it times nothing, and the main table's files and modes are set
+            record["perplexity"] = {"file": str(opts.ppl_file), "windows": len(ppl_windows), "ctx": opts.ppl_ctx}
+            for r, e in zip(tqdm(runners, desc="perplexity", unit="run", disable=not opts.progress), entries):
+                e["perplexity"] = r.perplexity(ppl_windows)
         record["engine"]["peak_rss_bytes"] = ours_worker.ask(op="info")["peak_rss_bytes"]
         record["engine"]["kv_cache_bytes"] = info["kv_cache_bytes"]
         record["engine"]["work_buffer_bytes"] = info["work_buffer_bytes"]
@@ -524,18 +556,26 @@ def render_summary(record: dict) -> str:
     """The table `pi-tools bench` prints: llama-bench's size, one row per engine and mode (--verbose has the rest)."""
     st, m = record["settings"], record["machine"]
     pp, tg = f"pp{st['n_prompt']}", tg_label(st)
+    ppl = record.get("perplexity")
     lines = [f"{st['model']} {st['outtype']}, {st['threads']} threads, {m['cpu']}; medians of {st['repeats']} "
-             "interleaved rounds", "",
-             f"| engine | FFN mode | FFN sparsity | {pp} t/s | {tg} t/s | {tg} vs llama.cpp |",
-             "|---|---|---:|---:|---:|---:|"]
+             "interleaved rounds" + (f"; {_ppl_source(ppl)}" if ppl else ""), "",
+             f"| engine | FFN mode | FFN sparsity | {pp} t/s | {tg} t/s | {tg} vs llama.cpp |"
+             + (" perplexity |" if ppl else ""),
+             "|---|---|---:|---:|---:|---:|" + ("---:|" if ppl else "")]
     for e in record.get("runs", []):
         sp = e.get("sparsity")
         engine = "ours" if e["backend"] == "ours" else e["label"]
         lines.append("| " + " | ".join([
             engine, e["mode"] if e["backend"] == "ours" else "dense", _f(sp["ffn_sparsity"] if sp else None),
             _f((e.get("pp") or {}).get("median"), "{:.1f}"), _f(e["tg"]["median"], "{:.1f}"),
-            _f(e.get("vs_llamacpp", {}).get("tg"), "{:.2f}x")]) + " |")
+            _f(e.get("vs_llamacpp", {}).get("tg"), "{:.2f}x")]
+            + ([_f(e.get("perplexity"), "{:.2f}")] if ppl else [])) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _ppl_source(ppl: dict) -> str:
+    return f"perplexity on {Path(ppl['file']).name}, {ppl['windows']} windows of {ppl['ctx']} tokens, each engine " \
+           "on its own file"
 
 
 LEGEND = (
@@ -571,6 +611,9 @@ def render_markdown(record: dict) -> str:
         if "agreement" in record:
             lines.append(f"Same weights check: greedy top-1 of ours dense vs llama.cpp over "
                          f"{record['agreement']['tokens']} tokens: {record['agreement']['top1_ours_dense_vs_llamacpp']:.3f}")
+    if record.get("perplexity"):
+        lines.append(f"Quality: {_ppl_source(record['perplexity'])}: " + ", ".join(
+            f"{e['label']} {_f(e.get('perplexity'), '{:.3f}')}" for e in record.get("runs", [])))
     eng = record.get("engine", {})
     if "peak_rss_bytes" in eng:
         lines.append(f"Peak RSS of the worker processes (Python included): ours {_mib(eng['peak_rss_bytes'])} MiB "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import os
 import signal
 import subprocess
@@ -129,6 +130,13 @@ class Runner:
             self.worker.ask(op="mode", mode=self.mode)
         return self.worker.ask(op="argmax", tokens=tokens)["result"]
 
+    def perplexity(self, windows: list[list[int]]) -> float:
+        """exp(mean NLL) of every token but each window's first, each window from an empty cache."""
+        if self.backend == "ours":
+            self.worker.ask(op="mode", mode=self.mode)
+        reply = self.worker.ask(op="nll", windows=windows)
+        return math.exp(reply["nll"] / reply["tokens"])
+
 
 class FasterOf:
     """llama.cpp under each OpenMP wait policy, timed one after the other in every measurement; the
@@ -157,6 +165,9 @@ class FasterOf:
 
     def argmax(self, tokens: list[int]) -> list[int]:
         return next(iter(self.runners.values())).argmax(tokens)
+
+    def perplexity(self, windows: list[list[int]]) -> float:
+        return next(iter(self.runners.values())).perplexity(windows)  # the wait policy times, it does not round
 
 
 def llamacpp_runner(path: Path, threads: int, n_ctx: int, python: str | None,

@@ -13,6 +13,9 @@ Protocol: one JSON request per stdin line, one JSON reply per stdout line.
                                      -> {"wall": s, "cpu": s}  one token at a time after the context (not
                                         timed, optional) went into an empty cache
   {"op": "argmax", "tokens": [...]}  -> {"argmax": [...]}      greedy choice after each prefix
+  {"op": "nll", "windows": [[...], ...]}
+                                     -> {"nll": x, "tokens": n}  summed negative log-likelihood of every token
+                                        but each window's first, each window from an empty cache
   {"op": "mode", "mode": "gate"}     -> {}                     (ours) FFN mode of the next requests
   {"op": "stats"}                    -> the engine's statistics of the last request, and the tokens cached (ours)
   {"op": "info"}                     -> versions, settings, peak RSS
@@ -35,6 +38,21 @@ def _status_bytes(field: str = "VmHWM") -> int | None:
     except OSError:
         pass
     return None
+
+
+def _token_nll(logits, token: int) -> float:
+    """-log softmax(logits)[token] in float64. The runtime's window_nll computes the same for a whole window; the
+    llama.cpp backend runs where powerinfer_tools cannot be imported, and every backend here uses this one."""
+    import numpy as np
+
+    z = np.asarray(logits, dtype=np.float64)
+    top = z.max()
+    return float(top + np.log(np.exp(z - top).sum()) - z[token])
+
+
+def _window_nll(rows, ids) -> float:
+    """Summed NLL of ids[1:] under `rows` (the logits after each of ids[:-1], in order)."""
+    return sum(_token_nll(row, token) for row, token in zip(rows, ids[1:]))
 
 
 def _timed(fn) -> dict:
@@ -75,6 +93,18 @@ class LlamaCpp:
             logits = self.np.ctypeslib.as_array(self.llm._ctx.get_logits_ith(-1), shape=(self.llm.n_vocab(),))
             out.append(int(logits.argmax()))
         return out
+
+    def nll(self, windows):
+        """One token at a time, as argmax: this Llama keeps only the last token's logits (logits_all=False)."""
+        total, count = 0.0, 0
+        for ids in windows:
+            self.llm.reset()
+            for i, token in enumerate(ids[:-1]):
+                self.llm.eval([token])
+                logits = self.np.ctypeslib.as_array(self.llm._ctx.get_logits_ith(-1), shape=(self.llm.n_vocab(),))
+                total += _token_nll(logits, ids[i + 1])
+            count += len(ids) - 1
+        return {"nll": total, "tokens": count}
 
     def info(self):
         return {"llama_cpp_python": self.llama_cpp.__version__,
@@ -119,6 +149,14 @@ class Ours:
         self.model.reset()
         return [int(i) for i in self.model.eval(tokens, all_logits=True).argmax(axis=1)]
 
+    def nll(self, windows):
+        total, count = 0.0, 0
+        for ids in windows:
+            self.model.reset()
+            total += _window_nll(self.model.eval(ids[:-1], all_logits=True), ids)
+            count += len(ids) - 1
+        return {"nll": total, "tokens": count}
+
     def stats(self):
         return dict(self.model.stats(), n_past=self.model.n_past)
 
@@ -162,6 +200,15 @@ class Torch:
             if context:
                 self._step(self.torch.tensor([list(context)]), cache)
             return _timed(run)
+
+    def nll(self, windows):
+        total, count = 0.0, 0
+        with self.torch.inference_mode():
+            for ids in windows:
+                logits = self.model(input_ids=self.torch.tensor([ids[:-1]])).logits[0].float().numpy()
+                total += _window_nll(logits, ids)
+                count += len(ids) - 1
+        return {"nll": total, "tokens": count}
 
     def info(self):
         return {"torch": self.torch.__version__, "dtype": "float32"}

@@ -31,7 +31,9 @@ def convert(
                                                     "--source-order keeps the model's order."),
     outtype: Optional[str] = typer.Option(None, "--outtype", help="Weight type: f32, f16, q8_0 or q4_0 "
                                           "(default f16; with --dry-run f16,q8_0,q4_0, a comma-separated list). "
-                                          "Norms and biases stay f32; predictors take the weight type too. "
+                                          "Norms and biases stay f32; predictors take the weight type too; "
+                                          "a q4_0 file's output head (the embedding, where tied) and predictor "
+                                          "fc1 are q8_0, as llama.cpp's quantizer keeps its head above 4 bits. "
                                           "k-quants (q4_k_m, ...), q4_1, q5_0, q5_1 and bf16 are not written: "
                                           "the engine reads such files (llama.cpp's) but decodes them at load to "
                                           "q8_0 (bf16 to f16), so they would only be smaller on disk."),
@@ -40,7 +42,8 @@ def convert(
         "it: f16 in f32 and q8_0 files (PowerInfer reads those rows as f16 whatever their type; f16 and q4_0 "
         "files are unchanged), and with --vram-budget place GPU neurons in the multiples PowerInfer's CUDA build "
         "takes (plan --granularity powerinfer). --ours-only keeps ffn_down_t in the outtype and places any count, "
-        "for this toolkit's engine alone."),
+        "for this toolkit's engine alone, and stores a tied output head once (as token_embd), as a SiLU/GELU "
+        "model's file always does (PowerInfer refuses those by name)."),
     input_thresholds: bool = typer.Option(
         False, "--input-thresholds/--no-input-thresholds", help="With a --profile that has input thresholds "
         "(profile --input-allocation): store them, and q/k/v/o/gate/up a second time transposed, what `run "

@@ -15,7 +15,6 @@ import math
 import json
 import re
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -24,7 +23,7 @@ import numpy as np
 
 from powerinfer_tools.models import arch
 from powerinfer_tools import models
-from powerinfer_tools.formats import names, neuron_order
+from powerinfer_tools.formats import names, neuron_order, q4_0_scale
 from powerinfer_tools.core.atomic import atomic_file
 from powerinfer_tools.core.errors import UserError, write_failure
 from powerinfer_tools.core.safe_load import load_pt
@@ -195,8 +194,18 @@ def encode(data: np.ndarray, qtype) -> np.ndarray:
     flat = out.reshape(-1, out.shape[-1])
     for r in range(0, rows.shape[0], ENCODE_ROWS):
         block = np.ascontiguousarray(rows[r:r + ENCODE_ROWS], dtype=np.float32)
-        flat[r:r + ENCODE_ROWS] = block if out.dtype != np.uint8 else gguf.quants.quantize(block, qtype)
+        flat[r:r + ENCODE_ROWS] = block if out.dtype != np.uint8 else quantize(block, qtype)
     return out
+
+
+def quantize(rows: np.ndarray, qtype) -> np.ndarray:
+    """Quantized blocks of float32 rows: q4_0 with a searched scale (q4_0_scale.py), q8_0 by gguf-py (ggml's
+    reference rounding; its one scale per block leaves nothing to search)."""
+    import gguf
+
+    if qtype == gguf.GGMLQuantizationType.Q4_0:
+        return q4_0_scale.quantize(rows)
+    return gguf.quants.quantize(rows, qtype)
 
 
 def encoded_nbytes(shape: tuple[int, ...], qtype) -> int:
@@ -236,6 +245,28 @@ def input_transposed_maps(maps: list[arch.TensorMap]) -> list[arch.TensorMap]:
     return out
 
 
+# llama.cpp's quantizer keeps the output head above 4 bits (src/llama-quant.cpp, llama_tensor_get_type: Q6_K, or
+# Q8_0 where a row does not split into Q6_K's 256-value blocks); the engine computes q8_0 as stored (types.h) and
+# PowerInfer's ggml reads it, so a 4-bit file's head is q8_0. docs/bench.md, "Quantizer quality", measures it.
+HEAD_OUTTYPE = {"q4_0": "q8_0"}
+EMBEDDING, OUTPUT = "token_embd.weight", "output.weight"
+
+
+def tie_head(maps: list[arch.TensorMap], compatible: bool) -> tuple[list[arch.TensorMap], str]:
+    """The file's maps without output.weight where it is the embedding itself (a tied head) and the file is not one
+    PowerInfer reads (its llama loader requires output.weight; the engine, as llama.cpp, takes token_embd as the
+    head when output.weight is absent), and the name of the tensor that is the head."""
+    embedding = next((m for m in maps if m.name == EMBEDDING), None)
+    output = next((m for m in maps if m.name == OUTPUT), None)
+    if output is None:
+        return maps, EMBEDDING
+    tied = embedding is not None and (output.source, output.reorder, output.transpose) == \
+        (embedding.source, embedding.reorder, embedding.transpose)
+    if tied and not compatible:
+        return [m for m in maps if m is not output], EMBEDDING
+    return maps, OUTPUT
+
+
 def plan(adapter: arch.Arch, weights, predictors: Predictors | None, outtype: str,
          powerinfer_compatible: bool = True, fc2_scales: list[float] | None = None,
          input_sparse: bool = False) -> list[PlannedTensor]:
@@ -245,13 +276,18 @@ def plan(adapter: arch.Arch, weights, predictors: Predictors | None, outtype: st
     compatible = powerinfer_compatible and not adapter.thresholded
     down_outtype = POWERINFER_DOWN_T_OUTTYPE.get(outtype, outtype) if compatible else outtype
     planned = []
-    maps = adapter.tensor_maps(weights.names_with_prefixes())
+    maps, head = tie_head(adapter.tensor_maps(weights.names_with_prefixes()), compatible)
     for tmap in maps + (input_transposed_maps(maps) if input_sparse else []):
         stored = weights.find(tmap.source)
         if stored is None:
             raise UserError(f"the model has no tensor {tmap.source} (needed for {tmap.name})")
         shape = tmap.out_shape(weights.shapes[stored])
-        qtype = tensor_type(shape, down_outtype if tmap.name.endswith(f".{names.weight(names.FFN_DOWN_T)}") else outtype)
+        if tmap.name == head:
+            qtype = tensor_type(shape, HEAD_OUTTYPE.get(outtype, outtype))
+        elif tmap.name.endswith(f".{names.weight(names.FFN_DOWN_T)}"):
+            qtype = tensor_type(shape, down_outtype)
+        else:
+            qtype = tensor_type(shape, outtype)
         planned.append(PlannedTensor(tmap.name, shape, qtype,
                                      lambda t=tmap, s=stored: t.apply(weights.load(s)), stored))
     if predictors is not None:
@@ -455,12 +491,29 @@ def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predic
         "predictor_threshold_note": fold.note if fold else "",
         "neuron_order": "profile" if orders is not None else "source",
         "thresholded": adapter.thresholded, "activation_thresholds": activation_thresholds,
-        "types": dict(Counter(t.qtype.name for t in tensors)), "bytes_in": int(bytes_in),
+        "types": kind_types(tensors), "bytes_in": int(bytes_in),
         "input_sparsity": inputs.allocation if inputs is not None else None,
         "input_transposed_bytes": sum(encoded_nbytes(t.shape, t.qtype) for t in tensors
                                       if is_input_transposed(t.name)),
         "bytes_out": out_path.stat().st_size, "seconds": round(time.time() - started, 2),
     }
+
+
+def tensor_kind(name: str) -> str:
+    """A tensor's kind, the same in every layer: blk.3.attn_q.weight -> attn_q, blk.3.attn_q.bias -> attn_q.bias."""
+    kind = re.sub(r"^blk\.\d+\.", "", name)
+    return kind.removesuffix(".weight")
+
+
+def kind_types(tensors: list[PlannedTensor]) -> dict[str, list[str]]:
+    """The kinds of tensors the file holds, by type (lowercase, llama.cpp's spelling), each kind once a type, in
+    the file's order: what convert prints so that a head kept above the outtype is seen."""
+    types: dict[str, list[str]] = {}
+    for t in tensors:
+        kinds = types.setdefault(t.qtype.name.lower(), [])
+        if tensor_kind(t.name) not in kinds:
+            kinds.append(tensor_kind(t.name))
+    return types
 
 
 def _mib(n: int) -> str:
@@ -469,7 +522,7 @@ def _mib(n: int) -> str:
 
 def summary_lines(summary: dict) -> list[str]:
     """What convert_model wrote, as `pi-tools convert` prints it."""
-    types = ", ".join(f"{n} {k}" for k, n in sorted(summary["types"].items()))
+    types = "; ".join(f"{qtype} {' '.join(kinds)}" for qtype, kinds in summary["types"].items())
     lines = [f"{summary['arch']} -> {summary['gguf_arch']} {summary['outtype']}: {summary['tensors']} tensors "
              f"({types}){', with predictors' if summary['predictors'] else ', no predictors'}"]
     if summary["neuron_order"] == "profile":

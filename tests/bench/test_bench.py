@@ -371,6 +371,8 @@ def _cli(*args, cwd=ROOT):
     (["-m", "smollm2", "--gpu", "maybe"], "unknown --gpu 'maybe'"),
     (["-m", "/nonexistent/model", "--vram-budget", "4"], "--vram-budget solves the hot tier from --profile"),
     (["-m", "smollm2", "--peer-python", "/no/such/python"], "--peer-python /no/such/python: no such executable"),
+    (["-m", "smollm2", "--ppl-file", "/no/such/text.txt"], "--ppl-file file not found: /no/such/text.txt"),
+    (["-m", "smollm2", "--ppl-file", "README.md", "--ppl-chunks", "0"], "--ppl-chunks must be at least 1"),
 ])
 def test_cli_bad_input(args, message):
     r = _cli(*args)
@@ -468,6 +470,37 @@ def test_bench_end_to_end_tiny(silu_files, tmp_path):
         assert cells[-1] > 0 and abs(sum(cells[:-1]) - cells[-1]) <= len(cells)
     bench.write_json(rec, tmp_path / "r.json")
     assert json.loads((tmp_path / "r.json").read_text())["format"] == "powerinfer-tools.bench/1"
+
+
+def test_bench_scores_every_row_on_the_ppl_file(silu_files, tmp_path):
+    """--ppl-file: each row's perplexity on the same windows, our engine in each of its modes on its file,
+    llama.cpp on its own (the real one or the transformers double) and torch on the float32 source; ours dense is
+    what the engine scores outside the bench, and the q8_0 files stay within their rounding of the source."""
+    import powerinfer_engine as engine
+
+    from powerinfer_tools.runtime.inference import perplexity
+    from powerinfer_tools.stages.calibration import sequences_from_text
+
+    model, files, work = silu_files
+    opts = bench.BenchOptions(model=model, outtype="q8_0", threads=2, repeats=1, n_prompt=24, n_gen=8, batch=16,
+                              modes=("dense", "gate"), peers=("llama.cpp", "torch"), peer_python=_peer_python(tmp_path),
+                              predictors=work / "pred", work_dir=work, progress=False, text=ROOT / "README.md",
+                              ppl_file=ROOT / "README.md", ppl_chunks=2, ppl_ctx=64)
+    rec = bench.run_bench(opts)
+    assert rec["perplexity"] == {"file": str(ROOT / "README.md"), "windows": 2, "ctx": 64}
+    ppl = {e["label"].split()[0] if e["backend"] != "ours" else e["label"]: e["perplexity"] for e in rec["runs"]}
+    assert set(ppl) == {"ours dense", "ours gate", "llama.cpp", "torch"} and all(1 < v < 1e4 for v in ppl.values())
+    windows = sequences_from_text(models.load_tokenizer(models.resolve(model)),
+                                  [(ROOT / "README.md").read_text()], 64, 128).numpy()
+    with engine.Model(files.powerinfer, threads=2, ctx_size=64, sparse_mode="dense") as m:
+        assert ppl["ours dense"] == pytest.approx(perplexity(m, windows, progress=False)["perplexity"], rel=1e-4)
+    assert ppl["ours dense"] == pytest.approx(ppl["torch"], rel=0.02)
+    assert ppl["llama.cpp"] == pytest.approx(ppl["torch"], rel=0.02)
+    table = bench.render_summary(rec)
+    assert "perplexity |" in table and "2 windows of 64 tokens" in table
+    rows = [line for line in table.splitlines() if line.startswith(("| ours", "| llama.cpp", "| torch"))]
+    assert len(rows) == 4 and all(f"{float(r.rstrip(' |').split('|')[-1]):.2f}" != "nan" for r in rows)
+    assert "Quality: perplexity on README.md" in bench.render_markdown(rec)
 
 
 @pytest.mark.parametrize("kv_type", ["f32", "f16"])

@@ -13,7 +13,7 @@ from convert_helpers import read_fields, read_tensors, write_predictors
 from safetensors.numpy import load_file
 from tiny_models import HIDDEN, KINDS, N_FF, N_HEAD, N_KV, N_LAYER, PROSPARSE_THRESHOLD
 
-from powerinfer_tools.stages.conversion import POWERINFER_DOWN_T_OUTTYPE, convert_model
+from powerinfer_tools.stages.conversion import POWERINFER_DOWN_T_OUTTYPE, convert_model, summary_lines
 from powerinfer_tools.formats.gguf_io import read_magic
 
 D_HEAD = HIDDEN // N_HEAD
@@ -35,8 +35,9 @@ def falcon_qkv(w: np.ndarray, n_head: int, n_kv: int) -> np.ndarray:
                           + [head[g * per + per - 1] for g in range(n_kv)])
 
 
-def expected_tensors(kind: str, hf: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The file's tensors as docs/formats.md defines them, from the HF state dict."""
+def expected_tensors(kind: str, hf: dict[str, np.ndarray], head_once: bool = False) -> dict[str, np.ndarray]:
+    """The file's tensors as docs/formats.md defines them, from the HF state dict; head_once: a tied head is stored
+    once, as token_embd (a file PowerInfer does not read: conversion.tie_head)."""
     exp = {}
     if kind in ("llama-relu", "llama-silu", "prosparse", "bamboo"):
         exp["token_embd.weight"] = hf["model.embed_tokens.weight"]
@@ -88,7 +89,14 @@ def expected_tensors(kind: str, hf: dict[str, np.ndarray]) -> dict[str, np.ndarr
                 w = hf[f"{d}layers.{i}.{theirs}.weight"]
                 exp[f"blk.{i}.{ours}.weight"] = w.T if ours == "ffn_down_t" else w
                 exp[f"blk.{i}.{ours}.bias"] = hf[f"{d}layers.{i}.{theirs}.bias"]
+    if head_once and "output.weight" in exp and exp["output.weight"] is exp["token_embd.weight"]:
+        del exp["output.weight"]
     return exp
+
+
+def head_name(expected: dict) -> str:
+    """The tensor that is the output head: output.weight, or the embedding where the file has none."""
+    return "output.weight" if "output.weight" in expected else "token_embd.weight"
 
 
 def predictor_tensors(pred_dir) -> dict[str, np.ndarray]:
@@ -116,7 +124,7 @@ def test_f32_every_tensor_equals_transformed_source(kind, tiny_model_dir, tmp_pa
     summary = convert_model(str(model), out, "f32", predictors_dir=pred, progress=False, powerinfer_compatible=False)
     assert read_magic(out) == b"PWRI"
     got = read_tensors(out)
-    expected = expected_tensors(kind, load_file(model / "model.safetensors"))
+    expected = expected_tensors(kind, load_file(model / "model.safetensors"), head_once=True)
     expected.update(predictor_tensors(pred))
     assert set(got) == set(expected)
     for name, want in expected.items():
@@ -134,7 +142,9 @@ def test_reduced_types_within_format_error(kind, outtype, tiny_model_dir, tmp_pa
     out = tmp_path / "m.gguf"
     convert_model(str(model), out, outtype, predictors_dir=pred, progress=False)
     got = read_tensors(out)
-    expected = expected_tensors(kind, load_file(model / "model.safetensors"))
+    # a SiLU file is one PowerInfer refuses: a tied head in it is stored once
+    expected = expected_tensors(kind, load_file(model / "model.safetensors"), head_once=kind == "llama-silu")
+    assert set(got) == set(expected) | set(predictor_tensors(pred))
     preds = predictor_tensors(pred)
     if kind != "llama-silu":  # fc2 carries the per-layer thresholds folded into one (test_threshold_fold.py)
         common = read_fields(out)["powerinfer.sparse_threshold"]
@@ -157,11 +167,27 @@ def test_reduced_types_within_format_error(kind, outtype, tiny_model_dir, tmp_pa
             assert qtype == "F16", name
             np.testing.assert_allclose(data, want, rtol=1e-3, atol=1e-6, err_msg=name)
         else:
-            # a predictor's fc1 is q8_0 in a q4_0 file (convert.FC1_OUTTYPE)
-            assert qtype == ("Q8_0" if name.endswith("fc1.weight") else outtype.upper()), name
+            # a predictor's fc1 and the output head are q8_0 in a q4_0 file (FC1_OUTTYPE, HEAD_OUTTYPE)
+            eight = name.endswith("fc1.weight") or name == head_name(expected)
+            assert qtype == ("Q8_0" if eight and outtype == "q4_0" else outtype.upper()), name
             err = np.abs(data - want)
             assert np.all(err <= block_bound(want, qtype)), (name, float(err.max()))
             assert err.max() > 0  # really quantized
+
+
+@pytest.mark.parametrize("kind, head", [("llama-relu", "output"), ("falcon", "token_embd")])
+def test_summary_names_every_kind_of_tensor_with_its_type(kind, head, tiny_model_dir, tmp_path):
+    """convert's first line says what each kind of tensor was written as: the q4_0 file's head (the separate
+    output.weight, or the tied embedding stored once) at q8_0, every other matrix at q4_0, vectors f32."""
+    summary = convert_model(str(tiny_model_dir(kind)), tmp_path / "m.gguf", "q4_0", progress=False,
+                            powerinfer_compatible=False)
+    types = summary["types"]
+    assert types["q8_0"] == [head]
+    assert {"attn_norm", "output_norm"} <= set(types["f32"])
+    assert "ffn_down_t" in types["q4_0"] and head not in types["q4_0"]
+    assert sum(map(len, types.values())) == len({k for kinds in types.values() for k in kinds})  # each kind once
+    groups = summary_lines(summary)[0].split(" (", 1)[1].split(")")[0].split("; ")
+    assert f"q8_0 {head}" in groups
 
 
 def test_rope_permutation_keeps_attention_scores(tiny_model_dir, tmp_path):

@@ -15,12 +15,19 @@ import numpy as np
 
 QK = 32
 STEPS = np.arange(-8.0, -6.45, 0.1)  # m / STEPS[i] is a candidate scale; -8 is the reference's
+CHUNK_BLOCKS = 2048  # blocks searched at a time: the search's temporaries stay in the CPU's caches
 
 
 def quantize(rows: np.ndarray) -> np.ndarray:
     """float32 rows (a multiple of 32 values each) as q4_0 blocks: uint8 [n_rows, n_cols / 32 * 18]."""
     n_rows = rows.shape[0]
     x = np.ascontiguousarray(rows, dtype=np.float32).reshape(-1, QK)
+    blocks = [_search(x[i:i + CHUNK_BLOCKS]) for i in range(0, len(x), CHUNK_BLOCKS)]
+    return np.concatenate(blocks).reshape(n_rows, -1) if blocks else np.zeros((n_rows, 0), np.uint8)
+
+
+def _search(x: np.ndarray) -> np.ndarray:
+    """Blocks [n, 32] of float32 as q4_0 blocks [n, 18], each at its best scale."""
     m = np.take_along_axis(x, np.abs(x).argmax(axis=1)[:, None], axis=1)
     best_err = np.full((len(x), 1), np.inf, np.float32)
     best_d = np.zeros((len(x), 1), np.float32)
@@ -32,7 +39,7 @@ def quantize(rows: np.ndarray) -> np.ndarray:
         best_d = np.where(better, d, best_d)
     q = (_levels(x, best_d) + 8).astype(np.uint8)
     packed = q[:, :QK // 2] | (q[:, QK // 2:] << 4)  # ggml's order: value i in the low nibble of byte i, i+16 high
-    return np.concatenate([best_d.astype(np.float16).view(np.uint8), packed], axis=1).reshape(n_rows, -1)
+    return np.concatenate([best_d.astype(np.float16).view(np.uint8), packed], axis=1)
 
 
 def _levels(x: np.ndarray, d: np.ndarray) -> np.ndarray:

@@ -16,7 +16,7 @@ from pathlib import Path
 from powerinfer_tools.models import default_model
 from powerinfer_tools.models.default_model import cache_dir
 
-RECIPE_VERSION = 1            # bump when the recipe below changes, so old caches are not reused
+RECIPE_VERSION = 2            # bump when the recipe below changes, so old caches are not reused
 PROFILE_TOKENS = 4096         # data-free: 16 self-generated sequences of 256 tokens
 PROFILE_SEQ_LEN = 256         # short sequences: generation cost grows with their length
 PREDICTOR_RANK = 32           # 2.5% of SmolLM2's FFN weights
@@ -69,7 +69,7 @@ def _build(model: str, outtype: str, tokens: int, rank: int, final: Path) -> Pat
     root = model_dir(model)
     profile, predictors, report = root / "profile", root / "predictors", root / "build-report.txt"
     print(f"pi-tools: first use of '{model}': building {final.name} through the pipeline "
-          f"(4-12 CPU-minutes, once; later runs start at once; the stages' reports go to {report})", file=sys.stderr)
+          f"(a few CPU-minutes, once; later runs start at once; the stages' reports go to {report})", file=sys.stderr)
     if not (profile / "profile.json").is_file():
         # an interrupted first run's profile continues where it stopped
         resume = (partial_dir(profile) / "identity.json").is_file()

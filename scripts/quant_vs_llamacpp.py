@@ -1,6 +1,6 @@
 """Our quantizer against llama.cpp's on the same weights: perplexity (our engine, dense) and bytes of each file.
 
-    python scripts/quant_vs_llamacpp.py --peer-python /work/peers/llamacpp-venv/bin/python \
+    python scripts/quant_vs_llamacpp.py --peer-python ~/llamacpp-venv/bin/python \
         --text ../shared/data/wikitext-2-raw-test.txt --work /tmp/quant-cmp
 
 The source is the default model's GGUF (a llama.cpp Q4_1 file). Its tensors, dequantized, are written once as a

@@ -449,7 +449,7 @@ def run_bench(opts: BenchOptions) -> dict:
         entries = [_entry(r, times[r.label], len(prompt), len(gen), opts.sparsity) for r in runners]
         if ppl_windows:  # after the timed rounds: it times nothing, and the main table's files and modes are set
             record["perplexity"] = {"file": str(opts.ppl_file), "windows": len(ppl_windows), "ctx": opts.ppl_ctx}
-            for r, e in zip(tqdm(runners, desc="perplexity", unit="run", disable=not opts.progress), entries):
+            for r, e in zip(progress_bar(runners, desc="perplexity", unit="run", disable=not opts.progress), entries):
                 e["perplexity"] = r.perplexity(ppl_windows)
         record["engine"]["peak_rss_bytes"] = ours_worker.ask(op="info")["peak_rss_bytes"]
         record["engine"]["kv_cache_bytes"] = info["kv_cache_bytes"]

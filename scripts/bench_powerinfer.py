@@ -3,7 +3,7 @@
 
 `pi-tools bench` drives llama.cpp through llama-cpp-python; PowerInfer has no such binding, so this
 script runs both command-line programs the same way: `main -m FILE -p TEXT -n N -t T --temp 0 --ignore-eos`
-and `pi-tools run -m FILE -p TEXT -n N -t T --temp 0 --sparse-mode MODE`, one after the other in every
+and `pi-tools run -m FILE -p TEXT -n N -t T --temp 0 --sparse-mode MODE -v`, one after the other in every
 round (load drifts on a shared machine: ratios are taken within a round, medians over rounds). Both print
 llama.cpp's `llama_print_timings` lines; the prompt and generation rates are read from them. PowerInfer
 compares predictor logits with one threshold for every layer (LLAMA_SPARSE_PRED_THRESHOLD, default 0),
@@ -65,7 +65,7 @@ def main() -> None:
                         "--log-disable"],
                        {"LLAMA_SPARSE_PRED_THRESHOLD": "0"}),
         f"ours {args.mode}": ([sys.executable, "-m", "powerinfer_tools", "run", "-m", str(args.file), *common,
-                               "--sparse-mode", args.mode], {}),
+                               "--sparse-mode", args.mode, "-v"], {}),
     }
     rounds = []
     for r in range(args.rounds):

@@ -33,7 +33,7 @@ TOPICS = ["the history of Rome", "how bread is made", "the life of bees", "the r
 
 def run_once(model: str, prompt: str, n: int, args) -> dict:
     cmd = [sys.executable, "-m", "powerinfer_tools", "run", "-m", model, "-p", prompt, "-n", str(n), "--temp", "0",
-           "--repeat-penalty", "1", "-t", str(args.threads), "--sparse-mode", args.sparse_mode, "-c", str(args.ctx)]
+           "--repeat-penalty", "1", "-t", str(args.threads), "--sparse-mode", args.sparse_mode, "-c", str(args.ctx), "-v"]
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     def ms(label):
         m = re.search(rf"{label} time =\s+([\d.]+) ms /\s+(\d+)", done.stderr)
@@ -68,7 +68,7 @@ def rss_kib(pid: int) -> int:
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-m", "powerinfer_tools", "serve", "-m", args.model, "--port", "0", "-t",
-                             str(args.threads), "--sparse-mode", args.sparse_mode, "-c", str(args.ctx)],
+                             str(args.threads), "--sparse-mode", args.sparse_mode, "-c", str(args.ctx), "-v"],
                             stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     for line in proc.stderr:
         if "listening on" in line:

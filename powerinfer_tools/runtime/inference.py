@@ -343,15 +343,21 @@ def sparsity_note(stats: dict, activation: str | None = None) -> str | None:
             "docs/sparsify.md)")
 
 
+def decode_kernels(stats: dict) -> str:
+    """'dense 28, gate 2': the kernels each layer's last decode step took (gate and auto choose them per layer by
+    cost), most used first; '' before any decode step."""
+    kernels = Counter(layer["decode_mode"] for layer in stats.get("layers", []) if layer.get("decode_mode"))
+    return ", ".join(f"{name} {n}" for name, n in kernels.most_common())
+
+
 def timing_line(stats: dict, load_seconds: float) -> str:
     """The one line a run ends with: load, prompt and generation speed, and what the FFN computed
     (timing_lines has the whole account, for -v)."""
     def rate(tokens, seconds):
         return f"{tokens / seconds:.1f} tokens/s" if tokens and seconds else "-"
 
-    kernels = Counter(layer["decode_mode"] for layer in stats.get("layers", []) if layer.get("decode_mode"))
-    ffn = f"ffn {stats['ffn_mode']}" + (" (" + ", ".join(f"{name} {n}" for name, n in kernels.most_common())
-                                        + " layers)" if kernels else "")
+    kernels = decode_kernels(stats)
+    ffn = f"ffn {stats['ffn_mode']}" + (f" ({kernels} layers)" if kernels else "")
     return (f"pi-tools: load {load_seconds:.2f} s, prompt {stats['batch_tokens']} tokens at "
             f"{rate(stats['batch_tokens'], stats['batch_seconds'])}, {stats['decode_tokens']} generated at "
             f"{rate(stats['decode_tokens'], stats['decode_seconds'])}; {ffn}")
@@ -376,10 +382,9 @@ def timing_lines(stats: dict, load_seconds: float, info: dict | None = None) -> 
         ffn += f", every neuron computed ({density:.3f} of them pass the activation rule)"
     elif density is not None:
         ffn += f", density {density:.3f} (neurons passing the activation rule)"
-    # the kernels each layer's last decode step took (gate and auto choose them per layer by cost)
-    kernels = Counter(layer["decode_mode"] for layer in stats.get("layers", []) if layer.get("decode_mode"))
+    kernels = decode_kernels(stats)
     if kernels:
-        ffn += "; layers' decode kernels: " + ", ".join(f"{name} {n}" for name, n in kernels.most_common())
+        ffn += "; layers' decode kernels: " + kernels
     # a one-token prompt runs as a decode step: the engine counts it with the eval line
     prompt = (rate(stats['batch_tokens'], stats['batch_seconds'], 'tokens') if stats['batch_tokens'] else
               "(a one-token prompt runs as one of the eval runs below)")

@@ -299,10 +299,9 @@ def plan_for_model(profile_dir: str | Path, model_path: str | Path, vram_budget_
     """The best placement of a converted model's neurons for a VRAM budget (the converter's one-line entry).
     The profile counts source neurons; the gpu index marks file positions (neuron_order.py). `granularity`:
     see parse_granularity (`powerinfer` reads the down projection's type from the file); `ctx_size` None: the
-    model's default (model_ctx_size)."""
+    model's default (plan_placement resolves it from the file's trained context)."""
     check_options(vram_budget_bytes, ctx_size, reserve_bytes, dense)
     header = read_header(model_path)
-    ctx_size = ctx_size or model_ctx_size(header)
     down_types = {t.type.name for t in header.tensors if t.name.endswith(f".{names.weight(names.FFN_DOWN_T)}")}
     step = parse_granularity(granularity, down_types == {"Q4_0"})
     costs = model_costs(model_path, header)
@@ -311,7 +310,7 @@ def plan_for_model(profile_dir: str | Path, model_path: str | Path, vram_budget_
                                         neuron_order.decode(model_path, order_text, costs.n_ff))
     plan = plan_placement(costs, counts, profiled_tokens(profile_dir, counts), vram_budget_bytes, ctx_size,
                           min_layer_neurons, reserve_bytes, offload_output, dense, time_limit, step)
-    engine = device_placement.place_on_device(device_placement.device_costs(header, ctx_size), vram_budget_bytes,
+    engine = device_placement.place_on_device(device_placement.device_costs(header, plan.ctx_size), vram_budget_bytes,
                                               plan.gpu_neurons) if vram_budget_bytes > 0 else None
     return dataclasses.replace(plan, neuron_order=order_text, engine=engine.summary() if engine else None)
 

@@ -58,6 +58,15 @@ class Processes:
             return values
         return self.accelerator.reduce(values.to(self.device), "mean").to(values.device)
 
+    def finish(self) -> None:
+        """Every process waits here for the others (the main one writes the output), then leaves the process group:
+        a process that exits with the group still open can abort at exit while the others still work
+        (accelerate's `Accelerator.end_training` docs: call it at the end of every script)."""
+        if self.accelerator is None:
+            return
+        self.accelerator.wait_for_everyone()
+        self.accelerator.end_training()
+
     def wrap(self, model):
         """The model to train: DistributedDataParallel over the processes, which starts every copy from the main
         process's parameters; alone, the model itself."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -22,6 +23,9 @@ from powerinfer_tools.stages import sparsification as sparsify
 
 TRAIN = ("--seq-len", "32", "--local-tokens", "1024", "--local-epochs", "2", "--tokens", "1536",
          "--eval-tokens", "256", "--shift-budget", "0")
+
+
+BAR = re.compile(r"\|\s*\d+/\d+ \[")   # a tqdm redraw: "name:  41%|####  | 26/64 [00:00<...]"
 
 
 def _free_port() -> int:
@@ -57,8 +61,10 @@ class Launched:
         return found
 
     def finish(self) -> tuple[int, str]:
+        """The exit code and the output without its progress bars' redraws (a failure's cause stays readable)."""
         self.proc.wait(timeout=600)
-        return self.proc.returncode, self.output()
+        lines = re.split(r"[\r\n]+", self.output())
+        return self.proc.returncode, "\n".join(line for line in lines if line.strip() and not BAR.search(line))
 
 
 def _weights(out):

@@ -206,7 +206,9 @@ def run_sparsify(opts: SparsifyOptions) -> dict | None:
     procs = data_parallel.Processes(device)
     # one run per output: a second would delete the first's checkpoint (the main process holds it for the run)
     with output_lock(opts.out, wait=False) if procs.is_main else contextlib.nullcontext():
-        return _train_and_write(opts, source, config, procs, compute_dtype)
+        report = _train_and_write(opts, source, config, procs, compute_dtype)
+    procs.finish()
+    return report
 
 
 def _train_and_write(opts: SparsifyOptions, source, config, procs: data_parallel.Processes,

@@ -17,7 +17,7 @@ from pathlib import Path
 from .library_check import LibraryRefused, check_library
 
 LIBRARY_ENV = "PI_ENGINE_LIB"
-API_VERSION = 12
+API_VERSION = 13
 
 FFN_MODES = {"dense": 0, "gate": 1, "predictor": 2, "auto": 3, "oracle": 4}
 KV_TYPES = {"f32": 0, "f16": 1}
@@ -40,7 +40,8 @@ class Options(ctypes.Structure):
                 ("isa", ctypes.c_char_p), ("kv_type", ctypes.c_int32), ("gpu", ctypes.c_int32),
                 ("gpu_device", ctypes.c_int32), ("vram_budget", ctypes.c_int64), ("gpu_library", ctypes.c_char_p),
                 ("gpu_ffn_only", ctypes.c_int32), ("input_sparsity", ctypes.c_float),
-                ("cpu_hot_tier", ctypes.c_int32), ("decode_cache", ctypes.c_char_p)]
+                ("cpu_hot_tier", ctypes.c_int32), ("decode_cache", ctypes.c_char_p),
+                ("memory_budget", ctypes.c_int64)]
 
 
 class Sampling(ctypes.Structure):

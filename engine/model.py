@@ -38,7 +38,10 @@ class Model:
     input_sparsity: the share of every matrix's inputs zeroed at the thresholds the file holds (0: off;
     docs/engine.md, "Input sparsity"); decode_cache: a file for the weights decoded at load (a llama.cpp file's
     K-quants, q4_1, q5_x, bf16 and ffn_down), read instead of decoding when whole and made from this model file,
-    else written for the next load (info["decoded"]["cache"]: read, written, not written or off).
+    else written for the next load (info["decoded"]["cache"]: read, written, not written or off); memory_budget:
+    GiB the engine may hold: the cold FFN neurons past it are read on demand from the neuron bundles beside the
+    file (`convert --neuron-bundles`; docs/engine.md, "Models larger than memory"); None: the same under the
+    machine's memory or its cgroup's limit where the bundles are there and the FFN would not fit it.
 
     One Model may be shared by threads: ctypes lets go of the GIL inside the engine, so a lock held across
     every engine call serializes them, and close() waits for a call in flight instead of freeing the model
@@ -51,7 +54,7 @@ class Model:
                  hot_backend: str = "cpu", gpu: str = "auto", vram_budget: float | None = None, gpu_device: int = 0,
                  gpu_library: str | os.PathLike = "cuda", gpu_attention: bool = True,
                  input_sparsity: float = 0.0, cpu_hot_tier: bool = False,
-                 decode_cache: str | os.PathLike | None = None):
+                 decode_cache: str | os.PathLike | None = None, memory_budget: float | None = None):
         self._handle = None
         self._lock = threading.RLock()
         opts = Options()
@@ -79,6 +82,11 @@ class Model:
             if not 0 < budget < 2**33:  # 2**33 GiB: the int64 byte count the engine takes
                 raise EngineError(f"vram_budget must be a positive number of GiB below 2**33, not {vram_budget!r}")
             opts.vram_budget = c_int("vram_budget", int(budget * 2**30), 1, 2**63 - 1)
+        if memory_budget is not None:
+            budget = c_float("memory_budget", memory_budget)
+            if not 0 < budget < 2**33:
+                raise EngineError(f"memory_budget must be a positive number of GiB below 2**33, not {memory_budget!r}")
+            opts.memory_budget = c_int("memory_budget", int(budget * 2**30), 1, 2**63 - 1)
         library = device_library_path(str(gpu_library)) if str(gpu_library) in ("cuda", "emulated") else Path(gpu_library)
         opts.gpu_library = os.fsencode(library) if library is not None else None
         if not isinstance(gpu_attention, bool):

@@ -64,11 +64,12 @@ struct CpuTierBackend::Pass {
     bool stream_selected = false;
     Operand hid;  // fused: the predictor's hidden layer
 
+    // (a tier on disk reads its selected rows before it computes them: not fused)
     Pass(const HParams &hp, const KernelSet &ks, const Uploaded &u, const TierJob &j)
         : L(*u.layer), T(*u.tier), job(j), rule(hp, L, T, ks), kg(ks.for_type(L.gate.type)),
           ku(ks.for_type(L.up.type)), n(T.size()), n_tok(j.n_tok), E(hp.n_embd), mode(j.mode),
           dense(j.mode == TierMode::Dense), all_up(reads_up_whole(j.mode)),
-          fused(j.mode == TierMode::Predictor && j.n_tok == 1 && !j.recall_check) {}
+          fused(j.mode == TierMode::Predictor && j.n_tok == 1 && !j.recall_check && !T.on_disk()) {}
     const void *xn_at(int64_t t, uint32_t type) const { return job.xn->at(t, type); }
 };
 
@@ -77,9 +78,9 @@ size_t CpuTierBackend::down_tile_bytes() {
 }
 
 CpuTierBackend::CpuTierBackend(const HParams &hp, const KernelSet &ks, ThreadPool &pool, int64_t n_batch,
-                               int64_t max_rank, bool copies_tiers)
+                               int64_t max_rank, bool copies_tiers, DiskTier *disk)
     : hp_(hp), ks_(ks), pool_(pool), n_batch_(n_batch), max_rank_(std::max<int64_t>(max_rank, 1)),
-      copies_tiers_(copies_tiers) {
+      copies_tiers_(copies_tiers), disk_(disk) {
     tiers_.assign(size_t(hp.n_layer), Uploaded{nullptr, nullptr});
     if (copies_tiers) copies_.resize(size_t(hp.n_layer));
 }
@@ -137,19 +138,26 @@ void CpuTierBackend::submit(const TierJob &job) {
     counts_ = TierCounts{};
     Pass p(hp_, ks_, tiers_[size_t(job.layer)], job);
     if (job.n_probe > 0) probe_select(p);
+    const FfnTier &T = p.T;
+    // A tier on disk: a predictor-mode decode step reads in the neurons it selected, once selected; the other steps
+    // every neuron (the modes that read every gate, the true mask, and batches, whose down projection reads the
+    // 32-row blocks its tokens use whole), before any of its rows is read.
+    const bool disk = disk_ && T.on_disk();
+    const bool fetch_selected = p.mode == TierMode::Predictor && !job.recall_check && p.n_tok == 1;
+    if (disk && !fetch_selected) disk_->fetch(job.layer, nullptr, p.n, p.n_tok == 1);
     auto t0 = Clock::now();
     select(p);
     const bool selects = p.mode == TierMode::Predictor || p.mode == TierMode::Oracle;
     (selects ? counts_.predictor_seconds : counts_.gate_up_seconds) += seconds_since(t0);
-    t0 = Clock::now();
 
     // gate (and up) for the selected rows; mask_ becomes 2 where up/down are used
     n_rows_ = list_rows(p);
+    if (disk && fetch_selected) disk_->fetch(job.layer, rows_.data(), n_rows_, p.n_tok == 1);
+    t0 = Clock::now();
     // The gates (ups) in 8-row groups for gemm8: the tier's own, or for a batch each pass's groups packed from
     // the rows as it goes (cheap next to the batch's arithmetic on them, and no second copy of the weights).
-    const FfnTier &T = p.T;
-    const bool gate_groups = !T.gate_groups.empty() || (p.n_tok > 1 && T.groups_fit(T.gate));
-    const bool up_groups = !T.up_groups.empty() || (p.n_tok > 1 && T.groups_fit(T.up));
+    const bool gate_groups = !disk && (!T.gate_groups.empty() || (p.n_tok > 1 && T.groups_fit(T.gate)));
+    const bool up_groups = !disk && (!T.up_groups.empty() || (p.n_tok > 1 && T.groups_fit(T.up)));
     // A batch whose tokens together select most of the tier reads every gate in order (the 8-row groups, as
     // gate mode does) and keeps each token's selected neurons: rows by index cost more here than all rows in
     // order from about half of them on (docs/engine.md, "Sparse batches"). The same bits either way.

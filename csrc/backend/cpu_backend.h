@@ -14,6 +14,7 @@
 
 #include "backend/activation_rule.h"
 #include "backend/tier_backend.h"
+#include "model/disk_tier.h"
 #include "runtime/threadpool.h"
 
 namespace pi {
@@ -23,8 +24,10 @@ public:
     // max_rank: the largest predictor rank of the file (0 without predictors). copies_tiers: upload takes a
     // packed_copy of each tier (the hot tier's, read whole every token), else reads the Model's tier in place
     // (the cold tier's mapped rows, grouped as Model::arrange_cold_tier keeps them).
+    // disk: where the tiers' rows come from neuron bundles (model/disk_tier.h), the tier that fetches them before a
+    // job reads them; such a tier reads its rows by index in every mode.
     CpuTierBackend(const HParams &hp, const KernelSet &ks, ThreadPool &pool, int64_t n_batch, int64_t max_rank,
-                   bool copies_tiers);
+                   bool copies_tiers, DiskTier *disk = nullptr);
     const char *name() const override { return "cpu"; }
     void upload(int64_t il, const Layer &layer, const FfnTier &tier) override;
     // Runs the job on the pool before it returns (the pool runs one job at a time: two CPU tiers take turns).
@@ -88,6 +91,7 @@ private:
     ThreadPool &pool_;
     const int64_t n_batch_, max_rank_;
     const bool copies_tiers_;
+    DiskTier *const disk_;
     std::vector<FfnTier> copies_;  // by layer, where copies_tiers_
     struct Uploaded {
         const Layer *layer;

@@ -6,6 +6,8 @@
 #include <cstring>
 #include <thread>
 
+#include <unistd.h>
+
 #include "backend/cpu_backend.h"
 #include "backend/device_backend.h"
 #include "backend/device_library.h"
@@ -62,12 +64,13 @@ Engine::Engine(const std::string &path, const pi_options &opts, const std::strin
     gpu_mode_ = opts.gpu;
     if (hot_backend == "reference") hot_ = std::make_unique<ReferenceTierBackend>(hp_, n_batch_);
     else if (opts.gpu != PI_GPU_OFF) hot_ = device_tier(opts, rank);
-    check_working_memory(threads, opts.kv_type == PI_KV_F16);  // where the hot tier goes is known
+    disk_ = open_disk_tier(opts, threads);                     // where the hot tier goes is known
+    check_working_memory(threads, opts.kv_type == PI_KV_F16);
     rs_ = std::make_unique<RunState>(hp_, n_ctx_, n_batch_, threads, opts.kv_type == PI_KV_F16);
     if (device_) device_->begin(*model_, rs_->rope_cos.data(), rs_->rope_sin.data());
     device_layer_modes_.assign(size_t(hp_.n_layer), TierMode::Dense);
     if (!hot_) hot_ = std::make_unique<CpuTierBackend>(hp_, *ks_, *pool_, n_batch_, rank, true);
-    cold_ = std::make_unique<CpuTierBackend>(hp_, *ks_, *pool_, n_batch_, rank, false);
+    cold_ = std::make_unique<CpuTierBackend>(hp_, *ks_, *pool_, n_batch_, rank, false, disk_.get());
     for (int64_t il = 0; il < hp_.n_layer; ++il) {
         const Layer &L = model_->layers()[size_t(il)];
         if (L.hot.size() > 0) hot_->upload(il, L, L.hot);
@@ -132,11 +135,42 @@ double Engine::work_buffer_bytes(int64_t threads) const {
 double Engine::weight_copy_bytes() const {
     double bytes = 0;
     for (const Layer &L : model_->layers()) {
-        bytes += L.cold.group_bytes(hp_.gated);  // built as a mode that reads them whole runs
-        if (down_quads_for(TierMode::Dense) && L.cold.quads_fit()) bytes += L.cold.quad_bytes();  // likewise
+        if (!L.cold.on_disk()) {
+            bytes += L.cold.group_bytes(hp_.gated);  // built as a mode that reads them whole runs
+            if (down_quads_for(TierMode::Dense) && L.cold.quads_fit()) bytes += L.cold.quad_bytes();  // likewise
+        }
         if (!device_) bytes += L.hot.copy_bytes(hp_.gated);
     }
     return device_ ? bytes + device_->host_bytes(model_->layers()) : bytes;
+}
+
+double Engine::working_bytes(int64_t threads, bool kv_f16) const {
+    return RunState::kv_cache_bytes(hp_, n_ctx_, kv_f16) + work_buffer_bytes(threads) + weight_copy_bytes();
+}
+
+std::unique_ptr<DiskTier> Engine::open_disk_tier(const pi_options &opts, int64_t threads) {
+    if (opts.memory_budget < 0) return nullptr;
+    const std::string path = DiskTier::path_for(model_->path());
+    const double margin = 64.0 * (1 << 20);  // as check_working_memory's
+    // What the engine holds whatever the tier keeps resident: the weights it has copied out of the file (the packed
+    // matrices, the predictors, the decoded rows), what it will allocate (the KV cache at the full context, the work
+    // buffers), the margin.
+    const WeightCopies wc = model_->weight_copies();
+    const double copied = double(wc.packed + wc.predictor + wc.decoded);
+    const double fixed = copied + working_bytes(threads, opts.kv_type == PI_KV_F16) + margin;
+    double budget = double(opts.memory_budget);
+    if (budget == 0) {
+        // the memory check's limit, less what the process held before the engine copied anything
+        const double limit = usable_memory_bytes();
+        const bool all_cold = model_->hot_neurons() == 0;
+        if (!all_cold || limit <= 0) return nullptr;
+        budget = limit - std::max(0.0, process_anonymous_bytes() - copied);
+        if (fixed + DiskTier::bundle_bytes_of(*model_) <= budget) return nullptr;
+        if (::access(path.c_str(), F_OK) != 0) return nullptr;  // no bundles: the memory check decides
+    }
+    // queue depth: enough reads in flight for an SSD's parallelism, whatever the compute threads
+    const int io_threads = 16;
+    return std::make_unique<DiskTier>(path, *model_, budget, fixed, io_threads);
 }
 
 void Engine::check_working_memory(int64_t threads, bool kv_f16) const {
@@ -145,7 +179,7 @@ void Engine::check_working_memory(int64_t threads, bool kv_f16) const {
     // what the process may still take, so that a context fails with a message instead of an out-of-memory kill
     // as it fills. The margin: the allocator's slack, thread stacks, the caller's own growth.
     const double margin = 64.0 * (1 << 20);
-    const double bytes = RunState::kv_cache_bytes(hp_, n_ctx_, kv_f16) + work_buffer_bytes(threads) + weight_copy_bytes() + margin;
+    const double bytes = working_bytes(threads, kv_f16) + margin;
     const double limit = usable_memory_bytes(), held = process_anonymous_bytes();
     const auto gib = [](double b) { return std::to_string(b / double(1 << 30)).substr(0, 8) + " GiB"; };
     if (limit > 0 && bytes > limit - held)
@@ -220,7 +254,7 @@ const std::string &Engine::info_json() {
 const std::string &Engine::stats_json() {
     WeightCopies copies = model_->weight_copies();
     copies.hot = size_t(hot_->weight_bytes());
-    json_ = pi::stats_json(*model_, copies, stats_, policy_, device_ ? &device_->use() : nullptr);
+    json_ = pi::stats_json(*model_, copies, stats_, policy_, device_ ? &device_->use() : nullptr, disk_.get());
     return json_;
 }
 

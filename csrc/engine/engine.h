@@ -13,6 +13,7 @@
 #include "engine/sampler.h"
 #include "engine/stats.h"
 #include "kernels/kernels.h"
+#include "model/disk_tier.h"
 #include "model/model.h"
 #include "runtime/threadpool.h"
 
@@ -39,6 +40,7 @@ public:
     void reset_stats() {
         stats_.reset();
         if (device_) device_->reset_counts();
+        if (disk_) disk_->reset_counts();
     }
 
 private:
@@ -48,6 +50,12 @@ private:
     // the hot tier's copy (or what a device takes on the host) and the cold tiers' gate/up groups.
     double weight_copy_bytes() const;
     double work_buffer_bytes(int64_t threads) const;
+    // What check_working_memory counts but the margin: the KV cache at the full context, the work buffers, the
+    // weight copies.
+    double working_bytes(int64_t threads, bool kv_f16) const;
+    // The disk tier where opts.memory_budget asks for it (or, at 0, where the model's bundles are there and its FFN
+    // would not fit the memory the process may use); nullptr otherwise.
+    std::unique_ptr<DiskTier> open_disk_tier(const pi_options &opts, int64_t threads);
     // Before the model loads (it holds a hot tier only for a device, or where asked): checks hot_backend and
     // opts.gpu, and returns the device library where opts ask for a device (gpu auto or on), give a gpuidx and
     // the library finds the device; else nullptr, with gpu_off_ saying why where a device was asked for.
@@ -126,6 +134,7 @@ private:
     bool recall_check_;
     std::unique_ptr<RunState> rs_;
     FfnPolicy policy_;
+    std::unique_ptr<DiskTier> disk_;  // the cold tier's rows on disk (before cold_, which holds a pointer to it)
     std::unique_ptr<TierBackend> hot_, cold_;
     int32_t gpu_mode_ = PI_GPU_OFF;
     DeviceTierBackend *device_ = nullptr;  // hot_, where it is a device's

@@ -280,7 +280,11 @@ void Engine::ffn(int64_t il, int64_t n_tok, TierMode cold_mode) {
         norm(s.x.data(), L.ffn_norm, L.ffn_norm_b, n_tok, s.xn.data());
         s.op_xn.q_ready = false;
     }
-    if (input_ffn_on()) return input_ffn(il, n_tok);
+    if (input_ffn_on()) {
+        if (disk_) fail(PI_ERR_UNSUPPORTED, "input sparsity's dense FFN reads the mapped FFN rows: with a memory budget, "
+                                            "run it in predictor, gate or auto mode");
+        return input_ffn(il, n_tok);
+    }
     // both tiers read the same operand: made once, here, before either starts
     prepare(*ks_, s.op_xn, n_tok, L.gate.type);
     prepare(*ks_, s.op_xn, n_tok, L.up.type);

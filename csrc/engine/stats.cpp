@@ -155,8 +155,21 @@ std::string info_json(const Model &model, const RunSettings &run) {
            ", \"input_sparsity_levels\": " + levels + "}";
 }
 
+namespace {
+
+std::string disk_json(const DiskTier *disk) {
+    if (!disk) return "null";
+    const DiskCounts &c = disk->counts();
+    return "{\"tokens\": " + num(c.tokens) + ", \"bytes\": " + num(c.bytes) + ", \"reads\": " + num(c.reads) +
+           ", \"cache_hits\": " + num(c.cache_hits) + ", \"cache_misses\": " + num(c.cache_misses) +
+           ", \"io_wait_seconds\": " + num(c.io_wait_seconds) + ", \"resident_bytes\": " + num(disk->resident_bytes()) +
+           ", \"budget_bytes\": " + num(disk->budget_bytes()) + "}";
+}
+
+}  // namespace
+
 std::string stats_json(const Model &model, const WeightCopies &wc, const EngineStats &stats, const FfnPolicy &policy,
-                       const DeviceUse *device) {
+                       const DeviceUse *device, const DiskTier *disk) {
     const PhaseTimes &t = stats.times;
     std::string json = "{\"ffn_mode\": " + quoted(mode_name(policy.mode())) + ", \"batch_tokens\": " + num(stats.batch_tokens) +
                        ", \"batch_seconds\": " + num(stats.batch_seconds) + ", \"decode_tokens\": " + num(stats.decode_tokens) +
@@ -169,7 +182,8 @@ std::string stats_json(const Model &model, const WeightCopies &wc, const EngineS
             ", \"decode_bytes_skipped\": " + num(in.decode_skipped) + "}";
     json += ", \"weight_copies\": {\"packed\": " + std::to_string(wc.packed) + ", \"predictor\": " + std::to_string(wc.predictor) +
             ", \"hot\": " + std::to_string(wc.hot) + ", \"cold_groups\": " + std::to_string(wc.cold_groups) +
-            ", \"down_quads\": " + std::to_string(wc.down_quads) + ", \"decoded\": " + std::to_string(wc.decoded) + "}, \"gpu\": " + device_json(device) + ", \"layers\": [";
+            ", \"down_quads\": " + std::to_string(wc.down_quads) + ", \"decoded\": " + std::to_string(wc.decoded) + "}, \"gpu\": " + device_json(device) +
+            ", \"disk\": " + disk_json(disk) + ", \"layers\": [";
     const double F = double(model.hp().n_ff);
     for (size_t i = 0; i < stats.layers.size(); ++i) {
         const LayerStats &s = stats.layers[i];

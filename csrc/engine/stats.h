@@ -10,6 +10,7 @@
 #include "backend/tier_backend.h"
 #include "engine/ffn_policy.h"
 #include "engine/tier_mode.h"
+#include "model/disk_tier.h"
 #include "model/model.h"
 
 namespace pi {
@@ -72,7 +73,8 @@ struct RunSettings {
 std::string info_json(const Model &model, const RunSettings &run);
 // copies: the Model's, with the hot tier's backend's bytes in `hot`
 // device: as in RunSettings
+// disk: the cold tier's disk tier, or nullptr (its "disk" object is then null)
 std::string stats_json(const Model &model, const WeightCopies &copies, const EngineStats &stats, const FfnPolicy &policy,
-                       const DeviceUse *device);
+                       const DeviceUse *device, const DiskTier *disk);
 
 }  // namespace pi

@@ -21,7 +21,7 @@ extern "C" {
 #pragma GCC visibility push(default)
 #endif
 
-#define PI_ENGINE_API_VERSION 12
+#define PI_ENGINE_API_VERSION 13
 
 typedef enum {
     PI_OK = 0,
@@ -88,6 +88,10 @@ typedef struct {
     const char *decode_cache; /* optional file for the weights decoded at load (llama.cpp's K-quants, q4_1, q5_x,
                                 bf16, its ffn_down layout): read instead of decoding when it is whole and made from
                                 this model file, else written for the next load; NULL: decode every time */
+    int64_t memory_budget;   /* bytes the engine may hold (docs/engine.md, "Models larger than memory"): > 0, the cold
+                                FFN neurons that do not fit are read on demand from the neuron bundles beside the model
+                                (path + ".neurons"); 0: the same, under the machine's memory or its cgroup's limit,
+                                where those bundles are there and the model's FFN would not fit it; < 0: off */
 } pi_options;
 
 typedef struct {

@@ -8,6 +8,9 @@ namespace pi::names {
 
 // ---- architectures ----
 inline constexpr char kGpuIndexArch[] = "generic.gpu_index";
+// neuron bundles: the cold FFN read from disk (model/disk_tier.h)
+inline constexpr char kNeuronBundlesSuffix[] = ".neurons";
+inline constexpr char kNeuronBundlesMagic[] = "PINB";
 
 // ---- metadata keys ----
 inline constexpr char kKeyArchitecture[] = "general.architecture";

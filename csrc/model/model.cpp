@@ -108,6 +108,7 @@ PageMemory groups_in_pages(const FfnTier &t, const Matrix &src) {
 
 void Model::arrange_cold_tier(int64_t il, bool gate_groups, bool up_groups, bool down_quads, bool may_drop) {
     FfnTier &t = layers_[size_t(il)].cold;
+    if (t.on_disk()) return;  // its rows come from the bundles, read by index in every mode
     auto arrange = [&](const Matrix &m, PageMemory &groups, bool want) {
         if (want == !groups.empty() || (want && !t.groups_fit(m)) || (!want && !may_drop)) return;
         if (!want) {
@@ -132,8 +133,19 @@ void Model::arrange_cold_tier(int64_t il, bool gate_groups, bool up_groups, bool
     file_->release(t.down_t.data, t.down_t.bytes());
 }
 
+void Model::attach_bundles(int64_t il, const uint8_t *const *table, size_t up_offset, size_t down_offset) {
+    FfnTier &t = layers_[size_t(il)].cold;
+    t.gate_groups = PageMemory();
+    t.up_groups = PageMemory();
+    t.down_quads = PageMemory();
+    t.bundle = table;
+    t.bundle_up = hp_.gated ? up_offset : 0;
+    t.bundle_down = down_offset;
+}
+
 void Model::release_grouped_rows(int64_t il, bool gate, bool up) {
     const FfnTier &t = layers_[size_t(il)].cold;
+    if (t.on_disk()) return;
     if (gate && !t.gate_groups.empty()) file_->release(t.gate.data, t.gate.bytes());
     if (up && !t.up_groups.empty()) file_->release(t.up.data, t.up.bytes());
     if (!t.down_quads.empty()) file_->release(t.down_t.data, t.down_t.bytes());

@@ -125,8 +125,18 @@ struct FfnTier {
     bool groups_fit(const Matrix &m) const {
         return size() > 0 && packed_block_bytes(m.type) != 0 && m.cols <= kGemv8MaxCols;
     }
-    // Row of neuron slot r in matrix m (packed rows are contiguous; mapped rows are gathered).
-    const uint8_t *row(const Matrix &m, int64_t r) const { return packed ? m.row(r) : m.row(ids[size_t(r)]); }
+    // Where the cold tier is read from its neuron bundles (model/disk_tier.h): per slot, its bundle in memory while a
+    // job runs (the disk tier fills the table before the job reads a row): gate at offset 0, up at bundle_up, down_t
+    // at bundle_down. Null: the rows are the mapped file's.
+    const uint8_t *const *bundle = nullptr;
+    size_t bundle_up = 0, bundle_down = 0;
+    bool on_disk() const { return bundle != nullptr; }
+    // Row of neuron slot r in matrix m (packed rows are contiguous; mapped rows are gathered; bundled rows are in
+    // their neuron's bundle).
+    const uint8_t *row(const Matrix &m, int64_t r) const {
+        if (bundle) return bundle[r] + (&m == &down_t ? bundle_down : &m == &up ? bundle_up : 0);
+        return packed ? m.row(r) : m.row(ids[size_t(r)]);
+    }
     // Groups [g0, g1) of the tier's rows of src (groups_fit), the layer's whole mapped matrix (row ids[slot] is
     // slot's), into out; the slots past size() are zero_row, src.row_bytes zero bytes: scale 0, so their dots
     // are 0. A batch packs a pass's groups this way where none are kept.
@@ -209,6 +219,9 @@ public:
     // Hands back the pages of layer il's mapped cold gate (up) rows where groups also hold them (rows a batch read
     // by index), and of its down_t rows where quads hold them (a batch reads rows).
     void release_grouped_rows(int64_t il, bool gate, bool up);
+    // Reads layer il's cold rows from neuron bundles through `table` (FfnTier::bundle) from here on: the tier keeps no
+    // groups or quads, and the mapped rows are never read.
+    void attach_bundles(int64_t il, const uint8_t *const *table, size_t up_offset, size_t down_offset);
     WeightCopies weight_copies() const;
     const DecodedWeights &decoded() const { return decoded_; }
     // Largest predictor rank over layers (0 without predictors).

@@ -47,6 +47,10 @@ GPU_BUCKET = "gpu_bucket"    # gpu index: the GPU neurons' indices, sorted
 # ---- input sparsity's sites: the inputs a layer's matrices share (q/k/v, o, gate/up, down), one threshold each -
 INPUT_SITES = ("qkv", "o", "gate_up", "down")
 
+# ---- neuron bundles: the cold FFN read from disk (formats/neuron_bundles.py, csrc/model/disk_tier.h) ----------
+NEURON_BUNDLES_SUFFIX = ".neurons"  # beside the model: model.gguf -> model.gguf.neurons
+NEURON_BUNDLES_MAGIC = "PINB"
+
 # ---- FFN modes: the --sparse-mode values, numbered as the engine's pi_ffn_mode --------------------------
 FFN_MODES = ("dense", "gate", "predictor", "auto", "oracle")
 

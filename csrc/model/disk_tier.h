@@ -1,0 +1,122 @@
+// The cold tier read from disk (docs/engine.md, "Models larger than memory"): a model whose FFN does not fit the
+// memory budget keeps a resident share of its cold neurons (the most frequently active, by the profile's counts) and
+// reads the rest, when a decode step selects them, from the neuron bundles `convert --neuron-bundles` writes beside
+// the GGUF (powerinfer_tools/formats/neuron_bundles.py): one page-aligned bundle a neuron, its gate, up and down_t
+// rows together, so a neuron is one read. Recently read neurons stay in a cache of bundle slots inside the budget.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "model/model.h"
+#include "pi_names.h"
+#include "runtime/page_memory.h"
+
+namespace pi {
+
+// The sidecar's header (little-endian, the file's first page; names.py BUNDLE_* mirror it).
+struct BundleHeader {
+    char magic[4];  // "PINB"
+    uint32_t version;
+    uint64_t gguf_size, gguf_identity;  // the GGUF it was written from: its size and bundle_checksum of its first MiB
+    uint32_t n_layer, n_ff, n_embd, gated;
+    uint32_t types[3];      // gate, up, down_t weight types
+    uint32_t row_bytes[3];  // their row sizes (up's 0 where ungated)
+    uint32_t bundle_bytes;  // a bundle: the three rows, zero-padded to a multiple of the page
+    uint32_t reserved;
+    uint64_t index_offset, index_bytes, data_offset, file_size;
+    uint64_t index_checksum;
+    uint64_t header_checksum;  // of the bytes above
+};
+static_assert(sizeof(BundleHeader) == 120, "the sidecar's header is 120 bytes");
+
+constexpr uint32_t kBundleVersion = 1;
+constexpr uint64_t kBundleAlign = 4096;
+
+// The checksum of a bundle and of the header and index: sum of w_i * (2i + 1) over the little-endian 64-bit words w_i
+// (mod 2^64; the odd weights keep any one flipped bit and any swap of two words visible), plus `seed` times the
+// golden ratio's 64-bit fraction (a bundle's seed is layer << 32 | neuron: a bundle in another's place is damaged).
+uint64_t bundle_checksum(const uint8_t *p, size_t bytes, uint64_t seed);
+
+// What the disk tier counted over decode steps (pi_stats_json's "disk").
+struct DiskCounts {
+    double tokens = 0, bytes = 0, reads = 0, cache_hits = 0, cache_misses = 0, io_wait_seconds = 0;
+};
+
+class DiskTier {
+public:
+    // Opens the sidecar at `path` for `model` (its cold tiers hold every neuron), checks it against the model and
+    // the GGUF it names, and fills the resident share: the most frequently active cold neurons that fit
+    // `budget - fixed_bytes` less the cache. Fails in one line where the sidecar is missing, damaged, truncated or
+    // another model's, or where the budget does not hold `fixed_bytes` and the cache.
+    DiskTier(const std::string &path, Model &model, double budget, double fixed_bytes, int io_threads);
+    ~DiskTier();
+    DiskTier(const DiskTier &) = delete;
+    DiskTier &operator=(const DiskTier &) = delete;
+
+    // Makes the cold-tier slots [0, count) of layer il (all of them where slots is nullptr) readable through the
+    // tier's bundle table, reading the missing ones at once; `decode`: counted in counts().
+    void fetch(int64_t il, const int32_t *slots, int64_t count, bool decode);
+    const DiskCounts &counts() const { return counts_; }
+    void reset_counts() { counts_ = DiskCounts{}; }
+    double budget_bytes() const { return budget_; }
+    // What the engine holds under the budget: the fixed part, the resident bundles and the cache.
+    double resident_bytes() const { return fixed_ + double(resident_.size() + cache_.size()); }
+    const std::string &path() const { return path_; }
+    // The bundles' bytes of all cold neurons: what the tier keeps out of memory at most.
+    double all_bundle_bytes() const { return double(hdr_.n_layer) * double(hdr_.n_ff) * double(hdr_.bundle_bytes); }
+
+    // The sidecar beside a model file (the name convert writes).
+    static std::string path_for(const std::string &model_path) { return model_path + names::kNeuronBundlesSuffix; }
+    // The bytes the cold tiers' bundles of `model` would take (to decide whether the tier is needed).
+    static double bundle_bytes_of(const Model &model);
+
+private:
+    // One contiguous run of bundles to read: file positions [pos, pos + n) of layer il into its cache slots.
+    struct Run {
+        int64_t il, pos, n;
+        int64_t first;  // index into run_slots_ of its first destination slot
+    };
+    // Reads runs_ on the I/O threads and the caller, each bundle checked; fails in one line on a damaged one.
+    void read_runs();
+    int64_t take_run();  // the next run's index, or -1
+    void do_run(const Run &r);
+    void io_loop();
+    void shutdown();
+    uint8_t *slot_data(int64_t s) { return cache_.data() + size_t(s) * hdr_.bundle_bytes; }
+    int64_t take_victim();
+    void read_exact(uint8_t *dst, size_t bytes, uint64_t offset, const char *what) const;
+
+    std::string path_;
+    BundleHeader hdr_{};
+    int fd_ = -1, fd_direct_ = -1;
+    Model &model_;
+    double budget_ = 0, fixed_ = 0;
+    std::vector<std::vector<int32_t>> pos_of_;     // [layer][cold slot] the bundle's position in the file
+    std::vector<std::vector<uint64_t>> checksum_;  // [layer][position]
+    std::vector<std::vector<const uint8_t *>> table_;  // [layer][cold slot] where its bundle is now, or null
+    std::vector<std::vector<int32_t>> cached_;     // [layer][cold slot] its cache slot, -1 if none (or resident)
+    PageMemory resident_, cache_;
+    int64_t n_cache_ = 0, hand_ = 0;
+    std::vector<int64_t> owner_;     // [cache slot] layer << 32 | cold slot, -1 if free
+    std::vector<uint64_t> used_in_;  // [cache slot] the fetch that last used it
+    std::vector<uint8_t> referenced_;
+    uint64_t fetch_id_ = 0;
+    DiskCounts counts_;
+
+    // a fetch's reads, shared with the I/O threads
+    std::vector<Run> runs_;
+    std::vector<int64_t> run_slots_;
+    int64_t next_run_ = 0, n_runs_ = 0, runs_done_ = 0;  // under mu_
+    std::string io_error_;
+    std::mutex mu_;
+    std::condition_variable cv_, done_cv_;
+    bool stop_ = false;
+    std::vector<std::thread> io_threads_;
+};
+
+}  // namespace pi

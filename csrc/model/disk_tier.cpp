@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <numeric>
 
@@ -20,7 +21,11 @@ const uint64_t kGolden = 0x9E3779B97F4A7C15ull;
 const uint64_t kIdentityBytes = 1 << 20;  // the GGUF's first MiB: its header and tensor table, for a model of any size
 const int64_t kMaxRunBundles = 32;        // bundles per read at most (one preadv of up to 32 iovecs)
 
-std::string mib(double b) { return std::to_string(int64_t(b / double(1 << 20))) + " MiB"; }
+std::string mib(double b) {
+    char text[32];
+    std::snprintf(text, sizeof text, "%.1f MiB", b / double(1 << 20));
+    return text;
+}
 
 }  // namespace
 
@@ -257,13 +262,13 @@ void DiskTier::fetch(int64_t il, const int32_t *slots, int64_t count, bool decod
     int64_t hits = 0;
     for (int64_t i = 0; i < count; ++i) {
         const int32_t r = slots ? slots[i] : int32_t(i);
-        if (table[size_t(r)]) {
+        if (table[size_t(r)]) {  // resident, or in the cache
             const int32_t s = cached[size_t(r)];
             if (s >= 0) {
                 used_in_[size_t(s)] = fetch_id_;
                 referenced_[size_t(s)] = 1;
-                ++hits;
             }
+            ++hits;
             continue;
         }
         missing.push_back({pos_of[size_t(r)], r});

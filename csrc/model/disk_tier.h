@@ -42,7 +42,8 @@ constexpr uint64_t kBundleAlign = 4096;
 // golden ratio's 64-bit fraction (a bundle's seed is layer << 32 | neuron: a bundle in another's place is damaged).
 uint64_t bundle_checksum(const uint8_t *p, size_t bytes, uint64_t seed);
 
-// What the disk tier counted over decode steps (pi_stats_json's "disk").
+// What the disk tier counted over decode steps (pi_stats_json's "disk"): a hit is a neuron a step needed that was in
+// memory (resident or cached), a miss one it read; `reads` counts the reads issued (neighbours on disk merge).
 struct DiskCounts {
     double tokens = 0, bytes = 0, reads = 0, cache_hits = 0, cache_misses = 0, io_wait_seconds = 0;
 };

@@ -37,6 +37,9 @@ IDENTITY_BYTES = 1 << 20  # the GGUF's first MiB: its header and tensor table
 # magic, version, gguf_size, gguf_identity, n_layer, n_ff, n_embd, gated, types[3], row_bytes[3], bundle_bytes,
 # reserved, index_offset, index_bytes, data_offset, file_size, index_checksum, header_checksum
 HEADER = struct.Struct("<4sIQQ4I3I3I2I6Q")
+FIELDS = ("magic", "version", "gguf_size", "gguf_identity", "n_layer", "n_ff", "n_embd", "gated", "gate_type",
+          "up_type", "down_type", "gate_row_bytes", "up_row_bytes", "down_row_bytes", "bundle_bytes", "reserved",
+          "index_offset", "index_bytes", "data_offset", "file_size", "index_checksum", "header_checksum")
 INDEX_OFFSET = 128
 _GOLDEN = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1
@@ -46,6 +49,15 @@ assert HEADER.size == 120
 def path_for(model: str | os.PathLike) -> Path:
     """The sidecar beside `model`, where the engine looks for it."""
     return Path(str(model) + names.NEURON_BUNDLES_SUFFIX)
+
+
+def read_layout(path: str | os.PathLike) -> dict:
+    """The header's fields by name (FIELDS), unchecked: the engine checks them."""
+    with open(path, "rb") as f:
+        raw = f.read(HEADER.size)
+    if len(raw) < HEADER.size:
+        raise UserError(f"{path}: too short for a neuron bundle header")
+    return dict(zip(FIELDS, HEADER.unpack(raw)))
 
 
 def checksum(data: bytes | np.ndarray, seed: int = 0) -> int:

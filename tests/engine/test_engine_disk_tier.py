@@ -1,0 +1,138 @@
+"""The disk tier (docs/engine.md, "Models larger than memory"): under a memory budget the cold neurons come from the
+neuron bundles beside the file, and the logits are the same bits as with every row mapped; a damaged, truncated or
+foreign sidecar and a budget below what the engine must hold are refused in one line."""
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+from engine_helpers import converted, random_tokens  # noqa: F401
+from tiny_models import N_FF, N_LAYER
+
+import powerinfer_engine as engine
+from powerinfer_tools.formats import neuron_bundles
+
+KEYS = {"tokens", "bytes", "reads", "cache_hits", "cache_misses", "io_wait_seconds", "resident_bytes", "budget_bytes"}
+
+
+@pytest.fixture(params=["q4_0", "f32"])
+def bundled(request, converted, tmp_path):  # noqa: F811
+    """A copy of the tiny ReLU llama with predictors, its bundles written beside it (random frequencies: the resident
+    share is some of each layer), and the engine's fixed bytes at these options (what the budget holds besides the
+    bundles), measured from a budget large enough to cache every bundle."""
+    model = tmp_path / "m.gguf"
+    shutil.copy(converted("llama-relu", request.param, predictors=True), model)
+    rng = np.random.default_rng(0)
+    sidecar = neuron_bundles.write(model, frequencies=[rng.random(N_FF) for _ in range(N_LAYER)])
+    with engine.Model(model, threads=2, sparse_mode="predictor", ctx_size=128, memory_budget=64) as m:
+        disk = m.stats()["disk"]
+    bundle = neuron_bundles.read_layout(sidecar)["bundle_bytes"]
+    return model, sidecar, disk["resident_bytes"] - N_LAYER * N_FF * bundle, bundle
+
+
+def decode(model, mode: str, budget_bytes: float | None = None, threads: int = 2):
+    """Logits of a 7-token prompt, then of 20 decode steps; and the stats."""
+    tokens = random_tokens(27, 384, seed=3)
+    kwargs = {} if budget_bytes is None else {"memory_budget": budget_bytes / 2**30}
+    with engine.Model(model, threads=threads, sparse_mode=mode, ctx_size=128, **kwargs) as m:
+        rows = [m.eval(tokens[:7])[-1]] + [m.eval([t])[-1] for t in tokens[7:]]
+        return np.array(rows), m.stats()
+
+
+@pytest.mark.parametrize("mode", ["predictor", "dense", "gate", "oracle", "auto"])
+@pytest.mark.parametrize("layers_resident", [0.0, 0.5])
+def test_decode_from_disk_equals_decode_with_every_row_mapped(bundled, mode, layers_resident):
+    model, _, fixed, bundle = bundled
+    mapped, stats = decode(model, mode)
+    assert stats["disk"] is None
+    # a cache of one layer (the least the tier takes), and a resident share of half a layer or none: every decode
+    # step reads some neurons, and the cache evicts (it holds half the model)
+    budget = fixed + (1 + layers_resident) * N_FF * bundle + 1024
+    tiered, stats = decode(model, mode, budget)
+    assert np.array_equal(tiered, mapped)
+    disk = stats["disk"]
+    assert set(disk) == KEYS and disk["tokens"] == 20 and disk["budget_bytes"] <= budget
+    assert disk["resident_bytes"] == pytest.approx(fixed + (1 + layers_resident) * N_FF * bundle, abs=bundle)
+    assert disk["bytes"] == disk["cache_misses"] * bundle and disk["cache_misses"] > 0
+    assert 0 < disk["reads"] <= disk["cache_misses"] and disk["io_wait_seconds"] > 0
+
+
+def test_the_same_bits_on_one_thread(bundled):
+    model, _, fixed, bundle = bundled
+    assert np.array_equal(decode(model, "predictor", fixed + N_FF * bundle + 1024, threads=1)[0],
+                          decode(model, "predictor", threads=1)[0])
+
+
+def test_a_budget_below_what_the_engine_holds_names_the_sizes(bundled):
+    model, _, fixed, bundle = bundled
+    with pytest.raises(engine.EngineError) as e:
+        decode(model, "predictor", fixed + N_FF * bundle // 2)
+    msg = str(e.value)
+    assert "\n" not in msg and "memory budget of" in msg and "MiB" in msg and "neuron bundles" in msg
+
+
+def _flip(path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_bundle_is_one_line_at_the_read(bundled):
+    model, sidecar, fixed, bundle = bundled
+    data_offset = neuron_bundles.read_layout(sidecar)["data_offset"]
+    _flip(sidecar, data_offset + 5 * bundle + 7)  # layer 0's sixth bundle
+    with pytest.raises(engine.EngineError) as e:
+        decode(model, "predictor", fixed + N_FF * bundle + 1024)
+    assert "\n" not in str(e.value) and "layer 0" in str(e.value) and "damaged" in str(e.value)
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("truncate", "truncated"),
+    ("header", "header is damaged"),
+    ("index", "index is damaged"),
+    ("magic", "not a neuron bundle file"),
+])
+def test_a_damaged_or_truncated_sidecar_is_one_line_at_open(bundled, damage, message):
+    model, sidecar, fixed, bundle = bundled
+    if damage == "truncate":
+        with open(sidecar, "r+b") as f:
+            f.truncate(sidecar.stat().st_size - bundle)
+    elif damage == "header":
+        _flip(sidecar, 30)
+    elif damage == "index":
+        _flip(sidecar, neuron_bundles.INDEX_OFFSET + 3)
+    else:
+        _flip(sidecar, 0)
+    with pytest.raises(engine.EngineError, match=message) as e:
+        decode(model, "predictor", fixed + N_FF * bundle + 1024)
+    assert "\n" not in str(e.value)
+
+
+def test_another_models_sidecar_is_refused(bundled, converted, tmp_path):  # noqa: F811
+    model, sidecar, fixed, bundle = bundled
+    other = tmp_path / "other.gguf"
+    shutil.copy(converted("llama-relu", "q8_0", predictors=True), other)
+    shutil.copy(sidecar, neuron_bundles.path_for(other))
+    with pytest.raises(engine.EngineError, match="written from another model file"):
+        decode(other, "predictor", fixed + N_FF * bundle + 1024)
+
+
+def test_a_budget_without_bundles_says_how_to_write_them(converted, tmp_path):  # noqa: F811
+    model = tmp_path / "m.gguf"
+    shutil.copy(converted("llama-relu", "q4_0", predictors=True), model)
+    with pytest.raises(engine.EngineError, match="--neuron-bundles"):
+        decode(model, "predictor", 1 << 30)
+
+
+def test_the_checksum_is_the_engines():
+    """A header the writer checksummed is read by the engine (above); here the definition itself: odd weights per
+    word, so one flipped bit or two words swapped change it."""
+    words = np.arange(1, 9, dtype="<u8")
+    base = neuron_bundles.checksum(words.tobytes())
+    assert base == sum(int(w) * (2 * i + 1) for i, w in enumerate(words)) % 2**64
+    swapped = words.copy()
+    swapped[[2, 5]] = swapped[[5, 2]]
+    assert neuron_bundles.checksum(swapped.tobytes()) != base
+    assert neuron_bundles.checksum(words.tobytes(), seed=1) != base
+    assert neuron_bundles.checksum(b"\x01\x02\x03") == (0x030201 * 1) % 2**64

@@ -72,6 +72,7 @@ class BenchOptions:
     kv_type: str = "f32"                   # our engine's KV cache type (llama.cpp's is f16)
     gpu: str = "auto"                      # where our hot tier runs (engine.Model's gpu)
     gpu_attention: bool = True             # the layers' attention and KV cache on the device first (engine.Model's)
+    memory_budget: float | None = None     # GiB our engine may hold in RAM (engine.Model's; the disk tier past it)
     gpuidx: Path | None = None             # our hot tier's neurons; None: solved for vram_budget, or none
     vram_budget: float | None = None       # GiB: the plan's budget (from --profile) and the device's
     predictors: Path | None = None
@@ -103,6 +104,8 @@ def _ours_worker(opts: BenchOptions, model_file: Path, n_ctx: int):
         engine_options["vram_budget"] = opts.vram_budget
     if not opts.gpu_attention:
         engine_options["gpu_attention"] = False
+    if opts.memory_budget is not None:
+        engine_options["memory_budget"] = opts.memory_budget
     engine_options["input_share"] = opts.input_sparsity  # the input mode's (the worker's, not engine.Model's)
     return Worker("ours", model_file, opts.threads, n_ctx, opts.batch, opts.kv_type, engine_options=engine_options)
 

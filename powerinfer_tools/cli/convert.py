@@ -49,6 +49,12 @@ def convert(
         "(profile --input-allocation): store them, and q/k/v/o/gate/up a second time transposed, what `run "
         "--input-sparsity SHARE` reads (SmolLM2: +75% of the layers' bytes). Off by default: input sparsity does "
         "not yet decode faster than dense (docs/bench.md)."),
+    neuron_bundles: bool = typer.Option(
+        False, "--neuron-bundles/--no-neuron-bundles", help="Also write OUT.neurons: each FFN neuron's gate, up and "
+        "down rows again as one page-aligned bundle (hottest first by --profile's counts), which the engine reads "
+        "the cold neurons from when the model does not fit its memory budget (`run --memory-budget`; "
+        "docs/engine.md, \"Models larger than memory\"). OUT itself is unchanged (PowerInfer reads it as ever); "
+        "the sidecar adds about the FFN's size on disk."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
     vram_budget: Optional[float] = typer.Option(
         None, "--vram-budget", callback=flags.within(limits.PLAN_BUDGET_GIB), help="GiB of VRAM: after writing the model, place its hot neurons (as `pi-tools "
@@ -75,10 +81,12 @@ def convert(
 
       pi-tools convert -m smollm2 --predictors pred --profile prof --outtype q4_0 -o s.powerinfer.gguf --vram-budget 0.5
 
+      pi-tools convert -m ./ReluLLaMA-7B --predictors pred --profile prof --outtype q4_0 -o r.gguf --neuron-bundles
+
       pi-tools convert --dry-run -m relullama-70b              # sizes at f16, q8_0, q4_0; nothing written
     """
     if dry_run:
-        if predictors is not None or profile is not None or vram_budget is not None or out is not None:
+        if predictors is not None or profile is not None or vram_budget is not None or out is not None or neuron_bundles:
             raise UserError("--dry-run sizes the file from the config alone: drop --out/--predictors/--profile/"
                             "--vram-budget (for a VRAM plan: pi-tools plan --dry-run)")
         from powerinfer_tools.stages.dry_run import DEFAULT_OUTTYPES
@@ -109,6 +117,11 @@ def convert(
                    "stored as 0 (every neuron counts as active)", err=True)
     typer.echo("\n".join(summary_lines(summary)))
     typer.echo(f"wrote {out}")
+    if neuron_bundles:
+        from powerinfer_tools.formats import neuron_bundles as bundles
+
+        frequencies = placement.profile_frequencies(profile, out) if profile is not None else None
+        typer.echo(f"wrote {bundles.write(out, frequencies, progress=not quiet)}")
     if vram_budget is not None:
         try:
             written = stages.plan(profile, out, stages.PlanOptions(

@@ -13,7 +13,8 @@ from typing import Optional
 import typer
 
 from powerinfer_tools.core.numbers import Range
-from powerinfer_tools.stages.options import DEVICE_BUDGET_GIB, FRACTION, NON_NEGATIVE, POSITIVE, SPARSITY_LEVEL
+from powerinfer_tools.stages.options import (DEVICE_BUDGET_GIB, FRACTION, MEMORY_BUDGET_GIB, NON_NEGATIVE, POSITIVE,
+                                             SPARSITY_LEVEL)
 
 DEFAULT_SPARSE_MODE = "auto"   # run, perplexity: the cheapest mode per layer, what a user runs
 THREADS_HELP = "Threads. Default: all cores."
@@ -64,6 +65,15 @@ def vram_budget_option():
                         "reuse the plan cached beside the model for this budget or solve one from --profile; on a "
                         "GPU, the most the hot tier takes there, layer after layer (the rest stay on the CPU). "
                         "Default: the device's free memory.")
+
+
+def memory_budget_option():
+    """--memory-budget: what the engine may hold in RAM (run, chat, serve, perplexity, bench)."""
+    return typer.Option(None, "--memory-budget", callback=within(MEMORY_BUDGET_GIB), help="GiB of RAM the engine may "
+                        "hold: the attention, head, predictors, KV cache and buffers, then the most often active FFN "
+                        "neurons; the rest are read from MODEL.neurons when the predictor selects them (convert "
+                        "--neuron-bundles writes it). Default: the machine's memory or the cgroup's limit, where "
+                        "MODEL.neurons is there and the FFN would not fit it. Best in --sparse-mode predictor.")
 
 
 def ctx_size_option(what: str = ""):
@@ -136,6 +146,7 @@ class EngineArgs:
     profile: Optional[Path]
     kv_type: str
     input_sparsity: Optional[float]
+    memory_budget: Optional[float]
 
     def llm_options(self) -> dict:
         """The record as powerinfer_tools.LLM's keyword arguments."""
@@ -144,7 +155,8 @@ class EngineArgs:
 
 _ENGINE_OPTIONS = {"threads": threads_option, "sparse_mode": sparse_mode_option, "gpuidx": gpuidx_option,
                    "vram_budget": vram_budget_option, "gpu": gpu_option, "profile": profile_option,
-                   "kv_type": kv_type_option, "input_sparsity": input_sparsity_option}
+                   "kv_type": kv_type_option, "input_sparsity": input_sparsity_option,
+                   "memory_budget": memory_budget_option}
 
 
 @dataclass(frozen=True)

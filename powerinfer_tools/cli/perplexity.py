@@ -32,6 +32,7 @@ def perplexity(
     vram_budget: Optional[float] = flags.vram_budget_option(),
     gpu: str = flags.gpu_option(),
     profile: Optional[Path] = flags.profile_option(),
+    memory_budget: Optional[float] = flags.memory_budget_option(),
     recall: bool = typer.Option(False, "--recall", help="In predictor mode, also compute the true activation masks "
                                                          "and report the predictor's recall (slower)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
@@ -70,7 +71,7 @@ def perplexity(
     started = time.perf_counter()
     with inference.open_engine(target, threads=threads, sparse_mode=sparse_mode, ctx_size=ctx,
                                recall_check=recall, kv_type=kv_type, gpu=gpu, vram_budget_gib=vram_budget,
-                               input_sparsity=input_sparsity) as llm:
+                               input_sparsity=input_sparsity, memory_budget_gib=memory_budget) as llm:
         result = inference.perplexity(llm, windows, progress=not quiet)
         stats = llm.stats()
     seconds = time.perf_counter() - started

@@ -76,7 +76,7 @@ def run(
     tokenizer = inference.load_tokenizer(target.model)
     llm = inference.open_engine(target, threads=engine.threads, sparse_mode=engine.sparse_mode, ctx_size=ctx_size,
                                 kv_type=engine.kv_type, gpu=engine.gpu, vram_budget_gib=engine.vram_budget,
-                                input_sparsity=engine.input_sparsity)
+                                input_sparsity=engine.input_sparsity, memory_budget_gib=engine.memory_budget)
     load_seconds = time.perf_counter() - started
     with llm, inference.engine_errors():
         ids = prompt_ids(tokenizer, prompt, chat)

@@ -89,7 +89,7 @@ def _ffn_tensors(header, layer: int):
 
 
 def write(model: str | os.PathLike, frequencies: Sequence[np.ndarray] | None = None,
-          out: str | os.PathLike | None = None) -> Path:
+          out: str | os.PathLike | None = None, progress: bool = True) -> Path:
     """Writes `model`'s neuron bundles beside it (or to `out`): each layer's neurons hottest first by
     `frequencies` (per layer, in the file's neuron order; file order without), under a temporary name renamed
     when whole. Returns the path."""
@@ -132,7 +132,7 @@ def write(model: str | os.PathLike, frequencies: Sequence[np.ndarray] | None = N
         with open(tmp, "wb") as f:
             f.truncate(file_size)
             mapped = np.memmap(model, np.uint8, "r")
-            for il in progress_bar(range(n_layer), desc="neuron bundles", unit="layer"):
+            for il in progress_bar(range(n_layer), desc="neuron bundles", unit="layer", disable=not progress):
                 block = np.zeros((n_ff, bundle), np.uint8)
                 at = 0
                 for t, rb in zip(layers[il], row_bytes):

@@ -19,7 +19,7 @@ import numpy as np
 
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.formats import names
-from powerinfer_tools.stages.options import DEVICE_BUDGET_GIB
+from powerinfer_tools.stages.options import DEVICE_BUDGET_GIB, MEMORY_BUDGET_GIB
 
 SPARSE_MODES = names.FFN_MODES
 # --sparse-mode input: dense FFN mode with input sparsity on every matrix, at this share unless --input-sparsity
@@ -150,7 +150,8 @@ def context_size(model: str | os.PathLike, ctx_size: int | None) -> int:
 
 def open_engine(target: EngineTarget, threads: int | None = None, sparse_mode: str = "dense",
                 ctx_size: int | None = None, recall_check: bool = False, kv_type: str = "f32", gpu: str = "auto",
-                vram_budget_gib: float | None = None, input_sparsity: float | None = None):
+                vram_budget_gib: float | None = None, input_sparsity: float | None = None,
+                memory_budget_gib: float | None = None):
     """engine.Model for the target; engine failures become UserError with the engine's message. With a hot tier
     (target.gpuidx) and gpu not off, says on stderr where the hot tier runs, or that the index is ignored where no
     device takes it. sparse_mode may be 'input' (engine_mode)."""
@@ -159,6 +160,7 @@ def open_engine(target: EngineTarget, threads: int | None = None, sparse_mode: s
     if gpu not in GPU_MODES:
         raise UserError(f"unknown --gpu {gpu!r} (choose from {', '.join(GPU_MODES)})")
     DEVICE_BUDGET_GIB.check("--vram-budget", vram_budget_gib)
+    MEMORY_BUDGET_GIB.check("--memory-budget", memory_budget_gib)
     sparse_mode, input_share = engine_mode(sparse_mode, input_sparsity)
     if kv_type not in KV_TYPES:
         raise UserError(f"unknown --kv-type {kv_type!r} (choose from {', '.join(KV_TYPES)})")
@@ -170,7 +172,7 @@ def open_engine(target: EngineTarget, threads: int | None = None, sparse_mode: s
         model = engine.Model(target.model, threads=threads, sparse_mode=sparse_mode, ctx_size=ctx_size,
                              gpuidx=target.gpuidx, recall_check=recall_check, kv_type=kv_type, gpu=gpu,
                              vram_budget=vram_budget_gib if gpu != "off" else None, input_sparsity=input_share,
-                             decode_cache=cache)
+                             decode_cache=cache, memory_budget=memory_budget_gib)
     line = decoded_line(model.info["decoded"], cache)
     if line:
         print(f"pi-tools: {line}", file=sys.stderr)

@@ -223,7 +223,8 @@ class LLM:
     ctx_size (default: the model's trained context, at most options.CTX_CAP), kv_type (f32 | f16), gpu (auto | on | off),
     gpuidx (a .gpuidx plan; default: MODEL.generated.gpuidx when it sits beside the model, "none" for none),
     vram_budget (GiB for the hot tier, solved with `profile`), input_sparsity (the share of every matrix's inputs
-    zeroed, from the file's input thresholds; docs/engine.md, "Input sparsity").
+    zeroed, from the file's input thresholds; docs/engine.md, "Input sparsity"), memory_budget (GiB of RAM the engine
+    may hold; the cold FFN neurons past it are read from MODEL.neurons: docs/engine.md, "Models larger than memory").
 
     Threads may share one LLM: complete, chat and count_tokens run one at a time (see _Gate); tokenize, detokenize
     and chat_prompt use only the tokenizer and never wait.
@@ -232,14 +233,15 @@ class LLM:
     def __init__(self, model: str | os.PathLike = "smollm2", *, threads: int | None = None,
                  sparse_mode: str = "dense", ctx_size: int | None = None, kv_type: str = "f32", gpu: str = "auto",
                  gpuidx: str | os.PathLike | None = None, vram_budget: float | None = None,
-                 profile: str | os.PathLike | None = None, input_sparsity: float | None = None):
+                 profile: str | os.PathLike | None = None, input_sparsity: float | None = None,
+                 memory_budget: float | None = None):
         from powerinfer_tools.runtime import inference
 
         self.target = inference.resolve_model_file(str(model), gpuidx, vram_budget, profile, ctx_size)
         self.tokenizer = inference.load_tokenizer(self.target.model)
         self.model = inference.open_engine(self.target, threads=threads, sparse_mode=sparse_mode, ctx_size=ctx_size,
                                            kv_type=kv_type, gpu=gpu, vram_budget_gib=vram_budget,
-                                           input_sparsity=input_sparsity)
+                                           input_sparsity=input_sparsity, memory_budget_gib=memory_budget)
         self.n_ctx: int = self.model.n_ctx
         self.name = Path(self.target.model).name if str(model) != "smollm2" else "smollm2"
         self.stop_tokens = frozenset(t for t in (self.tokenizer.eos_token_id, self.model.info["eos"])

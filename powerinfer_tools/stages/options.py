@@ -27,6 +27,7 @@ DEFAULT_TRAIN_THREADS = max(1, (os.cpu_count() or 2) // 2)  # small matrices: mo
 # callers of the API. A GiB or MiB figure is held below 2**20 of its unit, far past any device's memory.
 PLAN_BUDGET_GIB = Range(0, 2**20, unit=" GiB")                    # 0: an all-CPU plan
 DEVICE_BUDGET_GIB = Range(0, 2**20, low_open=True, unit=" GiB")   # what the hot tier may take on the device
+MEMORY_BUDGET_GIB = Range(0, 2**20, low_open=True, unit=" GiB")   # what the engine may hold in RAM
 RESERVE_MIB = Range(0, 2**20, unit=" MiB")
 SHARE = Range(0, 1, low_open=True, high_open=True)   # a target sparsity or recall, a held-out share
 FRACTION = Range(0, 1, low_open=True)                # a cap on a share, top-p's mass

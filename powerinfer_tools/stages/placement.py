@@ -315,6 +315,17 @@ def plan_for_model(profile_dir: str | Path, model_path: str | Path, vram_budget_
     return dataclasses.replace(plan, neuron_order=order_text, engine=engine.summary() if engine else None)
 
 
+def profile_frequencies(profile_dir: str | Path, model_path: str | Path) -> list[np.ndarray]:
+    """Each layer's activation frequencies (counts / tokens) in the converted file's neuron order: what ranks its
+    neurons for a hot set (here) and for the disk tier's resident set (formats/neuron_bundles.py)."""
+    header = read_header(model_path)
+    costs = model_costs(model_path, header)
+    counts = neuron_order.in_file_order(load_activation_counts(profile_dir, costs.n_ff),
+                                        neuron_order.decode(model_path, header.get(neuron_order.ORDER_KEY), costs.n_ff))
+    tokens = max(profiled_tokens(profile_dir, counts), 1.0)
+    return [np.asarray(c, np.float64) / tokens for c in counts]
+
+
 def check_budget(vram_budget_bytes: float) -> None:
     """A budget is given in GiB (--vram-budget), and named so when it is impossible."""
     limits.PLAN_BUDGET_GIB.check("--vram-budget", vram_budget_bytes / GIB)

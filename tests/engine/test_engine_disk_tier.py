@@ -7,6 +7,7 @@ import shutil
 
 import numpy as np
 import pytest
+from cli_helpers import assert_one_line_error, run_cli
 from engine_helpers import converted, random_tokens  # noqa: F401
 from tiny_models import N_FF, N_LAYER
 
@@ -136,3 +137,15 @@ def test_the_checksum_is_the_engines():
     assert neuron_bundles.checksum(swapped.tobytes()) != base
     assert neuron_bundles.checksum(words.tobytes(), seed=1) != base
     assert neuron_bundles.checksum(b"\x01\x02\x03") == (0x030201 * 1) % 2**64
+
+
+def test_run_with_a_memory_budget_prints_the_same_text(bundled, capsys):
+    model, _, fixed, bundle = bundled
+    args = ("run", "-m", model, "-p", "Once upon a time", "-n", "12", "--temp", "0", "-t", "2", "-c", "128",
+            "--sparse-mode", "predictor")
+    code, mapped, _ = run_cli(capsys, *args)
+    assert code == 0
+    code, tiered, _ = run_cli(capsys, *args, "--memory-budget", str((fixed + N_FF * bundle + 1024) / 2**30))
+    assert code == 0 and tiered == mapped
+    code, _, err = run_cli(capsys, *args, "--memory-budget", str(fixed / 2**30))
+    assert_one_line_error(code, err, "memory budget of", "MiB")

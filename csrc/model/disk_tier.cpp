@@ -258,7 +258,8 @@ void DiskTier::fetch(int64_t il, const int32_t *slots, int64_t count, bool decod
     std::vector<int32_t> &cached = cached_[size_t(il)];
     const std::vector<int32_t> &pos_of = pos_of_[size_t(il)];
     // the missing slots, in file order, so that neighbours on disk are one read
-    std::vector<std::pair<int32_t, int32_t>> missing;  // (position, slot)
+    std::vector<std::pair<int32_t, int32_t>> &missing = missing_;  // (position, slot)
+    missing.clear();
     int64_t hits = 0;
     for (int64_t i = 0; i < count; ++i) {
         const int32_t r = slots ? slots[i] : int32_t(i);

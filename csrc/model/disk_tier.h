@@ -110,6 +110,7 @@ private:
     DiskCounts counts_;
 
     // a fetch's reads, shared with the I/O threads
+    std::vector<std::pair<int32_t, int32_t>> missing_;  // fetch's scratch (kept: a decode step allocates nothing)
     std::vector<Run> runs_;
     std::vector<int64_t> run_slots_;
     int64_t next_run_ = 0, n_runs_ = 0, runs_done_ = 0;  // under mu_

@@ -63,7 +63,8 @@ def main() -> None:
     out = {"model": args.model, "memory_budget_gib": args.memory_budget, "threads": args.threads,
            "sparse_mode": args.sparse_mode, "open_seconds": round(open_seconds, 2),
            "decode_tokens_per_second": round(n / seconds, 3), "selected_neurons_per_token": round(selected, 1),
-           "peak_rss_gib": round(peak_rss_bytes() / 2**30, 3)}
+           "peak_rss_gib": round(peak_rss_bytes() / 2**30, 3),
+           "seconds_per_token": {k: round(v / n, 4) for k, v in stats["phases"].items()}}
     if disk is not None:
         out.update({"disk_bytes_per_token": disk["bytes"] / n, "disk_reads_per_token": disk["reads"] / n,
                     "cache_hit_rate": disk["cache_hits"] / max(1.0, disk["cache_hits"] + disk["cache_misses"]),

@@ -132,10 +132,10 @@ double Engine::work_buffer_bytes(int64_t threads) const {
     return bytes;
 }
 
-double Engine::weight_copy_bytes() const {
+double Engine::weight_copy_bytes(bool cold_on_disk) const {
     double bytes = 0;
     for (const Layer &L : model_->layers()) {
-        if (!L.cold.on_disk()) {
+        if (!L.cold.on_disk() && !cold_on_disk) {
             bytes += L.cold.group_bytes(hp_.gated);  // built as a mode that reads them whole runs
             if (down_quads_for(TierMode::Dense) && L.cold.quads_fit()) bytes += L.cold.quad_bytes();  // likewise
         }
@@ -144,8 +144,8 @@ double Engine::weight_copy_bytes() const {
     return device_ ? bytes + device_->host_bytes(model_->layers()) : bytes;
 }
 
-double Engine::working_bytes(int64_t threads, bool kv_f16) const {
-    return RunState::kv_cache_bytes(hp_, n_ctx_, kv_f16) + work_buffer_bytes(threads) + weight_copy_bytes();
+double Engine::working_bytes(int64_t threads, bool kv_f16, bool cold_on_disk) const {
+    return RunState::kv_cache_bytes(hp_, n_ctx_, kv_f16) + work_buffer_bytes(threads) + weight_copy_bytes(cold_on_disk);
 }
 
 std::unique_ptr<DiskTier> Engine::open_disk_tier(const pi_options &opts, int64_t threads) {
@@ -157,7 +157,7 @@ std::unique_ptr<DiskTier> Engine::open_disk_tier(const pi_options &opts, int64_t
     // buffers), the margin.
     const WeightCopies wc = model_->weight_copies();
     const double copied = double(wc.packed + wc.predictor + wc.decoded);
-    const double fixed = copied + working_bytes(threads, opts.kv_type == PI_KV_F16) + margin;
+    const double fixed = copied + working_bytes(threads, opts.kv_type == PI_KV_F16, true) + margin;
     double budget = double(opts.memory_budget);
     if (budget == 0) {
         // the memory check's limit, less what the process held before the engine copied anything
@@ -170,7 +170,9 @@ std::unique_ptr<DiskTier> Engine::open_disk_tier(const pi_options &opts, int64_t
     }
     // queue depth: enough reads in flight for an SSD's parallelism, whatever the compute threads
     const int io_threads = 16;
-    return std::make_unique<DiskTier>(path, *model_, budget, fixed, io_threads);
+    auto tier = std::make_unique<DiskTier>(path, *model_, budget, fixed, io_threads);
+    model_->hold_vectors();  // a model that does not fit its memory: its page cache is under pressure
+    return tier;
 }
 
 void Engine::check_working_memory(int64_t threads, bool kv_f16) const {

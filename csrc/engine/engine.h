@@ -48,11 +48,12 @@ private:
     void check_working_memory(int64_t threads, bool kv_f16) const;
     // Bytes of weights the engine will copy out of the mapped file from here on (hot_ chosen, nothing uploaded):
     // the hot tier's copy (or what a device takes on the host) and the cold tiers' gate/up groups.
-    double weight_copy_bytes() const;
+    // cold_on_disk: as if the cold tiers were on disk (they keep no groups), before the disk tier takes them.
+    double weight_copy_bytes(bool cold_on_disk = false) const;
     double work_buffer_bytes(int64_t threads) const;
     // What check_working_memory counts but the margin: the KV cache at the full context, the work buffers, the
     // weight copies.
-    double working_bytes(int64_t threads, bool kv_f16) const;
+    double working_bytes(int64_t threads, bool kv_f16, bool cold_on_disk = false) const;
     // The disk tier where opts.memory_budget asks for it (or, at 0, where the model's bundles are there and its FFN
     // would not fit the memory the process may use); nullptr otherwise.
     std::unique_ptr<DiskTier> open_disk_tier(const pi_options &opts, int64_t threads);

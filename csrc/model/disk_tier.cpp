@@ -181,7 +181,8 @@ DiskTier::DiskTier(const std::string &path, Model &model, double budget, double 
             return a.il != b.il ? a.il < b.il : pos_of_[size_t(a.il)][size_t(a.slot)] < pos_of_[size_t(b.il)][size_t(b.slot)];
         });
         if (!candidates.empty()) resident_ = PageMemory(candidates.size() * size_t(B), false, "the resident neuron bundles");
-        cache_ = PageMemory(size_t(n_cache_) * size_t(B), false, "the neuron bundle cache", false);
+        // touched now: a slot's first read would otherwise fault its pages in, under the limit's reclaim
+        cache_ = PageMemory(size_t(n_cache_) * size_t(B), false, "the neuron bundle cache");
         owner_.assign(size_t(n_cache_), -1);
         used_in_.assign(size_t(n_cache_), 0);
         referenced_.assign(size_t(n_cache_), 0);

@@ -133,6 +133,34 @@ void Model::arrange_cold_tier(int64_t il, bool gate_groups, bool up_groups, bool
     file_->release(t.down_t.data, t.down_t.bytes());
 }
 
+void Model::hold_vectors() {
+    std::vector<Matrix *> vectors;
+    for (Layer &l : layers_)
+        for (Matrix *m : {&l.attn_norm, &l.attn_norm_b, &l.ffn_norm, &l.ffn_norm_b, &l.bq, &l.bk, &l.bv, &l.bo,
+                          &l.gate_b, &l.up_b, &l.down_b})
+            if (m->data) vectors.push_back(m);
+    for (Matrix *m : {&output_norm_, &output_norm_b_})
+        if (m->data) vectors.push_back(m);
+    // one copy per tensor (falcon 7B's attention and FFN share a norm; the forward pass compares the pointers)
+    std::vector<std::pair<const uint8_t *, size_t>> placed;  // (source, offset)
+    size_t total = 0;
+    for (const Matrix *m : vectors) {
+        bool seen = false;
+        for (const auto &pl : placed) seen = seen || pl.first == m->data;
+        if (seen) continue;
+        placed.push_back({m->data, total});
+        total += (m->bytes() + 63) / 64 * 64;
+    }
+    held_vectors_.assign(total, 0);
+    for (Matrix *m : vectors)
+        for (const auto &pl : placed)
+            if (pl.first == m->data) {
+                std::memcpy(held_vectors_.data() + pl.second, m->data, m->bytes());
+                m->data = held_vectors_.data() + pl.second;
+                break;
+            }
+}
+
 void Model::attach_bundles(int64_t il, const uint8_t *const *table, size_t up_offset, size_t down_offset) {
     FfnTier &t = layers_[size_t(il)].cold;
     t.gate_groups = PageMemory();

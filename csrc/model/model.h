@@ -219,6 +219,9 @@ public:
     // Hands back the pages of layer il's mapped cold gate (up) rows where groups also hold them (rows a batch read
     // by index), and of its down_t rows where quads hold them (a batch reads rows).
     void release_grouped_rows(int64_t il, bool gate, bool up);
+    // Copies the vectors every token reads (norm weights, biases) out of the mapped file into memory of the model's
+    // own: under a memory limit the page cache may drop their pages, and each would be a read from disk per token.
+    void hold_vectors();
     // Reads layer il's cold rows from neuron bundles through `table` (FfnTier::bundle) from here on: the tier keeps no
     // groups or quads, and the mapped rows are never read.
     void attach_bundles(int64_t il, const uint8_t *const *table, size_t up_offset, size_t down_offset);
@@ -263,6 +266,7 @@ private:
     std::vector<float> input_levels_, input_table_;
     PageMemory packed_;  // backing of the packed matrices' Matrix::groups
     DecodedWeights decoded_;  // the matrices decoded at load (their Matrix::data)
+    std::vector<uint8_t> held_vectors_;  // hold_vectors' copies
     int threads_ = 1;         // the engine's threads, which pack and decode at load
 };
 

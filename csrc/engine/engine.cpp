@@ -168,8 +168,8 @@ std::unique_ptr<DiskTier> Engine::open_disk_tier(const pi_options &opts, int64_t
         if (fixed + DiskTier::bundle_bytes_of(*model_) <= budget) return nullptr;
         if (::access(path.c_str(), F_OK) != 0) return nullptr;  // no bundles: the memory check decides
     }
-    // queue depth: enough reads in flight for an SSD's parallelism, whatever the compute threads
-    const int io_threads = 16;
+    // queue depth: enough reads in flight for an SSD's parallelism, whatever the compute threads (docs/bench.md)
+    const int io_threads = 32;
     auto tier = std::make_unique<DiskTier>(path, *model_, budget, fixed, io_threads);
     model_->hold_vectors();  // a model that does not fit its memory: its page cache is under pressure
     return tier;

@@ -149,3 +149,19 @@ def test_run_with_a_memory_budget_prints_the_same_text(bundled, capsys):
     assert code == 0 and tiered == mapped
     code, _, err = run_cli(capsys, *args, "--memory-budget", str(fixed / 2**30))
     assert_one_line_error(code, err, "memory budget of", "MiB")
+
+
+@pytest.mark.parametrize("kind", ["falcon", "falcon7b", "opt", "bamboo", "prosparse"])
+def test_ungated_and_other_architectures_decode_the_same_bits(converted, tmp_path, kind):  # noqa: F811
+    """Ungated FFNs bundle two rows (up, down_t); falcon 7B shares a norm between attention and the FFN, which the
+    copied vectors keep shared."""
+    model = tmp_path / "m.gguf"
+    shutil.copy(converted(kind, "q4_0", predictors=True), model)
+    neuron_bundles.write(model, progress=False)
+    with engine.Model(model, threads=2, sparse_mode="predictor", ctx_size=128, memory_budget=64) as m:
+        n_ff, n_layer = m.info["n_ff"], m.info["n_layer"]
+        bundle = neuron_bundles.read_layout(neuron_bundles.path_for(model))["bundle_bytes"]
+        fixed = m.stats()["disk"]["resident_bytes"] - n_layer * n_ff * bundle
+    mapped, _ = decode(model, "predictor")
+    tiered, stats = decode(model, "predictor", fixed + n_ff * bundle + 1024)
+    assert np.array_equal(tiered, mapped) and stats["disk"]["cache_misses"] > 0

@@ -160,10 +160,11 @@ namespace {
 std::string disk_json(const DiskTier *disk) {
     if (!disk) return "null";
     const DiskCounts &c = disk->counts();
-    return "{\"tokens\": " + num(c.tokens) + ", \"bytes\": " + num(c.bytes) + ", \"reads\": " + num(c.reads) +
-           ", \"cache_hits\": " + num(c.cache_hits) + ", \"cache_misses\": " + num(c.cache_misses) +
-           ", \"io_wait_seconds\": " + num(c.io_wait_seconds) + ", \"resident_bytes\": " + num(disk->resident_bytes()) +
-           ", \"budget_bytes\": " + num(disk->budget_bytes()) + "}";
+    const auto count = [](double v) { return std::to_string(int64_t(v)); };  // exact: bytes pass 2^32 in minutes
+    return "{\"tokens\": " + count(c.tokens) + ", \"bytes\": " + count(c.bytes) + ", \"reads\": " + count(c.reads) +
+           ", \"cache_hits\": " + count(c.cache_hits) + ", \"cache_misses\": " + count(c.cache_misses) +
+           ", \"io_wait_seconds\": " + num(c.io_wait_seconds) + ", \"resident_bytes\": " + count(disk->resident_bytes()) +
+           ", \"budget_bytes\": " + count(disk->budget_bytes()) + "}";
 }
 
 }  // namespace

@@ -165,3 +165,16 @@ def test_ungated_and_other_architectures_decode_the_same_bits(converted, tmp_pat
     mapped, _ = decode(model, "predictor")
     tiered, stats = decode(model, "predictor", fixed + n_ff * bundle + 1024)
     assert np.array_equal(tiered, mapped) and stats["disk"]["cache_misses"] > 0
+
+
+def test_convert_writes_the_bundles_beside_the_file(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "c.gguf"
+    code, stdout, _ = run_cli(capsys, "convert", "-m", tiny_model_dir("llama-relu"), "--outtype", "q8_0", "-o", out,
+                              "--neuron-bundles", "-q")
+    sidecar = neuron_bundles.path_for(out)
+    assert code == 0 and f"wrote {sidecar}" in stdout and not sidecar.with_name(sidecar.name + ".tmp").exists()
+    layout = neuron_bundles.read_layout(sidecar)
+    assert (layout["n_ff"], layout["n_layer"], layout["bundle_bytes"] % neuron_bundles.ALIGN) == (N_FF, N_LAYER, 0)
+    with engine.Model(out, threads=1, sparse_mode="dense", ctx_size=32, memory_budget=64) as m:
+        m.eval([3, 4, 5])
+        assert m.stats()["disk"]["budget_bytes"] == 64 * 2**30

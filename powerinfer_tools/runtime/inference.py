@@ -140,11 +140,10 @@ def context_size(model: str | os.PathLike, ctx_size: int | None) -> int:
     are sized and cached by."""
     from powerinfer_tools.formats.gguf_header import read_header
     from powerinfer_tools.stages import placement
+    from powerinfer_tools.stages.options import CTX_SIZE
 
     if ctx_size is not None:
-        if ctx_size < 1:
-            raise UserError(f"--ctx-size must be at least 1 token, not {ctx_size}")
-        return ctx_size
+        return CTX_SIZE.check("--ctx-size", ctx_size)
     return placement.model_ctx_size(read_header(model))
 
 

@@ -175,7 +175,3 @@ def drop_page_cache(path: Path = DROP_CACHES) -> None:
         raise UserError(f"--memory-limit drops the page cache before each engine: cannot write {path} "
                         f"({exc.strerror}; run as root)") from None
 
-
-def parse_gib(value: float) -> int:
-    """--memory-limit GiB as bytes."""
-    return int(value * 2**30)

@@ -432,6 +432,7 @@ def run_bench(opts: BenchOptions) -> dict:
     n_ctx = max(opts.n_prompt, opts.depth + opts.n_gen, opts.ppl_ctx if ppl_windows else 0) + 8
     if opts.memory_limit is not None:
         record["memory_limit"] = _memory_limited(opts, files, modes, prompt, tg, n_ctx)
+        record["engine"] = {"isa": next((r["isa"] for r in record["memory_limit"]["rows"] if r.get("isa")), None)}
         record["notes"] = opts.log
         record["seconds"] = round(time.time() - started, 1)
         return record

@@ -96,6 +96,7 @@ def _measure(c: Contestant, group: cgroup.MemoryCgroup, start, prompt: list[int]
         info = worker.ask(op="info")
         row["peak_rss_bytes"] = info.get("peak_rss_bytes")
         row["rss_before_model_bytes"] = info.get("rss_before_model_bytes")
+        row["isa"] = info.get("isa")
     except WorkerDied as exc:
         row["status"] = "OOM-killed" if group.oom_kills() or exc.signal == "SIGKILL" else "died"
         row["message"] = str(exc)

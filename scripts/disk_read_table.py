@@ -13,7 +13,7 @@ kernel's least-recently-used page cache serves worst, so it reads what does not 
 (docs/bench.md measures this on the 7B shape).
 
     python scripts/disk_read_table.py [--models relullama-7b,relufalcon-40b,relullama-70b] [--memory 16,20]
-                                      [--outtype q4_0] [--predictor-rank 512] [--ctx 2048] [--disk-gbs 3]
+                                      [--outtype q4_0] [--predictor-rank 512] [--ctx 2048] [--overhead 0.5]
 """
 from __future__ import annotations
 
@@ -30,24 +30,24 @@ from powerinfer_tools.stages import dry_run, placement  # noqa: E402
 GIB = 2**30
 
 
-def row(report: dict, memory_gib: float, ctx: int, overhead_gib: float, disk_gbs: float) -> dict:
+def row(report: dict, memory_gib: float, ctx: int, overhead_gib: float) -> dict:
     r = report
     c = r.costs
     parts = r.parts()
     always = parts["attention"] + parts["predictors"] + parts["output"] + r.kv_cache_bytes(ctx)
     room = memory_gib * GIB - overhead_gib * GIB - always
     share = float(np.clip(room / parts["ffn"], 0.0, 1.0)) if room > 0 else 0.0
-    cold_bytes = active = cold_active = 0.0
+    cold_bytes = hot_bytes = active = cold_active = 0.0
     for n, nb in zip(c.n_ff, c.neuron_bytes):
         rates = placement.power_law_rates(int(n))
         hot = int(share * n)
         active += rates.sum()
         cold_active += rates[hot:].sum()
         cold_bytes += float(nb) * rates[hot:].sum()
-    disk = cold_bytes if room > 0 else None
+        hot_bytes += float(nb) * rates[:hot].sum()
     return {"file": r.file_bytes, "always": always, "ffn": parts["ffn"], "share": share if room > 0 else None,
-            "active": active / c.n_ff.sum(), "cold_active": cold_active / max(active, 1e-9), "disk": disk,
-            "tps": disk_gbs * 1e9 / disk if disk else None,
+            "active": active / c.n_ff.sum(), "cold_active": cold_active / max(active, 1e-9),
+            "memory_read": always + hot_bytes, "disk": cold_bytes if room > 0 else None,
             "mmap_disk": max(0.0, r.file_bytes - (memory_gib - overhead_gib) * GIB)}
 
 
@@ -59,24 +59,22 @@ def main() -> None:
     ap.add_argument("--predictor-rank", type=int, default=512)
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--overhead", type=float, default=0.5, help="GiB for the process itself (default 0.5)")
-    ap.add_argument("--disk-gbs", type=float, default=3.0, help="disk read rate, GB/s, for the t/s bound")
     args = ap.parse_args()
     print(f"{args.outtype}, predictors of rank {args.predictor_rank}, KV cache f32 at ctx {args.ctx}, "
-          f"{args.overhead:g} GiB for the process, {args.disk_gbs:g} GB/s disk; arithmetic, not a run\n")
-    print("| model | file GiB | memory GiB | read whole every token (attention, predictors, head, KV) GiB | "
-          "FFN GiB | FFN share in memory | neurons firing | of them cold | disk MiB/token | t/s bound at the "
-          "disk rate | llama.cpp mmap: disk MiB/token (LRU, about the file less memory at best) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          f"{args.overhead:g} GiB for the process; arithmetic, not a run\n")
+    print("| model | file GiB | memory GiB | FFN GiB | FFN share in memory | neurons firing | of them cold | "
+          "from memory GiB/token (KV at full context) | from disk MiB/token | llama.cpp mmap: from disk MiB/token "
+          "(the file less memory: the least) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in args.models.split(","):
         report = dry_run.size_report(dry_run.load(name), args.outtype, args.predictor_rank)
         for memory in (float(m) for m in args.memory.split(",")):
-            x = row(report, memory, args.ctx, args.overhead, args.disk_gbs)
+            x = row(report, memory, args.ctx, args.overhead)
             fits = x["file"] + report.kv_cache_bytes(args.ctx) <= (memory - args.overhead) * GIB
             disk = "0 (fits)" if fits else ("does not fit" if x["disk"] is None else f"{x['disk'] / 2**20:.0f}")
-            print(f"| {name} | {x['file'] / GIB:.1f} | {memory:g} | {x['always'] / GIB:.2f} | {x['ffn'] / GIB:.1f} | "
+            print(f"| {name} | {x['file'] / GIB:.1f} | {memory:g} | {x['ffn'] / GIB:.1f} | "
                   + (f"{x['share']:.0%}" if x["share"] is not None else "–") + f" | {x['active']:.1%} | "
-                  f"{x['cold_active']:.0%} | {disk} | "
-                  + ("–" if fits or x["tps"] is None else f"{x['tps']:.1f}") + " | "
+                  f"{x['cold_active']:.0%} | {x['memory_read'] / GIB:.2f} | {disk} | "
                   + ("0 (fits)" if fits else f"{x['mmap_disk'] / 2**20:.0f}") + " |")
 
 

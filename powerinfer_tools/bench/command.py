@@ -97,13 +97,15 @@ def bench(
     llamacpp_wait: Optional[str] = typer.Option(None, "--llamacpp-wait", help="OMP_WAIT_POLICY of the llama.cpp "
                                                 "peer: active or passive. Default: both, and every run counts the "
                                                 "faster (spinning collapses on an oversubscribed machine)."),
-    memory_limit: Optional[float] = typer.Option(None, "--memory-limit", help="GiB: run each engine alone in a "
+    memory_limit: Optional[float] = typer.Option(None, "--memory-limit", callback=flags.within(limits.DEVICE_BUDGET_GIB),
+                                                 help="GiB: run each engine alone in a "
                                                  "memory cgroup of this size (made and removed here; needs root), "
                                                  "the page cache dropped before each: llama.cpp repacked and mapped "
                                                  "only, ours in each mode with and without its disk tier. Prints "
                                                  "peak memory, OOM kills and what a token reads from the disk. "
                                                  "Default: no limit."),
-    memory_budget: Optional[float] = typer.Option(None, "--memory-budget", help="GiB our disk tier may hold under "
+    memory_budget: Optional[float] = typer.Option(None, "--memory-budget", callback=flags.within(limits.DEVICE_BUDGET_GIB),
+                                                  help="GiB our disk tier may hold under "
                                                   "--memory-limit. Default: 3/4 of the limit."),
     json_out: Optional[Path] = typer.Option(None, "--json-out", help="Write the full record (samples, machine, "
                                             "byte model) as JSON."),

@@ -173,3 +173,13 @@ def test_bench_under_a_memory_limit(tiny_model_dir, tmp_path, monkeypatch):
     assert row["status"] == "refused" and "cgroup's limit" in row["message"] and row["oom_kills"] == 0
     assert "refused" in bench.render_markdown(small)
     assert not [p for p in hierarchy.own.iterdir() if p.name.startswith(cgroup.PREFIX)]
+
+
+def test_memory_limit_without_a_page_cache_to_drop_is_refused_in_one_line(tmp_path, monkeypatch):
+    """Checked before the files are built: where the page cache cannot be dropped (not root), or no memory cgroup
+    can be made, one line says so."""
+    monkeypatch.setattr(cgroup, "DROP_CACHES", tmp_path / "missing" / "drop_caches")
+    with pytest.raises(UserError) as exc:
+        limited.check_can_run()
+    assert "\n" not in str(exc.value) and ("drop_caches is not writable (run as root)" in str(exc.value)
+                                           or "needs a memory cgroup" in str(exc.value))

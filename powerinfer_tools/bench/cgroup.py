@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import os
+import secrets
 import signal
 import time
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from powerinfer_tools.core.errors import UserError
 
 ROOT = Path("/sys/fs/cgroup")
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
-PREFIX = "pi-bench-"   # the cgroups this module makes: <PREFIX><pid>-<n>
+PREFIX = "pi-bench-"   # the cgroups this module makes: <PREFIX><pid>-<random hex>
 
 
 @dataclass
@@ -66,12 +67,9 @@ class MemoryCgroup:
     `preexec` moves the calling process into it: pass it to subprocess as preexec_fn (or call it from one), so
     that everything the worker allocates after exec counts."""
 
-    _made = 0
-
     def __init__(self, limit_bytes: int, hierarchy: Hierarchy):
         self.limit_bytes, self.hierarchy = int(limit_bytes), hierarchy
-        MemoryCgroup._made += 1
-        self.path = hierarchy.own / f"{PREFIX}{os.getpid()}-{MemoryCgroup._made}"
+        self.path = hierarchy.own / f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
 
     def _file(self, name: str) -> Path:
         return self.path / name

@@ -21,8 +21,6 @@ from powerinfer_tools.bench.runners import Worker, WorkerDied
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.core.progress import progress_bar
 
-DISK_KEYS = ("tokens", "bytes", "reads", "cache_hits", "cache_misses", "io_wait_seconds", "resident_bytes",
-             "budget_bytes")
 BUDGET_SHARE = 0.75   # default disk-tier budget: this share of the limit (the rest: Python, KV cache, buffers)
 
 
@@ -56,9 +54,9 @@ def contestants(modes, ours_options: dict, budget_gib: float | None, llamacpp: b
 
 
 def disk_per_token(stats: dict | None) -> dict | None:
-    """The disk tier's counters (stats()["disk"]) per generated token: bytes and reads from the file, the share of
-    row lookups its cache served, and seconds waited on reads; None where the stats have no disk object or it
-    counted no token."""
+    """The disk tier's counters (stats()["disk"]: tokens, bytes, reads, cache_hits, cache_misses, io_wait_seconds,
+    resident_bytes, budget_bytes) per generated token: bytes and reads from the file, the share of row lookups its
+    cache served, and seconds waited on reads; None where the stats have no disk object or it counted no token."""
     disk = (stats or {}).get("disk")
     if not disk or not disk.get("tokens"):
         return None

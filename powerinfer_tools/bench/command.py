@@ -98,6 +98,16 @@ def bench(
     llamacpp_wait: Optional[str] = typer.Option(None, "--llamacpp-wait", help="OMP_WAIT_POLICY of the llama.cpp "
                                                 "peer: active or passive. Default: both, and every run counts the "
                                                 "faster (spinning collapses on an oversubscribed machine)."),
+    memory_limit: Optional[float] = typer.Option(None, "--memory-limit", callback=flags.within(limits.DEVICE_BUDGET_GIB),
+                                                 help="GiB: run each engine alone in a "
+                                                 "memory cgroup of this size (made and removed here; needs root), "
+                                                 "the page cache dropped before each: llama.cpp repacked and mapped "
+                                                 "only, ours in each mode with and without its disk tier. Prints "
+                                                 "peak memory, OOM kills and what a token reads from the disk. "
+                                                 "Default: no limit."),
+    memory_budget: Optional[float] = typer.Option(None, "--memory-budget", callback=flags.within(limits.DEVICE_BUDGET_GIB),
+                                                  help="GiB our disk tier may hold under "
+                                                  "--memory-limit. Default: 3/4 of the limit."),
     json_out: Optional[Path] = typer.Option(None, "--json-out", help="Write the full record (samples, machine, "
                                             "byte model) as JSON."),
     png: Optional[Path] = typer.Option(None, "--png", help="Draw the sweep (tokens/s vs sparsity) as PNG."),
@@ -134,6 +144,8 @@ def bench(
       pi-tools bench -m smollm2 --modes dense --peers llama.cpp --depth 2048 --kv-type f16   # both caches f16
 
       pi-tools bench -m relu7b --predictors pred --profile prof --modes predictor --peers '' --vram-budget 4 --gpu on
+
+      sudo pi-tools bench -m relu7b --modes dense,predictor --peers llama.cpp --memory-limit 1.5 --repeats 2 -t 2
     """
     from powerinfer_tools.bench.harness import (BenchOptions, plot_sweep, render_markdown, render_summary, run_bench,
                                                 write_json)
@@ -159,6 +171,7 @@ def bench(
                         predictors=predictors, profile=profile, text=text, ppl_file=ppl_file,
                         ppl_chunks=ppl_chunks, ppl_ctx=ppl_ctx, work_dir=work_dir,
                         peer_python=peer_python, llamacpp_wait=_wait_policy(llamacpp_wait), progress=not quiet,
+                        memory_limit=memory_limit, memory_budget=memory_budget,
                         command="pi-tools " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "")
     record = run_bench(opts)
     table = render_markdown(record)

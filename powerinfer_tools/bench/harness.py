@@ -84,13 +84,21 @@ class BenchOptions:
     work_dir: Path | None = None
     peer_python: str | None = None
     llamacpp_wait: str | None = None       # OMP_WAIT_POLICY of the llama.cpp peer; None: the faster of both per run
+    memory_limit: float | None = None      # GiB: each engine alone in a memory cgroup of this size (limited.py)
+    memory_budget: float | None = None     # GiB: our disk tier's budget under memory_limit (None: a share of it)
     progress: bool = True
     command: str = ""
     log: list[str] = field(default_factory=list)
 
 
 def _ours_worker(opts: BenchOptions, model_file: Path, n_ctx: int):
-    """Our engine's worker on model_file, its hot tier where opts put it (a plan for --vram-budget solved from
+    """Our engine's worker on model_file."""
+    return Worker("ours", model_file, opts.threads, n_ctx, opts.batch, opts.kv_type,
+                  engine_options=_ours_options(opts, model_file, n_ctx))
+
+
+def _ours_options(opts: BenchOptions, model_file: Path, n_ctx: int) -> dict:
+    """Our worker's engine options: its hot tier where opts put it (a plan for --vram-budget solved from
     --profile for this file and cached beside it, as `pi-tools run` does)."""
     gpuidx = opts.gpuidx
     if gpuidx is None and opts.vram_budget is not None:
@@ -107,7 +115,7 @@ def _ours_worker(opts: BenchOptions, model_file: Path, n_ctx: int):
     if opts.memory_budget is not None:
         engine_options["memory_budget"] = opts.memory_budget
     engine_options["input_share"] = opts.input_sparsity  # the input mode's (the worker's, not engine.Model's)
-    return Worker("ours", model_file, opts.threads, n_ctx, opts.batch, opts.kv_type, engine_options=engine_options)
+    return engine_options
 
 
 def default_work_dir() -> Path:
@@ -340,6 +348,15 @@ def _check_options(opts: BenchOptions) -> None:
         raise UserError("--sweep-sparsity needs a sparse mode in --modes (gate, predictor or auto)")
     if opts.peer_python and "llama.cpp" in opts.peers and shutil.which(opts.peer_python) is None:
         raise UserError(f"--peer-python {opts.peer_python}: no such executable (a Python with llama-cpp-python)")
+    if opts.memory_limit is not None:
+        if opts.memory_limit <= 0 or (opts.memory_budget is not None and opts.memory_budget <= 0):
+            raise UserError("--memory-limit and --memory-budget are GiB, above 0")
+        if opts.sweep or opts.ppl_file is not None or "torch" in opts.peers:
+            raise UserError("--memory-limit times llama.cpp and our modes only: drop --sweep-sparsity, --ppl-file "
+                            "and the torch peer (--peers llama.cpp or '')")
+        from powerinfer_tools.bench import limited
+
+        limited.check_can_run()
 
 
 def _ppl_windows(opts: BenchOptions, tokenizer, text: str | None) -> list[list[int]]:
@@ -416,6 +433,12 @@ def run_bench(opts: BenchOptions) -> dict:
                         "them)")
     ppl_windows = _ppl_windows(opts, tokenizer, ppl_text)
     n_ctx = max(opts.n_prompt, opts.depth + opts.n_gen, opts.ppl_ctx if ppl_windows else 0) + 8
+    if opts.memory_limit is not None:
+        record["memory_limit"] = _memory_limited(opts, files, modes, prompt, tg, n_ctx)
+        record["engine"] = {"isa": next((r["isa"] for r in record["memory_limit"]["rows"] if r.get("isa")), None)}
+        record["notes"] = opts.log
+        record["seconds"] = round(time.time() - started, 1)
+        return record
     workers: list[Worker] = []
     try:
         llama = []
@@ -476,6 +499,22 @@ def run_bench(opts: BenchOptions) -> dict:
     record["notes"] = opts.log
     record["seconds"] = round(time.time() - started, 1)
     return record
+
+
+def _memory_limited(opts: BenchOptions, files, modes, prompt: list[int], tg: dict, n_ctx: int) -> dict:
+    """Every engine alone under --memory-limit (limited.py); ours with its disk tier where the engine has one."""
+    from powerinfer_tools.bench import cgroup, limited
+
+    budget = None
+    if limited.engine_has_disk_tier():
+        budget = opts.memory_budget if opts.memory_budget is not None else limited.BUDGET_SHARE * opts.memory_limit
+    else:
+        opts.log.append("no disk-tier rows: this engine's Model takes no memory_budget")
+    rows = limited.contestants(modes, _ours_options(opts, files.powerinfer, n_ctx), budget, "llama.cpp" in opts.peers)
+    return {"limit_gib": opts.memory_limit, "budget_gib": budget, "cgroup_version": cgroup.find_hierarchy().version,
+            "file_gib": files.powerinfer.stat().st_size / 2**30, "peer_file_gib": files.llamacpp.stat().st_size / 2**30,
+            "rows": limited.run(rows, int(opts.memory_limit * 2**30), limited.start_worker(opts, files, n_ctx),
+                                prompt, tg, opts.repeats, opts.progress)}
 
 
 def _memory_by_mode(model_file, opts: BenchOptions, n_ctx: int, modes, prompt: list[int], tg: dict) -> dict:
@@ -560,6 +599,11 @@ def render_summary(record: dict) -> str:
     st, m = record["settings"], record["machine"]
     pp, tg = f"pp{st['n_prompt']}", tg_label(st)
     ppl = record.get("perplexity")
+    if "memory_limit" in record:
+        from powerinfer_tools.bench import limited
+
+        return "\n".join([f"{st['model']} {st['outtype']}, {st['threads']} threads, {m['cpu']}"]
+                         + limited.render(record)) + "\n"
     lines = [f"{st['model']} {st['outtype']}, {st['threads']} threads, {m['cpu']}; medians of {st['repeats']} "
              "interleaved rounds" + (f"; {_ppl_source(ppl)}" if ppl else ""), "",
              f"| engine | FFN mode | FFN sparsity | {pp} t/s | {tg} t/s | {tg} vs llama.cpp |"
@@ -632,6 +676,12 @@ def render_markdown(record: dict) -> str:
             f"buffers {_mib(eng['work_buffer_bytes'])} MiB)")
     lines.append("")
     pp_n, tg = st["n_prompt"], tg_label(st)
+    if "memory_limit" in record:
+        from powerinfer_tools.bench import limited
+
+        lines += limited.render(record)
+        lines += [f"\nNote: {note}" for note in record.get("notes", [])]
+        return "\n".join(lines).strip() + "\n"
     lines += [f"| engine | FFN sparsity | pp{pp_n} t/s | {tg} t/s | {tg} t/CPU-s | pp vs llama.cpp | "
               "tg vs llama.cpp | tg vs llama.cpp, CPU | MiB/token | predicted vs dense | achieved / predicted | "
               "same, CPU | of limit | achieved / at the probed rates |",

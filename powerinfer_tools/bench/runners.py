@@ -33,16 +33,38 @@ def _die_with_parent() -> None:
         pass
 
 
+class WorkerDied(UserError):
+    """The worker process ended: `signal` names what killed it (SIGKILL: the OOM killer, under a memory limit)."""
+
+    def __init__(self, message: str, signal: str | None):
+        super().__init__(message)
+        self.signal = signal
+
+
+def _preexec(cgroup):
+    """The child's steps before exec: die with the parent, and join `cgroup` where there is one."""
+    if cgroup is None:
+        return _die_with_parent
+
+    def steps():
+        _die_with_parent()
+        cgroup.preexec()
+    return steps
+
+
 class Worker:
     """One backend in a child process. llama.cpp runs the worker file in isolation (-I) under `python`;
     ours and torch run it as a module of this installation.
 
     Between requests a worker is stopped (SIGSTOP), so an idle contestant takes no CPU from the one being
     timed: llama.cpp's OpenMP threads under OMP_WAIT_POLICY=active otherwise keep spinning on a core for
-    as long as their process lives."""
+    as long as their process lives.
+
+    With a `cgroup` (cgroup.MemoryCgroup), the worker joins it before exec: it runs under that memory limit."""
 
     def __init__(self, backend: str, path: Path | str, threads: int, n_ctx: int, batch: int = 0, kv_type: str = "f32",
-                 python: str | None = None, env: dict | None = None, engine_options: dict | None = None):
+                 python: str | None = None, env: dict | None = None, engine_options: dict | None = None,
+                 cgroup=None):
         self.backend = backend
         python = python or sys.executable
         if backend == "llama.cpp":
@@ -50,16 +72,17 @@ class Worker:
         else:
             cmd = [python, "-m", "powerinfer_tools.bench.worker"]
         cmd += [backend, str(path), str(threads), str(n_ctx), str(batch), kv_type]
-        if engine_options:  # ours: engine.Model's other keywords (the GPU's), as JSON
+        if engine_options:  # ours: engine.Model's other keywords (the GPU's); llama.cpp: repack; as JSON
             cmd.append(json.dumps(engine_options))
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS="1", **(env or {}))
         root = Path(__file__).resolve().parents[2]
         env["PYTHONPATH"] = os.pathsep.join([str(root)] + [p for p in [env.get("PYTHONPATH")] if p])
         try:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                         text=True, env=env, preexec_fn=_die_with_parent)
-        except OSError as exc:
-            raise UserError(f"cannot start the {backend} worker with {python}: {exc.strerror or exc}") from None
+                                         text=True, env=env, preexec_fn=_preexec(cgroup))
+        except (OSError, subprocess.SubprocessError) as exc:  # SubprocessError: a preexec step failed
+            raise UserError(f"cannot start the {backend} worker with {python}: "
+                            f"{getattr(exc, 'strerror', None) or exc}") from None
         first = self._read()
         if "error" in first:
             self.close()
@@ -76,8 +99,9 @@ class Worker:
             err = self.proc.stderr.read().strip().splitlines()
             code = self.proc.wait()
             # a native crash leaves no message: the signal is what names it (SIGILL: a build for another CPU)
-            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"status {code}"
-            raise UserError(f"the {self.backend} worker exited ({how}): {err[-1] if err else 'no message'}")
+            killed = signal.Signals(-code).name if code < 0 else None
+            how = f"killed by {killed}" if killed else f"status {code}"
+            raise WorkerDied(f"the {self.backend} worker exited ({how}): {err[-1] if err else 'no message'}", killed)
         return json.loads(line)
 
     def ask(self, **request) -> dict:

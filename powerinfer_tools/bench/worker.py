@@ -55,18 +55,44 @@ def _window_nll(rows, ids) -> float:
     return sum(_token_nll(row, token) for row, token in zip(rows, ids[1:]))
 
 
+def _io_counters() -> dict:
+    """Bytes this process made the kernel read from storage (/proc/self/io read_bytes: its read() calls and its
+    page faults on mapped files alike, page-cache hits not) and its major page faults (/proc/self/stat field 12):
+    what any engine reads from the disk, whatever its own counters say. Zero where the kernel does not keep them."""
+    out = {"read_bytes": 0, "major_faults": 0}
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    out["read_bytes"] = int(line.split()[1])
+        with open("/proc/self/stat") as f:
+            out["major_faults"] = int(f.read().rsplit(")", 1)[1].split()[9])
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
 def _timed(fn) -> dict:
+    io = _io_counters()
     wall, cpu = time.perf_counter(), time.process_time()
     fn()
-    return {"wall": time.perf_counter() - wall, "cpu": time.process_time() - cpu}
+    reply = {"wall": time.perf_counter() - wall, "cpu": time.process_time() - cpu}
+    return dict(reply, **{k: v - io[k] for k, v in _io_counters().items()})
 
 
 class LlamaCpp:
-    def __init__(self, path: str, threads: int, n_ctx: int, **_):
+    """llama.cpp through llama-cpp-python. engine_options {"repack": false}: weights only mapped from the file
+    (llama_model_params.use_extra_bufts off), not repacked into its CPU kernels' tiles in anonymous memory, which
+    must fit in memory whole: what llama.cpp can run when the file is larger than memory."""
+
+    def __init__(self, path: str, threads: int, n_ctx: int, engine_options: dict | None = None, **_):
         import llama_cpp
         import numpy as np
 
         self.np, self.llama_cpp = np, llama_cpp
+        self.repack = (engine_options or {}).get("repack", True)
+        if not self.repack:
+            _without_extra_buffers(llama_cpp.llama_cpp)
         self.llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=min(n_ctx, 512),
                                    n_threads=threads, n_threads_batch=threads, logits_all=False, use_mmap=True,
                                    verbose=False)
@@ -107,9 +133,24 @@ class LlamaCpp:
         return {"nll": total, "tokens": count}
 
     def info(self):
-        return {"llama_cpp_python": self.llama_cpp.__version__,
+        return {"llama_cpp_python": self.llama_cpp.__version__, "repack": self.repack,
                 "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default (active)"),
                 "system_info": self.llama_cpp.llama_print_system_info().decode(errors="replace").strip()}
+
+
+def _without_extra_buffers(low) -> None:
+    """Make the model parameters Llama starts from (llama_model_default_params) have use_extra_bufts off: Llama has
+    no keyword for it. Refused in one line by a llama-cpp-python whose llama.cpp predates the field."""
+    default = low.llama_model_default_params
+    if not hasattr(default(), "use_extra_bufts"):
+        raise ValueError("this llama-cpp-python has no llama_model_params.use_extra_bufts: repacking cannot be "
+                         "turned off")
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+    low.llama_model_default_params = params
 
 
 class Ours:

@@ -140,11 +140,10 @@ def context_size(model: str | os.PathLike, ctx_size: int | None) -> int:
     are sized and cached by."""
     from powerinfer_tools.formats.gguf_header import read_header
     from powerinfer_tools.stages import placement
+    from powerinfer_tools.stages.options import CTX_SIZE
 
     if ctx_size is not None:
-        if ctx_size < 1:
-            raise UserError(f"--ctx-size must be at least 1 token, not {ctx_size}")
-        return ctx_size
+        return CTX_SIZE.check("--ctx-size", ctx_size)
     return placement.model_ctx_size(read_header(model))
 
 
@@ -173,6 +172,8 @@ def open_engine(target: EngineTarget, threads: int | None = None, sparse_mode: s
                              gpuidx=target.gpuidx, recall_check=recall_check, kv_type=kv_type, gpu=gpu,
                              vram_budget=vram_budget_gib if gpu != "off" else None, input_sparsity=input_share,
                              decode_cache=cache, memory_budget=memory_budget_gib)
+    if model.info["decoded"].get("cache") in ("read", "written"):
+        trim_decode_cache(cache)
     line = decoded_line(model.info["decoded"], cache)
     if line:
         print(f"pi-tools: {line}", file=sys.stderr)
@@ -189,6 +190,7 @@ def open_engine(target: EngineTarget, threads: int | None = None, sparse_mode: s
 
 
 DECODE_CACHE_DIR = "decoded"  # under models.default_model.cache_dir()
+DECODE_CACHE_BYTES = 16 * 2**30  # the folder's size past which the least recently used files are removed
 
 
 def decode_cache_path(model: str | os.PathLike) -> Path:
@@ -206,6 +208,23 @@ def decode_cache_path(model: str | os.PathLike) -> Path:
         pass  # the engine then decodes without keeping the rows (info["decoded"]["cache"]: not written)
     key = hashlib.sha256(os.fsencode(Path(model).resolve())).hexdigest()[:32]
     return folder / f"{key}.decoded"
+
+
+def trim_decode_cache(used: Path, limit: int = DECODE_CACHE_BYTES) -> None:
+    """Marks `used` as just used and removes the decode cache's least recently used files until the folder holds
+    at most `limit` bytes (never `used` itself): every model a user ever ran leaves a file there, as large as its
+    decoded rows. A process that still reads a removed file keeps it until it closes it (POSIX unlink)."""
+    try:
+        os.utime(used)
+        files = [(f.stat().st_mtime, f.stat().st_size, f) for f in used.parent.glob("*.decoded") if f != used]
+        total = used.stat().st_size + sum(size for _, size, _ in files)
+        for _, size, f in sorted(files):
+            if total <= limit:
+                break
+            f.unlink(missing_ok=True)
+            total -= size
+    except OSError:
+        pass  # a cache folder another process trims at the same time, or a read-only one: the next run tries again
 
 
 def decoded_line(decoded: dict, cache: Path | None = None) -> str | None:

@@ -36,6 +36,7 @@ SHIFT_BUDGET = Range(0, 1, high_open=True)
 SPARSITY_LEVEL = Range(0, 1, high_open=True)
 POSITIVE = Range(0, low_open=True)                   # a time, a penalty factor
 AT_LEAST_ONE = Range(1)
+CTX_SIZE = Range(1, unit=" tokens")
 NON_NEGATIVE = Range(0)                              # a temperature (0: greedy)
 EXPONENT = Range(0, 16)                              # the assumed power law's: 16 puts every neuron past 0.01
 

@@ -334,8 +334,7 @@ def check_budget(vram_budget_bytes: float) -> None:
 def check_options(vram_budget_bytes: float, ctx_size: int | None, reserve_bytes: int, dense: str) -> None:
     """Reject impossible settings before any file is read (ctx_size None: the model's default)."""
     check_budget(vram_budget_bytes)
-    if ctx_size is not None and ctx_size < 1:
-        raise UserError(f"--ctx-size must be positive, not {ctx_size}")
+    limits.CTX_SIZE.check("--ctx-size", ctx_size)
     if reserve_bytes < 0:
         raise UserError(f"the reserve must be non-negative, not {reserve_bytes}")
     if dense not in DENSE_POLICIES:

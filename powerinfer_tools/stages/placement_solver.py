@@ -24,8 +24,6 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy import sparse
-from scipy.optimize import Bounds, LinearConstraint, milp
 
 
 @dataclass
@@ -259,6 +257,10 @@ def _solve_relaxation(inst: Instance, lines: list[_Lines], capacity: int, scale:
                       time_limit: float):
     """One HiGHS solve over variables [k (int), y (binary), t (value / scale)], each of length L, and with a
     granularity g > 1 also [u (int), f (binary)]: k = g u + (n mod g) f, f only with u at n // g."""
+    # imported here: `pi-tools run` reaches this module through placement, and scipy would be its largest import
+    from scipy import sparse
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
     L = inst.n_layer
     g = inst.granularity
     n_vars = 5 * L if g > 1 else 3 * L

@@ -232,7 +232,7 @@ def test_run_chat_answer_starts_on_its_own_line(converted, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["-c", "0"], "--ctx-size must be at least 1 token, not 0"),
+    (["-c", "0"], "--ctx-size must be a number in [1, inf) tokens, not 0"),
     # one wording for every value out of range, in GiB and under the flag's name
     (["--vram-budget", "-1"], "--vram-budget must be a number in (0, 1048576] GiB, not -1"),
     (["--vram-budget", "0"], "--vram-budget must be a number in (0, 1048576] GiB, not 0"),

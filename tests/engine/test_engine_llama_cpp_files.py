@@ -4,6 +4,8 @@ do not split into 256-value super-blocks, as llama.cpp's Q4_K_M falls back) comp
 files `pi-tools convert` makes of them: the engine decodes at load to q8_0 exactly as convert requantizes."""
 from __future__ import annotations
 
+import os
+
 import gguf
 import numpy as np
 import pytest
@@ -123,3 +125,19 @@ def test_convert_from_a_type_gguf_py_cannot_dequantize_is_one_line(q4_1_file, tm
     code, _, err = run_cli(capsys, "convert", "-m", path, "-o", tmp_path / "out.gguf", "-q")
     assert_one_line_error(code, err, "tensor blk.0.attn_q.weight has type Q8_1, which gguf-py", "cannot dequantize")
     assert not (tmp_path / "out.gguf").exists()
+
+
+def test_the_decode_cache_keeps_its_recently_used_files_within_its_size(tmp_path):
+    """Past its size the folder loses its least recently used files first, never the one just used."""
+    from powerinfer_tools.runtime.inference import trim_decode_cache
+
+    for name, size, mtime in (("old", 400, 100), ("used", 300, 200), ("middle", 200, 300), ("new", 100, 400)):
+        f = tmp_path / f"{name}.decoded"
+        f.write_bytes(b"\0" * size)
+        os.utime(f, (mtime, mtime))
+    (tmp_path / "other.txt").write_bytes(b"\0" * 5000)   # not a cache file
+    trim_decode_cache(tmp_path / "used.decoded", limit=650)
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["middle.decoded", "new.decoded", "other.txt", "used.decoded"]
+    assert (tmp_path / "used.decoded").stat().st_mtime > 400   # marked as just used
+    trim_decode_cache(tmp_path / "new.decoded", limit=0)
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["new.decoded", "other.txt"]

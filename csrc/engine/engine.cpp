@@ -159,7 +159,9 @@ std::unique_ptr<DiskTier> Engine::open_disk_tier(const pi_options &opts, int64_t
     const double copied = double(wc.packed + wc.predictor + wc.decoded);
     const double fixed = copied + working_bytes(threads, opts.kv_type == PI_KV_F16, true) + margin;
     double budget = double(opts.memory_budget);
+    std::string source = "memory_budget";
     if (budget == 0) {
+        source = "the machine's memory or its cgroup's limit, less what the process held";
         // the memory check's limit, less what the process held before the engine copied anything
         const double limit = usable_memory_bytes();
         const bool all_cold = model_->hot_neurons() == 0;
@@ -170,7 +172,7 @@ std::unique_ptr<DiskTier> Engine::open_disk_tier(const pi_options &opts, int64_t
     }
     // queue depth: enough reads in flight for an SSD's parallelism, whatever the compute threads (docs/bench.md)
     const int io_threads = 32;
-    auto tier = std::make_unique<DiskTier>(path, *model_, budget, fixed, io_threads);
+    auto tier = std::make_unique<DiskTier>(path, *model_, budget, source, fixed, io_threads);
     model_->hold_vectors();  // a model that does not fit its memory: its page cache is under pressure
     return tier;
 }

@@ -63,7 +63,8 @@ void DiskTier::read_exact(uint8_t *dst, size_t bytes, uint64_t offset, const cha
     }
 }
 
-DiskTier::DiskTier(const std::string &path, Model &model, double budget, double fixed_bytes, int io_threads)
+DiskTier::DiskTier(const std::string &path, Model &model, double budget, const std::string &budget_source,
+                   double fixed_bytes, int io_threads)
     : path_(path), model_(model), budget_(budget), fixed_(fixed_bytes) {
     const HParams &hp = model.hp();
     fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -169,7 +170,7 @@ DiskTier::DiskTier(const std::string &path, Model &model, double budget, double 
         const double B = double(hdr_.bundle_bytes), min_cache = double(F) * B;
         const double left = budget - fixed_bytes;
         if (left < min_cache)
-            fail(PI_ERR_MEMORY, "memory budget of " + mib(budget) + " is below what the engine must hold: " + mib(fixed_bytes) +
+            fail(PI_ERR_MEMORY, "memory budget of " + mib(budget) + " (" + budget_source + ") is below what the engine must hold: " + mib(fixed_bytes) +
                                     " (attention, head, predictors, KV cache, buffers) + " + mib(min_cache) +
                                     " (a cache of one layer's neuron bundles) = " + mib(fixed_bytes + min_cache));
         n_cache_ = std::min<int64_t>(NL * F, std::max<int64_t>(F, int64_t(left / 4 / B)));

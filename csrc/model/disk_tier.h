@@ -54,7 +54,9 @@ public:
     // the GGUF it names, and fills the resident share: the most frequently active cold neurons that fit
     // `budget - fixed_bytes` less the cache. Fails in one line where the sidecar is missing, damaged, truncated or
     // another model's, or where the budget does not hold `fixed_bytes` and the cache.
-    DiskTier(const std::string &path, Model &model, double budget, double fixed_bytes, int io_threads);
+    // `budget_source` says where the budget came from, in the one-line refusal.
+    DiskTier(const std::string &path, Model &model, double budget, const std::string &budget_source, double fixed_bytes,
+             int io_threads);
     ~DiskTier();
     DiskTier(const DiskTier &) = delete;
     DiskTier &operator=(const DiskTier &) = delete;

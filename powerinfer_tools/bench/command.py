@@ -77,7 +77,6 @@ def bench(
     vram_budget: Optional[float] = typer.Option(None, "--vram-budget", callback=flags.within(limits.DEVICE_BUDGET_GIB), help="GiB: solve the hot tier for this budget "
                                                 "from --profile (for the bench's file, cached beside it) and give the "
                                                 "GPU at most that much."),
-    memory_budget: Optional[float] = flags.memory_budget_option(),
     text: Optional[Path] = typer.Option(None, "--text", help="UTF-8 text whose tokens are fed (e.g. "
                                         "WikiText-2's validation split). Default: text our engine writes itself from "
                                         "the bench's file (dense, sampled from a fixed seed; no float32 copy of "
@@ -167,7 +166,6 @@ def bench(
                         peers=_csv(peers), sparsity=sparsity, sweep=sweep_sparsity, sweep_levels=_levels(sweep_levels),
                         sweep_repeats=sweep_repeats, n_prompt=n_prompt, n_gen=n_gen, depth=depth, batch=batch,
                         kv_type=kv_type, gpu=gpu, gpu_attention=gpu_attention, gpuidx=gpuidx, vram_budget=vram_budget,
-                        memory_budget=memory_budget,
                         predictors=predictors, profile=profile, text=text, ppl_file=ppl_file,
                         ppl_chunks=ppl_chunks, ppl_ctx=ppl_ctx, work_dir=work_dir,
                         peer_python=peer_python, llamacpp_wait=_wait_policy(llamacpp_wait), progress=not quiet,

@@ -72,7 +72,6 @@ class BenchOptions:
     kv_type: str = "f32"                   # our engine's KV cache type (llama.cpp's is f16)
     gpu: str = "auto"                      # where our hot tier runs (engine.Model's gpu)
     gpu_attention: bool = True             # the layers' attention and KV cache on the device first (engine.Model's)
-    memory_budget: float | None = None     # GiB our engine may hold in RAM (engine.Model's; the disk tier past it)
     gpuidx: Path | None = None             # our hot tier's neurons; None: solved for vram_budget, or none
     vram_budget: float | None = None       # GiB: the plan's budget (from --profile) and the device's
     predictors: Path | None = None
@@ -112,8 +111,6 @@ def _ours_options(opts: BenchOptions, model_file: Path, n_ctx: int) -> dict:
         engine_options["vram_budget"] = opts.vram_budget
     if not opts.gpu_attention:
         engine_options["gpu_attention"] = False
-    if opts.memory_budget is not None:
-        engine_options["memory_budget"] = opts.memory_budget
     engine_options["input_share"] = opts.input_sparsity  # the input mode's (the worker's, not engine.Model's)
     return engine_options
 
@@ -504,12 +501,18 @@ def run_bench(opts: BenchOptions) -> dict:
 def _memory_limited(opts: BenchOptions, files, modes, prompt: list[int], tg: dict, n_ctx: int) -> dict:
     """Every engine alone under --memory-limit (limited.py); ours with its disk tier where the engine has one."""
     from powerinfer_tools.bench import cgroup, limited
+    from powerinfer_tools.formats import neuron_bundles
 
     budget = None
     if limited.engine_has_disk_tier():
         budget = opts.memory_budget if opts.memory_budget is not None else limited.BUDGET_SHARE * opts.memory_limit
     else:
         opts.log.append("no disk-tier rows: this engine's Model takes no memory_budget")
+    if budget is not None and not neuron_bundles.current(files.powerinfer):  # what the disk tier reads
+        from powerinfer_tools.stages.placement import profile_frequencies
+
+        frequencies = profile_frequencies(opts.profile, files.powerinfer) if opts.profile is not None else None
+        neuron_bundles.write(files.powerinfer, frequencies, progress=opts.progress)
     rows = limited.contestants(modes, _ours_options(opts, files.powerinfer, n_ctx), budget, "llama.cpp" in opts.peers)
     return {"limit_gib": opts.memory_limit, "budget_gib": budget, "cgroup_version": cgroup.find_hierarchy().version,
             "file_gib": files.powerinfer.stat().st_size / 2**30, "peer_file_gib": files.llamacpp.stat().st_size / 2**30,

@@ -60,6 +60,19 @@ def read_layout(path: str | os.PathLike) -> dict:
     return dict(zip(FIELDS, HEADER.unpack(raw)))
 
 
+def current(model: str | os.PathLike) -> bool:
+    """Whether the sidecar beside `model` is there and names it (its size and first MiB): what the engine checks
+    first. A sidecar that is current by this test may still be damaged; the engine finds that out."""
+    sidecar = path_for(model)
+    if not sidecar.is_file() or sidecar.stat().st_size < HEADER.size:
+        return False
+    layout = read_layout(sidecar)
+    size = Path(model).stat().st_size
+    with open(model, "rb") as f:
+        identity = checksum(f.read(min(size, IDENTITY_BYTES)))
+    return layout["magic"] == names.NEURON_BUNDLES_MAGIC.encode() and (layout["gguf_size"], layout["gguf_identity"]) == (size, identity)
+
+
 def checksum(data: bytes | np.ndarray, seed: int = 0) -> int:
     """sum of w_i * (2i + 1) over the little-endian 64-bit words (the last one zero-padded) plus seed times the
     golden ratio's 64-bit fraction, mod 2^64: the engine's bundle_checksum (disk_tier.h)."""

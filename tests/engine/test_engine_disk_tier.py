@@ -173,8 +173,19 @@ def test_convert_writes_the_bundles_beside_the_file(tiny_model_dir, tmp_path, ca
                               "--neuron-bundles", "-q")
     sidecar = neuron_bundles.path_for(out)
     assert code == 0 and f"wrote {sidecar}" in stdout and not sidecar.with_name(sidecar.name + ".tmp").exists()
+    assert neuron_bundles.current(out)
     layout = neuron_bundles.read_layout(sidecar)
     assert (layout["n_ff"], layout["n_layer"], layout["bundle_bytes"] % neuron_bundles.ALIGN) == (N_FF, N_LAYER, 0)
     with engine.Model(out, threads=1, sparse_mode="dense", ctx_size=32, memory_budget=64) as m:
         m.eval([3, 4, 5])
         assert m.stats()["disk"]["budget_bytes"] == 64 * 2**30
+
+
+def test_a_sidecar_names_its_model(bundled, converted, tmp_path):  # noqa: F811
+    model, sidecar, _, _ = bundled
+    assert neuron_bundles.current(model)
+    other = tmp_path / "other.gguf"
+    shutil.copy(converted("llama-relu", "q8_0", predictors=True), other)
+    assert not neuron_bundles.current(other)
+    shutil.copy(sidecar, neuron_bundles.path_for(other))
+    assert not neuron_bundles.current(other)

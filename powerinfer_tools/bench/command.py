@@ -44,7 +44,8 @@ def bench(
                                           "cores."),
     repeats: int = typer.Option(5, "--repeats", "-r", help="Interleaved rounds of the main table."),
     modes: str = typer.Option("dense,gate,predictor,auto", "--modes", help="Our FFN modes, comma-separated; also "
-                              "input (dense with --input-sparsity; needs a --profile with input thresholds)."),
+                              "input (dense with --input-sparsity; needs a --profile with input thresholds) and MODE+input (e.g. "
+                              "predictor+input: that FFN mode with input sparsity on attention)."),
     input_sparsity: float = typer.Option(0.25, "--input-sparsity", callback=flags.within(limits.SPARSITY_LEVEL), help="The input mode's share of every matrix's "
                                          "inputs zeroed (run --input-sparsity)."),
     peers: str = typer.Option("llama.cpp,torch", "--peers", help="Other engines: llama.cpp, torch; '' for none."),
@@ -139,6 +140,8 @@ def bench(
       pi-tools bench -m smollm2 --modes dense,gate --peers llama.cpp --ppl-file wikitext-2-raw-test.txt -t 2
 
       pi-tools bench -m smollm2 --profile prof --modes dense,input --input-sparsity 0.25 --peers llama.cpp -t 2
+
+      pi-tools bench -m relu7b --predictors pred --profile prof --modes predictor,predictor+input --peers '' -t 2
 
       pi-tools bench -m smollm2 --modes dense --peers llama.cpp --depth 2048 --kv-type f16   # both caches f16
 

@@ -32,6 +32,7 @@ from powerinfer_tools.bench import machine
 from powerinfer_tools import models
 from powerinfer_tools.bench import sparsity_levels
 from powerinfer_tools.bench.runners import Runner, Worker, llamacpp_runner
+from powerinfer_tools.bench.worker import mode_parts
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.formats import names
 from powerinfer_tools.runtime.inference import DEFAULT_INPUT_SPARSITY, INPUT_MODE
@@ -39,7 +40,8 @@ from powerinfer_tools.stages.options import SPARSITY_LEVEL
 
 FFN_MODES = tuple(m for m in names.FFN_MODES if m != "oracle")   # oracle is a test mode: nothing to time
 SPARSE_MODES = tuple(m for m in FFN_MODES if m != "dense")
-MODES = (*FFN_MODES, INPUT_MODE)   # input: dense mode with input sparsity at --input-sparsity
+# input: dense mode with input sparsity at --input-sparsity; MODE+input: that FFN mode with it (on attention)
+MODES = (*FFN_MODES, INPUT_MODE, *(f"{m}+{INPUT_MODE}" for m in SPARSE_MODES))
 PEERS = ("llama.cpp", "torch")
 SWEEP_LEVELS = (0.3, 0.5, 0.7, 0.8, 0.9, 0.95)
 CALIBRATION_SEQS, CALIBRATION_LEN = 4, 256
@@ -214,9 +216,10 @@ def _add_derived(entries: list[dict], times: dict, mb: byte_model.ModelBytes, ba
         if e["backend"] != "ours":
             continue
         layers = e["stats"]["layers"] if e.get("stats") else None
+        ffn, with_input = mode_parts(e["mode"])
         parts = byte_model.token_bytes(mb, layers, position)
-        if e["mode"] == INPUT_MODE:  # dense mode's bytes less the rows of zeroed inputs the engine counted skipped
-            parts = byte_model.token_bytes(mb, None, position)
+        if with_input:  # the FFN mode's bytes less the rows of zeroed inputs the engine counted skipped
+            parts = byte_model.token_bytes(mb, None if ffn == "dense" else layers, position)
             inputs, tokens = e["stats"]["input_sparsity"], max(e["stats"]["decode_tokens"], 1)
             parts["input_skipped"] = inputs["decode_bytes_skipped"] / tokens
             parts["total"] -= parts["input_skipped"]
@@ -230,7 +233,7 @@ def _add_derived(entries: list[dict], times: dict, mb: byte_model.ModelBytes, ba
             e["achieved_over_predicted"] = e["achieved_speedup"] / e["predicted_speedup"]
             e["achieved_speedup_cpu"] = paired_ratio(mine["tg"]["cpu"], dense["tg"]["cpu"])
             e["achieved_over_predicted_cpu"] = e["achieved_speedup_cpu"] / e["predicted_speedup"]
-            if dense_seconds and e["mode"] != INPUT_MODE:  # the machine's rates price FFN rows, not input rows
+            if dense_seconds and not with_input:  # the machine's rates price FFN rows, not input rows
                 e["machine_predicted_speedup"] = dense_seconds / byte_model.machine_seconds(mb, layers, position, rates)
                 e["achieved_over_machine_predicted"] = e["achieved_speedup"] / e["machine_predicted_speedup"]
 
@@ -397,7 +400,7 @@ def run_bench(opts: BenchOptions) -> dict:
     bandwidth_probe = machine.BandwidthProbe(opts.threads, BANDWIDTH_PROBE_BYTES)
 
     files = files_mod.bench_files(opts.model, opts.outtype, work_dir, opts.predictors, opts.profile, opts.progress,
-                                  input_sparsity="input" in opts.modes)
+                                  input_sparsity=any(mode_parts(m)[1] for m in opts.modes))
     record["files"] = {"powerinfer": str(files.powerinfer), "llamacpp": str(files.llamacpp),
                        "powerinfer_bytes": files.powerinfer.stat().st_size,
                        "llamacpp_bytes": files.llamacpp.stat().st_size, "built": files.manifest}
@@ -422,11 +425,12 @@ def run_bench(opts: BenchOptions) -> dict:
             logits = sparsity_levels.predictor_logits(sample, sparsity_levels.predictor_weights(files.powerinfer))
 
     has_inputs = bool(mb.input_levels)
-    modes = [m for m in opts.modes if (m != "predictor" or has_predictor) and (m != INPUT_MODE or has_inputs)]
-    if "predictor" in opts.modes and not has_predictor:
-        opts.log.append("predictor mode skipped: the file has no predictors (give --predictors DIR)")
-    if INPUT_MODE in opts.modes and not has_inputs:
-        opts.log.append("input mode skipped: the file has no input thresholds (give --profile DIR of a profile with "
+    modes = [m for m in opts.modes
+             if (mode_parts(m)[0] != "predictor" or has_predictor) and (not mode_parts(m)[1] or has_inputs)]
+    if any(mode_parts(m)[0] == "predictor" for m in opts.modes) and not has_predictor:
+        opts.log.append("predictor modes skipped: the file has no predictors (give --predictors DIR)")
+    if any(mode_parts(m)[1] for m in opts.modes) and not has_inputs:
+        opts.log.append("input modes skipped: the file has no input thresholds (give --profile DIR of a profile with "
                         "them)")
     ppl_windows = _ppl_windows(opts, tokenizer, ppl_text)
     n_ctx = max(opts.n_prompt, opts.depth + opts.n_gen, opts.ppl_ctx if ppl_windows else 0) + 8

@@ -153,6 +153,16 @@ def _without_extra_buffers(low) -> None:
     low.llama_model_default_params = params
 
 
+def mode_parts(mode: str) -> tuple[str, bool]:
+    """(FFN mode, whether input sparsity is on) of a bench mode: input is dense mode with it, MODE+input that FFN
+    mode with it (on attention's inputs: the engine's input-sparse FFN is dense mode's)."""
+    if mode == "input":
+        return "dense", True
+    if mode.endswith("+input"):
+        return mode[:-len("+input")], True
+    return mode, False
+
+
 class Ours:
     def __init__(self, path: str, threads: int, n_ctx: int, batch: int = 0, kv_type: str = "f32",
                  engine_options: dict | None = None, **_):
@@ -165,10 +175,12 @@ class Ours:
                                   kv_type=kv_type, **options)
 
     def mode(self, mode):
-        """An FFN mode, or input (dense mode with input sparsity at input_share); every other mode without it."""
-        self.model.sparse_mode = "dense" if mode == "input" else mode
-        if mode == "input" or self.model.info["input_sparsity_levels"]:
-            self.model.input_sparsity = self.input_share if mode == "input" else 0.0
+        """An FFN mode; input (dense mode with input sparsity at input_share) or MODE+input (that FFN mode with
+        it); every other mode without it."""
+        ffn, with_input = mode_parts(mode)
+        self.model.sparse_mode = ffn
+        if with_input or self.model.info["input_sparsity_levels"]:
+            self.model.input_sparsity = self.input_share if with_input else 0.0
 
     def pp(self, tokens):
         self.model.reset()

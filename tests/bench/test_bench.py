@@ -564,9 +564,10 @@ def test_a_peer_killed_by_a_signal_is_named(tmp_path):
         runners.Worker("llama.cpp", tmp_path / "model.gguf", 1, 64, python=str(crashing))
 
 
-def test_bench_times_the_input_mode_against_dense(tiny_model_dir, tmp_path):
-    """--modes dense,input with a profile of input thresholds: both timed on one worker, input mode's statistics
-    are its own (inputs zeroed at the share asked) and dense mode's have none."""
+def test_bench_times_the_input_modes_against_dense(tiny_model_dir, tmp_path):
+    """--modes dense,input,predictor,predictor+input with a profile of input thresholds: all timed on one worker,
+    the input modes' statistics are their own (inputs zeroed at the share asked: every matrix's in input mode,
+    attention's in predictor+input, whose FFN is predictor mode's) and the others' have none."""
     import torch
 
     from powerinfer_tools.stages import input_sparsity
@@ -579,18 +580,28 @@ def test_bench_times_the_input_mode_against_dense(tiny_model_dir, tmp_path):
     input_sparsity.calibrate(hf, adapter, seqs, "uniform", 2, 0).save(prof)
     (prof / "profile.json").write_text(json.dumps({"thresholds": [0.0] * N_LAYER}))
     opts = bench.BenchOptions(model=str(model_dir), outtype="q8_0", threads=2, repeats=2, n_prompt=16, n_gen=8,
-                              batch=16, modes=("dense", "input"), input_sparsity=0.3, peers=(), profile=prof,
+                              batch=16, modes=("dense", "input", "predictor", "predictor+input"), input_sparsity=0.3,
+                              peers=(), profile=prof, predictors=write_predictors(tmp_path / "pred", N_LAYER, HIDDEN,
+                                                                                  N_FF),
                               work_dir=tmp_path / "work", progress=False, text=ROOT / "README.md")
     rec = bench.run_bench(opts)
     runs = {e["label"]: e for e in rec["runs"]}
-    assert set(runs) == {"ours dense", "ours input"}
-    # the llama.cpp file of the same weights leaves the transposed copies out (llama.cpp refuses unknown tensors)
+    assert set(runs) == {"ours dense", "ours input", "ours predictor", "ours predictor+input"}
+    both, alone = runs["ours predictor+input"], runs["ours predictor"]
+    assert both["stats"]["input_sparsity"]["share"] == pytest.approx(0.3) and alone["stats"]["input_sparsity"]["share"] == 0
+    # the same FFN rows as predictor mode's (its own layer statistics), less attention's skipped input rows
+    assert 0 < both["bytes_per_token"]["input_skipped"] < runs["ours input"]["bytes_per_token"]["input_skipped"]
+    assert both["bytes_per_token"]["total"] < alone["bytes_per_token"]["total"]
+    assert 0 < both["stats"]["layers"][0]["predicted_density"] < 1
+    # the llama.cpp file of the same weights leaves the transposed copies and the predictors out (llama.cpp refuses
+    # unknown tensors)
     import gguf
     ours = {t.name for t in open_reader(rec["files"]["powerinfer"]).tensors}
     plain = {t.name for t in gguf.GGUFReader(rec["files"]["llamacpp"]).tensors}
     transposed = {n for n in ours if n.startswith("blk.") and n.split(".")[2].endswith("_t") and ".ffn_down_t." not in n}
     assert len(transposed) == 6 * N_LAYER and not plain & transposed
-    assert len(plain) == len(ours) - len(transposed)
+    predictors = {n for n in ours if n.startswith("blk.") and n.split(".")[2] in ("fc1", "fc2")}
+    assert predictors and not plain & predictors
     assert runs["ours input"]["tg"]["median"] > 0 and runs["ours input"]["achieved_speedup"] > 0
     skipped = runs["ours input"]["bytes_per_token"]["input_skipped"]
     assert 0 < skipped and runs["ours input"]["predicted_speedup"] > 1

@@ -2,52 +2,34 @@
 allocates past the limit reported as OOM-killed, the cgroup gone afterwards, and one line where none can be made."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from cgroup_helpers import cgroup_files, hierarchy_or_skip
+
 from powerinfer_tools.bench import cgroup
 from powerinfer_tools.bench.runners import Worker, WorkerDied
 from powerinfer_tools.core.errors import UserError
 
 
-def _hierarchy_or_skip() -> cgroup.Hierarchy:
-    if os.geteuid() != 0:
-        pytest.skip("making memory cgroups needs root")
-    try:
-        hierarchy = cgroup.find_hierarchy()
-    except UserError as exc:
-        pytest.skip(str(exc))
-    if not os.access(hierarchy.own, os.W_OK):
-        pytest.skip(f"{hierarchy.own} is not writable here")
-    return hierarchy
-
-
-def _tree(root: Path, files: dict[str, str]) -> Path:
-    for name, text in files.items():
-        (root / name).parent.mkdir(parents=True, exist_ok=True)
-        (root / name).write_text(text)
-    return root
-
-
 def test_finds_v2_with_memory_then_v1(tmp_path):
     """v2 where its root lists the memory controller (alone or as systemd's hybrid 'unified'), else v1's memory
     hierarchy; the new cgroups go under this process's own cgroup in it."""
-    v2 = _tree(tmp_path / "v2", {"sys/cgroup.controllers": "cpu io memory pids\n", "proc": "0::/user.slice/a\n"})
+    v2 = cgroup_files(tmp_path / "v2", {"sys/cgroup.controllers": "cpu io memory pids\n", "proc": "0::/user.slice/a\n"})
     assert cgroup.find_hierarchy(v2 / "sys", v2 / "proc") == cgroup.Hierarchy(2, v2 / "sys/user.slice/a")
 
     hybrid = {"sys/unified/cgroup.controllers": "\n", "sys/memory/memory.limit_in_bytes": "9223372036854771712\n",
               "proc": "4:memory:/job/7\n3:cpu,cpuacct:/\n0::/\n"}
-    h = _tree(tmp_path / "hybrid", hybrid)  # the unified hierarchy without the memory controller: v1's
+    h = cgroup_files(tmp_path / "hybrid", hybrid)  # the unified hierarchy without the memory controller: v1's
     assert cgroup.find_hierarchy(h / "sys", h / "proc") == cgroup.Hierarchy(1, h / "sys/memory/job/7")
 
-    both = _tree(tmp_path / "both", dict(hybrid, **{"sys/unified/cgroup.controllers": "memory\n"}))
+    both = cgroup_files(tmp_path / "both", dict(hybrid, **{"sys/unified/cgroup.controllers": "memory\n"}))
     assert cgroup.find_hierarchy(both / "sys", both / "proc").version == 2
 
-    none = _tree(tmp_path / "none", {"sys/cpu/cpu.shares": "1024\n", "proc": "1:cpu:/\n"})
+    none = cgroup_files(tmp_path / "none", {"sys/cpu/cpu.shares": "1024\n", "proc": "1:cpu:/\n"})
     with pytest.raises(UserError, match="needs a memory cgroup") as exc:
         cgroup.find_hierarchy(none / "sys", none / "proc")
     assert "\n" not in str(exc.value)
@@ -72,7 +54,7 @@ ALLOCATE = "import sys; b = bytearray(b'x') * (int(sys.argv[1]) << 20); print('s
 
 
 def test_a_child_past_the_limit_is_oom_killed_and_the_cgroup_removed():
-    hierarchy = _hierarchy_or_skip()
+    hierarchy = hierarchy_or_skip()
     limit = 64 << 20
     with cgroup.MemoryCgroup(limit, hierarchy) as group:
         path = group.path
@@ -93,7 +75,7 @@ def test_a_child_past_the_limit_is_oom_killed_and_the_cgroup_removed():
 
 def test_the_cgroup_is_removed_with_a_process_still_in_it():
     """Leaving the block on an exception (Ctrl-C included) kills what is still in the cgroup and removes it."""
-    hierarchy = _hierarchy_or_skip()
+    hierarchy = hierarchy_or_skip()
     with pytest.raises(KeyboardInterrupt):
         with cgroup.MemoryCgroup(64 << 20, hierarchy) as group:
             path = group.path
@@ -107,7 +89,7 @@ def test_the_cgroup_is_removed_with_a_process_still_in_it():
 def test_a_worker_killed_for_memory_is_named(tmp_path):
     """A bench worker started in the cgroup that takes more than the limit dies of SIGKILL: the harness sees
     WorkerDied naming the signal, and the cgroup counts the OOM kill. The 'Python' here allocates and nothing else."""
-    hierarchy = _hierarchy_or_skip()
+    hierarchy = hierarchy_or_skip()
     python = tmp_path / "python"
     python.write_text(f"#!/bin/sh\nexec {sys.executable} -c \"{ALLOCATE}\" 256\n")
     python.chmod(0o755)

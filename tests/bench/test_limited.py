@@ -4,12 +4,12 @@ limit it fits in and one it does not (where this machine lets cgroups be made)."
 from __future__ import annotations
 
 import ctypes
-import os
 from types import SimpleNamespace
 
 import pytest
 
 from tiny_models import HIDDEN, N_FF, N_LAYER
+from cgroup_helpers import hierarchy_or_skip
 from convert_helpers import write_predictors
 
 from powerinfer_tools.bench import cgroup, limited
@@ -133,22 +133,12 @@ def test_memory_limit_refuses_what_it_does_not_time(tiny_model_dir):
         bench.run_bench(bench.BenchOptions(model="m", memory_limit=-1.0, peers=()))
 
 
-def _cgroups_or_skip():
-    if os.geteuid() != 0:
-        pytest.skip("bench --memory-limit needs root")
-    try:
-        hierarchy = cgroup.find_hierarchy()
-    except UserError as exc:
-        pytest.skip(str(exc))
-    return hierarchy
-
-
 def test_bench_under_a_memory_limit(tiny_model_dir, tmp_path, monkeypatch):
     """Our engine on the tiny model in a cgroup it fits in (times, peak, no OOM), then in one too small for it
     (the engine refuses to open, the row says why, the bench goes on); the page cache is dropped before each engine (counted
     here, not dropped: the machine is shared), and no cgroup is left behind."""
     pytest.importorskip("powerinfer_engine")
-    hierarchy = _cgroups_or_skip()
+    hierarchy = hierarchy_or_skip()
     drops = []
     monkeypatch.setattr(cgroup, "drop_page_cache", lambda *a: drops.append(a))
     model = str(tiny_model_dir("llama-silu"))

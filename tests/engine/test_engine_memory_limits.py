@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from cgroup_helpers import cgroup_files
 
 from powerinfer_engine.memory import memory_limits
 
@@ -21,13 +22,6 @@ def proc_dir(tmp_path: Path, cgroup: str, status: str | None = "Name:\tpython\nR
     if status is not None:
         (proc / "status").write_text(status)
     return proc
-
-
-def cgroup_files(root: Path, files: dict[str, str]) -> Path:
-    for rel, text in files.items():
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        (root / rel).write_text(text)
-    return root
 
 
 @pytest.mark.parametrize("memory_max,usable", [

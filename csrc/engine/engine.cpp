@@ -20,6 +20,11 @@ namespace {
 
 const int64_t kDefaultCtx = 4096;
 const int64_t kDefaultBatch = 64;
+// What the memory checks leave for the rest of the process: the allocator's slack, thread stacks, the caller's growth.
+const double kProcessMargin = 64.0 * (1 << 20);
+// The disk tier's reading threads: enough reads in flight for an SSD's parallelism, whatever the compute threads
+// (docs/bench.md, "Models larger than memory").
+const int kDiskReadThreads = 32;
 
 // The largest hot (cold) tier of any layer.
 int64_t largest_tier(const Model &model, bool hot) {
@@ -151,13 +156,12 @@ double Engine::working_bytes(int64_t threads, bool kv_f16, bool cold_on_disk) co
 std::unique_ptr<DiskTier> Engine::open_disk_tier(const pi_options &opts, int64_t threads) {
     if (opts.memory_budget < 0) return nullptr;
     const std::string path = DiskTier::path_for(model_->path());
-    const double margin = 64.0 * (1 << 20);  // as check_working_memory's
     // What the engine holds whatever the tier keeps resident: the weights it has copied out of the file (the packed
     // matrices, the predictors, the decoded rows), what it will allocate (the KV cache at the full context, the work
-    // buffers), the margin.
+    // buffers), the process's margin.
     const WeightCopies wc = model_->weight_copies();
     const double copied = double(wc.packed + wc.predictor + wc.decoded);
-    const double fixed = copied + working_bytes(threads, opts.kv_type == PI_KV_F16, true) + margin;
+    const double fixed = copied + working_bytes(threads, opts.kv_type == PI_KV_F16, true) + kProcessMargin;
     double budget = double(opts.memory_budget);
     std::string source = "memory_budget";
     if (budget == 0) {
@@ -170,9 +174,7 @@ std::unique_ptr<DiskTier> Engine::open_disk_tier(const pi_options &opts, int64_t
         if (fixed + DiskTier::bundle_bytes_of(*model_) <= budget) return nullptr;
         if (::access(path.c_str(), F_OK) != 0) return nullptr;  // no bundles: the memory check decides
     }
-    // queue depth: enough reads in flight for an SSD's parallelism, whatever the compute threads (docs/bench.md)
-    const int io_threads = 32;
-    auto tier = std::make_unique<DiskTier>(path, *model_, budget, source, fixed, io_threads);
+    auto tier = std::make_unique<DiskTier>(path, *model_, budget, source, fixed, kDiskReadThreads);
     model_->hold_vectors();  // a model that does not fit its memory: its page cache is under pressure
     return tier;
 }
@@ -181,9 +183,8 @@ void Engine::check_working_memory(int64_t threads, bool kv_f16) const {
     // Refused before allocating when what the engine will hold (the KV cache at the full context, the work
     // buffers, the weights it copies out of the mapped file) and a margin for the rest of the process exceed
     // what the process may still take, so that a context fails with a message instead of an out-of-memory kill
-    // as it fills. The margin: the allocator's slack, thread stacks, the caller's own growth.
-    const double margin = 64.0 * (1 << 20);
-    const double bytes = working_bytes(threads, kv_f16) + margin;
+    // as it fills.
+    const double bytes = working_bytes(threads, kv_f16) + kProcessMargin;
     const double limit = usable_memory_bytes(), held = process_anonymous_bytes();
     const auto gib = [](double b) { return std::to_string(b / double(1 << 30)).substr(0, 8) + " GiB"; };
     if (limit > 0 && bytes > limit - held)

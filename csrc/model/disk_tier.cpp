@@ -27,6 +27,17 @@ std::string mib(double b) {
     return text;
 }
 
+// Reads `bytes` at `offset` of fd into dst, through short reads; false at an error or the end of the file.
+bool pread_all(int fd, uint8_t *dst, size_t bytes, uint64_t offset) {
+    for (size_t done = 0; done < bytes;) {
+        const ssize_t n = ::pread(fd, dst + done, bytes - done, off_t(offset + done));
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) return false;
+        done += size_t(n);
+    }
+    return true;
+}
+
 }  // namespace
 
 uint64_t bundle_checksum(const uint8_t *p, size_t bytes, uint64_t seed) {
@@ -54,13 +65,9 @@ double DiskTier::bundle_bytes_of(const Model &model) {
 }
 
 void DiskTier::read_exact(uint8_t *dst, size_t bytes, uint64_t offset, const char *what) const {
-    for (size_t done = 0; done < bytes;) {
-        const ssize_t n = ::pread(fd_, dst + done, bytes - done, off_t(offset + done));
-        if (n < 0 && errno == EINTR) continue;
-        if (n <= 0)
-            fail(PI_ERR_IO, path_ + ": cannot read its " + what + " (" + (n < 0 ? std::strerror(errno) : "end of file") + ")");
-        done += size_t(n);
-    }
+    errno = 0;
+    if (!pread_all(fd_, dst, bytes, offset))
+        fail(PI_ERR_IO, path_ + ": cannot read its " + what + " (" + (errno ? std::strerror(errno) : "end of file") + ")");
 }
 
 DiskTier::DiskTier(const std::string &path, Model &model, double budget, const std::string &budget_source,
@@ -94,15 +101,9 @@ DiskTier::DiskTier(const std::string &path, Model &model, double budget, const s
         {
             const int g = ::open(model.path().c_str(), O_RDONLY | O_CLOEXEC);
             if (g < 0) fail(PI_ERR_IO, model.path() + ": cannot open");
-            size_t done = 0;
-            while (done < head.size()) {
-                const ssize_t n = ::pread(g, head.data() + done, head.size() - done, off_t(done));
-                if (n < 0 && errno == EINTR) continue;
-                if (n <= 0) break;
-                done += size_t(n);
-            }
+            const bool read = pread_all(g, head.data(), head.size(), 0);
             ::close(g);
-            if (done != head.size()) fail(PI_ERR_IO, model.path() + ": cannot read its header");
+            if (!read) fail(PI_ERR_IO, model.path() + ": cannot read its header");
         }
         if (hdr_.gguf_size != uint64_t(gs.st_size) || hdr_.gguf_identity != bundle_checksum(head.data(), head.size(), 0))
             fail(PI_ERR_FORMAT, path + ": written from another model file than " + model.path() +
@@ -199,14 +200,7 @@ DiskTier::DiskTier(const std::string &path, Model &model, double budget, const s
             const int64_t pos = pos_of_[size_t(c.il)][size_t(c.slot)];
             uint8_t *dst = resident_.data() + i * size_t(B);
             table_[size_t(c.il)][size_t(c.slot)] = dst;
-            const bool extends = !runs_.empty() && runs_.back().il == c.il && runs_.back().pos + runs_.back().n == pos &&
-                                 runs_.back().n < kMaxRunBundles;
-            if (extends) {
-                ++runs_.back().n;
-            } else {
-                runs_.push_back({c.il, pos, 1, int64_t(run_slots_.size())});
-            }
-            run_slots_.push_back(-1 - int64_t(i));  // negative: resident bundle i
+            add_read(c.il, pos, -1 - int64_t(i));  // negative: resident bundle i
         }
         read_runs();
     } catch (...) {
@@ -284,10 +278,7 @@ void DiskTier::fetch(int64_t il, const int32_t *slots, int64_t count, bool decod
         referenced_[size_t(s)] = 0;
         cached[size_t(r)] = int32_t(s);
         table[size_t(r)] = slot_data(s);
-        const bool extends = !runs_.empty() && runs_.back().pos + runs_.back().n == pos && runs_.back().n < kMaxRunBundles;
-        if (extends) ++runs_.back().n;
-        else runs_.push_back({il, pos, 1, int64_t(run_slots_.size())});
-        run_slots_.push_back(s);
+        add_read(il, pos, s);
     }
     read_runs();
     if (!decode) return;
@@ -297,6 +288,15 @@ void DiskTier::fetch(int64_t il, const int32_t *slots, int64_t count, bool decod
     counts_.bytes += double(missing.size()) * double(hdr_.bundle_bytes);
     counts_.io_wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (il == 0) counts_.tokens += 1;
+}
+
+void DiskTier::add_read(int64_t il, int64_t pos, int64_t slot) {
+    Run *last = runs_.empty() ? nullptr : &runs_.back();
+    if (last && last->il == il && last->pos + last->n == pos && last->n < kMaxRunBundles)
+        ++last->n;
+    else
+        runs_.push_back({il, pos, 1, int64_t(run_slots_.size())});
+    run_slots_.push_back(slot);
 }
 
 void DiskTier::read_runs() {
@@ -346,12 +346,8 @@ void DiskTier::do_run(const Run &r) {
     std::string err;
     size_t done = 0, want = size_t(r.n) * B;
     while (done < want) {  // a short read continues where it stopped
-        int k0 = 0;
-        size_t skip = done;
-        while (skip >= B) {
-            skip -= B;
-            ++k0;
-        }
+        const int k0 = int(done / B);
+        const size_t skip = done % B;
         iovec rest[kMaxRunBundles];
         int n = 0;
         for (int k = k0; k < r.n; ++k) rest[n++] = k == k0 ? iovec{dst[k] + skip, B - skip} : iov[k];

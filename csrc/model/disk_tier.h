@@ -84,6 +84,9 @@ private:
         int64_t il, pos, n;
         int64_t first;  // index into run_slots_ of its first destination slot
     };
+    // Adds bundle `pos` of layer il, bound for `slot` (a cache slot, or -1 - i: resident bundle i), to runs_,
+    // extending the last run where it is the next bundle on disk.
+    void add_read(int64_t il, int64_t pos, int64_t slot);
     // Reads runs_ on the I/O threads and the caller, each bundle checked; fails in one line on a damaged one.
     void read_runs();
     int64_t take_run();  // the next run's index, or -1

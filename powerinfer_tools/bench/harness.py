@@ -503,16 +503,12 @@ def run_bench(opts: BenchOptions) -> dict:
 
 
 def _memory_limited(opts: BenchOptions, files, modes, prompt: list[int], tg: dict, n_ctx: int) -> dict:
-    """Every engine alone under --memory-limit (limited.py); ours with its disk tier where the engine has one."""
+    """Every engine alone under --memory-limit (limited.py); ours without and with its disk tier."""
     from powerinfer_tools.bench import cgroup, limited
     from powerinfer_tools.formats import neuron_bundles
 
-    budget = None
-    if limited.engine_has_disk_tier():
-        budget = opts.memory_budget if opts.memory_budget is not None else limited.BUDGET_SHARE * opts.memory_limit
-    else:
-        opts.log.append("no disk-tier rows: this engine's Model takes no memory_budget")
-    if budget is not None and not neuron_bundles.current(files.powerinfer):  # what the disk tier reads
+    budget = opts.memory_budget if opts.memory_budget is not None else limited.BUDGET_SHARE * opts.memory_limit
+    if not neuron_bundles.current(files.powerinfer):  # what the disk tier reads
         from powerinfer_tools.stages.placement import profile_frequencies
 
         frequencies = profile_frequencies(opts.profile, files.powerinfer) if opts.profile is not None else None

@@ -4,7 +4,7 @@ with that much memory, the page cache dropped before each, so that what a token 
 Contestants, one process and one cgroup each, one after another (not interleaved: each starts cold):
   llama.cpp, its weights repacked into anonymous memory (its default on this CPU), and mapped only (repack off: its
   weights are the file's pages, which the kernel can drop and read again);
-  ours in each FFN mode without the disk tier, and with it (engine.Model's memory_budget) where the engine has one.
+  ours in each FFN mode without the disk tier, and with it (engine.Model's memory_budget).
 Per row: pp and tg speeds (medians over the rounds; the first round starts from an empty page cache), the cgroup's
 peak (page cache included) and OOM kills, the storage bytes and major faults of a generated token (the kernel's
 counts, /proc/PID/io: the same measure for every engine) and, where our engine's stats have a "disk" object, the
@@ -12,7 +12,6 @@ disk tier's own counters per token.
 """
 from __future__ import annotations
 
-import inspect
 import statistics
 from dataclasses import dataclass
 
@@ -30,13 +29,6 @@ class Contestant:
     backend: str            # "ours" or "llama.cpp"
     mode: str               # our FFN mode; "dense" for llama.cpp
     options: dict           # the worker's engine options
-
-
-def engine_has_disk_tier() -> bool:
-    """Whether this build's engine.Model takes a memory budget (its disk tier)."""
-    import powerinfer_engine as engine
-
-    return "memory_budget" in inspect.signature(engine.Model.__init__).parameters
 
 
 def contestants(modes, ours_options: dict, budget_gib: float | None, llamacpp: bool) -> list[Contestant]:

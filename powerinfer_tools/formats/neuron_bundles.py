@@ -67,10 +67,15 @@ def current(model: str | os.PathLike) -> bool:
     if not sidecar.is_file() or sidecar.stat().st_size < HEADER.size:
         return False
     layout = read_layout(sidecar)
-    size = Path(model).stat().st_size
+    return (layout["magic"] == names.NEURON_BUNDLES_MAGIC.encode()
+            and (layout["gguf_size"], layout["gguf_identity"]) == _identity(model))
+
+
+def _identity(model: str | os.PathLike) -> tuple[int, int]:
+    """What a sidecar names its GGUF by: the file's size and the checksum of its first MiB."""
     with open(model, "rb") as f:
-        identity = checksum(f.read(min(size, IDENTITY_BYTES)))
-    return layout["magic"] == names.NEURON_BUNDLES_MAGIC.encode() and (layout["gguf_size"], layout["gguf_identity"]) == (size, identity)
+        size = os.fstat(f.fileno()).st_size
+        return size, checksum(f.read(min(size, IDENTITY_BYTES)))
 
 
 def checksum(data: bytes | np.ndarray, seed: int = 0) -> int:
@@ -134,9 +139,7 @@ def write(model: str | os.PathLike, frequencies: Sequence[np.ndarray] | None = N
     index_bytes = n_layer * n_ff * 16
     data_offset = -(-(INDEX_OFFSET + index_bytes) // ALIGN) * ALIGN
     file_size = data_offset + n_layer * n_ff * bundle
-    size = model.stat().st_size
-    with open(model, "rb") as f:
-        identity = checksum(f.read(min(size, IDENTITY_BYTES)))
+    size, identity = _identity(model)
 
     dest = Path(out) if out is not None else path_for(model)
     tmp = dest.with_name(dest.name + ".tmp")

@@ -14,6 +14,7 @@ from engine_helpers import converted, random_tokens  # noqa: F401
 from tiny_models import N_FF, N_LAYER
 
 import powerinfer_engine as engine
+from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.formats import neuron_bundles
 
 MERGE_GAP_BYTES = 4 << 10  # csrc/model/disk_tier.cpp's kMergeGapBytes
@@ -107,6 +108,19 @@ def test_a_damaged_bundle_is_one_line_at_the_read(bundled):
     with pytest.raises(engine.EngineError) as e:
         decode(model, "predictor", fixed + N_FF * bundle + 1024)
     assert "\n" not in str(e.value) and "layer 0" in str(e.value) and "damaged" in str(e.value)
+
+
+def test_bundles_in_another_order_decode_the_same_bits(bundled):
+    """An order of the caller's (scripts/measure_coactivation.py's co-selection order) moves bundles on disk, and with
+    them which neurons share a read, not the logits; an order that is not a permutation is refused."""
+    model, sidecar, fixed, bundle = bundled
+    mapped, _ = decode(model, "predictor")
+    rng = np.random.default_rng(1)
+    neuron_bundles.write(model, orders=[rng.permutation(N_FF) for _ in range(N_LAYER)], progress=False)
+    tiered, stats = decode(model, "predictor", fixed + 1.5 * N_FF * bundle + 1024)
+    assert np.array_equal(tiered, mapped) and stats["disk"]["cache_misses"] > 0
+    with pytest.raises(UserError, match="permutations"):
+        neuron_bundles.write(model, orders=[np.zeros(N_FF, int)] * N_LAYER, progress=False)
 
 
 def test_a_damaged_bundle_read_by_a_decode_step_is_one_line(bundled):

@@ -30,6 +30,7 @@ static_assert(kDownTileCols % QK == 0 && kDownPanelRows % QK == 0, "tiles are wh
 const int64_t kGatherRows = 64;     // selected rows per pass of the gathered gate/up path
 const int64_t kDecodeGatherRows = 256;  // the same for one token: longer lists
 static_assert(kDecodeGatherRows >= kGatherRows, "gate_up_gathered's lists are sized for the longer pass");
+static_assert(kDecodeGatherRows >= DiskTier::kMaxRunBundles, "a list of arrived neurons holds a whole read's");
 
 // A thread's scratch for a batch pass's gate and up groups packed from rows (q8_0, the widest type that packs).
 double pack_scratch_bytes(double n_embd) {
@@ -194,8 +195,9 @@ void CpuTierBackend::submit(const TierJob &job) {
     if (job.n_probe > 0) probe_count(p);
 }
 
-// A decode step on disk: each thread computes its share of the selected neurons in memory, then the neurons of each
-// read as it arrives (DiskTier::arrived), so the computing hides part of the reads' wait. A neuron's gate, up and
+// A decode step on disk: each thread computes its share of the selected neurons in memory, then the neurons of the
+// reads as they arrive (DiskTier::arrived: all that arrived since it last looked, one pass), so the computing hides
+// part of the reads' wait. A neuron's gate, up and
 // value do not depend on the list it came in; the down projection runs after, over rows_ in order: the same bits as
 // with every bundle in memory.
 void CpuTierBackend::gate_up_arriving(const Pass &p, int64_t n_hits) {
@@ -203,8 +205,8 @@ void CpuTierBackend::gate_up_arriving(const Pass &p, int64_t n_hits) {
         int64_t i0, i1;
         split_range(n_hits, chunk, n_chunks, &i0, &i1);
         Tally c = gate_up_gathered(p, hits_.data() + i0, i1 - i0);
-        int64_t n = 0;
-        for (const int32_t *list; (list = disk_->arrived(&n)) != nullptr;) c += gate_up_gathered(p, list, n);
+        int32_t list[kDecodeGatherRows];  // the neurons of the reads that arrived since this thread last looked
+        for (int64_t n; (n = disk_->arrived(list, kDecodeGatherRows)) > 0;) c += gate_up_gathered(p, list, n);
         n_active_ += c.active;
         n_computed_ += c.computed;
     };

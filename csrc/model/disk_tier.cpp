@@ -19,7 +19,6 @@ namespace {
 
 const uint64_t kGolden = 0x9E3779B97F4A7C15ull;
 const uint64_t kIdentityBytes = 1 << 20;  // the GGUF's first MiB: its header and tensor table, for a model of any size
-const int64_t kMaxRunBundles = 32;        // bundles per read at most (one preadv of up to 32 iovecs)
 // Two missing bundles at most this many bytes of other bundles apart are one read, the bundles between read too (and
 // dropped, or kept in the cache where missing): a read costs a fixed time plus a time per byte, and a gap pays while
 // its bytes cost less than the read it saves. Chosen from this disk kind's curve of time against read size and from
@@ -360,13 +359,21 @@ void DiskTier::read_runs() {
     wait_runs();
 }
 
-const int32_t *DiskTier::arrived(int64_t *n) {
+int64_t DiskTier::arrived(int32_t *out, int64_t max) {
     std::unique_lock<std::mutex> lock(mu_);
-    done_cv_.wait(lock, [&] { return handed_ < int64_t(arrived_.size()) || runs_done_ == n_runs_; });
-    if (handed_ == int64_t(arrived_.size())) return nullptr;  // all arrived and handed out (or a read failed)
-    const Run &r = runs_[size_t(arrived_[size_t(handed_++)])];
-    *n = r.need_n;
-    return need_.data() + r.need0;
+    for (;;) {
+        done_cv_.wait(lock, [&] { return handed_ < int64_t(arrived_.size()) || runs_done_ == n_runs_; });
+        int64_t n = 0;
+        while (handed_ < int64_t(arrived_.size())) {
+            const Run &r = runs_[size_t(arrived_[size_t(handed_)])];
+            if (n > 0 && n + r.need_n > max) break;
+            std::copy(need_.begin() + r.need0, need_.begin() + r.need0 + r.need_n, out + n);
+            n += r.need_n;
+            ++handed_;
+        }
+        if (n > 0) return n;
+        if (runs_done_ == n_runs_ && handed_ == int64_t(arrived_.size())) return 0;  // all arrived (or a read failed)
+    }
 }
 
 void DiskTier::wait_runs() {

@@ -71,12 +71,14 @@ public:
     }
     // The same in steps, so that a decode step computes its neurons as their bundles arrive: begin issues the reads
     // and returns at once, writing the slots already in memory to hits[0, returned) (where hits is not null);
-    // arrived(&n) then returns each read's selected slots (n of them) once its bundles are in and checked, to any
-    // number of threads, and nullptr when no more will come (all arrived, or a read failed); finish waits for the
-    // last read and fails in one line where a bundle was damaged or short.
+    // arrived(out, max) then waits for reads whose bundles are in and checked and not yet handed out, and copies
+    // their selected slots to out (whole reads, at most max slots unless one read alone has more: max >=
+    // kMaxRunBundles), to any number of threads; it returns how many, 0 when no more will come (all arrived, or a
+    // read failed). finish waits for the last read and fails in one line where a bundle was damaged or short.
     int64_t begin(int64_t il, const int32_t *slots, int64_t count, bool decode, int32_t *hits);
-    const int32_t *arrived(int64_t *n);
+    int64_t arrived(int32_t *out, int64_t max);
     void finish();
+    static constexpr int64_t kMaxRunBundles = 32;  // bundles per read at most (one preadv of up to 32 iovecs)
     const DiskCounts &counts() const { return counts_; }
     void reset_counts() { counts_ = DiskCounts{}; }
     double budget_bytes() const { return budget_; }

@@ -76,7 +76,8 @@ def write_order(args) -> None:
     model = Path(args.write_order)
     layout = neuron_bundles.read_layout(neuron_bundles.path_for(model))
     n_layer, n_ff = layout["n_layer"], layout["n_ff"]
-    with open(neuron_bundles.path_for(model), "rb") as f:  # the frequency order's index: neuron and frequency per position
+    # the frequency order's index: the neuron and its frequency at each position
+    with open(neuron_bundles.path_for(model), "rb") as f:
         f.seek(layout["index_offset"])
         raw = f.read(n_layer * n_ff * 8)
     neuron_at = np.frombuffer(raw[: n_layer * n_ff * 4], "<u4").reshape(n_layer, n_ff)
@@ -121,7 +122,8 @@ def main() -> None:
     ap.add_argument("profile", type=Path, help="its profile directory (activation_L.pt: counts per neuron)")
     ap.add_argument("--layer", type=int, default=0, help="default: 0")
     ap.add_argument("--tokens", type=int, default=4000, help="inputs, half for calibration (default: 4000)")
-    ap.add_argument("--resident", type=float, default=0.036, help="share of the layer in memory, hottest (default: 0.036)")
+    ap.add_argument("--resident", type=float, default=0.036,
+                    help="share of the layer in memory, hottest (default: 0.036)")
     ap.add_argument("--band", type=int, default=512, help="co-selection order: positions per band (default: 512)")
     ap.add_argument("--gap", type=int, default=1, help="bundles a read may span between two missing ones (default: 1)")
     ap.add_argument("--seed", type=int, default=0, help="default: 0")

@@ -66,7 +66,8 @@ def test_decode_from_disk_equals_decode_with_every_row_mapped(bundled, mode, lay
 def assert_merged_bytes(disk: dict, bundle: int) -> None:
     """Every missing bundle is read once, and each read saved by merging two across a gap brings at most the gap."""
     merges = disk["cache_misses"] - disk["reads"]
-    assert disk["cache_misses"] * bundle <= disk["bytes"] <= (disk["cache_misses"] + MERGE_GAP_BYTES // bundle * merges) * bundle
+    most = disk["cache_misses"] + MERGE_GAP_BYTES // bundle * merges
+    assert disk["cache_misses"] * bundle <= disk["bytes"] <= most * bundle
 
 
 def test_reads_merged_across_gaps_change_the_bytes_not_the_logits(bundled):

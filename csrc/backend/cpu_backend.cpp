@@ -30,6 +30,7 @@ static_assert(kDownTileCols % QK == 0 && kDownPanelRows % QK == 0, "tiles are wh
 const int64_t kGatherRows = 64;     // selected rows per pass of the gathered gate/up path
 const int64_t kDecodeGatherRows = 256;  // the same for one token: longer lists
 static_assert(kDecodeGatherRows >= kGatherRows, "gate_up_gathered's lists are sized for the longer pass");
+static_assert(kDecodeGatherRows >= DiskTier::kMaxRunBundles, "a list of arrived neurons holds a whole read's");
 
 // A thread's scratch for a batch pass's gate and up groups packed from rows (q8_0, the widest type that packs).
 double pack_scratch_bytes(double n_embd) {
@@ -97,7 +98,7 @@ double CpuTierBackend::scratch_bytes(const HParams &hp, int64_t rows, int64_t n_
     const double R = double(std::max<int64_t>(max_rank, 1));
     const double floats = B * (3 * F + 2 * kPackRows + R) + F + (F / double(kDownRunRows) + 1) * E +
                           T * double(kPanelRows) * (E + double(kPanelTokens)) + T * B * double(kDownTileCols);
-    return 4 * floats + B * F * 3 + F * (1 + 4 + 8) + T * (pack_scratch_bytes(E) + sizeof(ChunkList)) +
+    return 4 * floats + B * F * 3 + F * (1 + 4 + 4 + 8) + T * (pack_scratch_bytes(E) + sizeof(ChunkList)) +
            (B * R / QK + E / QK + B * (F / QK + 1)) * double(sizeof(BlockQ8_0)) + T * double(down_tile_bytes()) +
            (F / QK + F / double(kDownPanelRows) + 3) * 8;
 }
@@ -118,6 +119,7 @@ void CpuTierBackend::upload(int64_t il, const Layer &layer, const FfnTier &tier)
     selected_.assign(size_t(B * F), 0);
     every_neuron_.assign(size_t(F), 1);
     rows_.assign(size_t(F), 0);
+    hits_.assign(size_t(F), 0);
     down_rows_.assign(size_t(F), nullptr);
     down_coef_.assign(size_t(F), 0.0f);
     down_partial_.assign(size_t(down_run_count(F) * E), 0.0f);
@@ -152,7 +154,9 @@ void CpuTierBackend::submit(const TierJob &job) {
 
     // gate (and up) for the selected rows; mask_ becomes 2 where up/down are used
     n_rows_ = list_rows(p);
-    if (disk && fetch_selected) disk_->fetch(job.layer, rows_.data(), n_rows_, p.n_tok == 1);
+    // a decode step's selected neurons: the reads issued now, each computed as it arrives
+    const bool arriving = disk && fetch_selected;
+    const int64_t n_hits = arriving ? disk_->begin(job.layer, rows_.data(), n_rows_, true, hits_.data()) : 0;
     t0 = Clock::now();
     // The gates (ups) in 8-row groups for gemm8: the tier's own, or for a batch each pass's groups packed from
     // the rows as it goes (cheap next to the batch's arithmetic on them, and no second copy of the weights).
@@ -168,6 +172,8 @@ void CpuTierBackend::submit(const TierJob &job) {
         gate_up_grouped(p);
     } else if (p.fused) {
         fused_predictor_step(p);
+    } else if (arriving) {
+        gate_up_arriving(p, n_hits);
     } else {
         auto job_fn = [&](int chunk, int n_chunks, int) {
             int64_t i0, i1;
@@ -187,6 +193,25 @@ void CpuTierBackend::submit(const TierJob &job) {
     else down_batch(p);
     counts_.down_seconds += seconds_since(t0);
     if (job.n_probe > 0) probe_count(p);
+}
+
+// A decode step on disk: each thread computes its share of the selected neurons in memory, then the neurons of the
+// reads as they arrive (DiskTier::arrived: all that arrived since it last looked, one pass), so the computing hides
+// part of the reads' wait. A neuron's gate, up and
+// value do not depend on the list it came in; the down projection runs after, over rows_ in order: the same bits as
+// with every bundle in memory.
+void CpuTierBackend::gate_up_arriving(const Pass &p, int64_t n_hits) {
+    auto job = [&](int chunk, int n_chunks, int) {
+        int64_t i0, i1;
+        split_range(n_hits, chunk, n_chunks, &i0, &i1);
+        Tally c = gate_up_gathered(p, hits_.data() + i0, i1 - i0);
+        int32_t list[kDecodeGatherRows];  // the neurons of the reads that arrived since this thread last looked
+        for (int64_t n; (n = disk_->arrived(list, kDecodeGatherRows)) > 0;) c += gate_up_gathered(p, list, n);
+        n_active_ += c.active;
+        n_computed_ += c.computed;
+    };
+    pool_.run(pool_.size(), job);
+    disk_->finish();  // the last read's wait, and a damaged bundle's one-line failure
 }
 
 // ---- select ----------------------------------------------------------------------------------------------

@@ -58,6 +58,9 @@ private:
     void gate_up_grouped(Pass &p);
     Tally grouped_token(const Pass &p, int64_t t, int64_t r0, int64_t r1);
     Tally gate_up_gathered(const Pass &p, const int32_t *list, int64_t count);
+    // A predictor-mode decode step of a tier on disk: the n_hits selected neurons in memory (hits_), then each read's as
+    // it arrives; returns when every bundle is in (DiskTier::finish).
+    void gate_up_arriving(const Pass &p, int64_t n_hits);
     void fused_predictor_step(Pass &p);
     // The ups of token t's n_up listed neurons by dot_rows, each neuron finished by the rule and settled.
     Tally listed_ups(const Pass &p, int64_t t, int n_up, const int64_t *slot, const void *const *rows, const float *a,
@@ -120,6 +123,7 @@ private:
     // probe's); and one row of ones, the selection of the modes that keep every neuron the rule passes
     std::vector<uint8_t> selected_, every_neuron_;
     std::vector<int32_t> rows_;  // [ld_]
+    std::vector<int32_t> hits_;  // [ld_] a decode step on disk: its selected neurons in memory
     int64_t n_rows_ = 0;
     // Per chunk of a fused decode step: where its lists start (in rows_, down_rows_ and down_coef_), the
     // neurons it listed and the down_t rows they used.

@@ -19,7 +19,12 @@ namespace {
 
 const uint64_t kGolden = 0x9E3779B97F4A7C15ull;
 const uint64_t kIdentityBytes = 1 << 20;  // the GGUF's first MiB: its header and tensor table, for a model of any size
-const int64_t kMaxRunBundles = 32;        // bundles per read at most (one preadv of up to 32 iovecs)
+// Two missing bundles at most this many bytes of other bundles apart are one read, the bundles between read too (and
+// dropped, or kept in the cache where missing): a read costs a fixed time plus a time per byte, and a gap pays while
+// its bytes cost less than the read it saves. Chosen from this disk kind's curve of time against read size and from
+// decode runs with wider gaps (docs/bench.md, "Fewer, larger reads"): a page, so a model whose bundles are one page
+// merges across one; 8 KiB bundles merge only as neighbours.
+const uint64_t kMergeGapBytes = 4 << 10;
 
 std::string mib(double b) {
     char text[32];
@@ -132,6 +137,7 @@ DiskTier::DiskTier(const std::string &path, Model &model, double budget, const s
         const int64_t NL = hp.n_layer, F = hp.n_ff;
         const uint8_t *neuron_at = index.data(), *freq_at = neuron_at + NL * F * 4, *sum_at = freq_at + NL * F * 4;
         pos_of_.assign(size_t(NL), {});
+        slot_at_.assign(size_t(NL), {});
         checksum_.assign(size_t(NL), {});
         table_.assign(size_t(NL), {});
         cached_.assign(size_t(NL), {});
@@ -157,9 +163,13 @@ DiskTier::DiskTier(const std::string &path, Model &model, double budget, const s
                 std::memcpy(&checksum_[size_t(il)][size_t(j)], sum_at + (il * F + j) * 8, 8);
             }
             pos_of_[size_t(il)].resize(size_t(F));
+            slot_at_[size_t(il)].assign(size_t(F), -1);
             for (int64_t r = 0; r < F; ++r) {
                 const int32_t neuron = cold.ids[size_t(r)];
                 pos_of_[size_t(il)][size_t(r)] = pos_of_neuron[size_t(neuron)];
+                if (pos_of_neuron[size_t(neuron)] < 0)
+                    fail(PI_ERR_FORMAT, path + ": layer " + std::to_string(il) + "'s index does not hold neuron " + std::to_string(neuron));
+                slot_at_[size_t(il)][size_t(pos_of_neuron[size_t(neuron)])] = int32_t(r);
                 const float f = freq[size_t(neuron)];
                 candidates.push_back({f == f ? f : 0.0f, int32_t(il), int32_t(r)});
             }
@@ -185,6 +195,7 @@ DiskTier::DiskTier(const std::string &path, Model &model, double budget, const s
         if (!candidates.empty()) resident_ = PageMemory(candidates.size() * size_t(B), false, "the resident neuron bundles");
         // touched now: a slot's first read would otherwise fault its pages in, under the limit's reclaim
         cache_ = PageMemory(size_t(n_cache_) * size_t(B), false, "the neuron bundle cache");
+        discard_ = PageMemory(size_t(B), false, "the neuron bundle reader's scratch");
         owner_.assign(size_t(n_cache_), -1);
         used_in_.assign(size_t(n_cache_), 0);
         referenced_.assign(size_t(n_cache_), 0);
@@ -245,18 +256,30 @@ int64_t DiskTier::take_victim() {
     fail(PI_ERR_INTERNAL, path_ + ": the neuron cache has no free slot");
 }
 
-void DiskTier::fetch(int64_t il, const int32_t *slots, int64_t count, bool decode) {
-    const auto t0 = std::chrono::steady_clock::now();
+int64_t DiskTier::claim_slot(int64_t il, int32_t r) {
+    const int64_t s = take_victim();
+    owner_[size_t(s)] = (il << 32) | int64_t(r);
+    used_in_[size_t(s)] = fetch_id_;
+    referenced_[size_t(s)] = 0;
+    cached_[size_t(il)][size_t(r)] = int32_t(s);
+    table_[size_t(il)][size_t(r)] = slot_data(s);
+    return s;
+}
+
+int64_t DiskTier::begin(int64_t il, const int32_t *slots, int64_t count, bool decode, int32_t *hits) {
+    fetch_start_ = std::chrono::steady_clock::now();
+    decode_ = decode;
+    fetch_il_ = il;
     ++fetch_id_;
     runs_.clear();
     run_slots_.clear();
+    need_.clear();
     std::vector<const uint8_t *> &table = table_[size_t(il)];
-    std::vector<int32_t> &cached = cached_[size_t(il)];
-    const std::vector<int32_t> &pos_of = pos_of_[size_t(il)];
+    const std::vector<int32_t> &cached = cached_[size_t(il)], &pos_of = pos_of_[size_t(il)], &slot_at = slot_at_[size_t(il)];
     // the missing slots, in file order, so that neighbours on disk are one read
     std::vector<std::pair<int32_t, int32_t>> &missing = missing_;  // (position, slot)
     missing.clear();
-    int64_t hits = 0;
+    int64_t n_hits = 0;
     for (int64_t i = 0; i < count; ++i) {
         const int32_t r = slots ? slots[i] : int32_t(i);
         if (table[size_t(r)]) {  // resident, or in the cache
@@ -265,29 +288,46 @@ void DiskTier::fetch(int64_t il, const int32_t *slots, int64_t count, bool decod
                 used_in_[size_t(s)] = fetch_id_;
                 referenced_[size_t(s)] = 1;
             }
-            ++hits;
+            if (hits) hits[n_hits] = r;
+            ++n_hits;
             continue;
         }
         missing.push_back({pos_of[size_t(r)], r});
     }
     std::sort(missing.begin(), missing.end());
+    const int64_t max_gap = int64_t(kMergeGapBytes / hdr_.bundle_bytes);
     for (const auto &[pos, r] : missing) {
-        const int64_t s = take_victim();
-        owner_[size_t(s)] = (il << 32) | int64_t(r);
-        used_in_[size_t(s)] = fetch_id_;
-        referenced_[size_t(s)] = 0;
-        cached[size_t(r)] = int32_t(s);
-        table[size_t(r)] = slot_data(s);
-        add_read(il, pos, s);
+        if (!runs_.empty()) {  // across a short gap: the bundles between are read too (into the cache where missing)
+            const Run &last = runs_.back();
+            const int64_t end = last.pos + last.n;
+            if (last.il == il && pos > end && pos - end <= max_gap && pos + 1 - last.pos <= kMaxRunBundles)
+                for (int64_t q = end; q < pos; ++q) {
+                    const int32_t rq = slot_at[size_t(q)];
+                    add_read(il, q, table[size_t(rq)] ? kDiscard : claim_slot(il, rq));
+                }
+        }
+        add_read(il, pos, claim_slot(il, r));
+        ++runs_.back().need_n;
+        need_.push_back(r);
     }
-    read_runs();
-    if (!decode) return;
-    counts_.cache_hits += double(hits);
-    counts_.cache_misses += double(missing.size());
+    fetch_hits_ = n_hits;
+    fetch_misses_ = int64_t(missing.size());
+    start_runs();
+    return n_hits;
+}
+
+void DiskTier::finish() {
+    wait_runs();
+    if (!decode_) return;
+    counts_.cache_hits += double(fetch_hits_);
+    double bytes = 0;
+    for (const Run &r : runs_) bytes += double(r.n) * double(hdr_.bundle_bytes);
+    counts_.cache_misses += double(fetch_misses_);
     counts_.reads += double(runs_.size());
-    counts_.bytes += double(missing.size()) * double(hdr_.bundle_bytes);
-    counts_.io_wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (il == 0) counts_.tokens += 1;
+    counts_.bytes += bytes;
+    const auto last = runs_.empty() ? fetch_start_ : last_arrival_;
+    counts_.io_wait_seconds += std::chrono::duration<double>(last - fetch_start_).count();
+    if (fetch_il_ == 0) counts_.tokens += 1;
 }
 
 void DiskTier::add_read(int64_t il, int64_t pos, int64_t slot) {
@@ -295,21 +335,48 @@ void DiskTier::add_read(int64_t il, int64_t pos, int64_t slot) {
     if (last && last->il == il && last->pos + last->n == pos && last->n < kMaxRunBundles)
         ++last->n;
     else
-        runs_.push_back({il, pos, 1, int64_t(run_slots_.size())});
+        runs_.push_back({il, pos, 1, int64_t(run_slots_.size()), int64_t(need_.size()), 0});
     run_slots_.push_back(slot);
 }
 
-void DiskTier::read_runs() {
-    if (runs_.empty()) return;
+void DiskTier::start_runs() {
     {
         std::lock_guard<std::mutex> lock(mu_);
         io_error_.clear();
         runs_done_ = 0;
         next_run_ = 0;
+        handed_ = 0;
+        arrived_.clear();
+        arrived_.reserve(runs_.size());
         n_runs_ = int64_t(runs_.size());
     }
-    cv_.notify_all();
+    if (!runs_.empty()) cv_.notify_all();
+}
+
+void DiskTier::read_runs() {
+    start_runs();
     for (int64_t i; (i = take_run()) >= 0;) do_run(runs_[size_t(i)]);
+    wait_runs();
+}
+
+int64_t DiskTier::arrived(int32_t *out, int64_t max) {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+        done_cv_.wait(lock, [&] { return handed_ < int64_t(arrived_.size()) || runs_done_ == n_runs_; });
+        int64_t n = 0;
+        while (handed_ < int64_t(arrived_.size())) {
+            const Run &r = runs_[size_t(arrived_[size_t(handed_)])];
+            if (n > 0 && n + r.need_n > max) break;
+            std::copy(need_.begin() + r.need0, need_.begin() + r.need0 + r.need_n, out + n);
+            n += r.need_n;
+            ++handed_;
+        }
+        if (n > 0) return n;
+        if (runs_done_ == n_runs_ && handed_ == int64_t(arrived_.size())) return 0;  // all arrived (or a read failed)
+    }
+}
+
+void DiskTier::wait_runs() {
     std::unique_lock<std::mutex> lock(mu_);
     done_cv_.wait(lock, [&] { return runs_done_ == n_runs_; });
     n_runs_ = 0;
@@ -339,7 +406,7 @@ void DiskTier::do_run(const Run &r) {
     uint8_t *dst[kMaxRunBundles];
     for (int64_t k = 0; k < r.n; ++k) {
         const int64_t s = run_slots_[size_t(r.first + k)];
-        dst[k] = s >= 0 ? slot_data(s) : resident_.data() + size_t(-1 - s) * B;
+        dst[k] = s >= 0 ? slot_data(s) : s == kDiscard ? discard_.data() : resident_.data() + size_t(-1 - s) * B;
         iov[k] = {dst[k], B};
     }
     const uint64_t offset = hdr_.data_offset + (uint64_t(r.il) * hdr_.n_ff + uint64_t(r.pos)) * B;
@@ -371,6 +438,7 @@ void DiskTier::do_run(const Run &r) {
     }
     if (err.empty())
         for (int64_t k = 0; k < r.n; ++k) {
+            if (run_slots_[size_t(r.first + k)] == kDiscard) continue;  // dropped (and shared by concurrent reads)
             const int64_t pos = r.pos + k;
             const uint64_t seed = (uint64_t(r.il) << 32) | uint64_t(pos);  // a bundle in another's place fails
             if (bundle_checksum(dst[k], B, seed) != checksum_[size_t(r.il)][size_t(pos)]) {
@@ -381,7 +449,12 @@ void DiskTier::do_run(const Run &r) {
         }
     std::lock_guard<std::mutex> lock(mu_);
     if (!err.empty() && io_error_.empty()) io_error_ = err;
-    if (++runs_done_ == n_runs_) done_cv_.notify_all();
+    if (err.empty()) {
+        arrived_.push_back(&r - runs_.data());
+        last_arrival_ = std::chrono::steady_clock::now();
+    }
+    ++runs_done_;
+    done_cv_.notify_all();  // the compute threads wait for each arrival, finish for the last
 }
 
 void DiskTier::io_loop() {

@@ -5,6 +5,8 @@
 // rows together, so a neuron is one read. Recently read neurons stay in a cache of bundle slots inside the budget.
 #pragma once
 
+#include <chrono>
+#include <climits>
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
@@ -63,7 +65,20 @@ public:
 
     // Makes the cold-tier slots [0, count) of layer il (all of them where slots is nullptr) readable through the
     // tier's bundle table, reading the missing ones at once; `decode`: counted in counts().
-    void fetch(int64_t il, const int32_t *slots, int64_t count, bool decode);
+    void fetch(int64_t il, const int32_t *slots, int64_t count, bool decode) {
+        begin(il, slots, count, decode, nullptr);
+        finish();
+    }
+    // The same in steps, so that a decode step computes its neurons as their bundles arrive: begin issues the reads
+    // and returns at once, writing the slots already in memory to hits[0, returned) (where hits is not null);
+    // arrived(out, max) then waits for reads whose bundles are in and checked and not yet handed out, and copies
+    // their selected slots to out (whole reads, at most max slots unless one read alone has more: max >=
+    // kMaxRunBundles), to any number of threads; it returns how many, 0 when no more will come (all arrived, or a
+    // read failed). finish waits for the last read and fails in one line where a bundle was damaged or short.
+    int64_t begin(int64_t il, const int32_t *slots, int64_t count, bool decode, int32_t *hits);
+    int64_t arrived(int32_t *out, int64_t max);
+    void finish();
+    static constexpr int64_t kMaxRunBundles = 32;  // bundles per read at most (one preadv of up to 32 iovecs)
     const DiskCounts &counts() const { return counts_; }
     void reset_counts() { counts_ = DiskCounts{}; }
     double budget_bytes() const { return budget_; }
@@ -82,14 +97,21 @@ private:
     // One contiguous run of bundles to read: file positions [pos, pos + n) of layer il into its cache slots.
     struct Run {
         int64_t il, pos, n;
-        int64_t first;  // index into run_slots_ of its first destination slot
+        int64_t first;         // index into run_slots_ of its first destination slot
+        int64_t need0, need_n;  // need_[need0, need0 + need_n): the selected cold slots it brings
     };
-    // Adds bundle `pos` of layer il, bound for `slot` (a cache slot, or -1 - i: resident bundle i), to runs_,
-    // extending the last run where it is the next bundle on disk.
+    // A destination that is read and dropped: a bundle between two missing ones that is in memory already.
+    static constexpr int64_t kDiscard = INT64_MIN;
+    // Adds bundle `pos` of layer il, bound for `slot` (a cache slot, -1 - i: resident bundle i, or kDiscard), to
+    // runs_, extending the last run where it is the next bundle on disk.
     void add_read(int64_t il, int64_t pos, int64_t slot);
-    // Reads runs_ on the I/O threads and the caller, each bundle checked; fails in one line on a damaged one.
+    // Hands runs_ to the I/O threads; read_runs also reads on the caller and waits (finish's wait and failure).
+    void start_runs();
     void read_runs();
+    void wait_runs();
     int64_t take_run();  // the next run's index, or -1
+    // A cache slot for cold slot r of layer il, taken from the clock and kept through this fetch.
+    int64_t claim_slot(int64_t il, int32_t r);
     void do_run(const Run &r);
     void io_loop();
     void shutdown();
@@ -103,10 +125,11 @@ private:
     Model &model_;
     double budget_ = 0, fixed_ = 0;
     std::vector<std::vector<int32_t>> pos_of_;     // [layer][cold slot] the bundle's position in the file
+    std::vector<std::vector<int32_t>> slot_at_;    // [layer][position] the cold slot stored there
     std::vector<std::vector<uint64_t>> checksum_;  // [layer][position]
     std::vector<std::vector<const uint8_t *>> table_;  // [layer][cold slot] where its bundle is now, or null
     std::vector<std::vector<int32_t>> cached_;     // [layer][cold slot] its cache slot, -1 if none (or resident)
-    PageMemory resident_, cache_;
+    PageMemory resident_, cache_, discard_;
     int64_t n_cache_ = 0, hand_ = 0;
     std::vector<int64_t> owner_;     // [cache slot] layer << 32 | cold slot, -1 if free
     std::vector<uint64_t> used_in_;  // [cache slot] the fetch that last used it
@@ -118,7 +141,16 @@ private:
     std::vector<std::pair<int32_t, int32_t>> missing_;  // fetch's scratch (kept: a decode step allocates nothing)
     std::vector<Run> runs_;
     std::vector<int64_t> run_slots_;
-    int64_t next_run_ = 0, n_runs_ = 0, runs_done_ = 0;  // under mu_
+    std::vector<int32_t> need_;
+    std::chrono::steady_clock::time_point fetch_start_;
+    bool decode_ = false;
+    int64_t fetch_il_ = 0;
+    int64_t fetch_hits_ = 0, fetch_misses_ = 0;
+    // under mu_: runs handed out to readers, finished, and in the order they finished without error (arrived_),
+    // of which the first `handed_` went to compute threads
+    int64_t next_run_ = 0, n_runs_ = 0, runs_done_ = 0, handed_ = 0;
+    std::vector<int64_t> arrived_;
+    std::chrono::steady_clock::time_point last_arrival_;
     std::string io_error_;
     std::mutex mu_;
     std::condition_variable cv_, done_cv_;

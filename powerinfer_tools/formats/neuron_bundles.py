@@ -107,10 +107,12 @@ def _ffn_tensors(header, layer: int):
 
 
 def write(model: str | os.PathLike, frequencies: Sequence[np.ndarray] | None = None,
-          out: str | os.PathLike | None = None, progress: bool = True) -> Path:
+          out: str | os.PathLike | None = None, progress: bool = True,
+          orders: Sequence[np.ndarray] | None = None) -> Path:
     """Writes `model`'s neuron bundles beside it (or to `out`): each layer's neurons hottest first by
-    `frequencies` (per layer, in the file's neuron order; file order without), under a temporary name renamed
-    when whole. Returns the path."""
+    `frequencies` (per layer, in the file's neuron order; file order without), or in `orders` (per layer, the
+    neurons in the order to store them: scripts/measure_coactivation.py's co-selection order), under a temporary
+    name renamed when whole. Returns the path."""
     model = Path(model)
     header = read_header(model)
     arch = header.get(names.KEY_ARCHITECTURE)
@@ -134,7 +136,11 @@ def write(model: str | os.PathLike, frequencies: Sequence[np.ndarray] | None = N
             raise UserError(f"frequencies for {len(frequencies)} layers do not match {model}'s {n_layer} x {n_ff}")
     else:
         frequencies = [np.zeros(n_ff, np.float32) for _ in range(n_layer)]
-    orders = [np.argsort(-f, kind="stable").astype(np.uint32) for f in frequencies]
+    if orders is None:
+        orders = [np.argsort(-f, kind="stable") for f in frequencies]
+    elif len(orders) != n_layer or any(np.sort(o).tolist() != list(range(n_ff)) for o in orders):
+        raise UserError(f"orders must be {n_layer} permutations of {model}'s {n_ff} neurons")
+    orders = [np.asarray(o).astype(np.uint32) for o in orders]
 
     index_bytes = n_layer * n_ff * 16
     data_offset = -(-(INDEX_OFFSET + index_bytes) // ALIGN) * ALIGN

@@ -1,6 +1,8 @@
 """The disk tier (docs/engine.md, "Models larger than memory"): under a memory budget the cold neurons come from the
-neuron bundles beside the file, and the logits are the same bits as with every row mapped; a damaged, truncated or
-foreign sidecar and a budget below what the engine must hold are refused in one line."""
+neuron bundles beside the file, and the logits are the same bits as with every row mapped (a decode step computes
+each read's neurons as it arrives, and its down projection after, in the mapped run's order; reads merged across
+short gaps bring more bytes, not other results); a damaged, truncated or foreign sidecar and a budget below what the
+engine must hold are refused in one line."""
 from __future__ import annotations
 
 import shutil
@@ -12,8 +14,10 @@ from engine_helpers import converted, random_tokens  # noqa: F401
 from tiny_models import N_FF, N_LAYER
 
 import powerinfer_engine as engine
+from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.formats import neuron_bundles
 
+MERGE_GAP_BYTES = 4 << 10  # csrc/model/disk_tier.cpp's kMergeGapBytes
 KEYS = {"tokens", "bytes", "reads", "cache_hits", "cache_misses", "io_wait_seconds", "resident_bytes", "budget_bytes"}
 
 
@@ -55,8 +59,27 @@ def test_decode_from_disk_equals_decode_with_every_row_mapped(bundled, mode, lay
     disk = stats["disk"]
     assert set(disk) == KEYS and disk["tokens"] == 20 and disk["budget_bytes"] <= budget
     assert disk["resident_bytes"] == pytest.approx(fixed + (1 + layers_resident) * N_FF * bundle, abs=bundle)
-    assert disk["bytes"] == disk["cache_misses"] * bundle and disk["cache_misses"] > 0
     assert 0 < disk["reads"] <= disk["cache_misses"] and disk["io_wait_seconds"] > 0
+    assert_merged_bytes(disk, bundle)
+
+
+def assert_merged_bytes(disk: dict, bundle: int) -> None:
+    """Every missing bundle is read once, and each read saved by merging two across a gap brings at most the gap."""
+    merges = disk["cache_misses"] - disk["reads"]
+    most = disk["cache_misses"] + MERGE_GAP_BYTES // bundle * merges
+    assert disk["cache_misses"] * bundle <= disk["bytes"] <= most * bundle
+
+
+def test_reads_merged_across_gaps_change_the_bytes_not_the_logits(bundled):
+    """With half a layer resident at random frequencies the missing neurons are scattered: some reads span a gap
+    (bundles in memory read again and dropped, or missing ones read into the cache), and the logits stay the same."""
+    model, _, fixed, bundle = bundled
+    mapped, _ = decode(model, "predictor")
+    tiered, stats = decode(model, "predictor", fixed + 1.5 * N_FF * bundle + 1024)
+    disk = stats["disk"]
+    assert np.array_equal(tiered, mapped)
+    assert disk["bytes"] > disk["cache_misses"] * bundle and disk["reads"] < disk["cache_misses"]
+    assert_merged_bytes(disk, bundle)
 
 
 def test_the_same_bits_on_one_thread(bundled):
@@ -86,6 +109,37 @@ def test_a_damaged_bundle_is_one_line_at_the_read(bundled):
     with pytest.raises(engine.EngineError) as e:
         decode(model, "predictor", fixed + N_FF * bundle + 1024)
     assert "\n" not in str(e.value) and "layer 0" in str(e.value) and "damaged" in str(e.value)
+
+
+def test_bundles_in_another_order_decode_the_same_bits(bundled):
+    """An order of the caller's (scripts/measure_coactivation.py's co-selection order) moves bundles on disk, and with
+    them which neurons share a read, not the logits; an order that is not a permutation is refused."""
+    model, sidecar, fixed, bundle = bundled
+    mapped, _ = decode(model, "predictor")
+    rng = np.random.default_rng(1)
+    neuron_bundles.write(model, orders=[rng.permutation(N_FF) for _ in range(N_LAYER)], progress=False)
+    tiered, stats = decode(model, "predictor", fixed + 1.5 * N_FF * bundle + 1024)
+    assert np.array_equal(tiered, mapped) and stats["disk"]["cache_misses"] > 0
+    with pytest.raises(UserError, match="permutations"):
+        neuron_bundles.write(model, orders=[np.zeros(N_FF, int)] * N_LAYER, progress=False)
+
+
+def test_a_damaged_bundle_read_by_a_decode_step_is_one_line(bundled):
+    """Decode steps only (no prompt batch reads the layer whole first): the last layer's selected neurons are read
+    and computed as they arrive, and a damaged one fails the step in one line."""
+    model, sidecar, fixed, bundle = bundled
+    data_offset = neuron_bundles.read_layout(sidecar)["data_offset"]
+    data = bytearray(sidecar.read_bytes())
+    for j in range(N_FF):
+        data[data_offset + ((N_LAYER - 1) * N_FF + j) * bundle + 7] ^= 0x10
+    sidecar.write_bytes(bytes(data))
+    with engine.Model(model, threads=2, sparse_mode="predictor", ctx_size=128,
+                      memory_budget=(fixed + N_FF * bundle + 1024) / 2**30) as m:
+        with pytest.raises(engine.EngineError) as e:
+            for t in random_tokens(8, 384, seed=5):
+                m.eval([t])
+    msg = str(e.value)
+    assert "\n" not in msg and f"layer {N_LAYER - 1}" in msg and "damaged" in msg
 
 
 @pytest.mark.parametrize("damage,message", [

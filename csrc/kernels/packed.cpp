@@ -35,6 +35,32 @@ void pack_rows8(uint32_t type, int n, const void *const *rows, uint8_t *out) {
     else if (type == TYPE_Q8_0) pack<BlockQ8_0>(n, rows, out);
 }
 
+void pack_columns(uint32_t type, int n_in, int n_rows, const void *const *rows, int n_out, uint8_t *out) {
+    const bool q4 = type == TYPE_Q4_0;
+    const size_t row_block = q4 ? sizeof(BlockQ4_0) : sizeof(BlockQ8_0), col = column_bytes(type, n_out);
+    for (int k = 0; k < n_in / QK; ++k, out += column_block_bytes(type, n_out)) {
+        uint8_t *quants = out + 2 * size_t(n_out);
+        std::memset(out, 0, 2 * size_t(n_out));          // a padding output: scale 0,
+        std::memset(quants, q4 ? 0x88 : 0, 32 * col);    // quants 0 (q4_0: nibble 8)
+        for (int o = 0; o < n_rows; ++o) {
+            const uint8_t *b = static_cast<const uint8_t *>(rows[o]) + size_t(k) * row_block;
+            std::memcpy(out + 2 * size_t(o), b, 2);  // the f16 scale leads both block types
+            const int unit = o / kColumnUnit, P = column_output(o % kColumnUnit);
+            for (int i = 0; i < QK; ++i) {
+                uint8_t *c = quants + size_t(i) * col;
+                if (!q4) {
+                    c[kColumnUnit * unit + P] = b[2 + i];
+                    continue;
+                }
+                // element i of a q4_0 block: byte i % 16, low nibble for i < 16
+                const uint8_t v = i < QK / 2 ? b[2 + i] & 0x0f : b[2 + i - QK / 2] >> 4;
+                uint8_t &dst = c[32 * unit + P % 32];
+                dst = P < 32 ? uint8_t((dst & 0xf0) | v) : uint8_t((dst & 0x0f) | (v << 4));
+            }
+        }
+    }
+}
+
 void pack_quads(int n, int n_rows, const void *const *rows, uint8_t *out) {
     const int nb = n / QK;
     for (int q = 0; q < (n_rows + kQuadRows - 1) / kQuadRows; ++q, out += quad_bytes(n)) {

@@ -195,9 +195,9 @@ pi_status pi_kernel_gemv_columns(const char *isa, int32_t type, int32_t n_in, in
         check_kernel_args(type, n_in);
         const pi::TypeKernels &k = kernel_set(isa).for_type(uint32_t(type));
         if (!k.gemv_columns) pi::fail(PI_ERR_ARGUMENT, "only q4_0 and q8_0 matrices have the column layout");
-        if (n_out < 0 || n_out % pi::kColumnUnit != 0 || o0 < 0 || o0 > o1 || o1 > n_out || o0 % pi::kColumnUnit != 0 ||
-            o1 % pi::kColumnUnit != 0)
-            pi::fail(PI_ERR_ARGUMENT, "n_out, o0 and o1 must be multiples of 64 with 0 <= o0 <= o1 <= n_out");
+        if (n_out < 0 || n_out % pi::kColumnUnit != 0 || o0 < 0 || o0 > o1 || o1 > n_out || o0 % pi::kColumnTile != 0 ||
+            (o1 % pi::kColumnTile != 0 && o1 != n_out))
+            pi::fail(PI_ERR_ARGUMENT, "n_out must be a multiple of 64, o0 of 256, o1 too or n_out, 0 <= o0 <= o1 <= n_out");
         need(w, "w");
         need(x, "x");
         need(y, "y");

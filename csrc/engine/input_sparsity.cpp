@@ -1,15 +1,19 @@
 // Input sparsity (docs/engine.md, "Input sparsity"; TEAL, arXiv 2408.14690): every matrix's inputs at or below
-// the layer's threshold for their site are zeroed. A decode step then reads only the rows of the transposed
-// matrices (the file's *_t tensors, a row per input) whose input is kept, scaled by it, through rows_product, the
-// down projection's path; a batch zeroes the same inputs and runs the dense kernels on them (its tokens together
-// keep nearly every input, so no row could be skipped).
+// the layer's threshold for their site are zeroed. A decode step then reads only the weights of the kept inputs:
+// of q4_0/q8_0 q/k/v, o and gate/up from a column copy of the matrices' own blocks (InputColumns) by gemv_columns,
+// gemm8's arithmetic; of the down projection (whose own blocks the file holds only transposed, along its outputs)
+// and of f32/f16 matrices the rows of the transposed matrices (the file's *_t tensors, a row per input), scaled by
+// their input, through rows_product, the down projection's path. A batch zeroes the same inputs and runs the dense
+// kernels on them (its tokens together keep nearly every input, so nothing could be skipped).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
 
 #include "engine/engine.h"
+#include "kernels/packed.h"
 #include "runtime/common.h"
+#include "runtime/usable_memory.h"
 
 namespace pi {
 namespace {
@@ -39,6 +43,7 @@ void Engine::set_input_sparsity(float share) {
     }
     const int64_t L = hp_.n_layer, S = Model::kInputSiteCount;
     input_thr_.assign(size_t(L * S), 0.0f);
+    build_input_columns();  // made or freed as the share turns input sparsity on or off
     if (share <= 0.0f) return;
     // Linear between the two levels around the share (from 0 below the first), as InputThresholds.at in Python.
     size_t hi = 0;
@@ -61,6 +66,7 @@ void Engine::allocate_input_scratch() {
     in_q_.resize(size_t(B * (n_in / QK + 1)));
     in_g_.assign(size_t(B * n_out), 0.0f);
     in_u_.assign(size_t(B * F), 0.0f);
+    in_y_.assign(size_t((std::max({E, Q + 2 * KV, 2 * F}) + kColumnUnit - 1) / kColumnUnit * kColumnUnit), 0.0f);
 }
 
 double Engine::input_scratch_bytes() const {
@@ -69,7 +75,87 @@ double Engine::input_scratch_bytes() const {
     const double KV = double(hp_.n_head_kv * hp_.d_head), B = double(n_batch_);
     const double n_in = std::max({E, Q, F}), n_out = std::max({E, Q + 2 * KV, F});
     return 8 * 3 * n_in + 4 * (n_in + 3 * (n_in / double(kDownRunRows) + 2) * n_out + B * (n_in + n_out + F)) +
-           B * (n_in / QK + 1) * double(sizeof(BlockQ8_0));
+           B * (n_in / QK + 1) * double(sizeof(BlockQ8_0)) + 4 * (std::max({E, Q + 2 * KV, 2 * F}) + kColumnUnit);
+}
+
+std::vector<const Matrix *> Engine::input_site_matrices(const Layer &L, int site) const {
+    if (site == kSiteQkv) return {&L.wq, &L.wk, &L.wv};
+    if (site == kSiteO) return {&L.wo};
+    if (site == kSiteGateUp) return hp_.gated ? std::vector<const Matrix *>{&L.up, &L.gate} : std::vector<const Matrix *>{&L.up};
+    return {};  // the down projection: its own blocks are only in the file's ffn_down_t, along the outputs
+}
+
+void Engine::build_input_columns() {
+    const int64_t L = hp_.n_layer, S = Model::kInputSiteCount;
+    in_cols_.resize(size_t(L * S));
+    struct Job {
+        InputColumns *c;
+        std::vector<const void *> rows;
+    };
+    std::vector<Job> jobs;
+    double bytes = 0;
+    for (int64_t il = 0; il < L; ++il)
+        for (int site = 0; site < S; ++site) {
+            InputColumns &c = in_cols_[size_t(il * S + site)];
+            const bool wanted = input_on() && (site != kSiteGateUp || input_ffn_on());
+            const std::vector<const Matrix *> mats = input_site_matrices(model_->layers()[size_t(il)], site);
+            if (!wanted || mats.empty()) c = InputColumns{};
+            if (!wanted || mats.empty() || c.present()) continue;
+            const uint32_t type = mats[0]->type;
+            bool fits = type == TYPE_Q4_0 || type == TYPE_Q8_0;
+            Job job{&c, {}};
+            for (const Matrix *m : mats) {
+                fits = fits && m->type == type && m->cols == mats[0]->cols && m->data;
+                for (int64_t r = 0; fits && r < m->rows; ++r) job.rows.push_back(m->row(r));
+            }
+            if (!fits) continue;  // the transposed rows' path
+            c.type = type;
+            c.n_in = mats[0]->cols;
+            c.n_out = (int64_t(job.rows.size()) + kColumnUnit - 1) / kColumnUnit * kColumnUnit;
+            bytes += double(column_matrix_bytes(type, c.n_in, c.n_out));
+            jobs.push_back(std::move(job));
+        }
+    if (jobs.empty()) return;
+    const double limit = usable_memory_bytes(), held = process_anonymous_bytes();
+    if (limit > 0 && bytes + kProcessMargin > limit - held)
+        fail(PI_ERR_MEMORY, model_->path() + ": input sparsity's column copies need " +
+                                std::to_string(bytes / double(1 << 30)).substr(0, 6) + " GiB, more than this process may "
+                                "still take (the machine's memory or its cgroup's limit, less what it holds)");
+    auto pack = [&](int chunk, int n_chunks, int) {
+        for (size_t j = size_t(chunk); j < jobs.size(); j += size_t(n_chunks)) {
+            InputColumns &c = *jobs[j].c;
+            c.data.resize(column_matrix_bytes(c.type, c.n_in, c.n_out));
+            pack_columns(c.type, int(c.n_in), int(jobs[j].rows.size()), jobs[j].rows.data(), int(c.n_out), c.data.data());
+        }
+    };
+    pool_->run(int(std::min<size_t>(jobs.size(), size_t(pool_->size()))), pack);
+}
+
+size_t Engine::input_columns_bytes() const {
+    size_t bytes = 0;
+    for (const InputColumns &c : in_cols_) bytes += c.data.size();
+    return bytes;
+}
+
+void Engine::input_columns_decode(const InputColumns &c, const float *x, float t, float *out) {
+    float *xz = in_x_.data();
+    zero_small(x, c.n_in, 1, t, xz);
+    BlockQ8_0 *q = in_q_.data();
+    ks_->quantize_q8_0(int(c.n_in), xz, q);
+    int64_t unread = 0;  // inputs whose quant is 0: zeroed, or rounded to 0 (their columns are not read either)
+    for (int64_t k = 0; k < c.n_in / QK; ++k)
+        for (int i = 0; i < QK; ++i) unread += q[k].qs[i] == 0;
+    stats_.input.decode_bytes += double(column_matrix_bytes(c.type, c.n_in, c.n_out));
+    stats_.input.decode_skipped += double(unread) * double(column_piece_bytes(c.type, c.n_out));
+    const int n_tiles = int((c.n_out + kColumnTile - 1) / kColumnTile);
+    const TypeKernels &k = ks_->for_type(c.type);
+    auto run = [&](int chunk, int n_chunks, int) {  // a thread's tiles: one ascending stretch of the copy
+        const int64_t t0 = int64_t(chunk) * n_tiles / n_chunks, t1 = int64_t(chunk + 1) * n_tiles / n_chunks;
+        if (t0 < t1)
+            k.gemv_columns(int(c.n_in), int(c.n_out), c.data.data(), q, int(t0 * kColumnTile),
+                           int(std::min<int64_t>(t1 * kColumnTile, c.n_out)), out);
+    };
+    pool_->run(std::min(n_tiles, pool_->size()), run);
 }
 
 int64_t Engine::zero_small(const float *x, int64_t n, int64_t n_tok, float t, float *out) {
@@ -118,6 +204,13 @@ void Engine::input_qkv(const Layer &L, int64_t il, int64_t n_tok) {
         matmul(qkv, 3, in, n_tok);
         return;
     }
+    if (const InputColumns *c = input_columns(il, kSiteQkv)) {  // q, k and v stacked
+        input_columns_decode(*c, s.xn.data(), t, in_y_.data());
+        std::memcpy(s.q.data(), in_y_.data(), size_t(Q) * sizeof(float));
+        std::memcpy(s.k.data(), in_y_.data() + Q, size_t(KV) * sizeof(float));
+        std::memcpy(s.v.data(), in_y_.data() + Q + KV, size_t(KV) * sizeof(float));
+        return;
+    }
     if (L.q_t.t.data == L.k_t.t.data) {  // falcon's fused q/k/v_t: every column at once, then split
         InputRows all{L.q_t.t, 0, Q + 2 * KV};
         const InputRows *mats[1] = {&all};
@@ -145,6 +238,11 @@ void Engine::input_output_projection(const Layer &L, int64_t il, int64_t n_tok) 
         matmul(wo, 1, s.op_att, n_tok);
         return;
     }
+    if (const InputColumns *c = input_columns(il, kSiteO)) {
+        input_columns_decode(*c, s.att.data(), t, in_y_.data());
+        std::memcpy(s.tmp.data(), in_y_.data(), size_t(E) * sizeof(float));
+        return;
+    }
     const InputRows *mats[1] = {&L.o_t};
     float *outs[1] = {s.tmp.data()};
     input_rows_decode(mats, outs, 1, s.att.data(), t, true);
@@ -165,6 +263,10 @@ void Engine::input_ffn(int64_t il, int64_t n_tok) {
         Operand in{in_x_.data(), E, in_q_.data(), false};
         const MatmulTarget gate_up[2] = {{&L.up, u, F}, {&L.gate, g, F}};
         matmul(gate_up, hp_.gated ? 2 : 1, in, n_tok);
+    } else if (const InputColumns *c = input_columns(il, kSiteGateUp)) {  // up and gate stacked
+        input_columns_decode(*c, s.xn.data(), t_in, in_y_.data());
+        std::memcpy(u, in_y_.data(), size_t(F) * sizeof(float));
+        if (hp_.gated) std::memcpy(g, in_y_.data() + F, size_t(F) * sizeof(float));
     } else {
         const InputRows *mats[2] = {&L.up_t, &L.gate_t};
         float *outs[2] = {u, g};

@@ -62,12 +62,12 @@ pi_status pi_kernel_pack_columns8(const char *isa, int32_t type, int32_t n_rows,
 pi_status pi_kernel_gemm8(const char *isa, int32_t type, int32_t n, int32_t n_groups, const void *w, int32_t n_tok,
                           const void *x, float *out);
 /* Packs n_rows q4_0/q8_0 rows (n_in elements each) as the first outputs of an n_out-output matrix in input
- * sparsity's column layout (kernels/packed.h; n_out a multiple of 64, at least n_rows): n_in / 32 blocks of
- * n_out * (2 + 32) bytes (q8_0) or n_out * (2 + 16) (q4_0). */
+ * sparsity's column layout (kernels/packed.h; n_out a multiple of 64, at least n_rows): n_in / 32 * n_out * (2 + 32)
+ * bytes (q8_0) or n_in / 32 * n_out * (2 + 16) (q4_0). */
 pi_status pi_kernel_pack_columns(int32_t type, int32_t n_in, int32_t n_rows, const void *const *rows, int32_t n_out,
                                  void *out);
 /* y[o] = dot of output o's row of a matrix packed by pi_kernel_pack_columns with x (n_in / 32 q8_0 blocks), for o in
- * [o0, o1) (multiples of 64), reading only the columns of x's nonzero quants: bit-identical to pi_kernel_gemm8 over
+ * [o0, o1) (o0 a multiple of 256, o1 too or n_out), reading only the columns of x's nonzero quants: bit-identical to pi_kernel_gemm8 over
  * the same rows. */
 pi_status pi_kernel_gemv_columns(const char *isa, int32_t type, int32_t n_in, int32_t n_out, const void *w, const void *x,
                                  int32_t o0, int32_t o1, float *y);

@@ -246,26 +246,24 @@ void pack_columns8(int n_rows, const void *const *w, int col0, int n_cols, uint8
 template <uint32_t Type>
 void gemv_columns(int n_in, int n_out, const void *w, const void *x, int o0, int o1, float *y) {
     const BlockQ8_0 *xb = static_cast<const BlockQ8_0 *>(x);
-    const size_t col = column_bytes(Type, n_out);
     for (int o = o0; o < o1; ++o) y[o] = 0.0f;
-    for (int k = 0; k < n_in / QK; ++k) {
-        const uint8_t *blk = static_cast<const uint8_t *>(w) + size_t(k) * column_block_bytes(Type, n_out);
-        const uint8_t *quants = blk + 2 * size_t(n_out);
+    for (int k = 0; k < n_in / QK; ++k)
         for (int o = o0; o < o1; ++o) {
-            const int unit = o / kColumnUnit, P = column_output(o % kColumnUnit);
+            const int t0 = o / kColumnTile * kColumnTile, tw = n_out - t0 < kColumnTile ? n_out - t0 : kColumnTile;
+            const int r = o - t0, unit = r / kColumnUnit, P = column_output(r % kColumnUnit);
+            const uint8_t *blk = static_cast<const uint8_t *>(w) + column_block_offset(Type, n_in, n_out, t0, k);
             int32_t isum = 0;
             for (int i = 0; i < QK; ++i) {
-                if (xb[k].qs[i] == 0) continue;  // a dropped input: its column is not read
-                const uint8_t *c = quants + size_t(i) * col;
+                if (xb[k].qs[i] == 0) continue;  // a dropped input: its piece is not read
+                const uint8_t *c = blk + 2 * size_t(tw) + size_t(i) * column_piece_bytes(Type, tw);
                 const int32_t q = Type == TYPE_Q4_0 ? int32_t(P < 32 ? c[32 * unit + P] & 0x0f : c[32 * unit + P - 32] >> 4) - 8
                                                     : int32_t(int8_t(c[kColumnUnit * unit + P]));
                 isum += q * int32_t(xb[k].qs[i]);
             }
             uint16_t d;
-            std::memcpy(&d, blk + 2 * size_t(o), 2);
+            std::memcpy(&d, blk + 2 * r, 2);
             y[o] = std::fma(float(isum), f16_to_f32(d) * f16_to_f32(xb[k].d), y[o]);  // as gemm8
         }
-    }
 }
 
 #define PI_TYPE_KERNELS(T, AXPY_ROWS, GEMM8, DOT_ROWS, PACK_COLUMNS, GEMV_COLUMNS) \

@@ -38,24 +38,31 @@ inline size_t quad_bytes(int n) { return size_t(n / 32) * (8 + 64); }
 void pack_quads(int n, int n_rows, const void *const *rows, uint8_t *out);
 
 // Input sparsity's column layout of a q4_0/q8_0 matrix (TypeKernels::gemv_columns): the matrix's own blocks (its
-// rows' blocks of 32 inputs, no requantization) re-laid so that the weights of one input over every output are one
-// contiguous span, read only when the input is kept. n_out outputs (a multiple of kColumnUnit; rows past the
-// matrix's are zero rows, scale 0), n_in inputs (a multiple of 32). Input block k is column_block_bytes bytes at
-// k times that:
-//   n_out f16 scales (output o's scale of block k), then the 32 inputs' columns of column_bytes each: units of
-//   64 outputs, a q8_0 column a stored quant byte per output (signed), a q4_0 column 32 bytes a unit, byte p
-//   holding position p in its low nibble and 32 + p in its high one (offset 8, as stored). Position P of a unit is
-//   output column_output(P): the order in which interleaving four columns' bytes (unpack bytes, then words, in
+// rows' blocks of 32 inputs, no requantization) re-laid so that the weights of one input over a tile of outputs are
+// one contiguous piece, read only when the input is kept. n_out outputs (a multiple of kColumnUnit; rows past the
+// matrix's are zero rows, scale 0), n_in inputs (a multiple of 32), in tiles of kColumnTile outputs (the last one
+// narrower), each tile's blocks one after the other (a thread streams its tiles as one ascending pass with holes).
+// A tile of w outputs, input block k, is column_tile_block_bytes(type, w) bytes at column_block_offset:
+//   w f16 scales (output o's scale of block k), then the 32 inputs' pieces of column_piece_bytes(type, w) each:
+//   units of 64 outputs, a q8_0 piece a stored quant byte per output (signed), a q4_0 piece 32 bytes a unit, byte
+//   p holding position p in its low nibble and 32 + p in its high one (offset 8, as stored). Position P of a unit
+//   is output column_output(P): the order in which interleaving four pieces' bytes (unpack bytes, then words, in
 //   each 16-byte lane) leaves the outputs in 16 consecutive int32 lanes.
-constexpr int kColumnUnit = 64;
+constexpr int kColumnUnit = 64, kColumnTile = 256;
 inline int column_output(int P) { return 16 * ((P / 4) % 4) + 4 * (P / 16) + P % 4; }  // its own inverse
-inline size_t column_bytes(uint32_t type, int64_t n_out) { return size_t(type == TYPE_Q4_0 ? n_out / 2 : n_out); }
-inline size_t column_block_bytes(uint32_t type, int64_t n_out) {
-    return 2 * size_t(n_out) + 32 * column_bytes(type, n_out);
+inline size_t column_piece_bytes(uint32_t type, int64_t w) { return size_t(type == TYPE_Q4_0 ? w / 2 : w); }
+inline size_t column_tile_block_bytes(uint32_t type, int64_t w) { return 2 * size_t(w) + 32 * column_piece_bytes(type, w); }
+// the tile starting at output o0 (a multiple of kColumnTile), its input block k
+inline size_t column_block_offset(uint32_t type, int64_t n_in, int64_t n_out, int64_t o0, int64_t k) {
+    const int64_t w = n_out - o0 < kColumnTile ? n_out - o0 : kColumnTile;
+    return size_t(n_in / 32) * column_tile_block_bytes(type, o0) + size_t(k) * column_tile_block_bytes(type, w);
+}
+inline size_t column_matrix_bytes(uint32_t type, int64_t n_in, int64_t n_out) {
+    return size_t(n_in / 32) * column_tile_block_bytes(type, n_out);
 }
 
 // Packs n_rows rows (n_in elements each, stored as q4_0/q8_0 `type`) as the first outputs of an n_out-output
-// matrix in the column layout at out (n_in / 32 * column_block_bytes(type, n_out) bytes).
+// matrix in the column layout at out (column_matrix_bytes).
 void pack_columns(uint32_t type, int n_in, int n_rows, const void *const *rows, int n_out, uint8_t *out);
 
 }  // namespace pi

@@ -131,7 +131,7 @@ private:
     // below t zeroed, reading only the rows of the kept inputs; `decode`: counted as a decode step's bytes
     void input_rows_decode(const InputRows *const *mats, float *const *outs, int n_mats, const float *x, float t,
                            bool decode);
-    // The site's matrices of a layer, stacked as its column copy stacks them (empty: a site without one)
+    // The matrices of a layer's site q/k/v, o or gate/up, stacked as its column copy stacks them
     std::vector<const Matrix *> input_site_matrices(const Layer &L, int site) const;
     // Makes the column copies the current mode's decode steps read and frees the others (checked against the
     // memory the process may still take); sites whose matrices are not all q4_0 or all q8_0 keep the rows path.

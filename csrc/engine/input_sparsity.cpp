@@ -1,9 +1,10 @@
 // Input sparsity (docs/engine.md, "Input sparsity"; TEAL, arXiv 2408.14690): every matrix's inputs at or below
 // the layer's threshold for their site are zeroed. A decode step then reads only the weights of the kept inputs:
 // of q4_0/q8_0 q/k/v, o and gate/up from a column copy of the matrices' own blocks (InputColumns) by gemv_columns,
-// gemm8's arithmetic; of the down projection (whose own blocks the file holds only transposed, along its outputs)
-// and of f32/f16 matrices the rows of the transposed matrices (the file's *_t tensors, a row per input), scaled by
-// their input, through rows_product, the down projection's path. A batch zeroes the same inputs and runs the dense
+// gemm8's arithmetic, and of a q8_0 down projection (whose own blocks the file holds only transposed, along its
+// outputs) from a copy requantized along its inputs; of a q4_0 down projection and of f32/f16 matrices the rows of
+// the transposed matrices (the file's *_t tensors, a row per input), scaled by their input, through rows_product,
+// the down projection's path. A batch zeroes the same inputs and runs the dense
 // kernels on them (its tokens together keep nearly every input, so nothing could be skipped).
 #include <algorithm>
 #include <chrono>
@@ -81,38 +82,76 @@ double Engine::input_scratch_bytes() const {
 std::vector<const Matrix *> Engine::input_site_matrices(const Layer &L, int site) const {
     if (site == kSiteQkv) return {&L.wq, &L.wk, &L.wv};
     if (site == kSiteO) return {&L.wo};
-    if (site == kSiteGateUp) return hp_.gated ? std::vector<const Matrix *>{&L.up, &L.gate} : std::vector<const Matrix *>{&L.up};
-    return {};  // the down projection: its own blocks are only in the file's ffn_down_t, along the outputs
+    return hp_.gated ? std::vector<const Matrix *>{&L.up, &L.gate} : std::vector<const Matrix *>{&L.up};
 }
+
+namespace {
+
+// down_t (a row per input of the down projection, q8_0 blocks along the outputs) as q8_0 rows of the down projection
+// itself (a row per output, blocks along the inputs): the transpose requantized per 32 inputs by pack_columns8, as a
+// batch's down projection in integers does it, its 8-row groups taken apart.
+std::vector<BlockQ8_0> down_rows_q8(const KernelSet &ks, const Matrix &down_t) {
+    const int64_t n_in = down_t.rows, n_out = down_t.cols, nb = n_in / QK;
+    std::vector<const void *> src(static_cast<size_t>(n_in));
+    for (int64_t r = 0; r < n_in; ++r) src[size_t(r)] = down_t.row(r);
+    const size_t bb = packed_block_bytes(TYPE_Q8_0);
+    std::vector<uint8_t> groups(size_t(n_out / kPackRows * nb) * bb);
+    ks.for_type(down_t.type).pack_columns8(int(n_in), src.data(), 0, int(n_out), groups.data());
+    std::vector<BlockQ8_0> rows(size_t(n_out * nb));
+    for (int64_t g = 0; g < n_out / kPackRows; ++g)
+        for (int64_t k = 0; k < nb; ++k) {
+            const uint8_t *blk = groups.data() + size_t(g * nb + k) * bb;
+            for (int r = 0; r < kPackRows; ++r) {
+                BlockQ8_0 &b = rows[size_t((g * kPackRows + r) * nb + k)];
+                std::memcpy(&b.d, blk + 2 * r, 2);
+                for (int c = 0; c < QK / 4; ++c) std::memcpy(b.qs + 4 * c, blk + 2 * kPackRows + 32 * c + 4 * r, 4);
+            }
+        }
+    return rows;
+}
+
+}  // namespace
 
 void Engine::build_input_columns() {
     const int64_t L = hp_.n_layer, S = Model::kInputSiteCount;
     in_cols_.resize(size_t(L * S));
     struct Job {
         InputColumns *c;
-        std::vector<const void *> rows;
+        std::vector<const void *> rows;  // the stacked rows, or none: the down projection's, from down_t
+        const Matrix *down_t;
     };
     std::vector<Job> jobs;
     double bytes = 0;
     for (int64_t il = 0; il < L; ++il)
         for (int site = 0; site < S; ++site) {
             InputColumns &c = in_cols_[size_t(il * S + site)];
-            const bool wanted = input_on() && (site != kSiteGateUp || input_ffn_on());
-            const std::vector<const Matrix *> mats = input_site_matrices(model_->layers()[size_t(il)], site);
-            if (!wanted || mats.empty()) c = InputColumns{};
-            if (!wanted || mats.empty() || c.present()) continue;
-            const uint32_t type = mats[0]->type;
-            bool fits = type == TYPE_Q4_0 || type == TYPE_Q8_0;
-            Job job{&c, {}};
-            for (const Matrix *m : mats) {
-                fits = fits && m->type == type && m->cols == mats[0]->cols && m->data;
-                for (int64_t r = 0; fits && r < m->rows; ++r) job.rows.push_back(m->row(r));
+            const Layer &layer = model_->layers()[size_t(il)];
+            const bool wanted = input_on() && ((site != kSiteGateUp && site != kSiteDown) || input_ffn_on());
+            if (!wanted) c = InputColumns{};
+            if (!wanted || c.present()) continue;
+            Job job{&c, {}, nullptr};
+            if (site == kSiteDown) {
+                // q8_0 only: the copy of a q4_0 down_t would be q8_0, twice its bytes
+                const Matrix &dt = layer.down_t;
+                if (dt.type != TYPE_Q8_0 || !dt.data || dt.rows % QK || dt.cols % QK) continue;
+                c.type = TYPE_Q8_0;
+                c.n_in = dt.rows;
+                c.n_out = (dt.cols + kColumnUnit - 1) / kColumnUnit * kColumnUnit;
+                job.down_t = &dt;
+            } else {
+                const std::vector<const Matrix *> mats = input_site_matrices(layer, site);
+                const uint32_t type = mats[0]->type;
+                bool fits = type == TYPE_Q4_0 || type == TYPE_Q8_0;
+                for (const Matrix *m : mats) {
+                    fits = fits && m->type == type && m->cols == mats[0]->cols && m->data;
+                    for (int64_t r = 0; fits && r < m->rows; ++r) job.rows.push_back(m->row(r));
+                }
+                if (!fits) continue;  // the transposed rows' path
+                c.type = type;
+                c.n_in = mats[0]->cols;
+                c.n_out = (int64_t(job.rows.size()) + kColumnUnit - 1) / kColumnUnit * kColumnUnit;
             }
-            if (!fits) continue;  // the transposed rows' path
-            c.type = type;
-            c.n_in = mats[0]->cols;
-            c.n_out = (int64_t(job.rows.size()) + kColumnUnit - 1) / kColumnUnit * kColumnUnit;
-            bytes += double(column_matrix_bytes(type, c.n_in, c.n_out));
+            bytes += double(column_matrix_bytes(c.type, c.n_in, c.n_out));
             jobs.push_back(std::move(job));
         }
     if (jobs.empty()) return;
@@ -123,9 +162,15 @@ void Engine::build_input_columns() {
                                 "still take (the machine's memory or its cgroup's limit, less what it holds)");
     auto pack = [&](int chunk, int n_chunks, int) {
         for (size_t j = size_t(chunk); j < jobs.size(); j += size_t(n_chunks)) {
-            InputColumns &c = *jobs[j].c;
+            Job &job = jobs[j];
+            InputColumns &c = *job.c;
+            std::vector<BlockQ8_0> down;
+            if (job.down_t) {
+                down = down_rows_q8(*ks_, *job.down_t);
+                for (int64_t o = 0; o < job.down_t->cols; ++o) job.rows.push_back(down.data() + o * (c.n_in / QK));
+            }
             c.data.resize(column_matrix_bytes(c.type, c.n_in, c.n_out));
-            pack_columns(c.type, int(c.n_in), int(jobs[j].rows.size()), jobs[j].rows.data(), int(c.n_out), c.data.data());
+            pack_columns(c.type, int(c.n_in), int(job.rows.size()), job.rows.data(), int(c.n_out), c.data.data());
         }
     };
     pool_->run(int(std::min<size_t>(jobs.size(), size_t(pool_->size()))), pack);
@@ -295,13 +340,19 @@ void Engine::input_ffn(int64_t il, int64_t n_tok) {
     }
     stats_.times.gate_up += seconds_since(t0);
     t0 = Clock::now();
-    // the down projection: one token at a time over the kept rows of ffn_down_t (a batch's too: its tokens'
-    // kept neurons differ, and the rows stream once per token as the decode step's do)
+    // the down projection: a decode step's from its column copy where there is one (q8_0), else one token at a
+    // time over the kept rows of ffn_down_t (a batch's too: its tokens' kept neurons differ, and the rows stream
+    // once per token as the decode step's do)
     const InputRows down{L.down_t, 0, E};
     const InputRows *mats[1] = {&down};
-    for (int64_t tk = 0; tk < n_tok; ++tk) {
-        float *outs[1] = {s.y_cold.data() + tk * E};
-        input_rows_decode(mats, outs, 1, h + tk * F, t_down, n_tok == 1);
+    if (const InputColumns *c = n_tok == 1 ? input_columns(il, kSiteDown) : nullptr) {
+        input_columns_decode(*c, h, t_down, in_y_.data());
+        std::memcpy(s.y_cold.data(), in_y_.data(), size_t(E) * sizeof(float));
+    } else {
+        for (int64_t tk = 0; tk < n_tok; ++tk) {
+            float *outs[1] = {s.y_cold.data() + tk * E};
+            input_rows_decode(mats, outs, 1, h + tk * F, t_down, n_tok == 1);
+        }
     }
     stats_.times.down += seconds_since(t0);
     add_bias(s.y_cold.data(), L.down_b, n_tok, E);

@@ -113,8 +113,8 @@ def test_quantized_files_skip_the_rows_of_zeroed_inputs(outtype, input_files):
 
 def column_copy_bytes(path, outtype: str, ffn: bool) -> int:
     """Bytes of the column copies (kernels/packed.h) of every layer's q/k/v (stacked; falcon's fused), o and, with
-    `ffn`, up and gate (an ungated FFN: up alone): per 32 inputs, 2 + 32 (q8_0) or 2 + 16 (q4_0) bytes an output,
-    the stacked outputs rounded up to 64."""
+    `ffn`, up and gate (an ungated FFN: up alone) and, q8_0, down (from down_t): per 32 inputs, 2 + 32 (q8_0) or
+    2 + 16 (q4_0) bytes an output, the stacked outputs rounded up to 64."""
     shapes = {t.name: [int(d) for d in t.shape] for t in open_reader(path).tensors}
     sites = [("attn_qkv", "attn_q", "attn_k", "attn_v"), ("attn_output",)] + ([("ffn_up", "ffn_gate")] if ffn else [])
     per_output = 2 + (16 if outtype == "q4_0" else 32)
@@ -123,6 +123,9 @@ def column_copy_bytes(path, outtype: str, ffn: bool) -> int:
         for site in sites:
             mats = [shapes[f"blk.{il}.{n}.weight"] for n in site if f"blk.{il}.{n}.weight" in shapes]
             total += mats[0][0] // 32 * -(-sum(s[1] for s in mats) // 64) * 64 * per_output
+        if ffn and outtype == "q8_0":
+            n_out, n_in = shapes[f"blk.{il}.ffn_down_t.weight"]
+            total += n_in // 32 * -(-n_out // 64) * 64 * per_output
         il += 1
     return total
 
@@ -131,7 +134,7 @@ def column_copy_bytes(path, outtype: str, ffn: bool) -> int:
                                           ("opt", "q4_0")])
 def test_quantized_decode_steps_read_column_copies(kind, outtype, input_files):
     """A q4_0/q8_0 file's decode steps read q/k/v, o and gate/up from column copies of the matrices' own blocks
-    (falcon's fused q/k/v, an ungated FFN's up alone), made when input sparsity turns on and counted in the
+    (falcon's fused q/k/v, an ungated FFN's up alone), and q8_0 down from a copy of down_t requantized, made when input sparsity turns on and counted in the
     statistics: dense mode holds the three sites, gate mode attention's two, share 0 none. The logits move from the
     f32 file's by about what quantization moves the dense model's."""
     path, _ = input_files(kind, outtype)

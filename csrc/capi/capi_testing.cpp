@@ -180,8 +180,8 @@ pi_status pi_kernel_pack_columns(int32_t type, int32_t n_in, int32_t n_rows, con
     return guarded([&] {
         check_kernel_args(type, n_in);
         if (pi::packed_block_bytes(uint32_t(type)) == 0) pi::fail(PI_ERR_ARGUMENT, "only q4_0 and q8_0 rows are packed");
-        if (n_rows < 0 || n_out < n_rows || n_out % pi::kColumnUnit != 0)
-            pi::fail(PI_ERR_ARGUMENT, "n_out must be a multiple of 64 and at least n_rows >= 0");
+        if (n_rows < 0 || n_out < n_rows || n_out % pi::column_span(uint32_t(type)) != 0)
+            pi::fail(PI_ERR_ARGUMENT, "n_out must be a multiple of 64 (q4_0: 128) and at least n_rows >= 0");
         if (n_rows) need(rows, "rows");
         for (int32_t r = 0; r < n_rows; ++r) need(rows[r], "a row");
         need(out, "out");
@@ -195,9 +195,9 @@ pi_status pi_kernel_gemv_columns(const char *isa, int32_t type, int32_t n_in, in
         check_kernel_args(type, n_in);
         const pi::TypeKernels &k = kernel_set(isa).for_type(uint32_t(type));
         if (!k.gemv_columns) pi::fail(PI_ERR_ARGUMENT, "only q4_0 and q8_0 matrices have the column layout");
-        if (n_out < 0 || n_out % pi::kColumnUnit != 0 || o0 < 0 || o0 > o1 || o1 > n_out || o0 % pi::kColumnTile != 0 ||
+        if (n_out < 0 || n_out % pi::column_span(uint32_t(type)) != 0 || o0 < 0 || o0 > o1 || o1 > n_out || o0 % pi::kColumnTile != 0 ||
             (o1 % pi::kColumnTile != 0 && o1 != n_out))
-            pi::fail(PI_ERR_ARGUMENT, "n_out must be a multiple of 64, o0 of 256, o1 too or n_out, 0 <= o0 <= o1 <= n_out");
+            pi::fail(PI_ERR_ARGUMENT, "n_out must be a multiple of 64 (q4_0: 128), o0 of 256, o1 too or n_out, 0 <= o0 <= o1 <= n_out");
         need(w, "w");
         need(x, "x");
         need(y, "y");

@@ -25,7 +25,7 @@ namespace pi {
 // weights (TypeKernels::gemv_columns). A copy of the matrices' own blocks, made when input sparsity is turned on.
 struct InputColumns {
     uint32_t type = 0;
-    int64_t n_in = 0, n_out = 0;  // n_out: the stacked rows rounded up to kColumnUnit
+    int64_t n_in = 0, n_out = 0;  // n_out: the stacked rows rounded up to column_span
     std::vector<uint8_t> data;
     bool present() const { return !data.empty(); }
 };

@@ -67,7 +67,7 @@ void Engine::allocate_input_scratch() {
     in_q_.resize(size_t(B * (n_in / QK + 1)));
     in_g_.assign(size_t(B * n_out), 0.0f);
     in_u_.assign(size_t(B * F), 0.0f);
-    in_y_.assign(size_t((std::max({E, Q + 2 * KV, 2 * F}) + kColumnUnit - 1) / kColumnUnit * kColumnUnit), 0.0f);
+    in_y_.assign(size_t(std::max({E, Q + 2 * KV, 2 * F}) + 2 * kColumnUnit), 0.0f);  // room for a span's padding
 }
 
 double Engine::input_scratch_bytes() const {
@@ -76,7 +76,7 @@ double Engine::input_scratch_bytes() const {
     const double KV = double(hp_.n_head_kv * hp_.d_head), B = double(n_batch_);
     const double n_in = std::max({E, Q, F}), n_out = std::max({E, Q + 2 * KV, F});
     return 8 * 3 * n_in + 4 * (n_in + 3 * (n_in / double(kDownRunRows) + 2) * n_out + B * (n_in + n_out + F)) +
-           B * (n_in / QK + 1) * double(sizeof(BlockQ8_0)) + 4 * (std::max({E, Q + 2 * KV, 2 * F}) + kColumnUnit);
+           B * (n_in / QK + 1) * double(sizeof(BlockQ8_0)) + 4 * (std::max({E, Q + 2 * KV, 2 * F}) + 2 * kColumnUnit);
 }
 
 std::vector<const Matrix *> Engine::input_site_matrices(const Layer &L, int site) const {
@@ -136,7 +136,7 @@ void Engine::build_input_columns() {
                 if (dt.type != TYPE_Q8_0 || !dt.data || dt.rows % QK || dt.cols % QK) continue;
                 c.type = TYPE_Q8_0;
                 c.n_in = dt.rows;
-                c.n_out = (dt.cols + kColumnUnit - 1) / kColumnUnit * kColumnUnit;
+                c.n_out = (dt.cols + kColumnUnit - 1) / kColumnUnit * kColumnUnit;  // q8_0's span
                 job.down_t = &dt;
             } else {
                 const std::vector<const Matrix *> mats = input_site_matrices(layer, site);
@@ -149,7 +149,8 @@ void Engine::build_input_columns() {
                 if (!fits) continue;  // the transposed rows' path
                 c.type = type;
                 c.n_in = mats[0]->cols;
-                c.n_out = (int64_t(job.rows.size()) + kColumnUnit - 1) / kColumnUnit * kColumnUnit;
+                const int64_t span = column_span(type);
+                c.n_out = (int64_t(job.rows.size()) + span - 1) / span * span;
             }
             bytes += double(column_matrix_bytes(c.type, c.n_in, c.n_out));
             jobs.push_back(std::move(job));

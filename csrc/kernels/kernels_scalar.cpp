@@ -250,14 +250,14 @@ void gemv_columns(int n_in, int n_out, const void *w, const void *x, int o0, int
     for (int k = 0; k < n_in / QK; ++k)
         for (int o = o0; o < o1; ++o) {
             const int t0 = o / kColumnTile * kColumnTile, tw = n_out - t0 < kColumnTile ? n_out - t0 : kColumnTile;
-            const int r = o - t0, unit = r / kColumnUnit, P = column_output(r % kColumnUnit);
+            const int r = o - t0, at = column_byte(Type, r);
             const uint8_t *blk = static_cast<const uint8_t *>(w) + column_block_offset(Type, n_in, n_out, t0, k);
             int32_t isum = 0;
             for (int i = 0; i < QK; ++i) {
                 if (xb[k].qs[i] == 0) continue;  // a dropped input: its piece is not read
                 const uint8_t *c = blk + 2 * size_t(tw) + size_t(i) * column_piece_bytes(Type, tw);
-                const int32_t q = Type == TYPE_Q4_0 ? int32_t(P < 32 ? c[32 * unit + P] & 0x0f : c[32 * unit + P - 32] >> 4) - 8
-                                                    : int32_t(int8_t(c[kColumnUnit * unit + P]));
+                const int32_t q = Type == TYPE_Q4_0 ? int32_t(column_high(Type, r) ? c[at] >> 4 : c[at] & 0x0f) - 8
+                                                    : int32_t(int8_t(c[at]));
                 isum += q * int32_t(xb[k].qs[i]);
             }
             uint16_t d;

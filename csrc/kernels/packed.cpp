@@ -42,7 +42,8 @@ void pack_columns(uint32_t type, int n_in, int n_rows, const void *const *rows, 
     if (q4) std::memset(zero + 2, 0x88, QK / 2);
     for (int o = 0; o < n_out; ++o) {
         const int o0 = o / kColumnTile * kColumnTile, w = n_out - o0 < kColumnTile ? n_out - o0 : kColumnTile;
-        const int r = o - o0, unit = r / kColumnUnit, P = column_output(r % kColumnUnit);
+        const int r = o - o0, at = column_byte(type, r);
+        const bool high = column_high(type, r);
         const size_t piece = column_piece_bytes(type, w);
         for (int k = 0; k < n_in / QK; ++k) {
             const uint8_t *b = o < n_rows ? static_cast<const uint8_t *>(rows[o]) + size_t(k) * row_block : zero;
@@ -52,13 +53,12 @@ void pack_columns(uint32_t type, int n_in, int n_rows, const void *const *rows, 
             for (int i = 0; i < QK; ++i) {
                 uint8_t *c = quants + size_t(i) * piece;
                 if (!q4) {
-                    c[kColumnUnit * unit + P] = b[2 + i];
+                    c[at] = b[2 + i];
                     continue;
                 }
                 // element i of a q4_0 block: byte i % 16, low nibble for i < 16
                 const uint8_t v = i < QK / 2 ? b[2 + i] & 0x0f : b[2 + i - QK / 2] >> 4;
-                uint8_t &dst = c[32 * unit + P % 32];
-                dst = P < 32 ? uint8_t((dst & 0xf0) | v) : uint8_t((dst & 0x0f) | (v << 4));
+                c[at] = high ? uint8_t((c[at] & 0x0f) | (v << 4)) : uint8_t((c[at] & 0xf0) | v);
             }
         }
     }

@@ -39,17 +39,21 @@ void pack_quads(int n, int n_rows, const void *const *rows, uint8_t *out);
 
 // Input sparsity's column layout of a q4_0/q8_0 matrix (TypeKernels::gemv_columns): the matrix's own blocks (its
 // rows' blocks of 32 inputs, no requantization) re-laid so that the weights of one input over a tile of outputs are
-// one contiguous piece, read only when the input is kept. n_out outputs (a multiple of kColumnUnit; rows past the
+// one contiguous piece, read only when the input is kept. n_out outputs (a multiple of column_span; rows past the
 // matrix's are zero rows, scale 0), n_in inputs (a multiple of 32), in tiles of kColumnTile outputs (the last one
 // narrower), each tile's blocks one after the other (a thread streams its tiles as one ascending pass with holes).
 // A tile of w outputs, input block k, is column_tile_block_bytes(type, w) bytes at column_block_offset:
 //   w f16 scales (output o's scale of block k), then the 32 inputs' pieces of column_piece_bytes(type, w) each:
-//   units of 64 outputs, a q8_0 piece a stored quant byte per output (signed), a q4_0 piece 32 bytes a unit, byte
-//   p holding position p in its low nibble and 32 + p in its high one (offset 8, as stored). Position P of a unit
-//   is output column_output(P): the order in which interleaving four pieces' bytes (unpack bytes, then words, in
-//   each 16-byte lane) leaves the outputs in 16 consecutive int32 lanes.
+//   spans of 64 bytes, a q8_0 span 64 outputs (a stored quant byte each, signed), a q4_0 span 128 outputs (the
+//   first 64 in the bytes' low nibbles, the next 64 in their high ones; offset 8, as stored). Within 64 outputs,
+//   output r is at byte column_output(r): the order in which interleaving four pieces' bytes (unpack bytes, then
+//   words, in each 16-byte lane) leaves the outputs in 16 consecutive int32 lanes.
 constexpr int kColumnUnit = 64, kColumnTile = 256;
 inline int column_output(int P) { return 16 * ((P / 4) % 4) + 4 * (P / 16) + P % 4; }  // its own inverse
+inline int column_span(uint32_t type) { return type == TYPE_Q4_0 ? 2 * kColumnUnit : kColumnUnit; }
+// Output r of a tile: its byte in each piece, and (q4_0) whether in the high nibble.
+inline int column_byte(uint32_t type, int r) { return 64 * (r / column_span(type)) + column_output(r % kColumnUnit); }
+inline bool column_high(uint32_t type, int r) { return type == TYPE_Q4_0 && r % (2 * kColumnUnit) >= kColumnUnit; }
 inline size_t column_piece_bytes(uint32_t type, int64_t w) { return size_t(type == TYPE_Q4_0 ? w / 2 : w); }
 inline size_t column_tile_block_bytes(uint32_t type, int64_t w) { return 2 * size_t(w) + 32 * column_piece_bytes(type, w); }
 // the tile starting at output o0 (a multiple of kColumnTile), its input block k

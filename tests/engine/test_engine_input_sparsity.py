@@ -114,7 +114,7 @@ def test_quantized_files_skip_the_rows_of_zeroed_inputs(outtype, input_files):
 def column_copy_bytes(path, outtype: str, ffn: bool) -> int:
     """Bytes of the column copies (kernels/packed.h) of every layer's q/k/v (stacked; falcon's fused), o and, with
     `ffn`, up and gate (an ungated FFN: up alone) and, q8_0, down (from down_t): per 32 inputs, 2 + 32 (q8_0) or
-    2 + 16 (q4_0) bytes an output, the stacked outputs rounded up to 64."""
+    2 + 16 (q4_0) bytes an output, the stacked outputs rounded up to 64 (q4_0: 128)."""
     shapes = {t.name: [int(d) for d in t.shape] for t in open_reader(path).tensors}
     sites = [("attn_qkv", "attn_q", "attn_k", "attn_v"), ("attn_output",)] + ([("ffn_up", "ffn_gate")] if ffn else [])
     per_output = 2 + (16 if outtype == "q4_0" else 32)
@@ -122,7 +122,8 @@ def column_copy_bytes(path, outtype: str, ffn: bool) -> int:
     while f"blk.{il}.attn_output.weight" in shapes:
         for site in sites:
             mats = [shapes[f"blk.{il}.{n}.weight"] for n in site if f"blk.{il}.{n}.weight" in shapes]
-            total += mats[0][0] // 32 * -(-sum(s[1] for s in mats) // 64) * 64 * per_output
+            span = 128 if outtype == "q4_0" else 64
+            total += mats[0][0] // 32 * -(-sum(s[1] for s in mats) // span) * span * per_output
         if ffn and outtype == "q8_0":
             n_out, n_in = shapes[f"blk.{il}.ffn_down_t.weight"]
             total += n_in // 32 * -(-n_out // 64) * 64 * per_output

@@ -511,12 +511,14 @@ def _zeroed_operand(rng, n: int, share: float):
 @pytest.mark.parametrize("isa", ["scalar"] + SIMD)
 @pytest.mark.parametrize("wtype", ["q8_0", "q4_0"])
 @pytest.mark.parametrize("n_in,n_rows,n_out", [(96, 64, 64), (160, 200, 256), (1056, 100, 576), (4128, 192, 192),
-                                               (224, 300, 320)])
+                                               (224, 300, 320), (128, 50, 704)])
 def test_gemv_columns_is_gemm8_over_the_zeroed_operand(isa, wtype, n_in, n_rows, n_out):
     """Input sparsity's column kernel gives every output exactly gemm8's value over the same rows and operand
     (its dropped inputs zero), identical across sets, within rounding of float64; rows past n_rows (zero padding)
     give 0; a range of tiles [o0, o1) writes only its outputs. Shares 0.25 and 0.9, n_out of 1 to 9 units of 64 (tiles
-    of 256: a last one of 1 to 3 units)."""
+    of 256: a last one of 1 to 3 units; q4_0: n_out rounded up to its span of 128)."""
+    span = 128 if wtype == "q4_0" else 64
+    n_out = -(-n_out // span) * span
     rng = np.random.default_rng(9000 + n_in + n_out)
     rows = [stored(wtype, rng.normal(0, 1, n_in) * rng.uniform(0.1, 5)) for _ in range(n_rows)]
     packed = kernels.pack_columns(wtype, n_in, rows, n_out)
@@ -549,3 +551,5 @@ def test_gemv_columns_checks_its_arguments():
         kernels.gemv_columns("scalar", "f32", 64, 64, packed, x)
     with pytest.raises(EngineError, match="multiple of 64"):
         kernels.pack_columns("q8_0", 64, rows, 32)
+    with pytest.raises(EngineError, match="q4_0: 128"):
+        kernels.pack_columns("q4_0", 64, [stored("q4_0", np.ones(64))], 64)

@@ -26,6 +26,7 @@ namespace pi {
 struct InputColumns {
     uint32_t type = 0;
     int64_t n_in = 0, n_out = 0;  // n_out: the stacked rows rounded up to column_span
+    int64_t tile = 0;             // outputs a tile (Engine::column_tile)
     std::vector<uint8_t> data;
     bool present() const { return !data.empty(); }
 };
@@ -137,6 +138,8 @@ private:
     // memory the process may still take); sites whose matrices are not all q4_0 or all q8_0 keep the rows path.
     void build_input_columns();
     size_t input_columns_bytes() const;
+    // The widest tile (1024, 512 or 256 outputs) that leaves every thread a tile of its own
+    int64_t column_tile(int64_t n_out) const;
     const InputColumns *input_columns(int64_t il, int site) const {
         const InputColumns &c = in_cols_[size_t(il * Model::kInputSiteCount + site)];
         return c.present() ? &c : nullptr;

@@ -152,6 +152,7 @@ void Engine::build_input_columns() {
                 const int64_t span = column_span(type);
                 c.n_out = (int64_t(job.rows.size()) + span - 1) / span * span;
             }
+            c.tile = column_tile(c.n_out);
             bytes += double(column_matrix_bytes(c.type, c.n_in, c.n_out));
             jobs.push_back(std::move(job));
         }
@@ -171,10 +172,16 @@ void Engine::build_input_columns() {
                 for (int64_t o = 0; o < job.down_t->cols; ++o) job.rows.push_back(down.data() + o * (c.n_in / QK));
             }
             c.data.resize(column_matrix_bytes(c.type, c.n_in, c.n_out));
-            pack_columns(c.type, int(c.n_in), int(job.rows.size()), job.rows.data(), int(c.n_out), c.data.data());
+            pack_columns(c.type, int(c.n_in), int(job.rows.size()), job.rows.data(), int(c.n_out), int(c.tile), c.data.data());
         }
     };
     pool_->run(int(std::min<size_t>(jobs.size(), size_t(pool_->size()))), pack);
+}
+
+int64_t Engine::column_tile(int64_t n_out) const {
+    int64_t tile = 4 * kColumnWindow;
+    while (tile > kColumnWindow && (n_out + tile - 1) / tile < pool_->size()) tile /= 2;
+    return tile;
 }
 
 size_t Engine::input_columns_bytes() const {
@@ -193,13 +200,13 @@ void Engine::input_columns_decode(const InputColumns &c, const float *x, float t
         for (int i = 0; i < QK; ++i) unread += q[k].qs[i] == 0;
     stats_.input.decode_bytes += double(column_matrix_bytes(c.type, c.n_in, c.n_out));
     stats_.input.decode_skipped += double(unread) * double(column_piece_bytes(c.type, c.n_out));
-    const int n_tiles = int((c.n_out + kColumnTile - 1) / kColumnTile);
+    const int n_tiles = int((c.n_out + c.tile - 1) / c.tile);
     const TypeKernels &k = ks_->for_type(c.type);
     auto run = [&](int chunk, int n_chunks, int) {  // a thread's tiles: one ascending stretch of the copy
         const int64_t t0 = int64_t(chunk) * n_tiles / n_chunks, t1 = int64_t(chunk + 1) * n_tiles / n_chunks;
         if (t0 < t1)
-            k.gemv_columns(int(c.n_in), int(c.n_out), c.data.data(), q, int(t0 * kColumnTile),
-                           int(std::min<int64_t>(t1 * kColumnTile, c.n_out)), out);
+            k.gemv_columns(int(c.n_in), int(c.n_out), int(c.tile), c.data.data(), q, int(t0 * c.tile),
+                           int(std::min<int64_t>(t1 * c.tile, c.n_out)), out);
     };
     pool_->run(std::min(n_tiles, pool_->size()), run);
 }

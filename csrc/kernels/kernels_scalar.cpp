@@ -244,14 +244,14 @@ void pack_columns8(int n_rows, const void *const *w, int col0, int n_cols, uint8
 
 // gemv_columns by its definition (kernels.h): per output, the integer sum of each block over its nonzero inputs.
 template <uint32_t Type>
-void gemv_columns(int n_in, int n_out, const void *w, const void *x, int o0, int o1, float *y) {
+void gemv_columns(int n_in, int n_out, int tile, const void *w, const void *x, int o0, int o1, float *y) {
     const BlockQ8_0 *xb = static_cast<const BlockQ8_0 *>(x);
     for (int o = o0; o < o1; ++o) y[o] = 0.0f;
     for (int k = 0; k < n_in / QK; ++k)
         for (int o = o0; o < o1; ++o) {
-            const int t0 = o / kColumnTile * kColumnTile, tw = n_out - t0 < kColumnTile ? n_out - t0 : kColumnTile;
+            const int t0 = o / tile * tile, tw = n_out - t0 < tile ? n_out - t0 : tile;
             const int r = o - t0, at = column_byte(Type, r);
-            const uint8_t *blk = static_cast<const uint8_t *>(w) + column_block_offset(Type, n_in, n_out, t0, k);
+            const uint8_t *blk = static_cast<const uint8_t *>(w) + column_block_offset(Type, n_in, n_out, tile, t0, k);
             int32_t isum = 0;
             for (int i = 0; i < QK; ++i) {
                 if (xb[k].qs[i] == 0) continue;  // a dropped input: its piece is not read

@@ -16,6 +16,7 @@
 #include "kernels/kernels.h"
 #include "model/disk_tier.h"
 #include "model/model.h"
+#include "runtime/page_memory.h"
 #include "runtime/threadpool.h"
 
 namespace pi {
@@ -27,7 +28,7 @@ struct InputColumns {
     uint32_t type = 0;
     int64_t n_in = 0, n_out = 0;  // n_out: the stacked rows rounded up to column_span
     int64_t tile = 0;             // outputs a tile (Engine::column_tile)
-    std::vector<uint8_t> data;
+    PageMemory data;  // on 2 MiB pages, as the packed weights every token streams
     bool present() const { return !data.empty(); }
 };
 

@@ -171,7 +171,7 @@ void Engine::build_input_columns() {
                 down = down_rows_q8(*ks_, *job.down_t);
                 for (int64_t o = 0; o < job.down_t->cols; ++o) job.rows.push_back(down.data() + o * (c.n_in / QK));
             }
-            c.data.resize(column_matrix_bytes(c.type, c.n_in, c.n_out));
+            c.data = PageMemory(column_matrix_bytes(c.type, c.n_in, c.n_out), true, "input sparsity's column copies");
             pack_columns(c.type, int(c.n_in), int(job.rows.size()), job.rows.data(), int(c.n_out), int(c.tile), c.data.data());
         }
     };

@@ -71,8 +71,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.tokens < 1:
         raise SystemExit("kernel_microbench: --tokens must be at least 1")
-    if args.cols < 32 or args.cols % 32 or args.rows < 64 or args.rows % 64 or args.matrices < 1:
-        raise SystemExit("kernel_microbench: --cols must be a multiple of 32, --rows of 64, --matrices at least 1")
+    if args.cols < 32 or args.cols % 32 or args.rows < 128 or args.rows % 128 or args.matrices < 1:
+        raise SystemExit("kernel_microbench: --cols must be a multiple of 32, --rows of 128, --matrices at least 1")
     if not 0 <= args.drop < 1:
         raise SystemExit("kernel_microbench: --drop must be in [0, 1)")
     rng = np.random.default_rng(0)
@@ -97,7 +97,8 @@ def main() -> None:
         gathered = [(ptr * len(h))(*[m.ctypes.data + int(r) * row_bytes for r in h]) for m, h in zip(mats, half)]
         packed = [np.concatenate([kernels.pack8(wtype, N, list(m[g:g + 8])) for g in range(0, ROWS, 8)]) for m in mats]
         n_half = ROWS // 2
-        columns = [kernels.pack_columns(wtype, N, list(m), ROWS) for m in mats]
+        tile = next(t for t in (1024, 512, 256) if -(-ROWS // t) >= 2 or t == 256)  # the engine's at 2 threads
+        columns = [kernels.pack_columns(wtype, N, list(m), ROWS, tile) for m in mats]
         col_bytes = ROWS // 2 if wtype == "q4_0" else ROWS
 
         def gemm8(k):
@@ -110,7 +111,7 @@ def main() -> None:
             f.pi_kernel_axpy_rows(isa, tid, N, n_half, gathered[k], 0, cp, yp)
 
         def gemv_columns(k):
-            f.pi_kernel_gemv_columns(isa, tid, N, ROWS, ptr(columns[k].ctypes.data), zp, 0, ROWS, op)
+            f.pi_kernel_gemv_columns(isa, tid, N, ROWS, tile, ptr(columns[k].ctypes.data), zp, 0, ROWS, op)
 
         kept_bytes = n_kept * col_bytes + N // 32 * 2 * ROWS
         for name, fn, nbytes, which in (("gemm8", gemm8, ROWS * row_bytes, "all, packed"),

@@ -139,7 +139,8 @@ private:
     // memory the process may still take); sites whose matrices are not all q4_0 or all q8_0 keep the rows path.
     void build_input_columns();
     size_t input_columns_bytes() const;
-    // The widest tile (1024, 512 or 256 outputs) that leaves every thread a tile of its own
+    // The widest tile (1024, 512 or 256 outputs) that gives no thread more than 1.15x an even share of the outputs
+    // (threads split a step's tiles; a wider tile makes longer pieces)
     int64_t column_tile(int64_t n_out) const;
     const InputColumns *input_columns(int64_t il, int site) const {
         const InputColumns &c = in_cols_[size_t(il * Model::kInputSiteCount + site)];

@@ -179,9 +179,12 @@ void Engine::build_input_columns() {
 }
 
 int64_t Engine::column_tile(int64_t n_out) const {
-    int64_t tile = 4 * kColumnWindow;
-    while (tile > kColumnWindow && (n_out + tile - 1) / tile < pool_->size()) tile /= 2;
-    return tile;
+    const int64_t threads = pool_->size();
+    for (int64_t tile = 4 * kColumnWindow; tile > kColumnWindow; tile /= 2) {
+        const int64_t n_tiles = (n_out + tile - 1) / tile, most = (n_tiles + threads - 1) / threads * tile;
+        if (n_tiles >= threads && double(most) <= 1.15 * double(n_out) / double(threads)) return tile;
+    }
+    return kColumnWindow;
 }
 
 size_t Engine::input_columns_bytes() const {

@@ -46,6 +46,11 @@ PANEL_ROWS, TILE_COLS = 1024, 128  # csrc/backend/cpu_backend.cpp kDownPanelRows
 PACKED_BLOCK = {"q4_0": 144, "q8_0": 272}
 
 
+def tile_fits(n_out: int, tile: int, threads: int) -> bool:
+    n_tiles = -(-n_out // tile)
+    return n_tiles >= threads and -(-n_tiles // threads) * tile <= 1.15 * n_out / threads
+
+
 def best(fn, passes: int) -> float:
     fn()
     times = []
@@ -97,7 +102,8 @@ def main() -> None:
         gathered = [(ptr * len(h))(*[m.ctypes.data + int(r) * row_bytes for r in h]) for m, h in zip(mats, half)]
         packed = [np.concatenate([kernels.pack8(wtype, N, list(m[g:g + 8])) for g in range(0, ROWS, 8)]) for m in mats]
         n_half = ROWS // 2
-        tile = next(t for t in (1024, 512, 256) if -(-ROWS // t) >= 2 or t == 256)  # the engine's at 2 threads
+        # the engine's tile at 2 threads (Engine::column_tile): the widest giving no thread over 1.15x an even share
+        tile = next(t for t in (1024, 512, 256) if t == 256 or tile_fits(ROWS, t, threads=2))
         columns = [kernels.pack_columns(wtype, N, list(m), ROWS, tile) for m in mats]
         col_bytes = ROWS // 2 if wtype == "q4_0" else ROWS
 

@@ -154,6 +154,18 @@ def test_quantized_decode_steps_read_column_copies(kind, outtype, input_files):
         assert m.stats()["weight_copies"]["input_columns"] == 0
 
 
+@pytest.mark.parametrize("outtype", ["q8_0", "q4_0"])
+def test_column_copies_give_the_same_logits_whatever_the_threads(outtype, input_files):
+    """Threads split a step's tiles and the tile width follows the thread count, but each output is gemm8's
+    arithmetic whatever its tile: the same bits with 1, 2 and 3 threads."""
+    path, _ = input_files("llama-silu", outtype)
+    logits = []
+    for threads in (1, 2, 3):
+        with engine.Model(path, threads=threads, sparse_mode="dense", input_sparsity=SHARE) as m:
+            logits.append(engine_prompt_then_decode(m, TOKENS, N_PROMPT))
+    assert np.array_equal(logits[0], logits[1]) and np.array_equal(logits[0], logits[2])
+
+
 def test_bad_values_are_refused_in_one_line(input_files, converted, capsys):
     path, table = input_files("llama-silu")
     for bad in (-0.1, 1.0, float("nan"), table.levels[-1] + 0.05):

@@ -17,7 +17,7 @@ from pathlib import Path
 from .library_check import LibraryRefused, check_library
 
 LIBRARY_ENV = "PI_ENGINE_LIB"
-API_VERSION = 13
+API_VERSION = 14
 
 FFN_MODES = {"dense": 0, "gate": 1, "predictor": 2, "auto": 3, "oracle": 4}
 KV_TYPES = {"f32": 0, "f16": 1}
@@ -119,6 +119,8 @@ _TESTING_SIGNATURES = {
     "pi_kernel_axpy_quads": (_I32, [ctypes.c_char_p, _I32, _I32, _P, _P, _P]),
     "pi_kernel_pack_columns8": (_I32, [ctypes.c_char_p, _I32, _I32, _P, _I32, _I32, _P]),
     "pi_kernel_gemm8": (_I32, [ctypes.c_char_p, _I32, _I32, _I32, _P, _I32, _P, _P]),
+    "pi_kernel_pack_columns": (_I32, [_I32, _I32, _I32, _P, _I32, _I32, _P]),
+    "pi_kernel_gemv_columns": (_I32, [ctypes.c_char_p, _I32, _I32, _I32, _I32, _P, _P, _I32, _I32, _P]),
     "pi_kernel_gemm_f32": (_I32, [ctypes.c_char_p, _I32, _I32, _I32, _P, _P, _P]),
     "pi_kernel_gemm_f16": (_I32, [ctypes.c_char_p, _I32, _I32, _I32, _P, _P, _P]),
     "pi_kernel_silu": (_I32, [ctypes.c_char_p, _I32, _P, _P]),

@@ -121,6 +121,27 @@ def gemm8(isa: str, wtype: str, n: int, packed: np.ndarray, x: np.ndarray) -> np
     return out
 
 
+def pack_columns(wtype: str, n_in: int, rows: list[np.ndarray], n_out: int, tile: int = 256) -> np.ndarray:
+    """Stored q4_0/q8_0 rows as the first outputs of an n_out-output matrix in input sparsity's column layout
+    (kernels/packed.h): per block of 32 inputs, the outputs' scales, then each input's quants over the outputs."""
+    rows = [_raw(r) for r in rows]
+    ptrs = (ctypes.c_void_p * max(1, len(rows)))(*[r.ctypes.data for r in rows])
+    out = np.zeros(n_in // 32 * n_out * (2 + (16 if wtype == "q4_0" else 32)), dtype=np.uint8)
+    check(lib().pi_kernel_pack_columns(TYPE_IDS[wtype], n_in, len(rows), ptrs, n_out, tile, _ptr(out)))
+    return out
+
+
+def gemv_columns(isa: str, wtype: str, n_in: int, n_out: int, packed: np.ndarray, x: np.ndarray, o0: int = 0,
+                 o1: int | None = None, tile: int = 256) -> np.ndarray:
+    """Outputs [o0, o1) of a column-layout matrix times one q8_0 operand, reading only the columns of its nonzero
+    quants (input sparsity's decode step); the other outputs are left 0."""
+    packed, x = _raw(packed), np.ascontiguousarray(x).view(np.uint8)
+    y = np.zeros(n_out, dtype=np.float32)
+    check(lib().pi_kernel_gemv_columns(isa.encode(), TYPE_IDS[wtype], n_in, n_out, tile, _ptr(packed), _ptr(x), o0,
+                                       n_out if o1 is None else o1, _ptr(y)))
+    return y
+
+
 def gemm_f32(isa: str, h: np.ndarray, w: np.ndarray, y: np.ndarray) -> np.ndarray:
     """y + h @ w (float32, row-major), as the batch down projection and attention compute it; w float16: as
     attention over a half-precision KV cache computes it (each element widened as it is read)."""

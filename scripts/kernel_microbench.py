@@ -5,7 +5,11 @@ at random and sorted, or on all of them in order:
 
 * `gemm8` over packed 8-row groups (attention, output head, a dense FFN's gate/up),
 * `dot_rows` over gathered rows (a sparse FFN's gate/up rows read by index),
-* `axpy_rows` over gathered rows (the down projection's `ffn_down_t` rows).
+* `axpy_rows` over gathered rows (the down projection's `ffn_down_t` rows),
+* `gemv_columns` over the column layout of the same matrices (input sparsity's decode step), the `--drop` share
+  of the inputs zeroed (the smallest |x|, 0.25 by default): its GB/s counts the bytes it reads (the kept inputs'
+  columns and every block's scales), to set against gemm8's over the whole matrix (the rate at which the skipped
+  bytes pay).
 
 and as a prompt batch calls them on one L2-resident tile (`--tokens` tokens, 128 by default):
 
@@ -16,12 +20,13 @@ and as a prompt batch calls them on one L2-resident tile (`--tokens` tokens, 128
 
 Batch rows give GB/s of the tile's stored bytes per batch call and ns per 32-value block per token.
 
-"hot": one matrix of 768 rows, L2-resident (the kernel's compute cost); "cold": the same call over 60 such
-matrices (~30 MB, more than this machine's L3 share), DRAM latency and bandwidth included. One C call per
+"hot": one matrix, cache-resident at SmolLM2's width (the kernel's compute cost); "cold": the same call over 60 such
+matrices (~30 MB at SmolLM2's width, more than this machine's L3 share), DRAM latency and bandwidth included. One C call per
 matrix, so the ctypes overhead (~1 us) is small against the work; the best of `--passes` is kept (shared
 machine). Used for docs/log/perf-notes.md: prediction vs outcome per kernel change.
 
     python scripts/kernel_microbench.py [--isa avx2] [--passes 20] [--tokens 128]
+    python scripts/kernel_microbench.py --cols 4096 --rows 11008 --matrices 4   # the 7B shape's gate/up
 """
 from __future__ import annotations
 
@@ -36,9 +41,14 @@ from powerinfer_engine import kernels
 from powerinfer_engine._lib import lib
 
 Q = gguf.GGMLQuantizationType
-N, ROWS, MATRICES = 576, 1536, 60
+COLS, N_ROWS, N_MATRICES = 576, 1536, 60  # the defaults: SmolLM2's gate/up
 PANEL_ROWS, TILE_COLS = 1024, 128  # csrc/backend/cpu_backend.cpp kDownPanelRows, kDownTileCols
 PACKED_BLOCK = {"q4_0": 144, "q8_0": 272}
+
+
+def tile_fits(n_out: int, tile: int, threads: int) -> bool:
+    n_tiles = -(-n_out // tile)
+    return n_tiles >= threads and -(-n_tiles // threads) * tile <= 1.15 * n_out / threads
 
 
 def best(fn, passes: int) -> float:
@@ -56,17 +66,33 @@ def main() -> None:
     ap.add_argument("--isa", default=kernels.selected())
     ap.add_argument("--passes", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=128, help="tokens of the batch kernels (default 128)")
+    ap.add_argument("--cols", type=int, default=COLS, help=f"values per row (inputs) of the decode kernels' matrices "
+                    f"(default {COLS}; 4096: the 7B shape)")
+    ap.add_argument("--rows", type=int, default=N_ROWS, help=f"rows (outputs) of each (default {N_ROWS}; 11008: the 7B "
+                    f"shape's gate/up)")
+    ap.add_argument("--matrices", type=int, default=N_MATRICES, help=f"matrices cycled for the cold column (default "
+                    f"{N_MATRICES}; fewer at the 7B shape)")
+    ap.add_argument("--drop", type=float, default=0.25, help="share of inputs gemv_columns finds zeroed (default 0.25)")
     args = ap.parse_args()
     if args.tokens < 1:
         raise SystemExit("kernel_microbench: --tokens must be at least 1")
+    if args.cols < 32 or args.cols % 32 or args.rows < 128 or args.rows % 128 or args.matrices < 1:
+        raise SystemExit("kernel_microbench: --cols must be a multiple of 32, --rows of 128, --matrices at least 1")
+    if not 0 <= args.drop < 1:
+        raise SystemExit("kernel_microbench: --drop must be in [0, 1)")
     rng = np.random.default_rng(0)
+    N, ROWS, MATRICES = args.cols, args.rows, args.matrices
     f, isa = lib(), args.isa.encode()
-    xq = gguf.quants.quantize(rng.normal(0, 1, N).astype(np.float32), Q.Q8_0)
+    x = rng.normal(0, 1, N).astype(np.float32)
+    xq = gguf.quants.quantize(x, Q.Q8_0)
+    x[np.abs(x) <= np.quantile(np.abs(x), args.drop)] = 0.0
+    xz = gguf.quants.quantize(x, Q.Q8_0)  # the operand of gemv_columns: its dropped inputs zero
+    n_kept = int(np.count_nonzero(xz.reshape(-1, 34)[:, 2:]))
     y = np.zeros(N, np.float32)
     coef = np.full(ROWS, 0.5, np.float32)
     out = np.zeros(ROWS, np.float32)
     ptr = ctypes.c_void_p
-    xp, yp, cp, op = (ptr(a.ctypes.data) for a in (xq, y, coef, out))
+    xp, yp, cp, op, zp = (ptr(a.ctypes.data) for a in (xq, y, coef, out, xz))
     print(f"{'isa':8s} {'type':5s} {'kernel':10s} {'rows':10s} {'hot GB/s':>9s} {'ns/blk':>7s} {'cold GB/s':>10s} {'ns/blk':>7s}")
     for wtype, qt in (("q4_0", Q.Q4_0), ("q8_0", Q.Q8_0)):
         tid = kernels.TYPE_IDS[wtype]
@@ -76,6 +102,10 @@ def main() -> None:
         gathered = [(ptr * len(h))(*[m.ctypes.data + int(r) * row_bytes for r in h]) for m, h in zip(mats, half)]
         packed = [np.concatenate([kernels.pack8(wtype, N, list(m[g:g + 8])) for g in range(0, ROWS, 8)]) for m in mats]
         n_half = ROWS // 2
+        # the engine's tile at 2 threads (Engine::column_tile): the widest giving no thread over 1.15x an even share
+        tile = next(t for t in (1024, 512, 256) if t == 256 or tile_fits(ROWS, t, threads=2))
+        columns = [kernels.pack_columns(wtype, N, list(m), ROWS, tile) for m in mats]
+        col_bytes = ROWS // 2 if wtype == "q4_0" else ROWS
 
         def gemm8(k):
             f.pi_kernel_gemm8(isa, tid, N, ROWS // 8, ptr(packed[k].ctypes.data), 1, xp, op)
@@ -86,10 +116,15 @@ def main() -> None:
         def axpy_rows(k):
             f.pi_kernel_axpy_rows(isa, tid, N, n_half, gathered[k], 0, cp, yp)
 
-        for name, fn, rows, which in (("gemm8", gemm8, ROWS, "all, packed"), ("dot_rows", dot_rows, n_half, "half, index"),
-                                      ("axpy_rows", axpy_rows, n_half, "half, index")):
-            nbytes = rows * row_bytes
-            blocks = rows * N / 32
+        def gemv_columns(k):
+            f.pi_kernel_gemv_columns(isa, tid, N, ROWS, tile, ptr(columns[k].ctypes.data), zp, 0, ROWS, op)
+
+        kept_bytes = n_kept * col_bytes + N // 32 * 2 * ROWS
+        for name, fn, nbytes, which in (("gemm8", gemm8, ROWS * row_bytes, "all, packed"),
+                                        ("dot_rows", dot_rows, n_half * row_bytes, "half, index"),
+                                        ("axpy_rows", axpy_rows, n_half * row_bytes, "half, index"),
+                                        ("gemv_cols", gemv_columns, kept_bytes, f"{n_kept / N:.2f} kept")):
+            blocks = nbytes / row_bytes * N / 32
             hot = best(lambda: [fn(0) for _ in range(10)], args.passes) / 10
             cold = best(lambda: [fn(k) for k in range(MATRICES)], max(3, args.passes // 4)) / MATRICES
             print(f"{args.isa:8s} {wtype:5s} {name:10s} {which:10s} {nbytes / hot / 1e9:9.1f} {hot / blocks * 1e9:7.2f} "

@@ -175,6 +175,38 @@ pi_status pi_kernel_gemm8(const char *isa, int32_t type, int32_t n, int32_t n_gr
     });
 }
 
+pi_status pi_kernel_pack_columns(int32_t type, int32_t n_in, int32_t n_rows, const void *const *rows, int32_t n_out,
+                                 int32_t tile, void *out) {
+    return guarded([&] {
+        check_kernel_args(type, n_in);
+        if (pi::packed_block_bytes(uint32_t(type)) == 0) pi::fail(PI_ERR_ARGUMENT, "only q4_0 and q8_0 rows are packed");
+        if (n_rows < 0 || n_out < n_rows || n_out % pi::column_span(uint32_t(type)) != 0)
+            pi::fail(PI_ERR_ARGUMENT, "n_out must be a multiple of 64 (q4_0: 128) and at least n_rows >= 0");
+        if (tile <= 0 || tile % pi::kColumnWindow != 0) pi::fail(PI_ERR_ARGUMENT, "tile must be a positive multiple of 256");
+        if (n_rows) need(rows, "rows");
+        for (int32_t r = 0; r < n_rows; ++r) need(rows[r], "a row");
+        need(out, "out");
+        pi::pack_columns(uint32_t(type), n_in, n_rows, rows, n_out, tile, static_cast<uint8_t *>(out));
+    });
+}
+
+pi_status pi_kernel_gemv_columns(const char *isa, int32_t type, int32_t n_in, int32_t n_out, int32_t tile, const void *w,
+                                 const void *x, int32_t o0, int32_t o1, float *y) {
+    return guarded([&] {
+        check_kernel_args(type, n_in);
+        const pi::TypeKernels &k = kernel_set(isa).for_type(uint32_t(type));
+        if (!k.gemv_columns) pi::fail(PI_ERR_ARGUMENT, "only q4_0 and q8_0 matrices have the column layout");
+        if (n_out < 0 || n_out % pi::column_span(uint32_t(type)) != 0 || o0 < 0 || o0 > o1 || o1 > n_out || tile <= 0 ||
+            tile % pi::kColumnWindow != 0 || o0 % tile != 0 || (o1 % tile != 0 && o1 != n_out))
+            pi::fail(PI_ERR_ARGUMENT, "n_out must be a multiple of 64 (q4_0: 128), tile of 256, o0 of tile, o1 too or n_out, "
+                                      "0 <= o0 <= o1 <= n_out");
+        need(w, "w");
+        need(x, "x");
+        need(y, "y");
+        k.gemv_columns(n_in, n_out, tile, w, x, o0, o1, y);
+    });
+}
+
 pi_status pi_kernel_gemm_f32(const char *isa, int32_t n_tok, int32_t n_rows, int32_t n_cols, const float *h,
                              const float *w, float *y) {
     return kernel_gemm(isa, n_tok, n_rows, n_cols, h, w, y, &pi::KernelSet::gemm_f32);

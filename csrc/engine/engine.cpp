@@ -20,8 +20,6 @@ namespace {
 
 const int64_t kDefaultCtx = 4096;
 const int64_t kDefaultBatch = 64;
-// What the memory checks leave for the rest of the process: the allocator's slack, thread stacks, the caller's growth.
-const double kProcessMargin = 64.0 * (1 << 20);
 // The disk tier's reading threads: enough reads in flight for an SSD's parallelism, whatever the compute threads
 // (docs/bench.md, "Models larger than memory").
 const int kDiskReadThreads = 32;
@@ -199,6 +197,7 @@ void Engine::set_ffn_mode(int32_t mode) {
     // A switch arranges every layer for the new mode's decode steps now: its regrouping is paid here, not by the
     // first token after it.
     arrange_decode_layers();
+    build_input_columns();  // dense mode's input sparsity reads gate/up's columns too, the others do not
 }
 
 void Engine::arrange_decode_layers() {
@@ -259,6 +258,7 @@ const std::string &Engine::info_json() {
 const std::string &Engine::stats_json() {
     WeightCopies copies = model_->weight_copies();
     copies.hot = size_t(hot_->weight_bytes());
+    copies.input_columns = input_columns_bytes();
     json_ = pi::stats_json(*model_, copies, stats_, policy_, device_ ? &device_->use() : nullptr, disk_.get());
     return json_;
 }

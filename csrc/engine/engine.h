@@ -5,6 +5,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "backend/device_backend.h"
 #include "backend/tier_backend.h"
@@ -15,9 +16,21 @@
 #include "kernels/kernels.h"
 #include "model/disk_tier.h"
 #include "model/model.h"
+#include "runtime/page_memory.h"
 #include "runtime/threadpool.h"
 
 namespace pi {
+
+// A layer's q4_0/q8_0 matrices of one input sparsity site stacked over their outputs (q, k, v; up, gate; the
+// attention output projection) in the column layout of kernels/packed.h, where a decode step reads its kept inputs'
+// weights (TypeKernels::gemv_columns). A copy of the matrices' own blocks, made when input sparsity is turned on.
+struct InputColumns {
+    uint32_t type = 0;
+    int64_t n_in = 0, n_out = 0;  // n_out: the stacked rows rounded up to column_span
+    int64_t tile = 0;             // outputs a tile (Engine::column_tile)
+    PageMemory data;  // on 2 MiB pages, as the packed weights every token streams
+    bool present() const { return !data.empty(); }
+};
 
 class Engine {
 public:
@@ -44,6 +57,8 @@ public:
     }
 
 private:
+    // What the memory checks leave for the rest of the process: the allocator's slack, thread stacks, the caller's growth.
+    static constexpr double kProcessMargin = 64.0 * (1 << 20);
     // Refuses (PI_ERR_MEMORY) before allocating when the buffers the hyperparameters imply exceed RAM.
     void check_working_memory(int64_t threads, bool kv_f16) const;
     // Bytes of weights the engine will copy out of the mapped file from here on (hot_ chosen, nothing uploaded):
@@ -118,6 +133,22 @@ private:
     // below t zeroed, reading only the rows of the kept inputs; `decode`: counted as a decode step's bytes
     void input_rows_decode(const InputRows *const *mats, float *const *outs, int n_mats, const float *x, float t,
                            bool decode);
+    // The matrices of a layer's site q/k/v, o or gate/up, stacked as its column copy stacks them
+    std::vector<const Matrix *> input_site_matrices(const Layer &L, int site) const;
+    // Makes the column copies the current mode's decode steps read and frees the others (checked against the
+    // memory the process may still take); sites whose matrices are not all q4_0 or all q8_0 keep the rows path.
+    void build_input_columns();
+    size_t input_columns_bytes() const;
+    // The widest tile (1024, 512 or 256 outputs) that gives no thread more than 1.15x an even share of the outputs
+    // (threads split a step's tiles; a wider tile makes longer pieces)
+    int64_t column_tile(int64_t n_out) const;
+    const InputColumns *input_columns(int64_t il, int site) const {
+        const InputColumns &c = in_cols_[size_t(il * Model::kInputSiteCount + site)];
+        return c.present() ? &c : nullptr;
+    }
+    // out[0, c.n_out) = the site's stacked matrices times x (one token) with its values at or below t zeroed,
+    // reading only the kept inputs' columns
+    void input_columns_decode(const InputColumns &c, const float *x, float t, float *out);
     void input_qkv(const Layer &L, int64_t il, int64_t n_tok);
     void input_output_projection(const Layer &L, int64_t il, int64_t n_tok);
     void input_ffn(int64_t il, int64_t n_tok);
@@ -151,8 +182,9 @@ private:
     // inputs and their coefficients, rows_product's partials, a batch's zeroed input (then its h) and its q8_0
     // form, gate (or fused q/k/v) and up outputs
     std::vector<const void *> in_rows_;
-    std::vector<float> in_coef_, in_partials_, in_x_, in_g_, in_u_;
+    std::vector<float> in_coef_, in_partials_, in_x_, in_g_, in_u_, in_y_;
     std::vector<BlockQ8_0> in_q_;
+    std::vector<InputColumns> in_cols_;  // [layer][site]: the column copies a decode step reads
 };
 
 }  // namespace pi

@@ -1,15 +1,20 @@
 // Input sparsity (docs/engine.md, "Input sparsity"; TEAL, arXiv 2408.14690): every matrix's inputs at or below
-// the layer's threshold for their site are zeroed. A decode step then reads only the rows of the transposed
-// matrices (the file's *_t tensors, a row per input) whose input is kept, scaled by it, through rows_product, the
-// down projection's path; a batch zeroes the same inputs and runs the dense kernels on them (its tokens together
-// keep nearly every input, so no row could be skipped).
+// the layer's threshold for their site are zeroed. A decode step then reads only the weights of the kept inputs:
+// of q4_0/q8_0 q/k/v, o and gate/up from a column copy of the matrices' own blocks (InputColumns) by gemv_columns,
+// gemm8's arithmetic, and of a q8_0 down projection (whose own blocks the file holds only transposed, along its
+// outputs) from a copy requantized along its inputs; of a q4_0 down projection and of f32/f16 matrices the rows of
+// the transposed matrices (the file's *_t tensors, a row per input), scaled by their input, through rows_product,
+// the down projection's path. A batch zeroes the same inputs and runs the dense
+// kernels on them (its tokens together keep nearly every input, so nothing could be skipped).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
 
 #include "engine/engine.h"
+#include "kernels/packed.h"
 #include "runtime/common.h"
+#include "runtime/usable_memory.h"
 
 namespace pi {
 namespace {
@@ -39,6 +44,7 @@ void Engine::set_input_sparsity(float share) {
     }
     const int64_t L = hp_.n_layer, S = Model::kInputSiteCount;
     input_thr_.assign(size_t(L * S), 0.0f);
+    build_input_columns();  // made or freed as the share turns input sparsity on or off
     if (share <= 0.0f) return;
     // Linear between the two levels around the share (from 0 below the first), as InputThresholds.at in Python.
     size_t hi = 0;
@@ -61,6 +67,7 @@ void Engine::allocate_input_scratch() {
     in_q_.resize(size_t(B * (n_in / QK + 1)));
     in_g_.assign(size_t(B * n_out), 0.0f);
     in_u_.assign(size_t(B * F), 0.0f);
+    in_y_.assign(size_t(std::max({E, Q + 2 * KV, 2 * F}) + 2 * kColumnUnit), 0.0f);  // room for a span's padding
 }
 
 double Engine::input_scratch_bytes() const {
@@ -69,7 +76,142 @@ double Engine::input_scratch_bytes() const {
     const double KV = double(hp_.n_head_kv * hp_.d_head), B = double(n_batch_);
     const double n_in = std::max({E, Q, F}), n_out = std::max({E, Q + 2 * KV, F});
     return 8 * 3 * n_in + 4 * (n_in + 3 * (n_in / double(kDownRunRows) + 2) * n_out + B * (n_in + n_out + F)) +
-           B * (n_in / QK + 1) * double(sizeof(BlockQ8_0));
+           B * (n_in / QK + 1) * double(sizeof(BlockQ8_0)) + 4 * (std::max({E, Q + 2 * KV, 2 * F}) + 2 * kColumnUnit);
+}
+
+std::vector<const Matrix *> Engine::input_site_matrices(const Layer &L, int site) const {
+    if (site == kSiteQkv) return {&L.wq, &L.wk, &L.wv};
+    if (site == kSiteO) return {&L.wo};
+    return hp_.gated ? std::vector<const Matrix *>{&L.up, &L.gate} : std::vector<const Matrix *>{&L.up};
+}
+
+namespace {
+
+// down_t (a row per input of the down projection, q8_0 blocks along the outputs) as q8_0 rows of the down projection
+// itself (a row per output, blocks along the inputs): the transpose requantized per 32 inputs by pack_columns8, as a
+// batch's down projection in integers does it, its 8-row groups taken apart.
+std::vector<BlockQ8_0> down_rows_q8(const KernelSet &ks, const Matrix &down_t) {
+    const int64_t n_in = down_t.rows, n_out = down_t.cols, nb = n_in / QK;
+    std::vector<const void *> src(static_cast<size_t>(n_in));
+    for (int64_t r = 0; r < n_in; ++r) src[size_t(r)] = down_t.row(r);
+    const size_t bb = packed_block_bytes(TYPE_Q8_0);
+    std::vector<uint8_t> groups(size_t(n_out / kPackRows * nb) * bb);
+    ks.for_type(down_t.type).pack_columns8(int(n_in), src.data(), 0, int(n_out), groups.data());
+    std::vector<BlockQ8_0> rows(size_t(n_out * nb));
+    for (int64_t g = 0; g < n_out / kPackRows; ++g)
+        for (int64_t k = 0; k < nb; ++k) {
+            const uint8_t *blk = groups.data() + size_t(g * nb + k) * bb;
+            for (int r = 0; r < kPackRows; ++r) {
+                BlockQ8_0 &b = rows[size_t((g * kPackRows + r) * nb + k)];
+                std::memcpy(&b.d, blk + 2 * r, 2);
+                for (int c = 0; c < QK / 4; ++c) std::memcpy(b.qs + 4 * c, blk + 2 * kPackRows + 32 * c + 4 * r, 4);
+            }
+        }
+    return rows;
+}
+
+}  // namespace
+
+void Engine::build_input_columns() {
+    const int64_t L = hp_.n_layer, S = Model::kInputSiteCount;
+    in_cols_.resize(size_t(L * S));
+    struct Job {
+        InputColumns *c;
+        std::vector<const void *> rows;  // the stacked rows, or none: the down projection's, from down_t
+        const Matrix *down_t;
+    };
+    std::vector<Job> jobs;
+    double bytes = 0;
+    for (int64_t il = 0; il < L; ++il)
+        for (int site = 0; site < S; ++site) {
+            InputColumns &c = in_cols_[size_t(il * S + site)];
+            const Layer &layer = model_->layers()[size_t(il)];
+            const bool wanted = input_on() && ((site != kSiteGateUp && site != kSiteDown) || input_ffn_on());
+            if (!wanted) c = InputColumns{};
+            if (!wanted || c.present()) continue;
+            Job job{&c, {}, nullptr};
+            if (site == kSiteDown) {
+                // q8_0 only: the copy of a q4_0 down_t would be q8_0, twice its bytes
+                const Matrix &dt = layer.down_t;
+                if (dt.type != TYPE_Q8_0 || !dt.data || dt.rows % QK || dt.cols % QK) continue;
+                c.type = TYPE_Q8_0;
+                c.n_in = dt.rows;
+                c.n_out = (dt.cols + kColumnUnit - 1) / kColumnUnit * kColumnUnit;  // q8_0's span
+                job.down_t = &dt;
+            } else {
+                const std::vector<const Matrix *> mats = input_site_matrices(layer, site);
+                const uint32_t type = mats[0]->type;
+                bool fits = type == TYPE_Q4_0 || type == TYPE_Q8_0;
+                for (const Matrix *m : mats) {
+                    fits = fits && m->type == type && m->cols == mats[0]->cols && m->data;
+                    for (int64_t r = 0; fits && r < m->rows; ++r) job.rows.push_back(m->row(r));
+                }
+                if (!fits) continue;  // the transposed rows' path
+                c.type = type;
+                c.n_in = mats[0]->cols;
+                const int64_t span = column_span(type);
+                c.n_out = (int64_t(job.rows.size()) + span - 1) / span * span;
+            }
+            c.tile = column_tile(c.n_out);
+            bytes += double(column_matrix_bytes(c.type, c.n_in, c.n_out));
+            jobs.push_back(std::move(job));
+        }
+    if (jobs.empty()) return;
+    const double limit = usable_memory_bytes(), held = process_anonymous_bytes();
+    if (limit > 0 && bytes + kProcessMargin > limit - held)
+        fail(PI_ERR_MEMORY, model_->path() + ": input sparsity's column copies need " +
+                                std::to_string(bytes / double(1 << 30)).substr(0, 6) + " GiB, more than this process may "
+                                "still take (the machine's memory or its cgroup's limit, less what it holds)");
+    auto pack = [&](int chunk, int n_chunks, int) {
+        for (size_t j = size_t(chunk); j < jobs.size(); j += size_t(n_chunks)) {
+            Job &job = jobs[j];
+            InputColumns &c = *job.c;
+            std::vector<BlockQ8_0> down;
+            if (job.down_t) {
+                down = down_rows_q8(*ks_, *job.down_t);
+                for (int64_t o = 0; o < job.down_t->cols; ++o) job.rows.push_back(down.data() + o * (c.n_in / QK));
+            }
+            c.data = PageMemory(column_matrix_bytes(c.type, c.n_in, c.n_out), true, "input sparsity's column copies");
+            pack_columns(c.type, int(c.n_in), int(job.rows.size()), job.rows.data(), int(c.n_out), int(c.tile), c.data.data());
+        }
+    };
+    pool_->run(int(std::min<size_t>(jobs.size(), size_t(pool_->size()))), pack);
+}
+
+int64_t Engine::column_tile(int64_t n_out) const {
+    const int64_t threads = pool_->size();
+    for (int64_t tile = 4 * kColumnWindow; tile > kColumnWindow; tile /= 2) {
+        const int64_t n_tiles = (n_out + tile - 1) / tile, most = (n_tiles + threads - 1) / threads * tile;
+        if (n_tiles >= threads && double(most) <= 1.15 * double(n_out) / double(threads)) return tile;
+    }
+    return kColumnWindow;
+}
+
+size_t Engine::input_columns_bytes() const {
+    size_t bytes = 0;
+    for (const InputColumns &c : in_cols_) bytes += c.data.size();
+    return bytes;
+}
+
+void Engine::input_columns_decode(const InputColumns &c, const float *x, float t, float *out) {
+    float *xz = in_x_.data();
+    zero_small(x, c.n_in, 1, t, xz);
+    BlockQ8_0 *q = in_q_.data();
+    ks_->quantize_q8_0(int(c.n_in), xz, q);
+    int64_t unread = 0;  // inputs whose quant is 0: zeroed, or rounded to 0 (their columns are not read either)
+    for (int64_t k = 0; k < c.n_in / QK; ++k)
+        for (int i = 0; i < QK; ++i) unread += q[k].qs[i] == 0;
+    stats_.input.decode_bytes += double(column_matrix_bytes(c.type, c.n_in, c.n_out));
+    stats_.input.decode_skipped += double(unread) * double(column_piece_bytes(c.type, c.n_out));
+    const int n_tiles = int((c.n_out + c.tile - 1) / c.tile);
+    const TypeKernels &k = ks_->for_type(c.type);
+    auto run = [&](int chunk, int n_chunks, int) {  // a thread's tiles: one ascending stretch of the copy
+        const int64_t t0 = int64_t(chunk) * n_tiles / n_chunks, t1 = int64_t(chunk + 1) * n_tiles / n_chunks;
+        if (t0 < t1)
+            k.gemv_columns(int(c.n_in), int(c.n_out), int(c.tile), c.data.data(), q, int(t0 * c.tile),
+                           int(std::min<int64_t>(t1 * c.tile, c.n_out)), out);
+    };
+    pool_->run(std::min(n_tiles, pool_->size()), run);
 }
 
 int64_t Engine::zero_small(const float *x, int64_t n, int64_t n_tok, float t, float *out) {
@@ -118,6 +260,13 @@ void Engine::input_qkv(const Layer &L, int64_t il, int64_t n_tok) {
         matmul(qkv, 3, in, n_tok);
         return;
     }
+    if (const InputColumns *c = input_columns(il, kSiteQkv)) {  // q, k and v stacked
+        input_columns_decode(*c, s.xn.data(), t, in_y_.data());
+        std::memcpy(s.q.data(), in_y_.data(), size_t(Q) * sizeof(float));
+        std::memcpy(s.k.data(), in_y_.data() + Q, size_t(KV) * sizeof(float));
+        std::memcpy(s.v.data(), in_y_.data() + Q + KV, size_t(KV) * sizeof(float));
+        return;
+    }
     if (L.q_t.t.data == L.k_t.t.data) {  // falcon's fused q/k/v_t: every column at once, then split
         InputRows all{L.q_t.t, 0, Q + 2 * KV};
         const InputRows *mats[1] = {&all};
@@ -145,6 +294,11 @@ void Engine::input_output_projection(const Layer &L, int64_t il, int64_t n_tok) 
         matmul(wo, 1, s.op_att, n_tok);
         return;
     }
+    if (const InputColumns *c = input_columns(il, kSiteO)) {
+        input_columns_decode(*c, s.att.data(), t, in_y_.data());
+        std::memcpy(s.tmp.data(), in_y_.data(), size_t(E) * sizeof(float));
+        return;
+    }
     const InputRows *mats[1] = {&L.o_t};
     float *outs[1] = {s.tmp.data()};
     input_rows_decode(mats, outs, 1, s.att.data(), t, true);
@@ -165,6 +319,10 @@ void Engine::input_ffn(int64_t il, int64_t n_tok) {
         Operand in{in_x_.data(), E, in_q_.data(), false};
         const MatmulTarget gate_up[2] = {{&L.up, u, F}, {&L.gate, g, F}};
         matmul(gate_up, hp_.gated ? 2 : 1, in, n_tok);
+    } else if (const InputColumns *c = input_columns(il, kSiteGateUp)) {  // up and gate stacked
+        input_columns_decode(*c, s.xn.data(), t_in, in_y_.data());
+        std::memcpy(u, in_y_.data(), size_t(F) * sizeof(float));
+        if (hp_.gated) std::memcpy(g, in_y_.data() + F, size_t(F) * sizeof(float));
     } else {
         const InputRows *mats[2] = {&L.up_t, &L.gate_t};
         float *outs[2] = {u, g};
@@ -193,13 +351,19 @@ void Engine::input_ffn(int64_t il, int64_t n_tok) {
     }
     stats_.times.gate_up += seconds_since(t0);
     t0 = Clock::now();
-    // the down projection: one token at a time over the kept rows of ffn_down_t (a batch's too: its tokens'
-    // kept neurons differ, and the rows stream once per token as the decode step's do)
+    // the down projection: a decode step's from its column copy where there is one (q8_0), else one token at a
+    // time over the kept rows of ffn_down_t (a batch's too: its tokens' kept neurons differ, and the rows stream
+    // once per token as the decode step's do)
     const InputRows down{L.down_t, 0, E};
     const InputRows *mats[1] = {&down};
-    for (int64_t tk = 0; tk < n_tok; ++tk) {
-        float *outs[1] = {s.y_cold.data() + tk * E};
-        input_rows_decode(mats, outs, 1, h + tk * F, t_down, n_tok == 1);
+    if (const InputColumns *c = n_tok == 1 ? input_columns(il, kSiteDown) : nullptr) {
+        input_columns_decode(*c, h, t_down, in_y_.data());
+        std::memcpy(s.y_cold.data(), in_y_.data(), size_t(E) * sizeof(float));
+    } else {
+        for (int64_t tk = 0; tk < n_tok; ++tk) {
+            float *outs[1] = {s.y_cold.data() + tk * E};
+            input_rows_decode(mats, outs, 1, h + tk * F, t_down, n_tok == 1);
+        }
     }
     stats_.times.down += seconds_since(t0);
     add_bias(s.y_cold.data(), L.down_b, n_tok, E);

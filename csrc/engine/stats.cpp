@@ -183,7 +183,8 @@ std::string stats_json(const Model &model, const WeightCopies &wc, const EngineS
             ", \"decode_bytes_skipped\": " + num(in.decode_skipped) + "}";
     json += ", \"weight_copies\": {\"packed\": " + std::to_string(wc.packed) + ", \"predictor\": " + std::to_string(wc.predictor) +
             ", \"hot\": " + std::to_string(wc.hot) + ", \"cold_groups\": " + std::to_string(wc.cold_groups) +
-            ", \"down_quads\": " + std::to_string(wc.down_quads) + ", \"decoded\": " + std::to_string(wc.decoded) + "}, \"gpu\": " + device_json(device) +
+            ", \"down_quads\": " + std::to_string(wc.down_quads) + ", \"decoded\": " + std::to_string(wc.decoded) +
+            ", \"input_columns\": " + std::to_string(wc.input_columns) + "}, \"gpu\": " + device_json(device) +
             ", \"disk\": " + disk_json(disk) + ", \"layers\": [";
     const double F = double(model.hp().n_ff);
     for (size_t i = 0; i < stats.layers.size(); ++i) {

@@ -61,6 +61,17 @@ pi_status pi_kernel_pack_columns8(const char *isa, int32_t type, int32_t n_rows,
  * the other), for n_groups consecutive groups. */
 pi_status pi_kernel_gemm8(const char *isa, int32_t type, int32_t n, int32_t n_groups, const void *w, int32_t n_tok,
                           const void *x, float *out);
+/* Packs n_rows q4_0/q8_0 rows (n_in elements each) as the first outputs of an n_out-output matrix in input
+ * sparsity's column layout (kernels/packed.h; n_out a multiple of 64 (q4_0: 128), at least n_rows; tiles of `tile`
+ * outputs, a multiple of 256): n_in / 32 * n_out * (2 + 32)
+ * bytes (q8_0) or n_in / 32 * n_out * (2 + 16) (q4_0). */
+pi_status pi_kernel_pack_columns(int32_t type, int32_t n_in, int32_t n_rows, const void *const *rows, int32_t n_out,
+                                 int32_t tile, void *out);
+/* y[o] = dot of output o's row of a matrix packed by pi_kernel_pack_columns with x (n_in / 32 q8_0 blocks), for o in
+ * [o0, o1) (o0 a multiple of tile, o1 too or n_out), reading only the columns of x's nonzero quants: bit-identical to pi_kernel_gemm8 over
+ * the same rows. */
+pi_status pi_kernel_gemv_columns(const char *isa, int32_t type, int32_t n_in, int32_t n_out, int32_t tile, const void *w,
+                                 const void *x, int32_t o0, int32_t o1, float *y);
 /* y[t][c] += sum_r h[t][r] * w[r][c]: h n_tok x n_rows, w n_rows x n_cols, y n_tok x n_cols, row-major. */
 pi_status pi_kernel_gemm_f32(const char *isa, int32_t n_tok, int32_t n_rows, int32_t n_cols, const float *h,
                              const float *w, float *y);

@@ -48,6 +48,12 @@ struct TypeKernels {
     // q = nearbyint(v / d) (ties to even), bit-identical across sets. n_rows, col0 and n_cols multiples of 32.
     // q4_0 / q8_0 only, else nullptr.
     void (*pack_columns8)(int n_rows, const void *const *w, int col0, int n_cols, uint8_t *out);
+    // y[o] = the dot of output o's row with x (n_in / 32 q8_0 blocks) for o in [o0, o1), of a matrix in the column
+    // layout of packed.h (n_out outputs in tiles of `tile`; o0 a multiple of tile, o1 one or n_out), reading only the columns of the inputs
+    // whose quant in x is not zero (input sparsity's decode step, its dropped inputs zeroed before x was made):
+    // gemm8's arithmetic (exact integer block sums, then y = fma(sum, d * dx, y) over the blocks in order), so
+    // bit-identical to gemm8 over the same rows in the 8-row layout. q4_0 / q8_0 only, else nullptr.
+    void (*gemv_columns)(int n_in, int n_out, int tile, const void *w, const void *x, int o0, int o1, float *y);
 };
 
 constexpr int kGemv8MaxCols = 1 << 16;

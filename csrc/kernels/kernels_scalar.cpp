@@ -242,17 +242,41 @@ void pack_columns8(int n_rows, const void *const *w, int col0, int n_cols, uint8
         }
 }
 
-#define PI_TYPE_KERNELS(T, AXPY_ROWS, GEMM8, DOT_ROWS, PACK_COLUMNS) \
-    {dot_##T, axpy_##T, to_float_##T, dot4_by_rows<dot_##T>, AXPY_ROWS, GEMM8, DOT_ROWS, nullptr, PACK_COLUMNS}
+// gemv_columns by its definition (kernels.h): per output, the integer sum of each block over its nonzero inputs.
+template <uint32_t Type>
+void gemv_columns(int n_in, int n_out, int tile, const void *w, const void *x, int o0, int o1, float *y) {
+    const BlockQ8_0 *xb = static_cast<const BlockQ8_0 *>(x);
+    for (int o = o0; o < o1; ++o) y[o] = 0.0f;
+    for (int k = 0; k < n_in / QK; ++k)
+        for (int o = o0; o < o1; ++o) {
+            const int t0 = o / tile * tile, tw = n_out - t0 < tile ? n_out - t0 : tile;
+            const int r = o - t0, at = column_byte(Type, r);
+            const uint8_t *blk = static_cast<const uint8_t *>(w) + column_block_offset(Type, n_in, n_out, tile, t0, k);
+            int32_t isum = 0;
+            for (int i = 0; i < QK; ++i) {
+                if (xb[k].qs[i] == 0) continue;  // a dropped input: its piece is not read
+                const uint8_t *c = blk + 2 * size_t(tw) + size_t(i) * column_piece_bytes(Type, tw);
+                const int32_t q = Type == TYPE_Q4_0 ? int32_t(column_high(Type, r) ? c[at] >> 4 : c[at] & 0x0f) - 8
+                                                    : int32_t(int8_t(c[at]));
+                isum += q * int32_t(xb[k].qs[i]);
+            }
+            uint16_t d;
+            std::memcpy(&d, blk + 2 * r, 2);
+            y[o] = std::fma(float(isum), f16_to_f32(d) * f16_to_f32(xb[k].d), y[o]);  // as gemm8
+        }
+}
+
+#define PI_TYPE_KERNELS(T, AXPY_ROWS, GEMM8, DOT_ROWS, PACK_COLUMNS, GEMV_COLUMNS) \
+    {dot_##T, axpy_##T, to_float_##T, dot4_by_rows<dot_##T>, AXPY_ROWS, GEMM8, DOT_ROWS, nullptr, PACK_COLUMNS, GEMV_COLUMNS}
 
 const KernelSet kScalar = {
     "scalar",
-    PI_TYPE_KERNELS(f32, (axpy_rows_by_row<axpy_f32, TYPE_F32>), nullptr, dot_rows_by_row<dot_f32>, nullptr),
-    PI_TYPE_KERNELS(f16, (axpy_rows_by_row<axpy_f16, TYPE_F16>), nullptr, dot_rows_by_row<dot_f16>, nullptr),
+    PI_TYPE_KERNELS(f32, (axpy_rows_by_row<axpy_f32, TYPE_F32>), nullptr, dot_rows_by_row<dot_f32>, nullptr, nullptr),
+    PI_TYPE_KERNELS(f16, (axpy_rows_by_row<axpy_f16, TYPE_F16>), nullptr, dot_rows_by_row<dot_f16>, nullptr, nullptr),
     PI_TYPE_KERNELS(q4_0, axpy_rows_q4_0_reference, gemm8<TYPE_Q4_0>, dot_rows_q<BlockQ4_0>,
-                    (pack_columns8<to_float_q4_0, TYPE_Q4_0>)),
+                    (pack_columns8<to_float_q4_0, TYPE_Q4_0>), gemv_columns<TYPE_Q4_0>),
     PI_TYPE_KERNELS(q8_0, (axpy_rows_by_row<axpy_q8_0, TYPE_Q8_0>), gemm8<TYPE_Q8_0>, dot_rows_q<BlockQ8_0>,
-                    (pack_columns8<to_float_q8_0, TYPE_Q8_0>)),
+                    (pack_columns8<to_float_q8_0, TYPE_Q8_0>), gemv_columns<TYPE_Q8_0>),
     quantize_q8_0,
     gemm<float>,
     gemm<uint16_t>,

@@ -179,9 +179,9 @@ struct Layer {
 // Bytes of weights a model holds on the heap, in another layout than the file's (the rest stays mapped):
 // matrices read whole in 8-row groups (attention, output head, predictor fc1), the predictor's fc2 for the
 // cold tier, the hot tier (rows and groups: its backend's copy, which the engine adds), the cold tier's gate/up
-// groups, the matrices decoded at load (model/decode.h).
+// groups, the matrices decoded at load (model/decode.h), input sparsity's column copies (which the engine adds).
 struct WeightCopies {
-    size_t packed = 0, predictor = 0, hot = 0, cold_groups = 0, down_quads = 0, decoded = 0;
+    size_t packed = 0, predictor = 0, hot = 0, cold_groups = 0, down_quads = 0, decoded = 0, input_columns = 0;
 };
 
 class Model {

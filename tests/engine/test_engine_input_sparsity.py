@@ -15,6 +15,7 @@ from tiny_models import KINDS
 import powerinfer_engine as engine
 from powerinfer_engine import kernels
 from powerinfer_tools.formats import names
+from powerinfer_tools.formats.gguf_io import open_reader
 from powerinfer_tools.stages import input_sparsity
 from powerinfer_tools.stages.conversion import convert_model
 
@@ -108,6 +109,61 @@ def test_quantized_files_skip_the_rows_of_zeroed_inputs(outtype, input_files):
     assert max_rel_err(logits, f32) < 3 * quantization + 0.05   # and the inputs it moves across their thresholds
     inputs = stats["input_sparsity"]
     assert inputs["decode_bytes_skipped"] / inputs["decode_bytes"] == pytest.approx(SHARE, abs=0.06)
+
+
+def column_copy_bytes(path, outtype: str, ffn: bool) -> int:
+    """Bytes of the column copies (kernels/packed.h) of every layer's q/k/v (stacked; falcon's fused), o and, with
+    `ffn`, up and gate (an ungated FFN: up alone) and, q8_0, down (from down_t): per 32 inputs, 2 + 32 (q8_0) or
+    2 + 16 (q4_0) bytes an output, the stacked outputs rounded up to 64 (q4_0: 128)."""
+    shapes = {t.name: [int(d) for d in t.shape] for t in open_reader(path).tensors}
+    sites = [("attn_qkv", "attn_q", "attn_k", "attn_v"), ("attn_output",)] + ([("ffn_up", "ffn_gate")] if ffn else [])
+    per_output = 2 + (16 if outtype == "q4_0" else 32)
+    total, il = 0, 0
+    while f"blk.{il}.attn_output.weight" in shapes:
+        for site in sites:
+            mats = [shapes[f"blk.{il}.{n}.weight"] for n in site if f"blk.{il}.{n}.weight" in shapes]
+            span = 128 if outtype == "q4_0" else 64
+            total += mats[0][0] // 32 * -(-sum(s[1] for s in mats) // span) * span * per_output
+        if ffn and outtype == "q8_0":
+            n_out, n_in = shapes[f"blk.{il}.ffn_down_t.weight"]
+            total += n_in // 32 * -(-n_out // 64) * 64 * per_output
+        il += 1
+    return total
+
+
+@pytest.mark.parametrize("kind,outtype", [("llama-silu", "q4_0"), ("llama-relu", "q8_0"), ("falcon", "q8_0"),
+                                          ("opt", "q4_0")])
+def test_quantized_decode_steps_read_column_copies(kind, outtype, input_files):
+    """A q4_0/q8_0 file's decode steps read q/k/v, o and gate/up from column copies of the matrices' own blocks
+    (falcon's fused q/k/v, an ungated FFN's up alone), and q8_0 down from a copy of down_t requantized, made when input sparsity turns on and counted in the
+    statistics: dense mode holds the three sites, gate mode attention's two, share 0 none. The logits move from the
+    f32 file's by about what quantization moves the dense model's."""
+    path, _ = input_files(kind, outtype)
+    f32 = input_files(kind)[0]
+    quantization = max_rel_err(run(path, share=0.0)[0], run(f32, share=0.0)[0])
+    with engine.Model(path, threads=2, sparse_mode="dense") as m:
+        assert m.stats()["weight_copies"]["input_columns"] == 0
+        m.input_sparsity = SHARE
+        assert m.stats()["weight_copies"]["input_columns"] == column_copy_bytes(path, outtype, ffn=True)
+        logits = engine_prompt_then_decode(m, TOKENS, N_PROMPT)
+        assert max_rel_err(logits, run(f32)[0]) < 3 * quantization + 0.05
+        if kind == "llama-relu":
+            m.sparse_mode = "gate"
+            assert m.stats()["weight_copies"]["input_columns"] == column_copy_bytes(path, outtype, ffn=False)
+        m.input_sparsity = 0.0
+        assert m.stats()["weight_copies"]["input_columns"] == 0
+
+
+@pytest.mark.parametrize("outtype", ["q8_0", "q4_0"])
+def test_column_copies_give_the_same_logits_whatever_the_threads(outtype, input_files):
+    """Threads split a step's tiles and the tile width follows the thread count, but each output is gemm8's
+    arithmetic whatever its tile: the same bits with 1, 2 and 3 threads."""
+    path, _ = input_files("llama-silu", outtype)
+    logits = []
+    for threads in (1, 2, 3):
+        with engine.Model(path, threads=threads, sparse_mode="dense", input_sparsity=SHARE) as m:
+            logits.append(engine_prompt_then_decode(m, TOKENS, N_PROMPT))
+    assert np.array_equal(logits[0], logits[1]) and np.array_equal(logits[0], logits[2])
 
 
 def test_bad_values_are_refused_in_one_line(input_files, converted, capsys):

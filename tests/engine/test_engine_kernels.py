@@ -498,3 +498,61 @@ def test_pack_columns8_checks_its_arguments():
         kernels.pack_columns8("scalar", "q4_0", rows[:31], 0, 32)
     with pytest.raises(EngineError, match="multiple of the block size"):
         kernels.pack_columns8("scalar", "q4_0", rows, 0, 40)
+
+
+def _zeroed_operand(rng, n: int, share: float):
+    """A q8_0 operand of x with its `share` smallest |x| zeroed first (input sparsity), a whole block among them."""
+    x = rng.normal(0, 1, n).astype(np.float32)
+    x[np.abs(x) <= np.quantile(np.abs(x), share)] = 0.0
+    x[:32] = 0.0  # a block with no kept input: skipped by gemv_columns, 0 times its scales in gemm8
+    return operand("q8_0", x)
+
+
+@pytest.mark.parametrize("isa", ["scalar"] + SIMD)
+@pytest.mark.parametrize("wtype", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("n_in,n_rows,n_out", [(96, 64, 64), (160, 200, 256), (1056, 100, 576), (4128, 192, 192),
+                                               (224, 300, 320), (128, 50, 704)])
+def test_gemv_columns_is_gemm8_over_the_zeroed_operand(isa, wtype, n_in, n_rows, n_out):
+    """Input sparsity's column kernel gives every output exactly gemm8's value over the same rows and operand
+    (its dropped inputs zero), identical across sets, within rounding of float64; rows past n_rows (zero padding)
+    give 0; a range of tiles [o0, o1) writes only its outputs; tiles of 256 and 512 (windows of 256 in a tile). Shares 0.25 and 0.9, n_out of 1 to 9 units of 64 (tiles
+    of 256: a last one of 1 to 3 units; q4_0: n_out rounded up to its span of 128)."""
+    span = 128 if wtype == "q4_0" else 64
+    n_out = -(-n_out // span) * span
+    rng = np.random.default_rng(9000 + n_in + n_out)
+    rows = [stored(wtype, rng.normal(0, 1, n_in) * rng.uniform(0.1, 5)) for _ in range(n_rows)]
+    tile = 512 if n_out > 512 else 256  # 704: tiles of 512 and 192 (q4_0: 256)
+    packed = kernels.pack_columns(wtype, n_in, rows, n_out, tile)
+    padded = rows + [stored(wtype, np.zeros(n_in))] * (-n_rows % 8)
+    groups = np.concatenate([kernels.pack8(wtype, n_in, padded[g:g + 8]) for g in range(0, len(padded), 8)])
+    for share in (0.25, 0.9):
+        x, xv = _zeroed_operand(rng, n_in, share)
+        got = kernels.gemv_columns(isa, wtype, n_in, n_out, packed, x, tile=tile)
+        np.testing.assert_array_equal(got[:n_rows], kernels.gemm8(isa, wtype, n_in, groups, x)[0][:n_rows])
+        np.testing.assert_array_equal(got, kernels.gemv_columns("scalar", wtype, n_in, n_out, packed, x, tile=tile))
+        assert not got[n_rows:].any()
+        for r, g in zip(rows, got):
+            exact = values(wtype, r) * xv
+            assert abs(g - float(exact.sum())) <= 1e-5 * float(np.abs(exact).sum()) + 1e-30
+        if n_out > tile:
+            part = kernels.gemv_columns(isa, wtype, n_in, n_out, packed, x, tile, n_out, tile=tile)
+            np.testing.assert_array_equal(part[tile:], got[tile:])
+            assert not part[:tile].any()
+
+
+def test_gemv_columns_checks_its_arguments():
+    from powerinfer_engine import EngineError
+
+    rows = [stored("q8_0", np.ones(64))]
+    packed = kernels.pack_columns("q8_0", 64, rows, 64)
+    x, _ = operand("q8_0", np.ones(64))
+    with pytest.raises(EngineError, match="o1 too or n_out"):
+        kernels.gemv_columns("scalar", "q8_0", 64, 64, packed, x, 0, 32)
+    with pytest.raises(EngineError, match="tile must be a positive multiple of 256"):
+        kernels.pack_columns("q8_0", 64, rows, 64, tile=100)
+    with pytest.raises(EngineError, match="only q4_0 and q8_0"):
+        kernels.gemv_columns("scalar", "f32", 64, 64, packed, x)
+    with pytest.raises(EngineError, match="multiple of 64"):
+        kernels.pack_columns("q8_0", 64, rows, 32)
+    with pytest.raises(EngineError, match="q4_0: 128"):
+        kernels.pack_columns("q4_0", 64, [stored("q4_0", np.ones(64))], 64)

@@ -119,6 +119,7 @@ void Engine::build_input_columns() {
         InputColumns *c;
         std::vector<const void *> rows;  // the stacked rows, or none: the down projection's, from down_t
         const Matrix *down_t;
+        std::vector<const Matrix *> sources;  // the mapped matrices read, handed back once copied
     };
     std::vector<Job> jobs;
     double bytes = 0;
@@ -129,7 +130,7 @@ void Engine::build_input_columns() {
             const bool wanted = input_on() && ((site != kSiteGateUp && site != kSiteDown) || input_ffn_on());
             if (!wanted) c = InputColumns{};
             if (!wanted || c.present()) continue;
-            Job job{&c, {}, nullptr};
+            Job job{&c, {}, nullptr, {}};
             if (site == kSiteDown) {
                 // q8_0 only: the copy of a q4_0 down_t would be q8_0, twice its bytes
                 const Matrix &dt = layer.down_t;
@@ -138,6 +139,7 @@ void Engine::build_input_columns() {
                 c.n_in = dt.rows;
                 c.n_out = (dt.cols + kColumnUnit - 1) / kColumnUnit * kColumnUnit;  // q8_0's span
                 job.down_t = &dt;
+                job.sources = {&dt};
             } else {
                 const std::vector<const Matrix *> mats = input_site_matrices(layer, site);
                 const uint32_t type = mats[0]->type;
@@ -147,6 +149,7 @@ void Engine::build_input_columns() {
                     for (int64_t r = 0; fits && r < m->rows; ++r) job.rows.push_back(m->row(r));
                 }
                 if (!fits) continue;  // the transposed rows' path
+                job.sources = mats;
                 c.type = type;
                 c.n_in = mats[0]->cols;
                 const int64_t span = column_span(type);
@@ -173,6 +176,7 @@ void Engine::build_input_columns() {
             }
             c.data = PageMemory(column_matrix_bytes(c.type, c.n_in, c.n_out), true, "input sparsity's column copies");
             pack_columns(c.type, int(c.n_in), int(job.rows.size()), job.rows.data(), int(c.n_out), int(c.tile), c.data.data());
+            for (const Matrix *m : job.sources) model_->release_mapped(*m);  // resident once: the copy
         }
     };
     pool_->run(int(std::min<size_t>(jobs.size(), size_t(pool_->size()))), pack);

@@ -219,6 +219,9 @@ public:
     // Hands back the pages of layer il's mapped cold gate (up) rows where groups also hold them (rows a batch read
     // by index), and of its down_t rows where quads hold them (a batch reads rows).
     void release_grouped_rows(int64_t il, bool gate, bool up);
+    // Hands back the pages of a matrix's mapped rows once a copy of the engine's stands in for them (input
+    // sparsity's column copies); a later read of a row brings its page back from the file.
+    void release_mapped(const Matrix &m) const { file_->release(m.data, m.bytes()); }
     // Copies the vectors every token reads (norm weights, biases) out of the mapped file into memory of the model's
     // own: under a memory limit the page cache may drop their pages, and each would be a read from disk per token.
     void hold_vectors();

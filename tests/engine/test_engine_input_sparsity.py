@@ -10,7 +10,7 @@ import pytest
 import torch
 from cli_helpers import assert_one_line_error, run_cli
 from engine_helpers import converted, engine_prompt_then_decode, hf_model, max_rel_err, random_tokens  # noqa: F401
-from tiny_models import KINDS
+from tiny_models import KINDS, make_tiny
 
 import powerinfer_engine as engine
 from powerinfer_engine import kernels
@@ -25,6 +25,23 @@ SHARE = 0.25
 N_SITES = len(names.INPUT_SITES)
 
 
+def calibrate_thresholds(model_dir, root):
+    """Input thresholds of the model at model_dir calibrated (greedy) on random tokens, saved as a profile in root."""
+    model, adapter = hf_model(model_dir)
+    seqs = torch.randint(0, 384, (4, 128), generator=torch.Generator().manual_seed(0))
+    table = input_sparsity.calibrate(model, adapter, seqs, "greedy", 2, 0)
+    (root / "profile.json").write_text(json.dumps({"thresholds": [0.0] * adapter.dims().n_layer}))
+    table.save(root)
+    return table
+
+
+def convert_with_thresholds(model_dir, root, outtype):
+    path = root / f"{outtype}.gguf"
+    convert_model(str(model_dir), path, outtype=outtype, profile_dir=root, progress=False,
+                  powerinfer_compatible=False, input_sparsity=True)
+    return path
+
+
 @pytest.fixture(scope="module")
 def input_files(tiny_model_dir, tmp_path_factory):
     """input_files(kind, outtype) -> (file, InputThresholds): the tiny model converted with input thresholds
@@ -34,17 +51,10 @@ def input_files(tiny_model_dir, tmp_path_factory):
     def get(kind: str, outtype: str = "f32"):
         if kind not in cache:
             root = tmp_path_factory.mktemp(f"input_{kind}")
-            model, adapter = hf_model(tiny_model_dir(kind))
-            seqs = torch.randint(0, 384, (4, 128), generator=torch.Generator().manual_seed(0))
-            table = input_sparsity.calibrate(model, adapter, seqs, "greedy", 2, 0)
-            (root / "profile.json").write_text(json.dumps({"thresholds": [0.0] * adapter.dims().n_layer}))
-            table.save(root)
-            cache[kind] = (root, table, {})
+            cache[kind] = (root, calibrate_thresholds(tiny_model_dir(kind), root), {})
         root, table, files = cache[kind]
         if outtype not in files:
-            files[outtype] = root / f"{outtype}.gguf"
-            convert_model(str(tiny_model_dir(kind)), files[outtype], outtype=outtype, profile_dir=root,
-                          progress=False, powerinfer_compatible=False, input_sparsity=True)
+            files[outtype] = convert_with_thresholds(tiny_model_dir(kind), root, outtype)
         return files[outtype], table
 
     return get
@@ -152,6 +162,33 @@ def test_quantized_decode_steps_read_column_copies(kind, outtype, input_files):
             assert m.stats()["weight_copies"]["input_columns"] == column_copy_bytes(path, outtype, ffn=False)
         m.input_sparsity = 0.0
         assert m.stats()["weight_copies"]["input_columns"] == 0
+
+
+def mapped_rss_bytes(path) -> int:
+    """Resident bytes of this process's mappings of the file at path (/proc/self/smaps)."""
+    total, ours = 0, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5:  # a mapping's first line: range, perms, offset, dev, inode[, path]
+            ours = len(head) >= 6 and head[5] == str(path)
+        elif ours and head[0] == "Rss:":
+            total += int(head[1]) * 1024
+    return total
+
+
+def test_column_copies_hand_back_the_pages_they_were_read_from(tmp_path):
+    """Making the column copies reads the mapped matrices: their pages are handed back afterwards, as packing does,
+    so a weight is resident once (a decode step reads the copies alone). A tiny model's matrices are smaller than
+    a page, so this one has 8,192 neurons: its gate, up and down_t are hundreds of pages each."""
+    model_dir = make_tiny("llama-silu", tmp_path / "wide", n_ff=8192)
+    calibrate_thresholds(model_dir, tmp_path)
+    path = convert_with_thresholds(model_dir, tmp_path, "q8_0")
+    sources = sum(int(t.n_bytes) for t in open_reader(path).tensors
+                  if t.name.endswith(("ffn_gate.weight", "ffn_up.weight", "ffn_down_t.weight")))
+    with engine.Model(path, threads=2, sparse_mode="dense", input_sparsity=SHARE) as m:
+        m.eval([TOKENS[0]])  # one decode step
+        assert m.stats()["weight_copies"]["input_columns"] == column_copy_bytes(path, "q8_0", ffn=True)
+        assert mapped_rss_bytes(path) < sources / 4
 
 
 @pytest.mark.parametrize("outtype", ["q8_0", "q4_0"])

@@ -32,11 +32,13 @@ std::string mib(double b) {
     return text;
 }
 
-// Reads `bytes` at `offset` of fd into dst, through short reads; false at an error or the end of the file.
+// Reads `bytes` at `offset` of fd into dst, through short reads; false at an error (in errno) or the end of the
+// file (errno 0).
 bool pread_all(int fd, uint8_t *dst, size_t bytes, uint64_t offset) {
     for (size_t done = 0; done < bytes;) {
         const ssize_t n = ::pread(fd, dst + done, bytes - done, off_t(offset + done));
         if (n < 0 && errno == EINTR) continue;
+        if (n == 0) errno = 0;  // the end of the file, not an error (an EINTR before would still be in errno)
         if (n <= 0) return false;
         done += size_t(n);
     }
@@ -70,7 +72,6 @@ double DiskTier::bundle_bytes_of(const Model &model) {
 }
 
 void DiskTier::read_exact(uint8_t *dst, size_t bytes, uint64_t offset, const char *what) const {
-    errno = 0;
     if (!pread_all(fd_, dst, bytes, offset))
         fail(PI_ERR_IO, path_ + ": cannot read its " + what + " (" + (errno ? std::strerror(errno) : "end of file") + ")");
 }

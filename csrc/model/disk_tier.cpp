@@ -312,7 +312,6 @@ int64_t DiskTier::begin(int64_t il, const int32_t *slots, int64_t count, bool de
         need_.push_back(r);
     }
     fetch_hits_ = n_hits;
-    fetch_misses_ = int64_t(missing.size());
     start_runs();
     return n_hits;
 }
@@ -323,7 +322,7 @@ void DiskTier::finish() {
     counts_.cache_hits += double(fetch_hits_);
     double bytes = 0;
     for (const Run &r : runs_) bytes += double(r.n) * double(hdr_.bundle_bytes);
-    counts_.cache_misses += double(fetch_misses_);
+    counts_.cache_misses += double(need_.size());  // the selected slots that were read
     counts_.reads += double(runs_.size());
     counts_.bytes += bytes;
     const auto last = runs_.empty() ? fetch_start_ : last_arrival_;

@@ -145,7 +145,7 @@ private:
     std::chrono::steady_clock::time_point fetch_start_;
     bool decode_ = false;
     int64_t fetch_il_ = 0;
-    int64_t fetch_hits_ = 0, fetch_misses_ = 0;
+    int64_t fetch_hits_ = 0;
     // under mu_: runs handed out to readers, finished, and in the order they finished without error (arrived_),
     // of which the first `handed_` went to compute threads
     int64_t next_run_ = 0, n_runs_ = 0, runs_done_ = 0, handed_ = 0;

@@ -138,7 +138,7 @@ def write(model: str | os.PathLike, frequencies: Sequence[np.ndarray] | None = N
         frequencies = [np.zeros(n_ff, np.float32) for _ in range(n_layer)]
     if orders is None:
         orders = [np.argsort(-f, kind="stable") for f in frequencies]
-    elif len(orders) != n_layer or any(np.sort(o).tolist() != list(range(n_ff)) for o in orders):
+    elif len(orders) != n_layer or any(not np.array_equal(np.sort(o), np.arange(n_ff)) for o in orders):
         raise UserError(f"orders must be {n_layer} permutations of {model}'s {n_ff} neurons")
     orders = [np.asarray(o).astype(np.uint32) for o in orders]
 

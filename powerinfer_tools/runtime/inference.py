@@ -20,6 +20,7 @@ import numpy as np
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.formats import names
 from powerinfer_tools.stages.options import DEVICE_BUDGET_GIB, MEMORY_BUDGET_GIB
+from powerinfer_tools.stages.usefulness import ENOUGH_SPARSITY
 
 SPARSE_MODES = names.FFN_MODES
 # --sparse-mode input: dense FFN mode with input sparsity on every matrix, at this share unless --input-sparsity
@@ -345,8 +346,6 @@ def sparsity_note(stats: dict, activation: str | None = None) -> str | None:
     them (a SiLU model run with thresholds, above all), saying what to do instead; None in dense mode or when it
     pays. Auto chooses its kernels itself, so it is told only what its choice costs: on a SiLU model (`activation`,
     the engine's info) the layers it ran through sparse kernels applied the file's activation thresholds."""
-    from powerinfer_tools.stages.locality import ENOUGH_SPARSITY
-
     density = stats.get("density")
     if stats["ffn_mode"] == "dense" or density is None:
         return None

@@ -14,14 +14,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from powerinfer_tools.stages.predictor import MAX_USEFUL_DENSITY
 from powerinfer_tools.stages.profiling import load_activation_counts, load_profile, skew
+from powerinfer_tools.stages.usefulness import ENOUGH_SPARSITY
 
 COVERAGE_TARGETS = (0.8, 0.9)   # activation shares for which we report the neurons needed
-# What the verdict calls enough: under half the neurons skipped, a sparse step saves less than choosing them
-# costs (as a predictor marking more is not useful); the hottest 10 % serving under a fifth of activations is
-# close to no locality (10 % is none).
-ENOUGH_SPARSITY = 1 - MAX_USEFUL_DENSITY
+# What the verdict calls locality: the hottest 10 % serving under a fifth of activations is close to none (10 %
+# is none). Enough sparsity is the predictors' rule (stages/usefulness.py).
 ENOUGH_HOT10 = 0.2
 
 

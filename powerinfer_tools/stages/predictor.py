@@ -20,17 +20,12 @@ from torch import nn
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.core.safe_load import checked_tensor, load_pt
 from powerinfer_tools.formats import names
+from powerinfer_tools.stages.usefulness import MAX_USEFUL_DENSITY, MIN_USEFUL_AUC
 
 CONFIG_FORMAT = "powerinfer-tools.predictors/1"
 STATE_KEYS = (names.weight(names.PREDICTOR_FC1), names.weight(names.PREDICTOR_FC2))  # PowerInfer's model_{i}.pt
 F16_MAX = 65504.0  # the largest finite float16: the converter may store predictors as f16
 AUC_SAMPLE = 500_000  # (row, neuron) pairs drawn to estimate the pooled ROC AUC (exact AUC is a sort of all pairs)
-# A predictor is worth running where it ranks active neurons above inactive ones clearly better than chance
-# (held-out AUC 0.5) and leaves at least half the neurons out at its threshold: with more marked active, a sparse
-# step saves less than choosing the neurons costs (the profile verdict's rule, locality.ENOUGH_SPARSITY), and a
-# poor ranking drops neurons at random on text unlike the calibration text.
-MIN_USEFUL_AUC = 0.6
-MAX_USEFUL_DENSITY = 0.5
 
 
 class Predictor(nn.Module):

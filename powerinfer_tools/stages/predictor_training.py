@@ -562,7 +562,7 @@ def format_layers(layers: list[int]) -> str:
 def useless_warning(results: list[LayerResult], rows: str = "held-out") -> str | None:
     """One line naming the layers whose predictors predict nothing useful on the `rows` measured
     (predictor.is_useful), with their AUC and predicted vs true density, or None."""
-    from powerinfer_tools.stages.predictor import MAX_USEFUL_DENSITY, MIN_USEFUL_AUC
+    from powerinfer_tools.stages.usefulness import MAX_USEFUL_DENSITY, MIN_USEFUL_AUC
 
     bad = [r for r in results if not r.metrics.get("useful", True)]
     if not bad:

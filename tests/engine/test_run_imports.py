@@ -1,13 +1,17 @@
-"""What `pi-tools run` and bench's worker import before the engine opens: a low-memory run cannot afford a library
-it does not use (torch alone is over 100 MiB resident, scipy's solver some 30 MiB), so neither may come back
-into the run path through a module-level import."""
+"""What `pi-tools run` and bench's worker import, before the engine opens and after: a low-memory run cannot afford
+a library it does not use (torch alone is over 100 MiB resident, scipy's solver some 30 MiB), so neither may come
+back into the run path through a module-level import, nor into the closing lines once the engine has sized its
+memory against the limit."""
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
 
+from cgroup_helpers import hierarchy_or_skip
 from engine_helpers import converted  # noqa: F401
+
+from powerinfer_tools.bench import cgroup
 
 UNUSED = ("torch", "scipy", "sklearn", "safetensors", "matplotlib")
 
@@ -25,11 +29,25 @@ main()
 """
 
 
-def _imported_before_model(*args) -> set[str]:
-    r = subprocess.run([sys.executable, "-c", STOP_AT_MODEL, *map(str, args)], capture_output=True, text=True,
-                       timeout=300)
+# runs the command to its end, then prints (on stderr, after everything the run wrote) what it had imported
+AT_EXIT = """
+import atexit, json, sys
+atexit.register(lambda: print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})), file=sys.stderr))
+sys.argv = ["pi-tools"] + sys.argv[1:]
+from powerinfer_tools.__main__ import main
+main()
+"""
+
+
+def _imported(script: str, *args) -> tuple[set[str], str]:
+    r = subprocess.run([sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    return set(json.loads(r.stdout.strip().splitlines()[-1]))
+    out = r.stdout if script is STOP_AT_MODEL else r.stderr
+    return set(json.loads(out.strip().splitlines()[-1])), r.stderr
+
+
+def _imported_before_model(*args) -> set[str]:
+    return _imported(STOP_AT_MODEL, *args)[0]
 
 
 def test_run_imports_no_library_it_does_not_use(converted):
@@ -38,6 +56,34 @@ def test_run_imports_no_library_it_does_not_use(converted):
         imported = _imported_before_model("run", "-m", path, "-p", "Hello", "-n", "2", "-t", "1", "--sparse-mode", mode)
         assert "powerinfer_engine" in imported and "transformers" in imported  # the stop is where the run opens
         assert not imported & set(UNUSED), imported & set(UNUSED)
+
+
+def test_run_imports_no_library_it_does_not_use_to_its_end(converted):
+    """The closing lines (timings, the sparsity note) come after the engine sized its budget: they import nothing
+    heavy either. Gate mode on the tiny ReLU model prints the note, the branch that once imported torch."""
+    path = converted("llama-relu")
+    for mode in ("dense", "gate"):
+        imported, stderr = _imported(AT_EXIT, "run", "-m", path, "-p", "Hello", "-n", "2", "-t", "1", "--sparse-mode",
+                                     mode)
+        assert "generated at" in stderr  # the run reached its timing line
+        assert not imported & set(UNUSED), imported & set(UNUSED)
+
+
+RUN_LIMIT = 128 << 20  # the tiny model's run holds about 60 MiB; torch alone would add over 100 MiB
+
+
+def test_run_under_a_memory_cgroup_ends_with_exit_0(converted):
+    """`pi-tools run` in a real memory cgroup of 128 MiB: it prints its answer and its timing line and exits 0,
+    with no OOM kill (a heavy import after the answer once took it over the limit: exit 137)."""
+    hierarchy = hierarchy_or_skip()
+    path = converted("llama-relu", "q8_0")
+    with cgroup.MemoryCgroup(RUN_LIMIT, hierarchy) as cg:
+        r = subprocess.run([sys.executable, "-m", "powerinfer_tools", "run", "-m", str(path), "-p", "Hello world",
+                            "-n", "4", "-t", "1", "--sparse-mode", "gate"], preexec_fn=cg.preexec,
+                           capture_output=True, text=True, timeout=300)
+        kills = cg.oom_kills()
+    assert (r.returncode, kills) == (0, 0), (r.returncode, kills, r.stderr[-2000:])
+    assert "generated at" in r.stderr
 
 
 def test_bench_worker_imports_only_the_engine():

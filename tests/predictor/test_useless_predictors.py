@@ -21,7 +21,8 @@ from convert_helpers import read_fields
 from engine_helpers import converted, engine_prompt_then_decode, max_rel_err, random_tokens, rewrite  # noqa: F401
 from tiny_models import DATA, N_LAYER
 
-from powerinfer_tools.stages.predictor import MAX_USEFUL_DENSITY, MIN_USEFUL_AUC, density_budget, recall_at_density
+from powerinfer_tools.stages.predictor import density_budget, recall_at_density
+from powerinfer_tools.stages.usefulness import MAX_USEFUL_DENSITY, MIN_USEFUL_AUC
 
 
 @pytest.fixture(scope="module")

@@ -26,12 +26,22 @@ GPU_LIBRARY_ENV = "PI_GPU_LIBRARY"
 DEVICE_LIBRARIES = {"cuda": "_pi_cuda", "emulated": "_pi_device_emulated"}
 
 
+# the engine's status codes (pi_engine.h, pi_status)
+ERR_IO, ERR_FORMAT, ERR_UNSUPPORTED, ERR_ARGUMENT, ERR_MEMORY, ERR_INTERNAL = range(1, 7)
+
+
 class EngineError(RuntimeError):
     """A failure reported by the engine (bad file, bad argument, ...), carrying its one-line message."""
 
     def __init__(self, message: str, status: int = 0):
         super().__init__(message)
         self.status = status
+
+    @property
+    def during_a_run_is_the_callers(self) -> bool:
+        """Whether, raised while evaluating or sampling, it is the caller's doing (an argument: a token id, a full
+        context) rather than the machine's or the file's (a read that failed, memory, a damaged bundle)."""
+        return self.status in (0, ERR_ARGUMENT)
 
 
 class Options(ctypes.Structure):
@@ -173,10 +183,14 @@ def c_int(name: str, value, lo: int = -INT32_MAX - 1, hi: int = INT32_MAX) -> in
 
 
 def c_float(name: str, value) -> float:
-    """`value` as a float for a C float parameter; a string or None is refused instead of a TypeError."""
-    if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
+    """`value` as a float for a C float parameter; a string, None or a bool is refused instead of a TypeError or a
+    silent 1.0, and so is a number the C float would round to 0 (1e-300 would turn a mode off)."""
+    if isinstance(value, (str, bytes, bool)) or not hasattr(value, "__float__"):
         raise EngineError(f"{name} must be a number, not {type(value).__name__} {value!r}")
-    return float(value)
+    number = float(value)
+    if number != 0 and ctypes.c_float(number).value == 0:
+        raise EngineError(f"{name} = {value!r} is too small for the engine's float: it would be 0")
+    return number
 
 
 def check(status: int) -> None:

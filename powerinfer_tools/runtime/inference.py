@@ -271,15 +271,24 @@ def gpu_line(gpu: dict) -> str:
                        for x in d["layers"]))
 
 
+class EngineFailure(UserError):
+    """An engine error as one line; `callers`: whether the caller's arguments caused it (a token id, a full
+    context), not the machine or the file (a failed read, memory): a server answers the one 400, the other 500."""
+
+    def __init__(self, message: str, callers: bool):
+        super().__init__(message)
+        self.callers = callers
+
+
 @contextlib.contextmanager
 def engine_errors():
-    """The engine's refusals (a file, an argument out of range) as UserError: one line from the CLI."""
+    """The engine's refusals (a file, an argument out of range) as EngineFailure: one line from the CLI."""
     import powerinfer_engine as engine
 
     try:
         yield
     except engine.EngineError as exc:
-        raise UserError(str(exc)) from None
+        raise EngineFailure(str(exc), exc.during_a_run_is_the_callers) from None
 
 
 def load_tokenizer(path: Path):

@@ -7,8 +7,9 @@
     for chunk in llm.chat([{"role": "user", "content": "Hi!"}], stream=True):
         print(chunk.text, end="", flush=True)
 
-The KV cache is kept between calls: a prompt that starts with what the cache holds (the next turn of a chat,
-which repeats the whole conversation) evaluates only its new tokens. `pi-tools chat` and `pi-tools serve` are
+The KV cache is kept between calls: a prompt that shares a start with an earlier call's prompt (a chat's next
+turn, a fixed system prompt) evaluates only the rest. What is reused is only what a fresh call would have computed
+the same way, so a call's answer never depends on the calls before it (see _Cache). `pi-tools chat` and `pi-tools serve` are
 built on this class. One LLM may be shared by threads: its calls run one at a time (a streaming call holds it
 until its stream is exhausted, closed or dropped), and a call made in the thread that holds an open stream ends
 that stream.
@@ -22,11 +23,14 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from powerinfer_tools.core.errors import UserError
+
+# A prompt longer than this many characters a token of the context is first tokenized in part (LLM.prompt_ids):
+# ordinary text runs three to five.
+PROBE_CHARS_PER_TOKEN = 16
 
 
 class RequestError(UserError):
@@ -141,11 +145,17 @@ class _Request:
 @dataclass
 class _Cache:
     """What the KV cache holds, as the tokens evaluated or about to be (the one sampled last is evaluated when the
-    next step, or the next call that keeps it, needs it: the engine's n_past says how many are in) and, where
-    known exactly once their generation has ended, the text they spell."""
+    next step needs it: the engine's n_past says how many are in), and how many of them, from the start, the
+    engine's batch path computed.
+
+    The engine evaluates a prompt in batches and a generated token alone, on its decode path, and the two round
+    differently (each at its own fastest arithmetic). A fresh call takes every prompt token through a batch but a
+    last one left alone when the prompt's length is one past a whole number of batches; so a later call may reuse
+    only batch-computed tokens, and must leave itself a rest whose last batch is alone exactly where a fresh
+    call's would be (LLM._reuse)."""
 
     tokens: list[int] = field(default_factory=list)
-    text: str | None = ""
+    batch_tokens: int = 0
 
 
 class _Gate:
@@ -226,8 +236,8 @@ class LLM:
     zeroed, from the file's input thresholds; docs/engine.md, "Input sparsity"), memory_budget (GiB of RAM the engine
     may hold; the cold FFN neurons past it are read from MODEL.neurons: docs/engine.md, "Models larger than memory").
 
-    Threads may share one LLM: complete, chat and count_tokens run one at a time (see _Gate); tokenize, detokenize
-    and chat_prompt use only the tokenizer and never wait.
+    Threads may share one LLM: complete and chat run one at a time (see _Gate); tokenize, detokenize, count_tokens,
+    prompt_ids and chat_prompt use only the tokenizer and never wait.
     """
 
     def __init__(self, model: str | os.PathLike = "smollm2", *, threads: int | None = None,
@@ -247,6 +257,7 @@ class LLM:
         self.stop_tokens = frozenset(t for t in (self.tokenizer.eos_token_id, self.model.info["eos"])
                                      if t is not None and t >= 0)
         self._cache = _Cache()
+        self._n_batch: int = self.model.info["n_batch"]
         self._gate = _Gate()
         self._step = threading.Lock()  # held while a call works on the engine and the cache
         self._generation = 0  # bumped by every call: an older stream (taken over in its own thread) sees it and ends
@@ -318,26 +329,34 @@ class LLM:
         return self._run(prompt, False, request, fit, stream)  # the template writes its own BOS where it has one
 
     def count_tokens(self, prompt: str, chat: bool = False) -> int:
-        """What the prompt costs as the next call would see it (it may reuse the cache's ids)."""
-        with self._held():
-            return len(self._prompt_ids(prompt, add_special=not chat))
+        """What the prompt costs a call (chat: a prompt chat_prompt wrote, which carries its own BOS)."""
+        return len(self.tokenize(prompt, add_special=not chat))
 
-    @contextmanager
-    def _held(self):
-        token = self._gate.enter(generation=False)
-        try:
-            with self._step:
-                yield
-        finally:
-            self._gate.leave(token)
+    def prompt_ids(self, prompt: str, add_special: bool = True, param: str | None = None) -> list[int]:
+        """The prompt's ids as a call tokenizes them, or a RequestError (param: the argument to name) where they
+        leave the context no room. A prompt far longer than the context is refused from a tokenized head of it:
+        the tokenizer's peak for a whole prompt of megabytes would stay in the process's heap after the refusal."""
+        _check_text(prompt)
+        probe = self.n_ctx * PROBE_CHARS_PER_TOKEN
+        cut = prompt.rfind(" ", 0, probe) if len(prompt) > probe else -1
+        if cut > 0:  # a word boundary: the head's tokens are the whole prompt's first ones
+            n_head = len(self.tokenize(prompt[:cut], add_special=add_special))
+            if n_head > self.n_ctx:
+                raise RequestError(f"the prompt has more than {self.n_ctx} tokens and the context holds {self.n_ctx}: no "
+                                   "room to generate (shorten it, or open the model with a larger ctx_size)", param=param,
+                                   code="context_length_exceeded")
+        ids = self.tokenize(prompt, add_special=add_special)
+        if not ids:
+            raise RequestError("the prompt is empty and the model has no BOS token to start from", param=param)
+        return ids
 
     def _run(self, prompt: str, add_special: bool, request: _Request, fit: bool, stream: bool):
         """Take the LLM (waiting for another thread's call), then generate: the stream releases it at its end."""
         token = self._gate.enter(generation=True)
         try:
             with self._step:
-                ids = self._prompt_ids(prompt, add_special)
-                chunks = _Stream(self._generate(ids, prompt, request, fit), self._step,
+                ids = self.prompt_ids(prompt, add_special)  # as a fresh call's: never the cache's ids
+                chunks = _Stream(self._generate(ids, request, fit), self._step,
                                  lambda: self._gate.leave(token))
         except BaseException:
             self._gate.leave(token)
@@ -350,27 +369,11 @@ class LLM:
                 pass
         return last.completion
 
-    def _prompt_ids(self, prompt: str, add_special: bool) -> list[int]:
-        """The prompt's ids. A prompt that extends the cache's exact text at a special token (a chat's next turn,
-        after the reply's end) keeps the cached ids, so the cache is reused even where the whole text would
-        tokenize otherwise."""
-        _check_text(prompt)
-        cached = self._cache.text
-        if cached and prompt.startswith(cached) and len(prompt) > len(cached):
-            rest = self.tokenize(prompt[len(cached):], add_special=False)
-            specials = self.tokenizer.all_special_ids
-            if rest and (rest[0] in specials or self._cache.tokens[-1] in specials):
-                return self._cache.tokens + rest
-        ids = self.tokenize(prompt, add_special=add_special)
-        if not ids:
-            raise RequestError("the prompt is empty and the model has no BOS token to start from")
-        return ids
-
-    def _generate(self, ids: list[int], prompt: str, request: _Request, fit: bool) -> Iterator[Chunk]:
+    def _generate(self, ids: list[int], request: _Request, fit: bool) -> Iterator[Chunk]:
         """Checks now (a bad request fails at the call, not at the first next()), then the generator."""
         limit = self.token_limit(len(ids), request.max_tokens, fit)
         self._generation += 1
-        return self._tokens(ids, prompt, limit, request.stop, request.sampling, self._generation)
+        return self._tokens(ids, limit, request.stop, request.sampling, self._generation)
 
     def token_limit(self, n_prompt: int, max_tokens: int | None, fit: bool = True, param: str | None = None) -> int:
         """How many tokens may follow a prompt of n_prompt tokens: max_tokens (None: all the context leaves), cut
@@ -387,7 +390,7 @@ class LLM:
                                code="context_length_exceeded")
         return room if max_tokens is None else min(max_tokens, room)
 
-    def _tokens(self, ids, prompt, max_tokens, stop, sampling, generation) -> Iterator[Chunk]:
+    def _tokens(self, ids, max_tokens, stop, sampling, generation) -> Iterator[Chunk]:
         from powerinfer_tools.runtime.inference import StreamDecoder, engine_errors
 
         def current() -> None:
@@ -399,7 +402,7 @@ class LLM:
         current()
         with engine_errors():
             cached = self._reuse(ids)
-            self._cache, cache = _Cache(), _Cache(list(ids), None)  # empty until the prompt is in
+            self._cache, cache = _Cache(), _Cache(list(ids), self._batch_computed(len(ids)))  # empty until it is in
             m.reset_stats()
             m.seed(sampling.seed if sampling.seed is not None else random.SystemRandom().randrange(2**64))
             started = time.perf_counter()
@@ -407,8 +410,7 @@ class LLM:
             prompt_seconds = time.perf_counter() - started
         self._cache = cache
         decoder, held = StreamDecoder(self.tokenizer, ids), _StopFilter(stop)
-        specials = set(self.tokenizer.all_special_ids)
-        generated, finish, text, started = 0, "length", "", time.perf_counter()
+        generated, finish, started = 0, "length", time.perf_counter()
         while generated < max_tokens:
             current()
             with engine_errors():
@@ -421,9 +423,7 @@ class LLM:
             if token in self.stop_tokens:
                 finish = "stop"
                 break
-            piece = decoder.push(token)
-            text = text + piece if token not in specials else None  # None: the text no longer spells the tokens
-            out, hit = held.push(piece)
+            out, hit = held.push(decoder.push(token))
             if out:
                 yield Chunk(out)
             if hit:
@@ -432,24 +432,25 @@ class LLM:
         current()
         seconds = time.perf_counter() - started
         tail = held.flush()
-        # The cache's text is known exactly unless a stop string cut the reply, a special token or an unfinished
-        # UTF-8 sequence hides in it: a chat's next turn then continues it after a special token (the reply's end),
-        # a boundary no tokenization merges across.
-        exact = not held.hit and text is not None and not decoder.holding
-        ended = self.tokenizer.decode(cache.tokens[-1:]) if finish == "stop" else ""
-        cache.text = prompt + text + ended if exact else None
         timings = Timings(len(ids) - cached, prompt_seconds, generated, seconds, m.stats().get("density"))
         yield Chunk(tail, Completion(held.emitted, finish, Usage(len(ids), generated, cached), timings))
 
+    def _batch_computed(self, n_tokens: int) -> int:
+        """How many of a fresh prompt's n_tokens the batch path computes: all but a last one alone in its batch."""
+        return n_tokens - 1 if self._n_batch == 1 or n_tokens % self._n_batch == 1 else n_tokens
+
     def _reuse(self, ids: list[int]) -> int:
-        """Truncate the cache to its longest prefix shared with ids (leaving at least one token to evaluate, which
-        gives the logits to sample from); the count of reused tokens."""
+        """Truncate the cache to the longest prefix shared with ids that the batch path computed, leaving a rest
+        that the engine then evaluates the way a fresh call would: at least one token (its logits are sampled
+        from), alone in its last batch exactly where a fresh call's is. The count of reused tokens."""
         cache, m = self._cache, self.model
         n = 0
-        limit = min(len(cache.tokens), len(ids) - 1)
+        limit = min(len(cache.tokens), cache.batch_tokens, m.n_past, len(ids) - 1)
         while n < limit and cache.tokens[n] == ids[n]:
             n += 1
-        n = min(n, m.n_past)  # the token sampled last may not be in the engine yet
+        fresh_alone = self._batch_computed(len(ids)) < len(ids)
+        while n > 0 and (self._batch_computed(len(ids) - n) < len(ids) - n) != fresh_alone:
+            n -= 1
         m.reset(n)
         return n
 

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from powerinfer_tools.core.errors import UserError
+from powerinfer_tools.runtime.inference import EngineFailure
 from powerinfer_tools.runtime.llm import LLM, Chunk, Completion, RequestError
 from powerinfer_tools.server.intake import MAX_BODY_MIB, Intake, ended, race
 from powerinfer_tools.server.schemas import ChatRequest, CompletionRequest
@@ -146,6 +147,12 @@ def create_app(llm: LLM, model_id: str, api_key: str | None = None, max_body_mib
     async def _user_error(request: Request, exc: UserError):
         return ApiError(400, str(exc)).response()
 
+    @app.exception_handler(EngineFailure)
+    async def _engine_failure(request: Request, exc: EngineFailure):
+        if exc.callers:
+            return ApiError(400, str(exc)).response()
+        return ApiError(500, f"the engine failed: {exc}", "server_error", code="engine_error").response()
+
     @app.exception_handler(ShuttingDown)
     async def _stopping(request: Request, exc: ShuttingDown):
         return ApiError(503, "the server is shutting down", "server_error", code="server_shutting_down").response()
@@ -230,11 +237,11 @@ def create_app(llm: LLM, model_id: str, api_key: str | None = None, max_body_mib
 
 def _fits(llm: LLM, prompt: str, add_special: bool, body, param: str) -> None:
     """The checks the engine's turn makes, made before the request queues for it: the sampling values, and the
-    prompt's tokens against the context. The LLM checks again at its turn (where a prompt that extends the cached
-    conversation may tokenize a little differently), but a prompt that got this far is within the context, so its
-    tokenizing there is short."""
+    prompt's tokens against the context (a prompt far past it refused from a tokenized head, so a refused request
+    leaves no tokenizer's peak behind). The LLM tokenizes again at its turn: a prompt that got this far fits the
+    context, so that is short."""
     body.sampling().check()
-    llm.token_limit(len(llm.tokenize(prompt, add_special=add_special)), body.limit(), fit=False, param=param)
+    llm.token_limit(len(llm.prompt_ids(prompt, add_special, param)), body.limit(), fit=False, param=param)
 
 
 async def _answer(chunks: AsyncIterator[Chunk], body, model_id: str, chat: bool, echo: str = ""):

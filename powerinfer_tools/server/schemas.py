@@ -12,7 +12,7 @@ from powerinfer_tools.runtime.llm import Sampling
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)  # "8" or true is no max_tokens
 
 
 class StreamOptions(_Strict):

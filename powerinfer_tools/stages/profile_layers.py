@@ -37,8 +37,13 @@ class HiddenFile:
         self.path, self.shape, self.dtype = path, (n_seq, seq_len, n_embd), dtype
         self.row_bytes = seq_len * n_embd * torch.empty((), dtype=dtype).element_size()
         size = n_seq * self.row_bytes
+        if path.exists() and not path.is_file():  # a directory, a FIFO: nothing a profile wrote
+            raise UserError(f"{path} is not a regular file: {RESTART}")
         fresh = not path.is_file() or path.stat().st_size != size
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise UserError(f"cannot open {path} ({exc.strerror}): {RESTART}") from None
         if fresh:
             try:   # all the disk it needs now, not a failure hours in (macOS has no fallocate: a sparse file)
                 getattr(os, "posix_fallocate", lambda fd, _, n: os.ftruncate(fd, n))(self.fd, 0, size)

@@ -1,5 +1,6 @@
-"""Integers handed to the engine are checked before ctypes converts them: ctypes keeps only the low 32 bits of
-an int32 argument (2**32 + 8 would become 8) and np.fromiter truncates 3.7 to 3 and parses "5"."""
+"""Numbers handed to the engine are checked before ctypes converts them: ctypes keeps only the low 32 bits of
+an int32 argument (2**32 + 8 would become 8), np.fromiter truncates 3.7 to 3 and parses "5", a C float rounds
+1e-300 to 0 (input sparsity off), and True is 1 (GiB)."""
 from __future__ import annotations
 
 import numpy as np
@@ -20,6 +21,8 @@ def model_file(converted):
     ({"batch_size": 2**31}, "batch_size = 2147483648 is out of range"),
     ({"ctx_size": 64.5}, "ctx_size must be an integer, not float"),
     ({"threads": "2"}, "threads must be an integer, not str"),
+    ({"memory_budget": True}, "memory_budget must be a number, not bool"),
+    ({"input_sparsity": 1e-300}, "input_sparsity = 1e-300 is too small for the engine's float"),
 ])
 def test_open_refuses_integers_ctypes_would_cut(model_file, kwargs, message):
     with pytest.raises(engine.EngineError, match=message):

@@ -103,6 +103,10 @@ DAMAGE = {
     "finished shard deleted": (SHARD, Path.unlink),
     "inputs data/2 flipped": ("inputs.pt", lambda p: flip(p, 1, zip_entry_start(p, "data/2"))),
     "identity not JSON": ("identity.json", lambda p: p.write_text("{not json")),
+    # the next layer's input (checked against its digest) and its output (opened for writing) as directories
+    **{f"{name} a directory": (name, lambda p: (p.unlink(missing_ok=True), p.mkdir()))
+       for name in ("hidden_1.bin", "hidden_0.bin")},
+    "hidden_0.bin a FIFO": ("hidden_0.bin", lambda p: (p.unlink(missing_ok=True), os.mkfifo(p))),
 }
 
 

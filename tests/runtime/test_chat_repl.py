@@ -33,8 +33,9 @@ def test_two_turns_reuse_the_cache_then_exit(smollm2_file):
     prompt1, cached1, new1, reply1 = turn(chat, "Name a fruit.")
     assert cached1 == 0 and new1 == prompt1
     prompt2, cached2, new2, _ = turn(chat, "And a vegetable?")
-    # all of turn one (its prompt and reply) is in the cache but the reply's end token, evaluated now
-    assert cached2 == prompt1 + reply1 - 1 and new2 == prompt2 - cached2 and new2 < 20
+    # turn one's prompt comes from the cache; its reply, computed by decode steps, is evaluated again in a batch
+    # as a fresh chat would (the answer never depends on what the cache held)
+    assert cached2 == prompt1 and new2 == prompt2 - cached2 and new2 >= reply1
     chat.expect_exact("> ")
     chat.sendline("/clear")
     chat.expect_exact("(a new conversation)")
@@ -58,7 +59,7 @@ def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(smollm2_file):
     chat.sendintr()
     chat.expect_exact("(stopped)")
     _, cached, _, _ = turn(chat, "Thanks!")
-    assert cached > 0  # the conversation, the stopped reply included, is still in the cache
+    assert cached > 0  # the conversation's first prompt is still in the cache
     chat.expect_exact("> ")
     chat.sendeof()  # Ctrl-D leaves too
     chat.expect(pexpect.EOF)

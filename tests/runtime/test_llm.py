@@ -1,7 +1,7 @@
 """The text-level Python API (powerinfer_tools.LLM) on the real SmolLM2 q8_0 file: its text is the engine's
 greedy tokens decoded, streaming and stop strings agree with the whole answer, the chat's end token never shows,
-a chat's next turn evaluates only its new tokens and answers as a fresh model would, the penalties reach the
-engine's sampler, and bad requests are one RequestError."""
+a chat's next turn reuses its earlier prompt and answers as a fresh model would, any call answers as it would
+alone, the penalties reach the engine's sampler, and bad requests are one RequestError."""
 from __future__ import annotations
 
 import math
@@ -57,13 +57,38 @@ def test_chat_turns_reuse_the_cache_and_answer_as_a_fresh_model(llm, smollm2_fil
     assert first.finish_reason == "stop" and first.text and "<|im_end|>" not in first.text
     messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And a vegetable?"}]
     second = llm.chat(messages, max_tokens=48, **GREEDY)
-    # everything of turn one is reused but its end token, which the engine has not evaluated yet
-    assert second.usage.cached_tokens == first.usage.prompt_tokens + first.usage.completion_tokens - 1
+    # turn one's prompt is reused; its reply, which decode steps computed, is evaluated again as a fresh call would
+    assert second.usage.cached_tokens == first.usage.prompt_tokens
     assert second.timings.prompt_tokens == second.usage.prompt_tokens - second.usage.cached_tokens
-    assert second.timings.prompt_tokens < 20
     with LLM(smollm2_file("q8_0"), threads=2, sparse_mode="dense", ctx_size=512) as fresh:
         again = fresh.chat(messages, max_tokens=48, **GREEDY)
     assert again.usage.cached_tokens == 0 and again.text == second.text
+
+
+HISTORY_PROMPTS = ("The planets of the solar system are Mercury, Venus, Earth, Mars, Jupiter, Saturn, Uranus and",
+                   "The history of the city of Paris begins with", "The history of the city of Rome begins with")
+
+
+def test_a_calls_answer_does_not_depend_on_the_calls_before_it(llm, smollm2_file):
+    """Greedy answers of one LLM after other calls equal a fresh LLM's for the same prompts: the same prompt twice
+    (all but its last token cached), a prompt sharing another's start, a prompt continuing an earlier answer
+    (whose tokens the decode path computed), and prompts whose last token is alone in its batch. The engine's
+    batch and decode paths round differently, so reusing a decode-computed token, or evaluating alone a token a
+    fresh call evaluates in a batch, changed greedy answers."""
+    def alone(prompt: str) -> str:
+        with LLM(smollm2_file("q8_0"), threads=2, sparse_mode="dense", ctx_size=512) as fresh:
+            return fresh.complete(prompt, max_tokens=40, **GREEDY).text
+
+    n_batch = llm.model.info["n_batch"]
+    long_ids = llm.tokenize(" ".join(HISTORY_PROMPTS * 8))
+    alone_last = [llm.detokenize(long_ids[:n_batch + 1]), llm.detokenize(long_ids[:n_batch + 2])]
+    prompts = [*HISTORY_PROMPTS, HISTORY_PROMPTS[0] + alone(HISTORY_PROMPTS[0]), *alone_last]
+    wanted = {p: alone(p) for p in prompts}
+    assert any(len(llm.tokenize(p)) % n_batch == 1 for p in alone_last)
+    for order in (prompts, prompts[::-1], [p for p in prompts for _ in range(2)]):
+        for p in order:
+            got = llm.complete(p, max_tokens=40, **GREEDY)
+            assert got.text == wanted[p], (p, got.usage)
 
 
 def test_presence_penalty_reaches_the_sampler(llm):

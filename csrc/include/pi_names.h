@@ -25,10 +25,8 @@ inline constexpr char kKeyInputThresholds[] = "powerinfer.input_thresholds";
 inline constexpr char kKeyVramCapacity[] = "split.vram_capacity";
 inline constexpr char kKeyGpuIndexBlockCount[] = "generic.gpu_index.block_count";
 
-// ---- the `{arch}.` hyperparameter keys the engine computes (llama.cpp's names, gguf-py's Keys): any other key
-// under the architecture's prefix (RoPE scaling of another kind, softcapping, experts, ...) is refused at load,
-// since ignoring it would compute another model. rope.scaling.original_context_length and .finetuned only
-// describe a linear scaling; attention.key_length/value_length must equal embedding_length / head_count. ----
+// ---- the `{arch}.` hyperparameter keys the engine computes (llama.cpp's names): any other key under the
+// architecture's prefix is refused at load (names.py says why) ----
 inline constexpr const char *kArchKeys[] = {
     "context_length", "embedding_length", "block_count", "feed_forward_length", "vocab_size",
     "attention.head_count", "attention.head_count_kv", "attention.key_length", "attention.value_length",

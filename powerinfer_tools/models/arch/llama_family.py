@@ -131,8 +131,7 @@ class LlamaFamily(Arch):
     def computed_tensors(self) -> dict[str, np.ndarray]:
         if rope_parameters(self.config).get("rope_type") != "llama3":
             return {}
-        import gguf
-        return {f"{gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS]}.weight": llama3_rope_factors(self.config)}
+        return {names.ROPE_FREQS: llama3_rope_factors(self.config)}
 
 
 def hidden_act(config) -> str:

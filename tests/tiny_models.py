@@ -74,44 +74,45 @@ def _bpe_tokenizer(out: Path, falcon: bool = False) -> int:
     return len(fast)
 
 
-def _config(kind: str, vocab: int, n_ff: int = N_FF):
+def _config(kind: str, vocab: int, n_ff: int = N_FF, **overrides):
+    """The kind's config, with `overrides` (config fields) set on top of its own."""
     from transformers import FalconConfig, LlamaConfig, MistralConfig, OPTConfig
 
-    common = dict(vocab_size=vocab, hidden_size=HIDDEN, num_hidden_layers=N_LAYER, num_attention_heads=N_HEAD)
+    common = dict(vocab_size=vocab, hidden_size=HIDDEN, num_hidden_layers=N_LAYER, num_attention_heads=N_HEAD,
+                  max_position_embeddings=256)
     if kind in ("llama-relu", "llama-silu", "prosparse"):
-        return LlamaConfig(**common, intermediate_size=n_ff, num_key_value_heads=N_KV,
-                           hidden_act="silu" if kind == "llama-silu" else "relu", max_position_embeddings=256,
-                           rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                           bos_token_id=1, eos_token_id=2)
-    if kind == "bamboo":
-        return MistralConfig(**common, intermediate_size=n_ff, num_key_value_heads=N_KV, hidden_act="relu",
-                             max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-5,
-                             sliding_window=None, architectures=["BambooForCausalLM"],
-                             bos_token_id=1, eos_token_id=2)
-    if kind == "falcon":
-        return FalconConfig(**common, num_kv_heads=N_KV, new_decoder_architecture=True, parallel_attn=True,
-                            bias=False, activation="relu", ffn_hidden_size=n_ff, max_position_embeddings=256,
-                            bos_token_id=0, eos_token_id=0)
-    if kind == "falcon7b":
-        return FalconConfig(**common, multi_query=True, new_decoder_architecture=False, parallel_attn=True,
-                            bias=False, activation="relu", ffn_hidden_size=n_ff, max_position_embeddings=256,
-                            bos_token_id=0, eos_token_id=0)
-    if kind == "opt":
-        return OPTConfig(vocab_size=vocab, hidden_size=HIDDEN, num_hidden_layers=N_LAYER,
-                         num_attention_heads=N_HEAD, ffn_dim=n_ff, word_embed_proj_dim=HIDDEN,
-                         max_position_embeddings=256, do_layer_norm_before=True, activation_function="relu",
-                         bos_token_id=0, eos_token_id=0, pad_token_id=1)
-    raise ValueError(kind)
+        cls, own = LlamaConfig, dict(intermediate_size=n_ff, num_key_value_heads=N_KV,
+                                     hidden_act="silu" if kind == "llama-silu" else "relu", rope_theta=10000.0,
+                                     rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    elif kind == "bamboo":
+        cls, own = MistralConfig, dict(intermediate_size=n_ff, num_key_value_heads=N_KV, hidden_act="relu",
+                                       rope_theta=10000.0, rms_norm_eps=1e-5, sliding_window=None,
+                                       architectures=["BambooForCausalLM"], bos_token_id=1, eos_token_id=2)
+    elif kind == "falcon":
+        cls, own = FalconConfig, dict(num_kv_heads=N_KV, new_decoder_architecture=True, parallel_attn=True,
+                                      bias=False, activation="relu", ffn_hidden_size=n_ff, bos_token_id=0,
+                                      eos_token_id=0)
+    elif kind == "falcon7b":
+        cls, own = FalconConfig, dict(multi_query=True, new_decoder_architecture=False, parallel_attn=True,
+                                      bias=False, activation="relu", ffn_hidden_size=n_ff, bos_token_id=0,
+                                      eos_token_id=0)
+    elif kind == "opt":
+        cls, own = OPTConfig, dict(ffn_dim=n_ff, word_embed_proj_dim=HIDDEN, do_layer_norm_before=True,
+                                   activation_function="relu", bos_token_id=0, eos_token_id=0, pad_token_id=1)
+    else:
+        raise ValueError(kind)
+    return cls(**{**common, **own, **overrides})
 
 
-def make_tiny(kind: str, out: Path, seed: int = 0, n_ff: int = N_FF) -> Path:
-    """Write a tiny random model of `kind` (see KINDS) with its tokenizer into `out`; n_ff FFN neurons."""
+def make_tiny(kind: str, out: Path, seed: int = 0, n_ff: int = N_FF, **overrides) -> Path:
+    """Write a tiny random model of `kind` (see KINDS) with its tokenizer into `out`; n_ff FFN neurons;
+    `overrides`: config fields (rope_parameters, sliding_window, ...) set on top of the kind's own."""
     from transformers import AutoModelForCausalLM, MistralForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
     vocab = (_spm_tokenizer(out) if kind in ("llama-relu", "llama-silu", "prosparse", "bamboo")
              else _bpe_tokenizer(out, falcon=kind.startswith("falcon")))
-    config = _config(kind, vocab, n_ff)
+    config = _config(kind, vocab, n_ff, **overrides)
     torch.manual_seed(seed)
     model_class = MistralForCausalLM if kind == "bamboo" else AutoModelForCausalLM
     model = model_class._from_config(config) if kind == "bamboo" else model_class.from_config(config)

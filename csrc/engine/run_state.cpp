@@ -17,8 +17,9 @@ RunState::RunState(const HParams &hp, int64_t n_ctx_, int64_t n_batch, int64_t t
     rope_cos.resize(size_t(n_ctx * half));
     rope_sin.resize(size_t(n_ctx * half));
     for (int64_t i = 0; i < half; ++i) {
-        // float32 steps, as transformers builds inv_freq and the angles
-        const float inv = 1.0f / std::pow(hp.rope_base, float(2 * i) / float(hp.n_rot));
+        // float32 steps, as transformers builds inv_freq and the angles; llama3 scaling divides pair i's frequency
+        const float plain = 1.0f / std::pow(hp.rope_base, float(2 * i) / float(hp.n_rot));
+        const float inv = hp.rope_freq_factors.empty() ? plain : plain / hp.rope_freq_factors[size_t(i)];
         for (int64_t p = 0; p < n_ctx; ++p) {
             const float angle = (float(p) * hp.rope_freq_scale) * inv;
             rope_cos[size_t(p * half + i)] = float(std::cos(double(angle)));

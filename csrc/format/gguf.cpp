@@ -256,6 +256,13 @@ const GgufValue *GgufFile::find(const std::string &key) const {
     return it == kv_.end() ? nullptr : &it->second;
 }
 
+std::vector<std::string> GgufFile::keys_with_prefix(const std::string &prefix) const {
+    std::vector<std::string> keys;
+    for (auto it = kv_.lower_bound(prefix); it != kv_.end() && it->first.compare(0, prefix.size(), prefix) == 0; ++it)
+        keys.push_back(it->first);
+    return keys;
+}
+
 const GgufTensor *GgufFile::tensor(const std::string &name) const {
     auto it = tensor_index_.find(name);
     return it == tensor_index_.end() ? nullptr : &tensors_[it->second];

@@ -52,6 +52,8 @@ public:
     uint64_t file_size() const { return size_; }
 
     const GgufValue *find(const std::string &key) const;
+    // The metadata keys that start with `prefix`, in order.
+    std::vector<std::string> keys_with_prefix(const std::string &prefix) const;
     const GgufTensor *tensor(const std::string &name) const;
     const std::vector<GgufTensor> &tensors() const { return tensors_; }
 

@@ -25,6 +25,17 @@ inline constexpr char kKeyInputThresholds[] = "powerinfer.input_thresholds";
 inline constexpr char kKeyVramCapacity[] = "split.vram_capacity";
 inline constexpr char kKeyGpuIndexBlockCount[] = "generic.gpu_index.block_count";
 
+// ---- the `{arch}.` hyperparameter keys the engine computes (llama.cpp's names): any other key under the
+// architecture's prefix is refused at load (names.py says why) ----
+inline constexpr const char *kArchKeys[] = {
+    "context_length", "embedding_length", "block_count", "feed_forward_length", "vocab_size",
+    "attention.head_count", "attention.head_count_kv", "attention.key_length", "attention.value_length",
+    "attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon", "attention.sliding_window",
+    "rope.dimension_count", "rope.freq_base", "rope.scaling.type", "rope.scaling.factor",
+    "rope.scaling.original_context_length", "rope.scaling.finetuned", "tensor_data_layout",
+};
+inline constexpr char kRopeFreqs[] = "rope_freqs.weight";  // llama3 RoPE: per rotated pair, its frequency's divisor
+
 // ---- tensors: blk.N.<name>.weight|bias ----
 inline constexpr char kFfnNorm[] = "ffn_norm";
 inline constexpr char kFfnGate[] = "ffn_gate";

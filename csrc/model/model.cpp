@@ -211,6 +211,12 @@ void Model::read_hparams() {
     if (a != "llama" && a != "bamboo" && a != "falcon" && a != "opt")
         fail(PI_ERR_UNSUPPORTED, p + ": unsupported architecture '" + k +
                                      "' (this engine runs llama, llama-silu, bamboo, falcon and opt)");
+    for (const std::string &key : f.keys_with_prefix(k + ".")) {
+        const std::string suffix = key.substr(k.size() + 1);
+        bool known = false;
+        for (const char *name : names::kArchKeys) known = known || suffix == name;
+        if (!known) fail(PI_ERR_UNSUPPORTED, p + ": key " + key + " is not computed by this engine (it would run another model)");
+    }
     const bool llama_family = a == "llama" || a == "bamboo";
     hp_.norm = llama_family ? NormKind::Rms : NormKind::Layer;
     hp_.rope = a == "opt" ? RopeKind::None : a == "falcon" ? RopeKind::NeoX : RopeKind::Adjacent;
@@ -232,6 +238,12 @@ void Model::read_hparams() {
         fail(PI_ERR_FORMAT, p + ": head_count " + std::to_string(hp_.n_head) + " is not a multiple of head_count_kv " +
                                 std::to_string(hp_.n_head_kv));
     hp_.d_head = hp_.n_embd / hp_.n_head;
+    for (const char *kv : {".attention.key_length", ".attention.value_length"})
+        if (f.has(k + kv) && f.get_int(k + kv, 1, big) != hp_.d_head)
+            fail(PI_ERR_UNSUPPORTED, p + ": " + k + kv + " " + std::to_string(f.get_int(k + kv, 1, big)) +
+                                         " is not embedding_length / head_count (" + std::to_string(hp_.d_head) +
+                                         "): heads of another width are not supported");
+    hp_.n_swa = f.get_int_or(k + ".attention.sliding_window", 0, 1, int64_t(1) << 24);
     hp_.n_rot = f.get_int_or(k + ".rope.dimension_count", hp_.d_head, 2, hp_.d_head);
     if (hp_.n_rot % 2 != 0) fail(PI_ERR_FORMAT, p + ": rope.dimension_count must be even");
     const std::string eps_key = k + (llama_family ? ".attention.layer_norm_rms_epsilon" : ".attention.layer_norm_epsilon");
@@ -243,21 +255,18 @@ void Model::read_hparams() {
     const double base = f.get_float_or(k + ".rope.freq_base", 10000.0);
     if (!(base > 1.0)) fail(PI_ERR_FORMAT, p + ": rope.freq_base must be > 1");
     hp_.rope_base = float(base);
-    if (f.has(k + ".rope.scaling.type")) {
-        const std::string kind = f.get_string(k + ".rope.scaling.type");
-        if (kind == "linear") {
-            const double factor = f.get_float_or(k + ".rope.scaling.factor", 1.0);
-            if (!(factor >= 1.0 && factor <= 1024.0)) fail(PI_ERR_FORMAT, p + ": rope.scaling.factor out of range");
-            hp_.rope_freq_scale = float(1.0 / factor);
-        } else if (kind != "none") {
-            fail(PI_ERR_UNSUPPORTED, p + ": rope scaling '" + kind + "' is not supported (none, linear)");
-        }
-    }
+    // as llama.cpp reads them: a factor without a type scales linearly
+    const std::string scaling = f.has(k + ".rope.scaling.type") ? f.get_string(k + ".rope.scaling.type") : "linear";
+    if (scaling != "linear" && scaling != "none")
+        fail(PI_ERR_UNSUPPORTED, p + ": rope scaling '" + scaling + "' is not supported (none, linear; llama3 as rope_freqs.weight)");
+    const double factor = f.get_float_or(k + ".rope.scaling.factor", 1.0);
+    if (!(factor >= 1.0 && factor <= 1024.0)) fail(PI_ERR_FORMAT, p + ": rope.scaling.factor out of range");
+    if (scaling == "none" && factor != 1.0)
+        fail(PI_ERR_FORMAT, p + ": rope.scaling.factor " + std::to_string(factor) + " with rope scaling 'none'");
+    hp_.rope_freq_scale = float(1.0 / factor);
     if (a == "falcon" && f.has("falcon.tensor_data_layout") && f.get_string("falcon.tensor_data_layout") != "jploski")
         fail(PI_ERR_UNSUPPORTED, p + ": falcon.tensor_data_layout '" + f.get_string("falcon.tensor_data_layout") +
                                      "' is not supported (jploski: fused QKV as all q heads, then k heads, then v heads)");
-    if (file_->tensor("rope_freqs.weight"))
-        fail(PI_ERR_UNSUPPORTED, p + ": per-dimension rope frequencies (rope_freqs.weight) are not supported");
 
     // Without powerinfer.ffn_activation (PowerInfer's converters never write it): a PWRI llama file is ReLU, as
     // PowerInfer's sparse FFN computes nothing else; a plain GGUF llama file is llama.cpp's SiLU.
@@ -312,6 +321,19 @@ Matrix Model::bind_optional(const std::string &name, int64_t rows, int64_t cols,
     m.row_bytes = size_t(cols) / ts.block * ts.bytes;
     m.data = t->data;
     return m;
+}
+
+void Model::bind_rope_freqs() {
+    const std::string &p = file_->path();
+    bool found = false;
+    const Matrix m = bind_optional(names::kRopeFreqs, 1, hp_.n_rot / 2, true, &found);
+    if (!found) return;
+    if (hp_.rope == RopeKind::None)
+        fail(PI_ERR_FORMAT, p + ": tensor " + names::kRopeFreqs + " in a model without RoPE (" + hp_.arch + ")");
+    hp_.rope_freq_factors.assign(m.floats(), m.floats() + hp_.n_rot / 2);
+    for (float x : hp_.rope_freq_factors)
+        if (!(std::isfinite(x) && x > 0.0f))
+            fail(PI_ERR_FORMAT, p + ": tensor " + names::kRopeFreqs + " holds a value that is not a positive number");
 }
 
 Matrix Model::bind_vector(const std::string &name, int64_t n, bool required) {
@@ -395,6 +417,7 @@ void Model::bind_tensors() {
     bool has_output = false;
     output_ = bind_optional("output.weight", V, E, false, &has_output);
     if (!has_output) output_ = tok_embd_;  // tied embeddings in a plain GGUF file
+    bind_rope_freqs();
 
     std::vector<float> act_thr(size_t(L), 0.0f), pred_thr(size_t(L), 0.0f);
     if (f.has(names::kKeyActivationThresholds)) act_thr = f.get_f32_array(names::kKeyActivationThresholds, uint64_t(L));

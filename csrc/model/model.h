@@ -68,6 +68,9 @@ struct HParams {
     float norm_eps = 1e-5f;
     float rope_base = 10000.0f;
     float rope_freq_scale = 1.0f;
+    // llama3 RoPE scaling (names::kRopeFreqs): per rotated pair, what its frequency is divided by; empty: none
+    std::vector<float> rope_freq_factors;
+    int64_t n_swa = 0;  // attention.sliding_window: positions a query attends to (0: all); the context is capped at it
     int64_t bos = -1, eos = -1;
 };
 
@@ -247,6 +250,7 @@ private:
     void bind_input_sparsity();
     void read_hparams();
     void bind_tensors();
+    void bind_rope_freqs();  // llama3 RoPE's per-pair divisors into hp_.rope_freq_factors
     void build_tiers(const std::string &gpuidx_path, bool hot_tier);
     void check_neuron_order(const GgufFile &gpuidx) const;
     // The cold tier's predictor rows (see FfnTier::fc2), from the layer's fc2 (whose rows are not read again).

@@ -24,6 +24,19 @@ KEY_INPUT_THRESHOLDS = "powerinfer.input_thresholds"             # [level][layer
 KEY_VRAM_CAPACITY = "split.vram_capacity"                     # gpu index: bytes its GPU neurons take
 KEY_GPU_INDEX_BLOCK_COUNT = "generic.gpu_index.block_count"   # gpu index: layers
 
+# ---- the `{arch}.` hyperparameter keys the engine computes (llama.cpp's names: gguf-py's Keys): it refuses a file
+# with any other key under its architecture's prefix (RoPE scaling of another kind, softcapping, experts, ...),
+# which ignoring would run as another model. rope.scaling.original_context_length and .finetuned only describe a
+# linear scaling; attention.key_length/value_length must equal embedding_length / head_count --------------------
+ARCH_KEYS = (
+    "context_length", "embedding_length", "block_count", "feed_forward_length", "vocab_size",
+    "attention.head_count", "attention.head_count_kv", "attention.key_length", "attention.value_length",
+    "attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon", "attention.sliding_window",
+    "rope.dimension_count", "rope.freq_base", "rope.scaling.type", "rope.scaling.factor",
+    "rope.scaling.original_context_length", "rope.scaling.finetuned", "tensor_data_layout",
+)
+ROPE_FREQS = "rope_freqs.weight"  # llama3 RoPE (llama.cpp's): per rotated pair, what its frequency is divided by
+
 # ---- tensors: blk.N.<name>.weight|bias ------------------------------------------------------------------
 FFN_NORM = "ffn_norm"
 FFN_GATE = "ffn_gate"

@@ -105,9 +105,15 @@ class TorchBinSource(WeightSource):
 
 class LlamaCppGgufSource(WeightSource):
     """A llama.cpp GGUF of a Llama-family model, presented under HF names and in HF layout
-    (q/k rows put back in rotate-half order), dequantized to float32 one tensor at a time."""
+    (q/k rows put back in rotate-half order), dequantized to float32 one tensor at a time.
+
+    The config is what transformers' GGUF loader reads of the file: a `llama.*` key outside its mapping (RoPE
+    scaling, a sliding window) or a tensor with no HF name (llama3's rope_freqs) would be lost, so either is
+    refused (the engine runs such a file directly)."""
 
     def __init__(self, path: Path, config):
+        from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
         from powerinfer_tools.models.arch.llama_family import llamacpp_to_hf
         from powerinfer_tools.formats.gguf_io import field, open_reader
 
@@ -115,11 +121,17 @@ class LlamaCppGgufSource(WeightSource):
         if field(self.reader, "general.architecture") != "llama":
             raise UserError(f"{path}: only llama-architecture GGUF files can be converted "
                             f"(this one is '{field(self.reader, 'general.architecture')}')")
+        read = {f"llama.{key}" for key in GGUF_CONFIG_MAPPING["llama"]}
+        lost = [k for k in self.reader.fields if k.startswith("llama.") and k not in read]
+        if lost:
+            raise UserError(f"{path}: its key {lost[0]} = {field(self.reader, lost[0])!r} is not carried into "
+                            "a converted file; run the file itself (pi-tools run -m)")
         self.tensors, self.reorders, self.shapes, self.stored_bytes = {}, {}, {}, {}
         for tensor in self.reader.tensors:
             hf, reorder = llamacpp_to_hf(tensor.name, config)
             if not hf:
-                continue  # e.g. rope_freqs: recomputed by the engine from the metadata
+                raise UserError(f"{path}: its tensor {tensor.name} is not carried into a converted file; run the "
+                                "file itself (pi-tools run -m)")
             self.tensors[hf], self.reorders[hf] = tensor, reorder
             self.shapes[hf] = tuple(int(n) for n in reversed(tensor.shape))
             self.stored_bytes[hf] = int(tensor.n_bytes)

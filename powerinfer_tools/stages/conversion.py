@@ -300,6 +300,8 @@ def plan(adapter: arch.Arch, weights, predictors: Predictors | None, outtype: st
                 planned.append(PlannedTensor(f"blk.{i}.{key}", shape, qtype,
                                              lambda p=path, k=key, r=padded, s=scale: _load_predictor(p, k, r) * s,
                                              str(path)))
+    for name, data in adapter.computed_tensors().items():  # made from the config: no source bytes
+        planned.append(PlannedTensor(name, data.shape, tensor_type(data.shape, outtype), lambda d=data: d, ""))
     return planned
 
 
@@ -483,7 +485,7 @@ def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predic
 
     sources_used = {t.source for t in tensors}
     bytes_in = sum(weights.stored_bytes.get(s, 0) for s in sources_used) + \
-        sum(Path(s).stat().st_size for s in sources_used if s not in weights.stored_bytes)
+        sum(Path(s).stat().st_size for s in sources_used if s and s not in weights.stored_bytes)
     return {
         "out": str(out_path), "model": source.spec, "arch": adapter.name, "gguf_arch": adapter.gguf_arch,
         "outtype": outtype, "powerinfer_compatible": powerinfer_compatible, "tensors": len(tensors),

@@ -66,6 +66,16 @@ def test_the_header_compiles_and_counts_its_modes(tmp_path):
     subprocess.run(["c++", "-std=c++17", "-fsyntax-only", "-I", str(HEADER.parent), str(probe)], check=True)
 
 
+def test_llama_cpp_names_are_gguf_pys():
+    """The hyperparameter keys the engine computes and the llama3 RoPE tensor are llama.cpp's, as gguf-py spells them."""
+    import gguf
+
+    keys = {v for group in vars(gguf.Keys).values() if isinstance(group, type)
+            for k, v in vars(group).items() if k.isupper() and isinstance(v, str)}
+    assert {f"{{arch}}.{suffix}" for suffix in names.ARCH_KEYS} <= keys
+    assert names.ROPE_FREQS == gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
+
+
 def test_layer_tensor_names():
     assert names.layer_tensor(3, names.FFN_DOWN_T) == "blk.3.ffn_down_t.weight"
     assert names.layer_tensor(0, names.FFN_UP, "bias") == "blk.0.ffn_up.bias"

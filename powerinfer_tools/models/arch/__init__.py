@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from powerinfer_tools.models.arch.bamboo import Bamboo
 from powerinfer_tools.models.arch.base import Arch, Dims, install_taps, is_active
+from powerinfer_tools.models.arch.config_fields import check as check_config_fields
 from powerinfer_tools.models.arch.falcon import Falcon
 from powerinfer_tools.models.arch.llama_family import is_bamboo
 from powerinfer_tools.models.arch.llama_relu import LlamaRelu
@@ -21,9 +22,11 @@ def supported() -> str:
 
 
 def for_config(config) -> Arch:
-    """The adapter for a config, or a UserError naming the supported architectures."""
+    """The adapter for a config, or a UserError naming the supported architectures or the first config field
+    whose value the converted file would not compute (config_fields.py)."""
     for adapter in ADAPTERS:
         if adapter.matches(config):
+            check_config_fields(config, adapter.config_fields)
             return adapter(config)
     act = getattr(config, "hidden_act", None) or getattr(config, "activation", None) or "?"
     raise UserError(f"unsupported architecture '{config.model_type}' (activation {act}); supported: {supported()}")

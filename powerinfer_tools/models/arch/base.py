@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from powerinfer_tools.formats import gguf_io
+from powerinfer_tools.models.arch.config_fields import Field
 
 ACTIVE_IF_NONZERO = ("relu", "drelu", "fatrelu")
 
@@ -68,6 +69,7 @@ class Arch:
     powerinfer_arch: str = ""  # PowerInfer's name for the architecture (llama, bamboo, falcon, opt)
     description: str = ""
     gated: bool = True        # FFN has a gate projection
+    config_fields: tuple[Field, ...] = ()  # the config fields that change the computation (config_fields.py)
 
     def __init__(self, config):
         self.config = config
@@ -122,6 +124,10 @@ class Arch:
     def write_hparams(self, writer) -> None:
         """Write the `{arch}.*` hyperparameters PowerInfer's loader reads (gguf.GGUFWriter)."""
         raise NotImplementedError
+
+    def computed_tensors(self) -> dict[str, np.ndarray]:
+        """Tensors made from the config rather than the checkpoint (llama3 RoPE's rope_freqs), as f32 arrays."""
+        return {}
 
     # ---- hook points ----------------------------------------------------------------------------
     def layers(self, model) -> list:

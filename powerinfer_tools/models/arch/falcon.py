@@ -7,8 +7,8 @@ from functools import partial
 import numpy as np
 
 from powerinfer_tools.models.arch.base import Arch, Dims, TensorMap, optional_maps, rope_theta
+from powerinfer_tools.models.arch.config_fields import FALCON_FIELDS
 from powerinfer_tools.formats import names
-from powerinfer_tools.core.errors import UserError
 
 FALCON_MODEL_TYPES = ("falcon", "RefinedWeb", "RefinedWebModel")
 
@@ -35,6 +35,7 @@ class Falcon(Arch):
     powerinfer_arch = "falcon"
     description = "Falcon (new decoder architecture as Falcon-40B, or 7B layout), ReLU-fied"
     gated = False
+    config_fields = FALCON_FIELDS  # rotary embeddings and parallel attention (7B/40B/180B layouts)
 
     @classmethod
     def matches(cls, config) -> bool:
@@ -65,9 +66,6 @@ class Falcon(Arch):
 
     def tensor_maps(self, available):
         c = self.config
-        if getattr(c, "alibi", False) or not (c.new_decoder_architecture or c.parallel_attn):
-            raise UserError("only Falcon with rotary embeddings and parallel attention (7B/40B/180B layouts) "
-                            "converts to PowerInfer's falcon architecture")
         qkv = partial(qkv_grouped_to_contiguous, n_head=c.num_attention_heads, n_kv=n_kv_heads(c))
         maps = [TensorMap("token_embd.weight", "transformer.word_embeddings.weight")]
         for i in range(c.num_hidden_layers):

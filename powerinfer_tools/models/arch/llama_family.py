@@ -7,6 +7,7 @@ from functools import partial
 import numpy as np
 
 from powerinfer_tools.models.arch.base import Arch, Dims, TensorMap, rope_theta
+from powerinfer_tools.models.arch.config_fields import LLAMA_FIELDS
 from powerinfer_tools.formats import names
 
 LLAMA_MODEL_TYPES = ("llama", "mistral")
@@ -53,9 +54,26 @@ def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def rope_parameters(config) -> dict:
+    """transformers 5's standardized RoPE parameters (rope_type, rope_theta, factor, ...) of a config."""
+    return getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+
+
+def llama3_rope_factors(config) -> np.ndarray:
+    """llama3 RoPE scaling as llama.cpp stores it (rope_freqs.weight): per rotated pair, what its frequency is
+    divided by. Computed from transformers' own frequencies, default and llama3, so the file's are the class's."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config)
+    plain, _ = LlamaRotaryEmbedding.compute_default_rope_parameters(config)
+    return (plain.double() / scaled.double()).float().numpy()
+
+
 class LlamaFamily(Arch):
     powerinfer_arch = "llama"
     gated = True
+    config_fields = LLAMA_FIELDS
 
     def dims(self) -> Dims:
         c = self.config
@@ -87,7 +105,8 @@ class LlamaFamily(Arch):
                 maps.append(TensorMap(f"{name}.weight", f"{src}.weight", rope.get(ours), ours == names.FFN_DOWN))
                 if f"{src}.bias" in available:  # attention_bias / mlp_bias checkpoints
                     maps.append(TensorMap(f"{name}.bias", f"{src}.bias", rope.get(ours)))
-        head = "lm_head.weight" if "lm_head.weight" in available else "model.embed_tokens.weight"
+        tied = getattr(c, "tie_word_embeddings", False) or "lm_head.weight" not in available
+        head = "model.embed_tokens.weight" if tied else "lm_head.weight"
         return maps + [TensorMap("output_norm.weight", "model.norm.weight"), TensorMap("output.weight", head)]
 
     def write_hparams(self, writer) -> None:
@@ -101,11 +120,18 @@ class LlamaFamily(Arch):
         writer.add_head_count_kv(_n_kv(c))
         writer.add_layer_norm_rms_eps(float(c.rms_norm_eps))
         writer.add_rope_freq_base(rope_theta(c))
-        scaling = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
-        if scaling.get("rope_type", scaling.get("type")) == "linear":
+        rope = rope_parameters(c)
+        if rope.get("rope_type") == "linear":  # llama3's scaling is its rope_freqs tensor (computed_tensors)
             import gguf
             writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-            writer.add_rope_scaling_factor(float(scaling["factor"]))
+            writer.add_rope_scaling_factor(float(rope["factor"]))
+        if getattr(c, "sliding_window", None):  # Mistral: the engine runs no context longer than the window
+            writer.add_sliding_window(int(c.sliding_window))
+
+    def computed_tensors(self) -> dict[str, np.ndarray]:
+        if rope_parameters(self.config).get("rope_type") != "llama3":
+            return {}
+        return {names.ROPE_FREQS: llama3_rope_factors(self.config)}
 
 
 def hidden_act(config) -> str:

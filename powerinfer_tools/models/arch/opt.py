@@ -3,8 +3,8 @@ input is the residual after attention (input of final_layer_norm)."""
 from __future__ import annotations
 
 from powerinfer_tools.models.arch.base import Arch, Dims, TensorMap
+from powerinfer_tools.models.arch.config_fields import OPT_FIELDS
 from powerinfer_tools.formats import names
-from powerinfer_tools.core.errors import UserError
 
 # llama.cpp block tensor -> OPT module inside `model.decoder.layers.N.` (each has weight and bias)
 BLOCK_TENSORS = {
@@ -19,6 +19,7 @@ class Opt(Arch):
     powerinfer_arch = "opt"
     description = "OPT (ReLU)"
     gated = False
+    config_fields = OPT_FIELDS  # pre-LayerNorm, no embedding projection: OPT-125m, 1.3b and larger but 350m
 
     @classmethod
     def matches(cls, config) -> bool:
@@ -50,9 +51,6 @@ class Opt(Arch):
         """No `output.weight`: PowerInfer's OPT loader uses `token_embd` as the head (OPT ties them) and
         rejects a file with tensors it does not create. `position_embd` keeps OPT's 2 offset rows."""
         c = self.config
-        if not c.do_layer_norm_before or c.word_embed_proj_dim != c.hidden_size:
-            raise UserError("only pre-LayerNorm OPT without embedding projection (OPT-125m, 1.3b and larger "
-                            "except 350m) converts to PowerInfer's opt architecture")
         d = "model.decoder."
         maps = [TensorMap("token_embd.weight", f"{d}embed_tokens.weight"),
                 TensorMap("position_embd.weight", f"{d}embed_positions.weight")]

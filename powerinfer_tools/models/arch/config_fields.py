@@ -1,0 +1,92 @@
+"""Every config field transformers' class reads that changes what a model computes, per architecture family, and
+the values this toolkit computes the same way: a converted file must compute the checkpoint's model or not be
+written. One table per family; `check` refuses the first field outside it with one line (convert, its dry run,
+profile: every path that takes an adapter from `arch.for_config`).
+
+Fields a family's table leaves out are ones its transformers class does not read (pretraining_tp, softcapping,
+query_pre_attn_scalar for Llama) or ones the adapter matches on (hidden_act). docs/formats.md lists the tables.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from powerinfer_tools.core.errors import UserError
+
+MISSING = object()
+
+
+@dataclass(frozen=True)
+class Field:
+    """A config field (`rope_parameters.rope_type`: a key of a dict field) and the values computed as transformers
+    computes them: `accepts(value, config)`; `supported` says which, in the refusal and in docs/formats.md."""
+
+    path: str
+    accepts: Callable[[Any, Any], bool]
+    supported: str
+
+    def value(self, config) -> Any:
+        obj = config
+        for part in self.path.split("."):
+            obj = obj.get(part, MISSING) if isinstance(obj, dict) else getattr(obj, part, MISSING)
+            if obj is MISSING:
+                return MISSING
+        return obj
+
+
+def one_of(path: str, *values) -> Field:
+    """A field whose value (or absence) must be one of `values`; MISSING among them accepts an absent field."""
+    shown = ", ".join("absent" if v is MISSING else repr(v) for v in values)
+    return Field(path, lambda v, c: v in values, shown)
+
+
+def any_value(path: str, how: str) -> Field:
+    """A field computed at every value: listed so that the table is the whole audit (docs/formats.md)."""
+    return Field(path, lambda v, c: True, how)
+
+
+def _head_dim_is_split(value, config) -> bool:
+    return value in (MISSING, None) or value == config.hidden_size // config.num_attention_heads
+
+
+ROPE_TYPES = ("default", "linear", "llama3")  # how the engine scales RoPE: freq_scale or rope_freqs (llama3)
+
+LLAMA_FIELDS = (
+    one_of("rope_parameters.rope_type", *ROPE_TYPES, MISSING),
+    one_of("rope_parameters.partial_rotary_factor", 1.0, None, MISSING),
+    Field("head_dim", _head_dim_is_split, "hidden_size / num_attention_heads"),
+    any_value("sliding_window", "written as attention.sliding_window; the engine's context is capped at it"),
+    any_value("attention_bias", "q/k/v/o biases written and added"),
+    any_value("mlp_bias", "gate/up/down biases written and added"),
+    any_value("tie_word_embeddings", "output.weight is the embedding when tied"),
+)
+
+FALCON_FIELDS = (
+    one_of("rope_parameters.rope_type", "default", MISSING),
+    one_of("alibi", False),
+    Field("parallel_attn", lambda v, c: bool(v) or bool(c.new_decoder_architecture),
+          "True, or new_decoder_architecture"),
+    one_of("activation", "relu", "gelu"),
+    any_value("num_ln_in_parallel_attn", "one or two layer norms, as the checkpoint's tensors are"),
+    any_value("bias", "biases written and added where the checkpoint has them"),
+)
+
+OPT_FIELDS = (
+    one_of("do_layer_norm_before", True),
+    Field("word_embed_proj_dim", lambda v, c: v in (MISSING, None, c.hidden_size), "hidden_size"),
+    one_of("_remove_final_layer_norm", False, MISSING),
+    one_of("layer_norm_elementwise_affine", True, MISSING),
+    one_of("enable_bias", True, MISSING),
+    one_of("tie_word_embeddings", True, MISSING),
+    one_of("activation_function", "relu", "gelu"),
+)
+
+
+def check(config, fields: tuple[Field, ...]) -> None:
+    """UserError naming the first field whose value this toolkit would not compute as transformers does."""
+    for f in fields:
+        value = f.value(config)
+        if not f.accepts(value, config):
+            shown = "absent" if value is MISSING else repr(value)
+            raise UserError(f"config field {f.path} = {shown} is not supported for {config.model_type} "
+                            f"(supported: {f.supported}): converting would compute another model")

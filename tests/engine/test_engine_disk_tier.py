@@ -225,23 +225,39 @@ def test_the_sidecar_of_a_model_changed_under_the_same_size_and_time_is_refused(
     assert np.array_equal(got, want)
 
 
+def _recorded_stamp(sidecar) -> tuple:
+    with open(sidecar, "rb") as f:
+        f.seek(neuron_bundles.STAMP_OFFSET)
+        return neuron_bundles.STAMP.unpack(f.read(neuron_bundles.STAMP.size))
+
+
 def test_a_sidecar_checked_by_the_bytes_records_the_models_stamp(bundled, tmp_path):
     """Bundles written within SETTLE_SECONDS of the GGUF's last change record no stamp, and the engine checks them
-    against the GGUF's rows; once it has settled, that check records the GGUF's stamp (then `current`). A copy of
-    the same bytes renamed over the GGUF (another inode and change time) is checked by its rows, and accepted."""
+    against the GGUF's rows; once it has settled, that check records the GGUF's stamp. A copy of the same bytes
+    renamed over the GGUF (another inode and change time) is checked by its rows, and accepted."""
     model, sidecar, fixed, bundle = bundled
     os.utime(model)  # changed now: bundles written next cannot trust its stamp
     neuron_bundles.write(model, progress=False)
-    assert not neuron_bundles.current(model)
+    assert _recorded_stamp(sidecar) == neuron_bundles.NO_STAMP and neuron_bundles.current(model)
+    assert _recorded_stamp(sidecar) == neuron_bundles.NO_STAMP
     want, _ = decode(model, "predictor")
     time.sleep(SETTLE_SECONDS + 0.2)
     got, _ = decode(model, "predictor", fixed + N_FF * bundle + 1024)
-    assert np.array_equal(got, want) and neuron_bundles.current(model)
+    assert np.array_equal(got, want) and _recorded_stamp(sidecar) == neuron_bundles.stamp(os.stat(model))
     shutil.copy(model, tmp_path / "copy.gguf")
     os.replace(tmp_path / "copy.gguf", model)
-    assert not neuron_bundles.current(model)
+    assert _recorded_stamp(sidecar) != neuron_bundles.stamp(os.stat(model)) and neuron_bundles.current(model)
     got, _ = decode(model, "predictor", fixed + N_FF * bundle + 1024)
     assert np.array_equal(got, want)
+
+
+def test_current_records_the_stamp_as_the_engine_does(bundled):
+    model, sidecar, _, _ = bundled
+    time.sleep(SETTLE_SECONDS + 0.2)
+    with open(sidecar, "r+b") as f:  # no stamp: the rows decide
+        f.seek(neuron_bundles.STAMP_OFFSET)
+        f.write(neuron_bundles.STAMP.pack(*neuron_bundles.NO_STAMP))
+    assert neuron_bundles.current(model) and _recorded_stamp(sidecar) == neuron_bundles.stamp(os.stat(model))
 
 
 OPEN_TIERED = """

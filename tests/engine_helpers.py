@@ -1,9 +1,13 @@
 """Shared by the engine tests: tiny models converted once per session, transformers reference
 logits (optionally with the FFN sparsified exactly as an engine mode defines it), gpuidx files,
-edited copies of a file (`rewrite`)."""
+edited copies of a file (`rewrite`), a file changed under the same size and modification time
+(`replace_keeping_size_and_time`), a command that must not hang (`run_with_timeout`)."""
 from __future__ import annotations
 
 import inspect
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -223,3 +227,27 @@ def smollm2_q8_0(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("smollm2_default") / "smollm2.q8_0.powerinfer.gguf"
     convert_model("smollm2", path, outtype="q8_0", progress=False)
     return path
+
+
+def replace_keeping_size_and_time(path: Path, other: Path, how: str) -> None:
+    """Makes `path` hold `other`'s bytes (of the same size), written over it ("in place") or renamed over it
+    ("renamed over"), and gives it back its modification time to the nanosecond: what a copy then `touch -r`, tar
+    or os.utime leave. Only the change time (and, renamed, the inode) tells the files apart."""
+    before = os.stat(path)
+    assert os.path.getsize(other) == before.st_size
+    if how == "in place":
+        with open(path, "r+b") as f:
+            f.write(Path(other).read_bytes())
+        os.unlink(other)
+    else:
+        os.replace(other, path)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.stat(path)
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+
+
+def run_with_timeout(script: str, *args, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`script` run by this Python in a child process that is killed after `timeout` seconds (a hang fails the test
+    with subprocess.TimeoutExpired instead of hanging the suite)."""
+    return subprocess.run([sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout)

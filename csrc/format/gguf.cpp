@@ -107,6 +107,7 @@ GgufFile::GgufFile(const std::string &path) : path_(path) {
         fail(PI_ERR_IO, path + ": not a regular file");
     }
     size_ = uint64_t(st.st_size);
+    stamp_ = stamp_of(st);
     if (size_ < 24) {
         ::close(fd);
         fail(PI_ERR_FORMAT, path + ": file of " + std::to_string(size_) + " bytes is too short for a GGUF header");

@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "runtime/derived_file.h"
+
 namespace pi {
 
 enum GgufValueType : uint32_t {
@@ -50,6 +52,8 @@ public:
     const std::string &path() const { return path_; }
     bool pwri_magic() const { return pwri_; }
     uint64_t file_size() const { return size_; }
+    // The file's stamp when it was mapped (runtime/derived_file.h): what files made from it record.
+    const SourceStamp &stamp() const { return stamp_; }
 
     const GgufValue *find(const std::string &key) const;
     // The metadata keys that start with `prefix`, in order.
@@ -79,6 +83,7 @@ private:
     std::string path_;
     const uint8_t *map_ = nullptr;
     uint64_t size_ = 0;
+    SourceStamp stamp_;
     bool pwri_ = false;
     std::map<std::string, GgufValue> kv_;
     std::vector<GgufTensor> tensors_;

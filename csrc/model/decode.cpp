@@ -111,7 +111,7 @@ DecodedRows DecodedWeights::decode(const std::string &path, const GgufTensor &t,
             }
         });
     }
-    cache_.add(t.name, transpose, to, out.row_bytes, base, need);
+    cache_.add(t, transpose, to, out.row_bytes, base, need);
     auto tally = std::find_if(tallies_.begin(), tallies_.end(), [&](const DecodeTally &d) {
         return d.from == t.type && d.to == to && d.transposed == transpose;
     });

@@ -52,7 +52,7 @@ public:
     double seconds() const { return seconds_; }
     // The decoded rows of model file `source` kept in (or read from) cache file `path` (model/decode_cache.h;
     // "": none): opened before the first decode, finished after the last.
-    void open_cache(const std::string &path, const std::string &source) { cache_.open(path, source); }
+    void open_cache(const std::string &path, const GgufFile &source) { cache_.open(path, source); }
     void finish_cache() { cache_.finish(); }
     const char *cache_state() const { return cache_.state(); }
     int64_t from_cache() const { return from_cache_; }  // tensors copied from the cache instead of decoded

@@ -13,8 +13,9 @@ namespace pi {
 namespace {
 
 constexpr char kMagic[4] = {'P', 'I', 'D', 'C'};
-// Bumped whenever what decode.cpp makes of a tensor changes: a cache of another version is rewritten.
-constexpr uint32_t kVersion = 1;
+// Bumped whenever what decode.cpp makes of a tensor, or this file's layout, changes: a cache of another version is
+// rewritten.
+constexpr uint32_t kVersion = 2;
 constexpr uint64_t kMaxEntries = uint64_t(1) << 20;
 constexpr uint64_t kMaxName = uint64_t(1) << 12;
 
@@ -22,9 +23,10 @@ uint64_t rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
 
 // A 64-bit checksum of n bytes, four independent lanes of multiply-rotate mixing (fast enough to verify a cache
 // on every load; it detects damage, it does not resist tampering).
-uint64_t checksum(const uint8_t *p, size_t n) {
+uint64_t checksum(const uint8_t *p, size_t n, uint64_t seed = 0) {
     const uint64_t k1 = 0x87c37b91114253d5ull, k2 = 0x4cf5ad432745937full;
-    uint64_t h[4] = {0x9e3779b97f4a7c15ull ^ n, 0xc2b2ae3d27d4eb4full, 0x165667b19e3779f9ull, 0x27d4eb2f165667c5ull};
+    uint64_t h[4] = {0x9e3779b97f4a7c15ull ^ n, 0xc2b2ae3d27d4eb4full ^ seed, 0x165667b19e3779f9ull,
+                     0x27d4eb2f165667c5ull};
     size_t i = 0;
     for (; i + 32 <= n; i += 32)
         for (int l = 0; l < 4; ++l) {
@@ -67,6 +69,14 @@ struct Cursor {
     }
 };
 
+// What a cached tensor was decoded from: the tensor's bytes, seeded by its type and shape (the same bytes read as
+// another type or shape decode to other rows).
+uint64_t source_digest(const GgufTensor &t) {
+    uint64_t seed = t.type;
+    for (uint64_t n : t.ne) seed = rotl(seed, 21) * 0x100000001b3ull ^ n;
+    return checksum(t.data, size_t(t.n_bytes), seed);
+}
+
 template <typename T>
 void put(std::string &out, T v) {
     out.append(reinterpret_cast<const char *>(&v), sizeof(T));
@@ -104,19 +114,17 @@ void DecodeCache::abandon_write() {
     temp_.clear();
 }
 
-void DecodeCache::open(const std::string &path, const std::string &source) {
+void DecodeCache::open(const std::string &path, const GgufFile &source) {
     if (path.empty()) return;
-    struct stat st {};
-    if (::stat(source.c_str(), &st) != 0) return;  // the model's own open reports it
     path_ = path;
-    source_size_ = uint64_t(st.st_size);
-    source_mtime_ns_ = int64_t(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
-
-    // Read: the whole file verified before any of it is used.
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    source_stamp_ = source.stamp();
+    // O_NONBLOCK: open(2) of a FIFO would wait for a writer
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd >= 0) {
         struct stat cs {};
-        if (::fstat(fd, &cs) == 0 && cs.st_size >= 24) {
+        const bool regular = ::fstat(fd, &cs) == 0 && S_ISREG(cs.st_mode);
+        write_failed_ = !regular;  // not a file of ours: neither read nor replaced
+        if (regular && cs.st_size >= 24) {
             void *m = mmap(nullptr, size_t(cs.st_size), PROT_READ, MAP_PRIVATE, fd, 0);
             if (m != MAP_FAILED) {
                 map_ = static_cast<const uint8_t *>(m);
@@ -125,42 +133,55 @@ void DecodeCache::open(const std::string &path, const std::string &source) {
         }
         ::close(fd);
     }
-    bool valid = false;
-    if (map_ && std::memcmp(map_, kMagic, 4) == 0) {
-        const uint64_t size = map_bytes_;
-        Cursor head{map_, 4, size};
-        uint64_t index_at = 0;
-        std::memcpy(&index_at, map_ + size - 8, 8);
-        Cursor c{map_, index_at, size - 8};
-        valid = head.get<uint32_t>() == kVersion && index_at >= 8 && index_at <= size - 8;
-        if (valid) {
-            const uint64_t file_size = c.get<uint64_t>();
-            const int64_t file_mtime = c.get<int64_t>();
-            const uint64_t n = c.get<uint64_t>();
-            valid = c.ok && file_size == source_size_ && file_mtime == source_mtime_ns_ && n <= kMaxEntries;
-            for (uint64_t i = 0; valid && i < n; ++i) {
-                CachedRows r;
-                r.name = c.text(c.get<uint64_t>());
-                r.transposed = c.get<uint8_t>() != 0;
-                r.type = c.get<uint32_t>();
-                r.row_bytes = c.get<uint64_t>();
-                r.offset = c.get<uint64_t>();
-                r.bytes = c.get<uint64_t>();
-                r.checksum = c.get<uint64_t>();
-                valid = c.ok && r.offset >= 8 && r.offset <= index_at && r.bytes <= index_at - r.offset &&
-                        checksum(map_ + r.offset, size_t(r.bytes)) == r.checksum;
-                index_.push_back(std::move(r));
-            }
-            valid = valid && c.ok && c.at == size - 8;
+    SourceStamp recorded;
+    bool valid = read_index();
+    if (valid) std::memcpy(&recorded, map_ + stamp_at_, sizeof recorded);
+    const auto same_bytes = [&] {
+        for (const CachedRows &r : index_) {
+            const GgufTensor *t = source.tensor(r.name);
+            if (!t || source_digest(*t) != r.source_digest) return false;
         }
-    }
-    if (valid) {
+        return true;
+    };
+    const SourceMatch match = valid ? match_source(recorded, source_stamp_, same_bytes) : SourceMatch::Changed;
+    if (match != SourceMatch::Changed) {
         mode_ = Mode::Read;
+        if (match == SourceMatch::Bytes) record_stamp(path_, stamp_at_, source_stamp_);
         return;
     }
     close_mapping();
     index_.clear();
     mode_ = Mode::Write;  // the file is created by the first add(): a model that decodes nothing leaves none
+}
+
+bool DecodeCache::read_index() {
+    if (!map_ || std::memcmp(map_, kMagic, 4) != 0) return false;
+    const uint64_t size = map_bytes_;
+    Cursor head{map_, 4, size};
+    uint64_t index_at = 0;
+    std::memcpy(&index_at, map_ + size - 8, 8);
+    if (head.get<uint32_t>() != kVersion || index_at < 8 || index_at > size - 8) return false;
+    Cursor c{map_, index_at, size - 8};
+    stamp_at_ = index_at;
+    c.get<SourceStamp>();
+    const uint64_t n = c.get<uint64_t>();
+    if (!c.ok || n > kMaxEntries) return false;
+    for (uint64_t i = 0; i < n; ++i) {
+        CachedRows r;
+        r.name = c.text(c.get<uint64_t>());
+        r.transposed = c.get<uint8_t>() != 0;
+        r.type = c.get<uint32_t>();
+        r.row_bytes = c.get<uint64_t>();
+        r.offset = c.get<uint64_t>();
+        r.bytes = c.get<uint64_t>();
+        r.checksum = c.get<uint64_t>();
+        r.source_digest = c.get<uint64_t>();
+        if (!c.ok || r.offset < 8 || r.offset > index_at || r.bytes > index_at - r.offset ||
+            checksum(map_ + r.offset, size_t(r.bytes)) != r.checksum)
+            return false;
+        index_.push_back(std::move(r));
+    }
+    return c.at == size - 8;
 }
 
 bool DecodeCache::read(const std::string &name, bool transposed, uint32_t type, size_t row_bytes, uint8_t *out,
@@ -176,12 +197,12 @@ bool DecodeCache::read(const std::string &name, bool transposed, uint32_t type, 
     return false;
 }
 
-void DecodeCache::add(const std::string &name, bool transposed, uint32_t type, size_t row_bytes, const uint8_t *data,
+void DecodeCache::add(const GgufTensor &source, bool transposed, uint32_t type, size_t row_bytes, const uint8_t *data,
                       size_t bytes) {
     if (mode_ != Mode::Write || write_failed_) return;
     if (fd_ < 0) {  // a new file, under a temporary name in the same directory
         temp_ = path_ + ".tmp." + std::to_string(::getpid());
-        fd_ = ::open(temp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+        fd_ = ::open(temp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NONBLOCK, 0644);
         std::string head(kMagic, 4);
         put<uint32_t>(head, kVersion);
         if (fd_ < 0 || !write_all(fd_, head.data(), head.size())) {
@@ -196,7 +217,8 @@ void DecodeCache::add(const std::string &name, bool transposed, uint32_t type, s
         abandon_write();
         return;
     }
-    index_.push_back(CachedRows{name, transposed, type, row_bytes, written_, bytes, checksum(data, bytes)});
+    index_.push_back(CachedRows{source.name, transposed, type, row_bytes, written_, bytes, checksum(data, bytes),
+                                source_digest(source)});
     written_ += bytes;
 }
 
@@ -210,8 +232,7 @@ void DecodeCache::finish() {
     }
     if (mode_ != Mode::Write || fd_ < 0) return;
     std::string tail;
-    put<uint64_t>(tail, source_size_);
-    put<int64_t>(tail, source_mtime_ns_);
+    put<SourceStamp>(tail, recordable(source_stamp_));
     put<uint64_t>(tail, index_.size());
     for (const CachedRows &r : index_) {
         put<uint64_t>(tail, r.name.size());
@@ -222,6 +243,7 @@ void DecodeCache::finish() {
         put<uint64_t>(tail, r.offset);
         put<uint64_t>(tail, r.bytes);
         put<uint64_t>(tail, r.checksum);
+        put<uint64_t>(tail, r.source_digest);
     }
     put<uint64_t>(tail, written_);
     const bool ok = write_all(fd_, tail.data(), tail.size()) && ::fsync(fd_) == 0 && ::close(fd_) == 0;

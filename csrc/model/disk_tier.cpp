@@ -80,7 +80,8 @@ DiskTier::DiskTier(const std::string &path, Model &model, double budget, const s
                    double fixed_bytes, int io_threads)
     : path_(path), model_(model), budget_(budget), fixed_(fixed_bytes) {
     const HParams &hp = model.hp();
-    fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    // O_NONBLOCK: open(2) of a FIFO would wait for a writer (reads of a regular file ignore it)
+    fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd_ < 0)
         fail(PI_ERR_IO, path + ": cannot open the neuron bundles (" + std::strerror(errno) +
                             "; `pi-tools convert --neuron-bundles` writes them beside the model)");
@@ -93,7 +94,7 @@ DiskTier::DiskTier(const std::string &path, Model &model, double budget, const s
         if (std::memcmp(hdr_.magic, names::kNeuronBundlesMagic, 4) != 0) fail(PI_ERR_FORMAT, path + ": not a neuron bundle file (bad magic)");
         if (hdr_.version != kBundleVersion)
             fail(PI_ERR_FORMAT, path + ": neuron bundle version " + std::to_string(hdr_.version) + ", this engine reads " +
-                                    std::to_string(kBundleVersion));
+                                    std::to_string(kBundleVersion) + " (convert it again with --neuron-bundles)");
         if (bundle_checksum(reinterpret_cast<const uint8_t *>(&hdr_), offsetof(BundleHeader, header_checksum), 0) !=
             hdr_.header_checksum)
             fail(PI_ERR_FORMAT, path + ": its header is damaged (checksum mismatch)");
@@ -126,7 +127,8 @@ DiskTier::DiskTier(const std::string &path, Model &model, double budget, const s
         const uint64_t n_bundles = uint64_t(hdr_.n_layer) * hdr_.n_ff;
         const uint64_t index_bytes = uint64_t(hdr_.n_layer) * hdr_.n_ff * (4 + 4 + 8);
         if (hdr_.bundle_bytes % kBundleAlign || hdr_.bundle_bytes < rows || hdr_.bundle_bytes >= rows + kBundleAlign ||
-            hdr_.index_bytes != index_bytes || hdr_.index_offset < sizeof hdr_ || hdr_.data_offset % kBundleAlign ||
+            hdr_.index_bytes != index_bytes || hdr_.index_offset < kStampOffset + sizeof(SourceStamp) ||
+            hdr_.data_offset % kBundleAlign ||
             hdr_.data_offset < hdr_.index_offset + index_bytes ||
             hdr_.file_size != hdr_.data_offset + n_bundles * hdr_.bundle_bytes)
             fail(PI_ERR_FORMAT, path + ": its layout fields are inconsistent");
@@ -177,6 +179,13 @@ DiskTier::DiskTier(const std::string &path, Model &model, double budget, const s
             table_[size_t(il)].assign(size_t(F), nullptr);
             cached_[size_t(il)].assign(size_t(F), -1);
         }
+        SourceStamp recorded;
+        read_exact(reinterpret_cast<uint8_t *>(&recorded), sizeof recorded, kStampOffset, "stamp");
+        const SourceMatch match = match_source(recorded, model.file_stamp(), [&] { return rows_match(neuron_at, sum_at); });
+        if (match == SourceMatch::Changed)
+            fail(PI_ERR_FORMAT, path + ": its bundles' FFN rows differ from " + model.path() +
+                                    "'s (the model changed since they were written; convert it again with --neuron-bundles)");
+        if (match == SourceMatch::Bytes) record_stamp(path, kStampOffset, model.file_stamp());
         // The cache holds at least one whole layer (a batch, or a dense step, reads every neuron of a layer), and a
         // quarter of what the budget leaves; the resident share takes the rest.
         const double B = double(hdr_.bundle_bytes), min_cache = double(F) * B;
@@ -204,7 +213,7 @@ DiskTier::DiskTier(const std::string &path, Model &model, double budget, const s
             const Layer &L = model.layers()[size_t(il)];
             model.attach_bundles(il, table_[size_t(il)].data(), L.gate.row_bytes, L.gate.row_bytes + (hp.gated ? L.up.row_bytes : 0));
         }
-        fd_direct_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);  // -1: buffered reads (tmpfs)
+        fd_direct_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT | O_NONBLOCK);  // -1: buffered (tmpfs)
         for (int t = 0; t < io_threads; ++t) io_threads_.emplace_back([this] { io_loop(); });
         // the resident share, read through the same runs (each bundle checked)
         for (size_t i = 0; i < candidates.size(); ++i) {
@@ -219,6 +228,35 @@ DiskTier::DiskTier(const std::string &path, Model &model, double budget, const s
         shutdown();
         throw;
     }
+}
+
+bool DiskTier::rows_match(const uint8_t *neuron_at, const uint8_t *sum_at) const {
+    const HParams &hp = model_.hp();
+    const int64_t NL = hp.n_layer, F = hp.n_ff;
+    std::vector<uint8_t> bundle(hdr_.bundle_bytes);  // zero past the rows, as written
+    for (int64_t il = 0; il < NL; ++il) {
+        const Layer &L = model_.layers()[size_t(il)];
+        // as written: gate (up where ungated: the model's gate is its up), up where gated, down_t
+        const Matrix *parts[3] = {&L.gate, hp.gated ? &L.up : nullptr, &L.down_t};
+        for (const Matrix *m : parts)
+            if (m && (!m->data || m->rows != F)) return false;
+        for (int64_t j = 0; j < F; ++j) {
+            uint32_t neuron;
+            uint64_t sum;
+            std::memcpy(&neuron, neuron_at + (il * F + j) * 4, 4);  // < F: checked with the index
+            std::memcpy(&sum, sum_at + (il * F + j) * 8, 8);
+            size_t at = 0;
+            for (int m = 0; m < 3; ++m) {
+                if (!parts[m]) continue;
+                std::memcpy(bundle.data() + at, parts[m]->data + size_t(neuron) * hdr_.row_bytes[m], hdr_.row_bytes[m]);
+                at += hdr_.row_bytes[m];
+            }
+            if (bundle_checksum(bundle.data(), bundle.size(), (uint64_t(il) << 32) | uint64_t(j)) != sum) return false;
+        }
+        for (const Matrix *m : parts)  // read once here, never again: a model larger than memory drops the pages
+            if (m) model_.release_mapped(*m);
+    }
+    return true;
 }
 
 DiskTier::~DiskTier() { shutdown(); }

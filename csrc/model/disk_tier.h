@@ -16,15 +16,18 @@
 
 #include "model/model.h"
 #include "pi_names.h"
+#include "runtime/derived_file.h"
 #include "runtime/page_memory.h"
 
 namespace pi {
 
-// The sidecar's header (little-endian, the file's first page; names.py BUNDLE_* mirror it).
+// The sidecar's header (little-endian, the file's first bytes; neuron_bundles.py's HEADER mirrors it).
 struct BundleHeader {
     char magic[4];  // "PINB"
     uint32_t version;
-    uint64_t gguf_size, gguf_identity;  // the GGUF it was written from: its size and bundle_checksum of its first MiB
+    // the GGUF it was written from: its size and bundle_checksum of its first MiB (another model is refused at
+    // once); that the bundles are its FFN rows is the stamp at kStampOffset, or their checksums (derived_file.h)
+    uint64_t gguf_size, gguf_identity;
     uint32_t n_layer, n_ff, n_embd, gated;
     uint32_t types[3];      // gate, up, down_t weight types
     uint32_t row_bytes[3];  // their row sizes (up's 0 where ungated)
@@ -36,8 +39,11 @@ struct BundleHeader {
 };
 static_assert(sizeof(BundleHeader) == 120, "the sidecar's header is 120 bytes");
 
-constexpr uint32_t kBundleVersion = 1;
+constexpr uint32_t kBundleVersion = 2;
 constexpr uint64_t kBundleAlign = 4096;
+// The GGUF's SourceStamp (runtime/derived_file.h): outside the header, so that the engine can record it anew
+// without rewriting the header's checksum.
+constexpr uint64_t kStampOffset = 128;
 
 // The checksum of a bundle and of the header and index: sum of w_i * (2i + 1) over the little-endian 64-bit words w_i
 // (mod 2^64; the odd weights keep any one flipped bit and any swap of two words visible), plus `seed` times the
@@ -118,6 +124,9 @@ private:
     uint8_t *slot_data(int64_t s) { return cache_.data() + size_t(s) * hdr_.bundle_bytes; }
     int64_t take_victim();
     void read_exact(uint8_t *dst, size_t bytes, uint64_t offset, const char *what) const;
+    // Whether every bundle's checksum in the index (neuron_at, sum_at: its neurons and checksums, checked) is that of
+    // the rows the model maps now: that the sidecar was written from these FFN bytes.
+    bool rows_match(const uint8_t *neuron_at, const uint8_t *sum_at) const;
 
     std::string path_;
     BundleHeader hdr_{};

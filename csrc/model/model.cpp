@@ -31,7 +31,7 @@ Model::Model(const std::string &path, const std::string &gpuidx_path, int thread
     : threads_(std::max(threads, 1)) {
     file_ = std::make_unique<GgufFile>(path);
     read_hparams();
-    decoded_.open_cache(decode_cache, path);
+    decoded_.open_cache(decode_cache, *file_);
     bind_tensors();
     build_tiers(gpuidx_path, hot_tier);
     pack_dense_matrices(threads);

@@ -213,6 +213,7 @@ public:
     static constexpr int64_t kInputSiteCount = 4;
     bool pwri() const { return file_->pwri_magic(); }
     const std::string &path() const { return file_->path(); }
+    const SourceStamp &file_stamp() const { return file_->stamp(); }  // the mapped file's (runtime/derived_file.h)
     int64_t hot_neurons() const;
     // Holds the cold tier's gates (ups) of layer il in 8-row groups or as the mapped rows, as asked, where
     // the types allow: a mode reads a matrix whole with gemm8 on the groups, or rows of it by index; and its

@@ -2,20 +2,26 @@
 neuron bundles beside the file, and the logits are the same bits as with every row mapped (a decode step computes
 each read's neurons as it arrives, and its down projection after, in the mapped run's order; reads merged across
 short gaps bring more bytes, not other results); a damaged, truncated or foreign sidecar and a budget below what the
-engine must hold are refused in one line."""
+engine must hold are refused in one line, as is the sidecar of a GGUF whose FFN rows changed since (whatever its
+size and times say) and a sidecar path that is not a regular file."""
 from __future__ import annotations
 
+import os
 import shutil
+import time
 
 import numpy as np
 import pytest
 from cli_helpers import assert_one_line_error, run_cli
-from engine_helpers import converted, random_tokens  # noqa: F401
-from tiny_models import N_FF, N_LAYER
+from convert_helpers import write_predictors
+from engine_helpers import converted, random_tokens, replace_keeping_size_and_time, run_with_timeout  # noqa: F401
+from tiny_models import HIDDEN, N_FF, N_LAYER, make_tiny
 
 import powerinfer_engine as engine
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.formats import neuron_bundles
+from powerinfer_tools.formats.gguf_header import read_header
+from powerinfer_tools.stages.conversion import convert_model
 
 MERGE_GAP_BYTES = 4 << 10  # csrc/model/disk_tier.cpp's kMergeGapBytes
 KEYS = {"tokens", "bytes", "reads", "cache_hits", "cache_misses", "io_wait_seconds", "resident_bytes", "budget_bytes"}
@@ -171,6 +177,109 @@ def test_another_models_sidecar_is_refused(bundled, converted, tmp_path):  # noq
     shutil.copy(sidecar, neuron_bundles.path_for(other))
     with pytest.raises(engine.EngineError, match="written from another model file"):
         decode(other, "predictor", fixed + N_FF * bundle + 1024)
+
+
+ALL_CACHED = 64 * 2**30  # a budget that holds every bundle: the tier opens the sidecar and caches all of it
+SETTLE_SECONDS = 2  # runtime/derived_file.h's kSettleNs
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory):
+    """A ReLU llama of 1,024 neurons in f32 with predictors: past 2 MiB, its last layer's FFN beyond the first MiB
+    (all that a sidecar's identity covered of the GGUF before it recorded the bytes its bundles copy)."""
+    root = tmp_path_factory.mktemp("wide")
+    n_ff = 1024
+    pred = write_predictors(root / "pred", N_LAYER, HIDDEN, n_ff, rank=32, thresholds=[0.0] * N_LAYER)
+    out = root / "wide.gguf"
+    convert_model(str(make_tiny("llama-relu", root / "src", n_ff=n_ff)), out, outtype="f32", predictors_dir=pred,
+                  progress=False, powerinfer_compatible=False)
+    return out
+
+
+def _negated_last_down_t(model, out):
+    """A copy of `model` (f32) with its last layer's ffn_down_t negated: the same size, other FFN rows, all past the
+    first MiB."""
+    t = {t.name: t for t in read_header(model).tensors}[f"blk.{N_LAYER - 1}.ffn_down_t.weight"]
+    assert t.offset >= 1 << 20 and t.type == 0  # f32
+    data = bytearray(model.read_bytes())
+    np.frombuffer(data, np.float32, count=t.n_bytes // 4, offset=t.offset)[:] *= -1
+    out.write_bytes(bytes(data))
+    return out
+
+
+@pytest.mark.parametrize("how", ["in place", "renamed over"])
+def test_the_sidecar_of_a_model_changed_under_the_same_size_and_time_is_refused(wide_model, tmp_path, how):
+    model = tmp_path / "m.gguf"
+    shutil.copy(wide_model, model)
+    neuron_bundles.write(model, progress=False)
+    old, _ = decode(model, "predictor", ALL_CACHED)
+    replace_keeping_size_and_time(model, _negated_last_down_t(model, tmp_path / "changed.gguf"), how)
+    want, _ = decode(model, "predictor")  # a fresh open of the new file, every row mapped
+    assert not np.array_equal(want, old)
+    with pytest.raises(engine.EngineError, match="FFN rows differ") as e:
+        decode(model, "predictor", ALL_CACHED)
+    assert "\n" not in str(e.value) and "--neuron-bundles" in str(e.value)
+    assert not neuron_bundles.current(model)
+    neuron_bundles.write(model, progress=False)
+    got, _ = decode(model, "predictor", ALL_CACHED)
+    assert np.array_equal(got, want)
+
+
+def _recorded_stamp(sidecar) -> tuple:
+    with open(sidecar, "rb") as f:
+        f.seek(neuron_bundles.STAMP_OFFSET)
+        return neuron_bundles.STAMP.unpack(f.read(neuron_bundles.STAMP.size))
+
+
+def test_a_sidecar_checked_by_the_bytes_records_the_models_stamp(bundled, tmp_path):
+    """Bundles written within SETTLE_SECONDS of the GGUF's last change record no stamp, and the engine checks them
+    against the GGUF's rows; once it has settled, that check records the GGUF's stamp. A copy of the same bytes
+    renamed over the GGUF (another inode and change time) is checked by its rows, and accepted."""
+    model, sidecar, fixed, bundle = bundled
+    os.utime(model)  # changed now: bundles written next cannot trust its stamp
+    neuron_bundles.write(model, progress=False)
+    assert _recorded_stamp(sidecar) == neuron_bundles.NO_STAMP and neuron_bundles.current(model)
+    assert _recorded_stamp(sidecar) == neuron_bundles.NO_STAMP
+    want, _ = decode(model, "predictor")
+    time.sleep(SETTLE_SECONDS + 0.2)
+    got, _ = decode(model, "predictor", fixed + N_FF * bundle + 1024)
+    assert np.array_equal(got, want) and _recorded_stamp(sidecar) == neuron_bundles.stamp(os.stat(model))
+    shutil.copy(model, tmp_path / "copy.gguf")
+    os.replace(tmp_path / "copy.gguf", model)
+    assert _recorded_stamp(sidecar) != neuron_bundles.stamp(os.stat(model)) and neuron_bundles.current(model)
+    got, _ = decode(model, "predictor", fixed + N_FF * bundle + 1024)
+    assert np.array_equal(got, want)
+
+
+def test_current_records_the_stamp_as_the_engine_does(bundled):
+    model, sidecar, _, _ = bundled
+    time.sleep(SETTLE_SECONDS + 0.2)
+    with open(sidecar, "r+b") as f:  # no stamp: the rows decide
+        f.seek(neuron_bundles.STAMP_OFFSET)
+        f.write(neuron_bundles.STAMP.pack(*neuron_bundles.NO_STAMP))
+    assert neuron_bundles.current(model) and _recorded_stamp(sidecar) == neuron_bundles.stamp(os.stat(model))
+
+
+OPEN_TIERED = """
+import sys
+import powerinfer_engine as engine
+try:
+    engine.Model(sys.argv[1], threads=1, sparse_mode="predictor", ctx_size=32, memory_budget=64).close()
+except engine.EngineError as e:
+    sys.exit(str(e))
+"""
+
+
+def test_a_fifo_at_the_sidecar_path_is_one_line(bundled):
+    """open(2) of a FIFO waits for a writer: the engine must not (a child process, killed if it hangs)."""
+    model, sidecar, _, _ = bundled
+    sidecar.unlink()
+    os.mkfifo(sidecar)
+    assert not neuron_bundles.current(model)
+    done = run_with_timeout(OPEN_TIERED, model, timeout=60)
+    assert done.returncode != 0 and done.stderr.strip() == f"{sidecar}: not a regular file"
+    with pytest.raises(UserError, match="not a regular file"):
+        neuron_bundles.read_layout(sidecar)
 
 
 def test_a_budget_without_bundles_says_how_to_write_them(converted, tmp_path):  # noqa: F811

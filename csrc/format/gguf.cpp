@@ -99,7 +99,8 @@ void read_scalar(Cursor &c, uint32_t type, GgufValue &v) {
 }  // namespace
 
 GgufFile::GgufFile(const std::string &path) : path_(path) {
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    // O_NONBLOCK: a FIFO at the path opens at once and is refused below instead of waiting for a writer
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) fail(PI_ERR_IO, path + ": cannot open (" + std::strerror(errno) + ")");
     struct stat st;
     if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {

@@ -3,6 +3,7 @@ mutations of a valid file are loaded (and run) in a subprocess, so that a crash 
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 import textwrap
@@ -11,7 +12,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from engine_helpers import converted, rewrite, write_gpuidx  # noqa: F401
+from engine_helpers import converted, rewrite, run_with_timeout, write_gpuidx  # noqa: F401
 from tiny_models import N_FF, N_LAYER
 
 import powerinfer_engine as engine
@@ -40,6 +41,14 @@ def test_valid_copy_loads(good, tmp_path):
 def test_missing_file_and_directory(tmp_path):
     assert "cannot open" in load_error(tmp_path / "nope.gguf")
     assert "not a regular file" in load_error(tmp_path)
+
+
+def test_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path):
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    done = run_with_timeout("import sys, powerinfer_engine as e\ntry:\n    e.Model(sys.argv[1], threads=1)\n"
+                            "except e.EngineError as exc:\n    print(exc)", fifo, timeout=60)
+    assert done.stdout.strip() == f"{fifo}: not a regular file", done
 
 
 def test_truncated_file(good, tmp_path):

@@ -9,7 +9,7 @@ import typer
 from powerinfer_tools.cli import flags
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.core.numbers import Range
-from powerinfer_tools.server.intake import MAX_BODY_MIB
+from powerinfer_tools.server.intake import BODY_TIMEOUT_S, MAX_BODY_MIB
 
 
 @flags.engine_options
@@ -28,6 +28,9 @@ def serve(
                                       "access log)."),
     max_body_mib: float = typer.Option(MAX_BODY_MIB, "--max-body-mib", help="Refuse a request body larger than "
                                        "this many MiB with a 413, before parsing it."),
+    body_timeout: float = typer.Option(BODY_TIMEOUT_S, "--body-timeout", help="Answer a request whose body has "
+                                       "not all arrived within this many seconds with a 408, and close its "
+                                       "connection."),
     engine: flags.EngineArgs = None,
 ):
     """Serve a model over the OpenAI API, as llama.cpp's llama-server does: POST /v1/chat/completions (the
@@ -52,13 +55,14 @@ def serve(
     if not 0 <= port <= 65535:
         raise UserError(f"--port must be in 0..65535, not {port}")
     Range(0, 1 << 20, low_open=True, unit=" MiB").check("--max-body-mib", max_body_mib)
+    Range(0, 1 << 20, low_open=True, unit=" s").check("--body-timeout", body_timeout)
     if api_key is not None:
         check_api_key(api_key)
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         print(f"pi-tools: warning: serving on {host} without --api-key: anyone who reaches this port can use it",
               file=sys.stderr)
     with LLM(model, ctx_size=ctx_size, **engine.llm_options()) as llm:
-        app = create_app(llm, alias or llm.name, api_key, max_body_mib)
+        app = create_app(llm, alias or llm.name, api_key, max_body_mib, body_timeout)
         try:
             listen(app, host, port, log_requests, app.state.worker.stop)
         finally:

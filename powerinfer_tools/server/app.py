@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.runtime.inference import EngineFailure
 from powerinfer_tools.runtime.llm import LLM, Chunk, Completion, RequestError
-from powerinfer_tools.server.intake import MAX_BODY_MIB, Intake, ended, race
+from powerinfer_tools.server.intake import BODY_TIMEOUT_S, MAX_BODY_MIB, Intake, ended, race
 from powerinfer_tools.server.schemas import ChatRequest, CompletionRequest
 
 
@@ -127,7 +127,8 @@ class Worker:
         self.executor.shutdown(wait=True)
 
 
-def create_app(llm: LLM, model_id: str, api_key: str | None = None, max_body_mib: float = MAX_BODY_MIB) -> FastAPI:
+def create_app(llm: LLM, model_id: str, api_key: str | None = None, max_body_mib: float = MAX_BODY_MIB,
+               body_timeout: float = BODY_TIMEOUT_S) -> FastAPI:
     """The application for `llm`, answering to `model_id` in /v1/models (any name is accepted in requests);
     call app.state.worker.stop() when the server begins to shut down."""
     worker = Worker()
@@ -193,7 +194,8 @@ def create_app(llm: LLM, model_id: str, api_key: str | None = None, max_body_mib
                                 "authentication_error", code="invalid_api_key").response()
         return await call_next(request)
 
-    app.add_middleware(Intake, max_body=int(max_body_mib * 2**20), stopped=worker.stopped)  # outermost
+    app.add_middleware(Intake, max_body=int(max_body_mib * 2**20), stopped=worker.stopped,  # outermost
+                       body_timeout=body_timeout)
 
     @app.get("/health")
     async def health():

@@ -5,7 +5,8 @@ A body over the limit is refused with a 413 before anything parses it: at once f
 soon as the bytes received pass the limit (a chunked body), so a huge prompt never reaches JSON decoding or the
 tokenizer. Once the body is in, request.state.client_left is an asyncio.Event set the moment the client closes its
 connection, which ends its generation at the next token whether it streams or not. A request still sending its
-body when the server stops is answered with a 503 rather than waited for.
+body when the server stops is answered with a 503 rather than waited for, and one whose body has not all come
+within the body timeout with a 408 that closes its connection (a client that stops sending holds nothing).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import asyncio
 import json
 
 MAX_BODY_MIB = 4.0  # the default limit: megabytes of text, more than any context holds, and seconds to tokenize
+BODY_TIMEOUT_S = 60.0  # the default time a request's body may take to arrive: 4 MiB at well under 1 Mbit/s
 _ENDED = object()
 
 
@@ -35,20 +37,23 @@ def ended(result) -> bool:
     return result is _ENDED
 
 
-async def send_error(send, status: int, message: str, kind: str, code: str) -> None:
+async def send_error(send, status: int, message: str, kind: str, code: str, close: bool = False) -> None:
     """An OpenAI-style JSON error sent straight to the connection, before the routes. uvicorn then discards the
-    rest of the body as it arrives (never buffered), so a client that sends it all still reads the answer."""
+    rest of the body as it arrives (never buffered), so a client that sends it all still reads the answer;
+    `close`: the connection is closed after it instead."""
     body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+                "headers": headers + ([(b"connection", b"close")] if close else [])})
     await send({"type": "http.response.body", "body": body})
 
 
 class Intake:
-    """ASGI middleware: the body limit, the watch on the connection, the 503 for a body cut by shutdown."""
+    """ASGI middleware: the body limit and timeout, the watch on the connection, the 503 for a body cut by
+    shutdown."""
 
-    def __init__(self, app, max_body: int, stopped: asyncio.Event):
-        self.app, self.max_body, self.stopped = app, max_body, stopped
+    def __init__(self, app, max_body: int, stopped: asyncio.Event, body_timeout: float = BODY_TIMEOUT_S):
+        self.app, self.max_body, self.stopped, self.body_timeout = app, max_body, stopped, body_timeout
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -57,8 +62,15 @@ class Intake:
         if declared is not None and int(declared) > self.max_body:
             return await self._too_large(send)
         body, more = bytearray(), True
+        deadline = asyncio.get_running_loop().time() + self.body_timeout
         while more:
-            message = await race(receive(), self.stopped)
+            try:
+                message = await race(asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time()),
+                                     self.stopped)
+            except asyncio.TimeoutError:
+                return await send_error(send, 408, f"the request body did not arrive within {self.body_timeout:g} "
+                                        "s (pi-tools serve --body-timeout)", "invalid_request_error",
+                                        "request_timeout", close=True)
             if ended(message):
                 return await send_error(send, 503, "the server is shutting down", "server_error",
                                         "server_shutting_down")

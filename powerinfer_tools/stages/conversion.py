@@ -144,7 +144,7 @@ def load_activation_thresholds(profile_dir: str | Path, n_layer: int) -> list[fl
     path = Path(profile_dir) / "profile.json"
     if not path.is_file():
         raise UserError(f"profile not found: {path}")
-    from powerinfer_tools.stages.profile_files import check_thresholds
+    from powerinfer_tools.stages.profile_files import check_profile_digest, check_thresholds
 
     try:
         profile = json.loads(path.read_text())
@@ -152,6 +152,7 @@ def load_activation_thresholds(profile_dir: str | Path, n_layer: int) -> list[fl
         raise UserError(f"{path}: invalid JSON ({exc.msg})") from None
     if not isinstance(profile, dict):
         raise UserError(f"{path} is not a profile: a JSON {type(profile).__name__}, not an object")
+    check_profile_digest(profile, path)
     return check_thresholds(profile.get("thresholds"), path, n_layer)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from powerinfer_tools.core.atomic import atomic_file
-from powerinfer_tools.core.digests import check_file, tree_sha256
+from powerinfer_tools.core.digests import bytes_sha256, check_file, tree_sha256
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.core.safe_load import load_pt
 
@@ -100,6 +100,20 @@ def check_recorded(directory: Path, name: str, digests: dict[str, str] | None = 
         raise UserError(f"{directory / name}: profile.json records no checksum for it (not a file the profile "
                         "wrote); profile again")
     check_file(directory / name, digests[name], "profile again", data)
+
+
+def profile_digest(meta: dict) -> str:
+    """SHA-256 of profile.json's contents but its own `digest` field, keys sorted: what `profile` records in
+    `digest`, so that an edited file (a threshold changed by hand) is refused rather than converted."""
+    return bytes_sha256(json.dumps({k: v for k, v in meta.items() if k != "digest"}, sort_keys=True).encode())
+
+
+def check_profile_digest(meta: dict, source) -> None:
+    """UserError where profile.json records a digest that its contents no longer match (a profile made before
+    profiles recorded one has none to compare)."""
+    if "digest" in meta and meta["digest"] != profile_digest(meta):
+        raise UserError(f"{source} was changed after 'pi-tools profile' wrote it (its contents do not match the "
+                        "digest recorded in it): profile again")
 
 
 def check_thresholds(values, source, n_layer: int | None = None) -> list[float]:

@@ -32,9 +32,9 @@ from powerinfer_tools.core.digests import bytes_sha256, check_file, file_sha256
 from powerinfer_tools.core.errors import UserError, write_failure
 from powerinfer_tools.core.safe_load import checked_tensor, load_pt
 from powerinfer_tools.stages.options import ProfileOptions
-from powerinfer_tools.stages.profile_files import (RESTART, check_recorded, check_thresholds, checked_checkpoint,
-                                                   checked_shards, is_position, is_thresholds, recorded_digests,
-                                                   save_checkpoint, shard_name)
+from powerinfer_tools.stages.profile_files import (RESTART, check_profile_digest, check_recorded, check_thresholds,
+                                                   checked_checkpoint, checked_shards, is_position, is_thresholds,
+                                                   profile_digest, recorded_digests, save_checkpoint, shard_name)
 
 FORMAT = "powerinfer-tools.profile/1"
 DEFAULT_TARGET_SPARSITY = 0.2   # its cost in perplexity, per model: docs/profile.md
@@ -424,6 +424,7 @@ def _run_profile(opts: ProfileOptions) -> dict:
         "layers": layers,
         "sha256": digests,
     }
+    profile["digest"] = profile_digest(profile)
     (work / "profile.json").write_text(json.dumps(profile, indent=2))
     for scratch in SCRATCH:
         for path in work.glob(scratch):
@@ -590,6 +591,7 @@ def load_profile(directory: str | Path) -> dict:
         raise UserError(f"{path} is not a profile: a JSON {type(profile).__name__}, not an object")
     if profile.get("format") != FORMAT:
         raise UserError(f"{path}: unknown profile format {profile.get('format')!r} (expected {FORMAT})")
+    check_profile_digest(profile, path)
     if "thresholds" in profile:
         check_thresholds(profile["thresholds"], path)
     digests = profile.get("sha256", {})

@@ -75,6 +75,7 @@ def test_activation_file(profile_dir, tmp_path, capsys, digests):
     if not digests:
         meta = json.loads((profile / "profile.json").read_text())
         meta.pop("sha256")
+        meta.pop("digest")
         (profile / "profile.json").write_text(json.dumps(meta))
     path = profile / "activation" / "activation_1.pt"
     marker = plant(path, tmp_path, "activation")

@@ -25,6 +25,7 @@ from cli_helpers import profiled, run_cli
 from tiny_models import DATA, make_tiny
 from powerinfer_tools.formats import names
 from powerinfer_tools.stages import input_sparsity as isp
+from powerinfer_tools.stages.profile_files import profile_digest
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXT = DATA / "tinyshakespeare.txt"
@@ -217,10 +218,16 @@ def set_profile_json(value):
     return lambda d: (d / "profile.json").write_text(json.dumps(value))
 
 
-def set_thresholds(value):
+def resigned(d: Path, meta: dict) -> None:
+    """profile.json with `meta` and the digest of it, as a profile that wrote these values would have it: the values
+    themselves must be refused."""
+    (d / "profile.json").write_text(json.dumps({**meta, "digest": profile_digest(meta)}))
+
+
+def set_thresholds(value, sign: bool = True):
     def edit(d):
-        meta = json.loads((d / "profile.json").read_text())
-        (d / "profile.json").write_text(json.dumps({**meta, "thresholds": value}))
+        meta = {**json.loads((d / "profile.json").read_text()), "thresholds": value}
+        resigned(d, meta) if sign else (d / "profile.json").write_text(json.dumps(meta))
     return edit
 
 
@@ -228,12 +235,13 @@ def set_thresholds(value):
     (set_profile_json([]), "not an object"),
     (set_thresholds([math.nan, 0.0]), "finite"),
     (set_thresholds([0.0]), "finite"),
+    (set_thresholds([0.25, 0.5], sign=False), "changed after 'pi-tools profile' wrote it"),
     (lambda d: flip(d / "samples" / "layer_0" / "shard_0000.safetensors", 64), "shard_0000.safetensors"),
     (lambda d: (d / "samples" / "layer_0" / "shard_0000.safetensors").unlink(), "shard_0000.safetensors"),
     (lambda d: flip(d / "magnitude" / "magnitude_0.pt", 1, zip_entry_start(d / "magnitude" / "magnitude_0.pt",
                                                                           "data/0")), "magnitude_0.pt"),
-], ids=["profile.json []", "NaN threshold", "one threshold of two", "shard flipped", "shard deleted",
-        "magnitudes flipped"])
+], ids=["profile.json []", "NaN threshold", "one threshold of two", "thresholds edited by hand", "shard flipped",
+        "shard deleted", "magnitudes flipped"])
 def test_train_predictor_refuses_a_damaged_profile(relu_profile, tmp_path, capsys, edit, needle):
     profile = edited_profile(relu_profile, tmp_path, edit)
     out = tmp_path / "pred"
@@ -255,7 +263,7 @@ def write_input_table(value):
         (d / isp.FILE).write_text(json.dumps(value))
         meta = json.loads((d / "profile.json").read_text())
         meta["sha256"][isp.FILE] = hashlib.sha256((d / isp.FILE).read_bytes()).hexdigest()
-        (d / "profile.json").write_text(json.dumps(meta))
+        resigned(d, meta)
     return edit
 
 
@@ -269,10 +277,11 @@ INPUT = ["--input-thresholds"]
     (None, INPUT, "no --profile"),
     (set_profile_json([]), [], "not an object"),
     (set_thresholds([math.nan, 0.0]), [], "finite"),
+    (set_thresholds([0.25, 0.5], sign=False), [], "changed after 'pi-tools profile' wrote it"),
     (lambda d: flip(d / "activation" / "activation_1.pt", 1, zip_entry_start(d / "activation" / "activation_1.pt",
                                                                              "data/0")), [], "activation_1.pt"),
 ], ids=["thresholds 1e300", "thresholds null", "no input thresholds in the profile", "no profile",
-        "profile.json []", "NaN threshold", "activation counts flipped"])
+        "profile.json []", "NaN threshold", "thresholds edited by hand", "activation counts flipped"])
 def test_convert_refuses_missing_or_damaged_profile_files(tiny_model_dir, relu_profile, tmp_path, capsys, edit, args,
                                                          needle):
     """Each would otherwise be a traceback, a file converted from damaged numbers, or one without the input sparsity

@@ -270,6 +270,25 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(server):
     assert server.client().completions.create(model="any", prompt="Hi", max_tokens=1).usage.completion_tokens == 1
 
 
+def test_a_body_that_stops_coming_is_a_408_and_its_connection_closes(smollm2_file):
+    """A client that sends part of its body and then nothing holds no connection past --body-timeout: a 408, then
+    the server closes it; the server answers others meanwhile and after."""
+    s = Server(smollm2_file("q8_0"), "--body-timeout", "2")
+    try:
+        head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        with raw_socket(s) as sock:
+            sock.sendall(f"{head}Content-Length: 100\r\n\r\n".encode() + b'{"prompt": "')
+            assert s.client().completions.create(model="any", prompt="Hi", max_tokens=1).usage.completion_tokens == 1
+            status, answer = raw_answer(sock)
+            assert status == 408 and answer["error"]["code"] == "request_timeout"
+            assert "--body-timeout" in answer["error"]["message"]
+            assert sock.recv(1) == b""  # closed by the server
+        assert s.client().completions.create(model="any", prompt="Hi", max_tokens=1).usage.completion_tokens == 1
+    finally:
+        assert s.stop() == 0
+    assert not any("Traceback" in line for line in s.log)
+
+
 def test_prompts_far_past_the_context_are_refused_and_give_back_their_memory(server):
     """Prompts of 3.5 MiB (under the body limit, far past the context), chat and text: each a 400 naming the
     context, and the server holds no more memory after ten of them than before (a tokenizer's peak for the whole

@@ -4,6 +4,15 @@ from __future__ import annotations
 from powerinfer_tools.cli import main
 
 
+def subcommands() -> list[str]:
+    """Every subcommand `pi-tools` has, read from the typer app itself (a hand-kept list misses new ones)."""
+    import typer
+
+    from powerinfer_tools.cli.app import app
+
+    return sorted(typer.main.get_command(app).commands)
+
+
 def profiled(model_dir, out, calib, tokens: int, seq_len: int, *extra: str):
     """`out`, a profile of `model_dir` on `calib` made by `pi-tools profile` (for module fixtures)."""
     main(["profile", "-m", str(model_dir), "--calib", str(calib), "--tokens", str(tokens), "--seq-len", str(seq_len),

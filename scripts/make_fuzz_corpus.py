@@ -7,7 +7,13 @@ some after the fuzz target's separator (see csrc/fuzz/fuzz_load.cpp). Beside the
 GGUF, ffn_down) in the types the engine decodes at load: random valid blocks, n_ff 256 so that ffn_down's rows
 take each k-quant. Each file is a few tens of KB at most.
 
+With --regressions it writes instead the inputs of the fuzzer's past findings, remade from the seeds, into
+tests/fuzz_regressions/ (tests/engine/test_fuzz_inputs.py loads them; each must be refused with a message):
+    alignment-{1,2,4}  relu-f32 laid out at general.alignment 1, 2, 4: f32 tensors loaded misaligned (UBSan), until
+                       the loader refused an alignment below the GGUF spec's 8
+
     python scripts/make_fuzz_corpus.py [OUT_DIR]
+    python scripts/make_fuzz_corpus.py --regressions
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from convert_helpers import write_predictors  # noqa: E402
+from engine_helpers import rewrite  # noqa: E402
 from kquants import Q, random_bf16, random_blocks  # noqa: E402
 
 from powerinfer_tools.stages.conversion import convert_model  # noqa: E402
@@ -143,5 +150,18 @@ def main(out_dir: Path) -> None:
         print(f"{p.stat().st_size:7d}  {p.name}")
 
 
+def regressions(out_dir: Path) -> None:
+    """The fuzzer's past findings, remade from the seed corpus (see the module's docstring)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    seed = ROOT / "tests" / "fuzz_corpus" / "relu-f32"
+    for alignment in (1, 2, 4):
+        rewrite(seed, out_dir / f"alignment-{alignment}", alignment=alignment)
+    for p in sorted(out_dir.iterdir()):
+        print(f"{p.stat().st_size:7d}  {p.name}")
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "tests" / "fuzz_corpus")
+    if sys.argv[1:] == ["--regressions"]:
+        regressions(ROOT / "tests" / "fuzz_regressions")
+    else:
+        main(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "tests" / "fuzz_corpus")

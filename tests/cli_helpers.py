@@ -1,7 +1,21 @@
 """Running `pi-tools` in-process the way a user's shell would, and checking its one-line errors."""
 from __future__ import annotations
 
+import io
+
 from powerinfer_tools.cli import main
+
+# what a process that ends or goes on cleanly never prints
+BROKEN = ("Traceback", "Exception ignored", "Fatal Python error", "double free")
+
+
+def subcommands() -> list[str]:
+    """Every subcommand `pi-tools` has, read from the typer app itself (a hand-kept list misses new ones)."""
+    import typer
+
+    from powerinfer_tools.cli.app import app
+
+    return sorted(typer.main.get_command(app).commands)
 
 
 def profiled(model_dir, out, calib, tokens: int, seq_len: int, *extra: str):
@@ -21,6 +35,21 @@ def run_cli(capsys, *args) -> tuple[int, str, str]:
         code = exc.code
     captured = capsys.readouterr()
     return code, captured.out, captured.err
+
+
+def recorded(child):
+    """`child`, a pexpect.spawn, keeping a copy of all it reads: each `expect` consumes what it matched and what
+    came before, so `child.before` after the last one holds only the end of the output."""
+    child.logfile_read = io.StringIO()
+    return child
+
+
+def assert_whole_output_clean(child) -> None:
+    """Nothing in all that a `recorded` child printed, from its start, is a traceback or an "Exception ignored"
+    notice."""
+    out = child.logfile_read.getvalue()
+    broken = [b for b in BROKEN if b in out]
+    assert not broken, (broken, out[-4000:])
 
 
 def assert_one_line_error(code: int, err: str, *needles: str) -> None:

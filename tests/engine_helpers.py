@@ -182,12 +182,17 @@ def write_gpuidx(path: Path, hot: list[np.ndarray], vram_bytes: int = 1 << 30) -
     return path
 
 
-def rewrite(src: Path, dst: Path, fields: dict | None = None, drop: tuple = (), tensors: dict | None = None) -> Path:
+def rewrite(src: Path, dst: Path, fields: dict | None = None, drop: tuple = (), tensors: dict | None = None,
+            alignment: int | None = None) -> Path:
     """Copy a GGUF/PWRI file through gguf-py, replacing or adding metadata values (key -> (value, type)
-    or None to drop), dropping tensors, or replacing tensors (name -> (array, raw ggml type or None))."""
+    or None to drop), dropping tensors, or replacing tensors (name -> (array, raw ggml type or None));
+    alignment: the data laid out at that alignment, and general.alignment saying so."""
     reader = open_reader(src)
-    fields, tensors = fields or {}, tensors or {}
+    fields, tensors = dict(fields or {}), tensors or {}
     writer = gguf.GGUFWriter(str(dst), arch="_")
+    if alignment is not None:
+        writer.data_alignment = alignment
+        fields["general.alignment"] = (alignment, gguf.GGUFValueType.UINT32)
     writer.kv_data[0].clear()  # the writer's own general.architecture: copied below instead
     for name, f in reader.fields.items():
         if name.startswith("GGUF."):

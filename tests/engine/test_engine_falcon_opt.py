@@ -54,22 +54,24 @@ def model_dir(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def converted_fo(model_dir, tmp_path_factory):
-    """converted_fo(kind, predictors=False) -> f32 PowerInfer file of model_dir(kind); predictors random."""
+    """converted_fo(kind, predictors=False, rank=32) -> f32 PowerInfer file of model_dir(kind); predictors random,
+    of that rank."""
     cache = {}
     root = tmp_path_factory.mktemp("fo_models")
 
-    def get(kind, predictors=False):
-        if (kind, predictors) not in cache:
+    def get(kind, predictors=False, rank=32):
+        key = (kind, predictors, rank)
+        if key not in cache:
             src = model_dir(kind)
             pred = None
             if predictors:
                 dims = arch.for_config(models.load_config(models.resolve(str(src)))).dims()
-                pred = write_predictors(root / f"pred_{kind}", dims.n_layer, dims.n_embd, dims.n_ff, rank=32,
+                pred = write_predictors(root / f"pred_{kind}_{rank}", dims.n_layer, dims.n_embd, dims.n_ff, rank=rank,
                                         thresholds=[0.0] * dims.n_layer)
-            out = root / f"{kind}.{predictors}.gguf"
+            out = root / f"{kind}.{predictors}.{rank}.gguf"
             convert_model(str(src), out, outtype="f32", predictors_dir=pred, progress=False, powerinfer_compatible=False)
-            cache[(kind, predictors)] = out
-        return cache[(kind, predictors)]
+            cache[key] = out
+        return cache[key]
 
     return get
 
@@ -118,11 +120,41 @@ def test_sparse_modes(kind, model_dir, converted_fo):
     logits, stats = run(path, "predictor", recall_check=True)
     assert max_rel_err(logits, ref) <= 1e-4
     assert all(0.2 < layer["recall"] < 0.8 for layer in stats["layers"])  # random predictors
-    auto, stats = run(path, "auto")
-    modes = set().union(*(layer["modes"] for layer in stats["layers"]))
-    assert modes <= {"gate", "dense_rule", "predictor"}
-    if "predictor" not in modes:
-        assert np.array_equal(auto, dense)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_auto_computes_what_the_modes_it_picks_define(kind, model_dir, converted_fo):
+    """Auto's logits are those of the mode it picked in each layer and step: dense values where the gate rule's
+    kernels ran, the predictor's rule where the predictor did. Predictors of rank 32 cost more than the gate
+    rule here, those of rank 4 less, so both cases are checked."""
+    cases = set()
+    for rank in (32, 4):
+        path = converted_fo(kind, predictors=True, rank=rank)
+        auto, predicted = run_auto(path)
+        cases.add(any(p.any() for p in predicted))
+        if not any(p.any() for p in predicted):  # the gate rule's kernels throughout: the dense values, bit for bit
+            assert np.array_equal(auto, run(path, "dense")[0])
+        rule = predictor_rule(path)
+        mask = [torch.from_numpy(p)[:, None] for p in predicted]
+        ref = hf_logits(model_dir(kind), TOKENS, mask_fn=lambda i, x, a: torch.where(mask[i], rule(i, x, a), a))
+        assert max_rel_err(auto, ref) <= 1e-4, rank
+    assert cases == {False, True}, "auto no longer picks the predictor in one case and not in the other"
+
+
+def run_auto(path):
+    """Auto mode's logits (prompt, then decode steps) and, for each layer, the positions whose FFN it computed by
+    the predictor (from each step's per-mode token counts): the values auto's choices define, whichever it made."""
+    predicted = [np.zeros(len(TOKENS), bool) for _ in range(N_LAYER)]
+    rows = []
+    with engine.Model(path, threads=2, sparse_mode="auto") as m:
+        for start, end in [(0, N_PROMPT)] + [(p, p + 1) for p in range(N_PROMPT, len(TOKENS))]:
+            m.reset_stats()
+            rows.append(m.eval(TOKENS[start:end]).reshape(end - start, -1))
+            for layer in m.stats()["layers"]:
+                modes = layer["modes"]
+                assert set(modes) <= {"gate", "dense_rule", "predictor"} and len(modes) == 1, modes  # one per step
+                predicted[layer["layer"]][start:end] = "predictor" in modes
+    return np.concatenate(rows), predicted
 
 
 @pytest.mark.parametrize("kind", ["falcon", "opt"])

@@ -1,6 +1,7 @@
-"""The fuzzer's seed corpus and every crashing input it ever found (tests/fuzz_regressions/), loaded
-and run by the engine as the fuzz target does (csrc/fuzz/fuzz_load.cpp): in a subprocess, so a crash
-fails the test. Seeds are valid files and must load; a regression input must fail with a message."""
+"""The fuzzer's seed corpus and every crashing input it ever found (tests/fuzz_regressions/, remade by
+scripts/make_fuzz_corpus.py --regressions), loaded and run by the engine as the fuzz target does
+(csrc/fuzz/fuzz_load.cpp): in a subprocess, so a crash fails the test. Seeds are valid files and must load; a
+regression input must fail with a message."""
 from __future__ import annotations
 
 import json
@@ -52,9 +53,8 @@ def run_inputs(paths: list[Path], work: Path) -> dict:
 
 
 def test_seed_corpus_and_regressions(tmp_path):
-    seeds = sorted(CORPUS.iterdir())
-    regressions = sorted(REGRESSIONS.iterdir()) if REGRESSIONS.is_dir() else []  # none found so far
-    assert len(seeds) >= 5 and all(p.stat().st_size < 64 * 1024 for p in seeds)
+    seeds, regressions = sorted(CORPUS.iterdir()), sorted(REGRESSIONS.iterdir())  # a folder gone is a failure
+    assert len(seeds) >= 5 and regressions and all(p.stat().st_size < 64 * 1024 for p in seeds + regressions)
     results = run_inputs(seeds + regressions, tmp_path)
     for path in seeds:
         if path.name == "gpuidx-alone":  # a GPU index where a model belongs: refused, named

@@ -43,27 +43,24 @@ def trained(learnable, tmp_path_factory):
     return out
 
 
-def test_learnable_signal_reaches_target_recall_at_low_density(trained):
+def test_learnable_signal_reaches_target_recall_at_low_density(trained, tmp_path, capsys):
+    """The recall is measured on rows of the same 'model' (same weights) that neither training nor the threshold's
+    calibration saw (--evaluate on fresh rows): the training report's own recall is the calibration's target, met
+    on the rows it was calibrated on by construction."""
     report = json.loads((trained / "report.json").read_text())
     assert report["settings"]["split"] == "by calibration sequence"
     for layer in report["layers"]:
-        assert layer["recall"] >= 0.99
         assert layer["density_ratio"] <= 1.3, layer          # not bought by predicting everything
         assert layer["auc"] > 0.98
         assert layer["rank"] <= 12      # the signal has rank 4: relu pairs make 8 enough; ranks tried: 4, 6, 8, 12
     assert report["predictor_fraction"] <= 0.2 + 1e-9
-
-
-def test_predictors_generalize_to_new_rows_of_the_same_model(trained, tmp_path, capsys):
-    """--evaluate on fresh rows of the same 'model' (same weights, new inputs): the held-out calibration
-    carries over, so recall stays near the target."""
     fresh = write_profile(tmp_path / "fresh", seed=1, data_seed=7)
     code, out, err = run_cli(capsys, fresh, "--out", trained, "--evaluate", "--report", tmp_path / "eval.json")
     assert code == 0, err
-    report = json.loads((tmp_path / "eval.json").read_text())
-    assert report["mode"] == "evaluate"
-    for layer in report["layers"]:
-        assert layer["recall"] >= 0.98 and layer["density_ratio"] <= 1.35, layer
+    held_out = json.loads((tmp_path / "eval.json").read_text())
+    assert held_out["mode"] == "evaluate"
+    for layer in held_out["layers"]:
+        assert layer["recall"] >= 0.98 and layer["density_ratio"] <= 1.35, layer  # the target, less sampling noise
     table = out.splitlines()
     mean = next(i for i, line in enumerate(table) if line.lstrip().startswith("mean"))
     assert "rec@bud, recall when" in " ".join(table[mean + 1:])  # the legend follows the table
@@ -74,8 +71,7 @@ def test_shuffled_labels_stay_near_chance(tmp_path):
     the target recall then takes predicting nearly every neuron, and the AUC stays near 0.5."""
     profile = tp.read_profile(write_profile(tmp_path / "shuffled", seed=1, shuffled=True))
     results = tp.train_layers(profile, [0, 1], None, tp.TrainSettings(target_recall=0.99), 0.1, tmp_path)
-    for r in results:
-        assert r.metrics["recall"] >= 0.99
+    for r in results:  # at the target recall (met on the rows calibrated on, by construction)
         assert r.metrics["predicted_density"] > 0.9
         assert r.metrics["density_ratio"] > 2.0
         assert r.metrics["auc"] < 0.65

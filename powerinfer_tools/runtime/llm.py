@@ -143,6 +143,19 @@ class _Request:
 
 
 @dataclass
+class Counters:
+    """What an LLM has done since it opened, summed over its calls (a server's /metrics): each counted as it
+    happens, so a call that was ended early counts the tokens it did generate."""
+
+    calls: int = 0
+    prompt_tokens: int = 0      # given, cached or not
+    cached_tokens: int = 0      # of them, reused from the KV cache
+    prompt_seconds: float = 0.0
+    generated_tokens: int = 0
+    generated_seconds: float = 0.0
+
+
+@dataclass
 class _Cache:
     """What the KV cache holds, as the tokens evaluated or about to be (the one sampled last is evaluated when the
     next step needs it: the engine's n_past says how many are in), and how many of them, from the start, the
@@ -258,6 +271,7 @@ class LLM:
                                      if t is not None and t >= 0)
         self._cache = _Cache()
         self._n_batch: int = self.model.info["n_batch"]
+        self.counters = Counters()
         self._gate = _Gate()
         self._step = threading.Lock()  # held while a call works on the engine and the cache
         self._generation = 0  # bumped by every call: an older stream (taken over in its own thread) sees it and ends
@@ -409,10 +423,15 @@ class LLM:
             m.eval(ids[m.n_past:], all_logits=False)
             prompt_seconds = time.perf_counter() - started
         self._cache = cache
+        counted = self.counters
+        counted.calls, counted.prompt_tokens, counted.cached_tokens = \
+            counted.calls + 1, counted.prompt_tokens + len(ids), counted.cached_tokens + cached
+        counted.prompt_seconds += prompt_seconds
         decoder, held = StreamDecoder(self.tokenizer, ids), _StopFilter(stop)
         generated, finish, started = 0, "length", time.perf_counter()
         while generated < max_tokens:
             current()
+            step = time.perf_counter()
             with engine_errors():
                 if m.n_past < len(cache.tokens):  # the token sampled last, not yet evaluated
                     m.eval(cache.tokens[-1:], all_logits=False)
@@ -420,6 +439,8 @@ class LLM:
                                  sampling.repeat_last_n, sampling.frequency_penalty, sampling.presence_penalty)
             cache.tokens.append(token)
             generated += 1
+            counted.generated_tokens += 1
+            counted.generated_seconds += time.perf_counter() - step
             if token in self.stop_tokens:
                 finish = "stop"
                 break

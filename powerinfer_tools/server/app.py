@@ -23,12 +23,14 @@ from contextlib import aclosing
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.runtime.inference import EngineFailure
 from powerinfer_tools.runtime.llm import LLM, Chunk, Completion, RequestError
 from powerinfer_tools.server.intake import BODY_TIMEOUT_S, MAX_BODY_MIB, Intake, ended, race
+from powerinfer_tools.server.metrics import metrics_text
 from powerinfer_tools.server.schemas import ChatRequest, CompletionRequest
 
 
@@ -65,6 +67,12 @@ class Worker:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pi-engine")
         self.stopping = threading.Event()  # read by the engine's thread
         self.stopped = asyncio.Event()     # awaited by the requests
+        self._count = threading.Lock()
+        self.waiting = self.running = 0    # jobs queued, the job generating (/metrics)
+
+    def _counted(self, waiting: int, running: int) -> None:
+        with self._count:
+            self.waiting, self.running = self.waiting + waiting, self.running + running
 
     def stop(self) -> None:
         """The server begins to shut down (called on the event loop): every job ends, running or queued."""
@@ -94,6 +102,7 @@ class Worker:
                 loop.call_soon_threadsafe(queue.put_nowait, item)
 
         def work() -> None:
+            self._counted(-1, 1)
             try:
                 if gone.is_set() or self.stopping.is_set():
                     return
@@ -108,8 +117,10 @@ class Worker:
             except BaseException as exc:  # handed to the request, which answers with it
                 put(exc)
             finally:
+                self._counted(0, -1)
                 put(_DONE)
 
+        self._counted(1, 0)
         self.executor.submit(work)
         try:
             while True:
@@ -200,6 +211,10 @@ def create_app(llm: LLM, model_id: str, api_key: str | None = None, max_body_mib
     @app.get("/health")
     async def health():
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(metrics_text(llm, worker), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models():

@@ -11,7 +11,8 @@ import typer
 from powerinfer_tools.cli import flags
 from powerinfer_tools.stages import options as limits
 from powerinfer_tools.core.errors import UserError
-from powerinfer_tools.runtime.inference import GPU_MODES, KV_TYPES
+from powerinfer_tools.runtime.inference import GPU_MODES
+from powerinfer_tools.stages.options import DEFAULT_KV_TYPE, KV_TYPES
 
 
 def _csv(value: str) -> tuple[str, ...]:
@@ -67,8 +68,8 @@ def bench(
     depth: int = typer.Option(0, "--depth", "-d", help="Tokens of the text already in the cache when tg starts "
                               "(not timed), as llama-bench's -d: generation at a long context."),
     batch: int = typer.Option(512, "--batch", "-b", help="Our engine's prompt batch size."),
-    kv_type: str = typer.Option("f32", "--kv-type", help="Our engine's KV cache type, f32 or f16 (llama.cpp's "
-                                "is f16; matters at a long --depth)."),
+    kv_type: str = typer.Option(DEFAULT_KV_TYPE, "--kv-type", help="Our engine's KV cache type, f16 (llama.cpp's "
+                                "too) or f32; matters at a long --depth."),
     gpu: str = flags.gpu_option(),
     gpu_attention: bool = typer.Option(True, "--gpu-attention/--gpu-ffn-only", help="With a device: the layers' "
                                        "attention and KV cache on it first, as PowerInfer places them (default), "

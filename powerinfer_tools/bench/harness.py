@@ -35,6 +35,7 @@ from powerinfer_tools.bench.runners import Runner, Worker, llamacpp_runner
 from powerinfer_tools.bench.worker import mode_parts
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.formats import names
+from powerinfer_tools.stages.options import DEFAULT_KV_TYPE
 from powerinfer_tools.runtime.inference import DEFAULT_INPUT_SPARSITY, INPUT_MODE
 from powerinfer_tools.stages.options import SPARSITY_LEVEL
 
@@ -71,7 +72,7 @@ class BenchOptions:
     n_gen: int = 128
     depth: int = 0                         # tokens already cached when tg starts (llama-bench's -d)
     batch: int = 512                       # our engine's prompt batch (llama.cpp's n_ubatch is 512)
-    kv_type: str = "f32"                   # our engine's KV cache type (llama.cpp's is f16)
+    kv_type: str = DEFAULT_KV_TYPE         # our engine's KV cache type (llama.cpp's is f16 too)
     gpu: str = "auto"                      # where our hot tier runs (engine.Model's gpu)
     gpu_attention: bool = True             # the layers' attention and KV cache on the device first (engine.Model's)
     gpuidx: Path | None = None             # our hot tier's neurons; None: solved for vram_budget, or none

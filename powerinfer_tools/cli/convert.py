@@ -152,9 +152,9 @@ def report_sizes(model: str, outtypes: list[str], predictor_rank: int | None) ->
         typer.echo(f"  (header: vocabulary estimated at {dry_run.VOCAB_BYTES_PER_TOKEN} bytes per token; "
                    "everything else exact)")
     contexts = sorted({512, 2048, first.context_length or 2048})
-    # the engine's cache is f32 unless run with --kv-type f16 (PowerInfer's and llama.cpp's type): half of it
+    # the engine's cache is f16 (llama.cpp's and PowerInfer's type) unless run with --kv-type f32: twice that
     f32 = 4 // placement.KV_BYTES_PER_VALUE
-    typer.echo("KV cache, any outtype (f32, the engine's default / f16, --kv-type f16): " + ", ".join(
-        f"ctx {c}: {placement.human_bytes(f32 * first.kv_cache_bytes(c))} / {placement.human_bytes(first.kv_cache_bytes(c))}"
+    typer.echo("KV cache, any outtype (f16, the default / f32, --kv-type f32): " + ", ".join(
+        f"ctx {c}: {placement.human_bytes(first.kv_cache_bytes(c))} / {placement.human_bytes(f32 * first.kv_cache_bytes(c))}"
         for c in contexts))
     typer.echo("dry run: nothing written")

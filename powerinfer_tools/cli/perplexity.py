@@ -12,6 +12,7 @@ from powerinfer_tools.cli import flags
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.formats.names import FFN_MODES
 from powerinfer_tools.runtime.inference import KV_TYPE_HELP
+from powerinfer_tools.stages.options import DEFAULT_KV_TYPE
 from powerinfer_tools.stages.options import PERPLEXITY_WINDOW
 
 
@@ -27,7 +28,7 @@ def perplexity(
                                     help=f"FFN mode: {', '.join(FFN_MODES)}, or input (dense with --input-sparsity)."),
     input_sparsity: Optional[float] = flags.input_sparsity_option(),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", help=flags.THREADS_HELP),
-    kv_type: str = typer.Option("f32", "--kv-type", help=KV_TYPE_HELP),
+    kv_type: str = typer.Option(DEFAULT_KV_TYPE, "--kv-type", help=KV_TYPE_HELP),
     gpuidx: Optional[Path] = flags.gpuidx_option(),
     vram_budget: Optional[float] = flags.vram_budget_option(),
     gpu: str = flags.gpu_option(),

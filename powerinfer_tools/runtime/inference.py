@@ -19,7 +19,7 @@ import numpy as np
 
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.formats import names
-from powerinfer_tools.stages.options import DEVICE_BUDGET_GIB, MEMORY_BUDGET_GIB
+from powerinfer_tools.stages.options import DEFAULT_KV_TYPE, DEVICE_BUDGET_GIB, KV_TYPES, MEMORY_BUDGET_GIB
 from powerinfer_tools.stages.usefulness import ENOUGH_SPARSITY
 
 SPARSE_MODES = names.FFN_MODES
@@ -114,9 +114,8 @@ def cached_plan(model: Path, vram_budget_gib: float, profile: str | os.PathLike 
     return path
 
 
-KV_TYPES = ("f32", "f16")
-KV_TYPE_HELP = ("KV cache type: f32 (logits within float rounding of transformers) or f16 (half the cache's memory "
-                "and of what each generated token reads of it at a long context; llama.cpp's default).")
+KV_TYPE_HELP = ("KV cache type: f16 (llama.cpp's default: half the memory of f32 and of what each generated token "
+                "reads of it at a long context) or f32 (logits within float rounding of transformers).")
 
 
 GPU_MODES = ("auto", "on", "off")
@@ -149,7 +148,7 @@ def context_size(model: str | os.PathLike, ctx_size: int | None) -> int:
 
 
 def open_engine(target: EngineTarget, threads: int | None = None, sparse_mode: str = "dense",
-                ctx_size: int | None = None, recall_check: bool = False, kv_type: str = "f32", gpu: str = "auto",
+                ctx_size: int | None = None, recall_check: bool = False, kv_type: str = DEFAULT_KV_TYPE, gpu: str = "auto",
                 vram_budget_gib: float | None = None, input_sparsity: float | None = None,
                 memory_budget_gib: float | None = None):
     """engine.Model for the target; engine failures become UserError with the engine's message. With a hot tier

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from powerinfer_tools.core.errors import UserError
+from powerinfer_tools.stages.options import DEFAULT_KV_TYPE
 
 # A prompt longer than this many characters a token of the context is first tokenized in part (LLM.prompt_ids):
 # ordinary text runs three to five.
@@ -243,7 +244,7 @@ class LLM:
     """A model file (or "smollm2", the embedded default, built on first use) with its tokenizer.
 
     The engine options are those of `pi-tools run`: threads, sparse_mode (dense | gate | predictor | auto | input),
-    ctx_size (default: the model's trained context, at most options.CTX_CAP), kv_type (f32 | f16), gpu (auto | on | off),
+    ctx_size (default: the model's trained context, at most options.CTX_CAP), kv_type (f16 | f32), gpu (auto | on | off),
     gpuidx (a .gpuidx plan; default: MODEL.generated.gpuidx when it sits beside the model, "none" for none),
     vram_budget (GiB for the hot tier, solved with `profile`), input_sparsity (the share of every matrix's inputs
     zeroed, from the file's input thresholds; docs/engine.md, "Input sparsity"), memory_budget (GiB of RAM the engine
@@ -254,7 +255,7 @@ class LLM:
     """
 
     def __init__(self, model: str | os.PathLike = "smollm2", *, threads: int | None = None,
-                 sparse_mode: str = "dense", ctx_size: int | None = None, kv_type: str = "f32", gpu: str = "auto",
+                 sparse_mode: str = "dense", ctx_size: int | None = None, kv_type: str = DEFAULT_KV_TYPE, gpu: str = "auto",
                  gpuidx: str | os.PathLike | None = None, vram_budget: float | None = None,
                  profile: str | os.PathLike | None = None, input_sparsity: float | None = None,
                  memory_budget: float | None = None):

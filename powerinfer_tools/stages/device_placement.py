@@ -16,6 +16,7 @@ import numpy as np
 
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.formats.gguf_header import GGUFHeader
+from powerinfer_tools.stages.options import DEFAULT_KV_TYPE
 
 QK = 32
 Q8_0_BLOCK_BYTES = 34
@@ -96,7 +97,7 @@ class DevicePlacement:
 
 
 def device_costs(header: GGUFHeader, ctx_size: int, n_batch: int = ENGINE_DEFAULT_BATCH,
-                 kv_type: str = "f32") -> DeviceCosts:
+                 kv_type: str = DEFAULT_KV_TYPE) -> DeviceCosts:
     """Per-layer device bytes of a converted file, as the engine opened with these ctx_size, batch_size and
     kv_type counts them (the engine caps n_batch at the context)."""
     arch = header.get("general.architecture")

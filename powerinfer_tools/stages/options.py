@@ -20,6 +20,11 @@ TRAINED_CTX_UNKNOWN = 2048  # a file without <arch>.context_length: the engine's
 PERPLEXITY_WINDOW = 512  # perplexity's -c is a window length, as llama.cpp's perplexity's
 CTX_SIZE_HELP = (f"Context length in tokens (the KV cache). Default: the model's trained context "
                  f"(<arch>.context_length in the file), at most {CTX_CAP}.")
+# The KV cache's element types, and the one every command and the LLM open with: f16, as llama.cpp's and
+# PowerInfer's (half f32's memory; its effect on perplexity is bounded in tests/runtime/test_kv_type.py). The
+# engine binding's own default stays f32, the exact path its logits tests compare with transformers.
+KV_TYPES = ("f32", "f16")
+DEFAULT_KV_TYPE = "f16"
 DEFAULT_RESERVE_BYTES = 256 * MIB  # PowerInfer leaves 256 MiB free when it sizes the budget itself
 DEFAULT_TRAIN_THREADS = max(1, (os.cpu_count() or 2) // 2)  # small matrices: more threads only add contention
 

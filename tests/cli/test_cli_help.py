@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from cli_helpers import run_cli
-from test_cli_usage import COMMANDS
+from cli_helpers import run_cli, subcommands
 
 
-@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("command", subcommands())
 def test_help_shows_defaults_and_no_flag_types(command, capsys):
     code, out, err = run_cli(capsys, command, "--help")
     assert code == 0, err

@@ -259,9 +259,6 @@ void Model::read_hparams() {
     hp_.n_head = f.get_int(k + ".attention.head_count", 1, hp_.n_embd);
     hp_.n_head_kv = f.get_int_or(k + ".attention.head_count_kv", hp_.n_head, 1, hp_.n_head);
     hp_.n_ctx_train = f.get_int_or(k + ".context_length", 2048, 1, int64_t(1) << 24);
-    if (hp_.n_head % hp_.n_head_kv != 0)
-        fail(PI_ERR_FORMAT, p + ": head_count " + std::to_string(hp_.n_head) + " is not a multiple of head_count_kv " +
-                                std::to_string(hp_.n_head_kv));
     // A head's width: attention.key_length where the architecture's heads may be of another width than
     // embedding_length / head_count (qwen3: 128 beside 1024 / 16), which value_length must equal.
     const std::string key_length = k + ".attention.key_length", value_length = k + ".attention.value_length";
@@ -282,6 +279,9 @@ void Model::read_hparams() {
                                              " is not embedding_length / head_count (" + std::to_string(hp_.d_head) +
                                              "): heads of another width are not supported for " + a);
     }
+    if (hp_.n_head % hp_.n_head_kv != 0)
+        fail(PI_ERR_FORMAT, p + ": head_count " + std::to_string(hp_.n_head) + " is not a multiple of head_count_kv " +
+                                std::to_string(hp_.n_head_kv));
     hp_.n_swa = f.get_int_or(k + ".attention.sliding_window", 0, 1, int64_t(1) << 24);
     hp_.n_rot = f.get_int_or(k + ".rope.dimension_count", hp_.d_head, 2, hp_.d_head);
     if (hp_.n_rot % 2 != 0) fail(PI_ERR_FORMAT, p + ": rope.dimension_count must be even");

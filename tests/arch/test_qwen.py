@@ -161,15 +161,17 @@ def test_a_sliding_window_caps_the_context(family):
     assert "qwen2-silu.attention.sliding_window" not in open_reader(none_slide).fields
 
 
-@pytest.mark.parametrize("kind", QWEN_KINDS)
-def test_the_device_tier_gives_the_cpu_logits(kind, family, tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind,config", [("qwen2", {}), ("qwen2", {"head_dim": 32}), ("qwen3", {})],
+                         ids=["qwen2", "qwen2-head_dim", "qwen3"])
+def test_the_device_tier_gives_the_cpu_logits(kind, config, family, tmp_path, monkeypatch):
     """Through the host emulation of a device library (tests/engine/test_engine_device.py): Qwen2's attention and KV
-    cache on the device (its biases, NeoX RoPE); Qwen3's stay on the CPU (the device computes no per-head norms),
-    its hot rows and output head on the device."""
+    cache on the device (its biases, NeoX RoPE, heads of their own width where config.json sets head_dim, which
+    Qwen2's class reads too); Qwen3's stay on the CPU (the device computes no per-head norms), its hot rows and
+    output head on the device."""
     monkeypatch.setenv("PI_EMULATED_DEVICE_MIB", "512")
     monkeypatch.delenv("PI_EMULATED_DEVICES", raising=False)
     hot = write_gpuidx(tmp_path / "hot.gpuidx", [np.random.default_rng(31 + i).random(N_FF) < 0.3 for i in range(N_LAYER)])
-    _, path, _ = family(kind)
+    _, path, _ = family(kind, **config)
 
     def run(**kw):
         with engine.Model(path, threads=2, sparse_mode="dense", batch_size=16, gpuidx=hot, **kw) as m:

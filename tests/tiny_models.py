@@ -133,7 +133,8 @@ def make_tiny(kind: str, out: Path, seed: int = 0, n_ff: int = N_FF, **overrides
 
     out.mkdir(parents=True, exist_ok=True)
     vocab = (_spm_tokenizer(out) if kind in ("llama-relu", "llama-silu", "prosparse", "bamboo")
-             else _bpe_tokenizer(out, "qwen" if kind in QWEN_KINDS else "falcon" if kind.startswith("falcon") else "gpt2"))
+             else _bpe_tokenizer(out, "qwen" if kind in QWEN_KINDS else
+                                 "falcon" if kind.startswith("falcon") else "gpt2"))
     config = _config(kind, vocab, n_ff, **overrides)
     torch.manual_seed(seed)
     model_class = MistralForCausalLM if kind == "bamboo" else AutoModelForCausalLM

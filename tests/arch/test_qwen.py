@@ -170,7 +170,8 @@ def test_the_device_tier_gives_the_cpu_logits(kind, config, family, tmp_path, mo
     output head on the device."""
     monkeypatch.setenv("PI_EMULATED_DEVICE_MIB", "512")
     monkeypatch.delenv("PI_EMULATED_DEVICES", raising=False)
-    hot = write_gpuidx(tmp_path / "hot.gpuidx", [np.random.default_rng(31 + i).random(N_FF) < 0.3 for i in range(N_LAYER)])
+    hot = write_gpuidx(tmp_path / "hot.gpuidx",
+                       [np.random.default_rng(31 + i).random(N_FF) < 0.3 for i in range(N_LAYER)])
     _, path, _ = family(kind, **config)
 
     def run(**kw):

@@ -1,7 +1,8 @@
 """Tiny random-weight models of every supported architecture, saved as Hugging Face directories.
 
 Each comes with a real tokenizer trained on a slice of tiny-shakespeare: SentencePiece for the
-Llama family (as Llama checkpoints ship), byte-level BPE for Falcon and OPT.
+Llama family (as Llama checkpoints ship), byte-level BPE for Falcon, OPT and Qwen (Qwen's with its own
+pre-tokenizer, ChatML special tokens and chat template).
 """
 from __future__ import annotations
 
@@ -14,7 +15,14 @@ import torch
 DATA = next((p for p in (Path(__file__).resolve().parents[1].parent / "shared" / "data", Path("/work/shared/data"))
              if p.is_dir()), Path("/work/shared/data"))
 KINDS = ("llama-relu", "llama-silu", "prosparse", "bamboo", "falcon", "falcon7b", "opt")
+QWEN_KINDS = ("qwen2", "qwen3")  # every feature on: q/k/v(/o) biases, tied head; qwen3 heads normed, head_dim 32
 HIDDEN, N_FF, N_LAYER, N_HEAD, N_KV = 64, 256, 2, 4, 2
+QWEN3_HEAD_DIM = 32  # not HIDDEN / N_HEAD: q/k/v are N_HEAD * 32 wide, as Qwen3-0.6B's 16 heads of 128 beside 1024
+# Qwen2's tokenizer.json splits text with this before its byte-level BPE (llama.cpp's "qwen2" pre-tokenizer)
+QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+              r"\s*[\r\n]+|\s+(?!\S)|\s+")
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 # FATReLU's threshold of the tiny ProSparse model (the released ones use 0.01): large enough against these
 # gate values (std ~0.6) that a third of the positive ones fall below it, so ignoring it changes the output
 PROSPARSE_THRESHOLD = 0.25
@@ -50,33 +58,40 @@ def _spm_tokenizer(out: Path) -> int:
     return 384
 
 
-def _bpe_tokenizer(out: Path, falcon: bool = False) -> int:
-    """Byte-level BPE: GPT-2's pre-tokenizer (OPT), or Falcon's, which also splits off runs of punctuation
-    and numbers in groups of three digits (what llama.cpp calls the "falcon" pre-tokenizer)."""
+def _bpe_tokenizer(out: Path, style: str = "gpt2") -> int:
+    """Byte-level BPE: GPT-2's pre-tokenizer (OPT), Falcon's, which also splits off runs of punctuation and numbers
+    in groups of three digits (what llama.cpp calls the "falcon" pre-tokenizer), or Qwen's (QWEN_SPLIT: single
+    digits), with ChatML's special tokens and template."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    if falcon:
+    special, names = ["<|endoftext|>", "<pad>"], dict(bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+                                                      pad_token="<pad>")  # OPT's pad id is 1
+    if style == "falcon":
         tok.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Punctuation("contiguous"), pre_tokenizers.ByteLevel(add_prefix_space=False),
             pre_tokenizers.Digits(individual_digits=False), pre_tokenizers.Split(Regex("[0-9][0-9][0-9]"), "isolated")])
+    elif style == "qwen":  # as Qwen's tokenizer.json: no BOS, ChatML's end of turn ends a reply
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN_SPLIT), "isolated"),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+        names = dict(eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHATML)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<pad>"],  # OPT's pad id is 1
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=special,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     # numbers and runs of punctuation, so that the vocabulary has merges on which pre-tokenizers differ
     numbers = " ".join(f"{(i * 7919) % 100003}, {i}.{i * 31 % 997}!!" for i in range(3000))
     tok.train_from_iterator([training_text(), numbers], trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
-                                   pad_token="<pad>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, **names)
     fast.save_pretrained(out)
     return len(fast)
 
 
 def _config(kind: str, vocab: int, n_ff: int = N_FF, **overrides):
     """The kind's config, with `overrides` (config fields) set on top of its own."""
-    from transformers import FalconConfig, LlamaConfig, MistralConfig, OPTConfig
+    from transformers import FalconConfig, LlamaConfig, MistralConfig, OPTConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=vocab, hidden_size=HIDDEN, num_hidden_layers=N_LAYER, num_attention_heads=N_HEAD,
                   max_position_embeddings=256)
@@ -96,6 +111,13 @@ def _config(kind: str, vocab: int, n_ff: int = N_FF, **overrides):
         cls, own = FalconConfig, dict(multi_query=True, new_decoder_architecture=False, parallel_attn=True,
                                       bias=False, activation="relu", ffn_hidden_size=n_ff, bos_token_id=0,
                                       eos_token_id=0)
+    elif kind in QWEN_KINDS:
+        cls, own = Qwen2Config, dict(intermediate_size=n_ff, num_key_value_heads=N_KV, hidden_act="silu",
+                                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                                     max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                                     use_sliding_window=False, sliding_window=None, eos_token_id=2)  # <|im_end|>
+        if kind == "qwen3":
+            cls, own = Qwen3Config, {**own, "head_dim": QWEN3_HEAD_DIM, "attention_bias": True}
     elif kind == "opt":
         cls, own = OPTConfig, dict(ffn_dim=n_ff, word_embed_proj_dim=HIDDEN, do_layer_norm_before=True,
                                    activation_function="relu", bos_token_id=0, eos_token_id=0, pad_token_id=1)
@@ -111,7 +133,8 @@ def make_tiny(kind: str, out: Path, seed: int = 0, n_ff: int = N_FF, **overrides
 
     out.mkdir(parents=True, exist_ok=True)
     vocab = (_spm_tokenizer(out) if kind in ("llama-relu", "llama-silu", "prosparse", "bamboo")
-             else _bpe_tokenizer(out, falcon=kind.startswith("falcon")))
+             else _bpe_tokenizer(out, "qwen" if kind in QWEN_KINDS else
+                                 "falcon" if kind.startswith("falcon") else "gpt2"))
     config = _config(kind, vocab, n_ff, **overrides)
     torch.manual_seed(seed)
     model_class = MistralForCausalLM if kind == "bamboo" else AutoModelForCausalLM
@@ -120,6 +143,9 @@ def make_tiny(kind: str, out: Path, seed: int = 0, n_ff: int = N_FF, **overrides
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 0.08)
+        for name, p in model.named_parameters():
+            if kind in QWEN_KINDS and p.dim() == 1:  # transformers starts biases at 0, norms at 1: values that count
+                p.normal_(*((0.0, 0.1) if name.endswith(".bias") else (1.0, 0.2)))
     model.save_pretrained(out, safe_serialization=True)
     if kind == "bamboo":  # save_pretrained names the Mistral class; a Bamboo checkpoint names its own
         cfg = json.loads((out / "config.json").read_text())

@@ -86,6 +86,10 @@ DevicePlacement place_on_device(const pi_device_tier_desc &desc, const Model &mo
     p.scratch = hot_scratch_bytes(hp, desc.n_batch, largest_tier);
     double room = budget - p.scratch;
     if (!with_attention) p.attention_off = "gpu_ffn_only: attention and the output head kept on the CPU";
+    // the device's attention computes no per-head q/k norms: the head and hot rows alone go there
+    const bool attention = with_attention && !hp.qk_norm;
+    if (with_attention && !attention)
+        p.attention_off = "attention stays on the CPU: the device does not compute per-head q/k norms (" + hp.arch + ")";
     const pi_device_head head = device_head(model);
     if (with_attention && !device::refuse_head(head, desc)) {
         const double need = double(device::HeadLayout(head, desc).bytes) + device::head_scratch_bytes(desc);
@@ -96,7 +100,7 @@ DevicePlacement place_on_device(const pi_device_tier_desc &desc, const Model &mo
         }
     }
     const double attention_scratch = device::attention_scratch_bytes(desc);
-    for (size_t il = 0; with_attention && il < layers.size(); ++il) {
+    for (size_t il = 0; attention && il < layers.size(); ++il) {
         const pi_device_attention a = device_attention(hp, layers[il]);
         if (const char *why = device::refuse_attention(a, desc)) {
             if (il == 0) p.attention_off = std::string("attention stays on the CPU: ") + why;

@@ -107,6 +107,8 @@ private:
     void output(int64_t n_tok, float *logits, int64_t ld_logits);
     // RMSNorm or LayerNorm (hp_.norm) of n_tok rows; b may be empty.
     void norm(const float *x, const Matrix &w, const Matrix &b, int64_t n_tok, float *out) const;
+    // RMSNorm of n_heads consecutive head vectors of d_head values in place, by the d_head weights of w
+    void head_norm(float *x, const Matrix &w, int64_t n_heads) const;
     // y[t][i] += b[i] for each of n_tok rows ld apart (nothing when b is absent)
     void add_bias(float *y, const Matrix &b, int64_t n_tok, int64_t ld) const;
     void add_residual(const float *y, int64_t n_tok);

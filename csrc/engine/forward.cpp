@@ -92,6 +92,10 @@ void Engine::attention(int64_t il, int64_t n_tok, TierMode cold_mode) {
     add_bias(s.q.data(), L.bq, n_tok, Q);
     add_bias(s.k.data(), L.bk, n_tok, KV);
     add_bias(s.v.data(), L.bv, n_tok, KV);
+    if (L.q_norm.data) {  // qwen3: each head's query and key RMS-normed before RoPE
+        head_norm(s.q.data(), L.q_norm, n_tok * hp_.n_head);
+        head_norm(s.k.data(), L.k_norm, n_tok * hp_.n_head_kv);
+    }
     store_kv(il, n_tok);
 
     // The predictor's weights come from DRAM every step (too little to stream at speed once the FFN asks
@@ -371,6 +375,18 @@ void Engine::norm(const float *x, const Matrix &w, const Matrix &b, int64_t n_to
             const float scale = 1.0f / std::sqrt(float(ss / double(E)) + hp_.norm_eps);
             for (int64_t i = 0; i < E; ++i) ot[i] = wv[i] * (float(double(xt[i]) - mean) * scale) + (bv ? bv[i] : 0.0f);
         }
+    }
+}
+
+void Engine::head_norm(float *x, const Matrix &w, int64_t n_heads) const {
+    const int64_t D = hp_.d_head;
+    const float *wv = w.floats();
+    for (int64_t h = 0; h < n_heads; ++h) {
+        float *v = x + h * D;
+        double ss = 0.0;
+        for (int64_t i = 0; i < D; ++i) ss += double(v[i]) * double(v[i]);
+        const float scale = 1.0f / std::sqrt(float(ss / double(D)) + hp_.norm_eps);
+        for (int64_t i = 0; i < D; ++i) v[i] = wv[i] * (v[i] * scale);
     }
 }
 

@@ -37,6 +37,8 @@ inline constexpr const char *kArchKeys[] = {
 inline constexpr char kRopeFreqs[] = "rope_freqs.weight";  // llama3 RoPE: per rotated pair, its frequency's divisor
 
 // ---- tensors: blk.N.<name>.weight|bias ----
+inline constexpr char kAttnQNorm[] = "attn_q_norm";  // qwen3: RMSNorm of each query head, before RoPE
+inline constexpr char kAttnKNorm[] = "attn_k_norm";
 inline constexpr char kFfnNorm[] = "ffn_norm";
 inline constexpr char kFfnGate[] = "ffn_gate";
 inline constexpr char kFfnUp[] = "ffn_up";

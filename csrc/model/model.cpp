@@ -137,7 +137,7 @@ void Model::hold_vectors() {
     std::vector<Matrix *> vectors;
     for (Layer &l : layers_)
         for (Matrix *m : {&l.attn_norm, &l.attn_norm_b, &l.ffn_norm, &l.ffn_norm_b, &l.bq, &l.bk, &l.bv, &l.bo,
-                          &l.gate_b, &l.up_b, &l.down_b})
+                          &l.q_norm, &l.k_norm, &l.gate_b, &l.up_b, &l.down_b})
             if (m->data) vectors.push_back(m);
     for (Matrix *m : {&output_norm_, &output_norm_b_})
         if (m->data) vectors.push_back(m);
@@ -199,31 +199,59 @@ void Model::pack(Matrix &m, uint8_t *out) {
     file_->release(m.data, size_t(n_groups * kPackRows) * m.row_bytes);
 }
 
+namespace {
+
+// The architectures the engine computes (model.h's ArchSpec): a family is one row.
+const ArchSpec kArchs[] = {
+    // name     norm             rope               gated  par    lpos   off all_b  qk_n   width  plain     pwri      computes
+    {"llama",  NormKind::Rms,   RopeKind::Adjacent, true,  false, false, 0, false, false, false, "silu",  "relu",  "relu silu fatrelu"},
+    {"bamboo", NormKind::Rms,   RopeKind::Adjacent, true,  false, false, 0, false, false, false, "drelu", "drelu", "drelu"},
+    {"qwen2",  NormKind::Rms,   RopeKind::NeoX,     true,  false, false, 0, false, false, true,  "silu",  "silu",  "silu"},
+    {"qwen3",  NormKind::Rms,   RopeKind::NeoX,     true,  false, false, 0, false, true,  true,  "silu",  "silu",  "silu"},
+    {"falcon", NormKind::Layer, RopeKind::NeoX,     false, true,  false, 0, false, false, false, "relu",  "relu",  "relu"},
+    {"opt",    NormKind::Layer, RopeKind::None,     false, false, true,  2, true,  false, false, "relu",  "relu",  "relu"},
+};
+
+bool computes(const ArchSpec &a, const std::string &act) {
+    const std::string list = std::string(" ") + a.activations + " ";
+    return list.find(" " + act + " ") != std::string::npos;
+}
+
+}  // namespace
+
 void Model::read_hparams() {
     const GgufFile &f = *file_;
     const std::string &p = f.path();
-    // A SiLU llama is written as llama-silu (docs/formats.md): PowerInfer refuses the name rather than run the
-    // file through its ReLU-only sparse FFN. Files written before name it llama, with ffn_activation silu.
+    // A SiLU model converted here is written as <arch>-silu (docs/formats.md): PowerInfer refuses the name rather
+    // than run the file through its ReLU-only sparse FFN. Files written before name it llama, with ffn_activation silu.
     hp_.key_prefix = f.get_string(names::kKeyArchitecture);
-    const bool silu_llama = hp_.key_prefix == "llama-silu";
-    hp_.arch = silu_llama ? "llama" : hp_.key_prefix;
-    const std::string &a = hp_.arch, &k = hp_.key_prefix;
-    if (a != "llama" && a != "bamboo" && a != "falcon" && a != "opt")
-        fail(PI_ERR_UNSUPPORTED, p + ": unsupported architecture '" + k +
-                                     "' (this engine runs llama, llama-silu, bamboo, falcon and opt)");
+    const std::string &k = hp_.key_prefix;
+    const std::string silu_suffix = "-silu";
+    const bool silu_named = k.size() > silu_suffix.size() && k.compare(k.size() - silu_suffix.size(), std::string::npos,
+                                                                      silu_suffix) == 0;
+    hp_.arch = silu_named ? k.substr(0, k.size() - silu_suffix.size()) : k;
+    const ArchSpec *spec = nullptr;
+    std::string known;
+    for (const ArchSpec &a : kArchs) {
+        if (hp_.arch == a.name && (!silu_named || computes(a, "silu"))) spec = &a;
+        known += std::string(known.empty() ? "" : ", ") + a.name + (computes(a, "silu") ? std::string(", ") + a.name + "-silu" : "");
+    }
+    if (!spec) fail(PI_ERR_UNSUPPORTED, p + ": unsupported architecture '" + k + "' (this engine runs " + known + ")");
+    const std::string &a = hp_.arch;
     for (const std::string &key : f.keys_with_prefix(k + ".")) {
         const std::string suffix = key.substr(k.size() + 1);
-        bool known = false;
-        for (const char *name : names::kArchKeys) known = known || suffix == name;
-        if (!known) fail(PI_ERR_UNSUPPORTED, p + ": key " + key + " is not computed by this engine (it would run another model)");
+        bool listed = false;
+        for (const char *name : names::kArchKeys) listed = listed || suffix == name;
+        if (!listed) fail(PI_ERR_UNSUPPORTED, p + ": key " + key + " is not computed by this engine (it would run another model)");
     }
-    const bool llama_family = a == "llama" || a == "bamboo";
-    hp_.norm = llama_family ? NormKind::Rms : NormKind::Layer;
-    hp_.rope = a == "opt" ? RopeKind::None : a == "falcon" ? RopeKind::NeoX : RopeKind::Adjacent;
-    hp_.gated = llama_family;
-    hp_.parallel_block = a == "falcon";
-    hp_.learned_pos = a == "opt";
-    hp_.pos_offset = a == "opt" ? 2 : 0;  // OPT's learned table starts its positions at row 2
+    hp_.norm = spec->norm;
+    hp_.rope = spec->rope;
+    hp_.gated = spec->gated;
+    hp_.parallel_block = spec->parallel_block;
+    hp_.learned_pos = spec->learned_pos;
+    hp_.pos_offset = spec->pos_offset;
+    hp_.all_biases = spec->all_biases;
+    hp_.qk_norm = spec->qk_norm;
     const int64_t big = int64_t(1) << 20;
     hp_.n_embd = f.get_int(k + ".embedding_length", 1, 1 << 16);
     hp_.n_layer = f.get_int(k + ".block_count", 1, 4096);
@@ -231,22 +259,34 @@ void Model::read_hparams() {
     hp_.n_head = f.get_int(k + ".attention.head_count", 1, hp_.n_embd);
     hp_.n_head_kv = f.get_int_or(k + ".attention.head_count_kv", hp_.n_head, 1, hp_.n_head);
     hp_.n_ctx_train = f.get_int_or(k + ".context_length", 2048, 1, int64_t(1) << 24);
-    if (hp_.n_embd % hp_.n_head != 0)
-        fail(PI_ERR_FORMAT, p + ": embedding_length " + std::to_string(hp_.n_embd) + " is not a multiple of head_count " +
-                                std::to_string(hp_.n_head));
+    // A head's width: attention.key_length where the architecture's heads may be of another width than
+    // embedding_length / head_count (qwen3: 128 beside 1024 / 16), which value_length must equal.
+    const std::string key_length = k + ".attention.key_length", value_length = k + ".attention.value_length";
+    if (spec->head_width_key && f.has(key_length)) {
+        hp_.d_head = f.get_int(key_length, 2, 1 << 12);
+        const int64_t dv = f.get_int_or(value_length, hp_.d_head, 1, 1 << 12);
+        if (dv != hp_.d_head)
+            fail(PI_ERR_UNSUPPORTED, p + ": " + value_length + " " + std::to_string(dv) + " is not " + key_length +
+                                         " " + std::to_string(hp_.d_head) + ": heads of two widths are not supported");
+    } else {
+        if (hp_.n_embd % hp_.n_head != 0)
+            fail(PI_ERR_FORMAT, p + ": embedding_length " + std::to_string(hp_.n_embd) +
+                                    " is not a multiple of head_count " + std::to_string(hp_.n_head));
+        hp_.d_head = hp_.n_embd / hp_.n_head;
+        for (const std::string &kv : {key_length, value_length})
+            if (f.has(kv) && f.get_int(kv, 1, big) != hp_.d_head)
+                fail(PI_ERR_UNSUPPORTED, p + ": " + kv + " " + std::to_string(f.get_int(kv, 1, big)) +
+                                             " is not embedding_length / head_count (" + std::to_string(hp_.d_head) +
+                                             "): heads of another width are not supported for " + a);
+    }
     if (hp_.n_head % hp_.n_head_kv != 0)
         fail(PI_ERR_FORMAT, p + ": head_count " + std::to_string(hp_.n_head) + " is not a multiple of head_count_kv " +
                                 std::to_string(hp_.n_head_kv));
-    hp_.d_head = hp_.n_embd / hp_.n_head;
-    for (const char *kv : {".attention.key_length", ".attention.value_length"})
-        if (f.has(k + kv) && f.get_int(k + kv, 1, big) != hp_.d_head)
-            fail(PI_ERR_UNSUPPORTED, p + ": " + k + kv + " " + std::to_string(f.get_int(k + kv, 1, big)) +
-                                         " is not embedding_length / head_count (" + std::to_string(hp_.d_head) +
-                                         "): heads of another width are not supported");
     hp_.n_swa = f.get_int_or(k + ".attention.sliding_window", 0, 1, int64_t(1) << 24);
     hp_.n_rot = f.get_int_or(k + ".rope.dimension_count", hp_.d_head, 2, hp_.d_head);
     if (hp_.n_rot % 2 != 0) fail(PI_ERR_FORMAT, p + ": rope.dimension_count must be even");
-    const std::string eps_key = k + (llama_family ? ".attention.layer_norm_rms_epsilon" : ".attention.layer_norm_epsilon");
+    const bool rms = hp_.norm == NormKind::Rms;
+    const std::string eps_key = k + (rms ? ".attention.layer_norm_rms_epsilon" : ".attention.layer_norm_epsilon");
     // PowerInfer's OPT converter writes no epsilon (its engine then normalizes with 0): OPT's own, torch's
     // nn.LayerNorm default, as convert writes it
     const double eps = f.get_float_or(eps_key, a == "opt" ? 1e-5 : -1.0);
@@ -268,20 +308,16 @@ void Model::read_hparams() {
         fail(PI_ERR_UNSUPPORTED, p + ": falcon.tensor_data_layout '" + f.get_string("falcon.tensor_data_layout") +
                                      "' is not supported (jploski: fused QKV as all q heads, then k heads, then v heads)");
 
-    // Without powerinfer.ffn_activation (PowerInfer's converters never write it): a PWRI llama file is ReLU, as
-    // PowerInfer's sparse FFN computes nothing else; a plain GGUF llama file is llama.cpp's SiLU.
-    std::string act = a == "bamboo" ? "drelu" : silu_llama || (a == "llama" && !f.pwri_magic()) ? "silu" : "relu";
+    // Without powerinfer.ffn_activation (PowerInfer's converters never write it): the architecture's own, which for
+    // a PWRI llama file is ReLU, as PowerInfer's sparse FFN computes nothing else.
+    std::string act = silu_named ? "silu" : f.pwri_magic() ? spec->pwri_activation : spec->plain_activation;
     if (f.has(names::kKeyFfnActivation)) act = f.get_string(names::kKeyFfnActivation);
-    if (silu_llama && act != "silu")
-        fail(PI_ERR_FORMAT, p + ": architecture llama-silu with FFN activation '" + act + "' (it must be silu)");
-    if ((a == "llama" || !llama_family) && act == "relu") hp_.activation = Activation::Relu;
-    else if (a == "llama" && act == "silu") hp_.activation = Activation::Silu;
-    else if (a == "llama" && act == "fatrelu") {
-        hp_.activation = Activation::Relu;
-        hp_.shifted_relu = true;
-    }
-    else if (a == "bamboo" && act == "drelu") hp_.activation = Activation::DRelu;
-    else fail(PI_ERR_UNSUPPORTED, p + ": FFN activation '" + act + "' is not supported for architecture " + a);
+    if (silu_named && act != "silu")
+        fail(PI_ERR_FORMAT, p + ": architecture " + k + " with FFN activation '" + act + "' (it must be silu)");
+    if (!computes(*spec, act))
+        fail(PI_ERR_UNSUPPORTED, p + ": FFN activation '" + act + "' is not supported for architecture " + a);
+    hp_.activation = act == "silu" ? Activation::Silu : act == "drelu" ? Activation::DRelu : Activation::Relu;
+    hp_.shifted_relu = act == "fatrelu";
 }
 
 Matrix Model::bind_optional(const std::string &name, int64_t rows, int64_t cols, bool f32_only, bool *found,
@@ -510,7 +546,7 @@ void Model::bind_input_sparsity() {
 
 void Model::bind_attention(int64_t i, Layer &l) {
     const int64_t E = hp_.n_embd, Q = hp_.n_head * hp_.d_head, KV = hp_.n_head_kv * hp_.d_head;
-    const bool layer_norm = hp_.norm == NormKind::Layer, all_biases = hp_.arch == "opt";
+    const bool layer_norm = hp_.norm == NormKind::Layer, all_biases = hp_.all_biases;
     l.attn_norm = bind_vector(blk(i, "attn_norm.weight"), E, true);
     l.attn_norm_b = bind_vector(blk(i, "attn_norm.bias"), E, layer_norm);
     if (hp_.parallel_block) {
@@ -547,6 +583,11 @@ void Model::bind_attention(int64_t i, Layer &l) {
         l.bk = bind_vector(blk(i, "attn_k.bias"), KV, all_biases);
         l.bv = bind_vector(blk(i, "attn_v.bias"), KV, all_biases);
     }
+    l.q_norm = bind_vector(weight(i, names::kAttnQNorm), hp_.d_head, hp_.qk_norm);
+    l.k_norm = bind_vector(weight(i, names::kAttnKNorm), hp_.d_head, hp_.qk_norm);
+    if (!hp_.qk_norm && (l.q_norm.data || l.k_norm.data))
+        fail(PI_ERR_UNSUPPORTED, file_->path() + ": tensor " + weight(i, l.q_norm.data ? names::kAttnQNorm : names::kAttnKNorm) +
+                                     " (per-head q/k norms) is not computed for architecture " + hp_.arch);
     l.wo = bind(blk(i, "attn_output.weight"), E, Q, false);
     l.bo = bind_vector(blk(i, "attn_output.bias"), E, all_biases);
 }
@@ -554,7 +595,7 @@ void Model::bind_attention(int64_t i, Layer &l) {
 void Model::bind_ffn(int64_t i, Layer &l) {
     const GgufFile &f = *file_;
     const int64_t E = hp_.n_embd, F = hp_.n_ff;
-    const bool all_biases = hp_.arch == "opt";
+    const bool all_biases = hp_.all_biases;
     if (hp_.gated) {
         l.gate = bind(weight(i, names::kFfnGate), F, E, false);
         l.gate_b = bind_vector(bias(i, names::kFfnGate), F, false);

@@ -1,9 +1,10 @@
 // A loaded model: hyperparameters, tensor views checked against them, and the FFN's hot/cold tiers.
 //
-// Architectures are described by properties in HParams (norm kind, RoPE kind, gated or plain FFN,
-// parallel or sequential block, learned positions), so that the forward pass branches on properties
-// rather than names: llama and bamboo (RMSNorm, gated FFN), falcon (LayerNorm, fused QKV, NeoX RoPE,
-// attention and FFN in parallel from the layer input) and opt (LayerNorm, learned positions, biases).
+// Architectures are data: one ArchSpec each (model.cpp's table), whose properties HParams carries (norm kind,
+// RoPE kind, gated or plain FFN, parallel or sequential block, learned positions, per-head q/k norms), so that
+// the forward pass branches on properties rather than names: llama and bamboo (RMSNorm, gated FFN), qwen2 and
+// qwen3 (llama's with NeoX RoPE; qwen3's heads normed), falcon (LayerNorm, fused QKV, NeoX RoPE, attention and
+// FFN in parallel from the layer input) and opt (LayerNorm, learned positions, biases).
 #pragma once
 
 #include <algorithm>
@@ -52,8 +53,23 @@ struct Matrix {
     const float *floats() const { return reinterpret_cast<const float *>(data); }
 };
 
+// An architecture the engine computes, as its file names it (llama.cpp's general.architecture).
+struct ArchSpec {
+    const char *name;
+    NormKind norm;
+    RopeKind rope;            // llama: its converters put q/k rows in adjacent pairs; qwen, falcon: NeoX (as is)
+    bool gated, parallel_block, learned_pos;
+    int64_t pos_offset;       // row of position 0 in position_embd
+    bool all_biases;          // every projection has a bias (opt); elsewhere a bias is optional
+    bool qk_norm;             // attn_q_norm/attn_k_norm: RMSNorm of each head's q and k before RoPE (qwen3)
+    bool head_width_key;      // attention.key_length may set heads apart from embedding_length / head_count
+    const char *plain_activation;  // the FFN activation of a file without powerinfer.ffn_activation: a GGUF's,
+    const char *pwri_activation;   // a PWRI file's (PowerInfer's sparse FFN computes ReLU)
+    const char *activations;       // those it computes, space-separated
+};
+
 struct HParams {
-    std::string arch;        // the architecture computed: llama, bamboo, falcon or opt
+    std::string arch;        // the architecture computed (ArchSpec::name)
     std::string key_prefix;  // general.architecture, which names the hyperparameter keys (llama-silu: below)
     Activation activation = Activation::Silu;
     bool shifted_relu = false;    // FATReLU (ProSparse): ReLU's rule at each layer's act_threshold instead of 0
@@ -65,6 +81,8 @@ struct HParams {
     bool parallel_block = false;  // x + attn(norm x) + ffn(norm' x) (falcon) instead of two residual steps
     bool learned_pos = false;     // position_embd added to the token embedding (opt)
     int64_t pos_offset = 0;       // row of position 0 in position_embd (opt: 2)
+    bool all_biases = false;      // ArchSpec::all_biases
+    bool qk_norm = false;         // ArchSpec::qk_norm
     float norm_eps = 1e-5f;
     float rope_base = 10000.0f;
     float rope_freq_scale = 1.0f;
@@ -169,6 +187,7 @@ struct Layer {
     Matrix ffn_norm, ffn_norm_b;    // the norm feeding the FFN (falcon 7B: the same tensor as attn_norm)
     Matrix wq, wk, wv, wo;          // falcon: row views into the fused attn_qkv
     Matrix bq, bk, bv, bo;
+    Matrix q_norm, k_norm;          // per-head RMSNorm weights [d_head] (qk_norm), else empty
     Matrix gate, up, down_t;        // ungated FFN: gate is up (the rule reads the up projection)
     Matrix gate_b, up_b, down_b;    // per neuron (gate_b, up_b) and per output (down_b)
     Matrix fc1, fc2;  // predictor (empty when absent)

@@ -34,6 +34,12 @@ def base_arch(name: str) -> str:
     return base if dash and activation in THRESHOLDED_ACTIVATIONS else name
 
 
+def head_width(get, arch: str, n_embd: int, n_head: int) -> int:
+    """A head's width (q/k/v rows per head) in a file whose metadata `get(key, default)` reads: attention.key_length
+    where the file sets it (qwen3's heads are not embedding_length / head_count wide), as the engine reads it."""
+    return int(get(f"{arch}.attention.key_length", None) or n_embd // n_head)
+
+
 def read_magic(path: str | os.PathLike) -> bytes:
     with open(path, "rb") as f:
         return f.read(4)

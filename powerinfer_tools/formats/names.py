@@ -38,6 +38,8 @@ ARCH_KEYS = (
 ROPE_FREQS = "rope_freqs.weight"  # llama3 RoPE (llama.cpp's): per rotated pair, what its frequency is divided by
 
 # ---- tensors: blk.N.<name>.weight|bias ------------------------------------------------------------------
+ATTN_Q_NORM = "attn_q_norm"  # qwen3: RMSNorm of each query (key) head, before RoPE (gguf-py's names)
+ATTN_K_NORM = "attn_k_norm"
 FFN_NORM = "ffn_norm"
 FFN_GATE = "ffn_gate"
 FFN_UP = "ffn_up"

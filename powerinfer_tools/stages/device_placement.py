@@ -15,7 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from powerinfer_tools.core.errors import UserError
+from powerinfer_tools.formats import names
 from powerinfer_tools.formats.gguf_header import GGUFHeader
+from powerinfer_tools.formats.gguf_io import head_width
 from powerinfer_tools.stages.options import DEFAULT_KV_TYPE
 
 QK = 32
@@ -108,7 +110,7 @@ def device_costs(header: GGUFHeader, ctx_size: int, n_batch: int = ENGINE_DEFAUL
     if not all(isinstance(v, int) and v > 0 for v in (n_embd, n_layer, n_head)):
         raise UserError(f"{header.path}: missing {arch}.embedding_length/block_count/attention.head_count")
     n_kv = header.get(f"{arch}.attention.head_count_kv", n_head)
-    d_head = n_embd // n_head
+    d_head = head_width(header.get, arch, n_embd, n_head)
     n_rot = 0 if arch == "opt" else header.get(f"{arch}.rope.dimension_count", d_head)
     tensors = {t.name: t for t in header.tensors}
     out = tensors.get("output.weight") or tensors.get("token_embd.weight")  # tied embeddings: the head is token_embd
@@ -124,6 +126,8 @@ def device_costs(header: GGUFHeader, ctx_size: int, n_batch: int = ENGINE_DEFAUL
     norms: dict[int, dict[str, int]] = {}
     refused = None
     for t in header.tensors:
+        if t.name.startswith("blk.") and t.name.endswith(f".{names.ATTN_Q_NORM}.weight"):
+            refused = refused or "the device does not compute per-head q/k norms"
         if m := _ATTENTION_PART.match(t.name):
             i, part, kind = int(m.group(1)), m.group(2), m.group(3)
             if part.startswith("attn_norm") or part == "ffn_norm":

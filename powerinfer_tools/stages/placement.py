@@ -34,7 +34,7 @@ from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.stages import options as limits
 from powerinfer_tools.stages.options import DEFAULT_RESERVE_BYTES, MIB, PlanFiles, default_ctx_size
 from powerinfer_tools.formats.gguf_header import GGUFHeader, read_header
-from powerinfer_tools.formats.gguf_io import set_powerinfer_i32, set_pwri_magic
+from powerinfer_tools.formats.gguf_io import head_width, set_powerinfer_i32, set_pwri_magic
 
 GIB = 1024**3
 DENSE_POLICIES = ("all", "with-ffn")
@@ -141,7 +141,7 @@ def costs_from_tensors(label: str, hparam: Callable[..., Any],
     if missing.size:
         raise UserError(f"{label}: layer {missing[0]} has no ffn_up/ffn_down_t rows: not a converted PowerInfer model")
     return ModelCosts(path=label, arch=str(arch), n_embd=int(n_embd),
-                      n_embd_gqa=int(n_embd) * int(n_kv) // int(n_head), n_ff=n_ff, neuron_bytes=neuron,
+                      n_embd_gqa=head_width(hparam, arch, int(n_embd), int(n_head)) * int(n_kv), n_ff=n_ff, neuron_bytes=neuron,
                       attention_bytes=attention, predictor_bytes=predictor, output_bytes=int(output),
                       context_length=trained_context(hparam))
 

@@ -61,6 +61,21 @@ LLAMA_FIELDS = (
     any_value("tie_word_embeddings", "output.weight is the embedding when tied"),
 )
 
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+# Qwen2 and Qwen3 (transformers' Qwen2Attention/Qwen3Attention): use_sliding_window, sliding_window and
+# max_window_layers act through layer_types, which the config derives from them when config.json has none
+QWEN2_FIELDS = (  # q/k/v biases always, o without: the checkpoint's tensors
+    one_of("rope_parameters.rope_type", "default", MISSING),
+    one_of("rope_parameters.partial_rotary_factor", 1.0, None, MISSING),
+    any_value("head_dim", "written as attention.key_length/value_length (q/k/v width n_head * head_dim)"),
+    Field("layer_types", lambda v, c: v in (MISSING, None) or all(t in LAYER_TYPES for t in v),
+          "full_attention; sliding_attention (use_sliding_window) written as attention.sliding_window, the engine's "
+          "context capped at it"),
+    any_value("tie_word_embeddings", "output.weight is the embedding when tied"),
+)
+QWEN3_FIELDS = QWEN2_FIELDS + (any_value("attention_bias", "q/k/v/o biases written and added"),)
+
 FALCON_FIELDS = (
     one_of("rope_parameters.rope_type", "default", MISSING),
     one_of("alibi", False),

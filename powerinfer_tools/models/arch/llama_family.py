@@ -1,5 +1,6 @@
-"""Shared parts of the Llama-family adapters (Llama, Mistral, Bamboo): gated FFN in `layer.mlp`,
-predictor input = the residual entering the FFN block (input of post_attention_layernorm)."""
+"""Shared parts of the Llama-family adapters (Llama, Mistral, Bamboo, Qwen2, Qwen3): gated FFN in `layer.mlp`,
+predictor input = the residual entering the FFN block (input of post_attention_layernorm). A family differs in
+data: its block tensors, how its RoPE pairs dimensions, its config table."""
 from __future__ import annotations
 
 from functools import partial
@@ -74,6 +75,10 @@ class LlamaFamily(Arch):
     powerinfer_arch = "llama"
     gated = True
     config_fields = LLAMA_FIELDS
+    block_tensors = BLOCK_TENSORS
+    # llama.cpp's llama RoPE rotates adjacent pairs (2i, 2i+1), so its q/k rows are permuted from HF's rotate-half
+    # order (rope_to_adjacent); NeoX-RoPE families (qwen2, qwen3: pairs i, i + d/2) keep HF's rows
+    rope_adjacent = True
 
     def dims(self) -> Dims:
         c = self.config
@@ -96,10 +101,10 @@ class LlamaFamily(Arch):
     def tensor_maps(self, available):
         c = self.config
         rope = {"attn_q": partial(rope_to_adjacent, n_heads=c.num_attention_heads),
-                "attn_k": partial(rope_to_adjacent, n_heads=_n_kv(c))}
+                "attn_k": partial(rope_to_adjacent, n_heads=_n_kv(c))} if self.rope_adjacent else {}
         maps = [TensorMap("token_embd.weight", "model.embed_tokens.weight")]
         for i in range(c.num_hidden_layers):
-            for ours, theirs in BLOCK_TENSORS.items():
+            for ours, theirs in self.block_tensors.items():
                 src = f"model.layers.{i}.{theirs}"
                 name = f"blk.{i}.{names.FFN_DOWN_T if ours == names.FFN_DOWN else ours}"
                 maps.append(TensorMap(f"{name}.weight", f"{src}.weight", rope.get(ours), ours == names.FFN_DOWN))
@@ -116,6 +121,9 @@ class LlamaFamily(Arch):
         writer.add_block_count(c.num_hidden_layers)
         writer.add_feed_forward_length(c.intermediate_size)
         writer.add_rope_dimension_count(_head_dim(c))
+        if _head_dim(c) != c.hidden_size // c.num_attention_heads:  # heads of their own width (qwen3), as llama.cpp
+            writer.add_key_length(_head_dim(c))
+            writer.add_value_length(_head_dim(c))
         writer.add_head_count(c.num_attention_heads)
         writer.add_head_count_kv(_n_kv(c))
         writer.add_layer_norm_rms_eps(float(c.rms_norm_eps))
@@ -125,8 +133,12 @@ class LlamaFamily(Arch):
             import gguf
             writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             writer.add_rope_scaling_factor(float(rope["factor"]))
-        if getattr(c, "sliding_window", None):  # Mistral: the engine runs no context longer than the window
-            writer.add_sliding_window(int(c.sliding_window))
+        if self.sliding_window():  # the engine runs no context longer than the window
+            writer.add_sliding_window(self.sliding_window())
+
+    def sliding_window(self) -> int | None:
+        """The window of the layers that slide (Mistral: all of them), or None."""
+        return getattr(self.config, "sliding_window", None)
 
     def computed_tensors(self) -> dict[str, np.ndarray]:
         if rope_parameters(self.config).get("rope_type") != "llama3":

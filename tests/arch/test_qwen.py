@@ -1,0 +1,286 @@
+"""Qwen2/Qwen2.5 and Qwen3 through every stage (models/arch/qwen.py, issue 66): tiny random models with every feature
+on (q/k/v biases, Qwen3's o bias, per-head q/k norms and heads 32 wide beside 64 / 4, a tied head, rope_theta 1e6)
+converted at f32 and run by the engine against transformers' own classes over 300 positions and 32 greedy steps; a
+GGUF of the same checkpoint written as llama.cpp's convert_hf_to_gguf.py writes one (gguf-py's names, no q/k
+permutation, its vocabulary with pre-tokenizer qwen2 and chat template) run with the same logits and tokenizer; a
+sliding window capping the context; the GPU tier through the host emulation; what is refused, in one line."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from cli_helpers import assert_one_line_error, profiled, run_cli
+from engine_helpers import engine_prompt_then_decode, hf_logits, hf_model, max_rel_err, random_tokens, write_gpuidx
+from safetensors.numpy import load_file
+from tiny_models import N_FF, N_LAYER, QWEN3_HEAD_DIM, QWEN_KINDS, make_tiny, training_text
+
+import powerinfer_engine as engine
+from powerinfer_tools.formats import names
+from powerinfer_tools.formats.gguf_io import open_reader
+from powerinfer_tools.formats.tokenizer import tokenizer_from_file
+
+VOCAB, N_TOKENS, N_PROMPT, N_GREEDY = 400, 300, 200, 32
+TOKENS = random_tokens(N_TOKENS, VOCAB, seed=7)
+GGUF_ARCH = {"qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}
+
+
+def hf_greedy(model_dir, prompt: list[int], n: int) -> list[int]:
+    model, _ = hf_model(model_dir)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def llama_cpp_gguf(model_dir, dst, kind: str):
+    """The checkpoint at model_dir as llama.cpp's convert_hf_to_gguf.py writes a qwen2/qwen3 GGUF (its Qwen2Model,
+    Qwen3Model): gguf-py's tensor names for the architecture, q/k rows as they are (llama.cpp runs both with NeoX
+    RoPE), no output.weight for a tied head, key_length/value_length from head_dim, the byte-level vocabulary with
+    pre-tokenizer qwen2, its merges, special tokens and chat template (_set_vocab_gpt2)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    writer = gguf.GGUFWriter(str(dst), gguf.MODEL_ARCH_NAMES[GGUF_ARCH[kind]])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    if "head_dim" in config:
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    by_id = {i: t for t, i in tok.get_vocab().items()}
+    added = tok.added_tokens_decoder
+    types = [gguf.TokenType.CONTROL if i in added and added[i].special else gguf.TokenType.NORMAL
+             for i in range(config["vocab_size"])]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list([by_id[i] for i in range(config["vocab_size"])])
+    writer.add_token_types(types)
+    gguf.SpecialVocab(model_dir, load_merges=True, n_vocab=config["vocab_size"]).add_to_gguf(writer, quiet=True)
+    name_map = gguf.get_tensor_name_map(GGUF_ARCH[kind], config["num_hidden_layers"])
+    for hf_name, data in load_file(model_dir / "model.safetensors").items():
+        name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        assert name is not None, hf_name
+        writer.add_tensor(name, data.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    """family(kind, **config) -> (model directory, its f32 file, its llama.cpp GGUF)."""
+    from powerinfer_tools.stages.conversion import convert_model
+
+    cache = {}
+
+    def get(kind, **overrides):
+        key = (kind, json.dumps(overrides, sort_keys=True))
+        if key not in cache:
+            root = tmp_path_factory.mktemp(kind)
+            src = make_tiny(kind, root / "hf", **overrides)
+            out = root / f"{kind}.gguf"
+            convert_model(str(src), out, outtype="f32", progress=False, powerinfer_compatible=False)
+            cache[key] = src, out, llama_cpp_gguf(src, root / f"{kind}.llama.cpp.gguf", kind)
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("kind", QWEN_KINDS)
+def test_converted_file_computes_transformers_model(kind, family):
+    src, path, _ = family(kind)
+    with engine.Model(path, threads=2, ctx_size=512) as m:
+        err = max_rel_err(engine_prompt_then_decode(m, TOKENS, N_PROMPT), hf_logits(src, TOKENS))
+    assert err <= 1e-4, f"{kind} drifts from transformers: {err:.2e} relative"
+    prompt = TOKENS[:N_TOKENS - N_GREEDY]
+    with engine.Model(path, threads=2, ctx_size=512) as m:
+        assert list(m.generate(prompt, N_GREEDY)) == hf_greedy(src, prompt, N_GREEDY)
+
+
+@pytest.mark.parametrize("kind", QWEN_KINDS)
+def test_converted_file_is_named_as_llama_cpp_names_the_family(kind, family):
+    """general.architecture <llama.cpp's name>-silu (as llama-silu: PowerInfer refuses it), gguf-py's tensor names,
+    q/k rows unpermuted (NeoX RoPE), a tied head stored once, Qwen3's head width as attention.key_length."""
+    src, path, theirs = family(kind)
+    reader = open_reader(path)
+    assert reader.fields[names.KEY_ARCHITECTURE].contents() == f"{kind}-silu"
+    ours = {t.name: np.array(t.data) for t in reader.tensors}
+    llama_cpp = {t.name: np.array(t.data) for t in open_reader(theirs).tensors}
+    assert "output.weight" not in ours and "output.weight" not in llama_cpp
+    assert ("blk.0.attn_q_norm.weight" in ours) == (kind == "qwen3") and "blk.0.attn_q.bias" in ours
+    assert ("blk.0.attn_output.bias" in ours) == (kind == "qwen3")  # Qwen2's o projection has none
+    for name, data in llama_cpp.items():  # the same tensors, the same rows, but for the down projection's transpose
+        assert np.array_equal(ours[name], data) if name in ours else np.array_equal(
+            ours[name.replace(names.FFN_DOWN, names.FFN_DOWN_T)], data.T), name
+    if kind == "qwen3":
+        assert reader.fields[f"{kind}-silu.attention.key_length"].contents() == QWEN3_HEAD_DIM
+        assert ours["blk.0.attn_q.weight"].shape == (4 * QWEN3_HEAD_DIM, 64)
+
+
+@pytest.mark.parametrize("kind", QWEN_KINDS)
+def test_llama_cpp_file_runs_with_the_same_logits_and_tokenizer(kind, family, capsys):
+    src, _, theirs = family(kind)
+    with engine.Model(theirs, threads=2, ctx_size=512) as m:
+        assert m.info["magic"] == "GGUF"
+        err = max_rel_err(engine_prompt_then_decode(m, TOKENS, N_PROMPT), hf_logits(src, TOKENS))
+    assert err <= 1e-4, f"llama.cpp's {kind} file drifts from transformers: {err:.2e} relative"
+    from transformers import AutoTokenizer
+
+    hf, rebuilt = AutoTokenizer.from_pretrained(src), tokenizer_from_file(theirs)
+    text = training_text()[:2000] + " 12345, it's 3.14!!\n\n  done"
+    assert rebuilt(text).input_ids == hf(text).input_ids
+    chat = [{"role": "user", "content": "Who art thou?"}]
+    assert rebuilt.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == \
+        hf.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert rebuilt.eos_token == "<|im_end|>"
+    code, _, err = run_cli(capsys, "run", "-m", theirs, "-p", "To be", "-n", "4")
+    assert code == 0, err
+
+
+def test_a_sliding_window_caps_the_context(family):
+    """use_sliding_window with layers past max_window_layers sliding: within its window such a model is a causal one,
+    so the file carries the window and the engine runs no longer context (Mistral's rule); with no layer sliding
+    the window is not written."""
+    src, path, _ = family("qwen2", use_sliding_window=True, sliding_window=64, max_window_layers=1)
+    assert open_reader(path).fields["qwen2-silu.attention.sliding_window"].contents() == 64
+    with engine.Model(path, threads=2) as m:
+        assert m.n_ctx == 64
+        assert max_rel_err(engine_prompt_then_decode(m, TOKENS[:64], 48), hf_logits(src, TOKENS[:64])) <= 1e-4
+    _, none_slide, _ = family("qwen2", use_sliding_window=True, sliding_window=64, max_window_layers=N_LAYER)
+    assert "qwen2-silu.attention.sliding_window" not in open_reader(none_slide).fields
+
+
+@pytest.mark.parametrize("kind,config", [("qwen2", {}), ("qwen2", {"head_dim": 32}), ("qwen3", {})],
+                         ids=["qwen2", "qwen2-head_dim", "qwen3"])
+def test_the_device_tier_gives_the_cpu_logits(kind, config, family, tmp_path, monkeypatch):
+    """Through the host emulation of a device library (tests/engine/test_engine_device.py): Qwen2's attention and KV
+    cache on the device (its biases, NeoX RoPE, heads of their own width where config.json sets head_dim, which
+    Qwen2's class reads too); Qwen3's stay on the CPU (the device computes no per-head norms), its hot rows and
+    output head on the device."""
+    monkeypatch.setenv("PI_EMULATED_DEVICE_MIB", "512")
+    monkeypatch.delenv("PI_EMULATED_DEVICES", raising=False)
+    hot = write_gpuidx(tmp_path / "hot.gpuidx",
+                       [np.random.default_rng(31 + i).random(N_FF) < 0.3 for i in range(N_LAYER)])
+    _, path, _ = family(kind, **config)
+
+    def run(**kw):
+        with engine.Model(path, threads=2, sparse_mode="dense", batch_size=16, gpuidx=hot, **kw) as m:
+            return engine_prompt_then_decode(m, TOKENS[:40], 24), m.info, m.stats()
+
+    cpu, _, _ = run(gpu="off", cpu_hot_tier=True)
+    dev, info, stats = run(gpu="on", gpu_library=engine.device_library_path("emulated"))
+    placed = info["gpu"]["device"]
+    assert placed["layers_on_device"] == N_LAYER and placed["output_head"] == "device"
+    assert placed["attention_layers"] == (N_LAYER if kind == "qwen2" else 0)
+    assert (stats["gpu"]["attention_jobs"] > 0) == (kind == "qwen2")
+    assert max_rel_err(dev, cpu) <= 1e-4
+
+
+@pytest.mark.parametrize("kind", QWEN_KINDS)
+def test_input_sparsity_from_a_profile_runs(kind, family, tmp_path, capsys):
+    """profile --input-allocation, convert with its thresholds, run --sparse-mode input (the logits against
+    transformers with the same inputs zeroed: tests/engine/test_engine_input_sparsity.py)."""
+    src, _, _ = family(kind)
+    calib = tmp_path / "calib.txt"
+    calib.write_text(training_text()[:40_000])
+    prof = profiled(src, tmp_path / "prof", calib, 1024, 128, "--input-allocation", "uniform")
+    out = tmp_path / "m.gguf"
+    code, _, err = run_cli(capsys, "convert", "-m", src, "--profile", prof, "--outtype", "f32", "-o", out, "-q",
+                           "--input-thresholds")
+    assert code == 0, err
+    assert names.KEY_INPUT_THRESHOLDS in open_reader(out).fields
+    code, _, err = run_cli(capsys, "run", "-m", out, "-p", "To be", "-n", "4", "--sparse-mode", "input")
+    assert code == 0, err
+
+
+# ---- refusals ---------------------------------------------------------------------------------------------------
+REFUSED = [  # (kind, config.json fields, what the line names)
+    ("qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}},
+     "rope_parameters.rope_type = 'yarn'"),
+    ("qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}},
+     "rope_parameters.rope_type = 'yarn'"),
+    ("qwen2", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_parameters.rope_type = 'linear'"),
+    ("qwen3", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5}},
+     "rope_parameters.partial_rotary_factor = 0.5"),
+    ("qwen2", {"hidden_act": "gelu"}, "unsupported architecture 'qwen2'"),
+]
+
+
+@pytest.mark.parametrize("kind,fields,needle", REFUSED, ids=[f"{k}-{n.split(' =')[0]}" for k, _, n in REFUSED])
+def test_unsupported_field_is_refused_by_convert_and_its_dry_run(kind, fields, needle, family, tmp_path, capsys):
+    model = tmp_path / "model"
+    shutil.copytree(family(kind)[0], model)
+    cfg = json.loads((model / "config.json").read_text())
+    if "rope_scaling" in fields:
+        cfg.pop("rope_parameters", None)
+    (model / "config.json").write_text(json.dumps({**cfg, **fields}))
+    out = tmp_path / "m.gguf"
+    code, _, err = run_cli(capsys, "convert", "-m", model, "-o", out)
+    assert_one_line_error(code, err, needle)
+    assert not out.exists()
+    code, _, err = run_cli(capsys, "convert", "--dry-run", "-m", model / "config.json")
+    assert_one_line_error(code, err, needle)
+
+
+def rewritten(src, dst, drop: tuple = (), fields: dict | None = None, tensors: dict | None = None, arch=None):
+    """A copy of the GGUF at src without the tensors and keys named in drop, with `fields` (key -> (value, type)) and
+    `tensors` (name -> f32 array) added, under architecture `arch` (its keys renamed)."""
+    reader = open_reader(src)
+    old = reader.fields[names.KEY_ARCHITECTURE].contents()
+    writer = gguf.GGUFWriter(str(dst), arch or old)
+    for name, f in reader.fields.items():
+        if name.startswith(("GGUF.", names.KEY_ARCHITECTURE)) or name in drop:
+            continue
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        key = f"{arch}.{name[len(old) + 1:]}" if arch and name.startswith(old + ".") else name
+        writer.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
+    for key, (value, vtype) in (fields or {}).items():
+        writer.add_key_value(key, value, vtype)
+    for t in reader.tensors:
+        if t.name not in drop:
+            writer.add_tensor(t.name, np.array(t.data))
+    for name, data in (tensors or {}).items():
+        writer.add_tensor(name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+def test_engine_refuses_what_it_would_not_compute(family, tmp_path, capsys):
+    _, _, qwen3 = family("qwen3")
+    _, _, qwen2 = family("qwen2")
+    norm = np.ones(16, np.float32)
+    cases = [  # (file, what the line says)
+        (rewritten(qwen2, tmp_path / "a.gguf", tensors={"blk.0.attn_q_norm.weight": norm}),
+         "blk.0.attn_q_norm.weight (per-head q/k norms) is not computed for architecture qwen2"),
+        (rewritten(qwen3, tmp_path / "b.gguf", drop=("blk.1.attn_k_norm.weight",)),
+         "tensor blk.1.attn_k_norm.weight is missing"),
+        (rewritten(qwen3, tmp_path / "c.gguf", drop=("qwen3.attention.value_length",),
+                   fields={"qwen3.attention.value_length": (16, gguf.GGUFValueType.UINT32)}),
+         "qwen3.attention.value_length 16 is not qwen3.attention.key_length 32"),
+        (rewritten(qwen3, tmp_path / "d.gguf", drop=("qwen3.attention.key_length", "qwen3.attention.value_length")),
+         "tensor blk.0.attn_q.weight has shape (128, 64), the hyperparameters say (64, 64)"),
+        (rewritten(qwen3, tmp_path / "e.gguf", arch="llama"),  # heads of their own width are computed for qwen only
+         "llama.attention.key_length 32 is not embedding_length / head_count (16)"),
+        (rewritten(qwen2, tmp_path / "f.gguf", fields={"qwen2.rope.scaling.type": ("yarn", gguf.GGUFValueType.STRING)}),
+         "rope scaling 'yarn' is not supported"),
+    ]
+    for path, needle in cases:
+        with pytest.raises(engine.EngineError) as exc:
+            engine.Model(path, threads=1)
+        assert len(str(exc.value).splitlines()) == 1 and needle in str(exc.value), str(exc.value)
+    code, _, err = run_cli(capsys, "run", "-m", cases[0][0], "-p", "hi", "-n", "1")
+    assert_one_line_error(code, err, cases[0][1])

@@ -492,7 +492,7 @@ def test_bench_scores_every_row_on_the_ppl_file(silu_files, tmp_path):
     assert set(ppl) == {"ours dense", "ours gate", "llama.cpp", "torch"} and all(1 < v < 1e4 for v in ppl.values())
     windows = sequences_from_text(models.load_tokenizer(models.resolve(model)),
                                   [(ROOT / "README.md").read_text()], 64, 128).numpy()
-    with engine.Model(files.powerinfer, threads=2, ctx_size=64, sparse_mode="dense") as m:
+    with engine.Model(files.powerinfer, threads=2, ctx_size=64, sparse_mode="dense", kv_type=opts.kv_type) as m:
         assert ppl["ours dense"] == pytest.approx(perplexity(m, windows, progress=False)["perplexity"], rel=1e-4)
     assert ppl["ours dense"] == pytest.approx(ppl["torch"], rel=0.02)
     assert ppl["llama.cpp"] == pytest.approx(ppl["torch"], rel=0.02)

@@ -27,7 +27,7 @@ def test_run_streams_the_greedy_continuation(converted, capsys):
     assert code == 0, err
     tok = tokenizer_from_file(path)
     ids = tok(PROMPT)["input_ids"]
-    with engine.Model(path, threads=2) as m:
+    with engine.Model(path, threads=2, kv_type="f16") as m:  # run's default cache
         gen = [t for t in m.generate(ids, 12)]
     gen = gen[:gen.index(tok.eos_token_id)] if tok.eos_token_id in gen else gen
     expect = tok.decode(ids + gen, skip_special_tokens=True)[len(tok.decode(ids, skip_special_tokens=True)):]
@@ -36,12 +36,12 @@ def test_run_streams_the_greedy_continuation(converted, capsys):
     assert len(gen) > 1  # decode steps ran: each layer took gate mode's kernels or the dense rule's
     kernels = re.search(r"layers' decode kernels: (.*)", err).group(1)
     assert sum(int(n) for n in re.findall(r"(?:gate|dense_rule) (\d+)", kernels)) == N_LAYER, kernels
-    assert f"memory: file {path.stat().st_size / 2**20:.1f} MiB mapped, KV cache " in err and "(f32)" in err
+    assert f"memory: file {path.stat().st_size / 2**20:.1f} MiB mapped, KV cache " in err and "(f16)" in err
     code, _, err = run_cli(capsys, "run", "-m", path, "-p", PROMPT, "-n", "4", "-t", "2", "-c", "256",
-                           "--kv-type", "f16", "-v")
-    with engine.Model(path, ctx_size=256, kv_type="f16") as m:
+                           "--kv-type", "f32", "-v")
+    with engine.Model(path, ctx_size=256, kv_type="f32") as m:
         kv = m.info["kv_cache_bytes"]
-    assert code == 0 and f"KV cache {kv / 2**20:.1f} MiB (f16)" in err, err
+    assert code == 0 and f"KV cache {kv / 2**20:.1f} MiB (f32)" in err, err
 
 
 def test_run_reads_the_prompt_from_a_file(converted, tmp_path, capsys):

@@ -80,6 +80,7 @@ def test_plan_reports_the_engines_placement_for_its_index(kind, converted, tmp_p
     from placement_fixtures import power_law_counts, write_profile
 
     from powerinfer_tools.stages import placement
+    from powerinfer_tools.stages.options import DEFAULT_KV_TYPE
 
     monkeypatch.setenv("PI_EMULATED_DEVICE_MIB", "64")
     path = converted(kind, "q8_0")
@@ -91,7 +92,8 @@ def test_plan_reports_the_engines_placement_for_its_index(kind, converted, tmp_p
         plan = placement.plan_for_model(profile, path, int(budget), ctx_size=128, reserve_bytes=0, offload_output=False,
                                         dense="with-ffn", min_layer_neurons=0)
         files = placement.write_plan(plan, tmp_path / f"{kind}.gpuidx")
-        attention, hot, head, _ = engine_placement(path, files.gpuidx, int(budget), ctx_size=128)
+        attention, hot, head, _ = engine_placement(path, files.gpuidx, int(budget), ctx_size=128,
+                                                   kv_type=DEFAULT_KV_TYPE)  # what run opens it with
         assert head == plan.engine["output_head"]
         assert [i for i, on in enumerate(attention) if on] == plan.engine["attention_layers"]
         assert [i for i, on in enumerate(hot) if on] == plan.engine["hot_layers"]

@@ -1,8 +1,8 @@
 """`pi-tools serve` driven by the real `openai` client (and raw HTTP for what a client library never sends),
 against a server the test starts on a free loopback port: chat and text completions, whole and streamed, stop
 sequences, usage counts, the prompt cache, clients that leave (streaming or not), concurrent clients, bad
-requests as OpenAI-style 4xx errors, the body size limit, prompts far past the context refused without keeping memory, the API key,
-SIGTERM with requests in flight."""
+requests as OpenAI-style 4xx errors, the body size limit and timeout, prompts far past the context refused without
+keeping memory, /metrics, the API key, SIGTERM with requests in flight."""
 from __future__ import annotations
 
 import json
@@ -27,6 +27,7 @@ pytestmark = pytest.mark.slow
 GREEDY = {"temperature": 0, "seed": 1}
 MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
             {"role": "user", "content": "Name a fruit."}]
+CHAT_TOKENS = 80  # room for the whole reply: it ends at the end token
 
 
 class Server:
@@ -92,7 +93,7 @@ def reference(smollm2_file):
     from powerinfer_tools import LLM
 
     with LLM(smollm2_file("q8_0"), threads=2, sparse_mode="dense", ctx_size=1024) as llm:
-        yield {"chat": llm.chat(MESSAGES, max_tokens=40, temperature=0).text,
+        yield {"chat": llm.chat(MESSAGES, max_tokens=CHAT_TOKENS, temperature=0).text,
                "text": llm.complete("The capital of France is", max_tokens=20, temperature=0).text}
 
 
@@ -103,7 +104,7 @@ def test_models_and_health(server):
 
 def test_chat_whole_and_streamed(server, reference):
     client = server.client()
-    r = client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=40, **GREEDY)
+    r = client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=CHAT_TOKENS, **GREEDY)
     assert r.choices[0].message.content == reference["chat"] and r.choices[0].finish_reason == "stop"
     assert "<|im_end|>" not in r.choices[0].message.content
     assert r.usage.prompt_tokens > 20 and r.usage.completion_tokens > 0
@@ -111,7 +112,7 @@ def test_chat_whole_and_streamed(server, reference):
     timings = r.model_extra["timings"]
     assert timings["predicted_n"] == r.usage.completion_tokens and 0 < timings["ffn_density"] <= 1
 
-    stream = client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=40, stream=True,
+    stream = client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=CHAT_TOKENS, stream=True,
                                             stream_options={"include_usage": True}, **GREEDY)
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -202,7 +203,8 @@ def test_concurrent_clients_are_all_answered_in_full(server, reference):
 
     def ask(i):
         if i % 2:
-            s = client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=40, stream=True, **GREEDY)
+            s = client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=CHAT_TOKENS, stream=True,
+                                               **GREEDY)
             return "chat", "".join(c.choices[0].delta.content or "" for c in s if c.choices)
         r = client.completions.create(model="any", prompt="The capital of France is", max_tokens=20, **GREEDY)
         return "text", r.choices[0].text

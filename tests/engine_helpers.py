@@ -217,12 +217,19 @@ def rewrite(src: Path, dst: Path, fields: dict | None = None, drop: tuple = (), 
                               raw_dtype=t.tensor_type)
         else:  # quantized: the reader's data is already in the byte shape the writer expects
             writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    finish_gguf(writer)
+    set_pwri_magic(dst)
+    return dst
+
+
+def finish_gguf(writer: gguf.GGUFWriter, tensors: dict | None = None) -> None:
+    """Add `tensors` (name -> array) to a gguf-py writer, then write its file and close it."""
+    for name, data in (tensors or {}).items():
+        writer.add_tensor(name, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    set_pwri_magic(dst)
-    return dst
 
 
 @pytest.fixture(scope="session")

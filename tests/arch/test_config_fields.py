@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 from cli_helpers import assert_one_line_error, run_cli
-from engine_helpers import (converted, engine_prompt_then_decode, hf_logits, hf_model, max_rel_err,  # noqa: F401
-                            random_tokens)
+from engine_helpers import (converted, engine_prompt_then_decode, finish_gguf, hf_logits, hf_model,  # noqa: F401
+                            max_rel_err, random_tokens)
 from tiny_models import make_tiny
 
 import powerinfer_engine as engine
@@ -202,12 +202,7 @@ def llama_cpp_file(src, dst, fields: dict | None = None, tensors: dict | None = 
         data = np.array(t.data)
         name = t.name.replace("ffn_down_t", "ffn_down")
         writer.add_tensor(name, data.T.copy() if name != t.name and name.endswith(".weight") else data)
-    for name, data in tensors.items():
-        writer.add_tensor(name, data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer, tensors)
     return dst
 
 

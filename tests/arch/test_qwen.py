@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 from cli_helpers import assert_one_line_error, profiled, run_cli
-from engine_helpers import engine_prompt_then_decode, hf_logits, hf_model, max_rel_err, random_tokens, write_gpuidx
+from engine_helpers import (engine_prompt_then_decode, finish_gguf, hf_logits, hf_model, max_rel_err, random_tokens,
+                            write_gpuidx)
 from safetensors.numpy import load_file
 from tiny_models import N_FF, N_LAYER, QWEN3_HEAD_DIM, QWEN_KINDS, make_tiny, training_text
 
@@ -250,12 +251,7 @@ def rewritten(src, dst, drop: tuple = (), fields: dict | None = None, tensors: d
     for t in reader.tensors:
         if t.name not in drop:
             writer.add_tensor(t.name, np.array(t.data))
-    for name, data in (tensors or {}).items():
-        writer.add_tensor(name, data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer, tensors)
     return dst
 
 

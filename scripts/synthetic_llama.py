@@ -71,7 +71,7 @@ SHAPES = {
     "7b": Shape(4096, 11008, 32, 32),    # ReluLLaMA-7B (Llama-2-7B's shape)
     "13b": Shape(5120, 13824, 40, 40),   # ReluLLaMA-13B
     "70b": Shape(8192, 28672, 80, 64, n_kv=8),   # ReluLLaMA-70B (Llama-2-70B's shape)
-    "2b": Shape(2048, 5632, 20, 16),     # measure_convert_memory's default: >= 2 GB of weights
+    "2b": Shape(2048, 5632, 20, 16),     # >= 2 GB of weights: a model past the small ones, below 7B
     "tiny": Shape(128, 512, 3, 4, vocab=600, n_ctx=512),  # tests
     # 7B's attention and KV cache (4 GiB in f32 at 4096 positions), a token FFN and vocabulary: the engine's
     # open time at 7B's context (scripts/measure_engine_open.py) without 7B's conversion

@@ -432,6 +432,14 @@ def timing_lines(stats: dict, load_seconds: float, info: dict | None = None) -> 
                      f"{inputs['decode_bytes'] * per_token:.2f} MiB of the rows they select from skipped "
                      f"({inputs['decode_bytes_skipped'] / inputs['decode_bytes']:.3f})")
         lines.append(line)
+    disk = stats.get("disk")
+    if disk and disk["tokens"]:
+        looked_up = disk["cache_hits"] + disk["cache_misses"]
+        per_token = 1 / disk["tokens"]
+        lines.append(f"disk tier: {disk['reads'] * per_token:.0f} reads and {disk['bytes'] * per_token / 2**20:.2f} "
+                     f"MiB a token, {disk['io_wait_seconds'] * per_token * 1000:.2f} ms a token waited for; cache "
+                     f"hits {disk['cache_hits'] / max(looked_up, 1):.2f}; {disk['resident_bytes'] / 2**20:.1f} MiB "
+                     f"held of a {disk['budget_bytes'] / 2**20:.1f} MiB budget")
     gpu = stats.get("gpu")
     if gpu and gpu["tokens"]:
         per_token = gpu["tokens"] / max(1, gpu["layers_on_device"])

@@ -5,13 +5,18 @@ memory against the limit."""
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import subprocess
 import sys
 
 from cgroup_helpers import hierarchy_or_skip
 from engine_helpers import converted  # noqa: F401
+from tiny_models import N_FF, N_LAYER
 
+import powerinfer_engine as engine
 from powerinfer_tools.bench import cgroup
+from powerinfer_tools.formats import neuron_bundles
 
 UNUSED = ("torch", "scipy", "sklearn", "safetensors", "matplotlib")
 
@@ -84,6 +89,27 @@ def test_run_under_a_memory_cgroup_ends_with_exit_0(converted):
         kills = cg.oom_kills()
     assert (r.returncode, kills) == (0, 0), (r.returncode, kills, r.stderr[-2000:])
     assert "generated at" in r.stderr
+
+
+def test_run_from_the_disk_tier_under_a_memory_cgroup_ends_with_exit_0(converted, tmp_path):
+    """The case the disk tier exists for, through the CLI: a model whose FFN the budget does not hold, bundles read
+    from the disk, in a real 128 MiB memory cgroup: the answer, the disk tier's line (it read) and exit 0."""
+    hierarchy = hierarchy_or_skip()
+    model = tmp_path / "m.gguf"
+    shutil.copy(converted("llama-relu", "q8_0", predictors=True), model)
+    sidecar = neuron_bundles.write(model, progress=False)
+    with engine.Model(model, threads=1, sparse_mode="predictor", ctx_size=128, memory_budget=64) as m:
+        held = m.stats()["disk"]["resident_bytes"]  # the fixed part and every bundle cached
+    budget = held - N_LAYER * N_FF * neuron_bundles.read_layout(sidecar)["bundle_bytes"] // 2  # half the FFN
+    with cgroup.MemoryCgroup(RUN_LIMIT, hierarchy) as cg:
+        r = subprocess.run([sys.executable, "-m", "powerinfer_tools", "run", "-m", str(model), "-p", "Hello world",
+                            "-n", "8", "-t", "1", "-c", "128", "--sparse-mode", "predictor", "--memory-budget",
+                            str(budget / 2**30), "-v"], preexec_fn=cg.preexec, capture_output=True, text=True,
+                           timeout=300)
+        kills = cg.oom_kills()
+    assert (r.returncode, kills) == (0, 0), (r.returncode, kills, r.stderr[-2000:])
+    reads = re.search(r"disk tier: (\d+) reads", r.stderr)
+    assert reads and int(reads.group(1)) > 0, r.stderr
 
 
 def test_bench_worker_imports_only_the_engine():

@@ -4,11 +4,11 @@ extensions (top_k, repeat_penalty, repeat_last_n). Unknown fields are refused, a
 NaN and infinities are refused in every number."""
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from powerinfer_tools.runtime.llm import Sampling
+from powerinfer_tools.runtime.llm import RequestError, Sampling
 
 
 class _Strict(BaseModel):
@@ -38,6 +38,34 @@ class Message(_Strict):
         return "".join(part.text for part in self.content)
 
 
+class JsonSchema(_Strict):
+    """OpenAI's response_format.json_schema. The schema is enforced whole whatever `strict` says."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchema] = None
+
+
+class Tokenize(_Strict):
+    """llama-server's POST /tokenize."""
+
+    content: str
+    add_special: bool = False
+
+
+class Detokenize(_Strict):
+    """llama-server's POST /detokenize."""
+
+    tokens: list[int]
+
+
 class _Generation(_Strict):
     """What both endpoints share: the sampling and the stopping of one generation."""
 
@@ -56,6 +84,8 @@ class _Generation(_Strict):
     stream_options: Optional[StreamOptions] = None
     n: int = Field(1, ge=1, le=1)  # one choice per request
     user: Optional[str] = None
+    response_format: Optional[ResponseFormat] = None
+    grammar: Optional[str] = None  # llama-server's: GBNF (or Lark, as llguidance reads it)
 
     @field_validator("stop")
     @classmethod
@@ -66,6 +96,9 @@ class _Generation(_Strict):
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def format(self) -> Optional[dict]:
+        return self.response_format.model_dump(by_alias=True, exclude_none=True) if self.response_format else None
 
     def sampling(self) -> Sampling:
         return Sampling(self.temperature, self.top_k, self.top_p, self.repeat_penalty, self.repeat_last_n,
@@ -79,6 +112,14 @@ class _Generation(_Strict):
 class ChatRequest(_Generation):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=0)  # the newer name of max_tokens
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+
+    def logprob_count(self) -> Optional[int]:
+        """LLM's logprobs argument: None for none, else the count of top alternatives."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def limit(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -92,6 +133,12 @@ class CompletionRequest(_Generation):
     prompt: Union[str, list[str]]
     echo: bool = False
     max_tokens: Optional[int] = Field(16, ge=0)  # the completions API's own default
+    logprobs: Optional[int] = Field(None, ge=0, le=20)
+
+    def logprob_count(self) -> Optional[int]:
+        if self.logprobs is not None and self.echo:
+            raise RequestError("echo with logprobs (the prompt's logprobs) is not supported", param="echo")
+        return self.logprobs
 
     def limit(self) -> Optional[int]:
         return self.max_tokens

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from llguidance import LLTokenizer
 
     from powerinfer_tools.runtime.structured import Constraint
+    from powerinfer_tools.runtime.tools import ToolCall
 
 # A prompt longer than this many characters a token of the context is first tokenized in part (LLM.prompt_ids):
 # ordinary text runs three to five.
@@ -145,6 +146,7 @@ class Completion:
     usage: Usage
     timings: Timings
     logprobs: tuple[TokenLogprob, ...] | None = None
+    tool_calls: tuple["ToolCall", ...] = ()  # a chat given tools: the calls its answer made (finish_reason "tool_calls")
 
 
 @dataclass(frozen=True)
@@ -171,6 +173,7 @@ class _Request:
     sampling: Sampling
     constraint: "Constraint | None" = None
     logprobs: int | None = None
+    tools: frozenset[str] = frozenset()  # the tools whose calls the answer is read for
 
 
 @dataclass
@@ -357,11 +360,23 @@ class LLM:
         return found
 
     @property
+    def supports_tools(self) -> bool:
+        """Whether the chat template renders tools (a tool given to it shows in its text), as llama.cpp probes."""
+        probe = {"type": "function", "function": {"name": "pi_tools_probe", "parameters": {"type": "object"}}}
+        try:
+            return "pi_tools_probe" in self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": "x"}], tools=[probe], add_generation_prompt=True, tokenize=False)
+        except Exception:  # a template that cannot take them at all
+            return False
+
+    @property
     def chat_template(self) -> str | None:
         return getattr(self.tokenizer, "chat_template", None) or None
 
-    def chat_prompt(self, messages: Sequence[dict]) -> str:
-        """The model's chat template applied to messages ({"role", "content"} each), ready for the reply."""
+    def chat_prompt(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> str:
+        """The model's chat template applied to messages ({"role", "content"} each; an assistant's may carry
+        "tool_calls" instead of content, a "tool" message "tool_call_id") and tools (OpenAI's function
+        definitions), ready for the reply."""
         if not self.chat_template:
             raise RequestError(f"{self.name} stores no chat template: use complete() with a prompt of your own")
         if not messages:
@@ -370,8 +385,11 @@ class LLM:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise RequestError("each message needs a string 'role' and a string 'content'")
             _check_text(m["content"])
+        if tools and not self.supports_tools:
+            raise RequestError(f"the chat template of {self.name} has no place for tools", param="tools")
         try:
-            return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+            return self.tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None,
+                                                      add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # the template's own refusal (jinja's TemplateError, a raise_exception in it)
             raise RequestError(f"the chat template refused the messages: {str(exc).splitlines()[0]}") from None
 
@@ -396,11 +414,25 @@ class LLM:
     def chat(self, messages: Sequence[dict], max_tokens: int | None = 512, stop: str | Sequence[str] | None = (),
              stream: bool = False, sampling: Sampling | None = None, fit: bool = True,
              response_format: dict | None = None, grammar: str | None = None, logprobs: int | None = None,
+             tools: Sequence[dict] | None = None, tool_choice: str | dict = "auto",
              **options) -> Completion | Iterator[Chunk]:
-        """The assistant's reply to messages, through the model's chat template (as complete() otherwise)."""
+        """The assistant's reply to messages, through the model's chat template (as complete() otherwise). tools
+        (OpenAI's function definitions) go through the template; the answer's calls come back in
+        Completion.tool_calls. tool_choice: "auto", "none" (the answer is not read for calls), "required" or
+        {"type": "function", "function": {"name": ...}}: a call is forced, drawn under its JSON schema."""
+        names: frozenset[str] = frozenset()
+        if tools:
+            from powerinfer_tools.runtime.tools import call_format, checked
+
+            schemas, forced = checked(tools, tool_choice)
+            if forced is not None:
+                if response_format is not None or grammar is not None:
+                    raise RequestError("a forced tool call takes no response_format or grammar", param="tool_choice")
+                response_format = call_format(schemas, forced)
+            names = frozenset(schemas) if tool_choice != "none" else frozenset()
         request = _request(max_tokens, stop, _sampling(sampling, options), self.constraint(response_format, grammar),
-                           logprobs)
-        prompt = self.chat_prompt(messages)
+                           logprobs, names)
+        prompt = self.chat_prompt(messages, tools)
         return self._run(prompt, False, request, fit, stream)  # the template writes its own BOS where it has one
 
     def count_tokens(self, prompt: str, chat: bool = False) -> int:
@@ -468,6 +500,7 @@ class LLM:
 
     def _tokens(self, ids, max_tokens, request: _Request, matcher, generation) -> Iterator[Chunk]:
         from powerinfer_tools.runtime.inference import StreamDecoder, engine_errors
+        from powerinfer_tools.runtime.tools import parse_calls
 
         def current() -> None:
             """A later call (in the thread holding the LLM) ended this stream: not one more step in its engine."""
@@ -528,7 +561,9 @@ class LLM:
         tail = held.flush()
         timings = Timings(len(ids) - cached, prompt_seconds, generated, seconds, m.stats().get("density"))
         whole = tuple(logprobs) if request.logprobs is not None else None
-        yield Chunk(tail, Completion(held.emitted, finish, Usage(len(ids), generated, cached), timings, whole),
+        calls = parse_calls(held.emitted, request.tools) if request.tools else ()
+        yield Chunk(tail, Completion(held.emitted, "tool_calls" if calls else finish,
+                                     Usage(len(ids), generated, cached), timings, whole, calls),
                     tuple(logprobs[sent:]))
 
     def _logprob(self, logits: np.ndarray, token: int, n_top: int) -> TokenLogprob:
@@ -613,7 +648,7 @@ def _sampling(sampling: Sampling | None, options: dict) -> Sampling:
     return sampling
 
 
-def _request(max_tokens, stop, sampling: Sampling, constraint=None, logprobs=None) -> _Request:
+def _request(max_tokens, stop, sampling: Sampling, constraint=None, logprobs=None, tools=frozenset()) -> _Request:
     """A generation's arguments checked before it waits for the LLM. stop: a string, strings, or None for none."""
     if logprobs is not None and (not _is_integer(logprobs) or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
         raise RequestError(f"logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}] (the count of top "
@@ -631,7 +666,7 @@ def _request(max_tokens, stop, sampling: Sampling, constraint=None, logprobs=Non
     for s in stop:
         _check_text(s)
     return _Request(None if max_tokens is None else int(max_tokens), tuple(s for s in stop if s), sampling,
-                    constraint, None if logprobs is None else int(logprobs))
+                    constraint, None if logprobs is None else int(logprobs), tools)
 
 
 def _is_number(value) -> bool:

@@ -223,14 +223,14 @@ def create_app(llm: LLM, model_id: str, api_key: str | None = None, max_body_mib
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
-        messages = body.chat_messages()
+        messages, tools = body.chat_messages(), body.tool_list()
         left = request.state.client_left
-        await worker.beside(lambda: _fits(llm, llm.chat_prompt(messages), False, body, "messages"), left)
+        await worker.beside(lambda: _fits(llm, llm.chat_prompt(messages, tools), False, body, "messages"), left)
 
         def start():
             return llm.chat(messages, max_tokens=body.limit(), stop=body.stops(), stream=True, sampling=body.sampling(),
                             fit=False, response_format=body.format(), grammar=body.grammar,
-                            logprobs=body.logprob_count())
+                            logprobs=body.logprob_count(), tools=tools, tool_choice=body.choice())
 
         return await _answer(worker.run(start, left), body, model_id, chat=True)
 
@@ -270,14 +270,15 @@ def _fits(llm: LLM, prompt: str, add_special: bool, body, param: str) -> None:
     turn: a prompt that got this far fits the context, so that is short."""
     body.sampling().check()
     body.logprob_count()
-    llm.constraint(body.format(), body.grammar)
+    if not getattr(body, "tools", None):  # chat with tools: its call format is built and checked at the call
+        llm.constraint(body.format(), body.grammar)
     llm.token_limit(len(llm.prompt_ids(prompt, add_special, param)), body.limit(), fit=False, param=param)
 
 
 async def _answer(chunks: AsyncIterator[Chunk], body, model_id: str, chat: bool, echo: str = ""):
     """The whole answer, or a stream of server-sent events; an error before the first chunk is an HTTP error."""
     first = await chunks.__anext__()
-    reply = _Reply(chat, model_id, body.logprob_count() is not None, len(echo))
+    reply = _Reply(chat, model_id, body.logprob_count() is not None, len(echo), bool(getattr(body, "tools", None)))
     if not body.stream:
         async with aclosing(chunks):
             last = first
@@ -291,8 +292,9 @@ async def _answer(chunks: AsyncIterator[Chunk], body, model_id: str, chat: bool,
 class _Reply:
     """The JSON objects of one answer, chat or text completion."""
 
-    def __init__(self, chat: bool, model_id: str, logprobs: bool = False, offset: int = 0):
+    def __init__(self, chat: bool, model_id: str, logprobs: bool = False, offset: int = 0, tools: bool = False):
         self.chat, self.logprobs = chat, logprobs
+        self.tools = tools  # the answer may be calls: known at its end, so a stream sends it whole there
         self.offset = offset  # a completion's text_offset: the characters of the answer before the next token
         self.model = model_id
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -304,7 +306,7 @@ class _Reply:
 
     def whole(self, c: Completion, echo: str) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": c.text},
+            choice = {"index": 0, "message": {"role": "assistant"} | self._said(c),
                       "logprobs": self._logprobs(c.logprobs), "finish_reason": c.finish_reason}
             out = self._envelope("chat.completion", [choice])
         else:
@@ -312,6 +314,14 @@ class _Reply:
                       "finish_reason": c.finish_reason}
             out = self._envelope("text_completion", [choice])
         return out | {"usage": usage(c), "timings": timings(c)}
+
+    @staticmethod
+    def _said(c: Completion, streamed: bool = False) -> dict:
+        """A chat answer's content, or its tool calls (a stream's delta numbers them)."""
+        if not c.tool_calls:
+            return {"content": c.text}
+        return {"content": None, "tool_calls": [({"index": i} if streamed else {}) | {"id": t.id, "type": "function",
+                "function": {"name": t.name, "arguments": t.arguments}} for i, t in enumerate(c.tool_calls)]}
 
     def _logprobs(self, entries: tuple[TokenLogprob, ...] | None) -> dict | None:
         """OpenAI's logprobs object of these tokens (None where none were asked for): chat's `content` list, or
@@ -348,10 +358,14 @@ class _Reply:
                 yield _event(self._piece(echo, None))
             chunk = first
             while True:
-                if chunk.text or chunk.logprobs:
+                if (chunk.text or chunk.logprobs) and not self.tools:
                     yield _event(self._piece(chunk.text, None, logprobs=chunk.logprobs))
                 if chunk.completion is not None:
                     c = chunk.completion
+                    if self.tools:
+                        whole = self._piece(None, None, logprobs=c.logprobs)
+                        whole["choices"][0]["delta"] = {"role": "assistant"} | self._said(c, streamed=True)
+                        yield _event(whole)
                     yield _event(self._piece(None, c.finish_reason) | {"timings": timings(c)})
                     if include_usage:
                         yield _event(self._envelope(self._piece(None, None)["object"], []) | {"usage": usage(c)})

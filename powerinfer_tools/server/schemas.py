@@ -4,6 +4,7 @@ extensions (top_k, repeat_penalty, repeat_last_n). Unknown fields are refused, a
 NaN and infinities are refused in every number."""
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -24,10 +25,46 @@ class TextPart(_Strict):
     text: str
 
 
+class CalledFunction(_Strict):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(_Strict):
+    """A call an assistant message made, sent back with the conversation."""
+
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
+class Function(_Strict):
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: Function
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class Message(_Strict):
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
+    tool_call_id: Optional[str] = None
 
     def text(self) -> str:
         """The content as one string (the API also allows a list of text parts)."""
@@ -124,9 +161,39 @@ class ChatRequest(_Generation):
     def limit(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    tools: Optional[list[Tool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice] = "auto"
+    parallel_tool_calls: Optional[bool] = None  # every call the answer makes is read, one or several
+
+    def tool_list(self) -> Optional[list[dict]]:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def choice(self) -> Union[str, dict]:
+        return self.tool_choice if isinstance(self.tool_choice, str) else self.tool_choice.model_dump()
+
     def chat_messages(self) -> list[dict]:
-        # "developer" is the newer name of "system"; templates know only the latter
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        """The messages as templates take them: "developer" is the newer name of "system", which templates know;
+        a call's arguments are an object (JSON text in the API)."""
+        out = []
+        for i, m in enumerate(self.messages):
+            message = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            if m.tool_calls:
+                message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                    "name": c.function.name, "arguments": _arguments(c.function.arguments, i)}} for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            out.append(message)
+        return out
+
+
+def _arguments(text: str, index: int) -> dict:
+    try:
+        arguments = json.loads(text)
+    except ValueError:
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise RequestError(f"messages.{index}.tool_calls: arguments must be a JSON object", param="messages")
+    return arguments
 
 
 class CompletionRequest(_Generation):

@@ -82,3 +82,27 @@ def test_bad_constraints_are_one_error(llm, args, param):
     with pytest.raises(RequestError) as err:
         llm.complete("Q:", max_tokens=2, **args)
     assert err.value.param == param
+
+
+def test_an_answers_tool_calls_are_read_in_the_usual_forms():
+    from powerinfer_tools.runtime.tools import parse_calls
+
+    names = {"get_time", "get_weather"}
+    hermes = parse_calls('<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>\n'
+                         '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>', names)
+    assert [(c.name, json.loads(c.arguments)) for c in hermes] == [("get_time", {"zone": "UTC"}),
+                                                                   ("get_weather", {"city": "Oslo"})]
+    assert len({c.id for c in hermes}) == 2
+    (bare,) = parse_calls(' {"name": "get_time", "parameters": {"zone": "CET"}}', names)
+    assert (bare.name, json.loads(bare.arguments)) == ("get_time", {"zone": "CET"})
+    for text in ("It is noon.", '{"name": "rm_rf", "arguments": {}}', '{"name": "get_time"}', "[1, 2]",
+                 '<tool_call>{"name": "get_time", "arguments": {}}</tool_call><tool_call>oops</tool_call>'):
+        assert parse_calls(text, names) == ()
+
+
+def test_tools_need_a_template_that_renders_them(llm):
+    tool = {"type": "function", "function": {"name": "get_time"}}
+    assert not llm.supports_tools  # the tiny chat template knows no tools
+    with pytest.raises(RequestError) as err:
+        llm.chat([{"role": "user", "content": "Hi"}], max_tokens=2, tools=[tool])
+    assert err.value.param == "tools"

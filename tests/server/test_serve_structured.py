@@ -164,3 +164,11 @@ def test_tokenize_and_detokenize(server, smollm2_file):
     assert status == 400 and "token ids" in body["error"]["message"]
     status, body = server.request("POST", "/tokenize", json.dumps({"content": "x", "with_pieces": True}).encode())
     assert status == 400 and body["error"]["param"] == "with_pieces"
+
+
+def test_tools_on_a_template_without_them_are_a_400(server):
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError) as err:
+        server.client().chat.completions.create(model="any", max_tokens=4, tools=[tool],
+                                                messages=[{"role": "user", "content": "Hi"}])
+    assert err.value.body["param"] == "tools" and "no place for tools" in err.value.body["message"]

@@ -79,6 +79,7 @@ def test_logprobs_streamed_are_the_whole_ones(llm):
                                          ({"response_format": {"type": "xml"}}, "response_format"),
                                          ({"logprobs": 21}, "logprobs")])
 def test_bad_constraints_are_one_error(llm, args, param):
+    assert llm.complete("Q:", max_tokens=1, grammar='root ::= "a"', logprobs=0).text == "a"  # the fields exist
     with pytest.raises(RequestError) as err:
         llm.complete("Q:", max_tokens=2, **args)
     assert err.value.param == param

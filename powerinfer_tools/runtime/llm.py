@@ -146,7 +146,7 @@ class Completion:
     usage: Usage
     timings: Timings
     logprobs: tuple[TokenLogprob, ...] | None = None
-    tool_calls: tuple["ToolCall", ...] = ()  # a chat given tools: the calls its answer made (finish_reason "tool_calls")
+    tool_calls: tuple["ToolCall", ...] = ()  # a chat given tools: the calls its answer made ("tool_calls")
 
 
 @dataclass(frozen=True)

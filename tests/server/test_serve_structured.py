@@ -118,7 +118,8 @@ def test_logprobs_are_the_engines_log_softmax(server, smollm2_file):
     lp = r.choices[0].logprobs
     assert "".join(lp.tokens) == r.choices[0].text and len(lp.tokens) == 8
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(8)]
-    ids = server.request("POST", "/tokenize", json.dumps({"content": prompt, "add_special": True}).encode())[1]["tokens"]
+    body = json.dumps({"content": prompt, "add_special": True}).encode()
+    ids = server.request("POST", "/tokenize", body)[1]["tokens"]
     with Model(smollm2_file("q8_0"), threads=2, ctx_size=1024, kv_type=DEFAULT_KV_TYPE) as engine:  # the server's
         logits = engine.eval(ids, all_logits=False)
         for i in range(8):

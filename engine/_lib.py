@@ -17,7 +17,7 @@ from pathlib import Path
 from .library_check import LibraryRefused, check_library
 
 LIBRARY_ENV = "PI_ENGINE_LIB"
-API_VERSION = 14
+API_VERSION = 15
 
 FFN_MODES = {"dense": 0, "gate": 1, "predictor": 2, "auto": 3, "oracle": 4}
 KV_TYPES = {"f32": 0, "f16": 1}
@@ -110,6 +110,7 @@ _SIGNATURES = {
     "pi_n_past": (_I32, [_P]),
     "pi_truncate": (_I32, [_P, _I32]),
     "pi_sample": (_I32, [_P, ctypes.POINTER(Sampling), ctypes.POINTER(_I32)]),
+    "pi_sample_masked": (_I32, [_P, ctypes.POINTER(Sampling), _P, _I32, ctypes.POINTER(_I32)]),
     "pi_set_seed": (_I32, [_P, ctypes.c_uint64]),
     "pi_stats_json": (_I32, [_P, ctypes.POINTER(ctypes.c_char_p)]),
     "pi_stats_reset": (_I32, [_P]),

@@ -186,15 +186,24 @@ class Model:
 
     def sample(self, temperature: float = 0.0, top_k: int = 40, top_p: float = 0.95,
                repeat_penalty: float = 1.0, repeat_last_n: int = 64, frequency_penalty: float = 0.0,
-               presence_penalty: float = 0.0) -> int:
+               presence_penalty: float = 0.0, allowed: np.ndarray | None = None) -> int:
         """Next token from the last evaluated logits (greedy when temperature <= 0). The penalties look at the
         last repeat_last_n tokens of the cache: repeat_penalty scales their logits (llama.cpp's rule),
-        frequency_penalty subtracts per occurrence and presence_penalty once (OpenAI's rule)."""
+        frequency_penalty subtracts per occurrence and presence_penalty once (OpenAI's rule). allowed: None, or
+        a bitmask of the tokens that may be drawn (32-bit words, bit i % 32 of word i // 32: llguidance's layout),
+        applied before everything else, so a grammar keeps every sampling setting."""
         params = Sampling(c_float("temperature", temperature), c_int("top_k", top_k), c_float("top_p", top_p),
                           c_float("repeat_penalty", repeat_penalty), c_int("repeat_last_n", repeat_last_n),
                           c_float("frequency_penalty", frequency_penalty), c_float("presence_penalty", presence_penalty))
         token = ctypes.c_int32()
-        self._checked(lib().pi_sample, ctypes.byref(params), ctypes.byref(token))
+        if allowed is None:
+            self._checked(lib().pi_sample, ctypes.byref(params), ctypes.byref(token))
+        else:
+            if not (isinstance(allowed, np.ndarray) and allowed.dtype.kind in "iu" and allowed.itemsize == 4
+                    and allowed.ndim == 1 and allowed.flags["C_CONTIGUOUS"]):
+                raise EngineError("allowed must be a contiguous 1-D array of 32-bit words")
+            self._checked(lib().pi_sample_masked, ctypes.byref(params), allowed.ctypes.data_as(ctypes.c_void_p),
+                          c_int("allowed words", allowed.size, 0), ctypes.byref(token))
         return int(token.value)
 
     def seed(self, seed: int) -> None:

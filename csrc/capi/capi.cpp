@@ -112,6 +112,16 @@ pi_status pi_sample(pi_engine *e, const pi_sampling *params, int32_t *token) {
     });
 }
 
+pi_status pi_sample_masked(pi_engine *e, const pi_sampling *params, const uint32_t *allowed, int32_t n_words,
+                           int32_t *token) {
+    return with_engine(e, [&](pi::Engine &engine) {
+        need(params, "params");
+        need(allowed, "allowed");
+        need(token, "token");
+        *token = engine.sample(*params, allowed, n_words);
+    });
+}
+
 pi_status pi_set_seed(pi_engine *e, uint64_t seed) {
     return with_engine(e, [&](pi::Engine &engine) { engine.set_seed(seed); });
 }

@@ -243,14 +243,19 @@ void Engine::eval(const int32_t *tokens, int32_t n, float *logits, bool all_logi
     stats_.take_eval(n, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 }
 
-int32_t Engine::sample(const pi_sampling &p) {
+int32_t Engine::sample(const pi_sampling &p, const uint32_t *allowed, int64_t n_words) {
     if (rs_->n_past == 0) fail(PI_ERR_ARGUMENT, "nothing evaluated yet: call pi_eval before pi_sample");
     if (!(p.temperature >= 0.0f || p.temperature < 0.0f)) fail(PI_ERR_ARGUMENT, "temperature is NaN");
     if (!(p.repeat_penalty > 0.0f)) fail(PI_ERR_ARGUMENT, "repeat_penalty must be > 0");
     if (!(p.top_p > 0.0f)) fail(PI_ERR_ARGUMENT, "top_p must be > 0");
     if (!std::isfinite(p.frequency_penalty) || !std::isfinite(p.presence_penalty))
         fail(PI_ERR_ARGUMENT, "frequency_penalty and presence_penalty must be finite");
-    return sampler_.sample(rs_->last_logits.data(), p, rs_->history.data(), rs_->n_past, rng_);
+    if (allowed && n_words < (int64_t(hp_.n_vocab) + 31) / 32)
+        fail(PI_ERR_ARGUMENT, "the token mask has " + std::to_string(n_words) + " words, the vocabulary needs " +
+                                  std::to_string((int64_t(hp_.n_vocab) + 31) / 32));
+    const int32_t token = sampler_.sample(rs_->last_logits.data(), p, rs_->history.data(), rs_->n_past, rng_, allowed);
+    if (token < 0) fail(PI_ERR_ARGUMENT, "the token mask allows no token");
+    return token;
 }
 
 const std::string &Engine::info_json() {

@@ -46,7 +46,8 @@ public:
     void eval(const int32_t *tokens, int32_t n, float *logits, bool all_logits);
     int32_t n_past() const { return int32_t(rs_->n_past); }
     void truncate(int32_t n_keep);
-    int32_t sample(const pi_sampling &p);
+    // allowed: NULL, or a bitmask of n_words words over the vocabulary (pi_sample_masked)
+    int32_t sample(const pi_sampling &p, const uint32_t *allowed = nullptr, int64_t n_words = 0);
     void set_seed(uint64_t seed) { rng_.seed_with(seed); }
     const std::string &info_json();
     const std::string &stats_json();

@@ -30,9 +30,20 @@ uint64_t Rng::next() {
 
 Sampler::Sampler(int64_t n_vocab) : n_vocab_(n_vocab), cand_(size_t(n_vocab)), stamp_(size_t(n_vocab), 0), count_(size_t(n_vocab), 0) {}
 
-int32_t Sampler::sample(const float *logits, const pi_sampling &p, const int32_t *history, int64_t n_history, Rng &rng) {
+int32_t Sampler::sample(const float *logits, const pi_sampling &p, const int32_t *history, int64_t n_history, Rng &rng,
+                        const uint32_t *allowed) {
     const int64_t V = n_vocab_;
-    for (int64_t i = 0; i < V; ++i) cand_[size_t(i)] = {logits[i], int32_t(i)};
+    if (allowed) {  // a disallowed token's logit is -inf: no penalty, top-k, top-p or temperature brings it back
+        bool any = false;
+        for (int64_t i = 0; i < V; ++i) {
+            const bool ok = (allowed[i >> 5] >> (i & 31)) & 1u;
+            any = any || ok;
+            cand_[size_t(i)] = {ok ? logits[i] : -INFINITY, int32_t(i)};
+        }
+        if (!any) return -1;
+    } else {
+        for (int64_t i = 0; i < V; ++i) cand_[size_t(i)] = {logits[i], int32_t(i)};
+    }
     const bool penalize = p.repeat_penalty != 1.0f || p.frequency_penalty != 0.0f || p.presence_penalty != 0.0f;
     if (penalize && p.repeat_last_n > 0) {
         if (++epoch_ == 0) {  // wrapped: clear the stamps once
@@ -71,6 +82,7 @@ int32_t Sampler::sample(const float *logits, const pi_sampling &p, const int32_t
     } else {
         std::sort(cand_.begin(), cand_.end(), greater);
     }
+    while (n > 1 && cand_[size_t(n - 1)].first == -INFINITY) --n;  // masked out: never drawn, even by rounding
     const float top = cand_[0].first;
     double total = 0.0;
     for (int64_t i = 0; i < n; ++i) {

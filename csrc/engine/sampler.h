@@ -25,8 +25,10 @@ private:
 class Sampler {
 public:
     explicit Sampler(int64_t n_vocab);
-    // history: the tokens so far (the penalties look at its last repeat_last_n entries).
-    int32_t sample(const float *logits, const pi_sampling &p, const int32_t *history, int64_t n_history, Rng &rng);
+    // history: the tokens so far (the penalties look at its last repeat_last_n entries); allowed: NULL, or a bitmask
+    // of the tokens that may be drawn (the others never are). -1 where it allows none.
+    int32_t sample(const float *logits, const pi_sampling &p, const int32_t *history, int64_t n_history, Rng &rng,
+                   const uint32_t *allowed = nullptr);
 
 private:
     int64_t n_vocab_;

@@ -21,7 +21,7 @@ extern "C" {
 #pragma GCC visibility push(default)
 #endif
 
-#define PI_ENGINE_API_VERSION 14
+#define PI_ENGINE_API_VERSION 15
 
 typedef enum {
     PI_OK = 0,
@@ -137,6 +137,11 @@ pi_status pi_truncate(pi_engine *engine, int32_t n_keep);
 
 /* Sample the next token from the logits of the last evaluated token. */
 pi_status pi_sample(pi_engine *engine, const pi_sampling *params, int32_t *token);
+/* The same, drawn only from the tokens `allowed` sets (bit i % 32 of word i / 32, as llguidance's bitmask; n_words
+ * at least (n_vocab + 31) / 32): a grammar's constraint applied before the penalties, top-k, top-p and temperature,
+ * so a constrained request keeps every sampling setting. An error where no token is allowed. */
+pi_status pi_sample_masked(pi_engine *engine, const pi_sampling *params, const uint32_t *allowed, int32_t n_words,
+                           int32_t *token);
 pi_status pi_set_seed(pi_engine *engine, uint64_t seed);
 
 /* Statistics since open or the last pi_stats_reset, as JSON (owned by the engine). */

@@ -25,9 +25,18 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.stages.options import DEFAULT_KV_TYPE
+
+if TYPE_CHECKING:
+    from llguidance import LLTokenizer
+
+    from powerinfer_tools.runtime.structured import Constraint
+    from powerinfer_tools.runtime.tools import ToolCall
 
 # A prompt longer than this many characters a token of the context is first tokenized in part (LLM.prompt_ids):
 # ordinary text runs three to five.
@@ -113,21 +122,41 @@ class Timings:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token (its text, its bytes) with its log-probability under the model's own distribution at its
+    step (the log-softmax of the logits, before the penalties, the temperature and any grammar's mask), and the
+    `top` most likely tokens of that step, most likely first (empty in the entries of `top`)."""
+
+    token: str
+    bytes: bytes
+    logprob: float
+    top: tuple["TokenLogprob", ...] = ()
+
+
+MAX_TOP_LOGPROBS = 20  # the OpenAI API's bound
+
+
+@dataclass(frozen=True)
 class Completion:
-    """A finished generation: finish_reason is "stop" (an end token or a stop string) or "length"."""
+    """A finished generation: finish_reason is "stop" (an end token or a stop string) or "length"; logprobs (when
+    asked for) has one entry per generated token but the end token, a stop string's tokens included."""
 
     text: str
     finish_reason: str
     usage: Usage
     timings: Timings
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    tool_calls: tuple["ToolCall", ...] = ()  # a chat given tools: the calls its answer made ("tool_calls")
 
 
 @dataclass(frozen=True)
 class Chunk:
-    """A piece of a streamed generation; the last one carries the finish reason and the whole Completion."""
+    """A piece of a streamed generation; the last one carries the finish reason and the whole Completion.
+    logprobs: the tokens generated since the chunk before (when asked for)."""
 
     text: str
     completion: Completion | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
 
     @property
     def finish_reason(self) -> str | None:
@@ -136,11 +165,15 @@ class Chunk:
 
 @dataclass(frozen=True)
 class _Request:
-    """A generation's checked arguments: max_tokens (None: what the context leaves), the stop strings."""
+    """A generation's checked arguments: max_tokens (None: what the context leaves), the stop strings, the grammar
+    the text must match (None: free), the logprobs asked for (None: none; else the count of top alternatives)."""
 
     max_tokens: int | None
     stop: tuple[str, ...]
     sampling: Sampling
+    constraint: "Constraint | None" = None
+    logprobs: int | None = None
+    tools: frozenset[str] = frozenset()  # the tools whose calls the answer is read for
 
 
 @dataclass
@@ -276,6 +309,8 @@ class LLM:
         self._gate = _Gate()
         self._step = threading.Lock()  # held while a call works on the engine and the cache
         self._generation = 0  # bumped by every call: an older stream (taken over in its own thread) sees it and ends
+        self._vocab: "LLTokenizer | None" = None  # llguidance's view of the tokenizer (LLM.vocabulary)
+        self._vocab_lock = threading.Lock()
 
     # ---- lifetime -----------------------------------------------------------------------------------
     def close(self) -> None:
@@ -303,12 +338,45 @@ class LLM:
                 raise RequestError(f"token ids must be integers in [0, {self.model.n_vocab}), not {i!r}")
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
 
+    def vocabulary(self) -> "LLTokenizer":
+        """llguidance's tokenizer over this model's vocabulary: the grammars' masks and each token's bytes. Built on
+        first use (a second or so), then kept."""
+        with self._vocab_lock:
+            if self._vocab is None:
+                from llguidance.hf import from_tokenizer
+
+                self._vocab = from_tokenizer(self.tokenizer, n_vocab=self.model.n_vocab,
+                                             eos_token=sorted(self.stop_tokens))
+            return self._vocab
+
+    def constraint(self, response_format: dict | None = None, grammar: str | None = None) -> "Constraint | None":
+        """The Constraint that response_format or grammar asks for, compiled against this model's vocabulary once
+        to check it: a RequestError naming the field where it does not compile."""
+        from powerinfer_tools.runtime.structured import constraint
+
+        found = constraint(response_format, grammar)
+        if found is not None:
+            found.matcher(self.vocabulary())
+        return found
+
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the chat template renders tools (a tool given to it shows in its text), as llama.cpp probes."""
+        probe = {"type": "function", "function": {"name": "pi_tools_probe", "parameters": {"type": "object"}}}
+        try:
+            return "pi_tools_probe" in self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": "x"}], tools=[probe], add_generation_prompt=True, tokenize=False)
+        except Exception:  # a template that cannot take them at all
+            return False
+
     @property
     def chat_template(self) -> str | None:
         return getattr(self.tokenizer, "chat_template", None) or None
 
-    def chat_prompt(self, messages: Sequence[dict]) -> str:
-        """The model's chat template applied to messages ({"role", "content"} each), ready for the reply."""
+    def chat_prompt(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> str:
+        """The model's chat template applied to messages ({"role", "content"} each; an assistant's may carry
+        "tool_calls" instead of content, a "tool" message "tool_call_id") and tools (OpenAI's function
+        definitions), ready for the reply."""
         if not self.chat_template:
             raise RequestError(f"{self.name} stores no chat template: use complete() with a prompt of your own")
         if not messages:
@@ -317,30 +385,54 @@ class LLM:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise RequestError("each message needs a string 'role' and a string 'content'")
             _check_text(m["content"])
+        if tools and not self.supports_tools:
+            raise RequestError(f"the chat template of {self.name} has no place for tools", param="tools")
         try:
-            return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+            return self.tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None,
+                                                      add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # the template's own refusal (jinja's TemplateError, a raise_exception in it)
             raise RequestError(f"the chat template refused the messages: {str(exc).splitlines()[0]}") from None
 
     # ---- generation ---------------------------------------------------------------------------------
     def complete(self, prompt: str, max_tokens: int | None = 128, stop: str | Sequence[str] | None = (),
                  stream: bool = False, sampling: Sampling | None = None, fit: bool = True,
+                 response_format: dict | None = None, grammar: str | None = None, logprobs: int | None = None,
                  **options) -> Completion | Iterator[Chunk]:
         """Continue `prompt`. max_tokens: at most this many (None: what the context leaves; more than it leaves is
         cut to that, or with fit=False refused, as the OpenAI API refuses it); stop: a string or strings that end
         the text (not included); sampling (or its fields as keyword arguments: temperature, top_k, ...).
+        response_format (OpenAI's: {"type": "json_object"}, {"type": "json_schema", "json_schema": {"schema": ...}})
+        or grammar (GBNF or Lark): the text is drawn to match it, token by token. logprobs: None, or N for each
+        token's logprob with the N (0 to 20) most likely at its step (Completion.logprobs, Chunk.logprobs).
         stream=True gives an iterator of Chunks instead of a Completion (it holds the LLM until exhausted or
         closed)."""
-        request = _request(max_tokens, stop, _sampling(sampling, options))
+        request = _request(max_tokens, stop, _sampling(sampling, options), self.constraint(response_format, grammar),
+                           logprobs)
         _check_text(prompt)
         return self._run(prompt, True, request, fit, stream)
 
     def chat(self, messages: Sequence[dict], max_tokens: int | None = 512, stop: str | Sequence[str] | None = (),
              stream: bool = False, sampling: Sampling | None = None, fit: bool = True,
+             response_format: dict | None = None, grammar: str | None = None, logprobs: int | None = None,
+             tools: Sequence[dict] | None = None, tool_choice: str | dict = "auto",
              **options) -> Completion | Iterator[Chunk]:
-        """The assistant's reply to messages, through the model's chat template (as complete() otherwise)."""
-        request = _request(max_tokens, stop, _sampling(sampling, options))
-        prompt = self.chat_prompt(messages)
+        """The assistant's reply to messages, through the model's chat template (as complete() otherwise). tools
+        (OpenAI's function definitions) go through the template; the answer's calls come back in
+        Completion.tool_calls. tool_choice: "auto", "none" (the answer is not read for calls), "required" or
+        {"type": "function", "function": {"name": ...}}: a call is forced, drawn under its JSON schema."""
+        names: frozenset[str] = frozenset()
+        if tools:
+            from powerinfer_tools.runtime.tools import call_format, checked
+
+            schemas, forced = checked(tools, tool_choice)
+            if forced is not None:
+                if response_format is not None or grammar is not None:
+                    raise RequestError("a forced tool call takes no response_format or grammar", param="tool_choice")
+                response_format = call_format(schemas, forced)
+            names = frozenset(schemas) if tool_choice != "none" else frozenset()
+        request = _request(max_tokens, stop, _sampling(sampling, options), self.constraint(response_format, grammar),
+                           logprobs, names)
+        prompt = self.chat_prompt(messages, tools)
         return self._run(prompt, False, request, fit, stream)  # the template writes its own BOS where it has one
 
     def count_tokens(self, prompt: str, chat: bool = False) -> int:
@@ -388,7 +480,8 @@ class LLM:
         """Checks now (a bad request fails at the call, not at the first next()), then the generator."""
         limit = self.token_limit(len(ids), request.max_tokens, fit)
         self._generation += 1
-        return self._tokens(ids, limit, request.stop, request.sampling, self._generation)
+        matcher = request.constraint.matcher(self.vocabulary()) if request.constraint else None
+        return self._tokens(ids, limit, request, matcher, self._generation)
 
     def token_limit(self, n_prompt: int, max_tokens: int | None, fit: bool = True, param: str | None = None) -> int:
         """How many tokens may follow a prompt of n_prompt tokens: max_tokens (None: all the context leaves), cut
@@ -405,15 +498,17 @@ class LLM:
                                code="context_length_exceeded")
         return room if max_tokens is None else min(max_tokens, room)
 
-    def _tokens(self, ids, max_tokens, stop, sampling, generation) -> Iterator[Chunk]:
+    def _tokens(self, ids, max_tokens, request: _Request, matcher, generation) -> Iterator[Chunk]:
         from powerinfer_tools.runtime.inference import StreamDecoder, engine_errors
+        from powerinfer_tools.runtime.tools import parse_calls
 
         def current() -> None:
             """A later call (in the thread holding the LLM) ended this stream: not one more step in its engine."""
             if generation != self._generation:
                 raise RuntimeError("this stream was ended by a later call on the same LLM")
 
-        m = self.model
+        m, sampling = self.model, request.sampling
+        allowed = np.zeros((m.n_vocab + 31) // 32, dtype=np.uint32) if matcher else None
         current()
         with engine_errors():
             cached = self._reuse(ids)
@@ -421,23 +516,30 @@ class LLM:
             m.reset_stats()
             m.seed(sampling.seed if sampling.seed is not None else random.SystemRandom().randrange(2**64))
             started = time.perf_counter()
-            m.eval(ids[m.n_past:], all_logits=False)
+            logits = m.eval(ids[m.n_past:], all_logits=False)
             prompt_seconds = time.perf_counter() - started
         self._cache = cache
         counted = self.counters
         counted.calls, counted.prompt_tokens, counted.cached_tokens = \
             counted.calls + 1, counted.prompt_tokens + len(ids), counted.cached_tokens + cached
         counted.prompt_seconds += prompt_seconds
-        decoder, held = StreamDecoder(self.tokenizer, ids), _StopFilter(stop)
+        decoder, held = StreamDecoder(self.tokenizer, ids), _StopFilter(request.stop)
+        logprobs: list[TokenLogprob] = []
+        sent = 0  # logprobs already in a chunk
         generated, finish, started = 0, "length", time.perf_counter()
         while generated < max_tokens:
             current()
             step = time.perf_counter()
             with engine_errors():
                 if m.n_past < len(cache.tokens):  # the token sampled last, not yet evaluated
-                    m.eval(cache.tokens[-1:], all_logits=False)
+                    logits = m.eval(cache.tokens[-1:], all_logits=False)
+                if matcher:
+                    matcher.unsafe_compute_mask_ptr(allowed.ctypes.data, allowed.nbytes)
                 token = m.sample(sampling.temperature, sampling.top_k, sampling.top_p, sampling.repeat_penalty,
-                                 sampling.repeat_last_n, sampling.frequency_penalty, sampling.presence_penalty)
+                                 sampling.repeat_last_n, sampling.frequency_penalty, sampling.presence_penalty,
+                                 allowed)
+            if matcher and not matcher.consume_token(token):
+                raise RuntimeError(f"the grammar refused the token it allowed: {matcher.get_error()}")
             cache.tokens.append(token)
             generated += 1
             counted.generated_tokens += 1
@@ -445,9 +547,12 @@ class LLM:
             if token in self.stop_tokens:
                 finish = "stop"
                 break
+            if request.logprobs is not None:
+                logprobs.append(self._logprob(logits, token, request.logprobs))
             out, hit = held.push(decoder.push(token))
             if out:
-                yield Chunk(out)
+                yield Chunk(out, logprobs=tuple(logprobs[sent:]))
+                sent = len(logprobs)
             if hit:
                 finish = "stop"
                 break
@@ -455,7 +560,27 @@ class LLM:
         seconds = time.perf_counter() - started
         tail = held.flush()
         timings = Timings(len(ids) - cached, prompt_seconds, generated, seconds, m.stats().get("density"))
-        yield Chunk(tail, Completion(held.emitted, finish, Usage(len(ids), generated, cached), timings))
+        whole = tuple(logprobs) if request.logprobs is not None else None
+        calls = parse_calls(held.emitted, request.tools) if request.tools else ()
+        yield Chunk(tail, Completion(held.emitted, "tool_calls" if calls else finish,
+                                     Usage(len(ids), generated, cached), timings, whole, calls),
+                    tuple(logprobs[sent:]))
+
+    def _logprob(self, logits: np.ndarray, token: int, n_top: int) -> TokenLogprob:
+        """The token's entry: log-softmax of its step's logits (float64), the n_top largest (ties: the lower id
+        first, as greedy sampling picks)."""
+        z = logits.astype(np.float64)
+        z -= z.max()
+        z -= np.log(np.exp(z).sum())
+        top = np.argpartition(-z, n_top - 1)[:n_top] if 0 < n_top < z.size else np.arange(z.size)[:n_top]
+        top = top[np.lexsort((top, -z[top]))]
+        return TokenLogprob(*self._piece(token), float(z[token]),
+                            tuple(TokenLogprob(*self._piece(int(t)), float(z[t])) for t in top))
+
+    def _piece(self, token: int) -> tuple[str, bytes]:
+        """A token's own text and bytes (a piece of a multi-byte character reads as U+FFFD in the text)."""
+        raw = self.vocabulary().decode_bytes([token])
+        return raw.decode("utf-8", errors="replace"), raw
 
     def _batch_computed(self, n_tokens: int) -> int:
         """How many of a fresh prompt's n_tokens the batch path computes: all but a last one alone in its batch."""
@@ -523,8 +648,11 @@ def _sampling(sampling: Sampling | None, options: dict) -> Sampling:
     return sampling
 
 
-def _request(max_tokens, stop, sampling: Sampling) -> _Request:
+def _request(max_tokens, stop, sampling: Sampling, constraint=None, logprobs=None, tools=frozenset()) -> _Request:
     """A generation's arguments checked before it waits for the LLM. stop: a string, strings, or None for none."""
+    if logprobs is not None and (not _is_integer(logprobs) or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
+        raise RequestError(f"logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}] (the count of top "
+                           f"alternatives), not {logprobs!r}", param="logprobs")
     if max_tokens is not None and (not _is_integer(max_tokens) or max_tokens < 0):
         raise RequestError(f"max_tokens must be None or a non-negative integer, not {max_tokens!r}",
                            param="max_tokens")
@@ -537,7 +665,8 @@ def _request(max_tokens, stop, sampling: Sampling) -> _Request:
         raise RequestError(f"stop must be a string or a list of strings, not {stop!r}", param="stop")
     for s in stop:
         _check_text(s)
-    return _Request(None if max_tokens is None else int(max_tokens), tuple(s for s in stop if s), sampling)
+    return _Request(None if max_tokens is None else int(max_tokens), tuple(s for s in stop if s), sampling,
+                    constraint, None if logprobs is None else int(logprobs), tools)
 
 
 def _is_number(value) -> bool:

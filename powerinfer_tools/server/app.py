@@ -28,10 +28,10 @@ from starlette.exceptions import HTTPException
 
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.runtime.inference import EngineFailure
-from powerinfer_tools.runtime.llm import LLM, Chunk, Completion, RequestError
+from powerinfer_tools.runtime.llm import LLM, Chunk, Completion, RequestError, TokenLogprob
 from powerinfer_tools.server.intake import BODY_TIMEOUT_S, MAX_BODY_MIB, Intake, ended, race
 from powerinfer_tools.server.metrics import metrics_text
-from powerinfer_tools.server.schemas import ChatRequest, CompletionRequest
+from powerinfer_tools.server.schemas import ChatRequest, CompletionRequest, Detokenize, Tokenize
 
 
 class ApiError(Exception):
@@ -223,13 +223,14 @@ def create_app(llm: LLM, model_id: str, api_key: str | None = None, max_body_mib
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
-        messages = body.chat_messages()
+        messages, tools = body.chat_messages(), body.tool_list()
         left = request.state.client_left
-        await worker.beside(lambda: _fits(llm, llm.chat_prompt(messages), False, body, "messages"), left)
+        await worker.beside(lambda: _fits(llm, llm.chat_prompt(messages, tools), False, body, "messages"), left)
 
         def start():
             return llm.chat(messages, max_tokens=body.limit(), stop=body.stops(), stream=True, sampling=body.sampling(),
-                            fit=False)
+                            fit=False, response_format=body.format(), grammar=body.grammar,
+                            logprobs=body.logprob_count(), tools=tools, tool_choice=body.choice())
 
         return await _answer(worker.run(start, left), body, model_id, chat=True)
 
@@ -244,27 +245,40 @@ def create_app(llm: LLM, model_id: str, api_key: str | None = None, max_body_mib
 
         def start():
             return llm.complete(prompt, max_tokens=body.limit(), stop=body.stops(), stream=True,
-                                sampling=body.sampling(), fit=False)
+                                sampling=body.sampling(), fit=False, response_format=body.format(),
+                                grammar=body.grammar, logprobs=body.logprob_count())
 
         return await _answer(worker.run(start, left), body, model_id, chat=False,
                              echo=prompt if body.echo else "")
+
+    @app.post("/tokenize")
+    async def tokenize(body: Tokenize, request: Request):
+        return {"tokens": await worker.beside(lambda: llm.tokenize(body.content, body.add_special),
+                                              request.state.client_left)}
+
+    @app.post("/detokenize")
+    async def detokenize(body: Detokenize, request: Request):
+        return {"content": await worker.beside(lambda: llm.detokenize(body.tokens), request.state.client_left)}
 
     return app
 
 
 def _fits(llm: LLM, prompt: str, add_special: bool, body, param: str) -> None:
-    """The checks the engine's turn makes, made before the request queues for it: the sampling values, and the
-    prompt's tokens against the context (a prompt far past it refused from a tokenized head, so a refused request
-    leaves no tokenizer's peak behind). The LLM tokenizes again at its turn: a prompt that got this far fits the
-    context, so that is short."""
+    """The checks the engine's turn makes, made before the request queues for it: the sampling values, the
+    logprobs, the grammar (compiled), and the prompt's tokens against the context (a prompt far past it refused
+    from a tokenized head, so a refused request leaves no tokenizer's peak behind). The LLM tokenizes again at its
+    turn: a prompt that got this far fits the context, so that is short."""
     body.sampling().check()
+    body.logprob_count()
+    if not getattr(body, "tools", None):  # chat with tools: its call format is built and checked at the call
+        llm.constraint(body.format(), body.grammar)
     llm.token_limit(len(llm.prompt_ids(prompt, add_special, param)), body.limit(), fit=False, param=param)
 
 
 async def _answer(chunks: AsyncIterator[Chunk], body, model_id: str, chat: bool, echo: str = ""):
     """The whole answer, or a stream of server-sent events; an error before the first chunk is an HTTP error."""
     first = await chunks.__anext__()
-    reply = _Reply(chat, model_id)
+    reply = _Reply(chat, model_id, body.logprob_count() is not None, len(echo), bool(getattr(body, "tools", None)))
     if not body.stream:
         async with aclosing(chunks):
             last = first
@@ -278,8 +292,10 @@ async def _answer(chunks: AsyncIterator[Chunk], body, model_id: str, chat: bool,
 class _Reply:
     """The JSON objects of one answer, chat or text completion."""
 
-    def __init__(self, chat: bool, model_id: str):
-        self.chat = chat
+    def __init__(self, chat: bool, model_id: str, logprobs: bool = False, offset: int = 0, tools: bool = False):
+        self.chat, self.logprobs = chat, logprobs
+        self.tools = tools  # the answer may be calls: known at its end, so a stream sends it whole there
+        self.offset = offset  # a completion's text_offset: the characters of the answer before the next token
         self.model = model_id
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -290,21 +306,48 @@ class _Reply:
 
     def whole(self, c: Completion, echo: str) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
-                      "finish_reason": c.finish_reason}
+            choice = {"index": 0, "message": {"role": "assistant"} | self._said(c),
+                      "logprobs": self._logprobs(c.logprobs), "finish_reason": c.finish_reason}
             out = self._envelope("chat.completion", [choice])
         else:
-            choice = {"index": 0, "text": echo + c.text, "logprobs": None, "finish_reason": c.finish_reason}
+            choice = {"index": 0, "text": echo + c.text, "logprobs": self._logprobs(c.logprobs),
+                      "finish_reason": c.finish_reason}
             out = self._envelope("text_completion", [choice])
         return out | {"usage": usage(c), "timings": timings(c)}
 
-    def _piece(self, text: str | None, finish: str | None, first: bool = False) -> dict:
+    @staticmethod
+    def _said(c: Completion, streamed: bool = False) -> dict:
+        """A chat answer's content, or its tool calls (a stream's delta numbers them)."""
+        if not c.tool_calls:
+            return {"content": c.text}
+        return {"content": None, "tool_calls": [({"index": i} if streamed else {}) | {"id": t.id, "type": "function",
+                "function": {"name": t.name, "arguments": t.arguments}} for i, t in enumerate(c.tool_calls)]}
+
+    def _logprobs(self, entries: tuple[TokenLogprob, ...] | None) -> dict | None:
+        """OpenAI's logprobs object of these tokens (None where none were asked for): chat's `content` list, or
+        the completions API's parallel lists with each token's text_offset."""
+        if not self.logprobs or entries is None:
+            return None
+        if self.chat:
+            def one(e: TokenLogprob) -> dict:
+                return {"token": e.token, "logprob": e.logprob, "bytes": list(e.bytes)}
+            return {"content": [one(e) | {"top_logprobs": [one(t) for t in e.top]} for e in entries]}
+        offsets = []
+        for e in entries:
+            offsets.append(self.offset)
+            self.offset += len(e.token)
+        return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries], "text_offset": offsets}
+
+    def _piece(self, text: str | None, finish: str | None, first: bool = False,
+               logprobs: tuple[TokenLogprob, ...] | None = None) -> dict:
         if self.chat:
             delta = ({"role": "assistant", "content": text or ""} if first else
                      {"content": text} if text is not None else {})
-            return self._envelope("chat.completion.chunk", [{"index": 0, "delta": delta, "logprobs": None,
+            return self._envelope("chat.completion.chunk", [{"index": 0, "delta": delta,
+                                                             "logprobs": self._logprobs(logprobs),
                                                              "finish_reason": finish}])
-        return self._envelope("text_completion", [{"index": 0, "text": text or "", "logprobs": None,
+        return self._envelope("text_completion", [{"index": 0, "text": text or "", "logprobs": self._logprobs(logprobs),
                                                    "finish_reason": finish}])
 
     async def events(self, first: Chunk, rest: AsyncIterator[Chunk], include_usage: bool, echo: str):
@@ -315,10 +358,14 @@ class _Reply:
                 yield _event(self._piece(echo, None))
             chunk = first
             while True:
-                if chunk.text:
-                    yield _event(self._piece(chunk.text, None))
+                if (chunk.text or chunk.logprobs) and not self.tools:
+                    yield _event(self._piece(chunk.text, None, logprobs=chunk.logprobs))
                 if chunk.completion is not None:
                     c = chunk.completion
+                    if self.tools:
+                        whole = self._piece(None, None, logprobs=c.logprobs)
+                        whole["choices"][0]["delta"] = {"role": "assistant"} | self._said(c, streamed=True)
+                        yield _event(whole)
                     yield _event(self._piece(None, c.finish_reason) | {"timings": timings(c)})
                     if include_usage:
                         yield _event(self._envelope(self._piece(None, None)["object"], []) | {"usage": usage(c)})

@@ -4,11 +4,12 @@ extensions (top_k, repeat_penalty, repeat_last_n). Unknown fields are refused, a
 NaN and infinities are refused in every number."""
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+import json
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from powerinfer_tools.runtime.llm import Sampling
+from powerinfer_tools.runtime.llm import RequestError, Sampling
 
 
 class _Strict(BaseModel):
@@ -24,10 +25,46 @@ class TextPart(_Strict):
     text: str
 
 
+class CalledFunction(_Strict):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(_Strict):
+    """A call an assistant message made, sent back with the conversation."""
+
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
+class Function(_Strict):
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: Function
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class Message(_Strict):
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
+    tool_call_id: Optional[str] = None
 
     def text(self) -> str:
         """The content as one string (the API also allows a list of text parts)."""
@@ -36,6 +73,34 @@ class Message(_Strict):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+class JsonSchema(_Strict):
+    """OpenAI's response_format.json_schema. The schema is enforced whole whatever `strict` says."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchema] = None
+
+
+class Tokenize(_Strict):
+    """llama-server's POST /tokenize."""
+
+    content: str
+    add_special: bool = False
+
+
+class Detokenize(_Strict):
+    """llama-server's POST /detokenize."""
+
+    tokens: list[int]
 
 
 class _Generation(_Strict):
@@ -56,6 +121,8 @@ class _Generation(_Strict):
     stream_options: Optional[StreamOptions] = None
     n: int = Field(1, ge=1, le=1)  # one choice per request
     user: Optional[str] = None
+    response_format: Optional[ResponseFormat] = None
+    grammar: Optional[str] = None  # llama-server's: GBNF (or Lark, as llguidance reads it)
 
     @field_validator("stop")
     @classmethod
@@ -66,6 +133,9 @@ class _Generation(_Strict):
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def format(self) -> Optional[dict]:
+        return self.response_format.model_dump(by_alias=True, exclude_none=True) if self.response_format else None
 
     def sampling(self) -> Sampling:
         return Sampling(self.temperature, self.top_k, self.top_p, self.repeat_penalty, self.repeat_last_n,
@@ -79,19 +149,63 @@ class _Generation(_Strict):
 class ChatRequest(_Generation):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=0)  # the newer name of max_tokens
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+
+    def logprob_count(self) -> Optional[int]:
+        """LLM's logprobs argument: None for none, else the count of top alternatives."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def limit(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    tools: Optional[list[Tool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice] = "auto"
+    parallel_tool_calls: Optional[bool] = None  # every call the answer makes is read, one or several
+
+    def tool_list(self) -> Optional[list[dict]]:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def choice(self) -> Union[str, dict]:
+        return self.tool_choice if isinstance(self.tool_choice, str) else self.tool_choice.model_dump()
+
     def chat_messages(self) -> list[dict]:
-        # "developer" is the newer name of "system"; templates know only the latter
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        """The messages as templates take them: "developer" is the newer name of "system", which templates know;
+        a call's arguments are an object (JSON text in the API)."""
+        out = []
+        for i, m in enumerate(self.messages):
+            message = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            if m.tool_calls:
+                message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                    "name": c.function.name, "arguments": _arguments(c.function.arguments, i)}} for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            out.append(message)
+        return out
+
+
+def _arguments(text: str, index: int) -> dict:
+    try:
+        arguments = json.loads(text)
+    except ValueError:
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise RequestError(f"messages.{index}.tool_calls: arguments must be a JSON object", param="messages")
+    return arguments
 
 
 class CompletionRequest(_Generation):
     prompt: Union[str, list[str]]
     echo: bool = False
     max_tokens: Optional[int] = Field(16, ge=0)  # the completions API's own default
+    logprobs: Optional[int] = Field(None, ge=0, le=20)
+
+    def logprob_count(self) -> Optional[int]:
+        if self.logprobs is not None and self.echo:
+            raise RequestError("echo with logprobs (the prompt's logprobs) is not supported", param="echo")
+        return self.logprobs
 
     def limit(self) -> Optional[int]:
         return self.max_tokens

@@ -80,14 +80,6 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_file):
-    s = Server(smollm2_file("q8_0"))
-    yield s
-    if s.proc.poll() is None:
-        s.proc.kill()
-
-
-@pytest.fixture(scope="module")
 def reference(smollm2_file):
     """The same answers from the Python API, for what the server must reproduce."""
     from powerinfer_tools import LLM

@@ -11,7 +11,6 @@ import numpy as np
 import openai
 import pytest
 
-from test_serve import Server
 
 pytestmark = pytest.mark.slow
 
@@ -42,14 +41,6 @@ SCHEMAS = {
         "required": ["rgb", "name"], "additionalProperties": False},
 }
 OBJECTS = 4  # per schema, each at its own seed
-
-
-@pytest.fixture(scope="module")
-def server(smollm2_file):
-    s = Server(smollm2_file("q8_0"))
-    yield s
-    if s.proc.poll() is None:
-        s.proc.kill()
 
 
 def test_json_schema_objects_validate(server):

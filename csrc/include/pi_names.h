@@ -35,6 +35,9 @@ inline constexpr const char *kArchKeys[] = {
     "rope.scaling.original_context_length", "rope.scaling.finetuned", "tensor_data_layout",
 };
 inline constexpr char kRopeFreqs[] = "rope_freqs.weight";  // llama3 RoPE: per rotated pair, its frequency's divisor
+// longrope (Phi-3 128k): per-pair factors for short and long contexts, refused (not computed)
+inline constexpr char kRopeFactorsLong[] = "rope_factors_long.weight";
+inline constexpr char kRopeFactorsShort[] = "rope_factors_short.weight";
 
 // ---- tensors: blk.N.<name>.weight|bias ----
 inline constexpr char kAttnQNorm[] = "attn_q_norm";  // qwen3: RMSNorm of each query head, before RoPE

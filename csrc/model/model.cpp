@@ -208,6 +208,7 @@ const ArchSpec kArchs[] = {
     {"bamboo", NormKind::Rms,   RopeKind::Adjacent, true,  false, false, 0, false, false, false, "drelu", "drelu", "drelu"},
     {"qwen2",  NormKind::Rms,   RopeKind::NeoX,     true,  false, false, 0, false, false, true,  "silu",  "silu",  "silu"},
     {"qwen3",  NormKind::Rms,   RopeKind::NeoX,     true,  false, false, 0, false, true,  true,  "silu",  "silu",  "silu"},
+    {"phi3",   NormKind::Rms,   RopeKind::NeoX,     true,  false, false, 0, false, false, false, "silu",  "silu",  "silu"},
     {"falcon", NormKind::Layer, RopeKind::NeoX,     false, true,  false, 0, false, false, false, "relu",  "relu",  "relu"},
     {"opt",    NormKind::Layer, RopeKind::None,     false, false, true,  2, true,  false, false, "relu",  "relu",  "relu"},
 };
@@ -282,7 +283,8 @@ void Model::read_hparams() {
     if (hp_.n_head % hp_.n_head_kv != 0)
         fail(PI_ERR_FORMAT, p + ": head_count " + std::to_string(hp_.n_head) + " is not a multiple of head_count_kv " +
                                 std::to_string(hp_.n_head_kv));
-    hp_.n_swa = f.get_int_or(k + ".attention.sliding_window", 0, 1, int64_t(1) << 24);
+    // 0: no window, as llama.cpp reads it (its phi3 converter writes 0 for Phi-4)
+    hp_.n_swa = f.get_int_or(k + ".attention.sliding_window", 0, 0, int64_t(1) << 24);
     hp_.n_rot = f.get_int_or(k + ".rope.dimension_count", hp_.d_head, 2, hp_.d_head);
     if (hp_.n_rot % 2 != 0) fail(PI_ERR_FORMAT, p + ": rope.dimension_count must be even");
     const bool rms = hp_.norm == NormKind::Rms;
@@ -361,6 +363,9 @@ Matrix Model::bind_optional(const std::string &name, int64_t rows, int64_t cols,
 
 void Model::bind_rope_freqs() {
     const std::string &p = file_->path();
+    for (const char *longrope : {names::kRopeFactorsLong, names::kRopeFactorsShort})
+        if (file_->tensor(longrope))
+            fail(PI_ERR_UNSUPPORTED, p + ": tensor " + longrope + " (longrope RoPE scaling) is not computed by this engine");
     bool found = false;
     const Matrix m = bind_optional(names::kRopeFreqs, 1, hp_.n_rot / 2, true, &found);
     if (!found) return;
@@ -560,6 +565,12 @@ void Model::bind_attention(int64_t i, Layer &l) {
             l.attn_norm = norm_2;
             l.attn_norm_b = bind_vector(blk(i, "attn_norm_2.bias"), E, true);
         }
+    } else {
+        l.ffn_norm = bind_vector(weight(i, names::kFfnNorm), E, true);
+        l.ffn_norm_b = bind_vector(bias(i, names::kFfnNorm), E, layer_norm);
+    }
+    // q, k and v fused in attn_qkv, q rows then k then v: falcon's always, llama.cpp's phi3 files
+    if (hp_.parallel_block || file_->tensor(blk(i, "attn_qkv.weight"))) {
         const Matrix qkv = bind(blk(i, "attn_qkv.weight"), Q + 2 * KV, E, false);
         l.wq = qkv.rows_view(0, Q);
         l.wk = qkv.rows_view(Q, KV);
@@ -574,8 +585,6 @@ void Model::bind_attention(int64_t i, Layer &l) {
             l.bv.data = reinterpret_cast<const uint8_t *>(b + Q + KV);
         }
     } else {
-        l.ffn_norm = bind_vector(weight(i, names::kFfnNorm), E, true);
-        l.ffn_norm_b = bind_vector(bias(i, names::kFfnNorm), E, layer_norm);
         l.wq = bind(blk(i, "attn_q.weight"), Q, E, false);
         l.wk = bind(blk(i, "attn_k.weight"), KV, E, false);
         l.wv = bind(blk(i, "attn_v.weight"), KV, E, false);
@@ -596,11 +605,21 @@ void Model::bind_ffn(int64_t i, Layer &l) {
     const GgufFile &f = *file_;
     const int64_t E = hp_.n_embd, F = hp_.n_ff;
     const bool all_biases = hp_.all_biases;
-    if (hp_.gated) {
-        l.gate = bind(weight(i, names::kFfnGate), F, E, false);
-        l.gate_b = bind_vector(bias(i, names::kFfnGate), F, false);
+    // llama.cpp's phi3 files fuse gate and up in one ffn_up of 2 * n_ff rows, the gate's first
+    const GgufTensor *up = f.tensor(weight(i, names::kFfnUp));
+    if (hp_.gated && !f.tensor(weight(i, names::kFfnGate)) && up && up->n_dims == 2 && int64_t(up->ne[1]) == 2 * F) {
+        const Matrix gate_up = bind(weight(i, names::kFfnUp), 2 * F, E, false);
+        l.gate = gate_up.rows_view(0, F);
+        l.up = gate_up.rows_view(F, F);
+        if (f.tensor(bias(i, names::kFfnUp)))
+            fail(PI_ERR_UNSUPPORTED, f.path() + ": tensor " + bias(i, names::kFfnUp) + " of a fused gate and up is not computed");
+    } else {
+        if (hp_.gated) {
+            l.gate = bind(weight(i, names::kFfnGate), F, E, false);
+            l.gate_b = bind_vector(bias(i, names::kFfnGate), F, false);
+        }
+        l.up = bind(weight(i, names::kFfnUp), F, E, false);
     }
-    l.up = bind(weight(i, names::kFfnUp), F, E, false);
     l.up_b = bind_vector(bias(i, names::kFfnUp), F, all_biases);
     if (!hp_.gated) {  // the activation rule reads up's output
         l.gate = l.up;

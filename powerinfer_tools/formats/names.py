@@ -36,6 +36,8 @@ ARCH_KEYS = (
     "rope.scaling.original_context_length", "rope.scaling.finetuned", "tensor_data_layout",
 )
 ROPE_FREQS = "rope_freqs.weight"  # llama3 RoPE (llama.cpp's): per rotated pair, what its frequency is divided by
+ROPE_FACTORS_LONG = "rope_factors_long.weight"  # longrope (Phi-3 128k, llama.cpp's): refused by the engine
+ROPE_FACTORS_SHORT = "rope_factors_short.weight"
 
 # ---- tensors: blk.N.<name>.weight|bias ------------------------------------------------------------------
 ATTN_Q_NORM = "attn_q_norm"  # qwen3: RMSNorm of each query (key) head, before RoPE (gguf-py's names)

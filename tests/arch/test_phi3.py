@@ -4,7 +4,7 @@ and Phi-3-mini's untied head with full rotation) converted at f32 and run by the
 class over 300 positions and 32 greedy steps; a GGUF of the same checkpoint as llama.cpp's convert_hf_to_gguf.py
 writes one (Phi3MiniModel: fused attn_qkv, ffn_up holding gate and up, rope.dimension_count, sliding_window 0 for
 none, its SentencePiece vocabulary and chat template) run with the same logits and tokenizer; a sliding window
-capping the context; input sparsity; what is refused, in one line."""
+capping the context; the device tier through its host emulation; input sparsity; what is refused, in one line."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,7 @@ import gguf
 import numpy as np
 import pytest
 from cli_helpers import assert_one_line_error, profiled, run_cli
-from engine_helpers import engine_prompt_then_decode, hf_logits, max_rel_err, random_tokens
+from engine_helpers import engine_prompt_then_decode, hf_logits, max_rel_err, random_tokens, write_gpuidx
 from safetensors.numpy import load_file
 from test_qwen import hf_greedy, rewritten
 from tiny_models import HIDDEN, N_FF, N_HEAD, N_KV, PHI3_ROTARY, make_tiny, training_text
@@ -159,6 +159,29 @@ def test_a_sliding_window_caps_the_context(family):
         with engine.Model(file, threads=2) as m:
             assert m.n_ctx == 64
             assert max_rel_err(engine_prompt_then_decode(m, tokens, 48), hf_logits(src, tokens)) <= 1e-4
+
+
+@pytest.mark.parametrize("llama_cpp", [False, True], ids=["ours", "llama.cpp"])
+def test_the_device_tier_gives_the_cpu_logits(llama_cpp, family, tmp_path, monkeypatch):
+    """Through the host emulation of a device library (tests/engine/test_engine_device.py): attention with NeoX RoPE over
+    the first 12 of 16 dims, the head and the hot rows on the device, from our split tensors or llama.cpp's fused
+    ones (row views)."""
+    monkeypatch.setenv("PI_EMULATED_DEVICE_MIB", "512")
+    monkeypatch.delenv("PI_EMULATED_DEVICES", raising=False)
+    hot = write_gpuidx(tmp_path / "hot.gpuidx", [np.random.default_rng(31 + i).random(N_FF) < 0.3 for i in range(2)])
+    src, ours, theirs = family()
+    tokens = random_tokens(40, json.loads((src / "config.json").read_text())["vocab_size"], seed=3)
+
+    def run(**kw):
+        with engine.Model(theirs if llama_cpp else ours, threads=2, sparse_mode="dense", batch_size=16, gpuidx=hot,
+                          **kw) as m:
+            return engine_prompt_then_decode(m, tokens, 24), m.info
+
+    cpu, _ = run(gpu="off", cpu_hot_tier=True)
+    dev, info = run(gpu="on", gpu_library=engine.device_library_path("emulated"))
+    placed = info["gpu"]["device"]
+    assert placed["layers_on_device"] == placed["attention_layers"] == 2 and placed["output_head"] == "device"
+    assert max_rel_err(dev, cpu) <= 1e-4
 
 
 def test_input_sparsity_from_a_profile_runs(family, tmp_path, capsys):

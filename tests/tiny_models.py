@@ -18,6 +18,12 @@ KINDS = ("llama-relu", "llama-silu", "prosparse", "bamboo", "falcon", "falcon7b"
 QWEN_KINDS = ("qwen2", "qwen3")  # every feature on: q/k/v(/o) biases, tied head; qwen3 heads normed, head_dim 32
 HIDDEN, N_FF, N_LAYER, N_HEAD, N_KV = 64, 256, 2, 4, 2
 PHI3_ROTARY = 0.75  # Phi-4-mini's partial_rotary_factor: RoPE turns the first 12 of each head's 16 dims
+# Gemma 3's structure at a small scale: heads 24 wide (not 64 / 4), 6 layers (5 sliding, 1 global, as the real
+# pattern), a window of 32 positions (well inside a 300-token test), local and global RoPE bases apart
+GEMMA3 = dict(head_dim=24, num_hidden_layers=6, sliding_window=32, query_pre_attn_scalar=20)
+GEMMA_CHAT = ("{{ bos_token }}{% for message in messages %}{{ '<start_of_turn>' + message['role'] + '\n' + "
+              "message['content'] + '<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}"
+              "{{ '<start_of_turn>model\n' }}{% endif %}")
 # Phi-3's chat template (its tokenizer_config.json's, without the system turn)
 PHI3_CHAT = ("{% for message in messages %}{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
              "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}")
@@ -79,6 +85,14 @@ def _phi3_tokenizer(out: Path) -> int:
     return n
 
 
+def _gemma_tokenizer(out: Path) -> int:
+    """SentencePiece as GemmaTokenizer (no prefix space: Gemma's), Gemma's chat template."""
+    n = _spm_tokenizer(out, GEMMA_CHAT)
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**cfg, "tokenizer_class": "GemmaTokenizer"}))
+    return n
+
+
 def _bpe_tokenizer(out: Path, style: str = "gpt2") -> int:
     """Byte-level BPE: GPT-2's pre-tokenizer (OPT), Falcon's, which also splits off runs of punctuation and numbers
     in groups of three digits (what llama.cpp calls the "falcon" pre-tokenizer), or Qwen's (QWEN_SPLIT: single
@@ -112,8 +126,8 @@ def _bpe_tokenizer(out: Path, style: str = "gpt2") -> int:
 
 def _config(kind: str, vocab: int, n_ff: int = N_FF, **overrides):
     """The kind's config, with `overrides` (config fields) set on top of its own."""
-    from transformers import (FalconConfig, LlamaConfig, MistralConfig, OPTConfig, Phi3Config, Qwen2Config,
-                              Qwen3Config)
+    from transformers import (FalconConfig, Gemma3TextConfig, LlamaConfig, MistralConfig, OPTConfig, Phi3Config,
+                              Qwen2Config, Qwen3Config)
 
     common = dict(vocab_size=vocab, hidden_size=HIDDEN, num_hidden_layers=N_LAYER, num_attention_heads=N_HEAD,
                   max_position_embeddings=256)
@@ -146,6 +160,12 @@ def _config(kind: str, vocab: int, n_ff: int = N_FF, **overrides):
                                                      "partial_rotary_factor": PHI3_ROTARY},
                                     max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=True,
                                     sliding_window=None, bos_token_id=1, eos_token_id=2, pad_token_id=None)
+    elif kind == "gemma3":
+        cls, own = Gemma3TextConfig, dict(intermediate_size=n_ff, num_key_value_heads=N_KV, **GEMMA3,
+                                          hidden_activation="gelu_pytorch_tanh", max_position_embeddings=512,
+                                          rms_norm_eps=1e-6, rope_theta=10000.0, rope_local_base_freq=100.0,
+                                          rope_scaling={"rope_type": "linear", "factor": 2.0},
+                                          tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     elif kind == "opt":
         cls, own = OPTConfig, dict(ffn_dim=n_ff, word_embed_proj_dim=HIDDEN, do_layer_norm_before=True,
                                    activation_function="relu", bos_token_id=0, eos_token_id=0, pad_token_id=1)
@@ -160,7 +180,7 @@ def make_tiny(kind: str, out: Path, seed: int = 0, n_ff: int = N_FF, **overrides
     from transformers import AutoModelForCausalLM, MistralForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
-    vocab = (_phi3_tokenizer(out) if kind == "phi3" else _spm_tokenizer(out)
+    vocab = (_phi3_tokenizer(out) if kind == "phi3" else _gemma_tokenizer(out) if kind == "gemma3" else _spm_tokenizer(out)
              if kind in ("llama-relu", "llama-silu", "prosparse", "bamboo")
              else _bpe_tokenizer(out, "qwen" if kind in QWEN_KINDS else
                                  "falcon" if kind.startswith("falcon") else "gpt2"))
@@ -173,7 +193,7 @@ def make_tiny(kind: str, out: Path, seed: int = 0, n_ff: int = N_FF, **overrides
             if p.dim() == 2:
                 p.normal_(0.0, 0.08)
         for name, p in model.named_parameters():
-            if kind in (*QWEN_KINDS, "phi3") and p.dim() == 1:  # transformers starts biases at 0, norms at 1: values that count
+            if kind in (*QWEN_KINDS, "phi3", "gemma3") and p.dim() == 1:  # transformers starts biases at 0, norms at 1: values that count
                 p.normal_(*((0.0, 0.1) if name.endswith(".bias") else (1.0, 0.2)))
     model.save_pretrained(out, safe_serialization=True)
     if kind == "bamboo":  # save_pretrained names the Mistral class; a Bamboo checkpoint names its own

@@ -65,6 +65,10 @@ void Engine::embed(const int32_t *tokens, int64_t n_tok) {
     float *x = rs_->x.data();
     const TypeKernels &ke = ks_->for_type(model_->tok_embd().type);
     for (int64_t t = 0; t < n_tok; ++t) ke.to_float(int(E), model_->tok_embd().row(tokens[t]), x + t * E);
+    if (hp_.embd_scale) {  // gemma3: sqrt(n_embd) times the embedding
+        const float scale = std::sqrt(float(E));
+        for (int64_t i = 0; i < n_tok * E; ++i) x[i] *= scale;
+    }
     if (!hp_.learned_pos) return;
     const Matrix &pe = model_->pos_embd();
     const TypeKernels &kp = ks_->for_type(pe.type);
@@ -103,13 +107,15 @@ void Engine::attention(int64_t il, int64_t n_tok, TierMode cold_mode) {
     if (n_tok == 1 && cold_mode == TierMode::Predictor) prefetch_predictor(L);
     const int64_t layer_bytes = s.kv_layer_elements(hp_) * s.kv_bytes();
     const uint8_t *kc = s.k_cache.data() + il * layer_bytes, *vc = s.v_cache.data() + il * layer_bytes;
-    if (n_tok == 1) decode_heads(kc, vc, s.n_past + 1);
-    else batch_heads(kc, vc, n_tok);
+    const int64_t window = hp_.swa_layer(il) ? hp_.n_swa : 0;
+    if (n_tok == 1) decode_heads(kc, vc, s.n_past + 1, window);
+    else batch_heads(kc, vc, n_tok, window);
     s.op_att.q_ready = false;
     const MatmulTarget wo[1] = {{&L.wo, s.tmp.data(), E}};
     if (input_on()) input_output_projection(L, il, n_tok);
     else matmul(wo, 1, s.op_att, n_tok);
     add_bias(s.tmp.data(), L.bo, n_tok, E);
+    post_norm(s.tmp.data(), L.attn_post_norm, n_tok);
 }
 
 // RoPE on the batch's queries and keys, then its keys and values into layer il's cache: each position into its
@@ -121,9 +127,12 @@ void Engine::store_kv(int64_t il, int64_t n_tok) {
     // llama.cpp "normal" mode rotates adjacent pairs (the converter permuted llama's q/k rows to match), NeoX
     // mode (falcon) pairs i with i + n_rot/2; the first n_rot dims of each head
     const bool neox = hp_.rope == RopeKind::NeoX;
+    const bool local = hp_.swa_layer(il);  // a sliding-window layer's RoPE has a base of its own
+    const float *cos_table = (local ? s.rope_cos_swa : s.rope_cos).data();
+    const float *sin_table = (local ? s.rope_sin_swa : s.rope_sin).data();
     auto rope = [&](float *vec, int64_t n_heads, int64_t pos) {
         if (hp_.rope == RopeKind::None) return;
-        const float *c = s.rope_cos.data() + pos * half, *sn = s.rope_sin.data() + pos * half;
+        const float *c = cos_table + pos * half, *sn = sin_table + pos * half;
         for (int64_t h = 0; h < n_heads; ++h) {
             float *v = vec + h * D;
             for (int64_t i = 0; i < half; ++i) {
@@ -179,13 +188,13 @@ void Engine::value_sum(int n_tok, int64_t n_keys, const float *p, int ldp, const
     }
 }
 
-void Engine::batch_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_tok) {
+void Engine::batch_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_tok, int64_t window) {
     // Per query head and tile of kAttnTile tokens, two gemms: scores = q K^T over the keys the tile's last token
     // sees (earlier tokens' later keys get probability 0), out = p V.
     const int64_t D = hp_.d_head, H = hp_.n_head, HKV = hp_.n_head_kv, group = H / HKV, Q = H * D;
     const int64_t n_past = rs_->n_past;
     const int64_t n_tiles = (n_tok + kAttnTile - 1) / kAttnTile, n_all = n_past + n_tok;
-    const float scale = 1.0f / std::sqrt(float(D));
+    const float scale = hp_.score_scale();
     const float *q = rs_->q.data();
     auto job = [&](int chunk, int n_chunks, int thread) {
         float *sc = rs_->scores.data() + int64_t(thread) * kAttnTile * n_ctx_;
@@ -198,9 +207,10 @@ void Engine::batch_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_tok) {
             for (int64_t c = 0; c < n_keys; c += kKeyTile)
                 gemm_cache(int(nt), int(D), int(std::min(kKeyTile, n_keys - c)), q + t0 * Q + h * D, int(Q), kc,
                            rs_->kv_tile(HKV, D, kvh, c), int(kKeyTile), sc + c, int(n_keys));
-            for (int64_t t = 0; t < nt; ++t) {  // softmax over the keys token t sees, 0 for the later ones
-                const int64_t n_valid = n_past + t0 + t + 1;
-                ks_->softmax(int(n_valid), scale, sc + t * n_keys);
+            for (int64_t t = 0; t < nt; ++t) {  // softmax over the keys token t sees, 0 for the others
+                const int64_t n_valid = n_past + t0 + t + 1, first = window ? std::max<int64_t>(0, n_valid - window) : 0;
+                std::fill(sc + t * n_keys, sc + t * n_keys + first, 0.0f);
+                ks_->softmax(int(n_valid - first), scale, sc + t * n_keys + first);
                 std::fill(sc + t * n_keys + n_valid, sc + (t + 1) * n_keys, 0.0f);
             }
             float *out = rs_->att.data() + t0 * Q + h * D;
@@ -213,7 +223,7 @@ void Engine::batch_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_tok) {
     pool_->run(int(std::min<int64_t>(n_tiles * H, pool_->chunks_for(n_tok * H * n_all * D * 2 * kCacheReadCost, kGrain))), job);
 }
 
-void Engine::decode_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_keys) {
+void Engine::decode_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_keys, int64_t window) {
     // The query heads that share a kv head read its keys and values once, as the rows of one gemm (up to
     // kHeadsPerTile of them), in three jobs: the scores by (kv head, key tile), so that any head counts split
     // evenly; each head's softmax; the outputs by (kv head, tile of its heads). The same fma chains, so the
@@ -222,7 +232,8 @@ void Engine::decode_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_keys) 
     const int64_t n_key_tiles = (n_keys + kKeyTile - 1) / kKeyTile;
     const int64_t n_head_tiles = (group + kHeadsPerTile - 1) / kHeadsPerTile;
     float *sc = rs_->scores.data();  // [head][n_keys]
-    const float scale = 1.0f / std::sqrt(float(D));
+    const float scale = hp_.score_scale();
+    const int64_t first = window ? std::max<int64_t>(0, n_keys - window) : 0;  // the first key within the window
     const int64_t reads = H * n_keys * D * kCacheReadCost;  // the keys, or the values
     auto scores = [&](int chunk, int n_chunks, int) {
         int64_t u0, u1;
@@ -244,7 +255,10 @@ void Engine::decode_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_keys) 
     auto softmax = [&](int chunk, int n_chunks, int) {
         int64_t h0, h1;
         split_range(H, chunk, n_chunks, &h0, &h1);
-        for (int64_t h = h0; h < h1; ++h) ks_->softmax(int(n_keys), scale, sc + h * n_keys);
+        for (int64_t h = h0; h < h1; ++h) {
+            std::fill(sc + h * n_keys, sc + h * n_keys + first, 0.0f);
+            ks_->softmax(int(n_keys - first), scale, sc + h * n_keys + first);
+        }
     };
     pool_->run(int(std::min<int64_t>(H, pool_->chunks_for(H * n_keys * kCacheReadCost, kGrain))), softmax);
     auto values = [&](int chunk, int n_chunks, int) {
@@ -315,6 +329,7 @@ void Engine::ffn(int64_t il, int64_t n_tok, TierMode cold_mode) {
     if (has_hot)
         for (int64_t i = 0; i < n_tok * E; ++i) s.y_cold[size_t(i)] += s.y_hot[size_t(i)];
     add_bias(s.y_cold.data(), L.down_b, n_tok, E);
+    post_norm(s.y_cold.data(), L.ffn_post_norm, n_tok);
     add_residual(s.y_cold.data(), n_tok);
     stats_.take_ffn(il, n_tok, cold_mode, has_cold, hot, cold);
     policy_.take(il, n_tok, cold_mode, hot, cold, has_cold ? cold_job.n_probe : 0);
@@ -388,6 +403,10 @@ void Engine::head_norm(float *x, const Matrix &w, int64_t n_heads) const {
         const float scale = 1.0f / std::sqrt(float(ss / double(D)) + hp_.norm_eps);
         for (int64_t i = 0; i < D; ++i) v[i] = wv[i] * (v[i] * scale);
     }
+}
+
+void Engine::post_norm(float *y, const Matrix &w, int64_t n_tok) const {
+    if (w.data) norm(y, w, Matrix{}, n_tok, y);  // in place: each element is read before it is written
 }
 
 void Engine::add_bias(float *y, const Matrix &b, int64_t n_tok, int64_t ld) const {

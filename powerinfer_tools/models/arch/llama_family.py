@@ -103,10 +103,19 @@ class LlamaFamily(Arch):
         return dict(zip(names.INPUT_SITES, ([a.q_proj, a.k_proj, a.v_proj], [a.o_proj], [m.gate_proj, m.up_proj],
                                             [m.down_proj])))
 
+    def transforms(self) -> dict:
+        """What a tensor's data goes through on its way into the file, by its llama.cpp name (TensorMap.reorder)."""
+        c = self.config
+        return {"attn_q": partial(rope_to_adjacent, n_heads=c.num_attention_heads),
+                "attn_k": partial(rope_to_adjacent, n_heads=kv_heads(c))} if self.rope_adjacent else {}
+
+    def global_rope(self) -> dict:
+        """The RoPE parameters (rope_type, rope_theta, factor, ...) of the layers that attend to the whole context."""
+        return rope_parameters(self.config)
+
     def tensor_maps(self, available):
         c = self.config
-        rope = {"attn_q": partial(rope_to_adjacent, n_heads=c.num_attention_heads),
-                "attn_k": partial(rope_to_adjacent, n_heads=kv_heads(c))} if self.rope_adjacent else {}
+        rope = self.transforms()
         maps = [TensorMap("token_embd.weight", "model.embed_tokens.weight")]
         for i in range(c.num_hidden_layers):
             for ours, theirs in self.block_tensors.items():
@@ -118,7 +127,8 @@ class LlamaFamily(Arch):
                     maps.append(TensorMap(f"{name}.bias", f"{src}.bias", rope.get(ours), rows=rows))
         tied = getattr(c, "tie_word_embeddings", False) or "lm_head.weight" not in available
         head = "model.embed_tokens.weight" if tied else "lm_head.weight"
-        return maps + [TensorMap("output_norm.weight", "model.norm.weight"), TensorMap("output.weight", head)]
+        return maps + [TensorMap("output_norm.weight", "model.norm.weight", rope.get("output_norm")),
+                       TensorMap("output.weight", head)]
 
     def source_rows(self, tensor: str) -> tuple[int, int] | None:
         """The rows of its source module that block tensor `tensor` is (a fused projection's part), or None: all."""
@@ -137,8 +147,8 @@ class LlamaFamily(Arch):
         writer.add_head_count(c.num_attention_heads)
         writer.add_head_count_kv(kv_heads(c))
         writer.add_layer_norm_rms_eps(float(c.rms_norm_eps))
-        writer.add_rope_freq_base(rope_theta(c))
-        rope = rope_parameters(c)
+        rope = self.global_rope()
+        writer.add_rope_freq_base(float(rope.get("rope_theta") or rope_theta(c)))
         if rope.get("rope_type") == "linear":  # llama3's scaling is its rope_freqs tensor (computed_tensors)
             import gguf
             writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)

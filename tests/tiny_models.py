@@ -1,8 +1,9 @@
 """Tiny random-weight models of every supported architecture, saved as Hugging Face directories.
 
 Each comes with a real tokenizer trained on a slice of tiny-shakespeare: SentencePiece for the
-Llama family (as Llama checkpoints ship), byte-level BPE for Falcon, OPT and Qwen (Qwen's with its own
-pre-tokenizer, ChatML special tokens and chat template).
+Llama family (as Llama checkpoints ship; Phi-3's in its tokenizer.json shape, Gemma's as GemmaTokenizer, each with
+its chat template), byte-level BPE for Falcon, OPT and Qwen (Qwen's with its own pre-tokenizer, ChatML special tokens
+and chat template).
 """
 from __future__ import annotations
 
@@ -180,7 +181,8 @@ def make_tiny(kind: str, out: Path, seed: int = 0, n_ff: int = N_FF, **overrides
     from transformers import AutoModelForCausalLM, MistralForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
-    vocab = (_phi3_tokenizer(out) if kind == "phi3" else _gemma_tokenizer(out) if kind == "gemma3" else _spm_tokenizer(out)
+    own_tokenizer = {"phi3": _phi3_tokenizer, "gemma3": _gemma_tokenizer}
+    vocab = (own_tokenizer[kind](out) if kind in own_tokenizer else _spm_tokenizer(out)
              if kind in ("llama-relu", "llama-silu", "prosparse", "bamboo")
              else _bpe_tokenizer(out, "qwen" if kind in QWEN_KINDS else
                                  "falcon" if kind.startswith("falcon") else "gpt2"))
@@ -193,7 +195,8 @@ def make_tiny(kind: str, out: Path, seed: int = 0, n_ff: int = N_FF, **overrides
             if p.dim() == 2:
                 p.normal_(0.0, 0.08)
         for name, p in model.named_parameters():
-            if kind in (*QWEN_KINDS, "phi3", "gemma3") and p.dim() == 1:  # transformers starts biases at 0, norms at 1: values that count
+            # transformers starts biases at 0, norms at 1 (Gemma's at 0): values that count
+            if kind in (*QWEN_KINDS, "phi3", "gemma3") and p.dim() == 1:
                 p.normal_(*((0.0, 0.1) if name.endswith(".bias") else (1.0, 0.2)))
     model.save_pretrained(out, safe_serialization=True)
     if kind == "bamboo":  # save_pretrained names the Mistral class; a Bamboo checkpoint names its own

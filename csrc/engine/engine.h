@@ -94,9 +94,10 @@ private:
     // gemm_f32 (or gemm_f16 for an f16 cache) with w at element `at` of the cache bytes `cache`
     void gemm_cache(int n_tok, int n_rows, int n_cols, const float *h, int ldh, const uint8_t *cache, int64_t at,
                     int ldw, float *y, int ldy) const;
-    // y[t] += sum over positions j < n_keys of p[t][j] * value j of kv head kvh in the layer's value cache
+    // y[t] += sum over positions j < n_keys of p[t][j] * value j of kv head kvh in the layer's value cache; p is 0
+    // before `first` (a sliding window's first key), so the sum starts at first's block
     void value_sum(int n_tok, int64_t n_keys, const float *p, int ldp, const uint8_t *cache, int64_t kvh, float *y,
-                   int ldy) const;
+                   int ldy, int64_t first) const;
     // Asks for the layer's predictor weights (fc1, the cold tier's fc2) while attention reads the KV cache.
     void prefetch_predictor(const Layer &L) const;
     void ffn(int64_t il, int64_t n_tok, TierMode cold_mode);

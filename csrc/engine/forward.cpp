@@ -176,11 +176,11 @@ void Engine::gemm_cache(int n_tok, int n_rows, int n_cols, const float *h, int l
 constexpr size_t kRunPrefetch = 4096;
 
 void Engine::value_sum(int n_tok, int64_t n_keys, const float *p, int ldp, const uint8_t *cache, int64_t kvh, float *y,
-                       int ldy) const {
+                       int ldy, int64_t first) const {
     // A block of positions at a time (its rows contiguous): the same fma chain per output element as one gemm
-    // over all the rows, since gemm continues from y (the same bits).
+    // over all the rows, since gemm continues from y (the same bits); blocks before first's are all 0 and skipped.
     const int64_t D = hp_.d_head, block = rs_->kv_block;
-    for (int64_t c = 0; c < n_keys; c += block) {
+    for (int64_t c = first / block * block; c < n_keys; c += block) {
         if (c + block < n_keys)  // the next block's start: another run of the cache
             prefetch_row(cache + rs_->kv_tile(hp_.n_head_kv, D, kvh, c + block) * rs_->kv_bytes(), kRunPrefetch);
         gemm_cache(n_tok, int(std::min(block, n_keys - c)), int(D), p + c, ldp, cache,
@@ -203,8 +203,10 @@ void Engine::batch_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_tok, in
         for (int64_t w = w0; w < w1; ++w) {
             const int64_t t0 = w / H * kAttnTile, h = w % H, kvh = h / group;
             const int64_t nt = std::min(kAttnTile, n_tok - t0), n_keys = n_past + t0 + nt;
+            // the first key the tile's first token sees: no token of the tile sees one before it
+            const int64_t first0 = window ? std::max<int64_t>(0, n_past + t0 + 1 - window) : 0;
             std::fill(sc, sc + nt * n_keys, 0.0f);
-            for (int64_t c = 0; c < n_keys; c += kKeyTile)
+            for (int64_t c = first0 / kKeyTile * kKeyTile; c < n_keys; c += kKeyTile)
                 gemm_cache(int(nt), int(D), int(std::min(kKeyTile, n_keys - c)), q + t0 * Q + h * D, int(Q), kc,
                            rs_->kv_tile(HKV, D, kvh, c), int(kKeyTile), sc + c, int(n_keys));
             for (int64_t t = 0; t < nt; ++t) {  // softmax over the keys token t sees, 0 for the others
@@ -215,7 +217,7 @@ void Engine::batch_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_tok, in
             }
             float *out = rs_->att.data() + t0 * Q + h * D;
             for (int64_t t = 0; t < nt; ++t) std::fill(out + t * Q, out + t * Q + D, 0.0f);
-            value_sum(int(nt), n_keys, sc, int(n_keys), vc, kvh, out, int(Q));
+            value_sum(int(nt), n_keys, sc, int(n_keys), vc, kvh, out, int(Q), first0);
         }
     };
     // A head's keys and values come from the cache (memory-bound, not multiply-bound): its work is counted as
@@ -229,21 +231,23 @@ void Engine::decode_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_keys, 
     // evenly; each head's softmax; the outputs by (kv head, tile of its heads). The same fma chains, so the
     // same bits, as one head at a time.
     const int64_t D = hp_.d_head, H = hp_.n_head, HKV = hp_.n_head_kv, group = H / HKV;
-    const int64_t n_key_tiles = (n_keys + kKeyTile - 1) / kKeyTile;
+    // the first key within the window, and the key tiles from its on (the scores of keys before it are never read)
+    const int64_t first = window ? std::max<int64_t>(0, n_keys - window) : 0, tile0 = first / kKeyTile;
+    const int64_t n_key_tiles = (n_keys + kKeyTile - 1) / kKeyTile - tile0;
     const int64_t n_head_tiles = (group + kHeadsPerTile - 1) / kHeadsPerTile;
     float *sc = rs_->scores.data();  // [head][n_keys]
     const float scale = hp_.score_scale();
-    const int64_t first = window ? std::max<int64_t>(0, n_keys - window) : 0;  // the first key within the window
     const int64_t reads = H * n_keys * D * kCacheReadCost;  // the keys, or the values
     auto scores = [&](int chunk, int n_chunks, int) {
         int64_t u0, u1;
         split_range(HKV * n_key_tiles, chunk, n_chunks, &u0, &u1);
         for (int64_t u = u0; u < u1; ++u) {
-            const int64_t kvh = u / n_key_tiles, c = u % n_key_tiles * kKeyTile, cols = std::min(kKeyTile, n_keys - c);
+            const int64_t kvh = u / n_key_tiles, c = (tile0 + u % n_key_tiles) * kKeyTile;
+            const int64_t cols = std::min(kKeyTile, n_keys - c);
             float *y = sc + kvh * group * n_keys + c;
             for (int64_t i = 0; i < group; ++i) std::fill(y + i * n_keys, y + i * n_keys + cols, 0.0f);
             if (u + 1 < u1) {  // the next tile's start, where it begins a run of its own (another block or head)
-                const int64_t next = u + 1, nc = next % n_key_tiles * kKeyTile;
+                const int64_t next = u + 1, nc = (tile0 + next % n_key_tiles) * kKeyTile;
                 if (nc % rs_->kv_block == 0)
                     prefetch_row(kc + rs_->kv_tile(HKV, D, next / n_key_tiles, nc) * rs_->kv_bytes(), kRunPrefetch);
             }
@@ -255,8 +259,8 @@ void Engine::decode_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_keys, 
     auto softmax = [&](int chunk, int n_chunks, int) {
         int64_t h0, h1;
         split_range(H, chunk, n_chunks, &h0, &h1);
-        for (int64_t h = h0; h < h1; ++h) {
-            std::fill(sc + h * n_keys, sc + h * n_keys + first, 0.0f);
+        for (int64_t h = h0; h < h1; ++h) {  // 0 from value_sum's first block to the window's first key
+            std::fill(sc + h * n_keys + first / rs_->kv_block * rs_->kv_block, sc + h * n_keys + first, 0.0f);
             ks_->softmax(int(n_keys - first), scale, sc + h * n_keys + first);
         }
     };
@@ -269,7 +273,7 @@ void Engine::decode_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_keys, 
             const int64_t nh = std::min(kHeadsPerTile, (kvh + 1) * group - h0);
             float *out = rs_->att.data() + h0 * D;
             std::fill(out, out + nh * D, 0.0f);
-            value_sum(int(nh), n_keys, sc + h0 * n_keys, int(n_keys), vc, kvh, out, int(D));
+            value_sum(int(nh), n_keys, sc + h0 * n_keys, int(n_keys), vc, kvh, out, int(D), first);
         }
     };
     pool_->run(int(std::min<int64_t>(HKV * n_head_tiles, pool_->chunks_for(reads, kGrain))), values);

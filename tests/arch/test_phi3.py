@@ -163,8 +163,8 @@ def test_a_sliding_window_caps_the_context(family):
 
 @pytest.mark.parametrize("llama_cpp", [False, True], ids=["ours", "llama.cpp"])
 def test_the_device_tier_gives_the_cpu_logits(llama_cpp, family, tmp_path, monkeypatch):
-    """Through the host emulation of a device library (tests/engine/test_engine_device.py): attention with NeoX RoPE over
-    the first 12 of 16 dims, the head and the hot rows on the device, from our split tensors or llama.cpp's fused
+    """Through the host emulation of a device library (tests/engine/test_engine_device.py): attention with NeoX RoPE
+    over the first 12 of 16 dims, the head and the hot rows on the device, from our split tensors or llama.cpp's fused
     ones (row views)."""
     monkeypatch.setenv("PI_EMULATED_DEVICE_MIB", "512")
     monkeypatch.delenv("PI_EMULATED_DEVICES", raising=False)
@@ -243,7 +243,8 @@ def test_engine_refuses_what_it_would_not_compute(family, tmp_path):
          "key phi3.rope.scaling.attn_factor is not computed"),
         (rewritten(theirs, tmp_path / "c.gguf", tensors={"blk.0.ffn_up.bias": np.zeros(2 * N_FF, np.float32)}),
          "tensor blk.0.ffn_up.bias of a fused gate and up is not computed"),
-        (rewritten(theirs, tmp_path / "d.gguf", drop=("blk.1.attn_qkv.weight",)), "tensor blk.1.attn_q.weight is missing"),
+        (rewritten(theirs, tmp_path / "d.gguf", drop=("blk.1.attn_qkv.weight",)),
+         "tensor blk.1.attn_q.weight is missing"),
     ]
     for path, needle in cases:
         with pytest.raises(engine.EngineError) as exc:

@@ -17,11 +17,14 @@ DATA = next((p for p in (Path(__file__).resolve().parents[1].parent / "shared" /
              if p.is_dir()), Path("/work/shared/data"))
 KINDS = ("llama-relu", "llama-silu", "prosparse", "bamboo", "falcon", "falcon7b", "opt")
 QWEN_KINDS = ("qwen2", "qwen3")  # every feature on: q/k/v(/o) biases, tied head; qwen3 heads normed, head_dim 32
+FAMILY_KINDS = ("phi3", "gemma3")  # fused projections and partial rotary; GELU, four norms, sliding-window layers
 HIDDEN, N_FF, N_LAYER, N_HEAD, N_KV = 64, 256, 2, 4, 2
 PHI3_ROTARY = 0.75  # Phi-4-mini's partial_rotary_factor: RoPE turns the first 12 of each head's 16 dims
-# Gemma 3's structure at a small scale: heads 24 wide (not 64 / 4), 6 layers (5 sliding, 1 global, as the real
-# pattern), a window of 32 positions (well inside a 300-token test), local and global RoPE bases apart
-GEMMA3 = dict(head_dim=24, num_hidden_layers=6, sliding_window=32, query_pre_attn_scalar=20)
+# Gemma 3's structure at a small scale: heads 24 wide (not 64 / 4), a window of 32 positions (well inside a 300-token
+# test), local and global RoPE bases apart; N_LAYER layers slide (the first five in six do), GEMMA3_LAYERS (5 sliding,
+# 1 global, as the real pattern) for tests/arch/test_gemma3.py
+GEMMA3 = dict(head_dim=24, sliding_window=32, query_pre_attn_scalar=20)
+GEMMA3_LAYERS = 6
 GEMMA_CHAT = ("{{ bos_token }}{% for message in messages %}{{ '<start_of_turn>' + message['role'] + '\n' + "
               "message['content'] + '<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}"
               "{{ '<start_of_turn>model\n' }}{% endif %}")

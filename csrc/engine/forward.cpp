@@ -231,7 +231,7 @@ void Engine::decode_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_keys, 
     // evenly; each head's softmax; the outputs by (kv head, tile of its heads). The same fma chains, so the
     // same bits, as one head at a time.
     const int64_t D = hp_.d_head, H = hp_.n_head, HKV = hp_.n_head_kv, group = H / HKV;
-    // the first key within the window, and the key tiles from its on (the scores of keys before it are never read)
+    // the first key within the window, and the key tiles from it on (the scores of keys before it are never read)
     const int64_t first = window ? std::max<int64_t>(0, n_keys - window) : 0, tile0 = first / kKeyTile;
     const int64_t n_key_tiles = (n_keys + kKeyTile - 1) / kKeyTile - tile0;
     const int64_t n_head_tiles = (group + kHeadsPerTile - 1) / kHeadsPerTile;

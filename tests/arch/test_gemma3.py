@@ -18,14 +18,14 @@ from cli_helpers import assert_one_line_error, profiled, run_cli
 from engine_helpers import engine_prompt_then_decode, hf_logits, hf_model, max_rel_err, random_tokens, write_gpuidx
 from safetensors.numpy import load_file
 from test_qwen import hf_greedy, rewritten
-from tiny_models import GEMMA3, N_FF, make_tiny, training_text
+from tiny_models import GEMMA3, GEMMA3_LAYERS, N_FF, make_tiny, training_text
 
 import powerinfer_engine as engine
 from powerinfer_tools.formats import names
 from powerinfer_tools.formats.gguf_io import open_reader
 from powerinfer_tools.formats.tokenizer import _sentencepiece_tokens, tokenizer_from_file
 
-N_TOKENS, N_PROMPT, N_GREEDY, N_LAYER = 300, 200, 32, GEMMA3["num_hidden_layers"]
+N_TOKENS, N_PROMPT, N_GREEDY, N_LAYER = 300, 200, 32, GEMMA3_LAYERS
 # what llama.cpp's gemma3 computes without keys for them: the local base 10000, scores by 1/sqrt(head_dim)
 AS_LLAMA_CPP = {"rope_local_base_freq": 10000.0, "query_pre_attn_scalar": GEMMA3["head_dim"]}
 
@@ -73,7 +73,7 @@ def llama_cpp_gguf(model_dir, dst):
 
 @pytest.fixture(scope="module")
 def family(tmp_path_factory):
-    """family(**config) -> (model directory, its f32 file, its llama.cpp GGUF)."""
+    """family(**config) -> (model directory, its f32 file, its llama.cpp GGUF), of GEMMA3_LAYERS layers."""
     from powerinfer_tools.stages.conversion import convert_model
 
     cache = {}
@@ -82,7 +82,7 @@ def family(tmp_path_factory):
         key = json.dumps(overrides, sort_keys=True)
         if key not in cache:
             root = tmp_path_factory.mktemp("gemma3")
-            src = make_tiny("gemma3", root / "hf", **overrides)
+            src = make_tiny("gemma3", root / "hf", **{"num_hidden_layers": N_LAYER, **overrides})
             out = root / "gemma3.gguf"
             convert_model(str(src), out, outtype="f32", progress=False, powerinfer_compatible=False)
             cache[key] = src, out, llama_cpp_gguf(src, root / "gemma3.llama.cpp.gguf")

@@ -125,8 +125,9 @@ def test_the_window_and_the_local_rope_base_matter(family):
             model.model.rotary_emb.__init__(config)
         with torch.no_grad():
             other = model(torch.tensor([tokens])).logits[0].numpy()
-        assert max_rel_err(other[:GEMMA3["sliding_window"]], ours[:GEMMA3["sliding_window"]]) <= 1e-5 or \
-            field != "sliding_window"
+        if field == "sliding_window":  # the same model as long as no query reaches past the window
+            window = GEMMA3["sliding_window"]
+            assert max_rel_err(other[:window], ours[:window]) <= 1e-5
         assert max_rel_err(other, ours) > 1e-2, field
 
 

@@ -1,8 +1,9 @@
 """Tiny random-weight models of every supported architecture, saved as Hugging Face directories.
 
 Each comes with a real tokenizer trained on a slice of tiny-shakespeare: SentencePiece for the
-Llama family (as Llama checkpoints ship), byte-level BPE for Falcon, OPT and Qwen (Qwen's with its own
-pre-tokenizer, ChatML special tokens and chat template).
+Llama family (as Llama checkpoints ship; Phi-3's in its tokenizer.json shape, Gemma's as GemmaTokenizer, each with
+its chat template), byte-level BPE for Falcon, OPT and Qwen (Qwen's with its own pre-tokenizer, ChatML special tokens
+and chat template).
 """
 from __future__ import annotations
 
@@ -16,7 +17,20 @@ DATA = next((p for p in (Path(__file__).resolve().parents[1].parent / "shared" /
              if p.is_dir()), Path("/work/shared/data"))
 KINDS = ("llama-relu", "llama-silu", "prosparse", "bamboo", "falcon", "falcon7b", "opt")
 QWEN_KINDS = ("qwen2", "qwen3")  # every feature on: q/k/v(/o) biases, tied head; qwen3 heads normed, head_dim 32
+FAMILY_KINDS = ("phi3", "gemma3")  # fused projections and partial rotary; GELU, four norms, sliding-window layers
 HIDDEN, N_FF, N_LAYER, N_HEAD, N_KV = 64, 256, 2, 4, 2
+PHI3_ROTARY = 0.75  # Phi-4-mini's partial_rotary_factor: RoPE turns the first 12 of each head's 16 dims
+# Gemma 3's structure at a small scale: heads 24 wide (not 64 / 4), a window of 32 positions (well inside a 300-token
+# test), local and global RoPE bases apart; N_LAYER layers slide (the first five in six do), GEMMA3_LAYERS (5 sliding,
+# 1 global, as the real pattern) for tests/arch/test_gemma3.py
+GEMMA3 = dict(head_dim=24, sliding_window=32, query_pre_attn_scalar=20)
+GEMMA3_LAYERS = 6
+GEMMA_CHAT = ("{{ bos_token }}{% for message in messages %}{{ '<start_of_turn>' + message['role'] + '\n' + "
+              "message['content'] + '<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}"
+              "{{ '<start_of_turn>model\n' }}{% endif %}")
+# Phi-3's chat template (its tokenizer_config.json's, without the system turn)
+PHI3_CHAT = ("{% for message in messages %}{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
+             "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}")
 QWEN3_HEAD_DIM = 32  # not HIDDEN / N_HEAD: q/k/v are N_HEAD * 32 wide, as Qwen3-0.6B's 16 heads of 128 beside 1024
 # Qwen2's tokenizer.json splits text with this before its byte-level BPE (llama.cpp's "qwen2" pre-tokenizer)
 QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
@@ -41,7 +55,7 @@ def training_text() -> str:
     return "\n".join(" ".join(rng.choice(words) for _ in range(20)) for _ in range(2000))
 
 
-def _spm_tokenizer(out: Path) -> int:
+def _spm_tokenizer(out: Path, chat_template: str | None = None) -> int:
     import sentencepiece as spm
 
     work = out / ".spm"
@@ -54,8 +68,33 @@ def _spm_tokenizer(out: Path) -> int:
     shutil.rmtree(work)
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-        "add_bos_token": True, "add_eos_token": False}))
+        "add_bos_token": True, "add_eos_token": False, **({"chat_template": chat_template} if chat_template else {})}))
     return 384
+
+
+def _phi3_tokenizer(out: Path) -> int:
+    """SentencePiece in Phi-3's tokenizer.json shape: the prefix space from a normalizer (Prepend, Replace), no
+    Metaspace pre-tokenizer, as transformers' GGUF builder rebuilds a phi3 file's; Phi-3's chat template."""
+    from tokenizers import normalizers
+    from transformers import AutoTokenizer
+
+    n = _spm_tokenizer(out, PHI3_CHAT)
+    tok = AutoTokenizer.from_pretrained(out)
+    tok.backend_tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
+                                                             normalizers.Replace(" ", "\u2581")])
+    tok.backend_tokenizer.pre_tokenizer = None
+    tok.save_pretrained(out)
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**cfg, "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return n
+
+
+def _gemma_tokenizer(out: Path) -> int:
+    """SentencePiece as GemmaTokenizer (no prefix space: Gemma's), Gemma's chat template."""
+    n = _spm_tokenizer(out, GEMMA_CHAT)
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**cfg, "tokenizer_class": "GemmaTokenizer"}))
+    return n
 
 
 def _bpe_tokenizer(out: Path, style: str = "gpt2") -> int:
@@ -91,7 +130,8 @@ def _bpe_tokenizer(out: Path, style: str = "gpt2") -> int:
 
 def _config(kind: str, vocab: int, n_ff: int = N_FF, **overrides):
     """The kind's config, with `overrides` (config fields) set on top of its own."""
-    from transformers import FalconConfig, LlamaConfig, MistralConfig, OPTConfig, Qwen2Config, Qwen3Config
+    from transformers import (FalconConfig, Gemma3TextConfig, LlamaConfig, MistralConfig, OPTConfig, Phi3Config,
+                              Qwen2Config, Qwen3Config)
 
     common = dict(vocab_size=vocab, hidden_size=HIDDEN, num_hidden_layers=N_LAYER, num_attention_heads=N_HEAD,
                   max_position_embeddings=256)
@@ -118,6 +158,18 @@ def _config(kind: str, vocab: int, n_ff: int = N_FF, **overrides):
                                      use_sliding_window=False, sliding_window=None, eos_token_id=2)  # <|im_end|>
         if kind == "qwen3":
             cls, own = Qwen3Config, {**own, "head_dim": QWEN3_HEAD_DIM, "attention_bias": True}
+    elif kind == "phi3":  # Phi-4-mini's shape: partial rotary, a tied head; fused qkv_proj and gate_up_proj
+        cls, own = Phi3Config, dict(intermediate_size=n_ff, num_key_value_heads=N_KV, hidden_act="silu",
+                                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                     "partial_rotary_factor": PHI3_ROTARY},
+                                    max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                                    sliding_window=None, bos_token_id=1, eos_token_id=2, pad_token_id=None)
+    elif kind == "gemma3":
+        cls, own = Gemma3TextConfig, dict(intermediate_size=n_ff, num_key_value_heads=N_KV, **GEMMA3,
+                                          hidden_activation="gelu_pytorch_tanh", max_position_embeddings=512,
+                                          rms_norm_eps=1e-6, rope_theta=10000.0, rope_local_base_freq=100.0,
+                                          rope_scaling={"rope_type": "linear", "factor": 2.0},
+                                          tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     elif kind == "opt":
         cls, own = OPTConfig, dict(ffn_dim=n_ff, word_embed_proj_dim=HIDDEN, do_layer_norm_before=True,
                                    activation_function="relu", bos_token_id=0, eos_token_id=0, pad_token_id=1)
@@ -132,7 +184,9 @@ def make_tiny(kind: str, out: Path, seed: int = 0, n_ff: int = N_FF, **overrides
     from transformers import AutoModelForCausalLM, MistralForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
-    vocab = (_spm_tokenizer(out) if kind in ("llama-relu", "llama-silu", "prosparse", "bamboo")
+    own_tokenizer = {"phi3": _phi3_tokenizer, "gemma3": _gemma_tokenizer}
+    vocab = (own_tokenizer[kind](out) if kind in own_tokenizer else _spm_tokenizer(out)
+             if kind in ("llama-relu", "llama-silu", "prosparse", "bamboo")
              else _bpe_tokenizer(out, "qwen" if kind in QWEN_KINDS else
                                  "falcon" if kind.startswith("falcon") else "gpt2"))
     config = _config(kind, vocab, n_ff, **overrides)
@@ -144,7 +198,8 @@ def make_tiny(kind: str, out: Path, seed: int = 0, n_ff: int = N_FF, **overrides
             if p.dim() == 2:
                 p.normal_(0.0, 0.08)
         for name, p in model.named_parameters():
-            if kind in QWEN_KINDS and p.dim() == 1:  # transformers starts biases at 0, norms at 1: values that count
+            # transformers starts biases at 0, norms at 1 (Gemma's at 0): values that count
+            if kind in (*QWEN_KINDS, "phi3", "gemma3") and p.dim() == 1:
                 p.normal_(*((0.0, 0.1) if name.endswith(".bias") else (1.0, 0.2)))
     model.save_pretrained(out, safe_serialization=True)
     if kind == "bamboo":  # save_pretrained names the Mistral class; a Bamboo checkpoint names its own

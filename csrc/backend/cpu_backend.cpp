@@ -546,7 +546,7 @@ CpuTierBackend::Tally CpuTierBackend::grouped_token(const Pass &p, int64_t t, in
         // the dense modes, in one straight loop the compiler vectorizes (everything it reads in locals: the
         // byte stores to mt could alias any other memory)
         const ActivationRule local = rule;
-        const bool silu_act = rule.act == Activation::Silu, dense = p.dense;
+        const bool silu_act = thresholded(rule.act), dense = p.dense;
         const float *ut = u_.data() + t * Fp;
         float *ht = h_.data() + t * ld_;
         uint8_t *mt = mask_.data() + t * ld_;

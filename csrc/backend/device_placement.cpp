@@ -86,10 +86,12 @@ DevicePlacement place_on_device(const pi_device_tier_desc &desc, const Model &mo
     p.scratch = hot_scratch_bytes(hp, desc.n_batch, largest_tier);
     double room = budget - p.scratch;
     if (!with_attention) p.attention_off = "gpu_ffn_only: attention and the output head kept on the CPU";
-    // the device's attention computes no per-head q/k norms: the head and hot rows alone go there
-    const bool attention = with_attention && !hp.qk_norm;
+    // the device's attention computes no per-head q/k norms and scores scaled by 1/sqrt(d_head) only: the head and
+    // hot rows alone go there
+    const bool attention = with_attention && !hp.qk_norm && hp.attn_scale == 0.0f;
     if (with_attention && !attention)
-        p.attention_off = "attention stays on the CPU: the device does not compute per-head q/k norms (" + hp.arch + ")";
+        p.attention_off = "attention stays on the CPU: the device does not compute " +
+                          std::string(hp.qk_norm ? "per-head q/k norms" : "an attention.scale") + " (" + hp.arch + ")";
     const pi_device_head head = device_head(model);
     if (with_attention && !device::refuse_head(head, desc)) {
         const double need = double(device::HeadLayout(head, desc).bytes) + device::head_scratch_bytes(desc);
@@ -119,7 +121,8 @@ DevicePlacement place_on_device(const pi_device_tier_desc &desc, const Model &mo
         p.kv_bytes += kv;
         if (il == 0) p.scratch += attention_scratch;
     }
-    for (size_t il = 0; il < layers.size(); ++il) {
+    // the device computes SiLU, ReLU and dReLU neurons: a GELU model's (gemma3) stay on the CPU
+    for (size_t il = 0; hp.activation != Activation::Gelu && il < layers.size(); ++il) {
         const Layer &L = layers[il];
         if (L.hot.size() == 0) continue;
         const double need = hot_layer_bytes(hp, L, L.hot);

@@ -57,12 +57,14 @@ Engine::Engine(const std::string &path, const pi_options &opts, const std::strin
     if (n_ctx_ > (int64_t(1) << 20)) fail(PI_ERR_ARGUMENT, "ctx_size is too large");
     if (hp_.learned_pos) n_ctx_ = std::min(n_ctx_, hp_.n_ctx_train);  // no position beyond the learned table
     // Sliding-window attention (Mistral) equals full attention while every query sees at most the window, which
-    // holds in a context no longer than it: the context is capped there rather than windowed attention computed
-    if (hp_.n_swa > 0 && opts.ctx_size > hp_.n_swa)
+    // holds in a context no longer than it: the context is capped there rather than windowed attention computed,
+    // but for a family whose window is some layers' (gemma3: HParams::swa_layer), computed by the heads
+    const bool capped = hp_.n_swa > 0 && hp_.swa_pattern == 0;
+    if (capped && opts.ctx_size > hp_.n_swa)
         fail(PI_ERR_ARGUMENT, "ctx_size " + std::to_string(opts.ctx_size) + " is larger than the model's attention window (" +
                                   hp_.key_prefix + ".attention.sliding_window = " + std::to_string(hp_.n_swa) +
                                   "); this engine attends to the whole context, which equals the model only within the window");
-    if (hp_.n_swa > 0) n_ctx_ = std::min(n_ctx_, hp_.n_swa);
+    if (capped) n_ctx_ = std::min(n_ctx_, hp_.n_swa);
     n_batch_ = opts.batch_size > 0 ? std::min<int64_t>(opts.batch_size, 4096) : kDefaultBatch;
     n_batch_ = std::min(n_batch_, n_ctx_);
     recall_check_ = opts.recall_check != 0;

@@ -89,14 +89,16 @@ private:
     void store_kv(int64_t il, int64_t n_tok);
     // the heads of a batch of n_tok tokens, and of a decode step over n_keys cached positions, given the layer's
     // cache (kc, vc); att receives their outputs
-    void batch_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_tok);
-    void decode_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_keys);
+    // window: the positions a query attends to, its own and those before it (a sliding-window layer's); 0: all
+    void batch_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_tok, int64_t window);
+    void decode_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_keys, int64_t window);
     // gemm_f32 (or gemm_f16 for an f16 cache) with w at element `at` of the cache bytes `cache`
     void gemm_cache(int n_tok, int n_rows, int n_cols, const float *h, int ldh, const uint8_t *cache, int64_t at,
                     int ldw, float *y, int ldy) const;
-    // y[t] += sum over positions j < n_keys of p[t][j] * value j of kv head kvh in the layer's value cache
+    // y[t] += sum over positions j < n_keys of p[t][j] * value j of kv head kvh in the layer's value cache; p is 0
+    // before `first` (a sliding window's first key), so the sum starts at first's block
     void value_sum(int n_tok, int64_t n_keys, const float *p, int ldp, const uint8_t *cache, int64_t kvh, float *y,
-                   int ldy) const;
+                   int ldy, int64_t first) const;
     // Asks for the layer's predictor weights (fc1, the cold tier's fc2) while attention reads the KV cache.
     void prefetch_predictor(const Layer &L) const;
     void ffn(int64_t il, int64_t n_tok, TierMode cold_mode);
@@ -112,6 +114,8 @@ private:
     void head_norm(float *x, const Matrix &w, int64_t n_heads) const;
     // y[t][i] += b[i] for each of n_tok rows ld apart (nothing when b is absent)
     void add_bias(float *y, const Matrix &b, int64_t n_tok, int64_t ld) const;
+    // RMSNorm of a block's output in place where the layer has the norm (gemma3's post_attention_norm, post_ffw_norm)
+    void post_norm(float *y, const Matrix &w, int64_t n_tok) const;
     void add_residual(const float *y, int64_t n_tok);
     void matmul(const MatmulTarget *targets, int n, Operand &x, int64_t n_tok) { pi::matmul(*ks_, *pool_, targets, n, x, n_tok); }
 
@@ -123,7 +127,7 @@ private:
     // every step uses every row (dense mode on a SiLU model, whose h is never exactly 0) and the kernels have
     // axpy_quads; a ReLU model's dense steps leave its zeros' rows unread instead.
     bool down_quads_for(TierMode m) const {
-        return m == TierMode::Dense && hp_.activation == Activation::Silu && !input_ffn_on() && ks_->q4_0.axpy_quads;
+        return m == TierMode::Dense && thresholded(hp_.activation) && !input_ffn_on() && ks_->q4_0.axpy_quads;
     }
     // Arranges every layer's cold tier for the decode steps of the current mode (at the densities measured so far).
     void arrange_decode_layers();

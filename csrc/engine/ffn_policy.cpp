@@ -49,7 +49,7 @@ bool FfnPolicy::auto_may_predict(int64_t il) const {
 }
 
 TierMode FfnPolicy::whole_mode() const {
-    return mode_ == PI_FFN_AUTO && model_.hp().activation == Activation::Silu ? TierMode::Dense : TierMode::DenseRule;
+    return mode_ == PI_FFN_AUTO && thresholded(model_.hp().activation) ? TierMode::Dense : TierMode::DenseRule;
 }
 
 bool FfnPolicy::batch_reads_gates_whole(int64_t il) const {

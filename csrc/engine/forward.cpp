@@ -65,6 +65,10 @@ void Engine::embed(const int32_t *tokens, int64_t n_tok) {
     float *x = rs_->x.data();
     const TypeKernels &ke = ks_->for_type(model_->tok_embd().type);
     for (int64_t t = 0; t < n_tok; ++t) ke.to_float(int(E), model_->tok_embd().row(tokens[t]), x + t * E);
+    if (hp_.embd_scale) {  // gemma3: sqrt(n_embd) times the embedding
+        const float scale = std::sqrt(float(E));
+        for (int64_t i = 0; i < n_tok * E; ++i) x[i] *= scale;
+    }
     if (!hp_.learned_pos) return;
     const Matrix &pe = model_->pos_embd();
     const TypeKernels &kp = ks_->for_type(pe.type);
@@ -103,13 +107,15 @@ void Engine::attention(int64_t il, int64_t n_tok, TierMode cold_mode) {
     if (n_tok == 1 && cold_mode == TierMode::Predictor) prefetch_predictor(L);
     const int64_t layer_bytes = s.kv_layer_elements(hp_) * s.kv_bytes();
     const uint8_t *kc = s.k_cache.data() + il * layer_bytes, *vc = s.v_cache.data() + il * layer_bytes;
-    if (n_tok == 1) decode_heads(kc, vc, s.n_past + 1);
-    else batch_heads(kc, vc, n_tok);
+    const int64_t window = hp_.swa_layer(il) ? hp_.n_swa : 0;
+    if (n_tok == 1) decode_heads(kc, vc, s.n_past + 1, window);
+    else batch_heads(kc, vc, n_tok, window);
     s.op_att.q_ready = false;
     const MatmulTarget wo[1] = {{&L.wo, s.tmp.data(), E}};
     if (input_on()) input_output_projection(L, il, n_tok);
     else matmul(wo, 1, s.op_att, n_tok);
     add_bias(s.tmp.data(), L.bo, n_tok, E);
+    post_norm(s.tmp.data(), L.attn_post_norm, n_tok);
 }
 
 // RoPE on the batch's queries and keys, then its keys and values into layer il's cache: each position into its
@@ -121,9 +127,12 @@ void Engine::store_kv(int64_t il, int64_t n_tok) {
     // llama.cpp "normal" mode rotates adjacent pairs (the converter permuted llama's q/k rows to match), NeoX
     // mode (falcon) pairs i with i + n_rot/2; the first n_rot dims of each head
     const bool neox = hp_.rope == RopeKind::NeoX;
+    const bool local = hp_.swa_layer(il);  // a sliding-window layer's RoPE has a base of its own
+    const float *cos_table = (local ? s.rope_cos_swa : s.rope_cos).data();
+    const float *sin_table = (local ? s.rope_sin_swa : s.rope_sin).data();
     auto rope = [&](float *vec, int64_t n_heads, int64_t pos) {
         if (hp_.rope == RopeKind::None) return;
-        const float *c = s.rope_cos.data() + pos * half, *sn = s.rope_sin.data() + pos * half;
+        const float *c = cos_table + pos * half, *sn = sin_table + pos * half;
         for (int64_t h = 0; h < n_heads; ++h) {
             float *v = vec + h * D;
             for (int64_t i = 0; i < half; ++i) {
@@ -167,11 +176,11 @@ void Engine::gemm_cache(int n_tok, int n_rows, int n_cols, const float *h, int l
 constexpr size_t kRunPrefetch = 4096;
 
 void Engine::value_sum(int n_tok, int64_t n_keys, const float *p, int ldp, const uint8_t *cache, int64_t kvh, float *y,
-                       int ldy) const {
+                       int ldy, int64_t first) const {
     // A block of positions at a time (its rows contiguous): the same fma chain per output element as one gemm
-    // over all the rows, since gemm continues from y (the same bits).
+    // over all the rows, since gemm continues from y (the same bits); blocks before first's are all 0 and skipped.
     const int64_t D = hp_.d_head, block = rs_->kv_block;
-    for (int64_t c = 0; c < n_keys; c += block) {
+    for (int64_t c = first / block * block; c < n_keys; c += block) {
         if (c + block < n_keys)  // the next block's start: another run of the cache
             prefetch_row(cache + rs_->kv_tile(hp_.n_head_kv, D, kvh, c + block) * rs_->kv_bytes(), kRunPrefetch);
         gemm_cache(n_tok, int(std::min(block, n_keys - c)), int(D), p + c, ldp, cache,
@@ -179,13 +188,13 @@ void Engine::value_sum(int n_tok, int64_t n_keys, const float *p, int ldp, const
     }
 }
 
-void Engine::batch_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_tok) {
+void Engine::batch_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_tok, int64_t window) {
     // Per query head and tile of kAttnTile tokens, two gemms: scores = q K^T over the keys the tile's last token
     // sees (earlier tokens' later keys get probability 0), out = p V.
     const int64_t D = hp_.d_head, H = hp_.n_head, HKV = hp_.n_head_kv, group = H / HKV, Q = H * D;
     const int64_t n_past = rs_->n_past;
     const int64_t n_tiles = (n_tok + kAttnTile - 1) / kAttnTile, n_all = n_past + n_tok;
-    const float scale = 1.0f / std::sqrt(float(D));
+    const float scale = hp_.score_scale();
     const float *q = rs_->q.data();
     auto job = [&](int chunk, int n_chunks, int thread) {
         float *sc = rs_->scores.data() + int64_t(thread) * kAttnTile * n_ctx_;
@@ -194,18 +203,21 @@ void Engine::batch_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_tok) {
         for (int64_t w = w0; w < w1; ++w) {
             const int64_t t0 = w / H * kAttnTile, h = w % H, kvh = h / group;
             const int64_t nt = std::min(kAttnTile, n_tok - t0), n_keys = n_past + t0 + nt;
+            // the first key the tile's first token sees: no token of the tile sees one before it
+            const int64_t first0 = window ? std::max<int64_t>(0, n_past + t0 + 1 - window) : 0;
             std::fill(sc, sc + nt * n_keys, 0.0f);
-            for (int64_t c = 0; c < n_keys; c += kKeyTile)
+            for (int64_t c = first0 / kKeyTile * kKeyTile; c < n_keys; c += kKeyTile)
                 gemm_cache(int(nt), int(D), int(std::min(kKeyTile, n_keys - c)), q + t0 * Q + h * D, int(Q), kc,
                            rs_->kv_tile(HKV, D, kvh, c), int(kKeyTile), sc + c, int(n_keys));
-            for (int64_t t = 0; t < nt; ++t) {  // softmax over the keys token t sees, 0 for the later ones
-                const int64_t n_valid = n_past + t0 + t + 1;
-                ks_->softmax(int(n_valid), scale, sc + t * n_keys);
+            for (int64_t t = 0; t < nt; ++t) {  // softmax over the keys token t sees, 0 for the others
+                const int64_t n_valid = n_past + t0 + t + 1, first = window ? std::max<int64_t>(0, n_valid - window) : 0;
+                std::fill(sc + t * n_keys, sc + t * n_keys + first, 0.0f);
+                ks_->softmax(int(n_valid - first), scale, sc + t * n_keys + first);
                 std::fill(sc + t * n_keys + n_valid, sc + (t + 1) * n_keys, 0.0f);
             }
             float *out = rs_->att.data() + t0 * Q + h * D;
             for (int64_t t = 0; t < nt; ++t) std::fill(out + t * Q, out + t * Q + D, 0.0f);
-            value_sum(int(nt), n_keys, sc, int(n_keys), vc, kvh, out, int(Q));
+            value_sum(int(nt), n_keys, sc, int(n_keys), vc, kvh, out, int(Q), first0);
         }
     };
     // A head's keys and values come from the cache (memory-bound, not multiply-bound): its work is counted as
@@ -213,26 +225,29 @@ void Engine::batch_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_tok) {
     pool_->run(int(std::min<int64_t>(n_tiles * H, pool_->chunks_for(n_tok * H * n_all * D * 2 * kCacheReadCost, kGrain))), job);
 }
 
-void Engine::decode_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_keys) {
+void Engine::decode_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_keys, int64_t window) {
     // The query heads that share a kv head read its keys and values once, as the rows of one gemm (up to
     // kHeadsPerTile of them), in three jobs: the scores by (kv head, key tile), so that any head counts split
     // evenly; each head's softmax; the outputs by (kv head, tile of its heads). The same fma chains, so the
     // same bits, as one head at a time.
     const int64_t D = hp_.d_head, H = hp_.n_head, HKV = hp_.n_head_kv, group = H / HKV;
-    const int64_t n_key_tiles = (n_keys + kKeyTile - 1) / kKeyTile;
+    // the first key within the window, and the key tiles from it on (the scores of keys before it are never read)
+    const int64_t first = window ? std::max<int64_t>(0, n_keys - window) : 0, tile0 = first / kKeyTile;
+    const int64_t n_key_tiles = (n_keys + kKeyTile - 1) / kKeyTile - tile0;
     const int64_t n_head_tiles = (group + kHeadsPerTile - 1) / kHeadsPerTile;
     float *sc = rs_->scores.data();  // [head][n_keys]
-    const float scale = 1.0f / std::sqrt(float(D));
+    const float scale = hp_.score_scale();
     const int64_t reads = H * n_keys * D * kCacheReadCost;  // the keys, or the values
     auto scores = [&](int chunk, int n_chunks, int) {
         int64_t u0, u1;
         split_range(HKV * n_key_tiles, chunk, n_chunks, &u0, &u1);
         for (int64_t u = u0; u < u1; ++u) {
-            const int64_t kvh = u / n_key_tiles, c = u % n_key_tiles * kKeyTile, cols = std::min(kKeyTile, n_keys - c);
+            const int64_t kvh = u / n_key_tiles, c = (tile0 + u % n_key_tiles) * kKeyTile;
+            const int64_t cols = std::min(kKeyTile, n_keys - c);
             float *y = sc + kvh * group * n_keys + c;
             for (int64_t i = 0; i < group; ++i) std::fill(y + i * n_keys, y + i * n_keys + cols, 0.0f);
             if (u + 1 < u1) {  // the next tile's start, where it begins a run of its own (another block or head)
-                const int64_t next = u + 1, nc = next % n_key_tiles * kKeyTile;
+                const int64_t next = u + 1, nc = (tile0 + next % n_key_tiles) * kKeyTile;
                 if (nc % rs_->kv_block == 0)
                     prefetch_row(kc + rs_->kv_tile(HKV, D, next / n_key_tiles, nc) * rs_->kv_bytes(), kRunPrefetch);
             }
@@ -244,7 +259,10 @@ void Engine::decode_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_keys) 
     auto softmax = [&](int chunk, int n_chunks, int) {
         int64_t h0, h1;
         split_range(H, chunk, n_chunks, &h0, &h1);
-        for (int64_t h = h0; h < h1; ++h) ks_->softmax(int(n_keys), scale, sc + h * n_keys);
+        for (int64_t h = h0; h < h1; ++h) {  // 0 from value_sum's first block to the window's first key
+            std::fill(sc + h * n_keys + first / rs_->kv_block * rs_->kv_block, sc + h * n_keys + first, 0.0f);
+            ks_->softmax(int(n_keys - first), scale, sc + h * n_keys + first);
+        }
     };
     pool_->run(int(std::min<int64_t>(H, pool_->chunks_for(H * n_keys * kCacheReadCost, kGrain))), softmax);
     auto values = [&](int chunk, int n_chunks, int) {
@@ -255,7 +273,7 @@ void Engine::decode_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_keys) 
             const int64_t nh = std::min(kHeadsPerTile, (kvh + 1) * group - h0);
             float *out = rs_->att.data() + h0 * D;
             std::fill(out, out + nh * D, 0.0f);
-            value_sum(int(nh), n_keys, sc + h0 * n_keys, int(n_keys), vc, kvh, out, int(D));
+            value_sum(int(nh), n_keys, sc + h0 * n_keys, int(n_keys), vc, kvh, out, int(D), first);
         }
     };
     pool_->run(int(std::min<int64_t>(HKV * n_head_tiles, pool_->chunks_for(reads, kGrain))), values);
@@ -315,6 +333,7 @@ void Engine::ffn(int64_t il, int64_t n_tok, TierMode cold_mode) {
     if (has_hot)
         for (int64_t i = 0; i < n_tok * E; ++i) s.y_cold[size_t(i)] += s.y_hot[size_t(i)];
     add_bias(s.y_cold.data(), L.down_b, n_tok, E);
+    post_norm(s.y_cold.data(), L.ffn_post_norm, n_tok);
     add_residual(s.y_cold.data(), n_tok);
     stats_.take_ffn(il, n_tok, cold_mode, has_cold, hot, cold);
     policy_.take(il, n_tok, cold_mode, hot, cold, has_cold ? cold_job.n_probe : 0);
@@ -388,6 +407,10 @@ void Engine::head_norm(float *x, const Matrix &w, int64_t n_heads) const {
         const float scale = 1.0f / std::sqrt(float(ss / double(D)) + hp_.norm_eps);
         for (int64_t i = 0; i < D; ++i) v[i] = wv[i] * (v[i] * scale);
     }
+}
+
+void Engine::post_norm(float *y, const Matrix &w, int64_t n_tok) const {
+    if (w.data) norm(y, w, Matrix{}, n_tok, y);  // in place: each element is read before it is written
 }
 
 void Engine::add_bias(float *y, const Matrix &b, int64_t n_tok, int64_t ld) const {

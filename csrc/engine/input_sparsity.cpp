@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "backend/activation_rule.h"
 #include "engine/engine.h"
 #include "kernels/packed.h"
 #include "runtime/common.h"
@@ -344,8 +345,8 @@ void Engine::input_ffn(int64_t il, int64_t n_tok) {
         }
         if (gate_b)
             for (int64_t i = 0; i < F; ++i) gt[i] += gate_b[i];
-        if (hp_.activation == Activation::Silu) {
-            ks_->silu(int(F), gt, gt);  // the dense path's kernel
+        if (thresholded(hp_.activation)) {
+            activate_thresholded(*ks_, hp_.activation, F, gt);  // the dense path's kernel
             for (int64_t i = 0; i < F; ++i) ht[i] = gt[i] * ut[i];
         } else if (hp_.activation == Activation::DRelu) {
             for (int64_t i = 0; i < F; ++i) ht[i] = std::max(gt[i], 0.0f) * std::max(ut[i], 0.0f);
@@ -371,6 +372,7 @@ void Engine::input_ffn(int64_t il, int64_t n_tok) {
     }
     stats_.times.down += seconds_since(t0);
     add_bias(s.y_cold.data(), L.down_b, n_tok, E);
+    post_norm(s.y_cold.data(), L.ffn_post_norm, n_tok);
     add_residual(s.y_cold.data(), n_tok);
 }
 

@@ -49,6 +49,7 @@ struct RunState {
     int64_t n_past = 0;
     std::vector<int32_t> history;           // [n_ctx] the tokens in the cache
     std::vector<float> rope_cos, rope_sin;  // [pos][n_rot/2]
+    std::vector<float> rope_cos_swa, rope_sin_swa;  // the same for sliding-window layers (HParams::swa_layer), or empty
 
     // [batch, ...]
     std::vector<float> x, xn, q, k, v, att, tmp, y_hot, y_cold, last_logits;

@@ -65,7 +65,10 @@ const char *mode_name(int32_t m) {
 
 const char *activation_name(const HParams &h) {
     if (h.shifted_relu) return "fatrelu";
-    return h.activation == Activation::Relu ? "relu" : h.activation == Activation::Silu ? "silu" : "drelu";
+    return h.activation == Activation::Relu   ? "relu"
+           : h.activation == Activation::Silu ? "silu"
+           : h.activation == Activation::Gelu ? "gelu"
+                                              : "drelu";
 }
 
 // ", "-separated f(layer) of every layer, in brackets

@@ -32,13 +32,19 @@ inline constexpr const char *kArchKeys[] = {
     "attention.head_count", "attention.head_count_kv", "attention.key_length", "attention.value_length",
     "attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon", "attention.sliding_window",
     "rope.dimension_count", "rope.freq_base", "rope.scaling.type", "rope.scaling.factor",
-    "rope.scaling.original_context_length", "rope.scaling.finetuned", "tensor_data_layout",
+    "rope.scaling.original_context_length", "rope.scaling.finetuned", "tensor_data_layout", "attention.scale",
+    "rope.freq_base_swa",
 };
 inline constexpr char kRopeFreqs[] = "rope_freqs.weight";  // llama3 RoPE: per rotated pair, its frequency's divisor
+// longrope (Phi-3 128k): per-pair factors for short and long contexts, refused (not computed)
+inline constexpr char kRopeFactorsLong[] = "rope_factors_long.weight";
+inline constexpr char kRopeFactorsShort[] = "rope_factors_short.weight";
 
 // ---- tensors: blk.N.<name>.weight|bias ----
 inline constexpr char kAttnQNorm[] = "attn_q_norm";  // qwen3: RMSNorm of each query head, before RoPE
 inline constexpr char kAttnKNorm[] = "attn_k_norm";
+inline constexpr char kPostAttentionNorm[] = "post_attention_norm";  // gemma3: RMSNorm of attention's output
+inline constexpr char kPostFfwNorm[] = "post_ffw_norm";              // gemma3: RMSNorm of the FFN's output
 inline constexpr char kFfnNorm[] = "ffn_norm";
 inline constexpr char kFfnGate[] = "ffn_gate";
 inline constexpr char kFfnUp[] = "ffn_up";

@@ -38,4 +38,7 @@ PI_HD inline float exp_ref(float x) {
 // x * sigmoid(x): within 2 ulp of the exact value; above 88.3, x / inf: sigmoid 0.
 PI_HD inline float silu_ref(float x) { return x / (1.0f + exp_ref(-x)); }
 
+// GELU, tanh-approximated as torch's gelu(approximate="tanh") (transformers' gelu_pytorch_tanh)
+PI_HD inline float gelu_ref(float x) { return 0.5f * x * (1.0f + tanhf(0.7978845608f * (x + 0.044715f * x * x * x))); }
+
 }  // namespace pi

@@ -137,7 +137,7 @@ void Model::hold_vectors() {
     std::vector<Matrix *> vectors;
     for (Layer &l : layers_)
         for (Matrix *m : {&l.attn_norm, &l.attn_norm_b, &l.ffn_norm, &l.ffn_norm_b, &l.bq, &l.bk, &l.bv, &l.bo,
-                          &l.q_norm, &l.k_norm, &l.gate_b, &l.up_b, &l.down_b})
+                          &l.q_norm, &l.k_norm, &l.attn_post_norm, &l.ffn_post_norm, &l.gate_b, &l.up_b, &l.down_b})
             if (m->data) vectors.push_back(m);
     for (Matrix *m : {&output_norm_, &output_norm_b_})
         if (m->data) vectors.push_back(m);
@@ -203,13 +203,15 @@ namespace {
 
 // The architectures the engine computes (model.h's ArchSpec): a family is one row.
 const ArchSpec kArchs[] = {
-    // name     norm             rope               gated  par    lpos   off all_b  qk_n   width  plain     pwri      computes
-    {"llama",  NormKind::Rms,   RopeKind::Adjacent, true,  false, false, 0, false, false, false, "silu",  "relu",  "relu silu fatrelu"},
-    {"bamboo", NormKind::Rms,   RopeKind::Adjacent, true,  false, false, 0, false, false, false, "drelu", "drelu", "drelu"},
-    {"qwen2",  NormKind::Rms,   RopeKind::NeoX,     true,  false, false, 0, false, false, true,  "silu",  "silu",  "silu"},
-    {"qwen3",  NormKind::Rms,   RopeKind::NeoX,     true,  false, false, 0, false, true,  true,  "silu",  "silu",  "silu"},
-    {"falcon", NormKind::Layer, RopeKind::NeoX,     false, true,  false, 0, false, false, false, "relu",  "relu",  "relu"},
-    {"opt",    NormKind::Layer, RopeKind::None,     false, false, true,  2, true,  false, false, "relu",  "relu",  "relu"},
+    // name     norm             rope               gated  par    lpos   off all_b  qk_n   width  escale post   swa plain     pwri      computes
+    {"llama",  NormKind::Rms,   RopeKind::Adjacent, true,  false, false, 0, false, false, false, false, false, 0, "silu",  "relu",  "relu silu fatrelu"},
+    {"bamboo", NormKind::Rms,   RopeKind::Adjacent, true,  false, false, 0, false, false, false, false, false, 0, "drelu", "drelu", "drelu"},
+    {"qwen2",  NormKind::Rms,   RopeKind::NeoX,     true,  false, false, 0, false, false, true,  false, false, 0, "silu",  "silu",  "silu"},
+    {"qwen3",  NormKind::Rms,   RopeKind::NeoX,     true,  false, false, 0, false, true,  true,  false, false, 0, "silu",  "silu",  "silu"},
+    {"phi3",   NormKind::Rms,   RopeKind::NeoX,     true,  false, false, 0, false, false, false, false, false, 0, "silu",  "silu",  "silu"},
+    {"gemma3", NormKind::Rms,   RopeKind::NeoX,     true,  false, false, 0, false, true,  true,  true,  true,  6, "gelu",  "gelu",  "gelu"},
+    {"falcon", NormKind::Layer, RopeKind::NeoX,     false, true,  false, 0, false, false, false, false, false, 0, "relu",  "relu",  "relu"},
+    {"opt",    NormKind::Layer, RopeKind::None,     false, false, true,  2, true,  false, false, false, false, 0, "relu",  "relu",  "relu"},
 };
 
 bool computes(const ArchSpec &a, const std::string &act) {
@@ -222,19 +224,24 @@ bool computes(const ArchSpec &a, const std::string &act) {
 void Model::read_hparams() {
     const GgufFile &f = *file_;
     const std::string &p = f.path();
-    // A SiLU model converted here is written as <arch>-silu (docs/formats.md): PowerInfer refuses the name rather
-    // than run the file through its ReLU-only sparse FFN. Files written before name it llama, with ffn_activation silu.
+    // A SiLU (GELU) model converted here is written as <arch>-silu (<arch>-gelu) (docs/formats.md): PowerInfer refuses
+    // the name rather than run the file through its ReLU-only sparse FFN. Files written before name it llama, with
+    // ffn_activation silu.
     hp_.key_prefix = f.get_string(names::kKeyArchitecture);
     const std::string &k = hp_.key_prefix;
-    const std::string silu_suffix = "-silu";
-    const bool silu_named = k.size() > silu_suffix.size() && k.compare(k.size() - silu_suffix.size(), std::string::npos,
-                                                                      silu_suffix) == 0;
-    hp_.arch = silu_named ? k.substr(0, k.size() - silu_suffix.size()) : k;
+    std::string named;  // the activation the name ends with, or ""
+    for (const char *act : {"silu", "gelu"}) {
+        const std::string suffix = std::string("-") + act;
+        if (k.size() > suffix.size() && k.compare(k.size() - suffix.size(), std::string::npos, suffix) == 0) named = act;
+    }
+    hp_.arch = named.empty() ? k : k.substr(0, k.size() - named.size() - 1);
     const ArchSpec *spec = nullptr;
     std::string known;
     for (const ArchSpec &a : kArchs) {
-        if (hp_.arch == a.name && (!silu_named || computes(a, "silu"))) spec = &a;
-        known += std::string(known.empty() ? "" : ", ") + a.name + (computes(a, "silu") ? std::string(", ") + a.name + "-silu" : "");
+        if (hp_.arch == a.name && (named.empty() || computes(a, named))) spec = &a;
+        known += std::string(known.empty() ? "" : ", ") + a.name;
+        for (const char *act : {"silu", "gelu"})
+            if (computes(a, act)) known += std::string(", ") + a.name + "-" + act;
     }
     if (!spec) fail(PI_ERR_UNSUPPORTED, p + ": unsupported architecture '" + k + "' (this engine runs " + known + ")");
     const std::string &a = hp_.arch;
@@ -252,6 +259,9 @@ void Model::read_hparams() {
     hp_.pos_offset = spec->pos_offset;
     hp_.all_biases = spec->all_biases;
     hp_.qk_norm = spec->qk_norm;
+    hp_.embd_scale = spec->embd_scale;
+    hp_.post_norms = spec->post_norms;
+    hp_.swa_pattern = spec->swa_pattern;
     const int64_t big = int64_t(1) << 20;
     hp_.n_embd = f.get_int(k + ".embedding_length", 1, 1 << 16);
     hp_.n_layer = f.get_int(k + ".block_count", 1, 4096);
@@ -282,7 +292,8 @@ void Model::read_hparams() {
     if (hp_.n_head % hp_.n_head_kv != 0)
         fail(PI_ERR_FORMAT, p + ": head_count " + std::to_string(hp_.n_head) + " is not a multiple of head_count_kv " +
                                 std::to_string(hp_.n_head_kv));
-    hp_.n_swa = f.get_int_or(k + ".attention.sliding_window", 0, 1, int64_t(1) << 24);
+    // 0: no window, as llama.cpp reads it (its phi3 converter writes 0 for Phi-4)
+    hp_.n_swa = f.get_int_or(k + ".attention.sliding_window", 0, 0, int64_t(1) << 24);
     hp_.n_rot = f.get_int_or(k + ".rope.dimension_count", hp_.d_head, 2, hp_.d_head);
     if (hp_.n_rot % 2 != 0) fail(PI_ERR_FORMAT, p + ": rope.dimension_count must be even");
     const bool rms = hp_.norm == NormKind::Rms;
@@ -295,6 +306,17 @@ void Model::read_hparams() {
     const double base = f.get_float_or(k + ".rope.freq_base", 10000.0);
     if (!(base > 1.0)) fail(PI_ERR_FORMAT, p + ": rope.freq_base must be > 1");
     hp_.rope_base = float(base);
+    const double base_swa = f.get_float_or(k + ".rope.freq_base_swa", 10000.0);  // llama.cpp's gemma3 default
+    if (!(base_swa > 1.0)) fail(PI_ERR_FORMAT, p + ": rope.freq_base_swa must be > 1");
+    hp_.rope_base_swa = float(base_swa);
+    // 1/sqrt(d_head), or attention.scale (gemma3's query_pre_attn_scalar^-1/2, as convert writes it); a llama.cpp
+    // gemma3 file has none, and llama.cpp scales its 62-layer one (27B) by 1/sqrt(n_embd / n_head)
+    if (a == "gemma3" && hp_.n_layer == 62) hp_.attn_scale = float(1.0 / std::sqrt(double(hp_.n_embd / hp_.n_head)));
+    if (f.has(k + ".attention.scale")) {
+        const double scale = f.get_float_or(k + ".attention.scale", 0.0);
+        if (!(scale > 0.0 && scale < 1e3)) fail(PI_ERR_FORMAT, p + ": attention.scale must be in (0, 1000)");
+        hp_.attn_scale = float(scale);
+    }
     // as llama.cpp reads them: a factor without a type scales linearly
     const std::string scaling = f.has(k + ".rope.scaling.type") ? f.get_string(k + ".rope.scaling.type") : "linear";
     if (scaling != "linear" && scaling != "none")
@@ -310,13 +332,16 @@ void Model::read_hparams() {
 
     // Without powerinfer.ffn_activation (PowerInfer's converters never write it): the architecture's own, which for
     // a PWRI llama file is ReLU, as PowerInfer's sparse FFN computes nothing else.
-    std::string act = silu_named ? "silu" : f.pwri_magic() ? spec->pwri_activation : spec->plain_activation;
+    std::string act = !named.empty() ? named : f.pwri_magic() ? spec->pwri_activation : spec->plain_activation;
     if (f.has(names::kKeyFfnActivation)) act = f.get_string(names::kKeyFfnActivation);
-    if (silu_named && act != "silu")
-        fail(PI_ERR_FORMAT, p + ": architecture " + k + " with FFN activation '" + act + "' (it must be silu)");
+    if (!named.empty() && act != named)
+        fail(PI_ERR_FORMAT, p + ": architecture " + k + " with FFN activation '" + act + "' (it must be " + named + ")");
     if (!computes(*spec, act))
         fail(PI_ERR_UNSUPPORTED, p + ": FFN activation '" + act + "' is not supported for architecture " + a);
-    hp_.activation = act == "silu" ? Activation::Silu : act == "drelu" ? Activation::DRelu : Activation::Relu;
+    hp_.activation = act == "silu"    ? Activation::Silu
+                     : act == "gelu"  ? Activation::Gelu
+                     : act == "drelu" ? Activation::DRelu
+                                      : Activation::Relu;
     hp_.shifted_relu = act == "fatrelu";
 }
 
@@ -361,6 +386,9 @@ Matrix Model::bind_optional(const std::string &name, int64_t rows, int64_t cols,
 
 void Model::bind_rope_freqs() {
     const std::string &p = file_->path();
+    for (const char *longrope : {names::kRopeFactorsLong, names::kRopeFactorsShort})
+        if (file_->tensor(longrope))
+            fail(PI_ERR_UNSUPPORTED, p + ": tensor " + longrope + " (longrope RoPE scaling) is not computed by this engine");
     bool found = false;
     const Matrix m = bind_optional(names::kRopeFreqs, 1, hp_.n_rot / 2, true, &found);
     if (!found) return;
@@ -474,7 +502,7 @@ void Model::bind_tensors() {
         Layer &l = layers_[size_t(i)];
         bind_attention(i, l);
         bind_ffn(i, l);
-        l.act_threshold = hp_.activation == Activation::Silu || hp_.shifted_relu ? act_thr[size_t(i)] : 0.0f;
+        l.act_threshold = thresholded(hp_.activation) || hp_.shifted_relu ? act_thr[size_t(i)] : 0.0f;
         l.pred_threshold = pred_thr[size_t(i)];
         l.predictor_useful = pred_useful[size_t(i)];
         const std::string fc1 = weight(i, names::kPredictorFc1), fc2 = weight(i, names::kPredictorFc2);
@@ -560,6 +588,12 @@ void Model::bind_attention(int64_t i, Layer &l) {
             l.attn_norm = norm_2;
             l.attn_norm_b = bind_vector(blk(i, "attn_norm_2.bias"), E, true);
         }
+    } else {
+        l.ffn_norm = bind_vector(weight(i, names::kFfnNorm), E, true);
+        l.ffn_norm_b = bind_vector(bias(i, names::kFfnNorm), E, layer_norm);
+    }
+    // q, k and v fused in attn_qkv, q rows then k then v: falcon's always, llama.cpp's phi3 files
+    if (hp_.parallel_block || file_->tensor(blk(i, "attn_qkv.weight"))) {
         const Matrix qkv = bind(blk(i, "attn_qkv.weight"), Q + 2 * KV, E, false);
         l.wq = qkv.rows_view(0, Q);
         l.wk = qkv.rows_view(Q, KV);
@@ -574,8 +608,6 @@ void Model::bind_attention(int64_t i, Layer &l) {
             l.bv.data = reinterpret_cast<const uint8_t *>(b + Q + KV);
         }
     } else {
-        l.ffn_norm = bind_vector(weight(i, names::kFfnNorm), E, true);
-        l.ffn_norm_b = bind_vector(bias(i, names::kFfnNorm), E, layer_norm);
         l.wq = bind(blk(i, "attn_q.weight"), Q, E, false);
         l.wk = bind(blk(i, "attn_k.weight"), KV, E, false);
         l.wv = bind(blk(i, "attn_v.weight"), KV, E, false);
@@ -588,6 +620,12 @@ void Model::bind_attention(int64_t i, Layer &l) {
     if (!hp_.qk_norm && (l.q_norm.data || l.k_norm.data))
         fail(PI_ERR_UNSUPPORTED, file_->path() + ": tensor " + weight(i, l.q_norm.data ? names::kAttnQNorm : names::kAttnKNorm) +
                                      " (per-head q/k norms) is not computed for architecture " + hp_.arch);
+    l.attn_post_norm = bind_vector(weight(i, names::kPostAttentionNorm), E, hp_.post_norms);
+    l.ffn_post_norm = bind_vector(weight(i, names::kPostFfwNorm), E, hp_.post_norms);
+    if (!hp_.post_norms && (l.attn_post_norm.data || l.ffn_post_norm.data))
+        fail(PI_ERR_UNSUPPORTED, file_->path() + ": tensor " +
+                                     weight(i, l.attn_post_norm.data ? names::kPostAttentionNorm : names::kPostFfwNorm) +
+                                     " (a norm of a block's output) is not computed for architecture " + hp_.arch);
     l.wo = bind(blk(i, "attn_output.weight"), E, Q, false);
     l.bo = bind_vector(blk(i, "attn_output.bias"), E, all_biases);
 }
@@ -596,11 +634,21 @@ void Model::bind_ffn(int64_t i, Layer &l) {
     const GgufFile &f = *file_;
     const int64_t E = hp_.n_embd, F = hp_.n_ff;
     const bool all_biases = hp_.all_biases;
-    if (hp_.gated) {
-        l.gate = bind(weight(i, names::kFfnGate), F, E, false);
-        l.gate_b = bind_vector(bias(i, names::kFfnGate), F, false);
+    // llama.cpp's phi3 files fuse gate and up in one ffn_up of 2 * n_ff rows, the gate's first
+    const GgufTensor *up = f.tensor(weight(i, names::kFfnUp));
+    if (hp_.gated && !f.tensor(weight(i, names::kFfnGate)) && up && up->n_dims == 2 && int64_t(up->ne[1]) == 2 * F) {
+        const Matrix gate_up = bind(weight(i, names::kFfnUp), 2 * F, E, false);
+        l.gate = gate_up.rows_view(0, F);
+        l.up = gate_up.rows_view(F, F);
+        if (f.tensor(bias(i, names::kFfnUp)))
+            fail(PI_ERR_UNSUPPORTED, f.path() + ": tensor " + bias(i, names::kFfnUp) + " of a fused gate and up is not computed");
+    } else {
+        if (hp_.gated) {
+            l.gate = bind(weight(i, names::kFfnGate), F, E, false);
+            l.gate_b = bind_vector(bias(i, names::kFfnGate), F, false);
+        }
+        l.up = bind(weight(i, names::kFfnUp), F, E, false);
     }
-    l.up = bind(weight(i, names::kFfnUp), F, E, false);
     l.up_b = bind_vector(bias(i, names::kFfnUp), F, all_biases);
     if (!hp_.gated) {  // the activation rule reads up's output
         l.gate = l.up;

@@ -4,10 +4,12 @@
 // RoPE kind, gated or plain FFN, parallel or sequential block, learned positions, per-head q/k norms), so that
 // the forward pass branches on properties rather than names: llama and bamboo (RMSNorm, gated FFN), qwen2 and
 // qwen3 (llama's with NeoX RoPE; qwen3's heads normed), falcon (LayerNorm, fused QKV, NeoX RoPE, attention and
-// FFN in parallel from the layer input) and opt (LayerNorm, learned positions, biases).
+// FFN in parallel from the layer input), opt (LayerNorm, learned positions, biases), phi3 (qwen2's without biases)
+// and gemma3 (GELU, a scaled embedding, norms after attention and the FFN, sliding-window layers).
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -22,7 +24,9 @@
 
 namespace pi {
 
-enum class Activation { Relu, Silu, DRelu };
+enum class Activation { Relu, Silu, DRelu, Gelu };  // Gelu: tanh-approximated (gelu_pytorch_tanh)
+// SiLU and GELU: nothing is exactly zero, a neuron counts where |a| exceeds the layer's calibrated threshold
+inline bool thresholded(Activation a) { return a == Activation::Silu || a == Activation::Gelu; }
 enum class NormKind { Rms, Layer };         // RMSNorm (llama family) or LayerNorm with bias
 enum class RopeKind { None, Adjacent, NeoX };  // llama.cpp "normal" (pairs 2i, 2i+1), NeoX (i, i + n_rot/2)
 
@@ -63,6 +67,12 @@ struct ArchSpec {
     bool all_biases;          // every projection has a bias (opt); elsewhere a bias is optional
     bool qk_norm;             // attn_q_norm/attn_k_norm: RMSNorm of each head's q and k before RoPE (qwen3)
     bool head_width_key;      // attention.key_length may set heads apart from embedding_length / head_count
+    bool embd_scale;          // the token embedding times sqrt(n_embd) (gemma3)
+    bool post_norms;          // post_attention_norm, post_ffw_norm: RMSNorm of attention's and the FFN's outputs
+    // Layers il with il % swa_pattern < swa_pattern - 1 attend within attention.sliding_window, with RoPE base
+    // rope.freq_base_swa, the others to the whole context (gemma3: 6, as llama.cpp); 0: the window, if any, is
+    // every layer's and caps the context (Mistral's rule)
+    int64_t swa_pattern;
     const char *plain_activation;  // the FFN activation of a file without powerinfer.ffn_activation: a GGUF's,
     const char *pwri_activation;   // a PWRI file's (PowerInfer's sparse FFN computes ReLU)
     const char *activations;       // those it computes, space-separated
@@ -88,7 +98,15 @@ struct HParams {
     float rope_freq_scale = 1.0f;
     // llama3 RoPE scaling (names::kRopeFreqs): per rotated pair, what its frequency is divided by; empty: none
     std::vector<float> rope_freq_factors;
-    int64_t n_swa = 0;  // attention.sliding_window: positions a query attends to (0: all); the context is capped at it
+    int64_t n_swa = 0;  // attention.sliding_window: positions a query attends to (0: all)
+    int64_t swa_pattern = 0;      // ArchSpec::swa_pattern; 0: the context is capped at n_swa instead
+    float rope_base_swa = 10000.0f;  // the RoPE base of sliding-window layers (swa_pattern)
+    bool embd_scale = false;      // ArchSpec::embd_scale
+    bool post_norms = false;      // ArchSpec::post_norms
+    float attn_scale = 0.0f;      // a head's scores times this before softmax; 0: 1/sqrt(d_head)
+    float score_scale() const { return attn_scale > 0.0f ? attn_scale : 1.0f / std::sqrt(float(d_head)); }
+    // whether layer il attends within the window (and its RoPE base is rope_base_swa)
+    bool swa_layer(int64_t il) const { return swa_pattern > 0 && n_swa > 0 && il % swa_pattern < swa_pattern - 1; }
     int64_t bos = -1, eos = -1;
 };
 
@@ -188,6 +206,7 @@ struct Layer {
     Matrix wq, wk, wv, wo;          // falcon: row views into the fused attn_qkv
     Matrix bq, bk, bv, bo;
     Matrix q_norm, k_norm;          // per-head RMSNorm weights [d_head] (qk_norm), else empty
+    Matrix attn_post_norm, ffn_post_norm;  // RMSNorm of attention's and the FFN's outputs (post_norms), else empty
     Matrix gate, up, down_t;        // ungated FFN: gate is up (the rule reads the up projection)
     Matrix gate_b, up_b, down_b;    // per neuron (gate_b, up_b) and per output (down_b)
     Matrix fc1, fc2;  // predictor (empty when absent)

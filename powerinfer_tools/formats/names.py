@@ -33,13 +33,18 @@ ARCH_KEYS = (
     "attention.head_count", "attention.head_count_kv", "attention.key_length", "attention.value_length",
     "attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon", "attention.sliding_window",
     "rope.dimension_count", "rope.freq_base", "rope.scaling.type", "rope.scaling.factor",
-    "rope.scaling.original_context_length", "rope.scaling.finetuned", "tensor_data_layout",
+    "rope.scaling.original_context_length", "rope.scaling.finetuned", "tensor_data_layout", "attention.scale",
+    "rope.freq_base_swa",
 )
 ROPE_FREQS = "rope_freqs.weight"  # llama3 RoPE (llama.cpp's): per rotated pair, what its frequency is divided by
+ROPE_FACTORS_LONG = "rope_factors_long.weight"  # longrope (Phi-3 128k, llama.cpp's): refused by the engine
+ROPE_FACTORS_SHORT = "rope_factors_short.weight"
 
 # ---- tensors: blk.N.<name>.weight|bias ------------------------------------------------------------------
 ATTN_Q_NORM = "attn_q_norm"  # qwen3: RMSNorm of each query (key) head, before RoPE (gguf-py's names)
 ATTN_K_NORM = "attn_k_norm"
+POST_ATTENTION_NORM = "post_attention_norm"  # gemma3: RMSNorm of attention's output (gguf-py's names)
+POST_FFW_NORM = "post_ffw_norm"  # gemma3: RMSNorm of the FFN's output
 FFN_NORM = "ffn_norm"
 FFN_GATE = "ffn_gate"
 FFN_UP = "ffn_up"

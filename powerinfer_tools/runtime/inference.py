@@ -19,6 +19,7 @@ import numpy as np
 
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.formats import names
+from powerinfer_tools.formats.gguf_io import THRESHOLDED_ACTIVATIONS
 from powerinfer_tools.stages.options import DEFAULT_KV_TYPE, DEVICE_BUDGET_GIB, KV_TYPES, MEMORY_BUDGET_GIB
 from powerinfer_tools.stages.usefulness import ENOUGH_SPARSITY
 
@@ -352,7 +353,7 @@ class StreamDecoder:
 def sparsity_note(stats: dict, activation: str | None = None) -> str | None:
     """A plain warning when a sparse mode the user asked for found too few inactive neurons to pay for choosing
     them (a SiLU model run with thresholds, above all), saying what to do instead; None in dense mode or when it
-    pays. Auto chooses its kernels itself, so it is told only what its choice costs: on a SiLU model (`activation`,
+    pays. Auto chooses its kernels itself, so it is told only what its choice costs: on a SiLU/GELU model (`activation`,
     the engine's info) the layers it ran through sparse kernels applied the file's activation thresholds."""
     density = stats.get("density")
     if stats["ffn_mode"] == "dense" or density is None:
@@ -360,7 +361,7 @@ def sparsity_note(stats: dict, activation: str | None = None) -> str | None:
     if stats["ffn_mode"] == "auto":
         kernels = [layer.get("decode_mode") for layer in stats.get("layers", []) if layer.get("decode_mode")]
         dense = sum(1 for k in kernels if k and k.startswith("dense"))
-        if activation != "silu" or dense == len(kernels):
+        if activation not in THRESHOLDED_ACTIVATIONS or dense == len(kernels):
             return None
         return (f"note: 'auto' ran {dense} of {len(kernels)} layers dense; the other {len(kernels) - dense} through "
                 "sparse kernels, at the file's activation thresholds: not the exact model (--sparse-mode dense is)")

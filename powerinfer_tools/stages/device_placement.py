@@ -78,6 +78,7 @@ class DeviceCosts:
     attention_refused: str | None  # why no layer's attention can go (a matrix the device cannot read)
     neuron: np.ndarray  # [L] bytes of one hot neuron's rows and biases
     head: int | None  # the output norm's and head's bytes; None where the device cannot read the head
+    neurons_refused: str | None = None  # why no hot neuron can go (an activation the device does not compute)
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,7 @@ def device_costs(header: GGUFHeader, ctx_size: int, n_batch: int = ENGINE_DEFAUL
     attention = np.zeros(n_layer, np.int64)
     neuron = np.zeros(n_layer, np.int64)
     norms: dict[int, dict[str, int]] = {}
-    refused = None
+    refused = "the device does not compute an attention.scale" if header.get(f"{arch}.attention.scale") else None
     for t in header.tensors:
         if t.name.startswith("blk.") and t.name.endswith(f".{names.ATTN_Q_NORM}.weight"):
             refused = refused or "the device does not compute per-head q/k norms"
@@ -153,7 +154,9 @@ def device_costs(header: GGUFHeader, ctx_size: int, n_batch: int = ENGINE_DEFAUL
         attention[i] += parts.get(f"{name}.weight", 0) + parts.get(f"{name}.bias", 0) + shape.kv_cache_bytes()
         if arch != "falcon":  # the FFN's norm, for a whole layer on the device (a parallel block has none of its own)
             attention[i] += parts.get("ffn_norm.weight", 0) + parts.get("ffn_norm.bias", 0)
-    return DeviceCosts(shape, attention, refused, neuron, head)
+    # the engine's device computes SiLU, ReLU and dReLU neurons; a GELU model's (gemma3-gelu) stay on the CPU
+    gelu = "the device does not compute GELU neurons" if arch.endswith("-gelu") else None
+    return DeviceCosts(shape, attention, refused, neuron, head, gelu)
 
 
 def place_on_device(costs: DeviceCosts, budget: float, hot_neurons: Sequence[int],
@@ -182,7 +185,7 @@ def place_on_device(costs: DeviceCosts, budget: float, hot_neurons: Sequence[int
             kv_bytes += kv
             scratch += attention_scratch if i == 0 else 0.0
     hot_bytes = 0.0
-    for i in range(n_layer):
+    for i in range(n_layer if costs.neurons_refused is None else 0):
         if hot_neurons[i] == 0:
             continue
         need = float(hot_neurons[i] * costs.neuron[i])

@@ -10,7 +10,7 @@ import pytest
 import torch
 from cli_helpers import assert_one_line_error, run_cli
 from engine_helpers import converted, engine_prompt_then_decode, hf_model, max_rel_err, random_tokens  # noqa: F401
-from tiny_models import KINDS, QWEN_KINDS, make_tiny
+from tiny_models import FAMILY_KINDS, KINDS, QWEN_KINDS, make_tiny
 
 import powerinfer_engine as engine
 from powerinfer_engine import kernels
@@ -71,7 +71,7 @@ def run(path, mode="dense", share=SHARE):
         return engine_prompt_then_decode(m, TOKENS, N_PROMPT), m.stats()
 
 
-@pytest.mark.parametrize("kind", KINDS + QWEN_KINDS)
+@pytest.mark.parametrize("kind", KINDS + QWEN_KINDS + FAMILY_KINDS)
 def test_logits_equal_transformers_with_the_same_inputs_zeroed(kind, tiny_model_dir, input_files):
     """Prompt and decode steps alike. Only llama-silu's dense logits agree with transformers' to float rounding
     (1e-6); the others' differ by ~2e-4, enough to move the odd input across its threshold, and each such input

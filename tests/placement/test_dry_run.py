@@ -12,7 +12,7 @@ import torch
 from cli_helpers import assert_one_line_error, run_cli
 from convert_helpers import write_predictors
 from placement_fixtures import power_law_counts, write_profile
-from tiny_models import HIDDEN, KINDS, N_FF, N_LAYER, QWEN_KINDS
+from tiny_models import FAMILY_KINDS, HIDDEN, KINDS, N_FF, N_LAYER, QWEN_KINDS
 
 from powerinfer_tools.stages import dry_run, options
 from powerinfer_tools.stages import placement
@@ -44,7 +44,7 @@ def converted(tiny_model_dir, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("kind", KINDS + QWEN_KINDS)
+@pytest.mark.parametrize("kind", KINDS + QWEN_KINDS + FAMILY_KINDS)
 def test_size_report_is_the_converted_file(converted, kind):
     """File size exact (the tokenizer is in the directory), the same tensors with the same shapes and types, and
     the same VRAM costs as placement reads from the written file."""

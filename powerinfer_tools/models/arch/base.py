@@ -32,6 +32,7 @@ class Dims:
 class TensorMap:
     """One tensor of the PowerInfer file and how it is made from a Hugging Face tensor.
 
+    `rows` takes rows [start, stop) of the source first (one part of a fused tensor: Phi-3's qkv_proj, gate_up_proj);
     `reorder` permutes rows (shape unchanged: llama q/k rope order, Falcon's fused QKV);
     `transpose` stores the matrix transposed (`ffn_down_t`: row j = neuron j's output vector).
     """
@@ -40,14 +41,19 @@ class TensorMap:
     source: str
     reorder: Callable[[np.ndarray], np.ndarray] | None = None
     transpose: bool = False
+    rows: tuple[int, int] | None = None
 
     def apply(self, data: np.ndarray) -> np.ndarray:
         """The file's layout of `data`; a transposed *view* (the encoder copies it row block by block)."""
+        if self.rows is not None:
+            data = data[self.rows[0]:self.rows[1]]
         if self.reorder is not None:
             data = self.reorder(data)
         return data.T if self.transpose else data
 
     def out_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        if self.rows is not None:
+            shape = (self.rows[1] - self.rows[0], *shape[1:])
         return tuple(reversed(shape)) if self.transpose else tuple(shape)
 
 

@@ -76,6 +76,52 @@ QWEN2_FIELDS = (  # q/k/v biases always, o without: the checkpoint's tensors
 )
 QWEN3_FIELDS = QWEN2_FIELDS + (any_value("attention_bias", "q/k/v/o biases written and added"),)
 
+def _rotary_dims_even(value, config) -> bool:
+    """A partial_rotary_factor whose rotated dims per head are a positive even count (RoPE rotates pairs)."""
+    if value in (MISSING, None):
+        return True
+    head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 0.0 < float(value) <= 1.0 and int(head * float(value)) % 2 == 0 and int(head * float(value)) > 0
+
+
+# Phi-3/Phi-4 (transformers' Phi3Attention, Phi3RotaryEmbedding): longrope (Phi-3 128k, rope_scaling "su"/"yarn",
+# which the config renames longrope) scales RoPE per pair with short/long factors the engine does not compute;
+# dropouts (resid_pdrop, embd_pdrop, attention_dropout) act only in training
+PHI3_FIELDS = (
+    one_of("rope_parameters.rope_type", "default", MISSING),
+    Field("rope_parameters.partial_rotary_factor", _rotary_dims_even,
+          "in (0, 1] with an even number of rotated dims, written as rope.dimension_count"),
+    Field("head_dim", _head_dim_is_split, "hidden_size / num_attention_heads"),
+    any_value("sliding_window", "written as attention.sliding_window; the engine's context is capped at it"),
+    any_value("tie_word_embeddings", "output.weight is the embedding when tied"),
+)
+
+def _gemma3_layer_types(value, config) -> bool:
+    """The engine's (and llama.cpp's) layers: five sliding-window ones in six, the sixth global."""
+    n = config.num_hidden_layers
+    return list(value) == ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)]
+
+
+# Gemma 3 text (transformers' Gemma3Attention, Gemma3RotaryEmbedding, Gemma3TextScaledWordEmbedding, Gemma3RMSNorm):
+# the embedding's sqrt(hidden_size), the norms' 1 + w and the GeGLU are the class's own, not fields
+GEMMA3_FIELDS = (
+    one_of("rope_parameters.full_attention.rope_type", "default", "linear"),
+    one_of("rope_parameters.sliding_attention.rope_type", "default"),
+    one_of("rope_parameters.full_attention.partial_rotary_factor", 1.0, None, MISSING),
+    one_of("rope_parameters.sliding_attention.partial_rotary_factor", 1.0, None, MISSING),
+    Field("layer_types", _gemma3_layer_types,
+          "sliding_attention but for every sixth layer (sliding_window_pattern 6), as llama.cpp's gemma3"),
+    any_value("sliding_window", "written as attention.sliding_window; the local layers attend within it"),
+    Field("query_pre_attn_scalar", lambda v, c: isinstance(v, (int, float)) and v > 0,
+          "a positive number, written as attention.scale"),
+    one_of("final_logit_softcapping", None, MISSING),
+    one_of("attn_logit_softcapping", None, MISSING),
+    one_of("use_bidirectional_attention", False, None, MISSING),
+    any_value("head_dim", "written as attention.key_length/value_length"),
+    any_value("attention_bias", "q/k/v/o biases written and added"),
+    any_value("tie_word_embeddings", "output.weight is the embedding when tied"),
+)
+
 FALCON_FIELDS = (
     one_of("rope_parameters.rope_type", "default", MISSING),
     one_of("alibi", False),

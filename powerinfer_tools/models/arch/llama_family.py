@@ -43,16 +43,21 @@ def llamacpp_to_hf(name: str, config) -> tuple[str, object]:
     if len(parts) != 3 or parts[0] != "blk" or parts[2] not in BLOCK_TENSORS:
         return "", None
     hf = f"model.layers.{parts[1]}.{BLOCK_TENSORS[parts[2]]}.{suffix}"
-    heads = {"attn_q": config.num_attention_heads, "attn_k": _n_kv(config)}.get(parts[2])
+    heads = {"attn_q": config.num_attention_heads, "attn_k": kv_heads(config)}.get(parts[2])
     return hf, (partial(rope_to_half, n_heads=heads) if heads else None)
 
 
-def _n_kv(config) -> int:
+def kv_heads(config) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
-def _head_dim(config) -> int:
+def head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def rotary_dims(config) -> int:
+    """The dimensions of each head that RoPE rotates, the first ones (partial_rotary_factor: Phi-4-mini's 0.75)."""
+    return int(head_dim(config) * float(rope_parameters(config).get("partial_rotary_factor") or 1.0))
 
 
 def rope_parameters(config) -> dict:
@@ -98,21 +103,36 @@ class LlamaFamily(Arch):
         return dict(zip(names.INPUT_SITES, ([a.q_proj, a.k_proj, a.v_proj], [a.o_proj], [m.gate_proj, m.up_proj],
                                             [m.down_proj])))
 
+    def transforms(self) -> dict:
+        """What a tensor's data goes through on its way into the file, by its llama.cpp name (TensorMap.reorder)."""
+        c = self.config
+        return {"attn_q": partial(rope_to_adjacent, n_heads=c.num_attention_heads),
+                "attn_k": partial(rope_to_adjacent, n_heads=kv_heads(c))} if self.rope_adjacent else {}
+
+    def global_rope(self) -> dict:
+        """The RoPE parameters (rope_type, rope_theta, factor, ...) of the layers that attend to the whole context."""
+        return rope_parameters(self.config)
+
     def tensor_maps(self, available):
         c = self.config
-        rope = {"attn_q": partial(rope_to_adjacent, n_heads=c.num_attention_heads),
-                "attn_k": partial(rope_to_adjacent, n_heads=_n_kv(c))} if self.rope_adjacent else {}
+        rope = self.transforms()
         maps = [TensorMap("token_embd.weight", "model.embed_tokens.weight")]
         for i in range(c.num_hidden_layers):
             for ours, theirs in self.block_tensors.items():
                 src = f"model.layers.{i}.{theirs}"
                 name = f"blk.{i}.{names.FFN_DOWN_T if ours == names.FFN_DOWN else ours}"
-                maps.append(TensorMap(f"{name}.weight", f"{src}.weight", rope.get(ours), ours == names.FFN_DOWN))
+                rows = self.source_rows(ours)
+                maps.append(TensorMap(f"{name}.weight", f"{src}.weight", rope.get(ours), ours == names.FFN_DOWN, rows))
                 if f"{src}.bias" in available:  # attention_bias / mlp_bias checkpoints
-                    maps.append(TensorMap(f"{name}.bias", f"{src}.bias", rope.get(ours)))
+                    maps.append(TensorMap(f"{name}.bias", f"{src}.bias", rope.get(ours), rows=rows))
         tied = getattr(c, "tie_word_embeddings", False) or "lm_head.weight" not in available
         head = "model.embed_tokens.weight" if tied else "lm_head.weight"
-        return maps + [TensorMap("output_norm.weight", "model.norm.weight"), TensorMap("output.weight", head)]
+        return maps + [TensorMap("output_norm.weight", "model.norm.weight", rope.get("output_norm")),
+                       TensorMap("output.weight", head)]
+
+    def source_rows(self, tensor: str) -> tuple[int, int] | None:
+        """The rows of its source module that block tensor `tensor` is (a fused projection's part), or None: all."""
+        return None
 
     def write_hparams(self, writer) -> None:
         c = self.config
@@ -120,15 +140,15 @@ class LlamaFamily(Arch):
         writer.add_embedding_length(c.hidden_size)
         writer.add_block_count(c.num_hidden_layers)
         writer.add_feed_forward_length(c.intermediate_size)
-        writer.add_rope_dimension_count(_head_dim(c))
-        if _head_dim(c) != c.hidden_size // c.num_attention_heads:  # heads of their own width (qwen3), as llama.cpp
-            writer.add_key_length(_head_dim(c))
-            writer.add_value_length(_head_dim(c))
+        writer.add_rope_dimension_count(rotary_dims(c))
+        if head_dim(c) != c.hidden_size // c.num_attention_heads:  # heads of their own width (qwen3), as llama.cpp
+            writer.add_key_length(head_dim(c))
+            writer.add_value_length(head_dim(c))
         writer.add_head_count(c.num_attention_heads)
-        writer.add_head_count_kv(_n_kv(c))
+        writer.add_head_count_kv(kv_heads(c))
         writer.add_layer_norm_rms_eps(float(c.rms_norm_eps))
-        writer.add_rope_freq_base(rope_theta(c))
-        rope = rope_parameters(c)
+        rope = self.global_rope()
+        writer.add_rope_freq_base(float(rope.get("rope_theta") or rope_theta(c)))
         if rope.get("rope_type") == "linear":  # llama3's scaling is its rope_freqs tensor (computed_tensors)
             import gguf
             writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <numeric>
 
@@ -189,6 +190,7 @@ void CpuTierBackend::submit(const TierJob &job) {
     counts_.gate_up_seconds += seconds_since(t0);
 
     t0 = Clock::now();
+    if (job.down_zero_at >= 0.0f) zero_small_h(p, job.down_zero_at);
     if (p.n_tok == 1) down_decode(p);
     else down_batch(p);
     counts_.down_seconds += seconds_since(t0);
@@ -630,6 +632,22 @@ void CpuTierBackend::down_decode(const Pass &p) {
     };
     pool_.run(int(n_runs), run_rows);
     sum_down_runs(p.E, n_runs, down_partial_.data(), p.job.y);
+}
+
+// Input sparsity's down site: every used activation at or below t in magnitude zeroed (as a decode step's kept
+// inputs, Engine::input_ffn), counted.
+void CpuTierBackend::zero_small_h(const Pass &p, float t) {
+    int64_t seen = 0, zeroed = 0;
+    for (int64_t tk = 0; tk < p.n_tok; ++tk)
+        for (int64_t i = 0; i < n_rows_; ++i) {
+            const size_t at = size_t(tk * ld_ + rows_[size_t(i)]);
+            const bool used = mask_[at] == 2, small = std::fabs(h_[at]) <= t;
+            seen += used;
+            zeroed += used & small;
+            h_[at] = small ? 0.0f : h_[at];
+        }
+    counts_.down_inputs += double(seen);
+    counts_.down_zeroed += double(zeroed);
 }
 
 // A batch: each thread owns a slice of the columns. The used rows go in panels of kPanelRows, widened to floats

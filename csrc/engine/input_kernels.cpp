@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <memory>
 #include <vector>
 
 #include "engine/matmul.h"
@@ -17,8 +16,8 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 // Enough copies that the probe streams them from memory, as a decode step streams the layers'.
-constexpr size_t kProbeBytes = size_t(64) << 20;
-constexpr int kProbeRounds = 5;
+constexpr size_t kProbeBytes = size_t(32) << 20;
+constexpr int kProbeRounds = 3;
 
 // c's groups as the matrix gemm8 reads (every row in a group: n_out is a multiple of 8)
 Matrix groups_view(const InputColumns &c, const uint8_t *w) {
@@ -88,8 +87,8 @@ void choose_input_kernels(const KernelSet &ks, ThreadPool &pool, const InputColu
     if (!any) return;
     const size_t copies = std::clamp<size_t>((kProbeBytes + layer_bytes - 1) / layer_bytes, 1, size_t(n_layers));
     // 0x3c in every byte is valid in both layouts: f16 scales of about 1.06, quants of 60 (q4_0: nibbles 12, 3)
-    std::unique_ptr<uint8_t[]> w(new uint8_t[copies * layer_bytes]);
-    std::memset(w.get(), 0x3c, copies * layer_bytes);
+    PageMemory w(copies * layer_bytes, true, "input sparsity's kernel probe");  // on 2 MiB pages, as the copies
+    std::memset(w.data(), 0x3c, copies * layer_bytes);
     // the operand: scale 1, a share `share` of its quants zeroed, spread as a hash spreads them
     std::vector<BlockQ8_0> x(size_t(n_in / QK));
     for (size_t k = 0; k < x.size(); ++k) {
@@ -114,7 +113,7 @@ void choose_input_kernels(const KernelSet &ks, ThreadPool &pool, const InputColu
                 c.columns = columns;
                 const auto t0 = Clock::now();
                 for (size_t r = 0; r < copies; ++r)
-                    input_copy_product(ks, pool, c, w.get() + r * layer_bytes + offset[s], x.data(), out.data());
+                    input_copy_product(ks, pool, c, w.data() + r * layer_bytes + offset[s], x.data(), out.data());
                 const double t = std::chrono::duration<double, std::milli>(Clock::now() - t0).count() / double(copies);
                 if (round > 0) ms[s][columns].push_back(t);
             }

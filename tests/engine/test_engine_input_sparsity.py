@@ -277,7 +277,9 @@ def test_either_decode_kernel_gives_the_same_bits(kind, outtype, input_files, mo
         assert stats["weight_copies"]["input_columns"] == column_copy_bytes(path, outtype, ffn=True)
         runs[layout] = logits, stats["input_sparsity"]
     assert np.array_equal(runs["columns"][0], runs["groups"][0])
-    assert runs["columns"][1]["decode_bytes_skipped"] > 0 and runs["groups"][1]["decode_bytes_skipped"] == 0
+    # a q4_0 down projection reads down_t's kept rows either way
+    skipped = {layout: inputs["decode_bytes_skipped"] for layout, (_, inputs) in runs.items()}
+    assert skipped["groups"] < skipped["columns"] and (skipped["groups"] == 0) == (outtype == "q8_0")
     assert runs["columns"][1]["decode_bytes"] == runs["groups"][1]["decode_bytes"]
 
 
@@ -320,5 +322,5 @@ def test_a_batch_runs_the_dense_ffn_on_the_zeroed_inputs(outtype, input_files):
         assert 0.2 < inputs["zeroed"] / inputs["inputs"] < 0.6
         assert all(layer["tokens"] == N_PROMPT for layer in m.stats()["layers"])
         m.reset()
-        steps = np.stack([m.eval([t]) for t in TOKENS[:N_PROMPT]])
+        steps = np.stack([m.eval([t], all_logits=False) for t in TOKENS[:N_PROMPT]])
     assert max_rel_err(batch, steps) < (1e-4 if outtype == "f32" else 0.05)

@@ -41,13 +41,14 @@ void input_copy_product(const KernelSet &ks, ThreadPool &pool, const InputColumn
 struct InputKernelChoice {
     static constexpr int kSites = int(Model::kInputSiteCount);
     bool decided[kSites] = {}, columns[kSites] = {};
-    double columns_ms[kSites] = {}, groups_ms[kSites] = {};  // the probe's medians, a layer's copy (0: not probed)
+    double columns_ms[kSites] = {}, groups_ms[kSites] = {};  // the probe's best times, a layer's copy (0: not probed)
     std::string why;                                        // "probe", or the setting that forced the layouts
 };
 
 // Decides the sites of `shapes` (one layer's copies, indexed by site; those not present are skipped) not decided
 // yet: both layouts timed over enough copies of those shapes to stream from memory as a decode step does (up to
-// n_layers of them), the operand's quants zeroed at the given share, in interleaved rounds; the faster layout wins.
+// n_layers of them), the operand's quants zeroed at the given share, in interleaved rounds; the layout of the
+// faster best round wins.
 void choose_input_kernels(const KernelSet &ks, ThreadPool &pool, const InputColumns *shapes, int64_t n_layers,
                           float share, InputKernelChoice *choice);
 

@@ -637,17 +637,27 @@ void CpuTierBackend::down_decode(const Pass &p) {
 // Input sparsity's down site: every used activation at or below t in magnitude zeroed (as a decode step's kept
 // inputs, Engine::input_ffn), counted.
 void CpuTierBackend::zero_small_h(const Pass &p, float t) {
-    int64_t seen = 0, zeroed = 0;
-    for (int64_t tk = 0; tk < p.n_tok; ++tk)
-        for (int64_t i = 0; i < n_rows_; ++i) {
-            const size_t at = size_t(tk * ld_ + rows_[size_t(i)]);
-            const bool used = mask_[at] == 2, small = std::fabs(h_[at]) <= t;
-            seen += used;
-            zeroed += used & small;
-            h_[at] = small ? 0.0f : h_[at];
+    std::atomic<int64_t> seen{0}, zeroed{0};
+    auto zero = [&](int chunk, int n_chunks, int) {
+        int64_t t0, t1;
+        split_range(p.n_tok, chunk, n_chunks, &t0, &t1);
+        int64_t s = 0, z = 0;
+        for (int64_t tk = t0; tk < t1; ++tk) {  // every slot, in order, without branches
+            const uint8_t *m = mask_.data() + tk * ld_;
+            float *h = h_.data() + tk * ld_;
+            for (int64_t r = 0; r < p.n; ++r) {
+                const bool used = m[r] == 2, small = used & (std::fabs(h[r]) <= t);
+                s += used;
+                z += small;
+                h[r] = small ? 0.0f : h[r];
+            }
         }
-    counts_.down_inputs += double(seen);
-    counts_.down_zeroed += double(zeroed);
+        seen += s;
+        zeroed += z;
+    };
+    pool_.run(int(std::min<int64_t>(p.n_tok, pool_.chunks_for(p.n_tok * p.n, kGrain))), zero);
+    counts_.down_inputs += double(seen.load());
+    counts_.down_zeroed += double(zeroed.load());
 }
 
 // A batch: each thread owns a slice of the columns. The used rows go in panels of kPanelRows, widened to floats

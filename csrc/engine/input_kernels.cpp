@@ -55,7 +55,7 @@ void input_copy_product(const KernelSet &ks, ThreadPool &pool, const InputColumn
                         const BlockQ8_0 *x, float *out) {
     if (!c.columns) {
         const Matrix m = groups_view(c, w);
-        Operand in{nullptr, c.n_in, const_cast<BlockQ8_0 *>(x), true};
+        Operand in{nullptr, c.n_in, const_cast<BlockQ8_0 *>(x), true};  // made: matmul only reads it
         const MatmulTarget target[1] = {{&m, out, c.n_out}};
         return matmul(ks, pool, target, 1, in, 1);
     }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <numeric>
 
@@ -189,6 +190,7 @@ void CpuTierBackend::submit(const TierJob &job) {
     counts_.gate_up_seconds += seconds_since(t0);
 
     t0 = Clock::now();
+    if (job.down_zero_at >= 0.0f) zero_small_h(p, job.down_zero_at);
     if (p.n_tok == 1) down_decode(p);
     else down_batch(p);
     counts_.down_seconds += seconds_since(t0);
@@ -630,6 +632,32 @@ void CpuTierBackend::down_decode(const Pass &p) {
     };
     pool_.run(int(n_runs), run_rows);
     sum_down_runs(p.E, n_runs, down_partial_.data(), p.job.y);
+}
+
+// Input sparsity's down site: every used activation at or below t in magnitude zeroed (as a decode step's kept
+// inputs, Engine::input_ffn), counted.
+void CpuTierBackend::zero_small_h(const Pass &p, float t) {
+    std::atomic<int64_t> seen{0}, zeroed{0};
+    auto zero = [&](int chunk, int n_chunks, int) {
+        int64_t t0, t1;
+        split_range(p.n_tok, chunk, n_chunks, &t0, &t1);
+        int64_t s = 0, z = 0;
+        for (int64_t tk = t0; tk < t1; ++tk) {  // every slot, in order, without branches
+            const uint8_t *m = mask_.data() + tk * ld_;
+            float *h = h_.data() + tk * ld_;
+            for (int64_t r = 0; r < p.n; ++r) {
+                const bool used = m[r] == 2, small = used & (std::fabs(h[r]) <= t);
+                s += used;
+                z += small;
+                h[r] = small ? 0.0f : h[r];
+            }
+        }
+        seen += s;
+        zeroed += z;
+    };
+    pool_.run(int(std::min<int64_t>(p.n_tok, pool_.chunks_for(p.n_tok * p.n, kGrain))), zero);
+    counts_.down_inputs += double(seen.load());
+    counts_.down_zeroed += double(zeroed.load());
 }
 
 // A batch: each thread owns a slice of the columns. The used rows go in panels of kPanelRows, widened to floats

@@ -68,6 +68,8 @@ private:
     // Records neuron slot r of token t: mask 2 (down row used, coefficient h) or 1.
     void settle(const Pass &p, int64_t t, int64_t r, bool pass, float h, Tally &c);
     void down_decode(const Pass &p);
+    // h_'s used values at or below t in magnitude zeroed (TierJob::down_zero_at), counted
+    void zero_small_h(const Pass &p, float t);
     void down_batch(const Pass &p);
     // down_batch's integer path over the used rows rows_[0, n_used) (in slot order)
     void down_batch_int(const Pass &p, int64_t n_used);

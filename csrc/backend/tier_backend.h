@@ -30,6 +30,9 @@ struct TierJob {
     // what it would have selected and computed there (TierCounts::probe_*)
     int64_t n_probe = 0;
     float *y = nullptr;  // [n_tok][n_embd], written whole (zeros where nothing is computed)
+    // Input sparsity's down site (a batch of dense mode, docs/engine.md "Input sparsity"): the activations h at or
+    // below it in magnitude are zeroed before the down projection; negative: none. Only the CPU backend takes it.
+    float down_zero_at = -1.0f;
 };
 
 // What a tier's job counted: neuron counts summed over tokens, and where its time went.
@@ -41,6 +44,7 @@ struct TierCounts {
     double true_pos = 0, positives = 0;  // selected and truly active; truly active (recall check, oracle)
     double probe_selected = 0, probe_computed = 0;  // TierJob::n_probe's counts
     double predictor_seconds = 0, gate_up_seconds = 0, down_seconds = 0;
+    double down_inputs = 0, down_zeroed = 0;  // TierJob::down_zero_at: the activations seen, and of them zeroed
 };
 
 class TierBackend {

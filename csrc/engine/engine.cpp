@@ -273,7 +273,7 @@ const std::string &Engine::stats_json() {
     WeightCopies copies = model_->weight_copies();
     copies.hot = size_t(hot_->weight_bytes());
     copies.input_columns = input_columns_bytes();
-    json_ = pi::stats_json(*model_, copies, stats_, policy_, device_ ? &device_->use() : nullptr, disk_.get());
+    json_ = pi::stats_json(*model_, copies, stats_, policy_, device_ ? &device_->use() : nullptr, disk_.get(), in_kernels_);
     return json_;
 }
 

@@ -10,6 +10,7 @@
 #include "backend/device_backend.h"
 #include "backend/tier_backend.h"
 #include "engine/ffn_policy.h"
+#include "engine/input_kernels.h"
 #include "engine/run_state.h"
 #include "engine/sampler.h"
 #include "engine/stats.h"
@@ -20,17 +21,6 @@
 #include "runtime/threadpool.h"
 
 namespace pi {
-
-// A layer's q4_0/q8_0 matrices of one input sparsity site stacked over their outputs (q, k, v; up, gate; the
-// attention output projection) in the column layout of kernels/packed.h, where a decode step reads its kept inputs'
-// weights (TypeKernels::gemv_columns). A copy of the matrices' own blocks, made when input sparsity is turned on.
-struct InputColumns {
-    uint32_t type = 0;
-    int64_t n_in = 0, n_out = 0;  // n_out: the stacked rows rounded up to column_span
-    int64_t tile = 0;             // outputs a tile (Engine::column_tile)
-    PageMemory data;  // on 2 MiB pages, as the packed weights every token streams
-    bool present() const { return !data.empty(); }
-};
 
 class Engine {
 public:
@@ -149,12 +139,15 @@ private:
     // The widest tile (1024, 512 or 256 outputs) that gives no thread more than 1.15x an even share of the outputs
     // (threads split a step's tiles; a wider tile makes longer pieces)
     int64_t column_tile(int64_t n_out) const;
+    // The layout of the sites of `shapes` (one layer's copies, by site) not chosen yet: PI_INPUT_KERNEL's
+    // ("columns" or "groups", for tests), else the probe's (choose_input_kernels)
+    void choose_input_layouts(const InputColumns *shapes);
     const InputColumns *input_columns(int64_t il, int site) const {
         const InputColumns &c = in_cols_[size_t(il * Model::kInputSiteCount + site)];
         return c.present() ? &c : nullptr;
     }
-    // out[0, c.n_out) = the site's stacked matrices times x (one token) with its values at or below t zeroed,
-    // reading only the kept inputs' columns
+    // out[0, c.n_out) = the site's stacked matrices times x (one token) with its values at or below t zeroed, by
+    // the kernel of c's layout (gemv_columns reads only the kept inputs' columns)
     void input_columns_decode(const InputColumns &c, const float *x, float t, float *out);
     void input_qkv(const Layer &L, int64_t il, int64_t n_tok);
     void input_output_projection(const Layer &L, int64_t il, int64_t n_tok);
@@ -191,7 +184,8 @@ private:
     std::vector<const void *> in_rows_;
     std::vector<float> in_coef_, in_partials_, in_x_, in_g_, in_u_, in_y_;
     std::vector<BlockQ8_0> in_q_;
-    std::vector<InputColumns> in_cols_;  // [layer][site]: the column copies a decode step reads
+    std::vector<InputColumns> in_cols_;  // [layer][site]: the copies a decode step reads
+    InputKernelChoice in_kernels_;       // their layout per site, chosen when a site's copies are first made
 };
 
 }  // namespace pi

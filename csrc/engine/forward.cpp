@@ -302,10 +302,18 @@ void Engine::ffn(int64_t il, int64_t n_tok, TierMode cold_mode) {
         norm(s.x.data(), L.ffn_norm, L.ffn_norm_b, n_tok, s.xn.data());
         s.op_xn.q_ready = false;
     }
+    const bool has_hot = L.hot.size() > 0, has_cold = L.cold.size() > 0, batch = n_tok > 1;
+    float down_zero_at = -1.0f;
     if (input_ffn_on()) {
         if (disk_) fail(PI_ERR_UNSUPPORTED, "input sparsity's dense FFN reads the mapped FFN rows: with a memory budget, "
                                             "run it in predictor, gate or auto mode");
-        return input_ffn(il, n_tok);
+        // A decode step reads its kept inputs' weights; a batch, whose tokens together keep nearly every input, runs
+        // the dense tier's batch kernels on the zeroed inputs (where the CPU's backend holds every neuron: a hot
+        // tier's backend zeroes nothing).
+        if (!batch || has_hot) return input_ffn(il, n_tok);
+        zero_small(s.xn.data(), E, n_tok, input_thr(il, kSiteGateUp), s.xn.data());
+        s.op_xn.q_ready = false;
+        down_zero_at = input_thr(il, kSiteDown);
     }
     // both tiers read the same operand: made once, here, before either starts
     prepare(*ks_, s.op_xn, n_tok, L.gate.type);
@@ -313,7 +321,6 @@ void Engine::ffn(int64_t il, int64_t n_tok, TierMode cold_mode) {
     // The predictor's input, x as it stands: the residual entering the FFN block (llama family, opt), or the
     // layer's input in a parallel block (falcon), as PowerInfer feeds them.
     s.op_x.q_ready = false;
-    const bool has_hot = L.hot.size() > 0, has_cold = L.cold.size() > 0, batch = n_tok > 1;
     if (!batch) {
         model_->arrange_cold_tier(il, reads_gate_whole(cold_mode), reads_up_whole(cold_mode), down_quads_for(cold_mode),
                                   true);
@@ -324,7 +331,7 @@ void Engine::ffn(int64_t il, int64_t n_tok, TierMode cold_mode) {
     }
     TierJob hot_job{il, n_tok, FfnPolicy::hot_mode(cold_mode), &s.op_xn, &s.op_x, false, 0, s.y_hot.data()};
     TierJob cold_job{il, n_tok, cold_mode, &s.op_xn, &s.op_x, recall_check_,
-                     policy_.probe_tokens(il, n_tok, cold_mode, s.n_past), s.y_cold.data()};
+                     policy_.probe_tokens(il, n_tok, cold_mode, s.n_past), s.y_cold.data(), down_zero_at};
     if (has_hot) hot_->submit(hot_job);
     if (has_cold) cold_->submit(cold_job);
     const TierCounts hot = has_hot ? hot_->wait() : TierCounts{}, cold = has_cold ? cold_->wait() : TierCounts{};
@@ -336,6 +343,8 @@ void Engine::ffn(int64_t il, int64_t n_tok, TierMode cold_mode) {
     post_norm(s.y_cold.data(), L.ffn_post_norm, n_tok);
     add_residual(s.y_cold.data(), n_tok);
     stats_.take_ffn(il, n_tok, cold_mode, has_cold, hot, cold);
+    stats_.input.inputs += cold.down_inputs;
+    stats_.input.zeroed += cold.down_zeroed;
     policy_.take(il, n_tok, cold_mode, hot, cold, has_cold ? cold_job.n_probe : 0);
 }
 

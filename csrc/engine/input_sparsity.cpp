@@ -1,14 +1,16 @@
 // Input sparsity (docs/engine.md, "Input sparsity"; TEAL, arXiv 2408.14690): every matrix's inputs at or below
-// the layer's threshold for their site are zeroed. A decode step then reads only the weights of the kept inputs:
-// of q4_0/q8_0 q/k/v, o and gate/up from a column copy of the matrices' own blocks (InputColumns) by gemv_columns,
-// gemm8's arithmetic, and of a q8_0 down projection (whose own blocks the file holds only transposed, along its
-// outputs) from a copy requantized along its inputs; of a q4_0 down projection and of f32/f16 matrices the rows of
-// the transposed matrices (the file's *_t tensors, a row per input), scaled by their input, through rows_product,
-// the down projection's path. A batch zeroes the same inputs and runs the dense
-// kernels on them (its tokens together keep nearly every input, so nothing could be skipped).
+// the layer's threshold for their site are zeroed. A decode step reads q4_0/q8_0 q/k/v, o and gate/up from a copy of
+// the matrices' own blocks (InputColumns), and a q8_0 down projection (whose own blocks the file holds only
+// transposed, along its outputs) from a copy requantized along its inputs: in the column layout, where gemv_columns
+// reads only the weights of the kept inputs, or in 8-row groups for gemm8, whichever the probe found faster on this
+// CPU (input_kernels.h; the same bits). Of a q4_0 down projection and of f32/f16 matrices it reads the rows of the
+// transposed matrices (the file's *_t tensors, a row per input) of the kept inputs, scaled by their input, through
+// rows_product, the down projection's path. A batch zeroes the same inputs and runs the dense kernels on them (its
+// tokens together keep nearly every input, so nothing could be skipped).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 
 #include "backend/activation_rule.h"
@@ -118,6 +120,7 @@ void Engine::build_input_columns() {
     in_cols_.resize(size_t(L * S));
     struct Job {
         InputColumns *c;
+        int site;
         std::vector<const void *> rows;  // the stacked rows, or none: the down projection's, from down_t
         const Matrix *down_t;
         std::vector<const Matrix *> sources;  // the mapped matrices read, handed back once copied
@@ -131,7 +134,7 @@ void Engine::build_input_columns() {
             const bool wanted = input_on() && ((site != kSiteGateUp && site != kSiteDown) || input_ffn_on());
             if (!wanted) c = InputColumns{};
             if (!wanted || c.present()) continue;
-            Job job{&c, {}, nullptr, {}};
+            Job job{&c, site, {}, nullptr, {}};
             if (site == kSiteDown) {
                 // q8_0 only: the copy of a q4_0 down_t would be q8_0, twice its bytes
                 const Matrix &dt = layer.down_t;
@@ -157,7 +160,7 @@ void Engine::build_input_columns() {
                 c.n_out = (int64_t(job.rows.size()) + span - 1) / span * span;
             }
             c.tile = column_tile(c.n_out);
-            bytes += double(column_matrix_bytes(c.type, c.n_in, c.n_out));
+            bytes += double(c.bytes());
             jobs.push_back(std::move(job));
         }
     if (jobs.empty()) return;
@@ -166,6 +169,18 @@ void Engine::build_input_columns() {
         fail(PI_ERR_MEMORY, model_->path() + ": input sparsity's column copies need " +
                                 std::to_string(bytes / double(1 << 30)).substr(0, 6) + " GiB, more than this process may "
                                 "still take (the machine's memory or its cgroup's limit, less what it holds)");
+    // each site's layout, chosen the first time the site is copied (the shapes of its first layer's copy)
+    InputColumns shapes[Model::kInputSiteCount];
+    for (const Job &job : jobs) {
+        InputColumns &sh = shapes[job.site];
+        if (sh.type) continue;
+        sh.type = job.c->type;
+        sh.n_in = job.c->n_in;
+        sh.n_out = job.c->n_out;
+        sh.tile = job.c->tile;
+    }
+    choose_input_layouts(shapes);
+    for (Job &job : jobs) job.c->columns = in_kernels_.columns[job.site];
     auto pack = [&](int chunk, int n_chunks, int) {
         for (size_t j = size_t(chunk); j < jobs.size(); j += size_t(n_chunks)) {
             Job &job = jobs[j];
@@ -175,12 +190,27 @@ void Engine::build_input_columns() {
                 down = down_rows_q8(*ks_, *job.down_t);
                 for (int64_t o = 0; o < job.down_t->cols; ++o) job.rows.push_back(down.data() + o * (c.n_in / QK));
             }
-            c.data = PageMemory(column_matrix_bytes(c.type, c.n_in, c.n_out), true, "input sparsity's column copies");
-            pack_columns(c.type, int(c.n_in), int(job.rows.size()), job.rows.data(), int(c.n_out), int(c.tile), c.data.data());
+            c.data = PageMemory(c.bytes(), true, "input sparsity's copies");
+            pack_input_copy(c, int(job.rows.size()), job.rows.data(), c.data.data());
             for (const Matrix *m : job.sources) model_->release_mapped(*m);  // resident once: the copy
         }
     };
     pool_->run(int(std::min<size_t>(jobs.size(), size_t(pool_->size()))), pack);
+}
+
+void Engine::choose_input_layouts(const InputColumns *shapes) {
+    const char *forced = std::getenv("PI_INPUT_KERNEL");
+    if (!forced || !*forced)
+        return choose_input_kernels(*ks_, *pool_, shapes, hp_.n_layer, input_share_, &in_kernels_);
+    const std::string layout = forced;
+    if (layout != "columns" && layout != "groups")
+        fail(PI_ERR_ARGUMENT, "PI_INPUT_KERNEL must be columns or groups, got " + layout);
+    for (int s = 0; s < InputKernelChoice::kSites; ++s) {
+        if (!shapes[s].type) continue;
+        in_kernels_.decided[s] = true;
+        in_kernels_.columns[s] = layout == "columns";
+    }
+    in_kernels_.why = "PI_INPUT_KERNEL=" + layout;
 }
 
 int64_t Engine::column_tile(int64_t n_out) const {
@@ -203,20 +233,14 @@ void Engine::input_columns_decode(const InputColumns &c, const float *x, float t
     zero_small(x, c.n_in, 1, t, xz);
     BlockQ8_0 *q = in_q_.data();
     ks_->quantize_q8_0(int(c.n_in), xz, q);
-    int64_t unread = 0;  // inputs whose quant is 0: zeroed, or rounded to 0 (their columns are not read either)
-    for (int64_t k = 0; k < c.n_in / QK; ++k)
-        for (int i = 0; i < QK; ++i) unread += q[k].qs[i] == 0;
-    stats_.input.decode_bytes += double(column_matrix_bytes(c.type, c.n_in, c.n_out));
-    stats_.input.decode_skipped += double(unread) * double(column_piece_bytes(c.type, c.n_out));
-    const int n_tiles = int((c.n_out + c.tile - 1) / c.tile);
-    const TypeKernels &k = ks_->for_type(c.type);
-    auto run = [&](int chunk, int n_chunks, int) {  // a thread's tiles: one ascending stretch of the copy
-        const int64_t t0 = int64_t(chunk) * n_tiles / n_chunks, t1 = int64_t(chunk + 1) * n_tiles / n_chunks;
-        if (t0 < t1)
-            k.gemv_columns(int(c.n_in), int(c.n_out), int(c.tile), c.data.data(), q, int(t0 * c.tile),
-                           int(std::min<int64_t>(t1 * c.tile, c.n_out)), out);
-    };
-    pool_->run(std::min(n_tiles, pool_->size()), run);
+    stats_.input.decode_bytes += double(c.bytes());
+    if (c.columns) {  // gemv_columns skips the inputs whose quant is 0: zeroed, or rounded to 0
+        int64_t unread = 0;
+        for (int64_t k = 0; k < c.n_in / QK; ++k)
+            for (int i = 0; i < QK; ++i) unread += q[k].qs[i] == 0;
+        stats_.input.decode_skipped += double(unread) * double(column_piece_bytes(c.type, c.n_out));
+    }
+    input_copy_product(*ks_, *pool_, c, c.data.data(), q, out);
 }
 
 int64_t Engine::zero_small(const float *x, int64_t n, int64_t n_tok, float t, float *out) {
@@ -356,9 +380,8 @@ void Engine::input_ffn(int64_t il, int64_t n_tok) {
     }
     stats_.times.gate_up += seconds_since(t0);
     t0 = Clock::now();
-    // the down projection: a decode step's from its column copy where there is one (q8_0), else one token at a
-    // time over the kept rows of ffn_down_t (a batch's too: its tokens' kept neurons differ, and the rows stream
-    // once per token as the decode step's do)
+    // the down projection: a decode step's from its copy where there is one (q8_0), else one token at a time over
+    // the kept rows of ffn_down_t (a batch's here too: a layer with a hot tier, Engine::ffn)
     const InputRows down{L.down_t, 0, E};
     const InputRows *mats[1] = {&down};
     if (const InputColumns *c = n_tok == 1 ? input_columns(il, kSiteDown) : nullptr) {

@@ -172,8 +172,25 @@ std::string disk_json(const DiskTier *disk) {
 
 }  // namespace
 
+namespace {
+
+// {"qkv": {"kernel": "gemv_columns", "why": "probe", "columns_ms": .., "groups_ms": ..}, ...}: the sites decided
+std::string input_kernels_json(const InputKernelChoice &k) {
+    static const char *const kSiteNames[InputKernelChoice::kSites] = {"qkv", "o", "gate_up", "down"};
+    std::string json = "{";
+    for (int s = 0; s < InputKernelChoice::kSites; ++s) {
+        if (!k.decided[s]) continue;
+        json += std::string(json.size() > 1 ? ", " : "") + quoted(kSiteNames[s]) + ": {\"kernel\": " +
+                quoted(k.columns[s] ? "gemv_columns" : "gemm8") + ", \"why\": " + quoted(k.why) +
+                ", \"columns_ms\": " + num(k.columns_ms[s]) + ", \"groups_ms\": " + num(k.groups_ms[s]) + "}";
+    }
+    return json + "}";
+}
+
+}  // namespace
+
 std::string stats_json(const Model &model, const WeightCopies &wc, const EngineStats &stats, const FfnPolicy &policy,
-                       const DeviceUse *device, const DiskTier *disk) {
+                       const DeviceUse *device, const DiskTier *disk, const InputKernelChoice &input_kernels) {
     const PhaseTimes &t = stats.times;
     std::string json = "{\"ffn_mode\": " + quoted(mode_name(policy.mode())) + ", \"batch_tokens\": " + num(stats.batch_tokens) +
                        ", \"batch_seconds\": " + num(stats.batch_seconds) + ", \"decode_tokens\": " + num(stats.decode_tokens) +
@@ -183,7 +200,8 @@ std::string stats_json(const Model &model, const WeightCopies &wc, const EngineS
     const InputStats &in = stats.input;
     json += ", \"input_sparsity\": {\"share\": " + num(in.share) + ", \"inputs\": " + num(in.inputs) +
             ", \"zeroed\": " + num(in.zeroed) + ", \"decode_bytes\": " + num(in.decode_bytes) +
-            ", \"decode_bytes_skipped\": " + num(in.decode_skipped) + "}";
+            ", \"decode_bytes_skipped\": " + num(in.decode_skipped) +
+            ", \"kernels\": " + input_kernels_json(input_kernels) + "}";
     json += ", \"weight_copies\": {\"packed\": " + std::to_string(wc.packed) + ", \"predictor\": " + std::to_string(wc.predictor) +
             ", \"hot\": " + std::to_string(wc.hot) + ", \"cold_groups\": " + std::to_string(wc.cold_groups) +
             ", \"down_quads\": " + std::to_string(wc.down_quads) + ", \"decoded\": " + std::to_string(wc.decoded) +

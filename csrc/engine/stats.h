@@ -9,6 +9,7 @@
 #include "backend/device_backend.h"
 #include "backend/tier_backend.h"
 #include "engine/ffn_policy.h"
+#include "engine/input_kernels.h"
 #include "engine/tier_mode.h"
 #include "model/disk_tier.h"
 #include "model/model.h"
@@ -74,7 +75,8 @@ std::string info_json(const Model &model, const RunSettings &run);
 // copies: the Model's, with the hot tier's backend's bytes in `hot`
 // device: as in RunSettings
 // disk: the cold tier's disk tier, or nullptr (its "disk" object is then null)
+// input_kernels: the layout of input sparsity's copies per site, and why
 std::string stats_json(const Model &model, const WeightCopies &copies, const EngineStats &stats, const FfnPolicy &policy,
-                       const DeviceUse *device, const DiskTier *disk);
+                       const DeviceUse *device, const DiskTier *disk, const InputKernelChoice &input_kernels);
 
 }  // namespace pi

@@ -433,6 +433,12 @@ def timing_lines(stats: dict, load_seconds: float, info: dict | None = None) -> 
                      f"{inputs['decode_bytes'] * per_token:.2f} MiB of the rows they select from skipped "
                      f"({inputs['decode_bytes_skipped'] / inputs['decode_bytes']:.3f})")
         lines.append(line)
+        if inputs.get("kernels"):  # per site: gemv_columns or gemm8, and why (the probe's best times of each)
+            lines.append("input sparsity's decode kernels: " + ", ".join(
+                f"{site} {k['kernel']} ({k['why']}"
+                + (f", gemv_columns / gemm8: {k['columns_ms']:.3f} / {k['groups_ms']:.3f} ms)" if k["why"] == "probe"
+                   else ")")
+                for site, k in inputs["kernels"].items()))
     disk = stats.get("disk")
     if disk and disk["tokens"]:
         looked_up = disk["cache_hits"] + disk["cache_misses"]

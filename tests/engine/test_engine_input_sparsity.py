@@ -25,6 +25,12 @@ SHARE = 0.25
 N_SITES = len(names.INPUT_SITES)
 
 
+@pytest.fixture(autouse=True)
+def column_kernels(monkeypatch):
+    """The column layout for every test here but those of the choice: they count the bytes its kernel skips."""
+    monkeypatch.setenv("PI_INPUT_KERNEL", "columns")
+
+
 def calibrate_thresholds(model_dir, root):
     """Input thresholds of the model at model_dir calibrated (greedy) on random tokens, saved as a profile in root."""
     model, adapter = hf_model(model_dir)
@@ -252,3 +258,69 @@ def test_input_sparsity_set_after_dense_steps_gives_the_down_quads_back(input_fi
         m.input_sparsity = SHARE
         assert all(l["down_quads"] == 0 for l in m.stats()["layers"])
         assert np.array_equal(engine_prompt_then_decode(m, TOKENS, N_PROMPT), opened)
+
+
+@pytest.mark.parametrize("kind,outtype", [("llama-silu", "q8_0"), ("llama-silu", "q4_0"), ("falcon", "q8_0")])
+def test_either_decode_kernel_gives_the_same_bits(kind, outtype, input_files, monkeypatch):
+    """A decode step reads each site's copy by gemv_columns (the column layout, the kept inputs' pieces) or by gemm8
+    (8-row groups of the same blocks, every weight): gemm8's arithmetic on the same zeroed operand either way, so
+    the logits are the same bits; the statistics say which kernel each site used and why, and only gemv_columns
+    skips bytes."""
+    path, _ = input_files(kind, outtype)
+    runs = {}
+    for layout, kernel in (("columns", "gemv_columns"), ("groups", "gemm8")):
+        monkeypatch.setenv("PI_INPUT_KERNEL", layout)
+        logits, stats = run(path)
+        sites = stats["input_sparsity"]["kernels"]
+        assert set(sites) == ({"qkv", "o", "gate_up", "down"} if outtype == "q8_0" else {"qkv", "o", "gate_up"})
+        assert all(s["kernel"] == kernel and s["why"] == f"PI_INPUT_KERNEL={layout}" for s in sites.values())
+        assert stats["weight_copies"]["input_columns"] == column_copy_bytes(path, outtype, ffn=True)
+        runs[layout] = logits, stats["input_sparsity"]
+    assert np.array_equal(runs["columns"][0], runs["groups"][0])
+    # a q4_0 down projection reads down_t's kept rows either way
+    skipped = {layout: inputs["decode_bytes_skipped"] for layout, (_, inputs) in runs.items()}
+    assert skipped["groups"] < skipped["columns"] and (skipped["groups"] == 0) == (outtype == "q8_0")
+    assert runs["columns"][1]["decode_bytes"] == runs["groups"][1]["decode_bytes"]
+
+
+def test_the_probe_chooses_each_sites_kernel_and_says_so(input_files, monkeypatch, capsys):
+    """Unset, each site's kernel is the faster of the two as timed when its copies are first made, the times
+    reported beside the verdict; the logits are those of either kernel; pi-tools run -v prints the verdicts."""
+    monkeypatch.delenv("PI_INPUT_KERNEL")
+    path, _ = input_files("llama-silu", "q8_0")
+    logits, stats = run(path)
+    sites = stats["input_sparsity"]["kernels"]
+    assert set(sites) == {"qkv", "o", "gate_up", "down"}
+    for s in sites.values():
+        assert s["why"] == "probe" and s["columns_ms"] > 0 and s["groups_ms"] > 0
+        assert s["kernel"] == ("gemv_columns" if s["columns_ms"] < s["groups_ms"] else "gemm8")
+    monkeypatch.setenv("PI_INPUT_KERNEL", "groups")
+    assert np.array_equal(logits, run(path)[0])
+    monkeypatch.setenv("PI_INPUT_KERNEL", "sideways")
+    with pytest.raises(engine.EngineError, match="PI_INPUT_KERNEL must be columns or groups"):
+        run(path)
+    monkeypatch.delenv("PI_INPUT_KERNEL")
+    code, _, err = run_cli(capsys, "run", "-m", str(path), "-p", "hi there", "-n", "4", "-t", "2", "--sparse-mode",
+                           "input", "--temp", "0", "-v")
+    assert code == 0, err
+    line = next(line for line in err.splitlines() if line.startswith("input sparsity's decode kernels"))
+    assert all(f"{site} " in line for site in ("qkv", "o", "gate_up", "down")) and "probe" in line
+
+
+@pytest.mark.parametrize("outtype", ["f32", "q8_0"])
+def test_a_batch_runs_the_dense_ffn_on_the_zeroed_inputs(outtype, input_files):
+    """A prompt batch in dense mode runs the FFN tier's batch kernels over the zeroed inputs (gate/up's and h at
+    the down site): it counts every site's inputs as a decode step does, and its logits are the decode steps' within
+    the rounding of the two paths (f32: float sums in another order; q8_0: the batch's down projection in integers,
+    h in q8_0 blocks)."""
+    path, _ = input_files("llama-silu", outtype)
+    with engine.Model(path, threads=2, sparse_mode="dense", input_sparsity=SHARE) as m:
+        E, F, L = m.info["n_embd"], m.info["n_ff"], m.info["n_layer"]  # llama-silu: n_head * head_dim = n_embd
+        batch = m.eval(TOKENS[:N_PROMPT], all_logits=True)
+        inputs = m.stats()["input_sparsity"]
+        assert inputs["inputs"] == N_PROMPT * L * (3 * E + F)
+        assert 0.2 < inputs["zeroed"] / inputs["inputs"] < 0.6
+        assert all(layer["tokens"] == N_PROMPT for layer in m.stats()["layers"])
+        m.reset()
+        steps = np.stack([m.eval([t], all_logits=False) for t in TOKENS[:N_PROMPT]])
+    assert max_rel_err(batch, steps) < (1e-4 if outtype == "f32" else 0.05)

@@ -77,7 +77,7 @@ Engine::Engine(const std::string &path, const pi_options &opts, const std::strin
     if (hot_backend == "reference") hot_ = std::make_unique<ReferenceTierBackend>(hp_, n_batch_);
     else if (opts.gpu != PI_GPU_OFF) hot_ = device_tier(opts, rank);
     disk_ = open_disk_tier(opts, threads);                     // where the hot tier goes is known
-    check_working_memory(threads, opts.kv_type == PI_KV_F16);
+    if (!disk_) check_working_memory(threads, opts.kv_type == PI_KV_F16);  // a disk tier's budget holds it
     rs_ = std::make_unique<RunState>(hp_, n_ctx_, n_batch_, threads, opts.kv_type == PI_KV_F16);
     if (device_) device_->begin(*model_, rs_->rope_cos.data(), rs_->rope_sin.data());
     device_layer_modes_.assign(size_t(hp_.n_layer), TierMode::Dense);
@@ -171,15 +171,21 @@ std::unique_ptr<DiskTier> Engine::open_disk_tier(const pi_options &opts, int64_t
     const double fixed = copied + working_bytes(threads, opts.kv_type == PI_KV_F16, true) + kProcessMargin;
     double budget = double(opts.memory_budget);
     std::string source = "memory_budget";
+    // the memory check's limit, less what the process held before the engine copied anything: the most any budget
+    // may be (the tier's budget holds the working memory too, so it replaces check_working_memory's check)
+    const double limit = usable_memory_bytes(), room = limit - std::max(0.0, process_anonymous_bytes() - copied);
+    const auto gib = [](double b) { return std::to_string(b / double(1 << 30)).substr(0, 6) + " GiB"; };
     if (budget == 0) {
         source = "the machine's memory or its cgroup's limit, less what the process held";
-        // the memory check's limit, less what the process held before the engine copied anything
-        const double limit = usable_memory_bytes();
         const bool all_cold = model_->hot_neurons() == 0;
         if (!all_cold || limit <= 0) return nullptr;
-        budget = limit - std::max(0.0, process_anonymous_bytes() - copied);
+        budget = room;
         if (fixed + DiskTier::bundle_bytes_of(*model_) <= budget) return nullptr;
         if (::access(path.c_str(), F_OK) != 0) return nullptr;  // no bundles: the memory check decides
+    } else if (limit > 0 && std::min(budget, fixed + DiskTier::bundle_bytes_of(*model_)) > room) {
+        // what the tier would hold at this budget (no more than every bundle) does not fit what the process may take
+        fail(PI_ERR_MEMORY, "memory_budget " + gib(budget) + " is more than this process may still take: " + gib(room) +
+                                " of the " + gib(limit) + " limit (the machine's memory or its cgroup's), less what it holds");
     }
     auto tier = std::make_unique<DiskTier>(path, *model_, budget, source, fixed, kDiskReadThreads);
     model_->hold_vectors();  // a model that does not fit its memory: its page cache is under pressure

@@ -4,7 +4,8 @@
 # (PI_ENGINE_LIB selects it; LD_PRELOAD puts the ASan runtime first in the uninstrumented Python).
 # Any sanitizer report aborts the test process, so the run fails.
 #
-#   scripts/sanitize_engine.sh [PYTEST ARGS...]     default: tests/engine/test_engine*.py but two long runs
+#   scripts/sanitize_engine.sh [PYTEST ARGS...]     default: tests/engine/test_engine*.py but two long runs, and
+#                                                   the families' tests (tests/arch)
 #
 # The two left out by default take half of the run under ASan (minutes each) and go through the code paths that
 # the others cover on the same files: a context filled to its limit (a memory-limit check) and SmolLM2's top-1
@@ -26,7 +27,7 @@ export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:halt_on_error=1:allocator_ma
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 export PI_ENGINE_LIB="$PWD/$LIB"
 if [ $# -eq 0 ]; then
-    set -- tests/engine/test_engine*.py \
+    set -- tests/engine/test_engine*.py tests/arch \
         --deselect tests/engine/test_engine_resource_limits.py::test_a_context_the_check_accepts_fills_within_the_limit \
         --deselect tests/engine/test_engine_smollm2.py::test_q8_0_top1_agreement_on_wikitext
 fi

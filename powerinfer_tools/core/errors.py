@@ -10,6 +10,15 @@ class UserError(Exception):
     """Bad input or an impossible request: the message is shown to the user as is."""
 
 
+class RequestError(UserError):
+    """A request the model cannot serve as asked (a prompt longer than the context, a bad sampling value); `param`
+    and `code` name the field and the kind where an API answering with it wants them."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 # How the writers the toolkit uses report a failed write when they drop errno: safetensors (Rust's io::Error),
 # numpy's tofile (a short write), torch.save (its C++ stream: "basic_ios::clear: iostream error", "file write

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from powerinfer_tools.core.errors import UserError
+from powerinfer_tools.core.errors import RequestError
 from powerinfer_tools.stages.options import DEFAULT_KV_TYPE
 
 if TYPE_CHECKING:
@@ -41,15 +41,6 @@ if TYPE_CHECKING:
 # A prompt longer than this many characters a token of the context is first tokenized in part (LLM.prompt_ids):
 # ordinary text runs three to five.
 PROBE_CHARS_PER_TOKEN = 16
-
-
-class RequestError(UserError):
-    """A request the model cannot serve as asked (a prompt longer than the context, a bad sampling value); `param`
-    and `code` name the field and the kind where an API answering with it wants them."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.param, self.code = param, code
 
 
 @dataclass(frozen=True)

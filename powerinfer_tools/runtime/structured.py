@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import llguidance
 from llguidance import LLMatcher, LLTokenizer
 
-from powerinfer_tools.runtime.llm import RequestError
+from powerinfer_tools.core.errors import RequestError
 
 # JSON without optional whitespace: a small model given room for it can spend its tokens on blank lines
 _JSON_OPTIONS = {"whitespace_flexible": False}

@@ -10,7 +10,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from powerinfer_tools.runtime.llm import RequestError
+from powerinfer_tools.core.errors import RequestError
 
 _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 _CHOICES = ("none", "auto", "required")

@@ -9,7 +9,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from powerinfer_tools.runtime.llm import RequestError, Sampling
+from powerinfer_tools.core.errors import RequestError
+from powerinfer_tools.runtime.llm import Sampling
 
 
 class _Strict(BaseModel):

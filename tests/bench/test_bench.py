@@ -564,11 +564,14 @@ def test_a_peer_killed_by_a_signal_is_named(tmp_path):
         runners.Worker("llama.cpp", tmp_path / "model.gguf", 1, 64, python=str(crashing))
 
 
-def test_bench_times_the_input_modes_against_dense(tiny_model_dir, tmp_path):
+def test_bench_times_the_input_modes_against_dense(tiny_model_dir, tmp_path, monkeypatch):
     """--modes dense,input,predictor,predictor+input with a profile of input thresholds: all timed on one worker,
     the input modes' statistics are their own (inputs zeroed at the share asked: every matrix's in input mode,
-    attention's in predictor+input, whose FFN is predictor mode's) and the others' have none."""
+    attention's in predictor+input, whose FFN is predictor mode's) and the others' have none. The column kernel is
+    forced (the workers inherit it): it is the one whose skipped bytes are counted, whatever this CPU's probe says."""
     import torch
+
+    monkeypatch.setenv("PI_INPUT_KERNEL", "columns")
 
     from powerinfer_tools.stages import input_sparsity
 

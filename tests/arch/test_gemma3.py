@@ -8,22 +8,21 @@ the same logits and tokenizer; the device tier through its host emulation; input
 from __future__ import annotations
 
 import json
-import shutil
 
 import gguf
 import numpy as np
 import pytest
 import torch
-from cli_helpers import assert_one_line_error, profiled, run_cli
-from engine_helpers import engine_prompt_then_decode, hf_logits, hf_model, max_rel_err, random_tokens, write_gpuidx
-from safetensors.numpy import load_file
+from cli_helpers import run_cli
+from family_checks import (add_checkpoint_tensors, add_sentencepiece_vocab, assert_convert_refuses,
+                           assert_input_sparsity_runs, assert_same_tokenizer_and_template, emulated_device_run)
+from engine_helpers import engine_prompt_then_decode, hf_logits, hf_model, max_rel_err, random_tokens
 from test_qwen import hf_greedy, rewritten
-from tiny_models import GEMMA3, GEMMA3_LAYERS, N_FF, make_tiny, training_text
+from tiny_models import GEMMA3, GEMMA3_LAYERS, N_FF, make_tiny
 
 import powerinfer_engine as engine
 from powerinfer_tools.formats import names
 from powerinfer_tools.formats.gguf_io import open_reader
-from powerinfer_tools.formats.tokenizer import _sentencepiece_tokens, tokenizer_from_file
 
 N_TOKENS, N_PROMPT, N_GREEDY, N_LAYER = 300, 200, 32, GEMMA3_LAYERS
 # what llama.cpp's gemma3 computes without keys for them: the local base 10000, scores by 1/sqrt(head_dim)
@@ -51,23 +50,9 @@ def llama_cpp_gguf(model_dir, dst):
     if rope["rope_type"] == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
-    tokens, scores, types = _sentencepiece_tokens(model_dir)
-    writer.add_tokenizer_model("llama")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_scores(scores)
-    writer.add_token_types(types)
-    gguf.SpecialVocab(model_dir, load_merges=False, n_vocab=config["vocab_size"]).add_to_gguf(writer, quiet=True)
+    add_sentencepiece_vocab(writer, model_dir, config["vocab_size"])
     writer.add_add_space_prefix(False)
-    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, config["num_hidden_layers"])
-    for hf_name, data in load_file(model_dir / "model.safetensors").items():
-        name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        assert name is not None, hf_name
-        writer.add_tensor(name, data.astype(np.float32) + (1.0 if name.endswith("norm.weight") else 0.0))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    add_checkpoint_tensors(writer, model_dir, gguf.MODEL_ARCH.GEMMA3, config["num_hidden_layers"], norm_offset=1.0)
     return dst
 
 
@@ -159,14 +144,7 @@ def test_llama_cpp_file_runs_with_the_same_logits_and_tokenizer(family, capsys):
         assert m.info["magic"] == "GGUF"
         err = max_rel_err(engine_prompt_then_decode(m, tokens, N_PROMPT), hf_logits(src, tokens))
     assert err <= 1e-4, f"llama.cpp's gemma3 file drifts from transformers: {err:.2e} relative"
-    from transformers import AutoTokenizer
-
-    hf, rebuilt = AutoTokenizer.from_pretrained(src), tokenizer_from_file(theirs)
-    text = training_text()[:2000] + " 12345, it's 3.14!!\n\n  done"
-    assert rebuilt(text).input_ids == hf(text).input_ids
-    chat = [{"role": "user", "content": "Who art thou?"}]
-    assert rebuilt.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == \
-        hf.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert_same_tokenizer_and_template(src, theirs)
     code, _, err = run_cli(capsys, "run", "-m", theirs, "-p", "To be", "-n", "4")
     assert code == 0, err
 
@@ -174,19 +152,8 @@ def test_llama_cpp_file_runs_with_the_same_logits_and_tokenizer(family, capsys):
 def test_the_device_tier_gives_the_cpu_logits(family, tmp_path, monkeypatch):
     """Through the host emulation of a device library: the device computes neither GELU neurons nor per-head norms,
     so attention and every neuron stay on the CPU, the output head goes to the device; past the window."""
-    monkeypatch.setenv("PI_EMULATED_DEVICE_MIB", "512")
-    monkeypatch.delenv("PI_EMULATED_DEVICES", raising=False)
-    hot = write_gpuidx(tmp_path / "hot.gpuidx",
-                       [np.random.default_rng(31 + i).random(N_FF) < 0.3 for i in range(N_LAYER)])
     src, path, _ = family()
-    tokens = tokens_for(src, 60)
-
-    def run(**kw):
-        with engine.Model(path, threads=2, sparse_mode="dense", batch_size=16, gpuidx=hot, **kw) as m:
-            return engine_prompt_then_decode(m, tokens, 40), m.info
-
-    cpu, _ = run(gpu="off", cpu_hot_tier=True)
-    dev, info = run(gpu="on", gpu_library=engine.device_library_path("emulated"))
+    cpu, dev, info, _ = emulated_device_run(path, tokens_for(src, 60), 40, N_LAYER, N_FF, tmp_path, monkeypatch)
     placed = info["gpu"]["device"]
     assert placed["attention_layers"] == placed["layers_on_device"] == 0 and placed["output_head"] == "device"
     assert max_rel_err(dev, cpu) <= 1e-4
@@ -194,16 +161,7 @@ def test_the_device_tier_gives_the_cpu_logits(family, tmp_path, monkeypatch):
 
 def test_input_sparsity_from_a_profile_runs(family, tmp_path, capsys):
     src, _, _ = family()
-    calib = tmp_path / "calib.txt"
-    calib.write_text(training_text()[:40_000])
-    prof = profiled(src, tmp_path / "prof", calib, 1024, 128, "--input-allocation", "uniform")
-    out = tmp_path / "m.gguf"
-    code, _, err = run_cli(capsys, "convert", "-m", src, "--profile", prof, "--outtype", "f32", "-o", out, "-q",
-                           "--input-thresholds")
-    assert code == 0, err
-    assert names.KEY_INPUT_THRESHOLDS in open_reader(out).fields
-    code, _, err = run_cli(capsys, "run", "-m", out, "-p", "To be", "-n", "4", "--sparse-mode", "input")
-    assert code == 0, err
+    assert_input_sparsity_runs(src, tmp_path, capsys)
 
 
 # ---- refusals ---------------------------------------------------------------------------------------------------
@@ -220,18 +178,7 @@ REFUSED = [  # (config.json fields, what the line names)
 
 @pytest.mark.parametrize("fields,needle", REFUSED, ids=[n.split(" =")[0].split(" '")[0] for _, n in REFUSED])
 def test_unsupported_field_is_refused_by_convert_and_its_dry_run(fields, needle, family, tmp_path, capsys):
-    model = tmp_path / "model"
-    shutil.copytree(family()[0], model)
-    cfg = json.loads((model / "config.json").read_text())
-    if "rope_scaling" in fields:
-        cfg.pop("rope_parameters", None)
-    (model / "config.json").write_text(json.dumps({**cfg, **fields}))
-    out = tmp_path / "m.gguf"
-    code, _, err = run_cli(capsys, "convert", "-m", model, "-o", out)
-    assert_one_line_error(code, err, needle)
-    assert not out.exists()
-    code, _, err = run_cli(capsys, "convert", "--dry-run", "-m", model / "config.json")
-    assert_one_line_error(code, err, needle)
+    assert_convert_refuses(family()[0], fields, needle, tmp_path, capsys)
 
 
 def test_engine_refuses_what_it_would_not_compute(family, tmp_path):

@@ -7,17 +7,16 @@ sliding window capping the context; the GPU tier through the host emulation; wha
 from __future__ import annotations
 
 import json
-import shutil
 
 import gguf
 import numpy as np
 import pytest
 import torch
-from cli_helpers import assert_one_line_error, profiled, run_cli
-from engine_helpers import (engine_prompt_then_decode, finish_gguf, hf_logits, hf_model, max_rel_err, random_tokens,
-                            write_gpuidx)
-from safetensors.numpy import load_file
-from tiny_models import N_FF, N_LAYER, QWEN3_HEAD_DIM, QWEN_KINDS, make_tiny, training_text
+from cli_helpers import assert_one_line_error, run_cli
+from family_checks import (add_checkpoint_tensors, assert_convert_refuses, assert_input_sparsity_runs,
+                           assert_same_tokenizer_and_template, emulated_device_run)
+from engine_helpers import (engine_prompt_then_decode, finish_gguf, hf_logits, hf_model, max_rel_err, random_tokens)
+from tiny_models import N_FF, N_LAYER, QWEN3_HEAD_DIM, QWEN_KINDS, make_tiny
 
 import powerinfer_engine as engine
 from powerinfer_tools.formats import names
@@ -66,15 +65,7 @@ def llama_cpp_gguf(model_dir, dst, kind: str):
     writer.add_token_list([by_id[i] for i in range(config["vocab_size"])])
     writer.add_token_types(types)
     gguf.SpecialVocab(model_dir, load_merges=True, n_vocab=config["vocab_size"]).add_to_gguf(writer, quiet=True)
-    name_map = gguf.get_tensor_name_map(GGUF_ARCH[kind], config["num_hidden_layers"])
-    for hf_name, data in load_file(model_dir / "model.safetensors").items():
-        name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        assert name is not None, hf_name
-        writer.add_tensor(name, data.astype(np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    add_checkpoint_tensors(writer, model_dir, GGUF_ARCH[kind], config["num_hidden_layers"])
     return dst
 
 
@@ -136,15 +127,8 @@ def test_llama_cpp_file_runs_with_the_same_logits_and_tokenizer(kind, family, ca
         assert m.info["magic"] == "GGUF"
         err = max_rel_err(engine_prompt_then_decode(m, TOKENS, N_PROMPT), hf_logits(src, TOKENS))
     assert err <= 1e-4, f"llama.cpp's {kind} file drifts from transformers: {err:.2e} relative"
-    from transformers import AutoTokenizer
-
-    hf, rebuilt = AutoTokenizer.from_pretrained(src), tokenizer_from_file(theirs)
-    text = training_text()[:2000] + " 12345, it's 3.14!!\n\n  done"
-    assert rebuilt(text).input_ids == hf(text).input_ids
-    chat = [{"role": "user", "content": "Who art thou?"}]
-    assert rebuilt.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == \
-        hf.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-    assert rebuilt.eos_token == "<|im_end|>"
+    assert_same_tokenizer_and_template(src, theirs)
+    assert tokenizer_from_file(theirs).eos_token == "<|im_end|>"
     code, _, err = run_cli(capsys, "run", "-m", theirs, "-p", "To be", "-n", "4")
     assert code == 0, err
 
@@ -169,18 +153,8 @@ def test_the_device_tier_gives_the_cpu_logits(kind, config, family, tmp_path, mo
     cache on the device (its biases, NeoX RoPE, heads of their own width where config.json sets head_dim, which
     Qwen2's class reads too); Qwen3's stay on the CPU (the device computes no per-head norms), its hot rows and
     output head on the device."""
-    monkeypatch.setenv("PI_EMULATED_DEVICE_MIB", "512")
-    monkeypatch.delenv("PI_EMULATED_DEVICES", raising=False)
-    hot = write_gpuidx(tmp_path / "hot.gpuidx",
-                       [np.random.default_rng(31 + i).random(N_FF) < 0.3 for i in range(N_LAYER)])
     _, path, _ = family(kind, **config)
-
-    def run(**kw):
-        with engine.Model(path, threads=2, sparse_mode="dense", batch_size=16, gpuidx=hot, **kw) as m:
-            return engine_prompt_then_decode(m, TOKENS[:40], 24), m.info, m.stats()
-
-    cpu, _, _ = run(gpu="off", cpu_hot_tier=True)
-    dev, info, stats = run(gpu="on", gpu_library=engine.device_library_path("emulated"))
+    cpu, dev, info, stats = emulated_device_run(path, TOKENS[:40], 24, N_LAYER, N_FF, tmp_path, monkeypatch)
     placed = info["gpu"]["device"]
     assert placed["layers_on_device"] == N_LAYER and placed["output_head"] == "device"
     assert placed["attention_layers"] == (N_LAYER if kind == "qwen2" else 0)
@@ -193,16 +167,7 @@ def test_input_sparsity_from_a_profile_runs(kind, family, tmp_path, capsys):
     """profile --input-allocation, convert with its thresholds, run --sparse-mode input (the logits against
     transformers with the same inputs zeroed: tests/engine/test_engine_input_sparsity.py)."""
     src, _, _ = family(kind)
-    calib = tmp_path / "calib.txt"
-    calib.write_text(training_text()[:40_000])
-    prof = profiled(src, tmp_path / "prof", calib, 1024, 128, "--input-allocation", "uniform")
-    out = tmp_path / "m.gguf"
-    code, _, err = run_cli(capsys, "convert", "-m", src, "--profile", prof, "--outtype", "f32", "-o", out, "-q",
-                           "--input-thresholds")
-    assert code == 0, err
-    assert names.KEY_INPUT_THRESHOLDS in open_reader(out).fields
-    code, _, err = run_cli(capsys, "run", "-m", out, "-p", "To be", "-n", "4", "--sparse-mode", "input")
-    assert code == 0, err
+    assert_input_sparsity_runs(src, tmp_path, capsys)
 
 
 # ---- refusals ---------------------------------------------------------------------------------------------------
@@ -220,18 +185,7 @@ REFUSED = [  # (kind, config.json fields, what the line names)
 
 @pytest.mark.parametrize("kind,fields,needle", REFUSED, ids=[f"{k}-{n.split(' =')[0]}" for k, _, n in REFUSED])
 def test_unsupported_field_is_refused_by_convert_and_its_dry_run(kind, fields, needle, family, tmp_path, capsys):
-    model = tmp_path / "model"
-    shutil.copytree(family(kind)[0], model)
-    cfg = json.loads((model / "config.json").read_text())
-    if "rope_scaling" in fields:
-        cfg.pop("rope_parameters", None)
-    (model / "config.json").write_text(json.dumps({**cfg, **fields}))
-    out = tmp_path / "m.gguf"
-    code, _, err = run_cli(capsys, "convert", "-m", model, "-o", out)
-    assert_one_line_error(code, err, needle)
-    assert not out.exists()
-    code, _, err = run_cli(capsys, "convert", "--dry-run", "-m", model / "config.json")
-    assert_one_line_error(code, err, needle)
+    assert_convert_refuses(family(kind)[0], fields, needle, tmp_path, capsys)
 
 
 def rewritten(src, dst, drop: tuple = (), fields: dict | None = None, tensors: dict | None = None, arch=None):

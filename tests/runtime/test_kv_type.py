@@ -2,7 +2,7 @@
 SmolLM2 q8_0 (slow): its perplexity over wikitext-2 test windows stays within a bound of the f32 cache's, and the
 f32 cache remains one flag away.
 
-The bound, 1 %, is twice what the f16 cache measured on these windows (docs/engine.md, "The KV cache") and a
+The bound, 1 %, is over twice what the f16 cache moved it on these windows (docs/engine.md, "The KV cache") and a
 twentieth of what a q4_0 file costs over q8_0 (tests/convert/test_quant_quality.py).
 """
 from __future__ import annotations

@@ -13,12 +13,6 @@ namespace {
 // the allocator's rounding): what an unset budget leaves free.
 double default_reserve(double total) { return std::max(256.0 * (1 << 20), 0.05 * total); }
 
-std::string gib(double bytes) {
-    char b[32];
-    std::snprintf(b, sizeof b, "%.2f GiB", bytes / double(1 << 30));
-    return b;
-}
-
 std::vector<float> gather_bias(const Matrix &b, const std::vector<int32_t> &ids) {
     std::vector<float> out;
     if (!b.data) return out;

@@ -174,7 +174,6 @@ std::unique_ptr<DiskTier> Engine::open_disk_tier(const pi_options &opts, int64_t
     // the memory check's limit, less what the process held before the engine copied anything: the most any budget
     // may be (the tier's budget holds the working memory too, so it replaces check_working_memory's check)
     const double limit = usable_memory_bytes(), room = limit - std::max(0.0, process_anonymous_bytes() - copied);
-    const auto gib = [](double b) { return std::to_string(b / double(1 << 30)).substr(0, 6) + " GiB"; };
     if (budget == 0) {
         source = "the machine's memory or its cgroup's limit, less what the process held";
         const bool all_cold = model_->hot_neurons() == 0;

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdio>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -34,6 +35,13 @@ struct EngineFailure : std::runtime_error {
     pi_status status;
     EngineFailure(pi_status s, const std::string &msg) : std::runtime_error(printable(msg)), status(s) {}
 };
+
+// A byte count for a message: "1.25 GiB".
+inline std::string gib(double bytes) {
+    char text[32];
+    std::snprintf(text, sizeof text, "%.2f GiB", bytes / double(1 << 30));
+    return text;
+}
 
 [[noreturn]] inline void fail(pi_status status, const std::string &msg) { throw EngineFailure(status, msg); }
 

@@ -511,8 +511,9 @@ class LLM:
             prompt_seconds = time.perf_counter() - started
         self._cache = cache
         counted = self.counters
-        counted.calls, counted.prompt_tokens, counted.cached_tokens = \
-            counted.calls + 1, counted.prompt_tokens + len(ids), counted.cached_tokens + cached
+        counted.calls += 1
+        counted.prompt_tokens += len(ids)
+        counted.cached_tokens += cached
         counted.prompt_seconds += prompt_seconds
         decoder, held = StreamDecoder(self.tokenizer, ids), _StopFilter(request.stop)
         logprobs: list[TokenLogprob] = []

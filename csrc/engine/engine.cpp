@@ -78,6 +78,7 @@ Engine::Engine(const std::string &path, const pi_options &opts, const std::strin
     else if (opts.gpu != PI_GPU_OFF) hot_ = device_tier(opts, rank);
     disk_ = open_disk_tier(opts, threads);                     // where the hot tier goes is known
     if (!disk_) check_working_memory(threads, opts.kv_type == PI_KV_F16);  // a disk tier's budget holds it
+    if (!model_->dense_mapped()) model_->pack_dense_matrices(threads);
     rs_ = std::make_unique<RunState>(hp_, n_ctx_, n_batch_, threads, opts.kv_type == PI_KV_F16);
     if (device_) device_->begin(*model_, rs_->rope_cos.data(), rs_->rope_sin.data());
     device_layer_modes_.assign(size_t(hp_.n_layer), TierMode::Dense);
@@ -166,14 +167,14 @@ std::unique_ptr<DiskTier> Engine::open_disk_tier(const pi_options &opts, int64_t
     // What the engine holds whatever the tier keeps resident: the weights it has copied out of the file (the packed
     // matrices, the predictors, the decoded rows), what it will allocate (the KV cache at the full context, the work
     // buffers), the process's margin.
-    const WeightCopies wc = model_->weight_copies();
-    const double copied = double(wc.packed + wc.predictor + wc.decoded);
-    const double fixed = copied + working_bytes(threads, opts.kv_type == PI_KV_F16, true) + kProcessMargin;
+    const WeightCopies wc = model_->weight_copies();  // the packed matrices' copy is not made yet
+    const double held = double(wc.predictor + wc.decoded), copied = double(wc.packed) + held;
+    double fixed = copied + working_bytes(threads, opts.kv_type == PI_KV_F16, true) + kProcessMargin;
     double budget = double(opts.memory_budget);
     std::string source = "memory_budget";
     // the memory check's limit, less what the process held before the engine copied anything: the most any budget
     // may be (the tier's budget holds the working memory too, so it replaces check_working_memory's check)
-    const double limit = usable_memory_bytes(), room = limit - std::max(0.0, process_anonymous_bytes() - copied);
+    const double limit = usable_memory_bytes(), room = limit - std::max(0.0, process_anonymous_bytes() - held);
     if (budget == 0) {
         source = "the machine's memory or its cgroup's limit, less what the process held";
         const bool all_cold = model_->hot_neurons() == 0;
@@ -185,6 +186,16 @@ std::unique_ptr<DiskTier> Engine::open_disk_tier(const pi_options &opts, int64_t
         // what the tier would hold at this budget (no more than every bundle) does not fit what the process may take
         fail(PI_ERR_MEMORY, "memory_budget " + gib(budget) + " is more than this process may still take: " + gib(room) +
                                 " of the " + gib(limit) + " limit (the machine's memory or its cgroup's), less what it holds");
+    }
+    // Where the matrices every token reads whole, copied into groups, leave no room for a cache of one layer's
+    // bundles, they stay mapped instead: the kernel pages them in from the file (a token reads them all, so under
+    // pressure from the disk, as llama.cpp's mapped weights), and the budget holds the rest; a budget of the
+    // engine's own choosing then takes no more than that rest, leaving the page cache the room for them.
+    const double packed = double(wc.packed), min_cache = DiskTier::bundle_bytes_of(*model_) / double(hp_.n_layer);
+    if (packed > 0 && fixed + min_cache > budget) {
+        model_->map_dense_matrices();
+        fixed -= packed;
+        if (opts.memory_budget == 0) budget = std::min(budget, fixed + min_cache);
     }
     auto tier = std::make_unique<DiskTier>(path, *model_, budget, source, fixed, kDiskReadThreads);
     model_->hold_vectors();  // a model that does not fit its memory: its page cache is under pressure

@@ -160,14 +160,15 @@ std::string info_json(const Model &model, const RunSettings &run) {
 
 namespace {
 
-std::string disk_json(const DiskTier *disk) {
+std::string disk_json(const DiskTier *disk, bool dense_mapped) {
     if (!disk) return "null";
     const DiskCounts &c = disk->counts();
     const auto count = [](double v) { return std::to_string(int64_t(v)); };  // exact: bytes pass 2^32 in minutes
     return "{\"tokens\": " + count(c.tokens) + ", \"bytes\": " + count(c.bytes) + ", \"reads\": " + count(c.reads) +
            ", \"cache_hits\": " + count(c.cache_hits) + ", \"cache_misses\": " + count(c.cache_misses) +
            ", \"io_wait_seconds\": " + num(c.io_wait_seconds) + ", \"resident_bytes\": " + count(disk->resident_bytes()) +
-           ", \"budget_bytes\": " + count(disk->budget_bytes()) + "}";
+           ", \"budget_bytes\": " + count(disk->budget_bytes()) +
+           ", \"dense_mapped\": " + (dense_mapped ? "true" : "false") + "}";
 }
 
 }  // namespace
@@ -206,7 +207,7 @@ std::string stats_json(const Model &model, const WeightCopies &wc, const EngineS
             ", \"hot\": " + std::to_string(wc.hot) + ", \"cold_groups\": " + std::to_string(wc.cold_groups) +
             ", \"down_quads\": " + std::to_string(wc.down_quads) + ", \"decoded\": " + std::to_string(wc.decoded) +
             ", \"input_columns\": " + std::to_string(wc.input_columns) + "}, \"gpu\": " + device_json(device) +
-            ", \"disk\": " + disk_json(disk) + ", \"layers\": [";
+            ", \"disk\": " + disk_json(disk, model.dense_mapped()) + ", \"layers\": [";
     const double F = double(model.hp().n_ff);
     for (size_t i = 0; i < stats.layers.size(); ++i) {
         const LayerStats &s = stats.layers[i];

@@ -192,7 +192,7 @@ DiskTier::DiskTier(const std::string &path, Model &model, double budget, const s
         const double left = budget - fixed_bytes;
         if (left < min_cache)
             fail(PI_ERR_MEMORY, "memory budget of " + mib(budget) + " (" + budget_source + ") is below what the engine must hold: " + mib(fixed_bytes) +
-                                    " (attention, head, predictors, KV cache, buffers) + " + mib(min_cache) +
+                                    " (the weights copied at open, the KV cache, buffers) + " + mib(min_cache) +
                                     " (a cache of one layer's neuron bundles) = " + mib(fixed_bytes + min_cache));
         n_cache_ = std::min<int64_t>(NL * F, std::max<int64_t>(F, int64_t(left / 4 / B)));
         const int64_t n_resident = std::min<int64_t>(NL * F - n_cache_, int64_t((left - double(n_cache_) * B) / B));

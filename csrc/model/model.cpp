@@ -34,15 +34,27 @@ Model::Model(const std::string &path, const std::string &gpuidx_path, int thread
     decoded_.open_cache(decode_cache, *file_);
     bind_tensors();
     build_tiers(gpuidx_path, hot_tier);
-    pack_dense_matrices(threads);
     decoded_.finish_cache();  // after the last decoding
 }
 
-void Model::pack_dense_matrices(int threads) {
+std::vector<Matrix *> Model::dense_matrices() {
     std::vector<Matrix *> dense;
     for (Layer &l : layers_)
         for (Matrix *m : {&l.wq, &l.wk, &l.wv, &l.wo, &l.fc1}) dense.push_back(m);
     dense.push_back(&output_);
+    return dense;
+}
+
+int64_t Model::dense_pack_bytes() const {
+    int64_t total = 0;
+    for (Matrix *m : const_cast<Model *>(this)->dense_matrices()) total += (packed_bytes(*m) + 63) / 64 * 64;
+    return total;
+}
+
+void Model::pack_dense_matrices(int threads) {
+    if (dense_ != DenseLayout::Pending) fail(PI_ERR_INTERNAL, path() + ": the dense matrices are laid out already");
+    dense_ = DenseLayout::Packed;
+    std::vector<Matrix *> dense = dense_matrices();
     std::vector<int64_t> offsets;  // each matrix's place in the one buffer, on a line boundary
     int64_t total = 0;
     for (const Matrix *m : dense) {
@@ -794,7 +806,7 @@ int64_t Model::hot_neurons() const {
 
 WeightCopies Model::weight_copies() const {
     WeightCopies c;
-    c.packed = packed_.size();
+    c.packed = dense_ == DenseLayout::Pending ? size_t(dense_pack_bytes()) : packed_.size();
     c.decoded = decoded_.bytes();
     for (const Layer &l : layers_) {
         c.predictor += l.cold.fc2_storage.size();

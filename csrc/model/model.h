@@ -228,7 +228,7 @@ struct WeightCopies {
 class Model {
 public:
     // Throws EngineFailure with the file name and the first problem found.
-    // threads: how many pack the dense matrices (the engine's thread count); hot_tier: false puts every neuron in
+    // threads: how many decode rows at load (the engine's thread count); hot_tier: false puts every neuron in
     // the cold tier (the gpuidx is still checked); decode_cache: the file the rows decoded at load are kept in
     // and read from (model/decode_cache.h; "": none)
     Model(const std::string &path, const std::string &gpuidx_path, int threads = 1, bool hot_tier = true,
@@ -270,6 +270,14 @@ public:
     // Reads layer il's cold rows from neuron bundles through `table` (FfnTier::bundle) from here on: the tier keeps no
     // groups or quads, and the mapped rows are never read.
     void attach_bundles(int64_t il, const uint8_t *const *table, size_t up_offset, size_t down_offset);
+    // Packs the matrices every token reads whole (attention's, the output head, the predictors' fc1) into 8-row
+    // groups (see Matrix::groups), all in one buffer on 2 MiB pages (streamed every token: on 4 KiB pages a stream
+    // misses the TLB every 4 KiB), on `threads` threads. Called once by the engine after open, unless it keeps them
+    // mapped (`map_dense_matrices`: a memory budget that cannot hold the copy; the kernel pages them in from the
+    // file, as llama.cpp's mapped weights). weight_copies() counts the copy until either is chosen.
+    void pack_dense_matrices(int threads);
+    void map_dense_matrices() { dense_ = DenseLayout::Mapped; }
+    bool dense_mapped() const { return dense_ == DenseLayout::Mapped; }
     WeightCopies weight_copies() const;
     const DecodedWeights &decoded() const { return decoded_; }
     // Largest predictor rank over layers (0 without predictors).
@@ -294,9 +302,8 @@ private:
     void check_neuron_order(const GgufFile &gpuidx) const;
     // The cold tier's predictor rows (see FfnTier::fc2), from the layer's fc2 (whose rows are not read again).
     void bind_cold_predictor(Layer &l);
-    // Packs the matrices every token reads whole into 8-row groups (see Matrix::groups), all in one buffer on
-    // 2 MiB pages (streamed every token: on 4 KiB pages a stream misses the TLB every 4 KiB).
-    void pack_dense_matrices(int threads);
+    std::vector<Matrix *> dense_matrices();
+    int64_t dense_pack_bytes() const;  // the packed copy's bytes (each matrix on a line boundary)
     // Frees the decoded rows (model/decode.h) of the matrices among `dense` that every reader now takes from
     // their groups (all rows grouped, not the embedding's rows), as pack() hands back a mapped matrix's pages.
     void free_grouped_decoded(const std::vector<Matrix *> &dense);
@@ -311,9 +318,11 @@ private:
     bool has_predictor_ = false;
     std::vector<float> input_levels_, input_table_;
     PageMemory packed_;  // backing of the packed matrices' Matrix::groups
+    enum class DenseLayout { Pending, Packed, Mapped };
+    DenseLayout dense_ = DenseLayout::Pending;
     DecodedWeights decoded_;  // the matrices decoded at load (their Matrix::data)
     std::vector<uint8_t> held_vectors_;  // hold_vectors' copies
-    int threads_ = 1;         // the engine's threads, which pack and decode at load
+    int threads_ = 1;         // the engine's threads, which decode at load
 };
 
 }  // namespace pi

@@ -103,12 +103,14 @@ def bench(
                                                  help="GiB: run each engine alone in a "
                                                  "memory cgroup of this size (made and removed here; needs root), "
                                                  "the page cache dropped before each: llama.cpp repacked and mapped "
-                                                 "only, ours in each mode with and without its disk tier. Prints "
+                                                 "only, ours in each mode at its defaults (its disk tier turns on where "
+                                                 "the FFN does not fit) and at --memory-budget. Prints "
                                                  "peak memory, OOM kills and what a token reads from the disk. "
                                                  "Default: no limit."),
     memory_budget: Optional[float] = typer.Option(None, "--memory-budget", callback=flags.within(limits.DEVICE_BUDGET_GIB),
                                                   help="GiB our disk tier may hold under "
-                                                  "--memory-limit. Default: 3/4 of the limit."),
+                                                  "--memory-limit, in rows of its own. Default: only the engine's "
+                                                  "own rule (the limit less what the process holds)."),
     json_out: Optional[Path] = typer.Option(None, "--json-out", help="Write the full record (samples, machine, "
                                             "byte model) as JSON."),
     png: Optional[Path] = typer.Option(None, "--png", help="Draw the sweep (tokens/s vs sparsity) as PNG."),

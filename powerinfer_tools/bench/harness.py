@@ -87,7 +87,7 @@ class BenchOptions:
     peer_python: str | None = None
     llamacpp_wait: str | None = None       # OMP_WAIT_POLICY of the llama.cpp peer; None: the faster of both per run
     memory_limit: float | None = None      # GiB: each engine alone in a memory cgroup of this size (limited.py)
-    memory_budget: float | None = None     # GiB: our disk tier's budget under memory_limit (None: a share of it)
+    memory_budget: float | None = None     # GiB: a row of ours with this disk-tier budget under memory_limit
     progress: bool = True
     command: str = ""
     log: list[str] = field(default_factory=list)
@@ -504,11 +504,11 @@ def run_bench(opts: BenchOptions) -> dict:
 
 
 def _memory_limited(opts: BenchOptions, files, modes, prompt: list[int], tg: dict, n_ctx: int) -> dict:
-    """Every engine alone under --memory-limit (limited.py); ours without and with its disk tier."""
+    """Every engine alone under --memory-limit (limited.py); ours at its defaults, and with --memory-budget."""
     from powerinfer_tools.bench import cgroup, limited
     from powerinfer_tools.formats import neuron_bundles
 
-    budget = opts.memory_budget if opts.memory_budget is not None else limited.BUDGET_SHARE * opts.memory_limit
+    budget = opts.memory_budget  # None: the engine's own rule alone (its rows at their defaults)
     if not neuron_bundles.current(files.powerinfer):  # what the disk tier reads
         from powerinfer_tools.stages.placement import profile_frequencies
 

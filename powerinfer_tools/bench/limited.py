@@ -4,7 +4,9 @@ with that much memory, the page cache dropped before each, so that what a token 
 Contestants, one process and one cgroup each, one after another (not interleaved: each starts cold):
   llama.cpp, its weights repacked into anonymous memory (its default on this CPU), and mapped only (repack off: its
   weights are the file's pages, which the kernel can drop and read again);
-  ours in each FFN mode without the disk tier, and with it (engine.Model's memory_budget).
+  ours in each FFN mode at its defaults (the engine's disk tier turns itself on where the FFN does not fit the limit
+  less what the process holds, and its budget is that room: docs/engine.md, "Models larger than memory"), and with
+  --memory-budget's tier where one is given.
 Per row: pp and tg speeds (medians over the rounds; the first round starts from an empty page cache), the cgroup's
 peak (page cache included) and OOM kills, the storage bytes and major faults of a generated token (the kernel's
 counts, /proc/PID/io: the same measure for every engine) and, where our engine's stats have a "disk" object, the
@@ -20,9 +22,6 @@ from powerinfer_tools.bench.runners import Worker, WorkerDied
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.core.progress import progress_bar
 
-BUDGET_SHARE = 0.75   # default disk-tier budget: this share of the limit (the rest: Python, KV cache, buffers)
-
-
 @dataclass
 class Contestant:
     label: str
@@ -32,7 +31,7 @@ class Contestant:
 
 
 def contestants(modes, ours_options: dict, budget_gib: float | None, llamacpp: bool) -> list[Contestant]:
-    """The rows, in the order they run; ours with the disk tier only where budget_gib is given."""
+    """The rows, in the order they run; ours with a given disk-tier budget only where budget_gib is given."""
     rows = []
     if llamacpp:
         rows += [Contestant("llama.cpp repacked", "llama.cpp", "dense", {"repack": True}),

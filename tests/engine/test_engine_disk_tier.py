@@ -24,7 +24,8 @@ from powerinfer_tools.formats.gguf_header import read_header
 from powerinfer_tools.stages.conversion import convert_model
 
 MERGE_GAP_BYTES = 4 << 10  # csrc/model/disk_tier.cpp's kMergeGapBytes
-KEYS = {"tokens", "bytes", "reads", "cache_hits", "cache_misses", "io_wait_seconds", "resident_bytes", "budget_bytes"}
+KEYS = {"tokens", "bytes", "reads", "cache_hits", "cache_misses", "io_wait_seconds", "resident_bytes", "budget_bytes",
+        "dense_mapped"}
 
 
 @pytest.fixture(params=["q4_0", "f32"])
@@ -94,10 +95,36 @@ def test_the_same_bits_on_one_thread(bundled):
                           decode(model, "predictor", threads=1)[0])
 
 
+def packed_bytes(model) -> int:
+    """The packed copy of the matrices every token reads whole (attention's, the head, fc1), without a disk tier."""
+    with engine.Model(model, threads=2, sparse_mode="predictor", ctx_size=128) as m:
+        return m.stats()["weight_copies"]["packed"]
+
+
+def test_a_budget_that_cannot_hold_the_packed_matrices_keeps_them_mapped(bundled):
+    model, _, fixed, bundle = bundled
+    packed = packed_bytes(model)
+    if not packed:
+        pytest.skip("f32 matrices are read as rows: nothing is packed")
+    mapped, stats = decode(model, "predictor")
+    assert stats["weight_copies"]["packed"] == packed
+    # room for one layer's cache beside everything but the packed copy: the tier keeps attention and head mapped
+    budget = fixed - packed + N_FF * bundle + 1024
+    tiered, stats = decode(model, "predictor", budget)
+    disk = stats["disk"]
+    assert disk["dense_mapped"] and stats["weight_copies"]["packed"] == 0
+    assert disk["resident_bytes"] <= disk["budget_bytes"] <= budget
+    # the matrices' rows read one at a time rather than in groups: the same products, summed in another order
+    np.testing.assert_allclose(tiered, mapped, rtol=1e-4, atol=1e-4 * np.abs(mapped).max())
+    assert np.array_equal(tiered.argmax(-1), mapped.argmax(-1))
+    # with room for the copy, it is made
+    assert not decode(model, "predictor", fixed + N_FF * bundle + 1024)[1]["disk"]["dense_mapped"]
+
+
 def test_a_budget_below_what_the_engine_holds_names_the_sizes(bundled):
     model, _, fixed, bundle = bundled
-    with pytest.raises(engine.EngineError) as e:
-        decode(model, "predictor", fixed + N_FF * bundle // 2)
+    with pytest.raises(engine.EngineError) as e:  # below the cache and what the engine holds with nothing packed
+        decode(model, "predictor", fixed - packed_bytes(model) + N_FF * bundle // 2)
     msg = str(e.value)
     assert "\n" not in msg and "memory budget of" in msg and "MiB" in msg and "neuron bundles" in msg
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from .library_check import LibraryRefused, check_library
 
 LIBRARY_ENV = "PI_ENGINE_LIB"
-API_VERSION = 15
+API_VERSION = 16
 
 FFN_MODES = {"dense": 0, "gate": 1, "predictor": 2, "auto": 3, "oracle": 4}
 KV_TYPES = {"f32": 0, "f16": 1}
@@ -107,6 +107,7 @@ _SIGNATURES = {
     "pi_set_recall_check": (_I32, [_P, _I32]),
     "pi_set_input_sparsity": (_I32, [_P, ctypes.c_float]),
     "pi_eval": (_I32, [_P, _P, _I32, _P, _I32]),
+    "pi_eval_hidden": (_I32, [_P, _P, _I32, _P]),
     "pi_n_past": (_I32, [_P]),
     "pi_truncate": (_I32, [_P, _I32]),
     "pi_sample": (_I32, [_P, ctypes.POINTER(Sampling), ctypes.POINTER(_I32)]),

@@ -103,6 +103,7 @@ class Model:
         self.path = str(path)
         self.info = self._json(lib().pi_info_json)
         self.n_vocab: int = self.info["n_vocab"]
+        self.n_embd: int = self.info["n_embd"]
         self.n_ctx: int = self.info["n_ctx"]
         self._last = np.zeros(self.n_vocab, dtype=np.float32)
 
@@ -182,6 +183,15 @@ class Model:
         out = np.empty((toks.size, self.n_vocab) if all_logits else self.n_vocab, dtype=np.float32)
         self._checked(lib().pi_eval, toks.ctypes.data_as(ctypes.c_void_p), toks.size,
                       out.ctypes.data_as(ctypes.c_void_p), int(all_logits))
+        return out
+
+    def eval_hidden(self, tokens: Iterable[int]) -> np.ndarray:
+        """Run tokens after the cached ones; their last hidden states through the output norm [len(tokens), n_embd]
+        (what the head reads; embeddings pool them). No logits: sample() is refused until the next eval()."""
+        toks = _token_ids(tokens, self.n_vocab)
+        out = np.empty((toks.size, self.n_embd), dtype=np.float32)
+        self._checked(lib().pi_eval_hidden, toks.ctypes.data_as(ctypes.c_void_p), toks.size,
+                      out.ctypes.data_as(ctypes.c_void_p))
         return out
 
     def sample(self, temperature: float = 0.0, top_k: int = 40, top_p: float = 0.95,

@@ -98,6 +98,10 @@ pi_status pi_eval(pi_engine *e, const int32_t *tokens, int32_t n, float *logits,
     return with_engine(e, [&](pi::Engine &engine) { engine.eval(tokens, n, logits, all_logits != 0); });
 }
 
+pi_status pi_eval_hidden(pi_engine *e, const int32_t *tokens, int32_t n, float *hidden) {
+    return with_engine(e, [&](pi::Engine &engine) { engine.eval_hidden(tokens, n, hidden); });
+}
+
 int32_t pi_n_past(const pi_engine *e) { return e ? e->engine.n_past() : -1; }
 
 pi_status pi_truncate(pi_engine *e, int32_t n_keep) {

@@ -238,7 +238,22 @@ void Engine::truncate(int32_t n_keep) {
     rs_->n_past = n_keep;
 }
 
-void Engine::eval(const int32_t *tokens, int32_t n, float *logits, bool all_logits) {
+void Engine::eval_hidden(const int32_t *tokens, int32_t n, float *hidden) {
+    if (!hidden) fail(PI_ERR_ARGUMENT, "hidden is NULL");
+    check_tokens(tokens, n);
+    const auto t0 = std::chrono::steady_clock::now();
+    rs_->logits_current = false;
+    const int64_t E = hp_.n_embd;
+    for (int64_t done = 0; done < n;) {
+        const int64_t chunk = std::min<int64_t>(n_batch_, n - done);
+        forward(tokens + done, chunk, nullptr, 0, false);  // the stream ends on the host without logits
+        norm(rs_->x.data(), model_->output_norm(), model_->output_norm_b(), chunk, hidden + done * E);
+        done += chunk;
+    }
+    stats_.take_eval(n, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+}
+
+void Engine::check_tokens(const int32_t *tokens, int32_t n) const {
     if (n <= 0) fail(PI_ERR_ARGUMENT, "eval needs at least one token");
     if (!tokens) fail(PI_ERR_ARGUMENT, "tokens is NULL");
     if (rs_->n_past + n > n_ctx_)
@@ -248,7 +263,12 @@ void Engine::eval(const int32_t *tokens, int32_t n, float *logits, bool all_logi
         if (tokens[i] < 0 || tokens[i] >= hp_.n_vocab)
             fail(PI_ERR_ARGUMENT, "token id " + std::to_string(tokens[i]) + " is outside the vocabulary (0.." +
                                       std::to_string(hp_.n_vocab - 1) + ")");
+}
+
+void Engine::eval(const int32_t *tokens, int32_t n, float *logits, bool all_logits) {
+    check_tokens(tokens, n);
     const auto t0 = std::chrono::steady_clock::now();
+    rs_->logits_current = true;
     for (int64_t done = 0; done < n;) {
         const int64_t chunk = std::min<int64_t>(n_batch_, n - done);
         const bool last = done + chunk == n;
@@ -263,6 +283,7 @@ void Engine::eval(const int32_t *tokens, int32_t n, float *logits, bool all_logi
 
 int32_t Engine::sample(const pi_sampling &p, const uint32_t *allowed, int64_t n_words) {
     if (rs_->n_past == 0) fail(PI_ERR_ARGUMENT, "nothing evaluated yet: call pi_eval before pi_sample");
+    if (!rs_->logits_current) fail(PI_ERR_ARGUMENT, "the last evaluation made hidden states, not logits: call pi_eval before pi_sample");
     if (!(p.temperature >= 0.0f || p.temperature < 0.0f)) fail(PI_ERR_ARGUMENT, "temperature is NaN");
     if (!(p.repeat_penalty > 0.0f)) fail(PI_ERR_ARGUMENT, "repeat_penalty must be > 0");
     if (!(p.top_p > 0.0f)) fail(PI_ERR_ARGUMENT, "top_p must be > 0");

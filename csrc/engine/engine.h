@@ -34,6 +34,9 @@ public:
     // The model-wide share of inputs input sparsity zeroes (0: off); refused above the file's largest level.
     void set_input_sparsity(float share);
     void eval(const int32_t *tokens, int32_t n, float *logits, bool all_logits);
+    // The same, writing each token's last hidden state through the output norm (n * n_embd floats: what the head
+    // reads; embeddings pool them) instead of logits; the next sample is refused until an eval makes logits.
+    void eval_hidden(const int32_t *tokens, int32_t n, float *hidden);
     int32_t n_past() const { return int32_t(rs_->n_past); }
     void truncate(int32_t n_keep);
     // allowed: NULL, or a bitmask of n_words words over the vocabulary (pi_sample_masked)
@@ -48,6 +51,8 @@ public:
     }
 
 private:
+    // Refuses an empty or missing batch, one past the context, and token ids outside the vocabulary.
+    void check_tokens(const int32_t *tokens, int32_t n) const;
     // What the memory checks leave for the rest of the process: the allocator's slack, thread stacks, the caller's growth.
     static constexpr double kProcessMargin = 64.0 * (1 << 20);
     // Refuses (PI_ERR_MEMORY) before allocating when the buffers the hyperparameters imply exceed RAM.

@@ -53,6 +53,7 @@ struct RunState {
 
     // [batch, ...]
     std::vector<float> x, xn, q, k, v, att, tmp, y_hot, y_cold, last_logits;
+    bool logits_current = true;  // last_logits are the last evaluated token's (eval_hidden makes none)
     std::vector<float> scores;  // [threads][attention tile][n_ctx], or a decode step's [head][n_ctx]
     std::vector<BlockQ8_0> q_x, q_xn, q_att;
     Operand op_x, op_xn, op_att;  // x (the predictor's input), xn (the normed input of attention and the FFN), att

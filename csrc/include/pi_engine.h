@@ -21,7 +21,7 @@ extern "C" {
 #pragma GCC visibility push(default)
 #endif
 
-#define PI_ENGINE_API_VERSION 15
+#define PI_ENGINE_API_VERSION 16
 
 typedef enum {
     PI_OK = 0,
@@ -131,6 +131,9 @@ pi_status pi_set_input_sparsity(pi_engine *engine, float share);
 /* Run `n` tokens after the `pi_n_past` already in the cache. `logits` receives n * n_vocab floats
  * when all_logits != 0, else the n_vocab logits of the last token; it may be NULL. */
 pi_status pi_eval(pi_engine *engine, const int32_t *tokens, int32_t n, float *logits, int32_t all_logits);
+/* The same, writing each token's last hidden state through the output norm (n * n_embd floats: what the head
+ * reads, the input of an embedding's pooling) instead of logits; pi_sample is refused until a pi_eval. */
+pi_status pi_eval_hidden(pi_engine *engine, const int32_t *tokens, int32_t n, float *hidden);
 int32_t pi_n_past(const pi_engine *engine);
 /* Keep only the first n_keep cached tokens. */
 pi_status pi_truncate(pi_engine *engine, int32_t n_keep);

@@ -31,12 +31,15 @@ def serve(
     body_timeout: float = typer.Option(BODY_TIMEOUT_S, "--body-timeout", help="Answer a request whose body has "
                                        "not all arrived within this many seconds with a 408, and close its "
                                        "connection."),
+    pooling: str = typer.Option("mean", "--pooling", help="How /v1/embeddings pools a text's last hidden states "
+                                "(llama-server's --pooling): mean, or last (the last token's)."),
     engine: flags.EngineArgs = None,
 ):
     """Serve a model over the OpenAI API, as llama.cpp's llama-server does: POST /v1/chat/completions (the
-    model's chat template) and /v1/completions, streamed as server-sent events with "stream": true; GET
-    /v1/models and /health. Requests are answered one at a time in order of arrival; a client that resends its
-    conversation reuses the KV cache for the part it shares with the previous request.
+    model's chat template) and /v1/completions, streamed as server-sent events with "stream": true;
+    /v1/embeddings (the pooled last hidden states); GET /v1/models and /health. Requests are answered one at a
+    time in order of arrival; a client that resends its conversation reuses the KV cache for the part it shares
+    with the previous request.
 
     Point any OpenAI client at http://HOST:PORT/v1 (docs/serve.md).
 
@@ -48,7 +51,7 @@ def serve(
 
       pi-tools serve -m relu7b.q4_0.powerinfer.gguf --vram-budget 4 --profile prof --host 0.0.0.0 --api-key s3cret
     """
-    from powerinfer_tools.runtime.llm import LLM
+    from powerinfer_tools.runtime.llm import LLM, POOLINGS
     from powerinfer_tools.server.app import create_app
     from powerinfer_tools.server.listen import listen
 
@@ -61,8 +64,10 @@ def serve(
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         print(f"pi-tools: warning: serving on {host} without --api-key: anyone who reaches this port can use it",
               file=sys.stderr)
+    if pooling not in POOLINGS:
+        raise UserError(f"--pooling must be one of {', '.join(POOLINGS)}, not {pooling!r}")
     with LLM(model, ctx_size=ctx_size, **engine.llm_options()) as llm:
-        app = create_app(llm, alias or llm.name, api_key, max_body_mib, body_timeout)
+        app = create_app(llm, alias or llm.name, api_key, max_body_mib, body_timeout, pooling)
         try:
             listen(app, host, port, log_requests, app.state.worker.stop)
         finally:

@@ -93,6 +93,17 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class Embeddings:
+    """LLM.embed's answer: one float32 vector of n_embd per input, in order; prompt_tokens over all of them."""
+
+    vectors: tuple[np.ndarray, ...]
+    prompt_tokens: int
+
+
+POOLINGS = ("mean", "last")  # llama-server's --pooling values that a causal model's embedding takes
+
+
+@dataclass(frozen=True)
 class Timings:
     """The engine's own account of one call: the prompt tokens it evaluated (the uncached ones) and the
     generated ones, with their seconds, and the share of FFN neurons that passed the activation rule."""
@@ -383,6 +394,62 @@ class LLM:
                                                       add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # the template's own refusal (jinja's TemplateError, a raise_exception in it)
             raise RequestError(f"the chat template refused the messages: {str(exc).splitlines()[0]}") from None
+
+    # ---- embeddings ---------------------------------------------------------------------------------
+    def embed(self, inputs: str | Sequence[str] | Sequence[Sequence[int]], pooling: str = "mean",
+              normalize: bool = True) -> Embeddings:
+        """Each input's embedding, as llama-server's --embeddings computes it: the model's last hidden states
+        (through the output norm, what the head reads) over the input's tokens, pooled ("mean" of all, or the
+        "last" token's), of unit length where normalize. inputs: a string, strings (tokenized with the model's
+        BOS), a list of token ids or lists of them. Each input is evaluated from an empty cache, so its vector never depends on
+        what was evaluated before; the cache is left empty."""
+        if pooling not in POOLINGS:
+            raise RequestError(f"pooling must be one of {', '.join(POOLINGS)}, not {pooling!r}")
+        items = [inputs] if isinstance(inputs, str) else list(inputs) if isinstance(inputs, Sequence) else None
+        if items and all(_is_integer(i) for i in items):  # one input given as its token ids
+            items = [items]
+        if not items:
+            raise RequestError("input must be a string, a list of strings or a list of token id lists, not empty",
+                               param="input")
+        token = self._gate.enter(generation=True)
+        try:
+            with self._step:
+                self._generation += 1  # a stream this thread still holds ends: the cache is about to change
+                ids = [self._embedding_ids(item) for item in items]
+                from powerinfer_tools.runtime.inference import engine_errors
+
+                vectors = []
+                for one in ids:
+                    with engine_errors():
+                        self._cache = _Cache()
+                        self.model.reset(0)
+                        hidden = self.model.eval_hidden(one).astype(np.float64)
+                        self.model.reset(0)
+                    v = hidden.mean(axis=0) if pooling == "mean" else hidden[-1]
+                    norm = float(np.linalg.norm(v))
+                    vectors.append((v / norm if normalize and norm > 0 else v).astype(np.float32))
+        finally:
+            self._gate.leave(token)
+        self.counters.calls += 1
+        self.counters.prompt_tokens += sum(map(len, ids))
+        return Embeddings(tuple(vectors), sum(map(len, ids)))
+
+    def _embedding_ids(self, item) -> list[int]:
+        """One input's token ids, checked: text (a prompt's, BOS included) or ids inside the vocabulary and the
+        context."""
+        if isinstance(item, str):
+            ids = self.prompt_ids(item, True, param="input")
+        elif isinstance(item, Sequence) and item and all(_is_integer(i) for i in item):
+            if not all(0 <= i < self.model.n_vocab for i in item):
+                raise RequestError(f"token ids must be in [0, {self.model.n_vocab})", param="input")
+            ids = [int(i) for i in item]
+        else:
+            raise RequestError("each input must be a non-empty string or a non-empty list of token ids",
+                               param="input")
+        if len(ids) > self.n_ctx:
+            raise RequestError(f"an input has {len(ids)} tokens and the context holds {self.n_ctx}", param="input",
+                               code="context_length_exceeded")
+        return ids
 
     # ---- generation ---------------------------------------------------------------------------------
     def complete(self, prompt: str, max_tokens: int | None = 128, stop: str | Sequence[str] | None = (),

@@ -11,6 +11,7 @@ other with a 503.
 from __future__ import annotations
 
 import asyncio
+import base64
 import hmac
 import json
 import threading
@@ -20,6 +21,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -31,7 +33,7 @@ from powerinfer_tools.runtime.inference import EngineFailure
 from powerinfer_tools.runtime.llm import LLM, Chunk, Completion, TokenLogprob
 from powerinfer_tools.server.intake import BODY_TIMEOUT_S, MAX_BODY_MIB, Intake, ended, race
 from powerinfer_tools.server.metrics import metrics_text
-from powerinfer_tools.server.schemas import ChatRequest, CompletionRequest, Detokenize, Tokenize
+from powerinfer_tools.server.schemas import ChatRequest, CompletionRequest, Detokenize, EmbeddingRequest, Tokenize
 
 
 class ApiError(Exception):
@@ -133,15 +135,35 @@ class Worker:
         finally:
             gone.set()
 
+    async def call(self, fn: Callable, left: asyncio.Event):
+        """fn()'s result, run on the engine's thread in turn with the generations (it uses the engine): skipped
+        where its client left or the server stopped before its turn; a client that leaves meanwhile is released
+        at once, the call finishing unseen."""
+        def work():
+            self._counted(-1, 1)
+            try:
+                if self.stopping.is_set() or left.is_set():
+                    return _DONE
+                return fn()
+            finally:
+                self._counted(0, -1)
+
+        self._counted(1, 0)
+        result = await race(asyncio.wrap_future(self.executor.submit(work)), self.stopped, left)
+        if ended(result) or result is _DONE:
+            raise self._why()
+        return result
+
     def shutdown(self) -> None:
         self.stopping.set()
         self.executor.shutdown(wait=True)
 
 
 def create_app(llm: LLM, model_id: str, api_key: str | None = None, max_body_mib: float = MAX_BODY_MIB,
-               body_timeout: float = BODY_TIMEOUT_S) -> FastAPI:
+               body_timeout: float = BODY_TIMEOUT_S, pooling: str = "mean") -> FastAPI:
     """The application for `llm`, answering to `model_id` in /v1/models (any name is accepted in requests);
-    call app.state.worker.stop() when the server begins to shut down."""
+    /v1/embeddings pools as `pooling` says (LLM.embed); call app.state.worker.stop() when the server begins to
+    shut down."""
     worker = Worker()
     created = int(time.time())
     app = FastAPI(title="powerinfer-tools", docs_url=None, redoc_url=None, openapi_url=None)
@@ -251,6 +273,17 @@ def create_app(llm: LLM, model_id: str, api_key: str | None = None, max_body_mib
         return await _answer(worker.run(start, left), body, model_id, chat=False,
                              echo=prompt if body.echo else "")
 
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request):
+        if body.dimensions is not None and body.dimensions != llm.model.n_embd:
+            raise ApiError(400, f"dimensions must be the model's width, {llm.model.n_embd}: a shortened embedding is "
+                           "not computed", param="dimensions")
+        out = await worker.call(lambda: llm.embed(body.input, pooling), request.state.client_left)
+        data = [{"object": "embedding", "index": i, "embedding": _encoded(v, body.encoding_format)}
+                for i, v in enumerate(out.vectors)]
+        return {"object": "list", "data": data, "model": model_id,
+                "usage": {"prompt_tokens": out.prompt_tokens, "total_tokens": out.prompt_tokens}}
+
     @app.post("/tokenize")
     async def tokenize(body: Tokenize, request: Request):
         return {"tokens": await worker.beside(lambda: llm.tokenize(body.content, body.add_special),
@@ -261,6 +294,13 @@ def create_app(llm: LLM, model_id: str, api_key: str | None = None, max_body_mib
         return {"content": await worker.beside(lambda: llm.detokenize(body.tokens), request.state.client_left)}
 
     return app
+
+
+def _encoded(vector: np.ndarray, encoding_format: str) -> list[float] | str:
+    """An embedding as the OpenAI API sends it: floats, or base64 of its little-endian float32 bytes."""
+    if encoding_format == "base64":
+        return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
+    return vector.tolist()
 
 
 def _fits(llm: LLM, prompt: str, add_special: bool, body, param: str) -> None:

@@ -98,6 +98,16 @@ class Tokenize(_Strict):
     add_special: bool = False
 
 
+class EmbeddingRequest(_Strict):
+    """POST /v1/embeddings (https://platform.openai.com/docs/api-reference/embeddings/create)."""
+
+    input: Union[str, list[str], list[int], list[list[int]]]
+    model: Optional[str] = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[int] = None  # only the model's own width: a shortened vector is not computed
+    user: Optional[str] = None
+
+
 class Detokenize(_Strict):
     """llama-server's POST /detokenize."""
 

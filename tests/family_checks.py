@@ -1,6 +1,7 @@
-"""What every family's tests (tests/arch) do the same way: a checkpoint's tensors written under gguf-py's names for
-an architecture, as llama.cpp's converter writes them; input sparsity from a profile through the CLI; a config field
-refused by convert and its dry run in one line."""
+"""What every family's tests (tests/arch) do the same way: a file's logits and greedy tokens against transformers; a
+context the engine caps; a checkpoint's tensors written under gguf-py's names for an architecture, as llama.cpp's
+converter writes them; input sparsity from a profile through the CLI; a config field refused by convert and its dry
+run in one line."""
 from __future__ import annotations
 
 import json
@@ -8,14 +9,54 @@ import shutil
 
 import gguf
 import numpy as np
+import pytest
+import torch
 from safetensors.numpy import load_file
 
 from cli_helpers import assert_one_line_error, profiled, run_cli
-from engine_helpers import finish_gguf
+from engine_helpers import engine_prompt_then_decode, finish_gguf, hf_logits, hf_model, max_rel_err
 from tiny_models import training_text
 
 from powerinfer_tools.formats import names
 from powerinfer_tools.formats.gguf_io import open_reader
+
+
+def hf_greedy(model_dir, prompt: list[int], n: int) -> list[int]:
+    model, _ = hf_model(model_dir)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def assert_computes_transformers_model(src, files, tokens: list[int], n_prompt: int, n_greedy: int,
+                                       **options) -> None:
+    """Each of `files` (the checkpoint at src converted, or as llama.cpp writes it), opened with `options`: its f32
+    logits over `tokens` (the first n_prompt as one batch, the rest one by one) within 1e-4 of transformers' at every
+    position, and its n_greedy greedy tokens after the rest of `tokens` transformers' own."""
+    import powerinfer_engine as engine
+
+    ref = hf_logits(src, tokens)
+    prompt = tokens[:len(tokens) - n_greedy]
+    greedy = hf_greedy(src, prompt, n_greedy)
+    for path in files:
+        with engine.Model(path, threads=2, **options) as m:
+            err = max_rel_err(engine_prompt_then_decode(m, tokens, n_prompt), ref)
+        assert err <= 1e-4, f"{path.name} drifts from transformers: {err:.2e} relative"
+        with engine.Model(path, threads=2, **options) as m:
+            assert list(m.generate(prompt, n_greedy)) == greedy, path.name
+
+
+def assert_context_capped(path, cap: int, needle: str) -> None:
+    """The engine runs `path` in `cap` positions by default and refuses a longer ctx_size in one line naming
+    `needle` (what caps it)."""
+    import powerinfer_engine as engine
+
+    with engine.Model(path, threads=1) as m:
+        assert m.n_ctx == cap
+    with pytest.raises(engine.EngineError) as exc:
+        engine.Model(path, threads=1, ctx_size=2 * cap)
+    line = str(exc.value)
+    assert len(line.splitlines()) == 1 and f"ctx_size {2 * cap} is larger than" in line and needle in line, line
 
 
 def add_checkpoint_tensors(writer: gguf.GGUFWriter, model_dir, arch: gguf.MODEL_ARCH, n_layer: int,

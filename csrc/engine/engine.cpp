@@ -56,15 +56,11 @@ Engine::Engine(const std::string &path, const pi_options &opts, const std::strin
     n_ctx_ = opts.ctx_size > 0 ? opts.ctx_size : std::min(hp_.n_ctx_train, kDefaultCtx);
     if (n_ctx_ > (int64_t(1) << 20)) fail(PI_ERR_ARGUMENT, "ctx_size is too large");
     if (hp_.learned_pos) n_ctx_ = std::min(n_ctx_, hp_.n_ctx_train);  // no position beyond the learned table
-    // Sliding-window attention (Mistral) equals full attention while every query sees at most the window, which
-    // holds in a context no longer than it: the context is capped there rather than windowed attention computed,
-    // but for a family whose window is some layers' (gemma3: HParams::swa_layer), computed by the heads
-    const bool capped = hp_.n_swa > 0 && hp_.swa_pattern == 0;
-    if (capped && opts.ctx_size > hp_.n_swa)
-        fail(PI_ERR_ARGUMENT, "ctx_size " + std::to_string(opts.ctx_size) + " is larger than the model's attention window (" +
-                                  hp_.key_prefix + ".attention.sliding_window = " + std::to_string(hp_.n_swa) +
-                                  "); this engine attends to the whole context, which equals the model only within the window");
-    if (capped) n_ctx_ = std::min(n_ctx_, hp_.n_swa);
+    // A model the engine computes only within a context (HParams::n_ctx_limit: a window every layer shares,
+    // longrope's original context): its default is capped there, a longer one refused
+    if (hp_.n_ctx_limit > 0 && opts.ctx_size > hp_.n_ctx_limit)
+        fail(PI_ERR_ARGUMENT, "ctx_size " + std::to_string(opts.ctx_size) + " is larger than " + hp_.ctx_limit_why);
+    if (hp_.n_ctx_limit > 0) n_ctx_ = std::min(n_ctx_, hp_.n_ctx_limit);
     n_batch_ = opts.batch_size > 0 ? std::min<int64_t>(opts.batch_size, 4096) : kDefaultBatch;
     n_batch_ = std::min(n_batch_, n_ctx_);
     recall_check_ = opts.recall_check != 0;

@@ -14,24 +14,25 @@ RunState::RunState(const HParams &hp, int64_t n_ctx_, int64_t n_batch, int64_t t
     history.assign(size_t(n_ctx), 0);
 
     const int64_t half = hp.n_rot / 2;
-    auto tables = [&](float base, float freq_scale, const std::vector<float> &factors, std::vector<float> &cos_t,
-                      std::vector<float> &sin_t) {
+    auto tables = [&](float base, float freq_scale, const std::vector<float> &factors, float mscale,
+                      std::vector<float> &cos_t, std::vector<float> &sin_t) {
         cos_t.resize(size_t(n_ctx * half));
         sin_t.resize(size_t(n_ctx * half));
         for (int64_t i = 0; i < half; ++i) {
-            // float32 steps, as transformers builds inv_freq and the angles; llama3 scaling divides pair i's frequency
+            // float32 steps, as transformers builds inv_freq and the angles; scaling divides pair i's frequency
+            // (llama3, YaRN, longrope) and multiplies cos and sin (YaRN's and longrope's attention factor)
             const float plain = 1.0f / std::pow(base, float(2 * i) / float(hp.n_rot));
             const float inv = factors.empty() ? plain : plain / factors[size_t(i)];
             for (int64_t p = 0; p < n_ctx; ++p) {
                 const float angle = (float(p) * freq_scale) * inv;
-                cos_t[size_t(p * half + i)] = float(std::cos(double(angle)));
-                sin_t[size_t(p * half + i)] = float(std::sin(double(angle)));
+                cos_t[size_t(p * half + i)] = float(std::cos(double(angle))) * mscale;
+                sin_t[size_t(p * half + i)] = float(std::sin(double(angle))) * mscale;
             }
         }
     };
-    tables(hp.rope_base, hp.rope_freq_scale, hp.rope_freq_factors, rope_cos, rope_sin);
+    tables(hp.rope_base, hp.rope_freq_scale, hp.rope_freq_factors, hp.rope_attn_factor, rope_cos, rope_sin);
     // sliding-window layers (layer 0 slides whenever any does): their own base, unscaled (gemma3's, as llama.cpp's)
-    if (hp.swa_layer(0)) tables(hp.rope_base_swa, 1.0f, {}, rope_cos_swa, rope_sin_swa);
+    if (hp.swa_layer(0)) tables(hp.rope_base_swa, 1.0f, {}, 1.0f, rope_cos_swa, rope_sin_swa);
 
     for (std::vector<float> *b : {&x, &xn, &tmp, &y_hot, &y_cold}) b->assign(size_t(B * E), 0.0f);
     q.assign(size_t(B * Q), 0.0f);

@@ -33,10 +33,11 @@ inline constexpr const char *kArchKeys[] = {
     "attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon", "attention.sliding_window",
     "rope.dimension_count", "rope.freq_base", "rope.scaling.type", "rope.scaling.factor",
     "rope.scaling.original_context_length", "rope.scaling.finetuned", "tensor_data_layout", "attention.scale",
-    "rope.freq_base_swa",
+    "rope.freq_base_swa", "rope.scaling.attn_factor", "rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor",
+    "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
 };
 inline constexpr char kRopeFreqs[] = "rope_freqs.weight";  // llama3 RoPE: per rotated pair, its frequency's divisor
-// longrope (Phi-3 128k): per-pair factors for short and long contexts, refused (not computed)
+// longrope (Phi-3 128k): per-pair divisors within the original context (short, computed) and past it (long, checked)
 inline constexpr char kRopeFactorsLong[] = "rope_factors_long.weight";
 inline constexpr char kRopeFactorsShort[] = "rope_factors_short.weight";
 

@@ -11,6 +11,7 @@
 #include "kernels/packed.h"
 #include "format/dequant.h"
 #include "format/types.h"
+#include "model/rope_scaling.h"
 #include "pi_names.h"
 
 namespace pi {
@@ -306,6 +307,13 @@ void Model::read_hparams() {
                                 std::to_string(hp_.n_head_kv));
     // 0: no window, as llama.cpp reads it (its phi3 converter writes 0 for Phi-4)
     hp_.n_swa = f.get_int_or(k + ".attention.sliding_window", 0, 0, int64_t(1) << 24);
+    // Sliding-window attention (Mistral) equals full attention while every query sees at most the window, which
+    // holds in a context no longer than it: the context is limited there rather than windowed attention computed,
+    // but for a family whose window is some layers' (gemma3: HParams::swa_layer), computed by the heads
+    if (hp_.n_swa > 0 && hp_.swa_pattern == 0)
+        hp_.limit_context(hp_.n_swa, "the model's attention window (" + k + ".attention.sliding_window = " +
+                                         std::to_string(hp_.n_swa) + "); this engine attends to the whole context, "
+                                         "which equals the model only within the window");
     hp_.n_rot = f.get_int_or(k + ".rope.dimension_count", hp_.d_head, 2, hp_.d_head);
     if (hp_.n_rot % 2 != 0) fail(PI_ERR_FORMAT, p + ": rope.dimension_count must be even");
     const bool rms = hp_.norm == NormKind::Rms;
@@ -329,15 +337,6 @@ void Model::read_hparams() {
         if (!(scale > 0.0 && scale < 1e3)) fail(PI_ERR_FORMAT, p + ": attention.scale must be in (0, 1000)");
         hp_.attn_scale = float(scale);
     }
-    // as llama.cpp reads them: a factor without a type scales linearly
-    const std::string scaling = f.has(k + ".rope.scaling.type") ? f.get_string(k + ".rope.scaling.type") : "linear";
-    if (scaling != "linear" && scaling != "none")
-        fail(PI_ERR_UNSUPPORTED, p + ": rope scaling '" + scaling + "' is not supported (none, linear; llama3 as rope_freqs.weight)");
-    const double factor = f.get_float_or(k + ".rope.scaling.factor", 1.0);
-    if (!(factor >= 1.0 && factor <= 1024.0)) fail(PI_ERR_FORMAT, p + ": rope.scaling.factor out of range");
-    if (scaling == "none" && factor != 1.0)
-        fail(PI_ERR_FORMAT, p + ": rope.scaling.factor " + std::to_string(factor) + " with rope scaling 'none'");
-    hp_.rope_freq_scale = float(1.0 / factor);
     if (a == "falcon" && f.has("falcon.tensor_data_layout") && f.get_string("falcon.tensor_data_layout") != "jploski")
         fail(PI_ERR_UNSUPPORTED, p + ": falcon.tensor_data_layout '" + f.get_string("falcon.tensor_data_layout") +
                                      "' is not supported (jploski: fused QKV as all q heads, then k heads, then v heads)");
@@ -396,20 +395,79 @@ Matrix Model::bind_optional(const std::string &name, int64_t rows, int64_t cols,
     return m;
 }
 
-void Model::bind_rope_freqs() {
+std::vector<float> Model::bind_pair_factors(const char *name) {
     const std::string &p = file_->path();
-    for (const char *longrope : {names::kRopeFactorsLong, names::kRopeFactorsShort})
-        if (file_->tensor(longrope))
-            fail(PI_ERR_UNSUPPORTED, p + ": tensor " + longrope + " (longrope RoPE scaling) is not computed by this engine");
     bool found = false;
-    const Matrix m = bind_optional(names::kRopeFreqs, 1, hp_.n_rot / 2, true, &found);
-    if (!found) return;
+    const Matrix m = bind_optional(name, 1, hp_.n_rot / 2, true, &found);
+    if (!found) return {};
     if (hp_.rope == RopeKind::None)
-        fail(PI_ERR_FORMAT, p + ": tensor " + names::kRopeFreqs + " in a model without RoPE (" + hp_.arch + ")");
-    hp_.rope_freq_factors.assign(m.floats(), m.floats() + hp_.n_rot / 2);
-    for (float x : hp_.rope_freq_factors)
+        fail(PI_ERR_FORMAT, p + ": tensor " + name + " in a model without RoPE (" + hp_.arch + ")");
+    std::vector<float> factors(m.floats(), m.floats() + hp_.n_rot / 2);
+    for (float x : factors)
         if (!(std::isfinite(x) && x > 0.0f))
-            fail(PI_ERR_FORMAT, p + ": tensor " + names::kRopeFreqs + " holds a value that is not a positive number");
+            fail(PI_ERR_FORMAT, p + ": tensor " + name + " holds a value that is not a positive number");
+    return factors;
+}
+
+// The kinds and keys as llama.cpp reads them (llama-model.cpp, llama-context.cpp), computed as transformers'
+// ROPE_INIT_FUNCTIONS compute the same configs (modeling_rope_utils.py): linear, llama3 (rope_freqs.weight, what
+// llama.cpp's converter writes for it), yarn and longrope. rope.scaling.attn_factor multiplies cos and sin whatever
+// the kind, as llama.cpp's does.
+void Model::read_rope_scaling() {
+    const GgufFile &f = *file_;
+    const std::string &p = f.path(), key = hp_.key_prefix + ".rope.scaling.";
+    // a factor without a type scales linearly (llama.cpp's default type)
+    const std::string scaling = f.has(key + "type") ? f.get_string(key + "type") : "linear";
+    if (scaling != "linear" && scaling != "none" && scaling != "yarn" && scaling != "longrope")
+        fail(PI_ERR_UNSUPPORTED, p + ": rope scaling '" + scaling +
+                                     "' is not supported (none, linear, yarn, longrope; llama3 as rope_freqs.weight)");
+    const double factor = f.get_float_or(key + "factor", 1.0);
+    if (!(factor >= 1.0 && factor <= 1024.0)) fail(PI_ERR_FORMAT, p + ": rope.scaling.factor out of range");
+    if ((scaling == "none" || scaling == "longrope") && factor != 1.0)
+        fail(PI_ERR_FORMAT, p + ": rope.scaling.factor " + std::to_string(factor) + " with rope scaling '" + scaling + "'");
+    const double attn_factor = f.get_float_or(key + "attn_factor", 1.0);
+    if (!(attn_factor > 0.0 && attn_factor < 16.0)) fail(PI_ERR_FORMAT, p + ": rope.scaling.attn_factor must be in (0, 16)");
+    const int64_t n_ctx_orig = f.get_int_or(key + "original_context_length", hp_.n_ctx_train, 1, int64_t(1) << 24);
+    for (const char *yarn_key : {"yarn_ext_factor", "yarn_attn_factor", "yarn_beta_fast", "yarn_beta_slow"})
+        if (scaling != "yarn" && f.has(key + yarn_key))
+            fail(PI_ERR_FORMAT, p + ": key " + key + yarn_key + " with rope scaling '" + scaling + "'");
+    hp_.rope_freq_factors = bind_pair_factors(names::kRopeFreqs);
+    const std::vector<float> short_factors = bind_pair_factors(names::kRopeFactorsShort);
+    const bool long_factors = !bind_pair_factors(names::kRopeFactorsLong).empty();  // checked, not computed: below
+    // llama.cpp's phi3 converter writes longrope as its tensors and rope.scaling.attn_factor, with no type
+    const bool longrope = scaling == "longrope" || !short_factors.empty() || long_factors;
+    if (!hp_.rope_freq_factors.empty() && (longrope || scaling == "yarn"))
+        fail(PI_ERR_UNSUPPORTED, p + ": tensor " + names::kRopeFreqs + " with rope scaling '" +
+                                     (longrope ? "longrope" : scaling) + "' is not computed by this engine");
+    hp_.rope_attn_factor = float(attn_factor);
+    if (longrope) {
+        if (short_factors.empty() || !long_factors)
+            fail(PI_ERR_FORMAT, p + ": longrope RoPE scaling needs both tensors " + names::kRopeFactorsShort + " and " +
+                                    names::kRopeFactorsLong);
+        if (factor != 1.0) fail(PI_ERR_FORMAT, p + ": rope.scaling.factor with longrope's tensors");
+        // The model takes the long factors only once its sequence passes the original context (transformers'
+        // longrope_frequency_update, for every position of that sequence; llama.cpp's past a context that long):
+        // within it the short factors are the model at every position, so the context is limited there.
+        hp_.rope_freq_factors = short_factors;
+        hp_.limit_context(n_ctx_orig, "the model's original context (" + key + "original_context_length = " +
+                                          std::to_string(n_ctx_orig) + "); this engine computes longrope's short " +
+                                          "factors, which are the model only within it");
+    } else if (scaling == "yarn") {
+        if (f.get_float_or(key + "yarn_ext_factor", 1.0) != 1.0)
+            fail(PI_ERR_UNSUPPORTED, p + ": " + key + "yarn_ext_factor other than 1 is not computed by this engine "
+                                         "(transformers' YaRN blends by the whole ramp)");
+        const double beta_fast = f.get_float_or(key + "yarn_beta_fast", 32.0);
+        const double beta_slow = f.get_float_or(key + "yarn_beta_slow", 1.0);
+        if (!(beta_slow > 0.0 && beta_fast > beta_slow && beta_fast < 1e6))
+            fail(PI_ERR_FORMAT, p + ": " + key + "yarn_beta_fast must be above yarn_beta_slow, both positive");
+        // llama.cpp's converter writes the config's attention_factor as yarn_attn_factor: the factor itself
+        const double yarn_attn = f.get_float_or(key + "yarn_attn_factor", yarn_default_attn_factor(factor));
+        if (!(yarn_attn > 0.0 && yarn_attn < 16.0)) fail(PI_ERR_FORMAT, p + ": " + key + "yarn_attn_factor must be in (0, 16)");
+        hp_.rope_freq_factors = yarn_freq_factors(hp_.n_rot, hp_.rope_base, factor, n_ctx_orig, beta_fast, beta_slow);
+        hp_.rope_attn_factor = float(yarn_attn * attn_factor);
+    } else {
+        hp_.rope_freq_scale = float(1.0 / factor);
+    }
 }
 
 Matrix Model::bind_vector(const std::string &name, int64_t n, bool required) {
@@ -493,7 +551,7 @@ void Model::bind_tensors() {
     bool has_output = false;
     output_ = bind_optional("output.weight", V, E, false, &has_output);
     if (!has_output) output_ = tok_embd_;  // tied embeddings in a plain GGUF file
-    bind_rope_freqs();
+    read_rope_scaling();
 
     std::vector<float> act_thr(size_t(L), 0.0f), pred_thr(size_t(L), 0.0f);
     if (f.has(names::kKeyActivationThresholds)) act_thr = f.get_f32_array(names::kKeyActivationThresholds, uint64_t(L));

@@ -95,10 +95,21 @@ struct HParams {
     bool qk_norm = false;         // ArchSpec::qk_norm
     float norm_eps = 1e-5f;
     float rope_base = 10000.0f;
+    // RoPE scaling (Model::read_rope_scaling, one place for every kind): positions times rope_freq_scale (linear);
+    // per rotated pair, what its frequency is divided by (llama3's rope_freqs, YaRN's blend, longrope's short
+    // factors; empty: none); cos and sin times rope_attn_factor (YaRN's and longrope's attention factor)
     float rope_freq_scale = 1.0f;
-    // llama3 RoPE scaling (names::kRopeFreqs): per rotated pair, what its frequency is divided by; empty: none
     std::vector<float> rope_freq_factors;
+    float rope_attn_factor = 1.0f;
     int64_t n_swa = 0;  // attention.sliding_window: positions a query attends to (0: all)
+    // The longest context the engine computes as the model at every position (0: any): a window every layer
+    // shares (swa_pattern 0), within which windowed attention is full attention, or longrope's original context,
+    // within which the model takes the short factors. A longer ctx_size is refused, naming ctx_limit_why.
+    int64_t n_ctx_limit = 0;
+    std::string ctx_limit_why;
+    void limit_context(int64_t n, const std::string &why) {
+        if (n_ctx_limit == 0 || n < n_ctx_limit) n_ctx_limit = n, ctx_limit_why = why;
+    }
     int64_t swa_pattern = 0;      // ArchSpec::swa_pattern; 0: the context is capped at n_swa instead
     float rope_base_swa = 10000.0f;  // the RoPE base of sliding-window layers (swa_pattern)
     bool embd_scale = false;      // ArchSpec::embd_scale
@@ -297,7 +308,11 @@ private:
     void bind_input_sparsity();
     void read_hparams();
     void bind_tensors();
-    void bind_rope_freqs();  // llama3 RoPE's per-pair divisors into hp_.rope_freq_factors
+    // RoPE scaling's keys and tensors (linear, llama3's rope_freqs, YaRN, longrope) into hp_'s rope_freq_scale,
+    // rope_freq_factors, rope_attn_factor and context limit
+    void read_rope_scaling();
+    // An f32 tensor of a value per rotated pair, each a positive number (a frequency's divisor); empty if absent
+    std::vector<float> bind_pair_factors(const char *name);
     void build_tiers(const std::string &gpuidx_path, bool hot_tier);
     void check_neuron_order(const GgufFile &gpuidx) const;
     // The cold tier's predictor rows (see FfnTier::fc2), from the layer's fc2 (whose rows are not read again).

@@ -25,19 +25,23 @@ KEY_VRAM_CAPACITY = "split.vram_capacity"                     # gpu index: bytes
 KEY_GPU_INDEX_BLOCK_COUNT = "generic.gpu_index.block_count"   # gpu index: layers
 
 # ---- the `{arch}.` hyperparameter keys the engine computes (llama.cpp's names: gguf-py's Keys): it refuses a file
-# with any other key under its architecture's prefix (RoPE scaling of another kind, softcapping, experts, ...),
-# which ignoring would run as another model. rope.scaling.original_context_length and .finetuned only describe a
-# linear scaling; attention.key_length/value_length must equal embedding_length / head_count --------------------
+# with any other key under its architecture's prefix (softcapping, experts, yarn_log_multiplier, ...), which
+# ignoring would run as another model. rope.scaling.original_context_length is YaRN's and longrope's original
+# context (a linear scaling's description only), .finetuned a description; attention.key_length/value_length must
+# equal embedding_length / head_count but where the architecture's heads have a width of their own ---------------
 ARCH_KEYS = (
     "context_length", "embedding_length", "block_count", "feed_forward_length", "vocab_size",
     "attention.head_count", "attention.head_count_kv", "attention.key_length", "attention.value_length",
     "attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon", "attention.sliding_window",
     "rope.dimension_count", "rope.freq_base", "rope.scaling.type", "rope.scaling.factor",
     "rope.scaling.original_context_length", "rope.scaling.finetuned", "tensor_data_layout", "attention.scale",
-    "rope.freq_base_swa",
+    "rope.freq_base_swa", "rope.scaling.attn_factor", "rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor",
+    "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
 )
 ROPE_FREQS = "rope_freqs.weight"  # llama3 RoPE (llama.cpp's): per rotated pair, what its frequency is divided by
-ROPE_FACTORS_LONG = "rope_factors_long.weight"  # longrope (Phi-3 128k, llama.cpp's): refused by the engine
+# longrope (Phi-3 128k, llama.cpp's): per rotated pair, the frequency's divisor within the original context (short)
+# and past it (long); the engine computes the short ones and runs no longer context (docs/formats.md)
+ROPE_FACTORS_LONG = "rope_factors_long.weight"
 ROPE_FACTORS_SHORT = "rope_factors_short.weight"
 
 # ---- tensors: blk.N.<name>.weight|bias ------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """Every config field that changes the computation is computed or refused (models/arch/config_fields.py, issue 66):
-RoPE scaling (linear, llama3) against transformers over 300 positions, five times llama3's original context;
+RoPE scaling (linear, llama3, yarn) against transformers over 300 positions, about five times the original context,
+and 32 greedy steps; dynamic NTK as the default frequencies in a context capped at max_position_embeddings;
 Mistral's sliding window as a capped context; attention and MLP biases; each refused field one line from
 `pi-tools convert`, its dry run and profile; a llama.cpp file with a key or tensor the engine does not compute
-refused at open, and one with llama3's rope_freqs as llama.cpp writes it run right."""
+refused at open, and ones with llama3's rope_freqs or yarn's keys as llama.cpp writes them run right."""
 from __future__ import annotations
 
 import json
@@ -15,6 +16,7 @@ import torch
 from cli_helpers import assert_one_line_error, run_cli
 from engine_helpers import (converted, engine_prompt_then_decode, finish_gguf, hf_logits, hf_model,  # noqa: F401
                             max_rel_err, random_tokens)
+from family_checks import assert_computes_transformers_model, assert_context_capped
 from tiny_models import make_tiny
 
 import powerinfer_engine as engine
@@ -28,9 +30,15 @@ TOKENS = random_tokens(N_TOKENS, VOCAB, seed=7)
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 64, "rope_theta": 10000.0}
 LINEAR = {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}
+# YaRN's defaults (beta_fast 32, beta_slow 1) over 64 original positions: pair 0 keeps its frequency, 1-2 are blended,
+# 3-7 divided by the factor; cos and sin times 0.1 ln 8 + 1
+YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+DYNAMIC = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
 VARIANTS = {
     "llama3": ("llama-silu", dict(rope_parameters=LLAMA3, max_position_embeddings=512)),
     "linear": ("llama-silu", dict(rope_parameters=LINEAR, max_position_embeddings=512)),
+    "yarn": ("llama-silu", dict(rope_parameters=YARN, max_position_embeddings=512)),
+    "dynamic": ("llama-silu", dict(rope_parameters=DYNAMIC, max_position_embeddings=128)),
     "biases": ("llama-relu", dict(attention_bias=True, mlp_bias=True)),
     "window": ("bamboo", dict(sliding_window=64)),
 }
@@ -61,25 +69,10 @@ def variant(tmp_path_factory):
     return get
 
 
-def hf_greedy(model_dir, prompt: list[int], n: int) -> list[int]:
-    model, _ = hf_model(model_dir)
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    return out[0, len(prompt):].tolist()
-
-
-@pytest.mark.parametrize("name", ["llama3", "linear"])
+@pytest.mark.parametrize("name", ["llama3", "linear", "yarn"])
 def test_rope_scaling_matches_transformers(name, variant):
     src, path = variant(name)
-    ref = hf_logits(src, TOKENS)
-    with engine.Model(path, threads=2, ctx_size=512) as m:
-        logits = engine_prompt_then_decode(m, TOKENS, N_PROMPT)
-    err = max_rel_err(logits, ref)
-    assert err <= 1e-4, f"{name} RoPE drifts from transformers: {err:.2e} relative"
-    prompt = TOKENS[:N_TOKENS - N_GREEDY]
-    with engine.Model(path, threads=2, ctx_size=512) as m:
-        got = list(m.generate(prompt, N_GREEDY))
-    assert got == hf_greedy(src, prompt, N_GREEDY)
+    assert_computes_transformers_model(src, [path], TOKENS, N_PROMPT, N_GREEDY, ctx_size=512)
 
 
 def test_llama3_file_holds_rope_freqs_and_no_scaling_key(variant):
@@ -100,6 +93,38 @@ def test_linear_scaling_is_written_and_counts(variant, tmp_path):
         assert max_rel_err(m.eval(TOKENS), hf_logits(src, TOKENS)) > 1e-2
 
 
+def test_yarn_is_written_as_llama_cpp_keys_and_its_attention_factor_counts(variant, tmp_path):
+    """YaRN as llama.cpp's converter writes it (type, factor, original context; no tensor), which the engine computes
+    it from: a llama.cpp file of them runs as transformers; with cos and sin left unscaled (yarn_attn_factor 1) the
+    logits are another model's."""
+    src, path = variant("yarn")
+    reader = open_reader(path)
+    assert {k: reader.fields[k].contents() for k in reader.fields if ".rope.scaling." in k} == {
+        "llama-silu.rope.scaling.type": "yarn", "llama-silu.rope.scaling.factor": 8.0,
+        "llama-silu.rope.scaling.original_context_length": 64}
+    assert not any(t.name.startswith("rope_") for t in reader.tensors)
+    ref = hf_logits(src, TOKENS)
+    with engine.Model(llama_cpp_file(path, tmp_path / "theirs.gguf"), threads=2, ctx_size=512) as m:
+        assert max_rel_err(engine_prompt_then_decode(m, TOKENS, N_PROMPT), ref) <= 1e-4
+    unscaled = llama_cpp_file(path, tmp_path / "unscaled.gguf",
+                              fields={"rope.scaling.yarn_attn_factor": (1.0, gguf.GGUFValueType.FLOAT32)})
+    with engine.Model(unscaled, threads=2, ctx_size=512) as m:
+        assert max_rel_err(m.eval(TOKENS), ref) > 1e-2
+
+
+def test_dynamic_ntk_runs_within_max_position_embeddings(variant, tmp_path):
+    """Dynamic NTK is transformers' default RoPE until a sequence passes max_position_embeddings (dynamic_rope_update):
+    the file carries that length as the window, so the engine runs no longer context, and within it the logits and
+    greedy tokens are transformers', as are those of a llama.cpp file (whose converter writes nothing for dynamic)."""
+    src, path = variant("dynamic")
+    reader = open_reader(path)
+    assert reader.fields["llama-silu.attention.sliding_window"].contents() == 128
+    assert not any(".rope.scaling." in k for k in reader.fields)
+    assert_context_capped(path, 128, "llama-silu.attention.sliding_window = 128")
+    theirs = llama_cpp_file(path, tmp_path / "theirs.gguf", drop_keys=("attention.sliding_window",))
+    assert_computes_transformers_model(src, [path, theirs], TOKENS[:128], 96, N_GREEDY)
+
+
 def test_biases_match_transformers(variant):
     src, path = variant("biases")
     names = {t.name for t in open_reader(path).tensors}
@@ -114,19 +139,17 @@ def test_sliding_window_caps_the_context(variant):
     src, path = variant("window")
     assert open_reader(path).fields["bamboo.attention.sliding_window"].contents() == 64
     with engine.Model(path, threads=2) as m:
-        assert m.n_ctx == 64
         assert max_rel_err(engine_prompt_then_decode(m, TOKENS[:64], 48), hf_logits(src, TOKENS[:64])) <= 1e-4
-    with pytest.raises(engine.EngineError) as exc:
-        engine.Model(path, threads=2, ctx_size=128)
-    assert len(str(exc.value).splitlines()) == 1
-    assert "ctx_size 128" in str(exc.value) and "sliding_window = 64" in str(exc.value)
+    assert_context_capped(path, 64, "sliding_window = 64")
 
 
 # ---- refusals at convert ---------------------------------------------------------------------------------------
 REFUSED = [  # (kind, config.json fields, what the line names)
-    ("llama-silu", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}},
-     "rope_parameters.rope_type = 'yarn'"),
-    ("llama-silu", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_parameters.rope_type = 'dynamic'"),
+    ("llama-silu", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                     "truncate": False}},  # llama.cpp's keys have no untruncated ramp
+     "rope_parameters.truncate = False"),
+    ("llama-silu", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                     "beta_fast": 1.0, "beta_slow": 2.0}}, "rope_parameters.beta_fast = 1.0"),
     ("llama-silu", {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
                                      "original_max_position_embeddings": 64}},
      "rope_parameters.rope_type = 'longrope'"),
@@ -234,8 +257,11 @@ def test_llama_cpp_llama3_file_runs_right(variant, tmp_path):
 
 
 UNCOMPUTED_KEYS = [
-    ("rope.scaling.type", ("yarn", gguf.GGUFValueType.STRING), "rope scaling 'yarn' is not supported"),
-    ("rope.scaling.attn_factor", (1.5, gguf.GGUFValueType.FLOAT32), "key llama.rope.scaling.attn_factor"),
+    ("rope.scaling.type", ("dynamic", gguf.GGUFValueType.STRING), "rope scaling 'dynamic' is not supported"),
+    ("rope.scaling.yarn_log_multiplier", (0.1, gguf.GGUFValueType.FLOAT32),
+     "key llama.rope.scaling.yarn_log_multiplier"),
+    ("rope.scaling.yarn_beta_fast", (16.0, gguf.GGUFValueType.FLOAT32),
+     "key llama.rope.scaling.yarn_beta_fast with rope scaling 'linear'"),
     ("attn_logit_softcapping", (50.0, gguf.GGUFValueType.FLOAT32), "key llama.attn_logit_softcapping"),
     ("final_logit_softcapping", (30.0, gguf.GGUFValueType.FLOAT32), "key llama.final_logit_softcapping"),
     ("expert_count", (8, gguf.GGUFValueType.UINT32), "key llama.expert_count"),

@@ -15,9 +15,10 @@ import pytest
 import torch
 from cli_helpers import run_cli
 from family_checks import (add_checkpoint_tensors, add_sentencepiece_vocab, assert_convert_refuses,
-                           assert_input_sparsity_runs, assert_same_tokenizer_and_template, emulated_device_run)
+                           assert_input_sparsity_runs, assert_same_tokenizer_and_template, emulated_device_run,
+                           hf_greedy)
 from engine_helpers import engine_prompt_then_decode, hf_logits, hf_model, max_rel_err, random_tokens
-from test_qwen import hf_greedy, rewritten
+from test_qwen import rewritten
 from tiny_models import GEMMA3, GEMMA3_LAYERS, N_FF, make_tiny
 
 import powerinfer_engine as engine

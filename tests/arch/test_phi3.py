@@ -3,20 +3,23 @@ feature on (fused qkv_proj and gate_up_proj, NeoX RoPE over the first 0.75 of ea
 and Phi-3-mini's untied head with full rotation) converted at f32 and run by the engine against transformers' own
 class over 300 positions and 32 greedy steps; a GGUF of the same checkpoint as llama.cpp's convert_hf_to_gguf.py
 writes one (Phi3MiniModel: fused attn_qkv, ffn_up holding gate and up, rope.dimension_count, sliding_window 0 for
-none, its SentencePiece vocabulary and chat template) run with the same logits and tokenizer; a sliding window
-capping the context; the device tier through its host emulation; input sparsity; what is refused, in one line."""
+none, longrope's factors and attention factor, its SentencePiece vocabulary and chat template) run with the same
+logits and tokenizer; longrope (Phi-3 128k, Phi-4-mini) within its original context; a sliding window capping the
+context; the device tier through its host emulation; input sparsity; what is refused, in one line."""
 from __future__ import annotations
 
 import json
+import math
 
 import gguf
 import numpy as np
 import pytest
 from cli_helpers import run_cli
-from family_checks import (add_checkpoint_tensors, add_sentencepiece_vocab, assert_convert_refuses,
-                           assert_input_sparsity_runs, assert_same_tokenizer_and_template, emulated_device_run)
+from family_checks import (add_checkpoint_tensors, add_sentencepiece_vocab, assert_computes_transformers_model,
+                           assert_context_capped, assert_convert_refuses, assert_input_sparsity_runs,
+                           assert_same_tokenizer_and_template, emulated_device_run)
 from engine_helpers import engine_prompt_then_decode, hf_logits, max_rel_err, random_tokens
-from test_qwen import hf_greedy, rewritten
+from test_qwen import rewritten
 from tiny_models import HIDDEN, N_FF, N_HEAD, N_KV, PHI3_ROTARY, make_tiny
 
 import powerinfer_engine as engine
@@ -28,7 +31,14 @@ D_HEAD = HIDDEN // N_HEAD
 PHI3_MINI = {"tie_word_embeddings": False,  # Phi-3-mini: untied, every dim rotated, a window past the context
              "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0},
              "sliding_window": 2047}
-VARIANTS = {"phi4-mini": {}, "phi3-mini": PHI3_MINI}
+# Phi-3 128k's longrope over a small original context: per rotated pair (6 of them), the frequency's divisor within
+# original_max_position_embeddings (short) and past it (long); max_position_embeddings / original = 4 sets the
+# attention factor sqrt(1 + ln 4 / ln 128)
+LONGROPE = {"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": PHI3_ROTARY,
+                                "short_factor": [1.0, 1.3, 1.8, 2.5, 4.0, 6.0],
+                                "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]},
+            "original_max_position_embeddings": 128}
+VARIANTS = {"phi4-mini": {}, "phi3-mini": PHI3_MINI, "phi3-128k": LONGROPE}
 
 
 def llama_cpp_gguf(model_dir, dst):
@@ -51,6 +61,12 @@ def llama_cpp_gguf(model_dir, dst):
                                     // config["num_attention_heads"])
     writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_sliding_window(config.get("sliding_window") or 0)
+    if rope["rope_type"] == "longrope":  # its generate_extra_tensors: no rope.scaling.type
+        scale = config["max_position_embeddings"] / config["original_max_position_embeddings"]
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(
+            config["original_max_position_embeddings"])))
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], np.float32))
     add_sentencepiece_vocab(writer, model_dir, config["vocab_size"])
     add_checkpoint_tensors(writer, model_dir, gguf.MODEL_ARCH.PHI3, config["num_hidden_layers"])
     return dst
@@ -76,20 +92,33 @@ def family(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", ["phi4-mini", "phi3-mini"])
 def test_converted_file_computes_transformers_model(variant, family):
     src, path, _ = family(variant)
     vocab = json.loads((src / "config.json").read_text())["vocab_size"]
-    tokens = random_tokens(N_TOKENS, vocab, seed=11)
-    with engine.Model(path, threads=2, ctx_size=512) as m:
-        err = max_rel_err(engine_prompt_then_decode(m, tokens, N_PROMPT), hf_logits(src, tokens))
-    assert err <= 1e-4, f"{variant} drifts from transformers: {err:.2e} relative"
-    prompt = tokens[:N_TOKENS - N_GREEDY]
-    with engine.Model(path, threads=2, ctx_size=512) as m:
-        assert list(m.generate(prompt, N_GREEDY)) == hf_greedy(src, prompt, N_GREEDY)
+    assert_computes_transformers_model(src, [path], random_tokens(N_TOKENS, vocab, seed=11), N_PROMPT, N_GREEDY,
+                                       ctx_size=512)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+def test_longrope_runs_within_its_original_context(family):
+    """Our file carries longrope as llama.cpp's does (rope_factors_short/long.weight, rope.scaling.attn_factor, the
+    original context) and runs, as llama.cpp's own file does, in at most the original context, where transformers
+    takes the short factors: there the logits and greedy tokens are transformers' at every position."""
+    src, path, theirs = family("phi3-128k")
+    reader = open_reader(path)
+    factors = {t.name: np.array(t.data) for t in reader.tensors if t.name.startswith("rope_factors")}
+    for part in ("short", "long"):
+        assert np.array_equal(factors[f"rope_factors_{part}.weight"],
+                              np.float32(LONGROPE["rope_parameters"][f"{part}_factor"])), part
+    assert reader.fields["phi3-silu.rope.scaling.attn_factor"].contents() == pytest.approx(
+        math.sqrt(1 + math.log(4) / math.log(128)))
+    for file in (path, theirs):
+        assert_context_capped(file, 128, "rope.scaling.original_context_length = 128")
+    tokens = random_tokens(128, json.loads((src / "config.json").read_text())["vocab_size"], seed=11)
+    assert_computes_transformers_model(src, [path, theirs], tokens, 96, N_GREEDY)
+
+
+@pytest.mark.parametrize("variant", ["phi4-mini", "phi3-mini"])
 def test_converted_file_splits_the_fused_projections(variant, family):
     """general.architecture phi3-silu; qkv_proj split into attn_q/attn_k/attn_v and gate_up_proj into ffn_gate/ffn_up
     (the gate's rows first), rows as they are (NeoX RoPE); the rotated dims as rope.dimension_count."""
@@ -111,7 +140,7 @@ def test_converted_file_splits_the_fused_projections(variant, family):
     assert ("output.weight" in ours) == (variant == "phi3-mini") == ("output.weight" in llama_cpp)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", ["phi4-mini", "phi3-mini"])
 def test_llama_cpp_file_runs_with_the_same_logits_and_tokenizer(variant, family, capsys):
     src, _, theirs = family(variant)
     vocab = json.loads((src / "config.json").read_text())["vocab_size"]
@@ -159,13 +188,7 @@ def test_input_sparsity_from_a_profile_runs(family, tmp_path, capsys):
 
 
 # ---- refusals ---------------------------------------------------------------------------------------------------
-LONGROPE = {"type": "longrope", "short_factor": [1.0] * 6, "long_factor": [2.0] * 6,
-            "original_max_position_embeddings": 128}
 REFUSED = [  # (config.json fields, what the line names)
-    ({"rope_scaling": LONGROPE, "rope_theta": 10000.0, "partial_rotary_factor": PHI3_ROTARY},
-     "rope_parameters.rope_type = 'longrope'"),
-    ({"rope_scaling": {**LONGROPE, "type": "su"}, "rope_theta": 10000.0, "partial_rotary_factor": PHI3_ROTARY},
-     "rope_parameters.rope_type = 'longrope'"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.2}},
      "rope_parameters.partial_rotary_factor = 0.2"),  # 3.2 dims: not whole pairs
     ({"head_dim": 32}, "head_dim = 32"),
@@ -180,14 +203,20 @@ def test_unsupported_field_is_refused_by_convert_and_its_dry_run(fields, needle,
 
 def test_engine_refuses_what_it_would_not_compute(family, tmp_path):
     _, _, theirs = family()
+    _, _, longrope = family("phi3-128k")
     factors = np.ones(6, np.float32)
     cases = [  # (file, what the line says)
-        (rewritten(theirs, tmp_path / "a.gguf", tensors={"rope_factors_long.weight": factors,
-                                                         "rope_factors_short.weight": factors}),
-         "tensor rope_factors_long.weight (longrope RoPE scaling) is not computed"),
-        (rewritten(theirs, tmp_path / "b.gguf",
-                   fields={"phi3.rope.scaling.attn_factor": (1.19, gguf.GGUFValueType.FLOAT32)}),
-         "key phi3.rope.scaling.attn_factor is not computed"),
+        (rewritten(theirs, tmp_path / "a.gguf", tensors={"rope_factors_long.weight": factors}),
+         "longrope RoPE scaling needs both tensors rope_factors_short.weight and rope_factors_long.weight"),
+        (rewritten(longrope, tmp_path / "b.gguf", drop=("rope_factors_long.weight",),
+                   tensors={"rope_factors_long.weight": np.array([1, 2, 4, 0, 16, 32], np.float32)}),
+         "tensor rope_factors_long.weight holds a value that is not a positive number"),
+        (rewritten(longrope, tmp_path / "e.gguf", drop=("rope_factors_short.weight",),
+                   tensors={"rope_factors_short.weight": np.ones(8, np.float32)}),
+         "tensor rope_factors_short.weight has shape (8), the hyperparameters say (6,)"),
+        (rewritten(longrope, tmp_path / "f.gguf",
+                   fields={"phi3.rope.scaling.factor": (4.0, gguf.GGUFValueType.FLOAT32)}),
+         "rope.scaling.factor with longrope's tensors"),
         (rewritten(theirs, tmp_path / "c.gguf", tensors={"blk.0.ffn_up.bias": np.zeros(2 * N_FF, np.float32)}),
          "tensor blk.0.ffn_up.bias of a fused gate and up is not computed"),
         (rewritten(theirs, tmp_path / "d.gguf", drop=("blk.1.attn_qkv.weight",)),

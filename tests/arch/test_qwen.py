@@ -2,8 +2,9 @@
 on (q/k/v biases, Qwen3's o bias, per-head q/k norms and heads 32 wide beside 64 / 4, a tied head, rope_theta 1e6)
 converted at f32 and run by the engine against transformers' own classes over 300 positions and 32 greedy steps; a
 GGUF of the same checkpoint written as llama.cpp's convert_hf_to_gguf.py writes one (gguf-py's names, no q/k
-permutation, its vocabulary with pre-tokenizer qwen2 and chat template) run with the same logits and tokenizer; a
-sliding window capping the context; the GPU tier through the host emulation; what is refused, in one line."""
+permutation, its vocabulary with pre-tokenizer qwen2 and chat template) run with the same logits and tokenizer;
+Qwen2.5's YaRN past its original context; a sliding window capping the context; the GPU tier through the host
+emulation; what is refused, in one line."""
 from __future__ import annotations
 
 import json
@@ -11,11 +12,10 @@ import json
 import gguf
 import numpy as np
 import pytest
-import torch
 from cli_helpers import assert_one_line_error, run_cli
-from family_checks import (add_checkpoint_tensors, assert_convert_refuses, assert_input_sparsity_runs,
-                           assert_same_tokenizer_and_template, emulated_device_run)
-from engine_helpers import (engine_prompt_then_decode, finish_gguf, hf_logits, hf_model, max_rel_err, random_tokens)
+from family_checks import (add_checkpoint_tensors, assert_computes_transformers_model, assert_convert_refuses,
+                           assert_input_sparsity_runs, assert_same_tokenizer_and_template, emulated_device_run)
+from engine_helpers import engine_prompt_then_decode, finish_gguf, hf_logits, max_rel_err, random_tokens
 from tiny_models import N_FF, N_LAYER, QWEN3_HEAD_DIM, QWEN_KINDS, make_tiny
 
 import powerinfer_engine as engine
@@ -26,13 +26,6 @@ from powerinfer_tools.formats.tokenizer import tokenizer_from_file
 VOCAB, N_TOKENS, N_PROMPT, N_GREEDY = 400, 300, 200, 32
 TOKENS = random_tokens(N_TOKENS, VOCAB, seed=7)
 GGUF_ARCH = {"qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}
-
-
-def hf_greedy(model_dir, prompt: list[int], n: int) -> list[int]:
-    model, _ = hf_model(model_dir)
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    return out[0, len(prompt):].tolist()
 
 
 def llama_cpp_gguf(model_dir, dst, kind: str):
@@ -48,7 +41,17 @@ def llama_cpp_gguf(model_dir, dst, kind: str):
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    rope = config["rope_parameters"]
+    writer.add_rope_freq_base(rope["rope_theta"])
+    if rope["rope_type"] == "yarn":  # its TextModel.set_gguf_parameters
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        for field, add in (("attention_factor", writer.add_rope_scaling_yarn_attn_factor),
+                           ("beta_fast", writer.add_rope_scaling_yarn_beta_fast),
+                           ("beta_slow", writer.add_rope_scaling_yarn_beta_slow)):
+            if rope.get(field) is not None:
+                add(rope[field])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     if "head_dim" in config:
         writer.add_key_length(config["head_dim"])
@@ -92,12 +95,7 @@ def family(tmp_path_factory):
 @pytest.mark.parametrize("kind", QWEN_KINDS)
 def test_converted_file_computes_transformers_model(kind, family):
     src, path, _ = family(kind)
-    with engine.Model(path, threads=2, ctx_size=512) as m:
-        err = max_rel_err(engine_prompt_then_decode(m, TOKENS, N_PROMPT), hf_logits(src, TOKENS))
-    assert err <= 1e-4, f"{kind} drifts from transformers: {err:.2e} relative"
-    prompt = TOKENS[:N_TOKENS - N_GREEDY]
-    with engine.Model(path, threads=2, ctx_size=512) as m:
-        assert list(m.generate(prompt, N_GREEDY)) == hf_greedy(src, prompt, N_GREEDY)
+    assert_computes_transformers_model(src, [path], TOKENS, N_PROMPT, N_GREEDY, ctx_size=512)
 
 
 @pytest.mark.parametrize("kind", QWEN_KINDS)
@@ -133,6 +131,23 @@ def test_llama_cpp_file_runs_with_the_same_logits_and_tokenizer(kind, family, ca
     assert code == 0, err
 
 
+# Qwen2.5's long-context YaRN over a small original context, every sub-field set: beta_fast/beta_slow move the ramp
+# (pairs 0-1 kept, 2 blended, 3-7 interpolated here), attention_factor replaces 0.1 ln 4 + 1
+QWEN_YARN = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+             "beta_fast": 16.0, "beta_slow": 2.0, "attention_factor": 1.25}
+
+
+def test_yarn_matches_transformers_past_the_original_context(family):
+    """YaRN written as llama.cpp's keys (type, factor, original context, yarn_beta_fast/slow, yarn_attn_factor), ours
+    and llama.cpp's converter's alike, computed by the engine as transformers' static YaRN over 300 positions."""
+    src, path, theirs = family("qwen2", rope_parameters=QWEN_YARN)
+    fields = open_reader(path).fields
+    assert fields["qwen2-silu.rope.scaling.type"].contents() == "yarn"
+    assert fields["qwen2-silu.rope.scaling.yarn_attn_factor"].contents() == 1.25
+    assert fields["qwen2-silu.rope.scaling.yarn_beta_fast"].contents() == 16.0
+    assert_computes_transformers_model(src, [path, theirs], TOKENS, N_PROMPT, N_GREEDY, ctx_size=512)
+
+
 def test_a_sliding_window_caps_the_context(family):
     """use_sliding_window with layers past max_window_layers sliding: within its window such a model is a causal one,
     so the file carries the window and the engine runs no longer context (Mistral's rule); with no layer sliding
@@ -146,13 +161,14 @@ def test_a_sliding_window_caps_the_context(family):
     assert "qwen2-silu.attention.sliding_window" not in open_reader(none_slide).fields
 
 
-@pytest.mark.parametrize("kind,config", [("qwen2", {}), ("qwen2", {"head_dim": 32}), ("qwen3", {})],
-                         ids=["qwen2", "qwen2-head_dim", "qwen3"])
+@pytest.mark.parametrize("kind,config", [("qwen2", {}), ("qwen2", {"head_dim": 32}), ("qwen3", {}),
+                                         ("qwen2", {"rope_parameters": QWEN_YARN})],
+                         ids=["qwen2", "qwen2-head_dim", "qwen3", "qwen2-yarn"])
 def test_the_device_tier_gives_the_cpu_logits(kind, config, family, tmp_path, monkeypatch):
     """Through the host emulation of a device library (tests/engine/test_engine_device.py): Qwen2's attention and KV
-    cache on the device (its biases, NeoX RoPE, heads of their own width where config.json sets head_dim, which
-    Qwen2's class reads too); Qwen3's stay on the CPU (the device computes no per-head norms), its hot rows and
-    output head on the device."""
+    cache on the device (its biases, NeoX RoPE, YaRN's frequencies and attention factor in the tables the host gives
+    it, heads of their own width where config.json sets head_dim, which Qwen2's class reads too); Qwen3's stay on the
+    CPU (the device computes no per-head norms), its hot rows and output head on the device."""
     _, path, _ = family(kind, **config)
     cpu, dev, info, stats = emulated_device_run(path, TOKENS[:40], 24, N_LAYER, N_FF, tmp_path, monkeypatch)
     placed = info["gpu"]["device"]
@@ -172,10 +188,9 @@ def test_input_sparsity_from_a_profile_runs(kind, family, tmp_path, capsys):
 
 # ---- refusals ---------------------------------------------------------------------------------------------------
 REFUSED = [  # (kind, config.json fields, what the line names)
-    ("qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}},
-     "rope_parameters.rope_type = 'yarn'"),
-    ("qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}},
-     "rope_parameters.rope_type = 'yarn'"),
+    ("qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                                "truncate": False}}, "rope_parameters.truncate = False"),
+    ("qwen3", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_parameters.rope_type = 'dynamic'"),
     ("qwen2", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_parameters.rope_type = 'linear'"),
     ("qwen3", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5}},
      "rope_parameters.partial_rotary_factor = 0.5"),
@@ -225,8 +240,14 @@ def test_engine_refuses_what_it_would_not_compute(family, tmp_path, capsys):
          "tensor blk.0.attn_q.weight has shape (128, 64), the hyperparameters say (64, 64)"),
         (rewritten(qwen3, tmp_path / "e.gguf", arch="llama"),  # heads of their own width are computed for qwen only
          "llama.attention.key_length 32 is not embedding_length / head_count (16)"),
-        (rewritten(qwen2, tmp_path / "f.gguf", fields={"qwen2.rope.scaling.type": ("yarn", gguf.GGUFValueType.STRING)}),
-         "rope scaling 'yarn' is not supported"),
+        (rewritten(qwen2, tmp_path / "f.gguf", fields={"qwen2.rope.scaling.type": ("yarn", gguf.GGUFValueType.STRING),
+                                                       "qwen2.rope.scaling.yarn_ext_factor": (
+                                                           0.5, gguf.GGUFValueType.FLOAT32)}),
+         "qwen2.rope.scaling.yarn_ext_factor other than 1 is not computed"),
+        (rewritten(qwen2, tmp_path / "g.gguf", fields={"qwen2.rope.scaling.type": ("yarn", gguf.GGUFValueType.STRING),
+                                                       "qwen2.rope.scaling.yarn_beta_fast": (
+                                                           0.5, gguf.GGUFValueType.FLOAT32)}),
+         "yarn_beta_fast must be above yarn_beta_slow"),
     ]
     for path, needle in cases:
         with pytest.raises(engine.EngineError) as exc:

@@ -49,10 +49,32 @@ def _head_dim_is_split(value, config) -> bool:
     return value in (MISSING, None) or value == config.hidden_size // config.num_attention_heads
 
 
-ROPE_TYPES = ("default", "linear", "llama3")  # how the engine scales RoPE: freq_scale or rope_freqs (llama3)
+def _yarn_betas_ordered(value, config) -> bool:
+    """YaRN's ramp rises from beta_fast's correction dim to beta_slow's: beta_fast above beta_slow, each at
+    transformers' default (32, 1) where 0 or absent."""
+    slow = (getattr(config, "rope_parameters", None) or {}).get("beta_slow")
+    return ((value if value is not MISSING else None) or 32) > (slow or 1)
+
+
+# YaRN (transformers' _compute_yarn_parameters, static: the same frequencies at every sequence length) as llama.cpp's
+# keys carry it, which the engine computes it from (csrc/model/model.cpp, read_rope_scaling)
+YARN_FIELDS = (
+    one_of("rope_parameters.truncate", True, MISSING),  # llama.cpp's correction dims are always rounded outwards
+    Field("rope_parameters.beta_fast", _yarn_betas_ordered,
+          "above beta_slow (32 and 1 where absent), written as rope.scaling.yarn_beta_fast and yarn_beta_slow"),
+    any_value("rope_parameters.attention_factor", "transformers' attention factor (this, or from factor, mscale and "
+              "mscale_all_dim) written as rope.scaling.yarn_attn_factor where it is not 0.1 ln(factor) + 1"),
+    any_value("rope_parameters.original_max_position_embeddings", "written as rope.scaling.original_context_length"),
+)
+
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 
 LLAMA_FIELDS = (
-    one_of("rope_parameters.rope_type", *ROPE_TYPES, MISSING),
+    Field("rope_parameters.rope_type", lambda v, c: v is MISSING or v in ROPE_TYPES,
+          "default; linear (rope.scaling.factor); llama3 (rope_freqs.weight); yarn (rope.scaling.*: below); dynamic "
+          "(the default frequencies, transformers' within max_position_embeddings, written as "
+          "attention.sliding_window = max_position_embeddings so that the engine's context is capped there)"),
+    *YARN_FIELDS,
     one_of("rope_parameters.partial_rotary_factor", 1.0, None, MISSING),
     Field("head_dim", _head_dim_is_split, "hidden_size / num_attention_heads"),
     any_value("sliding_window", "written as attention.sliding_window; the engine's context is capped at it"),
@@ -66,7 +88,8 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 # Qwen2 and Qwen3 (transformers' Qwen2Attention/Qwen3Attention): use_sliding_window, sliding_window and
 # max_window_layers act through layer_types, which the config derives from them when config.json has none
 QWEN2_FIELDS = (  # q/k/v biases always, o without: the checkpoint's tensors
-    one_of("rope_parameters.rope_type", "default", MISSING),
+    one_of("rope_parameters.rope_type", "default", "yarn", MISSING),  # yarn: Qwen2.5's long-context configs
+    *YARN_FIELDS,
     one_of("rope_parameters.partial_rotary_factor", 1.0, None, MISSING),
     any_value("head_dim", "written as attention.key_length/value_length (q/k/v width n_head * head_dim)"),
     Field("layer_types", lambda v, c: v in (MISSING, None) or all(t in LAYER_TYPES for t in v),
@@ -84,11 +107,15 @@ def _rotary_dims_even(value, config) -> bool:
     return 0.0 < float(value) <= 1.0 and int(head * float(value)) % 2 == 0 and int(head * float(value)) > 0
 
 
-# Phi-3/Phi-4 (transformers' Phi3Attention, Phi3RotaryEmbedding): longrope (Phi-3 128k, rope_scaling "su"/"yarn",
-# which the config renames longrope) scales RoPE per pair with short/long factors the engine does not compute;
-# dropouts (resid_pdrop, embd_pdrop, attention_dropout) act only in training
+# Phi-3/Phi-4 (transformers' Phi3Attention, Phi3RotaryEmbedding): longrope (Phi-3 128k, Phi-4-mini; rope_scaling
+# "su"/"yarn", which the config renames longrope) divides each pair's frequency by short_factor within
+# original_max_position_embeddings and by long_factor past it; dropouts (resid_pdrop, embd_pdrop, attention_dropout)
+# act only in training
 PHI3_FIELDS = (
-    one_of("rope_parameters.rope_type", "default", MISSING),
+    Field("rope_parameters.rope_type", lambda v, c: v in (MISSING, "default", "longrope"),
+          "default; longrope (short_factor, long_factor as rope_factors_short/long.weight, the attention factor as "
+          "rope.scaling.attn_factor: the engine computes the short factors, transformers' within "
+          "original_max_position_embeddings, and caps its context there)"),
     Field("rope_parameters.partial_rotary_factor", _rotary_dims_even,
           "in (0, 1] with an even number of rotated dims, written as rope.dimension_count"),
     Field("head_dim", _head_dim_is_split, "hidden_size / num_attention_heads"),

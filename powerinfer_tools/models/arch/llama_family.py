@@ -76,6 +76,13 @@ def llama3_rope_factors(config) -> np.ndarray:
     return (plain.double() / scaled.double()).float().numpy()
 
 
+def rope_attention_factor(config, rope_type: str) -> float:
+    """What transformers multiplies cos and sin by for a RoPE type (YaRN's, longrope's): its own init function's."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    return float(ROPE_INIT_FUNCTIONS[rope_type](config)[1])
+
+
 class LlamaFamily(Arch):
     powerinfer_arch = "llama"
     gated = True
@@ -149,21 +156,52 @@ class LlamaFamily(Arch):
         writer.add_layer_norm_rms_eps(float(c.rms_norm_eps))
         rope = self.global_rope()
         writer.add_rope_freq_base(float(rope.get("rope_theta") or rope_theta(c)))
-        if rope.get("rope_type") == "linear":  # llama3's scaling is its rope_freqs tensor (computed_tensors)
-            import gguf
+        self.write_rope_scaling(writer, rope)
+        window = self.sliding_window()  # the engine runs no context longer than the window
+        if rope.get("rope_type") == "dynamic":  # the default frequencies up to max_position_embeddings, not past it
+            window = min(window or c.max_position_embeddings, c.max_position_embeddings)
+        if window:
+            writer.add_sliding_window(window)
+
+    def write_rope_scaling(self, writer, rope: dict) -> None:
+        """llama.cpp's rope.scaling.* keys for the RoPE type, which the engine computes it from (csrc/model/model.cpp,
+        read_rope_scaling); llama3's and longrope's per-pair factors are computed_tensors."""
+        import gguf
+        from transformers.modeling_rope_utils import yarn_get_mscale
+
+        kind = rope.get("rope_type")
+        if kind == "linear":
             writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             writer.add_rope_scaling_factor(float(rope["factor"]))
-        if self.sliding_window():  # the engine runs no context longer than the window
-            writer.add_sliding_window(self.sliding_window())
+        elif kind == "yarn":  # transformers' factor where the config has none (_compute_yarn_parameters)
+            factor = rope.get("factor") or self.config.max_position_embeddings / rope["original_max_position_embeddings"]
+            writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            writer.add_rope_scaling_factor(float(factor))
+            writer.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+            if rope.get("beta_fast"):
+                writer.add_rope_scaling_yarn_beta_fast(float(rope["beta_fast"]))
+            if rope.get("beta_slow"):
+                writer.add_rope_scaling_yarn_beta_slow(float(rope["beta_slow"]))
+            attention = rope_attention_factor(self.config, "yarn")
+            if attention != yarn_get_mscale(factor):  # the config's attention_factor, or mscale / mscale_all_dim
+                writer.add_rope_scaling_yarn_attn_factor(attention)
+        elif kind == "longrope":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
+            writer.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+            writer.add_rope_scaling_attn_factors(rope_attention_factor(self.config, "longrope"))
 
     def sliding_window(self) -> int | None:
         """The window of the layers that slide (Mistral: all of them), or None."""
         return getattr(self.config, "sliding_window", None)
 
     def computed_tensors(self) -> dict[str, np.ndarray]:
-        if rope_parameters(self.config).get("rope_type") != "llama3":
-            return {}
-        return {names.ROPE_FREQS: llama3_rope_factors(self.config)}
+        rope = rope_parameters(self.config)
+        if rope.get("rope_type") == "llama3":
+            return {names.ROPE_FREQS: llama3_rope_factors(self.config)}
+        if rope.get("rope_type") == "longrope":  # as llama.cpp's phi3 converter writes them
+            return {names.ROPE_FACTORS_LONG: np.asarray(rope["long_factor"], np.float32),
+                    names.ROPE_FACTORS_SHORT: np.asarray(rope["short_factor"], np.float32)}
+        return {}
 
 
 def hidden_act(config) -> str:

@@ -9,7 +9,7 @@ HiGHS in place of cvxopt/GLPK (cvxopt is not installed here): each layer's sorte
 of one neuron: every layer costs the same per neuron in these models), the per-layer threshold as
 ceil(min/256) groups, and GLPK's 30 s time limit. Its plans are scored at neuron granularity like ours.
 
-    python scripts/bench_placement.py [--fractions 0.1,0.25,0.5] [--seed 0] [--with-ffn]
+    python scripts/bench_placement.py [--fractions 0.1,0.25,0.5] [--seed 0] [--with-ffn] [--models Llama-2-70B]
 """
 from __future__ import annotations
 
@@ -97,10 +97,14 @@ def main() -> None:
                     help="charge each layer's attention + KV cache when it places neurons (PowerInfer's "
                     "formulation cannot express this; it is then compared with greedy only)")
     ap.add_argument("--time-limit", type=float, default=20.0)
+    ap.add_argument("--models", default=",".join(MODELS), help=f"of {', '.join(MODELS)} (default: both)")
     args = ap.parse_args()
+    unknown = set(args.models.split(",")) - set(MODELS)
+    if unknown:
+        ap.error(f"--models: unknown {', '.join(sorted(unknown))} (known: {', '.join(MODELS)})")
     print("| model | FFN capacity | method | seconds | served | vs ours | ours' proved bound gap |")
     print("|---|---|---|---|---|---|---|")
-    for name in MODELS:
+    for name in args.models.split(","):
         costs = q4_0_costs(name)
         for fraction in map(float, args.fractions.split(",")):
             inst = instance(costs, fraction, np.random.default_rng(args.seed), args.with_ffn)

@@ -25,7 +25,9 @@
 #                                  (about half the hot rows on the device), the 7B's 4 and 8 GiB budgets scaled to
 #                                  LAYERS, with the layers' attention and KV cache on the device, and at 8 GiB
 #                                  without them ($OUT/speed.txt, the bench's tables; the
-#                                  device's steps timed by CUDA events: $OUT/steps-NAME.tsv, PI_CUDA_STEP_TIMES)
+#                                  device's steps timed by CUDA events: $OUT/steps-NAME.tsv, PI_CUDA_STEP_TIMES);
+#                                  SHAPE overrides 7b (tests/scripts runs it at SHAPE=tiny), WORK /tmp/gpu_speed,
+#                                  RUNS the placements (cpu hybrid gpu4 gpu8 gpu8-ffn-only)
 #   scripts/gpu_check.sh sparsify  on the device machine: `pi-tools sparsify --device cuda` on a random-weight SiLU
 #                                  Llama of 1.2B parameters (the 2b shape; its speed does not depend on the weights),
 #                                  both phases' tokens/s, peak GPU memory, hours for 1B end-to-end tokens
@@ -34,7 +36,8 @@
 #
 # The device tool runs one command of at most 10 minutes:
 #   run(command="scripts/gpu_check.sh all", carry=[".gpu"], timeout_s=600)
-# Here, with the emulated device in place of CUDA and a smaller model, `speed` times its steps:
+# Here, with the emulated device in place of CUDA and a smaller model, `speed` times its steps (tests/scripts does,
+# at SHAPE=tiny):
 #   PI_GPU_LIBRARY=$(ls engine/_pi_device_emulated*.so) PI_EMULATED_DEVICE_MIB=4096 LAYERS=1 THREADS=2 \
 #       scripts/gpu_check.sh speed
 set -euo pipefail
@@ -125,14 +128,16 @@ all)
     ;;
 speed)
     setup_device_machine
-    W=/tmp/gpu_speed
+    W="${WORK:-/tmp/gpu_speed}"
     layers="${LAYERS:-4}"
+    shape="${SHAPE:-7b}"
     mkdir -p "$W"
     t0=$(date +%s)
-    m="$W/relu7b-$layers" prof="$W/prof-$layers" pred="$W/pred-$layers"
-    [ -f "$m/config.json" ] || python3 scripts/synthetic_llama.py model --shape 7b --layers "$layers" --out "$m"
-    [ -d "$prof" ] || python3 scripts/synthetic_llama.py profile --shape 7b --layers "$layers" --out "$prof"
-    [ -d "$pred" ] || python3 scripts/synthetic_llama.py predictors --shape 7b --layers "$layers" --sparsity 0.9 --out "$pred"
+    m="$W/relu$shape-$layers" prof="$W/prof-$shape-$layers" pred="$W/pred-$shape-$layers"
+    [ -f "$m/config.json" ] || python3 scripts/synthetic_llama.py model --shape "$shape" --layers "$layers" --out "$m"
+    [ -d "$prof" ] || python3 scripts/synthetic_llama.py profile --shape "$shape" --layers "$layers" --out "$prof"
+    [ -d "$pred" ] || python3 scripts/synthetic_llama.py predictors --shape "$shape" --layers "$layers" --sparsity 0.9 \
+        --out "$pred"
     echo "model, profile and predictors: $(( $(date +%s) - t0 )) s" | tee "$OUT/speed-steps.txt"
     # the 7B's budgets for the layers built: plan's reserve and the output head (a third of a GiB at the 7B's
     # q4_0) whole, the rest scaled by layers/32
@@ -146,13 +151,14 @@ speed)
     for run in "cpu --gpu off" "hybrid --gpu on --vram-budget $bh" "gpu4 --gpu on --vram-budget $b4" "gpu8 --gpu on --vram-budget $b8" \
                "gpu8-ffn-only --gpu on --vram-budget $b8 --gpu-ffn-only"; do
         read -r name flags <<< "$run"
+        [[ " ${RUNS:-cpu hybrid gpu4 gpu8 gpu8-ffn-only} " == *" $name "* ]] || continue
         t0=$(date +%s)
         # shellcheck disable=SC2086  # the flags split on purpose
         PI_CUDA_STEP_TIMES="$OUT/steps-$name.tsv" \
         python3 -m powerinfer_tools "${common[@]}" $flags --json-out "$OUT/bench-$name.json" --markdown "$OUT/bench-$name.md" \
             && echo "$name: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/speed-steps.txt" \
             || echo "$name: FAILED after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/speed-steps.txt"
-        python3 scripts/gpu_speed_table.py "$OUT" "$layers" > "$OUT/speed.txt"  # what is finished, after each run
+        python3 scripts/gpu_speed_table.py "$OUT" "$layers" "$shape" > "$OUT/speed.txt"  # what is finished so far
     done
     cat "$OUT/speed.txt"
     ;;
@@ -188,7 +194,7 @@ print(f"peak device memory: {peak / 2**30:.1f} GiB" if peak else "peak device me
 EOF
     ;;
 *)
-    sed -n 2,34p "$0"
+    sed -n 2,36p "$0"
     exit 2
     ;;
 esac

@@ -4,7 +4,7 @@ per placement and mode, prompt and decode tokens/s, decode against the CPU-only 
 layers' parts were, and the device per generated token: its time, launches, bytes read there and the floor those
 bytes imply at its own copy rate (powerinfer_tools.bench.harness.device_per_token).
 
-Usage: scripts/gpu_speed_table.py OUT LAYERS
+Usage: scripts/gpu_speed_table.py OUT LAYERS [SHAPE]   (SHAPE: synthetic_llama.py's, default 7b)
 """
 from __future__ import annotations
 
@@ -43,8 +43,9 @@ def step_times(path: Path) -> list[str]:
             + ", ".join(f"{n} {us / tokens:.0f} ({us / t:.1f} x {t // tokens})" for n, t, us in steps)]
 
 
-def main(out: Path, layers: int) -> None:
-    print(f"7B shape, {layers} of 32 layers, q4_0, 90 % predicted sparsity (budgets: the 7B's, the rest scaled to {layers} layers)")
+def main(out: Path, layers: int, shape: str) -> None:
+    print(f"{shape} shape, {layers} layers, q4_0, 90 % predicted sparsity (budgets: the 7B's, the rest scaled to "
+          f"{layers} of its 32 layers)")
     base = None
     for name in RUNS:
         path = out / f"bench-{name}.json"
@@ -70,4 +71,4 @@ def main(out: Path, layers: int) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]))
+    main(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else "7b")

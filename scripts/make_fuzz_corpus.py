@@ -13,7 +13,7 @@ tests/fuzz_regressions/ (tests/engine/test_fuzz_inputs.py loads them; each must 
                        the loader refused an alignment below the GGUF spec's 8
 
     python scripts/make_fuzz_corpus.py [OUT_DIR]
-    python scripts/make_fuzz_corpus.py --regressions
+    python scripts/make_fuzz_corpus.py --regressions [OUT_DIR]
 """
 from __future__ import annotations
 
@@ -161,7 +161,7 @@ def regressions(out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--regressions"]:
-        regressions(ROOT / "tests" / "fuzz_regressions")
+    if sys.argv[1:2] == ["--regressions"]:
+        regressions(Path(sys.argv[2]) if len(sys.argv) > 2 else ROOT / "tests" / "fuzz_regressions")
     else:
         main(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "tests" / "fuzz_corpus")

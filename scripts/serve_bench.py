@@ -68,7 +68,7 @@ def rss_kib(pid: int) -> int:
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-m", "powerinfer_tools", "serve", "-m", args.model, "--port", "0", "-t",
-                             str(args.threads), "--sparse-mode", args.sparse_mode, "-c", str(args.ctx), "-v"],
+                             str(args.threads), "--sparse-mode", args.sparse_mode, "-c", str(args.ctx)],
                             stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     for line in proc.stderr:
         if "listening on" in line:

@@ -22,7 +22,7 @@ const uint64_t kIdentityBytes = 1 << 20;  // the GGUF's first MiB: its header an
 // Two missing bundles at most this many bytes of other bundles apart are one read, the bundles between read too (and
 // dropped, or kept in the cache where missing): a read costs a fixed time plus a time per byte, and a gap pays while
 // its bytes cost less than the read it saves. Chosen from this disk kind's curve of time against read size and from
-// decode runs with wider gaps (docs/bench.md, "Fewer, larger reads"): a page, so a model whose bundles are one page
+// decode runs with wider gaps (docs/history.md, "Fewer, larger reads"): a page, so a model whose bundles are one page
 // merges across one; 8 KiB bundles merge only as neighbours.
 const uint64_t kMergeGapBytes = 4 << 10;
 

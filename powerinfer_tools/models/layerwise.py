@@ -1,4 +1,5 @@
-"""A causal LM run one decoder layer at a time, for models larger than memory (docs/profile.md, "Layer by layer").
+"""A causal LM run one decoder layer at a time, for models larger than memory (docs/profile.md, "Large models: layer
+by layer").
 
 The network is built on torch's meta device (accelerate's `init_empty_weights`: no memory, buffers such as rotary
 tables stay real), as GPTQ-style quantizers and llama.cpp's imatrix calibrate large models. The embeddings are loaded

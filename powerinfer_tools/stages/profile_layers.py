@@ -1,4 +1,5 @@
-"""The profile's pass one decoder layer at a time (`pi-tools profile --load layer`; docs/profile.md, "Layer by layer").
+"""The profile's pass one decoder layer at a time (`pi-tools profile --load layer`; docs/profile.md, "Large models:
+layer by layer").
 
 The calibration tokens go through layer 0 in every batch, then through layer 1, and so on: each layer's weights
 are read from disk once, and memory holds one layer plus a batch, whatever the model's size. The hidden states

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import pytest
 import torch
 
 from cli_helpers import assert_one_line_error, run_cli
+from peer_helpers import llama_cpp_python
 from convert_helpers import write_predictors
 from placement_fixtures import power_law_counts, write_profile
 from tiny_models import HIDDEN, N_FF, N_LAYER
@@ -388,14 +388,9 @@ def _peer_python(tmp_path: Path) -> str:
     """A Python with llama-cpp-python: $PI_BENCH_PEER_PYTHON, or this one when it has it; otherwise this one
     with tests/llama_cpp_double first on its path (the worker runs in isolated mode, `-I`, which ignores
     PYTHONPATH, so a small launcher drops the flag and puts the double in front)."""
-    env = os.environ.get("PI_BENCH_PEER_PYTHON")
-    if env:
-        return env
-    try:
-        import llama_cpp  # noqa: F401
-        return sys.executable
-    except ImportError:
-        pass
+    real = llama_cpp_python()
+    if real:
+        return real
     launcher = tmp_path / "peer-python"
     code = (f"import runpy, sys; sys.path.insert(0, {str(ROOT / 'tests' / 'llama_cpp_double')!r}); "
             "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")

@@ -4,21 +4,14 @@ predictors select the share of neurons they were built for (in our engine, at th
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 from cli_helpers import run_cli
+from script_helpers import TINY as SHAPE
+from script_helpers import synthetic_llama
 from tiny_models import DATA, training_text
 
 import powerinfer_engine as engine
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-import synthetic_llama  # noqa: E402
-
-synthetic_llama.DATA = DATA  # the tests' text wherever this checkout is (the script: PI_DATA or ../shared/data)
-
-SHAPE = synthetic_llama.shape_of("tiny")
 
 
 @pytest.fixture(scope="module")

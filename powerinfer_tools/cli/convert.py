@@ -47,8 +47,8 @@ def convert(
     input_thresholds: bool = typer.Option(
         False, "--input-thresholds/--no-input-thresholds", help="With a --profile that has input thresholds "
         "(profile --input-allocation): store them, and q/k/v/o/gate/up a second time transposed, what `run "
-        "--input-sparsity SHARE` reads (SmolLM2: +75% of the layers' bytes). Off by default: input sparsity does "
-        "not yet decode faster than dense (docs/bench.md)."),
+        "--input-sparsity SHARE` reads (SmolLM2: +75% of the layers' bytes, which is why it is off by default; "
+        "the mode's speeds per CPU: docs/bench.md, 'Input sparsity')."),
     neuron_bundles: bool = typer.Option(
         False, "--neuron-bundles/--no-neuron-bundles", help="Also write OUT.neurons: each FFN neuron's gate, up and "
         "down rows again as one page-aligned bundle (hottest first by --profile's counts), which the engine reads "

@@ -50,8 +50,8 @@ def profile(
     input_allocation: str = typer.Option(
         "none", "--input-allocation",
         help="Input sparsity's thresholds (every matrix's small inputs zeroed; docs/profile.md, 'Input sparsity'), "
-             "for shares 0.05 to 0.5: none (the default: on CPUs the mode decodes slower than dense, see "
-             "docs/bench.md), uniform (the same share at every input; SmolLM2 at 0.25: +0.5% perplexity), or "
+             "for shares 0.05 to 0.5: none (the default: the mode changes the model's output a little; its "
+             "speeds per CPU in docs/bench.md, 'Input sparsity'), uniform (the same share at every input; SmolLM2 at 0.25: +0.5% perplexity), or "
              "greedy (TEAL's per-layer search, each layer's share spread over q/k/v, o, gate/up and down where it "
              "moves the layer's output least; SmolLM2 at 0.25: +2.9%, and minutes per layer). Needs --load whole."),
     threads: Optional[int] = flags.threads_option(),

@@ -2,7 +2,7 @@
 """The table of scripts/gpu_check.sh speed, from the bench records it has written so far (OUT/bench-NAME.json):
 per placement and mode, prompt and decode tokens/s, decode against the CPU-only predictor mode, where the
 layers' parts were, and the device per generated token: its time, launches, bytes read there and the floor those
-bytes imply at its own copy rate (powerinfer_tools.bench.harness.device_per_token).
+bytes imply at its own copy rate (powerinfer_tools.bench.report.device_per_token).
 
 Usage: scripts/gpu_speed_table.py OUT LAYERS [SHAPE]   (SHAPE: synthetic_llama.py's, default 7b)
 """
@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from powerinfer_tools.bench.harness import device_per_token
+from powerinfer_tools.bench.report import device_per_token
 
 RUNS = ("cpu", "hybrid", "gpu4", "gpu8", "gpu8-ffn-only")
 

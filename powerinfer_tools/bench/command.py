@@ -152,8 +152,8 @@ def bench(
 
       sudo pi-tools bench -m relu7b --modes dense,predictor --peers llama.cpp --memory-limit 1.5 --repeats 2 -t 2
     """
-    from powerinfer_tools.bench.harness import (BenchOptions, plot_sweep, render_markdown, render_summary, run_bench,
-                                                write_json)
+    from powerinfer_tools.bench.harness import BenchOptions, run_bench
+    from powerinfer_tools.bench.report import plot_sweep, render_markdown, render_summary, write_json
 
     if png is not None and not sweep_sparsity:
         raise UserError("--png draws the sparsity sweep: add --sweep-sparsity")

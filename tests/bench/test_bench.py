@@ -21,6 +21,7 @@ from tiny_models import HIDDEN, N_FF, N_LAYER
 
 from powerinfer_tools.models import arch
 from powerinfer_tools.bench import harness as bench
+from powerinfer_tools.bench import report
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import bench_targets  # noqa: E402  (the project's goals: a script, not the product)
 from powerinfer_tools.bench import byte_model
@@ -314,7 +315,7 @@ def test_targets_and_markdown():
     assert targets["achieved_over_predicted gate@0.5"]["met"]     # 0.9 >= 0.85
     assert targets["achieved_over_predicted gate@0.5 (CPU time)"]["met"]
     assert targets["of_physical_limit dense"]["met"] and not targets["of_physical_limit gate@0.5"]["met"]
-    md = bench.render_markdown(rec)
+    md = report.render_markdown(rec)
     assert "| ours dense | 0.00 | 70.0 ± 1.0 | 105.0 ± 1.0 | 210.0 | 0.70x | 1.05x | 1.50x |" in md
     assert "| 0.50 | ours gate | 0.50 | 1.00 | 118.0 ± 1.0 | 236.0 | 1.18x | 1.30x | 1.12x | 1.10x | 1.30x | 90% | 85% " \
            "| 50% | 102% |" in md
@@ -324,7 +325,7 @@ def test_targets_and_markdown():
     assert "| gate@0.5_vs_llamacpp (sweep) | 1.180 | ≥ 1.20 | **no** |" in bench_targets.targets_table(
         list(targets.values()))
     assert "| target | measured | goal | met |" not in md  # the goals are the project's, not the product's output
-    summary = bench.render_summary(rec)
+    summary = report.render_summary(rec)
     assert summary.splitlines()[0] == "m q4_0, 2 threads, cpu; medians of 3 interleaved rounds"
     assert "| ours | dense | 0.00 | 70.0 | 105.0 | 1.05x |" in summary and len(summary.splitlines()) == 6
     short = _record(tg_llama=100.0, tg_dense=105.0, tg_gate=118.0, pp_ratio=0.7, achieved_over_predicted=0.849)
@@ -339,7 +340,7 @@ def test_targets_and_markdown():
     assert targets["peak_rss_over_file_kv_buffers dense"]["value"] == pytest.approx(120 / 115)
     assert targets["peak_rss_over_file_kv_buffers dense"]["met"]
     assert not targets["peak_rss_over_file_kv_buffers auto"]["met"]
-    md = bench.render_markdown(rec)
+    md = report.render_markdown(rec)
     assert "one mode per process, less the worker before the model opened: dense 120.0 MiB, auto 160.0 MiB " \
            "(file 100.0 + KV cache 10.0 + work buffers 5.0 MiB)" in md
     assert "| peak_rss_over_file_kv_buffers auto (main) | 1.391 | ≤ 1.05 | **no** |" in bench_targets.targets_table(
@@ -351,7 +352,7 @@ def test_sweep_plot(tmp_path):
     rec["sweep"] = rec["runs"][:2] + rec["sweep"]
     for e in rec["sweep"]:
         e.setdefault("target_sparsity", 0.5)
-    bench.plot_sweep(rec, tmp_path / "s.png")
+    report.plot_sweep(rec, tmp_path / "s.png")
     assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -456,14 +457,14 @@ def test_bench_end_to_end_tiny(silu_files, tmp_path):
                 assert e["machine_predicted_speedup"] == pytest.approx(1.0)
             else:
                 assert 0 < e["machine_predicted_speedup"] <= e["predicted_speedup"] + 1e-9
-    md = bench.render_markdown(rec)
+    md = report.render_markdown(rec)
     assert "ours predictor" in md and "Sparsity sweep" in md and "during the timed rounds" in md
     phase_rows = [line for line in md.splitlines() if line.startswith("| ours ") and line.count("|") == 9]
     assert len(phase_rows) == 4  # one per mode of ours in the time-split table
     for row in phase_rows:  # the phases and the rest add up to the token's time (rounded per cell)
         cells = [float(c) for c in row.strip("|").split("|")[1:]]
         assert cells[-1] > 0 and abs(sum(cells[:-1]) - cells[-1]) <= len(cells)
-    bench.write_json(rec, tmp_path / "r.json")
+    report.write_json(rec, tmp_path / "r.json")
     assert json.loads((tmp_path / "r.json").read_text())["format"] == "powerinfer-tools.bench/1"
 
 
@@ -491,11 +492,11 @@ def test_bench_scores_every_row_on_the_ppl_file(silu_files, tmp_path):
         assert ppl["ours dense"] == pytest.approx(perplexity(m, windows, progress=False)["perplexity"], rel=1e-4)
     assert ppl["ours dense"] == pytest.approx(ppl["torch"], rel=0.02)
     assert ppl["llama.cpp"] == pytest.approx(ppl["torch"], rel=0.02)
-    table = bench.render_summary(rec)
+    table = report.render_summary(rec)
     assert "perplexity |" in table and "2 windows of 64 tokens" in table
     rows = [line for line in table.splitlines() if line.startswith(("| ours", "| llama.cpp", "| torch"))]
     assert len(rows) == 4 and all(f"{float(r.rstrip(' |').split('|')[-1]):.2f}" != "nan" for r in rows)
-    assert "Quality: perplexity on README.md" in bench.render_markdown(rec)
+    assert "Quality: perplexity on README.md" in report.render_markdown(rec)
 
 
 @pytest.mark.parametrize("kv_type", ["f32", "f16"])
@@ -518,7 +519,7 @@ def test_bench_at_depth(silu_files, tmp_path, kv_type):
     assert mb.kv_per_position == byte_model.model_bytes(files.powerinfer).kv_per_position // (2 if kv_type == "f16" else 1)
     assert ours["bytes_per_token"]["kv_cache"] == pytest.approx(
         mb.kv_per_position * len(mb.layers) * (depth + (n_gen - 1) / 2))
-    md = bench.render_markdown(rec)
+    md = report.render_markdown(rec)
     assert f"tg{n_gen} @ d{depth} t/s" in md and f"KV cache {kv_type}" in md
 
 
@@ -604,7 +605,7 @@ def test_bench_times_the_input_modes_against_dense(tiny_model_dir, tmp_path, mon
     skipped = runs["ours input"]["bytes_per_token"]["input_skipped"]
     assert 0 < skipped and runs["ours input"]["predicted_speedup"] > 1
     assert rec["settings"]["input_sparsity"] == 0.3
-    assert "| ours | input |" in bench.render_summary(rec) and "ours input" in bench.render_markdown(rec)
+    assert "| ours | input |" in report.render_summary(rec) and "ours input" in report.render_markdown(rec)
     with pytest.raises(UserError, match="--input-sparsity"):
         bench.run_bench(dataclasses.replace(opts, input_sparsity=1.5))
 
@@ -625,7 +626,7 @@ def test_bench_without_text_times_text_our_engine_wrote(silu_files, monkeypatch)
     assert rec["tokens"] == {"text": "self-generated (engine, dense, seed 0)", "prompt": 16, "context": 0,
                              "generated": 8}
     assert rec["runs"][0]["label"] == "ours dense" and rec["runs"][0]["tg"]["median"] > 0
-    assert "text: self-generated (engine, dense, seed 0)" in bench.render_markdown(rec)
+    assert "text: self-generated (engine, dense, seed 0)" in report.render_markdown(rec)
 
 
 def test_engine_text_repeats_with_its_seed(silu_files):

@@ -14,6 +14,7 @@ from convert_helpers import write_predictors
 
 from powerinfer_tools.bench import cgroup, limited
 from powerinfer_tools.bench import harness as bench
+from powerinfer_tools.bench import report
 from powerinfer_tools.bench.runners import WorkerDied
 from powerinfer_tools.bench.worker import _io_counters, _without_extra_buffers
 from powerinfer_tools.core.errors import UserError
@@ -63,7 +64,7 @@ def test_disk_tier_columns_only_where_a_row_has_them():
     assert "llama.cpp repacked: the llama.cpp worker exited (killed by SIGKILL)" in table
     header = next(line for line in lines if line.startswith("| engine"))
     assert all(line.count("|") == header.count("|") for line in lines if line.startswith("| "))
-    summary = bench.render_summary(dict(_record(tiered), runs=[]))
+    summary = report.render_summary(dict(_record(tiered), runs=[]))
     assert "Under a 0.5 GiB memory cgroup" in summary and "ours dense + disk tier" in summary
 
 
@@ -160,7 +161,7 @@ def test_bench_under_a_memory_limit(tiny_model_dir, tmp_path, monkeypatch):
     small = bench.run_bench(bench.BenchOptions(memory_limit=24 / 1024, **dict(common, modes=("dense",))))
     row = small["memory_limit"]["rows"][0]  # the engine's own memory check reads the cgroup's limit
     assert row["status"] == "refused" and "cgroup's limit" in row["message"] and row["oom_kills"] == 0
-    assert "refused" in bench.render_markdown(small)
+    assert "refused" in report.render_markdown(small)
     assert not [p for p in hierarchy.own.iterdir() if p.name.startswith(cgroup.PREFIX)]
 
 

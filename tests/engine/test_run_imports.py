@@ -151,10 +151,23 @@ def test_run_from_the_disk_tier_under_a_memory_cgroup_ends_with_exit_0(converted
     assert reads and int(reads.group(1)) > 0, r.stderr
 
 
-def test_bench_worker_imports_only_the_engine():
-    code = ("import sys, powerinfer_engine, powerinfer_tools.bench.worker; "
-            "print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))")
+def _imported_by(*modules: str) -> set[str]:
+    """The top-level packages a fresh process holds after importing `modules`."""
+    code = f"import sys, {', '.join(modules)}; print(' '.join(sorted({{m.split('.')[0] for m in sys.modules}})))"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    imported = set(r.stdout.split())
+    return set(r.stdout.split())
+
+
+def test_bench_worker_imports_only_the_engine():
+    imported = _imported_by("powerinfer_engine", "powerinfer_tools.bench.worker")
     assert not imported & (set(UNUSED) | {"transformers", "tokenizers"}), imported
+
+
+def test_cli_imports_only_typer_before_a_command():
+    """What every command pays before it starts (`pi-tools run --help` as much): typer and the standard library;
+    numpy, the engine, the tokenizer and the server come with the commands that use them."""
+    imported = _imported_by("powerinfer_tools.cli")
+    assert "typer" in imported
+    heavy = set(UNUSED) | {"numpy", "transformers", "tokenizers", "powerinfer_engine", "gguf", "fastapi", "asyncio"}
+    assert not imported & heavy, imported & heavy

@@ -139,7 +139,7 @@ def context_size(model: str | os.PathLike, ctx_size: int | None) -> int:
 
     if ctx_size is not None:
         return CTX_SIZE.check("--ctx-size", ctx_size)
-    return placement.model_ctx_size(read_header(model))
+    return placement.model_ctx_size(read_header(model, tensors=False))
 
 
 def open_engine(target: EngineTarget, threads: int | None = None, sparse_mode: str = "dense",

@@ -14,9 +14,9 @@ variables and are tokenized without special tokens added (formats/chat_template.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
 
 from tokenizers import Tokenizer as Backend
 
@@ -55,7 +55,7 @@ class Tokenizer:
         self.settings = settings
 
     @classmethod
-    def from_transformers(cls, tok) -> "Tokenizer":
+    def from_transformers(cls, tok) -> Tokenizer:
         """The same tokenizer as transformers' `tok` (a PreTrainedTokenizerFast), which it does not import."""
         clean_up = bool(tok.clean_up_tokenization_spaces) and (
             type(tok.backend_tokenizer.model).__name__ != "BPE"
@@ -68,13 +68,20 @@ class Tokenizer:
         return cls(Backend.from_str(tok.backend_tokenizer.to_str()), settings)
 
     @classmethod
-    def load(cls, directory: Path) -> "Tokenizer":
+    def load(cls, directory: Path) -> Tokenizer:
         """The tokenizer save() wrote in directory; whatever a damaged one raises (OSError, ValueError, the
         tokenizers library's own exception, TypeError for settings of another shape) is the caller's to handle."""
-        settings = json.loads((directory / SETTINGS_FILE).read_text(encoding="utf-8"))
-        if not isinstance(settings, dict):
-            raise ValueError(f"{directory / SETTINGS_FILE} is not an object")
-        return cls(Backend.from_file(str(directory / BACKEND_FILE)), Settings(**settings))
+        fields = json.loads((directory / SETTINGS_FILE).read_text(encoding="utf-8"))
+        if not isinstance(fields, dict):
+            raise TypeError(f"{directory / SETTINGS_FILE} is not an object")
+        settings = Settings(**fields)
+        special = settings.special_tokens
+        if not (isinstance(special, dict) and all(isinstance(v, str) for v in special.values())
+                and isinstance(settings.clean_up_tokenization_spaces, bool)
+                and isinstance(settings.split_special_tokens, bool)
+                and isinstance(settings.chat_template, (str, type(None)))):
+            raise TypeError(f"{directory / SETTINGS_FILE} holds settings of another shape")
+        return cls(Backend.from_file(str(directory / BACKEND_FILE)), settings)
 
     def save(self, directory: Path) -> None:
         self.backend.save(str(directory / BACKEND_FILE))
@@ -89,7 +96,8 @@ class Tokenizer:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: int | Iterable[int], skip_special_tokens: bool = False) -> str:
-        text = self.backend.decode([ids] if isinstance(ids, int) else [int(i) for i in ids],
+        """The text of one id or of a sequence of them (numpy's integers too)."""
+        text = self.backend.decode([int(i) for i in ids] if isinstance(ids, Iterable) else [int(ids)],
                                    skip_special_tokens=skip_special_tokens)
         return _clean_up_tokenization(text) if self.settings.clean_up_tokenization_spaces else text
 

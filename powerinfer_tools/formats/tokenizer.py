@@ -141,7 +141,7 @@ def _copy_gguf_vocab(writer, reader, path: Path) -> str:
     return kind
 
 
-def tokenizer_from_file(path: str | os.PathLike) -> "Tokenizer":
+def tokenizer_from_file(path: str | os.PathLike) -> Tokenizer:
     """The tokenizer of the vocabulary stored in a GGUF or PowerInfer file: the one transformers builds from it, used
     through light_tokenizer (no transformers import); built before from the same file (same path, size and
     modification time; same transformers) when the cache still has it."""
@@ -180,7 +180,7 @@ def cache_root() -> Path:
     return cache_dir() / "tokenizers"
 
 
-def _load_cached(entry: Path) -> "Tokenizer | None":
+def _load_cached(entry: Path) -> Tokenizer | None:
     """The tokenizer saved in entry, or None when it does not load (then it is built again and replaces it)."""
     from powerinfer_tools.formats.light_tokenizer import Tokenizer
 
@@ -193,7 +193,7 @@ def _load_cached(entry: Path) -> "Tokenizer | None":
     return tok
 
 
-def _store_cached(tok: "Tokenizer", entry: Path) -> None:
+def _store_cached(tok: Tokenizer, entry: Path) -> None:
     """Save the tokenizer under entry (atomically) and keep only the CACHE_KEEP most recently used ones. A cache
     that cannot be written costs the next start its rebuild, nothing else."""
     from powerinfer_tools.core.atomic import atomic_dir

@@ -50,10 +50,10 @@ def special_text(ref) -> list[str]:
     return [f"x{a}y {a} z{a}" for a in added] + ["".join(added), "<|im_start|>user\nhi<|im_end|>\n"]
 
 
-def outcome(call):
-    """What call gives, or the type and message of what it raises: a refusal must match too."""
+def outcome(call, *args, **kwargs):
+    """What call(*args, **kwargs) gives, or the type and message of what it raises: a refusal must match too."""
     try:
-        return call()
+        return call(*args, **kwargs)
     except Exception as exc:  # the template's own refusal, jinja's sandbox
         return type(exc).__name__, str(exc)
 
@@ -100,9 +100,9 @@ def test_chat_template_as_transformers(pair):
         for chat in CHATS:
             for gen in (True, False):
                 for tokenize in (True, False):
-                    kwargs = dict(add_generation_prompt=gen, tokenize=tokenize, return_dict=False)
-                    want = outcome(lambda: ref.apply_chat_template(chat, **kwargs))
-                    assert outcome(lambda: tok.apply_chat_template(chat, **kwargs)) == want
+                    kwargs = {"add_generation_prompt": gen, "tokenize": tokenize, "return_dict": False}
+                    want = outcome(ref.apply_chat_template, chat, **kwargs)
+                    assert outcome(tok.apply_chat_template, chat, **kwargs) == want
                 got = tok.apply_chat_template(chat, add_generation_prompt=gen)  # the default: ids as an Encoding
                 assert got.input_ids == ref.apply_chat_template(chat, add_generation_prompt=gen)["input_ids"]
 
@@ -164,9 +164,9 @@ def test_template_environment_as_transformers(template, converted):
         for tools in (None, TOOLS):
             for gen in (True, False):
                 for tokenize in (True, False):
-                    kwargs = dict(tools=tools, add_generation_prompt=gen, tokenize=tokenize, return_dict=False)
-                    want = outcome(lambda: ref.apply_chat_template(chat, **kwargs))
-                    assert outcome(lambda: tok.apply_chat_template(chat, **kwargs)) == want, (chat, tools, gen)
+                    kwargs = {"tools": tools, "add_generation_prompt": gen, "tokenize": tokenize, "return_dict": False}
+                    want = outcome(ref.apply_chat_template, chat, **kwargs)
+                    assert outcome(tok.apply_chat_template, chat, **kwargs) == want, (chat, tools, gen)
     if template is TOOLS_TEMPLATE:  # the template took every path it has
         text = tok.apply_chat_template(TOOL_CHAT, tools=TOOLS, add_generation_prompt=True, tokenize=False)
         for needle in ("<tool_call>", "<tool_response>", '"<&>"', "<think>The tool said so.|The tool said so.",
@@ -185,7 +185,8 @@ def test_clean_up_tokenization_spaces_as_transformers(converted):
     """Where the saved config asks for it, decode cleans spaces before punctuation as transformers does; transformers
     skips that for BPE models (every vocabulary a GGUF holds rebuilds as one), and so does ours: a word-level model
     shows the cleaning, the byte-level BPE one its absence."""
-    from tokenizers import Tokenizer as Backend, models, pre_tokenizers
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     text = "Hello , world . Isn 't it ? Yes !"

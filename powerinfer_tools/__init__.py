@@ -9,7 +9,7 @@ __all__ = ["LLM", "__version__"]
 
 
 def __getattr__(name):
-    # LLM loads the engine binding and transformers' tokenizers: only when asked for, so the CLI starts fast
+    # LLM loads the engine binding and the tokenizers library: only when asked for, so the CLI starts fast
     if name == "LLM":
         from powerinfer_tools.runtime.llm import LLM
 

@@ -11,8 +11,7 @@ import typer
 from powerinfer_tools.cli import flags
 from powerinfer_tools.stages import options as limits
 from powerinfer_tools.core.errors import UserError
-from powerinfer_tools.runtime.inference import GPU_MODES
-from powerinfer_tools.stages.options import DEFAULT_KV_TYPE, KV_TYPES
+from powerinfer_tools.stages.options import DEFAULT_KV_TYPE, GPU_MODES, KV_TYPES
 
 
 def _csv(value: str) -> tuple[str, ...]:

@@ -9,8 +9,7 @@ from typing import Optional
 import typer
 
 from powerinfer_tools.cli import flags
-from powerinfer_tools.core.errors import UserError
-from powerinfer_tools.runtime.llm import RequestError
+from powerinfer_tools.core.errors import RequestError, UserError
 
 COMMANDS = "/exit (or Ctrl-D) leaves, /clear starts over, /help shows this; Ctrl-C stops a reply"
 

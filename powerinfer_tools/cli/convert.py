@@ -8,7 +8,6 @@ import typer
 
 from powerinfer_tools.cli import flags
 from powerinfer_tools.stages import options as limits
-from powerinfer_tools.stages import placement
 from powerinfer_tools.core.errors import UserError
 
 
@@ -99,6 +98,7 @@ def convert(
     if out is None:
         raise UserError("--out is required (or --dry-run to only report sizes)")
     from powerinfer_tools import stages
+    from powerinfer_tools.stages import placement
     from powerinfer_tools.stages.conversion import summary_lines
 
     if vram_budget is not None:
@@ -134,7 +134,7 @@ def convert(
 
 def report_sizes(model: str, outtypes: list[str], predictor_rank: int | None) -> None:
     """The dry run's table: file bytes by part for each outtype, then the KV cache by context size."""
-    from powerinfer_tools.stages import dry_run
+    from powerinfer_tools.stages import dry_run, placement
 
     config_model = dry_run.load(model)
     reports = [dry_run.size_report(config_model, t, predictor_rank) for t in outtypes]

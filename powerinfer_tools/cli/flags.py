@@ -105,9 +105,8 @@ def threads_option():
 
 
 def kv_type_option():
-    from powerinfer_tools.runtime.inference import KV_TYPE_HELP
 
-    from powerinfer_tools.stages.options import DEFAULT_KV_TYPE
+    from powerinfer_tools.stages.options import DEFAULT_KV_TYPE, KV_TYPE_HELP
 
     return typer.Option(DEFAULT_KV_TYPE, "--kv-type", help=KV_TYPE_HELP)
 

@@ -11,8 +11,7 @@ import typer
 from powerinfer_tools.cli import flags
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.formats.names import FFN_MODES
-from powerinfer_tools.runtime.inference import KV_TYPE_HELP
-from powerinfer_tools.stages.options import DEFAULT_KV_TYPE
+from powerinfer_tools.stages.options import DEFAULT_KV_TYPE, KV_TYPE_HELP
 from powerinfer_tools.stages.options import PERPLEXITY_WINDOW
 
 

@@ -2,15 +2,17 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 
 from powerinfer_tools.cli import flags
 from powerinfer_tools.stages import options as limits
-from powerinfer_tools.stages import placement
+from powerinfer_tools.stages.options import DEFAULT_RESERVE_BYTES, MIB, SYNTHETIC_EXPONENT
 from powerinfer_tools.core.errors import UserError
 
+if TYPE_CHECKING:
+    from powerinfer_tools.stages import placement  # numpy and the solver: loaded when a plan is made
 
 def plan(
     model: str = typer.Option(..., "--model", "-m", help="Converted model file (MODEL.powerinfer.gguf): its tensor "
@@ -30,7 +32,7 @@ def plan(
     min_layer_neurons: str = typer.Option("auto", "--min-layer-neurons",
                                           help="A layer that offloads anything offloads at least this many "
                                           "neurons: 'auto' (from the split-overhead cost model) or N."),
-    reserve_mib: float = typer.Option(placement.DEFAULT_RESERVE_BYTES / placement.MIB, "--reserve-mib", callback=flags.within(limits.RESERVE_MIB),
+    reserve_mib: float = typer.Option(DEFAULT_RESERVE_BYTES / MIB, "--reserve-mib", callback=flags.within(limits.RESERVE_MIB),
                                       help="VRAM kept free for the CUDA context and scratch buffers."),
     offload_output: bool = typer.Option(True, "--offload-output/--no-offload-output",
                                         help="Put the output head on the GPU (PowerInfer does)."),
@@ -50,7 +52,7 @@ def plan(
     predictor_rank: Optional[int] = typer.Option(
         None, "--predictor-rank", help="With --dry-run: the predictors' rank (default: train-predictor's cap, 10% "
                                        "of the FFN parameters); 0 for none."),
-    exponent: float = typer.Option(placement.SYNTHETIC_EXPONENT, "--power-law-exponent", callback=flags.within(limits.EXPONENT),
+    exponent: float = typer.Option(SYNTHETIC_EXPONENT, "--power-law-exponent", callback=flags.within(limits.EXPONENT),
                                    help="With --dry-run and no --profile: exponent a of the assumed activation "
                                    "rate min(1, 0.01 (rank/n_ff)^-a); larger is more skewed."),
 ):
@@ -72,9 +74,10 @@ def plan(
       pi-tools plan --dry-run -m ./ReluLLaMA-70B --profile ./ReluLLaMA-70B-PowerInfer-GGUF/activation --vram-budget 12
     """
     from powerinfer_tools import stages
+    from powerinfer_tools.stages import placement
 
     opts = stages.PlanOptions(vram_budget_gib=vram_budget, out=out, ctx_size=ctx_size,
-                              min_layer_neurons=min_layer_neurons, reserve_bytes=int(reserve_mib * placement.MIB),
+                              min_layer_neurons=min_layer_neurons, reserve_bytes=int(reserve_mib * MIB),
                               offload_output=offload_output, dense=dense, time_limit=time_limit,
                               granularity=granularity)
     if dry_run:
@@ -118,7 +121,7 @@ def dry_run_summary(result) -> dict:
 
 
 def report_dry_run(config_model, result) -> None:
-    from powerinfer_tools.stages import dry_run
+    from powerinfer_tools.stages import dry_run, placement
 
     r = result.report
     typer.echo(f"dry run (nothing converted): {dry_run.describe(config_model, r)}")
@@ -133,4 +136,6 @@ def report_dry_run(config_model, result) -> None:
 
 def report(result: placement.Plan) -> None:
     """Print the budget breakdown and each layer's GPU share."""
+    from powerinfer_tools.stages import placement
+
     typer.echo("\n".join(placement.report_lines(result)))

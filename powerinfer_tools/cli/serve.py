@@ -9,7 +9,7 @@ import typer
 from powerinfer_tools.cli import flags
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.core.numbers import Range
-from powerinfer_tools.server.intake import BODY_TIMEOUT_S, MAX_BODY_MIB
+from powerinfer_tools.server import BODY_TIMEOUT_S, MAX_BODY_MIB
 
 
 @flags.engine_options

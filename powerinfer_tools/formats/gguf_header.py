@@ -162,11 +162,10 @@ def _value(c: _Cursor, vtype: int, key: str, decode_strings: bool):
     return values.tolist()
 
 
-def read_header(path: str | os.PathLike, strings: Collection[str] = ()) -> GGUFHeader:
+def read_header(path: str | os.PathLike, strings: Collection[str] = (), tensors: bool = True) -> GGUFHeader:
     """The metadata and tensor table of a GGUF or PWRI file. String arrays are decoded only for the keys in
-    `strings` (the others are listed in `skipped` with their lengths)."""
-    import gguf
-
+    `strings` (the others are listed in `skipped` with their lengths). tensors=False: the metadata alone (no tensor
+    table, nor gguf-py's type tables, whose import costs a run's start a tenth of a second)."""
     path = str(path)
     if not os.path.isfile(path):
         raise UserError(f"no such file: {path}")
@@ -178,12 +177,12 @@ def read_header(path: str | os.PathLike, strings: Collection[str] = ()) -> GGUFH
         with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as mapped:
             view = memoryview(mapped)
             try:
-                return _read(view, path, magic, set(strings), gguf)
+                return _read(view, path, magic, set(strings), tensors)
             finally:
                 view.release()
 
 
-def _read(buf, path: str, magic: bytes, strings: set, gguf) -> GGUFHeader:
+def _read(buf, path: str, magic: bytes, strings: set, tensors: bool) -> GGUFHeader:
     c = _Cursor(buf, path)
     c.take(4, "the magic")
     version = c.unpack("<I", "the version")
@@ -212,6 +211,10 @@ def _read(buf, path: str, magic: bytes, strings: set, gguf) -> GGUFHeader:
     if (not isinstance(alignment, int) or isinstance(alignment, bool) or alignment < 8 or alignment > 1 << 20
             or alignment & (alignment - 1)):
         raise UserError(f"{path}: general.alignment must be a power of two from 8 to 2^20")
+    if not tensors:
+        return header
+    import gguf
+
     gpu_index = header.metadata.get(names.KEY_ARCHITECTURE) == names.GPU_INDEX_ARCH
     seen = set()
     raw = []

@@ -13,7 +13,8 @@ Reading (`tokenizer_from_file`) rebuilds the tokenizer from those keys alone, so
 needs neither the original model directory nor the hub: from the stored JSON when there is one,
 else with transformers' GGUF tokenizer builders. Rebuilding means parsing ~100k vocabulary strings
 through gguf-py (~2 s for SmolLM2, most of a `pi-tools run` start), so the result is kept in the cache
-(`cache_dir()/tokenizers`, the newest few files' tokenizers) and loaded from there in ~0.1 s.
+(`cache_dir()/tokenizers`, the newest few files' tokenizers) as light_tokenizer saves it and loaded from
+there with the `tokenizers` library alone: a start with a filled cache imports no transformers.
 """
 from __future__ import annotations
 
@@ -23,12 +24,16 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.models import ModelSource
 
+if TYPE_CHECKING:
+    from powerinfer_tools.formats.light_tokenizer import Tokenizer
+
 HF_JSON_KEY = "tokenizer.huggingface.json"
-CACHE_FORMAT = 1        # bump when what tokenizer_from_file builds changes, so older cached tokenizers are not used
+CACHE_FORMAT = 2        # bump when what tokenizer_from_file builds changes, so older cached tokenizers are not used
 CACHE_KEEP = 8          # tokenizers kept in the cache, the most recently used
 
 
@@ -136,31 +141,35 @@ def _copy_gguf_vocab(writer, reader, path: Path) -> str:
     return kind
 
 
-def tokenizer_from_file(path: str | os.PathLike):
-    """A transformers fast tokenizer built from the vocabulary stored in a GGUF or PowerInfer file, or the one
-    built before from the same file (same path, size and modification time; same transformers) when the cache
-    still has it."""
+def tokenizer_from_file(path: str | os.PathLike) -> Tokenizer:
+    """The tokenizer of the vocabulary stored in a GGUF or PowerInfer file: the one transformers builds from it, used
+    through light_tokenizer (no transformers import); built before from the same file (same path, size and
+    modification time; same transformers) when the cache still has it."""
+    from powerinfer_tools.formats.light_tokenizer import Tokenizer
+
     entry = _cache_entry(Path(path))
     if entry is not None and entry.is_dir():
         cached = _load_cached(entry)
         if cached is not None:
             return cached
-    tok = _build_tokenizer(path)
+    tok = Tokenizer.from_transformers(_build_tokenizer(path))
     if entry is not None:
         _store_cached(tok, entry)
     return tok
 
 
 def _cache_entry(path: Path) -> Path | None:
-    """The cache directory of this file's tokenizer; None when the file cannot be looked at (the build says why)."""
-    import transformers
+    """The cache directory of this file's tokenizer; None when the file cannot be looked at (the build says why).
+    The key holds transformers' version, read from its installed metadata (importing it would cost what the cache
+    saves): an upgrade builds anew."""
+    from importlib.metadata import version
 
     try:
         path = path.resolve()
         st = path.stat()
     except OSError:
         return None
-    key = json.dumps([CACHE_FORMAT, str(path), st.st_size, st.st_mtime_ns, transformers.__version__])
+    key = json.dumps([CACHE_FORMAT, str(path), st.st_size, st.st_mtime_ns, version("transformers")])
     return cache_root() / hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
@@ -171,12 +180,12 @@ def cache_root() -> Path:
     return cache_dir() / "tokenizers"
 
 
-def _load_cached(entry: Path):
+def _load_cached(entry: Path) -> Tokenizer | None:
     """The tokenizer saved in entry, or None when it does not load (then it is built again and replaces it)."""
-    from transformers import PreTrainedTokenizerFast
+    from powerinfer_tools.formats.light_tokenizer import Tokenizer
 
     try:
-        tok = PreTrainedTokenizerFast.from_pretrained(entry, local_files_only=True)
+        tok = Tokenizer.load(entry)
     except Exception:  # a damaged entry raises whatever its reader does (JSON, tokenizers, OSError): build anew
         return None
     with contextlib.suppress(OSError):
@@ -184,14 +193,14 @@ def _load_cached(entry: Path):
     return tok
 
 
-def _store_cached(tok, entry: Path) -> None:
+def _store_cached(tok: Tokenizer, entry: Path) -> None:
     """Save the tokenizer under entry (atomically) and keep only the CACHE_KEEP most recently used ones. A cache
     that cannot be written costs the next start its rebuild, nothing else."""
     from powerinfer_tools.core.atomic import atomic_dir
 
     with contextlib.suppress(OSError, UserError):
         with atomic_dir(entry, force=True) as tmp:
-            tok.save_pretrained(tmp)
+            tok.save(tmp)
         entries = sorted((e for e in entry.parent.iterdir() if e.is_dir() and not e.name.startswith(".")),
                          key=lambda e: e.stat().st_mtime, reverse=True)
         for old in entries[CACHE_KEEP:]:
@@ -199,6 +208,7 @@ def _store_cached(tok, entry: Path) -> None:
 
 
 def _build_tokenizer(path: str | os.PathLike):
+    """transformers' tokenizer of the file's vocabulary: what tokenizer_from_file's tokenizer is made from."""
     from transformers import PreTrainedTokenizerFast
     from transformers.integrations.gguf.gguf_tokenizer_mapping import (
         _SPECIAL_TOKENS,

@@ -20,7 +20,8 @@ import numpy as np
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.formats import names
 from powerinfer_tools.formats.gguf_io import THRESHOLDED_ACTIVATIONS
-from powerinfer_tools.stages.options import DEFAULT_KV_TYPE, DEVICE_BUDGET_GIB, KV_TYPES, MEMORY_BUDGET_GIB
+from powerinfer_tools.stages.options import (DEFAULT_KV_TYPE, DEVICE_BUDGET_GIB, GPU_MODES, KV_TYPES,
+                                             MEMORY_BUDGET_GIB)
 from powerinfer_tools.stages.usefulness import ENOUGH_SPARSITY
 
 SPARSE_MODES = names.FFN_MODES
@@ -115,13 +116,6 @@ def cached_plan(model: Path, vram_budget_gib: float, profile: str | os.PathLike 
     return path
 
 
-KV_TYPE_HELP = ("KV cache type: f16 (llama.cpp's default: half the memory of f32 and of what each generated token "
-                "reads of it at a long context) or f32 (logits within float rounding of transformers).")
-
-
-GPU_MODES = ("auto", "on", "off")
-
-
 def engine_mode(sparse_mode: str, input_sparsity: float | None) -> tuple[str, float]:
     """(the engine's FFN mode, input sparsity's share) of --sparse-mode and --input-sparsity, checked."""
     if sparse_mode not in CLI_SPARSE_MODES:
@@ -145,7 +139,7 @@ def context_size(model: str | os.PathLike, ctx_size: int | None) -> int:
 
     if ctx_size is not None:
         return CTX_SIZE.check("--ctx-size", ctx_size)
-    return placement.model_ctx_size(read_header(model))
+    return placement.model_ctx_size(read_header(model, tensors=False))
 
 
 def open_engine(target: EngineTarget, threads: int | None = None, sparse_mode: str = "dense",

@@ -345,10 +345,12 @@ class LLM:
         first use (a second or so), then kept."""
         with self._vocab_lock:
             if self._vocab is None:
-                from llguidance.hf import from_tokenizer
+                from llguidance import LLTokenizer
 
-                self._vocab = from_tokenizer(self.tokenizer, n_vocab=self.model.n_vocab,
-                                             eos_token=sorted(self.stop_tokens))
+                # what llguidance.hf.from_tokenizer gives for transformers' tokenizer, whose backend this is (without
+                # padding or truncation, as from_tokenizer sets them)
+                self._vocab = LLTokenizer(self.tokenizer.backend.to_str(), n_vocab=self.model.n_vocab,
+                                          eos_token=sorted(self.stop_tokens))
             return self._vocab
 
     def constraint(self, response_format: dict | None = None, grammar: str | None = None) -> "Constraint | None":

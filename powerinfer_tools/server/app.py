@@ -31,7 +31,8 @@ from starlette.exceptions import HTTPException
 from powerinfer_tools.core.errors import RequestError, UserError
 from powerinfer_tools.runtime.inference import EngineFailure
 from powerinfer_tools.runtime.llm import LLM, Chunk, Completion, TokenLogprob
-from powerinfer_tools.server.intake import BODY_TIMEOUT_S, MAX_BODY_MIB, Intake, ended, race
+from powerinfer_tools.server import BODY_TIMEOUT_S, MAX_BODY_MIB
+from powerinfer_tools.server.intake import Intake, ended, race
 from powerinfer_tools.server.metrics import metrics_text
 from powerinfer_tools.server.schemas import ChatRequest, CompletionRequest, Detokenize, EmbeddingRequest, Tokenize
 

@@ -13,8 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-MAX_BODY_MIB = 4.0  # the default limit: megabytes of text, more than any context holds, and seconds to tokenize
-BODY_TIMEOUT_S = 60.0  # the default time a request's body may take to arrive: 4 MiB at well under 1 Mbit/s
+from powerinfer_tools.server import BODY_TIMEOUT_S
 _ENDED = object()
 
 

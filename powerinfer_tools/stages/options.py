@@ -25,6 +25,10 @@ CTX_SIZE_HELP = (f"Context length in tokens (the KV cache). Default: the model's
 # engine binding's own default stays f32, the exact path its logits tests compare with transformers.
 KV_TYPES = ("f32", "f16")
 DEFAULT_KV_TYPE = "f16"
+KV_TYPE_HELP = ("KV cache type: f16 (llama.cpp's default: half the memory of f32 and of what each generated token "
+                "reads of it at a long context) or f32 (logits within float rounding of transformers).")
+GPU_MODES = ("auto", "on", "off")  # --gpu
+SYNTHETIC_EXPONENT = 0.9  # the power law of placement's synthetic counts (described there): plan's default
 DEFAULT_RESERVE_BYTES = 256 * MIB  # PowerInfer leaves 256 MiB free when it sizes the budget itself
 DEFAULT_TRAIN_THREADS = max(1, (os.cpu_count() or 2) // 2)  # small matrices: more threads only add contention
 

@@ -32,7 +32,8 @@ from powerinfer_tools.stages import device_placement, placement_solver
 from powerinfer_tools.core.atomic import atomic_file
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.stages import options as limits
-from powerinfer_tools.stages.options import DEFAULT_RESERVE_BYTES, MIB, PlanFiles, default_ctx_size
+from powerinfer_tools.stages.options import (DEFAULT_RESERVE_BYTES, MIB, SYNTHETIC_EXPONENT, PlanFiles,
+                                             default_ctx_size)
 from powerinfer_tools.formats.gguf_header import GGUFHeader, read_header
 from powerinfer_tools.formats.gguf_io import head_width, set_powerinfer_i32, set_pwri_magic
 
@@ -158,8 +159,7 @@ def load_activation_counts(profile_dir: str | Path, n_ff: np.ndarray) -> list[np
 # Synthetic counts, for a plan before any profile exists (the dry run) and the solver benchmark: neuron of rank r
 # (1 = hottest) of a layer of n fires on a share min(1, base * (r / n)^-a) of tokens. With a = 0.9 about 95% of
 # the layer's activations are zero, and its hottest 20% of neurons fire 68% of the activations (the middle of the
-# exponents the solver benchmark draws from, docs/placement.md).
-SYNTHETIC_EXPONENT = 0.9
+# exponents the solver benchmark draws from, docs/placement.md); a in stages/options.py (plan's default).
 SYNTHETIC_BASE_RATE = 0.01
 SYNTHETIC_TOKENS = 32768
 

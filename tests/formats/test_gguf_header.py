@@ -56,6 +56,8 @@ def test_costs_metadata_and_tensors_equal_gguf_py_on_a_32000_token_file(model):
     with pytest.raises(KeyError, match="skipped"):
         header.get(TOKENS)
     assert read_header(model, strings=[TOKENS]).get(TOKENS) == field(reader, TOKENS)
+    alone = read_header(model, tensors=False)  # the metadata a run's default context needs, no tensor table
+    assert (alone.metadata, alone.skipped, alone.tensors) == (header.metadata, header.skipped, [])
 
 
 def test_plan_maps_the_profile_through_the_files_neuron_order(model, tmp_path):

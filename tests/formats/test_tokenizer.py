@@ -10,6 +10,7 @@ from transformers import AutoTokenizer, LlamaTokenizer
 from powerinfer_tools.formats import tokenizer
 from powerinfer_tools.stages.conversion import convert_model
 from powerinfer_tools.core.errors import UserError
+from powerinfer_tools.formats.light_tokenizer import SETTINGS_FILE
 from powerinfer_tools.formats.tokenizer import HF_JSON_KEY, tokenizer_from_file
 from tiny_models import DATA
 
@@ -69,6 +70,9 @@ def test_cached_tokenizer_follows_the_file(tiny_model_dir, tmp_path, monkeypatch
     assert tokenizer_from_file(out)(text).input_ids == ids and len(builds) == 2
     (tokenizer._cache_entry(out) / "tokenizer.json").write_text("{ damaged")
     assert tokenizer_from_file(out)(text).input_ids == ids and len(builds) == 3
+    for n, damage in enumerate(('{"chat_template": 5}', '{"colour": "blue"}', "[]"), start=4):  # other shapes
+        (tokenizer._cache_entry(out) / SETTINGS_FILE).write_text(damage)
+        assert tokenizer_from_file(out)(text).input_ids == ids and len(builds) == n
     for i in range(tokenizer.CACHE_KEEP + 2):  # other files' tokenizers push the oldest out
         copy = tmp_path / f"copy{i}.gguf"
         copy.write_bytes(out.read_bytes())

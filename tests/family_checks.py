@@ -187,15 +187,15 @@ def assert_relu_sparse_modes(src, path, tokens: list[int], n_prompt: int, tmp_pa
     assert all(0.2 < layer["recall"] < 0.8 for layer in stats["layers"])  # random predictors
     auto, predicted = auto_run(path, tokens, n_prompt)
     chose = [torch.from_numpy(p)[:, None] for p in predicted]
-    assert max_rel_err(auto, hf_logits(src, tokens, mask_fn=lambda i, x, a: torch.where(chose[i], rule(i, x, a), a))) \
-        <= 1e-4
+    by_choice = hf_logits(src, tokens, mask_fn=lambda i, x, a: torch.where(chose[i], rule(i, x, a), a))
+    assert max_rel_err(auto, by_choice) <= 1e-4
     hot = [np.random.default_rng(3 + i).random(dims.n_ff) < 0.3 for i in range(dims.n_layer)]
     gpuidx = write_gpuidx(tmp_path / "tiers.gpuidx", hot)
     assert max_rel_err(run("oracle", gpuidx=gpuidx, cpu_hot_tier=True)[0], dense) <= 1e-5
     hot_t = [torch.from_numpy(h) for h in hot]
     logits, stats = run("predictor", gpuidx=gpuidx, cpu_hot_tier=True)
-    assert max_rel_err(logits, hf_logits(src, tokens, mask_fn=lambda i, x, a: torch.where(hot_t[i], a, rule(i, x, a)))) \
-        <= 1e-4
+    hot_on = hf_logits(src, tokens, mask_fn=lambda i, x, a: torch.where(hot_t[i], a, rule(i, x, a)))
+    assert max_rel_err(logits, hot_on) <= 1e-4
     assert [layer["hot_neurons"] for layer in stats["layers"]] == [int(h.sum()) for h in hot]
     cpu, dev, info, _ = emulated_device_run(path, tokens[:40], 24, dims.n_layer, dims.n_ff, tmp_path, monkeypatch)
     assert info["gpu"]["device"]["layers_on_device"] == dims.n_layer  # the device computes ReLU neurons

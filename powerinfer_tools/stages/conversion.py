@@ -273,7 +273,8 @@ def plan(adapter: arch.Arch, weights, predictors: Predictors | None, outtype: st
          input_sparse: bool = False) -> list[PlannedTensor]:
     """The tensors of the file, each with how to load it; fc2_scales: layer i's fc2 times fc2_scales[i]
     (ThresholdFold); input_sparse: also the transposed copies input sparsity reads (INPUT_TRANSPOSED)."""
-    # a file PowerInfer refuses by its architecture name (SiLU/GELU, or one it does not know): nothing to keep compatible
+    # a file PowerInfer refuses by its architecture name (SiLU/GELU, or one it does not know): nothing to keep
+    # compatible
     compatible = powerinfer_compatible and adapter.powerinfer_runs
     down_outtype = POWERINFER_DOWN_T_OUTTYPE.get(outtype, outtype) if compatible else outtype
     planned = []

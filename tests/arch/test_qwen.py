@@ -259,6 +259,9 @@ def test_engine_refuses_what_it_would_not_compute(family, tmp_path, capsys):
                                                        "qwen2.rope.scaling.yarn_beta_fast": (
                                                            0.5, gguf.GGUFValueType.FLOAT32)}),
          "yarn_beta_fast must be above yarn_beta_slow"),
+        (rewritten(qwen2, tmp_path / "h.gguf",
+                   fields={names.KEY_FFN_ACTIVATION: ("fatrelu", gguf.GGUFValueType.STRING)}),
+         "FFN activation 'fatrelu' is not supported for architecture qwen2"),  # ReLU and SiLU only: no FATReLU form
     ]
     for path, needle in cases:
         with pytest.raises(engine.EngineError) as exc:

@@ -119,6 +119,48 @@ def hf_logits(model_dir: Path, tokens: list[int], mask_fn=None, weights_from: Pa
             h.remove()
 
 
+def predictor_rule(path: Path, thresholds=None):
+    """The predictor mode's FFN in torch, as hf_logits' mask_fn: a neuron counts when the file's predictor selects it
+    (logit > the layer threshold) and, for SiLU, |a| passes the activation threshold. A quantized fc1 (fc2)
+    multiplies its input (the hidden layer) rounded through q8_0, as the engine's integer dots do."""
+    from convert_helpers import read_fields, read_tensors
+
+    tensors = read_tensors(path)
+    pred_thr = read_fields(path)["powerinfer.predictor_thresholds"]
+
+    def mask(i, x, a):
+        fc1_type, fc1 = tensors[f"blk.{i}.fc1.weight"]
+        fc2_type, fc2 = tensors[f"blk.{i}.fc2.weight"]
+        if fc1_type in ("Q8_0", "Q4_0"):
+            x = q8_round_trip(x)
+        hidden = torch.relu(x @ torch.from_numpy(fc1).T)
+        if fc2_type in ("Q8_0", "Q4_0"):
+            hidden = q8_round_trip(hidden)
+        selected = (hidden @ torch.from_numpy(fc2).T) > pred_thr[i]
+        keep = selected & (a.abs() > thresholds[i]) if thresholds else selected
+        return a * keep
+    return mask
+
+
+def auto_run(path: Path, tokens: list[int], n_prompt: int) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Auto mode's logits (the first n_prompt tokens as one batch, then decode steps) and, for each layer, the
+    positions whose FFN it computed by the predictor (from each step's per-mode token counts): the values auto's
+    choices define, whichever it made."""
+    import powerinfer_engine as engine
+
+    predicted: dict[int, np.ndarray] = {}
+    rows = []
+    with engine.Model(path, threads=2, sparse_mode="auto") as m:
+        for start, end in [(0, n_prompt)] + [(p, p + 1) for p in range(n_prompt, len(tokens))]:
+            m.reset_stats()
+            rows.append(m.eval(tokens[start:end]).reshape(end - start, -1))
+            for layer in m.stats()["layers"]:
+                modes = layer["modes"]
+                assert set(modes) <= {"gate", "dense_rule", "predictor"} and len(modes) == 1, modes  # one per step
+                predicted.setdefault(layer["layer"], np.zeros(len(tokens), bool))[start:end] = "predictor" in modes
+    return np.concatenate(rows), [predicted[i] for i in sorted(predicted)]
+
+
 def load_file_weights(model, path: Path, n_head: int, n_kv: int) -> None:
     """Overwrite a Llama-family transformers model's weights with the (dequantized) weights of a
     converted file, undoing the converter's q/k row permutation and the down transpose."""

@@ -1,7 +1,7 @@
 """What every family's tests (tests/arch) do the same way: a file's logits and greedy tokens against transformers; a
 context the engine caps; a checkpoint's tensors written under gguf-py's names for an architecture, as llama.cpp's
-converter writes them; input sparsity from a profile through the CLI; a config field refused by convert and its dry
-run in one line."""
+converter writes them; input sparsity from a profile through the CLI; a ReLU variant through every sparse mode; a
+config field refused by convert and its dry run in one line."""
 from __future__ import annotations
 
 import json
@@ -14,11 +14,14 @@ import torch
 from safetensors.numpy import load_file
 
 from cli_helpers import assert_one_line_error, profiled, run_cli
-from engine_helpers import engine_prompt_then_decode, finish_gguf, hf_logits, hf_model, max_rel_err
+from engine_helpers import (auto_run, engine_prompt_then_decode, finish_gguf, hf_logits, hf_model, max_rel_err,
+                            predictor_rule, write_gpuidx)
 from tiny_models import training_text
 
+from powerinfer_tools import models
 from powerinfer_tools.formats import names
 from powerinfer_tools.formats.gguf_io import open_reader
+from powerinfer_tools.models import arch
 
 
 def hf_greedy(model_dir, prompt: list[int], n: int) -> list[int]:
@@ -154,3 +157,46 @@ def emulated_device_run(path, tokens: list[int], n_prompt: int, n_layer: int, n_
     cpu, _, _ = run(gpu="off", cpu_hot_tier=True)
     dev, info, stats = run(gpu="on", gpu_library=engine.device_library_path("emulated"))
     return cpu, dev, info, stats
+
+
+def assert_relu_sparse_modes(src, path, tokens: list[int], n_prompt: int, tmp_path, monkeypatch) -> None:
+    """The ReLU model at src (a family's variant, as `pi-tools sparsify` writes it), converted at f32 with random
+    predictors to `path`, through every sparse mode as tests/engine/test_engine_logits.py checks llama-relu: dense
+    within 1e-4 of transformers at every position; oracle and gate dense's values bit for bit (a skipped neuron's
+    activation is an exact zero) while skipping neurons; predictor mode and auto the model with the masks they define
+    (predictor_rule); a random hot tier beside the cold one, oracle giving dense's values up to rounding and predictor
+    mode the rule with every hot neuron on; the hot rows on a device (its host emulation) giving the CPU's logits."""
+    import powerinfer_engine as engine
+
+    def run(mode, **kw):
+        with engine.Model(path, threads=2, sparse_mode=mode, **kw) as m:
+            return engine_prompt_then_decode(m, tokens, n_prompt), m.stats()
+
+    dims = arch.for_config(models.load_config(models.resolve(str(src)))).dims()
+    fields = open_reader(path).fields
+    assert fields[names.KEY_FFN_ACTIVATION].contents() == "relu"
+    dense, _ = run("dense")
+    assert max_rel_err(dense, hf_logits(src, tokens)) <= 1e-4
+    for mode in ("oracle", "gate"):
+        logits, stats = run(mode)
+        assert np.array_equal(logits, dense), mode
+        assert stats["density"] < 0.9, mode
+    rule = predictor_rule(path)
+    logits, stats = run("predictor", recall_check=True)
+    assert max_rel_err(logits, hf_logits(src, tokens, mask_fn=rule)) <= 1e-4
+    assert all(0.2 < layer["recall"] < 0.8 for layer in stats["layers"])  # random predictors
+    auto, predicted = auto_run(path, tokens, n_prompt)
+    chose = [torch.from_numpy(p)[:, None] for p in predicted]
+    by_choice = hf_logits(src, tokens, mask_fn=lambda i, x, a: torch.where(chose[i], rule(i, x, a), a))
+    assert max_rel_err(auto, by_choice) <= 1e-4
+    hot = [np.random.default_rng(3 + i).random(dims.n_ff) < 0.3 for i in range(dims.n_layer)]
+    gpuidx = write_gpuidx(tmp_path / "tiers.gpuidx", hot)
+    assert max_rel_err(run("oracle", gpuidx=gpuidx, cpu_hot_tier=True)[0], dense) <= 1e-5
+    hot_t = [torch.from_numpy(h) for h in hot]
+    logits, stats = run("predictor", gpuidx=gpuidx, cpu_hot_tier=True)
+    hot_on = hf_logits(src, tokens, mask_fn=lambda i, x, a: torch.where(hot_t[i], a, rule(i, x, a)))
+    assert max_rel_err(logits, hot_on) <= 1e-4
+    assert [layer["hot_neurons"] for layer in stats["layers"]] == [int(h.sum()) for h in hot]
+    cpu, dev, info, _ = emulated_device_run(path, tokens[:40], 24, dims.n_layer, dims.n_ff, tmp_path, monkeypatch)
+    assert info["gpu"]["device"]["layers_on_device"] == dims.n_layer  # the device computes ReLU neurons
+    assert max_rel_err(dev, cpu) <= 1e-4

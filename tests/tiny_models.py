@@ -18,6 +18,8 @@ DATA = next((p for p in (Path(__file__).resolve().parents[1].parent / "shared" /
 KINDS = ("llama-relu", "llama-silu", "prosparse", "bamboo", "falcon", "falcon7b", "opt")
 QWEN_KINDS = ("qwen2", "qwen3")  # every feature on: q/k/v(/o) biases, tied head; qwen3 heads normed, head_dim 32
 FAMILY_KINDS = ("phi3", "gemma3")  # fused projections and partial rotary; GELU, four norms, sliding-window layers
+# those families with ReLU in place of their SiLU or GELU, as `pi-tools sparsify` writes them
+RELU_FAMILY_KINDS = ("qwen2-relu", "qwen3-relu", "phi3-relu", "gemma3-relu")
 HIDDEN, N_FF, N_LAYER, N_HEAD, N_KV = 64, 256, 2, 4, 2
 PHI3_ROTARY = 0.75  # Phi-4-mini's partial_rotary_factor: RoPE turns the first 12 of each head's 16 dims
 # Gemma 3's structure at a small scale: heads 24 wide (not 64 / 4), a window of 32 positions (well inside a 300-token
@@ -55,7 +57,8 @@ def training_text() -> str:
     return "\n".join(" ".join(rng.choice(words) for _ in range(20)) for _ in range(2000))
 
 
-def _spm_tokenizer(out: Path, chat_template: str | None = None) -> int:
+def _spm_tokenizer(out: Path, chat_template: str | None = None, symbols: tuple[str, ...] = ()) -> int:
+    """SentencePiece BPE with byte fallback; `symbols`: special tokens the vocabulary holds besides <unk>, <s>, </s>."""
     import sentencepiece as spm
 
     work = out / ".spm"
@@ -63,7 +66,7 @@ def _spm_tokenizer(out: Path, chat_template: str | None = None) -> int:
     (work / "text.txt").write_text(training_text())
     spm.SentencePieceTrainer.train(input=str(work / "text.txt"), model_prefix=str(work / "sp"), vocab_size=384,
                                    model_type="bpe", byte_fallback=True, unk_id=0, bos_id=1, eos_id=2,
-                                   pad_id=-1, minloglevel=2)
+                                   pad_id=-1, user_defined_symbols=list(symbols), minloglevel=2)
     shutil.copy(work / "sp.model", out / "tokenizer.model")
     shutil.rmtree(work)
     (out / "tokenizer_config.json").write_text(json.dumps({
@@ -90,8 +93,9 @@ def _phi3_tokenizer(out: Path) -> int:
 
 
 def _gemma_tokenizer(out: Path) -> int:
-    """SentencePiece as GemmaTokenizer (no prefix space: Gemma's), Gemma's chat template."""
-    n = _spm_tokenizer(out, GEMMA_CHAT)
+    """SentencePiece as GemmaTokenizer (no prefix space: Gemma's), Gemma's chat template; <pad> and <mask> in the
+    vocabulary, as Gemma's has them (GemmaTokenizer adds them past it otherwise)."""
+    n = _spm_tokenizer(out, GEMMA_CHAT, ("<pad>", "<mask>"))
     cfg = json.loads((out / "tokenizer_config.json").read_text())
     (out / "tokenizer_config.json").write_text(json.dumps({**cfg, "tokenizer_class": "GemmaTokenizer"}))
     return n
@@ -183,6 +187,10 @@ def make_tiny(kind: str, out: Path, seed: int = 0, n_ff: int = N_FF, **overrides
     `overrides`: config fields (rope_parameters, sliding_window, ...) set on top of the kind's own."""
     from transformers import AutoModelForCausalLM, MistralForCausalLM
 
+    if kind in RELU_FAMILY_KINDS:
+        family = kind.removesuffix("-relu")
+        act_key = "hidden_activation" if family == "gemma3" else "hidden_act"
+        return make_tiny(family, out, seed, n_ff, **{act_key: "relu", **overrides})
     out.mkdir(parents=True, exist_ok=True)
     own_tokenizer = {"phi3": _phi3_tokenizer, "gemma3": _gemma_tokenizer}
     vocab = (own_tokenizer[kind](out) if kind in own_tokenizer else _spm_tokenizer(out)

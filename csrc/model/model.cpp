@@ -219,10 +219,10 @@ const ArchSpec kArchs[] = {
     // name     norm             rope               gated  par    lpos   off all_b  qk_n   width  escale post   swa plain     pwri      computes
     {"llama",  NormKind::Rms,   RopeKind::Adjacent, true,  false, false, 0, false, false, false, false, false, 0, "silu",  "relu",  "relu silu fatrelu"},
     {"bamboo", NormKind::Rms,   RopeKind::Adjacent, true,  false, false, 0, false, false, false, false, false, 0, "drelu", "drelu", "drelu"},
-    {"qwen2",  NormKind::Rms,   RopeKind::NeoX,     true,  false, false, 0, false, false, true,  false, false, 0, "silu",  "silu",  "silu"},
-    {"qwen3",  NormKind::Rms,   RopeKind::NeoX,     true,  false, false, 0, false, true,  true,  false, false, 0, "silu",  "silu",  "silu"},
-    {"phi3",   NormKind::Rms,   RopeKind::NeoX,     true,  false, false, 0, false, false, false, false, false, 0, "silu",  "silu",  "silu"},
-    {"gemma3", NormKind::Rms,   RopeKind::NeoX,     true,  false, false, 0, false, true,  true,  true,  true,  6, "gelu",  "gelu",  "gelu"},
+    {"qwen2",  NormKind::Rms,   RopeKind::NeoX,     true,  false, false, 0, false, false, true,  false, false, 0, "silu",  "silu",  "silu relu"},
+    {"qwen3",  NormKind::Rms,   RopeKind::NeoX,     true,  false, false, 0, false, true,  true,  false, false, 0, "silu",  "silu",  "silu relu"},
+    {"phi3",   NormKind::Rms,   RopeKind::NeoX,     true,  false, false, 0, false, false, false, false, false, 0, "silu",  "silu",  "silu relu"},
+    {"gemma3", NormKind::Rms,   RopeKind::NeoX,     true,  false, false, 0, false, true,  true,  true,  true,  6, "gelu",  "gelu",  "gelu relu"},
     {"falcon", NormKind::Layer, RopeKind::NeoX,     false, true,  false, 0, false, false, false, false, false, 0, "relu",  "relu",  "relu"},
     {"opt",    NormKind::Layer, RopeKind::None,     false, false, true,  2, true,  false, false, false, false, 0, "relu",  "relu",  "relu"},
 };

@@ -273,8 +273,9 @@ def plan(adapter: arch.Arch, weights, predictors: Predictors | None, outtype: st
          input_sparse: bool = False) -> list[PlannedTensor]:
     """The tensors of the file, each with how to load it; fc2_scales: layer i's fc2 times fc2_scales[i]
     (ThresholdFold); input_sparse: also the transposed copies input sparsity reads (INPUT_TRANSPOSED)."""
-    # a thresholded (SiLU/GELU) file is one PowerInfer refuses by its architecture name: nothing to keep compatible
-    compatible = powerinfer_compatible and not adapter.thresholded
+    # a file PowerInfer refuses by its architecture name (SiLU/GELU, or one it does not know): nothing to keep
+    # compatible
+    compatible = powerinfer_compatible and adapter.powerinfer_runs
     down_outtype = POWERINFER_DOWN_T_OUTTYPE.get(outtype, outtype) if compatible else outtype
     planned = []
     maps, head = tie_head(adapter.tensor_maps(weights.names_with_prefixes()), compatible)
@@ -430,8 +431,8 @@ def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predic
     adapter = arch.for_config(config)
     dims = adapter.dims()
     predictors = load_predictors(predictors_dir, dims) if predictors_dir is not None else None
-    # a thresholded (SiLU/GELU) file is one PowerInfer refuses by its architecture name: nothing to fold for it
-    fold = fold_thresholds(predictors) if predictors and powerinfer_compatible and not adapter.thresholded else None
+    # a file PowerInfer refuses by its architecture name (SiLU/GELU, or one it does not know): nothing to fold for it
+    fold = fold_thresholds(predictors) if predictors and powerinfer_compatible and adapter.powerinfer_runs else None
     if fold is not None and fold.threshold is not None:
         predictors = dataclasses.replace(predictors, thresholds=[fold.threshold] * dims.n_layer,
                                          sparse_threshold=fold.threshold)

@@ -31,7 +31,7 @@ class Shift:
 def set_threshold(adapter, model, t: float) -> None:
     """Every layer's gate activation: ReLU (t = 0) or FATReLU at t (torch's Threshold: x where x > t, else 0)."""
     for layer in adapter.layers(model):
-        layer.mlp.act_fn = torch.nn.Threshold(t, 0.0) if t > 0 else torch.nn.ReLU()
+        adapter.set_activation(layer, torch.nn.Threshold(t, 0.0) if t > 0 else torch.nn.ReLU())
 
 
 def _measure(model, adapter, seqs: torch.Tensor, batch: int, t: float) -> tuple[float, float]:

@@ -15,9 +15,10 @@ import pytest
 import torch
 from cli_helpers import run_cli
 from family_checks import (add_checkpoint_tensors, add_sentencepiece_vocab, assert_convert_refuses,
-                           assert_input_sparsity_runs, assert_same_tokenizer_and_template, emulated_device_run,
-                           hf_greedy)
-from engine_helpers import engine_prompt_then_decode, hf_logits, hf_model, max_rel_err, random_tokens
+                           assert_input_sparsity_runs, assert_relu_sparse_modes, assert_same_tokenizer_and_template,
+                           emulated_device_run, hf_greedy)
+from engine_helpers import (converted, engine_prompt_then_decode, hf_logits, hf_model, max_rel_err,  # noqa: F401
+                            random_tokens)
 from test_qwen import rewritten
 from tiny_models import GEMMA3, GEMMA3_LAYERS, N_FF, make_tiny
 
@@ -163,6 +164,16 @@ def test_the_device_tier_gives_the_cpu_logits(family, tmp_path, monkeypatch):
 def test_input_sparsity_from_a_profile_runs(family, tmp_path, capsys):
     src, _, _ = family()
     assert_input_sparsity_runs(src, tmp_path, capsys)
+
+
+def test_relu_variant_runs_every_sparse_mode(tiny_model_dir, converted, tmp_path, monkeypatch):
+    """hidden_activation relu (`pi-tools sparsify`'s output: relu(gate x) times up x): a file named gemma3, exact
+    zeros, so the sparse modes are the model's own, past the window of its two sliding layers; the device computes
+    its neurons, which it does not for GELU (family_checks.assert_relu_sparse_modes)."""
+    path = converted("gemma3-relu", predictors=True)
+    assert open_reader(path).fields[names.KEY_ARCHITECTURE].contents() == "gemma3"
+    assert_relu_sparse_modes(tiny_model_dir("gemma3-relu"), path, random_tokens(80, 384, seed=7), 64, tmp_path,
+                             monkeypatch)
 
 
 # ---- refusals ---------------------------------------------------------------------------------------------------

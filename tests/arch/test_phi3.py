@@ -17,8 +17,9 @@ import pytest
 from cli_helpers import run_cli
 from family_checks import (add_checkpoint_tensors, add_sentencepiece_vocab, assert_computes_transformers_model,
                            assert_context_capped, assert_convert_refuses, assert_input_sparsity_runs,
-                           assert_same_tokenizer_and_template, emulated_device_run)
-from engine_helpers import engine_prompt_then_decode, hf_logits, max_rel_err, random_tokens
+                           assert_relu_sparse_modes, assert_same_tokenizer_and_template, emulated_device_run)
+from engine_helpers import (converted, engine_prompt_then_decode, hf_logits, max_rel_err,  # noqa: F401
+                            random_tokens)
 from test_qwen import rewritten
 from tiny_models import HIDDEN, N_FF, N_HEAD, N_KV, PHI3_ROTARY, make_tiny
 
@@ -185,6 +186,15 @@ def test_input_sparsity_from_a_profile_runs(family, tmp_path, capsys):
     --sparse-mode input."""
     src, _, _ = family()
     assert_input_sparsity_runs(src, tmp_path, capsys)
+
+
+def test_relu_variant_runs_every_sparse_mode(tiny_model_dir, converted, tmp_path, monkeypatch):
+    """hidden_act relu (`pi-tools sparsify`'s output): a file named phi3, its fused gate_up_proj split as the SiLU
+    model's, exact zeros, so the sparse modes are the model's own (family_checks.assert_relu_sparse_modes)."""
+    path = converted("phi3-relu", predictors=True)
+    assert open_reader(path).fields[names.KEY_ARCHITECTURE].contents() == "phi3"
+    assert_relu_sparse_modes(tiny_model_dir("phi3-relu"), path, random_tokens(80, 384, seed=11), 64, tmp_path,
+                             monkeypatch)
 
 
 # ---- refusals ---------------------------------------------------------------------------------------------------

@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 from cli_helpers import assert_one_line_error, run_cli
 from family_checks import (add_checkpoint_tensors, assert_computes_transformers_model, assert_convert_refuses,
-                           assert_input_sparsity_runs, assert_same_tokenizer_and_template, emulated_device_run)
-from engine_helpers import engine_prompt_then_decode, finish_gguf, hf_logits, max_rel_err, random_tokens
+                           assert_input_sparsity_runs, assert_relu_sparse_modes, assert_same_tokenizer_and_template,
+                           emulated_device_run)
+from engine_helpers import (converted, engine_prompt_then_decode, finish_gguf, hf_logits, max_rel_err,  # noqa: F401
+                            random_tokens)
 from tiny_models import N_FF, N_LAYER, QWEN3_HEAD_DIM, QWEN_KINDS, make_tiny
 
 import powerinfer_engine as engine
@@ -186,6 +188,15 @@ def test_input_sparsity_from_a_profile_runs(kind, family, tmp_path, capsys):
     assert_input_sparsity_runs(src, tmp_path, capsys)
 
 
+@pytest.mark.parametrize("kind", ["qwen2-relu", "qwen3-relu"])
+def test_relu_variant_runs_every_sparse_mode(kind, tiny_model_dir, converted, tmp_path, monkeypatch):
+    """hidden_act relu (`pi-tools sparsify`'s output): a file named qwen2 / qwen3 (ReLU is not thresholded), exact
+    zeros, so the sparse modes are the model's own (family_checks.assert_relu_sparse_modes)."""
+    path = converted(kind, predictors=True)
+    assert open_reader(path).fields[names.KEY_ARCHITECTURE].contents() == kind.removesuffix("-relu")
+    assert_relu_sparse_modes(tiny_model_dir(kind), path, TOKENS[:80], 64, tmp_path, monkeypatch)
+
+
 # ---- refusals ---------------------------------------------------------------------------------------------------
 REFUSED = [  # (kind, config.json fields, what the line names)
     ("qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
@@ -248,6 +259,9 @@ def test_engine_refuses_what_it_would_not_compute(family, tmp_path, capsys):
                                                        "qwen2.rope.scaling.yarn_beta_fast": (
                                                            0.5, gguf.GGUFValueType.FLOAT32)}),
          "yarn_beta_fast must be above yarn_beta_slow"),
+        (rewritten(qwen2, tmp_path / "h.gguf",
+                   fields={names.KEY_FFN_ACTIVATION: ("fatrelu", gguf.GGUFValueType.STRING)}),
+         "FFN activation 'fatrelu' is not supported for architecture qwen2"),  # ReLU and SiLU only: no FATReLU form
     ]
     for path, needle in cases:
         with pytest.raises(engine.EngineError) as exc:

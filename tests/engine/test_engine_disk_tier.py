@@ -15,7 +15,7 @@ import pytest
 from cli_helpers import assert_one_line_error, run_cli
 from convert_helpers import write_predictors
 from engine_helpers import converted, random_tokens, replace_keeping_size_and_time, run_with_timeout  # noqa: F401
-from tiny_models import HIDDEN, N_FF, N_LAYER, make_tiny
+from tiny_models import HIDDEN, N_FF, N_LAYER, RELU_FAMILY_KINDS, make_tiny
 
 import powerinfer_engine as engine
 from powerinfer_tools.core.errors import UserError
@@ -341,10 +341,10 @@ def test_run_with_a_memory_budget_prints_the_same_text(bundled, capsys):
     assert_one_line_error(code, err, "memory budget of", "MiB")
 
 
-@pytest.mark.parametrize("kind", ["falcon", "falcon7b", "opt", "bamboo", "prosparse"])
+@pytest.mark.parametrize("kind", ["falcon", "falcon7b", "opt", "bamboo", "prosparse", *RELU_FAMILY_KINDS])
 def test_ungated_and_other_architectures_decode_the_same_bits(converted, tmp_path, kind):  # noqa: F811
     """Ungated FFNs bundle two rows (up, down_t); falcon 7B shares a norm between attention and the FFN, which the
-    copied vectors keep shared."""
+    copied vectors keep shared; the ReLU variants of Qwen2, Qwen3, Phi-3 and Gemma 3 (`pi-tools sparsify`'s)."""
     model = tmp_path / "m.gguf"
     shutil.copy(converted(kind, "q4_0", predictors=True), model)
     neuron_bundles.write(model, progress=False)

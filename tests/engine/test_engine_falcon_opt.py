@@ -12,8 +12,9 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from convert_helpers import read_fields, read_tensors, write_predictors
-from engine_helpers import engine_prompt_then_decode, hf_logits, max_rel_err, random_tokens, write_gpuidx
+from convert_helpers import write_predictors
+from engine_helpers import (auto_run, engine_prompt_then_decode, hf_logits, max_rel_err, predictor_rule,
+                            random_tokens, write_gpuidx)
 from test_engine_bad_input import rewrite
 from cli_helpers import run_cli
 from tiny_models import N_FF, N_LAYER, training_text
@@ -81,21 +82,6 @@ def run(path, mode="dense", **kw):
         return engine_prompt_then_decode(m, TOKENS, N_PROMPT), m.stats()
 
 
-def predictor_rule(path):
-    """The predictor mode's FFN in torch: neuron j counts when fc2(relu(fc1 x)) > the layer threshold,
-    x being the predictor input transformers' taps see (falcon: the layer input; opt: the residual
-    entering final_layer_norm)."""
-    tensors = read_tensors(path)
-    thr = read_fields(path)["powerinfer.predictor_thresholds"]
-
-    def mask(i, x, a):
-        fc1 = torch.from_numpy(tensors[f"blk.{i}.fc1.weight"][1])
-        fc2 = torch.from_numpy(tensors[f"blk.{i}.fc2.weight"][1])
-        return a * ((torch.relu(x @ fc1.T) @ fc2.T) > thr[i])
-
-    return mask
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_dense_matches_transformers(kind, model_dir, converted_fo, tiny_model_dir):
     ref = hf_logits(model_dir(kind), TOKENS)
@@ -130,7 +116,7 @@ def test_auto_computes_what_the_modes_it_picks_define(kind, model_dir, converted
     cases = set()
     for rank in (32, 4):
         path = converted_fo(kind, predictors=True, rank=rank)
-        auto, predicted = run_auto(path)
+        auto, predicted = auto_run(path, TOKENS, N_PROMPT)
         cases.add(any(p.any() for p in predicted))
         if not any(p.any() for p in predicted):  # the gate rule's kernels throughout: the dense values, bit for bit
             assert np.array_equal(auto, run(path, "dense")[0])
@@ -139,22 +125,6 @@ def test_auto_computes_what_the_modes_it_picks_define(kind, model_dir, converted
         ref = hf_logits(model_dir(kind), TOKENS, mask_fn=lambda i, x, a: torch.where(mask[i], rule(i, x, a), a))
         assert max_rel_err(auto, ref) <= 1e-4, rank
     assert cases == {False, True}, "auto no longer picks the predictor in one case and not in the other"
-
-
-def run_auto(path):
-    """Auto mode's logits (prompt, then decode steps) and, for each layer, the positions whose FFN it computed by
-    the predictor (from each step's per-mode token counts): the values auto's choices define, whichever it made."""
-    predicted = [np.zeros(len(TOKENS), bool) for _ in range(N_LAYER)]
-    rows = []
-    with engine.Model(path, threads=2, sparse_mode="auto") as m:
-        for start, end in [(0, N_PROMPT)] + [(p, p + 1) for p in range(N_PROMPT, len(TOKENS))]:
-            m.reset_stats()
-            rows.append(m.eval(TOKENS[start:end]).reshape(end - start, -1))
-            for layer in m.stats()["layers"]:
-                modes = layer["modes"]
-                assert set(modes) <= {"gate", "dense_rule", "predictor"} and len(modes) == 1, modes  # one per step
-                predicted[layer["layer"]][start:end] = "predictor" in modes
-    return np.concatenate(rows), predicted
 
 
 @pytest.mark.parametrize("kind", ["falcon", "opt"])

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import scipy.stats
 import torch
-from convert_helpers import read_fields, read_tensors, write_predictors
+from convert_helpers import read_tensors, write_predictors
 from engine_helpers import (converted, engine_prompt_then_decode, hf_logits, max_rel_err,  # noqa: F401
-                            q8_round_trip, random_tokens, rewrite, write_gpuidx)
+                            predictor_rule, random_tokens, rewrite, write_gpuidx)
 from tiny_models import HIDDEN, N_FF, N_HEAD, N_KV, N_LAYER, PROSPARSE_THRESHOLD, make_tiny
 
 import powerinfer_engine as engine
@@ -102,31 +102,10 @@ def test_gate_mode_batches_take_the_cheaper_kernels(converted):
     assert all(layer["modes"] == {"dense_rule": len(TOKENS)} for layer in layers[80])
 
 
-def predictor_rule(path, kind, thresholds=None):
-    """The predictor mode's FFN in torch: a neuron counts when the file's predictor selects it (logit >
-    the layer threshold) and, for SiLU, |a| passes the activation threshold. A quantized fc1 (fc2)
-    multiplies its input (the hidden layer) rounded through q8_0, as the engine's integer dots do."""
-    tensors = read_tensors(path)
-    pred_thr = read_fields(path)["powerinfer.predictor_thresholds"]
-
-    def mask(i, x, a):
-        fc1_type, fc1 = tensors[f"blk.{i}.fc1.weight"]
-        fc2_type, fc2 = tensors[f"blk.{i}.fc2.weight"]
-        if fc1_type in ("Q8_0", "Q4_0"):
-            x = q8_round_trip(x)
-        hidden = torch.relu(x @ torch.from_numpy(fc1).T)
-        if fc2_type in ("Q8_0", "Q4_0"):
-            hidden = q8_round_trip(hidden)
-        selected = (hidden @ torch.from_numpy(fc2).T) > pred_thr[i]
-        keep = selected & (a.abs() > thresholds[i]) if thresholds else selected
-        return a * keep
-    return mask
-
-
 @pytest.mark.parametrize("kind", ["llama-relu", "bamboo"])
 def test_predictor_mode_matches_its_rule(kind, tiny_model_dir, converted):
     path = converted(kind, predictors=True)
-    ref = hf_logits(tiny_model_dir(kind), TOKENS, mask_fn=predictor_rule(path, kind))
+    ref = hf_logits(tiny_model_dir(kind), TOKENS, mask_fn=predictor_rule(path))
     with engine.Model(path, threads=2, sparse_mode="predictor", recall_check=True) as m:
         logits = engine_prompt_then_decode(m, TOKENS, N_PROMPT)
         stats = m.stats()
@@ -192,7 +171,7 @@ def test_quantized_predictors_follow_their_rule(pred_type, tmp_path, tiny_model_
         "powerinfer.predictor_thresholds": ([0.1234] * N_LAYER, gguf.GGUFValueType.ARRAY)})
     types = read_tensors(path)
     assert {types[f"blk.{i}.{k}.weight"][0] for i in range(N_LAYER) for k in ("fc1", "fc2")} == {pred_type}
-    rule = predictor_rule(path, "llama-relu")
+    rule = predictor_rule(path)
     rng = np.random.default_rng(7)
     hot = [rng.random(N_FF) < 0.3 for _ in range(N_LAYER)]
     no_hot = [np.zeros(N_FF, bool)] * N_LAYER
@@ -405,7 +384,7 @@ def test_hot_cold_tiers(tmp_path, tiny_model_dir, converted):
 
 def check_predictor_with_hot_tier(path, model_dir, hot, gpuidx, tol=1e-4):
     """Predictor mode with a hot tier: hot neurons always computed, cold ones as the file's predictor says."""
-    rule = predictor_rule(path, "llama-relu")
+    rule = predictor_rule(path)
     hot_t = [torch.from_numpy(h) for h in hot]
     ref = hf_logits(model_dir, TOKENS, mask_fn=lambda i, x, a: torch.where(hot_t[i], a, rule(i, x, a)))
     with engine.Model(path, threads=2, sparse_mode="predictor", gpuidx=gpuidx, cpu_hot_tier=True) as m:

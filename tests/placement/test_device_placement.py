@@ -36,7 +36,7 @@ def engine_placement(path, gpuidx, budget, with_attention=True, **kw):
 
 
 @pytest.mark.parametrize("outtype", ["f32", "q4_0"])
-@pytest.mark.parametrize("kind", KINDS + QWEN_KINDS + FAMILY_KINDS)
+@pytest.mark.parametrize("kind", KINDS + QWEN_KINDS + FAMILY_KINDS + ("gemma3-relu",))
 def test_the_toolkit_places_what_the_engine_places(kind, outtype, converted, gpuidx, hot_masks, monkeypatch):
     monkeypatch.setenv("PI_EMULATED_DEVICE_MIB", "64")
     path = converted(kind, outtype)
@@ -66,10 +66,10 @@ def test_the_toolkit_places_what_the_engine_places(kind, outtype, converted, gpu
                 seen.add((ours.head, ours.attention.sum(), ours.hot.sum()))
         # the budgets covered all of it, a part of the layers' attention, attention without hot rows, the head alone;
         # qwen3's and gemma3's attention none of them (the device computes no per-head q/k norms), gemma3's neurons
-        # neither (nor GELU)
-        if kind in ("qwen3", "gemma3"):
+        # neither (nor GELU) but for its ReLU variant's
+        if kind in ("qwen3", "gemma3", "gemma3-relu"):
             assert costs.attention_refused and (True, 0, 0) in seen
-            assert ((True, 0, N_LAYER) in seen) == (kind == "qwen3")
+            assert ((True, 0, N_LAYER) in seen) == (kind != "gemma3")
             assert bool(costs.neurons_refused) == (kind == "gemma3")
             continue
         assert (True, N_LAYER, N_LAYER) in seen and any(head and a == 1 for head, a, _ in seen)

@@ -15,6 +15,7 @@ from engine_helpers import load_file_weights, max_rel_err, random_tokens
 from test_sparsify import SMALL
 from powerinfer_tools import models
 from powerinfer_tools.cli import main
+from powerinfer_tools.models.arch.llama_silu import LlamaSilu
 from powerinfer_tools.runtime import default_build as pipeline
 from powerinfer_tools.stages.sparsification import student as student_mod
 from powerinfer_tools.stages.sparsification.student import StudentForm
@@ -27,8 +28,8 @@ def drelu(tiny_model_dir, calib, tmp_path_factory):
     made = []
     real = StudentForm.make
 
-    def keep(self, teacher, adapter):
-        made.append(real(self, teacher, adapter))
+    def keep(self, teacher):
+        made.append(real(self, teacher))
         return made[-1]
 
     with pytest.MonkeyPatch.context() as m:
@@ -57,7 +58,8 @@ def test_the_drelu_student_runs_in_the_engine_as_it_was_trained(drelu, tmp_path,
     x = torch.randn(8, config["hidden_size"])
     for layer in loaded.model.layers:   # the layer-local phase trains the function the model computes
         with torch.no_grad():
-            torch.testing.assert_close(layer.mlp.down_proj(StudentForm("drelu").ffn(layer.mlp, x)[1]), layer.mlp(x))
+            torch.testing.assert_close(layer.mlp.down_proj(StudentForm("drelu", adapter).ffn(layer.mlp, x)[1]),
+                                       layer.mlp(x))
     tokens = random_tokens(12, config["vocab_size"])
     ref = _logits(student, tokens)
     assert max_rel_err(_logits(loaded, tokens), ref) < 1e-5   # the written form reads back as the student
@@ -110,7 +112,7 @@ def test_the_penalty_reaches_what_makes_a_neuron_active(activation):
 
     mlp.gate_proj.register_forward_hook(keep("gate"))
     mlp.up_proj.register_forward_hook(keep("up"))
-    a, h = StudentForm(activation).ffn(mlp, x)
+    a, h = StudentForm(activation, LlamaSilu(mlp.config)).ffn(mlp, x)
     a.sum().backward()
     gate, up = outputs["gate"], outputs["up"]
     if activation == "relu":

@@ -5,17 +5,18 @@ from powerinfer_tools.models.arch.bamboo import Bamboo
 from powerinfer_tools.models.arch.base import Arch, Dims, install_taps, is_active
 from powerinfer_tools.models.arch.config_fields import check as check_config_fields
 from powerinfer_tools.models.arch.falcon import Falcon
-from powerinfer_tools.models.arch.gemma3 import Gemma3
+from powerinfer_tools.models.arch.gemma3 import Gemma3, Gemma3Relu
 from powerinfer_tools.models.arch.llama_family import is_bamboo
 from powerinfer_tools.models.arch.llama_relu import LlamaRelu
 from powerinfer_tools.models.arch.llama_silu import LlamaSilu
 from powerinfer_tools.models.arch.opt import Opt
-from powerinfer_tools.models.arch.phi3 import Phi3
+from powerinfer_tools.models.arch.phi3 import Phi3, Phi3Relu
 from powerinfer_tools.models.arch.prosparse import MODEL_TYPE as PROSPARSE_MODEL_TYPE, ProSparse
-from powerinfer_tools.models.arch.qwen import Qwen2, Qwen3
+from powerinfer_tools.models.arch.qwen import Qwen2, Qwen2Relu, Qwen3, Qwen3Relu
 from powerinfer_tools.core.errors import UserError
 
-ADAPTERS: tuple[type[Arch], ...] = (LlamaRelu, LlamaSilu, ProSparse, Bamboo, Qwen2, Qwen3, Phi3, Gemma3, Falcon, Opt)
+ADAPTERS: tuple[type[Arch], ...] = (LlamaRelu, LlamaSilu, ProSparse, Bamboo, Qwen2, Qwen3, Phi3, Gemma3, Qwen2Relu,
+                                     Qwen3Relu, Phi3Relu, Gemma3Relu, Falcon, Opt)
 
 __all__ = ["ADAPTERS", "Arch", "Dims", "for_config", "config_class_for", "install_taps", "is_active"]
 

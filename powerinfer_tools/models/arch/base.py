@@ -72,7 +72,8 @@ class Arch:
     """Base adapter. Subclasses set the class attributes and the module accessors."""
 
     name: str = ""            # our id, e.g. "llama-relu"
-    powerinfer_arch: str = ""  # PowerInfer's name for the architecture (llama, bamboo, falcon, opt)
+    powerinfer_arch: str = ""  # PowerInfer's name for the architecture (llama, bamboo, falcon, opt), else llama.cpp's
+    in_powerinfer: bool = True  # PowerInfer's loader knows the architecture (not llama.cpp's later qwen2, phi3, ...)
     description: str = ""
     gated: bool = True        # FFN has a gate projection
     config_fields: tuple[Field, ...] = ()  # the config fields that change the computation (config_fields.py)
@@ -101,6 +102,12 @@ class Arch:
         model (llama-silu): PowerInfer's sparse FFN computes ReLU only, and refuses an unknown architecture."""
         return gguf_io.thresholded_arch(self.powerinfer_arch, self.activation) if self.thresholded \
             else self.powerinfer_arch
+
+    @property
+    def powerinfer_runs(self) -> bool:
+        """Whether PowerInfer runs the converted file: it knows the architecture and its sparse FFN, which computes
+        ReLU only, is the model's (convert keeps such files compatible with it: docs/formats.md)."""
+        return self.in_powerinfer and not self.thresholded
 
     def dims(self) -> Dims:
         raise NotImplementedError

@@ -6,7 +6,8 @@ sliding_window positions, RoPE base rope_local_base_freq) beside global ones (ro
 
 As llama.cpp's converter does, every RMSNorm weight w is written as 1 + w (Gemma's norm multiplies by 1 + w), so the
 engine's RMSNorm computes it; the tensors take gguf-py's MODEL_ARCH.GEMMA3 names. Files name their architecture
-gemma3-gelu (docs/formats.md); a user's llama.cpp gemma3 GGUF runs as it is."""
+gemma3-gelu (docs/formats.md); a user's llama.cpp gemma3 GGUF runs as it is. The ReLU variant (`pi-tools sparsify`'s
+output: hidden_activation relu, a = relu(gate x) times up x) is gemma3, which PowerInfer does not know."""
 from powerinfer_tools.formats import names
 from powerinfer_tools.models.arch.config_fields import GEMMA3_FIELDS
 from powerinfer_tools.models.arch.llama_family import BLOCK_TENSORS, LlamaFamily, rope_parameters
@@ -27,13 +28,16 @@ class Gemma3(LlamaFamily):
     powerinfer_arch = "gemma3"
     description = "Gemma 3 (text) with GELU, thresholded"
     activation = "gelu"
+    act_key = "hidden_activation"
+    hidden_acts = ("gelu_pytorch_tanh",)
+    in_powerinfer = False
     config_fields = GEMMA3_FIELDS
     rope_adjacent = False
     block_tensors = GEMMA3_BLOCK
 
     @classmethod
     def matches(cls, config) -> bool:
-        return config.model_type == "gemma3_text" and getattr(config, "hidden_activation", None) == "gelu_pytorch_tanh"
+        return config.model_type == "gemma3_text" and cls.acts_as(config)
 
     def transforms(self) -> dict:
         return dict.fromkeys(NORMS, plus_one)
@@ -52,3 +56,10 @@ class Gemma3(LlamaFamily):
         c = self.config  # llama.cpp's gemma3 reads neither key: it takes 10000 and 1/sqrt(head_dim) (27B: below)
         writer.add_rope_freq_base_swa(float(rope_parameters(c)["sliding_attention"]["rope_theta"]))
         writer.add_attention_scale(float(c.query_pre_attn_scalar) ** -0.5)
+
+
+class Gemma3Relu(Gemma3):
+    name = "gemma3-relu"
+    description = "Gemma 3 (text) with ReLU (pi-tools sparsify)"
+    activation = "relu"
+    hidden_acts = ("relu",)

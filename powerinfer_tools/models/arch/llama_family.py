@@ -91,6 +91,14 @@ class LlamaFamily(Arch):
     # llama.cpp's llama RoPE rotates adjacent pairs (2i, 2i+1), so its q/k rows are permuted from HF's rotate-half
     # order (rope_to_adjacent); NeoX-RoPE families (qwen2, qwen3: pairs i, i + d/2) keep HF's rows
     rope_adjacent = True
+    act_key = "hidden_act"     # the config field naming the FFN activation (Gemma 3: hidden_activation)
+    hidden_acts: tuple[str, ...] = ()  # its values the adapter matches (families that match by it)
+    act_attr = "act_fn"        # the MLP's activation module (Phi-3: activation_fn)
+
+    @classmethod
+    def acts_as(cls, config) -> bool:
+        """Whether config's activation is one this adapter computes (hidden_acts)."""
+        return str(getattr(config, cls.act_key, "")).lower() in cls.hidden_acts
 
     def dims(self) -> Dims:
         c = self.config
@@ -100,7 +108,15 @@ class LlamaFamily(Arch):
         return list(model.model.layers)
 
     def activation_module(self, layer):
-        return layer.mlp.act_fn
+        return getattr(layer.mlp, self.act_attr)
+
+    def set_activation(self, layer, module) -> None:
+        """Replace the layer's FFN activation module (sparsify's ReLU, the threshold shift's FATReLU)."""
+        setattr(layer.mlp, self.act_attr, module)
+
+    def gate_up(self, mlp, x):
+        """(gate x, up x) of the layer's gated FFN `mlp`, before the activation: what sparsify's student trains."""
+        return mlp.gate_proj(x), mlp.up_proj(x)
 
     def predictor_input_module(self, layer):
         return layer.post_attention_layernorm

@@ -4,10 +4,11 @@ Qwen3's attention_bias) and, in Qwen3, an RMSNorm of each query and key head bef
 attn_k_norm) with heads of their own width (head_dim, not hidden_size / num_attention_heads).
 
 Files name their architecture qwen2-silu / qwen3-silu, as llama-silu (docs/formats.md); a user's llama.cpp qwen2 or
-qwen3 GGUF runs as it is."""
+qwen3 GGUF runs as it is. The ReLU variants (`pi-tools sparsify`'s output: hidden_act relu) are qwen2 / qwen3, which
+PowerInfer does not know."""
 from powerinfer_tools.formats import names
 from powerinfer_tools.models.arch.config_fields import QWEN2_FIELDS, QWEN3_FIELDS
-from powerinfer_tools.models.arch.llama_family import BLOCK_TENSORS, LlamaFamily, hidden_act
+from powerinfer_tools.models.arch.llama_family import BLOCK_TENSORS, LlamaFamily
 
 
 class Qwen2(LlamaFamily):
@@ -15,12 +16,14 @@ class Qwen2(LlamaFamily):
     powerinfer_arch = "qwen2"
     description = "Qwen2/Qwen2.5 with SiLU, thresholded"
     activation = "silu"
+    hidden_acts = ("silu", "swish")
+    in_powerinfer = False
     config_fields = QWEN2_FIELDS
     rope_adjacent = False
 
     @classmethod
     def matches(cls, config) -> bool:
-        return config.model_type == cls.powerinfer_arch and hidden_act(config) in ("silu", "swish")
+        return config.model_type == cls.powerinfer_arch and cls.acts_as(config)
 
     def sliding_window(self) -> int | None:
         types = getattr(self.config, "layer_types", None) or ()
@@ -33,3 +36,17 @@ class Qwen3(Qwen2):
     description = "Qwen3 with SiLU, thresholded"
     config_fields = QWEN3_FIELDS
     block_tensors = {**BLOCK_TENSORS, names.ATTN_Q_NORM: "self_attn.q_norm", names.ATTN_K_NORM: "self_attn.k_norm"}
+
+
+class Qwen2Relu(Qwen2):
+    name = "qwen2-relu"
+    description = "Qwen2/Qwen2.5 with ReLU (pi-tools sparsify)"
+    activation = "relu"
+    hidden_acts = ("relu",)
+
+
+class Qwen3Relu(Qwen3):
+    name = "qwen3-relu"
+    description = "Qwen3 with ReLU (pi-tools sparsify)"
+    activation = "relu"
+    hidden_acts = ("relu",)

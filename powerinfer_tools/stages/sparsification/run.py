@@ -1,8 +1,10 @@
-"""The sparsify run: check the request, read the text, make the ReLU or dReLU student, train it (layer_local, then
+"""The sparsify run: check the request, read the text, make the ReLU or dReLU student (the source's family with ReLU:
+Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3; dReLU: Bamboo, from a Llama), train it (layer_local, then
 end_to_end, resumable from a checkpoint), shift its threshold, measure it on held-out text and write it."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import json
 import os
@@ -15,8 +17,10 @@ import torch
 from powerinfer_tools import models
 from powerinfer_tools.core.atomic import atomic_dir, check_output_dir, output_lock
 from powerinfer_tools.core.errors import UserError
+from powerinfer_tools.formats.gguf_io import THRESHOLDED_ACTIVATIONS
 from powerinfer_tools.models import arch as arch_mod
 from powerinfer_tools.models.arch.base import rope_theta
+from powerinfer_tools.models.arch.llama_family import LlamaFamily
 from powerinfer_tools.runtime import evaluate
 from powerinfer_tools.stages import calibration, data_parallel, threshold_shift
 from powerinfer_tools.stages import options as limits
@@ -82,13 +86,30 @@ def _check_writable(out: Path) -> None:
         raise UserError(f"cannot write {out}: {probe} is not a writable directory")
 
 
-def _check_source(adapter, spec: str) -> None:
+def _relu_form(adapter) -> arch_mod.Arch | None:
+    """The adapter that reads `adapter`'s model with ReLU in place of its SiLU or GELU (what sparsify writes): its
+    family's ReLU variant, or None where the family has none or the model is no gated Llama-family one."""
+    if not isinstance(adapter, LlamaFamily) or not adapter.gated or adapter.activation not in THRESHOLDED_ACTIVATIONS:
+        return None
+    config = copy.deepcopy(adapter.config)
+    setattr(config, adapter.act_key, "relu")
+    try:
+        relu = arch_mod.for_config(config)
+    except UserError:
+        return None
+    return relu if relu.activation == "relu" and relu.powerinfer_arch == adapter.powerinfer_arch else None
+
+
+def _check_source(adapter, spec: str, activation: str) -> None:
     if adapter.activation in arch_mod.base.ACTIVE_IF_NONZERO:
         raise UserError(f"{spec} is already a {adapter.activation} model ({adapter.description}): its activations "
                         "are sparse as they are; profile it directly")
-    if adapter.activation != "silu" or not adapter.gated or adapter.powerinfer_arch != "llama":
-        raise UserError(f"sparsify makes ReLU Llama models from gated SiLU Llama-family ones; {spec} is "
-                        f"{adapter.description}")
+    if _relu_form(adapter) is None:
+        raise UserError(f"sparsify makes ReLU models from gated SiLU or GELU ones of the Llama family (Llama, "
+                        f"Mistral, Qwen2, Qwen3, Phi-3, Gemma 3); {spec} is {adapter.description}")
+    if activation == "drelu" and adapter.powerinfer_arch != "llama":
+        raise UserError(f"--activation drelu writes a Bamboo model, a Llama's layout; {spec} is {adapter.description}: "
+                        "use --activation relu")
 
 
 def _split_data(seqs: torch.Tensor, opts: SparsifyOptions, step_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,13 +151,14 @@ def _identity(opts: SparsifyOptions, source, config, processes: int) -> dict:
     return keep
 
 
-def _write_config(config_path: Path, config, fields: dict) -> None:
-    """config.json in the student's form (`fields`), and the top-level `rope_theta` PowerInfer's converters read,
-    which transformers 5 writes under `rope_parameters` only: its convert.py then writes no RoPE base (its engine
-    runs 10000 whatever the model's) and its convert-hf-to-powerinfer-gguf.py stops on a KeyError (transformers
-    reads `rope_parameters` first)."""
+def _write_config(config_path: Path, config, fields: dict, for_powerinfer: bool) -> None:
+    """config.json in the student's form (`fields`), and, for a family PowerInfer knows, the top-level `rope_theta`
+    its converters read, which transformers 5 writes under `rope_parameters` only: its convert.py then writes no RoPE
+    base (its engine runs 10000 whatever the model's) and its convert-hf-to-powerinfer-gguf.py stops on a KeyError
+    (transformers reads `rope_parameters` first)."""
     data = json.loads(config_path.read_text())
-    data.setdefault("rope_theta", rope_theta(config))
+    if for_powerinfer:
+        data.setdefault("rope_theta", rope_theta(config))
     data.update(fields)
     config_path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
@@ -144,7 +166,8 @@ def _write_config(config_path: Path, config, fields: dict) -> None:
 def _write_model(student, tokenizer, form: StudentForm, report: dict, out: Path, force: bool) -> None:
     with atomic_dir(out, force) as tmp:
         student.save_pretrained(tmp, safe_serialization=True)
-        _write_config(tmp / "config.json", student.config, form.config_fields(report["threshold_shift"]["threshold"]))
+        _write_config(tmp / "config.json", student.config, form.config_fields(report["threshold_shift"]["threshold"]),
+                      form.adapter.in_powerinfer)
         tokenizer.save_pretrained(tmp)
         (tmp / REPORT_NAME).write_text(json.dumps(report, indent=2))
 
@@ -176,12 +199,13 @@ def _main_process_state(procs: data_parallel.Processes, state: TrainState, inter
 
 def _shift(student, adapter, form: StudentForm, rows: torch.Tensor, opts: SparsifyOptions) -> threshold_shift.Shift:
     """The threshold shift, calibrated on training rows (the held-out ones measure the result); for dReLU, whose
-    Bamboo form carries no threshold, the unshifted model measured on them. `adapter`: the student's."""
+    Bamboo form carries no threshold, and for a family whose FATReLU form no stage reads, the unshifted model
+    measured on them. `adapter`: the student's."""
     if form.shifts:
         print(f"pi-tools sparsify: shifting the activation threshold (perplexity budget {opts.shift_budget:.1%})",
               flush=True)
         return threshold_shift.calibrate(student, adapter, rows, opts.shift_budget, opts.batch)
-    print("pi-tools sparsify: dReLU: no threshold shift (the Bamboo form carries no threshold)", flush=True)
+    print(f"pi-tools sparsify: no threshold shift ({form.unshifted})", flush=True)
     ppl, sparsity = evaluate.perplexity_and_sparsity(student, adapter, rows, opts.batch)
     mean = sum(sparsity) / len(sparsity)
     return threshold_shift.Shift(threshold=0.0, perplexity_relu=ppl, perplexity_shifted=ppl, sparsity_relu=mean,
@@ -198,7 +222,7 @@ def run_sparsify(opts: SparsifyOptions) -> dict | None:
         calibration.read_text(p)  # a missing or binary file is refused before the slow load
     source = models.resolve(opts.model)
     config = models.load_config(source)
-    _check_source(arch_mod.for_config(config), opts.model)
+    _check_source(arch_mod.for_config(config), opts.model, opts.activation)
     context = getattr(config, "max_position_embeddings", None)
     if context and opts.seq_len > context:
         raise UserError(f"--seq-len {opts.seq_len} is larger than the model's context length {context}")
@@ -228,8 +252,8 @@ def _train_and_write(opts: SparsifyOptions, source, config, procs: data_parallel
         split = procs.share(_with_own_text(teacher, tokenizer, split, opts, step_rows) if procs.is_main else None)
     train, held_out = split
 
-    form = StudentForm(opts.activation)
-    student, student_adapter = form.make(teacher, adapter)
+    form = StudentForm(opts.activation, adapter)
+    student, student_adapter = form.make(teacher)
     if resumed is not None:
         check_student(resumed["student"], student, work / "checkpoint.pt")
         student.load_state_dict(resumed["student"])

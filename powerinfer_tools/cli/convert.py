@@ -112,7 +112,7 @@ def convert(
         order_neurons=order_neurons, powerinfer_compatible=powerinfer_compatible, progress=not quiet,
         input_sparsity=input_thresholds))
     summary = converted.summary
-    if summary["thresholded"] and profile is None:
+    if summary["thresholded"] and profile is None and not summary["experts"]:
         typer.echo(f"note: {summary['arch']} is thresholded but no --profile was given: activation thresholds "
                    "stored as 0 (every neuron counts as active)", err=True)
     typer.echo("\n".join(summary_lines(summary)))

@@ -9,15 +9,17 @@ from powerinfer_tools.models.arch.gemma3 import Gemma3
 from powerinfer_tools.models.arch.llama_family import is_bamboo
 from powerinfer_tools.models.arch.llama_relu import LlamaRelu
 from powerinfer_tools.models.arch.llama_silu import LlamaSilu
+from powerinfer_tools.models.arch.moe import Mixtral, MixtralRelu, Olmoe, Qwen3Moe, no_neurons
 from powerinfer_tools.models.arch.opt import Opt
 from powerinfer_tools.models.arch.phi3 import Phi3
 from powerinfer_tools.models.arch.prosparse import MODEL_TYPE as PROSPARSE_MODEL_TYPE, ProSparse
 from powerinfer_tools.models.arch.qwen import Qwen2, Qwen3
 from powerinfer_tools.core.errors import UserError
 
-ADAPTERS: tuple[type[Arch], ...] = (LlamaRelu, LlamaSilu, ProSparse, Bamboo, Qwen2, Qwen3, Phi3, Gemma3, Falcon, Opt)
+ADAPTERS: tuple[type[Arch], ...] = (LlamaRelu, LlamaSilu, ProSparse, Bamboo, Qwen2, Qwen3, Phi3, Gemma3, Falcon, Opt,
+                                    Qwen3Moe, Mixtral, MixtralRelu, Olmoe)
 
-__all__ = ["ADAPTERS", "Arch", "Dims", "for_config", "config_class_for", "install_taps", "is_active"]
+__all__ = ["ADAPTERS", "Arch", "Dims", "for_config", "for_neurons", "config_class_for", "install_taps", "is_active"]
 
 
 def supported() -> str:
@@ -33,6 +35,15 @@ def for_config(config) -> Arch:
             return adapter(config)
     act = getattr(config, "hidden_act", None) or getattr(config, "activation", None) or "?"
     raise UserError(f"unsupported architecture '{config.model_type}' (activation {act}); supported: {supported()}")
+
+
+def for_neurons(config) -> Arch:
+    """for_config's adapter for a stage that works on the FFN's neurons (profile, sparsify): a mixture of experts is
+    refused in one line before its weights load."""
+    adapter = for_config(config)
+    if adapter.experts:
+        raise no_neurons(adapter.name)
+    return adapter
 
 
 def config_class_for(raw: dict):

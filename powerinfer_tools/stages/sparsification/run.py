@@ -198,7 +198,7 @@ def run_sparsify(opts: SparsifyOptions) -> dict | None:
         calibration.read_text(p)  # a missing or binary file is refused before the slow load
     source = models.resolve(opts.model)
     config = models.load_config(source)
-    _check_source(arch_mod.for_config(config), opts.model)
+    _check_source(arch_mod.for_neurons(config), opts.model)
     context = getattr(config, "max_position_embeddings", None)
     if context and opts.seq_len > context:
         raise UserError(f"--seq-len {opts.seq_len} is larger than the model's context length {context}")

@@ -71,7 +71,6 @@ double MoeFfn::scratch_bytes(const HParams &hp, int64_t n_batch, int64_t threads
 
 void MoeFfn::route(const Experts &X, Operand &x, int64_t n_tok) {
     const int64_t N = n_expert_, K = k_;
-    prepare(ks_, x, n_tok, X.router.type);
     matmul(ks_, pool_, X.router, x, n_tok, logits_.data(), N);
     std::fill(first_.begin(), first_.end(), 0);
     for (int64_t t = 0; t < n_tok; ++t) {

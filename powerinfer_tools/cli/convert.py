@@ -98,8 +98,12 @@ def convert(
         raise UserError("--predictor-rank only applies with --dry-run (a conversion takes the ranks of --predictors)")
     if out is None:
         raise UserError("--out is required (or --dry-run to only report sizes)")
-    from powerinfer_tools import stages
+    from powerinfer_tools import models, stages
+    from powerinfer_tools.models import arch
     from powerinfer_tools.stages.conversion import summary_lines
+
+    if neuron_bundles:  # a file whose neurons the sidecar cannot bundle is refused before it is written
+        arch.for_neurons(models.load_config(models.resolve(model)))
 
     if vram_budget is not None:
         if profile is None:

@@ -436,8 +436,7 @@ def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predic
     config = models.load_config(source)
     adapter = arch.for_config(config)
     if adapter.experts and (predictors_dir is not None or profile_dir is not None or input_sparsity):
-        raise UserError(f"{adapter.name} is a mixture of experts: its file holds no predictors, thresholds or input "
-                        "sparsity in this version (convert without --predictors, --profile and --input-thresholds)")
+        raise arch.no_neurons(adapter.name)
     dims = adapter.dims()
     predictors = load_predictors(predictors_dir, dims) if predictors_dir is not None else None
     # a thresholded (SiLU/GELU) file is one PowerInfer refuses by its architecture name: nothing to fold for it

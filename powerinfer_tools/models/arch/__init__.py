@@ -19,7 +19,8 @@ from powerinfer_tools.core.errors import UserError
 ADAPTERS: tuple[type[Arch], ...] = (LlamaRelu, LlamaSilu, ProSparse, Bamboo, Qwen2, Qwen3, Phi3, Gemma3, Falcon, Opt,
                                     Qwen3Moe, Mixtral, MixtralRelu, Olmoe)
 
-__all__ = ["ADAPTERS", "Arch", "Dims", "for_config", "for_neurons", "config_class_for", "install_taps", "is_active"]
+__all__ = ["ADAPTERS", "Arch", "Dims", "for_config", "for_neurons", "config_class_for", "install_taps", "is_active",
+           "no_neurons"]
 
 
 def supported() -> str:

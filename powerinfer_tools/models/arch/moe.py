@@ -98,9 +98,10 @@ class MoeFamily(LlamaFamily):
 
 
 def no_neurons(name: str) -> UserError:
-    """The one-line refusal of a stage that works on FFN neurons (profile, sparsify, predictors, input sparsity)."""
-    return UserError(f"{name} is a mixture of experts: profiling, predictors, sparsifying and input sparsity work on "
-                     "the neurons of dense FFNs and are not implemented for experts in this version")
+    """The one-line refusal of a stage that works on FFN neurons (profile, sparsify, predictors, input sparsity, neuron
+    bundles)."""
+    return UserError(f"{name} is a mixture of experts: profiles, predictors, sparsifying, input sparsity and neuron "
+                     "bundles work on the neurons of dense FFNs and are not implemented for experts in this version")
 
 
 class NeoxMoe(MoeFamily):

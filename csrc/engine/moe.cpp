@@ -22,6 +22,8 @@ const int64_t kDotRows = 64;                           // rows per dot_rows call
 
 enum Which { kGate, kUp, kDown };
 
+const float kTaken = -2.0f;  // an expert's probability once chosen: below every probability
+
 }  // namespace
 
 MoeFfn::MoeFfn(const HParams &hp, const KernelSet &ks, ThreadPool &pool, int64_t n_batch)
@@ -76,16 +78,19 @@ void MoeFfn::route(const Experts &X, Operand &x, int64_t n_tok) {
     for (int64_t t = 0; t < n_tok; ++t) {
         float *p = logits_.data() + t * N;
         ks_.softmax(int(N), 1.0f, p);
-        // the K largest probabilities, the lower expert first among equal ones (max_element's first)
+        // the K largest probabilities, the lower expert first among equal ones; each expert once, NaNs or not (a
+        // group holds a token once: the scratch is sized so)
         int32_t *chosen = tok_expert_.data() + t * K;
         float *w = tok_weight_.data() + t * K;
         float sum = 0.0f;
         for (int64_t i = 0; i < K; ++i) {
-            const int64_t best = std::max_element(p, p + N) - p;
+            int64_t best = -1;
+            for (int64_t e = 0; e < N; ++e)
+                if (p[e] != kTaken && (best < 0 || p[e] > p[best])) best = e;
             chosen[i] = int32_t(best);
             w[i] = p[best];
             sum += w[i];
-            p[best] = -1.0f;  // below every probability: not chosen again
+            p[best] = kTaken;
             first_[size_t(best) + 1] += 1;
         }
         if (hp_.expert_weights_norm)

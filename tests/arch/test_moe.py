@@ -280,3 +280,17 @@ def test_engine_refuses_what_it_would_not_compute(family, tmp_path):
         with pytest.raises(engine.EngineError) as exc:
             engine.Model(path, threads=1)
         assert len(str(exc.value).splitlines()) == 1 and needle in str(exc.value), str(exc.value)
+
+
+def test_a_router_of_nans_still_takes_each_expert_once(family, tmp_path):
+    """NaN router weights (a damaged file): every token still takes n_expert_used distinct experts (each expert's
+    group holds a token once, as its scratch is sized), a batch as its decode steps do, no crash."""
+    _, _, theirs = family("olmoe")
+    nan = np.full((N_EXPERT, 64), np.nan, np.float32)
+    path = rewritten(theirs, tmp_path / "nan.gguf", drop=("blk.0.ffn_gate_inp.weight",),
+                     tensors={"blk.0.ffn_gate_inp.weight": nan})
+    with engine.Model(path, threads=2, ctx_size=512) as m:
+        batch = m.eval(list(range(64)))
+    with engine.Model(path, threads=2, ctx_size=512) as m:
+        steps = np.concatenate([m.eval([t]) for t in range(64)])
+    np.testing.assert_array_equal(batch, steps)

@@ -2,7 +2,7 @@
 
 A micro Llama (1 layer, n_embd 32, n_ff 32, a 32-token SentencePiece vocabulary) is saved as a Hugging
 Face checkpoint and converted by `convert_model` in each tensor type, with and without predictors, as
-ReLU, SiLU (per-layer thresholds) and bamboo; a GPU index from `placement.write_gpuidx` is appended to
+ReLU, SiLU (per-layer thresholds) and bamboo, and as mixtures of 4 experts (a ReLU Mixtral, a Qwen3-MoE); a GPU index from `placement.write_gpuidx` is appended to
 some after the fuzz target's separator (see csrc/fuzz/fuzz_load.cpp). Beside them, llama.cpp's layout (magic
 GGUF, ffn_down) in the types the engine decodes at load: random valid blocks, n_ff 256 so that ffn_down's rows
 take each k-quant. Each file is a few tens of KB at most.
@@ -43,9 +43,10 @@ N_EMBD, N_FF, N_HEAD, N_KV, VOCAB = 32, 32, 2, 1, 32
 
 
 def micro_model(out: Path, kind: str) -> Path:
-    """A 1-layer Llama/Mistral(bamboo) checkpoint with a 32-piece SentencePiece tokenizer."""
+    """A 1-layer Llama/Mistral(bamboo)/Mixtral/Qwen3-MoE checkpoint with a 32-piece SentencePiece tokenizer."""
     import sentencepiece as spm
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
+                              MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     out.mkdir(parents=True)
     rng = random.Random(0)
@@ -66,6 +67,11 @@ def micro_model(out: Path, kind: str) -> Path:
     if kind == "bamboo":
         model = MistralForCausalLM._from_config(MistralConfig(**common, sliding_window=None,
                                                               architectures=["BambooForCausalLM"]))
+    elif kind == "mixtral-relu":
+        model = MixtralForCausalLM(MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2))
+    elif kind == "qwen3moe":
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**common, "hidden_act": "silu"}, num_experts=4,
+                                                   num_experts_per_tok=2, moe_intermediate_size=N_FF))
     else:
         model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=kind == "silu"))
     model.save_pretrained(out, safe_serialization=True)
@@ -130,7 +136,8 @@ def main(out_dir: Path) -> None:
         index = gpuidx_bytes(work, hot)
         cases = [("relu", "f32", None, None, False), ("relu", "q8_0", preds, None, True),
                  ("relu", "q4_0", preds, None, False), ("silu", "f16", None, profile, True),
-                 ("silu", "q4_0", preds, profile, False), ("bamboo", "q8_0", preds, None, True)]
+                 ("silu", "q4_0", preds, profile, False), ("bamboo", "q8_0", preds, None, True),
+                 ("mixtral-relu", "q8_0", None, None, False), ("qwen3moe", "q8_0", None, None, False)]
         sources = {}
         for kind, outtype, pred, prof, with_index in cases:
             if kind not in sources:

@@ -66,7 +66,8 @@ def hf_model(model_dir: Path):
     return models.load_model(models.resolve(str(model_dir)))
 
 
-Q8_INPUT_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "lm_head")
+# the modules whose input the engine multiplies as q8_0 blocks (a mixture's experts: their gate and up)
+Q8_INPUT_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "lm_head", "experts")
 
 
 def q8_round_trip(x: torch.Tensor) -> torch.Tensor:
@@ -95,7 +96,7 @@ def hf_logits(model_dir: Path, tokens: list[int], mask_fn=None, weights_from: Pa
     if q8_inputs:
         for name, module in model.named_modules():
             if name.split(".")[-1] in Q8_INPUT_LINEARS:
-                handles.append(module.register_forward_pre_hook(lambda mod, args: (q8_round_trip(args[0]),)))
+                handles.append(module.register_forward_pre_hook(lambda mod, args: (q8_round_trip(args[0]), *args[1:])))
     if mask_fn is not None:
         inputs = {}
         handles += arch.install_taps(adapter, model, on_input=lambda i, x: inputs.__setitem__(i, x),
@@ -163,8 +164,13 @@ def auto_run(path: Path, tokens: list[int], n_prompt: int) -> tuple[np.ndarray, 
 
 def load_file_weights(model, path: Path, n_head: int, n_kv: int) -> None:
     """Overwrite a Llama-family transformers model's weights with the (dequantized) weights of a
-    converted file, undoing the converter's q/k row permutation and the down transpose."""
+    converted file (weights and biases), undoing the converter's q/k row permutation (llama's, not NeoX RoPE's
+    qwen3moe and olmoe) and the down transpose; a mixture's router and stacked experts into transformers' own
+    parameters."""
     from convert_helpers import read_tensors
+    from powerinfer_tools.formats.gguf_io import open_reader
+
+    neox = open_reader(path).fields["general.architecture"].contents().split("-")[0] in ("qwen3moe", "olmoe")
 
     def unrope(w, heads):
         d = w.shape[0] // heads
@@ -178,17 +184,26 @@ def load_file_weights(model, path: Path, n_head: int, n_kv: int) -> None:
     per_layer = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
                  "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
                  "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                 "ffn_down_t": "mlp.down_proj"}
+                 "ffn_down_t": "mlp.down_proj", "ffn_gate_inp": "mlp.gate"}
     state = model.state_dict()
     with torch.no_grad():
         for name, (_, w) in read_tensors(path).items():
             if name.startswith("blk."):
-                _, i, kind, _ = name.split(".")
+                _, i, kind, part = name.split(".")
+                experts = f"model.layers.{i}.mlp.experts."
+                if kind in ("ffn_gate_exps", "ffn_up_exps"):  # the halves of transformers' gate_up_proj
+                    half = state[f"{experts}gate_up_proj"].shape[1] // 2
+                    rows = slice(0, half) if kind == "ffn_gate_exps" else slice(half, 2 * half)
+                    state[f"{experts}gate_up_proj"][:, rows].copy_(torch.from_numpy(np.ascontiguousarray(w)))
+                    continue
+                if kind == "ffn_down_exps":
+                    state[f"{experts}down_proj"].copy_(torch.from_numpy(np.ascontiguousarray(w)))
+                    continue
                 if kind not in per_layer:
                     continue
-                target = f"model.layers.{i}.{per_layer[kind]}.weight"
-                w = {"attn_q": lambda: unrope(w, n_head), "attn_k": lambda: unrope(w, n_kv),
-                     "ffn_down_t": lambda: w.T}.get(kind, lambda: w)()
+                target = f"model.layers.{i}.{per_layer[kind]}.{part}"
+                w = {"attn_q": lambda: w if neox else unrope(w, n_head),
+                     "attn_k": lambda: w if neox else unrope(w, n_kv), "ffn_down_t": lambda: w.T}.get(kind, lambda: w)()
             else:
                 target = names[name]
             state[target].copy_(torch.from_numpy(np.ascontiguousarray(w)))

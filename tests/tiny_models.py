@@ -20,6 +20,14 @@ QWEN_KINDS = ("qwen2", "qwen3")  # every feature on: q/k/v(/o) biases, tied head
 FAMILY_KINDS = ("phi3", "gemma3")  # fused projections and partial rotary; GELU, four norms, sliding-window layers
 # those families with ReLU in place of their SiLU or GELU, as `pi-tools sparsify` writes them
 RELU_FAMILY_KINDS = ("qwen2-relu", "qwen3-relu", "phi3-relu", "gemma3-relu")
+# mixtures of experts, every feature on: 8 experts; Qwen3-MoE top 4 renormalised, experts 32 wide beside a dense width
+# of 128 (expert_feed_forward_length), heads 32 wide, biases, q/k norms per head, a tied head; Mixtral top 2 (SiLU or
+# ReLU experts); OLMoE top 4 not renormalised, biases, q/k norms over the whole projection
+MOE_KINDS = ("qwen3-moe", "mixtral", "mixtral-relu", "olmoe")
+N_EXPERT, MOE_FF = 8, 32
+# the router's weights wider than the others: the experts a token takes by a clear margin, so that a quantized file's
+# rounding rarely moves a token to another expert (which moves its logits by far more than the rounding)
+ROUTER_STD = 0.5
 HIDDEN, N_FF, N_LAYER, N_HEAD, N_KV = 64, 256, 2, 4, 2
 PHI3_ROTARY = 0.75  # Phi-4-mini's partial_rotary_factor: RoPE turns the first 12 of each head's 16 dims
 # Gemma 3's structure at a small scale: heads 24 wide (not 64 / 4), a window of 32 positions (well inside a 300-token
@@ -134,8 +142,8 @@ def _bpe_tokenizer(out: Path, style: str = "gpt2") -> int:
 
 def _config(kind: str, vocab: int, n_ff: int = N_FF, **overrides):
     """The kind's config, with `overrides` (config fields) set on top of its own."""
-    from transformers import (FalconConfig, Gemma3TextConfig, LlamaConfig, MistralConfig, OPTConfig, Phi3Config,
-                              Qwen2Config, Qwen3Config)
+    from transformers import (FalconConfig, Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, OlmoeConfig,
+                              OPTConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
     common = dict(vocab_size=vocab, hidden_size=HIDDEN, num_hidden_layers=N_LAYER, num_attention_heads=N_HEAD,
                   max_position_embeddings=256)
@@ -174,6 +182,24 @@ def _config(kind: str, vocab: int, n_ff: int = N_FF, **overrides):
                                           rms_norm_eps=1e-6, rope_theta=10000.0, rope_local_base_freq=100.0,
                                           rope_scaling={"rope_type": "linear", "factor": 2.0},
                                           tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    elif kind == "qwen3-moe":
+        cls, own = Qwen3MoeConfig, dict(intermediate_size=n_ff // 2, moe_intermediate_size=MOE_FF, num_experts=N_EXPERT,
+                                        num_experts_per_tok=4, norm_topk_prob=True, num_key_value_heads=N_KV,
+                                        head_dim=QWEN3_HEAD_DIM, attention_bias=True, max_position_embeddings=512,
+                                        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                                        rms_norm_eps=1e-6, tie_word_embeddings=True, eos_token_id=2)
+    elif kind in ("mixtral", "mixtral-relu"):
+        act = "relu" if kind == "mixtral-relu" else "silu"
+        cls, own = MixtralConfig, dict(intermediate_size=MOE_FF * 2, num_local_experts=N_EXPERT, num_experts_per_tok=2,
+                                       num_key_value_heads=N_KV, hidden_act=act,
+                                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                                       max_position_embeddings=512, rms_norm_eps=1e-5, sliding_window=None,
+                                       tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    elif kind == "olmoe":
+        cls, own = OlmoeConfig, dict(intermediate_size=MOE_FF, num_experts=N_EXPERT, num_experts_per_tok=4,
+                                     norm_topk_prob=False, num_key_value_heads=N_KV, attention_bias=True,
+                                     max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                                     pad_token_id=None, eos_token_id=2)
     elif kind == "opt":
         cls, own = OPTConfig, dict(ffn_dim=n_ff, word_embed_proj_dim=HIDDEN, do_layer_norm_before=True,
                                    activation_function="relu", bos_token_id=0, eos_token_id=0, pad_token_id=1)
@@ -194,20 +220,20 @@ def make_tiny(kind: str, out: Path, seed: int = 0, n_ff: int = N_FF, **overrides
     out.mkdir(parents=True, exist_ok=True)
     own_tokenizer = {"phi3": _phi3_tokenizer, "gemma3": _gemma_tokenizer}
     vocab = (own_tokenizer[kind](out) if kind in own_tokenizer else _spm_tokenizer(out)
-             if kind in ("llama-relu", "llama-silu", "prosparse", "bamboo")
-             else _bpe_tokenizer(out, "qwen" if kind in QWEN_KINDS else
+             if kind in ("llama-relu", "llama-silu", "prosparse", "bamboo", "mixtral", "mixtral-relu")
+             else _bpe_tokenizer(out, "qwen" if kind in (*QWEN_KINDS, "qwen3-moe", "olmoe") else
                                  "falcon" if kind.startswith("falcon") else "gpt2"))
     config = _config(kind, vocab, n_ff, **overrides)
     torch.manual_seed(seed)
     model_class = MistralForCausalLM if kind == "bamboo" else AutoModelForCausalLM
     model = model_class._from_config(config) if kind == "bamboo" else model_class.from_config(config)
     with torch.no_grad():  # wider weights than the 0.02 init so activations and logits are not all tiny
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.08)
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:  # matrices, and the experts' stacked ones
+                p.normal_(0.0, ROUTER_STD if name.endswith("mlp.gate.weight") and kind in MOE_KINDS else 0.08)
         for name, p in model.named_parameters():
             # transformers starts biases at 0, norms at 1 (Gemma's at 0): values that count
-            if kind in (*QWEN_KINDS, "phi3", "gemma3") and p.dim() == 1:
+            if kind in (*QWEN_KINDS, "phi3", "gemma3", *MOE_KINDS) and p.dim() == 1:
                 p.normal_(*((0.0, 0.1) if name.endswith(".bias") else (1.0, 0.2)))
     model.save_pretrained(out, safe_serialization=True)
     if kind == "bamboo":  # save_pretrained names the Mistral class; a Bamboo checkpoint names its own

@@ -88,10 +88,11 @@ DevicePlacement place_on_device(const pi_device_tier_desc &desc, const Model &mo
     if (!with_attention) p.attention_off = "gpu_ffn_only: attention and the output head kept on the CPU";
     // the device's attention computes no per-head q/k norms and scores scaled by 1/sqrt(d_head) only: the head and
     // hot rows alone go there
-    const bool attention = with_attention && !hp.qk_norm && hp.attn_scale == 0.0f;
+    const bool qk_norm = hp.qk_norm != QkNorm::None;
+    const bool attention = with_attention && !qk_norm && hp.attn_scale == 0.0f;
     if (with_attention && !attention)
         p.attention_off = "attention stays on the CPU: the device does not compute " +
-                          std::string(hp.qk_norm ? "per-head q/k norms" : "an attention.scale") + " (" + hp.arch + ")";
+                          std::string(qk_norm ? "per-head q/k norms" : "an attention.scale") + " (" + hp.arch + ")";
     const pi_device_head head = device_head(model);
     if (with_attention && !device::refuse_head(head, desc)) {
         const double need = double(device::HeadLayout(head, desc).bytes) + device::head_scratch_bytes(desc);

@@ -80,6 +80,7 @@ Engine::Engine(const std::string &path, const pi_options &opts, const std::strin
     device_layer_modes_.assign(size_t(hp_.n_layer), TierMode::Dense);
     if (!hot_) hot_ = std::make_unique<CpuTierBackend>(hp_, *ks_, *pool_, n_batch_, rank, true);
     cold_ = std::make_unique<CpuTierBackend>(hp_, *ks_, *pool_, n_batch_, rank, false, disk_.get());
+    if (hp_.n_expert > 0) moe_ = std::make_unique<MoeFfn>(hp_, *ks_, *pool_, n_batch_);
     for (int64_t il = 0; il < hp_.n_layer; ++il) {
         const Layer &L = model_->layers()[size_t(il)];
         if (L.hot.size() > 0) hot_->upload(il, L, L.hot);
@@ -133,7 +134,7 @@ std::unique_ptr<TierBackend> Engine::device_tier(const pi_options &opts, int64_t
 
 double Engine::work_buffer_bytes(int64_t threads) const {
     double bytes = RunState::buffer_bytes(hp_, n_ctx_, n_batch_, threads) + double(hp_.n_layer) * 64 +  // + policy
-                   input_scratch_bytes();
+                   input_scratch_bytes() + (hp_.n_expert > 0 ? MoeFfn::scratch_bytes(hp_, n_batch_, threads) : 0.0);
     for (bool hot : {true, false}) {
         const int64_t rows = largest_tier(*model_, hot);
         if (rows > 0) bytes += CpuTierBackend::scratch_bytes(hp_, rows, n_batch_, threads, model_->max_rank());
@@ -159,6 +160,9 @@ double Engine::working_bytes(int64_t threads, bool kv_f16, bool cold_on_disk) co
 
 std::unique_ptr<DiskTier> Engine::open_disk_tier(const pi_options &opts, int64_t threads) {
     if (opts.memory_budget < 0) return nullptr;
+    if (opts.memory_budget > 0 && hp_.n_expert > 0)
+        fail(PI_ERR_UNSUPPORTED, "memory_budget: the disk tier reads the neurons of dense FFNs; the experts of a mixture "
+                                 "of experts are held in memory in this version");
     const std::string path = DiskTier::path_for(model_->path());
     // What the engine holds whatever the tier keeps resident: the weights it has copied out of the file (the packed
     // matrices, the predictors, the decoded rows), what it will allocate (the KV cache at the full context, the work

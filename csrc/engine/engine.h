@@ -11,6 +11,7 @@
 #include "backend/tier_backend.h"
 #include "engine/ffn_policy.h"
 #include "engine/input_kernels.h"
+#include "engine/moe.h"
 #include "engine/run_state.h"
 #include "engine/sampler.h"
 #include "engine/stats.h"
@@ -105,7 +106,7 @@ private:
     void output(int64_t n_tok, float *logits, int64_t ld_logits);
     // RMSNorm or LayerNorm (hp_.norm) of n_tok rows; b may be empty.
     void norm(const float *x, const Matrix &w, const Matrix &b, int64_t n_tok, float *out) const;
-    // RMSNorm of n_heads consecutive head vectors of d_head values in place, by the d_head weights of w
+    // RMSNorm of n_heads consecutive vectors of w.cols values in place (a head's, or a token's q or k), by w
     void head_norm(float *x, const Matrix &w, int64_t n_heads) const;
     // y[t][i] += b[i] for each of n_tok rows ld apart (nothing when b is absent)
     void add_bias(float *y, const Matrix &b, int64_t n_tok, int64_t ld) const;
@@ -173,6 +174,7 @@ private:
     FfnPolicy policy_;
     std::unique_ptr<DiskTier> disk_;  // the cold tier's rows on disk (before cold_, which holds a pointer to it)
     std::unique_ptr<TierBackend> hot_, cold_;
+    std::unique_ptr<MoeFfn> moe_;     // the experts of a mixture of experts' layers (hp_.n_expert > 0)
     int32_t gpu_mode_ = PI_GPU_OFF;
     DeviceTierBackend *device_ = nullptr;  // hot_, where it is a device's
     std::vector<TierMode> device_layer_modes_;  // [layer] the cold mode a whole layer on the device ran in

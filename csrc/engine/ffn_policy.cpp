@@ -37,6 +37,14 @@ FfnPolicy::FfnPolicy(const Model &model) : model_(model) {
 
 void FfnPolicy::set_mode(int32_t mode) {
     if (mode < PI_FFN_DENSE || mode > PI_FFN_ORACLE) fail(PI_ERR_ARGUMENT, "unknown FFN mode " + std::to_string(mode));
+    const HParams &hp = model_.hp();
+    if (hp.n_expert > 0 && (mode == PI_FFN_PREDICTOR || mode == PI_FFN_ORACLE))
+        fail(PI_ERR_UNSUPPORTED, std::string(mode == PI_FFN_PREDICTOR ? "predictor" : "oracle") +
+                                     " mode selects neurons by a predictor, which the experts of a mixture of experts do "
+                                     "not have in this version (dense, auto; gate for ReLU experts)");
+    if (hp.n_expert > 0 && mode == PI_FFN_GATE && hp.activation != Activation::Relu)
+        fail(PI_ERR_UNSUPPORTED, "gate mode thresholds SiLU neurons at a profile's thresholds, which the experts of a "
+                                 "mixture of experts do not have in this version (dense, auto)");
     if (mode == PI_FFN_PREDICTOR && !model_.has_predictor())
         fail(PI_ERR_ARGUMENT, model_.path() + " has no predictors: predictor mode needs a file converted with --predictors");
     mode_ = mode;
@@ -64,6 +72,9 @@ int64_t FfnPolicy::probe_tokens(int64_t il, int64_t n_tok, TierMode cold_mode, i
 }
 
 TierMode FfnPolicy::cold_mode(int64_t il, int64_t n_tok) {
+    // experts: ReLU ones gate first in gate and auto modes (the rule drops only zeros), every neuron otherwise
+    if (model_.layers()[size_t(il)].experts.present())
+        return mode_ != PI_FFN_DENSE && model_.hp().activation == Activation::Relu ? TierMode::Gate : TierMode::Dense;
     switch (mode_) {
         case PI_FFN_DENSE: return TierMode::Dense;
         case PI_FFN_PREDICTOR: return TierMode::Predictor;

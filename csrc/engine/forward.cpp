@@ -96,9 +96,9 @@ void Engine::attention(int64_t il, int64_t n_tok, TierMode cold_mode) {
     add_bias(s.q.data(), L.bq, n_tok, Q);
     add_bias(s.k.data(), L.bk, n_tok, KV);
     add_bias(s.v.data(), L.bv, n_tok, KV);
-    if (L.q_norm.data) {  // qwen3: each head's query and key RMS-normed before RoPE
-        head_norm(s.q.data(), L.q_norm, n_tok * hp_.n_head);
-        head_norm(s.k.data(), L.k_norm, n_tok * hp_.n_head_kv);
+    if (L.q_norm.data) {  // queries and keys RMS-normed before RoPE: each head's (qwen3) or all of a token's (olmoe)
+        head_norm(s.q.data(), L.q_norm, n_tok * Q / L.q_norm.cols);
+        head_norm(s.k.data(), L.k_norm, n_tok * KV / L.k_norm.cols);
     }
     store_kv(il, n_tok);
 
@@ -302,6 +302,12 @@ void Engine::ffn(int64_t il, int64_t n_tok, TierMode cold_mode) {
         norm(s.x.data(), L.ffn_norm, L.ffn_norm_b, n_tok, s.xn.data());
         s.op_xn.q_ready = false;
     }
+    if (L.experts.present()) {  // a mixture of experts (engine/moe.h); ReLU experts gate first but in dense mode
+        const TierCounts c = moe_->run(L.experts, s.op_xn, n_tok, cold_mode == TierMode::Dense, s.y_cold.data());
+        add_residual(s.y_cold.data(), n_tok);
+        stats_.take_ffn(il, n_tok, cold_mode, true, TierCounts{}, c);
+        return;
+    }
     const bool has_hot = L.hot.size() > 0, has_cold = L.cold.size() > 0, batch = n_tok > 1;
     float down_zero_at = -1.0f;
     if (input_ffn_on()) {
@@ -407,7 +413,7 @@ void Engine::norm(const float *x, const Matrix &w, const Matrix &b, int64_t n_to
 }
 
 void Engine::head_norm(float *x, const Matrix &w, int64_t n_heads) const {
-    const int64_t D = hp_.d_head;
+    const int64_t D = w.cols;
     const float *wv = w.floats();
     for (int64_t h = 0; h < n_heads; ++h) {
         float *v = x + h * D;

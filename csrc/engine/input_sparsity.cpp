@@ -32,6 +32,8 @@ void Engine::set_input_sparsity(float share) {
     const std::vector<float> &levels = model_->input_levels();
     if (!std::isfinite(share) || share < 0.0f || share >= 1.0f)
         fail(PI_ERR_ARGUMENT, "input_sparsity must be a share in [0, 1), got " + std::to_string(share));
+    if (share > 0.0f && hp_.n_expert > 0)
+        fail(PI_ERR_UNSUPPORTED, "input sparsity is not computed for mixture-of-experts layers in this version");
     if (share > 0.0f && levels.empty())
         fail(PI_ERR_UNSUPPORTED, model_->path() + " has no input thresholds: convert it with a profile that has them "
                                                   "(pi-tools profile --input-allocation, then convert --profile)");

@@ -137,7 +137,9 @@ std::string info_json(const Model &model, const RunSettings &run) {
            ", \"n_ctx_train\": " + num(double(h.n_ctx_train)) + ", \"n_ctx\": " + num(double(run.n_ctx)) +
            ", \"n_batch\": " + num(double(run.n_batch)) + ", \"rope_base\": " + num(h.rope_base) +
            ", \"bos\": " + num(double(h.bos)) + ", \"eos\": " + num(double(h.eos)) +
-           ", \"weight_type\": " + quoted(type_size(l0.up.type).name) +
+           ", \"weight_type\": " + quoted(type_size((l0.experts.present() ? l0.experts.up : l0.up).type).name) +
+           ", \"n_expert\": " + num(double(h.n_expert)) + ", \"n_expert_used\": " + num(double(h.n_expert_used)) +
+           ", \"n_ff_exp\": " + num(double(h.n_ff_exp)) +
            ", \"decoded\": " + decoded_json(model.decoded()) +
            ", \"has_predictor\": " + (model.has_predictor() ? "true" : "false") +
            ", \"hot_neurons\": " + num(double(model.hot_neurons())) +
@@ -208,7 +210,7 @@ std::string stats_json(const Model &model, const WeightCopies &wc, const EngineS
             ", \"down_quads\": " + std::to_string(wc.down_quads) + ", \"decoded\": " + std::to_string(wc.decoded) +
             ", \"input_columns\": " + std::to_string(wc.input_columns) + "}, \"gpu\": " + device_json(device) +
             ", \"disk\": " + disk_json(disk, model.dense_mapped()) + ", \"layers\": [";
-    const double F = double(model.hp().n_ff);
+    const double F = double(model.hp().ffn_neurons());  // a token's neurons in a layer: its experts' in a mixture
     for (size_t i = 0; i < stats.layers.size(); ++i) {
         const LayerStats &s = stats.layers[i];
         const Layer &L = model.layers()[i];

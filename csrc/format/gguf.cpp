@@ -291,6 +291,13 @@ int64_t GgufFile::get_int_or(const std::string &key, int64_t fallback, int64_t l
     return has(key) ? get_int(key, lo, hi) : fallback;
 }
 
+bool GgufFile::get_bool_or(const std::string &key, bool fallback) const {
+    const GgufValue *v = find(key);
+    if (!v) return fallback;
+    if (v->type != GV_BOOL) fail(PI_ERR_FORMAT, path_ + ": metadata key " + key + " is not a bool");
+    return v->i != 0;
+}
+
 double GgufFile::get_float_or(const std::string &key, double fallback) const {
     const GgufValue *v = find(key);
     if (!v) return fallback;

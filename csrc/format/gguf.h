@@ -67,6 +67,7 @@ public:
     int64_t get_int(const std::string &key, int64_t lo, int64_t hi) const;
     int64_t get_int_or(const std::string &key, int64_t fallback, int64_t lo, int64_t hi) const;
     double get_float_or(const std::string &key, double fallback) const;
+    bool get_bool_or(const std::string &key, bool fallback) const;
     // A float32 array of exactly `count` finite values.
     std::vector<float> get_f32_array(const std::string &key, uint64_t count) const;
     // A bool array of exactly `count` values.

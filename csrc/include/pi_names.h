@@ -34,7 +34,8 @@ inline constexpr const char *kArchKeys[] = {
     "rope.dimension_count", "rope.freq_base", "rope.scaling.type", "rope.scaling.factor",
     "rope.scaling.original_context_length", "rope.scaling.finetuned", "tensor_data_layout", "attention.scale",
     "rope.freq_base_swa", "rope.scaling.attn_factor", "rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor",
-    "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
+    "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow", "expert_count", "expert_used_count",
+    "expert_feed_forward_length", "expert_weights_norm",
 };
 inline constexpr char kRopeFreqs[] = "rope_freqs.weight";  // llama3 RoPE: per rotated pair, its frequency's divisor
 // longrope (Phi-3 128k): per-pair divisors within the original context (short, computed) and past it (long, checked)
@@ -51,6 +52,11 @@ inline constexpr char kFfnGate[] = "ffn_gate";
 inline constexpr char kFfnUp[] = "ffn_up";
 inline constexpr char kFfnDown[] = "ffn_down";
 inline constexpr char kFfnDownT[] = "ffn_down_t";
+// a mixture of experts (llama.cpp's): the router, and the experts' matrices stacked in 3-D tensors
+inline constexpr char kFfnGateInp[] = "ffn_gate_inp";
+inline constexpr char kFfnGateExps[] = "ffn_gate_exps";
+inline constexpr char kFfnUpExps[] = "ffn_up_exps";
+inline constexpr char kFfnDownExps[] = "ffn_down_exps";
 inline constexpr char kPredictorFc1[] = "fc1";
 inline constexpr char kPredictorFc2[] = "fc2";
 inline constexpr char kAttnQT[] = "attn_q_t";

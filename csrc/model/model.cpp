@@ -41,7 +41,7 @@ Model::Model(const std::string &path, const std::string &gpuidx_path, int thread
 std::vector<Matrix *> Model::dense_matrices() {
     std::vector<Matrix *> dense;
     for (Layer &l : layers_)
-        for (Matrix *m : {&l.wq, &l.wk, &l.wv, &l.wo, &l.fc1}) dense.push_back(m);
+        for (Matrix *m : {&l.wq, &l.wk, &l.wv, &l.wo, &l.fc1, &l.experts.router}) dense.push_back(m);
     dense.push_back(&output_);
     return dense;
 }
@@ -216,15 +216,17 @@ namespace {
 
 // The architectures the engine computes (model.h's ArchSpec): a family is one row.
 const ArchSpec kArchs[] = {
-    // name     norm             rope               gated  par    lpos   off all_b  qk_n   width  escale post   swa plain     pwri      computes
-    {"llama",  NormKind::Rms,   RopeKind::Adjacent, true,  false, false, 0, false, false, false, false, false, 0, "silu",  "relu",  "relu silu fatrelu"},
-    {"bamboo", NormKind::Rms,   RopeKind::Adjacent, true,  false, false, 0, false, false, false, false, false, 0, "drelu", "drelu", "drelu"},
-    {"qwen2",  NormKind::Rms,   RopeKind::NeoX,     true,  false, false, 0, false, false, true,  false, false, 0, "silu",  "silu",  "silu relu"},
-    {"qwen3",  NormKind::Rms,   RopeKind::NeoX,     true,  false, false, 0, false, true,  true,  false, false, 0, "silu",  "silu",  "silu relu"},
-    {"phi3",   NormKind::Rms,   RopeKind::NeoX,     true,  false, false, 0, false, false, false, false, false, 0, "silu",  "silu",  "silu relu"},
-    {"gemma3", NormKind::Rms,   RopeKind::NeoX,     true,  false, false, 0, false, true,  true,  true,  true,  6, "gelu",  "gelu",  "gelu relu"},
-    {"falcon", NormKind::Layer, RopeKind::NeoX,     false, true,  false, 0, false, false, false, false, false, 0, "relu",  "relu",  "relu"},
-    {"opt",    NormKind::Layer, RopeKind::None,     false, false, true,  2, true,  false, false, false, false, 0, "relu",  "relu",  "relu"},
+    // name       norm             rope               gated  par    lpos   off all_b  qk_norm          width  escale post   swa plain    pwri     computes             experts              exp_norm
+    {"llama",    NormKind::Rms,   RopeKind::Adjacent, true,  false, false, 0, false, QkNorm::None,    false, false, false, 0, "silu",  "relu",  "relu silu fatrelu", ExpertUse::Optional, true},
+    {"bamboo",   NormKind::Rms,   RopeKind::Adjacent, true,  false, false, 0, false, QkNorm::None,    false, false, false, 0, "drelu", "drelu", "drelu",             ExpertUse::None,     false},
+    {"qwen2",    NormKind::Rms,   RopeKind::NeoX,     true,  false, false, 0, false, QkNorm::None,    true,  false, false, 0, "silu",  "silu",  "silu relu",         ExpertUse::None,     false},
+    {"qwen3",    NormKind::Rms,   RopeKind::NeoX,     true,  false, false, 0, false, QkNorm::PerHead, true,  false, false, 0, "silu",  "silu",  "silu relu",         ExpertUse::None,     false},
+    {"qwen3moe", NormKind::Rms,   RopeKind::NeoX,     true,  false, false, 0, false, QkNorm::PerHead, true,  false, false, 0, "silu",  "silu",  "silu",              ExpertUse::Required, true},
+    {"olmoe",    NormKind::Rms,   RopeKind::NeoX,     true,  false, false, 0, false, QkNorm::Whole,   false, false, false, 0, "silu",  "silu",  "silu",              ExpertUse::Required, false},
+    {"phi3",     NormKind::Rms,   RopeKind::NeoX,     true,  false, false, 0, false, QkNorm::None,    false, false, false, 0, "silu",  "silu",  "silu relu",         ExpertUse::None,     false},
+    {"gemma3",   NormKind::Rms,   RopeKind::NeoX,     true,  false, false, 0, false, QkNorm::PerHead, true,  true,  true,  6, "gelu",  "gelu",  "gelu relu",         ExpertUse::None,     false},
+    {"falcon",   NormKind::Layer, RopeKind::NeoX,     false, true,  false, 0, false, QkNorm::None,    false, false, false, 0, "relu",  "relu",  "relu",              ExpertUse::None,     false},
+    {"opt",      NormKind::Layer, RopeKind::None,     false, false, true,  2, true,  QkNorm::None,    false, false, false, 0, "relu",  "relu",  "relu",              ExpertUse::None,     false},
 };
 
 bool computes(const ArchSpec &a, const std::string &act) {
@@ -354,6 +356,28 @@ void Model::read_hparams() {
                      : act == "drelu" ? Activation::DRelu
                                       : Activation::Relu;
     hp_.shifted_relu = act == "fatrelu";
+    read_experts(*spec);
+}
+
+void Model::read_experts(const ArchSpec &spec) {
+    const GgufFile &f = *file_;
+    const std::string &p = f.path(), &k = hp_.key_prefix;
+    hp_.n_expert = f.get_int_or(k + ".expert_count", 0, 0, 1 << 16);
+    if (hp_.n_expert == 0) {
+        if (spec.experts == ExpertUse::Required)
+            fail(PI_ERR_FORMAT, p + ": " + k + ".expert_count is missing: " + hp_.arch + " is a mixture of experts");
+        for (const std::string &key : f.keys_with_prefix(k + ".expert_"))
+            fail(PI_ERR_FORMAT, p + ": key " + key + " in a model without experts (" + k + ".expert_count)");
+        return;
+    }
+    if (spec.experts == ExpertUse::None)
+        fail(PI_ERR_UNSUPPORTED, p + ": experts (" + k + ".expert_count) are not computed for architecture " + hp_.arch);
+    if (hp_.activation != Activation::Silu && (hp_.activation != Activation::Relu || hp_.shifted_relu))
+        fail(PI_ERR_UNSUPPORTED, p + ": experts compute SiLU or ReLU, not the FFN activation of this file");
+    hp_.n_expert_used = f.get_int(k + ".expert_used_count", 1, hp_.n_expert);
+    // llama.cpp's llama and olmoe write the experts' width as feed_forward_length, its qwen3moe as its own key
+    hp_.n_ff_exp = f.get_int_or(k + ".expert_feed_forward_length", hp_.n_ff, 1, int64_t(1) << 20);
+    hp_.expert_weights_norm = f.get_bool_or(k + ".expert_weights_norm", spec.experts_norm);
 }
 
 Matrix Model::bind_optional(const std::string &name, int64_t rows, int64_t cols, bool f32_only, bool *found,
@@ -372,26 +396,52 @@ Matrix Model::bind_optional(const std::string &name, int64_t rows, int64_t cols,
         fail(PI_ERR_FORMAT, p + ": tensor " + name + " has shape " + got + ", the hyperparameters say " +
                                 (vector ? "(" + std::to_string(cols) + ",)" : shape_str(file_rows, file_cols)));
     }
-    const TypeSize ts = type_size(t->type);
     if (f32_only && t->type != TYPE_F32)
-        fail(PI_ERR_UNSUPPORTED, p + ": tensor " + name + " has type " + ts.name + "; it must be f32");
-    if (!type_readable(t->type))
-        fail(PI_ERR_UNSUPPORTED, p + ": tensor " + name + " has type " + ts.name + "; this engine reads " +
+        fail(PI_ERR_UNSUPPORTED, p + ": tensor " + name + " has type " + type_size(t->type).name + "; it must be f32");
+    return view_or_decode(*t, rows, cols, transposed);
+}
+
+Matrix Model::view_or_decode(const GgufTensor &t, int64_t rows, int64_t cols, bool transposed) {
+    const std::string &p = file_->path();
+    const TypeSize ts = type_size(t.type);
+    if (!type_readable(t.type))
+        fail(PI_ERR_UNSUPPORTED, p + ": tensor " + t.name + " has type " + ts.name + "; this engine reads " +
                                      readable_type_names());
     Matrix m;
     m.rows = rows;
     m.cols = cols;
-    if (transposed || !type_computable(t->type)) {
-        const DecodedRows d = decoded_.decode(p, *t, file_rows, file_cols, transposed, threads_);
-        file_->release(t->data, size_t(t->n_bytes));  // read once: the decoded rows stand in for them
+    if (transposed || !type_computable(t.type)) {
+        const DecodedRows d = decoded_.decode(p, t, transposed ? cols : rows, transposed ? rows : cols, transposed,
+                                              threads_);
+        file_->release(t.data, size_t(t.n_bytes));  // read once: the decoded rows stand in for them
         m.type = d.type;
         m.row_bytes = d.row_bytes;
         m.data = d.data;
         return m;
     }
-    m.type = t->type;
+    m.type = t.type;
     m.row_bytes = size_t(cols) / ts.block * ts.bytes;
-    m.data = t->data;
+    m.data = t.data;
+    return m;
+}
+
+Matrix Model::bind_stacked(const std::string &name, int64_t rows, int64_t cols, bool transposed) {
+    const std::string &p = file_->path();
+    const GgufTensor *t = file_->tensor(name);
+    if (!t) fail(PI_ERR_FORMAT, p + ": tensor " + name + " is missing");
+    const int64_t n = hp_.n_expert;
+    if (t->n_dims != 3 || int64_t(t->ne[0]) != cols || int64_t(t->ne[1]) != rows || int64_t(t->ne[2]) != n) {
+        std::string got = "(";
+        for (int d = int(t->n_dims) - 1; d >= 0; --d) got += std::to_string(t->ne[d]) + (d ? ", " : ")");
+        fail(PI_ERR_FORMAT, p + ": tensor " + name + " has shape " + got + ", the hyperparameters say (" +
+                                std::to_string(n) + ", " + std::to_string(rows) + ", " + std::to_string(cols) + ")");
+    }
+    // the experts one after the other: one matrix of n * rows rows (transposed: cols rows of n * rows)
+    Matrix m = view_or_decode(*t, transposed ? cols : n * rows, transposed ? n * rows : cols, transposed);
+    // an expert's part of a transposed row starts on a whole block
+    if (transposed && rows % int64_t(type_size(m.type).block) != 0)
+        fail(PI_ERR_UNSUPPORTED, p + ": tensor " + name + ": the experts' rows of " + std::to_string(rows) +
+                                     " values do not split into whole " + type_size(m.type).name + " blocks");
     return m;
 }
 
@@ -606,6 +656,8 @@ void Model::bind_input_sparsity() {
     const bool tensors = f.tensor(weight(0, qkv_names[hp_.parallel_block ? 1 : 0])) != nullptr;
     const bool keys = f.has(names::kKeyInputThresholds) || f.has(names::kKeyInputSparsityLevels);
     if (!tensors && !keys) return;
+    if (hp_.n_expert > 0)
+        fail(PI_ERR_UNSUPPORTED, p + ": input sparsity's thresholds and matrices are not computed for a mixture of experts");
     if (!tensors || !keys)
         fail(PI_ERR_FORMAT, p + ": input sparsity needs both its thresholds (" + names::kKeyInputThresholds + ", " +
                                 names::kKeyInputSparsityLevels + ") and its transposed matrices; the file has only " +
@@ -685,9 +737,10 @@ void Model::bind_attention(int64_t i, Layer &l) {
         l.bk = bind_vector(blk(i, "attn_k.bias"), KV, all_biases);
         l.bv = bind_vector(blk(i, "attn_v.bias"), KV, all_biases);
     }
-    l.q_norm = bind_vector(weight(i, names::kAttnQNorm), hp_.d_head, hp_.qk_norm);
-    l.k_norm = bind_vector(weight(i, names::kAttnKNorm), hp_.d_head, hp_.qk_norm);
-    if (!hp_.qk_norm && (l.q_norm.data || l.k_norm.data))
+    const bool whole = hp_.qk_norm == QkNorm::Whole, qk_norm = hp_.qk_norm != QkNorm::None;
+    l.q_norm = bind_vector(weight(i, names::kAttnQNorm), whole ? Q : hp_.d_head, qk_norm);
+    l.k_norm = bind_vector(weight(i, names::kAttnKNorm), whole ? KV : hp_.d_head, qk_norm);
+    if (!qk_norm && (l.q_norm.data || l.k_norm.data))
         fail(PI_ERR_UNSUPPORTED, file_->path() + ": tensor " + weight(i, l.q_norm.data ? names::kAttnQNorm : names::kAttnKNorm) +
                                      " (per-head q/k norms) is not computed for architecture " + hp_.arch);
     l.attn_post_norm = bind_vector(weight(i, names::kPostAttentionNorm), E, hp_.post_norms);
@@ -700,7 +753,33 @@ void Model::bind_attention(int64_t i, Layer &l) {
     l.bo = bind_vector(blk(i, "attn_output.bias"), E, all_biases);
 }
 
+void Model::bind_experts(int64_t i, Layer &l) {
+    const int64_t E = hp_.n_embd, F = hp_.n_ff_exp;
+    Experts &x = l.experts;
+    x.n_ff = F;
+    x.n_embd = E;
+    x.router = bind(weight(i, names::kFfnGateInp), hp_.n_expert, E, false);
+    x.gate = bind_stacked(weight(i, names::kFfnGateExps), F, E, false);
+    x.up = bind_stacked(weight(i, names::kFfnUpExps), F, E, false);
+    // ReLU experts read a down row per neuron whose gate passes (engine/moe.h), so their down is transposed at load
+    const bool relu = hp_.activation == Activation::Relu;
+    (relu ? x.down_t : x.down) = bind_stacked(weight(i, names::kFfnDownExps), E, F, relu);
+    // every other FFN tensor of the layer (a dense FFN beside the experts, a shared expert, biases) would be left out
+    const std::string ffn = blk(i, "ffn_");
+    for (const GgufTensor &t : file_->tensors()) {
+        if (t.name.compare(0, ffn.size(), ffn) != 0) continue;
+        bool computed = false;
+        for (const char *name : {names::kFfnNorm, names::kFfnGateInp, names::kFfnGateExps, names::kFfnUpExps,
+                                 names::kFfnDownExps})
+            computed = computed || t.name == weight(i, name);
+        if (!computed)
+            fail(PI_ERR_UNSUPPORTED, file_->path() + ": tensor " + t.name + " beside the experts of layer " +
+                                         std::to_string(i) + " (a dense FFN, a shared expert, a bias) is not computed");
+    }
+}
+
 void Model::bind_ffn(int64_t i, Layer &l) {
+    if (hp_.n_expert > 0) return bind_experts(i, l);
     const GgufFile &f = *file_;
     const int64_t E = hp_.n_embd, F = hp_.n_ff;
     const bool all_biases = hp_.all_biases;
@@ -753,6 +832,9 @@ void Model::build_tiers(const std::string &gpuidx_path, bool hot_tier) {
     const int64_t F = hp_.n_ff, L = hp_.n_layer;
     std::vector<std::vector<uint8_t>> is_hot(size_t(L), std::vector<uint8_t>(size_t(F), 0));
     if (!gpuidx_path.empty()) {
+        if (hp_.n_expert > 0)
+            fail(PI_ERR_UNSUPPORTED, gpuidx_path + ": a GPU index places neurons of a dense FFN; the experts of " +
+                                         file_->path() + " are not split into hot and cold neurons in this version");
         GgufFile g(gpuidx_path);
         const std::string &p = g.path();
         const std::string arch = g.get_string(names::kKeyArchitecture);
@@ -798,6 +880,7 @@ void Model::build_tiers(const std::string &gpuidx_path, bool hot_tier) {
     }
     for (int64_t i = 0; i < L; ++i) {
         Layer &l = layers_[size_t(i)];
+        if (l.experts.present()) continue;  // its experts are computed whole (engine/moe.h): no tiers
         for (int32_t j = 0; j < int32_t(F); ++j) (hot_tier && is_hot[size_t(i)][size_t(j)] ? l.hot : l.cold).ids.push_back(j);
         // Cold tier: rows stay in the mapping, gathered by id.
         l.cold.gate = l.gate;

@@ -5,7 +5,8 @@
 // the forward pass branches on properties rather than names: llama and bamboo (RMSNorm, gated FFN), qwen2 and
 // qwen3 (llama's with NeoX RoPE; qwen3's heads normed), falcon (LayerNorm, fused QKV, NeoX RoPE, attention and
 // FFN in parallel from the layer input), opt (LayerNorm, learned positions, biases), phi3 (qwen2's without biases)
-// and gemma3 (GELU, a scaled embedding, norms after attention and the FFN, sliding-window layers).
+// and gemma3 (GELU, a scaled embedding, norms after attention and the FFN, sliding-window layers). Mixtures of
+// experts (llama's Mixtral, qwen3moe, olmoe) hold a router and stacked experts in place of the FFN (Experts).
 #pragma once
 
 #include <algorithm>
@@ -29,6 +30,11 @@ enum class Activation { Relu, Silu, DRelu, Gelu };  // Gelu: tanh-approximated (
 inline bool thresholded(Activation a) { return a == Activation::Silu || a == Activation::Gelu; }
 enum class NormKind { Rms, Layer };         // RMSNorm (llama family) or LayerNorm with bias
 enum class RopeKind { None, Adjacent, NeoX };  // llama.cpp "normal" (pairs 2i, 2i+1), NeoX (i, i + n_rot/2)
+// attn_q_norm/attn_k_norm, RMSNorms of the queries and keys before RoPE: none, each head's (qwen3), or the whole
+// projection's at once (olmoe: its weights as long as q and k)
+enum class QkNorm { None, PerHead, Whole };
+// Whether an architecture's layers may (llama: Mixtral) or must (qwen3moe, olmoe) be mixtures of experts
+enum class ExpertUse { None, Optional, Required };
 
 // A matrix in its stored type: `rows` rows of `cols` elements, each row `row_bytes` apart.
 struct Matrix {
@@ -65,7 +71,7 @@ struct ArchSpec {
     bool gated, parallel_block, learned_pos;
     int64_t pos_offset;       // row of position 0 in position_embd
     bool all_biases;          // every projection has a bias (opt); elsewhere a bias is optional
-    bool qk_norm;             // attn_q_norm/attn_k_norm: RMSNorm of each head's q and k before RoPE (qwen3)
+    QkNorm qk_norm;           // attn_q_norm/attn_k_norm: RMSNorm of q and k before RoPE
     bool head_width_key;      // attention.key_length may set heads apart from embedding_length / head_count
     bool embd_scale;          // the token embedding times sqrt(n_embd) (gemma3)
     bool post_norms;          // post_attention_norm, post_ffw_norm: RMSNorm of attention's and the FFN's outputs
@@ -76,6 +82,10 @@ struct ArchSpec {
     const char *plain_activation;  // the FFN activation of a file without powerinfer.ffn_activation: a GGUF's,
     const char *pwri_activation;   // a PWRI file's (PowerInfer's sparse FFN computes ReLU)
     const char *activations;       // those it computes, space-separated
+    ExpertUse experts;
+    // Whether the chosen experts' weights are divided by their sum where the file has no expert_weights_norm:
+    // llama.cpp's choice for the architecture (llama and qwen3moe yes, olmoe no)
+    bool experts_norm;
 };
 
 struct HParams {
@@ -92,7 +102,7 @@ struct HParams {
     bool learned_pos = false;     // position_embd added to the token embedding (opt)
     int64_t pos_offset = 0;       // row of position 0 in position_embd (opt: 2)
     bool all_biases = false;      // ArchSpec::all_biases
-    bool qk_norm = false;         // ArchSpec::qk_norm
+    QkNorm qk_norm = QkNorm::None;  // ArchSpec::qk_norm
     float norm_eps = 1e-5f;
     float rope_base = 10000.0f;
     // RoPE scaling (Model::read_rope_scaling, one place for every kind): positions times rope_freq_scale (linear);
@@ -119,6 +129,12 @@ struct HParams {
     // whether layer il attends within the window (and its RoPE base is rope_base_swa)
     bool swa_layer(int64_t il) const { return swa_pattern > 0 && n_swa > 0 && il % swa_pattern < swa_pattern - 1; }
     int64_t bos = -1, eos = -1;
+    // Mixture of experts (expert_count > 0): every layer's FFN is n_expert gated FFNs of n_ff_exp neurons, of which the
+    // router picks n_expert_used per token, their softmax weights divided by their sum where expert_weights_norm
+    int64_t n_expert = 0, n_expert_used = 0, n_ff_exp = 0;
+    bool expert_weights_norm = false;
+    // The FFN neurons a token's layer computes (their share is the stats' density): its experts' or n_ff.
+    int64_t ffn_neurons() const { return n_expert > 0 ? n_expert_used * n_ff_exp : n_ff; }
 };
 
 // One FFN tier: the neurons it holds and their rows. The Model's tiers point into the mapped file via `ids`; the
@@ -210,13 +226,37 @@ struct InputRows {
 // Input sparsity's sites (names::kInputSites): the inputs a layer's matrices share, one threshold each.
 enum InputSite { kSiteQkv = 0, kSiteO = 1, kSiteGateUp = 2, kSiteDown = 3 };
 
+// A mixture-of-experts FFN as llama.cpp stores it (ffn_gate_inp, ffn_{gate,up,down}_exps): the router and the experts'
+// matrices stacked, each expert's matrix a run of rows of the 3-D tensor (its rows keep the file's type, so a q4_0
+// expert is whole blocks). computed by engine/moe.h.
+struct Experts {
+    Matrix router;    // [n_expert rows][n_embd]
+    Matrix gate, up;  // [n_expert * n_ff rows][n_embd]: expert e's rows from e * n_ff
+    Matrix down;      // [n_expert * n_embd rows][n_ff]: expert e's from e * n_embd (empty where down_t is held)
+    // ReLU experts (computed gate first, a down row per neuron): ffn_down_exps transposed at load (model/decode.h),
+    // [n_ff rows][n_expert * n_embd], expert e's row j at columns [e * n_embd, (e + 1) * n_embd); else empty
+    Matrix down_t;
+    int64_t n_ff = 0, n_embd = 0;
+    bool present() const { return router.data != nullptr || router.groups != nullptr; }
+    Matrix gate_of(int64_t e) const { return gate.rows_view(e * n_ff, n_ff); }
+    Matrix up_of(int64_t e) const { return up.rows_view(e * n_ff, n_ff); }
+    Matrix down_of(int64_t e) const { return down.rows_view(e * n_embd, n_embd); }
+    // expert e's down_t: n_ff rows of n_embd values, each row_bytes of the whole tensor apart
+    Matrix down_t_of(int64_t e) const {
+        Matrix m = down_t;
+        m.cols = n_embd;
+        m.data = down_t.data + element_offset(down_t.type, e * n_embd);
+        return m;
+    }
+};
+
 // Vectors (norm weights and biases, rows = 1) are f32; an absent optional bias has data == nullptr.
 struct Layer {
     Matrix attn_norm, attn_norm_b;  // the norm feeding attention
     Matrix ffn_norm, ffn_norm_b;    // the norm feeding the FFN (falcon 7B: the same tensor as attn_norm)
     Matrix wq, wk, wv, wo;          // falcon: row views into the fused attn_qkv
     Matrix bq, bk, bv, bo;
-    Matrix q_norm, k_norm;          // per-head RMSNorm weights [d_head] (qk_norm), else empty
+    Matrix q_norm, k_norm;          // RMSNorm weights (qk_norm): [d_head], or q's and k's whole width; else empty
     Matrix attn_post_norm, ffn_post_norm;  // RMSNorm of attention's and the FFN's outputs (post_norms), else empty
     Matrix gate, up, down_t;        // ungated FFN: gate is up (the rule reads the up projection)
     Matrix gate_b, up_b, down_b;    // per neuron (gate_b, up_b) and per output (down_b)
@@ -225,7 +265,8 @@ struct Layer {
     float act_threshold = 0.0f;   // |a| threshold for SiLU, the gate's for FATReLU (0 for ReLU and dReLU)
     float pred_threshold = 0.0f;  // predictor logit threshold
     bool predictor_useful = true;  // train-predictor found it better than chance (auto mode leaves it out if not)
-    FfnTier hot, cold;
+    FfnTier hot, cold;  // empty in a mixture of experts
+    Experts experts;    // a mixture of experts' FFN (HParams::n_expert > 0), else empty
 };
 
 // Bytes of weights a model holds on the heap, in another layout than the file's (the rest stays mapped):
@@ -302,11 +343,20 @@ private:
                          bool transposed = false);
     // An f32 vector of n values; absent is an error when `required`, else an empty Matrix.
     Matrix bind_vector(const std::string &name, int64_t n, bool required);
+    // A tensor found and shape-checked as a matrix of rows x cols (the file's cols x rows where `transposed`): a view of
+    // the mapping, or decoded (a type the kernels do not compute with, or transposed).
+    Matrix view_or_decode(const GgufTensor &t, int64_t rows, int64_t cols, bool transposed);
     void bind_attention(int64_t i, Layer &l);
     void bind_ffn(int64_t i, Layer &l);
+    // A mixture of experts' router and 3-D expert tensors (their down transposed for ReLU experts).
+    void bind_experts(int64_t i, Layer &l);
+    // Expert tensor `name`: n_expert matrices of rows x cols, as Experts stacks them (transposed: see Experts::down_t).
+    Matrix bind_stacked(const std::string &name, int64_t rows, int64_t cols, bool transposed);
     // Input sparsity's thresholds and transposed matrices, where the file has them (both, or neither).
     void bind_input_sparsity();
     void read_hparams();
+    // expert_count and the keys of a mixture of experts (HParams::n_expert ...), checked against the architecture
+    void read_experts(const ArchSpec &spec);
     void bind_tensors();
     // RoPE scaling's keys and tensors (linear, llama3's rope_freqs, YaRN, longrope) into hp_'s rope_freq_scale,
     // rope_freq_factors, rope_attn_factor and context limit

@@ -97,9 +97,13 @@ def convert(
         raise UserError("--predictor-rank only applies with --dry-run (a conversion takes the ranks of --predictors)")
     if out is None:
         raise UserError("--out is required (or --dry-run to only report sizes)")
-    from powerinfer_tools import stages
+    from powerinfer_tools import models, stages
+    from powerinfer_tools.models import arch
     from powerinfer_tools.stages import placement
     from powerinfer_tools.stages.conversion import summary_lines
+
+    if neuron_bundles:  # a file whose neurons the sidecar cannot bundle is refused before it is written
+        arch.for_neurons(models.load_config(models.resolve(model)))
 
     if vram_budget is not None:
         if profile is None:
@@ -112,7 +116,7 @@ def convert(
         order_neurons=order_neurons, powerinfer_compatible=powerinfer_compatible, progress=not quiet,
         input_sparsity=input_thresholds))
     summary = converted.summary
-    if summary["thresholded"] and profile is None:
+    if summary["thresholded"] and profile is None and not summary["experts"]:
         typer.echo(f"note: {summary['arch']} is thresholded but no --profile was given: activation thresholds "
                    "stored as 0 (every neuron counts as active)", err=True)
     typer.echo("\n".join(summary_lines(summary)))

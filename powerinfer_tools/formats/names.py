@@ -25,7 +25,7 @@ KEY_VRAM_CAPACITY = "split.vram_capacity"                     # gpu index: bytes
 KEY_GPU_INDEX_BLOCK_COUNT = "generic.gpu_index.block_count"   # gpu index: layers
 
 # ---- the `{arch}.` hyperparameter keys the engine computes (llama.cpp's names: gguf-py's Keys): it refuses a file
-# with any other key under its architecture's prefix (softcapping, experts, yarn_log_multiplier, ...), which
+# with any other key under its architecture's prefix (softcapping, shared experts, yarn_log_multiplier, ...), which
 # ignoring would run as another model. rope.scaling.original_context_length is YaRN's and longrope's original
 # context (a linear scaling's description only), .finetuned a description; attention.key_length/value_length must
 # equal embedding_length / head_count but where the architecture's heads have a width of their own ---------------
@@ -36,7 +36,8 @@ ARCH_KEYS = (
     "rope.dimension_count", "rope.freq_base", "rope.scaling.type", "rope.scaling.factor",
     "rope.scaling.original_context_length", "rope.scaling.finetuned", "tensor_data_layout", "attention.scale",
     "rope.freq_base_swa", "rope.scaling.attn_factor", "rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor",
-    "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
+    "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow", "expert_count", "expert_used_count",
+    "expert_feed_forward_length", "expert_weights_norm",
 )
 ROPE_FREQS = "rope_freqs.weight"  # llama3 RoPE (llama.cpp's): per rotated pair, what its frequency is divided by
 # longrope (Phi-3 128k, llama.cpp's): per rotated pair, the frequency's divisor within the original context (short)
@@ -54,6 +55,12 @@ FFN_GATE = "ffn_gate"
 FFN_UP = "ffn_up"
 FFN_DOWN = "ffn_down"        # llama.cpp's down projection [n_embd rows]
 FFN_DOWN_T = "ffn_down_t"    # PowerInfer's: transposed, one row per neuron, so a sparse step reads whole rows
+# A mixture of experts, as llama.cpp stores it: the router [n_expert, n_embd] and the experts' matrices stacked in
+# 3-D tensors (gguf-py's shapes: gate/up [n_expert, n_ff_exp, n_embd], down [n_expert, n_embd, n_ff_exp])
+FFN_GATE_INP = "ffn_gate_inp"
+FFN_GATE_EXPS = "ffn_gate_exps"
+FFN_UP_EXPS = "ffn_up_exps"
+FFN_DOWN_EXPS = "ffn_down_exps"
 PREDICTOR_FC1 = "fc1"        # predictor: fc2(relu(fc1(x))); also the keys of PowerInfer's model_{i}.pt
 PREDICTOR_FC2 = "fc2"
 # Input sparsity's transposed copies (row i = input i's weights), which a decode step reads only where input i

@@ -162,7 +162,7 @@ class PlannedTensor:
     shape: tuple[int, ...]            # numpy shape in the file (before quantization)
     qtype: object                     # gguf.GGMLQuantizationType
     load: Callable[[], np.ndarray]    # float32 data in the file's layout
-    source: str                       # what it is made from (bytes accounting)
+    sources: tuple[str, ...]          # what it is made from (bytes accounting): tensors or files
 
 
 def tensor_type(shape: tuple[int, ...], outtype: str):
@@ -272,7 +272,11 @@ def plan(adapter: arch.Arch, weights, predictors: Predictors | None, outtype: st
          powerinfer_compatible: bool = True, fc2_scales: list[float] | None = None,
          input_sparse: bool = False) -> list[PlannedTensor]:
     """The tensors of the file, each with how to load it; fc2_scales: layer i's fc2 times fc2_scales[i]
-    (ThresholdFold); input_sparse: also the transposed copies input sparsity reads (INPUT_TRANSPOSED)."""
+    (ThresholdFold); input_sparse: also the transposed copies input sparsity reads (INPUT_TRANSPOSED). A mixture of
+    experts' router stays f32, as llama.cpp's converter and quantizer keep ffn_gate_inp: the experts a token takes
+    are decided by the router's exact logits."""
+    import gguf
+
     # a file PowerInfer refuses by its architecture name (SiLU/GELU, or one it does not know): nothing to keep
     # compatible
     compatible = powerinfer_compatible and adapter.powerinfer_runs
@@ -280,18 +284,21 @@ def plan(adapter: arch.Arch, weights, predictors: Predictors | None, outtype: st
     planned = []
     maps, head = tie_head(adapter.tensor_maps(weights.names_with_prefixes()), compatible)
     for tmap in maps + (input_transposed_maps(maps) if input_sparse else []):
-        stored = weights.find(tmap.source)
-        if stored is None:
-            raise UserError(f"the model has no tensor {tmap.source} (needed for {tmap.name})")
-        shape = tmap.out_shape(weights.shapes[stored])
+        stored = tuple(weights.find(source) for source in tmap.sources())
+        if None in stored:
+            missing = tmap.sources()[stored.index(None)]
+            raise UserError(f"the model has no tensor {missing} (needed for {tmap.name})")
+        shape = tmap.out_shape(weights.shapes[stored[0]])
         if tmap.name == head:
             qtype = tensor_type(shape, HEAD_OUTTYPE.get(outtype, outtype))
         elif tmap.name.endswith(f".{names.weight(names.FFN_DOWN_T)}"):
             qtype = tensor_type(shape, down_outtype)
+        elif tensor_kind(tmap.name) == names.FFN_GATE_INP:
+            qtype = gguf.GGMLQuantizationType.F32
         else:
             qtype = tensor_type(shape, outtype)
         planned.append(PlannedTensor(tmap.name, shape, qtype,
-                                     lambda t=tmap, s=stored: t.apply(weights.load(s)), stored))
+                                     lambda t=tmap, s=stored: t.stacked([weights.load(x) for x in s]), stored))
     if predictors is not None:
         dims = adapter.dims()
         for i, rank in enumerate(predictors.ranks):
@@ -301,9 +308,9 @@ def plan(adapter: arch.Arch, weights, predictors: Predictors | None, outtype: st
                 scale = fc2_scales[i] if fc2_scales and key == names.weight(names.PREDICTOR_FC2) else 1.0
                 planned.append(PlannedTensor(f"blk.{i}.{key}", shape, qtype,
                                              lambda p=path, k=key, r=padded, s=scale: _load_predictor(p, k, r) * s,
-                                             str(path)))
+                                             (str(path),)))
     for name, data in adapter.computed_tensors().items():  # made from the config: no source bytes
-        planned.append(PlannedTensor(name, data.shape, tensor_type(data.shape, outtype), lambda d=data: d, ""))
+        planned.append(PlannedTensor(name, data.shape, tensor_type(data.shape, outtype), lambda d=data: d, ()))
     return planned
 
 
@@ -429,6 +436,8 @@ def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predic
     source = models.resolve(model)
     config = models.load_config(source)
     adapter = arch.for_config(config)
+    if adapter.experts and (predictors_dir is not None or profile_dir is not None or input_sparsity):
+        raise arch.no_neurons(adapter.name)
     dims = adapter.dims()
     predictors = load_predictors(predictors_dir, dims) if predictors_dir is not None else None
     # a file PowerInfer refuses by its architecture name (SiLU/GELU, or one it does not know): nothing to fold for it
@@ -485,7 +494,7 @@ def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predic
             raise
         set_pwri_magic(tmp)
 
-    sources_used = {t.source for t in tensors}
+    sources_used = {s for t in tensors for s in t.sources}
     bytes_in = sum(weights.stored_bytes.get(s, 0) for s in sources_used) + \
         sum(Path(s).stat().st_size for s in sources_used if s and s not in weights.stored_bytes)
     return {
@@ -494,7 +503,7 @@ def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predic
         "predictors": predictors is not None,
         "predictor_threshold_note": fold.note if fold else "",
         "neuron_order": "profile" if orders is not None else "source",
-        "thresholded": adapter.thresholded, "activation_thresholds": activation_thresholds,
+        "thresholded": adapter.thresholded, "experts": adapter.experts, "activation_thresholds": activation_thresholds,
         "types": kind_types(tensors), "bytes_in": int(bytes_in),
         "input_sparsity": inputs.allocation if inputs is not None else None,
         "input_transposed_bytes": sum(encoded_nbytes(t.shape, t.qtype) for t in tensors

@@ -73,7 +73,11 @@ def load(spec: str) -> ConfigModel:
             raise UserError(f"unknown model '{spec}': give a bundled config ({', '.join(bundled_names())}), "
                             "a config.json, or a Hugging Face model directory")
     config = models.load_config_file(path, spec)
-    return ConfigModel(spec, name, config, arch.for_config(config), tokenizer_dir)
+    adapter = arch.for_config(config)
+    if adapter.experts:
+        raise UserError(f"{spec}: {adapter.name} is a mixture of experts; the dry run sizes dense FFNs, their predictors "
+                        "and their VRAM plan, not experts, in this version")
+    return ConfigModel(spec, name, config, adapter, tokenizer_dir)
 
 
 def predictor_rank_cap(adapter: arch.Arch, fraction: float = DEFAULT_PREDICTOR_FRACTION) -> int:

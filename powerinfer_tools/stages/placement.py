@@ -128,6 +128,9 @@ def costs_from_tensors(label: str, hparam: Callable[..., Any],
         i, part = int(m.group(1)), m.group(2)
         if i >= n_layer:
             raise UserError(f"{label}: tensor {name} beyond block_count {n_layer}")
+        if part == names.weight(names.FFN_GATE_EXPS):
+            raise UserError(f"{label}: a mixture of experts: plan places the neurons of dense FFNs; experts are not "
+                            "placed in this version")
         if part in FFN_SPLIT_TENSORS:
             rows = int(shape[0]) if len(shape) == 2 else 0
             if rows == 0 or (n_ff[i] and rows != n_ff[i]):

@@ -309,7 +309,7 @@ def _run_profile(opts: ProfileOptions) -> dict:
                         "options), or start over with --force (which deletes it)")
     source = models.resolve(opts.model)
     config = models.load_config(source)
-    adapter = arch_mod.for_config(config)
+    adapter = arch_mod.for_neurons(config)
     ctx = _context_length(config)
     seq_len = opts.seq_len or min(DEFAULT_SEQ_LEN, ctx or DEFAULT_SEQ_LEN)
     if opts.tokens <= 0 or seq_len <= 1 or opts.batch <= 0 or opts.max_samples < 0:

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from cli_helpers import assert_one_line_error, run_cli
+from family_checks import refused_fields
 from engine_helpers import (converted, engine_prompt_then_decode, finish_gguf, hf_logits, hf_model,  # noqa: F401
                             max_rel_err, random_tokens)
 from family_checks import assert_computes_transformers_model, assert_context_capped
@@ -181,7 +182,7 @@ def edited_copy(src, dst, fields: dict):
     return dst
 
 
-@pytest.mark.parametrize("kind,fields,needle", REFUSED, ids=[f"{k}-{n.split(' =')[0]}" for k, _, n in REFUSED])
+@refused_fields(REFUSED)
 def test_unsupported_field_is_refused_by_convert_and_its_dry_run(kind, fields, needle, tiny_model_dir, tmp_path,
                                                                  capsys):
     model = edited_copy(tiny_model_dir(kind), tmp_path / "model", fields)
@@ -264,7 +265,7 @@ UNCOMPUTED_KEYS = [
      "key llama.rope.scaling.yarn_beta_fast with rope scaling 'linear'"),
     ("attn_logit_softcapping", (50.0, gguf.GGUFValueType.FLOAT32), "key llama.attn_logit_softcapping"),
     ("final_logit_softcapping", (30.0, gguf.GGUFValueType.FLOAT32), "key llama.final_logit_softcapping"),
-    ("expert_count", (8, gguf.GGUFValueType.UINT32), "key llama.expert_count"),
+    ("expert_shared_count", (1, gguf.GGUFValueType.UINT32), "key llama.expert_shared_count"),  # experts: test_moe
     ("attention.key_length", (32, gguf.GGUFValueType.UINT32), "llama.attention.key_length 32"),
 ]
 

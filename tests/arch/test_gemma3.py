@@ -16,7 +16,7 @@ import torch
 from cli_helpers import run_cli
 from family_checks import (add_checkpoint_tensors, add_sentencepiece_vocab, assert_convert_refuses,
                            assert_input_sparsity_runs, assert_relu_sparse_modes, assert_same_tokenizer_and_template,
-                           emulated_device_run, hf_greedy)
+                           emulated_device_run, hf_greedy, llama_cpp_writer)
 from engine_helpers import (converted, engine_prompt_then_decode, hf_logits, hf_model, max_rel_err,  # noqa: F401
                             random_tokens)
 from test_qwen import rewritten
@@ -35,19 +35,9 @@ def llama_cpp_gguf(model_dir, dst):
     """The checkpoint at model_dir as llama.cpp's convert_hf_to_gguf.py writes a gemma3 GGUF (Gemma3Model): gguf-py's
     names, every norm weight as 1 + w, key_length/value_length from head_dim, sliding_window, linear RoPE scaling, no
     output.weight (tied), the SentencePiece vocabulary with its chat template."""
-    config = json.loads((model_dir / "config.json").read_text())
+    writer, config = llama_cpp_writer(model_dir, dst, gguf.MODEL_ARCH.GEMMA3)
     rope = config["rope_parameters"]["full_attention"]
-    writer = gguf.GGUFWriter(str(dst), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.GEMMA3])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_key_length(config["head_dim"])
-    writer.add_value_length(config["head_dim"])
     writer.add_rope_freq_base(rope["rope_theta"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
     writer.add_sliding_window(config["sliding_window"])
     if rope["rope_type"] == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)

@@ -17,7 +17,8 @@ import pytest
 from cli_helpers import run_cli
 from family_checks import (add_checkpoint_tensors, add_sentencepiece_vocab, assert_computes_transformers_model,
                            assert_context_capped, assert_convert_refuses, assert_input_sparsity_runs,
-                           assert_relu_sparse_modes, assert_same_tokenizer_and_template, emulated_device_run)
+                           assert_relu_sparse_modes, assert_same_tokenizer_and_template, emulated_device_run,
+                           llama_cpp_writer)
 from engine_helpers import (converted, engine_prompt_then_decode, hf_logits, max_rel_err,  # noqa: F401
                             random_tokens)
 from test_qwen import rewritten
@@ -47,17 +48,9 @@ def llama_cpp_gguf(model_dir, dst):
     names (qkv_proj -> attn_qkv, gate_up_proj -> ffn_up, fused as they are), rope.dimension_count
     int(partial_rotary_factor * n_embd) // n_head, sliding_window 0 where the config has none, no output.weight for a
     tied head, the SentencePiece vocabulary (_set_vocab_sentencepiece) with its chat template."""
-    config = json.loads((model_dir / "config.json").read_text())
+    writer, config = llama_cpp_writer(model_dir, dst, gguf.MODEL_ARCH.PHI3)
     rope = config["rope_parameters"]
-    writer = gguf.GGUFWriter(str(dst), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.PHI3])
-    writer.add_context_length(config["max_position_embeddings"])
     writer.add_rope_scaling_orig_ctx_len(config.get("original_max_position_embeddings", 4096))
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_dimension_count(int(rope["partial_rotary_factor"] * config["hidden_size"])
                                     // config["num_attention_heads"])
     writer.add_rope_freq_base(rope["rope_theta"])

@@ -13,11 +13,12 @@ import gguf
 import numpy as np
 import pytest
 from cli_helpers import assert_one_line_error, run_cli
-from family_checks import (add_checkpoint_tensors, assert_computes_transformers_model, assert_convert_refuses,
-                           assert_input_sparsity_runs, assert_relu_sparse_modes, assert_same_tokenizer_and_template,
-                           emulated_device_run)
-from engine_helpers import (converted, engine_prompt_then_decode, finish_gguf, hf_logits, max_rel_err,  # noqa: F401
-                            random_tokens)
+from family_checks import (add_bpe_vocab, add_checkpoint_tensors, assert_computes_transformers_model,
+                           assert_input_sparsity_runs, assert_relu_sparse_modes,
+                           assert_same_tokenizer_and_template, convert_refusal_test, emulated_device_run,
+                           llama_cpp_writer)
+from engine_helpers import (converted, engine_prompt_then_decode, finish_gguf, hf_logits, hf_model,  # noqa: F401
+                            max_rel_err, random_tokens)
 from tiny_models import N_FF, N_LAYER, QWEN3_HEAD_DIM, QWEN_KINDS, make_tiny
 
 import powerinfer_engine as engine
@@ -35,14 +36,7 @@ def llama_cpp_gguf(model_dir, dst, kind: str):
     Qwen3Model): gguf-py's tensor names for the architecture, q/k rows as they are (llama.cpp runs both with NeoX
     RoPE), no output.weight for a tied head, key_length/value_length from head_dim, the byte-level vocabulary with
     pre-tokenizer qwen2, its merges, special tokens and chat template (_set_vocab_gpt2)."""
-    config = json.loads((model_dir / "config.json").read_text())
-    writer = gguf.GGUFWriter(str(dst), gguf.MODEL_ARCH_NAMES[GGUF_ARCH[kind]])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer, config = llama_cpp_writer(model_dir, dst, GGUF_ARCH[kind])
     rope = config["rope_parameters"]
     writer.add_rope_freq_base(rope["rope_theta"])
     if rope["rope_type"] == "yarn":  # its TextModel.set_gguf_parameters
@@ -54,22 +48,7 @@ def llama_cpp_gguf(model_dir, dst, kind: str):
                            ("beta_slow", writer.add_rope_scaling_yarn_beta_slow)):
             if rope.get(field) is not None:
                 add(rope[field])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    if "head_dim" in config:
-        writer.add_key_length(config["head_dim"])
-        writer.add_value_length(config["head_dim"])
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    by_id = {i: t for t, i in tok.get_vocab().items()}
-    added = tok.added_tokens_decoder
-    types = [gguf.TokenType.CONTROL if i in added and added[i].special else gguf.TokenType.NORMAL
-             for i in range(config["vocab_size"])]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list([by_id[i] for i in range(config["vocab_size"])])
-    writer.add_token_types(types)
-    gguf.SpecialVocab(model_dir, load_merges=True, n_vocab=config["vocab_size"]).add_to_gguf(writer, quiet=True)
+    add_bpe_vocab(writer, model_dir, config["vocab_size"])
     add_checkpoint_tensors(writer, model_dir, GGUF_ARCH[kind], config["num_hidden_layers"])
     return dst
 
@@ -209,9 +188,7 @@ REFUSED = [  # (kind, config.json fields, what the line names)
 ]
 
 
-@pytest.mark.parametrize("kind,fields,needle", REFUSED, ids=[f"{k}-{n.split(' =')[0]}" for k, _, n in REFUSED])
-def test_unsupported_field_is_refused_by_convert_and_its_dry_run(kind, fields, needle, family, tmp_path, capsys):
-    assert_convert_refuses(family(kind)[0], fields, needle, tmp_path, capsys)
+test_unsupported_field_is_refused_by_convert_and_its_dry_run = convert_refusal_test(REFUSED)
 
 
 def rewritten(src, dst, drop: tuple = (), fields: dict | None = None, tensors: dict | None = None, arch=None):

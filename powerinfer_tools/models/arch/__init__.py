@@ -9,6 +9,7 @@ from powerinfer_tools.models.arch.gemma3 import Gemma3, Gemma3Relu
 from powerinfer_tools.models.arch.llama_family import is_bamboo
 from powerinfer_tools.models.arch.llama_relu import LlamaRelu
 from powerinfer_tools.models.arch.llama_silu import LlamaSilu
+from powerinfer_tools.models.arch.moe import Mixtral, MixtralRelu, Olmoe, Qwen3Moe, no_neurons
 from powerinfer_tools.models.arch.opt import Opt
 from powerinfer_tools.models.arch.phi3 import Phi3, Phi3Relu
 from powerinfer_tools.models.arch.prosparse import MODEL_TYPE as PROSPARSE_MODEL_TYPE, ProSparse
@@ -16,9 +17,10 @@ from powerinfer_tools.models.arch.qwen import Qwen2, Qwen2Relu, Qwen3, Qwen3Relu
 from powerinfer_tools.core.errors import UserError
 
 ADAPTERS: tuple[type[Arch], ...] = (LlamaRelu, LlamaSilu, ProSparse, Bamboo, Qwen2, Qwen3, Phi3, Gemma3, Qwen2Relu,
-                                     Qwen3Relu, Phi3Relu, Gemma3Relu, Falcon, Opt)
+                                     Qwen3Relu, Phi3Relu, Gemma3Relu, Falcon, Opt, Qwen3Moe, Mixtral, MixtralRelu, Olmoe)
 
-__all__ = ["ADAPTERS", "Arch", "Dims", "for_config", "config_class_for", "install_taps", "is_active"]
+__all__ = ["ADAPTERS", "Arch", "Dims", "for_config", "for_neurons", "config_class_for", "install_taps", "is_active",
+           "no_neurons"]
 
 
 def supported() -> str:
@@ -34,6 +36,15 @@ def for_config(config) -> Arch:
             return adapter(config)
     act = getattr(config, "hidden_act", None) or getattr(config, "activation", None) or "?"
     raise UserError(f"unsupported architecture '{config.model_type}' (activation {act}); supported: {supported()}")
+
+
+def for_neurons(config) -> Arch:
+    """for_config's adapter for a stage that works on the FFN's neurons (profile, sparsify): a mixture of experts is
+    refused in one line before its weights load."""
+    adapter = for_config(config)
+    if adapter.experts:
+        raise no_neurons(adapter.name)
+    return adapter
 
 
 def config_class_for(raw: dict):

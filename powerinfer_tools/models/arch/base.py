@@ -32,9 +32,12 @@ class Dims:
 class TensorMap:
     """One tensor of the PowerInfer file and how it is made from a Hugging Face tensor.
 
-    `rows` takes rows [start, stop) of the source first (one part of a fused tensor: Phi-3's qkv_proj, gate_up_proj);
+    `rows` takes rows [start, stop) of the source first (one part of a fused tensor: Phi-3's qkv_proj, gate_up_proj;
+    of each matrix of a 3-D one: transformers 5's experts.gate_up_proj);
     `reorder` permutes rows (shape unchanged: llama q/k rope order, Falcon's fused QKV);
-    `transpose` stores the matrix transposed (`ffn_down_t`: row j = neuron j's output vector).
+    `transpose` stores the matrix transposed (`ffn_down_t`: row j = neuron j's output vector);
+    `experts` names one source per expert (`source` is the first), stacked in order into llama.cpp's 3-D expert
+    tensor (ffn_gate_exps: expert e's matrix at [e]).
     """
 
     name: str
@@ -42,19 +45,31 @@ class TensorMap:
     reorder: Callable[[np.ndarray], np.ndarray] | None = None
     transpose: bool = False
     rows: tuple[int, int] | None = None
+    experts: tuple[str, ...] = ()
+
+    def sources(self) -> tuple[str, ...]:
+        return self.experts or (self.source,)
 
     def apply(self, data: np.ndarray) -> np.ndarray:
         """The file's layout of `data`; a transposed *view* (the encoder copies it row block by block)."""
         if self.rows is not None:
-            data = data[self.rows[0]:self.rows[1]]
+            data = data[..., self.rows[0]:self.rows[1], :] if data.ndim > 1 else data[self.rows[0]:self.rows[1]]
         if self.reorder is not None:
             data = self.reorder(data)
-        return data.T if self.transpose else data
+        data = data.T if self.transpose else data
+        return np.ascontiguousarray(data) if data.ndim > 2 else data  # the encoder reads 2-D views only
+
+    def stacked(self, parts: list[np.ndarray]) -> np.ndarray:
+        """The file's tensor from its sources' data, in sources() order."""
+        return np.stack([self.apply(p) for p in parts]) if self.experts else self.apply(parts[0])
 
     def out_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The file's shape from its (first) source's."""
         if self.rows is not None:
-            shape = (self.rows[1] - self.rows[0], *shape[1:])
-        return tuple(reversed(shape)) if self.transpose else tuple(shape)
+            shape = (*shape[:-2], self.rows[1] - self.rows[0], shape[-1]) if len(shape) > 1 else \
+                (self.rows[1] - self.rows[0],)
+        shape = tuple(reversed(shape)) if self.transpose else tuple(shape)
+        return (len(self.experts), *shape) if self.experts else shape
 
 
 def optional_maps(available: Collection[str], pairs) -> list[TensorMap]:
@@ -76,6 +91,7 @@ class Arch:
     in_powerinfer: bool = True  # PowerInfer's loader knows the architecture (not llama.cpp's later qwen2, phi3, ...)
     description: str = ""
     gated: bool = True        # FFN has a gate projection
+    experts: bool = False     # a mixture of experts (moe.py): its FFN is experts, not neurons a profile counts
     config_fields: tuple[Field, ...] = ()  # the config fields that change the computation (config_fields.py)
 
     def __init__(self, config):

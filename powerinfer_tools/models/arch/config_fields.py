@@ -99,6 +99,40 @@ QWEN2_FIELDS = (  # q/k/v biases always, o without: the checkpoint's tensors
 )
 QWEN3_FIELDS = QWEN2_FIELDS + (any_value("attention_bias", "q/k/v/o biases written and added"),)
 
+# Mixtures of experts (transformers' Qwen3MoeSparseMoeBlock, MixtralSparseMoeBlock, OlmoeSparseMoeBlock): the router's
+# top num_experts_per_tok, renormalised as norm_topk_prob says (Mixtral always); the fields of its training loss act
+# only in training
+MOE_TRAINING_ONLY = (
+    any_value("router_aux_loss_coef", "acts only in training (the load-balancing loss)"),
+    any_value("output_router_logits", "acts only in training (the router's logits for that loss)"),
+)
+QWEN3_MOE_FIELDS = (
+    one_of("rope_parameters.rope_type", "default", MISSING),
+    one_of("rope_parameters.partial_rotary_factor", 1.0, None, MISSING),
+    any_value("head_dim", "written as attention.key_length/value_length (q/k/v width n_head * head_dim)"),
+    any_value("sliding_window", "every layer's where use_sliding_window (the config drops it otherwise), written as "
+                                "attention.sliding_window, the engine's context capped at it"),
+    any_value("attention_bias", "q/k/v/o biases written and added"),
+    any_value("tie_word_embeddings", "output.weight is the embedding when tied"),
+    Field("num_experts", lambda v, c: isinstance(v, int) and v >= 1, "1 or more (0 makes every layer a dense MLP)"),
+    Field("mlp_only_layers", lambda v, c: not v, "[] (every layer a mixture of experts, as llama.cpp's qwen3moe)"),
+    one_of("decoder_sparse_step", 1, MISSING),
+    any_value("norm_topk_prob", "written as expert_weights_norm"),
+) + MOE_TRAINING_ONLY
+# Mixtral: Llama's attention without biases (MixtralAttention has none); its router always renormalises the top k
+MIXTRAL_FIELDS = tuple(f for f in LLAMA_FIELDS if f.path not in ("attention_bias", "mlp_bias")) + (
+    any_value("router_jitter_noise", "acts only in training (noise on the router's input)"),
+) + MOE_TRAINING_ONLY
+OLMOE_FIELDS = (  # q and k RMS-normed over the whole projection: the class's own, not a field
+    one_of("rope_parameters.rope_type", "default", MISSING),
+    one_of("rope_parameters.partial_rotary_factor", 1.0, None, MISSING),
+    one_of("clip_qkv", None, MISSING),
+    any_value("attention_bias", "q/k/v/o biases written and added"),
+    any_value("tie_word_embeddings", "output.weight is the embedding when tied"),
+    any_value("norm_topk_prob", "written as expert_weights_norm"),
+) + MOE_TRAINING_ONLY
+
+
 def _rotary_dims_even(value, config) -> bool:
     """A partial_rotary_factor whose rotated dims per head are a positive even count (RoPE rotates pairs)."""
     if value in (MISSING, None):

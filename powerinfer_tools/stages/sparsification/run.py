@@ -222,7 +222,7 @@ def run_sparsify(opts: SparsifyOptions) -> dict | None:
         calibration.read_text(p)  # a missing or binary file is refused before the slow load
     source = models.resolve(opts.model)
     config = models.load_config(source)
-    _check_source(arch_mod.for_config(config), opts.model, opts.activation)
+    _check_source(arch_mod.for_neurons(config), opts.model, opts.activation)
     context = getattr(config, "max_position_embeddings", None)
     if context and opts.seq_len > context:
         raise UserError(f"--seq-len {opts.seq_len} is larger than the model's context length {context}")

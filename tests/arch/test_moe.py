@@ -215,8 +215,9 @@ REFUSED = [  # (kind, config.json fields, what the line names)
     ("qwen3-moe", {"model_type": "qwen2_moe", "shared_expert_intermediate_size": 64},
      "unsupported architecture 'qwen2_moe'"),
     ("olmoe", {"clip_qkv": 8.0}, "clip_qkv = 8.0"),
-    ("mixtral", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}},
-     "rope_parameters.rope_type = 'yarn'"),
+    ("mixtral", {"head_dim": 16, "rope_scaling": {"rope_type": "longrope", "factor": 4.0, "short_factor": [1.0] * 8,
+                                                  "original_max_position_embeddings": 128, "long_factor": [2.0] * 8}},
+     "rope_parameters.rope_type = 'longrope'"),
     ("mixtral", {"hidden_act": "gelu"}, "unsupported architecture 'mixtral'"),
 ]
 

@@ -240,17 +240,11 @@ void Engine::truncate(int32_t n_keep) {
 
 void Engine::eval_hidden(const int32_t *tokens, int32_t n, float *hidden) {
     if (!hidden) fail(PI_ERR_ARGUMENT, "hidden is NULL");
-    check_tokens(tokens, n);
-    const auto t0 = std::chrono::steady_clock::now();
-    rs_->logits_current = false;
     const int64_t E = hp_.n_embd;
-    for (int64_t done = 0; done < n;) {
-        const int64_t chunk = std::min<int64_t>(n_batch_, n - done);
+    in_batches(tokens, n, false, [&](int64_t done, int64_t chunk) {
         forward(tokens + done, chunk, nullptr, 0, false);  // the stream ends on the host without logits
         norm(rs_->x.data(), model_->output_norm(), model_->output_norm_b(), chunk, hidden + done * E);
-        done += chunk;
-    }
-    stats_.take_eval(n, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    });
 }
 
 void Engine::check_tokens(const int32_t *tokens, int32_t n) const {
@@ -266,18 +260,23 @@ void Engine::check_tokens(const int32_t *tokens, int32_t n) const {
 }
 
 void Engine::eval(const int32_t *tokens, int32_t n, float *logits, bool all_logits) {
+    in_batches(tokens, n, true, [&](int64_t done, int64_t chunk) {
+        float *out = all_logits && logits ? logits + done * hp_.n_vocab : nullptr;
+        forward(tokens + done, chunk, out, hp_.n_vocab, all_logits || done + chunk == n);
+    });
+    if (logits && !all_logits) std::memcpy(logits, rs_->last_logits.data(), size_t(hp_.n_vocab) * sizeof(float));
+}
+
+void Engine::in_batches(const int32_t *tokens, int32_t n, bool makes_logits,
+                        const std::function<void(int64_t, int64_t)> &batch) {
     check_tokens(tokens, n);
     const auto t0 = std::chrono::steady_clock::now();
-    rs_->logits_current = true;
+    rs_->logits_current = makes_logits;
     for (int64_t done = 0; done < n;) {
         const int64_t chunk = std::min<int64_t>(n_batch_, n - done);
-        const bool last = done + chunk == n;
-        float *out = nullptr;
-        if (all_logits && logits) out = logits + done * hp_.n_vocab;
-        forward(tokens + done, chunk, out, hp_.n_vocab, all_logits || last);
+        batch(done, chunk);
         done += chunk;
     }
-    if (logits && !all_logits) std::memcpy(logits, rs_->last_logits.data(), size_t(hp_.n_vocab) * sizeof(float));
     stats_.take_eval(n, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 }
 

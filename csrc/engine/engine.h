@@ -3,6 +3,7 @@
 // sampling. forward.cpp holds the forward pass; engine.cpp opening, the calls of the C API, and the rest.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -54,6 +55,10 @@ public:
 private:
     // Refuses an empty or missing batch, one past the context, and token ids outside the vocabulary.
     void check_tokens(const int32_t *tokens, int32_t n) const;
+    // tokens [0, n), checked, through batch(done, chunk) in batches of at most n_batch_, timed as one evaluation;
+    // makes_logits: whether sampling may follow (eval), or not (eval_hidden).
+    void in_batches(const int32_t *tokens, int32_t n, bool makes_logits,
+                    const std::function<void(int64_t, int64_t)> &batch);
     // What the memory checks leave for the rest of the process: the allocator's slack, thread stacks, the caller's growth.
     static constexpr double kProcessMargin = 64.0 * (1 << 20);
     // Refuses (PI_ERR_MEMORY) before allocating when the buffers the hyperparameters imply exceed RAM.

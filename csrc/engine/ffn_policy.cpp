@@ -73,7 +73,7 @@ int64_t FfnPolicy::probe_tokens(int64_t il, int64_t n_tok, TierMode cold_mode, i
 
 TierMode FfnPolicy::cold_mode(int64_t il, int64_t n_tok) {
     // experts: ReLU ones gate first in gate and auto modes (the rule drops only zeros), every neuron otherwise
-    if (model_.layers()[size_t(il)].experts.present())
+    if (model_.hp().n_expert > 0)  // every layer of a mixture holds experts (Model::bind_ffn)
         return mode_ != PI_FFN_DENSE && model_.hp().activation == Activation::Relu ? TierMode::Gate : TierMode::Dense;
     switch (mode_) {
         case PI_FFN_DENSE: return TierMode::Dense;

@@ -58,7 +58,7 @@ private:
     // ReLU: each pair's listed down_t rows, in waves of pairs, into o_.
     void relu_down(const Experts &X, int64_t n_pairs);
 
-    const HParams hp_;
+    const HParams &hp_;  // the model's, which outlives the engine's FFN
     const KernelSet &ks_;
     ThreadPool &pool_;
     const int64_t n_batch_, n_expert_, k_, E_, F_;

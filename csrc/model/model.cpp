@@ -46,23 +46,22 @@ std::vector<Matrix *> Model::dense_matrices() {
     return dense;
 }
 
+std::vector<int64_t> Model::pack_offsets(const std::vector<Matrix *> &dense) {
+    std::vector<int64_t> offsets{0};
+    for (const Matrix *m : dense) offsets.push_back(offsets.back() + (packed_bytes(*m) + 63) / 64 * 64);
+    return offsets;
+}
+
 int64_t Model::dense_pack_bytes() const {
-    int64_t total = 0;
-    for (Matrix *m : const_cast<Model *>(this)->dense_matrices()) total += (packed_bytes(*m) + 63) / 64 * 64;
-    return total;
+    return pack_offsets(const_cast<Model *>(this)->dense_matrices()).back();
 }
 
 void Model::pack_dense_matrices(int threads) {
     if (dense_ != DenseLayout::Pending) fail(PI_ERR_INTERNAL, path() + ": the dense matrices are laid out already");
     dense_ = DenseLayout::Packed;
     std::vector<Matrix *> dense = dense_matrices();
-    std::vector<int64_t> offsets;  // each matrix's place in the one buffer, on a line boundary
-    int64_t total = 0;
-    for (const Matrix *m : dense) {
-        offsets.push_back(total);
-        total += (packed_bytes(*m) + 63) / 64 * 64;
-    }
-    packed_ = PageMemory(size_t(total), true, "the packed weights");
+    const std::vector<int64_t> offsets = pack_offsets(dense);
+    packed_ = PageMemory(size_t(offsets.back()), true, "the packed weights");
     // Every token streams these matrices, so they are a model's size (a 7B model's attention: 1.2 GB at q4_0):
     // packed on the engine's threads, each claiming the next matrix (pack() touches nothing shared).
     std::atomic<size_t> next{0};
@@ -473,7 +472,7 @@ void Model::read_rope_scaling() {
                                      "' is not supported (none, linear, yarn, longrope; llama3 as rope_freqs.weight)");
     const double factor = f.get_float_or(key + "factor", 1.0);
     if (!(factor >= 1.0 && factor <= 1024.0)) fail(PI_ERR_FORMAT, p + ": rope.scaling.factor out of range");
-    if ((scaling == "none" || scaling == "longrope") && factor != 1.0)
+    if (scaling == "none" && factor != 1.0)
         fail(PI_ERR_FORMAT, p + ": rope.scaling.factor " + std::to_string(factor) + " with rope scaling '" + scaling + "'");
     const double attn_factor = f.get_float_or(key + "attn_factor", 1.0);
     if (!(attn_factor > 0.0 && attn_factor < 16.0)) fail(PI_ERR_FORMAT, p + ": rope.scaling.attn_factor must be in (0, 16)");

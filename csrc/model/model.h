@@ -368,7 +368,9 @@ private:
     // The cold tier's predictor rows (see FfnTier::fc2), from the layer's fc2 (whose rows are not read again).
     void bind_cold_predictor(Layer &l);
     std::vector<Matrix *> dense_matrices();
-    int64_t dense_pack_bytes() const;  // the packed copy's bytes (each matrix on a line boundary)
+    int64_t dense_pack_bytes() const;  // the packed copy's bytes
+    // each matrix's place in the one packed buffer (on a line boundary), then the buffer's size
+    static std::vector<int64_t> pack_offsets(const std::vector<Matrix *> &dense);
     // Frees the decoded rows (model/decode.h) of the matrices among `dense` that every reader now takes from
     // their groups (all rows grouped, not the embedding's rows), as pack() hands back a mapped matrix's pages.
     void free_grouped_decoded(const std::vector<Matrix *> &dense);

@@ -16,6 +16,7 @@ that stream.
 """
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import os
@@ -363,7 +364,7 @@ class LLM:
             found.matcher(self.vocabulary())
         return found
 
-    @property
+    @functools.cached_property
     def supports_tools(self) -> bool:
         """Whether the chat template renders tools (a tool given to it shows in its text), as llama.cpp probes."""
         probe = {"type": "function", "function": {"name": "pi_tools_probe", "parameters": {"type": "object"}}}
@@ -403,8 +404,8 @@ class LLM:
         """Each input's embedding, as llama-server's --embeddings computes it: the model's last hidden states
         (through the output norm, what the head reads) over the input's tokens, pooled ("mean" of all, or the
         "last" token's), of unit length where normalize. inputs: a string, strings (tokenized with the model's
-        BOS), a list of token ids or lists of them. Each input is evaluated from an empty cache, so its vector never depends on
-        what was evaluated before; the cache is left empty."""
+        BOS), a list of token ids or lists of them. Each input is evaluated from an empty cache, so its vector never
+        depends on what was evaluated before; the cache is left empty."""
         if pooling not in POOLINGS:
             raise RequestError(f"pooling must be one of {', '.join(POOLINGS)}, not {pooling!r}")
         items = [inputs] if isinstance(inputs, str) else list(inputs) if isinstance(inputs, Sequence) else None
@@ -413,28 +414,29 @@ class LLM:
         if not items:
             raise RequestError("input must be a string, a list of strings or a list of token id lists, not empty",
                                param="input")
+        ids = [self._embedding_ids(item) for item in items]  # before the LLM is taken: tokenizing waits for nothing
+        from powerinfer_tools.runtime.inference import engine_errors
+
         token = self._gate.enter(generation=True)
         try:
             with self._step:
                 self._generation += 1  # a stream this thread still holds ends: the cache is about to change
-                ids = [self._embedding_ids(item) for item in items]
-                from powerinfer_tools.runtime.inference import engine_errors
-
+                self._cache = _Cache()
                 vectors = []
                 for one in ids:
                     with engine_errors():
-                        self._cache = _Cache()
                         self.model.reset(0)
                         hidden = self.model.eval_hidden(one).astype(np.float64)
-                        self.model.reset(0)
                     v = hidden.mean(axis=0) if pooling == "mean" else hidden[-1]
                     norm = float(np.linalg.norm(v))
                     vectors.append((v / norm if normalize and norm > 0 else v).astype(np.float32))
+                self.model.reset(0)
         finally:
             self._gate.leave(token)
+        n_tokens = sum(map(len, ids))
         self.counters.calls += 1
-        self.counters.prompt_tokens += sum(map(len, ids))
-        return Embeddings(tuple(vectors), sum(map(len, ids)))
+        self.counters.prompt_tokens += n_tokens
+        return Embeddings(tuple(vectors), n_tokens)
 
     def _embedding_ids(self, item) -> list[int]:
         """One input's token ids, checked: text (a prompt's, BOS included) or ids inside the vocabulary and the

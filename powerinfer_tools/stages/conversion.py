@@ -435,9 +435,8 @@ def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predic
         raise UserError(f"output path {out_path} is a directory")
     source = models.resolve(model)
     config = models.load_config(source)
-    adapter = arch.for_config(config)
-    if adapter.experts and (predictors_dir is not None or profile_dir is not None or input_sparsity):
-        raise arch.no_neurons(adapter.name)
+    neurons = predictors_dir is not None or profile_dir is not None or input_sparsity
+    adapter = arch.for_neurons(config) if neurons else arch.for_config(config)
     dims = adapter.dims()
     predictors = load_predictors(predictors_dir, dims) if predictors_dir is not None else None
     # a file PowerInfer refuses by its architecture name (SiLU/GELU, or one it does not know): nothing to fold for it

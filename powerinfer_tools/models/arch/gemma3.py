@@ -10,7 +10,7 @@ gemma3-gelu (docs/formats.md); a user's llama.cpp gemma3 GGUF runs as it is. The
 output: hidden_activation relu, a = relu(gate x) times up x) is gemma3, which PowerInfer does not know."""
 from powerinfer_tools.formats import names
 from powerinfer_tools.models.arch.config_fields import GEMMA3_FIELDS
-from powerinfer_tools.models.arch.llama_family import BLOCK_TENSORS, LlamaFamily, rope_parameters
+from powerinfer_tools.models.arch.llama_family import BLOCK_TENSORS, LlamaFamily, layer_types_window, rope_parameters
 
 GEMMA3_BLOCK = {**BLOCK_TENSORS, names.ATTN_Q_NORM: "self_attn.q_norm", names.ATTN_K_NORM: "self_attn.k_norm",
                 names.POST_ATTENTION_NORM: "post_attention_layernorm", names.FFN_NORM: "pre_feedforward_layernorm",
@@ -26,6 +26,7 @@ def plus_one(data):
 class Gemma3(LlamaFamily):
     name = "gemma3"
     powerinfer_arch = "gemma3"
+    model_type = "gemma3_text"
     description = "Gemma 3 (text) with GELU, thresholded"
     activation = "gelu"
     act_key = "hidden_activation"
@@ -34,10 +35,6 @@ class Gemma3(LlamaFamily):
     config_fields = GEMMA3_FIELDS
     rope_adjacent = False
     block_tensors = GEMMA3_BLOCK
-
-    @classmethod
-    def matches(cls, config) -> bool:
-        return config.model_type == "gemma3_text" and cls.acts_as(config)
 
     def transforms(self) -> dict:
         return dict.fromkeys(NORMS, plus_one)
@@ -49,7 +46,7 @@ class Gemma3(LlamaFamily):
         return layer.pre_feedforward_layernorm  # its input: the residual entering the FFN block
 
     def sliding_window(self) -> int | None:
-        return self.config.sliding_window if "sliding_attention" in self.config.layer_types else None
+        return layer_types_window(self.config)
 
     def write_hparams(self, writer) -> None:
         super().write_hparams(writer)

@@ -91,14 +91,19 @@ class LlamaFamily(Arch):
     # llama.cpp's llama RoPE rotates adjacent pairs (2i, 2i+1), so its q/k rows are permuted from HF's rotate-half
     # order (rope_to_adjacent); NeoX-RoPE families (qwen2, qwen3: pairs i, i + d/2) keep HF's rows
     rope_adjacent = True
+    model_type = ""            # the config's model_type of a family matched by it and hidden_acts
     act_key = "hidden_act"     # the config field naming the FFN activation (Gemma 3: hidden_activation)
     hidden_acts: tuple[str, ...] = ()  # its values the adapter matches (families that match by it)
     act_attr = "act_fn"        # the MLP's activation module (Phi-3: activation_fn)
 
     @classmethod
+    def matches(cls, config) -> bool:
+        return bool(cls.model_type) and config.model_type == cls.model_type and cls.acts_as(config)
+
+    @classmethod
     def acts_as(cls, config) -> bool:
         """Whether config's activation is one this adapter computes (hidden_acts)."""
-        return str(getattr(config, cls.act_key, "")).lower() in cls.hidden_acts
+        return hidden_act(config, cls.act_key) in cls.hidden_acts
 
     def dims(self) -> Dims:
         c = self.config
@@ -220,8 +225,14 @@ class LlamaFamily(Arch):
         return {}
 
 
-def hidden_act(config) -> str:
-    return str(getattr(config, "hidden_act", "")).lower()
+def hidden_act(config, key: str = "hidden_act") -> str:
+    """The config's FFN activation, lower case (`key`: the field naming it; Gemma 3's is hidden_activation)."""
+    return str(getattr(config, key, "")).lower()
+
+
+def layer_types_window(config) -> int | None:
+    """The sliding window of a config whose layer_types name sliding_attention layers (Qwen2/Qwen3, Gemma 3), or None."""
+    return config.sliding_window if "sliding_attention" in (getattr(config, "layer_types", None) or ()) else None
 
 
 def is_bamboo(config) -> bool:

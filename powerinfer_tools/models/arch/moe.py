@@ -20,7 +20,7 @@ from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.formats import names
 from powerinfer_tools.models.arch.base import Dims, TensorMap
 from powerinfer_tools.models.arch.config_fields import MIXTRAL_FIELDS, OLMOE_FIELDS, QWEN3_MOE_FIELDS
-from powerinfer_tools.models.arch.llama_family import BLOCK_TENSORS, LlamaFamily, hidden_act
+from powerinfer_tools.models.arch.llama_family import BLOCK_TENSORS, LlamaFamily
 
 # Llama's block without its dense FFN, which the experts replace
 ATTENTION_BLOCK = {k: v for k, v in BLOCK_TENSORS.items() if k not in (names.FFN_GATE, names.FFN_UP, names.FFN_DOWN)}
@@ -42,13 +42,10 @@ class ExpertNames:
 class MoeFamily(LlamaFamily):
     experts = True
     activation = "silu"
+    hidden_acts = ("silu", "swish")
     block_tensors = ATTENTION_BLOCK
     expert_names = ExpertNames("mlp.gate", "mlp", "gate_proj", "up_proj", "down_proj")
     expert_ff_key = False  # the experts' width written as expert_feed_forward_length (else as feed_forward_length)
-
-    @classmethod
-    def matches(cls, config) -> bool:
-        return config.model_type == cls.model_type and hidden_act(config) in ("silu", "swish")
 
     def n_expert(self) -> int:
         return int(self.config.num_experts)
@@ -149,10 +146,7 @@ class MixtralRelu(Mixtral):
     name = "mixtral-relu"
     description = "Mixtral with ReLU experts (TurboSparse's kind), computed gate first"
     activation = "relu"
-
-    @classmethod
-    def matches(cls, config) -> bool:
-        return config.model_type == cls.model_type and hidden_act(config) == "relu"
+    hidden_acts = ("relu",)
 
 
 class Olmoe(NeoxMoe):

@@ -15,6 +15,7 @@ FUSED = {"attn_q": "self_attn.qkv_proj", "attn_k": "self_attn.qkv_proj", "attn_v
 class Phi3(LlamaFamily):
     name = "phi3"
     powerinfer_arch = "phi3"
+    model_type = "phi3"
     description = "Phi-3/Phi-4 with SiLU, thresholded"
     activation = "silu"
     hidden_acts = ("silu", "swish")
@@ -23,10 +24,6 @@ class Phi3(LlamaFamily):
     config_fields = PHI3_FIELDS
     rope_adjacent = False
     block_tensors = {**BLOCK_TENSORS, **FUSED}
-
-    @classmethod
-    def matches(cls, config) -> bool:
-        return config.model_type == "phi3" and cls.acts_as(config)
 
     def source_rows(self, tensor: str) -> tuple[int, int] | None:
         c = self.config

@@ -8,12 +8,13 @@ qwen3 GGUF runs as it is. The ReLU variants (`pi-tools sparsify`'s output: hidde
 PowerInfer does not know."""
 from powerinfer_tools.formats import names
 from powerinfer_tools.models.arch.config_fields import QWEN2_FIELDS, QWEN3_FIELDS
-from powerinfer_tools.models.arch.llama_family import BLOCK_TENSORS, LlamaFamily
+from powerinfer_tools.models.arch.llama_family import BLOCK_TENSORS, LlamaFamily, layer_types_window
 
 
 class Qwen2(LlamaFamily):
     name = "qwen2"
     powerinfer_arch = "qwen2"
+    model_type = "qwen2"
     description = "Qwen2/Qwen2.5 with SiLU, thresholded"
     activation = "silu"
     hidden_acts = ("silu", "swish")
@@ -21,18 +22,14 @@ class Qwen2(LlamaFamily):
     config_fields = QWEN2_FIELDS
     rope_adjacent = False
 
-    @classmethod
-    def matches(cls, config) -> bool:
-        return config.model_type == cls.powerinfer_arch and cls.acts_as(config)
-
     def sliding_window(self) -> int | None:
-        types = getattr(self.config, "layer_types", None) or ()
-        return self.config.sliding_window if "sliding_attention" in types else None
+        return layer_types_window(self.config)
 
 
 class Qwen3(Qwen2):
     name = "qwen3"
     powerinfer_arch = "qwen3"
+    model_type = "qwen3"
     description = "Qwen3 with SiLU, thresholded"
     config_fields = QWEN3_FIELDS
     block_tensors = {**BLOCK_TENSORS, names.ATTN_Q_NORM: "self_attn.q_norm", names.ATTN_K_NORM: "self_attn.k_norm"}

@@ -17,7 +17,7 @@ from pathlib import Path
 from .library_check import LibraryRefused, check_library
 
 LIBRARY_ENV = "PI_ENGINE_LIB"
-API_VERSION = 16
+API_VERSION = 17
 
 FFN_MODES = {"dense": 0, "gate": 1, "predictor": 2, "auto": 3, "oracle": 4}
 KV_TYPES = {"f32": 0, "f16": 1}
@@ -51,7 +51,7 @@ class Options(ctypes.Structure):
                 ("gpu_device", ctypes.c_int32), ("vram_budget", ctypes.c_int64), ("gpu_library", ctypes.c_char_p),
                 ("gpu_ffn_only", ctypes.c_int32), ("input_sparsity", ctypes.c_float),
                 ("cpu_hot_tier", ctypes.c_int32), ("decode_cache", ctypes.c_char_p),
-                ("memory_budget", ctypes.c_int64)]
+                ("memory_budget", ctypes.c_int64), ("n_seq", ctypes.c_int32)]
 
 
 class Sampling(ctypes.Structure):
@@ -110,6 +110,8 @@ _SIGNATURES = {
     "pi_eval_hidden": (_I32, [_P, _P, _I32, _P]),
     "pi_n_past": (_I32, [_P]),
     "pi_truncate": (_I32, [_P, _I32]),
+    "pi_set_sequence": (_I32, [_P, _I32]),
+    "pi_decode_step": (_I32, [_P, _P, _P, _I32, _P]),
     "pi_sample": (_I32, [_P, ctypes.POINTER(Sampling), ctypes.POINTER(_I32)]),
     "pi_sample_masked": (_I32, [_P, ctypes.POINTER(Sampling), _P, _I32, ctypes.POINTER(_I32)]),
     "pi_set_seed": (_I32, [_P, ctypes.c_uint64]),

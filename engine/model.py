@@ -41,7 +41,9 @@ class Model:
     else written for the next load (info["decoded"]["cache"]: read, written, not written or off); memory_budget:
     GiB the engine may hold: the cold FFN neurons past it are read on demand from the neuron bundles beside the
     file (`convert --neuron-bundles`; docs/engine.md, "Models larger than memory"); None: the same under the
-    machine's memory or its cgroup's limit where the bundles are there and the FFN would not fit it.
+    machine's memory or its cgroup's limit where the bundles are there and the FFN would not fit it; n_seq: the
+    sequences the engine holds, each its own KV cache (select() picks the one eval, reset, sample and seed act on;
+    decode_step computes a token of several at once).
 
     One Model may be shared by threads: ctypes lets go of the GIL inside the engine, so a lock held across
     every engine call serializes them, and close() waits for a call in flight instead of freeing the model
@@ -54,7 +56,7 @@ class Model:
                  hot_backend: str = "cpu", gpu: str = "auto", vram_budget: float | None = None, gpu_device: int = 0,
                  gpu_library: str | os.PathLike = "cuda", gpu_attention: bool = True,
                  input_sparsity: float = 0.0, cpu_hot_tier: bool = False,
-                 decode_cache: str | os.PathLike | None = None, memory_budget: float | None = None):
+                 decode_cache: str | os.PathLike | None = None, memory_budget: float | None = None, n_seq: int = 1):
         self._handle = None
         self._lock = threading.RLock()
         opts = Options()
@@ -93,6 +95,7 @@ class Model:
             raise EngineError(f"gpu_attention must be True or False, not {gpu_attention!r}")
         opts.gpu_ffn_only = int(not gpu_attention)
         opts.input_sparsity = c_float("input_sparsity", input_sparsity)
+        opts.n_seq = c_int("n_seq", n_seq, 1)
         handle = ctypes.c_void_p()
         if hot_backend == "cpu":
             check(lib().pi_open(os.fsencode(path), ctypes.byref(opts), ctypes.byref(handle)))
@@ -105,6 +108,7 @@ class Model:
         self.n_vocab: int = self.info["n_vocab"]
         self.n_embd: int = self.info["n_embd"]
         self.n_ctx: int = self.info["n_ctx"]
+        self.n_seq: int = self.info["n_seq"]
         self._last = np.zeros(self.n_vocab, dtype=np.float32)
 
     # ---- lifetime ---------------------------------------------------------------------------------
@@ -183,6 +187,24 @@ class Model:
         out = np.empty((toks.size, self.n_vocab) if all_logits else self.n_vocab, dtype=np.float32)
         self._checked(lib().pi_eval, toks.ctypes.data_as(ctypes.c_void_p), toks.size,
                       out.ctypes.data_as(ctypes.c_void_p), int(all_logits))
+        return out
+
+    def select(self, seq: int) -> None:
+        """Make sequence `seq` (0 <= seq < n_seq) the one that n_past, reset, eval, eval_hidden, sample and seed act
+        on (0 at open)."""
+        self._checked(lib().pi_set_sequence, c_int("seq", seq, 0))
+
+    def decode_step(self, seqs: Iterable[int], tokens: Iterable[int]) -> np.ndarray:
+        """One decode step of several distinct sequences: tokens[t] evaluated as the next token of seqs[t], the
+        weights read once for all. Logits [len(seqs), n_vocab], row t the bits seqs[t]'s own eval([tokens[t]])
+        would give; sample() on a selected sequence draws from its row."""
+        ids = np.array([c_int("seq", s, 0) for s in seqs], dtype=np.int32)
+        toks = _token_ids(tokens, self.n_vocab)
+        if ids.size != toks.size:
+            raise EngineError(f"decode_step takes one token per sequence: {ids.size} sequences, {toks.size} tokens")
+        out = np.empty((toks.size, self.n_vocab), dtype=np.float32)
+        self._checked(lib().pi_decode_step, ids.ctypes.data_as(ctypes.c_void_p), toks.ctypes.data_as(ctypes.c_void_p),
+                      toks.size, out.ctypes.data_as(ctypes.c_void_p))
         return out
 
     def eval_hidden(self, tokens: Iterable[int]) -> np.ndarray:

@@ -191,7 +191,9 @@ void CpuTierBackend::submit(const TierJob &job) {
 
     t0 = Clock::now();
     if (job.down_zero_at >= 0.0f) zero_small_h(p, job.down_zero_at);
-    if (p.n_tok == 1) down_decode(p);
+    if (p.n_tok == 1) down_decode(p, 0);
+    else if (job.steps)
+        for (int64_t t = 0; t < p.n_tok; ++t) down_decode(p, t);  // each token's rows read back from cache
     else down_batch(p);
     counts_.down_seconds += seconds_since(t0);
     if (job.n_probe > 0) probe_count(p);
@@ -607,13 +609,15 @@ CpuTierBackend::Tally CpuTierBackend::grouped_token(const Pass &p, int64_t t, in
 // The rows used with a nonzero coefficient: the integer axpy_rows rounds each group of rows against its largest
 // (kernels/axpy_int.h), so leaving exact zeros out gives every mode that computes the same neurons (dense, gate,
 // oracle) the same groups, and the same bits.
-int64_t CpuTierBackend::list_used_rows(const FfnTier &T, const int32_t *list, int64_t count, int64_t at) {
+int64_t CpuTierBackend::list_used_rows(const FfnTier &T, const int32_t *list, int64_t count, int64_t at, int64_t t) {
     int64_t used = 0;
+    const float *h = h_.data() + t * ld_;
+    const uint8_t *mask = mask_.data() + t * ld_;
     for (int64_t i = 0; i < count; ++i) {  // without branches
         const int64_t r = list[i];
         down_rows_[size_t(at + used)] = T.row(T.down_t, r);
-        down_coef_[size_t(at + used)] = h_[size_t(r)];
-        used += (mask_[size_t(r)] == 2) & (h_[size_t(r)] != 0.0f);
+        down_coef_[size_t(at + used)] = h[r];
+        used += (mask[r] == 2) & (h[r] != 0.0f);
     }
     return used;
 }
@@ -621,9 +625,9 @@ int64_t CpuTierBackend::list_used_rows(const FfnTier &T, const int32_t *list, in
 // One token: the used rows (listed by the fused chunks, else in one pass) in the runs of down_runs.h, each on a
 // thread: the same sums whatever the thread count or which thread ran which run. Where the tier holds its rows in
 // quads and every row is used (rows_ is then every slot in order), a run reads its quads instead: the same bits.
-void CpuTierBackend::down_decode(const Pass &p) {
+void CpuTierBackend::down_decode(const Pass &p, int64_t t) {
     const TypeKernels &kd = ks_.for_type(p.T.down_t.type);
-    const int64_t n_used = p.fused ? n_used_ : list_used_rows(p.T, rows_.data(), n_rows_, 0);
+    const int64_t n_used = p.fused ? n_used_ : list_used_rows(p.T, rows_.data(), n_rows_, 0, t);
     const int64_t n_runs = down_run_count(n_used);
     const bool quads = !p.T.down_quads.empty() && kd.axpy_quads && n_used == p.n;
     auto run_rows = [&](int run, int, int) {
@@ -631,7 +635,7 @@ void CpuTierBackend::down_decode(const Pass &p) {
                  quads ? p.T.down_quads.data() : nullptr);
     };
     pool_.run(int(n_runs), run_rows);
-    sum_down_runs(p.E, n_runs, down_partial_.data(), p.job.y);
+    sum_down_runs(p.E, n_runs, down_partial_.data(), p.job.y + t * p.E);
 }
 
 // Input sparsity's down site: every used activation at or below t in magnitude zeroed (as a decode step's kept

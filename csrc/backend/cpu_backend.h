@@ -67,7 +67,7 @@ private:
                      const bool *first_pass);
     // Records neuron slot r of token t: mask 2 (down row used, coefficient h) or 1.
     void settle(const Pass &p, int64_t t, int64_t r, bool pass, float h, Tally &c);
-    void down_decode(const Pass &p);
+    void down_decode(const Pass &p, int64_t t);  // token t's (a decode step has one)
     // h_'s used values at or below t in magnitude zeroed (TierJob::down_zero_at), counted
     void zero_small_h(const Pass &p, float t);
     void down_batch(const Pass &p);
@@ -87,9 +87,9 @@ private:
     // TierJob::n_probe: the predictor's selection for the last tokens (selected_), before the FFN, and its counts after
     void probe_select(const Pass &p);
     void probe_count(const Pass &p);
-    // The one token's used down_t rows (mask_ 2) among list[0, count), with their coefficients h, written to
+    // Token t's used down_t rows (mask_ 2) among list[0, count), with their coefficients h, written to
     // down_rows_ / down_coef_ from index `at`, in list order; returns how many.
-    int64_t list_used_rows(const FfnTier &T, const int32_t *list, int64_t count, int64_t at);
+    int64_t list_used_rows(const FfnTier &T, const int32_t *list, int64_t count, int64_t at, int64_t t = 0);
 
     const HParams hp_;
     const KernelSet &ks_;

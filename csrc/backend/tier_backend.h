@@ -33,6 +33,9 @@ struct TierJob {
     // Input sparsity's down site (a batch of dense mode, docs/engine.md "Input sparsity"): the activations h at or
     // below it in magnitude are zeroed before the down projection; negative: none. Only the CPU backend takes it.
     float down_zero_at = -1.0f;
+    // The tokens are decode steps of different sequences (Engine::decode_step): each computed with a decode
+    // step's kernels, so that its output is the bits it would get alone. Dense mode only.
+    bool steps = false;
 };
 
 // What a tier's job counted: neuron counts summed over tokens, and where its time went.

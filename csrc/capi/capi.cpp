@@ -108,6 +108,14 @@ pi_status pi_truncate(pi_engine *e, int32_t n_keep) {
     return with_engine(e, [&](pi::Engine &engine) { engine.truncate(n_keep); });
 }
 
+pi_status pi_set_sequence(pi_engine *e, int32_t seq) {
+    return with_engine(e, [&](pi::Engine &engine) { engine.select(seq); });
+}
+
+pi_status pi_decode_step(pi_engine *e, const int32_t *seqs, const int32_t *tokens, int32_t n, float *logits) {
+    return with_engine(e, [&](pi::Engine &engine) { engine.decode_step(seqs, tokens, n, logits); });
+}
+
 pi_status pi_sample(pi_engine *e, const pi_sampling *params, int32_t *token) {
     return with_engine(e, [&](pi::Engine &engine) {
         need(params, "params");

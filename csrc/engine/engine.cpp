@@ -20,6 +20,7 @@ namespace {
 
 const int64_t kDefaultCtx = 4096;
 const int64_t kDefaultBatch = 64;
+const int64_t kMaxSequences = 64;
 // The disk tier's reading threads: enough reads in flight for an SSD's parallelism, whatever the compute threads
 // (docs/bench.md, "Models larger than memory").
 const int kDiskReadThreads = 32;
@@ -63,6 +64,8 @@ Engine::Engine(const std::string &path, const pi_options &opts, const std::strin
     if (hp_.n_ctx_limit > 0) n_ctx_ = std::min(n_ctx_, hp_.n_ctx_limit);
     n_batch_ = opts.batch_size > 0 ? std::min<int64_t>(opts.batch_size, 4096) : kDefaultBatch;
     n_batch_ = std::min(n_batch_, n_ctx_);
+    n_seq_ = opts.n_seq > 0 ? opts.n_seq : 1;
+    if (n_seq_ > kMaxSequences) fail(PI_ERR_ARGUMENT, "n_seq must be at most " + std::to_string(kMaxSequences));
     recall_check_ = opts.recall_check != 0;
     if (opts.kv_type != PI_KV_F32 && opts.kv_type != PI_KV_F16) fail(PI_ERR_ARGUMENT, "unknown KV cache type " + std::to_string(opts.kv_type));
     policy_.set_mode(opts.ffn_mode);  // at load no layer is arranged yet: the first steps arrange them
@@ -75,7 +78,7 @@ Engine::Engine(const std::string &path, const pi_options &opts, const std::strin
     disk_ = open_disk_tier(opts, threads);                     // where the hot tier goes is known
     if (!disk_) check_working_memory(threads, opts.kv_type == PI_KV_F16);  // a disk tier's budget holds it
     if (!model_->dense_mapped()) model_->pack_dense_matrices(threads);
-    rs_ = std::make_unique<RunState>(hp_, n_ctx_, n_batch_, threads, opts.kv_type == PI_KV_F16);
+    rs_ = std::make_unique<RunState>(hp_, n_ctx_, n_batch_, threads, opts.kv_type == PI_KV_F16, n_seq_);
     if (device_) device_->begin(*model_, rs_->rope_cos.data(), rs_->rope_sin.data());
     device_layer_modes_.assign(size_t(hp_.n_layer), TierMode::Dense);
     if (!hot_) hot_ = std::make_unique<CpuTierBackend>(hp_, *ks_, *pool_, n_batch_, rank, true);
@@ -133,7 +136,7 @@ std::unique_ptr<TierBackend> Engine::device_tier(const pi_options &opts, int64_t
 }
 
 double Engine::work_buffer_bytes(int64_t threads) const {
-    double bytes = RunState::buffer_bytes(hp_, n_ctx_, n_batch_, threads) + double(hp_.n_layer) * 64 +  // + policy
+    double bytes = RunState::buffer_bytes(hp_, n_ctx_, n_batch_, threads, n_seq_) + double(hp_.n_layer) * 64 +  // + policy
                    input_scratch_bytes() + (hp_.n_expert > 0 ? MoeFfn::scratch_bytes(hp_, n_batch_, threads) : 0.0);
     for (bool hot : {true, false}) {
         const int64_t rows = largest_tier(*model_, hot);
@@ -155,7 +158,7 @@ double Engine::weight_copy_bytes(bool cold_on_disk) const {
 }
 
 double Engine::working_bytes(int64_t threads, bool kv_f16, bool cold_on_disk) const {
-    return RunState::kv_cache_bytes(hp_, n_ctx_, kv_f16) + work_buffer_bytes(threads) + weight_copy_bytes(cold_on_disk);
+    return RunState::kv_cache_bytes(hp_, n_ctx_, kv_f16, n_seq_) + work_buffer_bytes(threads) + weight_copy_bytes(cold_on_disk);
 }
 
 std::unique_ptr<DiskTier> Engine::open_disk_tier(const pi_options &opts, int64_t threads) {
@@ -212,9 +215,11 @@ void Engine::check_working_memory(int64_t threads, bool kv_f16) const {
     const auto gib = [](double b) { return std::to_string(b / double(1 << 30)).substr(0, 8) + " GiB"; };
     if (limit > 0 && bytes > limit - held)
         fail(PI_ERR_MEMORY, model_->path() + ": the KV cache, work buffers and weight copies would need " + gib(bytes) +
-                                " for ctx_size " + std::to_string(n_ctx_) + ", more than the " + gib(std::max(0.0, limit - held)) +
+                                " for ctx_size " + std::to_string(n_ctx_) +
+                                (n_seq_ > 1 ? " and " + std::to_string(n_seq_) + " sequences (a KV cache each)" : "") + ", more than the " + gib(std::max(0.0, limit - held)) +
                                 " left of the " + gib(limit) + " this process may use (the machine's memory or its "
-                                "cgroup's limit; it holds " + gib(held) + " already); lower ctx_size");
+                                "cgroup's limit; it holds " + gib(held) + " already); lower ctx_size" +
+                                (n_seq_ > 1 ? " or the sequences" : ""));
 }
 
 void Engine::set_ffn_mode(int32_t mode) {
@@ -233,9 +238,60 @@ void Engine::arrange_decode_layers() {
 }
 
 void Engine::truncate(int32_t n_keep) {
-    if (n_keep < 0 || n_keep > rs_->n_past)
-        fail(PI_ERR_ARGUMENT, "cannot keep " + std::to_string(n_keep) + " of " + std::to_string(rs_->n_past) + " cached tokens");
-    rs_->n_past = n_keep;
+    if (n_keep < 0 || n_keep > rs_->seq().n_past)
+        fail(PI_ERR_ARGUMENT, "cannot keep " + std::to_string(n_keep) + " of " + std::to_string(rs_->seq().n_past) + " cached tokens");
+    rs_->seq().n_past = n_keep;
+}
+
+void Engine::select(int32_t seq) {
+    if (seq < 0 || seq >= n_seq())
+        fail(PI_ERR_ARGUMENT, "sequence " + std::to_string(seq) + " does not exist (the engine holds " +
+                                  std::to_string(n_seq()) + ", pi_options.n_seq)");
+    rs_->cur = seq;
+}
+
+void Engine::check_steps(const int32_t *seqs, const int32_t *tokens, int32_t n) {
+    if (n <= 0) fail(PI_ERR_ARGUMENT, "a decode step needs at least one sequence");
+    if (!seqs || !tokens) fail(PI_ERR_ARGUMENT, "seqs or tokens is NULL");
+    if (n > n_batch_) fail(PI_ERR_ARGUMENT, "a decode step takes at most batch_size (" + std::to_string(n_batch_) + ") sequences");
+    // Each row computed with the kernels of its own decode step (dense FFN, CPU tiers): the modes that select
+    // neurons per token, the other tiers and input sparsity would need the union of the rows' selections.
+    const char *why = policy_.mode() != PI_FFN_DENSE ? "a sparse FFN mode (run it in dense mode)"
+                      : device_ ? "a hot tier on a device" : disk_ ? "a memory budget's disk tier"
+                      : moe_ ? "a mixture of experts" : input_on() ? "input sparsity"
+                      : model_->hot_neurons() > 0 ? "a hot tier" : nullptr;
+    if (n > 1 && why) fail(PI_ERR_UNSUPPORTED, std::string("a decode step of several sequences is not computed with ") + why);
+    std::vector<bool> seen(size_t(n_seq()), false);
+    for (int32_t t = 0; t < n; ++t) {
+        select(seqs[t]);
+        if (seen[size_t(seqs[t])]) fail(PI_ERR_ARGUMENT, "sequence " + std::to_string(seqs[t]) + " is twice in one decode step");
+        seen[size_t(seqs[t])] = true;
+        if (rs_->seq().n_past == 0) fail(PI_ERR_ARGUMENT, "sequence " + std::to_string(seqs[t]) + " is empty: evaluate its prompt first");
+        check_tokens(tokens + t, 1);
+    }
+}
+
+void Engine::decode_step(const int32_t *seqs, const int32_t *tokens, int32_t n, float *logits) {
+    const int64_t selected = rs_->cur;
+    try {
+        check_steps(seqs, tokens, n);
+    } catch (...) {
+        rs_->cur = selected;
+        throw;
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    steps_.assign(seqs, seqs + n);
+    try {
+        forward(tokens, n, rs_->step_logits.data(), hp_.n_vocab, true);
+    } catch (...) {
+        steps_.clear();
+        rs_->cur = selected;
+        throw;
+    }
+    steps_.clear();
+    rs_->cur = selected;
+    if (logits) std::memcpy(logits, rs_->step_logits.data(), size_t(n) * size_t(hp_.n_vocab) * sizeof(float));
+    stats_.take_steps(n, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 }
 
 void Engine::eval_hidden(const int32_t *tokens, int32_t n, float *hidden) {
@@ -250,8 +306,8 @@ void Engine::eval_hidden(const int32_t *tokens, int32_t n, float *hidden) {
 void Engine::check_tokens(const int32_t *tokens, int32_t n) const {
     if (n <= 0) fail(PI_ERR_ARGUMENT, "eval needs at least one token");
     if (!tokens) fail(PI_ERR_ARGUMENT, "tokens is NULL");
-    if (rs_->n_past + n > n_ctx_)
-        fail(PI_ERR_ARGUMENT, "context full: " + std::to_string(rs_->n_past) + " cached + " + std::to_string(n) +
+    if (rs_->seq().n_past + n > n_ctx_)
+        fail(PI_ERR_ARGUMENT, "context full: " + std::to_string(rs_->seq().n_past) + " cached + " + std::to_string(n) +
                                   " new tokens exceed ctx_size " + std::to_string(n_ctx_));
     for (int32_t i = 0; i < n; ++i)
         if (tokens[i] < 0 || tokens[i] >= hp_.n_vocab)
@@ -264,14 +320,14 @@ void Engine::eval(const int32_t *tokens, int32_t n, float *logits, bool all_logi
         float *out = all_logits && logits ? logits + done * hp_.n_vocab : nullptr;
         forward(tokens + done, chunk, out, hp_.n_vocab, all_logits || done + chunk == n);
     });
-    if (logits && !all_logits) std::memcpy(logits, rs_->last_logits.data(), size_t(hp_.n_vocab) * sizeof(float));
+    if (logits && !all_logits) std::memcpy(logits, rs_->seq().last_logits.data(), size_t(hp_.n_vocab) * sizeof(float));
 }
 
 void Engine::in_batches(const int32_t *tokens, int32_t n, bool makes_logits,
                         const std::function<void(int64_t, int64_t)> &batch) {
     check_tokens(tokens, n);
     const auto t0 = std::chrono::steady_clock::now();
-    rs_->logits_current = makes_logits;
+    rs_->seq().logits_current = makes_logits;
     for (int64_t done = 0; done < n;) {
         const int64_t chunk = std::min<int64_t>(n_batch_, n - done);
         batch(done, chunk);
@@ -281,8 +337,8 @@ void Engine::in_batches(const int32_t *tokens, int32_t n, bool makes_logits,
 }
 
 int32_t Engine::sample(const pi_sampling &p, const uint32_t *allowed, int64_t n_words) {
-    if (rs_->n_past == 0) fail(PI_ERR_ARGUMENT, "nothing evaluated yet: call pi_eval before pi_sample");
-    if (!rs_->logits_current) fail(PI_ERR_ARGUMENT, "the last evaluation made hidden states, not logits: call pi_eval before pi_sample");
+    if (rs_->seq().n_past == 0) fail(PI_ERR_ARGUMENT, "nothing evaluated yet: call pi_eval before pi_sample");
+    if (!rs_->seq().logits_current) fail(PI_ERR_ARGUMENT, "the last evaluation made hidden states, not logits: call pi_eval before pi_sample");
     if (!(p.temperature >= 0.0f || p.temperature < 0.0f)) fail(PI_ERR_ARGUMENT, "temperature is NaN");
     if (!(p.repeat_penalty > 0.0f)) fail(PI_ERR_ARGUMENT, "repeat_penalty must be > 0");
     if (!(p.top_p > 0.0f)) fail(PI_ERR_ARGUMENT, "top_p must be > 0");
@@ -291,15 +347,15 @@ int32_t Engine::sample(const pi_sampling &p, const uint32_t *allowed, int64_t n_
     if (allowed && n_words < (int64_t(hp_.n_vocab) + 31) / 32)
         fail(PI_ERR_ARGUMENT, "the token mask has " + std::to_string(n_words) + " words, the vocabulary needs " +
                                   std::to_string((int64_t(hp_.n_vocab) + 31) / 32));
-    const int32_t token = sampler_.sample(rs_->last_logits.data(), p, rs_->history.data(), rs_->n_past, rng_, allowed);
+    const int32_t token = sampler_.sample(rs_->seq().last_logits.data(), p, rs_->seq().history.data(), rs_->seq().n_past, rs_->seq().rng, allowed);
     if (token < 0) fail(PI_ERR_ARGUMENT, "the token mask allows no token");
     return token;
 }
 
 const std::string &Engine::info_json() {
     static const char *gpu_modes[] = {"off", "auto", "on"};
-    const RunSettings run{n_ctx_, n_batch_, pool_->size(), ks_->isa, hot_->name(), policy_.mode(), recall_check_, rs_->kv_f16,
-                          RunState::kv_cache_bytes(hp_, n_ctx_, rs_->kv_f16), work_buffer_bytes(pool_->size()),
+    const RunSettings run{n_ctx_, n_batch_, n_seq_, pool_->size(), ks_->isa, hot_->name(), policy_.mode(), recall_check_, rs_->kv_f16,
+                          RunState::kv_cache_bytes(hp_, n_ctx_, rs_->kv_f16, n_seq_), work_buffer_bytes(pool_->size()),
                           gpu_modes[gpu_mode_], device_ ? &device_->use() : nullptr, &gpu_off_, gpuidx_ignored_};
     json_ = pi::info_json(*model_, run);
     return json_;

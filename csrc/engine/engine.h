@@ -39,11 +39,19 @@ public:
     // The same, writing each token's last hidden state through the output norm (n * n_embd floats: what the head
     // reads; embeddings pool them) instead of logits; the next sample is refused until an eval makes logits.
     void eval_hidden(const int32_t *tokens, int32_t n, float *hidden);
-    int32_t n_past() const { return int32_t(rs_->n_past); }
+    int32_t n_past() const { return int32_t(rs_->seqs[size_t(rs_->cur)].n_past); }
     void truncate(int32_t n_keep);
+    int32_t n_seq() const { return int32_t(rs_->seqs.size()); }
+    // The sequence that eval, eval_hidden, n_past, truncate, sample and set_seed act on (0 at open).
+    void select(int32_t seq);
+    // One decode step of n distinct sequences together (docs/engine.md, "Sequences"): tokens[t] evaluated as the
+    // next token of sequence seqs[t], the weights read once for all of them, each attending to its own cache. Each
+    // sequence's logits (row t of `logits`, n * n_vocab floats, may be NULL; and what sample draws from) are the
+    // bits its own single-token eval would give. The selected sequence stays selected.
+    void decode_step(const int32_t *seqs, const int32_t *tokens, int32_t n, float *logits);
     // allowed: NULL, or a bitmask of n_words words over the vocabulary (pi_sample_masked)
     int32_t sample(const pi_sampling &p, const uint32_t *allowed = nullptr, int64_t n_words = 0);
-    void set_seed(uint64_t seed) { rng_.seed_with(seed); }
+    void set_seed(uint64_t seed) { rs_->seq().rng.seed_with(seed); }
     const std::string &info_json();
     const std::string &stats_json();
     void reset_stats() {
@@ -55,6 +63,11 @@ public:
 private:
     // Refuses an empty or missing batch, one past the context, and token ids outside the vocabulary.
     void check_tokens(const int32_t *tokens, int32_t n) const;
+    // decode_step's checks: its sequences distinct and in range, each with room for a token, the tokens in the
+    // vocabulary, and an engine whose decode step computes each row as it would alone (dense FFN on the CPU).
+    void check_steps(const int32_t *seqs, const int32_t *tokens, int32_t n);
+    // Whether the batch being computed is a decode step of several sequences (steps_ lists them, one per row).
+    bool stepping() const { return !steps_.empty(); }
     // tokens [0, n), checked, through batch(done, chunk) in batches of at most n_batch_, timed as one evaluation;
     // makes_logits: whether sampling may follow (eval), or not (eval_hidden).
     void in_batches(const int32_t *tokens, int32_t n, bool makes_logits,
@@ -87,12 +100,14 @@ private:
     void embed(const int32_t *tokens, int64_t n_tok);
     // cold_mode: the policy's verdict for the layer (attention fetches a predictor it will need)
     void attention(int64_t il, int64_t n_tok, TierMode cold_mode);
-    void store_kv(int64_t il, int64_t n_tok);
+    // rows [row, row + n_tok) of the batch's q and k (RoPE) and v into the current sequence's cache
+    void store_kv(int64_t il, int64_t n_tok, int64_t row = 0);
     // the heads of a batch of n_tok tokens, and of a decode step over n_keys cached positions, given the layer's
     // cache (kc, vc); att receives their outputs
     // window: the positions a query attends to, its own and those before it (a sliding-window layer's); 0: all
     void batch_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_tok, int64_t window);
-    void decode_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_keys, int64_t window);
+    // decode_heads: the query of batch row `row` (a decode step of several sequences has one per sequence)
+    void decode_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_keys, int64_t window, int64_t row = 0);
     // gemm_f32 (or gemm_f16 for an f16 cache) with w at element `at` of the cache bytes `cache`
     void gemm_cache(int n_tok, int n_rows, int n_cols, const float *h, int ldh, const uint8_t *cache, int64_t at,
                     int ldw, float *y, int ldy) const;
@@ -173,7 +188,7 @@ private:
     const KernelSet *ks_;
     std::unique_ptr<ThreadPool> pool_;
     HParams hp_;
-    int64_t n_ctx_, n_batch_;
+    int64_t n_ctx_, n_batch_, n_seq_;
     bool recall_check_;
     std::unique_ptr<RunState> rs_;
     FfnPolicy policy_;
@@ -186,7 +201,7 @@ private:
     bool stream_on_device_ = false;             // the last layer's output is on the device, not in rs_->x
     EngineStats stats_;
     Sampler sampler_;
-    Rng rng_;
+    std::vector<int32_t> steps_;  // during decode_step: the sequence of each batch row; empty otherwise
     std::string json_;
     float input_share_ = 0.0f;
     std::vector<float> input_thr_;  // [layer][site]

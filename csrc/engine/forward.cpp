@@ -29,14 +29,15 @@ void Engine::forward(const int32_t *tokens, int64_t n_tok, float *logits, int64_
     for (int64_t il = 0; il < hp_.n_layer; ++il) {
         // attention's output lands in tmp; a parallel block adds it after the FFN has read the layer input
         t0 = Clock::now();
-        const TierMode cold_mode = policy_.cold_mode(il, n_tok);  // attention leaves what it reads unchanged
+        // attention leaves what it reads unchanged; a decode step of several sequences is n_tok decode steps
+        const TierMode cold_mode = policy_.cold_mode(il, stepping() ? 1 : n_tok);
         if (device_layer(il)) {
             // the whole layer on the device (its time counted as attention's); the residual stream stays there
             // from one such layer to the next, and for the head where it is there too
             const bool in = il == 0 || !device_layer(il - 1);
             const bool out = il + 1 < hp_.n_layer ? !device_layer(il + 1) : !(want_logits && device_->heads());
             float *x = rs_->x.data();
-            device_->layer(il, n_tok, rs_->n_past, FfnPolicy::hot_mode(cold_mode) == TierMode::Dense, in ? x : nullptr,
+            device_->layer(il, n_tok, rs_->seq().n_past, FfnPolicy::hot_mode(cold_mode) == TierMode::Dense, in ? x : nullptr,
                            out ? x : nullptr);
             device_layer_modes_[size_t(il)] = cold_mode;
             if (n_tok == 1) stats_.layers[size_t(il)].kernel_changes += double(policy_.decode_step(il, cold_mode));
@@ -51,8 +52,15 @@ void Engine::forward(const int32_t *tokens, int64_t n_tok, float *logits, int64_
         ffn(il, n_tok, cold_mode);
         if (hp_.parallel_block) add_residual(rs_->tmp.data(), n_tok);
     }
-    for (int64_t t = 0; t < n_tok; ++t) rs_->history[size_t(rs_->n_past + t)] = tokens[t];
-    rs_->n_past += n_tok;
+    if (stepping()) {
+        for (int64_t t = 0; t < n_tok; ++t) {
+            Sequence &sq = rs_->seqs[size_t(steps_[size_t(t)])];
+            sq.history[size_t(sq.n_past++)] = tokens[t];
+        }
+    } else {
+        for (int64_t t = 0; t < n_tok; ++t) rs_->seq().history[size_t(rs_->seq().n_past + t)] = tokens[t];
+        rs_->seq().n_past += n_tok;
+    }
 
     if (!want_logits) return;
     t0 = Clock::now();
@@ -74,7 +82,8 @@ void Engine::embed(const int32_t *tokens, int64_t n_tok) {
     const TypeKernels &kp = ks_->for_type(pe.type);
     float *tmp = rs_->tmp.data();
     for (int64_t t = 0; t < n_tok; ++t) {
-        kp.to_float(int(E), pe.row(rs_->n_past + t + hp_.pos_offset), tmp);
+        const int64_t pos = stepping() ? rs_->seqs[size_t(steps_[size_t(t)])].n_past : rs_->seq().n_past + t;
+        kp.to_float(int(E), pe.row(pos + hp_.pos_offset), tmp);
         for (int64_t i = 0; i < E; ++i) x[t * E + i] += tmp[i];
     }
 }
@@ -85,7 +94,7 @@ void Engine::attention(int64_t il, int64_t n_tok, TierMode cold_mode) {
     const int64_t E = hp_.n_embd, Q = hp_.n_head * hp_.d_head, KV = hp_.n_head_kv * hp_.d_head;
     if (device_ && device_->attends(il)) {  // the whole block on the device, its KV cache there too
         if (n_tok == 1 && cold_mode == TierMode::Predictor) prefetch_predictor(L);
-        device_->attend(il, n_tok, s.n_past, s.x.data(), s.tmp.data());
+        device_->attend(il, n_tok, s.seq().n_past, s.x.data(), s.tmp.data());
         return;
     }
     norm(s.x.data(), L.attn_norm, L.attn_norm_b, n_tok, s.xn.data());
@@ -100,16 +109,24 @@ void Engine::attention(int64_t il, int64_t n_tok, TierMode cold_mode) {
         head_norm(s.q.data(), L.q_norm, n_tok * Q / L.q_norm.cols);
         head_norm(s.k.data(), L.k_norm, n_tok * KV / L.k_norm.cols);
     }
-    store_kv(il, n_tok);
-
-    // The predictor's weights come from DRAM every step (too little to stream at speed once the FFN asks
-    // for them); asked for now, they arrive while the heads read the KV cache.
-    if (n_tok == 1 && cold_mode == TierMode::Predictor) prefetch_predictor(L);
     const int64_t layer_bytes = s.kv_layer_elements(hp_) * s.kv_bytes();
-    const uint8_t *kc = s.k_cache.data() + il * layer_bytes, *vc = s.v_cache.data() + il * layer_bytes;
     const int64_t window = hp_.swa_layer(il) ? hp_.n_swa : 0;
-    if (n_tok == 1) decode_heads(kc, vc, s.n_past + 1, window);
-    else batch_heads(kc, vc, n_tok, window);
+    if (stepping()) {  // each row its own sequence's decode step: its cache, its position
+        for (int64_t t = 0; t < n_tok; ++t) {
+            s.cur = steps_[size_t(t)];
+            store_kv(il, 1, t);
+            decode_heads(s.seq().k_cache.data() + il * layer_bytes, s.seq().v_cache.data() + il * layer_bytes,
+                         s.seq().n_past + 1, window, t);
+        }
+    } else {
+        store_kv(il, n_tok);
+        // The predictor's weights come from DRAM every step (too little to stream at speed once the FFN asks
+        // for them); asked for now, they arrive while the heads read the KV cache.
+        if (n_tok == 1 && cold_mode == TierMode::Predictor) prefetch_predictor(L);
+        const uint8_t *kc = s.seq().k_cache.data() + il * layer_bytes, *vc = s.seq().v_cache.data() + il * layer_bytes;
+        if (n_tok == 1) decode_heads(kc, vc, s.seq().n_past + 1, window);
+        else batch_heads(kc, vc, n_tok, window);
+    }
     s.op_att.q_ready = false;
     const MatmulTarget wo[1] = {{&L.wo, s.tmp.data(), E}};
     if (input_on()) input_output_projection(L, il, n_tok);
@@ -121,7 +138,7 @@ void Engine::attention(int64_t il, int64_t n_tok, TierMode cold_mode) {
 // RoPE on the batch's queries and keys, then its keys and values into layer il's cache: each position into its
 // kv heads' tiles of kKeyTile positions (RunState's layout), keys [D][kKeyTile] (a query's scores over a tile are
 // a gemm over contiguous rows), values [kKeyTile][D].
-void Engine::store_kv(int64_t il, int64_t n_tok) {
+void Engine::store_kv(int64_t il, int64_t n_tok, int64_t row) {
     RunState &s = *rs_;
     const int64_t D = hp_.d_head, H = hp_.n_head, HKV = hp_.n_head_kv, Q = H * D, KV = HKV * D, half = hp_.n_rot / 2;
     // llama.cpp "normal" mode rotates adjacent pairs (the converter permuted llama's q/k rows to match), NeoX
@@ -144,18 +161,18 @@ void Engine::store_kv(int64_t il, int64_t n_tok) {
         }
     };
     const int64_t layer_bytes = s.kv_layer_elements(hp_) * s.kv_bytes();
-    uint8_t *kc = s.k_cache.data() + il * layer_bytes, *vc = s.v_cache.data() + il * layer_bytes;
+    uint8_t *kc = s.seq().k_cache.data() + il * layer_bytes, *vc = s.seq().v_cache.data() + il * layer_bytes;
     // element i of a layer's cache set to v (rounded to the nearest half in an f16 cache)
     auto put = [&](uint8_t *cache, int64_t i, float v) {
         if (s.kv_f16) reinterpret_cast<uint16_t *>(cache)[i] = f32_to_f16(v);
         else reinterpret_cast<float *>(cache)[i] = v;
     };
     for (int64_t t = 0; t < n_tok; ++t) {
-        const int64_t pos = s.n_past + t, col = pos % kKeyTile;
-        rope(s.q.data() + t * Q, H, pos);
-        rope(s.k.data() + t * KV, HKV, pos);
+        const int64_t pos = s.seq().n_past + t, col = pos % kKeyTile, r = row + t;
+        rope(s.q.data() + r * Q, H, pos);
+        rope(s.k.data() + r * KV, HKV, pos);
         for (int64_t kvh = 0; kvh < HKV; ++kvh) {
-            const float *k = s.k.data() + t * KV + kvh * D, *v = s.v.data() + t * KV + kvh * D;
+            const float *k = s.k.data() + r * KV + kvh * D, *v = s.v.data() + r * KV + kvh * D;
             const int64_t tile = rs_->kv_tile(HKV, D, kvh, pos), kt = tile + col, vt = tile + col * D;
             for (int64_t d = 0; d < D; ++d) {
                 put(kc, kt + d * kKeyTile, k[d]);
@@ -192,7 +209,7 @@ void Engine::batch_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_tok, in
     // Per query head and tile of kAttnTile tokens, two gemms: scores = q K^T over the keys the tile's last token
     // sees (earlier tokens' later keys get probability 0), out = p V.
     const int64_t D = hp_.d_head, H = hp_.n_head, HKV = hp_.n_head_kv, group = H / HKV, Q = H * D;
-    const int64_t n_past = rs_->n_past;
+    const int64_t n_past = rs_->seq().n_past;
     const int64_t n_tiles = (n_tok + kAttnTile - 1) / kAttnTile, n_all = n_past + n_tok;
     const float scale = hp_.score_scale();
     const float *q = rs_->q.data();
@@ -225,7 +242,7 @@ void Engine::batch_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_tok, in
     pool_->run(int(std::min<int64_t>(n_tiles * H, pool_->chunks_for(n_tok * H * n_all * D * 2 * kCacheReadCost, kGrain))), job);
 }
 
-void Engine::decode_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_keys, int64_t window) {
+void Engine::decode_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_keys, int64_t window, int64_t row) {
     // The query heads that share a kv head read its keys and values once, as the rows of one gemm (up to
     // kHeadsPerTile of them), in three jobs: the scores by (kv head, key tile), so that any head counts split
     // evenly; each head's softmax; the outputs by (kv head, tile of its heads). The same fma chains, so the
@@ -251,7 +268,7 @@ void Engine::decode_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_keys, 
                 if (nc % rs_->kv_block == 0)
                     prefetch_row(kc + rs_->kv_tile(HKV, D, next / n_key_tiles, nc) * rs_->kv_bytes(), kRunPrefetch);
             }
-            gemm_cache(int(group), int(D), int(cols), rs_->q.data() + kvh * group * D, int(D), kc,
+            gemm_cache(int(group), int(D), int(cols), rs_->q.data() + row * H * D + kvh * group * D, int(D), kc,
                        rs_->kv_tile(HKV, D, kvh, c), int(kKeyTile), y, int(n_keys));
         }
     };
@@ -271,7 +288,7 @@ void Engine::decode_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_keys, 
         for (int64_t u = u0; u < u1; ++u) {
             const int64_t kvh = u / n_head_tiles, h0 = kvh * group + u % n_head_tiles * kHeadsPerTile;
             const int64_t nh = std::min(kHeadsPerTile, (kvh + 1) * group - h0);
-            float *out = rs_->att.data() + h0 * D;
+            float *out = rs_->att.data() + row * H * D + h0 * D;
             std::fill(out, out + nh * D, 0.0f);
             value_sum(int(nh), n_keys, sc + h0 * n_keys, int(n_keys), vc, kvh, out, int(D), first);
         }
@@ -308,7 +325,8 @@ void Engine::ffn(int64_t il, int64_t n_tok, TierMode cold_mode) {
         stats_.take_ffn(il, n_tok, cold_mode, true, TierCounts{}, c);
         return;
     }
-    const bool has_hot = L.hot.size() > 0, has_cold = L.cold.size() > 0, batch = n_tok > 1;
+    // a decode step of several sequences: each row a decode step of its own (their kernels, their layout)
+    const bool has_hot = L.hot.size() > 0, has_cold = L.cold.size() > 0, batch = n_tok > 1 && !stepping();
     float down_zero_at = -1.0f;
     if (input_ffn_on()) {
         if (disk_) fail(PI_ERR_UNSUPPORTED, "input sparsity's dense FFN reads the mapped FFN rows: with a memory budget, "
@@ -337,7 +355,8 @@ void Engine::ffn(int64_t il, int64_t n_tok, TierMode cold_mode) {
     }
     TierJob hot_job{il, n_tok, FfnPolicy::hot_mode(cold_mode), &s.op_xn, &s.op_x, false, 0, s.y_hot.data()};
     TierJob cold_job{il, n_tok, cold_mode, &s.op_xn, &s.op_x, recall_check_,
-                     policy_.probe_tokens(il, n_tok, cold_mode, s.n_past), s.y_cold.data(), down_zero_at};
+                     policy_.probe_tokens(il, n_tok, cold_mode, s.seq().n_past), s.y_cold.data(), down_zero_at};
+    hot_job.steps = cold_job.steps = stepping();
     if (has_hot) hot_->submit(hot_job);
     if (has_cold) cold_->submit(cold_job);
     const TierCounts hot = has_hot ? hot_->wait() : TierCounts{}, cold = has_cold ? cold_->wait() : TierCounts{};
@@ -373,20 +392,28 @@ void Engine::output(int64_t n_tok, float *logits, int64_t ld_logits) {
     RunState &s = *rs_;
     const int64_t E = hp_.n_embd, V = hp_.n_vocab, first = logits ? 0 : n_tok - 1;
     if (device_ && device_->heads()) {  // the output norm and head on the device
-        float *out = logits ? logits : s.last_logits.data();
+        float *out = logits ? logits : s.seq().last_logits.data();
         device_->head(n_tok - first, stream_on_device_ ? nullptr : s.x.data() + first * E, first, out,
                       logits ? ld_logits : V);
         if (stream_on_device_) take_device_layers(n_tok);
         stream_on_device_ = false;
-        if (logits) std::memcpy(s.last_logits.data(), logits + (n_tok - 1) * ld_logits, size_t(V) * sizeof(float));
+        if (logits) std::memcpy(s.seq().last_logits.data(), logits + (n_tok - 1) * ld_logits, size_t(V) * sizeof(float));
         return;
     }
     norm(s.x.data() + first * E, model_->output_norm(), model_->output_norm_b(), n_tok - first, s.xn.data());
     s.op_xn.q_ready = false;
-    float *out = logits ? logits : s.last_logits.data();
+    float *out = logits ? logits : s.seq().last_logits.data();
     const MatmulTarget head[1] = {{&model_->output(), out, ld_logits}};
     matmul(head, 1, s.op_xn, n_tok - first);
-    if (logits) std::memcpy(s.last_logits.data(), logits + (n_tok - 1) * ld_logits, size_t(V) * sizeof(float));
+    if (stepping()) {  // each row is its sequence's last token
+        for (int64_t t = 0; t < n_tok; ++t) {
+            Sequence &sq = s.seqs[size_t(steps_[size_t(t)])];
+            std::memcpy(sq.last_logits.data(), logits + t * ld_logits, size_t(V) * sizeof(float));
+            sq.logits_current = true;
+        }
+    } else if (logits) {
+        std::memcpy(s.seq().last_logits.data(), logits + (n_tok - 1) * ld_logits, size_t(V) * sizeof(float));
+    }
 }
 
 void Engine::norm(const float *x, const Matrix &w, const Matrix &b, int64_t n_tok, float *out) const {

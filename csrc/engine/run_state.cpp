@@ -5,13 +5,17 @@
 
 namespace pi {
 
-RunState::RunState(const HParams &hp, int64_t n_ctx_, int64_t n_batch, int64_t threads, bool kv_f16_)
+RunState::RunState(const HParams &hp, int64_t n_ctx_, int64_t n_batch, int64_t threads, bool kv_f16_, int64_t n_seq)
     : n_ctx(n_ctx_), kv_f16(kv_f16_), kv_block(kv_block_for(hp, n_ctx_, kv_f16_)) {
     const int64_t E = hp.n_embd, L = hp.n_layer, B = n_batch;
     const int64_t Q = hp.n_head * hp.d_head, KV = hp.n_head_kv * hp.d_head;
-    k_cache = PageMemory(size_t(L * kv_slots(hp, n_ctx, kv_f16) * KV * kv_bytes()), true, "the KV cache", false);
-    v_cache = PageMemory(size_t(L * kv_slots(hp, n_ctx, kv_f16) * KV * kv_bytes()), true, "the KV cache", false);
-    history.assign(size_t(n_ctx), 0);
+    seqs.resize(size_t(n_seq));
+    for (Sequence &sq : seqs) {  // mapped, never populated: a cache's pages come in as its positions fill
+        sq.k_cache = PageMemory(size_t(L * kv_slots(hp, n_ctx, kv_f16) * KV * kv_bytes()), true, "the KV cache", false);
+        sq.v_cache = PageMemory(size_t(L * kv_slots(hp, n_ctx, kv_f16) * KV * kv_bytes()), true, "the KV cache", false);
+        sq.history.assign(size_t(n_ctx), 0);
+        sq.last_logits.assign(size_t(hp.n_vocab), 0.0f);
+    }
 
     const int64_t half = hp.n_rot / 2;
     auto tables = [&](float base, float freq_scale, const std::vector<float> &factors, float mscale,
@@ -39,7 +43,7 @@ RunState::RunState(const HParams &hp, int64_t n_ctx_, int64_t n_batch, int64_t t
     att.assign(size_t(B * Q), 0.0f);
     k.assign(size_t(B * KV), 0.0f);
     v.assign(size_t(B * KV), 0.0f);
-    last_logits.assign(size_t(hp.n_vocab), 0.0f);
+    step_logits.assign(size_t(n_seq * hp.n_vocab), 0.0f);
     scores.assign(size_t(std::max<int64_t>(threads * kAttnTile, hp.n_head) * n_ctx), 0.0f);
     q_x.resize(size_t(B * (E / QK)));
     q_xn.resize(size_t(B * (E / QK)));
@@ -60,17 +64,17 @@ int64_t RunState::kv_slots(const HParams &hp, int64_t n_ctx, bool kv_f16) {
     return (n_ctx + block - 1) / block * block;
 }
 
-double RunState::kv_cache_bytes(const HParams &hp, int64_t n_ctx, bool kv_f16) {
-    return double(hp.n_layer) * double(2 * kv_slots(hp, n_ctx, kv_f16)) * double(hp.n_head_kv * hp.d_head) *
+double RunState::kv_cache_bytes(const HParams &hp, int64_t n_ctx, bool kv_f16, int64_t n_seq) {
+    return double(n_seq) * double(hp.n_layer) * double(2 * kv_slots(hp, n_ctx, kv_f16)) * double(hp.n_head_kv * hp.d_head) *
            (kv_f16 ? 2.0 : 4.0);
 }
 
-double RunState::buffer_bytes(const HParams &hp, int64_t n_ctx, int64_t n_batch, int64_t threads) {
-    const double E = double(hp.n_embd), B = double(n_batch), C = double(n_ctx), T = double(threads);
+double RunState::buffer_bytes(const HParams &hp, int64_t n_ctx, int64_t n_batch, int64_t threads, int64_t n_seq) {
+    const double E = double(hp.n_embd), B = double(n_batch), C = double(n_ctx), T = double(threads), S = double(n_seq);
     const double Q = double(hp.n_head * hp.d_head), KV = double(hp.n_head_kv * hp.d_head);
-    const double floats = C * double(hp.n_rot) + B * (5 * E + 2 * Q + 2 * KV) + double(hp.n_vocab) +
+    const double floats = C * double(hp.n_rot) + B * (5 * E + 2 * Q + 2 * KV) + 2 * S * double(hp.n_vocab) +
                           std::max(T * double(kAttnTile), double(hp.n_head)) * C;
-    return 4 * floats + C * 4 + B * (2 * E + Q) / QK * double(sizeof(BlockQ8_0));
+    return 4 * floats + S * C * 4 + B * (2 * E + Q) / QK * double(sizeof(BlockQ8_0));
 }
 
 }  // namespace pi

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "engine/matmul.h"
+#include "engine/sampler.h"
 #include "model/model.h"
 #include "runtime/page_memory.h"
 
@@ -15,11 +16,24 @@ namespace pi {
 const int64_t kAttnTile = 64;  // tokens of a batch whose attention scores are computed together
 const int64_t kKeyTile = 64;   // cached positions per tile of a kv head's keys ([d_head][kKeyTile] floats)
 
+// One sequence the engine holds (a slot of `serve --parallel`; docs/engine.md, "Sequences"): its KV cache (the layout
+// RunState describes), the tokens in it, the logits of its last evaluated token and its sampling generator. Every
+// sequence shares the weights and RunState's work buffers.
+struct Sequence {
+    PageMemory k_cache, v_cache;
+    int64_t n_past = 0;
+    std::vector<int32_t> history;  // [n_ctx] the tokens in the cache
+    std::vector<float> last_logits;
+    bool logits_current = true;    // last_logits are the last evaluated token's (eval_hidden makes none)
+    Rng rng;
+};
+
 struct RunState {
-    RunState(const HParams &hp, int64_t n_ctx, int64_t n_batch, int64_t threads, bool kv_f16);
-    // Bytes of the KV cache, and of every other buffer (in doubles: no overflow for a hostile file's sizes).
-    static double kv_cache_bytes(const HParams &hp, int64_t n_ctx, bool kv_f16);
-    static double buffer_bytes(const HParams &hp, int64_t n_ctx, int64_t n_batch, int64_t threads);
+    RunState(const HParams &hp, int64_t n_ctx, int64_t n_batch, int64_t threads, bool kv_f16, int64_t n_seq);
+    // Bytes of the KV caches of n_seq sequences, and of every other buffer (in doubles: no overflow for a hostile
+    // file's sizes).
+    static double kv_cache_bytes(const HParams &hp, int64_t n_ctx, bool kv_f16, int64_t n_seq);
+    static double buffer_bytes(const HParams &hp, int64_t n_ctx, int64_t n_batch, int64_t threads, int64_t n_seq);
     static int64_t key_slots(int64_t n_ctx) { return (n_ctx + kKeyTile - 1) / kKeyTile * kKeyTile; }
 
     const int64_t n_ctx;
@@ -33,7 +47,9 @@ struct RunState {
     // nothing reads a position at or past n_past + the batch being evaluated.
     const bool kv_f16;
     const int64_t kv_block;
-    PageMemory k_cache, v_cache;
+    std::vector<Sequence> seqs;  // each with its own cache, as above
+    int64_t cur = 0;             // the sequence the calls evaluate into and sample from (pi_set_sequence)
+    Sequence &seq() { return seqs[size_t(cur)]; }
     int64_t kv_bytes() const { return kv_f16 ? 2 : 4; }  // bytes of one cache element
     // positions per block: as many whole tiles as fill a 2 MiB page across the kv heads (one tile at least),
     // at most the context's tiles; and the positions a layer's cache holds (whole blocks)
@@ -46,14 +62,12 @@ struct RunState {
     int64_t kv_layer_elements(const HParams &hp) const {
         return kv_slots(hp, n_ctx, kv_f16) * hp.n_head_kv * hp.d_head;
     }
-    int64_t n_past = 0;
-    std::vector<int32_t> history;           // [n_ctx] the tokens in the cache
     std::vector<float> rope_cos, rope_sin;  // [pos][n_rot/2]
     std::vector<float> rope_cos_swa, rope_sin_swa;  // the same for sliding-window layers (HParams::swa_layer), or empty
 
     // [batch, ...]
-    std::vector<float> x, xn, q, k, v, att, tmp, y_hot, y_cold, last_logits;
-    bool logits_current = true;  // last_logits are the last evaluated token's (eval_hidden makes none)
+    std::vector<float> x, xn, q, k, v, att, tmp, y_hot, y_cold;
+    std::vector<float> step_logits;  // [n_seq][n_vocab]: a decode step's logits, one row per sequence
     std::vector<float> scores;  // [threads][attention tile][n_ctx], or a decode step's [head][n_ctx]
     std::vector<BlockQ8_0> q_x, q_xn, q_att;
     Operand op_x, op_xn, op_att;  // x (the predictor's input), xn (the normed input of attention and the FFN), att

@@ -135,7 +135,7 @@ std::string info_json(const Model &model, const RunSettings &run) {
            ", \"n_layer\": " + num(double(h.n_layer)) + ", \"n_ff\": " + num(double(h.n_ff)) +
            ", \"n_head\": " + num(double(h.n_head)) + ", \"n_head_kv\": " + num(double(h.n_head_kv)) +
            ", \"n_ctx_train\": " + num(double(h.n_ctx_train)) + ", \"n_ctx\": " + num(double(run.n_ctx)) +
-           ", \"n_batch\": " + num(double(run.n_batch)) + ", \"rope_base\": " + num(h.rope_base) +
+           ", \"n_batch\": " + num(double(run.n_batch)) + ", \"n_seq\": " + num(double(run.n_seq)) + ", \"rope_base\": " + num(h.rope_base) +
            ", \"bos\": " + num(double(h.bos)) + ", \"eos\": " + num(double(h.eos)) +
            ", \"weight_type\": " + quoted(type_size((l0.experts.present() ? l0.experts.up : l0.up).type).name) +
            ", \"n_expert\": " + num(double(h.n_expert)) + ", \"n_expert_used\": " + num(double(h.n_expert_used)) +

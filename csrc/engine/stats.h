@@ -56,11 +56,16 @@ struct EngineStats {
                   const TierCounts &cold);
     // A pi_eval call of n tokens that took `seconds`.
     void take_eval(int64_t n, double seconds);
+    // a decode step of n sequences together: n decode tokens in `seconds`
+    void take_steps(int64_t n, double seconds) {
+        decode_tokens += double(n);
+        decode_seconds += seconds;
+    }
 };
 
 // The run's settings, as pi_info_json reports them.
 struct RunSettings {
-    int64_t n_ctx, n_batch, threads;
+    int64_t n_ctx, n_batch, n_seq, threads;
     const char *isa, *hot_backend;
     int32_t ffn_mode;
     bool recall_check, kv_f16;

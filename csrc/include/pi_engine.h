@@ -21,7 +21,7 @@ extern "C" {
 #pragma GCC visibility push(default)
 #endif
 
-#define PI_ENGINE_API_VERSION 16
+#define PI_ENGINE_API_VERSION 17
 
 typedef enum {
     PI_OK = 0,
@@ -92,6 +92,9 @@ typedef struct {
                                 FFN neurons that do not fit are read on demand from the neuron bundles beside the model
                                 (path + ".neurons"); 0: the same, under the machine's memory or its cgroup's limit,
                                 where those bundles are there and the model's FFN would not fit it; < 0: off */
+    int32_t n_seq;           /* sequences the engine holds (the slots of a server's parallel requests), each with its
+                                own KV cache of ctx_size positions (counted by the memory check), sharing the weights
+                                and work buffers; <= 0: 1 */
 } pi_options;
 
 typedef struct {
@@ -137,6 +140,17 @@ pi_status pi_eval_hidden(pi_engine *engine, const int32_t *tokens, int32_t n, fl
 int32_t pi_n_past(const pi_engine *engine);
 /* Keep only the first n_keep cached tokens. */
 pi_status pi_truncate(pi_engine *engine, int32_t n_keep);
+
+/* The sequence that pi_eval, pi_eval_hidden, pi_n_past, pi_truncate, pi_sample, pi_sample_masked and pi_set_seed act
+ * on from here on (0 at open; at most pi_options.n_seq - 1): each has its own cache, tokens, last logits and seed. */
+pi_status pi_set_sequence(pi_engine *engine, int32_t seq);
+/* One decode step of n distinct sequences (each evaluated before, n at most batch_size): tokens[t] is evaluated as
+ * the next token of sequence seqs[t], all n in one pass over the weights, each attending to its own cache at its own
+ * position. `logits` (may be NULL) receives n * n_vocab floats, row t sequence seqs[t]'s, and pi_sample on a
+ * sequence draws from its row. Each row is the bits the sequence's own single-token pi_eval would give, whatever the
+ * other sequences (docs/engine.md, "Sequences"); several sequences are refused in the FFN modes and tiers that select
+ * neurons per token (dense mode on the CPU only). The selected sequence stays selected. */
+pi_status pi_decode_step(pi_engine *engine, const int32_t *seqs, const int32_t *tokens, int32_t n, float *logits);
 
 /* Sample the next token from the logits of the last evaluated token. */
 pi_status pi_sample(pi_engine *engine, const pi_sampling *params, int32_t *token);

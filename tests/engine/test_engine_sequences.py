@@ -1,0 +1,130 @@
+"""Several sequences in one engine (pi_options.n_seq, docs/engine.md "Sequences"): each its own KV cache, and one
+decode step that computes a token of several together. A row of that step must be the bits the sequence's own
+single-token eval gives, whatever else is in the step (a request's answer must not depend on its company)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from engine_helpers import converted, random_tokens  # noqa: F401
+
+import powerinfer_engine as engine
+
+PROMPTS = [random_tokens(n, 384, seed=10 + n) for n in (5, 23, 64, 41)]  # 64: exactly one batch, others ragged
+N_STEPS = 6
+FED = [random_tokens(N_STEPS + 4, 384, seed=50 + i) for i in range(len(PROMPTS))]  # the tokens each sequence decodes
+# the step each sequence joins at (its prompt evaluated just before): a step of 1, 2, 3 then 4 sequences
+JOINS = [0, 1, 2, 3]
+
+
+def alone(path, prompt, fed, threads, kv_type) -> list[np.ndarray]:
+    """A sequence by itself in a one-sequence engine: its prompt, then each fed token by eval (the decode path)."""
+    with engine.Model(path, threads=threads, kv_type=kv_type) as m:
+        m.eval(prompt, all_logits=False)
+        return [m.eval([t], all_logits=False) for t in fed]
+
+
+@pytest.mark.parametrize("outtype", ["f32", "q8_0", "q4_0"])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_each_row_of_a_decode_step_is_its_sequence_alone(outtype, threads, converted):
+    path = converted("llama-silu", outtype)
+    kv_type = "f16" if outtype == "q4_0" else "f32"
+    want = [alone(path, p, f, threads, kv_type) for p, f in zip(PROMPTS, FED)]
+    with engine.Model(path, threads=threads, kv_type=kv_type, n_seq=len(PROMPTS)) as m:
+        done = [0] * len(PROMPTS)
+        for step in range(N_STEPS):
+            for k, join in enumerate(JOINS):
+                if join == step:  # joins between steps: its prompt evaluated into its own cache
+                    m.select(k)
+                    m.eval(PROMPTS[k], all_logits=False)
+            active = [k for k, join in enumerate(JOINS) if join <= step]
+            logits = m.decode_step(active, [FED[k][done[k]] for k in active])
+            for row, k in enumerate(active):
+                np.testing.assert_array_equal(logits[row], want[k][done[k]], err_msg=f"sequence {k} step {step}")
+                done[k] += 1
+        for k in range(len(PROMPTS)):
+            m.select(k)
+            assert m.n_past == len(PROMPTS[k]) + done[k]
+
+
+def test_sampling_follows_each_sequences_own_logits_and_seed(converted):
+    """pi_sample on a selected sequence draws from its row of the step, with its own generator and history: the
+    same tokens as the sequence alone, seeded alike, whatever its company draws."""
+    path = converted("llama-silu", "q8_0")
+
+    def draws(m, n):
+        out = []
+        for _ in range(n):
+            out.append(m.sample(temperature=0.9, top_k=0, top_p=1.0, repeat_penalty=1.3))
+        return out
+
+    with engine.Model(path, threads=2) as m:
+        m.seed(7)
+        m.eval(PROMPTS[1], all_logits=False)
+        want = []
+        for _ in range(5):
+            want += draws(m, 1)
+            m.eval(want[-1:], all_logits=False)
+    with engine.Model(path, threads=2, n_seq=3) as m:
+        for k, seed in ((0, 99), (1, 7), (2, 3)):
+            m.select(k)
+            m.seed(seed)
+            m.eval(PROMPTS[k], all_logits=False)
+        got, last = [], {}
+        for _ in range(5):
+            for k in range(3):
+                m.select(k)
+                last[k] = draws(m, 1)[0]
+            got.append(last[1])
+            m.decode_step([2, 1, 0], [last[2], last[1], last[0]])
+    assert got == want
+
+
+def test_sequences_keep_their_own_caches_and_truncate_alone(converted):
+    path = converted("llama-silu", "q8_0")
+    with engine.Model(path, threads=2) as m:
+        want = m.eval(PROMPTS[0], all_logits=False)
+    with engine.Model(path, threads=2, n_seq=2) as m:
+        m.select(1)
+        m.eval(PROMPTS[1], all_logits=False)
+        m.select(0)
+        m.eval(PROMPTS[2], all_logits=False)
+        m.reset(0)  # sequence 0 only
+        np.testing.assert_array_equal(m.eval(PROMPTS[0], all_logits=False), want)
+        m.select(1)
+        assert m.n_past == len(PROMPTS[1])
+        assert m.info["kv_cache_bytes"] == 2 * engine.Model(path, threads=1).info["kv_cache_bytes"]
+
+
+def test_decode_step_refusals_name_the_problem(converted):
+    path = converted("llama-relu", "q8_0", predictors=True)
+    with engine.Model(path, threads=2, n_seq=3, sparse_mode="predictor") as m:
+        for k in range(3):
+            m.select(k)
+            m.eval(PROMPTS[k][:4], all_logits=False)
+        with pytest.raises(engine.EngineError, match="not computed with a sparse FFN mode"):
+            m.decode_step([0, 1], [5, 6])
+        m.decode_step([2], [5])  # one sequence: its own decode step, any mode
+        m.sparse_mode = "dense"
+        with pytest.raises(engine.EngineError, match="twice in one decode step"):
+            m.decode_step([0, 0], [5, 6])
+        with pytest.raises(engine.EngineError, match="sequence 3 does not exist"):
+            m.decode_step([0, 3], [5, 6])
+        with pytest.raises(engine.EngineError, match="outside the vocabulary"):
+            m.decode_step([0, 1], [5, 999])
+        m.select(1)
+        m.reset(0)
+        with pytest.raises(engine.EngineError, match="sequence 1 is empty"):
+            m.decode_step([0, 1], [5, 6])
+        m.select(2)
+        assert m.n_past == 5  # the refused steps changed nothing; the selection is kept
+        with pytest.raises(engine.EngineError, match="sequence 5 does not exist"):
+            m.select(5)
+
+
+def test_the_memory_check_counts_every_sequences_cache(converted):
+    """Each sequence's KV cache at the full context is counted before anything is allocated: a count of sequences
+    whose caches exceed the machine's memory is refused in one line that says so."""
+    path = converted("llama-silu", "q8_0")
+    # 2 layers x 2 (k, v) x 32 floats x 4 bytes = 512 bytes a position: 2^20 positions are 512 MiB a sequence
+    with pytest.raises(engine.EngineError, match="64 sequences .a KV cache each.*lower ctx_size or the sequences"):
+        engine.Model(path, threads=1, ctx_size=1 << 20, n_seq=64)

@@ -9,7 +9,17 @@ soak of concurrent streaming clients.
 3. CLIENTS streaming clients for SOAK seconds: every answer complete and well-formed, the server's RSS sampled
    (first against last minute), then SIGTERM: the exit status and how long it took.
 
+--scenario parallel (issue 68's targets for `serve --parallel`):
+4. For each k in --concurrency, k streaming clients at once (greedy, N_GEN tokens each, distinct prompts) against
+   `serve --parallel P` and against `serve --parallel 1` (requests one after another), in paired rounds: the
+   aggregate decode tokens/s (all clients' tokens after their first, over the seconds from the first client's first
+   token to the last client's last) and each client's own rate, as ratios against one client alone on the same
+   server.
+5. The prompt cache: two chats alternating, each with a system prompt of PREFIX tokens, on `--parallel 2`: time to
+   the first token of each chat's second request against its first.
+
   python scripts/serve_bench.py -m smollm2.q8_0.powerinfer.gguf -t 2 --rounds 5 --clients 8 --soak 120
+  python scripts/serve_bench.py -m smollm2.q8_0.powerinfer.gguf -t 2 --scenario parallel --parallel 4 --rounds 3
 """
 from __future__ import annotations
 
@@ -66,9 +76,9 @@ def rss_kib(pid: int) -> int:
         return int(next(line for line in f if line.startswith("VmRSS")).split()[1])
 
 
-def start_server(args) -> tuple[subprocess.Popen, str]:
+def start_server(args, *extra: str) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-m", "powerinfer_tools", "serve", "-m", args.model, "--port", "0", "-t",
-                             str(args.threads), "--sparse-mode", args.sparse_mode, "-c", str(args.ctx)],
+                             str(args.threads), "--sparse-mode", args.sparse_mode, "-c", str(args.ctx), *extra],
                             stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     for line in proc.stderr:
         if "listening on" in line:
@@ -115,6 +125,81 @@ def soak(client: openai.OpenAI, pid: int, clients: int, seconds: float) -> dict:
             "rss_mib_max": max(kib for _, kib in rss) / 1024}
 
 
+def together(client: openai.OpenAI, k: int, n: int, round_: int) -> dict:
+    """k streaming clients started at once: the aggregate decode rate and each client's own (stream_once's)."""
+    prompts = [f"Here is a long essay about {TOPICS[(round_ * 7 + i) % len(TOPICS)]} ({round_}.{i}):" for i in range(k)]
+    starts, ends = [], []
+
+    def one(prompt):
+        sent = time.perf_counter()
+        got = stream_once(client, prompt, n)
+        first = sent + got["ttft_ms"] / 1000
+        starts.append(first)
+        ends.append(first + (got["tokens"] - 1) / got["decode_tps"])
+        return got
+
+    with ThreadPoolExecutor(k) as pool:
+        each = list(pool.map(one, prompts))
+    tokens = sum(g["tokens"] - 1 for g in each)
+    return {"aggregate_tps": tokens / (max(ends) - min(starts)), "client_tps": [g["decode_tps"] for g in each]}
+
+
+def parallel_scenario(args) -> dict:
+    """Step 4 and 5 of the module's docstring; prints the tables' rows."""
+    result = {"concurrency": {}, "cache": None}
+    for slots in (args.parallel, 1):
+        proc, url = start_server(args, "--parallel", str(slots))
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+        client.completions.create(model="m", prompt="Warm up.", max_tokens=4)
+        for k in args.concurrency:
+            runs = [together(client, k, args.n_gen, r) for r in range(args.rounds)]
+            result["concurrency"][f"{slots}:{k}"] = runs
+        if slots == 2 or (slots == args.parallel and slots >= 2):
+            result["cache"] = prompt_cache(client, args.prefix, args.rounds)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    for slots in (args.parallel, 1):
+        alone = statistics.median(r["aggregate_tps"] for r in result["concurrency"][f"{slots}:1"])
+        for k in args.concurrency:
+            runs = result["concurrency"][f"{slots}:{k}"]
+            agg = statistics.median(r["aggregate_tps"] for r in runs)
+            worst = statistics.median(min(r["client_tps"]) for r in runs)
+            print(f"| --parallel {slots} | {k} | {agg:.1f} | {agg / alone:.2f}x | {worst:.1f} | {worst / alone:.2f}x |")
+    c = result["cache"]
+    print(f"| prompt cache, {c['prompt_tokens']}-token prompts, 2 chats alternating | first {c['first_ms']:.0f} ms | "
+          f"repeat {c['repeat_ms']:.0f} ms | {c['repeat_ms'] / c['first_ms']:.3f}x | cached {c['cached_tokens']} |")
+    return result
+
+
+def prompt_cache(client: openai.OpenAI, prefix: int, rounds: int) -> dict:
+    """Two chats with system prompts of about `prefix` tokens alternate: TTFT of each first request and of the
+    repeats (medians), and the tokens the repeats reused."""
+    systems = [" ".join(f"{TOPICS[(i + j) % len(TOPICS)].split()[-1]} {j}" for j in range(prefix // 3)) for i in (0, 5)]
+    first, repeat, cached, prompt_tokens = [], [], [], 0
+
+    def ask(system, question):
+        sent, stamp, usage = time.perf_counter(), None, None
+        for chunk in client.chat.completions.create(model="m", max_tokens=8, temperature=0, stream=True,
+                                                    stream_options={"include_usage": True}, messages=[
+                {"role": "system", "content": system}, {"role": "user", "content": question}]):
+            if stamp is None and chunk.choices and chunk.choices[0].delta.content:
+                stamp = time.perf_counter()
+            usage = chunk.usage or usage
+        return 1000 * (stamp - sent), usage
+
+    for k in (0, 1):
+        ms, usage = ask(systems[k], "Hello?")
+        first.append(ms)
+        prompt_tokens = usage.prompt_tokens
+    for r in range(rounds):
+        for k in (0, 1):
+            ms, usage = ask(systems[k], f"Question {r}?")
+            repeat.append(ms)
+            cached.append(usage.prompt_tokens_details.cached_tokens)
+    return {"prompt_tokens": prompt_tokens, "first_ms": statistics.median(first), "repeat_ms": statistics.median(repeat),
+            "cached_tokens": min(cached)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model", required=True)
@@ -126,7 +211,19 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--soak", type=float, default=120.0)
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--scenario", choices=("serve", "parallel"), default="serve",
+                    help="serve: steps 1-3 (default); parallel: steps 4-5")
+    ap.add_argument("--parallel", type=int, default=4, help="parallel: the slots of the server under test")
+    ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4],
+                    help="parallel: the client counts, comma-separated (1 first: the baseline)")
+    ap.add_argument("--prefix", type=int, default=2000, help="parallel: the system prompts' tokens (about)")
     args = ap.parse_args()
+    if args.scenario == "parallel":
+        result = parallel_scenario(args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+        return
 
     proc, url = start_server(args)
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)

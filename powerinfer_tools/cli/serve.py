@@ -31,6 +31,11 @@ def serve(
     body_timeout: float = typer.Option(BODY_TIMEOUT_S, "--body-timeout", help="Answer a request whose body has "
                                        "not all arrived within this many seconds with a 408, and close its "
                                        "connection."),
+    parallel: int = typer.Option(1, "--parallel", "-np", help="Requests generated at once (llama-server's "
+                                 "--parallel): that many slots, each a KV cache of the whole context and its own prompt "
+                                 "cache; one engine step computes a token for every running request, a new request "
+                                 "joins between steps. Above 1 the FFN runs in dense mode (auto becomes dense; the "
+                                 "other modes are refused)."),
     pooling: str = typer.Option("mean", "--pooling", help="How /v1/embeddings pools a text's last hidden states "
                                 "(llama-server's --pooling): mean, or last (the last token's)."),
     engine: flags.EngineArgs = None,
@@ -38,8 +43,8 @@ def serve(
     """Serve a model over the OpenAI API, as llama.cpp's llama-server does: POST /v1/chat/completions (the
     model's chat template) and /v1/completions, streamed as server-sent events with "stream": true;
     /v1/embeddings (the pooled last hidden states); GET /v1/models and /health. Requests are answered one at a
-    time in order of arrival; a client that resends its conversation reuses the KV cache for the part it shares
-    with the previous request.
+    time in order of arrival (--parallel N: N at once); a client that resends its conversation reuses the KV cache
+    for the part it shares with an earlier request (with --parallel, the slot whose cache shares the most).
 
     Point any OpenAI client at http://HOST:PORT/v1 (docs/serve.md).
 
@@ -47,11 +52,13 @@ def serve(
 
       pi-tools serve -m smollm2
 
+      pi-tools serve -m smollm2 --parallel 4
+
       pi-tools serve -m smollm2.q4_0.powerinfer.gguf --port 8081 -t 4 --sparse-mode gate
 
       pi-tools serve -m relu7b.q4_0.powerinfer.gguf --vram-budget 4 --profile prof --host 0.0.0.0 --api-key s3cret
     """
-    from powerinfer_tools.runtime.llm import LLM, POOLINGS
+    from powerinfer_tools.runtime.llm import LLM, MAX_PARALLEL, POOLINGS
     from powerinfer_tools.server.app import create_app
     from powerinfer_tools.server.listen import listen
 
@@ -66,7 +73,17 @@ def serve(
               file=sys.stderr)
     if pooling not in POOLINGS:
         raise UserError(f"--pooling must be one of {', '.join(POOLINGS)}, not {pooling!r}")
-    with LLM(model, ctx_size=ctx_size, **engine.llm_options()) as llm:
+    options = engine.llm_options()
+    if not 1 <= parallel <= MAX_PARALLEL:
+        raise UserError(f"--parallel must be in 1..{MAX_PARALLEL}, not {parallel}")
+    if parallel > 1:
+        if options["sparse_mode"] == "auto":
+            options["sparse_mode"] = "dense"  # what auto runs on a SiLU model; its per-layer choice is per sequence
+        if options["sparse_mode"] != "dense" or options["input_sparsity"]:
+            raise UserError(f"--parallel {parallel} decodes requests together in dense mode only (each token the bits "
+                            f"it gets alone): --sparse-mode {options['sparse_mode']}"
+                            f"{' with --input-sparsity' if options['input_sparsity'] else ''} is refused")
+    with LLM(model, ctx_size=ctx_size, parallel=parallel, **options) as llm:
         app = create_app(llm, alias or llm.name, api_key, max_body_mib, body_timeout, pooling)
         try:
             listen(app, host, port, log_requests, app.state.worker.stop)

@@ -145,8 +145,8 @@ def context_size(model: str | os.PathLike, ctx_size: int | None) -> int:
 def open_engine(target: EngineTarget, threads: int | None = None, sparse_mode: str = "dense",
                 ctx_size: int | None = None, recall_check: bool = False, kv_type: str = DEFAULT_KV_TYPE, gpu: str = "auto",
                 vram_budget_gib: float | None = None, input_sparsity: float | None = None,
-                memory_budget_gib: float | None = None):
-    """engine.Model for the target; engine failures become UserError with the engine's message. With a hot tier
+                memory_budget_gib: float | None = None, n_seq: int = 1):
+    """engine.Model for the target (n_seq: its sequences, each a KV cache); engine failures become UserError with the engine's message. With a hot tier
     (target.gpuidx) and gpu not off, says on stderr where the hot tier runs, or that the index is ignored where no
     device takes it. sparse_mode may be 'input' (engine_mode)."""
     import powerinfer_engine as engine
@@ -166,7 +166,7 @@ def open_engine(target: EngineTarget, threads: int | None = None, sparse_mode: s
         model = engine.Model(target.model, threads=threads, sparse_mode=sparse_mode, ctx_size=ctx_size,
                              gpuidx=target.gpuidx, recall_check=recall_check, kv_type=kv_type, gpu=gpu,
                              vram_budget=vram_budget_gib if gpu != "off" else None, input_sparsity=input_share,
-                             decode_cache=cache, memory_budget=memory_budget_gib)
+                             decode_cache=cache, memory_budget=memory_budget_gib, n_seq=n_seq)
     if model.info["decoded"].get("cache") in ("read", "written"):
         trim_decode_cache(cache)
     line = decoded_line(model.info["decoded"], cache)

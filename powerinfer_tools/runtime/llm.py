@@ -20,9 +20,11 @@ import functools
 import math
 import numbers
 import os
+import queue
 import random
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -229,6 +231,9 @@ class _Gate:
             self._holder, self._thread = object(), me
             return self._holder
 
+    def held(self) -> bool:
+        return self._holder is not None
+
     def leave(self, token: object | None) -> None:
         """End the hold `token` took, unless a later generation of its thread took it over."""
         with self._changed:
@@ -294,14 +299,23 @@ class LLM:
                  sparse_mode: str = "dense", ctx_size: int | None = None, kv_type: str = DEFAULT_KV_TYPE, gpu: str = "auto",
                  gpuidx: str | os.PathLike | None = None, vram_budget: float | None = None,
                  profile: str | os.PathLike | None = None, input_sparsity: float | None = None,
-                 memory_budget: float | None = None):
+                 memory_budget: float | None = None, parallel: int = 1):
         from powerinfer_tools.runtime import inference
 
+        if not _is_integer(parallel) or not 1 <= parallel <= MAX_PARALLEL:
+            raise RequestError(f"parallel must be an integer in [1, {MAX_PARALLEL}], not {parallel!r}", param="parallel")
+        if parallel > 1 and (sparse_mode != "dense" or input_sparsity):
+            raise RequestError(f"parallel {parallel} decodes its requests together in dense mode only (each token the bits "
+                               f"it gets alone): sparse mode {sparse_mode!r}"
+                               f"{' with input sparsity' if input_sparsity else ''} is refused", param="parallel")
         self.target = inference.resolve_model_file(str(model), gpuidx, vram_budget, profile, ctx_size)
         self.tokenizer = inference.load_tokenizer(self.target.model)
+        # parallel > 1: a sequence per slot, and one more for embeddings (they never wait for a slot)
         self.model = inference.open_engine(self.target, threads=threads, sparse_mode=sparse_mode, ctx_size=ctx_size,
                                            kv_type=kv_type, gpu=gpu, vram_budget_gib=vram_budget,
-                                           input_sparsity=input_sparsity, memory_budget_gib=memory_budget)
+                                           input_sparsity=input_sparsity, memory_budget_gib=memory_budget,
+                                           n_seq=parallel + 1 if parallel > 1 else 1)
+        self.parallel = parallel
         self.n_ctx: int = self.model.n_ctx
         self.name = Path(self.target.model).name if str(model) != "smollm2" else "smollm2"
         self.stop_tokens = frozenset(t for t in (self.tokenizer.eos_token_id, self.model.info["eos"])
@@ -314,10 +328,18 @@ class LLM:
         self._generation = 0  # bumped by every call: an older stream (taken over in its own thread) sees it and ends
         self._vocab: "LLTokenizer | None" = None  # llguidance's view of the tokenizer (LLM.vocabulary)
         self._vocab_lock = threading.Lock()
+        self._side = parallel if parallel > 1 else 0  # the sequence embeddings evaluate in
+        self._scheduler = _Scheduler(self, parallel) if parallel > 1 else None
 
     # ---- lifetime -----------------------------------------------------------------------------------
     def close(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.close()
         self.model.close()
+
+    def slots(self) -> tuple[int, int]:
+        """(busy, all) slots: requests generating now and the most that may (parallel)."""
+        return (self._scheduler.busy_count() if self._scheduler else int(self._gate.held()), self.parallel)
 
     def __enter__(self) -> "LLM":
         return self
@@ -420,8 +442,10 @@ class LLM:
         token = self._gate.enter(generation=True)
         try:
             with self._step:
-                self._generation += 1  # a stream this thread still holds ends: the cache is about to change
-                self._cache = _Cache()
+                self.model.select(self._side)
+                if self._scheduler is None:
+                    self._generation += 1  # a stream this thread still holds ends: the cache is about to change
+                    self._cache = _Cache()
                 vectors = []
                 for one in ids:
                     with engine_errors():
@@ -520,7 +544,19 @@ class LLM:
         return ids
 
     def _run(self, prompt: str, add_special: bool, request: _Request, fit: bool, stream: bool):
-        """Take the LLM (waiting for another thread's call), then generate: the stream releases it at its end."""
+        """Take the LLM (waiting for another thread's call), then generate: the stream releases it at its end. With
+        parallel slots, the request joins the scheduler's steps instead (it waits only for a free slot)."""
+        if self._scheduler is not None:
+            ids = self.prompt_ids(prompt, add_special)
+            limit = self.token_limit(len(ids), request.max_tokens, fit)
+            matcher = request.constraint.matcher(self.vocabulary()) if request.constraint else None
+            chunks = self._scheduler.submit(_Generation(self, ids, limit, request, matcher))
+            if stream:
+                return chunks
+            last = None
+            for last in chunks:
+                pass
+            return last.completion
         token = self._gate.enter(generation=True)
         try:
             with self._step:
@@ -561,73 +597,30 @@ class LLM:
         return room if max_tokens is None else min(max_tokens, room)
 
     def _tokens(self, ids, max_tokens, request: _Request, matcher, generation) -> Iterator[Chunk]:
-        from powerinfer_tools.runtime.inference import StreamDecoder, engine_errors
-        from powerinfer_tools.runtime.tools import parse_calls
+        """The serial path: one request on sequence 0, each sampled token evaluated alone (pi_eval)."""
+        from powerinfer_tools.runtime.inference import engine_errors
 
         def current() -> None:
             """A later call (in the thread holding the LLM) ended this stream: not one more step in its engine."""
             if generation != self._generation:
                 raise RuntimeError("this stream was ended by a later call on the same LLM")
 
-        m, sampling = self.model, request.sampling
-        allowed = np.zeros((m.n_vocab + 31) // 32, dtype=np.uint32) if matcher else None
+        m, gen = self.model, _Generation(self, ids, max_tokens, request, matcher)
         current()
         with engine_errors():
-            cached = self._reuse(ids)
-            self._cache, cache = _Cache(), _Cache(list(ids), self._batch_computed(len(ids)))  # empty until it is in
             m.reset_stats()
-            m.seed(sampling.seed if sampling.seed is not None else random.SystemRandom().randrange(2**64))
-            started = time.perf_counter()
-            logits = m.eval(ids[m.n_past:], all_logits=False)
-            prompt_seconds = time.perf_counter() - started
-        self._cache = cache
-        counted = self.counters
-        counted.calls += 1
-        counted.prompt_tokens += len(ids)
-        counted.cached_tokens += cached
-        counted.prompt_seconds += prompt_seconds
-        decoder, held = StreamDecoder(self.tokenizer, ids), _StopFilter(request.stop)
-        logprobs: list[TokenLogprob] = []
-        sent = 0  # logprobs already in a chunk
-        generated, finish, started = 0, "length", time.perf_counter()
-        while generated < max_tokens:
+            previous, self._cache = self._cache, _Cache()  # empty until the prompt is in
+            logits = gen.prefill(previous)
+        self._cache = gen.cache
+        while True:
             current()
-            step = time.perf_counter()
             with engine_errors():
-                if m.n_past < len(cache.tokens):  # the token sampled last, not yet evaluated
-                    logits = m.eval(cache.tokens[-1:], all_logits=False)
-                if matcher:
-                    matcher.unsafe_compute_mask_ptr(allowed.ctypes.data, allowed.nbytes)
-                token = m.sample(sampling.temperature, sampling.top_k, sampling.top_p, sampling.repeat_penalty,
-                                 sampling.repeat_last_n, sampling.frequency_penalty, sampling.presence_penalty,
-                                 allowed)
-            if matcher and not matcher.consume_token(token):
-                raise RuntimeError(f"the grammar refused the token it allowed: {matcher.get_error()}")
-            cache.tokens.append(token)
-            generated += 1
-            counted.generated_tokens += 1
-            counted.generated_seconds += time.perf_counter() - step
-            if token in self.stop_tokens:
-                finish = "stop"
-                break
-            if request.logprobs is not None:
-                logprobs.append(self._logprob(logits, token, request.logprobs))
-            out, hit = held.push(decoder.push(token))
-            if out:
-                yield Chunk(out, logprobs=tuple(logprobs[sent:]))
-                sent = len(logprobs)
-            if hit:
-                finish = "stop"
-                break
-        current()
-        seconds = time.perf_counter() - started
-        tail = held.flush()
-        timings = Timings(len(ids) - cached, prompt_seconds, generated, seconds, m.stats().get("density"))
-        whole = tuple(logprobs) if request.logprobs is not None else None
-        calls = parse_calls(held.emitted, request.tools) if request.tools else ()
-        yield Chunk(tail, Completion(held.emitted, "tool_calls" if calls else finish,
-                                     Usage(len(ids), generated, cached), timings, whole, calls),
-                    tuple(logprobs[sent:]))
+                if gen.pending is not None:
+                    logits = m.eval([gen.pending], all_logits=False)
+                chunks = gen.advance(logits)
+            yield from chunks
+            if gen.done:
+                return
 
     def _logprob(self, logits: np.ndarray, token: int, n_top: int) -> TokenLogprob:
         """The token's entry: log-softmax of its step's logits (float64), the n_top largest (ties: the lower id
@@ -649,11 +642,12 @@ class LLM:
         """How many of a fresh prompt's n_tokens the batch path computes: all but a last one alone in its batch."""
         return n_tokens - 1 if self._n_batch == 1 or n_tokens % self._n_batch == 1 else n_tokens
 
-    def _reuse(self, ids: list[int]) -> int:
-        """Truncate the cache to the longest prefix shared with ids that the batch path computed, leaving a rest
-        that the engine then evaluates the way a fresh call would: at least one token (its logits are sampled
-        from), alone in its last batch exactly where a fresh call's is. The count of reused tokens."""
-        cache, m = self._cache, self.model
+    def _reuse(self, cache: _Cache, ids: list[int]) -> int:
+        """Truncate the selected sequence, which holds `cache`, to the longest prefix shared with ids that the batch
+        path computed, leaving a rest that the engine then evaluates the way a fresh call would: at least one token
+        (its logits are sampled from), alone in its last batch exactly where a fresh call's is. The count of reused
+        tokens."""
+        m = self.model
         n = 0
         limit = min(len(cache.tokens), cache.batch_tokens, m.n_past, len(ids) - 1)
         while n < limit and cache.tokens[n] == ids[n]:
@@ -663,6 +657,253 @@ class LLM:
             n -= 1
         m.reset(n)
         return n
+
+
+MAX_PARALLEL = 32  # slots LLM(parallel=...) takes: each a KV cache of the whole context
+
+
+class _Generation:
+    """One request's generation, a token at a time: its prompt evaluated into the selected sequence (prefill), then
+    each next token drawn from the logits of the one before (advance), with its sampling settings, seed, grammar,
+    stop strings, logprobs and token limit. The serial path evaluates each drawn token alone (pi_eval), the
+    scheduler with the other slots' in one decode step (pi_decode_step): the same bits, so its text does not depend
+    on what runs beside it."""
+
+    def __init__(self, llm: "LLM", ids: list[int], limit: int, request: _Request, matcher):
+        from powerinfer_tools.runtime.inference import StreamDecoder
+
+        self.llm, self.ids, self.limit, self.request, self.matcher = llm, ids, limit, request, matcher
+        n_vocab = llm.model.n_vocab
+        self.allowed = np.zeros((n_vocab + 31) // 32, dtype=np.uint32) if matcher else None
+        self.cache = _Cache(list(ids), llm._batch_computed(len(ids)))  # what the sequence holds once it is in
+        self.decoder, self.held = StreamDecoder(llm.tokenizer, ids), _StopFilter(request.stop)
+        self.logprobs: list[TokenLogprob] = []
+        self.sent = 0  # logprobs already in a chunk
+        self.generated, self.finish, self.done = 0, "length", False
+        self.cached, self.prompt_seconds, self.started = 0, 0.0, 0.0
+
+    @property
+    def pending(self) -> int | None:
+        """The token drawn last, which the next step evaluates (None before the first draw)."""
+        return self.cache.tokens[-1] if len(self.cache.tokens) > len(self.ids) else None
+
+    def prefill(self, previous: _Cache) -> np.ndarray:
+        """The prompt into the selected sequence (which holds `previous`), reusing what it shares; its last logits."""
+        m, sampling = self.llm.model, self.request.sampling
+        self.cached = self.llm._reuse(previous, self.ids)
+        m.seed(sampling.seed if sampling.seed is not None else random.SystemRandom().randrange(2**64))
+        started = time.perf_counter()
+        logits = m.eval(self.ids[m.n_past:], all_logits=False)
+        self.prompt_seconds = time.perf_counter() - started
+        counted = self.llm.counters
+        counted.calls += 1
+        counted.prompt_tokens += len(self.ids)
+        counted.cached_tokens += self.cached
+        counted.prompt_seconds += self.prompt_seconds
+        self.started = time.perf_counter()
+        return logits
+
+    def advance(self, logits: np.ndarray) -> list[Chunk]:
+        """The next token drawn from the selected sequence (whose last logits are `logits`), and the chunks it
+        makes: a piece of text where one is ready, the last one (the Completion's) where the generation ends."""
+        if self.generated >= self.limit:
+            return [self._last()]
+        m, sampling, step = self.llm.model, self.request.sampling, time.perf_counter()
+        if self.matcher:
+            self.matcher.unsafe_compute_mask_ptr(self.allowed.ctypes.data, self.allowed.nbytes)
+        token = m.sample(sampling.temperature, sampling.top_k, sampling.top_p, sampling.repeat_penalty,
+                         sampling.repeat_last_n, sampling.frequency_penalty, sampling.presence_penalty, self.allowed)
+        if self.matcher and not self.matcher.consume_token(token):
+            raise RuntimeError(f"the grammar refused the token it allowed: {self.matcher.get_error()}")
+        self.cache.tokens.append(token)
+        self.generated += 1
+        counted = self.llm.counters
+        counted.generated_tokens += 1
+        counted.generated_seconds += time.perf_counter() - step
+        if token in self.llm.stop_tokens:
+            self.finish = "stop"
+            return [self._last()]
+        if self.request.logprobs is not None:
+            self.logprobs.append(self.llm._logprob(logits, token, self.request.logprobs))
+        out, hit = self.held.push(self.decoder.push(token))
+        chunks = []
+        if out:
+            chunks.append(Chunk(out, logprobs=tuple(self.logprobs[self.sent:])))
+            self.sent = len(self.logprobs)
+        if hit:
+            self.finish = "stop"
+        if hit or self.generated >= self.limit:
+            chunks.append(self._last())
+        return chunks
+
+    def _last(self) -> Chunk:
+        from powerinfer_tools.runtime.tools import parse_calls
+
+        self.done = True
+        seconds = time.perf_counter() - self.started
+        tail, request = self.held.flush(), self.request
+        timings = Timings(len(self.ids) - self.cached, self.prompt_seconds, self.generated, seconds,
+                          self.llm.model.stats().get("density"))
+        whole = tuple(self.logprobs) if request.logprobs is not None else None
+        calls = parse_calls(self.held.emitted, request.tools) if request.tools else ()
+        return Chunk(tail, Completion(self.held.emitted, "tool_calls" if calls else self.finish,
+                                      Usage(len(self.ids), self.generated, self.cached), timings, whole, calls),
+                     tuple(self.logprobs[self.sent:]))
+
+
+@dataclass
+class _Job:
+    """A request in the scheduler: its generation, the slot it runs in (None while it waits), the chunks handed to
+    its reader, and whether the reader has gone (its slot is then freed at the next step)."""
+
+    gen: _Generation
+    out: "queue.Queue[Chunk | BaseException]" = field(default_factory=queue.Queue)
+    slot: int | None = None
+    gone: threading.Event = field(default_factory=threading.Event)
+
+
+class _Scheduler:
+    """LLM(parallel=N): N slots, each a sequence of the engine with its own KV cache, and one thread that runs every
+    request in one loop (continuous batching, as llama-server's --parallel): between two steps the waiting
+    requests take the free slots (each its prompt evaluated into its slot: the slot whose cache shares the longest
+    prefix with it, then the least recently used), then one decode step computes a token for every running request
+    (pi_decode_step) and each draws its next token. A request whose reader went away leaves its slot at the next
+    step. Each slot's cache is kept for the next request that shares a prefix with it (the prompt cache)."""
+
+    def __init__(self, llm: "LLM", n: int):
+        self.llm, self.n = llm, n
+        self.caches = [_Cache() for _ in range(n)]
+        self.last_used = [0] * n
+        self.running: dict[int, _Job] = {}  # by slot
+        self.waiting: deque[_Job] = deque()
+        self.changed = threading.Condition()
+        self.closed = False
+        self.clock = 0
+        self.thread = threading.Thread(target=self._loop, name="pi-scheduler", daemon=True)
+        self.thread.start()
+
+    def busy_count(self) -> int:
+        return len(self.running)
+
+    def submit(self, gen: _Generation) -> Iterator[Chunk]:
+        job = _Job(gen)
+        with self.changed:
+            if self.closed:
+                raise RuntimeError("the LLM is closed")
+            self.waiting.append(job)
+            self.changed.notify()
+        return self._follow(job)
+
+    def _follow(self, job: _Job) -> Iterator[Chunk]:
+        """The job's chunks as the scheduler makes them; closing or dropping the iterator frees its slot."""
+        try:
+            while True:
+                item = job.out.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.completion is not None:
+                    return
+        finally:
+            job.gone.set()
+            with self.changed:
+                self.changed.notify()
+
+    def close(self) -> None:
+        with self.changed:
+            self.closed = True
+            self.changed.notify()
+        self.thread.join()
+
+    def _slot_for(self, ids: list[int], free: list[int]) -> int:
+        """The free slot whose cache shares the longest prefix with ids, the least recently used among equals."""
+        def shared(k: int) -> int:
+            tokens, n = self.caches[k].tokens, 0
+            limit = min(len(tokens), len(ids))
+            while n < limit and tokens[n] == ids[n]:
+                n += 1
+            return n
+        return max(free, key=lambda k: (shared(k), -self.last_used[k]))
+
+    def _loop(self) -> None:
+        while True:
+            with self.changed:
+                while not self.closed and not self.waiting and not self.running:
+                    self.changed.wait()
+                if self.closed:
+                    break
+                admitted = []
+                free = [k for k in range(self.n) if k not in self.running]
+                while self.waiting and free:
+                    job = self.waiting.popleft()
+                    if job.gone.is_set():
+                        continue
+                    job.slot = self._slot_for(job.gen.ids, free)
+                    free.remove(job.slot)
+                    admitted.append(job)
+                    self.running[job.slot] = job
+            with self.llm._step:
+                for job in admitted:
+                    self._admit(job)
+                self._step()
+        for job in list(self.running.values()) + list(self.waiting):
+            job.out.put(RuntimeError("the LLM was closed"))
+
+    def _finish(self, job: _Job, error: BaseException | None = None) -> None:
+        """The job leaves its slot, whose cache stays for the next request sharing a prefix."""
+        if error is not None:
+            job.out.put(error)
+            self.caches[job.slot] = _Cache()  # what the sequence holds is not known: nothing is reused from it
+        else:
+            self.caches[job.slot] = job.gen.cache
+        self.clock += 1
+        self.last_used[job.slot] = self.clock
+        with self.changed:
+            self.running.pop(job.slot, None)
+
+    def _advance(self, job: _Job, logits: np.ndarray) -> None:
+        for chunk in job.gen.advance(logits):
+            job.out.put(chunk)
+        if job.gen.done:
+            self._finish(job)
+
+    def _admit(self, job: _Job) -> None:
+        from powerinfer_tools.runtime.inference import engine_errors
+
+        m = self.llm.model
+        try:
+            with engine_errors():
+                m.select(job.slot)
+                previous, self.caches[job.slot] = self.caches[job.slot], _Cache()
+                logits = job.gen.prefill(previous)
+                self._advance(job, logits)
+        except BaseException as exc:  # handed to its reader
+            self._finish(job, exc)
+
+    def _step(self) -> None:
+        """One decode step of every running request with a token to evaluate; each then draws its next."""
+        from powerinfer_tools.runtime.inference import engine_errors
+
+        for job in [j for j in self.running.values() if j.gen.done is False and j.gone.is_set()]:
+            self._finish(job)
+        jobs = [j for j in self.running.values() if j.gen.pending is not None and not j.gen.done]
+        if not jobs:
+            return
+        m = self.llm.model
+        try:
+            with engine_errors():
+                logits = m.decode_step([j.slot for j in jobs], [j.gen.pending for j in jobs])
+        except BaseException as exc:
+            for job in jobs:
+                self._finish(job, exc)
+            return
+        for job, row in zip(jobs, logits):
+            try:
+                with engine_errors():
+                    m.select(job.slot)
+                    self._advance(job, row)
+            except BaseException as exc:
+                self._finish(job, exc)
 
 
 class _StopFilter:

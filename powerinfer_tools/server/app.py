@@ -62,12 +62,13 @@ _DONE = object()
 
 
 class Worker:
-    """Runs jobs one after another on one thread; their chunks come back to the event loop through a queue. A job
-    ends at its next token when its client leaves or the server stops, and the request waiting on it is released
-    at once (ClientGone, ShuttingDown): an engine step in progress never holds an answer back."""
+    """Runs jobs on `threads` threads (one, or one per slot of an LLM with parallel slots, whose scheduler steps
+    them together); their chunks come back to the event loop through a queue. A job ends at its next token when its
+    client leaves or the server stops, and the request waiting on it is released at once (ClientGone,
+    ShuttingDown): an engine step in progress never holds an answer back."""
 
-    def __init__(self):
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pi-engine")
+    def __init__(self, threads: int = 1):
+        self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pi-engine")
         self.stopping = threading.Event()  # read by the engine's thread
         self.stopped = asyncio.Event()     # awaited by the requests
         self._count = threading.Lock()
@@ -165,7 +166,7 @@ def create_app(llm: LLM, model_id: str, api_key: str | None = None, max_body_mib
     """The application for `llm`, answering to `model_id` in /v1/models (any name is accepted in requests);
     /v1/embeddings pools as `pooling` says (LLM.embed); call app.state.worker.stop() when the server begins to
     shut down."""
-    worker = Worker()
+    worker = Worker(llm.parallel)
     created = int(time.time())
     app = FastAPI(title="powerinfer-tools", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.worker = worker

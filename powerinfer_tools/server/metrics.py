@@ -27,7 +27,10 @@ class ServerCollector:
         )
         for name, text, value in counters:
             yield CounterMetricFamily(PREFIX + name, text, value=value)
+        busy, slots = self.llm.slots()
         gauges = (
+            ("slots_busy", "Slots (--parallel) generating a request now", busy),
+            ("slots_idle", "Slots free for the next request", slots - busy),
             ("requests_processing", "Requests generating now", self.worker.running),
             ("requests_waiting", "Requests queued for the engine", self.worker.waiting),
             ("kv_cache_tokens", "Tokens the KV cache holds", self.llm.model.n_past),

@@ -52,3 +52,14 @@ def test_gpu_check_speed_on_the_emulated_device(tmp_path):
     assert re.search(r"device per token: \d+ µs, \d+ launches", table), table
     steps = (out / "speed-steps.txt").read_text()
     assert "FAILED" not in steps and "hybrid" not in steps, steps
+
+
+def test_serve_bench_parallel_scenario_measures_slots_and_the_prompt_cache(tiny_chat_file, tmp_path):
+    out = run_script("serve_bench.py", "-m", tiny_chat_file, "-t", "1", "--rounds", "1", "-n", "8", "-c", "256",
+                     "--scenario", "parallel", "--parallel", "2", "--concurrency", "1,2", "--prefix", "60",
+                     "--json", tmp_path / "parallel.json")
+    result = json.loads((tmp_path / "parallel.json").read_text())
+    assert set(result["concurrency"]) == {"2:1", "2:2", "1:1", "1:2"}
+    assert all(r["aggregate_tps"] > 0 for runs in result["concurrency"].values() for r in runs)
+    assert result["cache"]["cached_tokens"] > 0
+    assert "| --parallel 2 | 2 |" in out and "| prompt cache," in out

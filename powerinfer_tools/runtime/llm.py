@@ -816,14 +816,17 @@ class _Scheduler:
         self.thread.join()
 
     def _slot_for(self, ids: list[int], free: list[int]) -> int:
-        """The free slot whose cache shares the longest prefix with ids, the least recently used among equals."""
+        """The free slot whose cache shares the longest prefix with ids, where that is more than half of them (as
+        llama-server's slot_prompt_similarity); else the least recently used, so that a prompt sharing only a chat
+        template's first tokens does not push out another conversation's prefix."""
         def shared(k: int) -> int:
             tokens, n = self.caches[k].tokens, 0
             limit = min(len(tokens), len(ids))
             while n < limit and tokens[n] == ids[n]:
                 n += 1
             return n
-        return max(free, key=lambda k: (shared(k), -self.last_used[k]))
+        best = max(free, key=lambda k: (shared(k), -self.last_used[k]))
+        return best if 2 * shared(best) > len(ids) else min(free, key=lambda k: self.last_used[k])
 
     def _loop(self) -> None:
         while True:
@@ -862,10 +865,11 @@ class _Scheduler:
             self.running.pop(job.slot, None)
 
     def _advance(self, job: _Job, logits: np.ndarray) -> None:
-        for chunk in job.gen.advance(logits):
-            job.out.put(chunk)
-        if job.gen.done:
+        chunks = job.gen.advance(logits)
+        if job.gen.done:  # its slot free before its reader sees the end: its next request may take it back
             self._finish(job)
+        for chunk in chunks:
+            job.out.put(chunk)
 
     def _admit(self, job: _Job) -> None:
         from powerinfer_tools.runtime.inference import engine_errors

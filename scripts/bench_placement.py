@@ -24,9 +24,9 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from powerinfer_tools.stages import dry_run  # noqa: E402
-from powerinfer_tools.stages import placement  # noqa: E402
-from powerinfer_tools.stages import placement_solver  # noqa: E402
+from powerinfer_tools.stages.conversion import dry_run  # noqa: E402
+from powerinfer_tools.stages.placement import placement  # noqa: E402
+from powerinfer_tools.stages.placement import placement_solver  # noqa: E402
 
 MODELS = {"Llama-2-70B": "relullama-70b", "Falcon-40B": "relufalcon-40b"}  # bundled configs (dry_run)
 TOKENS = placement.SYNTHETIC_TOKENS

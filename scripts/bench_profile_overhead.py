@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from powerinfer_tools.stages import calibration
+from powerinfer_tools.stages.profiling import calibration
 from powerinfer_tools import models
-from powerinfer_tools.stages.profiling import profile_pass
+from powerinfer_tools.stages.profiling.profiling import profile_pass
 
 
 def main() -> None:

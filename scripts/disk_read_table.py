@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """docs/bench.md's table of what a token would read from the disk when a model is larger than memory: arithmetic
-on `pi-tools convert --dry-run`'s sizes (stages/dry_run.size_report, the same numbers) and an assumed activation
+on `pi-tools convert --dry-run`'s sizes (stages/conversion/dry_run.size_report, the same numbers) and an assumed activation
 law, not a run.
 
 For each model and memory size M: the parts every token reads whole (attention, predictors, output head) and the
@@ -25,7 +25,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from powerinfer_tools.stages import dry_run, placement  # noqa: E402
+from powerinfer_tools.stages.conversion import dry_run  # noqa: E402
+from powerinfer_tools.stages.placement import placement
 
 GIB = 2**30
 

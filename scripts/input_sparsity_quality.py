@@ -1,5 +1,5 @@
 """Quality against input sparsity (TEAL-style, every matrix), measured in transformers: the uniform and the greedy
-allocation of `pi-tools profile`'s input thresholds (stages/input_sparsity.py) at several model-wide shares,
+allocation of `pi-tools profile`'s input thresholds (stages/profiling/input_sparsity.py) at several model-wide shares,
 against the dense model, on the same evaluation windows.
 
     python scripts/input_sparsity_quality.py --model smollm2 --calib ../shared/data/wikitext-2-valid.txt \
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from powerinfer_tools import models
 from powerinfer_tools.runtime import evaluate
-from powerinfer_tools.stages import calibration, input_sparsity
+from powerinfer_tools.stages.profiling import calibration, input_sparsity
 
 
 def main() -> None:

@@ -35,8 +35,8 @@ from convert_helpers import write_predictors  # noqa: E402
 from engine_helpers import rewrite  # noqa: E402
 from kquants import Q, random_bf16, random_blocks  # noqa: E402
 
-from powerinfer_tools.stages.conversion import convert_model  # noqa: E402
-from powerinfer_tools.stages.placement import Plan, write_gpuidx  # noqa: E402
+from powerinfer_tools.stages.conversion.conversion import convert_model  # noqa: E402
+from powerinfer_tools.stages.placement.placement import Plan, write_gpuidx  # noqa: E402
 
 SPLIT = b"\n--pi-fuzz-gpuidx--\n"  # fuzz_load.cpp's kSplit
 N_EMBD, N_FF, N_HEAD, N_KV, VOCAB = 32, 32, 2, 1, 32

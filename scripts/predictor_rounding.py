@@ -19,8 +19,8 @@ import torch
 from powerinfer_tools import models
 from powerinfer_tools.models import arch as arch_mod
 from powerinfer_tools.runtime import evaluate
-from powerinfer_tools.stages import calibration
-from powerinfer_tools.stages.predictor import read_predictor_dir
+from powerinfer_tools.stages.profiling import calibration
+from powerinfer_tools.stages.predictors.predictor import read_predictor_dir
 
 
 @torch.no_grad()

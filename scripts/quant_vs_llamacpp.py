@@ -120,7 +120,7 @@ def main() -> None:
             rows.append((outtype, who, perplexity(path, args.text, args.chunks, args.ctx, args.threads),
                          path.stat().st_size, tensor_types(path)))
     from powerinfer_tools.formats.tokenizer import tokenizer_from_file
-    from powerinfer_tools.stages.calibration import read_text, sequences_from_text
+    from powerinfer_tools.stages.profiling.calibration import read_text, sequences_from_text
 
     windows = sequences_from_text(tokenizer_from_file(plain), [read_text(args.text, role="evaluation")], args.ctx,
                                   args.ctx * args.chunks).tolist()

@@ -43,7 +43,7 @@ import numpy as np
 sys.path.insert(0, "tests")
 from tiny_models import make_tiny  # noqa: E402
 
-from powerinfer_tools.stages.conversion import convert_model  # noqa: E402
+from powerinfer_tools.stages.conversion.conversion import convert_model  # noqa: E402
 
 lib, out = sys.argv[1], Path(sys.argv[2])
 RUN = """

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from powerinfer_tools.stages import calibration
+from powerinfer_tools.stages.profiling import calibration
 from powerinfer_tools.runtime import evaluate
 from powerinfer_tools import models
-from powerinfer_tools.stages.profiling import calibrate_thresholds
+from powerinfer_tools.stages.profiling.profiling import calibrate_thresholds
 
 
 def main() -> None:

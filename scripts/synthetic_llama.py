@@ -183,7 +183,7 @@ def build_tokenizer(out: Path, vocab: int) -> int:
 def selection_rates(shape: Shape, sparsity: float) -> np.ndarray:
     """Per neuron (hottest first) the probability of being predicted active: placement's power law scaled to
     the mean 1 - sparsity (capped at 1)."""
-    from powerinfer_tools.stages import placement
+    from powerinfer_tools.stages.placement import placement
 
     rate = placement.power_law_rates(shape.n_ff)
     target = (1.0 - sparsity) * shape.n_ff
@@ -223,7 +223,7 @@ def build_predictors(out: Path, shape: Shape, sparsity: float, rank: int = 128, 
 
 def build_profile(out: Path, shape: Shape, tokens: int = 1 << 16, seed: int = 0) -> Path:
     """A profile directory (docs/formats.md) of power-law counts, the same hot neurons as the predictors'."""
-    from powerinfer_tools.stages import placement
+    from powerinfer_tools.stages.placement import placement
 
     (out / "activation").mkdir(parents=True, exist_ok=True)
     hottest_first = placement.synthetic_counts([shape.n_ff] * shape.n_layer, tokens=tokens)

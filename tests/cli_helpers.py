@@ -65,7 +65,7 @@ def assert_one_line_error(code: int, err: str, *needles: str) -> None:
 def interrupt_profile_at_forward(monkeypatch, n: int):
     """Makes `pi-tools profile` raise KeyboardInterrupt (Ctrl-C) in its n-th model forward; returns a
     function that puts the real profiling pass back."""
-    from powerinfer_tools.stages import profiling as profile_mod
+    from powerinfer_tools.stages.profiling import profiling as profile_mod
 
     real_pass = profile_mod.profile_pass
     calls = {"n": 0}

@@ -42,7 +42,7 @@ def _tokenizer_cache(tmp_path_factory):
 def smollm2_file(tmp_path_factory):
     """smollm2_file(outtype) -> Path of the real SmolLM2 converted to that type, every matrix in it (PowerInfer's
     f16 down projection left out: the engine on the type named), no predictors; built once per session."""
-    from powerinfer_tools.stages.conversion import convert_model
+    from powerinfer_tools.stages.conversion.conversion import convert_model
 
     root = tmp_path_factory.mktemp("smollm2")
 
@@ -67,7 +67,7 @@ def tiny_chat_file(tiny_model_dir, tmp_path_factory):
     import gguf
 
     from engine_helpers import rewrite
-    from powerinfer_tools.stages.conversion import convert_model
+    from powerinfer_tools.stages.conversion.conversion import convert_model
 
     root = tmp_path_factory.mktemp("tiny_chat")
     convert_model(str(tiny_model_dir("llama-relu")), root / "tiny.gguf", outtype="f32", progress=False,

@@ -19,7 +19,7 @@ from convert_helpers import write_predictors
 
 from powerinfer_tools.models import arch
 from powerinfer_tools import models
-from powerinfer_tools.stages.conversion import convert_model
+from powerinfer_tools.stages.conversion.conversion import convert_model
 from powerinfer_tools.formats.gguf_io import open_reader, set_pwri_magic
 
 

@@ -62,7 +62,7 @@ def _fingerprint(paths: list[Path]) -> str:
 
 
 # The modules that write the two files' bytes: the converter, and this module (the llama.cpp copy).
-WRITER_MODULES = ("powerinfer_tools.stages.conversion", "powerinfer_tools.bench.files")
+WRITER_MODULES = ("powerinfer_tools.stages.conversion.conversion", "powerinfer_tools.bench.files")
 # Libraries whose arithmetic or layout is in those bytes (gguf-py's writer and quantizers, numpy's, torch's casts).
 WRITER_LIBRARIES = ("gguf", "numpy", "torch", "safetensors")
 
@@ -200,7 +200,7 @@ def bench_files(model: str, outtype: str, work_dir: Path, predictors: Path | Non
                 profile: Path | None = None, progress: bool = True, input_sparsity: bool = False) -> BenchFiles:
     """Build (or reuse from `work_dir`) the PowerInfer and llama.cpp files of `model` at `outtype`; with
     input_sparsity, ours with the profile's input thresholds and the transposed matrices they need."""
-    from powerinfer_tools.stages.conversion import convert_model
+    from powerinfer_tools.stages.conversion.conversion import convert_model
 
     if outtype not in BENCH_OUTTYPES:
         raise UserError(f"unknown --outtype '{outtype}' (choose from {', '.join(BENCH_OUTTYPES)})")
@@ -271,7 +271,7 @@ def write_llamacpp_gguf(powerinfer_file: Path, model: str, out: Path) -> dict:
     """
     import gguf
 
-    from powerinfer_tools.stages.conversion import encode, is_input_transposed
+    from powerinfer_tools.stages.conversion.conversion import encode, is_input_transposed
 
     reader = open_reader(powerinfer_file)
     arch_name = field(reader, "general.architecture")

@@ -255,7 +255,7 @@ def engine_text(model_file: Path, tokenizer, n_tokens: int, threads: int, seed: 
     import powerinfer_engine as engine
 
     from powerinfer_tools.runtime.inference import engine_errors
-    from powerinfer_tools.stages.calibration import NEUTRAL_PROMPTS
+    from powerinfer_tools.stages.profiling.calibration import NEUTRAL_PROMPTS
 
     bos = tokenizer.bos_token_id
     prompt = ([bos] if bos is not None else []) + tokenizer(NEUTRAL_PROMPTS[0], add_special_tokens=False)["input_ids"]
@@ -276,7 +276,7 @@ def _bench_tokens(opts: BenchOptions, tokenizer, text: str | None,
     """Prompt, context (cached before tg: --depth tokens) and generation token ids: consecutive stretches of the
     text (or of text our engine writes from model_file); the first token tg's cache sees is BOS where the model has
     one."""
-    from powerinfer_tools.stages import calibration
+    from powerinfer_tools.stages.profiling import calibration
 
     need = opts.n_prompt + opts.depth + opts.n_gen
     if text is not None:
@@ -295,7 +295,7 @@ def check_source_fits(source: models.ModelSource, calibrates: bool, torch_peer: 
     (--sparsity and --sweep-sparsity calibrate on it; the torch peer runs it): the kernel would kill the process
     without a word."""
     from powerinfer_tools.models import arch
-    from powerinfer_tools.stages import profiling
+    from powerinfer_tools.stages.profiling import profiling
 
     if not (calibrates or torch_peer):
         return
@@ -314,7 +314,7 @@ def check_source_fits(source: models.ModelSource, calibrates: bool, torch_peer: 
 def _calibrate(source: models.ModelSource, tokenizer, text: str | None):
     """(activation sample, calibration tokens) of the source model in float32, what --sparsity and --sweep-sparsity
     set thresholds from. The model lives only in here: it is freed before the timed workers start."""
-    from powerinfer_tools.stages.calibration import self_generated, sequences_from_text
+    from powerinfer_tools.stages.profiling.calibration import self_generated, sequences_from_text
 
     hf_model, adapter = models.load_model(source)
     n_tokens = CALIBRATION_SEQS * CALIBRATION_LEN
@@ -362,7 +362,7 @@ def _ppl_windows(opts: BenchOptions, tokenizer, text: str | None) -> list[list[i
     """The windows of --ppl-file's `text` every row's perplexity is measured on; none without it."""
     if text is None:
         return []
-    from powerinfer_tools.stages.calibration import sequences_from_text
+    from powerinfer_tools.stages.profiling.calibration import sequences_from_text
 
     try:
         return sequences_from_text(tokenizer, [text], opts.ppl_ctx, opts.ppl_ctx * opts.ppl_chunks).tolist()
@@ -381,7 +381,7 @@ def run_bench(opts: BenchOptions) -> dict:
     _check_options(opts)
     ppl_text = None
     if opts.ppl_file is not None:  # read before anything is built: a wrong path fails at once
-        from powerinfer_tools.stages.calibration import read_text
+        from powerinfer_tools.stages.profiling.calibration import read_text
 
         ppl_text = read_text(opts.ppl_file, role="--ppl-file")
     work_dir = Path(opts.work_dir or default_work_dir())
@@ -410,7 +410,7 @@ def run_bench(opts: BenchOptions) -> dict:
     tokenizer = models.load_tokenizer(source)
     text = None
     if opts.text is not None:
-        from powerinfer_tools.stages.calibration import read_text
+        from powerinfer_tools.stages.profiling.calibration import read_text
         text = read_text(opts.text)
     prompt, context, gen = _bench_tokens(opts, tokenizer, text, files.powerinfer)
     tg = {"tokens": gen, "context": context}
@@ -508,7 +508,7 @@ def _memory_limited(opts: BenchOptions, files, modes, prompt: list[int], tg: dic
 
     budget = opts.memory_budget  # None: the engine's own rule alone (its rows at their defaults)
     if not neuron_bundles.current(files.powerinfer):  # what the disk tier reads
-        from powerinfer_tools.stages.placement import profile_frequencies
+        from powerinfer_tools.stages.placement.placement import profile_frequencies
 
         frequencies = profile_frequencies(opts.profile, files.powerinfer) if opts.profile is not None else None
         neuron_bundles.write(files.powerinfer, frequencies, progress=opts.progress)

@@ -88,7 +88,7 @@ def convert(
         if predictors is not None or profile is not None or vram_budget is not None or out is not None or neuron_bundles:
             raise UserError("--dry-run sizes the file from the config alone: drop --out/--predictors/--profile/"
                             "--vram-budget (for a VRAM plan: pi-tools plan --dry-run)")
-        from powerinfer_tools.stages.dry_run import DEFAULT_OUTTYPES
+        from powerinfer_tools.stages.conversion.dry_run import DEFAULT_OUTTYPES
 
         outtypes = [t.strip().lower() for t in (outtype or ",".join(DEFAULT_OUTTYPES)).split(",") if t.strip()]
         report_sizes(model, outtypes, predictor_rank)
@@ -99,8 +99,8 @@ def convert(
         raise UserError("--out is required (or --dry-run to only report sizes)")
     from powerinfer_tools import models, stages
     from powerinfer_tools.models import arch
-    from powerinfer_tools.stages import placement
-    from powerinfer_tools.stages.conversion import summary_lines
+    from powerinfer_tools.stages.placement import placement
+    from powerinfer_tools.stages.conversion.conversion import summary_lines
 
     if neuron_bundles:  # a file whose neurons the sidecar cannot bundle is refused before it is written
         arch.for_neurons(models.load_config(models.resolve(model)))
@@ -108,7 +108,7 @@ def convert(
     if vram_budget is not None:
         if profile is None:
             raise UserError("--vram-budget needs --profile (its activation counts decide the hot neurons)")
-        from powerinfer_tools.stages.profiling import activation_dir
+        from powerinfer_tools.stages.profiling.profiling import activation_dir
 
         activation_dir(profile)  # fail before converting, not after
     converted = stages.convert(stages.ConvertOptions(
@@ -138,7 +138,8 @@ def convert(
 
 def report_sizes(model: str, outtypes: list[str], predictor_rank: int | None) -> None:
     """The dry run's table: file bytes by part for each outtype, then the KV cache by context size."""
-    from powerinfer_tools.stages import dry_run, placement
+    from powerinfer_tools.stages.conversion import dry_run
+    from powerinfer_tools.stages.placement import placement
 
     config_model = dry_run.load(model)
     reports = [dry_run.size_report(config_model, t, predictor_rank) for t in outtypes]

@@ -57,7 +57,7 @@ def perplexity(
       pi-tools perplexity -m relu7b.q4_0.powerinfer.gguf -f wiki.txt --vram-budget 4 --profile prof --gpu on
     """
     from powerinfer_tools.runtime import inference
-    from powerinfer_tools.stages.calibration import read_text, sequences_from_text
+    from powerinfer_tools.stages.profiling.calibration import read_text, sequences_from_text
 
     if ctx < 2:
         raise UserError("--ctx-size must be at least 2")

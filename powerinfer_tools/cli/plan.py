@@ -12,7 +12,7 @@ from powerinfer_tools.stages.options import DEFAULT_RESERVE_BYTES, MIB, SYNTHETI
 from powerinfer_tools.core.errors import UserError
 
 if TYPE_CHECKING:
-    from powerinfer_tools.stages import placement  # numpy and the solver: loaded when a plan is made
+    from powerinfer_tools.stages.placement import placement  # numpy and the solver: loaded when a plan is made
 
 def plan(
     model: str = typer.Option(..., "--model", "-m", help="Converted model file (MODEL.powerinfer.gguf): its tensor "
@@ -74,14 +74,14 @@ def plan(
       pi-tools plan --dry-run -m ./ReluLLaMA-70B --profile ./ReluLLaMA-70B-PowerInfer-GGUF/activation --vram-budget 12
     """
     from powerinfer_tools import stages
-    from powerinfer_tools.stages import placement
+    from powerinfer_tools.stages.placement import placement
 
     opts = stages.PlanOptions(vram_budget_gib=vram_budget, out=out, ctx_size=ctx_size,
                               min_layer_neurons=min_layer_neurons, reserve_bytes=int(reserve_mib * MIB),
                               offload_output=offload_output, dense=dense, time_limit=time_limit,
                               granularity=granularity)
     if dry_run:
-        from powerinfer_tools.stages import dry_run as dry
+        from powerinfer_tools.stages.conversion import dry_run as dry
 
         config_model = dry.load(model)
         result = dry.plan_from_config(config_model, outtype.lower(), vram_budget * placement.GIB, profile,
@@ -121,7 +121,8 @@ def dry_run_summary(result) -> dict:
 
 
 def report_dry_run(config_model, result) -> None:
-    from powerinfer_tools.stages import dry_run, placement
+    from powerinfer_tools.stages.conversion import dry_run
+    from powerinfer_tools.stages.placement import placement
 
     r = result.report
     typer.echo(f"dry run (nothing converted): {dry_run.describe(config_model, r)}")
@@ -136,6 +137,6 @@ def report_dry_run(config_model, result) -> None:
 
 def report(result: placement.Plan) -> None:
     """Print the budget breakdown and each layer's GPU share."""
-    from powerinfer_tools.stages import placement
+    from powerinfer_tools.stages.placement import placement
 
     typer.echo("\n".join(placement.report_lines(result)))

@@ -72,8 +72,8 @@ def profile(
       pi-tools profile -m ./Llama-2-70b-relu --calib a.txt --tokens 4096 --load layer --dtype bfloat16 -o prof70
     """
     from powerinfer_tools import stages
-    from powerinfer_tools.stages.locality import profile_verdict
-    from powerinfer_tools.stages.profiling import summary_lines
+    from powerinfer_tools.stages.profiling.locality import profile_verdict
+    from powerinfer_tools.stages.profiling.profiling import summary_lines
 
     if dtype not in ("float32", "bfloat16", "float16"):
         raise UserError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")

@@ -66,7 +66,7 @@ def train_predictor(
       pi-tools train-predictor test-profile --out smollm2-predictors --evaluate --report eval.json
     """
     from powerinfer_tools import stages
-    from powerinfer_tools.stages.predictor_training import format_table, predictor_verdict
+    from powerinfer_tools.stages.predictors.predictor_training import format_table, predictor_verdict
 
     opts = stages.PredictorOptions(out=out, rank=rank, target_recall=target_recall,
                                    max_density_ratio=max_density_ratio, max_predictor_fraction=max_predictor_fraction,

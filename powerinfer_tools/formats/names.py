@@ -17,7 +17,7 @@ KEY_SPARSE_THRESHOLD = "powerinfer.sparse_threshold"          # PowerInfer's one
 KEY_PREDICTOR_THRESHOLDS = "powerinfer.predictor_thresholds"  # per layer logit thresholds (ours)
 KEY_PREDICTOR_USEFUL = "powerinfer.predictor_useful"          # per layer: better than chance (auto mode)
 KEY_NEURON_ORDER = "powerinfer_tools.neuron_order"            # FFN neurons' source indices (neuron_order.py)
-# Input sparsity (stages/input_sparsity.py): the model-wide shares of inputs zeroed that thresholds were
+# Input sparsity (stages/profiling/input_sparsity.py): the model-wide shares of inputs zeroed that thresholds were
 # calibrated for, and per share, layer and INPUT_SITES site the |x| at or below which an input is zeroed
 KEY_INPUT_SPARSITY_LEVELS = "powerinfer.input_sparsity_levels"
 KEY_INPUT_THRESHOLDS = "powerinfer.input_thresholds"             # [level][layer][site], flattened

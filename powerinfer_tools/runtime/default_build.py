@@ -62,9 +62,9 @@ def build(model: str = default_model.NAME, outtype: str = "q8_0", tokens: int = 
 
 def _build(model: str, outtype: str, tokens: int, rank: int, final: Path) -> Path:
     from powerinfer_tools import stages
-    from powerinfer_tools.stages.conversion import summary_lines as convert_lines
-    from powerinfer_tools.stages.predictor_training import format_table
-    from powerinfer_tools.stages.profiling import partial_dir, summary_lines as profile_lines
+    from powerinfer_tools.stages.conversion.conversion import summary_lines as convert_lines
+    from powerinfer_tools.stages.predictors.predictor_training import format_table
+    from powerinfer_tools.stages.profiling.profiling import partial_dir, summary_lines as profile_lines
 
     root = model_dir(model)
     profile, predictors, report = root / "profile", root / "predictors", root / "build-report.txt"

@@ -22,7 +22,7 @@ from powerinfer_tools.formats import names
 from powerinfer_tools.formats.gguf_io import THRESHOLDED_ACTIVATIONS
 from powerinfer_tools.stages.options import (DEFAULT_KV_TYPE, DEVICE_BUDGET_GIB, GPU_MODES, KV_TYPES,
                                              MEMORY_BUDGET_GIB)
-from powerinfer_tools.stages.usefulness import ENOUGH_SPARSITY
+from powerinfer_tools.stages.predictors.usefulness import ENOUGH_SPARSITY
 
 SPARSE_MODES = names.FFN_MODES
 # --sparse-mode input: dense FFN mode with input sparsity on every matrix, at this share unless --input-sparsity
@@ -71,7 +71,7 @@ def resolve_model_file(spec: str, gpuidx: str | os.PathLike | None = None, vram_
     elif vram_budget_gib is not None:
         gpuidx = cached_plan(path, vram_budget_gib, profile, ctx_size)
     else:
-        from powerinfer_tools.stages import placement
+        from powerinfer_tools.stages.placement import placement
 
         beside = placement.default_gpuidx_path(path)
         if beside.is_file():  # where PowerInfer's main looks for it too
@@ -87,7 +87,7 @@ def cached_plan(model: Path, vram_budget_gib: float, profile: str | os.PathLike 
     says so, else solved and written."""
     import json
 
-    from powerinfer_tools.stages import placement
+    from powerinfer_tools.stages.placement import placement
 
     ctx_size = context_size(model, ctx_size)
     placement.check_budget(vram_budget_gib * placement.GIB)
@@ -134,7 +134,7 @@ def context_size(model: str | os.PathLike, ctx_size: int | None) -> int:
     """The context to run `model` with: ctx_size, or the model's default (options.default_ctx_size), which plans
     are sized and cached by."""
     from powerinfer_tools.formats.gguf_header import read_header
-    from powerinfer_tools.stages import placement
+    from powerinfer_tools.stages.placement import placement
     from powerinfer_tools.stages.options import CTX_SIZE
 
     if ctx_size is not None:

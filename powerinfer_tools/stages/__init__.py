@@ -6,6 +6,10 @@ model's build (runtime/default_build.py) and the notebooks call the same functio
 prints to stdout or imports typer; progress bars go to stderr. The modules behind each stage are imported on
 first call (they load torch).
 
+Behind them, one folder per stage: profiling/ (profile, its calibration text, input thresholds, locality),
+predictors/ (train-predictor), placement/ (plan), conversion/ (convert and its dry run), sparsification/ (sparsify);
+report.py reads what they all wrote.
+
     from powerinfer_tools import stages
 
     profile = stages.profile(stages.ProfileOptions(model="smollm2", out=Path("prof"), tokens=4096))
@@ -24,26 +28,27 @@ from powerinfer_tools.stages.options import (ConvertOptions, Converted, PlanFile
                                              TrainedPredictors)
 
 if TYPE_CHECKING:
-    from powerinfer_tools.stages.predictor_training import ProfileDir
+    from powerinfer_tools.stages.predictors.predictor_training import ProfileDir
 
 
 def profile(opts: ProfileOptions) -> ProfileDir:
     """Profile opts.model into opts.out (docs/profile.md): activation counts, thresholds, predictor rows."""
-    from powerinfer_tools.stages import predictor_training, profiling
+    from powerinfer_tools.stages.predictors import predictor_training
+    from powerinfer_tools.stages.profiling import profiling
 
     return predictor_training.ProfileDir(Path(opts.out), profiling.run_profile(opts))
 
 
 def read_profile(path: str | Path) -> ProfileDir:
     """A profile directory written earlier (by `profile`, or PowerInfer-style by hand)."""
-    from powerinfer_tools.stages import predictor_training
+    from powerinfer_tools.stages.predictors import predictor_training
 
     return predictor_training.read_profile(Path(path))
 
 
 def train_predictors(profile: ProfileDir | str | Path, opts: PredictorOptions) -> TrainedPredictors:
     """One activation predictor per layer from a profile (docs/predictors.md), written to opts.out."""
-    from powerinfer_tools.stages import predictor_training
+    from powerinfer_tools.stages.predictors import predictor_training
 
     return predictor_training.train(_profile_dir(profile), opts)
 
@@ -51,7 +56,7 @@ def train_predictors(profile: ProfileDir | str | Path, opts: PredictorOptions) -
 def evaluate_predictors(profile: ProfileDir | str | Path, predictors: str | Path, opts: PredictorOptions,
                         report: str | Path | None = None) -> TrainedPredictors:
     """Measure an existing predictor directory on every row of a (separate, evaluation) profile."""
-    from powerinfer_tools.stages import predictor_training
+    from powerinfer_tools.stages.predictors import predictor_training
 
     return predictor_training.evaluate(_profile_dir(profile), Path(predictors), opts,
                                        Path(report) if report is not None else None)
@@ -60,7 +65,7 @@ def evaluate_predictors(profile: ProfileDir | str | Path, predictors: str | Path
 def plan(profile: str | Path, model: str | Path, opts: PlanOptions) -> PlanFiles:
     """Place a converted model's hottest neurons on the GPU within a VRAM budget (docs/placement.md) and write
     the gpu-index file (opts.out, default beside the model where PowerInfer looks) with its JSON summary."""
-    from powerinfer_tools.stages import placement
+    from powerinfer_tools.stages.placement import placement
 
     result = placement.plan_for_model(profile, model, opts.vram_budget_gib * placement.GIB, **opts.solver_options())
     return placement.write_plan(result, opts.out or placement.default_gpuidx_path(model))
@@ -68,7 +73,7 @@ def plan(profile: str | Path, model: str | Path, opts: PlanOptions) -> PlanFiles
 
 def convert(opts: ConvertOptions) -> Converted:
     """Write the PowerInfer GGUF of opts.model (+ predictors, thresholds, neuron order; docs/formats.md)."""
-    from powerinfer_tools.stages import conversion
+    from powerinfer_tools.stages.conversion import conversion
 
     summary = conversion.convert_model(opts.model, opts.out, outtype=opts.outtype.lower(),
                                        predictors_dir=opts.predictors, profile_dir=opts.profile,

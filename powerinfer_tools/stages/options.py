@@ -66,7 +66,7 @@ class ProfileOptions:
     seed: int = 0
     force: bool = False
     resume: bool = False
-    input_allocation: str = "none"  # input sparsity's thresholds (stages/input_sparsity.py): "uniform", "greedy"
+    input_allocation: str = "none"  # input sparsity's thresholds (stages/profiling/input_sparsity.py): "uniform", "greedy"
 
 
 @dataclass

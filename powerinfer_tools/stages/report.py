@@ -27,8 +27,8 @@ from matplotlib.ticker import MaxNLocator
 
 from powerinfer_tools.core.atomic import atomic_file
 from powerinfer_tools.core.errors import UserError
-from powerinfer_tools.stages.locality import COVERAGE_TARGETS, Locality, analyse, profile_verdict
-from powerinfer_tools.stages.placement import MIB, human_bytes
+from powerinfer_tools.stages.profiling.locality import COVERAGE_TARGETS, Locality, analyse, profile_verdict
+from powerinfer_tools.stages.placement.placement import MIB, human_bytes
 
 FIGSIZE = (7.5, 4.0)
 HOT_PCTS = (10, 20, 50)
@@ -279,7 +279,7 @@ def _read_json(path: Path, what: str) -> dict:
 def load_predictor_report(path: str | Path, profile: dict) -> dict:
     """train-predictor's report.json (a predictor directory, or the JSON file --evaluate --report writes),
     checked to be about the profiled model."""
-    from powerinfer_tools.stages.predictor_training import REPORT_FORMAT
+    from powerinfer_tools.stages.predictors.predictor_training import REPORT_FORMAT
 
     path = Path(path)
     if path.is_dir():

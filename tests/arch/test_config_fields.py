@@ -22,7 +22,7 @@ from tiny_models import make_tiny
 
 import powerinfer_engine as engine
 from powerinfer_tools.formats.gguf_io import open_reader
-from powerinfer_tools.stages.conversion import convert_model
+from powerinfer_tools.stages.conversion.conversion import convert_model
 
 VOCAB, N_TOKENS, N_PROMPT, N_GREEDY = 384, 300, 200, 32
 TOKENS = random_tokens(N_TOKENS, VOCAB, seed=7)

@@ -51,7 +51,7 @@ def llama_cpp_gguf(model_dir, dst):
 @pytest.fixture(scope="module")
 def family(tmp_path_factory):
     """family(**config) -> (model directory, its f32 file, its llama.cpp GGUF), of GEMMA3_LAYERS layers."""
-    from powerinfer_tools.stages.conversion import convert_model
+    from powerinfer_tools.stages.conversion.conversion import convert_model
 
     cache = {}
 

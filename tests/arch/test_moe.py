@@ -55,7 +55,7 @@ def llama_cpp_gguf(model_dir, dst, kind: str):
 @pytest.fixture(scope="module")
 def family(tmp_path_factory):
     """family(kind, outtype="f32", **config) -> (model directory, its converted file, its llama.cpp GGUF)."""
-    from powerinfer_tools.stages.conversion import convert_model
+    from powerinfer_tools.stages.conversion.conversion import convert_model
 
     sources, files = {}, {}
 

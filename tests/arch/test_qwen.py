@@ -56,7 +56,7 @@ def llama_cpp_gguf(model_dir, dst, kind: str):
 @pytest.fixture(scope="module")
 def family(tmp_path_factory):
     """family(kind, **config) -> (model directory, its f32 file, its llama.cpp GGUF)."""
-    from powerinfer_tools.stages.conversion import convert_model
+    from powerinfer_tools.stages.conversion.conversion import convert_model
 
     cache = {}
 

@@ -51,7 +51,7 @@ def test_llamacpp_file_holds_the_same_weights(tiny_model_dir, tmp_path, outtype,
     when the file's neurons are in the profile's order (neuron_order.py), its columns in that order."""
     import gguf
 
-    from powerinfer_tools.stages.conversion import encode
+    from powerinfer_tools.stages.conversion.conversion import encode
 
     model = str(tiny_model_dir("llama-silu"))
     profile = write_profile(tmp_path / "prof", power_law_counts(N_LAYER, N_FF), tokens=4096) if ordered else None
@@ -116,10 +116,10 @@ def test_cache_key_changes_with_the_converter_and_not_with_other_modules(tmp_pat
     key = converter_fingerprint(copy)
     assert key == converter_fingerprint(package)
     sources = {p.relative_to(copy).as_posix() for p in converter_sources(copy)}
-    assert {"stages/conversion.py", "bench/files.py", "formats/gguf_io.py", "formats/names.py",
+    assert {"stages/conversion/conversion.py", "bench/files.py", "formats/gguf_io.py", "formats/names.py",
             "formats/neuron_order.py", "formats/tokenizer.py", "models/source_weights.py", "models/arch/base.py",
-            "models/arch/llama_silu.py", "stages/predictor.py", "core/atomic.py"} <= sources
-    assert not {"cli/app.py", "cli/convert.py", "stages/placement.py", "bench/harness.py", "runtime/inference.py",
+            "models/arch/llama_silu.py", "stages/predictors/predictor.py", "core/atomic.py"} <= sources
+    assert not {"cli/app.py", "cli/convert.py", "stages/placement/placement.py", "bench/harness.py", "runtime/inference.py",
                 "stages/sparsification/run.py", "formats/describe.py"} & sources
 
     def edit(rel: str) -> str:
@@ -127,17 +127,17 @@ def test_cache_key_changes_with_the_converter_and_not_with_other_modules(tmp_pat
         path.write_text(path.read_text() + "\n# edited\n")
         return converter_fingerprint(copy)
 
-    for unrelated in ("cli/app.py", "stages/placement.py", "bench/harness.py", "runtime/inference.py"):
+    for unrelated in ("cli/app.py", "stages/placement/placement.py", "bench/harness.py", "runtime/inference.py"):
         assert edit(unrelated) == key, unrelated
-    for used in ("stages/conversion.py", "models/arch/llama_family.py", "formats/names.py", "core/errors.py"):
+    for used in ("stages/conversion/conversion.py", "models/arch/llama_family.py", "formats/names.py", "core/errors.py"):
         changed = edit(used)
         assert changed != key, used
         key = changed
     # an import added inside a converter function brings its module in
-    conversion = copy / "stages" / "conversion.py"
-    conversion.write_text(conversion.read_text() + "\n\ndef _plan():\n    from powerinfer_tools.stages import placement\n")
+    conversion = copy / "stages" / "conversion" / "conversion.py"
+    conversion.write_text(conversion.read_text() + "\n\ndef _plan():\n    from powerinfer_tools.stages.placement import placement\n")
     key = converter_fingerprint(copy)
-    assert edit("stages/placement.py") != key
+    assert edit("stages/placement/placement.py") != key
 
 
 def test_llamacpp_file_refuses_other_architectures(tiny_model_dir, tmp_path):
@@ -475,7 +475,7 @@ def test_bench_scores_every_row_on_the_ppl_file(silu_files, tmp_path):
     import powerinfer_engine as engine
 
     from powerinfer_tools.runtime.inference import perplexity
-    from powerinfer_tools.stages.calibration import sequences_from_text
+    from powerinfer_tools.stages.profiling.calibration import sequences_from_text
 
     model, files, work = silu_files
     opts = bench.BenchOptions(model=model, outtype="q8_0", threads=2, repeats=1, n_prompt=24, n_gen=8, batch=16,
@@ -569,7 +569,7 @@ def test_bench_times_the_input_modes_against_dense(tiny_model_dir, tmp_path, mon
 
     monkeypatch.setenv("PI_INPUT_KERNEL", "columns")
 
-    from powerinfer_tools.stages import input_sparsity
+    from powerinfer_tools.stages.profiling import input_sparsity
 
     model_dir = tiny_model_dir("llama-silu")
     hf, adapter = models.load_model(models.resolve(str(model_dir)))
@@ -644,7 +644,7 @@ def test_float32_source_that_cannot_fit_in_memory_is_refused(silu_files, tmp_pat
     """--sparsity loads the source model in float32 to calibrate, and the torch peer runs it: where its weights
     exceed the memory available, one line says so (and what to do instead) before anything is built, instead of
     the kernel killing the bench."""
-    from powerinfer_tools.stages import profiling
+    from powerinfer_tools.stages.profiling import profiling
 
     model = silu_files[0]
     need = profiling.weight_bytes(arch.for_config(models.load_config(models.resolve(model))), "float32")

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import powerinfer_engine as engine
-from powerinfer_tools.stages.profiling import partial_dir
+from powerinfer_tools.stages.profiling.profiling import partial_dir
 from tiny_models import DATA
 
 ROOT = Path(__file__).resolve().parents[2]

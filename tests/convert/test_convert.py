@@ -13,7 +13,7 @@ from convert_helpers import read_fields, read_tensors, write_predictors
 from safetensors.numpy import load_file
 from tiny_models import HIDDEN, KINDS, N_FF, N_HEAD, N_KV, N_LAYER, PROSPARSE_THRESHOLD
 
-from powerinfer_tools.stages.conversion import POWERINFER_DOWN_T_OUTTYPE, convert_model, summary_lines
+from powerinfer_tools.stages.conversion.conversion import POWERINFER_DOWN_T_OUTTYPE, convert_model, summary_lines
 from powerinfer_tools.formats.gguf_io import read_magic
 
 D_HEAD = HIDDEN // N_HEAD
@@ -296,7 +296,7 @@ def test_predictor_ranks_padded_where_quantizing_pays():
     """A rank that does not fill whole 32-value blocks is padded in q4_0/q8_0 files when the whole predictor
     (fc1 at q8_0 in a q4_0 file, fc2 quantized) is then smaller than unpadded with an f16 fc2; never past
     n_ff, never in f32/f16 files. SmolLM2's shapes (576, 1536) and ReluLLaMA-70B's cap."""
-    from powerinfer_tools.stages.conversion import stored_rank
+    from powerinfer_tools.stages.conversion.conversion import stored_rank
 
     assert [stored_rank(r, "q4_0", 576, 1536) for r in (4, 12, 13, 16, 32, 48, 125)] == [4, 12, 32, 32, 32, 64, 128]
     assert [stored_rank(r, "q8_0", 576, 1536) for r in (16, 19, 20, 24, 250)] == [16, 19, 32, 32, 256]
@@ -311,6 +311,6 @@ def test_predictor_ranks_padded_where_quantizing_pays():
                                         ("Q8_0", "Q8_0")])
 def test_the_converted_name_drops_the_sources_weight_type(stem, name):
     """A llama.cpp GGUF's file name carries its weight type, which a conversion to another type replaces."""
-    from powerinfer_tools.stages.conversion import model_name
+    from powerinfer_tools.stages.conversion.conversion import model_name
 
     assert model_name(Path(f"/models/{stem}.gguf")) == name

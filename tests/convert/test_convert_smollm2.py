@@ -12,7 +12,7 @@ from test_convert import block_bound, rope_rows
 from test_inspect import BYTES_PER_32
 
 from powerinfer_tools import models
-from powerinfer_tools.stages.conversion import convert_model
+from powerinfer_tools.stages.conversion.conversion import convert_model
 from powerinfer_tools.formats.gguf_io import open_reader
 
 pytestmark = pytest.mark.slow

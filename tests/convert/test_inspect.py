@@ -12,7 +12,7 @@ from convert_helpers import write_predictors
 from tiny_models import HIDDEN, N_FF, N_LAYER
 
 from powerinfer_tools.cli import main
-from powerinfer_tools.stages.conversion import convert_model
+from powerinfer_tools.stages.conversion.conversion import convert_model
 from powerinfer_tools.formats.gguf_io import set_pwri_magic
 
 # bytes per 32 values: ggml's block layouts (f16 scale + 32 int8, f16 scale + 16 bytes of nibbles)

@@ -14,8 +14,8 @@ from tiny_models import N_FF, N_LAYER
 
 import powerinfer_engine as engine
 from powerinfer_tools.formats import describe as pi_inspect
-from powerinfer_tools.stages import placement
-from powerinfer_tools.stages.conversion import convert_model
+from powerinfer_tools.stages.placement import placement
+from powerinfer_tools.stages.conversion.conversion import convert_model
 from powerinfer_tools.formats.gguf_io import open_reader
 
 TOKENS = random_tokens(24, 384, seed=3)

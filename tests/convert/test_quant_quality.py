@@ -18,7 +18,7 @@ import powerinfer_engine as engine
 from powerinfer_tools.formats.gguf_io import open_reader
 from powerinfer_tools.formats.tokenizer import tokenizer_from_file
 from powerinfer_tools.runtime.inference import perplexity
-from powerinfer_tools.stages.calibration import sequences_from_text
+from powerinfer_tools.stages.profiling.calibration import sequences_from_text
 
 pytestmark = pytest.mark.slow
 WINDOWS, CTX = 4, 512

@@ -13,7 +13,7 @@ from engine_helpers import random_tokens
 from tiny_models import HIDDEN, N_FF, N_LAYER
 
 import powerinfer_engine as engine
-from powerinfer_tools.stages.conversion import convert_model, summary_lines
+from powerinfer_tools.stages.conversion.conversion import convert_model, summary_lines
 
 
 def powerinfer_masks(path, x: np.ndarray) -> list[np.ndarray]:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from convert_helpers import write_predictors
-from powerinfer_tools.stages.profiling import partial_dir
+from powerinfer_tools.stages.profiling.profiling import partial_dir
 from cli_helpers import interrupt_profile_at_forward, run_cli
 from tiny_models import DATA, HIDDEN, N_FF, N_LAYER
 
@@ -96,7 +96,7 @@ def test_predictor_file(tiny_model_dir, tmp_path, capsys):
 
 
 def test_profile_checkpoint(tiny_model_dir, tmp_path, capsys, monkeypatch):
-    from powerinfer_tools.stages import profiling as profile_mod
+    from powerinfer_tools.stages.profiling import profiling as profile_mod
 
     monkeypatch.setattr(profile_mod, "CHECKPOINT_BATCHES", 2)
     restore = interrupt_profile_at_forward(monkeypatch, 4)  # Ctrl-C during the 4th forward, after a checkpoint

@@ -14,7 +14,7 @@ from tiny_models import N_LAYER, training_text
 import powerinfer_engine as engine
 from powerinfer_tools.runtime import evaluate, inference
 from powerinfer_tools import models
-from powerinfer_tools.stages.calibration import sequences_from_text
+from powerinfer_tools.stages.profiling.calibration import sequences_from_text
 from powerinfer_tools.formats.tokenizer import tokenizer_from_file
 
 PROMPT = "ROMEO: But soft, what light"

@@ -21,7 +21,7 @@ import powerinfer_engine as engine
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.formats import neuron_bundles
 from powerinfer_tools.formats.gguf_header import read_header
-from powerinfer_tools.stages.conversion import convert_model
+from powerinfer_tools.stages.conversion.conversion import convert_model
 
 MERGE_GAP_BYTES = 4 << 10  # csrc/model/disk_tier.cpp's kMergeGapBytes
 KEYS = {"tokens", "bytes", "reads", "cache_hits", "cache_misses", "io_wait_seconds", "resident_bytes", "budget_bytes",

@@ -23,7 +23,7 @@ import powerinfer_engine as engine
 from powerinfer_engine import kernels
 from powerinfer_tools.models import arch
 from powerinfer_tools import models
-from powerinfer_tools.stages.conversion import convert_model
+from powerinfer_tools.stages.conversion.conversion import convert_model
 
 KINDS = ["falcon", "falcon7b", "opt"]
 N_PROMPT, N_DECODE = 24, 6

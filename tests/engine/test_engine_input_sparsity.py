@@ -16,8 +16,8 @@ import powerinfer_engine as engine
 from powerinfer_engine import kernels
 from powerinfer_tools.formats import names
 from powerinfer_tools.formats.gguf_io import open_reader
-from powerinfer_tools.stages import input_sparsity
-from powerinfer_tools.stages.conversion import convert_model
+from powerinfer_tools.stages.profiling import input_sparsity
+from powerinfer_tools.stages.conversion.conversion import convert_model
 
 N_PROMPT, N_DECODE = 48, 16
 TOKENS = random_tokens(N_PROMPT + N_DECODE, 384, seed=3)

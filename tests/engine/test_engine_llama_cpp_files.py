@@ -16,7 +16,7 @@ from kquants import Q, quantize
 import powerinfer_engine as engine
 from powerinfer_tools.formats.tokenizer import tokenizer_from_file
 from powerinfer_tools.models import default_model
-from powerinfer_tools.stages.conversion import convert_model
+from powerinfer_tools.stages.conversion.conversion import convert_model
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ from tiny_models import HIDDEN, N_FF, N_HEAD, N_KV, N_LAYER, PROSPARSE_THRESHOLD
 
 import powerinfer_engine as engine
 from powerinfer_engine import kernels
-from powerinfer_tools.stages.conversion import convert_model
+from powerinfer_tools.stages.conversion.conversion import convert_model
 
 N_PROMPT, N_DECODE = 64, 16
 PREDICTOR_SPARSE_THRESHOLD = 6.0  # random predictors (write_predictors) select 5-25 % of the neurons above it

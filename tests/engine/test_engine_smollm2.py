@@ -10,7 +10,7 @@ import torch
 
 import powerinfer_engine as engine
 from powerinfer_tools import models
-from powerinfer_tools.stages.calibration import sequences_from_text
+from powerinfer_tools.stages.profiling.calibration import sequences_from_text
 from tiny_models import DATA
 from powerinfer_tools.formats.tokenizer import tokenizer_from_file
 

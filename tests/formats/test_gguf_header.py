@@ -14,7 +14,7 @@ from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.formats.gguf_header import read_header
 from powerinfer_tools.formats import neuron_order
 from powerinfer_tools.formats.gguf_io import field, open_reader
-from powerinfer_tools.stages import placement
+from powerinfer_tools.stages.placement import placement
 
 N_LAYER, N_FF, N_VOCAB = 2, 96, 32000
 TOKENS = "tokenizer.ggml.tokens"

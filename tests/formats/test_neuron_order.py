@@ -15,8 +15,8 @@ from tiny_models import HIDDEN, N_FF, N_LAYER
 
 import powerinfer_engine as engine
 from powerinfer_tools.formats import neuron_order
-from powerinfer_tools.stages import placement
-from powerinfer_tools.stages.conversion import convert_model
+from powerinfer_tools.stages.placement import placement
+from powerinfer_tools.stages.conversion.conversion import convert_model
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.formats.gguf_io import open_reader
 

@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoTokenizer, LlamaTokenizer
 
 from powerinfer_tools.formats import tokenizer
-from powerinfer_tools.stages.conversion import convert_model
+from powerinfer_tools.stages.conversion.conversion import convert_model
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.formats.light_tokenizer import SETTINGS_FILE
 from powerinfer_tools.formats.tokenizer import HF_JSON_KEY, tokenizer_from_file

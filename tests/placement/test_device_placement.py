@@ -1,4 +1,4 @@
-"""One placement on the device for the engine and the toolkit: powerinfer_tools.stages.device_placement, from a
+"""One placement on the device for the engine and the toolkit: powerinfer_tools.stages.placement.device_placement, from a
 converted file's header, places the same layers' attention, KV cache and hot rows, and counts the same bytes, as the
 engine does when it opens the file (csrc/backend/device_placement.cpp, through the emulated device library) at the
 same budget, context, batch size and KV cache type; on every architecture and several budgets, from all of it down
@@ -12,7 +12,7 @@ from tiny_models import FAMILY_KINDS, KINDS, N_FF, N_LAYER, QWEN_KINDS
 
 import powerinfer_engine as engine
 from powerinfer_tools.formats.gguf_header import read_header
-from powerinfer_tools.stages.device_placement import device_costs, place_on_device
+from powerinfer_tools.stages.placement.device_placement import device_costs, place_on_device
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def test_plan_reports_the_engines_placement_for_its_index(kind, converted, tmp_p
     engine opened with that index, budget and context puts them there."""
     from placement_fixtures import power_law_counts, write_profile
 
-    from powerinfer_tools.stages import placement
+    from powerinfer_tools.stages.placement import placement
     from powerinfer_tools.stages.options import DEFAULT_KV_TYPE
 
     monkeypatch.setenv("PI_EMULATED_DEVICE_MIB", "64")

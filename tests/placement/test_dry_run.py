@@ -14,9 +14,10 @@ from convert_helpers import write_predictors
 from placement_fixtures import power_law_counts, write_profile
 from tiny_models import FAMILY_KINDS, HIDDEN, KINDS, N_FF, N_LAYER, QWEN_KINDS
 
-from powerinfer_tools.stages import dry_run, options
-from powerinfer_tools.stages import placement
-from powerinfer_tools.stages.conversion import convert_model, encoded_nbytes
+from powerinfer_tools.stages.conversion import dry_run
+from powerinfer_tools.stages import options
+from powerinfer_tools.stages.placement import placement
+from powerinfer_tools.stages.conversion.conversion import convert_model, encoded_nbytes
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.formats.gguf_io import open_reader
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from placement_fixtures import N_EMBD, N_HEAD, N_KV, N_VOCAB, power_law_counts, write_model, write_profile
 
-from powerinfer_tools.stages import placement
+from powerinfer_tools.stages.placement import placement
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.formats.gguf_io import open_reader, read_magic
 

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from powerinfer_tools.stages.placement_solver import Instance, greedy, solve
+from powerinfer_tools.stages.placement.placement_solver import Instance, greedy, solve
 
 
 def exhaustive_optimum(inst: Instance, min_neurons=None, granularity: int = 1) -> float:

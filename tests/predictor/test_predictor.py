@@ -12,9 +12,9 @@ from sklearn.metrics import recall_score
 from cli_helpers import assert_one_line_error
 from cli_helpers import run_cli as run_pi_tools
 
-from powerinfer_tools.stages import predictor_training as tp
+from powerinfer_tools.stages.predictors import predictor_training as tp
 from powerinfer_tools.cli import main
-from powerinfer_tools.stages.predictor import (Predictor, read_predictor_dir, recall_at_density, threshold_for_recall)
+from powerinfer_tools.stages.predictors.predictor import (Predictor, read_predictor_dir, recall_at_density, threshold_for_recall)
 
 
 def run_cli(capsys, *args) -> tuple[int, str, str]:

@@ -21,8 +21,8 @@ from convert_helpers import read_fields
 from engine_helpers import converted, engine_prompt_then_decode, max_rel_err, random_tokens, rewrite  # noqa: F401
 from tiny_models import DATA, N_LAYER
 
-from powerinfer_tools.stages.predictor import density_budget, recall_at_density
-from powerinfer_tools.stages.usefulness import MAX_USEFUL_DENSITY, MIN_USEFUL_AUC
+from powerinfer_tools.stages.predictors.predictor import density_budget, recall_at_density
+from powerinfer_tools.stages.predictors.usefulness import MAX_USEFUL_DENSITY, MIN_USEFUL_AUC
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +102,7 @@ def test_auto_mode_leaves_out_a_layers_useless_predictor(tmp_path, converted):
 
 def test_convert_writes_which_predictors_are_useful(tiny_model_dir, tmp_path):
     from convert_helpers import write_predictors
-    from powerinfer_tools.stages.conversion import convert_model
+    from powerinfer_tools.stages.conversion.conversion import convert_model
 
     pred = write_predictors(tmp_path / "pred", N_LAYER, 64, 256)
     config = json.loads((pred / "config.json").read_text())

@@ -24,8 +24,8 @@ import tiny_models
 from cli_helpers import profiled, run_cli
 from tiny_models import DATA, make_tiny
 from powerinfer_tools.formats import names
-from powerinfer_tools.stages import input_sparsity as isp
-from powerinfer_tools.stages.profile_files import profile_digest
+from powerinfer_tools.stages.profiling import input_sparsity as isp
+from powerinfer_tools.stages.profiling.profile_files import profile_digest
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXT = DATA / "tinyshakespeare.txt"

@@ -1,4 +1,4 @@
-"""Input sparsity's calibration (stages/input_sparsity.py) on tiny models: the uniform allocation zeroes its share of
+"""Input sparsity's calibration (stages/profiling/input_sparsity.py) on tiny models: the uniform allocation zeroes its share of
 every site's inputs, the greedy one reaches each level's share of every layer's weights and moves the layers'
 outputs less than the uniform one; the table's file is checked; profile writes it and convert stores it with the
 transposed matrices, neuron order and all."""
@@ -16,7 +16,7 @@ from tiny_models import training_text
 
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.formats import names
-from powerinfer_tools.stages import input_sparsity as isp
+from powerinfer_tools.stages.profiling import input_sparsity as isp
 
 N_SITES = len(names.INPUT_SITES)
 

@@ -71,7 +71,7 @@ def reference_activations(kind: str, model, seqs: torch.Tensor, thresholds: list
 def test_every_calibration_text_is_in_the_sequences(tiny_model_dir):
     """Several texts give rows of each in turn: a first text long enough alone does not crowd out the others; one
     text gives its rows in order, as before."""
-    from powerinfer_tools.stages import calibration
+    from powerinfer_tools.stages.profiling import calibration
 
     tokenizer = models.load_tokenizer(models.resolve(str(tiny_model_dir("llama-relu"))))
     shakespeare = TEXT.read_text()[:40_000]
@@ -98,7 +98,7 @@ def test_profile_matches_independent_recomputation(kind, tiny_model_dir, tmp_pat
 
     source = models.resolve(str(model_dir))
     model, _ = models.load_model(source)
-    from powerinfer_tools.stages import calibration
+    from powerinfer_tools.stages.profiling import calibration
     seqs = calibration.sequences_from_text(models.load_tokenizer(source), [TEXT.read_text()], SEQ_LEN, TOKENS)
     assert profile["tokens"] == seqs.numel()
     masks, inputs = reference_activations(kind, model, seqs, profile["thresholds"])
@@ -191,7 +191,7 @@ def test_smollm2_profile_on_wikitext(tmp_path, capsys):
 
 
 def test_interrupted_profile_resumes_without_double_counting(tiny_model_dir, tmp_path, capsys, monkeypatch):
-    from powerinfer_tools.stages import profiling as profile_mod
+    from powerinfer_tools.stages.profiling import profiling as profile_mod
 
     model = str(tiny_model_dir("llama-silu"))
     args = ["profile", "-m", model, "--calib", str(TEXT), "--tokens", "1024", "--seq-len", "64", "--batch", "1",

@@ -149,7 +149,7 @@ def test_resumes_at_a_layer_boundary(tiny_model_dir, tmp_path, capsys, monkeypat
 
 
 def test_auto_loads_layer_by_layer_where_the_model_would_not_fit(tiny_model_dir, tmp_path, capsys, monkeypatch):
-    from powerinfer_tools.stages import profiling
+    from powerinfer_tools.stages.profiling import profiling
 
     model = tiny_model_dir("llama-relu")
     need = profiling.weight_bytes(profiling.arch_mod.for_config(

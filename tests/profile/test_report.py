@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from cli_helpers import run_cli
-from powerinfer_tools.stages import locality
+from powerinfer_tools.stages.profiling import locality
 from powerinfer_tools.cli import main
-from powerinfer_tools.stages.profiling import ProfileOptions, run_profile
+from powerinfer_tools.stages.profiling.profiling import ProfileOptions, run_profile
 
 LOCALITY_FIGURES = ("fig-cumulative", "fig-hot-coverage", "fig-sparsity")
 PREDICTOR_FIGURES = ("fig-predictor-quality", "fig-predictor-density")

@@ -8,8 +8,8 @@ import json
 from cli_helpers import run_cli
 from predictor_data import write_profile
 
-from powerinfer_tools.stages import predictor_training as tp
-from powerinfer_tools.stages.locality import analyse, profile_verdict
+from powerinfer_tools.stages.predictors import predictor_training as tp
+from powerinfer_tools.stages.profiling.locality import analyse, profile_verdict
 from powerinfer_tools.stages.report import locality_section
 
 

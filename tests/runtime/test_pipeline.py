@@ -10,7 +10,7 @@ import powerinfer_engine as engine
 from powerinfer_tools.formats import gguf_io
 from powerinfer_tools.runtime import inference
 from powerinfer_tools.runtime import default_build as pipeline
-from powerinfer_tools.stages import placement
+from powerinfer_tools.stages.placement import placement
 from powerinfer_tools.core.errors import UserError
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from powerinfer_tools import models
-from powerinfer_tools.stages.predictor import Predictor, PredictorDir
+from powerinfer_tools.stages.predictors.predictor import Predictor, PredictorDir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import predictor_rounding  # noqa: E402

@@ -20,7 +20,8 @@ from tiny_models import training_text
 from powerinfer_tools.models import arch
 from powerinfer_tools import models
 from powerinfer_tools.runtime import default_build as pipeline
-from powerinfer_tools.stages import calibration, sparsification as sparsify
+from powerinfer_tools.stages.profiling import calibration
+from powerinfer_tools.stages import sparsification as sparsify
 from powerinfer_tools.stages.sparsification import end_to_end, layer_local
 
 # a few seconds a run: 32-token sequences, 2 of them a step
@@ -99,7 +100,7 @@ def test_threshold_shift_writes_a_fatrelu_model_that_the_pipeline_runs(tiny_mode
 
 def test_threshold_search_keeps_the_largest_t_within_the_budget(monkeypatch):
     """Against an exhaustive reference on a known perplexity curve: ppl(t) = 10 (1 + t^2)."""
-    from powerinfer_tools.stages import threshold_shift as ts
+    from powerinfer_tools.stages.sparsification import threshold_shift as ts
 
     curve = lambda t: 10.0 * (1.0 + t * t)
     monkeypatch.setattr(ts, "_measure", lambda model, adapter, seqs, batch, t: (curve(t), 0.5 + t))

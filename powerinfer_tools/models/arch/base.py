@@ -171,7 +171,7 @@ class Arch:
 
     def input_modules(self, layer) -> dict[str, list[torch.nn.Module]]:
         """The layer's linear modules by the input they share, keyed by names.INPUT_SITES (q/k/v, the attention
-        output projection, gate/up, down): what input sparsity (stages/input_sparsity.py) zeroes the small
+        output projection, gate/up, down): what input sparsity (stages/profiling/input_sparsity.py) zeroes the small
         inputs of, one threshold per key."""
         raise NotImplementedError
 

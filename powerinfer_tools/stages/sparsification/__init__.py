@@ -12,7 +12,7 @@ follows a schedule that rises to the target (progressive regularisation) and the
 a run needs to stop and resume bit for bit; run.py runs it all.
 
 Last, ReLU's cut-off may be raised from 0 to the largest t that keeps perplexity within --shift-budget
-(stages/threshold_shift.py). The result is a Llama checkpoint: `hidden_act: relu`, which transformers loads as
+(stages/sparsification/threshold_shift.py). The result is a Llama checkpoint: `hidden_act: relu`, which transformers loads as
 it is, when no t helps (or --shift-budget 0); else ProSparse's FATReLU form (`hidden_act: fatrelu`,
 `hidden_act_param: t`). Every stage of the pipeline reads both (models/arch/llama_relu.py,
 models/arch/prosparse.py). A dReLU student is written in Bamboo's form (models/arch/bamboo.py), not shifted.

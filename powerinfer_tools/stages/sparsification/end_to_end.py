@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from powerinfer_tools.core.progress import progress_bar
 from powerinfer_tools.models import arch as arch_mod
-from powerinfer_tools.stages import data_parallel
+from powerinfer_tools.stages.sparsification import data_parallel
 from powerinfer_tools.stages.options import SparsifyOptions
 from powerinfer_tools.stages.sparsification import schedule
 from powerinfer_tools.stages.sparsification.state import Checkpointer, TrainState

@@ -22,7 +22,8 @@ from powerinfer_tools.models import arch as arch_mod
 from powerinfer_tools.models.arch.base import rope_theta
 from powerinfer_tools.models.arch.llama_family import LlamaFamily
 from powerinfer_tools.runtime import evaluate
-from powerinfer_tools.stages import calibration, data_parallel, threshold_shift
+from powerinfer_tools.stages.profiling import calibration
+from powerinfer_tools.stages.sparsification import data_parallel, threshold_shift
 from powerinfer_tools.stages import options as limits
 from powerinfer_tools.stages.options import SparsifyOptions
 from powerinfer_tools.stages.sparsification import end_to_end, layer_local

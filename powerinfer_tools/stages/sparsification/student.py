@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from powerinfer_tools.models.arch.bamboo import Bamboo
 from powerinfer_tools.models.arch.llama_family import LlamaFamily
-from powerinfer_tools.stages import threshold_shift
+from powerinfer_tools.stages.sparsification import threshold_shift
 
 ACTIVATIONS = ("relu", "drelu")
 

@@ -30,7 +30,7 @@ from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.core.safe_load import checked_tensor, load_pt
 from powerinfer_tools.stages import options as limits
 from powerinfer_tools.stages.options import PredictorOptions, TrainedPredictors
-from powerinfer_tools.stages.predictor import (Predictor, density_budget, layer_metrics, neuron_weights, recall_at_density,
+from powerinfer_tools.stages.predictors.predictor import (Predictor, density_budget, layer_metrics, neuron_weights, recall_at_density,
                                         threshold_for_recall, rank_at_fraction)
 
 MIN_RANK = 4
@@ -94,7 +94,7 @@ class ProfileDir:
         path = self.path / kind / f"{kind}_{layer}.pt"
         if not path.is_file():
             raise UserError(f"profile {self.path} is missing {kind}/{path.name}")
-        from powerinfer_tools.stages.profile_files import check_recorded
+        from powerinfer_tools.stages.profiling.profile_files import check_recorded
 
         check_recorded(self.path, f"{kind}/{path.name}", self.digests)
         vec = checked_tensor(load_pt(path, f"{kind} file"), str(path), f"the {kind} values", ndim=1, integers=True)
@@ -105,8 +105,8 @@ class ProfileDir:
 
 
 def read_profile(path: Path) -> ProfileDir:
-    from powerinfer_tools.stages.profile_files import check_thresholds
-    from powerinfer_tools.stages.profiling import load_profile
+    from powerinfer_tools.stages.profiling.profile_files import check_thresholds
+    from powerinfer_tools.stages.profiling.profiling import load_profile
 
     meta = load_profile(path)
     source = Path(path) / "profile.json"
@@ -141,7 +141,7 @@ def load_samples(profile: ProfileDir, layer: int) -> LayerSamples:
     from safetensors import SafetensorError
     from safetensors.numpy import load
 
-    from powerinfer_tools.stages.profile_files import check_recorded
+    from powerinfer_tools.stages.profiling.profile_files import check_recorded
 
     directory = profile.path / "samples" / f"layer_{layer}"
     shards = sorted(directory.glob("shard_*.safetensors")) if directory.is_dir() else []
@@ -449,7 +449,7 @@ def train_layers(profile: ProfileDir, layers: list[int], rank: int | None, setti
     Memory holds one layer's rows and the predictors being trained: a layer's choice goes to `store` at once and
     only its numbers stay (at 70B's widths, predictors at 10 % of the FFN are 22 GB in float32).
     `progress(layer, chosen, tried, growing)` is called after each layer and each growth step."""
-    from powerinfer_tools.stages.predictor import load_predictor, model_file, save_predictor
+    from powerinfer_tools.stages.predictors.predictor import load_predictor, model_file, save_predictor
 
     n_embd, n_ff = profile.n_embd, profile.n_ff
     check_rank(rank, n_embd)
@@ -562,7 +562,7 @@ def format_layers(layers: list[int]) -> str:
 def useless_warning(results: list[LayerResult], rows: str = "held-out") -> str | None:
     """One line naming the layers whose predictors predict nothing useful on the `rows` measured
     (predictor.is_useful), with their AUC and predicted vs true density, or None."""
-    from powerinfer_tools.stages.usefulness import MAX_USEFUL_DENSITY, MIN_USEFUL_AUC
+    from powerinfer_tools.stages.predictors.usefulness import MAX_USEFUL_DENSITY, MIN_USEFUL_AUC
 
     bad = [r for r in results if not r.metrics.get("useful", True)]
     if not bad:
@@ -681,7 +681,7 @@ def train(profile: ProfileDir, opts: PredictorOptions) -> TrainedPredictors:
     """Train one predictor per selected layer and write the directory: model_{i}.pt (PowerInfer's state dict),
     config.json (thresholds, ranks) and report.json, all at once (atomic_dir)."""
     from powerinfer_tools.core.atomic import atomic_dir, check_output_dir, output_lock
-    from powerinfer_tools.stages.predictor import write_config
+    from powerinfer_tools.stages.predictors.predictor import write_config
 
     selected, target_recall = _checked(profile, opts)
     out = Path(opts.out) if opts.out is not None else profile.path.with_name(profile.path.name + "-predictors")
@@ -719,7 +719,7 @@ def evaluate(profile: ProfileDir, predictors_dir: Path, opts: PredictorOptions,
     """Measure an existing predictor directory (ours or PowerInfer's published model_{i}.pt) on every row of
     the profile; with `report`, also write the metrics there as JSON."""
     from powerinfer_tools.core.atomic import atomic_file
-    from powerinfer_tools.stages.predictor import read_predictor_dir
+    from powerinfer_tools.stages.predictors.predictor import read_predictor_dir
 
     selected, _ = _checked(profile, opts)
     if report is not None and Path(report).is_dir():

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from powerinfer_tools.formats import names, neuron_order
-from powerinfer_tools.stages import device_placement, placement_solver
+from powerinfer_tools.stages.placement import device_placement, placement_solver
 from powerinfer_tools.core.atomic import atomic_file
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.stages import options as limits
@@ -154,7 +154,7 @@ def load_activation_counts(profile_dir: str | Path, n_ff: np.ndarray) -> list[np
     """Per-layer activation counts as float64, checked against the model's shape (profile.py's loader)."""
     import torch
 
-    from powerinfer_tools.stages.profiling import load_activation_counts as load_counts
+    from powerinfer_tools.stages.profiling.profiling import load_activation_counts as load_counts
 
     return [c.to(torch.float64).numpy() for c in load_counts(profile_dir, len(n_ff), [int(n) for n in n_ff])]
 

@@ -24,7 +24,7 @@ from powerinfer_tools.core.digests import check_file, file_sha256
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.models import arch as arch_mod
 from powerinfer_tools.models.layerwise import LayerInputs, LayerwiseModel
-from powerinfer_tools.stages.profile_files import (RESTART, checked_checkpoint, checked_shards, is_position,
+from powerinfer_tools.stages.profiling.profile_files import (RESTART, checked_checkpoint, checked_shards, is_position,
                                                    is_thresholds, save_checkpoint)
 
 CHECKPOINT = "layer_checkpoint.pt"

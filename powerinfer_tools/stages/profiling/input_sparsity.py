@@ -67,7 +67,7 @@ class InputThresholds:
     @classmethod
     def load(cls, directory: str | Path, n_layer: int) -> InputThresholds | None:
         """The profile's input thresholds, checked against the model; None when the profile has none."""
-        from powerinfer_tools.stages.profile_files import check_recorded
+        from powerinfer_tools.stages.profiling.profile_files import check_recorded
 
         path = Path(directory) / FILE
         if not path.is_file():

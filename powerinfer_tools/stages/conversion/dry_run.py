@@ -20,12 +20,12 @@ import numpy as np
 
 from powerinfer_tools.models import arch
 from powerinfer_tools import models
-from powerinfer_tools.stages import placement
-from powerinfer_tools.stages.conversion import (check_outtype, PlannedTensor, Predictors, add_header, encoded_nbytes, n_vocab_of, plan,
+from powerinfer_tools.stages.placement import placement
+from powerinfer_tools.stages.conversion.conversion import (check_outtype, PlannedTensor, Predictors, add_header, encoded_nbytes, n_vocab_of, plan,
                                      stored_rank)
 from powerinfer_tools.core.errors import UserError
 
-CONFIG_DIR = Path(__file__).parents[1] / "configs"
+CONFIG_DIR = Path(__file__).parents[2] / "configs"
 DEFAULT_OUTTYPES = ("f16", "q8_0", "q4_0")
 DEFAULT_PREDICTOR_FRACTION = 0.10  # train-predictor's --max-predictor-fraction default
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "vocab.json")
@@ -83,7 +83,7 @@ def load(spec: str) -> ConfigModel:
 def predictor_rank_cap(adapter: arch.Arch, fraction: float = DEFAULT_PREDICTOR_FRACTION) -> int:
     """The rank at which each layer's predictor has `fraction` of the parameters of its FFN block: the cap
     train-predictor's --max-predictor-fraction puts on predictors (the largest they get by default)."""
-    from powerinfer_tools.stages.predictor import rank_at_fraction
+    from powerinfer_tools.stages.predictors.predictor import rank_at_fraction
 
     dims = adapter.dims()
     return rank_at_fraction(dims.n_embd, dims.n_ff, adapter.gated, fraction)

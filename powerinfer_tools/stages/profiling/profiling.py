@@ -32,7 +32,7 @@ from powerinfer_tools.core.digests import bytes_sha256, check_file, file_sha256
 from powerinfer_tools.core.errors import UserError, write_failure
 from powerinfer_tools.core.safe_load import checked_tensor, load_pt
 from powerinfer_tools.stages.options import ProfileOptions
-from powerinfer_tools.stages.profile_files import (RESTART, check_profile_digest, check_recorded, check_thresholds,
+from powerinfer_tools.stages.profiling.profile_files import (RESTART, check_profile_digest, check_recorded, check_thresholds,
                                                    checked_checkpoint, checked_shards, is_position, is_thresholds,
                                                    profile_digest, recorded_digests, save_checkpoint, shard_name)
 
@@ -316,9 +316,9 @@ def _run_profile(opts: ProfileOptions) -> dict:
         raise UserError("--tokens, --seq-len (>1), --batch must be positive and --max-samples non-negative")
     if ctx is not None and seq_len > ctx:
         raise UserError(f"--seq-len {seq_len} is larger than the model's context length {ctx}")
-    from powerinfer_tools.stages import calibration  # with transformers: not for a reader of counts (plan)
+    from powerinfer_tools.stages.profiling import calibration  # with transformers: not for a reader of counts (plan)
 
-    from powerinfer_tools.stages import input_sparsity
+    from powerinfer_tools.stages.profiling import input_sparsity
 
     if opts.input_allocation not in (*input_sparsity.ALLOCATIONS, "none"):
         raise UserError(f"--input-allocation must be {', '.join(input_sparsity.ALLOCATIONS)} or none, got "
@@ -378,7 +378,7 @@ def _run_profile(opts: ProfileOptions) -> dict:
                                         checkpoint=lambda r, nxt: _save_checkpoint(work, r, nxt))
             done = (n_seq - plan["next_seq"]) * seq_len
         else:
-            from powerinfer_tools.stages import profile_layers
+            from powerinfer_tools.stages.profiling import profile_layers
 
             sampler = ThresholdSampler(dims.n_layer, seqs, opts.batch, opts.seed) if targets is not None else None
             thresholds, elapsed, layers_run = profile_layers.streamed_pass(
@@ -479,7 +479,7 @@ def choose_load(opts: ProfileOptions, adapter) -> str:
 def _fresh_plan(model, adapter, source, texts, seq_len, targets, opts) -> dict:
     """Calibration sequences, thresholds and the sampled row positions of a new profile. Without `model` (a profile
     layer by layer), the thresholds are placed layer by layer during the pass and are zeros here."""
-    from powerinfer_tools.stages import calibration
+    from powerinfer_tools.stages.profiling import calibration
 
     tokenizer = models.load_tokenizer(source)
     if texts:
@@ -541,7 +541,7 @@ def _resume_plan(work: Path, identity: dict, n_layer: int, n_ff: int) -> dict:
     plan = {"seqs": inputs["seqs"], "thresholds": inputs["thresholds"].tolist(), "chosen": inputs["chosen"].numpy(),
             "calibration": calib, "next_seq": 0, "next_layer": 0, "state": None}
     if identity["load"] == "layer":
-        from powerinfer_tools.stages import profile_layers
+        from powerinfer_tools.stages.profiling import profile_layers
 
         path = work / profile_layers.CHECKPOINT
         if path.is_file():

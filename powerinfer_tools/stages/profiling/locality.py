@@ -14,12 +14,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from powerinfer_tools.stages.profiling import load_activation_counts, load_profile, skew
-from powerinfer_tools.stages.usefulness import ENOUGH_SPARSITY
+from powerinfer_tools.stages.profiling.profiling import load_activation_counts, load_profile, skew
+from powerinfer_tools.stages.predictors.usefulness import ENOUGH_SPARSITY
 
 COVERAGE_TARGETS = (0.8, 0.9)   # activation shares for which we report the neurons needed
 # What the verdict calls locality: the hottest 10 % serving under a fifth of activations is close to none (10 %
-# is none). Enough sparsity is the predictors' rule (stages/usefulness.py).
+# is none). Enough sparsity is the predictors' rule (stages/predictors/usefulness.py).
 ENOUGH_HOT10 = 0.2
 
 

@@ -28,7 +28,7 @@ from powerinfer_tools.core.atomic import atomic_file
 from powerinfer_tools.core.errors import UserError, write_failure
 from powerinfer_tools.core.safe_load import load_pt
 from powerinfer_tools.formats.gguf_io import set_pwri_magic
-from powerinfer_tools.stages.input_sparsity import InputThresholds
+from powerinfer_tools.stages.profiling.input_sparsity import InputThresholds
 
 OUTTYPES = ("f32", "f16", "q8_0", "q4_0")
 # llama.cpp's names of the types the engine reads but does not compute with (docs/formats.md, "Weight types read")
@@ -80,7 +80,7 @@ class Predictors:
 
 def load_predictors(directory: str | Path, dims: arch.Dims) -> Predictors:
     """Check every layer's predictor against the model's shapes before anything is written."""
-    from powerinfer_tools.stages.predictor import check_state
+    from powerinfer_tools.stages.predictors.predictor import check_state
 
     directory = Path(directory)
     if not directory.is_dir():
@@ -144,7 +144,7 @@ def load_activation_thresholds(profile_dir: str | Path, n_layer: int) -> list[fl
     path = Path(profile_dir) / "profile.json"
     if not path.is_file():
         raise UserError(f"profile not found: {path}")
-    from powerinfer_tools.stages.profile_files import check_profile_digest, check_thresholds
+    from powerinfer_tools.stages.profiling.profile_files import check_profile_digest, check_thresholds
 
     try:
         profile = json.loads(path.read_text())
@@ -413,7 +413,7 @@ def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predic
                   powerinfer_compatible: bool = True, input_sparsity: bool = False) -> dict:
     """Write the PowerInfer GGUF of `model` (a --model spec) to `out_path`; returns a summary dict.
 
-    With `input_sparsity` and a profile with input thresholds (stages/input_sparsity.py), the file holds them and
+    With `input_sparsity` and a profile with input thresholds (stages/profiling/input_sparsity.py), the file holds them and
     the transposed copies input sparsity reads (INPUT_TRANSPOSED).
 
     Without `predictors_dir` the file has no fc1/fc2 tensors (dense / gate-only use of our engine). With
@@ -424,7 +424,7 @@ def convert_model(model: str, out_path: str | Path, outtype: str = "f16", predic
     import gguf
     from powerinfer_tools.core.progress import progress_bar
 
-    from powerinfer_tools.stages.profiling import has_activation_counts, load_activation_counts
+    from powerinfer_tools.stages.profiling.profiling import has_activation_counts, load_activation_counts
     from powerinfer_tools.models.source_weights import open_weights
     from powerinfer_tools.formats.tokenizer import write_vocab
 

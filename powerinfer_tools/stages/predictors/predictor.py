@@ -20,7 +20,7 @@ from torch import nn
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.core.safe_load import checked_tensor, load_pt
 from powerinfer_tools.formats import names
-from powerinfer_tools.stages.usefulness import MAX_USEFUL_DENSITY, MIN_USEFUL_AUC
+from powerinfer_tools.stages.predictors.usefulness import MAX_USEFUL_DENSITY, MIN_USEFUL_AUC
 
 CONFIG_FORMAT = "powerinfer-tools.predictors/1"
 STATE_KEYS = (names.weight(names.PREDICTOR_FC1), names.weight(names.PREDICTOR_FC2))  # PowerInfer's model_{i}.pt

@@ -205,6 +205,14 @@ speed)
         read -r name flags <<< "$run"
         [[ " $runs " == *" $name "* ]] || continue
         t0=$(date +%s)
+        # a hybrid budget's index solved without the plan's default reserve (256 MiB, more than 0.2 GiB), at the
+        # context the peers run at: the one gpu_peers.py hands PowerInfer too (once the bench's file is there)
+        files=$(ls -d "$W"/bench/*/ 2>/dev/null | head -1 || true)
+        if [[ $name == hybrid* ]] && [ -n "$files" ]; then
+            python3 -m powerinfer_tools plan -m "$files/model.powerinfer.gguf" --vram-budget "${flags##* }" \
+                --profile "$prof" --reserve-mib 0 --ctx-size 512 -o "$W/$name.gpuidx" > /dev/null
+            flags="$flags --gpuidx $W/$name.gpuidx"
+        fi
         # shellcheck disable=SC2086  # the flags split on purpose
         PI_CUDA_STEP_TIMES="$OUT/steps-$name.tsv" \
         python3 -m powerinfer_tools "${common[@]}" $flags --json-out "$OUT/bench-$name.json" --markdown "$OUT/bench-$name.md" \
@@ -215,7 +223,7 @@ speed)
     # the peers: PowerInfer's CUDA build (waited for while `all` builds it) on the bench's own two files
     peer="${PI_POWERINFER_MAIN:-$PEER_DIR/build/bin/main}"
     for _ in $(seq "${PEER_WAIT:-0}"); do [ -x "$peer" ] && break; sleep 1; done
-    files=$(ls -d "$W"/bench/*/ 2>/dev/null | head -1)
+    files=$(ls -d "$W"/bench/*/ 2>/dev/null | head -1 || true)
     if [ -x "$peer" ] && [ -n "$files" ]; then
         t0=$(date +%s)
         python3 scripts/gpu_peers.py --file "$files/model.powerinfer.gguf" --dense "$files/model.llamacpp.gguf" \

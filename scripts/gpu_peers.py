@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Ours against PowerInfer's CUDA build on the same card, file, prompt and threads (scripts/gpu_check.sh speed):
 per VRAM budget, `pi-tools run` with the hot tier on the device and PowerInfer's `main --vram-budget` on the same
-PowerInfer GGUF with the same gpu index beside it (`pi-tools plan` writes FILE.generated.gpuidx, where both look
-for it), and PowerInfer's `main -ngl N` on the dense llama.cpp GGUF of the same weights, N the most layers whose
+PowerInfer GGUF with the same gpu index beside it (`pi-tools plan --reserve-mib 0` writes FILE.generated.gpuidx,
+where both look for it), and PowerInfer's `main -ngl N` on the dense llama.cpp GGUF of the same weights, N the most layers whose
 weights and KV cache fit the same budget (llama.cpp's layer offload); ours on the CPU alone as the base. Both
 programs print llama.cpp's timings (scripts/bench_powerinfer.py reads them). Each row is appended to
 OUT/peers.jsonl as it finishes, so that a run cut short keeps what it measured; gpu_speed_table.py prints them.
@@ -92,9 +92,10 @@ def main() -> None:
     for r in range(args.rounds):
         for name, budget, cmd, env in rows:
             if budget is not None:  # the index for this budget, beside the file for both programs
+                # without the plan's default reserve (256 MiB: more than 0.2 GiB), at the runs' context
                 subprocess.run([sys.executable, "-m", "powerinfer_tools", "plan", "-m", str(args.file),
-                                "--vram-budget", str(budget), "--profile", str(args.profile), "-o", str(index)],
-                               check=True, capture_output=True)
+                                "--vram-budget", str(budget), "--profile", str(args.profile), "--reserve-mib", "0",
+                                "--ctx-size", str(args.ctx), "-o", str(index)], check=True, capture_output=True)
             try:
                 rates = run(cmd, env)
                 record(args.out, {"row": name, "round": r, "pp": rates.get("pp"), "tg": rates["tg"]})

@@ -81,7 +81,7 @@ double hot_layer_bytes(const HParams &hp, const Layer &L, const FfnTier &T) {
 
 double hot_scratch_bytes(const HParams &hp, int64_t n_batch, int64_t rows) {
     const double E = double(hp.n_embd), B = double(n_batch);
-    return B * E * 4 * 2 + B * (E / QK) * sizeof(BlockQ8_0) + B * double(rows) * 4 + 16;
+    return B * E * 4 * 2 + B * (E / QK) * sizeof(BlockQ8_0) + B * double(rows) * 4 + double(device::kJobCountersBytes);
 }
 
 DevicePlacement place_on_device(const pi_device_tier_desc &desc, const Model &model, double budget,

@@ -979,6 +979,11 @@ pi_device_tier *tier_create(const pi_device_tier_desc *desc, char *err, size_t l
     t->desc.rope_cos = t->desc.rope_sin = nullptr;  // the host's, read here only
     if (const char *path = std::getenv("PI_CUDA_STEP_TIMES")) t->steps.path = path;
     const size_t out_bytes = sizeof(Counters) + t->x_bytes();
+    if (size_t(desc->n_layer) * sizeof(Counters) > t->x_bytes()) {  // the layers' counters share the output rows
+        say(err, len, "a batch too small to hold every layer's counters (n_batch * n_embd * 4 < n_layer * 24)");
+        delete t;
+        return nullptr;
+    }
     bool ok = !failed(cudaStreamCreateWithFlags(&t->stream, cudaStreamNonBlocking), "creating a stream", err, len) &&
               !failed(cudaEventCreate(&t->started), "creating an event", err, len) &&
               !failed(cudaEventCreate(&t->finished), "creating an event", err, len) &&

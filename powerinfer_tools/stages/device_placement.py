@@ -26,6 +26,7 @@ Q8_0_BLOCK_BYTES = 34
 COMPUTED_TYPES = {"F32", "F16", "Q4_0", "Q8_0"}  # what the device's kernels read (tier_math.h)
 ENGINE_DEFAULT_BATCH = 64  # csrc/engine/engine.cpp kDefaultBatch
 KV_ELEMENT_BYTES = {"f32": 4, "f16": 2}
+JOB_COUNTERS_BYTES = 24  # tier_math.h kJobCountersBytes: a job's counters of neurons and rows read
 _ATTENTION_PART = re.compile(r"^blk\.(\d+)\.(attn_norm|attn_norm_2|ffn_norm|attn_q|attn_k|attn_v|attn_qkv|attn_output)"
                              r"\.(weight|bias)$")
 _FFN_PART = re.compile(r"^blk\.(\d+)\.(ffn_gate|ffn_up|ffn_down_t)\.(weight|bias)$")
@@ -70,7 +71,7 @@ class DeviceShape:
     def hot_scratch_bytes(self, rows: int) -> float:
         """device_placement.cpp's hot_scratch_bytes for the largest hot tier of `rows` neurons."""
         b, e = self.n_batch, self.n_embd
-        return b * e * 4 * 2 + b * (e / QK) * Q8_0_BLOCK_BYTES + b * rows * 4 + 16
+        return b * e * 4 * 2 + b * (e / QK) * Q8_0_BLOCK_BYTES + b * rows * 4 + JOB_COUNTERS_BYTES
 
 
 @dataclass(frozen=True)

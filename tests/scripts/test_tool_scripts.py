@@ -71,7 +71,7 @@ echo "llama_print_timings:        eval time =     400.00 ms /    31 runs" >&2
     rows = [json.loads(line) for line in (out / "peers.jsonl").read_text().splitlines()]
     assert [r["row"] for r in rows] == ["ours cpu predictor", "ours hybrid 0.175", "powerinfer 0.175",
                                         "powerinfer -ngl 1 dense 0.175", "ours hybrid 0.087", "powerinfer 0.087",
-                                        "powerinfer -ngl 0 dense 0.087"], rows
+                                        "powerinfer -ngl 1 dense 0.087"], rows
     assert all(r["tg"] > 0 for r in rows), rows
     assert [r["tg"] for r in rows if r["row"].startswith("powerinfer")] == [31 / 0.4] * 4
     argv = calls.read_text().splitlines()

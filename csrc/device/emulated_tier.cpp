@@ -418,14 +418,22 @@ int32_t head_run(pi_device_tier *t, const pi_device_head_job *job, pi_device_cou
     return 0;
 }
 
+// Why a whole or split layer cannot run on the stream (its uploads, the stream it continues, a split begun), or "".
+std::string refuse_stream_layer(const pi_device_tier *t, int32_t layer, const float *x_in) {
+    const pi_device_tier::Attention &A = t->attention[size_t(layer)];
+    if (!A.uploaded || !A.view.ffn_norm_w || !t->layers[size_t(layer)].uploaded)
+        return "layer " + std::to_string(layer) + "'s attention, FFN norm and hot rows were not all uploaded";
+    if (!x_in && !t->stream_ready) return "no stream on the device to continue";
+    if (t->split_pending) return "a split layer was begun and not ended";
+    return "";
+}
+
 int32_t layer_run(pi_device_tier *t, const pi_device_layer_job *job, char *err, size_t len) {
     if (!t) return say(err, len, "bad layer job");
     if (const char *why = device::refuse_layer_job(job, t->desc)) return say(err, len, why);
+    const std::string why = refuse_stream_layer(t, job->layer, job->x_in);
+    if (!why.empty()) return say(err, len, why);
     const pi_device_tier::Attention &A = t->attention[size_t(job->layer)];
-    if (!A.uploaded || !A.view.ffn_norm_w || !t->layers[size_t(job->layer)].uploaded)
-        return say(err, len, "layer " + std::to_string(job->layer) + "'s attention, FFN norm and hot rows were not all uploaded");
-    if (!job->x_in && !t->stream_ready) return say(err, len, "no stream on the device to continue");
-    if (t->split_pending) return say(err, len, "a split layer was begun and not ended");
     if (t->worker.joinable()) t->worker.join();  // a hot job left unwaited: finished first
     const auto t0 = std::chrono::steady_clock::now();
     const int64_t E = t->desc.n_embd, n = int64_t(job->n_tok) * E;
@@ -479,13 +487,11 @@ int32_t predictor_upload(pi_device_tier *t, const pi_device_predictor *p, int32_
 int32_t split_begin(pi_device_tier *t, const pi_device_split_job *job, char *err, size_t len) {
     if (!t) return say(err, len, "bad split job");
     if (const char *why = device::refuse_split_job(job, t->desc)) return say(err, len, why);
-    const pi_device_tier::Attention &A = t->attention[size_t(job->layer)];
-    if (!A.uploaded || !A.view.ffn_norm_w || !t->layers[size_t(job->layer)].uploaded)
-        return say(err, len, "layer " + std::to_string(job->layer) + "'s attention, FFN norm and hot rows were not all uploaded");
+    const std::string why = refuse_stream_layer(t, job->layer, job->x_in);
+    if (!why.empty()) return say(err, len, why);
     if (job->hot_mode == PI_DEVICE_HOT_PREDICTOR && !t->predictors[size_t(job->layer)].uploaded)
         return say(err, len, "layer " + std::to_string(job->layer) + "'s predictor was not uploaded");
-    if (!job->x_in && !t->stream_ready) return say(err, len, "no stream on the device to continue");
-    if (t->split_pending) return say(err, len, "a split layer was begun and not ended");
+    const pi_device_tier::Attention &A = t->attention[size_t(job->layer)];
     if (t->worker.joinable()) t->worker.join();  // a hot job left unwaited: finished first
     t->split_started = std::chrono::steady_clock::now();
     const int64_t E = t->desc.n_embd, n = int64_t(job->n_tok) * E;

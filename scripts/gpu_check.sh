@@ -5,7 +5,7 @@
 #   scripts/gpu_check.sh prepare   here, before a device run: copies what the device machine lacks into .gpu/
 #                                  (git-ignored): the gguf wheel (its image has no gguf-py), the calibration
 #                                  text the synthetic model's tokenizer is trained on (../shared does not travel),
-#                                  and `prepare-peer`
+#                                  with PI_POWERINFER_SRC cmake's wheel (for the peer's build), and `prepare-peer`
 #   scripts/gpu_check.sh prepare-peer  PI_POWERINFER_SRC=DIR (a PowerInfer checkout, SJTU-IPADS/PowerInfer at
 #                                  d3ebd7c): packs its source, without models/, smallthinker/ and .git, into
 #                                  .gpu/powerinfer-src.tar.gz with its commit beside (GPU_DIR overrides .gpu);
@@ -66,9 +66,13 @@ mkdir -p "$OUT"
 
 setup_device_machine() {
     # the wheels carried in .gpu/whl, the calibration text where the scripts look for it
+    # once a machine: a step running beside another (the peer's build) keeps the files it runs from
     if ls .gpu/whl/*.whl >/dev/null 2>&1; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl
-        export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+        if [ ! -f /tmp/site/.gpu-wheels ]; then
+            python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+                .gpu/whl/*.whl && touch /tmp/site/.gpu-wheels
+        fi
+        export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PATH="$PATH:/tmp/site/bin"  # cmake's, after the system's"
     fi
     if [ -d .gpu/data ] && [ ! -d ../shared/data ]; then mkdir -p ../shared && cp -r .gpu/data ../shared/data; fi
     # the binding is imported as powerinfer_engine (an install maps engine/ to that name; this checkout is not
@@ -90,6 +94,10 @@ prepare)
     gguf_version=$("$python" -c "import importlib.metadata as m; print(m.version('gguf'))")
     "$python" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d .gpu/whl "gguf==$gguf_version"
     for f in wikitext-2-valid.txt tinyshakespeare.txt; do cp ../shared/data/$f .gpu/data/; done
+    if [ -n "${PI_POWERINFER_SRC:-}" ]; then  # the peer's build wants cmake, which the device image may lack
+        "$python" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+            --platform manylinux2014_x86_64 -d .gpu/whl cmake
+    fi
     "$0" prepare-peer
     du -sh .gpu
     ;;
@@ -102,7 +110,9 @@ prepare-peer)
     mkdir -p "$GPU_DIR"
     tar -C "$PI_POWERINFER_SRC" --exclude=./models --exclude=./smallthinker --exclude=./.git --exclude=./build \
         -czf "$GPU_DIR/powerinfer-src.tar.gz.tmp" . && mv "$GPU_DIR/powerinfer-src.tar.gz.tmp" "$GPU_DIR/powerinfer-src.tar.gz"
-    (git -C "$PI_POWERINFER_SRC" rev-parse HEAD 2>/dev/null || echo unknown) > "$GPU_DIR/powerinfer.commit"
+    # its commit: the checkout's, or PI_POWERINFER_COMMIT for a source tree without .git
+    (git -C "$PI_POWERINFER_SRC" rev-parse HEAD 2>/dev/null || echo "${PI_POWERINFER_COMMIT:-unknown}") \
+        > "$GPU_DIR/powerinfer.commit"
     echo "peer source: $(cat "$GPU_DIR/powerinfer.commit"), $(du -h "$GPU_DIR/powerinfer-src.tar.gz" | cut -f1)"
     ;;
 peer-build)
@@ -124,7 +134,7 @@ build)
 smoke)
     setup_device_machine
     smoke=(python3 -X faulthandler -m pytest -x -q -p no:cacheprovider -m gpu -k cuda
-           tests/engine/test_device_library_boundary.py
+           tests/engine/test_device_library_boundary.py tests/engine/test_engine_device_split.py
            "tests/engine/test_engine_device.py::test_the_device_tier_gives_the_cpu_logits[cuda-llama-relu-f32-attention]"
            "tests/engine/test_engine_device.py::test_greedy_tokens_agree_over_64_steps[cuda-llama-relu-q8_0]"
            "tests/engine/test_engine_device.py::test_greedy_tokens_agree_over_64_steps[cuda-llama-relu-q4_0]")
@@ -152,6 +162,7 @@ all)
     start=$(date +%s)
     log() { echo "[$(( $(date +%s) - start )) s] $*" | tee -a "$OUT/progress.txt"; }
     : > "$OUT/progress.txt"
+    setup_device_machine > /dev/null  # the wheels (cmake's among them) in place before the peer's build starts
     if [ -f "$GPU_DIR/powerinfer-src.tar.gz" ]; then  # the peer's build beside ours, its own log
         log "peer-build started ($(cat "$GPU_DIR/powerinfer.commit" 2>/dev/null))"
         ( if timeout 400 "$0" peer-build > "$OUT/peer-build.out" 2>&1; then log "peer-build done"

@@ -30,7 +30,8 @@ def placement(gpu: dict) -> str:
 
 def step_times(path: Path) -> list[str]:
     """The device's decode steps (PI_CUDA_STEP_TIMES: step, times, total µs a line, summed over the bench's
-    engines): per generated token (one `head` step each) and per occurrence."""
+    engines): per generated token (one `head` step each) and per occurrence. A split layer's `h2d_cold` runs from
+    its hot rows' end to its cold output's arrival: the host's cold tier is in it, and the device idle there."""
     totals: dict[str, list[float]] = {}
     for line in path.read_text().splitlines():
         name, times, micros = line.split("\t")

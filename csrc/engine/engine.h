@@ -111,9 +111,10 @@ private:
     bool device_layer(int64_t il) const;
     // Whether layer il runs split: its attention and hot rows on the device, its cold tier here, no down bias, no
     // FFN post-norm, no input sparsity (DeviceTierBackend::splits); and running it (docs/engine.md, "A split
-    // layer"), the stream coming from the device or going back to the host as `in` and `out` say.
+    // layer"), the stream coming from the device or going back to the host as `in` and `out` say; returns the
+    // seconds its cold tier took here (its phases' time, not attention's).
     bool split_layer(int64_t il) const;
-    void split(int64_t il, int64_t n_tok, TierMode cold_mode, bool in, bool out);
+    double split(int64_t il, int64_t n_tok, TierMode cold_mode, bool in, bool out);
     // The device's whole and split layers' counts into the stats and the policy, once their stream has come back.
     void take_device_layers(int64_t n_tok);
     void output(int64_t n_tok, float *logits, int64_t ld_logits);

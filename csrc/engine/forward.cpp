@@ -37,17 +37,18 @@ void Engine::forward(const int32_t *tokens, int64_t n_tok, float *logits, int64_
             const bool in = il == 0 || !streams(il - 1);
             const bool out = il + 1 < hp_.n_layer ? !streams(il + 1) : !(want_logits && device_->heads());
             float *x = rs_->x.data();
+            double cold_seconds = 0;  // a split layer's cold tier: its phases' own time
             if (device_layer(il)) {
                 device_->layer(il, n_tok, rs_->n_past, FfnPolicy::hot_mode(cold_mode) == TierMode::Dense,
                                in ? x : nullptr, out ? x : nullptr);
                 if (n_tok == 1) stats_.layers[size_t(il)].kernel_changes += double(policy_.decode_step(il, cold_mode));
             } else {
-                split(il, n_tok, cold_mode, in, out);
+                cold_seconds = split(il, n_tok, cold_mode, in, out);
             }
             device_layer_modes_[size_t(il)] = cold_mode;
             stream_on_device_ = !out;
             if (out) take_device_layers(n_tok);
-            stats_.times.attention += seconds_since(t0);
+            stats_.times.attention += seconds_since(t0) - cold_seconds;
             continue;
         }
         attention(il, n_tok, cold_mode);
@@ -369,7 +370,7 @@ TierJob Engine::cold_job(int64_t il, int64_t n_tok, TierMode cold_mode, float do
 // its norm down (the cold tier's operand, the predictor's input) while its hot rows start; the cold tier runs here
 // meanwhile; its output goes up and the device adds both tiers' to the stream. In predictor mode the device's
 // hot rows are the ones the layer's predictor selects (PowerInfer's split), as every neuron is on the CPU alone.
-void Engine::split(int64_t il, int64_t n_tok, TierMode cold_mode, bool in, bool out) {
+double Engine::split(int64_t il, int64_t n_tok, TierMode cold_mode, bool in, bool out) {
     const Layer &L = model_->layers()[size_t(il)];
     RunState &s = *rs_;
     const TierMode hot = FfnPolicy::hot_mode(cold_mode);
@@ -379,11 +380,14 @@ void Engine::split(int64_t il, int64_t n_tok, TierMode cold_mode, bool in, bool 
     float *x = s.x.data();
     device_->split_begin(il, n_tok, s.n_past, hot_mode, in ? x : nullptr, x, s.xn.data());
     s.op_xn.q_ready = false;
+    const auto t0 = Clock::now();
     const TierJob job = cold_job(il, n_tok, cold_mode, -1.0f);
     const TierCounts cold = cold_->run(job);
     if (n_tok > 1) model_->release_grouped_rows(il, !reads_gate_whole(cold_mode), !reads_up_whole(cold_mode));
+    const double cold_seconds = seconds_since(t0);
     device_->split_end(s.y_cold.data(), out ? x : nullptr);
     split_cold_[size_t(il)] = SplitCold{true, cold, job.n_probe};
+    return cold_seconds;
 }
 
 bool Engine::split_layer(int64_t il) const {

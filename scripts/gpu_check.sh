@@ -3,13 +3,23 @@
 # tier"): a peer check, never needed by CI, which compiles the CUDA library but has no device.
 #
 #   scripts/gpu_check.sh prepare   here, before a device run: copies what the device machine lacks into .gpu/
-#                                  (git-ignored): the gguf wheel (its image has no gguf-py) and the calibration
-#                                  text the synthetic model's tokenizer is trained on (../shared does not travel)
-#   scripts/gpu_check.sh all       on the device machine (carry .gpu), ONE call of at most 10 minutes: `build`,
-#                                  `smoke` (it stops there on a crash or a hang), `tests`, then `speed`, each under a
-#                                  time limit of its own (3 minutes, 1, 3, what is left of 9.5), appending what it
+#                                  (git-ignored): the gguf wheel (its image has no gguf-py), the calibration
+#                                  text the synthetic model's tokenizer is trained on (../shared does not travel),
+#                                  with PI_POWERINFER_SRC cmake's wheel (for the peer's build), and `prepare-peer`
+#   scripts/gpu_check.sh prepare-peer  PI_POWERINFER_SRC=DIR (a PowerInfer checkout, SJTU-IPADS/PowerInfer at
+#                                  d3ebd7c): packs its source, without models/, smallthinker/ and .git, into
+#                                  .gpu/powerinfer-src.tar.gz with its commit beside (GPU_DIR overrides .gpu);
+#                                  nothing fetched is committed. Unset: says the peer rows will be missing
+#   scripts/gpu_check.sh all       on the device machine (carry .gpu), ONE call of at most 10 minutes: `peer-build`
+#                                  started in the background, `build` (ours), `smoke` (it stops there on a crash or a
+#                                  hang: it needs our CUDA library, so it follows our build), `tests`, then `speed`
+#                                  (which waits for the peer's build before its peer rows), each under a time limit
+#                                  of its own (150 s, 60, 150, what is left of 9.5 minutes), appending what it
 #                                  finished to $OUT/progress.txt as it goes, so that a call cut short still says
 #                                  how far it got and what it measured (ALL_SECONDS: the whole budget, 570)
+#   scripts/gpu_check.sh peer-build  PowerInfer's `main` with CUDA (-DLLAMA_CUBLAS=ON) for the card's architecture
+#                                  alone, from .gpu/powerinfer-src.tar.gz into $PEER_DIR (/tmp/powerinfer):
+#                                  $PEER_DIR/build/bin/main; its log $OUT/peer-build.log
 #   scripts/gpu_check.sh smoke     (after build) seconds: tiny models opened and decoded on the CPU and on CUDA (f32,
 #                                  q8_0, q4_0; the device ABI called directly); a crash is rerun under cuda-gdb for
 #                                  its backtrace ($OUT/smoke.log, $OUT/backtrace.txt)
@@ -27,7 +37,13 @@
 #                                  without them ($OUT/speed.txt, the bench's tables; the
 #                                  device's steps timed by CUDA events: $OUT/steps-NAME.tsv, PI_CUDA_STEP_TIMES);
 #                                  SHAPE overrides 7b (tests/scripts runs it at SHAPE=tiny), WORK /tmp/gpu_speed,
-#                                  RUNS the placements (cpu hybrid gpu4 gpu8 gpu8-ffn-only)
+#                                  RUNS the placements (default cpu hybrid hybrid02; gpu4 gpu8 gpu8-ffn-only too);
+#                                  hybrid is 0.4 GiB at 4 layers (about three quarters of the file), hybrid02 half
+#                                  of it; then scripts/gpu_peers.py where PowerInfer's main was built
+#                                  (PI_POWERINFER_MAIN overrides $PEER_DIR/build/bin/main): at both budgets ours
+#                                  and PowerInfer's CUDA build on the same file and index, its -ngl layer offload
+#                                  of the dense file, ours on the CPU alone (PEER_ROUNDS rounds, default 1), all
+#                                  into $OUT/speed.txt as each row finishes
 #   scripts/gpu_check.sh sparsify  on the device machine: `pi-tools sparsify --device cuda` on a random-weight SiLU
 #                                  Llama of 1.2B parameters (the 2b shape; its speed does not depend on the weights),
 #                                  both phases' tokens/s, peak GPU memory, hours for 1B end-to-end tokens
@@ -44,13 +60,19 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 what="${1:-}"
 OUT="${OUT:-build/gpu_check}"
+GPU_DIR="${GPU_DIR:-.gpu}"
+PEER_DIR="${PEER_DIR:-/tmp/powerinfer}"
 mkdir -p "$OUT"
 
 setup_device_machine() {
     # the wheels carried in .gpu/whl, the calibration text where the scripts look for it
+    # once a machine: a step running beside another (the peer's build) keeps the files it runs from
     if ls .gpu/whl/*.whl >/dev/null 2>&1; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl
-        export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+        if [ ! -f /tmp/site/.gpu-wheels ]; then
+            python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+                .gpu/whl/*.whl && touch /tmp/site/.gpu-wheels
+        fi
+        export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PATH="$PATH:/tmp/site/bin"  # cmake's, after the system's"
     fi
     if [ -d .gpu/data ] && [ ! -d ../shared/data ]; then mkdir -p ../shared && cp -r .gpu/data ../shared/data; fi
     # the binding is imported as powerinfer_engine (an install maps engine/ to that name; this checkout is not
@@ -72,7 +94,36 @@ prepare)
     gguf_version=$("$python" -c "import importlib.metadata as m; print(m.version('gguf'))")
     "$python" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d .gpu/whl "gguf==$gguf_version"
     for f in wikitext-2-valid.txt tinyshakespeare.txt; do cp ../shared/data/$f .gpu/data/; done
+    if [ -n "${PI_POWERINFER_SRC:-}" ]; then  # the peer's build wants cmake, which the device image may lack
+        "$python" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+            --platform manylinux2014_x86_64 -d .gpu/whl cmake
+    fi
+    "$0" prepare-peer
     du -sh .gpu
+    ;;
+prepare-peer)
+    if [ -z "${PI_POWERINFER_SRC:-}" ]; then
+        echo "PI_POWERINFER_SRC is unset: no peer source packed (speed's PowerInfer rows will be missing)"
+        exit 0
+    fi
+    [ -f "$PI_POWERINFER_SRC/CMakeLists.txt" ] || { echo "$PI_POWERINFER_SRC: not a PowerInfer checkout (no CMakeLists.txt)"; exit 1; }
+    mkdir -p "$GPU_DIR"
+    tar -C "$PI_POWERINFER_SRC" --exclude=./models --exclude=./smallthinker --exclude=./.git --exclude=./build \
+        -czf "$GPU_DIR/powerinfer-src.tar.gz.tmp" . && mv "$GPU_DIR/powerinfer-src.tar.gz.tmp" "$GPU_DIR/powerinfer-src.tar.gz"
+    # its commit: the checkout's, or PI_POWERINFER_COMMIT for a source tree without .git
+    (git -C "$PI_POWERINFER_SRC" rev-parse HEAD 2>/dev/null || echo "${PI_POWERINFER_COMMIT:-unknown}") \
+        > "$GPU_DIR/powerinfer.commit"
+    echo "peer source: $(cat "$GPU_DIR/powerinfer.commit"), $(du -h "$GPU_DIR/powerinfer-src.tar.gz" | cut -f1)"
+    ;;
+peer-build)
+    [ -f "$GPU_DIR/powerinfer-src.tar.gz" ] || { echo "no $GPU_DIR/powerinfer-src.tar.gz (prepare-peer)"; exit 1; }
+    rm -rf "$PEER_DIR" && mkdir -p "$PEER_DIR"
+    tar -C "$PEER_DIR" -xzf "$GPU_DIR/powerinfer-src.tar.gz"
+    arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d . || true)
+    { cmake -S "$PEER_DIR" -B "$PEER_DIR/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CUBLAS=ON \
+          -DCMAKE_CUDA_ARCHITECTURES="${arch:-90}" \
+      && cmake --build "$PEER_DIR/build" --target main -j "${PEER_JOBS:-8}"; } > "$OUT/peer-build.log" 2>&1 \
+        || { tail -30 "$OUT/peer-build.log"; exit 1; }
     ;;
 build)
     setup_device_machine
@@ -83,7 +134,7 @@ build)
 smoke)
     setup_device_machine
     smoke=(python3 -X faulthandler -m pytest -x -q -p no:cacheprovider -m gpu -k cuda
-           tests/engine/test_device_library_boundary.py
+           tests/engine/test_device_library_boundary.py tests/engine/test_engine_device_split.py
            "tests/engine/test_engine_device.py::test_the_device_tier_gives_the_cpu_logits[cuda-llama-relu-f32-attention]"
            "tests/engine/test_engine_device.py::test_greedy_tokens_agree_over_64_steps[cuda-llama-relu-q8_0]"
            "tests/engine/test_engine_device.py::test_greedy_tokens_agree_over_64_steps[cuda-llama-relu-q4_0]")
@@ -101,6 +152,7 @@ tests)
     # the CUDA library's tests (the emulation's run in CI)
     python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/engine/test_engine_device.py \
         tests/engine/test_engine_device_attention.py tests/engine/test_device_library_boundary.py \
+        tests/engine/test_engine_device_split.py \
         tests/profile/test_profile_layers.py::test_layer_by_layer_on_cuda_equals_the_whole_model_there \
         2>&1 | tee "$OUT/tests.log"
     # the gpu tests must have run, not been skipped for want of a device
@@ -110,20 +162,28 @@ all)
     start=$(date +%s)
     log() { echo "[$(( $(date +%s) - start )) s] $*" | tee -a "$OUT/progress.txt"; }
     : > "$OUT/progress.txt"
+    setup_device_machine > /dev/null  # the wheels (cmake's among them) in place before the peer's build starts
+    if [ -f "$GPU_DIR/powerinfer-src.tar.gz" ]; then  # the peer's build beside ours, its own log
+        log "peer-build started ($(cat "$GPU_DIR/powerinfer.commit" 2>/dev/null))"
+        ( if timeout 400 "$0" peer-build > "$OUT/peer-build.out" 2>&1; then log "peer-build done"
+          else log "peer-build failed or cut short: $(tail -1 "$OUT/peer-build.out")"; fi ) &
+    else
+        log "no peer source in $GPU_DIR (prepare-peer): no PowerInfer rows"
+    fi
     log "build"
-    if timeout 180 "$0" build; then log "build done"; else log "build failed or cut short (rc $?)"; exit 1; fi
+    if timeout 150 "$0" build; then log "build done"; else log "build failed or cut short (rc $?)"; exit 1; fi
     log "smoke"
     rc=0
-    timeout 90 "$0" smoke || rc=$?
+    timeout 60 "$0" smoke || rc=$?
     log "smoke (rc $rc): $(tail -1 "$OUT/smoke.log")"
     # a crash or a hang stops the run; a failed check leaves the rest worth measuring
     if [ "$rc" -ge 124 ]; then log "smoke crashed or hung: stopping here"; exit 1; fi
     log "tests"
-    if timeout 180 "$0" tests > "$OUT/tests.out" 2>&1; then log "tests: $(tail -1 "$OUT/tests.log")"
+    if timeout 150 "$0" tests > "$OUT/tests.out" 2>&1; then log "tests: $(tail -1 "$OUT/tests.log")"
     else log "tests FAILED or cut short (rc $?): $(tail -1 "$OUT/tests.log" 2>/dev/null || true)"; fi
     left=$(( ${ALL_SECONDS:-570} - ($(date +%s) - start) ))
     log "speed, $left s left"
-    if timeout "$left" "$0" speed > "$OUT/speed.out" 2>&1; then log "speed done"; else log "speed cut short or failed (rc $?)"; fi
+    if PEER_WAIT=$(( left / 2 )) timeout "$left" "$0" speed > "$OUT/speed.out" 2>&1; then log "speed done"; else log "speed cut short or failed (rc $?)"; fi
     cat "$OUT/speed-steps.txt" "$OUT/speed.txt" 2>/dev/null | tee -a "$OUT/progress.txt" || true
     ;;
 speed)
@@ -148,11 +208,22 @@ speed)
     # a hybrid: at a few layers the 7B's scaled budgets hold the whole model; this one holds the head, attention and
     # KV caches and about half the hot rows (0.4 GiB at 4 layers), the rest of the FFN on the CPU
     bh=$(python3 -c "print(round(0.1 + 0.075 * $layers, 3))")
-    for run in "cpu --gpu off" "hybrid --gpu on --vram-budget $bh" "gpu4 --gpu on --vram-budget $b4" "gpu8 --gpu on --vram-budget $b8" \
+    bh2=$(python3 -c "print(round($bh / 2, 3))")  # a card much smaller than the model: about a third of the file
+    runs="${RUNS:-cpu hybrid hybrid02}"
+    for run in "cpu --gpu off" "hybrid --gpu on --vram-budget $bh" "hybrid02 --gpu on --vram-budget $bh2" \
+               "gpu4 --gpu on --vram-budget $b4" "gpu8 --gpu on --vram-budget $b8" \
                "gpu8-ffn-only --gpu on --vram-budget $b8 --gpu-ffn-only"; do
         read -r name flags <<< "$run"
-        [[ " ${RUNS:-cpu hybrid gpu4 gpu8 gpu8-ffn-only} " == *" $name "* ]] || continue
+        [[ " $runs " == *" $name "* ]] || continue
         t0=$(date +%s)
+        # a hybrid budget's index solved without the plan's default reserve (256 MiB, more than 0.2 GiB), at the
+        # context the peers run at: the one gpu_peers.py hands PowerInfer too (once the bench's file is there)
+        files=$(ls -d "$W"/bench/*/ 2>/dev/null | head -1 || true)
+        if [[ $name == hybrid* ]] && [ -n "$files" ]; then
+            python3 -m powerinfer_tools plan -m "$files/model.powerinfer.gguf" --vram-budget "${flags##* }" \
+                --profile "$prof" --reserve-mib 0 --ctx-size 512 -o "$W/$name.gpuidx" > /dev/null
+            flags="$flags --gpuidx $W/$name.gpuidx"
+        fi
         # shellcheck disable=SC2086  # the flags split on purpose
         PI_CUDA_STEP_TIMES="$OUT/steps-$name.tsv" \
         python3 -m powerinfer_tools "${common[@]}" $flags --json-out "$OUT/bench-$name.json" --markdown "$OUT/bench-$name.md" \
@@ -160,6 +231,21 @@ speed)
             || echo "$name: FAILED after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/speed-steps.txt"
         python3 scripts/gpu_speed_table.py "$OUT" "$layers" "$shape" > "$OUT/speed.txt"  # what is finished so far
     done
+    # the peers: PowerInfer's CUDA build (waited for while `all` builds it) on the bench's own two files
+    peer="${PI_POWERINFER_MAIN:-$PEER_DIR/build/bin/main}"
+    for _ in $(seq "${PEER_WAIT:-0}"); do [ -x "$peer" ] && break; sleep 1; done
+    files=$(ls -d "$W"/bench/*/ 2>/dev/null | head -1 || true)
+    if [ -x "$peer" ] && [ -n "$files" ]; then
+        t0=$(date +%s)
+        python3 scripts/gpu_peers.py --file "$files/model.powerinfer.gguf" --dense "$files/model.llamacpp.gguf" \
+            --powerinfer "$peer" --profile "$prof" --out "$OUT" --budgets "$bh,$bh2" --threads "${THREADS:-8}" \
+            --rounds "${PEER_ROUNDS:-1}" > "$OUT/peers.log" 2>&1 \
+            && echo "peers: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/speed-steps.txt" \
+            || echo "peers: FAILED after $(( $(date +%s) - t0 )) s: $(tail -1 "$OUT/peers.log")" | tee -a "$OUT/speed-steps.txt"
+        python3 scripts/gpu_speed_table.py "$OUT" "$layers" "$shape" > "$OUT/speed.txt"
+    else
+        echo "peers: none ($peer not built)" | tee -a "$OUT/speed-steps.txt"
+    fi
     cat "$OUT/speed.txt"
     ;;
 sparsify)
@@ -194,7 +280,7 @@ print(f"peak device memory: {peak / 2**30:.1f} GiB" if peak else "peak device me
 EOF
     ;;
 *)
-    sed -n 2,36p "$0"
+    sed -n 2,58p "$0"
     exit 2
     ;;
 esac

@@ -80,15 +80,31 @@ void DeviceTierBackend::layer(int64_t il, int64_t n_tok, int64_t n_past, bool de
                                   &layer_counts_[size_t(il)]};
     if (api_.layer_run(tier_, &job, err_, sizeof err_))
         fail(PI_ERR_INTERNAL, error(("running layer " + std::to_string(il)).c_str()));
-    pending_layers_.push_back(il);
+    pending_layers_.push_back({il, false});
     use_.tokens += double(n_tok);
+}
+
+void DeviceTierBackend::split_begin(int64_t il, int64_t n_tok, int64_t n_past, int32_t hot_mode, const float *x_in,
+                                    float *x_mid, float *xn) {
+    split_ = pi_device_split_job{int32_t(il), int32_t(n_tok), int32_t(n_past), hot_mode, x_in, x_mid, xn,
+                                 &layer_counts_[size_t(il)]};
+    if (api_.split_begin(tier_, &split_, err_, sizeof err_))
+        fail(PI_ERR_INTERNAL, error(("running layer " + std::to_string(il) + "'s attention and hot rows").c_str()));
+}
+
+void DeviceTierBackend::split_end(const float *y_cold, float *x_out) {
+    if (api_.split_end(tier_, y_cold, x_out, err_, sizeof err_))
+        fail(PI_ERR_INTERNAL, error(("adding layer " + std::to_string(split_.layer) + "'s tiers").c_str()));
+    pending_layers_.push_back({split_.layer, true});
+    use_.tokens += double(split_.n_tok);
 }
 
 std::vector<std::pair<int64_t, TierCounts>> DeviceTierBackend::take_layers() {
     std::vector<std::pair<int64_t, TierCounts>> out;
-    for (int64_t il : pending_layers_) {
+    for (const auto &[il, split] : pending_layers_) {
         const pi_device_counts &dc = layer_counts_[size_t(il)];
-        use_.take(dc, &use_.layer_jobs, &use_.layer_seconds);
+        if (split) use_.take(dc, &use_.split_jobs, &use_.split_seconds);
+        else use_.take(dc, &use_.layer_jobs, &use_.layer_seconds);
         TierCounts c;
         c.active = dc.active;
         c.computed = dc.computed;
@@ -139,6 +155,9 @@ void DeviceTierBackend::upload(int64_t il, const Layer &L, const FfnTier &T) {
                                up_b.empty() ? nullptr : up_b.data(), L.act_threshold};
     if (api_.tier_upload(tier_, &rows, int32_t(il), err_, sizeof err_))
         fail(PI_ERR_MEMORY, error(("uploading layer " + std::to_string(il)).c_str()));
+    const pi_device_predictor predictor = device_predictor(L);
+    if (use_.placement.predictor[size_t(il)] && api_.predictor_upload(tier_, &predictor, int32_t(il), err_, sizeof err_))
+        fail(PI_ERR_MEMORY, error(("uploading layer " + std::to_string(il) + "'s predictor").c_str()));
     use_.layers_on_device += 1;
     use_.device_bytes = double(api_.tier_bytes(tier_));
 }

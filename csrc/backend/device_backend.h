@@ -33,6 +33,7 @@ struct DeviceUse {
     double attention_jobs = 0, attention_seconds = 0;
     double head_jobs = 0, head_seconds = 0;  // the output head's, likewise
     double layer_jobs = 0, layer_seconds = 0;  // whole layers run on the device (their tokens in `tokens`)
+    double split_jobs = 0, split_seconds = 0;  // split layers (attention and hot rows there, the cold tier here)
     // every job's kernels launched and bytes read from device memory, and the device's copy rate (bytes read and
     // written per second) they are measured against: device_read_bytes / copy_rate is the jobs' floor
     double launches = 0, device_read_bytes = 0, copy_rate = 0;
@@ -41,6 +42,7 @@ struct DeviceUse {
     void reset_counts() {
         jobs = tokens = h2d_bytes = d2h_bytes = device_seconds = wait_seconds = 0;
         attention_jobs = attention_seconds = head_jobs = head_seconds = layer_jobs = layer_seconds = 0;
+        split_jobs = split_seconds = 0;
         launches = device_read_bytes = 0;
     }
     // A job's traffic over the bus and on the device.
@@ -92,6 +94,17 @@ public:
     bool runs_layer(int64_t il) const;
     void layer(int64_t il, int64_t n_tok, int64_t n_past, bool dense, const float *x_in, float *x_out);
     std::vector<std::pair<int64_t, TierCounts>> take_layers();
+    // Whether layer il can run split (its attention, FFN norm and hot rows on the device, a sequential block; the
+    // engine asks this only of a layer with a cold tier and no down bias), and whether its predictor is there (to
+    // select the hot rows by). Running it: split_begin, the residual stream x += attention(x) on the device (x_in
+    // null: the stream the last call left there), the stream and its FFN norm down into x_mid and xn, the hot rows
+    // (by hot_mode, pi_device_hot_mode) started there; then the caller's cold tier; then split_end, y_cold up and
+    // x += y_hot + y_cold on the device (x_out null: the stream left there). Counts as layer()'s (take_layers).
+    bool splits(int64_t il) const { return attends(il) && use_.placement.hot[size_t(il)] != 0 && !hp_.parallel_block; }
+    bool predicts(int64_t il) const { return tier_ && use_.placement.predictor[size_t(il)] != 0; }
+    void split_begin(int64_t il, int64_t n_tok, int64_t n_past, int32_t hot_mode, const float *x_in, float *x_mid,
+                     float *xn);
+    void split_end(const float *y_cold, float *x_out);
     // Whether layer il's attention runs on the device; and running it: the block's output for the batch's input x
     // at positions n_past .. n_past + n_tok - 1, into out (the layer's KV cache on the device takes the batch's).
     bool attends(int64_t il) const { return tier_ && use_.placement.attention[size_t(il)] != 0; }
@@ -112,7 +125,8 @@ private:
     const bool kv_f16_;
     bool job_on_device_ = false;
     std::vector<pi_device_counts> layer_counts_;  // [layer], written by the library by the stream's end
-    std::vector<int64_t> pending_layers_;
+    std::vector<std::pair<int64_t, bool>> pending_layers_;  // layers run since the counts came down; split ones
+    pi_device_split_job split_{};                             // the split layer begun
     mutable char err_[512] = {};
     DeviceUse use_;
 };

@@ -58,6 +58,15 @@ pi_device_head device_head(const Model &model) {
                           device_matrix(model.output(), Matrix{})};
 }
 
+pi_device_predictor device_predictor(const Layer &L) {
+    return pi_device_predictor{device_matrix(L.fc1, Matrix{}), device_matrix(L.hot.fc2, Matrix{}), L.pred_threshold};
+}
+
+bool wants_predictor(const pi_device_tier_desc &desc, const HParams &hp, const Layer &L) {
+    return !hp.parallel_block && L.cold.size() > 0 && L.hot.size() > 0 && L.fc1.rows > 0 &&
+           !device::refuse_predictor(device_predictor(L), desc, L.hot.size());
+}
+
 double attention_layer_bytes(const pi_device_tier_desc &desc, const HParams &hp, const Layer &L) {
     return double(device::AttentionLayout(device_attention(hp, L), desc).bytes);
 }
@@ -72,7 +81,7 @@ double hot_layer_bytes(const HParams &hp, const Layer &L, const FfnTier &T) {
 
 double hot_scratch_bytes(const HParams &hp, int64_t n_batch, int64_t rows) {
     const double E = double(hp.n_embd), B = double(n_batch);
-    return B * E * 4 * 2 + B * (E / QK) * sizeof(BlockQ8_0) + B * double(rows) * 4 + 16;
+    return B * E * 4 * 2 + B * (E / QK) * sizeof(BlockQ8_0) + B * double(rows) * 4 + double(device::kJobCountersBytes);
 }
 
 DevicePlacement place_on_device(const pi_device_tier_desc &desc, const Model &model, double budget,
@@ -82,6 +91,7 @@ DevicePlacement place_on_device(const pi_device_tier_desc &desc, const Model &mo
     DevicePlacement p;
     p.attention.assign(layers.size(), 0);
     p.hot.assign(layers.size(), 0);
+    p.predictor.assign(layers.size(), 0);
     p.budget = budget;
     p.scratch = hot_scratch_bytes(hp, desc.n_batch, largest_tier);
     double room = budget - p.scratch;
@@ -126,11 +136,15 @@ DevicePlacement place_on_device(const pi_device_tier_desc &desc, const Model &mo
     for (size_t il = 0; hp.activation != Activation::Gelu && il < layers.size(); ++il) {
         const Layer &L = layers[il];
         if (L.hot.size() == 0) continue;
-        const double need = hot_layer_bytes(hp, L, L.hot);
-        if (need > room) break;
+        const bool predictor = p.attention[il] && wants_predictor(desc, hp, L);
+        const double hot = hot_layer_bytes(hp, L, L.hot);
+        const double pred = predictor ? double(device::PredictorLayout(device_predictor(L), desc).bytes) : 0.0;
+        if (hot + pred > room) break;
         p.hot[il] = 1;
-        room -= need;
-        p.hot_bytes += need;
+        p.predictor[il] = predictor;
+        room -= hot + pred;
+        p.hot_bytes += hot;
+        p.predictor_bytes += pred;
     }
     return p;
 }

@@ -1,7 +1,8 @@
 // What a device holds for a VRAM budget, as PowerInfer places it (docs/engine.md, "The GPU tier"): the tier's
 // scratch first, then the output head (its norm and matrix, read whole by every token), then the attention blocks
 // and KV caches of as many layers as fit, in layer order, then the layers' hot rows, in layer order while they fit. Each is a
-// prefix of the layers: a layer past the budget, and every one after it, keeps that part on the CPU. The bytes
+// prefix of the layers: a layer past the budget, and every one after it, keeps that part on the CPU; a layer whose
+// attention is placed and whose hot rows sit beside a cold tier takes its predictor with its hot rows. The bytes
 // charged are what the device libraries allocate (device/attention_math.h's and tier_math.h's layouts), so the
 // placement is decided before anything is uploaded, and powerinfer_tools' plan reproduces it
 // (stages/placement.py, device_placement).
@@ -17,6 +18,7 @@ namespace pi {
 
 struct DevicePlacement {
     std::vector<uint8_t> attention, hot;  // by layer: on the device
+    std::vector<uint8_t> predictor;       // by layer: its predictor on the device, for a split layer's hot rows
     bool head = false;                    // the output norm and head on the device
     double budget = 0;
     double head_bytes = 0;       // the head's weights and scratch
@@ -24,6 +26,7 @@ struct DevicePlacement {
     double attention_bytes = 0;  // the placed layers' attention weights and norms
     double kv_bytes = 0;         // their KV caches
     double hot_bytes = 0;        // the placed layers' hot rows and biases
+    double predictor_bytes = 0;  // the placed predictors (fc1, the hot rows' fc2, their scratch)
     std::string attention_off;   // why no layer's attention is on the device, where none is
     int64_t attention_layers() const;
     int64_t hot_layers() const;
@@ -42,6 +45,12 @@ pi_device_attention device_attention(const HParams &hp, const Layer &L);
 
 // The device's view of the output norm and head (its data null where held only in 8-row groups).
 pi_device_head device_head(const Model &model);
+
+// The device's view of a layer's predictor for its hot rows (Model::keep_hot_predictor), and whether a split
+// layer would run it: a sequential block with attention and hot rows on the device, a cold tier and a predictor the
+// device reads (null data where the model holds fc1 only in 8-row groups).
+pi_device_predictor device_predictor(const Layer &L);
+bool wants_predictor(const pi_device_tier_desc &desc, const HParams &hp, const Layer &L);
 
 // Device bytes of a layer's attention block and KV cache, and of its hot rows (and biases) for tier T.
 double attention_layer_bytes(const pi_device_tier_desc &desc, const HParams &hp, const Layer &L);

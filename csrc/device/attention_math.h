@@ -209,17 +209,83 @@ inline const char *refuse_layer_job(const pi_device_layer_job *job, const pi_dev
     return nullptr;
 }
 
+// Where a layer's predictor lies in its block of device memory, each part 16-byte aligned: fc1's rows and fc2's
+// hot rows (DeviceRows), then its scratch for a batch of n_batch tokens: the hidden layer's rows, their q8_0
+// quants and scales (kept with the layer: a placement then charges a predictor by its layer alone).
+struct PredictorLayout {
+    size_t fc1 = 0, fc2 = 0, hid = 0, hid_q = 0, hid_d = 0, bytes = 0;
+
+    PredictorLayout(const pi_device_predictor &p, const pi_device_tier_desc &d) {
+        const size_t B = size_t(d.n_batch), rank = size_t(p.fc1.rows);
+        BlockParts parts;
+        fc1 = parts.add(size_t(p.fc1.rows) * row_bytes(p.fc1.type, p.fc1.cols));
+        fc2 = parts.add(size_t(p.fc2.rows) * row_bytes(p.fc2.type, p.fc2.cols));
+        hid = parts.add(B * rank * 4);
+        hid_q = parts.add(B * rank);
+        hid_d = parts.add(B * (rank / QK) * 2);
+        bytes = parts.bytes;
+    }
+    template <class Copy>
+    bool fill(const pi_device_predictor &p, Copy copy) const {
+        return copy_rows(copy, fc1, p.fc1.type, p.fc1.rows, p.fc1.cols, p.fc1.data) &&
+               copy_rows(copy, fc2, p.fc2.type, p.fc2.rows, p.fc2.cols, p.fc2.data);
+    }
+    pi_device_predictor view(const pi_device_predictor &p, const uint8_t *base) const {
+        pi_device_predictor v = p;
+        v.fc1.data = base + fc1;
+        v.fc2.data = base + fc2;
+        v.fc1.bias = v.fc2.bias = nullptr;
+        return v;
+    }
+};
+
+// Why a layer's predictor cannot go to the device beside its n_rows hot rows, or nullptr.
+inline const char *refuse_predictor(const pi_device_predictor &p, const pi_device_tier_desc &d, int64_t n_rows) {
+    if (!p.fc1.data || !p.fc2.data) return "a predictor held only in 8-row groups";
+    if (p.fc1.cols != d.n_embd || p.fc1.rows <= 0 || p.fc1.rows % QK || p.fc2.cols != p.fc1.rows || p.fc2.rows != n_rows)
+        return "a predictor of another shape (its rank a multiple of 32)";
+    if (!type_computable(p.fc1.type) || !type_computable(p.fc2.type))
+        return "a predictor type other than f32, f16, q8_0 and q4_0";
+    return nullptr;
+}
+
+// Kernels a split layer's predictor launches: the stream's q8_0 form where fc1 is quantized, fc1 (with the ReLU),
+// the hidden layer's q8_0 form where fc2 is quantized (fc2 itself is scored inside gate_up).
+inline double predictor_launches(const pi_device_predictor &p) {
+    return 1.0 + (quantized(p.fc1) ? 1.0 : 0.0) + (quantized(p.fc2) ? 1.0 : 0.0);
+}
+// Bytes it reads: fc1 once a pass; fc2's rows once a pass.
+inline double predictor_bytes(const pi_device_predictor &p, int64_t n_tok) {
+    return double(device_rows(p.fc1).bytes() + device_rows(p.fc2).bytes()) * double(passes(n_tok));
+}
+
+// A split layer's kernels: attention's (o adding into the stream), the FFN's norm (with its q8_0 form and the
+// stream's copy for the one copy down), the predictor's where it selects, gate_up, down, and the sum of the
+// down splits' partials and the cold tier's output into the stream.
+inline double split_launches(const pi_device_attention &a, const pi_device_predictor *p) {
+    return attention_launches(a) + 4.0 + (p ? predictor_launches(*p) : 0.0);
+}
+
+inline const char *refuse_split_job(const pi_device_split_job *job, const pi_device_tier_desc &d) {
+    if (!job || job->layer < 0 || job->layer >= d.n_layer || job->n_tok <= 0 || job->n_tok > d.n_batch ||
+        job->n_past < 0 || job->n_past + job->n_tok > d.n_ctx || !job->x_mid || !job->xn ||
+        !job->counts || job->hot_mode < PI_DEVICE_HOT_DENSE || job->hot_mode > PI_DEVICE_HOT_PREDICTOR)
+        return "bad split job";
+    return nullptr;
+}
+
 // The head's: the norm (with its q8_0 form) and the projection, which reads the head once a pass.
 inline double head_launches() { return 2.0; }
 inline double head_bytes(const pi_device_head &h, int64_t n_tok) { return double(device_rows(h.out).bytes()) * double(passes(n_tok)); }
 
 // Bytes of the scratch a tier's attention needs for a batch of n_batch tokens (both libraries allocate it as
 // laid out here; the engine charges it to the budget): the input, its norm and q8_0 form, q, k, v, the heads'
-// outputs and their q8_0 form, the block's output, and every head's scores over the context.
+// outputs and their q8_0 form, the block's output, every head's scores over the context, and a split layer's
+// rows down (the FFN's norm and the stream) and up (the cold tier's output).
 inline double attention_scratch_bytes(const pi_device_tier_desc &d) {
     const double B = d.n_batch, E = d.n_embd, Q = double(d.n_head) * d.d_head, KV = double(d.n_head_kv) * d.d_head;
     const double q8 = double(sizeof(BlockQ8_0)) / QK;
-    return B * (E * 4 * 3 + E * q8 + Q * 4 * 2 + KV * 4 * 2 + Q * q8 + double(d.n_head) * d.n_ctx * 4) +
+    return B * (E * 4 * 6 + E * q8 + Q * 4 * 2 + KV * 4 * 2 + Q * q8 + double(d.n_head) * d.n_ctx * 4) +
            double(d.n_ctx) * (d.n_rot / 2) * 4 * 2;
 }
 

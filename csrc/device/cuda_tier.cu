@@ -6,11 +6,14 @@
 //   matvec:   a warp per output row and up to kTokensPerPass tokens, the lanes over the row's blocks (a q4_0
 //             block's quants one 16-byte load, summed with dp4a against the operand's int8 quants), the lanes'
 //             sums added by shuffles; q, k and v in one launch.
-//   gate_up:  matvec's warp on a neuron's gate and up rows, lane 0 applies the rule and writes the coefficient h.
+//   gate_up:  matvec's warp on a neuron's gate and up rows, lane t applies the rule for token t and writes the
+//             coefficient h; where the predictor selects (a split layer), the warp first scores the neuron's fc2
+//             row against the hidden layer and reads its gate and up rows only where a token of the pass selects it.
 //   down:     only the neurons with h != 0 are read: a block per 1024 output columns, split of the neurons and
 //             token; its warps take the split's neurons in turn, lane l adding block l of each row into 32
 //             registers; the warps' sums added in shared memory, the splits' partials by down_sum, in order.
-//   norm:     a block per token, its sums in double reduced in a fixed order, then the token's q8_0 form.
+//   norm:     a block per token, its sums in double reduced in a fixed order, then the token's q8_0 form (and, for a
+//             split layer, a copy of the stream's row beside the norm's, so that both go down in one copy).
 //   rope:     a block per head and token: RoPE's pairs on q and k, then k and v into the layer's cache.
 //   heads:    a block per head and token: a warp per position for the scores (lanes over d_head), the softmax,
 //             then a thread per element of d_head summing the values position by position (coalesced reads).
@@ -80,7 +83,7 @@ struct OperandBuffers {
 };
 
 struct Counters {
-    unsigned long long active, computed;
+    unsigned long long active, computed, read;  // neurons passing the rule, computed, rows whose gate/up were read
 };
 static_assert(sizeof(Counters) == device::kJobCountersBytes, "the counters' bytes the traffic counts");
 
@@ -200,7 +203,7 @@ __device__ inline void row_dots(const DeviceRows &m, int64_t r, const Operand &i
 // The q8_0 form of n_blocks blocks of 32 floats (a warp a block); block 0's first thread clears `zero` (the job's
 // counters) on the way.
 __global__ void quantize_kernel(const float *x, int64_t n_blocks, int8_t *q, uint16_t *d, Counters *zero) {
-    if (zero && blockIdx.x == 0 && threadIdx.x == 0) *zero = Counters{0, 0};
+    if (zero && blockIdx.x == 0 && threadIdx.x == 0) *zero = Counters{0, 0, 0};
     const int lane = threadIdx.x % kWarp;
     const int64_t b = int64_t(blockIdx.x) * kQuantizeWarps + threadIdx.x / kWarp;
     if (b >= n_blocks) return;
@@ -220,6 +223,7 @@ struct Projection {
     const float *bias;
     float *y;
     bool accumulate = false;  // y += the projection (the residual stream), instead of y =
+    bool relu = false;        // max(0, the projection) (the predictor's hidden layer)
 };
 struct Projections {
     Projection p[3];
@@ -244,26 +248,58 @@ __global__ void matvec_kernel(Projections P, Operand in, int n_tok) {
         for (int t = 1; t < NT; ++t)
             if (lane == t) v = sum[t];
         float &y = pr.y[size_t(t0 + lane) * pr.m.rows + r];
-        y = (pr.accumulate ? y : 0.0f) + (v + (pr.bias ? pr.bias[r] : 0.0f));
+        const float p = v + (pr.bias ? pr.bias[r] : 0.0f);
+        y = (pr.accumulate ? y : 0.0f) + (pr.relu ? fmaxf(p, 0.0f) : p);
     }
 }
 
+// A split layer's selection of its hot rows by the layer's predictor (PI_DEVICE_HOT_PREDICTOR): fc2's hot rows and
+// the hidden layer relu(fc1 x) as their operand; `on` 0 selects every row.
+struct HotSelect {
+    DeviceRows fc2;
+    Operand hid;
+    float threshold = 0;
+    int on = 0;
+};
+
 template <int NT>
-__global__ void gate_up_kernel(LayerRows L, device::Rule rule, Operand in, int n_tok, int dense, float *h, int ld_h,
-                               Counters *counts) {
-    __shared__ unsigned int block_active, block_computed;
-    if (threadIdx.x == 0) block_active = block_computed = 0;
+__global__ void gate_up_kernel(LayerRows L, device::Rule rule, Operand in, int n_tok, int dense, HotSelect sel,
+                               float *h, int ld_h, Counters *counts) {
+    __shared__ unsigned int block_active, block_computed, block_read;
+    if (threadIdx.x == 0) block_active = block_computed = block_read = 0;
     __syncthreads();
     const int lane = threadIdx.x % kWarp;
     const int64_t r = int64_t(blockIdx.x) * kRowWarps + threadIdx.x / kWarp;
     const int t0 = blockIdx.y * NT, n_t = min(NT, n_tok - t0);
     if (r < L.gate.rows) {
+        bool chosen[NT];
+        bool any = true;
+        if (sel.on) {  // every lane holds the same sums (warp_sum's butterfly): `any` is the warp's
+            float logit[NT];
+            row_dots<NT>(sel.fc2, r, sel.hid, t0, n_t, lane, logit);
+            any = false;
+#pragma unroll
+            for (int t = 0; t < NT; ++t) {
+                chosen[t] = t < n_t && logit[t] > sel.threshold;
+                any = any || chosen[t];
+            }
+        } else {
+#pragma unroll
+            for (int t = 0; t < NT; ++t) chosen[t] = true;
+        }
         float g[NT], u[NT];
-        row_dots<NT>(L.gate, r, in, t0, n_t, lane, g);
-        if (rule.gated) row_dots<NT>(L.up, r, in, t0, n_t, lane, u);
+        if (any) {
+            row_dots<NT>(L.gate, r, in, t0, n_t, lane, g);
+            if (rule.gated) row_dots<NT>(L.up, r, in, t0, n_t, lane, u);
+            if (lane == 0) atomicAdd(&block_read, 1u);
+        }
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
             if (t >= n_t || lane != t) continue;  // lane t applies the rule for token t0 + t
+            if (!any || !chosen[t]) {
+                h[size_t(t0 + t) * ld_h + r] = 0.0f;
+                continue;
+            }
             bool pass;
             const float c = rule.coefficient(g[t], rule.gated ? u[t] : 0.0f, L.gate_b ? L.gate_b[r] : 0.0f,
                                              L.up_b ? L.up_b[r] : 0.0f, dense != 0, &pass);
@@ -276,6 +312,7 @@ __global__ void gate_up_kernel(LayerRows L, device::Rule rule, Operand in, int n
     if (threadIdx.x == 0) {
         atomicAdd(&counts->active, (unsigned long long)block_active);
         atomicAdd(&counts->computed, (unsigned long long)block_computed);
+        atomicAdd(&counts->read, (unsigned long long)block_read);
     }
 }
 
@@ -386,40 +423,44 @@ __global__ void down_kernel(DeviceRows down, const float *h, int ld_h, int split
     }
 }
 
-// y[t][c] = the splits' partials of token t summed in order (accumulate: y[t][c] += that sum, the residual stream).
-__global__ void down_sum_kernel(const float *partial, int n_tok, int splits, int n_embd, float *y, bool accumulate) {
+// y[t][c] = the splits' partials of token t summed in order (accumulate: y[t][c] += that sum, the residual stream;
+// add: plus add[t][c], a split layer's cold tier's output).
+__global__ void down_sum_kernel(const float *partial, int n_tok, int splits, int n_embd, float *y, bool accumulate,
+                                const float *add) {
     const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i >= int64_t(n_tok) * n_embd) return;
     const int64_t t = i / n_embd, c = i % n_embd;
     float s = 0.0f;
     for (int v = 0; v < splits; ++v) s += partial[(t * splits + v) * n_embd + c];
-    y[i] = (accumulate ? y[i] : 0.0f) + s;
+    y[i] = (accumulate ? y[i] : 0.0f) + (add ? s + add[i] : s);
 }
 
-// The token's sum of v over [0, n) by the block's threads, in double, reduced in a fixed order.
+// The token's sum of v over [0, n) by the block's threads, in double, reduced in a fixed order: each warp's by
+// shuffles, then the warps' sums in order by every thread (two barriers, not one per level of a tree).
 template <class F>
 __device__ double block_sum(int n, F v, double *shared) {
     double acc = 0;
     for (int i = threadIdx.x; i < n; i += blockDim.x) acc += v(i);
-    shared[threadIdx.x] = acc;
+    for (int off = kWarp / 2; off > 0; off /= 2) acc += __shfl_xor_sync(kFull, acc, off);
+    if (threadIdx.x % kWarp == 0) shared[threadIdx.x / kWarp] = acc;
     __syncthreads();
-    for (int w = blockDim.x / 2; w > 0; w /= 2) {
-        if (threadIdx.x < w) shared[threadIdx.x] += shared[threadIdx.x + w];
-        __syncthreads();
-    }
-    const double sum = shared[0];
+    double sum = 0;
+    for (int w = 0; w < int(blockDim.x) / kWarp; ++w) sum += shared[w];
     __syncthreads();
     return sum;
 }
 
-// Token blockIdx.x's norm into out.x, and its q8_0 form where out.q is set; `zero` (a job's counters) cleared.
+// Token blockIdx.x's norm into out.x, and its q8_0 form where out.q is set; `zero` (a job's counters) cleared; the
+// token's row of x copied into `copy` where set.
 __global__ void norm_kernel(const float *x, const float *w, const float *b, int kind, float eps, OperandBuffers out,
-                            Counters *zero) {
-    __shared__ double shared[kNormThreads];
-    if (zero && blockIdx.x == 0 && threadIdx.x == 0) *zero = Counters{0, 0};
+                            Counters *zero, float *copy) {
+    __shared__ double shared[kNormThreads / kWarp];
+    if (zero && blockIdx.x == 0 && threadIdx.x == 0) *zero = Counters{0, 0, 0};
     const int n = out.n;
     const float *xt = x + size_t(blockIdx.x) * n;
     float *ot = out.x + size_t(blockIdx.x) * n;
+    if (copy)
+        for (int i = threadIdx.x; i < n; i += blockDim.x) copy[size_t(blockIdx.x) * n + i] = xt[i];
     const double mean =
         kind == PI_DEVICE_NORM_LAYER ? block_sum(n, [&](int i) { return double(xt[i]); }, shared) / double(n) : 0.0;
     const double ss = block_sum(n, [&](int i) { return (double(xt[i]) - mean) * (double(xt[i]) - mean); }, shared);
@@ -427,12 +468,17 @@ __global__ void norm_kernel(const float *x, const float *w, const float *b, int 
     for (int i = threadIdx.x; i < n; i += blockDim.x) ot[i] = device::norm_element(kind, xt[i], mean, scale, w[i], b ? b[i] : 0.0f);
     __syncthreads();  // the row's elements written, and seen by the block's threads, before its blocks are made
     if (!out.q) return;
-    for (int k = threadIdx.x; k < n / QK; k += blockDim.x) {
-        BlockQ8_0 block;
-        device::quantize_block(ot + k * QK, &block);
-        int8_t *q = out.q + size_t(blockIdx.x) * n + size_t(k) * QK;
-        for (int i = 0; i < QK; ++i) q[i] = block.qs[i];
-        out.d[size_t(blockIdx.x) * (n / QK) + k] = block.d;
+    // a warp a block, a lane an element: quantize_kernel's (attention_math.h's quantize_block, element by element)
+    const int lane = threadIdx.x % kWarp;
+    for (int k = threadIdx.x / kWarp; k < n / QK; k += int(blockDim.x) / kWarp) {
+        const float v = ot[k * QK + lane];
+        float amax = fabsf(v);
+        for (int off = kWarp / 2; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, off));
+        const float scale = amax / 127.0f;
+        const float inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+        const float r = roundf(v * inv);
+        out.q[size_t(blockIdx.x) * n + size_t(k) * QK + lane] = (r >= -127.0f && r <= 127.0f) ? int8_t(r) : int8_t(0);
+        if (lane == 0) out.d[size_t(blockIdx.x) * (n / QK) + k] = f32_to_f16(scale);
     }
 }
 
@@ -574,10 +620,23 @@ struct StepTimes {
     }
 };
 
-// A layer job whose counts come down with its chain's end (pi_device_layer_job), and the event after its kernels.
+// A whole or split layer's job whose counts come down with its chain's end (pi_device_layer_job,
+// pi_device_split_job), and the event after its kernels.
 struct ChainLayer {
-    pi_device_layer_job job;
+    int32_t layer, n_tok, n_past;
+    bool x_in, x_out;
+    bool split, predicted;  // a split layer's; its hot rows selected by its predictor
+    pi_device_counts *counts;
     cudaEvent_t done;
+};
+
+// A layer's predictor on the device (pi_device_predictor): fc1 and the hot rows' fc2 in one allocation with the
+// hidden layer's scratch (attention_math.h's PredictorLayout).
+struct PredictorLayer {
+    bool uploaded = false;
+    uint8_t *block = nullptr;
+    pi_device_predictor view{};
+    OperandBuffers hid;
 };
 
 struct AttentionLayer {
@@ -634,6 +693,14 @@ struct pi_device_tier {
     float *d_ax = nullptr, *d_q = nullptr, *d_k = nullptr, *d_v = nullptr, *d_aout = nullptr, *d_scores = nullptr;
     OperandBuffers axn, att;
     float *p_ax = nullptr, *p_aout = nullptr;
+    // a split layer's: its FFN norm's rows then the stream's (the one copy down), the cold tier's output (the one
+    // copy up), their pinned staging; its predictors; the split begun and not yet ended
+    float *d_split = nullptr, *d_cold = nullptr, *p_split = nullptr, *p_cold = nullptr;
+    std::vector<PredictorLayer> predictors;
+    bool split_pending = false;
+    pi_device_split_job split{};
+    int split_parts = 1;  // the begun split's down partials, summed by split_end
+    cudaEvent_t split_down = nullptr;
     bool attention_ready = false;
     // the output head: its block, its view, its scratch (attention_math.h's head_scratch_bytes) and staging
     uint8_t *head_block = nullptr;
@@ -686,9 +753,9 @@ struct pi_device_tier {
     }
     // n_tok rows of d_x normed (w, b) into out, with their q8_0 form where q8; `zero` cleared on the way.
     void normalize(const float *d_x, int n_tok, const float *w, const float *b, OperandBuffers out, bool q8,
-                   Counters *zero, const char *step) {
+                   Counters *zero, const char *step, float *copy = nullptr) {
         if (!q8) out.q = nullptr;
-        norm_kernel<<<n_tok, kNormThreads, 0, stream>>>(d_x, w, b, desc.norm, desc.norm_eps, out, zero);
+        norm_kernel<<<n_tok, kNormThreads, 0, stream>>>(d_x, w, b, desc.norm, desc.norm_eps, out, zero, copy);
         steps.mark(stream, step);
     }
     // A layer's attention block over n_tok rows of the stream d_x at positions n_past..: its output into y (or
@@ -719,38 +786,44 @@ struct pi_device_tier {
 
     Counters *layer_counters() const { return reinterpret_cast<Counters *>(d_out + sizeof(Counters)); }
 
-    // The hot rows' FFN over the operand hot_in (made by now, with `counts` cleared): gate_up, down over the
-    // neurons with h != 0, and the splits' sum into y (or added to it: the stream), the sum skipped where the down
-    // kernel can write y itself.
-    void hot_ffn(const LayerRows &L, int n_tok, int dense, Counters *counts, float *y, bool accumulate) {
-        const int E = desc.n_embd;
+    // The hot rows over the operand `in` (made by now, with `counts` cleared): gate_up (the rows `sel` selects),
+    // then down over the neurons with h != 0 into `out`, in `splits` partials (down_splits).
+    void hot_rows(const LayerRows &L, const Operand &in, int n_tok, int dense, const HotSelect &sel, Counters *counts,
+                  int splits, float *out) {
         const device::Rule rule{desc.activation, desc.gated, L.threshold};
-        const int splits = int(device::down_splits(desc.n_batch, n_tok));
         cudaStream_t s = stream;
         const dim3 gate_grid(unsigned((L.gate.rows + kRowWarps - 1) / kRowWarps), unsigned(device::passes(n_tok)));
         if (n_tok == 1)
-            gate_up_kernel<1><<<gate_grid, kRowWarps * kWarp, 0, s>>>(L, rule, hot_in.operand(), n_tok, dense, d_h,
-                                                                       max_rows, counts);
+            gate_up_kernel<1><<<gate_grid, kRowWarps * kWarp, 0, s>>>(L, rule, in, n_tok, dense, sel, d_h, max_rows, counts);
         else
-            gate_up_kernel<kTokensPerPass><<<gate_grid, kRowWarps * kWarp, 0, s>>>(L, rule, hot_in.operand(), n_tok,
-                                                                                    dense, d_h, max_rows, counts);
+            gate_up_kernel<kTokensPerPass><<<gate_grid, kRowWarps * kWarp, 0, s>>>(L, rule, in, n_tok, dense, sel, d_h,
+                                                                                    max_rows, counts);
         steps.mark(s, "gate_up");
+        const dim3 down_grid(unsigned((L.down.blocks() + kDownTile - 1) / kDownTile), unsigned(splits), unsigned(n_tok));
+        down_kernel<<<down_grid, kDownWarps * kWarp, 0, s>>>(L.down, d_h, max_rows, splits, out);
+        steps.mark(s, "down");
+    }
+    // The down partials summed into y (accumulate: added to it, the stream; add: with a split layer's cold output).
+    void sum_partials(const float *partial, int n_tok, int splits, float *y, bool accumulate, const float *add) {
+        const int64_t n = int64_t(n_tok) * desc.n_embd;
+        down_sum_kernel<<<unsigned((n + 255) / 256), 256, 0, stream>>>(partial, n_tok, splits, desc.n_embd, y, accumulate, add);
+        steps.mark(stream, "down_sum");
+    }
+    // The hot rows' FFN over the operand hot_in (made by now, with `counts` cleared): hot_rows, then the splits' sum
+    // into y (or added to it: the stream), the sum skipped where the down kernel can write y itself.
+    void hot_ffn(const LayerRows &L, int n_tok, int dense, Counters *counts, float *y, bool accumulate) {
+        const int splits = int(device::down_splits(desc.n_batch, n_tok));
         const bool sum = splits > 1 || accumulate;
         float *partial = sum ? hot_in.x : y;  // the operand's rows are read by now
-        const dim3 down_grid(unsigned((L.down.blocks() + kDownTile - 1) / kDownTile), unsigned(splits), unsigned(n_tok));
-        down_kernel<<<down_grid, kDownWarps * kWarp, 0, s>>>(L.down, d_h, max_rows, splits, partial);
-        steps.mark(s, "down");
-        if (!sum) return;
-        const int64_t n = int64_t(n_tok) * E;
-        down_sum_kernel<<<unsigned((n + 255) / 256), 256, 0, s>>>(partial, n_tok, splits, E, y, accumulate);
-        steps.mark(s, "down_sum");
+        hot_rows(L, hot_in.operand(), n_tok, dense, HotSelect{}, counts, splits, partial);
+        if (sum) sum_partials(partial, n_tok, splits, y, accumulate, nullptr);
     }
 
     // The chain's layers' counters into p_out's slots (on the stream, before the copy that ends the chain).
     int32_t chain_counts_down(char *err, size_t len) {
         if (chain.empty()) return 0;
-        int lo = chain[0].job.layer, hi = lo;
-        for (const ChainLayer &c : chain) lo = std::min(lo, c.job.layer), hi = std::max(hi, c.job.layer);
+        int lo = chain[0].layer, hi = lo;
+        for (const ChainLayer &c : chain) lo = std::min(lo, c.layer), hi = std::max(hi, c.layer);
         const size_t at = sizeof(Counters) * (1 + size_t(lo)), bytes = sizeof(Counters) * size_t(hi - lo + 1);
         return failed(cudaMemcpyAsync(p_out + at, d_out + at, bytes, cudaMemcpyDeviceToHost, stream),
                       "copying the layers' counts", err, len);
@@ -759,24 +832,26 @@ struct pi_device_tier {
     void end_chain() {
         cudaEvent_t prev = chain_start;
         for (const ChainLayer &c : chain) {
-            const pi_device_layer_job &j = c.job;
-            const Counters k = reinterpret_cast<const Counters *>(p_out + sizeof(Counters))[j.layer];
-            const AttentionLayer &A = attention[size_t(j.layer)];
-            const LayerRows &L = layers[size_t(j.layer)];
-            const double x_bytes = double(j.n_tok) * desc.n_embd * 4;
+            const Counters k = reinterpret_cast<const Counters *>(p_out + sizeof(Counters))[c.layer];
+            const AttentionLayer &A = attention[size_t(c.layer)];
+            const LayerRows &L = layers[size_t(c.layer)];
+            const pi_device_predictor *P = c.predicted ? &predictors[size_t(c.layer)].view : nullptr;
+            const double x_bytes = double(c.n_tok) * desc.n_embd * 4;
             float ms = 0;
             cudaEventElapsedTime(&ms, prev, c.done);
             prev = c.done;
-            pi_device_counts &out = *j.counts;
+            pi_device_counts &out = *c.counts;
             out = pi_device_counts{};
             out.active = double(k.active);
             out.computed = double(k.computed);
-            out.h2d_bytes = j.x_in ? x_bytes : 0.0;
-            out.d2h_bytes = (j.x_out ? x_bytes : 0.0) + sizeof(Counters);
+            // a split layer: its cold output up and the stream and its norm down, besides the chain's ends
+            out.h2d_bytes = (c.x_in ? x_bytes : 0.0) + (c.split ? x_bytes : 0.0);
+            out.d2h_bytes = (c.x_out ? x_bytes : 0.0) + (c.split ? 2 * x_bytes : 0.0) + sizeof(Counters);
             out.seconds = ms / 1e3;
-            out.launches = device::attention_launches(A.view) + device::fused_ffn_launches();
-            out.device_bytes = device::attention_bytes(A.view, desc, j.n_tok, j.n_past) +
-                               device::hot_bytes(L.layout, L.gate.rows, j.n_tok, out.computed);
+            out.launches = c.split ? device::split_launches(A.view, P) : device::attention_launches(A.view) + device::fused_ffn_launches();
+            out.device_bytes = device::attention_bytes(A.view, desc, c.n_tok, c.n_past) +
+                               device::hot_bytes(L.layout, double(k.read), out.computed) +
+                               (P ? device::predictor_bytes(*P, c.n_tok) : 0.0);
         }
         chain.clear();
     }
@@ -811,11 +886,13 @@ struct pi_device_tier {
         steps.write_and_release();
         for (void *p : device_allocations) cudaFree(p);
         for (void *p : {static_cast<void *>(p_ax), static_cast<void *>(p_aout), static_cast<void *>(p_hx),
-                        static_cast<void *>(p_logits), static_cast<void *>(p_x), static_cast<void *>(p_out)})
+                        static_cast<void *>(p_logits), static_cast<void *>(p_x), static_cast<void *>(p_out),
+                        static_cast<void *>(p_split), static_cast<void *>(p_cold)})
             if (p) cudaFreeHost(p);
         if (started) cudaEventDestroy(started);
         if (finished) cudaEventDestroy(finished);
         if (chain_start) cudaEventDestroy(chain_start);
+        if (split_down) cudaEventDestroy(split_down);
         for (cudaEvent_t e : chain_events) cudaEventDestroy(e);
         if (stream) cudaStreamDestroy(stream);
     }
@@ -893,6 +970,7 @@ pi_device_tier *tier_create(const pi_device_tier_desc *desc, char *err, size_t l
     t->desc = *desc;
     t->layers.resize(size_t(desc->n_layer));
     t->attention.resize(size_t(desc->n_layer));
+    t->predictors.resize(size_t(desc->n_layer));
     if (desc->rope_cos && desc->rope_sin && desc->n_ctx > 0 && desc->n_rot > 0) {
         const size_t n = size_t(desc->n_ctx) * size_t(desc->n_rot / 2);
         t->rope_cos.assign(desc->rope_cos, desc->rope_cos + n);
@@ -901,6 +979,11 @@ pi_device_tier *tier_create(const pi_device_tier_desc *desc, char *err, size_t l
     t->desc.rope_cos = t->desc.rope_sin = nullptr;  // the host's, read here only
     if (const char *path = std::getenv("PI_CUDA_STEP_TIMES")) t->steps.path = path;
     const size_t out_bytes = sizeof(Counters) + t->x_bytes();
+    if (size_t(desc->n_layer) * sizeof(Counters) > t->x_bytes()) {  // the layers' counters share the output rows
+        say(err, len, "a batch too small to hold every layer's counters (n_batch * n_embd * 4 < n_layer * 24)");
+        delete t;
+        return nullptr;
+    }
     bool ok = !failed(cudaStreamCreateWithFlags(&t->stream, cudaStreamNonBlocking), "creating a stream", err, len) &&
               !failed(cudaEventCreate(&t->started), "creating an event", err, len) &&
               !failed(cudaEventCreate(&t->finished), "creating an event", err, len) &&
@@ -960,6 +1043,7 @@ int32_t tier_submit(pi_device_tier *t, const pi_device_job *job, char *err, size
         return say(err, len, "bad job");
     const LayerRows &L = t->layers[size_t(job->layer)];
     if (!L.uploaded) return say(err, len, "layer " + std::to_string(job->layer) + " was not uploaded");
+    if (t->split_pending) return say(err, len, "a split layer was begun and not ended");
     if (t->pending && cudaStreamSynchronize(t->stream) != cudaSuccess) cudaGetLastError();  // a job left unwaited
     if (failed(cudaSetDevice(t->desc.device), "selecting the device", err, len)) return 1;
     const int E = t->desc.n_embd, n_tok = job->n_tok;
@@ -1007,7 +1091,7 @@ int32_t tier_wait(pi_device_tier *t, pi_device_counts *counts, char *err, size_t
         counts->d2h_bytes = t->d2h;
         counts->seconds = ms / 1e3;
         counts->launches = device::hot_launches(t->desc.n_batch, t->job.n_tok);
-        counts->device_bytes = device::hot_bytes(L.layout, L.gate.rows, t->job.n_tok, counts->computed);
+        counts->device_bytes = device::hot_bytes(L.layout, double(c.read), counts->computed);
     }
     return 0;
 }
@@ -1022,6 +1106,7 @@ int32_t attention_scratch(pi_device_tier *t, char *err, size_t len) {
         float **p;
         size_t bytes;
     } parts[] = {{&t->d_ax, B * E * 4},       {&t->d_aout, B * E * 4},   {&t->d_q, B * size_t(Q) * 4},
+                 {&t->d_split, B * E * 4 * 2}, {&t->d_cold, B * E * 4},
                  {&t->d_k, B * KV * 4},       {&t->d_v, B * KV * 4},
                  {&t->d_scores, B * size_t(d.n_head) * size_t(d.n_ctx) * 4},
                  {&t->d_rope_cos, table},     {&t->d_rope_sin, table}};
@@ -1035,7 +1120,10 @@ int32_t attention_scratch(pi_device_tier *t, char *err, size_t len) {
                   failed(cudaMemcpy(t->d_rope_sin, t->rope_sin.data(), table, cudaMemcpyHostToDevice), "copying RoPE's tables", err, len)))
         return 1;
     if (failed(cudaMallocHost(&t->p_ax, B * E * 4), "allocating pinned memory", err, len) ||
-        failed(cudaMallocHost(&t->p_aout, B * E * 4), "allocating pinned memory", err, len))
+        failed(cudaMallocHost(&t->p_aout, B * E * 4), "allocating pinned memory", err, len) ||
+        failed(cudaMallocHost(&t->p_split, B * E * 4 * 2), "allocating pinned memory", err, len) ||
+        failed(cudaMallocHost(&t->p_cold, B * E * 4), "allocating pinned memory", err, len) ||
+        failed(cudaEventCreate(&t->split_down), "creating an event", err, len))
         return 1;
     t->attention_ready = true;
     return 0;
@@ -1070,6 +1158,7 @@ int32_t attention_run(pi_device_tier *t, const pi_device_attention_job *job, pi_
     if (const char *why = device::refuse_attention_job(job, t->desc)) return say(err, len, why);
     const AttentionLayer &A = t->attention[size_t(job->layer)];
     if (!A.uploaded) return say(err, len, "layer " + std::to_string(job->layer) + "'s attention was not uploaded");
+    if (t->split_pending) return say(err, len, "a split layer was begun and not ended");
     // a hot job left unwaited runs first (the stream's order) and stays to be waited for
     if (failed(cudaSetDevice(t->desc.device), "selecting the device", err, len)) return 1;
     const size_t x_bytes = size_t(job->n_tok) * t->desc.n_embd * sizeof(float);
@@ -1111,6 +1200,7 @@ int32_t head_run(pi_device_tier *t, const pi_device_head_job *job, pi_device_cou
     if (const char *why = device::refuse_head_job(job, t->desc)) return say(err, len, why);
     if (!t->head_block) return say(err, len, "the output head was not uploaded");
     if (!job->x && !t->stream_ready) return say(err, len, "no stream on the device for the head to read");
+    if (t->split_pending) return say(err, len, "a split layer was begun and not ended");
     if (failed(cudaSetDevice(t->desc.device), "selecting the device", err, len)) return 1;
     const pi_device_tier_desc &d = t->desc;
     const pi_device_head &h = t->head_view;
@@ -1132,44 +1222,37 @@ int32_t head_run(pi_device_tier *t, const pi_device_head_job *job, pi_device_cou
     return 0;
 }
 
-int32_t layer_run(pi_device_tier *t, const pi_device_layer_job *job, char *err, size_t len) {
-    if (!t) return say(err, len, "bad layer job");
-    if (const char *why = device::refuse_layer_job(job, t->desc)) return say(err, len, why);
-    const AttentionLayer &A = t->attention[size_t(job->layer)];
-    const LayerRows &L = t->layers[size_t(job->layer)];
-    if (!A.uploaded || !A.view.ffn_norm_w || !L.uploaded)
-        return say(err, len, "layer " + std::to_string(job->layer) + "'s attention, FFN norm and hot rows were not all uploaded");
-    if (!job->x_in && !t->stream_ready) return say(err, len, "no stream on the device to continue");
-    if (t->pending && cudaStreamSynchronize(t->stream) != cudaSuccess) cudaGetLastError();  // a job left unwaited
-    t->pending = false;
-    if (failed(cudaSetDevice(t->desc.device), "selecting the device", err, len)) return 1;
-    const int E = t->desc.n_embd, n_tok = job->n_tok;
-    const size_t x_bytes = size_t(n_tok) * E * sizeof(float);
+// A whole or split layer's start on the stream: a new chain's (its start event, the input up where given), or a new
+// input up in the middle of one.
+int32_t chain_layer_start(pi_device_tier *t, const float *x_in, int n_tok, char *err, size_t len) {
     cudaStream_t s = t->stream;
     if (t->chain.empty()) {
-        if (t->start_job(job->x_in, n_tok, t->p_ax, t->d_ax, err, len)) return 1;
+        if (t->start_job(x_in, n_tok, t->p_ax, t->d_ax, err, len)) return 1;
         if (!t->chain_start && failed(cudaEventCreate(&t->chain_start), "creating an event", err, len)) return 1;
-        if (failed(cudaEventRecord(t->chain_start, s), "recording an event", err, len)) return 1;
-    } else if (job->x_in) {  // a new stream in the middle of a chain
-        std::memcpy(t->p_ax, job->x_in, x_bytes);
-        if (failed(cudaMemcpyAsync(t->d_ax, t->p_ax, x_bytes, cudaMemcpyHostToDevice, s), "copying the input", err, len))
-            return 1;
+        return failed(cudaEventRecord(t->chain_start, s), "recording an event", err, len);
     }
-    t->attend(A, n_tok, job->n_past, t->d_ax, t->d_ax, true);
-    Counters *slot = t->layer_counters() + job->layer;
-    t->normalize(t->d_ax, n_tok, A.view.ffn_norm_w, A.view.ffn_norm_b, t->hot_in, L.layout.quantized, slot, "ffn_norm");
-    t->hot_ffn(L, n_tok, job->dense, slot, t->d_ax, true);
+    if (!x_in) return 0;  // a new stream in the middle of a chain
+    const size_t x_bytes = size_t(n_tok) * t->desc.n_embd * sizeof(float);
+    std::memcpy(t->p_ax, x_in, x_bytes);
+    return failed(cudaMemcpyAsync(t->d_ax, t->p_ax, x_bytes, cudaMemcpyHostToDevice, s), "copying the input", err, len);
+}
+
+// A whole or split layer's kernels queued: the event after them, the layer into the chain, and where x_out is
+// given the stream down into it, waited for, and the chain's counts.
+int32_t chain_layer_end(pi_device_tier *t, ChainLayer c, float *x_out, char *err, size_t len) {
+    cudaStream_t s = t->stream;
     if (failed(cudaGetLastError(), "launching the layer's kernels", err, len)) return 1;
     if (t->chain_events.size() <= t->chain.size()) {
         cudaEvent_t e;
         if (failed(cudaEventCreate(&e), "creating an event", err, len)) return 1;
         t->chain_events.push_back(e);
     }
-    cudaEvent_t done = t->chain_events[t->chain.size()];
-    if (failed(cudaEventRecord(done, s), "recording an event", err, len)) return 1;
-    t->chain.push_back(ChainLayer{*job, done});
+    c.done = t->chain_events[t->chain.size()];
+    if (failed(cudaEventRecord(c.done, s), "recording an event", err, len)) return 1;
+    t->chain.push_back(c);
     t->stream_ready = true;
-    if (!job->x_out) return 0;
+    if (!x_out) return 0;
+    const size_t x_bytes = size_t(c.n_tok) * t->desc.n_embd * sizeof(float);
     if (t->chain_counts_down(err, len) ||
         failed(cudaMemcpyAsync(t->p_ax, t->d_ax, x_bytes, cudaMemcpyDeviceToHost, s), "copying the output", err, len))
         return 1;
@@ -1178,9 +1261,132 @@ int32_t layer_run(pi_device_tier *t, const pi_device_layer_job *job, char *err, 
         failed(cudaEventSynchronize(t->finished), "running the layers", err, len))
         return 1;
     t->steps.collect();
-    std::memcpy(job->x_out, t->p_ax, x_bytes);
+    std::memcpy(x_out, t->p_ax, x_bytes);
     t->end_chain();
     return 0;
+}
+
+// Why a whole or split layer cannot run on the stream (its uploads, the stream it continues, a split begun), or "".
+std::string refuse_stream_layer(const pi_device_tier *t, int32_t layer, const float *x_in) {
+    const AttentionLayer &A = t->attention[size_t(layer)];
+    if (!A.uploaded || !A.view.ffn_norm_w || !t->layers[size_t(layer)].uploaded)
+        return "layer " + std::to_string(layer) + "'s attention, FFN norm and hot rows were not all uploaded";
+    if (!x_in && !t->stream_ready) return "no stream on the device to continue";
+    if (t->split_pending) return "a split layer was begun and not ended";
+    return "";
+}
+
+int32_t layer_run(pi_device_tier *t, const pi_device_layer_job *job, char *err, size_t len) {
+    if (!t) return say(err, len, "bad layer job");
+    if (const char *why = device::refuse_layer_job(job, t->desc)) return say(err, len, why);
+    const std::string why = refuse_stream_layer(t, job->layer, job->x_in);
+    if (!why.empty()) return say(err, len, why);
+    const AttentionLayer &A = t->attention[size_t(job->layer)];
+    const LayerRows &L = t->layers[size_t(job->layer)];
+    if (t->pending && cudaStreamSynchronize(t->stream) != cudaSuccess) cudaGetLastError();  // a job left unwaited
+    t->pending = false;
+    if (failed(cudaSetDevice(t->desc.device), "selecting the device", err, len)) return 1;
+    const int n_tok = job->n_tok;
+    if (chain_layer_start(t, job->x_in, n_tok, err, len)) return 1;
+    t->attend(A, n_tok, job->n_past, t->d_ax, t->d_ax, true);
+    Counters *slot = t->layer_counters() + job->layer;
+    t->normalize(t->d_ax, n_tok, A.view.ffn_norm_w, A.view.ffn_norm_b, t->hot_in, L.layout.quantized, slot, "ffn_norm");
+    t->hot_ffn(L, n_tok, job->dense, slot, t->d_ax, true);
+    return chain_layer_end(t, ChainLayer{job->layer, n_tok, job->n_past, job->x_in != nullptr, job->x_out != nullptr,
+                                         false, false, job->counts, nullptr},
+                           job->x_out, err, len);
+}
+
+int32_t predictor_upload(pi_device_tier *t, const pi_device_predictor *p, int32_t layer, char *err, size_t len) {
+    if (!t || !p || layer < 0 || layer >= t->desc.n_layer) return say(err, len, "bad predictor upload");
+    const LayerRows &L = t->layers[size_t(layer)];
+    if (!L.uploaded) return say(err, len, "layer " + std::to_string(layer) + "'s hot rows were not uploaded");
+    if (const char *why = device::refuse_predictor(*p, t->desc, L.gate.rows))
+        return say(err, len, std::string("cannot upload ") + why);
+    PredictorLayer &P = t->predictors[size_t(layer)];
+    if (P.uploaded) return say(err, len, "layer " + std::to_string(layer) + "'s predictor was uploaded already");
+    if (failed(cudaSetDevice(t->desc.device), "selecting the device", err, len)) return 1;
+    const device::PredictorLayout layout(*p, t->desc);
+    if (t->allocate(reinterpret_cast<void **>(&P.block), layout.bytes,
+                    ("allocating layer " + std::to_string(layer) + "'s predictor").c_str(), err, len))
+        return 1;
+    const bool copied = layout.fill(*p, [&](size_t at, const void *src, size_t n_bytes) {
+        return !failed(cudaMemcpy(P.block + at, src, n_bytes, cudaMemcpyHostToDevice), "copying the predictor", err, len);
+    });
+    if (!copied) return 1;
+    P.view = layout.view(*p, P.block);
+    P.hid = OperandBuffers{reinterpret_cast<float *>(P.block + layout.hid), reinterpret_cast<int8_t *>(P.block + layout.hid_q),
+                           reinterpret_cast<uint16_t *>(P.block + layout.hid_d), p->fc1.rows};
+    P.uploaded = true;
+    return 0;
+}
+
+int32_t split_begin(pi_device_tier *t, const pi_device_split_job *job, char *err, size_t len) {
+    if (!t) return say(err, len, "bad split job");
+    if (const char *why = device::refuse_split_job(job, t->desc)) return say(err, len, why);
+    const std::string why = refuse_stream_layer(t, job->layer, job->x_in);
+    if (!why.empty()) return say(err, len, why);
+    const AttentionLayer &A = t->attention[size_t(job->layer)];
+    const LayerRows &L = t->layers[size_t(job->layer)];
+    const PredictorLayer &P = t->predictors[size_t(job->layer)];
+    const bool predicted = job->hot_mode == PI_DEVICE_HOT_PREDICTOR;
+    if (predicted && !P.uploaded) return say(err, len, "layer " + std::to_string(job->layer) + "'s predictor was not uploaded");
+    if (t->pending && cudaStreamSynchronize(t->stream) != cudaSuccess) cudaGetLastError();  // a job left unwaited
+    t->pending = false;
+    if (failed(cudaSetDevice(t->desc.device), "selecting the device", err, len)) return 1;
+    const int E = t->desc.n_embd, n_tok = job->n_tok;
+    const size_t x_bytes = size_t(n_tok) * E * sizeof(float);
+    cudaStream_t s = t->stream;
+    if (chain_layer_start(t, job->x_in, n_tok, err, len)) return 1;
+    t->attend(A, n_tok, job->n_past, t->d_ax, t->d_ax, true);
+    // the FFN's norm (its q8_0 form where the hot rows read it) and the stream's copy beside it: one copy down
+    Counters *slot = t->layer_counters() + job->layer;
+    const OperandBuffers xn{t->d_split, t->hot_in.q, t->hot_in.d, E};
+    t->normalize(t->d_ax, n_tok, A.view.ffn_norm_w, A.view.ffn_norm_b, xn, L.layout.quantized, slot, "ffn_norm",
+                 t->d_split + size_t(n_tok) * E);
+    if (failed(cudaMemcpyAsync(t->p_split, t->d_split, 2 * x_bytes, cudaMemcpyDeviceToHost, s), "copying the norm down", err, len) ||
+        failed(cudaEventRecord(t->split_down, s), "recording an event", err, len))
+        return 1;
+    t->steps.mark(s, "d2h");
+    // the hot rows meanwhile: the predictor's hidden layer relu(fc1 x) where it selects them, gate_up, down
+    HotSelect sel;
+    if (predicted) {
+        const pi_device_predictor &pv = P.view;
+        const OperandBuffers x{t->d_ax, t->axn.q, t->axn.d, E};
+        if (device::quantized(pv.fc1)) launch_quantize(s, x, n_tok, nullptr);
+        launch_matvec(s, {Projection{device::device_rows(pv.fc1), nullptr, P.hid.x, false, true}}, x.operand(), n_tok);
+        if (device::quantized(pv.fc2)) launch_quantize(s, P.hid, n_tok, nullptr);
+        t->steps.mark(s, "predictor");
+        sel = HotSelect{device::device_rows(pv.fc2), P.hid.operand(), pv.threshold, 1};
+    }
+    t->split_parts = int(device::down_splits(t->desc.n_batch, n_tok));
+    t->hot_rows(L, xn.operand(), n_tok, job->hot_mode == PI_DEVICE_HOT_DENSE, sel, slot, t->split_parts, t->hot_in.x);
+    if (failed(cudaGetLastError(), "launching the layer's kernels", err, len) ||
+        failed(cudaEventSynchronize(t->split_down), "running the layer's attention", err, len))
+        return 1;
+    std::memcpy(job->xn, t->p_split, x_bytes);
+    std::memcpy(job->x_mid, t->p_split + size_t(n_tok) * E, x_bytes);
+    t->split = *job;
+    t->split_pending = true;
+    return 0;
+}
+
+int32_t split_end(pi_device_tier *t, const float *y_cold, float *x_out, char *err, size_t len) {
+    if (!t || !t->split_pending) return say(err, len, "no split layer to end");
+    if (!y_cold) return say(err, len, "a split layer ended without its cold output");
+    t->split_pending = false;
+    const pi_device_split_job &j = t->split;
+    const size_t x_bytes = size_t(j.n_tok) * t->desc.n_embd * sizeof(float);
+    if (failed(cudaSetDevice(t->desc.device), "selecting the device", err, len)) return 1;
+    std::memcpy(t->p_cold, y_cold, x_bytes);  // the one copy up
+    if (failed(cudaMemcpyAsync(t->d_cold, t->p_cold, x_bytes, cudaMemcpyHostToDevice, t->stream), "copying the cold output",
+               err, len))
+        return 1;
+    t->steps.mark(t->stream, "h2d_cold");  // from the hot rows' end: the host's cold tier, then the copy
+    t->sum_partials(t->hot_in.x, j.n_tok, t->split_parts, t->d_ax, true, t->d_cold);
+    return chain_layer_end(t, ChainLayer{j.layer, j.n_tok, j.n_past, j.x_in != nullptr, x_out != nullptr, true,
+                                         j.hot_mode == PI_DEVICE_HOT_PREDICTOR, j.counts, nullptr},
+                           x_out, err, len);
 }
 
 uint64_t tier_bytes(const pi_device_tier *t) { return t ? t->bytes : 0; }
@@ -1193,10 +1399,11 @@ void tier_destroy(pi_device_tier *t) {
     delete t;
 }
 
-const pi_device_api kApi = {PI_DEVICE_API_VERSION, "cuda",         device_count,  device_memory,
-                            tier_create,           tier_upload,    tier_submit,   tier_wait,
-                            attention_upload,      attention_run,  head_upload,   head_run,
-                            layer_run,             copy_rate,      tier_bytes,    tier_destroy};
+const pi_device_api kApi = {PI_DEVICE_API_VERSION, "cuda",           device_count,  device_memory,
+                            tier_create,           tier_upload,      tier_submit,   tier_wait,
+                            attention_upload,      attention_run,    head_upload,   head_run,
+                            layer_run,             predictor_upload, split_begin,   split_end,
+                            copy_rate,             tier_bytes,       tier_destroy};
 
 }  // namespace
 

@@ -55,8 +55,14 @@ struct pi_device_tier {
         std::vector<uint8_t> block;
         uint8_t *k_cache = nullptr, *v_cache = nullptr;
     };
+    struct Predictor {
+        pi_device_predictor view{};  // its matrices pointing into `block`
+        bool uploaded = false;
+        std::vector<uint8_t> block;
+    };
     pi_device_tier_desc desc;
     std::vector<Rows> layers;
+    std::vector<Predictor> predictors;
     std::vector<Attention> attention;
     std::vector<float> rope_cos, rope_sin;
     std::vector<uint8_t> head_block;  // the output head, where uploaded
@@ -66,13 +72,50 @@ struct pi_device_tier {
     uint64_t bytes = 0, bytes_attention_scratch = 0;
     std::thread worker;
     pi_device_job job{};
+    int32_t hot_mode = PI_DEVICE_HOT_RULE;  // the job's (pi_device_hot_mode)
+    const float *predictor_x = nullptr;     // the predictor's input rows, for PI_DEVICE_HOT_PREDICTOR
     pi_device_counts counts{};
+    double rows_read = 0;  // the job's gate (and up) rows read, the kernels' passes over them
     std::chrono::steady_clock::time_point submitted;
+    // a split layer begun (split_begin) and not yet ended: the job, its FFN input and predictor input, the hot rows'
+    // output, and when it began
+    bool split_pending = false;
+    pi_device_split_job split{};
+    std::vector<float> split_x, split_xn, split_y;
+    std::chrono::steady_clock::time_point split_started;
+
+    // Which hot rows each token computes: every one, or (PI_DEVICE_HOT_PREDICTOR) those whose fc2 row scores
+    // relu(fc1 x) above the threshold; and the rows read, pass by pass of kTokensPerPass tokens (a row once a pass
+    // where a token of the pass selects it).
+    std::vector<uint8_t> selection(int64_t n_rows) {
+        std::vector<uint8_t> sel(size_t(job.n_tok * n_rows), 1);
+        if (hot_mode == PI_DEVICE_HOT_PREDICTOR) {
+            const pi_device_predictor &P = predictors[size_t(job.layer)].view;
+            std::vector<float> hid(static_cast<size_t>(P.fc1.rows)), logit(static_cast<size_t>(n_rows));
+            for (int64_t t = 0; t < job.n_tok; ++t) {
+                project(P.fc1, predictor_x + t * desc.n_embd, hid.data());
+                for (float &h : hid) h = std::max(h, 0.0f);
+                project(P.fc2, hid.data(), logit.data());
+                for (int64_t r = 0; r < n_rows; ++r) sel[size_t(t * n_rows + r)] = logit[size_t(r)] > P.threshold;
+            }
+        }
+        for (int64_t t0 = 0; t0 < job.n_tok; t0 += device::kTokensPerPass)
+            for (int64_t r = 0; r < n_rows; ++r) {
+                bool any = false;
+                for (int64_t t = t0; t < std::min<int64_t>(job.n_tok, t0 + device::kTokensPerPass); ++t)
+                    any = any || sel[size_t(t * n_rows + r)];
+                rows_read += any;
+            }
+        return sel;
+    }
 
     void compute() {
         const Rows &R = layers[size_t(job.layer)];
         const device::Rule rule{desc.activation, desc.gated, R.threshold};
         const int64_t E = desc.n_embd, nb = E / QK;
+        const bool dense = hot_mode == PI_DEVICE_HOT_DENSE;
+        rows_read = 0;
+        const std::vector<uint8_t> sel = selection(R.gate.rows);
         std::vector<BlockQ8_0> xq(static_cast<size_t>(nb));
         for (int64_t t = 0; t < job.n_tok; ++t) {
             const float *x = job.x + t * E;
@@ -80,6 +123,7 @@ struct pi_device_tier {
             float *y = job.y + t * E;
             std::fill(y, y + E, 0.0f);
             for (int64_t r = 0; r < R.gate.rows; ++r) {
+                if (!sel[size_t(t * R.gate.rows + r)]) continue;
                 float g = 0, u = 0;
                 for (int64_t k = 0; k < nb; ++k) {
                     g += device::block_dot(R.gate, r, k, x, xq.data());
@@ -87,16 +131,16 @@ struct pi_device_tier {
                 }
                 bool pass;
                 const float h = rule.coefficient(g, u, R.gate_b ? R.gate_b[r] : 0.0f, R.up_b ? R.up_b[r] : 0.0f,
-                                                 job.dense != 0, &pass);
+                                                 dense, &pass);
                 counts.active += pass;
-                if (!(job.dense || pass)) continue;
+                if (!(dense || pass)) continue;
                 counts.computed += 1;
                 if (h != 0.0f)
                     for (int64_t e = 0; e < E; ++e) y[e] += h * device::element(R.down, r, e);
             }
         }
         counts.launches = device::hot_launches(desc.n_batch, job.n_tok);
-        counts.device_bytes = device::hot_bytes(R.layout, R.gate.rows, job.n_tok, counts.computed);
+        counts.device_bytes = device::hot_bytes(R.layout, rows_read, counts.computed);
     }
 
     // y[r] = m's row r . x (+ its bias) for one token, x's q8_0 blocks made where m's type reads them
@@ -222,6 +266,7 @@ pi_device_tier *tier_create(const pi_device_tier_desc *desc, char *err, size_t l
     t->desc = *desc;
     t->layers.resize(size_t(desc->n_layer));
     t->attention.resize(size_t(desc->n_layer));
+    t->predictors.resize(size_t(desc->n_layer));
     if (desc->rope_cos && desc->rope_sin && desc->n_ctx > 0 && desc->n_rot > 0) {
         const size_t n = size_t(desc->n_ctx) * size_t(desc->n_rot / 2);
         t->rope_cos.assign(desc->rope_cos, desc->rope_cos + n);
@@ -268,7 +313,9 @@ int32_t tier_submit(pi_device_tier *t, const pi_device_job *job, char *err, size
     const pi_device_tier::Rows &R = t->layers[size_t(job->layer)];
     if (!R.uploaded) return say(err, len, "layer " + std::to_string(job->layer) + " was not uploaded");
     if (t->worker.joinable()) t->worker.join();  // a job left unwaited: finished first
+    if (t->split_pending) return say(err, len, "a split layer was begun and not ended");
     t->job = *job;
+    t->hot_mode = job->dense ? PI_DEVICE_HOT_DENSE : PI_DEVICE_HOT_RULE;
     t->counts = pi_device_counts{};
     const double E = t->desc.n_embd;
     t->counts.h2d_bytes = job->n_tok * E * 4;  // the rows up; the output rows and the CUDA library's counters down
@@ -357,6 +404,7 @@ int32_t head_run(pi_device_tier *t, const pi_device_head_job *job, pi_device_cou
     if (const char *why = device::refuse_head_job(job, t->desc)) return say(err, len, why);
     if (t->head_block.empty()) return say(err, len, "the output head was not uploaded");
     if (!job->x && !t->stream_ready) return say(err, len, "no stream on the device for the head to read");
+    if (t->split_pending) return say(err, len, "a split layer was begun and not ended");
     const auto t0 = std::chrono::steady_clock::now();
     t->head(*job);
     if (counts) {
@@ -370,13 +418,22 @@ int32_t head_run(pi_device_tier *t, const pi_device_head_job *job, pi_device_cou
     return 0;
 }
 
+// Why a whole or split layer cannot run on the stream (its uploads, the stream it continues, a split begun), or "".
+std::string refuse_stream_layer(const pi_device_tier *t, int32_t layer, const float *x_in) {
+    const pi_device_tier::Attention &A = t->attention[size_t(layer)];
+    if (!A.uploaded || !A.view.ffn_norm_w || !t->layers[size_t(layer)].uploaded)
+        return "layer " + std::to_string(layer) + "'s attention, FFN norm and hot rows were not all uploaded";
+    if (!x_in && !t->stream_ready) return "no stream on the device to continue";
+    if (t->split_pending) return "a split layer was begun and not ended";
+    return "";
+}
+
 int32_t layer_run(pi_device_tier *t, const pi_device_layer_job *job, char *err, size_t len) {
     if (!t) return say(err, len, "bad layer job");
     if (const char *why = device::refuse_layer_job(job, t->desc)) return say(err, len, why);
+    const std::string why = refuse_stream_layer(t, job->layer, job->x_in);
+    if (!why.empty()) return say(err, len, why);
     const pi_device_tier::Attention &A = t->attention[size_t(job->layer)];
-    if (!A.uploaded || !A.view.ffn_norm_w || !t->layers[size_t(job->layer)].uploaded)
-        return say(err, len, "layer " + std::to_string(job->layer) + "'s attention, FFN norm and hot rows were not all uploaded");
-    if (!job->x_in && !t->stream_ready) return say(err, len, "no stream on the device to continue");
     if (t->worker.joinable()) t->worker.join();  // a hot job left unwaited: finished first
     const auto t0 = std::chrono::steady_clock::now();
     const int64_t E = t->desc.n_embd, n = int64_t(job->n_tok) * E;
@@ -388,6 +445,7 @@ int32_t layer_run(pi_device_tier *t, const pi_device_layer_job *job, char *err, 
     for (int64_t i = 0; i < n; ++i) x[i] += out[size_t(i)];
     for (int64_t k = 0; k < job->n_tok; ++k) t->normalize(x + k * E, A.view.ffn_norm_w, A.view.ffn_norm_b, xn.data() + k * E);
     t->job = pi_device_job{job->layer, job->n_tok, job->dense, xn.data(), out.data()};
+    t->hot_mode = job->dense ? PI_DEVICE_HOT_DENSE : PI_DEVICE_HOT_RULE;
     t->counts = pi_device_counts{};
     t->compute();
     for (int64_t i = 0; i < n; ++i) x[i] += out[size_t(i)];
@@ -400,6 +458,86 @@ int32_t layer_run(pi_device_tier *t, const pi_device_layer_job *job, char *err, 
     c.launches = device::attention_launches(A.view) + device::fused_ffn_launches();
     c.device_bytes += device::attention_bytes(A.view, t->desc, job->n_tok, job->n_past);
     c.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return 0;
+}
+
+int32_t predictor_upload(pi_device_tier *t, const pi_device_predictor *p, int32_t layer, char *err, size_t len) {
+    if (!t || !p || layer < 0 || layer >= t->desc.n_layer) return say(err, len, "bad predictor upload");
+    const pi_device_tier::Rows &R = t->layers[size_t(layer)];
+    if (!R.uploaded) return say(err, len, "layer " + std::to_string(layer) + "'s hot rows were not uploaded");
+    if (const char *why = device::refuse_predictor(*p, t->desc, R.gate.rows))
+        return say(err, len, std::string("cannot upload ") + why);
+    pi_device_tier::Predictor &P = t->predictors[size_t(layer)];
+    if (P.uploaded) return say(err, len, "layer " + std::to_string(layer) + "'s predictor was uploaded already");
+    const device::PredictorLayout layout(*p, t->desc);
+    if (g_used + layout.bytes > capacity())
+        return say(err, len, "out of emulated device memory uploading layer " + std::to_string(layer) + "'s predictor");
+    P.block.assign(layout.bytes, 0);
+    layout.fill(*p, [&](size_t at, const void *src, size_t n_bytes) {
+        std::memcpy(P.block.data() + at, src, n_bytes);
+        return true;
+    });
+    P.view = layout.view(*p, P.block.data());
+    P.uploaded = true;
+    t->bytes += layout.bytes;
+    g_used += layout.bytes;
+    return 0;
+}
+
+int32_t split_begin(pi_device_tier *t, const pi_device_split_job *job, char *err, size_t len) {
+    if (!t) return say(err, len, "bad split job");
+    if (const char *why = device::refuse_split_job(job, t->desc)) return say(err, len, why);
+    const std::string why = refuse_stream_layer(t, job->layer, job->x_in);
+    if (!why.empty()) return say(err, len, why);
+    if (job->hot_mode == PI_DEVICE_HOT_PREDICTOR && !t->predictors[size_t(job->layer)].uploaded)
+        return say(err, len, "layer " + std::to_string(job->layer) + "'s predictor was not uploaded");
+    const pi_device_tier::Attention &A = t->attention[size_t(job->layer)];
+    if (t->worker.joinable()) t->worker.join();  // a hot job left unwaited: finished first
+    t->split_started = std::chrono::steady_clock::now();
+    const int64_t E = t->desc.n_embd, n = int64_t(job->n_tok) * E;
+    t->stream.resize(size_t(t->desc.n_batch) * size_t(E));
+    float *x = t->stream.data();
+    if (job->x_in) std::copy(job->x_in, job->x_in + n, x);
+    std::vector<float> out(static_cast<size_t>(n));
+    t->attend(pi_device_attention_job{job->layer, job->n_tok, job->n_past, x, out.data()});
+    for (int64_t i = 0; i < n; ++i) x[i] += out[size_t(i)];
+    t->split_x.assign(x, x + n);
+    t->split_xn.resize(size_t(n));
+    t->split_y.resize(size_t(n));
+    for (int64_t k = 0; k < job->n_tok; ++k)
+        t->normalize(x + k * E, A.view.ffn_norm_w, A.view.ffn_norm_b, t->split_xn.data() + k * E);
+    std::copy(t->split_x.begin(), t->split_x.end(), job->x_mid);  // the one copy down: the stream and its norm
+    std::copy(t->split_xn.begin(), t->split_xn.end(), job->xn);
+    t->split = *job;
+    t->split_pending = true;
+    t->job = pi_device_job{job->layer, job->n_tok, job->hot_mode == PI_DEVICE_HOT_DENSE, t->split_xn.data(), t->split_y.data()};
+    t->hot_mode = job->hot_mode;
+    t->predictor_x = t->split_x.data();
+    t->counts = pi_device_counts{};
+    t->worker = std::thread([t] { t->compute(); });  // the hot rows, while the host computes the cold tier
+    return 0;
+}
+
+int32_t split_end(pi_device_tier *t, const float *y_cold, float *x_out, char *err, size_t len) {
+    if (!t || !t->split_pending) return say(err, len, "no split layer to end");
+    if (!y_cold) return say(err, len, "a split layer ended without its cold output");
+    t->worker.join();
+    t->split_pending = false;
+    const pi_device_split_job &j = t->split;
+    const int64_t n = int64_t(j.n_tok) * t->desc.n_embd;
+    float *x = t->stream.data();
+    for (int64_t i = 0; i < n; ++i) x[i] += t->split_y[size_t(i)] + y_cold[i];  // the one copy up: y_cold
+    t->stream_ready = true;
+    if (x_out) std::copy(x, x + n, x_out);
+    const pi_device_attention &a = t->attention[size_t(j.layer)].view;
+    const pi_device_predictor *p = j.hot_mode == PI_DEVICE_HOT_PREDICTOR ? &t->predictors[size_t(j.layer)].view : nullptr;
+    pi_device_counts &c = *j.counts;
+    c = t->counts;
+    c.h2d_bytes = (j.x_in ? double(n) * 4 : 0.0) + double(n) * 4;
+    c.d2h_bytes = 2.0 * double(n) * 4 + (x_out ? double(n) * 4 : 0.0) + double(device::kJobCountersBytes);
+    c.launches = device::split_launches(a, p);
+    c.device_bytes += device::attention_bytes(a, t->desc, j.n_tok, j.n_past) + (p ? device::predictor_bytes(*p, j.n_tok) : 0.0);
+    c.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t->split_started).count();
     return 0;
 }
 
@@ -427,10 +565,11 @@ void tier_destroy(pi_device_tier *t) {
     delete t;
 }
 
-const pi_device_api kApi = {PI_DEVICE_API_VERSION, "emulated", device_count,   device_memory,
-                            tier_create,           tier_upload, tier_submit,    tier_wait,
-                            attention_upload,      attention_run, head_upload,  head_run,
-                            layer_run,             copy_rate,   tier_bytes,     tier_destroy};
+const pi_device_api kApi = {PI_DEVICE_API_VERSION, "emulated",       device_count,     device_memory,
+                            tier_create,           tier_upload,      tier_submit,      tier_wait,
+                            attention_upload,      attention_run,    head_upload,      head_run,
+                            layer_run,             predictor_upload, split_begin,      split_end,
+                            copy_rate,             tier_bytes,       tier_destroy};
 
 }  // namespace
 

@@ -166,9 +166,9 @@ PI_HD inline float element(const DeviceRows &m, int64_t r, int64_t i) {
     return m.scale(r, k) * float(v - 8);
 }
 
-// Bytes of a hot job's (or a whole layer's) counters of active and computed neurons, which come back with its
-// output: part of its bus traffic in both libraries.
-constexpr size_t kJobCountersBytes = 16;
+// Bytes of a hot job's (or a whole or split layer's) counters of active and computed neurons and of the rows whose
+// gate (and up) were read, which come back with its output: part of its bus traffic in both libraries.
+constexpr size_t kJobCountersBytes = 24;
 
 // Tokens a matrix-vector kernel takes per pass over a matrix's rows: a batch reads the matrix once a pass.
 constexpr int kTokensPerPass = 8;
@@ -186,11 +186,12 @@ inline int64_t down_splits(int64_t n_batch, int64_t n_tok) {
 // Kernels a hot job launches: the operand's quantization, gate_up, down, and the partials' sum where split.
 inline double hot_launches(int64_t n_batch, int64_t n_tok) { return 3.0 + (down_splits(n_batch, n_tok) > 1 ? 1.0 : 0.0); }
 
-// Bytes a hot job reads of device memory: the gate (and up) rows once a pass, each token's computed neurons'
-// down rows.
-inline double hot_bytes(const LayerLayout &l, int64_t n_rows, int64_t n_tok, double computed) {
-    return double(n_rows) * double(l.gate_row + l.up_row) * double(passes(n_tok)) + computed * double(l.down_row);
+// Bytes a hot job reads of device memory: the gate (and up) rows read (every row once a pass, or a split layer's
+// predicted rows: those a token of the pass selects), each token's computed neurons' down rows.
+inline double hot_bytes(const LayerLayout &l, double rows_read, double computed) {
+    return rows_read * double(l.gate_row + l.up_row) + computed * double(l.down_row);
 }
+inline double rows_read(int64_t n_rows, int64_t n_tok) { return double(n_rows) * double(passes(n_tok)); }
 
 // The activation rule (backend/activation_rule.h) of one neuron from its gate's and up's dot products (biases
 // not yet added): its down row's coefficient h, 0 where the neuron is skipped; *pass: whether the rule passes it.

@@ -81,6 +81,7 @@ Engine::Engine(const std::string &path, const pi_options &opts, const std::strin
     rs_ = std::make_unique<RunState>(hp_, n_ctx_, n_batch_, threads, opts.kv_type == PI_KV_F16, n_seq_);
     if (device_) device_->begin(*model_, rs_->rope_cos.data(), rs_->rope_sin.data());
     device_layer_modes_.assign(size_t(hp_.n_layer), TierMode::Dense);
+    split_cold_.assign(size_t(hp_.n_layer), SplitCold{});
     if (!hot_) hot_ = std::make_unique<CpuTierBackend>(hp_, *ks_, *pool_, n_batch_, rank, true);
     cold_ = std::make_unique<CpuTierBackend>(hp_, *ks_, *pool_, n_batch_, rank, false, disk_.get());
     if (hp_.n_expert > 0) moe_ = std::make_unique<MoeFfn>(hp_, *ks_, *pool_, n_batch_);

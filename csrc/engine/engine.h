@@ -118,10 +118,19 @@ private:
     // Asks for the layer's predictor weights (fc1, the cold tier's fc2) while attention reads the KV cache.
     void prefetch_predictor(const Layer &L) const;
     void ffn(int64_t il, int64_t n_tok, TierMode cold_mode);
+    // Both tiers' operands made from the FFN's input (rs_->xn, and x for the predictor), the cold tier arranged for
+    // the step, and its job (writing y_cold).
+    TierJob cold_job(int64_t il, int64_t n_tok, TierMode cold_mode, float down_zero_at);
     // Whether layer il runs whole on the device: its attention and hot rows there, no cold tier, no down bias, no
     // input sparsity (DeviceTierBackend::runs_layer).
     bool device_layer(int64_t il) const;
-    // The device's whole layers' counts into the stats and the policy, once their stream has come back.
+    // Whether layer il runs split: its attention and hot rows on the device, its cold tier here, no down bias, no
+    // FFN post-norm, no input sparsity (DeviceTierBackend::splits); and running it (docs/engine.md, "A split
+    // layer"), the stream coming from the device or going back to the host as `in` and `out` say; returns the
+    // seconds its cold tier took here (its phases' time, not attention's).
+    bool split_layer(int64_t il) const;
+    double split(int64_t il, int64_t n_tok, TierMode cold_mode, bool in, bool out);
+    // The device's whole and split layers' counts into the stats and the policy, once their stream has come back.
     void take_device_layers(int64_t n_tok);
     void output(int64_t n_tok, float *logits, int64_t ld_logits);
     // RMSNorm or LayerNorm (hp_.norm) of n_tok rows; b may be empty.
@@ -197,7 +206,14 @@ private:
     std::unique_ptr<MoeFfn> moe_;     // the experts of a mixture of experts' layers (hp_.n_expert > 0)
     int32_t gpu_mode_ = PI_GPU_OFF;
     DeviceTierBackend *device_ = nullptr;  // hot_, where it is a device's
-    std::vector<TierMode> device_layer_modes_;  // [layer] the cold mode a whole layer on the device ran in
+    std::vector<TierMode> device_layer_modes_;  // [layer] the cold mode a whole or split layer on the device ran in
+    // [layer] a split layer's cold tier's counts, held until its hot rows' come down (take_device_layers)
+    struct SplitCold {
+        bool has_cold = false;
+        TierCounts counts;
+        int64_t n_probe = 0;
+    };
+    std::vector<SplitCold> split_cold_;
     bool stream_on_device_ = false;             // the last layer's output is on the device, not in rs_->x
     EngineStats stats_;
     Sampler sampler_;

@@ -31,19 +31,25 @@ void Engine::forward(const int32_t *tokens, int64_t n_tok, float *logits, int64_
         t0 = Clock::now();
         // attention leaves what it reads unchanged; a decode step of several sequences is n_tok decode steps
         const TierMode cold_mode = policy_.cold_mode(il, stepping() ? 1 : n_tok);
-        if (device_layer(il)) {
-            // the whole layer on the device (its time counted as attention's); the residual stream stays there
-            // from one such layer to the next, and for the head where it is there too
-            const bool in = il == 0 || !device_layer(il - 1);
-            const bool out = il + 1 < hp_.n_layer ? !device_layer(il + 1) : !(want_logits && device_->heads());
+        const auto streams = [&](int64_t i) { return device_layer(i) || split_layer(i); };
+        if (streams(il)) {
+            // the whole layer on the device, or split with its cold tier here (its time counted as attention's);
+            // the residual stream stays there from one such layer to the next, and for the head where it is there
+            const bool in = il == 0 || !streams(il - 1);
+            const bool out = il + 1 < hp_.n_layer ? !streams(il + 1) : !(want_logits && device_->heads());
             float *x = rs_->x.data();
-            device_->layer(il, n_tok, rs_->seq().n_past, FfnPolicy::hot_mode(cold_mode) == TierMode::Dense, in ? x : nullptr,
-                           out ? x : nullptr);
+            double cold_seconds = 0;  // a split layer's cold tier: its phases' own time
+            if (device_layer(il)) {
+                device_->layer(il, n_tok, rs_->seq().n_past, FfnPolicy::hot_mode(cold_mode) == TierMode::Dense,
+                               in ? x : nullptr, out ? x : nullptr);
+                if (n_tok == 1) stats_.layers[size_t(il)].kernel_changes += double(policy_.decode_step(il, cold_mode));
+            } else {
+                cold_seconds = split(il, n_tok, cold_mode, in, out);
+            }
             device_layer_modes_[size_t(il)] = cold_mode;
-            if (n_tok == 1) stats_.layers[size_t(il)].kernel_changes += double(policy_.decode_step(il, cold_mode));
             stream_on_device_ = !out;
             if (out) take_device_layers(n_tok);
-            stats_.times.attention += seconds_since(t0);
+            stats_.times.attention += seconds_since(t0) - cold_seconds;
             continue;
         }
         attention(il, n_tok, cold_mode);
@@ -339,26 +345,11 @@ void Engine::ffn(int64_t il, int64_t n_tok, TierMode cold_mode) {
         s.op_xn.q_ready = false;
         down_zero_at = input_thr(il, kSiteDown);
     }
-    // both tiers read the same operand: made once, here, before either starts
-    prepare(*ks_, s.op_xn, n_tok, L.gate.type);
-    prepare(*ks_, s.op_xn, n_tok, L.up.type);
-    // The predictor's input, x as it stands: the residual entering the FFN block (llama family, opt), or the
-    // layer's input in a parallel block (falcon), as PowerInfer feeds them.
-    s.op_x.q_ready = false;
-    if (!batch) {
-        model_->arrange_cold_tier(il, reads_gate_whole(cold_mode), reads_up_whole(cold_mode), down_quads_for(cold_mode),
-                                  true);
-        stats_.layers[size_t(il)].kernel_changes += double(policy_.decode_step(il, cold_mode));
-    } else {
-        model_->arrange_cold_tier(il, policy_.batch_reads_gates_whole(il), policy_.mode() == PI_FFN_DENSE,
-                                  down_quads_for(cold_mode), false);
-    }
+    const TierJob cold_work = cold_job(il, n_tok, cold_mode, down_zero_at);
     TierJob hot_job{il, n_tok, FfnPolicy::hot_mode(cold_mode), &s.op_xn, &s.op_x, false, 0, s.y_hot.data()};
-    TierJob cold_job{il, n_tok, cold_mode, &s.op_xn, &s.op_x, recall_check_,
-                     policy_.probe_tokens(il, n_tok, cold_mode, s.seq().n_past), s.y_cold.data(), down_zero_at};
-    hot_job.steps = cold_job.steps = stepping();
+    hot_job.steps = stepping();
     if (has_hot) hot_->submit(hot_job);
-    if (has_cold) cold_->submit(cold_job);
+    if (has_cold) cold_->submit(cold_work);
     const TierCounts hot = has_hot ? hot_->wait() : TierCounts{}, cold = has_cold ? cold_->wait() : TierCounts{};
     if (!has_cold) std::fill(s.y_cold.begin(), s.y_cold.begin() + n_tok * E, 0.0f);
     if (has_cold && batch) model_->release_grouped_rows(il, !reads_gate_whole(cold_mode), !reads_up_whole(cold_mode));
@@ -370,7 +361,60 @@ void Engine::ffn(int64_t il, int64_t n_tok, TierMode cold_mode) {
     stats_.take_ffn(il, n_tok, cold_mode, has_cold, hot, cold);
     stats_.input.inputs += cold.down_inputs;
     stats_.input.zeroed += cold.down_zeroed;
-    policy_.take(il, n_tok, cold_mode, hot, cold, has_cold ? cold_job.n_probe : 0);
+    policy_.take(il, n_tok, cold_mode, hot, cold, has_cold ? cold_work.n_probe : 0);
+}
+
+TierJob Engine::cold_job(int64_t il, int64_t n_tok, TierMode cold_mode, float down_zero_at) {
+    const Layer &L = model_->layers()[size_t(il)];
+    RunState &s = *rs_;
+    // both tiers read the same operand: made once, here, before either starts
+    prepare(*ks_, s.op_xn, n_tok, L.gate.type);
+    prepare(*ks_, s.op_xn, n_tok, L.up.type);
+    // The predictor's input, x as it stands: the residual entering the FFN block (llama family, opt), or the
+    // layer's input in a parallel block (falcon), as PowerInfer feeds them.
+    s.op_x.q_ready = false;
+    if (n_tok == 1 || stepping()) {
+        model_->arrange_cold_tier(il, reads_gate_whole(cold_mode), reads_up_whole(cold_mode), down_quads_for(cold_mode),
+                                  true);
+        stats_.layers[size_t(il)].kernel_changes += double(policy_.decode_step(il, cold_mode));
+    } else {
+        model_->arrange_cold_tier(il, policy_.batch_reads_gates_whole(il), policy_.mode() == PI_FFN_DENSE,
+                                  down_quads_for(cold_mode), false);
+    }
+    TierJob job{il, n_tok, cold_mode, &s.op_xn, &s.op_x, recall_check_,
+                policy_.probe_tokens(il, n_tok, cold_mode, s.seq().n_past), s.y_cold.data(), down_zero_at};
+    job.steps = stepping();
+    return job;
+}
+
+// A split layer: one device call runs attention and the FFN's norm on the stream there and sends the stream and
+// its norm down (the cold tier's operand, the predictor's input) while its hot rows start; the cold tier runs here
+// meanwhile; its output goes up and the device adds both tiers' to the stream. In predictor mode the device's
+// hot rows are the ones the layer's predictor selects (PowerInfer's split), as every neuron is on the CPU alone.
+double Engine::split(int64_t il, int64_t n_tok, TierMode cold_mode, bool in, bool out) {
+    const Layer &L = model_->layers()[size_t(il)];
+    RunState &s = *rs_;
+    const TierMode hot = FfnPolicy::hot_mode(cold_mode);
+    const bool predicted = policy_.mode() == PI_FFN_PREDICTOR && cold_mode == TierMode::Predictor && device_->predicts(il);
+    const int32_t hot_mode = hot == TierMode::Dense ? PI_DEVICE_HOT_DENSE : predicted ? PI_DEVICE_HOT_PREDICTOR : PI_DEVICE_HOT_RULE;
+    if (n_tok == 1 && cold_mode == TierMode::Predictor) prefetch_predictor(L);
+    float *x = s.x.data();
+    device_->split_begin(il, n_tok, s.seq().n_past, hot_mode, in ? x : nullptr, x, s.xn.data());
+    s.op_xn.q_ready = false;
+    const auto t0 = Clock::now();
+    const TierJob job = cold_job(il, n_tok, cold_mode, -1.0f);
+    const TierCounts cold = cold_->run(job);
+    if (n_tok > 1) model_->release_grouped_rows(il, !reads_gate_whole(cold_mode), !reads_up_whole(cold_mode));
+    const double cold_seconds = seconds_since(t0);
+    device_->split_end(s.y_cold.data(), out ? x : nullptr);
+    split_cold_[size_t(il)] = SplitCold{true, cold, job.n_probe};
+    return cold_seconds;
+}
+
+bool Engine::split_layer(int64_t il) const {
+    const Layer &L = model_->layers()[size_t(il)];
+    return device_ && device_->splits(il) && L.hot.size() > 0 && L.cold.size() > 0 && !L.down_b.data &&
+           !L.ffn_post_norm.data && L.ffn_norm.data && !input_on();
 }
 
 bool Engine::device_layer(int64_t il) const {
@@ -382,8 +426,10 @@ bool Engine::device_layer(int64_t il) const {
 void Engine::take_device_layers(int64_t n_tok) {
     for (const auto &[il, hot] : device_->take_layers()) {
         const TierMode mode = device_layer_modes_[size_t(il)];
-        stats_.take_ffn(il, n_tok, mode, false, hot, TierCounts{});
-        policy_.take(il, n_tok, mode, hot, TierCounts{}, 0);
+        SplitCold &c = split_cold_[size_t(il)];  // none for a whole layer
+        stats_.take_ffn(il, n_tok, mode, c.has_cold, hot, c.counts);
+        policy_.take(il, n_tok, mode, hot, c.counts, c.n_probe);
+        c = SplitCold{};
     }
 }
 

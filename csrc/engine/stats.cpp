@@ -85,7 +85,8 @@ std::string device_json(const DeviceUse *u) {
     std::string layers = "[";
     for (size_t i = 0; i < p.attention.size(); ++i)
         layers += std::string(i ? ", " : "") + "{\"attention\": " + (p.attention[i] ? "\"device\"" : "\"cpu\"") +
-                  ", \"hot_rows\": " + (p.hot[i] ? "\"device\"" : "\"cpu\"") + "}";
+                  ", \"hot_rows\": " + (p.hot[i] ? "\"device\"" : "\"cpu\"") +
+                  ", \"predictor\": " + (p.predictor[i] ? "\"device\"" : "\"cpu\"") + "}";
     layers += "]";
     return "{\"library\": " + quoted(u->library) + ", \"device\": " + num(u->device) + ", \"name\": " +
            quoted(u->device_name) + ", \"free_bytes\": " + num(u->free_bytes) + ", \"total_bytes\": " +
@@ -96,14 +97,16 @@ std::string device_json(const DeviceUse *u) {
            (p.attention_off.empty() ? std::string("null") : quoted(p.attention_off)) +
            ", \"placed_bytes\": {\"scratch\": " + num(p.scratch) + ", \"head\": " + num(p.head_bytes) +
            ", \"attention\": " + num(p.attention_bytes) +
-           ", \"kv_cache\": " + num(p.kv_bytes) + ", \"hot\": " + num(p.hot_bytes) + "}, \"layers\": " + layers +
+           ", \"kv_cache\": " + num(p.kv_bytes) + ", \"hot\": " + num(p.hot_bytes) +
+           ", \"predictor\": " + num(p.predictor_bytes) + "}, \"layers\": " + layers +
            ", \"device_bytes\": " + num(u->device_bytes) + ", \"jobs\": " + num(u->jobs) + ", \"tokens\": " +
            num(u->tokens) + ", \"h2d_bytes\": " + num(u->h2d_bytes) + ", \"d2h_bytes\": " + num(u->d2h_bytes) +
            ", \"device_seconds\": " + num(u->device_seconds) + ", \"wait_seconds\": " + num(u->wait_seconds) +
            ", \"attention_jobs\": " + num(u->attention_jobs) + ", \"attention_seconds\": " +
            num(u->attention_seconds) + ", \"head_jobs\": " + num(u->head_jobs) + ", \"head_seconds\": " +
            num(u->head_seconds) + ", \"layer_jobs\": " + num(u->layer_jobs) + ", \"layer_seconds\": " +
-           num(u->layer_seconds) + ", \"launches\": " + num(u->launches) + ", \"device_read_bytes\": " +
+           num(u->layer_seconds) + ", \"split_jobs\": " + num(u->split_jobs) + ", \"split_seconds\": " +
+           num(u->split_seconds) + ", \"launches\": " + num(u->launches) + ", \"device_read_bytes\": " +
            num(u->device_read_bytes) + ", \"copy_rate\": " + num(u->copy_rate) + "}";
 }
 

@@ -8,8 +8,10 @@
  * The protocol is the TierBackend's (backend/tier_backend.h): each layer's hot rows are uploaded once at load,
  * then per layer and batch a job is submitted (it may run while the caller computes the cold tier) and waited
  * for. A layer's attention weights are uploaded once too (attention_upload), with room for its KV cache; then
- * per layer and batch attention_run computes the block from the layer's input and returns its output. Every
- * call returns 0 on success, or non-zero with a one-line message in `err`.
+ * per layer and batch attention_run computes the block from the layer's input and returns its output. A layer
+ * whose attention and hot rows are on the device but whose cold tier is on the host runs as a split layer
+ * (split_begin, split_end): one crossing of the bus each way. Every call returns 0 on success, or non-zero with a
+ * one-line message in `err`.
  */
 #ifndef PI_DEVICE_H
 #define PI_DEVICE_H
@@ -21,7 +23,7 @@
 extern "C" {
 #endif
 
-#define PI_DEVICE_API_VERSION 3
+#define PI_DEVICE_API_VERSION 4
 
 typedef enum { PI_DEVICE_ACT_RELU = 0, PI_DEVICE_ACT_SILU = 1, PI_DEVICE_ACT_DRELU = 2 } pi_device_activation;
 typedef enum { PI_DEVICE_NORM_RMS = 0, PI_DEVICE_NORM_LAYER = 1 } pi_device_norm;
@@ -142,6 +144,38 @@ typedef struct {
     pi_device_counts *counts;
 } pi_device_layer_job;
 
+/* One layer's predictor as its hot rows need it (PowerInfer's: neuron j selected when fc2_j . relu(fc1 x) >
+ * threshold, x the residual stream entering the FFN block): fc1 (rank rows of n_embd, its bias NULL) and fc2's
+ * rows of the layer's hot slots (n_rows rows of rank, in slot order), in their file types. rank: a multiple of
+ * 32. The caller may free them once predictor_upload returns. */
+typedef struct {
+    pi_device_matrix fc1, fc2;
+    float threshold;
+} pi_device_predictor;
+
+/* Which hot neurons a split layer computes: every one (no rule), those the activation rule passes, or those the
+ * layer's predictor (predictor_upload) selects, then the rule on them. */
+typedef enum { PI_DEVICE_HOT_DENSE = 0, PI_DEVICE_HOT_RULE = 1, PI_DEVICE_HOT_PREDICTOR = 2 } pi_device_hot_mode;
+
+/* A split layer (docs/engine.md, "A split layer"): its attention and hot rows on the device, its cold tier on the
+ * host. split_begin runs x += attention(x) and the FFN's norm on the residual stream in device memory, and copies
+ * the stream and its norm down in one copy (x_mid, xn: what the host's cold tier and predictor read; x_mid may be
+ * x_in); it returns once they are written, the hot rows (by hot_mode) then running on the device while the host
+ * computes the cold tier. split_end copies the cold tier's output y_cold ([n_tok][n_embd]) up (one copy) and adds
+ * both tiers' outputs to the stream: x += y_hot + y_cold. The stream stays in device memory as layer_run's (x_in
+ * NULL continues it; split_end's x_out NULL leaves it there, split_end then returning before the device is done,
+ * else the stream's n_tok rows land there); `counts` is written by the time a split_end with x_out, or a
+ * head_run, returns. No other job runs between a split_begin and its split_end. */
+typedef struct {
+    int32_t layer;
+    int32_t n_tok;
+    int32_t n_past;
+    int32_t hot_mode;     /* pi_device_hot_mode */
+    const float *x_in;    /* [n_tok][n_embd], or NULL */
+    float *x_mid;         /* [n_tok][n_embd]: the stream after attention, written by split_begin */
+    float *xn;            /* [n_tok][n_embd]: its FFN norm, written by split_begin */
+    pi_device_counts *counts;
+} pi_device_split_job;
 
 typedef struct pi_device_tier pi_device_tier;
 
@@ -172,6 +206,13 @@ typedef struct {
     /* A whole layer (pi_device_layer_job), for a layer whose attention (with its FFN norm) and hot rows were
      * uploaded. */
     int32_t (*layer_run)(pi_device_tier *tier, const pi_device_layer_job *job, char *err, size_t err_len);
+    /* A layer's predictor for its hot rows (pi_device_predictor), after its hot rows were uploaded. */
+    int32_t (*predictor_upload)(pi_device_tier *tier, const pi_device_predictor *predictor, int32_t layer, char *err,
+                                size_t err_len);
+    /* A split layer (pi_device_split_job), for a layer whose attention (with its FFN norm) and hot rows were
+     * uploaded (and its predictor, for PI_DEVICE_HOT_PREDICTOR): its first half, then its second. */
+    int32_t (*split_begin)(pi_device_tier *tier, const pi_device_split_job *job, char *err, size_t err_len);
+    int32_t (*split_end)(pi_device_tier *tier, const float *y_cold, float *x_out, char *err, size_t err_len);
     /* The device's own copy rate (bytes read plus written per second, a device-to-device copy): what a job's
      * device_bytes are measured against. */
     int32_t (*copy_rate)(int32_t device, double *bytes_per_second, char *err, size_t err_len);

@@ -568,6 +568,19 @@ void Model::bind_cold_predictor(Layer &l) {
     }
 }
 
+void Model::keep_hot_predictor(Layer &l) {
+    FfnTier &t = l.hot;
+    if (t.size() == 0 || !l.fc2.data) return;
+    t.fc2 = l.fc2;
+    t.fc2.rows = t.size();
+    t.fc2.groups = nullptr;
+    t.fc2.n_groups = 0;
+    t.fc2_storage.resize(size_t(t.size()) * l.fc2.row_bytes);
+    for (int64_t r = 0; r < t.size(); ++r)
+        std::memcpy(t.fc2_storage.data() + size_t(r) * l.fc2.row_bytes, l.fc2.row(t.ids[size_t(r)]), l.fc2.row_bytes);
+    t.fc2.data = t.fc2_storage.data();
+}
+
 void Model::bind_tensors() {
     const GgufFile &f = *file_;
     const std::string &p = f.path();
@@ -887,7 +900,10 @@ void Model::build_tiers(const std::string &gpuidx_path, bool hot_tier) {
         l.cold.down_t = l.down_t;
         l.cold.packed = false;
         l.cold.fc2 = l.fc2;
-        if (has_predictor_) bind_cold_predictor(l);  // the predictor only ever scores cold neurons
+        // the predictor scores the cold neurons on the host; a device's split layer scores its hot ones (its rows
+        // kept for the device backend's upload)
+        if (has_predictor_ && hot_tier) keep_hot_predictor(l);
+        if (has_predictor_) bind_cold_predictor(l);
         // Hot tier: the same mapped views; its backend takes what it computes from (TierBackend::upload).
         l.hot.gate = l.gate;
         l.hot.up = l.up;
@@ -949,7 +965,7 @@ WeightCopies Model::weight_copies() const {
     c.packed = dense_ == DenseLayout::Pending ? size_t(dense_pack_bytes()) : packed_.size();
     c.decoded = decoded_.bytes();
     for (const Layer &l : layers_) {
-        c.predictor += l.cold.fc2_storage.size();
+        c.predictor += l.cold.fc2_storage.size() + l.hot.fc2_storage.size();
         c.cold_groups += l.cold.gate_groups.size() + l.cold.up_groups.size();
         c.down_quads += l.cold.down_quads.size();
     }

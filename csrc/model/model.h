@@ -144,7 +144,8 @@ struct FfnTier {
     Matrix gate, up, down_t;   // row r of each = neuron ids[r] (packed) or row ids[r] (mapped, see packed)
     bool packed = false;
     std::vector<uint8_t> storage;  // backing of packed rows
-    // The predictor's fc2 for this tier's neurons (cold tier only). f32/f16 predictors are kept transposed,
+    // The predictor's fc2 for this tier's neurons: the hot tier's as plain rows in slot order (a device's split
+    // layer scores them, Model::keep_hot_predictor); the cold tier's as follows. f32/f16 predictors are kept transposed,
     // weight k of every neuron, so a token's logits are `rank` axpys over contiguous rows instead of a short
     // dot per neuron, in tiles of kFc2Tile neurons (each tile's rank rows contiguous: a thread's share of the
     // tiles is one stream); quantized ones in 8-row groups (fc2.groups, neuron slot order), scored by gemm8.
@@ -365,6 +366,9 @@ private:
     std::vector<float> bind_pair_factors(const char *name);
     void build_tiers(const std::string &gpuidx_path, bool hot_tier);
     void check_neuron_order(const GgufFile &gpuidx) const;
+    // The hot tier's predictor rows (FfnTier::fc2 as plain rows in slot order), which a device's split layer
+    // scores, from the layer's fc2 before bind_cold_predictor gives its rows back.
+    void keep_hot_predictor(Layer &l);
     // The cold tier's predictor rows (see FfnTier::fc2), from the layer's fc2 (whose rows are not read again).
     void bind_cold_predictor(Layer &l);
     std::vector<Matrix *> dense_matrices();

@@ -206,11 +206,13 @@ LAUNCH_SECONDS = 5e-6  # what a kernel launch is allowed beside its bytes, in th
 def device_per_token(stats: dict) -> dict | None:
     """A run's device work per generated token (the engine's counters over the last round's generation): time on
     the device (its events), kernels launched, bytes read there and over the bus, and the floor those bytes
-    imply at the device's own copy rate plus LAUNCH_SECONDS a launch."""
+    imply at the device's own copy rate plus LAUNCH_SECONDS a launch. A split layer's time runs from the previous
+    layer's end to its own on the device: the host's cold tier between its halves is in it."""
     gpu, n = stats.get("gpu"), stats.get("decode_tokens")
     if not gpu or not n or not gpu.get("copy_rate"):
         return None
-    seconds = gpu["device_seconds"] + gpu["attention_seconds"] + gpu["head_seconds"] + gpu.get("layer_seconds", 0.0)
+    seconds = (gpu["device_seconds"] + gpu["attention_seconds"] + gpu["head_seconds"] + gpu.get("layer_seconds", 0.0)
+               + gpu.get("split_seconds", 0.0))
     floor = gpu["device_read_bytes"] / gpu["copy_rate"] + LAUNCH_SECONDS * gpu["launches"]
     return {"device_us": 1e6 * seconds / n, "launches": gpu["launches"] / n,
             "device_mb": gpu["device_read_bytes"] / n / 1e6, "h2d_kib": gpu["h2d_bytes"] / n / 1024,

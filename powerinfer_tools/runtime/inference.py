@@ -451,6 +451,8 @@ def timing_lines(stats: dict, load_seconds: float, info: dict | None = None) -> 
                      f"{1000 * gpu['wait_seconds'] / per_token:.3f} ms per token waited for after the CPU's tier"
                      + (f"; attention of {gpu['attention_layers']} layers: "
                         f"{1000 * gpu['attention_seconds'] / per_token:.3f} ms per token" if gpu["attention_jobs"] else "")
+                     + (f"; split layers (attention and hot rows there, the cold tier here, one crossing each way): "
+                        f"{1000 * gpu['split_seconds'] / per_token:.3f} ms per token" if gpu.get("split_jobs") else "")
                      + f"; {(gpu['h2d_bytes'] + gpu['d2h_bytes']) / per_token / 1024:.1f} KiB per token to and from it")
     if info is not None:
         def mib(n):

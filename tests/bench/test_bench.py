@@ -544,7 +544,9 @@ def test_bench_with_the_hot_tier_on_a_device(silu_files, tmp_path, monkeypatch):
         assert gpu["device"]["attention_layers"] == (N_LAYER if attention else 0), gpu
         ours = next(e for e in rec["runs"] if e["label"] == "ours gate")
         assert ours["stats"]["gpu"]["tokens"] > 0
-        assert (ours["stats"]["gpu"]["attention_jobs"] > 0) == attention
+        # half the neurons hot: with attention there each layer runs split (its attention in the split's job)
+        assert (ours["stats"]["gpu"]["split_jobs"] > 0) == attention
+        assert ours["stats"]["gpu"]["attention_jobs"] == 0
 
 
 def test_a_peer_killed_by_a_signal_is_named(tmp_path):

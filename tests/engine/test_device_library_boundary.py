@@ -53,6 +53,16 @@ class Counts(C.Structure):
                                           "device_bytes")]
 
 
+class Predictor(C.Structure):
+    _fields_ = [("fc1", Matrix), ("fc2", Matrix), ("threshold", C.c_float)]
+
+
+class SplitJob(C.Structure):
+    _fields_ = [("layer", C.c_int32), ("n_tok", C.c_int32), ("n_past", C.c_int32), ("hot_mode", C.c_int32),
+                ("x_in", C.POINTER(C.c_float)), ("x_mid", C.POINTER(C.c_float)), ("xn", C.POINTER(C.c_float)),
+                ("counts", C.POINTER(Counts))]
+
+
 ERR = (C.c_char_p, C.c_size_t)
 CALLS = [("device_count", C.c_int32, [*ERR]),
          ("device_memory", C.c_int32, [C.c_int32, C.c_void_p, C.c_void_p, C.c_char_p, C.c_size_t, *ERR]),
@@ -65,6 +75,9 @@ CALLS = [("device_count", C.c_int32, [*ERR]),
          ("head_upload", C.c_int32, [C.c_void_p, C.POINTER(Head), *ERR]),
          ("head_run", C.c_int32, [C.c_void_p, C.POINTER(HeadJob), C.POINTER(Counts), *ERR]),
          ("layer_run", C.c_int32, [C.c_void_p, C.c_void_p, *ERR]),
+         ("predictor_upload", C.c_int32, [C.c_void_p, C.POINTER(Predictor), C.c_int32, *ERR]),
+         ("split_begin", C.c_int32, [C.c_void_p, C.POINTER(SplitJob), *ERR]),
+         ("split_end", C.c_int32, [C.c_void_p, C.POINTER(C.c_float), C.POINTER(C.c_float), *ERR]),
          ("copy_rate", C.c_int32, [C.c_int32, C.POINTER(C.c_double), *ERR]),
          ("tier_bytes", C.c_uint64, [C.c_void_p]),
          ("tier_destroy", None, [C.c_void_p])]
@@ -89,7 +102,7 @@ def api(request, monkeypatch):
     lib = C.CDLL(str(path))
     lib.pi_device_api_get.restype = C.POINTER(Api)
     table = lib.pi_device_api_get().contents
-    assert table.api_version == 3 and table.name == request.param.encode()
+    assert table.api_version == 4 and table.name == request.param.encode()
     err = C.create_string_buffer(256)
     if table.device_count(err, 256) == 0:
         pytest.skip(err.value.decode())
@@ -181,4 +194,26 @@ def test_a_batch_attends_as_its_tokens_one_at_a_time(api):
     np.testing.assert_allclose(logits[:, :VOCAB], xn @ stepped.keep[4].T, rtol=1e-4, atol=1e-5)
     assert not logits[:, VOCAB:].any()  # past n_vocab in each row: untouched
     for t in (batched, stepped):
+        t.close()
+
+
+def test_split_jobs_out_of_turn_are_one_line(api):
+    """A split layer's calls where the engine never makes them: an end without a begin, a begin before the layer's
+    attention, FFN norm and hot rows are there (or its predictor, to select by), a predictor before the hot rows or
+    of a rank the device does not take: one line each."""
+    t = Tier(api)
+    x = np.ones((1, E), np.float32)
+    mid, xn, y = np.zeros_like(x), np.zeros_like(x), np.zeros_like(x)
+    counts = Counts()
+    try:
+        assert t.call("split_end", floats(y), None) == (1, "no split layer to end")
+        job = SplitJob(0, 1, 0, 1, floats(x), floats(mid), floats(xn), C.pointer(counts))
+        assert t.call("split_begin", C.byref(job)) == (
+            1, "layer 0's attention, FFN norm and hot rows were not all uploaded")
+        job.hot_mode = 3
+        assert t.call("split_begin", C.byref(job)) == (1, "bad split job")
+        fc1, fc2 = np.ones((32, E), np.float32), np.ones((4, 32), np.float32)
+        predictor = Predictor(Matrix(F32, 32, E, fc1.ctypes.data, None), Matrix(F32, 4, 32, fc2.ctypes.data, None), 0.0)
+        assert t.call("predictor_upload", C.byref(predictor), 0) == (1, "layer 0's hot rows were not uploaded")
+    finally:
         t.close()

@@ -44,7 +44,8 @@ def test_run_on_the_device_streams_the_cpu_text(converted, gpuidx, emulated_gpu,
     assert "0.50 GiB budget" in err and "ms per token on the device" in err
     assert f"attention and KV cache of {N_LAYER} of {N_LAYER} layers" in err
     assert "upper case on the device): " + " ".join(["AH"] * N_LAYER) in err
-    assert f"attention of {N_LAYER} layers: " in err
+    # half the neurons hot: every layer split, its cold tier here (attention jobs of their own only without)
+    assert "split layers (attention and hot rows there, the cold tier here, one crossing each way): " in err
 
 
 def test_auto_says_where_the_hot_tier_went(converted, gpuidx, monkeypatch, capsys):

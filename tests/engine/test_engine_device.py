@@ -17,9 +17,17 @@ from powerinfer_engine import EngineError
 
 
 TOLERANCE = {"f32": 1e-4, "f16": 1e-4, "q8_0": 2e-3, "q4_0": 6e-2}
+# the kinds whose layers run split where attention and part of the FFN are on the device (a sequential block
+# without a down bias: not falcon's parallel one, not opt's biased fc2)
+SPLIT_KINDS = ("llama-relu", "llama-silu", "prosparse", "bamboo")
 # predictor mode (and auto, which may run it) selects neurons from the hidden state: at q4_0 the tiers' rounding
 # moves a near-threshold neuron of a tiny model across, one down row of 256 worth several percent of a logit
 PREDICTED_Q4_0_TOLERANCE = 1e-1
+# a split layer's predictor-mode hot rows against the CPU alone: the two predictors' scores of a hot neuron (the
+# device's and the CPU's, each on its own tier's rounding of the same stream) put a near-threshold one on either
+# side now and then; at q4_0 one such neuron of a tiny model moves its token's logits by up to a third. So: every
+# token's logits within q4_0's tolerance but for at most SPLIT_FLIPS of them, none beyond SPLIT_FLIP_TOLERANCE
+SPLIT_FLIPS, SPLIT_FLIP_TOLERANCE = 2, 0.5
 
 
 @pytest.mark.parametrize("attention", [True, False], ids=["attention", "ffn-only"])
@@ -29,8 +37,13 @@ def test_the_device_tier_gives_the_cpu_logits(kind, outtype, attention, converte
     path = converted(kind, outtype, predictors=True)
     bs = comparable_batch(outtype)
     for index in (gpuidx_30, gpuidx_all):
+        # a split layer (attention and hot rows on the device, a cold tier here) computes in predictor mode the
+        # hot rows its predictor selects, as the CPU alone computes every neuron the predictor selects; the other
+        # device paths compute the hot rows by the rule, as the CPU's own hot tier does
+        split = attention and index == gpuidx_30 and kind in SPLIT_KINDS
         for mode in ("dense", "gate", "predictor", "auto"):
-            cpu, _, cpu_stats = run(path, mode, gpuidx=index, batch_size=bs, gpu="off", cpu_hot_tier=True)
+            alone = split and mode == "predictor"
+            cpu, _, cpu_stats = run(path, mode, gpuidx=index, batch_size=bs, gpu="off", cpu_hot_tier=not alone)
             dev, info, dev_stats = run(path, mode, gpuidx=index, batch_size=bs, gpu="on", gpu_library=device,
                                        gpu_attention=attention)
             assert info["hot_backend"] in ("emulated", "cuda") and info["gpu"]["used"]
@@ -42,7 +55,8 @@ def test_the_device_tier_gives_the_cpu_logits(kind, outtype, attention, converte
             whole = attention and index == gpuidx_all and kind not in ("falcon", "falcon7b", "opt")
             batches = N_LAYER * (-(-N_PROMPT // bs) + len(TOKENS) - N_PROMPT)
             assert gpu["layer_jobs"] == (batches if whole else 0)
-            assert gpu["attention_jobs"] == (batches if attention and not whole else 0)
+            assert gpu["split_jobs"] == (batches if split else 0)
+            assert gpu["attention_jobs"] == (batches if attention and not whole and not split else 0)
             # the same rule on the same operands (q8_0 blocks for quantized weights), each tier summing in its own
             # arithmetic: the CPU's q4_0 decode step adds its down rows in integers (coefficients rounded against
             # their group's largest), the device in f32; either is as close to float64 as the other
@@ -50,9 +64,17 @@ def test_the_device_tier_gives_the_cpu_logits(kind, outtype, attention, converte
             # the q8_0 operands' steps
             predicted = outtype == "q4_0" and mode in ("predictor", "auto")
             tolerance = PREDICTED_Q4_0_TOLERANCE if predicted else TOLERANCE[outtype]
-            assert max_rel_err(dev, cpu) <= tolerance, (mode, max_rel_err(dev, cpu))
+            if alone and outtype == "q4_0":
+                rows = np.abs(dev - cpu).max(axis=1) / np.abs(cpu).max()
+                assert (rows > TOLERANCE[outtype]).sum() <= SPLIT_FLIPS and rows.max() <= SPLIT_FLIP_TOLERANCE, rows
+            else:
+                assert max_rel_err(dev, cpu) <= tolerance, (mode, max_rel_err(dev, cpu))
             for a, b in zip(dev_stats["layers"], cpu_stats["layers"]):
-                assert abs(a["hot_density"] - b["hot_density"]) <= 0.01, (mode, a, b)
+                if alone:  # the predictor's selection over all neurons, the hot rows' share of it on the device
+                    assert abs(a["density"] - b["density"]) <= 0.01, (mode, a, b)
+                    assert abs(a["computed_density"] - b["computed_density"]) <= 0.01, (mode, a, b)
+                else:
+                    assert abs(a["hot_density"] - b["hot_density"]) <= 0.01, (mode, a, b)
 
 
 @pytest.mark.parametrize("outtype", ["f32", "q8_0", "q4_0"])
@@ -79,22 +101,27 @@ def test_each_tier_is_as_close_to_float64(kind, outtype, converted, gpuidx_all, 
     assert batch_err <= (1e-4 if not quantized else 1.5 * dev_exact_err + 1e-6), (batch_err, dev_exact_err)
 
 
+@pytest.mark.parametrize("mode", ["gate", "predictor"])
 @pytest.mark.parametrize("outtype", ["q8_0", "q4_0"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_greedy_tokens_agree_over_64_steps(kind, outtype, converted, gpuidx_30, device):
+def test_greedy_tokens_agree_over_64_steps(kind, outtype, mode, converted, gpuidx_30, device):
     """The device's 64 greedy tokens, each the CPU's choice on the same context, or one the CPU scores within its
-    tolerance of its choice (a random tiny model's near-ties: the two tiers sum in their own arithmetic)."""
+    tolerance of its choice (a random tiny model's near-ties: the two tiers sum in their own arithmetic). The split
+    layers' in predictor mode against the CPU alone (every neuron through the predictor)."""
     path = converted(kind, outtype, predictors=True)
     prompt = TOKENS[:N_PROMPT]
     bs = comparable_batch(outtype)
-    with engine.Model(path, threads=2, sparse_mode="gate", gpuidx=gpuidx_30, gpu="on", gpu_library=device,
+    alone = mode == "predictor" and kind in SPLIT_KINDS
+    with engine.Model(path, threads=2, sparse_mode=mode, gpuidx=gpuidx_30, gpu="on", gpu_library=device,
                       batch_size=bs) as m:
         assert m.info["gpu"]["used"]
         tokens = list(m.generate(prompt, 64))
-    with engine.Model(path, threads=2, sparse_mode="gate", gpuidx=gpuidx_30, gpu="off", cpu_hot_tier=True,
+        assert (m.stats()["gpu"]["split_jobs"] > 0) == (kind in SPLIT_KINDS)
+    with engine.Model(path, threads=2, sparse_mode=mode, gpuidx=gpuidx_30, gpu="off", cpu_hot_tier=not alone,
                       batch_size=bs) as m:
         cpu = engine_prompt_then_decode(m, prompt + tokens[:-1], N_PROMPT)[N_PROMPT - 1:]
-    margin = TOLERANCE[outtype] * np.abs(cpu).max()
+    predicted = outtype == "q4_0" and mode == "predictor"
+    margin = (PREDICTED_Q4_0_TOLERANCE if predicted else TOLERANCE[outtype]) * np.abs(cpu).max()
     for step, (token, logits) in enumerate(zip(tokens, cpu)):
         assert logits[token] >= logits.max() - margin, (step, token, int(logits.argmax()))
     exact = sum(int(t == int(row.argmax())) for t, row in zip(tokens, cpu))
@@ -186,18 +213,22 @@ def test_traffic_and_time_are_counted(converted, gpuidx_30, device):
     for attention in (False, True):
         _, info, stats = run(path, "gate", gpuidx=gpuidx_30, gpu="on", gpu_library=device, gpu_attention=attention)
         gpu, E = stats["gpu"], info["n_embd"]
-        assert gpu["jobs"] == N_LAYER * batches and gpu["tokens"] == N_LAYER * n_tok
-        assert gpu["attention_jobs"] == (N_LAYER * batches if attention else 0)
-        # the hot tier, up: each token's f32 row (the device makes its q8_0 form); down: its f32 output row and
-        # the job's counts (16 bytes); attention, up: the layer's input row; down: the block's output row; the
-        # head, up: the last layer's output row; down: its logits
-        rows = N_LAYER * n_tok * E * 4 if attention else 0
-        head_up, head_down = (n_tok * E * 4, n_tok * info["n_vocab"] * 4) if attention else (0, 0)
-        assert gpu["h2d_bytes"] == N_LAYER * n_tok * E * 4 + rows + head_up
-        assert gpu["d2h_bytes"] == N_LAYER * (n_tok * E * 4 + batches * 16) + rows + head_down
-        assert gpu["head_jobs"] == (batches if attention else 0)
-        assert gpu["device_seconds"] > 0 and gpu["wait_seconds"] > 0
-        assert (gpu["attention_seconds"] > 0) == attention
+        assert gpu["tokens"] == N_LAYER * n_tok and gpu["attention_jobs"] == 0
+        x = n_tok * E * 4  # every token's row, once
+        if not attention:
+            # the hot tier, up: each token's f32 row (the device makes its q8_0 form); down: its f32 output row and
+            # the job's counts (24 bytes)
+            assert gpu["jobs"] == N_LAYER * batches and gpu["split_jobs"] == 0 and gpu["head_jobs"] == 0
+            assert gpu["h2d_bytes"] == N_LAYER * x
+            assert gpu["d2h_bytes"] == N_LAYER * (x + batches * 24)
+            assert gpu["device_seconds"] > 0 and gpu["wait_seconds"] > 0
+        else:
+            # split layers: up, the first layer's input and each layer's cold output; down, each layer's stream and
+            # its FFN norm in one copy, and its counts; the head reads the stream on the device, its logits down
+            assert gpu["jobs"] == 0 and gpu["split_jobs"] == N_LAYER * batches and gpu["head_jobs"] == batches
+            assert gpu["h2d_bytes"] == (N_LAYER + 1) * x
+            assert gpu["d2h_bytes"] == N_LAYER * (2 * x + batches * 24) + n_tok * info["n_vocab"] * 4
+            assert gpu["split_seconds"] > 0 and gpu["head_seconds"] > 0
 
 
 def test_close_gives_the_device_memory_back(converted, gpuidx_30, device):
@@ -232,7 +263,8 @@ def test_launches_and_device_bytes_follow_the_kernels(converted, gpuidx_30, gpui
     (gguf-py's reader) and the kernels' plan (tier_math.h: 8 tokens a pass over a matrix; the down projection's 32
     splits summed by a second kernel where a batch leaves room for them, always for a whole layer, which adds into
     its stream; attention_math.h's launches): the floor the bench measures the device against is made of these.
-    With every neuron hot each layer runs whole on the device, and the stream crosses the bus once a batch."""
+    With every neuron hot each layer runs whole on the device, and the stream crosses the bus once a batch; with a
+    cold tier each layer runs split, its cold output coming up once."""
     from powerinfer_tools.formats.gguf_io import open_reader
 
     path = converted("llama-relu", "q8_0", predictors=True)
@@ -250,21 +282,19 @@ def test_launches_and_device_bytes_follow_the_kernels(converted, gpuidx_30, gpui
                 attn = sum(size[f"blk.{il}.attn_{m}.weight"] for m in ("q", "k", "v", "output"))
                 seen = n * n_past + n * (n + 1) / 2
                 split = max(1, min(32, n_batch // n)) > 1
-                launches += 6 + (4 if whole else 3 + split)
+                launches += 6 + 4  # attention's (o quantized), the FFN's norm, gate_up, down, the splits' sum
                 reads += attn * p + seen * 4 * D * 4 * 2  # every head's keys and values, f32 cache
-                if whole:
-                    gate_up, down = size[f"blk.{il}.ffn_gate.weight"] + size[f"blk.{il}.ffn_up.weight"], size[f"blk.{il}.ffn_down_t.weight"]
-                    reads += gate_up * p + n * down  # dense: every neuron's down row
-                    h2d += n * E * 4 if il == 0 else 0
-                else:
-                    h2d += 2 * n * E * 4  # attention's input, the FFN's
+                # dense: every hot neuron's gate and up rows once a pass, its down row each token
+                share = stats["layers"][il]["hot_neurons"] / info["n_ff"]
+                gate_up = size[f"blk.{il}.ffn_gate.weight"] + size[f"blk.{il}.ffn_up.weight"]
+                reads += share * (gate_up * p + n * size[f"blk.{il}.ffn_down_t.weight"])
+                h2d += n * E * 4 if il == 0 else 0  # the stream's start
+                h2d += 0 if whole else n * E * 4  # a split layer's cold output
             launches += 2
             reads += size["output.weight" if "output.weight" in size else "token_embd.weight"] * p
-            h2d += 0 if whole else n * E * 4  # the head's rows, or the stream already there
             n_past += n
         gpu = stats["gpu"]
         assert gpu["launches"] == launches, whole
         assert gpu["h2d_bytes"] == h2d, whole
-        if whole:  # the hot rows' share of a layer's reads depends on the rule only with a cold tier beside
-            assert gpu["device_read_bytes"] == pytest.approx(reads, rel=1e-12)
+        assert gpu["device_read_bytes"] == pytest.approx(reads, rel=1e-12)
         assert gpu["copy_rate"] > 0

@@ -30,7 +30,8 @@ def test_a_long_context_on_the_device_gives_the_cpu_logits(kind, kv_type, conver
     path = converted(kind, "f32", predictors=True)
     cpu, _ = long_context(path, gpuidx=gpuidx_30, gpu="off", cpu_hot_tier=True, kv_type=kv_type)
     dev, stats = long_context(path, gpuidx=gpuidx_30, gpu="on", gpu_library=device, kv_type=kv_type)
-    assert stats["gpu"]["attention_jobs"] == N_LAYER * (100 // 16 + 1 + 130)
+    # split layers (llama family: attention, hot rows there, a cold tier here) or attention jobs (falcon, opt)
+    assert stats["gpu"]["attention_jobs"] + stats["gpu"]["split_jobs"] == N_LAYER * (100 // 16 + 1 + 130)
     assert max_rel_err(dev, cpu) <= 1e-4, max_rel_err(dev, cpu)
 
 

@@ -2,7 +2,7 @@
 converted file's header, places the same layers' attention, KV cache and hot rows, and counts the same bytes, as the
 engine does when it opens the file (csrc/backend/device_placement.cpp, through the emulated device library) at the
 same budget, context, batch size and KV cache type; on every architecture and several budgets, from all of it down
-to nothing."""
+to nothing; with predictors, the split layers' predictors placed with their hot rows."""
 from __future__ import annotations
 
 import numpy as np
@@ -32,19 +32,26 @@ def engine_placement(path, gpuidx, budget, with_attention=True, **kw):
         used = m.info["gpu"]["device"]
     return ([layer["attention"] == "device" for layer in used["layers"]],
             [layer["hot_rows"] == "device" for layer in used["layers"]], used["output_head"] == "device",
-            used["placed_bytes"])
+            used["placed_bytes"], [layer["predictor"] == "device" for layer in used["layers"]])
 
 
+@pytest.mark.parametrize("predictors", [False, True], ids=["", "predictors"])
 @pytest.mark.parametrize("outtype", ["f32", "q4_0"])
 @pytest.mark.parametrize("kind", KINDS + QWEN_KINDS + FAMILY_KINDS + ("gemma3-relu",))
-def test_the_toolkit_places_what_the_engine_places(kind, outtype, converted, gpuidx, hot_masks, monkeypatch):
+def test_the_toolkit_places_what_the_engine_places(kind, outtype, predictors, converted, gpuidx, hot_masks,
+                                                   monkeypatch):
+    if predictors and kind not in ("llama-relu", "falcon", "opt"):
+        pytest.skip("the predictors' placement: a llama, a parallel block (none), opt")
     monkeypatch.setenv("PI_EMULATED_DEVICE_MIB", "64")
-    path = converted(kind, outtype)
+    path = converted(kind, outtype, predictors=predictors)
     hot = [int(m.sum()) for m in hot_masks]
     for ctx, batch, kv_type in ((128, 16, "f32"), (256, 64, "f16")):
         costs = device_costs(read_header(path), ctx_size=ctx, n_batch=batch, kv_type=kv_type)
         whole = place_on_device(costs, 2**40, hot)
-        full = whole.scratch + whole.head_bytes + whole.attention_bytes + whole.kv_cache_bytes + whole.hot_bytes
+        full = (whole.scratch + whole.head_bytes + whole.attention_bytes + whole.kv_cache_bytes + whole.hot_bytes
+                + whole.predictor_bytes)
+        # a layer takes its predictor where it is split: attention placed, a cold tier beside, a sequential block
+        assert whole.predictor.any() == (predictors and kind != "falcon"), whole.predictor
         hot_scratch = costs.shape.hot_scratch_bytes(max(hot))
         first = whole.scratch + whole.head_bytes  # both scratches and the head
         smallest_hot = min(n * b for n, b in zip(hot, costs.neuron))
@@ -56,13 +63,13 @@ def test_the_toolkit_places_what_the_engine_places(kind, outtype, converted, gpu
         for budget in budgets:
             for with_attention in (True, False):
                 ours = place_on_device(costs, budget, hot, with_attention)
-                attention, hot_on, head, placed = engine_placement(path, gpuidx, budget, with_attention,
-                                                                   ctx_size=ctx, batch_size=batch, kv_type=kv_type)
+                attention, hot_on, head, placed, predictor = engine_placement(
+                    path, gpuidx, budget, with_attention, ctx_size=ctx, batch_size=batch, kv_type=kv_type)
                 assert attention == list(ours.attention) and hot_on == list(ours.hot), (budget, with_attention)
-                assert head == ours.head
+                assert predictor == list(ours.predictor) and head == ours.head
                 assert placed == pytest.approx({"scratch": ours.scratch, "head": ours.head_bytes,
                                                 "attention": ours.attention_bytes, "kv_cache": ours.kv_cache_bytes,
-                                                "hot": ours.hot_bytes})
+                                                "hot": ours.hot_bytes, "predictor": ours.predictor_bytes})
                 seen.add((ours.head, ours.attention.sum(), ours.hot.sum()))
         # the budgets covered all of it, a part of the layers' attention, attention without hot rows, the head alone;
         # qwen3's and gemma3's attention none of them (the device computes no per-head q/k norms), gemma3's neurons
@@ -95,7 +102,7 @@ def test_plan_reports_the_engines_placement_for_its_index(kind, converted, tmp_p
         plan = placement.plan_for_model(profile, path, int(budget), ctx_size=128, reserve_bytes=0, offload_output=False,
                                         dense="with-ffn", min_layer_neurons=0)
         files = placement.write_plan(plan, tmp_path / f"{kind}.gpuidx")
-        attention, hot, head, _ = engine_placement(path, files.gpuidx, int(budget), ctx_size=128,
+        attention, hot, head, _, _ = engine_placement(path, files.gpuidx, int(budget), ctx_size=128,
                                                    kv_type=DEFAULT_KV_TYPE)  # what run opens it with
         assert head == plan.engine["output_head"]
         assert [i for i, on in enumerate(attention) if on] == plan.engine["attention_layers"]

@@ -1,10 +1,14 @@
 """The maintained tools that are not measurements of a model: the fuzzer's corpus maker (its seeds load and run, its
 regression inputs are the committed ones byte for byte), the server's benchmark (a short soak against a tiny chat
-model) and the GPU check's `speed` (on the emulated device, the tiny shape, two placements)."""
+model) and the GPU check's device-free steps: `speed` (on the emulated device, the tiny shape, the CPU and the
+hybrid budget, the peers' rows against a stand-in for PowerInfer's main) and `prepare-peer` (the peer's source
+packed without its models)."""
 from __future__ import annotations
 
 import json
 import re
+import subprocess
+import tarfile
 
 import pytest
 from fuzz_helpers import assert_seeds_load, run_inputs
@@ -41,8 +45,18 @@ def test_gpu_check_speed_on_the_emulated_device(tmp_path):
     if not emulated:
         pytest.skip("no emulated device library in engine/ (the build makes it beside the engine)")
     out = tmp_path / "out"
+    # PowerInfer's main stands in as a script that records its arguments and prints llama.cpp's timings
+    peer = tmp_path / "main"
+    calls = tmp_path / "peer-calls.txt"
+    peer.write_text(f"""#!/usr/bin/env bash
+echo "$*" >> {calls}
+echo "llama_print_timings: prompt eval time =     100.00 ms /    20 tokens" >&2
+echo "llama_print_timings:        eval time =     400.00 ms /    31 runs" >&2
+""")
+    peer.chmod(0o755)
     run_script("gpu_check.sh", "speed", OUT=str(out), WORK=str(tmp_path / "work"), SHAPE="tiny", LAYERS="1",
-               RUNS="cpu gpu8", THREADS="1", PI_GPU_LIBRARY=str(emulated[0]), PI_EMULATED_DEVICE_MIB="4096")
+               RUNS="cpu gpu8", THREADS="1", PI_GPU_LIBRARY=str(emulated[0]), PI_EMULATED_DEVICE_MIB="4096",
+               PI_POWERINFER_MAIN=str(peer), timeout=600)
     table = (out / "speed.txt").read_text()
     assert table.startswith("tiny shape, 1 layers"), table
     assert re.search(r"^cpu +ours predictor +pp +[\d.]+ t/s +tg +[\d.]+ t/s +1\.00x CPU predictor +all on the CPU",
@@ -52,6 +66,21 @@ def test_gpu_check_speed_on_the_emulated_device(tmp_path):
     assert re.search(r"device per token: \d+ µs, \d+ launches", table), table
     steps = (out / "speed-steps.txt").read_text()
     assert "FAILED" not in steps and "hybrid" not in steps, steps
+    # the peers at the hybrid budget (0.175 GiB at 1 layer) and half of it: ours on the emulated device, the stand-in
+    # on the same PowerInfer file with the index beside it, and with -ngl on the dense file; ours on the CPU
+    rows = [json.loads(line) for line in (out / "peers.jsonl").read_text().splitlines()]
+    assert [r["row"] for r in rows] == ["ours cpu predictor", "ours hybrid 0.175", "powerinfer 0.175",
+                                        "powerinfer -ngl 1 dense 0.175", "ours hybrid 0.087", "powerinfer 0.087",
+                                        "powerinfer -ngl 1 dense 0.087"], rows
+    assert all(r["tg"] > 0 for r in rows), rows
+    assert [r["tg"] for r in rows if r["row"].startswith("powerinfer")] == [31 / 0.4] * 4
+    argv = calls.read_text().splitlines()
+    assert len(argv) == 4 and all("-t 1 " in a and "--temp 0" in a for a in argv), argv
+    assert "model.powerinfer.gguf" in argv[0] and "--vram-budget 0.175" in argv[0]
+    assert "model.llamacpp.gguf" in argv[1] and "-ngl 1" in argv[1]
+    assert re.search(r"^  ours hybrid 0.175 / powerinfer 0.175: decode [\d.]+x, prompt [\d.]+x$", table, re.M), table
+    assert re.search(r"^  ours hybrid 0.175 / powerinfer -ngl 1 dense 0.175: decode", table, re.M), table
+
 
 
 def test_serve_bench_parallel_scenario_measures_slots_and_the_prompt_cache(tiny_chat_file, tmp_path):
@@ -63,3 +92,27 @@ def test_serve_bench_parallel_scenario_measures_slots_and_the_prompt_cache(tiny_
     assert all(r["aggregate_tps"] > 0 for runs in result["concurrency"].values() for r in runs)
     assert result["cache"]["cached_tokens"] > 0
     assert "| --parallel 2 | 2 |" in out and "| prompt cache," in out
+
+
+def test_gpu_check_prepare_peer_packs_the_source_without_its_models(tmp_path):
+    src = tmp_path / "PowerInfer"
+    for path in ("CMakeLists.txt", "ggml-cuda.cu", "examples/main/main.cpp", "models/big.gguf",
+                 "smallthinker/weights.bin", "powerinfer-py/powerinfer/__init__.py"):
+        (src / path).parent.mkdir(parents=True, exist_ok=True)
+        (src / path).write_text(path)
+    subprocess.run(["git", "init", "-q", str(src)], check=True)
+    subprocess.run(["git", "-C", str(src), "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q",
+                    "--allow-empty", "-m", "x"], check=True)
+    commit = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    gpu = tmp_path / "gpu"
+    out = run_script("gpu_check.sh", "prepare-peer", PI_POWERINFER_SRC=str(src), GPU_DIR=str(gpu),
+                     OUT=str(tmp_path / "out"))
+    assert out.startswith(f"peer source: {commit}, "), out
+    with tarfile.open(gpu / "powerinfer-src.tar.gz") as tar:
+        names = sorted(n.removeprefix("./") for n in tar.getnames() if tar.getmember(n).isfile())
+    assert names == ["CMakeLists.txt", "examples/main/main.cpp", "ggml-cuda.cu",
+                     "powerinfer-py/powerinfer/__init__.py"], names
+    assert (gpu / "powerinfer.commit").read_text().strip() == commit
+    # unset: a line saying the peer rows will be missing, nothing written
+    out = run_script("gpu_check.sh", "prepare-peer", GPU_DIR=str(tmp_path / "none"), OUT=str(tmp_path / "out"))
+    assert "PI_POWERINFER_SRC is unset" in out and not (tmp_path / "none").exists()

@@ -1,7 +1,8 @@
 """The engine's placement on a device for a VRAM budget (csrc/backend/device_placement.h), from a converted file's
 header: the GPU tier's scratch, then the output norm and head, then the attention block and KV cache of as many
-layers as fit, in layer order, then each layer's hot rows (the gpu index's neurons) in layer order while they fit; a layer past the budget, and
-every one after it, keeps that part on the CPU. The bytes are the device libraries' (csrc/device/attention_math.h,
+layers as fit, in layer order, then each layer's hot rows (the gpu index's neurons) in layer order while they fit,
+with its predictor where its attention is placed and a cold tier stays beside (a split layer's); a layer past the
+budget, and every one after it, keeps that part on the CPU. The bytes are the device libraries' (csrc/device/attention_math.h,
 tier_math.h): each part of a layer's block rounded up to 16 bytes. `pi-tools plan` reports it for the plan it
 writes; tests/placement/test_device_placement.py checks it against what the engine places for the same file,
 budget, context, batch and cache type.
@@ -25,9 +26,11 @@ Q8_0_BLOCK_BYTES = 34
 COMPUTED_TYPES = {"F32", "F16", "Q4_0", "Q8_0"}  # what the device's kernels read (tier_math.h)
 ENGINE_DEFAULT_BATCH = 64  # csrc/engine/engine.cpp kDefaultBatch
 KV_ELEMENT_BYTES = {"f32": 4, "f16": 2}
+JOB_COUNTERS_BYTES = 24  # tier_math.h kJobCountersBytes: a job's counters of neurons and rows read
 _ATTENTION_PART = re.compile(r"^blk\.(\d+)\.(attn_norm|attn_norm_2|ffn_norm|attn_q|attn_k|attn_v|attn_qkv|attn_output)"
                              r"\.(weight|bias)$")
 _FFN_PART = re.compile(r"^blk\.(\d+)\.(ffn_gate|ffn_up|ffn_down_t)\.(weight|bias)$")
+_PREDICTOR_PART = re.compile(rf"^blk\.(\d+)\.({names.PREDICTOR_FC1}|{names.PREDICTOR_FC2})\.weight$")
 
 
 def _aligned(n: int) -> int:
@@ -57,7 +60,7 @@ class DeviceShape:
         b, e = self.n_batch, self.n_embd
         q, kv = self.n_head * self.d_head, self.n_head_kv * self.d_head
         q8 = Q8_0_BLOCK_BYTES / QK
-        return (b * (e * 4 * 3 + e * q8 + q * 4 * 2 + kv * 4 * 2 + q * q8 + self.n_head * self.n_ctx * 4)
+        return (b * (e * 4 * 6 + e * q8 + q * 4 * 2 + kv * 4 * 2 + q * q8 + self.n_head * self.n_ctx * 4)
                 + self.n_ctx * (self.n_rot // 2) * 4 * 2)
 
     def head_scratch_bytes(self) -> float:
@@ -68,7 +71,7 @@ class DeviceShape:
     def hot_scratch_bytes(self, rows: int) -> float:
         """device_placement.cpp's hot_scratch_bytes for the largest hot tier of `rows` neurons."""
         b, e = self.n_batch, self.n_embd
-        return b * e * 4 * 2 + b * (e / QK) * Q8_0_BLOCK_BYTES + b * rows * 4 + 16
+        return b * e * 4 * 2 + b * (e / QK) * Q8_0_BLOCK_BYTES + b * rows * 4 + JOB_COUNTERS_BYTES
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,11 @@ class DeviceCosts:
     neuron: np.ndarray  # [L] bytes of one hot neuron's rows and biases
     head: int | None  # the output norm's and head's bytes; None where the device cannot read the head
     neurons_refused: str | None = None  # why no hot neuron can go (an activation the device does not compute)
+    # a split layer's predictor (attention_math.h's PredictorLayout): [L] bytes of fc1 and the hidden layer's
+    # scratch (0 where the device cannot take it), [L] bytes of one hot neuron's fc2 row, the layers' neurons
+    predictor: np.ndarray | None = None
+    predictor_row: np.ndarray | None = None
+    n_ff: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -91,12 +99,15 @@ class DevicePlacement:
     attention_bytes: float
     kv_cache_bytes: float
     hot_bytes: float
+    predictor: np.ndarray  # [L] bool: the layer's predictor on the device (a split layer's)
+    predictor_bytes: float
 
     def summary(self) -> dict:
         return {"output_head": self.head, "attention_layers": [int(i) for i in np.flatnonzero(self.attention)],
                 "hot_layers": [int(i) for i in np.flatnonzero(self.hot)],
+                "predictor_layers": [int(i) for i in np.flatnonzero(self.predictor)],
                 "bytes": {"scratch": self.scratch, "head": self.head_bytes, "attention": self.attention_bytes,
-                          "kv_cache": self.kv_cache_bytes, "hot": self.hot_bytes}}
+                          "kv_cache": self.kv_cache_bytes, "hot": self.hot_bytes, "predictor": self.predictor_bytes}}
 
 
 def device_costs(header: GGUFHeader, ctx_size: int, n_batch: int = ENGINE_DEFAULT_BATCH,
@@ -124,6 +135,9 @@ def device_costs(header: GGUFHeader, ctx_size: int, n_batch: int = ENGINE_DEFAUL
     q_rows, kv_rows = n_head * d_head, n_kv * d_head
     attention = np.zeros(n_layer, np.int64)
     neuron = np.zeros(n_layer, np.int64)
+    n_ff = np.zeros(n_layer, np.int64)
+    fc1: dict[int, object] = {}
+    fc2: dict[int, object] = {}
     norms: dict[int, dict[str, int]] = {}
     refused = "the device does not compute an attention.scale" if header.get(f"{arch}.attention.scale") else None
     for t in header.tensors:
@@ -142,10 +156,13 @@ def device_costs(header: GGUFHeader, ctx_size: int, n_batch: int = ENGINE_DEFAUL
                 rows = [q_rows, kv_rows, kv_rows] if part == "attn_qkv" else [int(t.shape[0])]
                 row_bytes = t.n_bytes // sum(rows)
                 attention[i] += sum(_aligned(r * row_bytes) for r in rows)
+        elif m := _PREDICTOR_PART.match(t.name):
+            (fc1 if m.group(2) == names.PREDICTOR_FC1 else fc2)[int(m.group(1))] = t
         elif m := _FFN_PART.match(t.name):
             i, part, kind = int(m.group(1)), m.group(2), m.group(3)
             if kind == "weight":
                 neuron[i] += t.n_bytes // int(t.shape[0])
+                n_ff[i] = int(t.shape[0])
             elif part != "ffn_down_t":
                 neuron[i] += 4
     for i in range(n_layer):  # attention's norm: attn_norm_2 where falcon's new decoder has one, else attn_norm
@@ -156,7 +173,19 @@ def device_costs(header: GGUFHeader, ctx_size: int, n_batch: int = ENGINE_DEFAUL
             attention[i] += parts.get("ffn_norm.weight", 0) + parts.get("ffn_norm.bias", 0)
     # the engine's device computes SiLU, ReLU and dReLU neurons; a GELU model's (gemma3-gelu) stay on the CPU
     gelu = "the device does not compute GELU neurons" if arch.endswith("-gelu") else None
-    return DeviceCosts(shape, attention, refused, neuron, head, gelu)
+    predictor, predictor_row = np.zeros(n_layer, np.int64), np.zeros(n_layer, np.int64)
+    for i in range(n_layer):  # refuse_predictor's: a sequential block, types the device reads, a rank of 32s
+        a, b = fc1.get(i), fc2.get(i)
+        if arch == "falcon" or a is None or b is None or {a.type.name, b.type.name} - COMPUTED_TYPES:
+            continue
+        rank = int(a.shape[0])
+        if rank % QK or int(b.shape[1]) != rank:
+            continue
+        batch = shape.n_batch
+        predictor[i] = (_aligned(a.n_bytes) + _aligned(batch * rank * 4) + _aligned(batch * rank)
+                        + _aligned(batch * (rank // QK) * 2))
+        predictor_row[i] = b.n_bytes // int(b.shape[0])
+    return DeviceCosts(shape, attention, refused, neuron, head, gelu, predictor, predictor_row, n_ff)
 
 
 def place_on_device(costs: DeviceCosts, budget: float, hot_neurons: Sequence[int],
@@ -184,14 +213,20 @@ def place_on_device(costs: DeviceCosts, budget: float, hot_neurons: Sequence[int
             attention_bytes += costs.attention[i] - kv
             kv_bytes += kv
             scratch += attention_scratch if i == 0 else 0.0
-    hot_bytes = 0.0
+    hot_bytes = predictor_bytes = 0.0
+    predictor = np.zeros(n_layer, bool)
     for i in range(n_layer if costs.neurons_refused is None else 0):
         if hot_neurons[i] == 0:
             continue
         need = float(hot_neurons[i] * costs.neuron[i])
-        if need > room:
+        split = (attention[i] and costs.predictor is not None and costs.predictor[i] > 0
+                 and hot_neurons[i] < costs.n_ff[i])
+        pred = float(costs.predictor[i] + _aligned(int(hot_neurons[i] * costs.predictor_row[i]))) if split else 0.0
+        if need + pred > room:
             break
-        hot[i] = True
-        room -= need
+        hot[i], predictor[i] = True, split
+        room -= need + pred
         hot_bytes += need
-    return DevicePlacement(attention, hot, head_bytes > 0, head_bytes, scratch, attention_bytes, kv_bytes, hot_bytes)
+        predictor_bytes += pred
+    return DevicePlacement(attention, hot, head_bytes > 0, head_bytes, scratch, attention_bytes, kv_bytes, hot_bytes,
+                           predictor, predictor_bytes)

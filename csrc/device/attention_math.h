@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <string>
 
 #include "device/tier_math.h"
 
@@ -207,6 +208,18 @@ inline const char *refuse_layer_job(const pi_device_layer_job *job, const pi_dev
         job->n_past < 0 || job->n_past + job->n_tok > d.n_ctx || !job->counts)
         return "bad layer job";
     return nullptr;
+}
+
+// Why a whole or split layer cannot run on the stream (its uploads, the stream it continues, a split begun), or "":
+// one check for both libraries, whose tiers name these members alike.
+template <class Tier>
+std::string refuse_stream_layer(const Tier *t, int32_t layer, const float *x_in) {
+    const auto &A = t->attention[size_t(layer)];
+    if (!A.uploaded || !A.view.ffn_norm_w || !t->layers[size_t(layer)].uploaded)
+        return "layer " + std::to_string(layer) + "'s attention, FFN norm and hot rows were not all uploaded";
+    if (!x_in && !t->stream_ready) return "no stream on the device to continue";
+    if (t->split_pending) return "a split layer was begun and not ended";
+    return "";
 }
 
 // Where a layer's predictor lies in its block of device memory, each part 16-byte aligned: fc1's rows and fc2's

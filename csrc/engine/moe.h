@@ -38,6 +38,8 @@ public:
     // form made here where the router or the experts read one). every_up: ReLU experts compute every neuron's up
     // (dense mode), else only the ups of the neurons whose gate passes (the same values: ReLU drops only zeros).
     TierCounts run(const Experts &X, Operand &x, int64_t n_tok, bool every_up, float *y);
+    // The last run's routing: token t's n_expert_used experts at t * n_expert_used, the most probable first.
+    const int32_t *choices() const { return tok_expert_.data(); }
 
 private:
     // The tokens' experts and weights, then the (token, expert) pairs grouped by expert (first_, pair_*), and each

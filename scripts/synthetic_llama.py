@@ -37,8 +37,9 @@ Usage:
   python scripts/synthetic_llama.py model --shape qwen3-30b-a3b --layers 8 --act silu --out /tmp/a3b-8
 
 --shape qwen3-30b-a3b is Qwen3-30B-A3B's mixture of experts (SiLU experts; give --act silu) with every weight iid
-N(0, 0.02^2): its routers pick experts near-uniformly over tokens (no expert is hotter than another, and a token's
-experts say nothing of the next token's), the worst case for a hot set or a cache of experts.
+N(0, 0.02^2): no expert is built hotter than another, but over text its routing is not uniform (measured in
+docs/profile.md, "Experts": past the first layer random attention averages the context, so a token mostly takes
+the previous token's experts). It measures the engines' speed, not what a cache of experts earns.
 """
 from __future__ import annotations
 

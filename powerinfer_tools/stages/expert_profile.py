@@ -193,9 +193,10 @@ def _refuse_neuron_options(opts) -> None:
                         "transformers run)")
 
 
-def run(opts, path: Path) -> dict:
-    """Profile the experts of the model file `path` (mixture_file) into opts.out: the engine evaluates the calibration
-    sequences with its expert trace on; returns profile.json's contents."""
+def run(opts, path: Path, profile_format: str, work: Path, default_seq_len: int) -> dict:
+    """Profile the experts of the model file `path` (mixture_file) into opts.out, through the work directory `work`
+    (profiling.py's, which owns the profile format `profile_format` and the default sequence length): the engine
+    evaluates the calibration sequences with its expert trace on; returns profile.json's contents."""
     import json
     import time
 
@@ -203,19 +204,18 @@ def run(opts, path: Path) -> dict:
     from powerinfer_tools.core.atomic import check_output_dir, naming_output, publish_dir
     from powerinfer_tools.core.digests import file_sha256
     from powerinfer_tools.core.progress import progress_bar
-    from powerinfer_tools.runtime.inference import load_tokenizer
+    from powerinfer_tools.formats.tokenizer import tokenizer_from_file
     from powerinfer_tools.stages import calibration
     from powerinfer_tools.stages.profile_files import profile_digest
-    from powerinfer_tools.stages.profiling import DEFAULT_SEQ_LEN, FORMAT, partial_dir
 
     _refuse_neuron_options(opts)
     texts = [calibration.read_text(p) for p in opts.calib]
-    with engine.Model(path, threads=opts.threads, ctx_size=opts.seq_len or DEFAULT_SEQ_LEN) as m:
+    with engine.Model(path, threads=opts.threads, ctx_size=opts.seq_len or default_seq_len) as m:
         info = m.info
-        seq_len = opts.seq_len or min(DEFAULT_SEQ_LEN, info["n_ctx_train"] or DEFAULT_SEQ_LEN)
+        seq_len = opts.seq_len or min(default_seq_len, info["n_ctx_train"] or default_seq_len)
         if opts.tokens <= 0 or seq_len <= 1 or seq_len > m.n_ctx:
             raise UserError(f"--tokens must be positive and --seq-len from 2 to the model's context {m.n_ctx}")
-        seqs = calibration.sequences_from_text(load_tokenizer(path), texts, seq_len, opts.tokens).numpy()
+        seqs = calibration.sequences_from_text(tokenizer_from_file(path), texts, seq_len, opts.tokens).numpy()
         rec = ExpertRecorder(info["n_layer"], info["n_expert"], info["n_expert_used"])
         m.set_expert_trace(True)
         t0 = time.perf_counter()
@@ -225,7 +225,6 @@ def run(opts, path: Path) -> dict:
             rec.add(m.expert_choices(len(seq)))
         elapsed = time.perf_counter() - t0
     p = rec.profile
-    work = partial_dir(opts.out)
     import shutil
 
     shutil.rmtree(work, ignore_errors=True)
@@ -235,7 +234,7 @@ def run(opts, path: Path) -> dict:
     hot = max(1, round(HOT_SHARE * p.n_expert))
     hot_share, lru = p.hot_set_share(hot), p.lru_hit_rate(hot)
     profile = {
-        "format": FORMAT,
+        "format": profile_format,
         "model": {"source": str(path), "arch": info["arch"], "activation": info["activation"],
                   "n_layer": info["n_layer"], "n_embd": info["n_embd"], "n_ff": info["n_ff_exp"]},
         "rule": "experts",

@@ -310,7 +310,7 @@ def _run_profile(opts: ProfileOptions) -> dict:
     from powerinfer_tools.stages import expert_profile
 
     if (moe := expert_profile.mixture_file(opts.model)) is not None:
-        return expert_profile.run(opts, moe)
+        return expert_profile.run(opts, moe, FORMAT, partial_dir(opts.out), DEFAULT_SEQ_LEN)
     source = models.resolve(opts.model)
     config = models.load_config(source)
     if (named := arch_mod.for_config(config)).experts:

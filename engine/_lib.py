@@ -17,7 +17,7 @@ from pathlib import Path
 from .library_check import LibraryRefused, check_library
 
 LIBRARY_ENV = "PI_ENGINE_LIB"
-API_VERSION = 17
+API_VERSION = 18
 
 FFN_MODES = {"dense": 0, "gate": 1, "predictor": 2, "auto": 3, "oracle": 4}
 KV_TYPES = {"f32": 0, "f16": 1}
@@ -105,6 +105,8 @@ _SIGNATURES = {
     "pi_info_json": (_I32, [_P, ctypes.POINTER(ctypes.c_char_p)]),
     "pi_set_ffn_mode": (_I32, [_P, _I32]),
     "pi_set_recall_check": (_I32, [_P, _I32]),
+    "pi_set_expert_trace": (_I32, [_P, _I32]),
+    "pi_expert_choices": (_I32, [_P, _P, _I32]),
     "pi_set_input_sparsity": (_I32, [_P, ctypes.c_float]),
     "pi_eval": (_I32, [_P, _P, _I32, _P, _I32]),
     "pi_eval_hidden": (_I32, [_P, _P, _I32, _P]),

@@ -172,6 +172,17 @@ class Model:
     def set_recall_check(self, enabled: bool) -> None:
         self._checked(lib().pi_set_recall_check, int(enabled))
 
+    def set_expert_trace(self, enabled: bool) -> None:
+        """A mixture of experts: record every later eval's routing (expert_choices); refused for a dense model."""
+        self._checked(lib().pi_set_expert_trace, int(enabled))
+
+    def expert_choices(self, n: int) -> np.ndarray:
+        """The experts the last eval's routers chose, [n (its token count), n_layer, n_expert_used], each layer's
+        most probable first; -1 in a layer without experts."""
+        out = np.empty((n, self.info["n_layer"], self.info["n_expert_used"]), dtype=np.int32)
+        self._checked(lib().pi_expert_choices, out.ctypes.data_as(ctypes.c_void_p), c_int("n", n, 0))
+        return out
+
     # ---- evaluation -------------------------------------------------------------------------------
     @property
     def n_past(self) -> int:

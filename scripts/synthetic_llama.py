@@ -34,6 +34,12 @@ Usage:
   python scripts/synthetic_llama.py predictors --shape 7b --sparsity 0.9 --out runs/pred-s90
   python scripts/synthetic_llama.py profile --shape 7b --out runs/prof
   python scripts/synthetic_llama.py model --shape 2b --act silu --out /tmp/silu2b   # for sparsify's speed
+  python scripts/synthetic_llama.py model --shape qwen3-30b-a3b --layers 8 --act silu --out /tmp/a3b-8
+
+--shape qwen3-30b-a3b is Qwen3-30B-A3B's mixture of experts (SiLU experts; give --act silu) with every weight iid
+N(0, 0.02^2): no expert is built hotter than another, but over text its routing is not uniform (measured in
+docs/profile.md, "Experts": past the first layer random attention averages the context, so a token mostly takes
+the previous token's experts). It measures the engines' speed, not what a cache of experts earns.
 """
 from __future__ import annotations
 
@@ -65,6 +71,11 @@ class Shape:
     vocab: int = 32000
     n_ctx: int = 4096
     n_kv: int | None = None   # grouped-query attention's KV heads (default: n_head)
+    # a mixture of experts (Qwen3-MoE's layout: n_expert experts of n_ff neurons, top_k per token, q/k RMS-normed,
+    # heads head_dim wide); 0: a dense Llama
+    n_expert: int = 0
+    top_k: int = 0
+    head_dim: int | None = None
 
 
 SHAPES = {
@@ -73,6 +84,9 @@ SHAPES = {
     "70b": Shape(8192, 28672, 80, 64, n_kv=8),   # ReluLLaMA-70B (Llama-2-70B's shape)
     "2b": Shape(2048, 5632, 20, 16),     # >= 2 GB of weights: a model past the small ones, below 7B
     "tiny": Shape(128, 512, 3, 4, vocab=600, n_ctx=512),  # tests
+    # Qwen3-30B-A3B: 48 layers of 128 experts (768 neurons each), top-8; 32 query and 4 KV heads of 128
+    "qwen3-30b-a3b": Shape(2048, 768, 48, 32, vocab=151936, n_ctx=4096, n_kv=4, n_expert=128, top_k=8, head_dim=128),
+    "tiny-moe": Shape(128, 64, 2, 4, vocab=600, n_ctx=512, n_kv=2, n_expert=8, top_k=2, head_dim=32),  # tests
     # 7B's attention and KV cache (4 GiB in f32 at 4096 positions), a token FFN and vocabulary: the engine's
     # open time at 7B's context (scripts/measure_engine_open.py) without 7B's conversion
     "7b-attention": Shape(4096, 256, 32, 32, vocab=1024),
@@ -112,7 +126,8 @@ def build_model(out: Path, shape: Shape, seed: int = 0, progress: bool = True, a
     out.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
     d, f, n_kv = shape.n_embd, shape.n_ff, shape.n_kv or shape.n_head
-    kv = d // shape.n_head * n_kv
+    head = shape.head_dim or d // shape.n_head
+    q, kv = head * shape.n_head, head * n_kv
     skewed = sparsity is not None and act == "relu"
     # power-law model: residual additions small against the embeddings (their share of the norm per layer)
     out_std = 7.7 / d * (32 / shape.n_layer) ** 0.5 if skewed else 0.02
@@ -141,20 +156,36 @@ def build_model(out: Path, shape: Shape, seed: int = 0, progress: bool = True, a
     del embed
     for i in tqdm(range(shape.n_layer), desc="layers", unit="layer", disable=not progress):
         p = f"model.layers.{i}."
-        shard({p + "input_layernorm.weight": ones(), p + "post_attention_layernorm.weight": ones(),
-               p + "self_attn.q_proj.weight": rand(d, d), p + "self_attn.k_proj.weight": rand(kv, d),
-               p + "self_attn.v_proj.weight": rand(kv, d), p + "self_attn.o_proj.weight": rand(d, d, std=out_std),
-               p + "mlp.gate_proj.weight": power_law_gates(shape, sparsity, u, gen) if skewed else rand(f, d),
-               p + "mlp.up_proj.weight": rand(f, d), p + "mlp.down_proj.weight": rand(d, f, std=out_std)})
+        block = {p + "input_layernorm.weight": ones(), p + "post_attention_layernorm.weight": ones(),
+                 p + "self_attn.q_proj.weight": rand(q, d), p + "self_attn.k_proj.weight": rand(kv, d),
+                 p + "self_attn.v_proj.weight": rand(kv, d), p + "self_attn.o_proj.weight": rand(d, q, std=out_std)}
+        if shape.n_expert:
+            block |= {p + "self_attn.q_norm.weight": torch.ones(head), p + "self_attn.k_norm.weight": torch.ones(head),
+                      p + "mlp.gate.weight": rand(shape.n_expert, d)}
+            for e in range(shape.n_expert):
+                x = f"{p}mlp.experts.{e}."
+                block |= {x + "gate_proj.weight": rand(f, d), x + "up_proj.weight": rand(f, d),
+                          x + "down_proj.weight": rand(d, f)}
+        else:
+            block |= {p + "mlp.gate_proj.weight": power_law_gates(shape, sparsity, u, gen) if skewed else rand(f, d),
+                      p + "mlp.up_proj.weight": rand(f, d), p + "mlp.down_proj.weight": rand(d, f, std=out_std)}
+        shard(block)
+        del block
     shard({"model.norm.weight": ones(), "lm_head.weight": rand(shape.vocab, d)})
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
                                                                   "weight_map": index}))
-    (out / "config.json").write_text(json.dumps({
+    config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": d, "intermediate_size": f,
         "num_hidden_layers": shape.n_layer, "num_attention_heads": shape.n_head,
         "num_key_value_heads": n_kv, "hidden_act": act, "max_position_embeddings": shape.n_ctx,
         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "vocab_size": shape.vocab, "tie_word_embeddings": False,
-        "torch_dtype": "float16", "bos_token_id": 1, "eos_token_id": 2}, indent=1))
+        "torch_dtype": "float16", "bos_token_id": 1, "eos_token_id": 2}
+    if shape.n_expert:  # Qwen3-MoE's fields: every layer sparse, the top-k weights renormalised
+        config |= {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "head_dim": head,
+                   "num_experts": shape.n_expert, "num_experts_per_tok": shape.top_k, "moe_intermediate_size": f,
+                   "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                   "attention_bias": False, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6}
+    (out / "config.json").write_text(json.dumps(config, indent=1))
     build_tokenizer(out, shape.vocab)
     return total
 
@@ -263,6 +294,8 @@ def main() -> None:
             sys.exit(f"--model-sparsity takes a number in [0, 1) or 'iid', got {args.model_sparsity!r}")
         if sparsity is not None and not 0.0 <= sparsity < 1.0:
             sys.exit(f"--model-sparsity must be in [0, 1), got {sparsity}")
+        if shape.n_expert and args.act != "silu":
+            sys.exit(f"--shape {args.shape} is a mixture of SiLU experts (Qwen3-MoE's): give --act silu")
         total = build_model(args.out, shape, act=args.act, sparsity=sparsity)
         print(f"{args.out}: {total / 2**30:.2f} GiB of f16 weights in {shape.n_layer + 2} shards")
     elif args.what == "predictors":

@@ -90,6 +90,14 @@ pi_status pi_set_recall_check(pi_engine *e, int32_t enabled) {
     return with_engine(e, [&](pi::Engine &engine) { engine.set_recall_check(enabled != 0); });
 }
 
+pi_status pi_set_expert_trace(pi_engine *e, int32_t enabled) {
+    return with_engine(e, [&](pi::Engine &engine) { engine.set_expert_trace(enabled != 0); });
+}
+
+pi_status pi_expert_choices(pi_engine *e, int32_t *choices, int32_t n) {
+    return with_engine(e, [&](pi::Engine &engine) { engine.expert_choices(choices, n); });
+}
+
 pi_status pi_set_input_sparsity(pi_engine *e, float share) {
     return with_engine(e, [&](pi::Engine &engine) { engine.set_input_sparsity(share); });
 }

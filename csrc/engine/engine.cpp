@@ -324,13 +324,33 @@ void Engine::eval(const int32_t *tokens, int32_t n, float *logits, bool all_logi
     if (logits && !all_logits) std::memcpy(logits, rs_->seq().last_logits.data(), size_t(hp_.n_vocab) * sizeof(float));
 }
 
+void Engine::set_expert_trace(bool on) {
+    if (on && hp_.n_expert == 0) fail(PI_ERR_UNSUPPORTED, "the expert trace records a mixture of experts' routing: this model has no experts");
+    expert_trace_ = on;
+    trace_.clear();
+    trace_tokens_ = 0;
+}
+
+void Engine::expert_choices(int32_t *out, int32_t n) const {
+    if (!expert_trace_) fail(PI_ERR_ARGUMENT, "the expert trace is off: call pi_set_expert_trace before pi_eval");
+    if (!out) fail(PI_ERR_ARGUMENT, "choices is NULL");
+    if (n != trace_tokens_)
+        fail(PI_ERR_ARGUMENT, "the last eval ran " + std::to_string(trace_tokens_) + " tokens, not " + std::to_string(n));
+    std::copy(trace_.begin(), trace_.end(), out);
+}
+
 void Engine::in_batches(const int32_t *tokens, int32_t n, bool makes_logits,
                         const std::function<void(int64_t, int64_t)> &batch) {
     check_tokens(tokens, n);
     const auto t0 = std::chrono::steady_clock::now();
     rs_->seq().logits_current = makes_logits;
+    if (expert_trace_) {
+        trace_.assign(size_t(n) * size_t(hp_.n_layer * hp_.n_expert_used), -1);
+        trace_tokens_ = n;
+    }
     for (int64_t done = 0; done < n;) {
         const int64_t chunk = std::min<int64_t>(n_batch_, n - done);
+        trace_at_ = done;
         batch(done, chunk);
         done += chunk;
     }

@@ -33,6 +33,10 @@ public:
     const Model &model() const { return *model_; }
     void set_ffn_mode(int32_t mode);
     void set_recall_check(bool on) { recall_check_ = on; }
+    // Whether each eval records the experts its tokens' routers chose (a mixture of experts; refused elsewhere).
+    void set_expert_trace(bool on);
+    // The last eval's choices, [n][n_layer][n_expert_used] (-1 in a layer without experts); n: its token count.
+    void expert_choices(int32_t *out, int32_t n) const;
     // The model-wide share of inputs input sparsity zeroes (0: off); refused above the file's largest level.
     void set_input_sparsity(float share);
     void eval(const int32_t *tokens, int32_t n, float *logits, bool all_logits);
@@ -204,6 +208,10 @@ private:
     std::unique_ptr<DiskTier> disk_;  // the cold tier's rows on disk (before cold_, which holds a pointer to it)
     std::unique_ptr<TierBackend> hot_, cold_;
     std::unique_ptr<MoeFfn> moe_;     // the experts of a mixture of experts' layers (hp_.n_expert > 0)
+    // set_expert_trace: the last eval's routing, [token][layer][k], and the first token of the batch in flight
+    bool expert_trace_ = false;
+    std::vector<int32_t> trace_;
+    int64_t trace_tokens_ = 0, trace_at_ = 0;
     int32_t gpu_mode_ = PI_GPU_OFF;
     DeviceTierBackend *device_ = nullptr;  // hot_, where it is a device's
     std::vector<TierMode> device_layer_modes_;  // [layer] the cold mode a whole or split layer on the device ran in

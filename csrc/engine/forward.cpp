@@ -327,6 +327,11 @@ void Engine::ffn(int64_t il, int64_t n_tok, TierMode cold_mode) {
     }
     if (L.experts.present()) {  // a mixture of experts (engine/moe.h); ReLU experts gate first but in dense mode
         const TierCounts c = moe_->run(L.experts, s.op_xn, n_tok, cold_mode == TierMode::Dense, s.y_cold.data());
+        if (expert_trace_) {
+            const int64_t k = hp_.n_expert_used;
+            for (int64_t t = 0; t < n_tok; ++t)
+                std::copy_n(moe_->choices() + t * k, k, trace_.data() + ((trace_at_ + t) * hp_.n_layer + il) * k);
+        }
         add_residual(s.y_cold.data(), n_tok);
         stats_.take_ffn(il, n_tok, cold_mode, true, TierCounts{}, c);
         return;

@@ -67,37 +67,50 @@ void rows_of(const KernelSet &ks, const MatmulTarget &tg, const Operand &x, int6
     single_rows(ks, tg, x, n_tok, b, r1);
 }
 
-}  // namespace
-
-// Several matrices against one operand in a single pool job (q, k and v): their rows are split as one
-// range, so the threads synchronise once instead of once per matrix.
-void matmul(const KernelSet &ks, ThreadPool &pool, const MatmulTarget *targets, int n_targets, Operand &x,
-            int64_t n_tok) {
+// Several matrices in a single pool job (q, k and v against one operand; a mixture's experts each against its
+// tokens): their rows are split as one range, so the threads synchronise once instead of once per matrix.
+// x, n_tok: the operand of the targets that name none.
+void matmul_job(const KernelSet &ks, ThreadPool &pool, const MatmulTarget *targets, int n_targets, Operand *x,
+                int64_t n_tok) {
     int64_t total = 0, work = 0;
     for (int i = 0; i < n_targets; ++i) {
-        prepare(ks, x, n_tok, targets[i].W->type);
-        total += targets[i].W->rows;
+        const MatmulTarget &tg = targets[i];
+        const int64_t nt = tg.x ? tg.n_tok : n_tok;
+        prepare(ks, tg.x ? *tg.x : *x, nt, tg.W->type);
+        total += tg.W->rows;
         // rows without packed groups (f32/f16: the predictor's fc1, float models) go through dot4 at several
         // times the cost of a packed multiply-add and wait on memory: they count kRowDotCost each
-        work += targets[i].W->rows * targets[i].W->cols * n_tok * (targets[i].W->groups ? 1 : kRowDotCost);
+        work += tg.W->rows * tg.W->cols * nt * (tg.W->groups ? 1 : kRowDotCost);
     }
     auto job = [&](int chunk, int n_chunks, int) {
         int64_t g0, g1;
         split_range(total, chunk, n_chunks, &g0, &g1, kPackRows);  // on group boundaries where rows allow
         int64_t base = 0;
         for (int i = 0; i < n_targets && g0 < g1; ++i) {
-            const int64_t rows = targets[i].W->rows;
+            const MatmulTarget &tg = targets[i];
+            const int64_t rows = tg.W->rows;
             const int64_t r0 = std::max<int64_t>(g0 - base, 0), r1 = std::min<int64_t>(g1 - base, rows);
-            if (r0 < r1) rows_of(ks, targets[i], x, n_tok, r0, r1);
+            if (r0 < r1) rows_of(ks, tg, tg.x ? *tg.x : *x, tg.x ? tg.n_tok : n_tok, r0, r1);
             base += rows;
         }
     };
     pool.run(pool.chunks_for(work, kGrain), job);
 }
 
+}  // namespace
+
+void matmul(const KernelSet &ks, ThreadPool &pool, const MatmulTarget *targets, int n_targets, Operand &x,
+            int64_t n_tok) {
+    matmul_job(ks, pool, targets, n_targets, &x, n_tok);
+}
+
+void matmul(const KernelSet &ks, ThreadPool &pool, const MatmulTarget *targets, int n_targets) {
+    matmul_job(ks, pool, targets, n_targets, nullptr, 0);
+}
+
 void rows_product(const KernelSet &ks, ThreadPool &pool, const RowsTarget *targets, int n_targets, float *partials) {
-    int64_t n_runs[8], first_run[9] = {0}, first_partial[8];
-    if (n_targets > 8) fail(PI_ERR_INTERNAL, "rows_product: too many targets");
+    int64_t n_runs[kRowsTargets], first_run[kRowsTargets + 1] = {0}, first_partial[kRowsTargets];
+    if (n_targets > kRowsTargets) fail(PI_ERR_INTERNAL, "rows_product: too many targets");
     for (int i = 0, at = 0; i < n_targets; ++i) {
         n_runs[i] = down_run_count(targets[i].n_rows);
         first_run[i + 1] = first_run[i] + n_runs[i];

@@ -35,11 +35,15 @@ struct MatmulTarget {
     const Matrix *W;
     float *out;
     int64_t ldo;
+    Operand *x = nullptr;  // the target's own operand (a mixture's expert against its tokens), else the call's
+    int64_t n_tok = 0;     // its tokens, with x
 };
 
 // out[t * ldo + r] = row r of W . token t of x, for every target, in one pool job.
 void matmul(const KernelSet &ks, ThreadPool &pool, const MatmulTarget *targets, int n_targets, Operand &x,
             int64_t n_tok);
+// The same, each target against its own x and n_tok.
+void matmul(const KernelSet &ks, ThreadPool &pool, const MatmulTarget *targets, int n_targets);
 void matmul(const KernelSet &ks, ThreadPool &pool, const Matrix &W, Operand &x, int64_t n_tok, float *out,
             int64_t ldo);
 
@@ -61,6 +65,7 @@ inline int64_t rows_partial_floats(int64_t n_rows, int64_t n) { return (down_run
 // runs of kDownRunRows by the type's axpy_rows, the partials added in run order), so these products get what that
 // kernel gets, and the same sums whatever the thread count. partials: room for rows_partial_floats of every
 // target, one after the other.
+const int kRowsTargets = 8;  // the most targets one rows_product takes
 void rows_product(const KernelSet &ks, ThreadPool &pool, const RowsTarget *targets, int n_targets, float *partials);
 
 }  // namespace pi

@@ -21,7 +21,7 @@ extern "C" {
 #pragma GCC visibility push(default)
 #endif
 
-#define PI_ENGINE_API_VERSION 17
+#define PI_ENGINE_API_VERSION 18
 
 typedef enum {
     PI_OK = 0,
@@ -128,6 +128,12 @@ pi_status pi_info_json(pi_engine *engine, const char **json);
 
 pi_status pi_set_ffn_mode(pi_engine *engine, int32_t mode);
 pi_status pi_set_recall_check(pi_engine *engine, int32_t enabled);
+/* A mixture of experts: enabled != 0 makes every later pi_eval/pi_eval_hidden record the experts each token's router
+ * chose in each layer (what `pi-tools profile` counts); refused for a model without experts. */
+pi_status pi_set_expert_trace(pi_engine *engine, int32_t enabled);
+/* The last evaluation's routing: n (its token count) * n_layer * n_expert_used ids, token-major, each layer's
+ * experts most probable first, -1 in a layer without experts. */
+pi_status pi_expert_choices(pi_engine *engine, int32_t *choices, int32_t n);
 /* pi_options.input_sparsity for the next calls (0: off). */
 pi_status pi_set_input_sparsity(pi_engine *engine, float share);
 

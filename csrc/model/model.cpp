@@ -40,8 +40,13 @@ Model::Model(const std::string &path, const std::string &gpuidx_path, int thread
 
 std::vector<Matrix *> Model::dense_matrices() {
     std::vector<Matrix *> dense;
-    for (Layer &l : layers_)
-        for (Matrix *m : {&l.wq, &l.wk, &l.wv, &l.wo, &l.fc1, &l.experts.router}) dense.push_back(m);
+    for (Layer &l : layers_) {
+        for (Matrix *m : {&l.wq, &l.wk, &l.wv, &l.wo, &l.fc1, &l.experts.router, &l.experts.gate, &l.experts.down})
+            dense.push_back(m);
+        // a mixture's experts: read whole, as attention is (engine/moe.h), but ReLU experts' up rows only where
+        // their gate passes
+        if (hp_.activation != Activation::Relu) dense.push_back(&l.experts.up);
+    }
     dense.push_back(&output_);
     return dense;
 }

@@ -50,13 +50,15 @@ struct Matrix {
     size_t bytes() const { return size_t(rows) * row_bytes; }
     // bytes of one 8-row group of these rows in the packed layout (0 for a type that does not pack)
     int64_t group_bytes() const { return cols / QK * int64_t(packed_block_bytes(type)); }
-    // rows [r0, r0 + n) as a matrix of their own (the parts of a fused tensor)
+    // rows [r0, r0 + n) as a matrix of their own (the parts of a fused tensor, an expert's rows), with the groups
+    // of their rows where r0 starts one
     Matrix rows_view(int64_t r0, int64_t n) const {
         Matrix m = *this;
         m.rows = n;
         m.data = data ? row(r0) : nullptr;
-        m.groups = nullptr;
-        m.n_groups = 0;
+        const bool aligned = groups && r0 % kPackRows == 0 && r0 < n_groups * kPackRows;
+        m.groups = aligned ? groups + r0 / kPackRows * group_bytes() : nullptr;
+        m.n_groups = aligned ? std::min(n, n_groups * kPackRows - r0) / kPackRows : 0;
         return m;
     }
     // An f32 vector (norm weight, bias) or nullptr when the tensor is absent.

@@ -10,7 +10,8 @@ Per layer (row sizes from the file, densities from the engine's per-layer statis
   gate        every row in dense and gate mode, the predicted rows in predictor mode;
   up, down    the rows actually used (neurons passing the rule; all of them in dense mode);
   KV cache    the keys and values of the positions attended to (f32 in our cache);
-plus the output head and one embedding row. For a ReLU-gated model `up` is read for exactly the rows
+plus the output head and one embedding row. A mixture of experts' layer reads its router and the gate, up and down
+rows of the n_expert_used experts a token takes (n_ff: their neurons together). For a ReLU-gated model `up` is read for exactly the rows
 used; for dReLU (bamboo) `up` is read wherever the gate passes, which this model undercounts.
 
 The model prices every byte alike. `machine_seconds` prices the same bytes at what this machine charges for
@@ -38,6 +39,7 @@ class LayerBytes:
     up_row: int
     down_row: int
     n_ff: int
+    router: int = 0  # a mixture of experts' ffn_gate_inp, read whole by every token
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ def model_bytes(path: Path, kv_type: str = "f32") -> ModelBytes:
     reader = open_reader(path)
     sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
     rows = {t.name: int(t.shape[-1]) if len(t.shape) > 1 else 1 for t in reader.tensors}
+    shapes = {t.name: tuple(int(n) for n in t.shape) for t in reader.tensors}
     arch = field(reader, "general.architecture")
     n_layer = int(field(reader, f"{arch}.block_count"))
     n_head = int(field(reader, f"{arch}.attention.head_count"))
@@ -69,6 +72,15 @@ def model_bytes(path: Path, kv_type: str = "f32") -> ModelBytes:
             return sizes[full] // rows[full] if full in sizes else 0
 
         attention = sum(size(f"{n}.{kind}") for n in _ATTENTION for kind in ("weight", "bias"))
+        if f"blk.{i}.{names.FFN_UP_EXPS}.weight" in sizes:  # GGUF order: (n_embd, n_ff, n_expert)
+            _, n_ff_exp, n_expert = shapes[f"blk.{i}.{names.FFN_UP_EXPS}.weight"]
+
+            def neuron(name: str) -> int:  # bytes of one neuron's row of an expert's matrix
+                return size(f"{name}.weight") // (n_expert * n_ff_exp)
+            k = int(field(reader, f"{arch}.expert_used_count"))
+            layers.append(LayerBytes(attention, 0, neuron(names.FFN_GATE_EXPS), neuron(names.FFN_UP_EXPS),
+                                     neuron(names.FFN_DOWN_EXPS), k * n_ff_exp, size(f"{names.FFN_GATE_INP}.weight")))
+            continue
         n_ff = rows[f"blk.{i}.ffn_up.weight"]
         layers.append(LayerBytes(attention, size("fc1.weight") + size("fc2.weight"), row("ffn_gate"),
                                  row("ffn_up"), row("ffn_down_t"), n_ff))
@@ -84,14 +96,15 @@ def model_bytes(path: Path, kv_type: str = "f32") -> ModelBytes:
 class LayerReads:
     attention: float
     predictor: float
-    ffn: list[tuple[float, float]]  # (bytes of the whole matrix, share of its rows read): gate, up, down
+    ffn: list[tuple[float, float]]  # (bytes of the whole matrix, share of its rows read): gate, up, down, router
 
 
 def layer_reads(lb: LayerBytes, st: dict | None) -> LayerReads:
     """What one decoded token reads in a layer; `st` = the engine's stats of that layer in the run (None: dense)."""
     whole = [lb.n_ff * lb.gate_row, lb.n_ff * lb.up_row, lb.n_ff * lb.down_row]
+    router = [(lb.router, 1.0)] if lb.router else []
     if st is None or not st.get("tokens"):
-        return LayerReads(lb.attention, 0.0, [(b, 1.0) for b in whole])
+        return LayerReads(lb.attention, 0.0, [(b, 1.0) for b in whole] + router)
     modes = st.get("modes") or {"dense": 1.0}
     in_predictor = modes.get("predictor", 0.0) / sum(modes.values())
     predicted = st.get("predicted_density")
@@ -99,7 +112,7 @@ def layer_reads(lb: LayerBytes, st: dict | None) -> LayerReads:
     computed = st["computed_density"]
     gate_share = 1.0 - in_predictor + in_predictor * predicted
     return LayerReads(lb.attention, in_predictor * lb.predictor,
-                      [(whole[0], gate_share), (whole[1], computed), (whole[2], computed)])
+                      [(whole[0], gate_share), (whole[1], computed), (whole[2], computed)] + router)
 
 
 def token_bytes(mb: ModelBytes, layer_stats: list[dict] | None, position: float) -> dict:

@@ -37,7 +37,7 @@ ACTIVATION_THRESHOLDS = names.KEY_ACTIVATION_THRESHOLDS
 PREDICTOR_THRESHOLDS = names.KEY_PREDICTOR_THRESHOLDS
 # Metadata llama.cpp has no use for (ours) or that gguf-py's writer sets itself.
 _SKIPPED_KEYS = ("GGUF.", "powerinfer.", "powerinfer_tools.", "general.architecture")
-_LLAMACPP_ARCHES = ("llama",)
+_LLAMACPP_ARCHES = ("llama", "qwen3moe", "olmoe")  # the mixtures: their expert tensors as llama.cpp names them
 
 
 @dataclass(frozen=True)

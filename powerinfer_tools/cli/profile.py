@@ -57,7 +57,9 @@ def profile(
     threads: Optional[int] = flags.threads_option(),
 ):
     """Profile FFN activations on calibration text: per-neuron activation counts (PowerInfer's
-    activation_{i}.pt), activation thresholds, and predictor training rows.
+    activation_{i}.pt), activation thresholds, and predictor training rows. A mixture of experts' GGUF: per layer
+    how often the engine's router picks each expert and how soon it picks it again (experts.npz; docs/profile.md,
+    "Experts"), from --calib text, --tokens, --seq-len and --threads.
 
     Examples:
 
@@ -70,6 +72,8 @@ def profile(
       pi-tools profile -m smollm2 --calib wiki.txt --input-allocation greedy -o prof
 
       pi-tools profile -m ./Llama-2-70b-relu --calib a.txt --tokens 4096 --load layer --dtype bfloat16 -o prof70
+
+      pi-tools profile -m qwen3-30b-a3b.q4_0.gguf --calib wiki.txt --tokens 8192 -o moe-prof   # experts
     """
     from powerinfer_tools import stages
     from powerinfer_tools.stages.profiling.locality import profile_verdict
@@ -88,8 +92,16 @@ def profile(
     opts = stages.ProfileOptions(model=model, out=out, calib=list(calib or []), tokens=tokens, seq_len=seq_len,
                                  batch=batch, device=device, dtype=dtype, load=load,
                                  target_sparsity=_parse_targets(target_sparsity), max_samples=max_samples, seed=seed,
-                                 force=force, resume=resume, input_allocation=input_allocation)
+                                 force=force, resume=resume, input_allocation=input_allocation, threads=threads)
     result = stages.profile(opts)
+    if result.meta["rule"] == "experts":
+        from powerinfer_tools.stages import expert_profile
+
+        experts = expert_profile.load(out, result.meta)
+        typer.echo("\n".join(expert_profile.summary_lines(experts, result.meta["tokens"])))
+        typer.echo(f"wrote {out}")
+        typer.echo(f"verdict: {expert_profile.verdict(experts)}")
+        return
     typer.echo("\n".join(summary_lines(result.meta)))
     typer.echo(f"wrote {out}")
     typer.echo(f"verdict: {profile_verdict(result.meta)}")

@@ -21,7 +21,8 @@ def report(
     """Write one self-contained HTML page of pictures and tables: per-layer activation locality
     (cumulative activation share vs neuron share, hottest 10/20/50% coverage) and sparsity from the
     profile; predictor recall, precision and predicted vs true density with --predictors; the GPU share
-    per layer and the VRAM budget breakdown with --plan. Sections whose input is not given say so.
+    per layer and the VRAM budget breakdown with --plan. Sections whose input is not given say so. An expert profile
+    (a mixture of experts'): per layer a fixed hot set's share of the selections against an LRU cache's hit rate.
 
     Examples:
 
@@ -30,6 +31,8 @@ def report(
       pi-tools report smollm2-profile --predictors smollm2-profile-predictors -o report.html
 
       pi-tools report prof --predictors pred --plan smollm2.powerinfer.gguf.generated.gpuidx -o report.html
+
+      pi-tools report moe-prof -o moe-report.html   # an expert profile
     """
     from powerinfer_tools.stages.report import write_report
 

@@ -67,6 +67,7 @@ class ProfileOptions:
     force: bool = False
     resume: bool = False
     input_allocation: str = "none"  # input sparsity's thresholds (stages/profiling/input_sparsity.py): "uniform", "greedy"
+    threads: int | None = None      # the engine's threads (an expert profile); the CLI sets torch's
 
 
 @dataclass

@@ -28,6 +28,9 @@ from matplotlib.ticker import MaxNLocator
 from powerinfer_tools.core.atomic import atomic_file
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.stages.profiling.locality import COVERAGE_TARGETS, Locality, analyse, profile_verdict
+from powerinfer_tools.stages.profiling import expert_profile
+from powerinfer_tools.stages.profiling.expert_profile import ExpertProfile
+from powerinfer_tools.stages.profiling.profiling import load_profile
 from powerinfer_tools.stages.placement.placement import MIB, human_bytes
 
 FIGSIZE = (7.5, 4.0)
@@ -230,6 +233,49 @@ def locality_section(loc: Locality) -> Section:
                                  "serves N% of activations, from activation_{i}.pt.")])
 
 
+def plot_expert_locality(p: ExpertProfile) -> Figure:
+    """Per layer, for each kept size C: a fixed hot set's share of selections (dashed) against an LRU's hit rate."""
+    fig = Figure(figsize=FIGSIZE)
+    ax = fig.add_subplot()
+    layers = p.routed_layers()
+    cmap = colormaps["viridis"]
+    sizes = expert_profile.lru_sizes(p.n_expert, p.top_k)
+    for j, c in enumerate(sizes):
+        color = cmap(j / max(1, len(sizes) - 1))
+        ax.plot(layers, p.lru_hit_rate(c)[layers], color=color, marker="o", ms=3, label=f"LRU of {c}")
+        ax.plot(layers, p.hot_set_share(c)[layers], color=color, ls="--", label=f"hot set of {c}")
+    _layer_axis(ax, p.n_layer)
+    _share_axis(ax, "share of selections served")
+    ax.set_title("Experts kept per layer: a cache of recent ones against a fixed hot set")
+    return fig
+
+
+def expert_section(p: ExpertProfile, profile: dict) -> Section:
+    """An expert profile's static skew against its temporal locality (stages/expert_profile.py)."""
+    hot = max(1, round(expert_profile.HOT_SHARE * p.n_expert))
+    sizes = expert_profile.lru_sizes(p.n_expert, p.top_k)
+    layers = p.routed_layers()
+    intro = (f"{profile['tokens']} tokens profiled ({profile['sequences']} sequences of {profile['seq_len']}), "
+             f"{p.n_expert} experts, top-{p.top_k}, as the engine routes them. On average the top 10% of a layer's "
+             f"experts ({hot}) take {p.hot_set_share(hot)[layers].mean():.1%} of its selections (uniform routing: "
+             f"{hot / p.n_expert:.1%}); an LRU of as many hits {p.lru_hit_rate(hot)[layers].mean():.1%}. "
+             + expert_profile.verdict(p))
+    columns = ["layer", f"top 10% ({hot})", f"LRU of {hot}"] + \
+        [c for size in sizes for c in (f"hot set of {size}", f"LRU of {size}")] + ["median reuse (tokens)"]
+    med = p.median_reuse()
+    rows = [[int(il), float(p.hot_set_share(hot)[il]), float(p.lru_hit_rate(hot)[il])]
+            + [float(v) for size in sizes for v in (p.hot_set_share(size)[il], p.lru_hit_rate(size)[il])]
+            + [int(med[il])] for il in layers]
+    return Section("experts", "Expert locality", intro,
+                   figures=[("fig-experts", "Per layer: the share of selections an LRU cache of C experts would hit "
+                             "(solid) and a fixed hot set of the C most selected serves (dashed).",
+                             plot_expert_locality(p))],
+                   tables=[Table("tbl-experts", columns, rows,
+                                 "From experts.npz: hot set of C = share of the layer's selections its C most "
+                                 "selected experts take (chosen on the same tokens); LRU of C = hit rate of a "
+                                 "least-recently-used cache of C experts, from the selections' stack distances.")])
+
+
 CSS = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 60em; color: #222; }
 h1 { font-size: 1.5em; } h2 { border-bottom: 1px solid #ccc; padding-bottom: .2em; margin-top: 2em; }
@@ -374,7 +420,18 @@ def render_html(title: str, subtitle: str, sections: list[Section]) -> str:
 
 def build_report(profile_dir: str | Path, predictors: str | Path | None = None,
                  plan: str | Path | None = None) -> str:
-    """The whole HTML page: locality from the profile, plus predictors and placement when given."""
+    """The whole HTML page: locality from the profile, plus predictors and placement when given; an expert profile's
+    expert locality."""
+    profile = load_profile(profile_dir)
+    if profile.get("rule") == "experts":
+        if predictors is not None or plan is not None:
+            raise UserError(f"{profile_dir} is an expert profile: --predictors and --plan are for the neurons of dense "
+                            "FFNs (leave them out)")
+        m = profile["model"]
+        subtitle = (f"{m['source']}: {m['arch']}, {m['n_layer']} layers of {profile['experts']['n_expert']} experts. "
+                    f"Profile: {profile_dir}.")
+        section = expert_section(expert_profile.load(Path(profile_dir), profile), profile)
+        return render_html(f"PowerInfer report: {Path(str(m['source'])).name}", subtitle, [section])
     loc = analyse(profile_dir)
     sections = [locality_section(loc)]
     if predictors is not None:

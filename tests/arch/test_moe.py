@@ -165,6 +165,20 @@ def test_a_prompt_batch_gives_each_token_its_decode_steps_bits(kind, family):
     np.testing.assert_array_equal(batch, steps)
 
 
+@pytest.mark.parametrize("kind", ["qwen3-moe", "mixtral-relu"])
+def test_experts_are_packed_in_groups_at_load(kind, family):
+    """The experts' matrices are copied into 8-row groups at load, as attention's are (their gemm8 reads them whole):
+    gate, up and down for SiLU experts; ReLU experts' gate only (their up and down rows are read by neuron)."""
+    _, path, _ = family(kind, "q8_0")
+    sizes = {t.name: int(t.n_bytes) for t in open_reader(path).tensors}
+    grouped = ("ffn_gate_exps",) if kind == "mixtral-relu" else ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+    experts = sum(n for name, n in sizes.items() if name.split(".")[-2] in grouped)
+    rest = sum(n for name, n in sizes.items() if "_exps" not in name)  # attention, the head: packed as before
+    with engine.Model(path, threads=1, ctx_size=64) as m:
+        packed = m.stats()["weight_copies"]["packed"]
+    assert experts <= packed <= experts + rest
+
+
 def test_relu_experts_go_gate_first_with_dense_bits(family):
     """ReLU experts (TurboSparse's kind): in gate and auto modes a neuron's up and down rows are read only where its
     gate passes, with the bits of dense mode, which reads every up."""

@@ -145,6 +145,34 @@ def test_llamacpp_file_refuses_other_architectures(tiny_model_dir, tmp_path):
         bench_files(str(tiny_model_dir("falcon")), "q8_0", tmp_path, progress=False)
 
 
+@pytest.mark.parametrize("kind", ["qwen3-moe", "olmoe"])
+def test_llamacpp_file_of_a_mixture_is_its_experts_as_they_are(kind, tiny_model_dir, tmp_path):
+    """A mixture of experts' llama.cpp copy (the bench's peer file): llama.cpp's architecture name and keys, none of
+    ours, every tensor copied (no down projection to requantize: the experts keep llama.cpp's layout), and the same
+    logits in our engine as the PowerInfer file; the byte model prices a token's router and chosen experts."""
+    import powerinfer_engine as engine
+
+    files = bench_files(str(tiny_model_dir(kind)), "q8_0", tmp_path, progress=False)
+    reader = open_reader(files.llamacpp)
+    arch_name = reader.fields["general.architecture"].contents()
+    assert read_magic(files.llamacpp) == b"GGUF" and arch_name == kind.replace("-", "")
+    assert not [k for k in reader.fields if k.startswith(("powerinfer", f"{arch_name}-"))]
+    assert files.manifest["llamacpp_file"]["requantized"] == 0
+    # the byte model: a token reads the router (f32) and its k experts' gate, up and down rows
+    with engine.Model(files.powerinfer, threads=1, ctx_size=64) as m:
+        n_expert, k, n_ff = m.info["n_expert"], m.info["n_expert_used"], m.info["n_ff_exp"]
+    gate_exps = next(t for t in open_reader(files.powerinfer).tensors if t.name == "blk.0.ffn_gate_exps.weight")
+    layer = byte_model.model_bytes(files.powerinfer).layers[0]
+    assert layer.router == n_expert * HIDDEN * 4 and layer.n_ff == k * n_ff
+    assert layer.n_ff * layer.gate_row == k * int(gate_exps.n_bytes) // n_expert
+    tokens = list(range(5, 45))
+    logits = []
+    for path in (files.powerinfer, files.llamacpp):
+        with engine.Model(path, threads=2, ctx_size=64) as m:
+            logits.append(m.eval(tokens))
+    np.testing.assert_array_equal(*logits)
+
+
 def test_thresholds_rewritten_in_place_on_a_copy(silu_files, tmp_path):
     _, files, _ = silu_files
     before = thresholds(files.powerinfer)

@@ -108,3 +108,37 @@ def test_the_model_has_hot_and_cold_neurons_that_profile_finds(synthetic, tmp_pa
         assert layer["hot20"] > 0.7 and abs(layer["sparsity"] - 0.9) < 0.05, layer
     for layer in layers["iid"]:
         assert layer["hot20"] < 0.4 and abs(layer["sparsity"] - 0.5) < 0.05, layer
+
+
+def test_moe_shape_is_qwen3_moe_that_the_engine_computes(tmp_path, capsys):
+    """--shape qwen3-30b-a3b's layout at a tiny size (tiny-moe): a Qwen3-MoE checkpoint (its config fields, an expert
+    module per expert, q/k norms, heads head_dim wide) that converts and runs in the engine with transformers' logits,
+    and whose random router spreads a profile's selections over every expert, none by much more than its share (text's
+    frequent tokens route alike, so counts over text are not exactly uniform)."""
+    from engine_helpers import engine_prompt_then_decode, hf_logits, max_rel_err, random_tokens
+
+    from powerinfer_tools.stages import expert_profile
+
+    shape = synthetic_llama.shape_of("tiny-moe")
+    big = synthetic_llama.shape_of("qwen3-30b-a3b")
+    assert (big.n_embd, big.n_ff, big.n_expert, big.top_k, big.n_head, big.n_kv, big.head_dim, big.vocab) == \
+        (2048, 768, 128, 8, 32, 4, 128, 151936)
+    model = tmp_path / "moe"
+    synthetic_llama.build_model(model, shape, progress=False, act="silu")
+    config = json.loads((model / "config.json").read_text())
+    assert config["model_type"] == "qwen3_moe" and config["num_experts"] == shape.n_expert
+    out = tmp_path / "moe.f32.gguf"
+    code, _, err = run_cli(capsys, "convert", "-m", model, "--outtype", "f32", "-o", out, "-q")
+    assert code == 0, err
+    tokens = random_tokens(96, shape.vocab, seed=3)
+    with engine.Model(out, threads=2, ctx_size=256) as m:
+        assert m.info["n_expert"] == shape.n_expert and m.info["n_expert_used"] == shape.top_k
+        assert max_rel_err(engine_prompt_then_decode(m, tokens, 64), hf_logits(model, tokens)) <= 1e-4
+    calib = tmp_path / "calib.txt"
+    calib.write_text(training_text()[:60_000])
+    code, _, err = run_cli(capsys, "profile", "-m", out, "--calib", calib, "--tokens", "2048", "--seq-len", "128",
+                           "-o", tmp_path / "prof")
+    assert code == 0, err
+    p = expert_profile.load(tmp_path / "prof", json.loads((tmp_path / "prof" / "profile.json").read_text()))
+    share = p.counts / p.counts.sum(axis=1, keepdims=True) * shape.n_expert  # 1: a uniform router's share
+    assert ((share > 0.25) & (share < 2.5)).all(), share  # every expert chosen, none preferred by much

@@ -10,8 +10,9 @@ A checkpoint holds its experts one module each (as transformers saves them: mlp.
 block_sparse_moe.experts.N.w1) or fused (transformers 5's own parameters: mlp.experts.gate_up_proj, the gate's rows
 then the up's, and mlp.experts.down_proj): convert reads either.
 
-The experts have no neurons for a profile to count or a predictor to select (yet): profiling and the neuron-level
-stages refuse these adapters in one line."""
+The experts have no neurons for a neuron profile to count or a predictor to select (yet): the neuron-level stages
+refuse these adapters in one line. `profile` of the converted file records the engine's routing instead
+(stages/expert_profile.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

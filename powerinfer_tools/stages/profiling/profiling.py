@@ -307,8 +307,15 @@ def _run_profile(opts: ProfileOptions) -> dict:
     if not opts.resume and (work / "identity.json").is_file() and not opts.force:
         raise UserError(f"an interrupted profile of {opts.out} is kept in {work}: continue it with --resume (same "
                         "options), or start over with --force (which deletes it)")
+    from powerinfer_tools.stages.profiling import expert_profile
+
+    if (moe := expert_profile.mixture_file(opts.model)) is not None:
+        return expert_profile.run(opts, moe, FORMAT, partial_dir(opts.out), DEFAULT_SEQ_LEN)
     source = models.resolve(opts.model)
     config = models.load_config(source)
+    if (named := arch_mod.for_config(config)).experts:
+        raise UserError(f"{named.name} is a mixture of experts: its expert profile records the engine's routing of a "
+                        f"converted file (pi-tools convert -m {opts.model} -o MODEL.gguf, then profile -m MODEL.gguf)")
     adapter = arch_mod.for_neurons(config)
     ctx = _context_length(config)
     seq_len = opts.seq_len or min(DEFAULT_SEQ_LEN, ctx or DEFAULT_SEQ_LEN)

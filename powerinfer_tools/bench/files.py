@@ -37,7 +37,7 @@ ACTIVATION_THRESHOLDS = names.KEY_ACTIVATION_THRESHOLDS
 PREDICTOR_THRESHOLDS = names.KEY_PREDICTOR_THRESHOLDS
 # Metadata llama.cpp has no use for (ours) or that gguf-py's writer sets itself.
 _SKIPPED_KEYS = ("GGUF.", "powerinfer.", "powerinfer_tools.", "general.architecture")
-_LLAMACPP_ARCHES = ("llama",)
+_LLAMACPP_ARCHES = ("llama", "qwen3")  # our architectures whose tensors llama.cpp reads under its names
 
 
 @dataclass(frozen=True)

@@ -108,3 +108,38 @@ def test_the_model_has_hot_and_cold_neurons_that_profile_finds(synthetic, tmp_pa
         assert layer["hot20"] > 0.7 and abs(layer["sparsity"] - 0.9) < 0.05, layer
     for layer in layers["iid"]:
         assert layer["hot20"] < 0.4 and abs(layer["sparsity"] - 0.5) < 0.05, layer
+
+
+@pytest.mark.parametrize("name", ["llama3-8b", "qwen3-8b"])
+def test_the_8b_shapes_at_a_tiny_size_are_their_families(name, tmp_path):
+    """--shape llama3-8b / qwen3-8b at the tiny shape's width (qwen3's heads 32 wide, not width / heads): the config
+    of the real model's family (llama3 RoPE scaling, q/k norms, a vocabulary past the tokenizer's pieces, padded),
+    converted at f32 the engine computes transformers' model; at q4_0 bench's llama.cpp copy keeps the family's
+    architecture, which llama.cpp reads under its own name."""
+    from dataclasses import replace
+
+    from engine_helpers import hf_logits, max_rel_err, random_tokens
+
+    from powerinfer_tools.bench.files import bench_files
+    from powerinfer_tools.formats.gguf_io import open_reader
+    from powerinfer_tools.stages.conversion import convert_model
+
+    big = synthetic_llama.SHAPES[name]
+    shape = replace(SHAPE, family=big.family, act=big.act, head_dim=32 if big.head_dim else None, n_kv=2, vocab=700)
+    model = tmp_path / name
+    synthetic_llama.build_model(model, shape, progress=False)
+    config = json.loads((model / "config.json").read_text())
+    assert config["hidden_act"] == "silu" and config["vocab_size"] == 700
+    if name == "llama3-8b":
+        assert config["rope_theta"] == 500000.0 and config["rope_scaling"]["rope_type"] == "llama3"
+    else:
+        assert config["model_type"] == "qwen3" and config["head_dim"] == 32
+    out = tmp_path / "m.f32.gguf"
+    convert_model(str(model), out, outtype="f32", progress=False, powerinfer_compatible=False)
+    tokens = random_tokens(80, 600, seed=2)
+    with engine.Model(out, threads=2) as m:
+        assert max_rel_err(m.eval(tokens), hf_logits(model, tokens)) <= 1e-4
+    files = bench_files(str(model), "q4_0", tmp_path / "work", progress=False)
+    arch = open_reader(files.llamacpp).fields["general.architecture"].contents()
+    assert arch == ("llama" if name == "llama3-8b" else "qwen3")
+    assert len(open_reader(files.llamacpp).fields["tokenizer.ggml.tokens"].contents()) == 700

@@ -157,7 +157,7 @@ def bench(
     if png is not None and not sweep_sparsity:
         raise UserError("--png draws the sparsity sweep: add --sweep-sparsity")
     if kv_type not in KV_TYPES:
-        raise UserError(f"--kv-type must be {' or '.join(KV_TYPES)}, not {kv_type!r}")
+        raise UserError(f"--kv-type must be one of {', '.join(KV_TYPES)}, not {kv_type!r}")
     if gpu not in GPU_MODES:
         raise UserError(f"unknown --gpu {gpu!r} (choose from {', '.join(GPU_MODES)})")
     if vram_budget is not None and profile is None and gpuidx is None:

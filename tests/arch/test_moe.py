@@ -218,7 +218,7 @@ def test_yarn_matches_transformers_past_the_original_context(family):
     """Mixtral's RoPE scaling goes through the Llama family's table; transformers' Mixtral applies it
     (MixtralRotaryEmbedding reads rope_parameters), so a YaRN Mixtral runs as transformers' over 200 positions, most of
     them past its original context, and unlike the same weights without the scaling."""
-    src, path, _ = family("mixtral", rope_parameters=MIXTRAL_YARN)
+    src, path, _ = family("mixtral", head_dim=16, rope_parameters=MIXTRAL_YARN)  # transformers' YaRN reads head_dim
     fields = open_reader(path).fields
     assert fields["llama-silu.rope.scaling.type"].contents() == "yarn"
     assert fields["llama-silu.rope.scaling.yarn_attn_factor"].contents() == 1.25

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from cli_helpers import run_cli
 from engine_helpers import converted, engine_prompt_then_decode, hf_logits, max_rel_err, random_tokens  # noqa: F401
 from tiny_models import HIDDEN, make_tiny
 
@@ -137,3 +138,13 @@ def test_q8_0_cache_bytes_and_refusal(models, converted):
     with pytest.raises(engine.EngineError, match="kv_type q8_0 needs a head size that is a multiple of 32"):
         engine.Model(converted("llama-silu"), kv_type="q8_0")
     assert HIDDEN // 4 % 32 != 0
+
+
+def test_run_takes_kv_type_q8_0(models, capsys):
+    """`pi-tools run --kv-type q8_0` opens the cache it names and says so in its memory line."""
+    _, path = models["qwen3"]
+    code, _, err = run_cli(capsys, "run", "-m", path, "-p", "The king", "-n", "4", "-t", "2", "-c", "256",
+                           "--kv-type", "q8_0", "-v")
+    with engine.Model(path, ctx_size=256, kv_type="q8_0") as m:
+        kv = m.info["kv_cache_bytes"]
+    assert code == 0 and f"KV cache {kv / 2**20:.1f} MiB (q8_0)" in err, err

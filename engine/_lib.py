@@ -20,7 +20,7 @@ LIBRARY_ENV = "PI_ENGINE_LIB"
 API_VERSION = 18
 
 FFN_MODES = {"dense": 0, "gate": 1, "predictor": 2, "auto": 3, "oracle": 4}
-KV_TYPES = {"f32": 0, "f16": 1}
+KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 2}
 GPU_MODES = {"off": 0, "auto": 1, "on": 2}
 GPU_LIBRARY_ENV = "PI_GPU_LIBRARY"
 DEVICE_LIBRARIES = {"cuda": "_pi_cuda", "emulated": "_pi_device_emulated"}
@@ -139,6 +139,7 @@ _TESTING_SIGNATURES = {
     "pi_kernel_gemv_columns": (_I32, [ctypes.c_char_p, _I32, _I32, _I32, _I32, _P, _P, _I32, _I32, _P]),
     "pi_kernel_gemm_f32": (_I32, [ctypes.c_char_p, _I32, _I32, _I32, _P, _P, _P]),
     "pi_kernel_gemm_f16": (_I32, [ctypes.c_char_p, _I32, _I32, _I32, _P, _P, _P]),
+    "pi_kernel_gemm_q8": (_I32, [ctypes.c_char_p, _I32, _I32, _I32, _I32, _P, _P, _P, _P]),
     "pi_kernel_silu": (_I32, [ctypes.c_char_p, _I32, _P, _P]),
     "pi_kernel_softmax": (_I32, [ctypes.c_char_p, _I32, ctypes.c_float, _P]),
     "pi_kernel_to_float": (_I32, [ctypes.c_char_p, _I32, _I32, _P, _P]),

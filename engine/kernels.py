@@ -154,6 +154,19 @@ def gemm_f32(isa: str, h: np.ndarray, w: np.ndarray, y: np.ndarray) -> np.ndarra
     return y
 
 
+def gemm_q8(isa: str, h: np.ndarray, q: np.ndarray, scales: np.ndarray, y: np.ndarray, columns: bool) -> np.ndarray:
+    """y + h @ w for w a q8_0 KV cache (int8 q, float16 block scales in the layout of csrc/kernels/kv_q8.h): values
+    (columns False: q [n_rows][n_cols], scales [n_rows][n_cols / 32]) or a key tile (columns True: q [n_rows][64],
+    scales [n_rows / 32][64]; h @ w over the first y.shape[1] columns)."""
+    h = np.ascontiguousarray(h, dtype=np.float32)
+    q = np.ascontiguousarray(q, dtype=np.int8)
+    scales = np.ascontiguousarray(scales, dtype=np.float16)
+    y = np.array(y, dtype=np.float32, copy=True)
+    check(lib().pi_kernel_gemm_q8(isa.encode(), int(columns), h.shape[0], h.shape[1], y.shape[1], _ptr(h), _ptr(q),
+                                  _ptr(scales), _ptr(y)))
+    return y
+
+
 def silu(isa: str, x: np.ndarray) -> np.ndarray:
     """x * sigmoid(x) elementwise, the engine's SiLU."""
     x = np.ascontiguousarray(x, dtype=np.float32)

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Random-weight ReLU (or SiLU) Llama checkpoints in the exact shapes of ReluLLaMA-7B / -13B, made here (no
-download), with a profile and predictors that select a chosen share of each layer's neurons.
+"""Random-weight checkpoints in the exact shapes of ReluLLaMA-7B / -13B (ReLU Llamas, or SiLU) and of Llama-3.1-8B
+and Qwen3-8B (SiLU, their RoPE, q/k norms and vocabulary sizes), made here (no download), with a profile and
+predictors that select a chosen share of each layer's neurons.
 
 The model: sharded f16 safetensors, one shard per layer (built one tensor at a time, so the memory it
 needs is about one layer whatever the model's size), config.json (hidden_act relu) and a SentencePiece
@@ -34,12 +35,14 @@ Usage:
   python scripts/synthetic_llama.py predictors --shape 7b --sparsity 0.9 --out runs/pred-s90
   python scripts/synthetic_llama.py profile --shape 7b --out runs/prof
   python scripts/synthetic_llama.py model --shape 2b --act silu --out /tmp/silu2b   # for sparsify's speed
-  python scripts/synthetic_llama.py model --shape qwen3-30b-a3b --layers 8 --act silu --out /tmp/a3b-8
+  python scripts/synthetic_llama.py model --shape llama3-8b --out /tmp/llama3-8b   # SiLU, llama3 RoPE, 128k vocab
+  python scripts/synthetic_llama.py model --shape qwen3-8b --out /tmp/qwen3-8b     # q/k norms, 152k vocab
+  python scripts/synthetic_llama.py model --shape qwen3-30b-a3b --layers 8 --out /tmp/a3b-8
 
---shape qwen3-30b-a3b is Qwen3-30B-A3B's mixture of experts (SiLU experts; give --act silu) with every weight iid
-N(0, 0.02^2): no expert is built hotter than another, but over text its routing is not uniform (measured in
-docs/profile.md, "Experts": past the first layer random attention averages the context, so a token mostly takes
-the previous token's experts). It measures the engines' speed, not what a cache of experts earns.
+--shape qwen3-30b-a3b is Qwen3-30B-A3B's mixture of SiLU experts with every weight iid N(0, 0.02^2): no expert
+is built hotter than another, but over text its routing is not uniform (measured in docs/profile.md, "Experts":
+past the first layer random attention averages the context, so a token mostly takes the previous token's
+experts). It measures the engines' speed, not what a cache of experts earns.
 """
 from __future__ import annotations
 
@@ -71,22 +74,30 @@ class Shape:
     vocab: int = 32000
     n_ctx: int = 4096
     n_kv: int | None = None   # grouped-query attention's KV heads (default: n_head)
-    # a mixture of experts (Qwen3-MoE's layout: n_expert experts of n_ff neurons, top_k per token, q/k RMS-normed,
-    # heads head_dim wide); 0: a dense Llama
+    # config.json's family: "llama" (Llama 2's layout), "llama3" (Llama 3.1's RoPE base and llama3 scaling),
+    # "qwen3" (per-head q/k RMSNorm, its RoPE base), "qwen3-moe" (Qwen3-MoE: qwen3's attention, n_expert experts of
+    # n_ff neurons, top_k per token); their real models are SiLU, the Llama 2 shapes ReLU
+    family: str = "llama"
+    head_dim: int | None = None   # default: n_embd / n_head
+    act: str = "relu"
     n_expert: int = 0
     top_k: int = 0
-    head_dim: int | None = None
 
 
 SHAPES = {
     "7b": Shape(4096, 11008, 32, 32),    # ReluLLaMA-7B (Llama-2-7B's shape)
     "13b": Shape(5120, 13824, 40, 40),   # ReluLLaMA-13B
     "70b": Shape(8192, 28672, 80, 64, n_kv=8),   # ReluLLaMA-70B (Llama-2-70B's shape)
+    "llama3-8b": Shape(4096, 14336, 32, 32, vocab=128256, n_ctx=131072, n_kv=8, family="llama3", act="silu"),
+    "qwen3-8b": Shape(4096, 12288, 36, 32, vocab=151936, n_ctx=40960, n_kv=8, family="qwen3", head_dim=128,
+                      act="silu"),
     "2b": Shape(2048, 5632, 20, 16),     # >= 2 GB of weights: a model past the small ones, below 7B
     "tiny": Shape(128, 512, 3, 4, vocab=600, n_ctx=512),  # tests
     # Qwen3-30B-A3B: 48 layers of 128 experts (768 neurons each), top-8; 32 query and 4 KV heads of 128
-    "qwen3-30b-a3b": Shape(2048, 768, 48, 32, vocab=151936, n_ctx=4096, n_kv=4, n_expert=128, top_k=8, head_dim=128),
-    "tiny-moe": Shape(128, 64, 2, 4, vocab=600, n_ctx=512, n_kv=2, n_expert=8, top_k=2, head_dim=32),  # tests
+    "qwen3-30b-a3b": Shape(2048, 768, 48, 32, vocab=151936, n_ctx=4096, n_kv=4, family="qwen3-moe", head_dim=128,
+                           act="silu", n_expert=128, top_k=8),
+    "tiny-moe": Shape(128, 64, 2, 4, vocab=600, n_ctx=512, n_kv=2, family="qwen3-moe", head_dim=32, act="silu",
+                      n_expert=8, top_k=2),  # tests
     # 7B's attention and KV cache (4 GiB in f32 at 4096 positions), a token FFN and vocabulary: the engine's
     # open time at 7B's context (scripts/measure_engine_open.py) without 7B's conversion
     "7b-attention": Shape(4096, 256, 32, 32, vocab=1024),
@@ -118,16 +129,18 @@ def power_law_gates(shape: Shape, sparsity: float, u: torch.Tensor, gen: torch.G
     return rows + lean[:, None] * u[None, :]
 
 
-def build_model(out: Path, shape: Shape, seed: int = 0, progress: bool = True, act: str = "relu",
+def build_model(out: Path, shape: Shape, seed: int = 0, progress: bool = True, act: str | None = None,
                 sparsity: float | None = 0.9) -> int:
     """Write the checkpoint, tokenizer included; returns its weight bytes. act silu: a SiLU Llama of the shape,
     what `pi-tools sparsify` starts from (its speed at the shape: scripts/gpu_check.sh sparsify). `sparsity`: the
-    ReLU model's mean FFN sparsity through power_law_gates; None: every weight iid N(0, 0.02^2), no hot neurons."""
+    ReLU model's mean FFN sparsity through power_law_gates; None: every weight iid N(0, 0.02^2), no hot neurons.
+    act None: the shape's own."""
     out.mkdir(parents=True, exist_ok=True)
+    act = act or shape.act
     gen = torch.Generator().manual_seed(seed)
     d, f, n_kv = shape.n_embd, shape.n_ff, shape.n_kv or shape.n_head
-    head = shape.head_dim or d // shape.n_head
-    q, kv = head * shape.n_head, head * n_kv
+    d_head = shape.head_dim or d // shape.n_head
+    q, kv = d_head * shape.n_head, d_head * n_kv
     skewed = sparsity is not None and act == "relu"
     # power-law model: residual additions small against the embeddings (their share of the norm per layer)
     out_std = 7.7 / d * (32 / shape.n_layer) ** 0.5 if skewed else 0.02
@@ -156,38 +169,55 @@ def build_model(out: Path, shape: Shape, seed: int = 0, progress: bool = True, a
     del embed
     for i in tqdm(range(shape.n_layer), desc="layers", unit="layer", disable=not progress):
         p = f"model.layers.{i}."
-        block = {p + "input_layernorm.weight": ones(), p + "post_attention_layernorm.weight": ones(),
-                 p + "self_attn.q_proj.weight": rand(q, d), p + "self_attn.k_proj.weight": rand(kv, d),
-                 p + "self_attn.v_proj.weight": rand(kv, d), p + "self_attn.o_proj.weight": rand(d, q, std=out_std)}
+        tensors = {p + "input_layernorm.weight": ones(), p + "post_attention_layernorm.weight": ones(),
+                   p + "self_attn.q_proj.weight": rand(q, d), p + "self_attn.k_proj.weight": rand(kv, d),
+                   p + "self_attn.v_proj.weight": rand(kv, d), p + "self_attn.o_proj.weight": rand(d, q, std=out_std)}
         if shape.n_expert:
-            block |= {p + "self_attn.q_norm.weight": torch.ones(head), p + "self_attn.k_norm.weight": torch.ones(head),
-                      p + "mlp.gate.weight": rand(shape.n_expert, d)}
+            tensors |= {p + "mlp.gate.weight": rand(shape.n_expert, d)}
             for e in range(shape.n_expert):
                 x = f"{p}mlp.experts.{e}."
-                block |= {x + "gate_proj.weight": rand(f, d), x + "up_proj.weight": rand(f, d),
-                          x + "down_proj.weight": rand(d, f)}
+                tensors |= {x + "gate_proj.weight": rand(f, d), x + "up_proj.weight": rand(f, d),
+                            x + "down_proj.weight": rand(d, f)}
         else:
-            block |= {p + "mlp.gate_proj.weight": power_law_gates(shape, sparsity, u, gen) if skewed else rand(f, d),
-                      p + "mlp.up_proj.weight": rand(f, d), p + "mlp.down_proj.weight": rand(d, f, std=out_std)}
-        shard(block)
-        del block
+            tensors |= {p + "mlp.gate_proj.weight": power_law_gates(shape, sparsity, u, gen) if skewed else rand(f, d),
+                        p + "mlp.up_proj.weight": rand(f, d), p + "mlp.down_proj.weight": rand(d, f, std=out_std)}
+        if shape.family in ("qwen3", "qwen3-moe"):  # per-head RMSNorm weights, not all 1 (a norm read from the wrong place shows)
+            tensors |= {p + "self_attn.q_norm.weight": 1 + rand(d_head, std=0.1),
+                        p + "self_attn.k_norm.weight": 1 + rand(d_head, std=0.1)}
+        shard(tensors)
+        del tensors
     shard({"model.norm.weight": ones(), "lm_head.weight": rand(shape.vocab, d)})
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
                                                                   "weight_map": index}))
-    config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": d, "intermediate_size": f,
-        "num_hidden_layers": shape.n_layer, "num_attention_heads": shape.n_head,
-        "num_key_value_heads": n_kv, "hidden_act": act, "max_position_embeddings": shape.n_ctx,
-        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "vocab_size": shape.vocab, "tie_word_embeddings": False,
-        "torch_dtype": "float16", "bos_token_id": 1, "eos_token_id": 2}
-    if shape.n_expert:  # Qwen3-MoE's fields: every layer sparse, the top-k weights renormalised
-        config |= {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "head_dim": head,
-                   "num_experts": shape.n_expert, "num_experts_per_tok": shape.top_k, "moe_intermediate_size": f,
-                   "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
-                   "attention_bias": False, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6}
-    (out / "config.json").write_text(json.dumps(config, indent=1))
+    (out / "config.json").write_text(json.dumps(config(shape, act), indent=1))
     build_tokenizer(out, shape.vocab)
     return total
+
+
+def config(shape: Shape, act: str) -> dict:
+    """config.json of the shape's family, with the fields the real model's config sets (Llama-3.1-8B's and
+    Qwen3-8B's, as published on the Hugging Face Hub)."""
+    base = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": shape.n_embd,
+            "intermediate_size": shape.n_ff, "num_hidden_layers": shape.n_layer,
+            "num_attention_heads": shape.n_head, "num_key_value_heads": shape.n_kv or shape.n_head,
+            "hidden_act": act, "max_position_embeddings": shape.n_ctx, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+            "vocab_size": shape.vocab, "tie_word_embeddings": False, "torch_dtype": "float16", "bos_token_id": 1,
+            "eos_token_id": 2}
+    if shape.family == "llama3":
+        return base | {"rope_theta": 500000.0, "rope_scaling": {
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}}
+    if shape.family == "qwen3-moe":  # every layer sparse, the top-k weights renormalised
+        return base | {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "rms_norm_eps": 1e-6,
+                       "rope_theta": 1000000.0, "head_dim": shape.head_dim or shape.n_embd // shape.n_head,
+                       "num_experts": shape.n_expert, "num_experts_per_tok": shape.top_k,
+                       "moe_intermediate_size": shape.n_ff, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                       "mlp_only_layers": [], "attention_bias": False}
+    if shape.family == "qwen3":
+        return base | {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "rms_norm_eps": 1e-6,
+                       "rope_theta": 1000000.0, "head_dim": shape.head_dim or shape.n_embd // shape.n_head,
+                       "attention_bias": False, "use_sliding_window": False}
+    return base
 
 
 def build_tokenizer(out: Path, vocab: int) -> int:
@@ -281,7 +311,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--sparsity", type=float, default=0.9, help="predictors: share predicted inactive (default 0.9)")
     ap.add_argument("--rank", type=int, default=128, help="predictors: rank (default 128)")
-    ap.add_argument("--act", choices=("relu", "silu"), default="relu", help="model: FFN activation (default relu)")
+    ap.add_argument("--act", choices=("relu", "silu"), default=None,
+                    help="model: FFN activation (default: the shape's, relu for the Llama 2 shapes, silu for the 8Bs and the "
+                         "mixture)")
     ap.add_argument("--model-sparsity", default="0.9",
                     help="model: the ReLU model's mean FFN sparsity, hot and cold neurons by a power law "
                          "(power_law_gates), or 'iid' for plain random weights (default 0.9)")
@@ -294,8 +326,8 @@ def main() -> None:
             sys.exit(f"--model-sparsity takes a number in [0, 1) or 'iid', got {args.model_sparsity!r}")
         if sparsity is not None and not 0.0 <= sparsity < 1.0:
             sys.exit(f"--model-sparsity must be in [0, 1), got {sparsity}")
-        if shape.n_expert and args.act != "silu":
-            sys.exit(f"--shape {args.shape} is a mixture of SiLU experts (Qwen3-MoE's): give --act silu")
+        if shape.n_expert and args.act == "relu":
+            sys.exit(f"--shape {args.shape} is a mixture of SiLU experts (Qwen3-MoE's): --act relu is refused")
         total = build_model(args.out, shape, act=args.act, sparsity=sparsity)
         print(f"{args.out}: {total / 2**30:.2f} GiB of f16 weights in {shape.n_layer + 2} shards")
     elif args.what == "predictors":

@@ -95,7 +95,7 @@ DevicePlacement place_on_device(const pi_device_tier_desc &desc, const Model &mo
     p.budget = budget;
     p.scratch = hot_scratch_bytes(hp, desc.n_batch, largest_tier);
     double room = budget - p.scratch;
-    if (!with_attention) p.attention_off = "gpu_ffn_only: attention and the output head kept on the CPU";
+    if (!with_attention) p.attention_off = "gpu_ffn_only (or kv_type q8_0): attention and the output head kept on the CPU";
     // the device's attention computes no per-head q/k norms and scores scaled by 1/sqrt(d_head) only: the head and
     // hot rows alone go there
     const bool qk_norm = hp.qk_norm != QkNorm::None;

@@ -217,6 +217,26 @@ pi_status pi_kernel_gemm_f16(const char *isa, int32_t n_tok, int32_t n_rows, int
     return kernel_gemm(isa, n_tok, n_rows, n_cols, h, w, y, &pi::KernelSet::gemm_f16);
 }
 
+pi_status pi_kernel_gemm_q8(const char *isa, int32_t columns, int32_t n_tok, int32_t n_rows, int32_t n_cols,
+                            const float *h, const int8_t *q, const uint16_t *s, float *y) {
+    return guarded([&] {
+        if (n_tok < 0 || n_rows < 0 || n_cols < 0) pi::fail(PI_ERR_ARGUMENT, "sizes must be >= 0");
+        need(h, "h");
+        need(q, "q");
+        need(s, "s");
+        need(y, "y");
+        const pi::KernelSet &k = kernel_set(isa);
+        if (columns) {
+            if (n_rows % pi::QK != 0 || n_cols > pi::kKvKeyTile)
+                pi::fail(PI_ERR_ARGUMENT, "a key tile has a multiple of 32 rows and at most 64 columns");
+            k.gemm_q8_columns(n_tok, n_rows, n_cols, h, n_rows, pi::Q8Columns{q, s}, int(pi::kKvKeyTile), y, n_cols);
+        } else {
+            if (n_cols % pi::QK != 0) pi::fail(PI_ERR_ARGUMENT, "values have a multiple of 32 columns");
+            k.gemm_q8_rows(n_tok, n_rows, n_cols, h, n_rows, pi::Q8Rows{q, s}, n_cols, y, n_cols);
+        }
+    });
+}
+
 pi_status pi_kernel_silu(const char *isa, int32_t n, const float *x, float *out) {
     return guarded([&] {
         if (n < 0) pi::fail(PI_ERR_ARGUMENT, "n must be >= 0");

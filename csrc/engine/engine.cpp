@@ -67,7 +67,12 @@ Engine::Engine(const std::string &path, const pi_options &opts, const std::strin
     n_seq_ = opts.n_seq > 0 ? opts.n_seq : 1;
     if (n_seq_ > kMaxSequences) fail(PI_ERR_ARGUMENT, "n_seq must be at most " + std::to_string(kMaxSequences));
     recall_check_ = opts.recall_check != 0;
-    if (opts.kv_type != PI_KV_F32 && opts.kv_type != PI_KV_F16) fail(PI_ERR_ARGUMENT, "unknown KV cache type " + std::to_string(opts.kv_type));
+    if (opts.kv_type != PI_KV_F32 && opts.kv_type != PI_KV_F16 && opts.kv_type != PI_KV_Q8_0)
+        fail(PI_ERR_ARGUMENT, "unknown KV cache type " + std::to_string(opts.kv_type));
+    const pi_kv_type kv_type = pi_kv_type(opts.kv_type);
+    if (kv_type == PI_KV_Q8_0 && hp_.d_head % QK != 0)  // a position's head vector is whole q8_0 blocks
+        fail(PI_ERR_UNSUPPORTED, "kv_type q8_0 needs a head size that is a multiple of 32; this model's is " +
+                                     std::to_string(hp_.d_head) + " (use f16 or f32)");
     policy_.set_mode(opts.ffn_mode);  // at load no layer is arranged yet: the first steps arrange them
 
     pool_ = std::make_unique<ThreadPool>(threads);
@@ -76,9 +81,9 @@ Engine::Engine(const std::string &path, const pi_options &opts, const std::strin
     if (hot_backend == "reference") hot_ = std::make_unique<ReferenceTierBackend>(hp_, n_batch_);
     else if (opts.gpu != PI_GPU_OFF) hot_ = device_tier(opts, rank);
     disk_ = open_disk_tier(opts, threads);                     // where the hot tier goes is known
-    if (!disk_) check_working_memory(threads, opts.kv_type == PI_KV_F16);  // a disk tier's budget holds it
+    if (!disk_) check_working_memory(threads, kv_type);  // a disk tier's budget holds it
     if (!model_->dense_mapped()) model_->pack_dense_matrices(threads);
-    rs_ = std::make_unique<RunState>(hp_, n_ctx_, n_batch_, threads, opts.kv_type == PI_KV_F16, n_seq_);
+    rs_ = std::make_unique<RunState>(hp_, n_ctx_, n_batch_, threads, kv_type, n_seq_);
     if (device_) device_->begin(*model_, rs_->rope_cos.data(), rs_->rope_sin.data());
     device_layer_modes_.assign(size_t(hp_.n_layer), TierMode::Dense);
     split_cold_.assign(size_t(hp_.n_layer), SplitCold{});
@@ -130,7 +135,8 @@ std::unique_ptr<TierBackend> Engine::device_tier(const pi_options &opts, int64_t
     }
     auto device = std::make_unique<DeviceTierBackend>(*device_api_, device_library_, opts.gpu_device, opts.vram_budget, *model_,
                                                       *ks_, *pool_, n_batch_, n_ctx_,
-                                                      opts.kv_type == PI_KV_F16, opts.gpu_ffn_only == 0, rank,
+                                                      opts.kv_type == PI_KV_F16,
+                                                      opts.gpu_ffn_only == 0 && opts.kv_type != PI_KV_Q8_0, rank,
                                                       largest_tier(*model_, true));
     device_ = device.get();
     return device;
@@ -158,8 +164,8 @@ double Engine::weight_copy_bytes(bool cold_on_disk) const {
     return device_ ? bytes + device_->host_bytes(model_->layers()) : bytes;
 }
 
-double Engine::working_bytes(int64_t threads, bool kv_f16, bool cold_on_disk) const {
-    return RunState::kv_cache_bytes(hp_, n_ctx_, kv_f16, n_seq_) + work_buffer_bytes(threads) + weight_copy_bytes(cold_on_disk);
+double Engine::working_bytes(int64_t threads, pi_kv_type kv_type, bool cold_on_disk) const {
+    return RunState::kv_cache_bytes(hp_, n_ctx_, kv_type, n_seq_) + work_buffer_bytes(threads) + weight_copy_bytes(cold_on_disk);
 }
 
 std::unique_ptr<DiskTier> Engine::open_disk_tier(const pi_options &opts, int64_t threads) {
@@ -173,7 +179,7 @@ std::unique_ptr<DiskTier> Engine::open_disk_tier(const pi_options &opts, int64_t
     // buffers), the process's margin.
     const WeightCopies wc = model_->weight_copies();  // the packed matrices' copy is not made yet
     const double held = double(wc.predictor + wc.decoded), copied = double(wc.packed) + held;
-    double fixed = copied + working_bytes(threads, opts.kv_type == PI_KV_F16, true) + kProcessMargin;
+    double fixed = copied + working_bytes(threads, pi_kv_type(opts.kv_type), true) + kProcessMargin;
     double budget = double(opts.memory_budget);
     std::string source = "memory_budget";
     // the memory check's limit, less what the process held before the engine copied anything: the most any budget
@@ -206,12 +212,12 @@ std::unique_ptr<DiskTier> Engine::open_disk_tier(const pi_options &opts, int64_t
     return tier;
 }
 
-void Engine::check_working_memory(int64_t threads, bool kv_f16) const {
+void Engine::check_working_memory(int64_t threads, pi_kv_type kv_type) const {
     // Refused before allocating when what the engine will hold (the KV cache at the full context, the work
     // buffers, the weights it copies out of the mapped file) and a margin for the rest of the process exceed
     // what the process may still take, so that a context fails with a message instead of an out-of-memory kill
     // as it fills.
-    const double bytes = working_bytes(threads, kv_f16) + kProcessMargin;
+    const double bytes = working_bytes(threads, kv_type) + kProcessMargin;
     const double limit = usable_memory_bytes(), held = process_anonymous_bytes();
     const auto gib = [](double b) { return std::to_string(b / double(1 << 30)).substr(0, 8) + " GiB"; };
     if (limit > 0 && bytes > limit - held)
@@ -375,8 +381,8 @@ int32_t Engine::sample(const pi_sampling &p, const uint32_t *allowed, int64_t n_
 
 const std::string &Engine::info_json() {
     static const char *gpu_modes[] = {"off", "auto", "on"};
-    const RunSettings run{n_ctx_, n_batch_, n_seq_, pool_->size(), ks_->isa, hot_->name(), policy_.mode(), recall_check_, rs_->kv_f16,
-                          RunState::kv_cache_bytes(hp_, n_ctx_, rs_->kv_f16, n_seq_), work_buffer_bytes(pool_->size()),
+    const RunSettings run{n_ctx_, n_batch_, n_seq_, pool_->size(), ks_->isa, hot_->name(), policy_.mode(), recall_check_, rs_->kv_type,
+                          RunState::kv_cache_bytes(hp_, n_ctx_, rs_->kv_type, n_seq_), work_buffer_bytes(pool_->size()),
                           gpu_modes[gpu_mode_], device_ ? &device_->use() : nullptr, &gpu_off_, gpuidx_ignored_};
     json_ = pi::info_json(*model_, run);
     return json_;

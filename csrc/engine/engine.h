@@ -79,7 +79,7 @@ private:
     // What the memory checks leave for the rest of the process: the allocator's slack, thread stacks, the caller's growth.
     static constexpr double kProcessMargin = 64.0 * (1 << 20);
     // Refuses (PI_ERR_MEMORY) before allocating when the buffers the hyperparameters imply exceed RAM.
-    void check_working_memory(int64_t threads, bool kv_f16) const;
+    void check_working_memory(int64_t threads, pi_kv_type kv_type) const;
     // Bytes of weights the engine will copy out of the mapped file from here on (hot_ chosen, nothing uploaded):
     // the hot tier's copy (or what a device takes on the host) and the cold tiers' gate/up groups.
     // cold_on_disk: as if the cold tiers were on disk (they keep no groups), before the disk tier takes them.
@@ -87,7 +87,7 @@ private:
     double work_buffer_bytes(int64_t threads) const;
     // What check_working_memory counts but the margin: the KV cache at the full context, the work buffers, the
     // weight copies.
-    double working_bytes(int64_t threads, bool kv_f16, bool cold_on_disk = false) const;
+    double working_bytes(int64_t threads, pi_kv_type kv_type, bool cold_on_disk = false) const;
     // The disk tier where opts.memory_budget asks for it (or, at 0, where the model's bundles are there and its FFN
     // would not fit the memory the process may use); nullptr otherwise.
     std::unique_ptr<DiskTier> open_disk_tier(const pi_options &opts, int64_t threads);
@@ -109,15 +109,16 @@ private:
     // the heads of a batch of n_tok tokens, and of a decode step over n_keys cached positions, given the layer's
     // cache (kc, vc); att receives their outputs
     // window: the positions a query attends to, its own and those before it (a sliding-window layer's); 0: all
-    void batch_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_tok, int64_t window);
+    void batch_heads(RunState::KvLayer kc, RunState::KvLayer vc, int64_t n_tok, int64_t window);
     // decode_heads: the query of batch row `row` (a decode step of several sequences has one per sequence)
-    void decode_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_keys, int64_t window, int64_t row = 0);
-    // gemm_f32 (or gemm_f16 for an f16 cache) with w at element `at` of the cache bytes `cache`
-    void gemm_cache(int n_tok, int n_rows, int n_cols, const float *h, int ldh, const uint8_t *cache, int64_t at,
-                    int ldw, float *y, int ldy) const;
+    void decode_heads(RunState::KvLayer kc, RunState::KvLayer vc, int64_t n_keys, int64_t window, int64_t row = 0);
+    // gemm_f32 (gemm_f16 for an f16 cache, gemm_q8_columns / gemm_q8_rows for a q8_0 cache's keys / values) with w
+    // at element `at` (a tile's first) of the layer's keys or values
+    void gemm_cache(int n_tok, int n_rows, int n_cols, const float *h, int ldh, RunState::KvLayer cache, bool keys,
+                    int64_t at, int ldw, float *y, int ldy) const;
     // y[t] += sum over positions j < n_keys of p[t][j] * value j of kv head kvh in the layer's value cache; p is 0
     // before `first` (a sliding window's first key), so the sum starts at first's block
-    void value_sum(int n_tok, int64_t n_keys, const float *p, int ldp, const uint8_t *cache, int64_t kvh, float *y,
+    void value_sum(int n_tok, int64_t n_keys, const float *p, int ldp, RunState::KvLayer cache, int64_t kvh, float *y,
                    int ldy, int64_t first) const;
     // Asks for the layer's predictor weights (fc1, the cold tier's fc2) while attention reads the KV cache.
     void prefetch_predictor(const Layer &L) const;

@@ -115,21 +115,20 @@ void Engine::attention(int64_t il, int64_t n_tok, TierMode cold_mode) {
         head_norm(s.q.data(), L.q_norm, n_tok * Q / L.q_norm.cols);
         head_norm(s.k.data(), L.k_norm, n_tok * KV / L.k_norm.cols);
     }
-    const int64_t layer_bytes = s.kv_layer_elements(hp_) * s.kv_bytes();
     const int64_t window = hp_.swa_layer(il) ? hp_.n_swa : 0;
     if (stepping()) {  // each row its own sequence's decode step: its cache, its position
         for (int64_t t = 0; t < n_tok; ++t) {
             s.cur = steps_[size_t(t)];
             store_kv(il, 1, t);
-            decode_heads(s.seq().k_cache.data() + il * layer_bytes, s.seq().v_cache.data() + il * layer_bytes,
-                         s.seq().n_past + 1, window, t);
+            decode_heads(s.kv_layer(hp_, il, true, s.seq()), s.kv_layer(hp_, il, false, s.seq()), s.seq().n_past + 1,
+                         window, t);
         }
     } else {
         store_kv(il, n_tok);
         // The predictor's weights come from DRAM every step (too little to stream at speed once the FFN asks
         // for them); asked for now, they arrive while the heads read the KV cache.
         if (n_tok == 1 && cold_mode == TierMode::Predictor) prefetch_predictor(L);
-        const uint8_t *kc = s.seq().k_cache.data() + il * layer_bytes, *vc = s.seq().v_cache.data() + il * layer_bytes;
+        const RunState::KvLayer kc = s.kv_layer(hp_, il, true, s.seq()), vc = s.kv_layer(hp_, il, false, s.seq());
         if (n_tok == 1) decode_heads(kc, vc, s.seq().n_past + 1, window);
         else batch_heads(kc, vc, n_tok, window);
     }
@@ -143,7 +142,7 @@ void Engine::attention(int64_t il, int64_t n_tok, TierMode cold_mode) {
 
 // RoPE on the batch's queries and keys, then its keys and values into layer il's cache: each position into its
 // kv heads' tiles of kKeyTile positions (RunState's layout), keys [D][kKeyTile] (a query's scores over a tile are
-// a gemm over contiguous rows), values [kKeyTile][D].
+// a gemm over contiguous rows), values [kKeyTile][D]; a q8_0 cache's each 32 of a head's elements one block.
 void Engine::store_kv(int64_t il, int64_t n_tok, int64_t row) {
     RunState &s = *rs_;
     const int64_t D = hp_.d_head, H = hp_.n_head, HKV = hp_.n_head_kv, Q = H * D, KV = HKV * D, half = hp_.n_rot / 2;
@@ -166,13 +165,14 @@ void Engine::store_kv(int64_t il, int64_t n_tok, int64_t row) {
             }
         }
     };
-    const int64_t layer_bytes = s.kv_layer_elements(hp_) * s.kv_bytes();
-    uint8_t *kc = s.seq().k_cache.data() + il * layer_bytes, *vc = s.seq().v_cache.data() + il * layer_bytes;
+    const RunState::KvLayer kc = s.kv_layer(hp_, il, true, s.seq()), vc = s.kv_layer(hp_, il, false, s.seq());
     // element i of a layer's cache set to v (rounded to the nearest half in an f16 cache)
     auto put = [&](uint8_t *cache, int64_t i, float v) {
-        if (s.kv_f16) reinterpret_cast<uint16_t *>(cache)[i] = f32_to_f16(v);
+        if (s.kv_type == PI_KV_F16) reinterpret_cast<uint16_t *>(cache)[i] = f32_to_f16(v);
         else reinterpret_cast<float *>(cache)[i] = v;
     };
+    // a q8_0 cache: a head's D elements as D / 32 blocks (quantize_q8_0's), their quants and scales apart
+    std::vector<BlockQ8_0> blocks(size_t(s.kv_type == PI_KV_Q8_0 ? D / QK : 0));
     for (int64_t t = 0; t < n_tok; ++t) {
         const int64_t pos = s.seq().n_past + t, col = pos % kKeyTile, r = row + t;
         rope(s.q.data() + r * Q, H, pos);
@@ -180,38 +180,63 @@ void Engine::store_kv(int64_t il, int64_t n_tok, int64_t row) {
         for (int64_t kvh = 0; kvh < HKV; ++kvh) {
             const float *k = s.k.data() + r * KV + kvh * D, *v = s.v.data() + r * KV + kvh * D;
             const int64_t tile = rs_->kv_tile(HKV, D, kvh, pos), kt = tile + col, vt = tile + col * D;
+            if (s.kv_type == PI_KV_Q8_0) {
+                ks_->quantize_q8_0(int(D), k, blocks.data());
+                for (int64_t b = 0; b < D / QK; ++b) {  // keys: down the column, the tile's scales [D / 32][kKeyTile]
+                    for (int64_t i = 0; i < QK; ++i) kc.data[kt + (b * QK + i) * kKeyTile] = uint8_t(blocks[b].qs[i]);
+                    kc.scales[(tile + b * QK * kKeyTile) / QK + col] = blocks[b].d;
+                }
+                ks_->quantize_q8_0(int(D), v, blocks.data());
+                for (int64_t b = 0; b < D / QK; ++b) {  // values: along the row, a block's scale at its index / 32
+                    std::memcpy(vc.data + vt + b * QK, blocks[b].qs, QK);
+                    vc.scales[(vt + b * QK) / QK] = blocks[b].d;
+                }
+                continue;
+            }
             for (int64_t d = 0; d < D; ++d) {
-                put(kc, kt + d * kKeyTile, k[d]);
-                put(vc, vt + d, v[d]);
+                put(kc.data, kt + d * kKeyTile, k[d]);
+                put(vc.data, vt + d, v[d]);
             }
         }
     }
 }
 
-void Engine::gemm_cache(int n_tok, int n_rows, int n_cols, const float *h, int ldh, const uint8_t *cache, int64_t at,
-                        int ldw, float *y, int ldy) const {
-    if (rs_->kv_f16) ks_->gemm_f16(n_tok, n_rows, n_cols, h, ldh, reinterpret_cast<const uint16_t *>(cache) + at, ldw, y, ldy);
-    else ks_->gemm_f32(n_tok, n_rows, n_cols, h, ldh, reinterpret_cast<const float *>(cache) + at, ldw, y, ldy);
+void Engine::gemm_cache(int n_tok, int n_rows, int n_cols, const float *h, int ldh, RunState::KvLayer cache,
+                        bool keys, int64_t at, int ldw, float *y, int ldy) const {
+    switch (rs_->kv_type) {
+        case PI_KV_F16:
+            return ks_->gemm_f16(n_tok, n_rows, n_cols, h, ldh, reinterpret_cast<const uint16_t *>(cache.data) + at, ldw,
+                                 y, ldy);
+        case PI_KV_Q8_0: {
+            const int8_t *q = reinterpret_cast<const int8_t *>(cache.data) + at;
+            const uint16_t *s = cache.scales + at / QK;  // a tile's scales (kernels/kv_q8.h)
+            if (keys) return ks_->gemm_q8_columns(n_tok, n_rows, n_cols, h, ldh, Q8Columns{q, s}, ldw, y, ldy);
+            return ks_->gemm_q8_rows(n_tok, n_rows, n_cols, h, ldh, Q8Rows{q, s}, ldw, y, ldy);
+        }
+        default:
+            return ks_->gemm_f32(n_tok, n_rows, n_cols, h, ldh, reinterpret_cast<const float *>(cache.data) + at, ldw, y,
+                                 ldy);
+    }
 }
 
 // Bytes asked for ahead at the start of the next run of a kv head's cache (a block's tiles lie together, blocks
 // apart), while the current one is read.
 constexpr size_t kRunPrefetch = 4096;
 
-void Engine::value_sum(int n_tok, int64_t n_keys, const float *p, int ldp, const uint8_t *cache, int64_t kvh, float *y,
+void Engine::value_sum(int n_tok, int64_t n_keys, const float *p, int ldp, RunState::KvLayer cache, int64_t kvh, float *y,
                        int ldy, int64_t first) const {
     // A block of positions at a time (its rows contiguous): the same fma chain per output element as one gemm
     // over all the rows, since gemm continues from y (the same bits); blocks before first's are all 0 and skipped.
     const int64_t D = hp_.d_head, block = rs_->kv_block;
     for (int64_t c = first / block * block; c < n_keys; c += block) {
         if (c + block < n_keys)  // the next block's start: another run of the cache
-            prefetch_row(cache + rs_->kv_tile(hp_.n_head_kv, D, kvh, c + block) * rs_->kv_bytes(), kRunPrefetch);
-        gemm_cache(n_tok, int(std::min(block, n_keys - c)), int(D), p + c, ldp, cache,
+            prefetch_row(cache.data + rs_->kv_tile(hp_.n_head_kv, D, kvh, c + block) * rs_->kv_bytes(), kRunPrefetch);
+        gemm_cache(n_tok, int(std::min(block, n_keys - c)), int(D), p + c, ldp, cache, false,
                    rs_->kv_tile(hp_.n_head_kv, D, kvh, c), int(D), y, ldy);
     }
 }
 
-void Engine::batch_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_tok, int64_t window) {
+void Engine::batch_heads(RunState::KvLayer kc, RunState::KvLayer vc, int64_t n_tok, int64_t window) {
     // Per query head and tile of kAttnTile tokens, two gemms: scores = q K^T over the keys the tile's last token
     // sees (earlier tokens' later keys get probability 0), out = p V.
     const int64_t D = hp_.d_head, H = hp_.n_head, HKV = hp_.n_head_kv, group = H / HKV, Q = H * D;
@@ -230,7 +255,7 @@ void Engine::batch_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_tok, in
             const int64_t first0 = window ? std::max<int64_t>(0, n_past + t0 + 1 - window) : 0;
             std::fill(sc, sc + nt * n_keys, 0.0f);
             for (int64_t c = first0 / kKeyTile * kKeyTile; c < n_keys; c += kKeyTile)
-                gemm_cache(int(nt), int(D), int(std::min(kKeyTile, n_keys - c)), q + t0 * Q + h * D, int(Q), kc,
+                gemm_cache(int(nt), int(D), int(std::min(kKeyTile, n_keys - c)), q + t0 * Q + h * D, int(Q), kc, true,
                            rs_->kv_tile(HKV, D, kvh, c), int(kKeyTile), sc + c, int(n_keys));
             for (int64_t t = 0; t < nt; ++t) {  // softmax over the keys token t sees, 0 for the others
                 const int64_t n_valid = n_past + t0 + t + 1, first = window ? std::max<int64_t>(0, n_valid - window) : 0;
@@ -248,7 +273,7 @@ void Engine::batch_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_tok, in
     pool_->run(int(std::min<int64_t>(n_tiles * H, pool_->chunks_for(n_tok * H * n_all * D * 2 * kCacheReadCost, kGrain))), job);
 }
 
-void Engine::decode_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_keys, int64_t window, int64_t row) {
+void Engine::decode_heads(RunState::KvLayer kc, RunState::KvLayer vc, int64_t n_keys, int64_t window, int64_t row) {
     // The query heads that share a kv head read its keys and values once, as the rows of one gemm (up to
     // kHeadsPerTile of them), in three jobs: the scores by (kv head, key tile), so that any head counts split
     // evenly; each head's softmax; the outputs by (kv head, tile of its heads). The same fma chains, so the
@@ -272,9 +297,9 @@ void Engine::decode_heads(const uint8_t *kc, const uint8_t *vc, int64_t n_keys, 
             if (u + 1 < u1) {  // the next tile's start, where it begins a run of its own (another block or head)
                 const int64_t next = u + 1, nc = (tile0 + next % n_key_tiles) * kKeyTile;
                 if (nc % rs_->kv_block == 0)
-                    prefetch_row(kc + rs_->kv_tile(HKV, D, next / n_key_tiles, nc) * rs_->kv_bytes(), kRunPrefetch);
+                    prefetch_row(kc.data + rs_->kv_tile(HKV, D, next / n_key_tiles, nc) * rs_->kv_bytes(), kRunPrefetch);
             }
-            gemm_cache(int(group), int(D), int(cols), rs_->q.data() + row * H * D + kvh * group * D, int(D), kc,
+            gemm_cache(int(group), int(D), int(cols), rs_->q.data() + row * H * D + kvh * group * D, int(D), kc, true,
                        rs_->kv_tile(HKV, D, kvh, c), int(kKeyTile), y, int(n_keys));
         }
     };

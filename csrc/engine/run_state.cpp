@@ -5,14 +5,19 @@
 
 namespace pi {
 
-RunState::RunState(const HParams &hp, int64_t n_ctx_, int64_t n_batch, int64_t threads, bool kv_f16_, int64_t n_seq)
-    : n_ctx(n_ctx_), kv_f16(kv_f16_), kv_block(kv_block_for(hp, n_ctx_, kv_f16_)) {
+RunState::RunState(const HParams &hp, int64_t n_ctx_, int64_t n_batch, int64_t threads, pi_kv_type kv_type_, int64_t n_seq)
+    : n_ctx(n_ctx_), kv_type(kv_type_), kv_block(kv_block_for(hp, n_ctx_, kv_type_)) {
     const int64_t E = hp.n_embd, L = hp.n_layer, B = n_batch;
     const int64_t Q = hp.n_head * hp.d_head, KV = hp.n_head_kv * hp.d_head;
+    const int64_t elements = L * kv_slots(hp, n_ctx, kv_type) * KV;
     seqs.resize(size_t(n_seq));
     for (Sequence &sq : seqs) {  // mapped, never populated: a cache's pages come in as its positions fill
-        sq.k_cache = PageMemory(size_t(L * kv_slots(hp, n_ctx, kv_f16) * KV * kv_bytes()), true, "the KV cache", false);
-        sq.v_cache = PageMemory(size_t(L * kv_slots(hp, n_ctx, kv_f16) * KV * kv_bytes()), true, "the KV cache", false);
+        sq.k_cache = PageMemory(size_t(elements * kv_bytes()), true, "the KV cache", false);
+        sq.v_cache = PageMemory(size_t(elements * kv_bytes()), true, "the KV cache", false);
+        if (kv_type == PI_KV_Q8_0) {
+            sq.k_scales = PageMemory(size_t(elements / QK * 2), true, "the KV cache", false);
+            sq.v_scales = PageMemory(size_t(elements / QK * 2), true, "the KV cache", false);
+        }
         sq.history.assign(size_t(n_ctx), 0);
         sq.last_logits.assign(size_t(hp.n_vocab), 0.0f);
     }
@@ -53,20 +58,20 @@ RunState::RunState(const HParams &hp, int64_t n_ctx_, int64_t n_batch, int64_t t
     op_att = {att.data(), Q, q_att.data(), false};
 }
 
-int64_t RunState::kv_block_for(const HParams &hp, int64_t n_ctx, bool kv_f16) {
-    const int64_t position_bytes = std::max<int64_t>(1, hp.n_head_kv * hp.d_head * (kv_f16 ? 2 : 4));
+int64_t RunState::kv_block_for(const HParams &hp, int64_t n_ctx, pi_kv_type kv_type) {
+    const int64_t position_bytes = std::max<int64_t>(1, hp.n_head_kv * hp.d_head * element_bytes(kv_type));
     const int64_t tiles = std::max<int64_t>(1, (int64_t(2) << 20) / position_bytes / kKeyTile);
     return std::min(tiles * kKeyTile, key_slots(n_ctx));
 }
 
-int64_t RunState::kv_slots(const HParams &hp, int64_t n_ctx, bool kv_f16) {
-    const int64_t block = kv_block_for(hp, n_ctx, kv_f16);
+int64_t RunState::kv_slots(const HParams &hp, int64_t n_ctx, pi_kv_type kv_type) {
+    const int64_t block = kv_block_for(hp, n_ctx, kv_type);
     return (n_ctx + block - 1) / block * block;
 }
 
-double RunState::kv_cache_bytes(const HParams &hp, int64_t n_ctx, bool kv_f16, int64_t n_seq) {
-    return double(n_seq) * double(hp.n_layer) * double(2 * kv_slots(hp, n_ctx, kv_f16)) * double(hp.n_head_kv * hp.d_head) *
-           (kv_f16 ? 2.0 : 4.0);
+double RunState::kv_cache_bytes(const HParams &hp, int64_t n_ctx, pi_kv_type kv_type, int64_t n_seq) {
+    return double(n_seq) * double(hp.n_layer) * double(2 * kv_slots(hp, n_ctx, kv_type)) *
+           double(hp.n_head_kv * hp.d_head) * bytes_per_element(kv_type);
 }
 
 double RunState::buffer_bytes(const HParams &hp, int64_t n_ctx, int64_t n_batch, int64_t threads, int64_t n_seq) {

@@ -3,6 +3,8 @@
 #include <cmath>
 #include <cstdio>
 
+#include "engine/run_state.h"
+
 namespace pi {
 
 void EngineStats::take_ffn(int64_t il, int64_t n_tok, TierMode cold_mode, bool has_cold, const TierCounts &hot,
@@ -153,7 +155,7 @@ std::string info_json(const Model &model, const RunSettings &run) {
            ", \"gpuidx_ignored\": " + (run.gpuidx_ignored ? "true" : "false") +
            ", \"device\": " + device_json(run.device) + "}" +
            ", \"ffn_mode\": " + quoted(mode_name(run.ffn_mode)) + ", \"recall_check\": " + (run.recall_check ? "true" : "false") +
-           ", \"kv_type\": " + quoted(run.kv_f16 ? "f16" : "f32") +
+           ", \"kv_type\": " + quoted(RunState::kv_type_name(run.kv_type)) +
            ", \"kv_cache_bytes\": " + std::to_string(int64_t(run.kv_cache_bytes)) +
            ", \"work_buffer_bytes\": " + std::to_string(int64_t(run.work_buffer_bytes)) +
            ", \"activation_thresholds\": " + per_layer(model, [](const Layer &l) { return num(l.act_threshold); }) +

@@ -68,7 +68,8 @@ struct RunSettings {
     int64_t n_ctx, n_batch, n_seq, threads;
     const char *isa, *hot_backend;
     int32_t ffn_mode;
-    bool recall_check, kv_f16;
+    bool recall_check;
+    int32_t kv_type;  // pi_kv_type
     double kv_cache_bytes, work_buffer_bytes;
     const char *gpu_mode;          // off, auto or on, as asked
     const DeviceUse *device;       // the hot tier's device, or nullptr: it runs on the CPU

@@ -43,10 +43,13 @@ typedef enum {
 } pi_ffn_mode;
 
 /* The KV cache's element type. f32 keeps the engine's logits within float rounding of the reference;
- * f16 (llama.cpp's default) halves the cache's memory and what a decode step reads of it. */
+ * f16 (llama.cpp's default) halves the cache's memory and what a decode step reads of it; q8_0 (llama.cpp's
+ * --cache-type-k/v q8_0: blocks of 32 int8 with an f16 scale, 1.0625 bytes an element) about halves them again
+ * (CPU attention only: with a device tier, the device runs the FFN and the CPU attention). */
 typedef enum {
     PI_KV_F32 = 0,
-    PI_KV_F16 = 1
+    PI_KV_F16 = 1,
+    PI_KV_Q8_0 = 2
 } pi_kv_type;
 
 /* Where the hot tier (the gpuidx's neurons) runs. auto: on a device when a device library, a device and a hot

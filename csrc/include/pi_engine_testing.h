@@ -78,6 +78,11 @@ pi_status pi_kernel_gemm_f32(const char *isa, int32_t n_tok, int32_t n_rows, int
 /* The same with w in IEEE half precision, each element widened to float as it is read. */
 pi_status pi_kernel_gemm_f16(const char *isa, int32_t n_tok, int32_t n_rows, int32_t n_cols, const float *h,
                              const uint16_t *w, float *y);
+/* y += h @ w for w a q8_0 KV cache's int8 elements q and f16 block scales s (csrc/kernels/kv_q8.h), widened as
+ * q * scale: columns 0, values (blocks along w's rows, n_cols % 32 == 0, scale of element e at s[e / 32]); 1, a
+ * key tile (w n_rows x 64, n_rows % 32 == 0, n_cols <= 64; scale of element e at s[e / 2048 * 64 + e % 64]). */
+pi_status pi_kernel_gemm_q8(const char *isa, int32_t columns, int32_t n_tok, int32_t n_rows, int32_t n_cols,
+                            const float *h, const int8_t *q, const uint16_t *s, float *y);
 /* out[i] = x[i] * sigmoid(x[i]), as the engine's SiLU rule computes it. */
 pi_status pi_kernel_silu(const char *isa, int32_t n, const float *x, float *out);
 /* x[i] = exp(scale x[i] - max) / sum, in place (n >= 1): attention's softmax, bit-identical across sets. */

@@ -11,6 +11,7 @@
 #include "format/types.h"
 #include "kernels/axpy_int.h"
 #include "kernels/exp_ref.h"
+#include "kernels/kv_q8.h"
 
 namespace pi {
 
@@ -71,6 +72,12 @@ struct KernelSet {
     // to gemm_f32 over the widened matrix
     void (*gemm_f16)(int n_tok, int n_rows, int n_cols, const float *h, int ldh, const uint16_t *w, int ldw, float *y,
                      int ldy);
+    // the same with w a q8_0 cache (kernels/kv_q8.h): values (blocks along the rows) or keys (blocks down the
+    // columns), each element widened as element * scale: bit-identical to gemm_f32 over the widened matrix
+    void (*gemm_q8_rows)(int n_tok, int n_rows, int n_cols, const float *h, int ldh, Q8Rows w, int ldw, float *y,
+                         int ldy);
+    void (*gemm_q8_columns)(int n_tok, int n_rows, int n_cols, const float *h, int ldh, Q8Columns w, int ldw,
+                            float *y, int ldy);
     // out[i] = silu(x[i]) as silu_ref computes it (bit for bit); out may be x
     void (*silu)(int n, const float *x, float *out);
     // x[i] = exp(s x[i] - max_j s x[j]) / sum of those, i < n (n >= 1), exps as exp_ref, the sum in a fixed

@@ -165,8 +165,9 @@ void gemm8(int n, int n_groups, const void *w, int n_tok, const void *x, size_t 
 inline float widen(float v) { return v; }
 inline float widen(uint16_t v) { return f16_to_f32(v); }
 
+// w: a pointer to f32 or f16 elements, or a q8_0 cache's view (its operator[] widens)
 template <class W>
-void gemm(int n_tok, int n_rows, int n_cols, const float *h, int ldh, const W *w, int ldw, float *y, int ldy) {
+void gemm(int n_tok, int n_rows, int n_cols, const float *h, int ldh, W w, int ldw, float *y, int ldy) {
     for (int t = 0; t < n_tok; ++t)
         for (int c = 0; c < n_cols; ++c) {
             float acc = y[t * ldy + c];
@@ -278,8 +279,10 @@ const KernelSet kScalar = {
     PI_TYPE_KERNELS(q8_0, (axpy_rows_by_row<axpy_q8_0, TYPE_Q8_0>), gemm8<TYPE_Q8_0>, dot_rows_q<BlockQ8_0>,
                     (pack_columns8<to_float_q8_0, TYPE_Q8_0>), gemv_columns<TYPE_Q8_0>),
     quantize_q8_0,
-    gemm<float>,
-    gemm<uint16_t>,
+    gemm<const float *>,
+    gemm<const uint16_t *>,
+    gemm<Q8Rows>,
+    gemm<Q8Columns>,
     silu,
     softmax,
 };

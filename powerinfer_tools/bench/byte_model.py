@@ -27,6 +27,7 @@ import numpy as np
 
 from powerinfer_tools.formats import names
 from powerinfer_tools.formats.gguf_io import field, head_width, open_reader
+from powerinfer_tools.stages.options import KV_ELEMENT_BYTES
 
 _ATTENTION = ("attn_q", "attn_k", "attn_v", "attn_output", "attn_norm", "ffn_norm", "attn_qkv")
 
@@ -86,8 +87,8 @@ def model_bytes(path: Path, kv_type: str = "f32") -> ModelBytes:
                                  row("ffn_up"), row("ffn_down_t"), n_ff))
     head = sizes.get("output.weight", sizes["token_embd.weight"])
     embedding_row = sizes["token_embd.weight"] // rows["token_embd.weight"]
-    kv = 2 * head_width(lambda key, default: field(reader, key, default), arch, n_embd, n_head) * n_kv * \
-        {"f32": 4, "f16": 2}[kv_type]
+    kv = round(2 * head_width(lambda key, default: field(reader, key, default), arch, n_embd, n_head) * n_kv *
+               KV_ELEMENT_BYTES[kv_type])
     levels = reader.fields.get(names.KEY_INPUT_SPARSITY_LEVELS)
     return ModelBytes(layers, head, embedding_row, kv, tuple(levels.contents()) if levels is not None else ())
 

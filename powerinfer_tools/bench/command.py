@@ -68,7 +68,7 @@ def bench(
                               "(not timed), as llama-bench's -d: generation at a long context."),
     batch: int = typer.Option(512, "--batch", "-b", help="Our engine's prompt batch size."),
     kv_type: str = typer.Option(DEFAULT_KV_TYPE, "--kv-type", help="Our engine's KV cache type, f16 (llama.cpp's "
-                                "too) or f32; matters at a long --depth."),
+                                "too), f32 or q8_0 (llama.cpp's --cache-type-k/v q8_0); matters at a long --depth."),
     gpu: str = flags.gpu_option(),
     gpu_attention: bool = typer.Option(True, "--gpu-attention/--gpu-ffn-only", help="With a device: the layers' "
                                        "attention and KV cache on it first, as PowerInfer places them (default), "
@@ -157,7 +157,7 @@ def bench(
     if png is not None and not sweep_sparsity:
         raise UserError("--png draws the sparsity sweep: add --sweep-sparsity")
     if kv_type not in KV_TYPES:
-        raise UserError(f"--kv-type must be {' or '.join(KV_TYPES)}, not {kv_type!r}")
+        raise UserError(f"--kv-type must be one of {', '.join(KV_TYPES)}, not {kv_type!r}")
     if gpu not in GPU_MODES:
         raise UserError(f"unknown --gpu {gpu!r} (choose from {', '.join(GPU_MODES)})")
     if vram_budget is not None and profile is None and gpuidx is None:

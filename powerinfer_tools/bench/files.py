@@ -37,7 +37,8 @@ ACTIVATION_THRESHOLDS = names.KEY_ACTIVATION_THRESHOLDS
 PREDICTOR_THRESHOLDS = names.KEY_PREDICTOR_THRESHOLDS
 # Metadata llama.cpp has no use for (ours) or that gguf-py's writer sets itself.
 _SKIPPED_KEYS = ("GGUF.", "powerinfer.", "powerinfer_tools.", "general.architecture")
-_LLAMACPP_ARCHES = ("llama", "qwen3moe", "olmoe")  # the mixtures: their expert tensors as llama.cpp names them
+# our architectures whose tensors llama.cpp reads under its names (the mixtures: their experts as llama.cpp names them)
+_LLAMACPP_ARCHES = ("llama", "qwen3", "qwen3moe", "olmoe")
 
 
 @dataclass(frozen=True)

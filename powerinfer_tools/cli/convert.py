@@ -8,6 +8,7 @@ import typer
 
 from powerinfer_tools.cli import flags
 from powerinfer_tools.stages import options as limits
+from powerinfer_tools.stages.options import KV_ELEMENT_BYTES
 from powerinfer_tools.core.errors import UserError
 
 
@@ -157,9 +158,10 @@ def report_sizes(model: str, outtypes: list[str], predictor_rank: int | None) ->
         typer.echo(f"  (header: vocabulary estimated at {dry_run.VOCAB_BYTES_PER_TOKEN} bytes per token; "
                    "everything else exact)")
     contexts = sorted({512, 2048, first.context_length or 2048})
-    # the engine's cache is f16 (llama.cpp's and PowerInfer's type) unless run with --kv-type f32: twice that
-    f32 = 4 // placement.KV_BYTES_PER_VALUE
-    typer.echo("KV cache, any outtype (f16, the default / f32, --kv-type f32): " + ", ".join(
-        f"ctx {c}: {placement.human_bytes(first.kv_cache_bytes(c))} / {placement.human_bytes(f32 * first.kv_cache_bytes(c))}"
-        for c in contexts))
+    # the engine's cache is f16 (llama.cpp's and PowerInfer's type) unless run with --kv-type f32 or q8_0
+    def kv(c: int, kv_type: str) -> str:
+        return placement.human_bytes(first.kv_cache_bytes(c) * KV_ELEMENT_BYTES[kv_type] / placement.KV_BYTES_PER_VALUE)
+
+    typer.echo("KV cache, any outtype (f16, the default / --kv-type f32 / --kv-type q8_0): " + ", ".join(
+        f"ctx {c}: {kv(c, 'f16')} / {kv(c, 'f32')} / {kv(c, 'q8_0')}" for c in contexts))
     typer.echo("dry run: nothing written")

@@ -285,7 +285,7 @@ class LLM:
     """A model file (or "smollm2", the embedded default, built on first use) with its tokenizer.
 
     The engine options are those of `pi-tools run`: threads, sparse_mode (dense | gate | predictor | auto | input),
-    ctx_size (default: the model's trained context, at most options.CTX_CAP), kv_type (f16 | f32), gpu (auto | on | off),
+    ctx_size (default: the model's trained context, at most options.CTX_CAP), kv_type (f16 | f32 | q8_0), gpu (auto | on | off),
     gpuidx (a .gpuidx plan; default: MODEL.generated.gpuidx when it sits beside the model, "none" for none),
     vram_budget (GiB for the hot tier, solved with `profile`), input_sparsity (the share of every matrix's inputs
     zeroed, from the file's input thresholds; docs/engine.md, "Input sparsity"), memory_budget (GiB of RAM the engine

@@ -22,11 +22,15 @@ CTX_SIZE_HELP = (f"Context length in tokens (the KV cache). Default: the model's
                  f"(<arch>.context_length in the file), at most {CTX_CAP}.")
 # The KV cache's element types, and the one every command and the LLM open with: f16, as llama.cpp's and
 # PowerInfer's (half f32's memory; its effect on perplexity is bounded in tests/runtime/test_kv_type.py). The
-# engine binding's own default stays f32, the exact path its logits tests compare with transformers.
-KV_TYPES = ("f32", "f16")
+# engine binding's own default stays f32, the exact path its logits tests compare with transformers. q8_0 on
+# request (llama.cpp's --cache-type-k/v q8_0): 32 int8 and an f16 scale per block, 34 bytes per 32 elements.
+KV_ELEMENT_BYTES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32}
+KV_TYPES = tuple(KV_ELEMENT_BYTES)
 DEFAULT_KV_TYPE = "f16"
 KV_TYPE_HELP = ("KV cache type: f16 (llama.cpp's default: half the memory of f32 and of what each generated token "
-                "reads of it at a long context) or f32 (logits within float rounding of transformers).")
+                "reads of it at a long context), f32 (logits within float rounding of transformers) or q8_0 "
+                "(llama.cpp's --cache-type-k/v q8_0: about half f16's memory; perplexity within 0.5 % of f16's, "
+                "docs/engine.md).")
 GPU_MODES = ("auto", "on", "off")  # --gpu
 SYNTHETIC_EXPONENT = 0.9  # the power law of placement's synthetic counts (described there): plan's default
 DEFAULT_RESERVE_BYTES = 256 * MIB  # PowerInfer leaves 256 MiB free when it sizes the budget itself

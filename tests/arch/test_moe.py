@@ -222,6 +222,27 @@ def test_a_sliding_window_caps_the_context(family):
         assert max_rel_err(engine_prompt_then_decode(m, tokens, 48), hf_logits(src, tokens)) <= 1e-4
 
 
+# YaRN over an original context of 64 (a third of the test's positions), every sub-field set (the ramp's betas and
+# attention_factor in place of 0.1 ln 4 + 1)
+MIXTRAL_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+                "beta_fast": 16.0, "beta_slow": 2.0, "attention_factor": 1.25}
+
+
+def test_yarn_matches_transformers_past_the_original_context(family):
+    """Mixtral's RoPE scaling goes through the Llama family's table; transformers' Mixtral applies it
+    (MixtralRotaryEmbedding reads rope_parameters), so a YaRN Mixtral runs as transformers' over 200 positions, most of
+    them past its original context, and unlike the same weights without the scaling."""
+    src, path, _ = family("mixtral", head_dim=16, rope_parameters=MIXTRAL_YARN)  # transformers' YaRN reads head_dim
+    fields = open_reader(path).fields
+    assert fields["llama-silu.rope.scaling.type"].contents() == "yarn"
+    assert fields["llama-silu.rope.scaling.yarn_attn_factor"].contents() == 1.25
+    tokens = tokens_for(src)
+    with engine.Model(path, threads=2, ctx_size=512) as m:
+        logits = engine_prompt_then_decode(m, tokens, N_PROMPT)
+    assert max_rel_err(logits, hf_logits(src, tokens)) <= 1e-4
+    assert max_rel_err(logits, hf_logits(family("mixtral")[0], tokens)) > 1e-2
+
+
 # ---- refusals ---------------------------------------------------------------------------------------------------
 REFUSED = [  # (kind, config.json fields, what the line names)
     ("qwen3-moe", {"mlp_only_layers": [1]}, "mlp_only_layers = [1]"),

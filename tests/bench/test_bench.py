@@ -226,6 +226,7 @@ def test_byte_model_counts_rows_used(silu_files):
     tensors = {t.name: int(t.n_bytes) for t in open_reader(files.powerinfer).tensors}
     kv = 2 * HIDDEN // 4 * 2 * 4  # K and V of 2 kv heads of d_head 16, f32
     assert mb.kv_per_position == kv
+    assert byte_model.model_bytes(files.powerinfer, kv_type="q8_0").kv_per_position == kv * 17 // 64  # 34 B per 32
     ffn = sum(v for n, v in tensors.items() if ".ffn_gate." in n or ".ffn_up." in n or ".ffn_down_t." in n)
     pred = sum(v for n, v in tensors.items() if ".fc1." in n or ".fc2." in n)
     rest = sum(v for n, v in tensors.items() if n.startswith("blk.")) - ffn - pred
@@ -396,7 +397,7 @@ def _cli(*args, cwd=ROOT):
     (["-m", "smollm2", "--peers", "vllm"], "unknown peer 'vllm'"),
     (["-m", "smollm2", "--sweep-sparsity", "--sweep-levels", "0.5,1.5"], "--sweep-levels must be a number in [0, 1), not 1.5"),
     (["-m", "smollm2", "--depth", "-1"], "--depth must be at least 0"),
-    (["-m", "smollm2", "--kv-type", "q8_0"], "--kv-type must be f32 or f16"),
+    (["-m", "smollm2", "--kv-type", "q4_0"], "--kv-type must be one of f32, f16, q8_0, not 'q4_0'"),
     (["-m", "smollm2", "--gpu", "maybe"], "unknown --gpu 'maybe'"),
     (["-m", "/nonexistent/model", "--vram-budget", "4"], "--vram-budget solves the hot tier from --profile"),
     (["-m", "smollm2", "--peer-python", "/no/such/python"], "--peer-python /no/such/python: no such executable"),

@@ -117,7 +117,7 @@ def test_moe_shape_is_qwen3_moe_that_the_engine_computes(tmp_path, capsys):
     frequent tokens route alike, so counts over text are not exactly uniform)."""
     from engine_helpers import engine_prompt_then_decode, hf_logits, max_rel_err, random_tokens
 
-    from powerinfer_tools.stages import expert_profile
+    from powerinfer_tools.stages.profiling import expert_profile
 
     shape = synthetic_llama.shape_of("tiny-moe")
     big = synthetic_llama.shape_of("qwen3-30b-a3b")
@@ -142,3 +142,38 @@ def test_moe_shape_is_qwen3_moe_that_the_engine_computes(tmp_path, capsys):
     p = expert_profile.load(tmp_path / "prof", json.loads((tmp_path / "prof" / "profile.json").read_text()))
     share = p.counts / p.counts.sum(axis=1, keepdims=True) * shape.n_expert  # 1: a uniform router's share
     assert ((share > 0.25) & (share < 2.5)).all(), share  # every expert chosen, none preferred by much
+
+
+@pytest.mark.parametrize("name", ["llama3-8b", "qwen3-8b"])
+def test_the_8b_shapes_at_a_tiny_size_are_their_families(name, tmp_path):
+    """--shape llama3-8b / qwen3-8b at the tiny shape's width (qwen3's heads 32 wide, not width / heads): the config
+    of the real model's family (llama3 RoPE scaling, q/k norms, a vocabulary past the tokenizer's pieces, padded),
+    converted at f32 the engine computes transformers' model; at q4_0 bench's llama.cpp copy keeps the family's
+    architecture, which llama.cpp reads under its own name."""
+    from dataclasses import replace
+
+    from engine_helpers import hf_logits, max_rel_err, random_tokens
+
+    from powerinfer_tools.bench.files import bench_files
+    from powerinfer_tools.formats.gguf_io import open_reader
+    from powerinfer_tools.stages.conversion.conversion import convert_model
+
+    big = synthetic_llama.SHAPES[name]
+    shape = replace(SHAPE, family=big.family, act=big.act, head_dim=32 if big.head_dim else None, n_kv=2, vocab=700)
+    model = tmp_path / name
+    synthetic_llama.build_model(model, shape, progress=False)
+    config = json.loads((model / "config.json").read_text())
+    assert config["hidden_act"] == "silu" and config["vocab_size"] == 700
+    if name == "llama3-8b":
+        assert config["rope_theta"] == 500000.0 and config["rope_scaling"]["rope_type"] == "llama3"
+    else:
+        assert config["model_type"] == "qwen3" and config["head_dim"] == 32
+    out = tmp_path / "m.f32.gguf"
+    convert_model(str(model), out, outtype="f32", progress=False, powerinfer_compatible=False)
+    tokens = random_tokens(80, 600, seed=2)
+    with engine.Model(out, threads=2) as m:
+        assert max_rel_err(m.eval(tokens), hf_logits(model, tokens)) <= 1e-4
+    files = bench_files(str(model), "q4_0", tmp_path / "work", progress=False)
+    arch = open_reader(files.llamacpp).fields["general.architecture"].contents()
+    assert arch == ("llama" if name == "llama3-8b" else "qwen3")
+    assert len(open_reader(files.llamacpp).fields["tokenizer.ggml.tokens"].contents()) == 700

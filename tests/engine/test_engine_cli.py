@@ -83,7 +83,8 @@ def test_run_chat_template_and_seeded_sampling(converted, capsys):
     (["--sparse-mode", "predictor"], "has no predictors"),
     (["-t", "0"], "--threads must be at least 1"),
     (["--gpuidx", "/no/such.gpuidx"], "GPU index not found"),
-    (["--kv-type", "q8_0"], "unknown --kv-type"),
+    (["--kv-type", "q4_0"], "unknown --kv-type"),
+    (["--kv-type", "q8_0"], "kv_type q8_0 needs a head size that is a multiple of 32; this model's is 16"),
     (["-c", "4294967360"], "ctx_size = 4294967360 is out of range"),  # not a 64-token context
     (["-t", "4294967297"], "threads = 4294967297 is out of range"),  # not one thread
     (["--top-k", str(2**40)], "top_k = 1099511627776 is out of range"),

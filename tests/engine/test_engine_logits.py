@@ -511,7 +511,7 @@ def test_f16_kv_cache_halves_the_cache(converted, tiny_model_dir):
     assert 1e-5 < max_rel_err(logits["f16"], ref) <= 1e-2
     assert (logits["f16"].argmax(1) == ref.argmax(1)).mean() >= 0.97
     with pytest.raises(engine.EngineError, match="unknown KV cache type"):
-        engine.Model(path, kv_type="q8_0")
+        engine.Model(path, kv_type="q4_0")
 
 
 def test_eval_cache_semantics(converted):

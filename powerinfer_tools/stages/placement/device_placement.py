@@ -19,13 +19,12 @@ from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.formats import names
 from powerinfer_tools.formats.gguf_header import GGUFHeader
 from powerinfer_tools.formats.gguf_io import head_width
-from powerinfer_tools.stages.options import DEFAULT_KV_TYPE
+from powerinfer_tools.stages.options import DEFAULT_KV_TYPE, KV_ELEMENT_BYTES
 
 QK = 32
 Q8_0_BLOCK_BYTES = 34
 COMPUTED_TYPES = {"F32", "F16", "Q4_0", "Q8_0"}  # what the device's kernels read (tier_math.h)
 ENGINE_DEFAULT_BATCH = 64  # csrc/engine/engine.cpp kDefaultBatch
-KV_ELEMENT_BYTES = {"f32": 4, "f16": 2}
 JOB_COUNTERS_BYTES = 24  # tier_math.h kJobCountersBytes: a job's counters of neurons and rows read
 _ATTENTION_PART = re.compile(r"^blk\.(\d+)\.(attn_norm|attn_norm_2|ffn_norm|attn_q|attn_k|attn_v|attn_qkv|attn_output)"
                              r"\.(weight|bias)$")

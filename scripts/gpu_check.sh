@@ -68,11 +68,12 @@ setup_device_machine() {
     # the wheels carried in .gpu/whl, the calibration text where the scripts look for it
     # once a machine: a step running beside another (the peer's build) keeps the files it runs from
     if ls .gpu/whl/*.whl >/dev/null 2>&1; then
-        if [ ! -f /tmp/site/.gpu-wheels ]; then
-            python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-                .gpu/whl/*.whl && touch /tmp/site/.gpu-wheels
+        local site="${TMPDIR:-/tmp}/site"
+        if [ ! -f "$site/.gpu-wheels" ]; then
+            python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+                .gpu/whl/*.whl && touch "$site/.gpu-wheels"
         fi
-        export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PATH="$PATH:/tmp/site/bin"  # cmake's, after the system's"
+        export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PATH="$PATH:$site/bin"  # cmake's, after the system's
     fi
     if [ -d .gpu/data ] && [ ! -d ../shared/data ]; then mkdir -p ../shared && cp -r .gpu/data ../shared/data; fi
     # the binding is imported as powerinfer_engine (an install maps engine/ to that name; this checkout is not

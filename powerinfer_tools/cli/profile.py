@@ -95,7 +95,7 @@ def profile(
                                  force=force, resume=resume, input_allocation=input_allocation, threads=threads)
     result = stages.profile(opts)
     if result.meta["rule"] == "experts":
-        from powerinfer_tools.stages import expert_profile
+        from powerinfer_tools.stages.profiling import expert_profile
 
         experts = expert_profile.load(out, result.meta)
         typer.echo("\n".join(expert_profile.summary_lines(experts, result.meta["tokens"])))

@@ -178,7 +178,7 @@ def test_profile_records_the_engines_routing(expert_profile_dir):
     import json
 
     from powerinfer_tools.runtime.inference import load_tokenizer
-    from powerinfer_tools.stages import calibration, expert_profile
+    from powerinfer_tools.stages.profiling import calibration, expert_profile
 
     out, path, calib = expert_profile_dir
     meta = json.loads((out / "profile.json").read_text())

@@ -11,7 +11,7 @@ from tiny_models import HIDDEN, make_tiny
 
 import powerinfer_engine as engine
 from powerinfer_engine import kernels
-from powerinfer_tools.stages.conversion import convert_model
+from powerinfer_tools.stages.conversion.conversion import convert_model
 
 SIMD = [isa for isa in ("avx2", "avx512") if kernels.available(isa)]
 

@@ -205,7 +205,7 @@ def run(opts, path: Path, profile_format: str, work: Path, default_seq_len: int)
     from powerinfer_tools.core.digests import file_sha256
     from powerinfer_tools.core.progress import progress_bar
     from powerinfer_tools.formats.tokenizer import tokenizer_from_file
-    from powerinfer_tools.stages import calibration
+    from powerinfer_tools.stages.profiling import calibration
     from powerinfer_tools.stages.profiling.profile_files import profile_digest
 
     _refuse_neuron_options(opts)

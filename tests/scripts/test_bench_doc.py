@@ -21,7 +21,7 @@ import typer
 
 from cli_helpers import run_cli
 from script_helpers import ROOT, TINY, build_synthetic
-from tiny_models import DATA
+from tiny_models import DATA, make_tiny
 
 from powerinfer_tools.cli import main
 from powerinfer_tools.cli.app import app
@@ -31,7 +31,8 @@ PEER = os.environ.get("PI_BENCH_PEER_PYTHON")
 # The values that set a size, at the tiny one (the flag's own name: the same in pi-tools and in the scripts).
 SIZE = {"--shape": "tiny", "--layers": str(TINY.n_layer), "--repeats": "1", "--n-prompt": "8", "--n-gen": "4",
         "--tokens": "1024", "--seq-len": "64", "--epochs": "1", "--chunks": "1", "-c": "128", "--ctx": "128",
-        "-n": "16", "--rounds": "1", "--clients": "2", "--soak": "4", "--rank": "16", "--depth": "8"}
+        "-n": "16", "--rounds": "1", "--clients": "2", "--soak": "4", "--rank": "16", "--depth": "8",
+        "--prefix": "30", "--parallel": "2"}
 # The section's placeholders, as the section's text says to fill them in (a peer's Python is PEER).
 PLACEHOLDERS = {"--memory-limit": {"L": "0.5", "$L": "0.5"}, "--sparse-mode": {"MODE": "dense"}}
 PEER_NAMES = ("PEER_PYTHON", "NOAMX_PYTHON", "~/bench-venv/bin/python")
@@ -71,26 +72,43 @@ class Block:
 
 def doc_blocks(text: str) -> list[Block]:
     """The fenced blocks of `text` with their commands: continued lines joined, comments dropped, VAR=value
-    prefixes kept apart, `a && b` split."""
+    prefixes kept apart, `a && b` split, a `for v in a b; do ... $v ...; done` loop's body once per distinct value."""
     blocks = []
     for m in re.finditer(r"^```[a-z]*\n(.*?)^```", text, re.S | re.M):
         first = text.count("\n", 0, m.start()) + 2
         commands, logical, start = [], "", first
+        loop: tuple[str, list[str]] | None = None  # the loop's variable and its values, inside one
         for i, raw in enumerate(m.group(1).splitlines()):
             if not logical:
                 start = first + i
             logical += raw.rstrip("\\").rstrip() + " " if raw.endswith("\\") else raw
             if raw.endswith("\\"):
                 continue
-            words = shlex.split(logical, comments=True)
-            while words:
-                part, words = (words[:words.index("&&")], words[words.index("&&") + 1:]) if "&&" in words else (words, [])
-                n_env = next((i for i, w in enumerate(part) if not re.match(r"^[A-Z_]+=", w)), len(part))
-                if part[n_env:]:
-                    commands.append(Command(start, tuple(part[n_env:]), tuple(tuple(w.split("=", 1)) for w in part[:n_env])))
+            head = re.fullmatch(r"\s*for (\w+) in ([^;]+); do\s*", logical)
+            if head:
+                loop, logical = (head.group(1), list(dict.fromkeys(head.group(2).split()))), ""
+                continue
+            if loop and logical.strip() == "done":
+                loop, logical = None, ""
+                continue
+            bodies = [logical.replace("$" + loop[0], v) for v in loop[1]] if loop else [logical]
             logical = ""
+            for body in bodies:
+                commands.extend(line_commands(body, start))
         blocks.append(Block(first, tuple(commands)))
     return blocks
+
+
+def line_commands(logical: str, start: int) -> list[Command]:
+    """The commands of one logical line (`a && b` split, VAR=value prefixes kept apart)."""
+    commands = []
+    words = shlex.split(logical, comments=True)
+    while words:
+        part, words = (words[:words.index("&&")], words[words.index("&&") + 1:]) if "&&" in words else (words, [])
+        n_env = next((i for i, w in enumerate(part) if not re.match(r"^[A-Z_]+=", w)), len(part))
+        if part[n_env:]:
+            commands.append(Command(start, tuple(part[n_env:]), tuple(tuple(w.split("=", 1)) for w in part[:n_env])))
+    return commands
 
 
 BLOCKS = [b for b in doc_blocks(BENCH_MD.read_text()) if b.commands]
@@ -165,14 +183,14 @@ def can_limit() -> bool:
 
 
 @pytest.fixture(scope="module")
-def names(tmp_path_factory, tiny_model_dir, tiny_chat_file) -> dict[str, str]:
+def names(tmp_path_factory, tiny_chat_file) -> dict[str, str]:
     """What earlier sections made, by the names the later ones read them by, at the tiny size: synthetic_llama.py's
     model, predictors, profile (with the input thresholds `pi-tools profile` places beside it, as the input sparsity
-    section does) and its q4_0 file; SmolLM2 as the tiny SiLU Llama, with its profile (PROF); the served file as
-    the tiny one with a chat template."""
+    section does) and its q4_0 file; SmolLM2 as the tiny SiLU Llama with heads 32 wide (a q8_0 KV cache's blocks),
+    with its profile (PROF); the served file as the tiny one with a chat template."""
     root = tmp_path_factory.mktemp("bench_doc_names")
     syn = build_synthetic(root)
-    silu = str(tiny_model_dir("llama-silu"))
+    silu = str(make_tiny("llama-silu", root / "smollm2", num_attention_heads=2, num_key_value_heads=2))
     for model, out in ((silu, root / "PROF"), (str(syn.model), root / "prof-in")):
         main(["profile", "-m", model, "--calib", str(DATA / "wikitext-2-valid.txt"), "--tokens", "256",
               "--seq-len", "64", "--input-allocation", "uniform", "-o", str(out)])

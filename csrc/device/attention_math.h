@@ -210,14 +210,18 @@ inline const char *refuse_layer_job(const pi_device_layer_job *job, const pi_dev
     return nullptr;
 }
 
-// Why a whole or split layer cannot run on the stream (its uploads, the stream it continues, a split begun), or "":
-// one check for both libraries, whose tiers name these members alike.
-template <class Tier>
-std::string refuse_stream_layer(const Tier *t, int32_t layer, const float *x_in) {
-    const auto &A = t->attention[size_t(layer)];
-    if (!A.uploaded || !A.view.ffn_norm_w || !t->layers[size_t(layer)].uploaded)
-        return "layer " + std::to_string(layer) + "'s attention, FFN norm and hot rows were not all uploaded";
-    if (!x_in && !t->stream_ready) return "no stream on the device to continue";
+// Why a whole or split layer's job cannot run on tier t, or "": no tier or the job's own refusal (refuse_layer_job,
+// refuse_split_job), its layer's uploads, the stream it continues, a split begun and not ended. One check for both
+// libraries, whose tiers name these members alike.
+template <class Tier, class Job>
+std::string refuse_stream_job(const Tier *t, const Job *job,
+                              const char *(*refuse_job)(const Job *, const pi_device_tier_desc &)) {
+    if (!t) return refuse_job(nullptr, pi_device_tier_desc{});  // "bad ... job", as for no job
+    if (const char *why = refuse_job(job, t->desc)) return why;
+    const auto &A = t->attention[size_t(job->layer)];
+    if (!A.uploaded || !A.view.ffn_norm_w || !t->layers[size_t(job->layer)].uploaded)
+        return "layer " + std::to_string(job->layer) + "'s attention, FFN norm and hot rows were not all uploaded";
+    if (!job->x_in && !t->stream_ready) return "no stream on the device to continue";
     if (t->split_pending) return "a split layer was begun and not ended";
     return "";
 }

@@ -1267,9 +1267,7 @@ int32_t chain_layer_end(pi_device_tier *t, ChainLayer c, float *x_out, char *err
 }
 
 int32_t layer_run(pi_device_tier *t, const pi_device_layer_job *job, char *err, size_t len) {
-    if (!t) return say(err, len, "bad layer job");
-    if (const char *why = device::refuse_layer_job(job, t->desc)) return say(err, len, why);
-    const std::string why = device::refuse_stream_layer(t, job->layer, job->x_in);
+    const std::string why = device::refuse_stream_job(t, job, device::refuse_layer_job);
     if (!why.empty()) return say(err, len, why);
     const AttentionLayer &A = t->attention[size_t(job->layer)];
     const LayerRows &L = t->layers[size_t(job->layer)];
@@ -1312,9 +1310,7 @@ int32_t predictor_upload(pi_device_tier *t, const pi_device_predictor *p, int32_
 }
 
 int32_t split_begin(pi_device_tier *t, const pi_device_split_job *job, char *err, size_t len) {
-    if (!t) return say(err, len, "bad split job");
-    if (const char *why = device::refuse_split_job(job, t->desc)) return say(err, len, why);
-    const std::string why = device::refuse_stream_layer(t, job->layer, job->x_in);
+    const std::string why = device::refuse_stream_job(t, job, device::refuse_split_job);
     if (!why.empty()) return say(err, len, why);
     const AttentionLayer &A = t->attention[size_t(job->layer)];
     const LayerRows &L = t->layers[size_t(job->layer)];

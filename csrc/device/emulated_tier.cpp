@@ -419,9 +419,7 @@ int32_t head_run(pi_device_tier *t, const pi_device_head_job *job, pi_device_cou
 }
 
 int32_t layer_run(pi_device_tier *t, const pi_device_layer_job *job, char *err, size_t len) {
-    if (!t) return say(err, len, "bad layer job");
-    if (const char *why = device::refuse_layer_job(job, t->desc)) return say(err, len, why);
-    const std::string why = device::refuse_stream_layer(t, job->layer, job->x_in);
+    const std::string why = device::refuse_stream_job(t, job, device::refuse_layer_job);
     if (!why.empty()) return say(err, len, why);
     const pi_device_tier::Attention &A = t->attention[size_t(job->layer)];
     if (t->worker.joinable()) t->worker.join();  // a hot job left unwaited: finished first
@@ -475,9 +473,7 @@ int32_t predictor_upload(pi_device_tier *t, const pi_device_predictor *p, int32_
 }
 
 int32_t split_begin(pi_device_tier *t, const pi_device_split_job *job, char *err, size_t len) {
-    if (!t) return say(err, len, "bad split job");
-    if (const char *why = device::refuse_split_job(job, t->desc)) return say(err, len, why);
-    const std::string why = device::refuse_stream_layer(t, job->layer, job->x_in);
+    const std::string why = device::refuse_stream_job(t, job, device::refuse_split_job);
     if (!why.empty()) return say(err, len, why);
     if (job->hot_mode == PI_DEVICE_HOT_PREDICTOR && !t->predictors[size_t(job->layer)].uploaded)
         return say(err, len, "layer " + std::to_string(job->layer) + "'s predictor was not uploaded");

@@ -888,7 +888,7 @@ class _Scheduler:
         """One decode step of every running request with a token to evaluate; each then draws its next."""
         from powerinfer_tools.runtime.inference import engine_errors
 
-        for job in [j for j in self.running.values() if j.gen.done is False and j.gone.is_set()]:
+        for job in [j for j in self.running.values() if not j.gen.done and j.gone.is_set()]:
             self._finish(job)
         jobs = [j for j in self.running.values() if j.gen.pending is not None and not j.gen.done]
         if not jobs:

@@ -22,8 +22,9 @@ if [ -z "$CXX" ]; then
 fi
 OUT=build/fuzz
 mkdir -p "$OUT/corpus" "$OUT/crashes"
-"$CXX" -std=c++17 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
-    -fno-omit-frame-pointer -pthread -Icsrc -Icsrc/include $(find csrc -name "*.cpp" -not -path "csrc/fuzz/*" -not -path "csrc/device/*" | sort) csrc/fuzz/fuzz_load.cpp -o "$OUT/fuzz_load" -ldl
+scripts/build_engine_variant.sh "$CXX" "$OUT/fuzz_load" \
+    "-g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer" "-ldl" \
+    csrc/fuzz/fuzz_load.cpp
 if [ -n "${PI_FUZZ_RUNS:-}" ]; then echo "built $OUT/fuzz_load; fuzzing $PI_FUZZ_RUNS inputs from seed 1"
 else echo "built $OUT/fuzz_load; fuzzing for ${SECONDS_TO_RUN}s with $JOBS job(s)"; fi
 # -rss_limit_mb/-malloc_limit_mb: a file that makes the loader allocate over 1 GiB counts as a crash

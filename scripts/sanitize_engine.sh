@@ -16,8 +16,8 @@ CXX=${CXX:-g++}
 OUT=build/sanitize
 mkdir -p "$OUT"
 LIB="$OUT/libpi_engine_asan.so"
-"$CXX" -std=c++17 -O1 -g -fPIC -shared -pthread -fsanitize=address,undefined -fno-sanitize-recover=all \
-    -fno-omit-frame-pointer -Icsrc -Icsrc/include $(find csrc -name "*.cpp" -not -path "csrc/fuzz/*" -not -path "csrc/device/*" | sort) -o "$LIB" -ldl
+scripts/build_engine_variant.sh "$CXX" "$LIB" \
+    "-O1 -g -fPIC -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer" "-shared -ldl"
 RUNTIME=$("$CXX" -print-file-name=libasan.so)
 [ -f "$RUNTIME" ] || { echo "sanitize_engine.sh: $CXX has no libasan.so" >&2; exit 2; }
 # libstdc++ preloaded too: ASan intercepts __cxa_throw only when it is present at startup.

@@ -159,7 +159,8 @@ pi_status pi_set_sequence(pi_engine *engine, int32_t seq);
  * sequence draws from its row. Each row is the bits the sequence's own single-token pi_eval would give, whatever the
  * other sequences (docs/engine.md, "Sequences"): in the sparse modes (gate, predictor, oracle) a step reads the union
  * of its rows' selections once and each row computes its own. Several sequences are refused in auto mode, with
- * input sparsity, a hot tier, the disk tier or a mixture of experts. The selected sequence stays selected. */
+ * input sparsity, a hot tier on a device, the disk tier or a mixture of experts. The selected sequence stays
+ * selected. */
 pi_status pi_decode_step(pi_engine *engine, const int32_t *seqs, const int32_t *tokens, int32_t n, float *logits);
 
 /* Sample the next token from the logits of the last evaluated token. */

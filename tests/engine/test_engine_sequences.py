@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from convert_helpers import write_predictors
-from engine_helpers import converted, random_tokens  # noqa: F401
+from engine_helpers import converted, random_tokens, write_gpuidx  # noqa: F401
 from tiny_models import HIDDEN, N_LAYER, make_tiny
 
 import powerinfer_engine as engine
@@ -42,17 +42,18 @@ def wide_relu(tmp_path_factory):
     return get
 
 
-def alone(path, prompt, fed, threads, kv_type, sparse_mode="dense") -> list[np.ndarray]:
+def alone(path, prompt, fed, threads, kv_type, **opts) -> list[np.ndarray]:
     """A sequence by itself in a one-sequence engine: its prompt, then each fed token by eval (the decode path)."""
-    with engine.Model(path, threads=threads, kv_type=kv_type, sparse_mode=sparse_mode) as m:
+    with engine.Model(path, threads=threads, kv_type=kv_type, **opts) as m:
         m.eval(prompt, all_logits=False)
         return [m.eval([t], all_logits=False) for t in fed]
 
 
-def check_rows_are_alone(path, threads, kv_type, sparse_mode="dense"):
-    """Steps of 1, 2, 3 then 4 sequences (each joining between steps): every row the bits of its sequence alone."""
-    want = [alone(path, p, f, threads, kv_type, sparse_mode) for p, f in zip(PROMPTS, FED)]
-    with engine.Model(path, threads=threads, kv_type=kv_type, n_seq=len(PROMPTS), sparse_mode=sparse_mode) as m:
+def check_rows_are_alone(path, threads, kv_type, **opts):
+    """Steps of 1, 2, 3 then 4 sequences (each joining between steps): every row the bits of its sequence alone.
+    opts: the engines' other options (sparse_mode, a hot tier's)."""
+    want = [alone(path, p, f, threads, kv_type, **opts) for p, f in zip(PROMPTS, FED)]
+    with engine.Model(path, threads=threads, kv_type=kv_type, n_seq=len(PROMPTS), **opts) as m:
         done = [0] * len(PROMPTS)
         for step in range(N_STEPS):
             for k, join in enumerate(JOINS):
@@ -82,7 +83,19 @@ def test_sparse_modes_compute_each_row_from_its_own_selection(sparse_mode, outty
     """The modes that select neurons per token: a step reads the union of its rows' selections once, and each row
     computes only its own, its down rows summed in its own runs (a row given its company's neurons would differ:
     a neuron the predictor left out but the rule passes adds to the row)."""
-    check_rows_are_alone(wide_relu(outtype), threads, "f16" if outtype == "q4_0" else "f32", sparse_mode)
+    check_rows_are_alone(wide_relu(outtype), threads, "f16" if outtype == "q4_0" else "f32", sparse_mode=sparse_mode)
+
+
+@pytest.mark.parametrize("outtype", ["f32", "q4_0"])
+@pytest.mark.parametrize("hot_backend", ["cpu", "reference"])
+@pytest.mark.parametrize("sparse_mode", ["dense", "predictor"])
+def test_a_hot_tier_on_the_cpu_sums_each_row_as_alone(sparse_mode, hot_backend, outtype, wide_relu, tmp_path):
+    """A .gpuidx's hot neurons kept a tier of their own on the CPU (cpu_hot_tier), computed by the CPU backend or the
+    scalar reference one: each row's hot part its own decode step's, added to its cold part as alone."""
+    rng = np.random.default_rng(3)
+    gpuidx = write_gpuidx(tmp_path / "m.gpuidx", [rng.random(WIDE_FF) < 0.2 for _ in range(N_LAYER)])
+    check_rows_are_alone(wide_relu(outtype), 2, "f32", sparse_mode=sparse_mode, gpuidx=gpuidx, cpu_hot_tier=True,
+                         hot_backend=hot_backend)
 
 
 def test_sampling_follows_each_sequences_own_logits_and_seed(converted):

@@ -77,6 +77,7 @@ def rss_kib(pid: int) -> int:
 
 
 def start_server(args, *extra: str) -> tuple[subprocess.Popen, str]:
+    """`pi-tools serve` on a free port; the caller stops it (stop_server) whatever happens."""
     proc = subprocess.Popen([sys.executable, "-m", "powerinfer_tools", "serve", "-m", args.model, "--port", "0", "-t",
                              str(args.threads), "--sparse-mode", args.sparse_mode, "-c", str(args.ctx), *extra],
                             stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
@@ -85,12 +86,38 @@ def start_server(args, *extra: str) -> tuple[subprocess.Popen, str]:
             url = re.search(r"http://[\d.]+:\d+", line).group(0)
             threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
             return proc, url
+    proc.wait()
     raise SystemExit("the server did not start")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """Kills a server the run left running (a failed request, an interrupt): no `pi-tools serve` outlives the script."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def system_prompts(prefix: int) -> list[str]:
+    """The two chats' system prompts of step 5, about `prefix` tokens each."""
+    return [" ".join(f"{TOPICS[(i + j) % len(TOPICS)].split()[-1]} {j}" for j in range(prefix // 3)) for i in (0, 5)]
+
+
+def check_prefix_fits(args) -> None:
+    """Step 5's system prompts and their replies must fit the context: refused in one line before any server starts
+    (else its requests would fail after the concurrency rounds)."""
+    from powerinfer_tools.runtime import inference
+
+    tokenizer = inference.load_tokenizer(inference.resolve_model_file(args.model).model)
+    longest = max(len(tokenizer.encode(s)) for s in system_prompts(args.prefix))
+    if longest + 64 > args.ctx:  # the chat template's tokens, the question and the reply
+        raise SystemExit(f"serve_bench: --prefix {args.prefix} makes system prompts of {longest} tokens, which with "
+                         f"their question and reply do not fit -c {args.ctx}: raise -c or lower --prefix")
 
 
 def soak(client: openai.OpenAI, pid: int, clients: int, seconds: float) -> dict:
     stop_at = time.monotonic() + seconds
     rss, errors, answers = [], [], []
+    every = min(2.0, seconds / 10)  # RSS samples: several in each half of a short soak too
 
     def client_loop(i):
         k = 0
@@ -111,11 +138,12 @@ def soak(client: openai.OpenAI, pid: int, clients: int, seconds: float) -> dict:
     def sample():
         while time.monotonic() < stop_at:
             rss.append((time.monotonic(), rss_kib(pid)))
-            time.sleep(2)
+            time.sleep(every)
 
     threading.Thread(target=sample, daemon=True).start()
     with ThreadPoolExecutor(clients) as pool:
         list(pool.map(client_loop, range(clients)))
+    rss.append((time.monotonic(), rss_kib(pid)))  # the end's, in the second half however short the soak
     start = rss[0][0]
     first = [kib for t, kib in rss if t - start < seconds / 2]
     last = [kib for t, kib in rss if t - start >= seconds / 2]
@@ -146,18 +174,22 @@ def together(client: openai.OpenAI, k: int, n: int, round_: int) -> dict:
 
 def parallel_scenario(args) -> dict:
     """Step 4 and 5 of the module's docstring; prints the tables' rows."""
+    check_prefix_fits(args)
     result = {"concurrency": {}, "cache": None}
     for slots in (args.parallel, 1):
         proc, url = start_server(args, "--parallel", str(slots))
-        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
-        client.completions.create(model="m", prompt="Warm up.", max_tokens=4)
-        for k in args.concurrency:
-            runs = [together(client, k, args.n_gen, r) for r in range(args.rounds)]
-            result["concurrency"][f"{slots}:{k}"] = runs
-        if slots == 2 or (slots == args.parallel and slots >= 2):
-            result["cache"] = prompt_cache(client, args.prefix, args.rounds)
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
+        try:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+            client.completions.create(model="m", prompt="Warm up.", max_tokens=4)
+            for k in args.concurrency:
+                runs = [together(client, k, args.n_gen, r) for r in range(args.rounds)]
+                result["concurrency"][f"{slots}:{k}"] = runs
+            if slots == 2 or (slots == args.parallel and slots >= 2):
+                result["cache"] = prompt_cache(client, args.prefix, args.rounds)
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+        finally:
+            stop_server(proc)
     for slots in (args.parallel, 1):
         alone = statistics.median(r["aggregate_tps"] for r in result["concurrency"][f"{slots}:1"])
         for k in args.concurrency:
@@ -174,7 +206,7 @@ def parallel_scenario(args) -> dict:
 def prompt_cache(client: openai.OpenAI, prefix: int, rounds: int) -> dict:
     """Two chats with system prompts of about `prefix` tokens alternate: TTFT of each first request and of the
     repeats (medians), and the tokens the repeats reused."""
-    systems = [" ".join(f"{TOPICS[(i + j) % len(TOPICS)].split()[-1]} {j}" for j in range(prefix // 3)) for i in (0, 5)]
+    systems = system_prompts(prefix)
     first, repeat, cached, prompt_tokens = [], [], [], 0
 
     def ask(system, question):
@@ -220,12 +252,19 @@ def main() -> None:
     args = ap.parse_args()
     if args.scenario == "parallel":
         result = parallel_scenario(args)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=1)
-        return
+    else:
+        proc, url = start_server(args)
+        try:
+            result = serve_scenario(args, proc, url)
+        finally:
+            stop_server(proc)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
 
-    proc, url = start_server(args)
+
+def serve_scenario(args, proc: subprocess.Popen, url: str) -> dict:
+    """Steps 1-3 of the module's docstring against the started server, ending with its SIGTERM; prints the table."""
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
     rounds = []
     for r in range(args.rounds):
@@ -259,9 +298,7 @@ def main() -> None:
     print(f"| server RSS, median of first / second half (max) | {soaked['rss_mib_first_half_median']:.1f} / "
           f"{soaked['rss_mib_second_half_median']:.1f} MiB ({soaked['rss_mib_max']:.1f}) |")
     print(f"| SIGTERM | exit {code} after {result['sigterm']['seconds']:.2f} s |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    return result
 
 
 if __name__ == "__main__":

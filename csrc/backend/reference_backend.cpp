@@ -50,7 +50,8 @@ void ReferenceTierBackend::compute(const TierJob &job) {
     const TypeKernels &kg = ks.for_type(L.gate.type), &ku = ks.for_type(L.up.type), &kd = ks.for_type(L.down_t.type);
     const int64_t E = hp_.n_embd, n = rows.tier->size();
     const bool dense = job.mode == TierMode::Dense;
-    // one token: the used rows with nonzero values listed, then summed in the CPU backend's runs (down_runs.h)
+    // one token (or each of a decode step of several sequences): the used rows with nonzero values listed, then
+    // summed in the CPU backend's runs (down_runs.h)
     std::vector<const void *> used_rows;
     std::vector<float> used_coef, partials;
     for (int64_t t = 0; t < job.n_tok; ++t) {
@@ -73,14 +74,14 @@ void ReferenceTierBackend::compute(const TierJob &job) {
             if (!(dense || pass)) continue;
             counts_.computed += 1;
             const uint8_t *row = rows.down_t.data() + size_t(r) * L.down_t.row_bytes;
-            if (job.n_tok > 1) {
+            if (job.n_tok > 1 && !job.steps) {
                 kd.axpy(int(E), h, row, y);
             } else if (h != 0.0f) {
                 used_rows.push_back(row);
                 used_coef.push_back(h);
             }
         }
-        if (job.n_tok == 1) {
+        if (job.n_tok == 1 || job.steps) {
             const int64_t n_used = int64_t(used_rows.size()), n_runs = down_run_count(n_used);
             partials.resize(size_t(n_runs * E));
             for (int64_t run = 0; run < n_runs; ++run)

@@ -34,7 +34,8 @@ struct TierJob {
     // below it in magnitude are zeroed before the down projection; negative: none. Only the CPU backend takes it.
     float down_zero_at = -1.0f;
     // The tokens are decode steps of different sequences (Engine::decode_step): each computed with a decode
-    // step's kernels, so that its output is the bits it would get alone. Dense mode only.
+    // step's kernels from its own selection (the union of theirs read once), so that its output is the bits it
+    // would get alone. The CPU backend only.
     bool steps = false;
 };
 

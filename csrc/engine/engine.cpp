@@ -261,12 +261,15 @@ void Engine::check_steps(const int32_t *seqs, const int32_t *tokens, int32_t n) 
     if (n <= 0) fail(PI_ERR_ARGUMENT, "a decode step needs at least one sequence");
     if (!seqs || !tokens) fail(PI_ERR_ARGUMENT, "seqs or tokens is NULL");
     if (n > n_batch_) fail(PI_ERR_ARGUMENT, "a decode step takes at most batch_size (" + std::to_string(n_batch_) + ") sequences");
-    // Each row computed with the kernels of its own decode step (dense FFN, CPU tiers): the modes that select
-    // neurons per token, the other tiers and input sparsity would need the union of the rows' selections.
-    const char *why = policy_.mode() != PI_FFN_DENSE ? "a sparse FFN mode (run it in dense mode)"
+    // Each row computed with the kernels of its own decode step, on the CPU tiers (a hot tier there too, hot then
+    // cold summed per row as alone): the cold tier reads the union
+    // of the rows' selections once and computes each row's own (CpuTierBackend::submit). Auto mode's kernels
+    // follow the densities its steps measured (a row's would depend on its company's); input sparsity's decode
+    // kernels read each row's kept inputs' columns, the disk tier fetches one row's selection, a device runs a
+    // step's rows as a batch, and a mixture's rows route to their own experts.
+    const char *why = policy_.mode() == PI_FFN_AUTO ? "auto FFN mode (run it in dense, gate or predictor mode)"
                       : device_ ? "a hot tier on a device" : disk_ ? "a memory budget's disk tier"
-                      : moe_ ? "a mixture of experts" : input_on() ? "input sparsity"
-                      : model_->hot_neurons() > 0 ? "a hot tier" : nullptr;
+                      : moe_ ? "a mixture of experts" : input_on() ? "input sparsity" : nullptr;
     if (n > 1 && why) fail(PI_ERR_UNSUPPORTED, std::string("a decode step of several sequences is not computed with ") + why);
     std::vector<bool> seen(size_t(n_seq()), false);
     for (int32_t t = 0; t < n; ++t) {

@@ -21,7 +21,7 @@ extern "C" {
 #pragma GCC visibility push(default)
 #endif
 
-#define PI_ENGINE_API_VERSION 18
+#define PI_ENGINE_API_VERSION 19
 
 typedef enum {
     PI_OK = 0,
@@ -157,8 +157,10 @@ pi_status pi_set_sequence(pi_engine *engine, int32_t seq);
  * the next token of sequence seqs[t], all n in one pass over the weights, each attending to its own cache at its own
  * position. `logits` (may be NULL) receives n * n_vocab floats, row t sequence seqs[t]'s, and pi_sample on a
  * sequence draws from its row. Each row is the bits the sequence's own single-token pi_eval would give, whatever the
- * other sequences (docs/engine.md, "Sequences"); several sequences are refused in the FFN modes and tiers that select
- * neurons per token (dense mode on the CPU only). The selected sequence stays selected. */
+ * other sequences (docs/engine.md, "Sequences"): in the sparse modes (gate, predictor, oracle) a step reads the union
+ * of its rows' selections once and each row computes its own. Several sequences are refused in auto mode, with
+ * input sparsity, a hot tier on a device, the disk tier or a mixture of experts. The selected sequence stays
+ * selected. */
 pi_status pi_decode_step(pi_engine *engine, const int32_t *seqs, const int32_t *tokens, int32_t n, float *logits);
 
 /* Sample the next token from the logits of the last evaluated token. */

@@ -34,8 +34,8 @@ def serve(
     parallel: int = typer.Option(1, "--parallel", "-np", help="Requests generated at once (llama-server's "
                                  "--parallel): that many slots, each a KV cache of the whole context and its own prompt "
                                  "cache; one engine step computes a token for every running request, a new request "
-                                 "joins between steps. Above 1 the FFN runs in dense mode (auto becomes dense; the "
-                                 "other modes are refused)."),
+                                 "joins between steps. Above 1 the FFN runs in dense, gate or predictor mode (auto "
+                                 "becomes dense; --sparse-mode input and --input-sparsity are refused)."),
     pooling: str = typer.Option("mean", "--pooling", help="How /v1/embeddings pools a text's last hidden states "
                                 "(llama-server's --pooling): mean, or last (the last token's)."),
     engine: flags.EngineArgs = None,
@@ -58,7 +58,7 @@ def serve(
 
       pi-tools serve -m relu7b.q4_0.powerinfer.gguf --vram-budget 4 --profile prof --host 0.0.0.0 --api-key s3cret
     """
-    from powerinfer_tools.runtime.llm import LLM, MAX_PARALLEL, POOLINGS
+    from powerinfer_tools.runtime.llm import LLM, MAX_PARALLEL, PARALLEL_MODES, POOLINGS
     from powerinfer_tools.server.app import create_app
     from powerinfer_tools.server.listen import listen
 
@@ -79,9 +79,9 @@ def serve(
     if parallel > 1:
         if options["sparse_mode"] == "auto":
             options["sparse_mode"] = "dense"  # what auto runs on a SiLU model; its per-layer choice is per sequence
-        if options["sparse_mode"] != "dense" or options["input_sparsity"]:
-            raise UserError(f"--parallel {parallel} decodes requests together in dense mode only (each token the bits "
-                            f"it gets alone): --sparse-mode {options['sparse_mode']}"
+        if options["sparse_mode"] not in PARALLEL_MODES or options["input_sparsity"]:
+            raise UserError(f"--parallel {parallel} decodes requests together in {', '.join(PARALLEL_MODES)} mode only "
+                            f"(each token the bits it gets alone): --sparse-mode {options['sparse_mode']}"
                             f"{' with --input-sparsity' if options['input_sparsity'] else ''} is refused")
     with LLM(model, ctx_size=ctx_size, parallel=parallel, **options) as llm:
         app = create_app(llm, alias or llm.name, api_key, max_body_mib, body_timeout, pooling)

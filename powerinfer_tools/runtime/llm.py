@@ -304,9 +304,9 @@ class LLM:
 
         if not _is_integer(parallel) or not 1 <= parallel <= MAX_PARALLEL:
             raise RequestError(f"parallel must be an integer in [1, {MAX_PARALLEL}], not {parallel!r}", param="parallel")
-        if parallel > 1 and (sparse_mode != "dense" or input_sparsity):
-            raise RequestError(f"parallel {parallel} decodes its requests together in dense mode only (each token the bits "
-                               f"it gets alone): sparse mode {sparse_mode!r}"
+        if parallel > 1 and (sparse_mode not in PARALLEL_MODES or input_sparsity):
+            raise RequestError(f"parallel {parallel} decodes its requests together in {', '.join(PARALLEL_MODES)} mode "
+                               f"only (each token the bits it gets alone): sparse mode {sparse_mode!r}"
                                f"{' with input sparsity' if input_sparsity else ''} is refused", param="parallel")
         self.target = inference.resolve_model_file(str(model), gpuidx, vram_budget, profile, ctx_size)
         self.tokenizer = inference.load_tokenizer(self.target.model)
@@ -660,6 +660,9 @@ class LLM:
 
 
 MAX_PARALLEL = 32  # slots LLM(parallel=...) takes: each a KV cache of the whole context
+# the FFN modes whose engine decodes several sequences in one step, each row the bits it gets alone (docs/engine.md,
+# "Sequences"): auto's kernels follow what its steps measured, input sparsity's read each row's own inputs
+PARALLEL_MODES = ("dense", "gate", "predictor", "oracle")
 
 
 class _Generation:

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from engine_helpers import converted, random_tokens  # noqa: F401
+from convert_helpers import write_predictors
+from engine_helpers import converted, random_tokens, write_gpuidx  # noqa: F401
+from tiny_models import HIDDEN, N_LAYER, make_tiny
 
 import powerinfer_engine as engine
+from powerinfer_tools.stages.conversion.conversion import convert_model
 
 PROMPTS = [random_tokens(n, 384, seed=10 + n) for n in (5, 23, 64, 41)]  # 64: exactly one batch, others ragged
 N_STEPS = 6
@@ -16,20 +19,41 @@ FED = [random_tokens(N_STEPS + 4, 384, seed=50 + i) for i in range(len(PROMPTS))
 JOINS = [0, 1, 2, 3]
 
 
-def alone(path, prompt, fed, threads, kv_type) -> list[np.ndarray]:
+# A ReLU FFN of 2560 neurons with random predictors (threshold 0: about half of them selected per token): a row's
+# used down rows span several of the down projection's runs of 256 (backend/down_runs.h), and the union of four
+# rows' selections most of the tier (where a step reads every gate in order, CpuTierBackend::submit)
+WIDE_FF = 2560
+
+
+@pytest.fixture(scope="module")
+def wide_relu(tmp_path_factory):
+    """wide_relu(outtype) -> path of the wide ReLU model with predictors, converted to outtype (built once)."""
+    root = tmp_path_factory.mktemp("wide_relu")
+    src = make_tiny("llama-relu", root / "src", n_ff=WIDE_FF)
+    pred = write_predictors(root / "pred", N_LAYER, HIDDEN, WIDE_FF, rank=32, thresholds=[0.0] * N_LAYER)
+    paths = {}
+
+    def get(outtype: str):
+        if outtype not in paths:
+            paths[outtype] = root / f"wide.{outtype}.gguf"
+            convert_model(str(src), paths[outtype], outtype=outtype, predictors_dir=pred, progress=False)
+        return paths[outtype]
+
+    return get
+
+
+def alone(path, prompt, fed, threads, kv_type, **opts) -> list[np.ndarray]:
     """A sequence by itself in a one-sequence engine: its prompt, then each fed token by eval (the decode path)."""
-    with engine.Model(path, threads=threads, kv_type=kv_type) as m:
+    with engine.Model(path, threads=threads, kv_type=kv_type, **opts) as m:
         m.eval(prompt, all_logits=False)
         return [m.eval([t], all_logits=False) for t in fed]
 
 
-@pytest.mark.parametrize("outtype", ["f32", "q8_0", "q4_0"])
-@pytest.mark.parametrize("threads", [1, 2, 3])
-def test_each_row_of_a_decode_step_is_its_sequence_alone(outtype, threads, converted):
-    path = converted("llama-silu", outtype)
-    kv_type = "f16" if outtype == "q4_0" else "f32"
-    want = [alone(path, p, f, threads, kv_type) for p, f in zip(PROMPTS, FED)]
-    with engine.Model(path, threads=threads, kv_type=kv_type, n_seq=len(PROMPTS)) as m:
+def check_rows_are_alone(path, threads, kv_type, **opts):
+    """Steps of 1, 2, 3 then 4 sequences (each joining between steps): every row the bits of its sequence alone.
+    opts: the engines' other options (sparse_mode, a hot tier's)."""
+    want = [alone(path, p, f, threads, kv_type, **opts) for p, f in zip(PROMPTS, FED)]
+    with engine.Model(path, threads=threads, kv_type=kv_type, n_seq=len(PROMPTS), **opts) as m:
         done = [0] * len(PROMPTS)
         for step in range(N_STEPS):
             for k, join in enumerate(JOINS):
@@ -44,6 +68,34 @@ def test_each_row_of_a_decode_step_is_its_sequence_alone(outtype, threads, conve
         for k in range(len(PROMPTS)):
             m.select(k)
             assert m.n_past == len(PROMPTS[k]) + done[k]
+
+
+@pytest.mark.parametrize("outtype", ["f32", "q8_0", "q4_0"])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_each_row_of_a_decode_step_is_its_sequence_alone(outtype, threads, converted):
+    check_rows_are_alone(converted("llama-silu", outtype), threads, "f16" if outtype == "q4_0" else "f32")
+
+
+@pytest.mark.parametrize("outtype", ["f32", "q8_0", "q4_0"])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("sparse_mode", ["predictor", "gate", "oracle"])
+def test_sparse_modes_compute_each_row_from_its_own_selection(sparse_mode, outtype, threads, wide_relu):
+    """The modes that select neurons per token: a step reads the union of its rows' selections once, and each row
+    computes only its own, its down rows summed in its own runs (a row given its company's neurons would differ:
+    a neuron the predictor left out but the rule passes adds to the row)."""
+    check_rows_are_alone(wide_relu(outtype), threads, "f16" if outtype == "q4_0" else "f32", sparse_mode=sparse_mode)
+
+
+@pytest.mark.parametrize("outtype", ["f32", "q4_0"])
+@pytest.mark.parametrize("hot_backend", ["cpu", "reference"])
+@pytest.mark.parametrize("sparse_mode", ["dense", "predictor"])
+def test_a_hot_tier_on_the_cpu_sums_each_row_as_alone(sparse_mode, hot_backend, outtype, wide_relu, tmp_path):
+    """A .gpuidx's hot neurons kept a tier of their own on the CPU (cpu_hot_tier), computed by the CPU backend or the
+    scalar reference one: each row's hot part its own decode step's, added to its cold part as alone."""
+    rng = np.random.default_rng(3)
+    gpuidx = write_gpuidx(tmp_path / "m.gpuidx", [rng.random(WIDE_FF) < 0.2 for _ in range(N_LAYER)])
+    check_rows_are_alone(wide_relu(outtype), 2, "f32", sparse_mode=sparse_mode, gpuidx=gpuidx, cpu_hot_tier=True,
+                         hot_backend=hot_backend)
 
 
 def test_sampling_follows_each_sequences_own_logits_and_seed(converted):
@@ -97,11 +149,11 @@ def test_sequences_keep_their_own_caches_and_truncate_alone(converted):
 
 def test_decode_step_refusals_name_the_problem(converted):
     path = converted("llama-relu", "q8_0", predictors=True)
-    with engine.Model(path, threads=2, n_seq=3, sparse_mode="predictor") as m:
+    with engine.Model(path, threads=2, n_seq=3, sparse_mode="auto") as m:
         for k in range(3):
             m.select(k)
             m.eval(PROMPTS[k][:4], all_logits=False)
-        with pytest.raises(engine.EngineError, match="not computed with a sparse FFN mode"):
+        with pytest.raises(engine.EngineError, match="not computed with auto FFN mode"):
             m.decode_step([0, 1], [5, 6])
         m.decode_step([2], [5])  # one sequence: its own decode step, any mode
         m.sparse_mode = "dense"

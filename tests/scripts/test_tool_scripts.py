@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import sys
 import tarfile
 
 import pytest
@@ -31,10 +32,12 @@ def test_make_fuzz_corpus_writes_seeds_that_run_and_the_committed_regressions(tm
 
 
 def test_serve_bench_soaks_the_server_and_stops_it_cleanly(tiny_chat_file, tmp_path):
+    # a soak shorter than the RSS sampler's 2 s still samples both of its halves
     out = run_script("serve_bench.py", "-m", tiny_chat_file, "-t", "1", "--rounds", "1", "--clients", "2", "--soak",
-                     "3", "-n", "16", "-c", "128", "--json", tmp_path / "serve.json")
+                     "1.5", "-n", "16", "-c", "128", "--json", tmp_path / "serve.json")
     result = json.loads((tmp_path / "serve.json").read_text())
     assert result["soak"]["errors"] == [] and result["soak"]["answers"] > 0, result["soak"]
+    assert result["soak"]["rss_mib_second_half_median"] > 0
     assert result["sigterm"]["exit_status"] == 0
     assert result["decode_ratio_median"] > 0 and result["client_over_engine_median"] > 0
     assert "| SIGTERM | exit 0 after" in out
@@ -92,6 +95,22 @@ def test_serve_bench_parallel_scenario_measures_slots_and_the_prompt_cache(tiny_
     assert all(r["aggregate_tps"] > 0 for runs in result["concurrency"].values() for r in runs)
     assert result["cache"]["cached_tokens"] > 0
     assert "| --parallel 2 | 2 |" in out and "| prompt cache," in out
+
+
+def test_serve_bench_refuses_a_prefix_beyond_the_context_and_leaves_no_server(tiny_chat_file):
+    """The default -c 1024 and --prefix 2000 on the tiny model (its system prompts ~6,000 tokens): refused in one
+    line before any server starts. A run that fails after its server started (no client counts) kills the server:
+    no `pi-tools serve` outlives the script, so nothing waits on its pipes."""
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "serve_bench.py"), "-m", str(tiny_chat_file), "-t",
+                           "1", "--scenario", "parallel"], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert re.fullmatch(r"serve_bench: --prefix 2000 makes system prompts of \d+ tokens, which with their question "
+                        r"and reply do not fit -c 1024: raise -c or lower --prefix\n", done.stderr), done.stderr
+    failing = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "serve_bench.py"), "-m", str(tiny_chat_file),
+                                "-t", "1", "--scenario", "parallel", "--parallel", "2", "--concurrency", "0", "--prefix",
+                                "30", "-c", "256"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, err = failing.communicate(timeout=120)  # returns once every writer of the pipes is gone, the server too
+    assert failing.returncode != 0 and "max_workers must be greater than 0" in err, err
 
 
 def test_gpu_check_prepare_peer_packs_the_source_without_its_models(tmp_path):

@@ -1,15 +1,20 @@
 """`pi-tools serve --parallel N` driven by the real `openai` client on a loopback port: requests decoded together
 (one engine step a token for each, a new one joining between steps) each get exactly the text they get alone,
-greedy or seeded; a client that leaves frees its slot; the prompt cache keeps a prefix per slot."""
+greedy or seeded, in dense mode and in predictor mode; a client that leaves frees its slot; the prompt cache keeps a
+prefix per slot."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from convert_helpers import write_predictors
 from test_serve import Server, metrics
+from tiny_models import HIDDEN, N_FF, N_LAYER
 
 pytestmark = pytest.mark.slow
 
@@ -110,3 +115,47 @@ def test_the_prompt_cache_keeps_a_prefix_per_slot(server):
             prompt_tokens, cached = ask(SYSTEMS[k], f"Question {round_}?")
             assert cached >= first[k][0] - 12, (k, cached, first[k])  # all but the user's turn
             assert cached < prompt_tokens
+
+
+@pytest.fixture(scope="module")
+def relu_with_predictors(tiny_model_dir, tmp_path_factory):
+    """The tiny ReLU model (q8_0) with random predictors (threshold 0: about half the neurons selected a token)."""
+    from powerinfer_tools.stages.conversion.conversion import convert_model
+
+    root = tmp_path_factory.mktemp("relu_predictors")
+    pred = write_predictors(root / "pred", N_LAYER, HIDDEN, N_FF, rank=32, thresholds=[0.0] * N_LAYER)
+    convert_model(str(tiny_model_dir("llama-relu")), root / "relu.gguf", outtype="q8_0", predictors_dir=pred,
+                  progress=False)
+    return root / "relu.gguf"
+
+
+def test_predictor_mode_streams_together_each_get_their_text_alone(relu_with_predictors):
+    """--sparse-mode predictor with --parallel: a step reads the union of its requests' selected neurons once and
+    each request computes its own (docs/engine.md, "Sequences"), so four greedy streams together (and one seeded
+    beside three others) get the texts they get alone."""
+    from powerinfer_tools import LLM
+
+    with LLM(relu_with_predictors, threads=2, sparse_mode="predictor", ctx_size=256) as llm:
+        greedy = [llm.complete(p, max_tokens=N_TOKENS, temperature=0).text for p in PROMPTS]
+        seeded = llm.complete(PROMPTS[1], max_tokens=N_TOKENS, top_k=0, **SEEDED).text
+    assert len(set(greedy)) == len(PROMPTS)  # four different texts: a row given another's would show
+    s = Server(relu_with_predictors, "--parallel", "4", "--sparse-mode", "predictor", "-c", "256")
+    try:
+        client = s.client()
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(lambda p: streamed(client, p, temperature=0), PROMPTS)) == greedy
+            texts = list(pool.map(lambda i: streamed(client, PROMPTS[i], **(SEEDED if i == 1 else {"seed": i})),
+                                  range(4)))
+        assert texts[1] == seeded
+    finally:
+        s.proc.kill()
+
+
+def test_parallel_refuses_the_modes_that_cannot_decode_together(relu_with_predictors):
+    """Input sparsity reads each row's own inputs: --parallel with it is refused in one line before the model loads."""
+    done = subprocess.run([sys.executable, "-m", "powerinfer_tools", "serve", "-m", str(relu_with_predictors),
+                           "--parallel", "2", "--sparse-mode", "input"], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines() == [
+        "pi-tools: error: --parallel 2 decodes requests together in dense, gate, predictor, oracle mode only (each "
+        "token the bits it gets alone): --sparse-mode input is refused"], done.stderr

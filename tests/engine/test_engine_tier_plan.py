@@ -1,0 +1,129 @@
+"""The disk tier following a three-tier plan (docs/engine.md, "Models larger than memory"; docs/placement.md, "Three
+tiers"): the resident share is each layer's cold neurons among its plan's gpu + memory hottest, not the most frequent
+of all layers; the hot tier (a .gpuidx, on the emulated device) and the disk tier combine; the logits are the bits of
+the run with every cold row mapped; a damaged, foreign or impossible plan is refused in one line."""
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+
+import numpy as np
+import pytest
+from device_fixtures import N_PROMPT, emulated, run  # noqa: F401
+from engine_helpers import converted, write_gpuidx  # noqa: F401
+from tiny_models import N_FF, N_LAYER
+
+import powerinfer_engine as engine
+from powerinfer_tools.core.errors import UserError
+from powerinfer_tools.formats import neuron_bundles, tier_plan
+
+MEMORY = np.array([N_FF // 2, N_FF // 8] + [N_FF // 4] * (N_LAYER - 2))  # unequal: not what frequencies give
+
+
+@pytest.fixture(params=["f32", "q8_0", "q4_0"])
+def bundled(request, converted, tmp_path):  # noqa: F811
+    """The tiny ReLU llama with predictors and its bundles (random frequencies, the same spread in every layer), the
+    frequencies, and the bytes the engine holds besides bundles (from a budget that caches every bundle)."""
+    model = tmp_path / "m.gguf"
+    shutil.copy(converted("llama-relu", request.param, predictors=True), model)
+    freqs = [np.random.default_rng(10 + i).random(N_FF) for i in range(N_LAYER)]
+    sidecar = neuron_bundles.write(model, frequencies=freqs, progress=False)
+    disk = logits(model, 64 << 30)[1]
+    bundle = neuron_bundles.read_layout(sidecar)["bundle_bytes"]
+    return model, freqs, disk["resident_bytes"] - N_LAYER * N_FF * bundle, bundle
+
+
+def logits(model, budget_bytes=None, **kw):
+    """Logits of a 24-token prompt then 16 decode steps in predictor mode, and the disk tier's stats."""
+    kw |= {} if budget_bytes is None else {"memory_budget": budget_bytes / 2**30}
+    rows, _, stats = run(model, "predictor", ctx_size=128, **kw)
+    return rows, stats["disk"]
+
+
+def test_the_resident_share_is_the_plans(bundled):
+    model, _, fixed, bundle = bundled
+    mapped, _ = logits(model)
+    budget = fixed + (N_FF + MEMORY.sum()) * bundle + 1024  # a cache of one layer, and the plan's neurons
+    by_frequency, disk = logits(model, budget)
+    assert not disk["tier_plan"] and sum(disk["resident_neurons"]) == MEMORY.sum()
+    assert disk["resident_neurons"] != MEMORY.tolist()  # so that the plan's counts below are the plan's doing
+    tier_plan.write(tier_plan.TierCounts(N_FF, np.zeros(N_LAYER), MEMORY), tier_plan.path_for(model))
+    planned, disk = logits(model, budget)
+    assert disk["tier_plan"] and disk["resident_neurons"] == MEMORY.tolist()
+    assert disk["resident_room_bytes"] == MEMORY.sum() * bundle and disk["tokens"] > 0 and disk["cache_misses"] > 0
+    assert np.array_equal(planned, mapped) and np.array_equal(by_frequency, mapped)
+
+
+def test_a_plan_beyond_the_room_keeps_its_most_frequent_and_a_smaller_one_leaves_the_room_to_the_cache(bundled):
+    model, freqs, fixed, bundle = bundled
+    budget = fixed + (N_FF + MEMORY.sum()) * bundle + 1024
+    _, by_frequency = logits(model, budget)
+    tier_plan.write(tier_plan.TierCounts(N_FF, np.zeros(N_LAYER), np.full(N_LAYER, N_FF)), tier_plan.path_for(model))
+    _, disk = logits(model, budget)  # every neuron planned in memory: trimmed by frequency, the frequency rule's
+    assert disk["resident_neurons"] == by_frequency["resident_neurons"]
+    tier_plan.write(tier_plan.TierCounts(N_FF, np.zeros(N_LAYER), MEMORY // 2), tier_plan.path_for(model))
+    _, disk = logits(model, budget)
+    assert disk["resident_neurons"] == (MEMORY // 2).tolist()
+    assert disk["resident_bytes"] == by_frequency["resident_bytes"]  # the rest of the room is the cache's
+
+
+def raw_plan(n_layer: int, n_ff: int, counts: list[tuple[int, int]]) -> bytes:
+    body = tier_plan.HEADER.pack(b"PITP", tier_plan.VERSION, n_layer, n_ff, 0, 0)
+    body += b"".join(struct.pack("<2I", g, m) for g, m in counts)
+    return body + struct.pack("<Q", neuron_bundles.checksum(body))
+
+
+@pytest.mark.parametrize("outtype", ["q4_0"])
+def test_a_damaged_foreign_or_impossible_plan_is_refused_in_one_line(converted, tmp_path, outtype):  # noqa: F811
+    model = tmp_path / "m.gguf"
+    shutil.copy(converted("llama-relu", outtype, predictors=True), model)
+    neuron_bundles.write(model, progress=False)
+    path = tier_plan.path_for(model)
+    good = raw_plan(N_LAYER, N_FF, [(0, 8)] * N_LAYER)
+    cases = {"damaged": good[:20] + bytes([good[20] ^ 1]) + good[21:],
+             "its size": good[:-1],
+             f"made for {N_LAYER + 1} layers of {N_FF} neurons": raw_plan(N_LAYER + 1, N_FF, [(0, 8)] * (N_LAYER + 1)),
+             f"made for {N_LAYER} layers of {N_FF + 1} neurons": raw_plan(N_LAYER, N_FF + 1, [(0, 8)] * N_LAYER),
+             "more than its": raw_plan(N_LAYER, N_FF, [(N_FF, 1)] + [(0, 0)] * (N_LAYER - 1)),
+             "not a version": b"XXXX" + good[4:]}
+    for words, raw in cases.items():
+        path.write_bytes(raw)
+        with pytest.raises(engine.EngineError, match=words) as e:
+            engine.Model(model, sparse_mode="predictor", ctx_size=128, memory_budget=64)
+        assert "\n" not in str(e.value)
+        with pytest.raises(UserError):
+            tier_plan.read(path, N_LAYER, N_FF)
+    path.unlink()
+    os.mkfifo(path)
+    with pytest.raises(engine.EngineError, match="not a regular file"):
+        engine.Model(model, sparse_mode="predictor", ctx_size=128, memory_budget=64)
+
+
+def test_the_format_round_trips(tmp_path):
+    plan = tier_plan.TierCounts(N_FF, [3, 0], [5, N_FF], vram_budget=7 << 30, memory_budget=3 << 30)
+    tier_plan.write(plan, tmp_path / "p.tiers")
+    back = tier_plan.read(tmp_path / "p.tiers")
+    assert (back.n_ff, back.vram_budget, back.memory_budget) == (N_FF, 7 << 30, 3 << 30)
+    assert back.gpu.tolist() == [3, 0] and back.memory.tolist() == [5, N_FF]
+    with pytest.raises(ValueError):
+        tier_plan.TierCounts(N_FF, [1, 0], [N_FF, 0])
+
+
+def test_the_hot_tier_and_the_disk_tier_combine(bundled, emulated, tmp_path):  # noqa: F811
+    """GPU hot rows on the emulated device (each layer's hottest by the bundles' frequencies), the plan's next in
+    memory, the rest from disk: the logits are the bits of the same hot tier with every cold row mapped."""
+    model, freqs, _, bundle = bundled
+    gpu = np.array([N_FF // 8, N_FF // 16] + [N_FF // 8] * (N_LAYER - 2))  # cold: more than the one-layer cache
+    hot = [np.isin(np.arange(N_FF), np.argsort(-f, kind="stable")[:k]) for f, k in zip(freqs, gpu)]
+    index = write_gpuidx(tmp_path / "hot.gpuidx", hot)
+    device = dict(gpuidx=index, gpu="on", gpu_library=emulated, batch_size=1)
+    hot_mapped, disk = logits(model, **device)
+    assert disk is None
+    tier_plan.write(tier_plan.TierCounts(N_FF, gpu, MEMORY // 2), tier_plan.path_for(model))
+    # the fixed part with a device (its host side, the hot tier's scratch), from a budget that holds every cold bundle
+    fixed = logits(model, 64 << 30, **device)[1]["resident_bytes"] - (N_LAYER * N_FF - gpu.sum()) * bundle
+    tiered, disk = logits(model, fixed + (N_FF + MEMORY.sum() // 2) * bundle + 1024, **device)
+    assert disk["tier_plan"] and disk["resident_neurons"] == (MEMORY // 2).tolist()
+    assert disk["cache_misses"] > 0
+    assert np.array_equal(tiered, hot_mapped)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from powerinfer_tools.stages.placement.placement_solver import Instance, _initial_lines, _Lines, greedy
+from powerinfer_tools.stages.placement.placement_solver import Instance, Rows, _initial_lines, _Lines, greedy
 
 
 @dataclass
@@ -155,21 +155,11 @@ def solve(inst: TierInstance, time_limit: float = 20.0, gap: float = 1e-6) -> Ti
 def _solve_relaxation(inst: TierInstance, gpu_lines: list[_Lines], mem_lines: list[_Lines], vram: int, memory: int,
                       scale: float, gap: float, time_limit: float):
     """One HiGHS solve over [k (int), y (binary), t (GPU value / scale), s (int), w (memory value / scale)]."""
-    from scipy import sparse
-    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.optimize import Bounds, milp
 
     g, L = inst.gpu, inst.n_layer
-    rows, cols, vals, lb, ub = [], [], [], [], []
-
-    def row(entries, lo, hi):
-        r = len(lb)
-        for c, v in entries:
-            rows.append(r)
-            cols.append(c)
-            vals.append(float(v))
-        lb.append(lo)
-        ub.append(hi)
-
+    rows = Rows()
+    row = rows.add
     K, Y, T, S, W = (j * L for j in range(5))
     v_cap, m_cap = max(float(vram), 1.0), max(float(memory), 1.0)
     row([(K + i, g.neuron_bytes[i] / v_cap) for i in range(L)] + [(Y + i, g.layer_bytes[i] / v_cap) for i in range(L)],
@@ -185,12 +175,11 @@ def _solve_relaxation(inst: TierInstance, gpu_lines: list[_Lines], mem_lines: li
             row([(T + i, 1.0), (K + i, -a * slope), (Y + i, -a * intercept)], -np.inf, 0.0)
         for slope, intercept in mem_lines[i].rows():  # w_i <= d (slope s_i + intercept)
             row([(W + i, 1.0), (S + i, -d * slope)], -np.inf, d * intercept)
-    A = sparse.csr_array((vals, (rows, cols)), shape=(len(lb), 5 * L))
     top = np.array([p[-1] for p in g.prefix])
     n = g.n.astype(float)
     upper = np.concatenate([n, np.ones(L), top * inst.gpu_gain / scale, n, top * inst.disk_gain / scale])
     c = np.concatenate([np.zeros(2 * L), -np.ones(L), np.zeros(L), -np.ones(L)])
     integrality = np.concatenate([np.ones(2 * L), np.zeros(L), np.ones(L), np.zeros(L)])
     return milp(c, integrality=integrality, bounds=Bounds(np.zeros(5 * L), upper),
-                constraints=LinearConstraint(A, lb, ub),
+                constraints=rows.constraint(5 * L),
                 options={"mip_rel_gap": gap, "time_limit": max(time_limit, 0.5), "disp": False})

@@ -45,7 +45,7 @@ def plan(
                                     "neurons on the GPU. 'powerinfer': what PowerInfer's CUDA build takes, 256 "
                                     "when the file's down projection is q4_0, else 32 (this engine takes any N)."),
     memory_budget: Optional[float] = typer.Option(
-        None, "--memory-budget", help="GiB of memory the engine may hold (its --memory-budget): places each layer's "
+        None, "--memory-budget", callback=flags.within(limits.MEMORY_BUDGET_GIB), help="GiB of memory the engine may hold (its --memory-budget): places each layer's "
         "neurons across GPU, memory and disk by one program and writes MODEL.tiers beside the model, whose counts "
         "the engine's disk tier then holds in memory. Needs the neuron bundles (convert --neuron-bundles) and "
         "--granularity 1; the engine is opened at this budget to learn its room. Default: no memory tier."),

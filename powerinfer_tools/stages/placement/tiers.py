@@ -8,13 +8,13 @@ csrc/runtime/read_probe.cpp); the disk's and the device's are the constants belo
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from powerinfer_tools.core.errors import UserError
+from powerinfer_tools.stages import options as limits
 
 # Random O_DIRECT reads at the disk tier's queue depth of 32, 8-64 KiB: a read costs about 8.1 us plus 4.8 us per
 # 8 KiB (docs/history.md, "Fewer, larger reads", the least-squares fit of the disk measured there; no probe of the
@@ -106,7 +106,6 @@ def seconds_per_token(prefix: list[np.ndarray], tier: MemoryTier, gpu: np.ndarra
 def check_memory_budget(budget_gib: float | None, granularity: str | int) -> None:
     if budget_gib is None:
         return
-    if not math.isfinite(budget_gib) or budget_gib <= 0:
-        raise UserError(f"--memory-budget must be a positive number of GiB, not {budget_gib}")
+    limits.MEMORY_BUDGET_GIB.check("--memory-budget", budget_gib)
     if str(granularity).strip() != "1":
         raise UserError("--memory-budget places neurons one by one: it takes --granularity 1 only")

@@ -145,6 +145,7 @@ DiskTier::DiskTier(const std::string &path, Model &model, double budget, const s
         table_.assign(size_t(NL), {});
         cached_.assign(size_t(NL), {});
         struct Candidate {
+            bool planned;  // among its layer's plan.gpu + plan.memory hottest (all are, without a plan)
             float freq;
             int32_t il, slot;
         };
@@ -176,9 +177,9 @@ DiskTier::DiskTier(const std::string &path, Model &model, double budget, const s
                     fail(PI_ERR_FORMAT, path + ": layer " + std::to_string(il) + "'s index does not hold neuron " + std::to_string(neuron));
                 slot_at_[size_t(il)][size_t(pos_of_neuron[size_t(neuron)])] = int32_t(r);
                 const float f = freq[size_t(neuron)];
-                // with a plan: the layer's gpu + memory hottest (file positions are hottest first) not held hot
-                if (!plan || pos_of_neuron[size_t(neuron)] < plan->gpu[size_t(il)] + plan->memory[size_t(il)])
-                    candidates.push_back({f == f ? f : 0.0f, int32_t(il), int32_t(r)});
+                // a plan's: the layer's gpu + memory hottest (file positions are hottest first) not held hot
+                const bool planned = !plan || pos_of_neuron[size_t(neuron)] < plan->gpu[size_t(il)] + plan->memory[size_t(il)];
+                candidates.push_back({planned, f == f ? f : 0.0f, int32_t(il), int32_t(r)});
             }
             table_[size_t(il)].assign(size_t(F), nullptr);
             cached_[size_t(il)].assign(size_t(F), -1);
@@ -201,10 +202,13 @@ DiskTier::DiskTier(const std::string &path, Model &model, double budget, const s
         n_cache_ = std::min<int64_t>(n_cold, std::max<int64_t>(F, int64_t(left / 4 / B)));
         const int64_t n_resident = std::max<int64_t>(0, std::min<int64_t>(n_cold - n_cache_, int64_t((left - double(n_cache_) * B) / B)));
         resident_room_ = double(n_resident) * B;
-        // the most frequently active neurons first (ties: layer, then slot order), as plan chooses a GPU's hot set
-        std::stable_sort(candidates.begin(), candidates.end(), [](const Candidate &a, const Candidate &b) { return a.freq > b.freq; });
-        if (int64_t(candidates.size()) > n_resident) candidates.resize(size_t(n_resident));
-        n_cache_ += n_resident - int64_t(candidates.size());  // a plan's room left over: the cache's
+        // the plan's neurons, then the others, each the most frequently active first (ties: layer, then slot order),
+        // as plan chooses a GPU's hot set: a plan made for a smaller room is topped up by frequency, one made for a
+        // larger room loses its least frequent
+        std::stable_sort(candidates.begin(), candidates.end(), [](const Candidate &a, const Candidate &b) {
+            return a.planned != b.planned ? a.planned : a.freq > b.freq;
+        });
+        candidates.resize(size_t(std::min<int64_t>(n_resident, int64_t(candidates.size()))));
         std::sort(candidates.begin(), candidates.end(), [&](const Candidate &a, const Candidate &b) {
             return a.il != b.il ? a.il < b.il : pos_of_[size_t(a.il)][size_t(a.slot)] < pos_of_[size_t(b.il)][size_t(b.slot)];
         });

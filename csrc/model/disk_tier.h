@@ -63,8 +63,8 @@ public:
     // Opens the sidecar at `path` for `model` (its cold tiers hold the neurons not in a hot tier), checks it against
     // the model and the GGUF it names, and fills the resident share within `budget - fixed_bytes` less the cache:
     // with a `plan`, each layer's cold neurons among its plan.gpu + plan.memory hottest (the sidecar's order), the
-    // least frequent dropped where they do not fit and the room they leave given to the cache; without one, the
-    // most frequently active cold neurons of all layers. Fails in one line where the sidecar is missing, damaged, truncated or
+    // least frequent dropped where they do not fit and the room they leave topped up by the most frequently active
+    // others; without one, the most frequently active cold neurons of all layers. Fails in one line where the sidecar is missing, damaged, truncated or
     // another model's, or where the budget does not hold `fixed_bytes` and the cache.
     // `budget_source` says where the budget came from, in the one-line refusal.
     DiskTier(const std::string &path, Model &model, double budget, const std::string &budget_source, double fixed_bytes,

@@ -55,17 +55,28 @@ def test_the_resident_share_is_the_plans(bundled):
     assert np.array_equal(planned, mapped) and np.array_equal(by_frequency, mapped)
 
 
-def test_a_plan_beyond_the_room_keeps_its_most_frequent_and_a_smaller_one_leaves_the_room_to_the_cache(bundled):
+def topped_up(freqs: list[np.ndarray], planned: np.ndarray, room: int) -> list[int]:
+    """Per layer, the resident neurons of a plan of `planned` hottest at a room of `room` neurons: the plan's, then
+    the most frequent of the rest of all layers (random frequencies: no ties)."""
+    rest = [np.sort(f)[::-1][p:] for f, p in zip(freqs, planned)]
+    layer = np.concatenate([np.full(len(r), i) for i, r in enumerate(rest)])
+    top = np.argsort(-np.concatenate(rest))[:room - int(planned.sum())]
+    return (planned + np.bincount(layer[top], minlength=len(freqs))).tolist()
+
+
+def test_a_plan_beyond_the_room_keeps_its_most_frequent_and_a_smaller_one_is_topped_up_by_frequency(bundled):
     model, freqs, fixed, bundle = bundled
     budget = fixed + (N_FF + MEMORY.sum()) * bundle + 1024
     _, by_frequency = logits(model, budget)
     tier_plan.write(tier_plan.TierCounts(N_FF, np.zeros(N_LAYER), np.full(N_LAYER, N_FF)), tier_plan.path_for(model))
     _, disk = logits(model, budget)  # every neuron planned in memory: trimmed by frequency, the frequency rule's
     assert disk["resident_neurons"] == by_frequency["resident_neurons"]
-    tier_plan.write(tier_plan.TierCounts(N_FF, np.zeros(N_LAYER), MEMORY // 2), tier_plan.path_for(model))
+    lopsided = np.array([N_FF // 2 - 8] + [0] * (N_LAYER - 1))  # fewer than the room, all in layer 0
+    tier_plan.write(tier_plan.TierCounts(N_FF, np.zeros(N_LAYER), lopsided), tier_plan.path_for(model))
     _, disk = logits(model, budget)
-    assert disk["resident_neurons"] == (MEMORY // 2).tolist()
-    assert disk["resident_bytes"] == by_frequency["resident_bytes"]  # the rest of the room is the cache's
+    assert disk["resident_neurons"] == topped_up(freqs, lopsided, int(MEMORY.sum()))
+    assert disk["resident_neurons"] != by_frequency["resident_neurons"]
+    assert disk["resident_bytes"] == by_frequency["resident_bytes"]
 
 
 def raw_plan(n_layer: int, n_ff: int, counts: list[tuple[int, int]]) -> bytes:

@@ -16,6 +16,7 @@ from tiny_models import N_FF, N_LAYER
 
 import powerinfer_engine as engine
 from powerinfer_tools.formats import neuron_bundles, tier_plan
+from powerinfer_tools.stages.options import DEFAULT_KV_TYPE
 from powerinfer_tools.stages.placement import placement
 
 TOKENS = 100_000
@@ -32,14 +33,15 @@ def planned(converted, tmp_path):  # noqa: F811
     counts = [2 * a, 2 * (b // 3) + 1] + [2 * (b // 5) + 1] * (N_LAYER - 2)  # even against odd: no tie across layers
     profile = write_profile(tmp_path / "prof", counts, tokens=TOKENS)
     sidecar = neuron_bundles.write(model, frequencies=placement.profile_frequencies(profile, model), progress=False)
-    with engine.Model(model, ctx_size=128, sparse_mode="predictor", memory_budget=64) as m:
+    with engine.Model(model, ctx_size=128, sparse_mode="predictor", kv_type=DEFAULT_KV_TYPE, memory_budget=64) as m:
         disk = m.stats()["disk"]
     bundle = neuron_bundles.read_layout(sidecar)["bundle_bytes"]
     return model, profile, disk["resident_bytes"] - N_LAYER * N_FF * bundle, bundle
 
 
 def resident(model, budget_bytes):
-    with engine.Model(model, ctx_size=128, sparse_mode="predictor", memory_budget=budget_bytes / 2**30) as m:
+    with engine.Model(model, ctx_size=128, sparse_mode="predictor", kv_type=DEFAULT_KV_TYPE,
+                      memory_budget=budget_bytes / 2**30) as m:
         return m.stats()["disk"]
 
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.stages import options as limits
+from powerinfer_tools.stages.options import DEFAULT_KV_TYPE
 
 # Random O_DIRECT reads at the disk tier's queue depth of 32, 8-64 KiB: a read costs about 8.1 us plus 4.8 us per
 # 8 KiB (docs/history.md, "Fewer, larger reads", the least-squares fit of the disk measured there; no probe of the
@@ -54,11 +55,11 @@ def costs_per_activation(neuron_bytes: np.ndarray, memory_bytes_per_s: float):
 
 def engine_room(model_path: str | Path, budget_bytes: int, ctx_size: int) -> int:
     """The bytes the engine's resident share may take at this budget and context (its own rule), from the engine
-    opened with them; needs the model's neuron bundles beside it."""
+    opened with them and the KV cache type `run` opens with; needs the model's neuron bundles beside it."""
     import powerinfer_engine as engine
 
     try:
-        with engine.Model(model_path, ctx_size=ctx_size, sparse_mode="predictor",
+        with engine.Model(model_path, ctx_size=ctx_size, sparse_mode="predictor", kv_type=DEFAULT_KV_TYPE,
                           memory_budget=budget_bytes / 2**30) as m:
             return int(m.stats()["disk"]["resident_room_bytes"])
     except engine.EngineError as e:

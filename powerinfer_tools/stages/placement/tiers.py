@@ -8,6 +8,7 @@ csrc/runtime/read_probe.cpp); the disk's and the device's are the constants belo
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,12 +68,10 @@ def engine_room(model_path: str | Path, budget_bytes: int, ctx_size: int) -> int
 
 
 def memory_rate(row_bytes: int, density: float) -> float:
-    """Bytes per second of rows read by index at `density` on this machine's cores (the engine's read probe)."""
+    """Bytes per second of rows read by index at `density` with the engine's default threads (its read probe)."""
     import powerinfer_engine as engine
 
-    from powerinfer_tools.bench.machine import usable_cores
-
-    return engine.read_rows_rate(int(row_bytes), float(min(max(density, 0.05), 1.0)), usable_cores())
+    return engine.read_rows_rate(int(row_bytes), float(min(max(density, 0.05), 1.0)), os.cpu_count() or 1)
 
 
 def memory_tier(model_path: str | Path, neuron_bytes: np.ndarray, row_bytes: int, density: float, budget_bytes: int,

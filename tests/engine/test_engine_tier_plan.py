@@ -121,21 +121,29 @@ def test_the_format_round_trips(tmp_path):
         tier_plan.TierCounts(N_FF, [1, 0], [N_FF, 0])
 
 
-def test_the_hot_tier_and_the_disk_tier_combine(bundled, device, tmp_path):  # noqa: F811
-    """GPU hot rows on the device (the emulated one; CUDA where there is one), each layer's hottest by the bundles'
-    frequencies, the plan's next in memory, the rest from disk: the logits are the bits of the same hot tier with
-    every cold row mapped."""
+def assert_hot_and_disk_combine(bundled, tmp_path, **hot_tier) -> None:
+    """Each layer's hottest by the bundles' frequencies in the hot tier, the plan's next in memory, the rest from
+    disk: the resident share is the plan's, and the logits are the bits of the same hot tier with every cold row
+    mapped."""
     model, freqs, _, bundle = bundled
     gpu = np.array([N_FF // 8, N_FF // 16] + [N_FF // 8] * (N_LAYER - 2))  # cold: more than the one-layer cache
     hot = [np.isin(np.arange(N_FF), np.argsort(-f, kind="stable")[:k]) for f, k in zip(freqs, gpu)]
-    index = write_gpuidx(tmp_path / "hot.gpuidx", hot)
-    on_device = dict(gpuidx=index, gpu="on", gpu_library=device, batch_size=1)
-    hot_mapped, disk = logits(model, **on_device)
+    hot_tier |= dict(gpuidx=write_gpuidx(tmp_path / "hot.gpuidx", hot), batch_size=1)
+    hot_mapped, disk = logits(model, **hot_tier)
     assert disk is None
     tier_plan.write(tier_plan.TierCounts(N_FF, gpu, MEMORY // 2), tier_plan.path_for(model))
-    # the fixed part with a device (its host side, the hot tier's scratch), from a budget that holds every cold bundle
-    fixed = logits(model, 64 << 30, **on_device)[1]["resident_bytes"] - (N_LAYER * N_FF - gpu.sum()) * bundle
-    tiered, disk = logits(model, fixed + (N_FF + MEMORY.sum() // 2) * bundle + 1024, **on_device)
+    # the fixed part with a hot tier (a device's host side, its scratch), from a budget that holds every cold bundle
+    fixed = logits(model, 64 << 30, **hot_tier)[1]["resident_bytes"] - (N_LAYER * N_FF - gpu.sum()) * bundle
+    tiered, disk = logits(model, fixed + (N_FF + MEMORY.sum() // 2) * bundle + 1024, **hot_tier)
     assert disk["tier_plan"] and disk["resident_neurons"] == (MEMORY // 2).tolist()
     assert disk["cache_misses"] > 0
     assert np.array_equal(tiered, hot_mapped)
+
+
+def test_the_hot_tier_on_a_device_and_the_disk_tier_combine(bundled, device, tmp_path):  # noqa: F811
+    """On the emulated device, and on CUDA where there is one."""
+    assert_hot_and_disk_combine(bundled, tmp_path, gpu="on", gpu_library=device)
+
+
+def test_a_hot_tier_kept_on_the_cpu_and_the_disk_tier_combine(bundled, tmp_path):
+    assert_hot_and_disk_combine(bundled, tmp_path, gpu="off", cpu_hot_tier=True)

@@ -228,11 +228,9 @@ def solve(inst: Instance, time_limit: float = 20.0, gap: float = 1e-6) -> Soluti
         iterations += 1
         res = _solve_relaxation(inst, lines, capacity, scale, gap, time_limit - (time.perf_counter() - start))
         nodes += int(getattr(res, "mip_node_count", 0) or 0)
-        timed_out = res.status == 1
+        timed_out = stopped_in_time(res, "placement")
         if res.x is None:
-            if timed_out:
-                break
-            raise RuntimeError(f"placement MILP failed: {res.message}")
+            break
         k = np.round(res.x[:L]).astype(np.int64)
         t = res.x[2 * L:3 * L] * scale
         overused = inst.bytes_used(k) - inst.capacity
@@ -251,6 +249,14 @@ def solve(inst: Instance, time_limit: float = 20.0, gap: float = 1e-6) -> Soluti
     return _solution(inst, best, "milp", start, iterations=iterations,
                      details={"lines": sum(len(x.chosen) for x in lines), "nodes": nodes, "mip_rel_gap": gap,
                               "upper_bound": max(bound, inst.value(best)), "timed_out": timed_out})
+
+
+def stopped_in_time(res, what: str) -> bool:
+    """Whether HiGHS stopped at its time limit (with or without a plan); a failure without one raises."""
+    timed_out = res.status == 1
+    if res.x is None and not timed_out:
+        raise RuntimeError(f"{what} MILP failed: {res.message}")
+    return timed_out
 
 
 class Rows:

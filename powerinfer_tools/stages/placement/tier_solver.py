@@ -33,7 +33,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from powerinfer_tools.stages.placement.placement_solver import Instance, Rows, _initial_lines, _Lines, greedy
+from powerinfer_tools.stages.placement.placement_solver import (Instance, Rows, _initial_lines, _Lines, greedy,
+                                                                   stopped_in_time)
 
 
 @dataclass
@@ -123,11 +124,9 @@ def solve(inst: TierInstance, time_limit: float = 20.0, gap: float = 1e-6) -> Ti
         iterations += 1
         res = _solve_relaxation(inst, gpu_lines, mem_lines, vram, memory, scale, gap,
                                 time_limit - (time.perf_counter() - start))
-        timed_out = res.status == 1
+        timed_out = stopped_in_time(res, "three-tier")
         if res.x is None:
-            if timed_out:
-                break
-            raise RuntimeError(f"three-tier MILP failed: {res.message}")
+            break
         k = np.round(res.x[:L]).astype(np.int64)
         s = np.round(res.x[3 * L:4 * L]).astype(np.int64)
         over_vram, over_memory = g.bytes_used(k) - g.capacity, inst.memory_used(k, s) - inst.memory_capacity

@@ -207,7 +207,10 @@ std::unique_ptr<DiskTier> Engine::open_disk_tier(const pi_options &opts, int64_t
         fixed -= packed;
         if (opts.memory_budget == 0) budget = std::min(budget, fixed + min_cache);
     }
-    auto tier = std::make_unique<DiskTier>(path, *model_, budget, source, fixed, kDiskReadThreads);
+    // a three-tier plan beside the model chooses the resident share (docs/engine.md, "Models larger than memory")
+    TierPlan plan;
+    const bool planned = read_tier_plan(model_->path() + names::kTierPlanSuffix, hp_.n_layer, hp_.n_ff, plan);
+    auto tier = std::make_unique<DiskTier>(path, *model_, budget, source, fixed, kDiskReadThreads, planned ? &plan : nullptr);
     model_->hold_vectors();  // a model that does not fit its memory: its page cache is under pressure
     return tier;
 }

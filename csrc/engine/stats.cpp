@@ -171,10 +171,16 @@ std::string disk_json(const DiskTier *disk, bool dense_mapped) {
     if (!disk) return "null";
     const DiskCounts &c = disk->counts();
     const auto count = [](double v) { return std::to_string(int64_t(v)); };  // exact: bytes pass 2^32 in minutes
+    std::string resident = "[";  // per layer
+    for (size_t il = 0; il < disk->resident_per_layer().size(); ++il)
+        resident += (il ? ", " : "") + std::to_string(disk->resident_per_layer()[il]);
+    resident += "]";
     return "{\"tokens\": " + count(c.tokens) + ", \"bytes\": " + count(c.bytes) + ", \"reads\": " + count(c.reads) +
            ", \"cache_hits\": " + count(c.cache_hits) + ", \"cache_misses\": " + count(c.cache_misses) +
            ", \"io_wait_seconds\": " + num(c.io_wait_seconds) + ", \"resident_bytes\": " + count(disk->resident_bytes()) +
            ", \"budget_bytes\": " + count(disk->budget_bytes()) +
+           ", \"resident_room_bytes\": " + count(disk->resident_room_bytes()) + ", \"resident_neurons\": " + resident +
+           ", \"tier_plan\": " + (disk->follows_plan() ? "true" : "false") +
            ", \"dense_mapped\": " + (dense_mapped ? "true" : "false") + "}";
 }
 

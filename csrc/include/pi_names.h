@@ -11,6 +11,9 @@ inline constexpr char kGpuIndexArch[] = "generic.gpu_index";
 // neuron bundles: the cold FFN read from disk (model/disk_tier.h)
 inline constexpr char kNeuronBundlesSuffix[] = ".neurons";
 inline constexpr char kNeuronBundlesMagic[] = "PINB";
+// the three-tier plan beside the model: per layer, its neurons on the GPU and in memory (model/tier_plan.h)
+inline constexpr char kTierPlanSuffix[] = ".tiers";
+inline constexpr char kTierPlanMagic[] = "PITP";
 
 // ---- metadata keys ----
 inline constexpr char kKeyArchitecture[] = "general.architecture";

@@ -77,8 +77,8 @@ void DiskTier::read_exact(uint8_t *dst, size_t bytes, uint64_t offset, const cha
 }
 
 DiskTier::DiskTier(const std::string &path, Model &model, double budget, const std::string &budget_source,
-                   double fixed_bytes, int io_threads)
-    : path_(path), model_(model), budget_(budget), fixed_(fixed_bytes) {
+                   double fixed_bytes, int io_threads, const TierPlan *plan)
+    : path_(path), model_(model), budget_(budget), fixed_(fixed_bytes), follows_plan_(plan != nullptr) {
     const HParams &hp = model.hp();
     // O_NONBLOCK: open(2) of a FIFO would wait for a writer (reads of a regular file ignore it)
     fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
@@ -145,14 +145,17 @@ DiskTier::DiskTier(const std::string &path, Model &model, double budget, const s
         table_.assign(size_t(NL), {});
         cached_.assign(size_t(NL), {});
         struct Candidate {
+            bool planned;  // among its layer's plan.gpu + plan.memory hottest (all are, without a plan)
             float freq;
             int32_t il, slot;
         };
         std::vector<Candidate> candidates;
+        int64_t n_cold = 0;  // the neurons not in a hot tier: those the tier reads
+        resident_per_layer_.assign(size_t(NL), 0);
         for (int64_t il = 0; il < NL; ++il) {
             const FfnTier &cold = model.layers()[size_t(il)].cold;
-            if (cold.size() != F || model.layers()[size_t(il)].hot.size() != 0)
-                fail(PI_ERR_UNSUPPORTED, path + ": the disk tier holds every neuron cold (no hot tier: no .gpuidx)");
+            const int64_t n_layer_cold = cold.size();
+            n_cold += n_layer_cold;
             std::vector<int32_t> pos_of_neuron(static_cast<size_t>(F), -1);
             std::vector<float> freq(static_cast<size_t>(F));
             checksum_[size_t(il)].resize(size_t(F));
@@ -167,14 +170,16 @@ DiskTier::DiskTier(const std::string &path, Model &model, double budget, const s
             }
             pos_of_[size_t(il)].resize(size_t(F));
             slot_at_[size_t(il)].assign(size_t(F), -1);
-            for (int64_t r = 0; r < F; ++r) {
+            for (int64_t r = 0; r < n_layer_cold; ++r) {
                 const int32_t neuron = cold.ids[size_t(r)];
                 pos_of_[size_t(il)][size_t(r)] = pos_of_neuron[size_t(neuron)];
                 if (pos_of_neuron[size_t(neuron)] < 0)
                     fail(PI_ERR_FORMAT, path + ": layer " + std::to_string(il) + "'s index does not hold neuron " + std::to_string(neuron));
                 slot_at_[size_t(il)][size_t(pos_of_neuron[size_t(neuron)])] = int32_t(r);
                 const float f = freq[size_t(neuron)];
-                candidates.push_back({f == f ? f : 0.0f, int32_t(il), int32_t(r)});
+                // a plan's: the layer's gpu + memory hottest (file positions are hottest first) not held hot
+                const bool planned = !plan || pos_of_neuron[size_t(neuron)] < plan->gpu[size_t(il)] + plan->memory[size_t(il)];
+                candidates.push_back({planned, f == f ? f : 0.0f, int32_t(il), int32_t(r)});
             }
             table_[size_t(il)].assign(size_t(F), nullptr);
             cached_[size_t(il)].assign(size_t(F), -1);
@@ -194,11 +199,16 @@ DiskTier::DiskTier(const std::string &path, Model &model, double budget, const s
             fail(PI_ERR_MEMORY, "memory budget of " + mib(budget) + " (" + budget_source + ") is below what the engine must hold: " + mib(fixed_bytes) +
                                     " (the weights copied at open, the KV cache, buffers) + " + mib(min_cache) +
                                     " (a cache of one layer's neuron bundles) = " + mib(fixed_bytes + min_cache));
-        n_cache_ = std::min<int64_t>(NL * F, std::max<int64_t>(F, int64_t(left / 4 / B)));
-        const int64_t n_resident = std::min<int64_t>(NL * F - n_cache_, int64_t((left - double(n_cache_) * B) / B));
-        // the most frequently active neurons first (ties: layer, then slot order), as plan chooses a GPU's hot set
-        std::stable_sort(candidates.begin(), candidates.end(), [](const Candidate &a, const Candidate &b) { return a.freq > b.freq; });
-        candidates.resize(size_t(std::max<int64_t>(0, n_resident)));
+        n_cache_ = std::min<int64_t>(n_cold, std::max<int64_t>(F, int64_t(left / 4 / B)));
+        const int64_t n_resident = std::max<int64_t>(0, std::min<int64_t>(n_cold - n_cache_, int64_t((left - double(n_cache_) * B) / B)));
+        resident_room_ = double(n_resident) * B;
+        // the plan's neurons, then the others, each the most frequently active first (ties: layer, then slot order),
+        // as plan chooses a GPU's hot set: a plan made for a smaller room is topped up by frequency, one made for a
+        // larger room loses its least frequent
+        std::stable_sort(candidates.begin(), candidates.end(), [](const Candidate &a, const Candidate &b) {
+            return a.planned != b.planned ? a.planned : a.freq > b.freq;
+        });
+        candidates.resize(size_t(std::min<int64_t>(n_resident, int64_t(candidates.size()))));
         std::sort(candidates.begin(), candidates.end(), [&](const Candidate &a, const Candidate &b) {
             return a.il != b.il ? a.il < b.il : pos_of_[size_t(a.il)][size_t(a.slot)] < pos_of_[size_t(b.il)][size_t(b.slot)];
         });
@@ -221,6 +231,7 @@ DiskTier::DiskTier(const std::string &path, Model &model, double budget, const s
             const int64_t pos = pos_of_[size_t(c.il)][size_t(c.slot)];
             uint8_t *dst = resident_.data() + i * size_t(B);
             table_[size_t(c.il)][size_t(c.slot)] = dst;
+            ++resident_per_layer_[size_t(c.il)];
             add_read(c.il, pos, -1 - int64_t(i));  // negative: resident bundle i
         }
         read_runs();
@@ -341,8 +352,8 @@ int64_t DiskTier::begin(int64_t il, const int32_t *slots, int64_t count, bool de
             const int64_t end = last.pos + last.n;
             if (last.il == il && pos > end && pos - end <= max_gap && pos + 1 - last.pos <= kMaxRunBundles)
                 for (int64_t q = end; q < pos; ++q) {
-                    const int32_t rq = slot_at[size_t(q)];
-                    add_read(il, q, table[size_t(rq)] ? kDiscard : claim_slot(il, rq));
+                    const int32_t rq = slot_at[size_t(q)];  // -1: a neuron of the hot tier
+                    add_read(il, q, rq < 0 || table[size_t(rq)] ? kDiscard : claim_slot(il, rq));
                 }
         }
         add_read(il, pos, claim_slot(il, r));

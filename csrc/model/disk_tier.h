@@ -1,5 +1,6 @@
 // The cold tier read from disk (docs/engine.md, "Models larger than memory"): a model whose FFN does not fit the
-// memory budget keeps a resident share of its cold neurons (the most frequently active, by the profile's counts) and
+// memory budget keeps a resident share of its cold neurons (a three-tier plan's, else the most frequently active by
+// the profile's counts) and
 // reads the rest, when a decode step selects them, from the neuron bundles `convert --neuron-bundles` writes beside
 // the GGUF (powerinfer_tools/formats/neuron_bundles.py): one page-aligned bundle a neuron, its gate, up and down_t
 // rows together, so a neuron is one read. Recently read neurons stay in a cache of bundle slots inside the budget.
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include "model/model.h"
+#include "model/tier_plan.h"
 #include "pi_names.h"
 #include "runtime/derived_file.h"
 #include "runtime/page_memory.h"
@@ -58,13 +60,15 @@ struct DiskCounts {
 
 class DiskTier {
 public:
-    // Opens the sidecar at `path` for `model` (its cold tiers hold every neuron), checks it against the model and
-    // the GGUF it names, and fills the resident share: the most frequently active cold neurons that fit
-    // `budget - fixed_bytes` less the cache. Fails in one line where the sidecar is missing, damaged, truncated or
+    // Opens the sidecar at `path` for `model` (its cold tiers hold the neurons not in a hot tier), checks it against
+    // the model and the GGUF it names, and fills the resident share within `budget - fixed_bytes` less the cache:
+    // with a `plan`, each layer's cold neurons among its plan.gpu + plan.memory hottest (the sidecar's order), the
+    // least frequent dropped where they do not fit and the room they leave topped up by the most frequently active
+    // others; without one, the most frequently active cold neurons of all layers. Fails in one line where the sidecar is missing, damaged, truncated or
     // another model's, or where the budget does not hold `fixed_bytes` and the cache.
     // `budget_source` says where the budget came from, in the one-line refusal.
     DiskTier(const std::string &path, Model &model, double budget, const std::string &budget_source, double fixed_bytes,
-             int io_threads);
+             int io_threads, const TierPlan *plan = nullptr);
     ~DiskTier();
     DiskTier(const DiskTier &) = delete;
     DiskTier &operator=(const DiskTier &) = delete;
@@ -91,6 +95,10 @@ public:
     // What the engine holds under the budget: the fixed part, the resident bundles and the cache.
     double resident_bytes() const { return fixed_ + double(resident_.size() + cache_.size()); }
     const std::string &path() const { return path_; }
+    // Per layer, the cold neurons held resident; the bytes the resident share could take at this budget.
+    const std::vector<int64_t> &resident_per_layer() const { return resident_per_layer_; }
+    double resident_room_bytes() const { return resident_room_; }
+    bool follows_plan() const { return follows_plan_; }
     // The bundles' bytes of all cold neurons: what the tier keeps out of memory at most.
     double all_bundle_bytes() const { return double(hdr_.n_layer) * double(hdr_.n_ff) * double(hdr_.bundle_bytes); }
 
@@ -132,7 +140,9 @@ private:
     BundleHeader hdr_{};
     int fd_ = -1, fd_direct_ = -1;
     Model &model_;
-    double budget_ = 0, fixed_ = 0;
+    double budget_ = 0, fixed_ = 0, resident_room_ = 0;
+    std::vector<int64_t> resident_per_layer_;
+    bool follows_plan_ = false;
     std::vector<std::vector<int32_t>> pos_of_;     // [layer][cold slot] the bundle's position in the file
     std::vector<std::vector<int32_t>> slot_at_;    // [layer][position] the cold slot stored there
     std::vector<std::vector<uint64_t>> checksum_;  // [layer][position]

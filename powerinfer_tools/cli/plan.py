@@ -44,6 +44,11 @@ def plan(
     granularity: str = typer.Option("1", "--granularity", help="Each layer puts 0, a multiple of N, or all of its "
                                     "neurons on the GPU. 'powerinfer': what PowerInfer's CUDA build takes, 256 "
                                     "when the file's down projection is q4_0, else 32 (this engine takes any N)."),
+    memory_budget: Optional[float] = typer.Option(
+        None, "--memory-budget", callback=flags.within(limits.MEMORY_BUDGET_GIB), help="GiB of memory the engine may hold (its --memory-budget): places each layer's "
+        "neurons across GPU, memory and disk by one program and writes MODEL.tiers beside the model, whose counts "
+        "the engine's disk tier then holds in memory. Needs the neuron bundles (convert --neuron-bundles) and "
+        "--granularity 1; the engine is opened at this budget to learn its room. Default: no memory tier."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Plan for a model not converted (or downloaded) yet: "
                                  "bytes from its config's shapes at --outtype; counts from --profile, else an "
                                  "assumed power law (labelled as such). Writes nothing unless --out."),
@@ -71,6 +76,8 @@ def plan(
 
       pi-tools plan --profile prof -m model.q4_0.powerinfer.gguf --vram-budget 8 --granularity powerinfer
 
+      pi-tools plan --profile prof -m model.q4_0.gguf --vram-budget 0 --memory-budget 0.4 -c 256
+
       pi-tools plan --dry-run -m ./ReluLLaMA-70B --profile ./ReluLLaMA-70B-PowerInfer-GGUF/activation --vram-budget 12
     """
     from powerinfer_tools import stages
@@ -79,7 +86,9 @@ def plan(
     opts = stages.PlanOptions(vram_budget_gib=vram_budget, out=out, ctx_size=ctx_size,
                               min_layer_neurons=min_layer_neurons, reserve_bytes=int(reserve_mib * MIB),
                               offload_output=offload_output, dense=dense, time_limit=time_limit,
-                              granularity=granularity)
+                              granularity=granularity, memory_budget_gib=memory_budget)
+    if dry_run and memory_budget is not None:
+        raise UserError("--memory-budget needs a converted model with its neuron bundles, not --dry-run")
     if dry_run:
         from powerinfer_tools.stages.conversion import dry_run as dry
 
@@ -97,8 +106,8 @@ def plan(
         raise UserError("--profile is required (its activation counts decide the hot neurons), except with --dry-run")
     written = stages.plan(profile, model, opts)
     report(written.plan)
-    typer.echo(f"wrote {written.gpuidx} and {written.summary}")
-    if not _nvidia_gpu_visible():
+    typer.echo(f"wrote {written.gpuidx} and {written.summary}" + (f" and {written.tiers}" if written.tiers else ""))
+    if not _nvidia_gpu_visible() and not (vram_budget == 0 and memory_budget is not None):
         typer.echo(f"pi-tools: warning: no NVIDIA GPU is visible here: this plan is for another machine, one with "
                    f"{vram_budget:g} GiB of GPU memory to give (--vram-budget); here run, perplexity, chat and serve "
                    "ignore it and compute every neuron on the CPU by --sparse-mode (predictor: the predictor in every "

@@ -81,6 +81,9 @@ INPUT_SITES = ("qkv", "o", "gate_up", "down")
 # ---- neuron bundles: the cold FFN read from disk (formats/neuron_bundles.py, csrc/model/disk_tier.h) ----------
 NEURON_BUNDLES_SUFFIX = ".neurons"  # beside the model: model.gguf -> model.gguf.neurons
 NEURON_BUNDLES_MAGIC = "PINB"
+# the three-tier plan beside the model (formats/tier_plan.py, csrc/model/tier_plan.h): model.gguf -> model.gguf.tiers
+TIER_PLAN_SUFFIX = ".tiers"
+TIER_PLAN_MAGIC = "PITP"
 
 # ---- FFN modes: the --sparse-mode values, numbered as the engine's pi_ffn_mode --------------------------
 FFN_MODES = ("dense", "gate", "predictor", "auto", "oracle")

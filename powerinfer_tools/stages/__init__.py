@@ -64,10 +64,12 @@ def evaluate_predictors(profile: ProfileDir | str | Path, predictors: str | Path
 
 def plan(profile: str | Path, model: str | Path, opts: PlanOptions) -> PlanFiles:
     """Place a converted model's hottest neurons on the GPU within a VRAM budget (docs/placement.md) and write
-    the gpu-index file (opts.out, default beside the model where PowerInfer looks) with its JSON summary."""
+    the gpu-index file (opts.out, default beside the model where PowerInfer looks) with its JSON summary; with a
+    memory budget also the three-tier plan beside the model, where the engine's disk tier looks (MODEL.tiers)."""
     from powerinfer_tools.stages.placement import placement
 
-    result = placement.plan_for_model(profile, model, opts.vram_budget_gib * placement.GIB, **opts.solver_options())
+    result = placement.plan_for_model(profile, model, opts.vram_budget_gib * placement.GIB, **opts.solver_options(),
+                                      memory_budget_gib=opts.memory_budget_gib)
     return placement.write_plan(result, opts.out or placement.default_gpuidx_path(model))
 
 

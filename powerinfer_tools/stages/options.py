@@ -106,9 +106,11 @@ class PlanOptions:
     dense: str = "all"
     time_limit: float = 20.0
     granularity: str | int = 1
+    memory_budget_gib: float | None = None   # with it, the three-tier plan (GPU, memory, disk) beside the model
 
     def solver_options(self) -> dict:
-        """The keyword arguments of placement.plan_for_model (and of the dry run's plan_from_config)."""
+        """The keyword arguments of placement.plan_for_model (and of the dry run's plan_from_config), but the memory
+        budget (plan_for_model's only)."""
         return dict(ctx_size=self.ctx_size, min_layer_neurons=self.min_layer_neurons,
                     reserve_bytes=self.reserve_bytes, offload_output=self.offload_output, dense=self.dense,
                     time_limit=self.time_limit, granularity=self.granularity)
@@ -164,11 +166,13 @@ class TrainedPredictors:
 
 @dataclass
 class PlanFiles:
-    """A placement and the files it was written to: the gpu index and its JSON summary."""
+    """A placement and the files it was written to: the gpu index and its JSON summary (and with a memory budget,
+    the three-tier plan beside the model)."""
 
     plan: object            # placement.Plan
     gpuidx: Path
     summary: Path
+    tiers: Path | None = None
 
 
 @dataclass

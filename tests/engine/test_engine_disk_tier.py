@@ -25,7 +25,7 @@ from powerinfer_tools.stages.conversion.conversion import convert_model
 
 MERGE_GAP_BYTES = 4 << 10  # csrc/model/disk_tier.cpp's kMergeGapBytes
 KEYS = {"tokens", "bytes", "reads", "cache_hits", "cache_misses", "io_wait_seconds", "resident_bytes", "budget_bytes",
-        "dense_mapped"}
+        "resident_room_bytes", "resident_neurons", "tier_plan", "dense_mapped"}
 
 
 @pytest.fixture(params=["q4_0", "f32"])

@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from powerinfer_tools.formats import names, neuron_order
-from powerinfer_tools.stages.placement import device_placement, placement_solver
+from powerinfer_tools.formats import names, neuron_order, tier_plan
+from powerinfer_tools.stages.placement import device_placement, placement_solver, tier_solver, tiers
 from powerinfer_tools.core.atomic import atomic_file
 from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.stages import options as limits
@@ -257,6 +257,10 @@ class Plan:
     # what the bundled engine places on a device at this budget and ctx_size with this gpu index (f32 KV cache,
     # its default batch): device_placement.DevicePlacement.summary(); None for a plan from shapes alone
     engine: dict | None = None
+    # with a memory budget: per layer the neurons held in memory after the GPU's (the next hottest), and the memory
+    # tier's summary (budget, room, costs, expected seconds against the engine's frequency rule)
+    memory_neurons: np.ndarray | None = None
+    memory: dict | None = None
 
     @property
     def ffn_bytes(self) -> int:
@@ -276,8 +280,10 @@ class Plan:
             "granularity": self.granularity,
             "solver": self.solver,
             "engine_placement": self.engine,
+            "memory": self.memory,
             "layers": [{"layer": i, "n_ff": int(n), "gpu_neurons": int(k), "min_neurons": int(m),
                         "served_fraction": float(s / t) if t else 0.0}
+                       | ({} if self.memory_neurons is None else {"memory_neurons": int(self.memory_neurons[i])})
                        for i, (n, k, m, s, t) in enumerate(zip(self.n_ff, self.gpu_neurons, self.min_neurons,
                                                                self.served, self.total))],
         }
@@ -298,12 +304,14 @@ def fixed_costs(costs: ModelCosts, ctx_size: int, reserve_bytes: int, offload_ou
 def plan_for_model(profile_dir: str | Path, model_path: str | Path, vram_budget_bytes: int,
                    ctx_size: int | None = None, min_layer_neurons: str | int = "auto",
                    reserve_bytes: int = DEFAULT_RESERVE_BYTES, offload_output: bool = True, dense: str = "all",
-                   time_limit: float = 20.0, granularity: str | int = 1) -> Plan:
-    """The best placement of a converted model's neurons for a VRAM budget (the converter's one-line entry).
+                   time_limit: float = 20.0, granularity: str | int = 1, memory_budget_gib: float | None = None) -> Plan:
+    """The best placement of a converted model's neurons for a VRAM budget (the converter's one-line entry), and
+    with `memory_budget_gib` across GPU, memory and disk (tiers.py: the engine opened at that budget gives the room).
     The profile counts source neurons; the gpu index marks file positions (neuron_order.py). `granularity`:
     see parse_granularity (`powerinfer` reads the down projection's type from the file); `ctx_size` None: the
     model's default (plan_placement resolves it from the file's trained context)."""
     check_options(vram_budget_bytes, ctx_size, reserve_bytes, dense)
+    tiers.check_memory_budget(memory_budget_gib, granularity)
     header = read_header(model_path)
     down_types = {t.type.name for t in header.tensors if t.name.endswith(f".{names.weight(names.FFN_DOWN_T)}")}
     step = parse_granularity(granularity, down_types == {"Q4_0"})
@@ -311,8 +319,15 @@ def plan_for_model(profile_dir: str | Path, model_path: str | Path, vram_budget_
     order_text = header.get(neuron_order.ORDER_KEY)
     counts = neuron_order.in_file_order(load_activation_counts(profile_dir, costs.n_ff),
                                         neuron_order.decode(model_path, order_text, costs.n_ff))
-    plan = plan_placement(costs, counts, profiled_tokens(profile_dir, counts), vram_budget_bytes, ctx_size,
-                          min_layer_neurons, reserve_bytes, offload_output, dense, time_limit, step)
+    tokens = profiled_tokens(profile_dir, counts)
+    memory = None
+    if memory_budget_gib is not None:
+        gate = next(t for t in header.tensors if t.name == names.layer_tensor(0, names.FFN_GATE))
+        density = float(sum(c.sum() for c in counts)) / max(tokens * float(costs.n_ff.sum()), 1.0)
+        memory = tiers.memory_tier(model_path, costs.neuron_bytes, gate.n_bytes // int(costs.n_ff[0]), density,
+                                   int(memory_budget_gib * GIB), ctx_size or default_ctx_size(costs.context_length))
+    plan = plan_placement(costs, counts, tokens, vram_budget_bytes, ctx_size, min_layer_neurons, reserve_bytes,
+                          offload_output, dense, time_limit, step, memory)
     engine = device_placement.place_on_device(device_placement.device_costs(header, plan.ctx_size), vram_budget_bytes,
                                               plan.gpu_neurons) if vram_budget_bytes > 0 else None
     return dataclasses.replace(plan, neuron_order=order_text, engine=engine.summary() if engine else None)
@@ -347,10 +362,11 @@ def check_options(vram_budget_bytes: float, ctx_size: int | None, reserve_bytes:
 def plan_placement(costs: ModelCosts, counts: list[np.ndarray], tokens: float, vram_budget_bytes: int,
                    ctx_size: int | None = None, min_layer_neurons: str | int = "auto",
                    reserve_bytes: int = DEFAULT_RESERVE_BYTES, offload_output: bool = True, dense: str = "all",
-                   time_limit: float = 20.0, granularity: int = 1) -> Plan:
+                   time_limit: float = 20.0, granularity: int = 1, memory: tiers.MemoryTier | None = None) -> Plan:
     """The best placement for byte costs (from a file or from shapes) and per-layer activation counts over
     `tokens` tokens; each layer's GPU count 0, a multiple of `granularity`, or the whole layer. `ctx_size` None:
-    the trained context of costs' model, capped (options.default_ctx_size)."""
+    the trained context of costs' model, capped (options.default_ctx_size). With `memory`, the three-tier program
+    (tier_solver) places the GPU's and memory's neurons together."""
     check_options(vram_budget_bytes, ctx_size, reserve_bytes, dense)
     ctx_size = ctx_size or default_ctx_size(costs.context_length)
     vram_budget_bytes = int(vram_budget_bytes)
@@ -369,7 +385,10 @@ def plan_placement(costs: ModelCosts, counts: list[np.ndarray], tokens: float, v
                         "--ctx-size/--reserve-mib")
     capacity = vram_budget_bytes - sum(fixed.values())
     inst = placement_solver.Instance(counts, costs.neuron_bytes, per_layer, min_neurons, capacity, granularity)
-    if capacity == 0:
+    memory_neurons = memory_summary = None
+    if memory is not None:
+        sol, memory_neurons, memory_summary = _three_tiers(inst, memory, tokens, time_limit)
+    elif capacity == 0:
         sol = placement_solver.Solution(np.zeros(costs.n_layer, np.int64), 0.0, 0, "no-budget", 0.0)
     else:
         sol = placement_solver.solve(inst, time_limit=time_limit)
@@ -388,7 +407,33 @@ def plan_placement(costs: ModelCosts, counts: list[np.ndarray], tokens: float, v
                 min_neurons=inst.min_neurons, served=np.array([p[k] for p, k in zip(inst.prefix, sol.k)]),
                 total=np.array([p[-1] for p in inst.prefix]), breakdown=breakdown,
                 solver={"method": sol.method, "seconds": round(sol.seconds, 4), "iterations": sol.iterations,
-                        **sol.details}, granularity=granularity)
+                        **sol.details}, granularity=granularity, memory_neurons=memory_neurons, memory=memory_summary)
+
+
+def _three_tiers(inst: placement_solver.Instance, memory: tiers.MemoryTier, tokens: float, time_limit: float):
+    """The GPU's counts (as a placement_solver Solution), memory's counts and the memory tier's summary."""
+    problem = tier_solver.TierInstance(inst, memory.bundle_bytes, memory.room, memory.memory_s - memory.device_s,
+                                       memory.disk_s - memory.memory_s)
+    sol = tier_solver.solve(problem, time_limit=time_limit)
+    resident = sol.resident
+    by_frequency = tiers.frequency_rule(inst.counts, sol.k, memory)
+    # the two tiers chosen apart: the VRAM-only plan's GPU counts, then the frequency rule over the rest
+    apart = placement_solver.solve(inst, time_limit=time_limit).k if inst.capacity > 0 else np.zeros_like(sol.k)
+    gpu = placement_solver.Solution(sol.k, inst.value(sol.k), inst.bytes_used(sol.k), "milp-3-tier", sol.seconds,
+                                    sol.iterations, {"upper_bound_seconds_saved": sol.upper_bound / max(tokens, 1.0),
+                                                     "timed_out": sol.timed_out})
+    summary = {"budget_bytes": memory.budget, "room_bytes": memory.room, "bundle_bytes": int(memory.bundle_bytes.max()),
+               "memory_bytes_per_s": memory.memory_bytes_per_s, "disk_read_s": tiers.DISK_READ_S,
+               "disk_bytes_per_s": tiers.DISK_BYTES_PER_S, "device_bytes_per_s": tiers.DEVICE_BYTES_PER_S,
+               "seconds_per_activation": {"device": float(memory.device_s.mean()), "memory": float(memory.memory_s.mean()),
+                                          "disk": float(memory.disk_s.mean())},
+               "ffn_seconds_per_token": {
+                   "plan": tiers.seconds_per_token(inst.prefix, memory, sol.k, resident, tokens),
+                   "frequency_rule": tiers.seconds_per_token(inst.prefix, memory, sol.k, by_frequency, tokens),
+                   "apart": tiers.seconds_per_token(inst.prefix, memory, apart,
+                                                    tiers.frequency_rule(inst.counts, apart, memory), tokens)},
+               "frequency_rule_memory_neurons": by_frequency.tolist(), "apart_gpu_neurons": apart.tolist()}
+    return gpu, resident, summary
 
 
 def human_bytes(n: int) -> str:
@@ -451,11 +496,17 @@ def default_gpuidx_path(model_path: str | Path) -> Path:
 
 
 def write_plan(plan: Plan, out: str | Path) -> PlanFiles:
-    """The gpu-index file and its JSON summary (OUT.json)."""
+    """The gpu-index file and its JSON summary (OUT.json); with a memory tier, the three-tier plan beside the model
+    (tier_plan.path_for), where the engine looks."""
     summary = Path(f"{out}.json")
     write_gpuidx(plan, out)
-    write_summary(plan, summary)
-    return PlanFiles(plan, Path(out), summary)
+    tiers_path = None
+    if plan.memory_neurons is not None:
+        tiers_path = tier_plan.path_for(plan.model)
+        tier_plan.write(tier_plan.TierCounts(int(plan.n_ff.max()), plan.gpu_neurons, plan.memory_neurons,
+                                             plan.vram_budget, plan.memory["budget_bytes"]), tiers_path)
+    write_summary(plan, summary, extra={"tiers": str(tiers_path)} if tiers_path else None)
+    return PlanFiles(plan, Path(out), summary, tiers_path)
 
 
 def report_lines(plan: Plan) -> list[str]:
@@ -473,7 +524,26 @@ def report_lines(plan: Plan) -> list[str]:
               f"{100 * layer['served_fraction']:>6.1f}%" for layer in s["layers"]),
             "  (gpu/n_ff: the layer's FFN neurons placed on the GPU; min: the fewest a layer may have there if it has "
             "any (--min-layer-neurons); served: the share of the layer's activations those neurons serve)",
-            *engine_lines(plan)]
+            *engine_lines(plan), *memory_lines(plan)]
+
+
+def memory_lines(plan: Plan) -> list[str]:
+    """The memory tier of a three-tier plan: the room, the costs, each layer's memory share against the engine's
+    frequency rule, and the expected FFN seconds a token of both."""
+    m = plan.memory
+    if not m:
+        return []
+    t, cost = m["ffn_seconds_per_token"], m["seconds_per_activation"]
+    rule = m["frequency_rule_memory_neurons"]
+    return [f"memory budget {human_bytes(m['budget_bytes'])}: {human_bytes(m['room_bytes'])} for resident neurons "
+            f"(the engine's room at this budget), {m['bundle_bytes']} bytes each",
+            f"an activation costs {cost['device'] * 1e9:.1f} ns on the GPU, {cost['memory'] * 1e9:.1f} ns in memory "
+            f"(read probe: {m['memory_bytes_per_s'] / 1e9:.1f} GB/s), {cost['disk'] * 1e6:.2f} us from disk",
+            f"  {'layer':>5} {'memory':>8} {'by frequency':>13}",
+            *(f"  {i:>5} {int(k):>8} {int(r):>13}" for i, (k, r) in enumerate(zip(plan.memory_neurons, rule))),
+            f"expected FFN time a token: {t['plan'] * 1e3:.3f} ms with this plan, {t['frequency_rule'] * 1e3:.3f} ms "
+            f"with the engine's frequency rule at the same GPU counts, {t['apart'] * 1e3:.3f} ms with the tiers "
+            "chosen apart (the VRAM-only plan, then the frequency rule)"]
 
 
 def engine_lines(plan: Plan) -> list[str]:

@@ -228,11 +228,9 @@ def solve(inst: Instance, time_limit: float = 20.0, gap: float = 1e-6) -> Soluti
         iterations += 1
         res = _solve_relaxation(inst, lines, capacity, scale, gap, time_limit - (time.perf_counter() - start))
         nodes += int(getattr(res, "mip_node_count", 0) or 0)
-        timed_out = res.status == 1
+        timed_out = stopped_in_time(res, "placement")
         if res.x is None:
-            if timed_out:
-                break
-            raise RuntimeError(f"placement MILP failed: {res.message}")
+            break
         k = np.round(res.x[:L]).astype(np.int64)
         t = res.x[2 * L:3 * L] * scale
         overused = inst.bytes_used(k) - inst.capacity
@@ -253,27 +251,49 @@ def solve(inst: Instance, time_limit: float = 20.0, gap: float = 1e-6) -> Soluti
                               "upper_bound": max(bound, inst.value(best)), "timed_out": timed_out})
 
 
+def stopped_in_time(res, what: str) -> bool:
+    """Whether HiGHS stopped at its time limit (with or without a plan); a failure without one raises."""
+    timed_out = res.status == 1
+    if res.x is None and not timed_out:
+        raise RuntimeError(f"{what} MILP failed: {res.message}")
+    return timed_out
+
+
+class Rows:
+    """A sparse constraint matrix built a row at a time: lo <= sum of v x_c over (c, v) in entries <= hi."""
+
+    def __init__(self):
+        self.rows, self.cols, self.vals, self.lb, self.ub = [], [], [], [], []
+
+    def add(self, entries, lo: float, hi: float) -> None:
+        r = len(self.lb)
+        for c, v in entries:
+            self.rows.append(r)
+            self.cols.append(c)
+            self.vals.append(float(v))
+        self.lb.append(lo)
+        self.ub.append(hi)
+
+    def constraint(self, n_vars: int):
+        from scipy import sparse
+        from scipy.optimize import LinearConstraint
+
+        A = sparse.csr_array((self.vals, (self.rows, self.cols)), shape=(len(self.lb), n_vars))
+        return LinearConstraint(A, self.lb, self.ub)
+
+
 def _solve_relaxation(inst: Instance, lines: list[_Lines], capacity: int, scale: float, gap: float,
                       time_limit: float):
     """One HiGHS solve over variables [k (int), y (binary), t (value / scale)], each of length L, and with a
     granularity g > 1 also [u (int), f (binary)]: k = g u + (n mod g) f, f only with u at n // g."""
     # imported here: `pi-tools run` reaches this module through placement, and scipy would be its largest import
-    from scipy import sparse
-    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.optimize import Bounds, milp
 
     L = inst.n_layer
     g = inst.granularity
     n_vars = 5 * L if g > 1 else 3 * L
-    rows, cols, vals, lb, ub = [], [], [], [], []
-
-    def row(entries, lo, hi):
-        r = len(lb)
-        for c, v in entries:
-            rows.append(r)
-            cols.append(c)
-            vals.append(v)
-        lb.append(lo)
-        ub.append(hi)
+    rows = Rows()
+    row = rows.add
 
     cap = max(float(capacity), 1.0)
     row([(i, inst.neuron_bytes[i] / cap) for i in range(L)]
@@ -287,7 +307,6 @@ def _solve_relaxation(inst: Instance, lines: list[_Lines], capacity: int, scale:
             chunks, rest = divmod(int(inst.n[i]), g)
             row([(i, 1.0), (3 * L + i, -float(g)), (4 * L + i, -float(rest))], 0.0, 0.0)  # k_i = g u_i + r_i f_i
             row([(4 * L + i, float(chunks)), (3 * L + i, -1.0)], -np.inf, 0.0)  # f_i only when u_i = n_i // g
-    A = sparse.csr_array((vals, (rows, cols)), shape=(len(lb), n_vars))
     top = np.array([p[-1] for p in inst.prefix]) / scale
     upper = [inst.n.astype(float), np.ones(L), top]
     if g > 1:
@@ -295,5 +314,5 @@ def _solve_relaxation(inst: Instance, lines: list[_Lines], capacity: int, scale:
     bounds = Bounds(np.zeros(n_vars), np.concatenate(upper))
     c = np.concatenate([np.zeros(2 * L), -np.ones(L), np.zeros(n_vars - 3 * L)])
     integrality = np.concatenate([np.ones(2 * L), np.zeros(L), np.ones(n_vars - 3 * L)])
-    return milp(c, integrality=integrality, bounds=bounds, constraints=LinearConstraint(A, lb, ub),
+    return milp(c, integrality=integrality, bounds=bounds, constraints=rows.constraint(n_vars),
                 options={"mip_rel_gap": gap, "time_limit": max(time_limit, 0.5), "disp": False})

@@ -1,0 +1,22 @@
+// The three-tier plan beside a model (`pi-tools plan --memory-budget` writes it; powerinfer_tools/formats/tier_plan.py
+// owns the format, docs/placement.md "Three tiers" says how it is chosen): per layer, how many of its hottest neurons
+// go on the GPU and how many of the next are held in memory; the disk tier holds in memory those of a layer's
+// gpu + memory hottest that its hot tier does not hold (docs/engine.md, "Models larger than memory").
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace pi {
+
+struct TierPlan {
+    std::vector<int64_t> gpu, memory;  // [layer]
+};
+
+// Reads the plan at `path` for a model of n_layer layers of n_ff neurons: false where no file is there; fails in one
+// line where it is not a regular file, is damaged (magic, version, size, checksum) or is another model's shape, or a
+// layer's counts exceed its neurons.
+bool read_tier_plan(const std::string &path, int64_t n_layer, int64_t n_ff, TierPlan &plan);
+
+}  // namespace pi

@@ -5,7 +5,8 @@ at random and sorted, or on all of them in order:
 
 * `gemm8` over packed 8-row groups (attention, output head, a dense FFN's gate/up),
 * `dot_rows` over gathered rows (a sparse FFN's gate/up rows read by index),
-* `axpy_rows` over gathered rows (the down projection's `ffn_down_t` rows),
+* `axpy_rows` over gathered rows (the down projection's `ffn_down_t` rows), and over all of them in order,
+* `axpy_quads` (q4_0, the SIMD sets) over all of them in quads (a SiLU model's dense decode step),
 * `gemv_columns` over the column layout of the same matrices (input sparsity's decode step), the `--drop` share
   of the inputs zeroed (the smallest |x|, 0.25 by default): its GB/s counts the bytes it reads (the kept inputs'
   columns and every block's scales), to set against gemm8's over the whole matrix (the rate at which the skipped
@@ -27,6 +28,7 @@ machine). Used for docs/log/perf-notes.md: prediction vs outcome per kernel chan
 
     python scripts/kernel_microbench.py [--isa avx2] [--passes 20] [--tokens 128]
     python scripts/kernel_microbench.py --cols 4096 --rows 11008 --matrices 4   # the 7B shape's gate/up
+    python scripts/kernel_microbench.py --cols 4096 --rows 14336 --matrices 2   # Llama-3.1-8B's down_t
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ import time
 import gguf
 import numpy as np
 
-from powerinfer_engine import kernels
+from powerinfer_engine import EngineError, kernels
 from powerinfer_engine._lib import lib
 
 Q = gguf.GGMLQuantizationType
@@ -49,6 +51,15 @@ PACKED_BLOCK = {"q4_0": 144, "q8_0": 272}
 def tile_fits(n_out: int, tile: int, threads: int) -> bool:
     n_tiles = -(-n_out // tile)
     return n_tiles >= threads and -(-n_tiles // threads) * tile <= 1.15 * n_out / threads
+
+
+def has_quads(isa: str) -> bool:
+    """Whether the set has axpy_quads (kernels.h: the SIMD sets)."""
+    try:
+        kernels.axpy_quads(isa, 32, 1, kernels.pack_quads(32, [np.zeros(18, np.uint8)]), np.ones(1), np.zeros(32))
+    except EngineError:
+        return False
+    return True
 
 
 def best(fn, passes: int) -> float:
@@ -100,6 +111,8 @@ def main() -> None:
         row_bytes = mats[0].shape[1]
         half = [np.sort(rng.choice(ROWS, ROWS // 2, replace=False)) for _ in range(MATRICES)]
         gathered = [(ptr * len(h))(*[m.ctypes.data + int(r) * row_bytes for r in h]) for m, h in zip(mats, half)]
+        every = [(ptr * ROWS)(*[m.ctypes.data + r * row_bytes for r in range(ROWS)]) for m in mats]
+        quads = [kernels.pack_quads(N, list(m)) for m in mats] if wtype == "q4_0" and has_quads(args.isa) else []
         packed = [np.concatenate([kernels.pack8(wtype, N, list(m[g:g + 8])) for g in range(0, ROWS, 8)]) for m in mats]
         n_half = ROWS // 2
         # the engine's tile at 2 threads (Engine::column_tile): the widest giving no thread over 1.15x an even share
@@ -116,14 +129,24 @@ def main() -> None:
         def axpy_rows(k):
             f.pi_kernel_axpy_rows(isa, tid, N, n_half, gathered[k], 0, cp, yp)
 
+        def axpy_all(k):
+            f.pi_kernel_axpy_rows(isa, tid, N, ROWS, every[k], 0, cp, yp)
+
+        def axpy_quads(k):
+            f.pi_kernel_axpy_quads(isa, N, ROWS, ptr(quads[k].ctypes.data), cp, yp)
+
         def gemv_columns(k):
             f.pi_kernel_gemv_columns(isa, tid, N, ROWS, tile, ptr(columns[k].ctypes.data), zp, 0, ROWS, op)
 
         kept_bytes = n_kept * col_bytes + N // 32 * 2 * ROWS
-        for name, fn, nbytes, which in (("gemm8", gemm8, ROWS * row_bytes, "all, packed"),
-                                        ("dot_rows", dot_rows, n_half * row_bytes, "half, index"),
-                                        ("axpy_rows", axpy_rows, n_half * row_bytes, "half, index"),
-                                        ("gemv_cols", gemv_columns, kept_bytes, f"{n_kept / N:.2f} kept")):
+        cases = [("gemm8", gemm8, ROWS * row_bytes, "all, packed"),
+                 ("dot_rows", dot_rows, n_half * row_bytes, "half, index"),
+                 ("axpy_rows", axpy_rows, n_half * row_bytes, "half, index"),
+                 ("axpy_rows", axpy_all, ROWS * row_bytes, "all, index"),
+                 ("gemv_cols", gemv_columns, kept_bytes, f"{n_kept / N:.2f} kept")]
+        if quads:
+            cases.insert(4, ("axpy_quads", axpy_quads, ROWS * row_bytes, "all, quads"))
+        for name, fn, nbytes, which in cases:
             blocks = nbytes / row_bytes * N / 32
             hot = best(lambda: [fn(0) for _ in range(10)], args.passes) / 10
             cold = best(lambda: [fn(k) for k in range(MATRICES)], max(3, args.passes // 4)) / MATRICES

@@ -39,8 +39,8 @@ struct TypeKernels {
     // other types bit-identical to dot
     void (*dot_rows)(int n, int n_rows, const void *const *w, const void *x, float *out);
     // y[i] += sum_r a[r] * row r[i], i < n, for n_rows q4_0 rows in the 4-row layout of packed.h (pack_quads),
-    // starting at quads: bit-identical to axpy_rows over the same rows. Only where the set has a faster path than
-    // axpy_rows (AVX-512 VNNI), else nullptr.
+    // starting at quads: bit-identical to axpy_rows over the same rows. The SIMD sets (AVX-512 VNNI, AVX2), whose
+    // axpy_rows transposes each quad's bytes in registers; the scalar set nullptr (axpy_rows reads rows as fast).
     void (*axpy_quads)(int n, int n_rows, const void *quads, const float *a, float *y);
     // The transpose of a panel of rows requantized for gemm8 (a batch's down projection in integers): columns
     // [col0, col0 + n_cols) of rows w[0, n_rows) become n_cols / 8 q8_0 groups in the 8-row layout of packed.h,

@@ -244,14 +244,14 @@ def test_the_share_set_on_an_open_model_is_the_share_opened_with(input_files):
         assert m.input_sparsity == SHARE
 
 
-@pytest.mark.skipif(not kernels.available("avx512"), reason="axpy_quads needs the avx512 kernel set")
-def test_input_sparsity_set_after_dense_steps_gives_the_down_quads_back(input_files):
+@pytest.mark.parametrize("isa", [i for i in ("avx2", "avx512") if kernels.available(i)])  # the sets with axpy_quads
+def test_input_sparsity_set_after_dense_steps_gives_the_down_quads_back(isa, input_files):
     """Dense decode steps on a SiLU q4_0 model hold down_t in quads; input sparsity's own FFN reads down_t's rows,
     so turning it on gives the quads back (the rows are the file's again), and its logits are the ones of a model
     opened with it."""
     path, _ = input_files("llama-silu", "q4_0")
     opened, _ = run(path)
-    with engine.Model(path, threads=2, sparse_mode="dense", isa="avx512") as m:
+    with engine.Model(path, threads=2, sparse_mode="dense", isa=isa) as m:
         engine_prompt_then_decode(m, TOKENS[:N_PROMPT + 2], N_PROMPT)
         assert all(l["down_quads"] > 0 for l in m.stats()["layers"])
         m.reset()

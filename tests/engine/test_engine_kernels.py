@@ -361,13 +361,10 @@ def test_q4_0_axpy_rows_edge_coefficients(isa):
     assert np.isnan(kernels.axpy_rows(isa, wtype, n, rows, 0, a, np.zeros(n, np.float32))).all()
 
 
-QUADS = [isa for isa in SIMD if isa == "avx512"]  # the sets with axpy_quads (csrc/kernels/kernels.h)
-
-
-@pytest.mark.skipif(not QUADS, reason="no kernel set with axpy_quads on this CPU/build")
+@pytest.mark.parametrize("isa", SIMD)  # every SIMD set has axpy_quads (csrc/kernels/kernels.h)
 @pytest.mark.parametrize("n", [32, 96, 576, 4096])
 @pytest.mark.parametrize("n_rows", [1, 3, 4, 5, 31, 32, 33, 70, 256])
-def test_axpy_quads_is_axpy_rows_on_the_same_rows(n, n_rows):
+def test_axpy_quads_is_axpy_rows_on_the_same_rows(isa, n, n_rows):
     """axpy_quads over pack_quads of q4_0 rows (the 4-row layout a dense step's down projection reads) equals the
     scalar reference axpy_rows over the rows, bit for bit: every group size, a last quad with missing rows, zero
     coefficients, and widths with a chunk of blocks left over (n = 576: 16 + 2 blocks)."""
@@ -378,12 +375,12 @@ def test_axpy_quads_is_axpy_rows_on_the_same_rows(n, n_rows):
     y = rng.normal(0, 1, n).astype(np.float32)
     quads = kernels.pack_quads(n, rows)
     assert quads.size == (n_rows + 3) // 4 * 4 * rows[0].size  # as many bytes as the rows (4 per quad)
-    np.testing.assert_array_equal(kernels.axpy_quads("avx512", n, n_rows, quads, a, y),
+    np.testing.assert_array_equal(kernels.axpy_quads(isa, n, n_rows, quads, a, y),
                                   kernels.axpy_rows("scalar", "q4_0", n, rows, 0, a, y))
 
 
-@pytest.mark.skipif(not QUADS, reason="no kernel set with axpy_quads on this CPU/build")
-def test_axpy_quads_edge_coefficients_take_the_same_paths():
+@pytest.mark.parametrize("isa", SIMD)
+def test_axpy_quads_edge_coefficients_take_the_same_paths(isa):
     """Blocks whose coefficients hold inf or NaN, whose largest is tiny (below 1e-30), or that are all zero go the
     same way as in axpy_rows (floats, floats, nothing): the same bits, NaN where axpy_rows has NaN."""
     rng = np.random.default_rng(11)
@@ -396,7 +393,7 @@ def test_axpy_quads_edge_coefficients_take_the_same_paths():
             a[r] = v
         y = np.full(n, -0.0, dtype=np.float32)
         ref = kernels.axpy_rows("scalar", "q4_0", n, rows, 0, a, y)
-        got = kernels.axpy_quads("avx512", n, n_rows, kernels.pack_quads(n, rows), a, y)
+        got = kernels.axpy_quads(isa, n, n_rows, kernels.pack_quads(n, rows), a, y)
         np.testing.assert_array_equal(np.isnan(got), np.isnan(ref))
         np.testing.assert_array_equal(np.nan_to_num(got).view(np.uint32), np.nan_to_num(ref).view(np.uint32))
 

@@ -460,19 +460,19 @@ def test_quantized_files_match_their_dequantized_weights(outtype, tiny_model_dir
         assert (batch.argmax(1) == ref64.argmax(1)).mean() >= 0.9, isa
 
 
-@pytest.mark.skipif(not kernels.available("avx512"), reason="axpy_quads needs the avx512 kernel set")
-def test_dense_down_projection_over_quads_gives_the_rows_bits(converted):
+@pytest.mark.parametrize("isa", [i for i in ("avx2", "avx512") if kernels.available(i)])
+def test_dense_down_projection_over_quads_gives_the_rows_bits(isa, converted):
     """A SiLU model's dense mode holds each layer's q4_0 down_t rows in quads (every decode step uses every row)
-    and its decode steps read them there: the same logits, bit for bit, as a kernel set without axpy_quads reading
+    and its decode steps read them there: the same logits, bit for bit, as the scalar set (no axpy_quads) reading
     the rows; gate mode, whose steps leave rows out, holds none. Input sparsity's own FFN gives them back."""
     path = converted("llama-silu", "q4_0")
-    with_quads, stats = run(path, isa="avx512")
+    with_quads, stats = run(path, isa=isa)
     assert all(l["down_quads"] > 0 for l in stats["layers"])
     assert stats["weight_copies"]["down_quads"] == sum(l["down_quads"] for l in stats["layers"])
-    rows, stats = run(path, isa="avx2" if kernels.available("avx2") else "scalar")
+    rows, stats = run(path, isa="scalar")
     assert all(l["down_quads"] == 0 for l in stats["layers"])
     np.testing.assert_array_equal(with_quads, rows)
-    _, stats = run(path, "gate", isa="avx512")
+    _, stats = run(path, "gate", isa=isa)
     assert all(l["down_quads"] == 0 for l in stats["layers"])
 
 

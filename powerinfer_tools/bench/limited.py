@@ -47,7 +47,9 @@ def contestants(modes, ours_options: dict, budget_gib: float | None, llamacpp: b
 def disk_per_token(stats: dict | None) -> dict | None:
     """The disk tier's counters (stats()["disk"]: tokens, bytes, reads, cache_hits, cache_misses, io_wait_seconds,
     resident_bytes, budget_bytes) per generated token: bytes and reads from the file, the share of row lookups its
-    cache served, and seconds waited on reads; None where the stats have no disk object or it counted no token."""
+    cache served, and seconds waited on reads; for the expert tier (kind "experts": lookups are experts), the share of
+    the experts its lookahead read ahead that a step then used; None where the stats have no disk object or it
+    counted no token."""
     disk = (stats or {}).get("disk")
     if not disk or not disk.get("tokens"):
         return None
@@ -56,7 +58,8 @@ def disk_per_token(stats: dict | None) -> dict | None:
     return {"bytes": disk["bytes"] / n, "reads": disk["reads"] / n,
             "hit_rate": disk["cache_hits"] / lookups if lookups else None,
             "io_wait_seconds": disk["io_wait_seconds"] / n,
-            "resident_bytes": disk["resident_bytes"], "budget_bytes": disk["budget_bytes"]}
+            "resident_bytes": disk["resident_bytes"], "budget_bytes": disk["budget_bytes"],
+            "prefetch_hit_rate": disk["prefetch_used"] / disk["prefetched"] if disk.get("prefetched") else None}
 
 
 def _speeds(tokens: int, replies: list[dict]) -> dict:
@@ -151,8 +154,9 @@ def render(record: dict) -> list[str]:
             "storage MiB/token | major faults/token |")
     rule = "|---|---|---:|---:|---:|---:|---:|---:|"
     if disk:
-        head += " disk tier MiB/token | reads/token | cache hit rate | I/O wait ms/token | resident / budget MiB |"
-        rule += "---:|---:|---:|---:|---:|"
+        head += (" disk tier MiB/token | reads/token | cache hit rate | prefetch hit rate | I/O wait ms/token | "
+                 "resident / budget MiB |")
+        rule += "---:|---:|---:|---:|---:|---:|"
     lines = ["", f"Under a {lim['limit_gib']:g} GiB memory cgroup (cgroup v{lim['cgroup_version']}), one engine at a "
                  f"time, the page cache dropped before each; {st['repeats']} rounds, medians (the first from an "
                  f"empty cache); file {lim['file_gib']:.2f} GiB (ours), {lim['peer_file_gib']:.2f} GiB (llama.cpp):",
@@ -167,7 +171,7 @@ def render(record: dict) -> list[str]:
         if disk:
             d = r.get("disk") or {}
             cells += [_f(d["bytes"] / 2**20 if d else None, "{:.1f}"), _f(d.get("reads"), "{:.0f}"),
-                      _f(d.get("hit_rate"), "{:.0%}"),
+                      _f(d.get("hit_rate"), "{:.0%}"), _f(d.get("prefetch_hit_rate"), "{:.0%}"),
                       _f(d["io_wait_seconds"] * 1e3 if d else None, "{:.1f}"),
                       f"{d['resident_bytes'] / 2**20:.0f} / {d['budget_bytes'] / 2**20:.0f}" if d else "–"]
         lines.append("| " + " | ".join(cells) + " |")

@@ -93,7 +93,8 @@ ExpertTier::ExpertTier(Model &model, double budget, const std::string &budget_so
                                 mib(fixed_) + " (the weights copied at open, the KV cache, buffers) + " +
                                 mib(double(hp.n_expert_used) * double(slot_bytes_)) + " (a token's " +
                                 std::to_string(hp.n_expert_used) + " experts of a layer, of " + mib(all) + " in all)");
-    cache_ = PageMemory(size_t(n_slots_) * slot_bytes_, false, "the expert cache", false);
+    // on 2 MiB pages where the kernel grants them, as the packed weights are (a step reads its experts whole)
+    cache_ = PageMemory(size_t(n_slots_) * slot_bytes_, true, "the expert cache", false);
     slots_.assign(size_t(n_slots_), Slot{});
     slot_of_.assign(size_t(hp.n_layer), std::vector<int32_t>(size_t(n_expert_), -1));
     mats_.resize(size_t(n_slots_) * 3);
@@ -151,9 +152,11 @@ void ExpertTier::claim(int64_t s, int64_t il, int32_t e, bool prefetched) {
     if (slot.il >= 0) slot_of_[size_t(slot.il)][size_t(slot.e)] = -1;
     // a prefetched expert has no reference until a step uses it: the first to go if none does
     slot = Slot{il, e, State::Loading, 0, false, prefetched, !prefetched};
+    slot.parts_left = 3;
+    slot.counted = decode_;
     slot_of_[size_t(il)][size_t(e)] = int32_t(s);
-    queue_.push_back(s);
-    io_cv_.notify_one();
+    for (int part = 0; part < 3; ++part) queue_.push_back(s * 3 + part);  // its three runs read side by side
+    io_cv_.notify_all();
 }
 
 void ExpertTier::schedule() {
@@ -236,19 +239,26 @@ void ExpertTier::io_loop(int thread) {
     for (;;) {
         io_cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
         if (stop_) return;
-        const int64_t s = queue_.front();
+        const int64_t job = queue_.front(), s = job / 3;
         queue_.pop_front();
+        const Slot at_start = slots_[size_t(s)];
         std::string error;
         lock.unlock();
         try {
-            load(s, thread);
+            load(s, int(job % 3), at_start.il, at_start.e, thread);
         } catch (const EngineFailure &f) {
             error = f.what();
         }
         lock.lock();
         Slot &slot = slots_[size_t(s)];
-        if (!error.empty()) {
-            if (io_error_.empty()) io_error_ = error;
+        if (slot.counted && error.empty()) {
+            counts_.bytes += double(parts_[size_t(slot.il)][size_t(job % 3)].raw_bytes);
+            counts_.reads += 1;
+        }
+        if (!error.empty() && io_error_.empty()) io_error_ = error;
+        slot.failed = slot.failed || !error.empty();
+        if (--slot.parts_left > 0) continue;
+        if (slot.failed) {  // fatal for the step waiting on it (ready fails); the slot is free again
             slot_of_[size_t(slot.il)][size_t(slot.e)] = -1;
             slot = Slot{};
             ready_cv_.notify_all();
@@ -285,40 +295,23 @@ void ExpertTier::read_range(uint8_t *staging, size_t staging_bytes, uint64_t off
     *at = staging;
 }
 
-void ExpertTier::load(int64_t s, int thread) {
-    int64_t il;
-    int32_t e;
-    bool decode;
-    {
-        std::lock_guard<std::mutex> lock(mu_);
-        il = slots_[size_t(s)].il;
-        e = slots_[size_t(s)].e;
-        decode = decode_;
-    }
+void ExpertTier::load(int64_t s, int part, int64_t il, int32_t e, int thread) {
     std::vector<uint8_t> &staging = staging_[size_t(thread)];
-    uint8_t *slot = cache_.data() + size_t(s) * slot_bytes_;
-    double bytes = 0;
-    for (const Part &p : parts_[size_t(il)]) {
-        const uint8_t *rows = nullptr;
-        read_range(staging.data(), staging.size(), p.file_offset + uint64_t(e) * p.expert_stride, p.raw_bytes, &rows);
-        bytes += double(p.raw_bytes);
-        uint8_t *out = slot + p.slot_offset;
-        if (!p.packed) {
-            std::memcpy(out, rows, p.raw_bytes);
-            continue;
-        }
-        // the 8-row groups Model::pack makes of the same rows
-        const int64_t group_bytes = p.shape.group_bytes();
-        for (int64_t g = 0; g < p.shape.rows / kPackRows; ++g) {
-            const void *r8[kPackRows];
-            for (int r = 0; r < kPackRows; ++r) r8[r] = rows + size_t(g * kPackRows + r) * p.shape.row_bytes;
-            pack_rows8(p.shape.type, int(p.shape.cols), r8, out + g * group_bytes);
-        }
+    const Part &p = parts_[size_t(il)][size_t(part)];
+    const uint8_t *rows = nullptr;
+    read_range(staging.data(), staging.size(), p.file_offset + uint64_t(e) * p.expert_stride, p.raw_bytes, &rows);
+    uint8_t *out = cache_.data() + size_t(s) * slot_bytes_ + p.slot_offset;
+    if (!p.packed) {
+        std::memcpy(out, rows, p.raw_bytes);
+        return;
     }
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!decode) return;
-    counts_.bytes += bytes;
-    counts_.reads += double(parts_[size_t(il)].size());
+    // the 8-row groups Model::pack makes of the same rows
+    const int64_t group_bytes = p.shape.group_bytes();
+    for (int64_t g = 0; g < p.shape.rows / kPackRows; ++g) {
+        const void *r8[kPackRows];
+        for (int r = 0; r < kPackRows; ++r) r8[r] = rows + size_t(g * kPackRows + r) * p.shape.row_bytes;
+        pack_rows8(p.shape.type, int(p.shape.cols), r8, out + g * group_bytes);
+    }
 }
 
 }  // namespace pi

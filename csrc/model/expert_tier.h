@@ -1,11 +1,11 @@
 // A mixture of experts under a memory budget (docs/engine.md, "The expert tier"): the experts stay in the model file
 // and a cache of whole experts holds those recently used. A missing expert is read from the GGUF itself: expert e's
 // rows of ffn_{gate,up,down}_exps are one contiguous run of each 3-D tensor, three reads of hundreds of KiB at the
-// shapes that need the tier, so no sidecar is written. The reads run on threads of their own (several in flight, each
-// through O_DIRECT where the file system takes it, so that the page cache does not hold a second copy), and each
-// arrived expert is packed into its cache slot in the 8-row groups the in-memory engine packs at load, so that its
-// rows go through the same kernels and the logits are the same bits. A step hands its experts to the compute side as
-// they arrive (begin, ready, done); prefetch reads a later layer's guessed experts into free or old slots without
+// shapes that need the tier, so no sidecar is written. The reads run on threads of their own (an expert's three runs
+// side by side, each through O_DIRECT where the file system takes it, so that the page cache holds no second copy),
+// and each arrived run is packed into its cache slot in the 8-row groups the in-memory engine packs at load, so that
+// its rows go through the same kernels and the logits are the same bits. A step hands its experts to the compute side
+// as they arrive (begin, ready, done); prefetch reads a later layer's guessed experts into free or old slots without
 // waiting.
 #pragma once
 
@@ -74,6 +74,9 @@ private:
         bool wanted = false;      // in the step in flight, not handed out yet
         bool prefetched = false;  // read by prefetch and not used yet
         bool referenced = false;  // the clock's bit
+        int8_t parts_left = 0;    // of gate, up, down still being read
+        bool failed = false;      // a part's read failed
+        bool counted = false;     // read for (or ahead of) a decode step: its bytes in counts_
     };
     // Where a matrix of one expert is in the file and in a slot.
     struct Part {
@@ -88,7 +91,8 @@ private:
     int64_t take_victim(bool gentle);
     void claim(int64_t s, int64_t il, int32_t e, bool prefetched);  // slot s now holds (il, e), on its way (under mu_)
     void io_loop(int thread);
-    void load(int64_t s, int thread);  // reads and packs slot s's expert (outside mu_)
+    // Reads and packs part `part` (gate, up, down) of expert e of layer il into slot s (outside mu_).
+    void load(int64_t s, int part, int64_t il, int32_t e, int thread);
     void read_range(uint8_t *staging, size_t staging_bytes, uint64_t offset, size_t bytes, const uint8_t **at);
 
     Model &model_;
@@ -109,7 +113,7 @@ private:
     std::deque<int32_t> pending_;   // wanted experts with no slot yet
     std::vector<int32_t> arrived_;  // wanted experts in memory, not handed out
     int64_t to_hand_ = 0;           // wanted experts not handed out yet
-    std::deque<int64_t> queue_;     // slots to read
+    std::deque<int64_t> queue_;     // parts to read: slot * 3 + part
     std::string io_error_;
     std::mutex mu_;
     std::condition_variable io_cv_, ready_cv_;

@@ -515,7 +515,8 @@ def _memory_limited(opts: BenchOptions, files, modes, prompt: list[int], tg: dic
 
         frequencies = profile_frequencies(opts.profile, files.powerinfer) if opts.profile is not None else None
         neuron_bundles.write(files.powerinfer, frequencies, progress=opts.progress)
-    rows = limited.contestants(modes, _ours_options(opts, files.powerinfer, n_ctx), budget, "llama.cpp" in opts.peers)
+    rows = limited.contestants(modes, _ours_options(opts, files.powerinfer, n_ctx), budget, "llama.cpp" in opts.peers,
+                               experts)
     return {"limit_gib": opts.memory_limit, "budget_gib": budget, "cgroup_version": cgroup.find_hierarchy().version,
             "file_gib": files.powerinfer.stat().st_size / 2**30, "peer_file_gib": files.llamacpp.stat().st_size / 2**30,
             "rows": limited.run(rows, int(opts.memory_limit * 2**30), limited.start_worker(opts, files, n_ctx),

@@ -5,8 +5,9 @@ Contestants, one process and one cgroup each, one after another (not interleaved
   llama.cpp, its weights repacked into anonymous memory (its default on this CPU), and mapped only (repack off: its
   weights are the file's pages, which the kernel can drop and read again);
   ours in each FFN mode at its defaults (the engine's disk tier turns itself on where the FFN does not fit the limit
-  less what the process holds, and its budget is that room: docs/engine.md, "Models larger than memory"), and with
-  --memory-budget's tier where one is given.
+  less what the process holds, and its budget is that room: docs/engine.md, "Models larger than memory"; a mixture
+  of experts' expert tier likewise, and a row without its lookahead), and with --memory-budget's tier where one is
+  given.
 Per row: pp and tg speeds (medians over the rounds; the first round starts from an empty page cache), the cgroup's
 peak (page cache included) and OOM kills, the storage bytes and major faults of a generated token (the kernel's
 counts, /proc/PID/io: the same measure for every engine) and, where our engine's stats have a "disk" object, the
@@ -30,14 +31,19 @@ class Contestant:
     options: dict           # the worker's engine options
 
 
-def contestants(modes, ours_options: dict, budget_gib: float | None, llamacpp: bool) -> list[Contestant]:
-    """The rows, in the order they run; ours with a given disk-tier budget only where budget_gib is given."""
+def contestants(modes, ours_options: dict, budget_gib: float | None, llamacpp: bool,
+                experts: bool = False) -> list[Contestant]:
+    """The rows, in the order they run; ours with a given disk-tier budget only where budget_gib is given; for a
+    mixture of experts (experts), ours also without the expert tier's lookahead, to show what it is worth."""
     rows = []
     if llamacpp:
         rows += [Contestant("llama.cpp repacked", "llama.cpp", "dense", {"repack": True}),
                  Contestant("llama.cpp mmap only", "llama.cpp", "dense", {"repack": False})]
     for mode in modes:
         rows.append(Contestant(f"ours {mode}", "ours", mode, dict(ours_options)))
+        if experts:
+            rows.append(Contestant(f"ours {mode}, no lookahead", "ours", mode,
+                                   dict(ours_options, expert_lookahead=False)))
         if budget_gib is not None:
             rows.append(Contestant(f"ours {mode} + disk tier", "ours", mode,
                                    dict(ours_options, memory_budget=budget_gib)))

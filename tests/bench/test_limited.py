@@ -78,6 +78,9 @@ def test_rows_with_and_without_the_disk_tier():
     assert rows[1].options == {"repack": False} and rows[3].options == {"gpu": "off", "memory_budget": 0.75}
     assert "memory_budget" not in rows[2].options
     assert [r.label for r in limited.contestants(["dense"], {}, None, llamacpp=False)] == ["ours dense"]
+    moe = limited.contestants(["dense"], {}, None, llamacpp=False, experts=True)  # a mixture: the lookahead's worth
+    assert [r.label for r in moe] == ["ours dense", "ours dense, no lookahead"]
+    assert moe[0].options == {} and moe[1].options == {"expert_lookahead": False}
 
 
 def test_llamacpp_without_extra_buffers():

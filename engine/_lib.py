@@ -52,7 +52,7 @@ class Options(ctypes.Structure):
                 ("gpu_ffn_only", ctypes.c_int32), ("input_sparsity", ctypes.c_float),
                 ("cpu_hot_tier", ctypes.c_int32), ("decode_cache", ctypes.c_char_p),
                 ("memory_budget", ctypes.c_int64), ("n_seq", ctypes.c_int32),
-                ("expert_lookahead_off", ctypes.c_int32)]
+                ("expert_lookahead", ctypes.c_int32)]
 
 
 class Sampling(ctypes.Structure):

@@ -92,7 +92,7 @@ Engine::Engine(const std::string &path, const pi_options &opts, const std::strin
     split_cold_.assign(size_t(hp_.n_layer), SplitCold{});
     if (!hot_) hot_ = std::make_unique<CpuTierBackend>(hp_, *ks_, *pool_, n_batch_, rank, true);
     cold_ = std::make_unique<CpuTierBackend>(hp_, *ks_, *pool_, n_batch_, rank, false, disk_.get());
-    if (hp_.n_expert > 0) moe_ = std::make_unique<MoeFfn>(hp_, *ks_, *pool_, n_batch_, experts_.get(), opts.expert_lookahead_off == 0);
+    if (hp_.n_expert > 0) moe_ = std::make_unique<MoeFfn>(hp_, *ks_, *pool_, n_batch_, experts_.get(), opts.expert_lookahead != 0);
     for (int64_t il = 0; il < hp_.n_layer; ++il) {
         const Layer &L = model_->layers()[size_t(il)];
         if (L.hot.size() > 0) hot_->upload(il, L, L.hot);

@@ -100,8 +100,9 @@ typedef struct {
     int32_t n_seq;           /* sequences the engine holds (the slots of a server's parallel requests), each with its
                                 own KV cache of ctx_size positions (counted by the memory check), sharing the weights
                                 and work buffers; <= 0: 1 */
-    int32_t expert_lookahead_off; /* the expert tier's lookahead (the next layer's router on this layer's input names
-                                     experts to read ahead): 0 on, 1 off (the same logits either way) */
+    int32_t expert_lookahead; /* the expert tier's lookahead (the next layer's router on this layer's input names
+                                 experts to read ahead): 1 on, 0 off (the default: on the synthetic Qwen3-30B-A3B
+                                 shape its guesses cost more reads than they save, docs/bench.md); the same logits */
 } pi_options;
 
 typedef struct {

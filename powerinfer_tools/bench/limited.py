@@ -6,7 +6,7 @@ Contestants, one process and one cgroup each, one after another (not interleaved
   weights are the file's pages, which the kernel can drop and read again);
   ours in each FFN mode at its defaults (the engine's disk tier turns itself on where the FFN does not fit the limit
   less what the process holds, and its budget is that room: docs/engine.md, "Models larger than memory"; a mixture
-  of experts' expert tier likewise, and a row without its lookahead), and with --memory-budget's tier where one is
+  of experts' expert tier likewise, and a row with its lookahead on), and with --memory-budget's tier where one is
   given.
 Per row: pp and tg speeds (medians over the rounds; the first round starts from an empty page cache), the cgroup's
 peak (page cache included) and OOM kills, the storage bytes and major faults of a generated token (the kernel's
@@ -34,7 +34,7 @@ class Contestant:
 def contestants(modes, ours_options: dict, budget_gib: float | None, llamacpp: bool,
                 experts: bool = False) -> list[Contestant]:
     """The rows, in the order they run; ours with a given disk-tier budget only where budget_gib is given; for a
-    mixture of experts (experts), ours also without the expert tier's lookahead, to show what it is worth."""
+    mixture of experts (experts), ours also with the expert tier's lookahead (off by default), to show its worth."""
     rows = []
     if llamacpp:
         rows += [Contestant("llama.cpp repacked", "llama.cpp", "dense", {"repack": True}),
@@ -42,8 +42,8 @@ def contestants(modes, ours_options: dict, budget_gib: float | None, llamacpp: b
     for mode in modes:
         rows.append(Contestant(f"ours {mode}", "ours", mode, dict(ours_options)))
         if experts:
-            rows.append(Contestant(f"ours {mode}, no lookahead", "ours", mode,
-                                   dict(ours_options, expert_lookahead=False)))
+            rows.append(Contestant(f"ours {mode} + lookahead", "ours", mode,
+                                   dict(ours_options, expert_lookahead=True)))
         if budget_gib is not None:
             rows.append(Contestant(f"ours {mode} + disk tier", "ours", mode,
                                    dict(ours_options, memory_budget=budget_gib)))

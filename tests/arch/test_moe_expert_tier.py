@@ -70,8 +70,8 @@ def test_the_lookahead_reads_ahead_and_changes_no_bit(kind, family):
     src, path, _ = family(kind, "q8_0")
     tokens = tokens_for(src, N_PROMPT + N_DECODE)
     k = {"qwen3-moe": 4, "mixtral": 2}[kind]
-    on, on_stats = run_tier(path, tokens, 2 * k)
-    off, off_stats = run_tier(path, tokens, 2 * k, expert_lookahead=False)
+    on, on_stats = run_tier(path, tokens, 2 * k, expert_lookahead=True)
+    off, off_stats = run_tier(path, tokens, 2 * k)  # the default
     np.testing.assert_array_equal(on, off)
     assert off_stats["disk"]["prefetched"] == 0 and off_stats["disk"]["prefetch_used"] == 0
     d = on_stats["disk"]

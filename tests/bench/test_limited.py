@@ -79,8 +79,8 @@ def test_rows_with_and_without_the_disk_tier():
     assert "memory_budget" not in rows[2].options
     assert [r.label for r in limited.contestants(["dense"], {}, None, llamacpp=False)] == ["ours dense"]
     moe = limited.contestants(["dense"], {}, None, llamacpp=False, experts=True)  # a mixture: the lookahead's worth
-    assert [r.label for r in moe] == ["ours dense", "ours dense, no lookahead"]
-    assert moe[0].options == {} and moe[1].options == {"expert_lookahead": False}
+    assert [r.label for r in moe] == ["ours dense", "ours dense + lookahead"]
+    assert moe[0].options == {} and moe[1].options == {"expert_lookahead": True}
 
 
 def test_llamacpp_without_extra_buffers():

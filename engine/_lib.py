@@ -17,7 +17,7 @@ from pathlib import Path
 from .library_check import LibraryRefused, check_library
 
 LIBRARY_ENV = "PI_ENGINE_LIB"
-API_VERSION = 19
+API_VERSION = 20
 
 FFN_MODES = {"dense": 0, "gate": 1, "predictor": 2, "auto": 3, "oracle": 4}
 KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 2}

@@ -21,7 +21,7 @@ extern "C" {
 #pragma GCC visibility push(default)
 #endif
 
-#define PI_ENGINE_API_VERSION 19
+#define PI_ENGINE_API_VERSION 20
 
 typedef enum {
     PI_OK = 0,

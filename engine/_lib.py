@@ -17,7 +17,7 @@ from pathlib import Path
 from .library_check import LibraryRefused, check_library
 
 LIBRARY_ENV = "PI_ENGINE_LIB"
-API_VERSION = 19
+API_VERSION = 20
 
 FFN_MODES = {"dense": 0, "gate": 1, "predictor": 2, "auto": 3, "oracle": 4}
 KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 2}
@@ -51,7 +51,8 @@ class Options(ctypes.Structure):
                 ("gpu_device", ctypes.c_int32), ("vram_budget", ctypes.c_int64), ("gpu_library", ctypes.c_char_p),
                 ("gpu_ffn_only", ctypes.c_int32), ("input_sparsity", ctypes.c_float),
                 ("cpu_hot_tier", ctypes.c_int32), ("decode_cache", ctypes.c_char_p),
-                ("memory_budget", ctypes.c_int64), ("n_seq", ctypes.c_int32)]
+                ("memory_budget", ctypes.c_int64), ("n_seq", ctypes.c_int32),
+                ("expert_lookahead", ctypes.c_int32)]
 
 
 class Sampling(ctypes.Structure):

@@ -40,10 +40,13 @@ class Model:
     K-quants, q4_1, q5_x, bf16 and ffn_down), read instead of decoding when whole and made from this model file,
     else written for the next load (info["decoded"]["cache"]: read, written, not written or off); memory_budget:
     GiB the engine may hold: the cold FFN neurons past it are read on demand from the neuron bundles beside the
-    file (`convert --neuron-bundles`; docs/engine.md, "Models larger than memory"); None: the same under the
+    file (`convert --neuron-bundles`; docs/engine.md, "Models larger than memory"), a mixture's experts from the
+    file into a cache of whole experts ("The expert tier"); None: the same under the
     machine's memory or its cgroup's limit where the bundles are there and the FFN would not fit it; n_seq: the
     sequences the engine holds, each its own KV cache (select() picks the one eval, reset, sample and seed act on;
-    decode_step computes a token of several at once).
+    decode_step computes a token of several at once); expert_lookahead: a mixture of experts under a memory budget
+    reads the next layer's likely experts ahead (its router on this layer's input; off by default: docs/bench.md,
+    "Experts from disk"), the same logits either way.
 
     One Model may be shared by threads: ctypes lets go of the GIL inside the engine, so a lock held across
     every engine call serializes them, and close() waits for a call in flight instead of freeing the model
@@ -56,7 +59,8 @@ class Model:
                  hot_backend: str = "cpu", gpu: str = "auto", vram_budget: float | None = None, gpu_device: int = 0,
                  gpu_library: str | os.PathLike = "cuda", gpu_attention: bool = True,
                  input_sparsity: float = 0.0, cpu_hot_tier: bool = False,
-                 decode_cache: str | os.PathLike | None = None, memory_budget: float | None = None, n_seq: int = 1):
+                 decode_cache: str | os.PathLike | None = None, memory_budget: float | None = None, n_seq: int = 1,
+                 expert_lookahead: bool = False):
         self._handle = None
         self._lock = threading.RLock()
         opts = Options()
@@ -96,6 +100,9 @@ class Model:
         opts.gpu_ffn_only = int(not gpu_attention)
         opts.input_sparsity = c_float("input_sparsity", input_sparsity)
         opts.n_seq = c_int("n_seq", n_seq, 1)
+        if not isinstance(expert_lookahead, bool):
+            raise EngineError(f"expert_lookahead must be True or False, not {expert_lookahead!r}")
+        opts.expert_lookahead = int(expert_lookahead)
         handle = ctypes.c_void_p()
         if hot_backend == "cpu":
             check(lib().pi_open(os.fsencode(path), ctypes.byref(opts), ctypes.byref(handle)))

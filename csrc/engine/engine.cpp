@@ -24,6 +24,8 @@ const int64_t kMaxSequences = 64;
 // The disk tier's reading threads: enough reads in flight for an SSD's parallelism, whatever the compute threads
 // (docs/bench.md, "Models larger than memory").
 const int kDiskReadThreads = 32;
+// The expert tier's: its reads are an expert's three runs of hundreds of KiB, so a few in flight keep a disk busy
+const int kExpertReadThreads = 8;
 
 // The largest hot (cold) tier of any layer.
 int64_t largest_tier(const Model &model, bool hot) {
@@ -81,7 +83,8 @@ Engine::Engine(const std::string &path, const pi_options &opts, const std::strin
     if (hot_backend == "reference") hot_ = std::make_unique<ReferenceTierBackend>(hp_, n_batch_);
     else if (opts.gpu != PI_GPU_OFF) hot_ = device_tier(opts, rank);
     disk_ = open_disk_tier(opts, threads);                     // where the hot tier goes is known
-    if (!disk_) check_working_memory(threads, kv_type);  // a disk tier's budget holds it
+    experts_ = open_expert_tier(opts, threads);
+    if (!disk_ && !experts_) check_working_memory(threads, kv_type);  // a disk tier's budget holds it
     if (!model_->dense_mapped()) model_->pack_dense_matrices(threads);
     rs_ = std::make_unique<RunState>(hp_, n_ctx_, n_batch_, threads, kv_type, n_seq_);
     if (device_) device_->begin(*model_, rs_->rope_cos.data(), rs_->rope_sin.data());
@@ -89,7 +92,7 @@ Engine::Engine(const std::string &path, const pi_options &opts, const std::strin
     split_cold_.assign(size_t(hp_.n_layer), SplitCold{});
     if (!hot_) hot_ = std::make_unique<CpuTierBackend>(hp_, *ks_, *pool_, n_batch_, rank, true);
     cold_ = std::make_unique<CpuTierBackend>(hp_, *ks_, *pool_, n_batch_, rank, false, disk_.get());
-    if (hp_.n_expert > 0) moe_ = std::make_unique<MoeFfn>(hp_, *ks_, *pool_, n_batch_);
+    if (hp_.n_expert > 0) moe_ = std::make_unique<MoeFfn>(hp_, *ks_, *pool_, n_batch_, experts_.get(), opts.expert_lookahead != 0);
     for (int64_t il = 0; il < hp_.n_layer; ++il) {
         const Layer &L = model_->layers()[size_t(il)];
         if (L.hot.size() > 0) hot_->upload(il, L, L.hot);
@@ -169,10 +172,7 @@ double Engine::working_bytes(int64_t threads, pi_kv_type kv_type, bool cold_on_d
 }
 
 std::unique_ptr<DiskTier> Engine::open_disk_tier(const pi_options &opts, int64_t threads) {
-    if (opts.memory_budget < 0) return nullptr;
-    if (opts.memory_budget > 0 && hp_.n_expert > 0)
-        fail(PI_ERR_UNSUPPORTED, "memory_budget: the disk tier reads the neurons of dense FFNs; the experts of a mixture "
-                                 "of experts are held in memory in this version");
+    if (opts.memory_budget < 0 || hp_.n_expert > 0) return nullptr;  // a mixture's: open_expert_tier
     const std::string path = DiskTier::path_for(model_->path());
     // What the engine holds whatever the tier keeps resident: the weights it has copied out of the file (the packed
     // matrices, the predictors, the decoded rows), what it will allocate (the KV cache at the full context, the work
@@ -211,6 +211,35 @@ std::unique_ptr<DiskTier> Engine::open_disk_tier(const pi_options &opts, int64_t
     TierPlan plan;
     const bool planned = read_tier_plan(model_->path() + names::kTierPlanSuffix, hp_.n_layer, hp_.n_ff, plan);
     auto tier = std::make_unique<DiskTier>(path, *model_, budget, source, fixed, kDiskReadThreads, planned ? &plan : nullptr);
+    model_->hold_vectors();  // a model that does not fit its memory: its page cache is under pressure
+    return tier;
+}
+
+std::unique_ptr<ExpertTier> Engine::open_expert_tier(const pi_options &opts, int64_t threads) {
+    if (opts.memory_budget < 0 || hp_.n_expert == 0) return nullptr;
+    // What the engine holds whatever the cache: the packed matrices but the experts (the cache packs those), the
+    // decoded copies, the KV cache at the full context, the work buffers, the process's margin.
+    model_->leave_experts_in_file(true);
+    const WeightCopies wc = model_->weight_copies();
+    const double held = double(wc.predictor + wc.decoded);
+    const double fixed = double(wc.packed) + held + working_bytes(threads, pi_kv_type(opts.kv_type), true) + kProcessMargin;
+    const double all = ExpertTier::all_expert_bytes(*model_);
+    double budget = double(opts.memory_budget);
+    std::string source = "memory_budget";
+    const double limit = usable_memory_bytes(), room = limit - std::max(0.0, process_anonymous_bytes() - held);
+    if (budget == 0) {
+        // the engine's own rule: the tier only where the experts do not fit what the process may take
+        if (limit <= 0 || fixed + all <= room) {
+            model_->leave_experts_in_file(false);
+            return nullptr;
+        }
+        source = "the machine's memory or its cgroup's limit, less what the process held";
+        budget = room;
+    } else if (limit > 0 && std::min(budget, fixed + all) > room) {
+        fail(PI_ERR_MEMORY, "memory_budget " + gib(budget) + " is more than this process may still take: " + gib(room) +
+                                " of the " + gib(limit) + " limit (the machine's memory or its cgroup's), less what it holds");
+    }
+    auto tier = std::make_unique<ExpertTier>(*model_, budget, source, fixed, kExpertReadThreads);
     model_->hold_vectors();  // a model that does not fit its memory: its page cache is under pressure
     return tier;
 }
@@ -398,7 +427,7 @@ const std::string &Engine::stats_json() {
     WeightCopies copies = model_->weight_copies();
     copies.hot = size_t(hot_->weight_bytes());
     copies.input_columns = input_columns_bytes();
-    json_ = pi::stats_json(*model_, copies, stats_, policy_, device_ ? &device_->use() : nullptr, disk_.get(), in_kernels_);
+    json_ = pi::stats_json(*model_, copies, stats_, policy_, device_ ? &device_->use() : nullptr, disk_.get(), experts_.get(), in_kernels_);
     return json_;
 }
 

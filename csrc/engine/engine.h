@@ -62,6 +62,7 @@ public:
         stats_.reset();
         if (device_) device_->reset_counts();
         if (disk_) disk_->reset_counts();
+        if (experts_) experts_->reset_counts();
     }
 
 private:
@@ -91,6 +92,9 @@ private:
     // The disk tier where opts.memory_budget asks for it (or, at 0, where the model's bundles are there and its FFN
     // would not fit the memory the process may use); nullptr otherwise.
     std::unique_ptr<DiskTier> open_disk_tier(const pi_options &opts, int64_t threads);
+    // A mixture of experts' expert tier (model/expert_tier.h) where memory_budget asks for one, or where memory_budget
+    // is 0 and the experts do not fit what the process may take (the machine's memory or its cgroup's); else nullptr.
+    std::unique_ptr<ExpertTier> open_expert_tier(const pi_options &opts, int64_t threads);
     // Before the model loads (it holds a hot tier only for a device, or where asked): checks hot_backend and
     // opts.gpu, and returns the device library where opts ask for a device (gpu auto or on), give a gpuidx and
     // the library finds the device; else nullptr, with gpu_off_ saying why where a device was asked for.
@@ -208,6 +212,7 @@ private:
     FfnPolicy policy_;
     std::unique_ptr<DiskTier> disk_;  // the cold tier's rows on disk (before cold_, which holds a pointer to it)
     std::unique_ptr<TierBackend> hot_, cold_;
+    std::unique_ptr<ExpertTier> experts_;  // a mixture's experts read from disk (before moe_, which points to it)
     std::unique_ptr<MoeFfn> moe_;     // the experts of a mixture of experts' layers (hp_.n_expert > 0)
     // set_expert_trace: the last eval's routing, [token][layer][k], and the first token of the batch in flight
     bool expert_trace_ = false;

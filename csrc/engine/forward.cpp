@@ -351,7 +351,9 @@ void Engine::ffn(int64_t il, int64_t n_tok, TierMode cold_mode) {
         s.op_xn.q_ready = false;
     }
     if (L.experts.present()) {  // a mixture of experts (engine/moe.h); ReLU experts gate first but in dense mode
-        const TierCounts c = moe_->run(L.experts, s.op_xn, n_tok, cold_mode == TierMode::Dense, s.y_cold.data());
+        const Experts *next = il + 1 < hp_.n_layer ? &model_->layers()[size_t(il + 1)].experts : nullptr;
+        const TierCounts c = moe_->run(L.experts, s.op_xn, n_tok, cold_mode == TierMode::Dense, s.y_cold.data(), il,
+                                       next && next->present() ? next : nullptr);
         if (expert_trace_) {
             const int64_t k = hp_.n_expert_used;
             for (int64_t t = 0; t < n_tok; ++t)

@@ -23,9 +23,10 @@ const float kTaken = -2.0f;  // an expert's probability once chosen: below every
 
 }  // namespace
 
-MoeFfn::MoeFfn(const HParams &hp, const KernelSet &ks, ThreadPool &pool, int64_t n_batch)
+MoeFfn::MoeFfn(const HParams &hp, const KernelSet &ks, ThreadPool &pool, int64_t n_batch, ExpertTier *tier,
+               bool lookahead)
     : hp_(hp), ks_(ks), pool_(pool), n_batch_(n_batch), n_expert_(hp.n_expert), k_(hp.n_expert_used),
-      E_(hp.n_embd), F_(hp.n_ff_exp) {
+      E_(hp.n_embd), F_(hp.n_ff_exp), tier_(tier), lookahead_(lookahead) {
     const int64_t B = n_batch, P = n_batch * k_;
     logits_.assign(size_t(B * n_expert_), 0.0f);
     tok_expert_.assign(size_t(P), 0);
@@ -45,6 +46,12 @@ MoeFfn::MoeFfn(const HParams &hp, const KernelSet &ks, ThreadPool &pool, int64_t
     h_ops_.resize(size_t(n_expert_));
     mats_.reserve(size_t(3 * n_expert_));
     targets_.reserve(size_t(2 * n_expert_));
+    wanted_.assign(size_t(n_expert_), 0);
+    arrived_.assign(size_t(n_expert_), 0);
+    sel_pairs_.assign(size_t(P), 0);
+    look_p_.assign(size_t(n_expert_), 0.0f);
+    look_w_.assign(size_t(k_), 0.0f);
+    look_chosen_.assign(size_t(k_), 0);
     if (hp.activation == Activation::Relu) {
         used_rows_.assign(size_t(P * F_), nullptr);
         used_coef_.assign(size_t(P * F_), 0.0f);
@@ -57,12 +64,24 @@ MoeFfn::MoeFfn(const HParams &hp, const KernelSet &ks, ThreadPool &pool, int64_t
 double MoeFfn::scratch_bytes(const HParams &hp, int64_t n_batch, int64_t) {
     const double B = double(n_batch), P = B * double(hp.n_expert_used), E = double(hp.n_embd), F = double(hp.n_ff_exp);
     const double N = double(hp.n_expert);
-    double bytes = 4 * (B * N + 2 * P + P * (2 * E + 2 * F)) + 16 * (N + 1) + 12 * P +
+    double bytes = 4 * (B * N + 2 * P + P * (2 * E + 2 * F)) + 16 * (N + 1) + 12 * P + 12 * N + 8 * P + 8 * double(hp.n_expert_used) +
                    P * (E + F) / QK * double(sizeof(BlockQ8_0)) +
                    N * (2 * double(sizeof(Operand)) + 3 * double(sizeof(Matrix)) + 2 * double(sizeof(MatmulTarget)));
     if (hp.activation == Activation::Relu)
         bytes += P * F * (sizeof(void *) + 4) + 16 * P + 4 * double(kRowsTargets * rows_partial_floats(hp.n_ff_exp, hp.n_embd));
     return bytes;
+}
+
+void MoeFfn::top_k(float *p, int32_t *chosen, float *w) const {
+    // each expert once, NaNs or not (a group holds a token once: the scratch is sized so)
+    for (int64_t i = 0; i < k_; ++i) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < n_expert_; ++e)
+            if (p[e] != kTaken && (best < 0 || p[e] > p[best])) best = e;
+        chosen[i] = int32_t(best);
+        w[i] = p[best];
+        p[best] = kTaken;
+    }
 }
 
 void MoeFfn::route(const Experts &X, Operand &x, int64_t n_tok) {
@@ -72,20 +91,14 @@ void MoeFfn::route(const Experts &X, Operand &x, int64_t n_tok) {
     for (int64_t t = 0; t < n_tok; ++t) {
         float *p = logits_.data() + t * N;
         ks_.softmax(int(N), 1.0f, p);
-        // the K largest probabilities, the lower expert first among equal ones; each expert once, NaNs or not (a
-        // group holds a token once: the scratch is sized so)
+        // the K largest probabilities
         int32_t *chosen = tok_expert_.data() + t * K;
         float *w = tok_weight_.data() + t * K;
+        top_k(p, chosen, w);
         float sum = 0.0f;
         for (int64_t i = 0; i < K; ++i) {
-            int64_t best = -1;
-            for (int64_t e = 0; e < N; ++e)
-                if (p[e] != kTaken && (best < 0 || p[e] > p[best])) best = e;
-            chosen[i] = int32_t(best);
-            w[i] = p[best];
             sum += w[i];
-            p[best] = kTaken;
-            first_[size_t(best) + 1] += 1;
+            first_[size_t(chosen[i]) + 1] += 1;
         }
         if (hp_.expert_weights_norm)
             for (int64_t i = 0; i < K; ++i) w[i] /= sum;
@@ -129,21 +142,32 @@ void MoeFfn::down_operands() {
     }
 }
 
-void MoeFfn::add_targets(const Experts &X, int which, Operand *ops, float *out, int64_t ldo) {
-    for (int64_t e = 0; e < n_expert_; ++e) {
+Matrix MoeFfn::matrix(const Experts &X, int32_t e, int which) const {
+    if (tier_) return tier_->matrix(e, which);
+    return which == kGate ? X.gate_of(e) : which == kUp ? X.up_of(e) : X.down_of(e);
+}
+
+void MoeFfn::add_targets(const Experts &X, const int32_t *experts, int64_t n_experts, int which, Operand *ops,
+                         float *out, int64_t ldo) {
+    for (int64_t i = 0; i < n_experts; ++i) {
+        const int32_t e = experts[i];
         const int64_t p0 = first_[size_t(e)], n = first_[size_t(e) + 1] - p0;
         if (n == 0) continue;
-        mats_.push_back(which == kGate ? X.gate_of(e) : which == kUp ? X.up_of(e) : X.down_of(e));
+        mats_.push_back(matrix(X, e, which));
         targets_.push_back(MatmulTarget{&mats_.back(), out + p0 * ldo, ldo, &ops[size_t(e)], n});
     }
 }
 
-void MoeFfn::silu_products(const Experts &X, int64_t n_pairs) {
+void MoeFfn::silu_products(const Experts &X, const int32_t *experts, int64_t n_experts) {
     const bool q8 = act_is_q8(X.down.type);
+    int64_t n_pairs = 0;
+    for (int64_t i = 0; i < n_experts; ++i)
+        for (int64_t p = first_[size_t(experts[i])]; p < first_[size_t(experts[i]) + 1]; ++p) sel_pairs_[size_t(n_pairs++)] = p;
     auto job = [&](int chunk, int n_chunks, int) {
-        int64_t p0, p1;
-        split_range(n_pairs, chunk, n_chunks, &p0, &p1);
-        for (int64_t p = p0; p < p1; ++p) {
+        int64_t i0, i1;
+        split_range(n_pairs, chunk, n_chunks, &i0, &i1);
+        for (int64_t i = i0; i < i1; ++i) {
+            const int64_t p = sel_pairs_[size_t(i)];
             float *h = g_.data() + p * F_;
             const float *u = u_.data() + p * F_;
             activate_thresholded(ks_, Activation::Silu, F_, h);
@@ -240,42 +264,70 @@ void MoeFfn::weighted_sum(int64_t n_tok, float *y) {
     pool_.run(int(std::min<int64_t>(pool_.size(), pool_.chunks_for(P * E_ * kRowDotCost, kGrain))), job);
 }
 
-TierCounts MoeFfn::run(const Experts &X, Operand &x, int64_t n_tok, bool every_up, float *y) {
+void MoeFfn::compute(const Experts &X, const int32_t *experts, int64_t n, TierCounts &c) {
+    auto t0 = Clock::now();
+    mats_.clear();
+    targets_.clear();
+    add_targets(X, experts, n, kGate, in_ops_.data(), g_.data(), F_);
+    add_targets(X, experts, n, kUp, in_ops_.data(), u_.data(), F_);  // in the same job (one split over the threads)
+    matmul(ks_, pool_, targets_.data(), int(targets_.size()));
+    silu_products(X, experts, n);
+    c.gate_up_seconds += seconds_since(t0);
+    t0 = Clock::now();
+    mats_.clear();
+    targets_.clear();
+    add_targets(X, experts, n, kDown, h_ops_.data(), o_.data(), E_);
+    matmul(ks_, pool_, targets_.data(), int(targets_.size()));
+    c.down_seconds += seconds_since(t0);
+}
+
+void MoeFfn::lookahead(const Experts &next, Operand &x, int64_t il_next) {
+    matmul(ks_, pool_, next.router, x, 1, look_p_.data(), n_expert_);
+    ks_.softmax(int(n_expert_), 1.0f, look_p_.data());
+    top_k(look_p_.data(), look_chosen_.data(), look_w_.data());
+    tier_->prefetch(il_next, look_chosen_.data(), k_, true);
+}
+
+TierCounts MoeFfn::run(const Experts &X, Operand &x, int64_t n_tok, bool every_up, float *y, int64_t il,
+                       const Experts *next) {
     TierCounts c;
     auto t0 = Clock::now();
     x_ = &x;
     n_tok_ = n_tok;
     route(X, x, n_tok);
     const int64_t P = n_tok * k_;
-    const bool relu = hp_.activation == Activation::Relu;
     gate_up_operands(x, n_tok);
-    mats_.clear();
-    targets_.clear();
-    add_targets(X, kGate, in_ops_.data(), g_.data(), F_);
-    // the ups in the same job (one split over the threads), but where ReLU experts go gate first
-    if (!relu) add_targets(X, kUp, in_ops_.data(), u_.data(), F_);
-    matmul(ks_, pool_, targets_.data(), int(targets_.size()));
-    if (relu) {
-        c.computed = double(relu_products(X, P, every_up));
-    } else {
-        silu_products(X, P);
-        c.computed = double(P * F_);
-    }
-    c.gate_up_seconds = seconds_since(t0);
-    t0 = Clock::now();
-    if (relu) {
-        relu_down(X, P);
-        for (int64_t p = 0; p < P; ++p) c.active += double(n_used_[size_t(p)]);
-    } else {
-        down_operands();
+    down_operands();
+    int64_t n_wanted = 0;
+    for (int64_t e = 0; e < n_expert_; ++e)
+        if (first_[size_t(e) + 1] > first_[size_t(e)]) wanted_[size_t(n_wanted++)] = int32_t(e);
+    c.computed = c.active = double(P * F_);
+    if (hp_.activation == Activation::Relu) {  // gate first (never with a tier: its constructor refuses them)
         mats_.clear();
         targets_.clear();
-        add_targets(X, kDown, h_ops_.data(), o_.data(), E_);
+        add_targets(X, wanted_.data(), n_wanted, kGate, in_ops_.data(), g_.data(), F_);
         matmul(ks_, pool_, targets_.data(), int(targets_.size()));
-        c.active = double(P * F_);
+        c.computed = double(relu_products(X, P, every_up));
+        c.gate_up_seconds = seconds_since(t0);
+        t0 = Clock::now();
+        relu_down(X, P);
+        c.active = 0;
+        for (int64_t p = 0; p < P; ++p) c.active += double(n_used_[size_t(p)]);
+        c.down_seconds = seconds_since(t0);
+    } else if (!tier_) {
+        compute(X, wanted_.data(), n_wanted, c);
+    } else {
+        // the experts as the tier hands them out (those in memory first), while the lookahead's reads go on behind
+        tier_->begin(il, wanted_.data(), n_wanted, n_tok == 1);
+        if (lookahead_ && next && n_tok == 1) lookahead(*next, x, il + 1);
+        for (int64_t n; (n = tier_->ready(arrived_.data())) > 0;) {
+            compute(X, arrived_.data(), n, c);
+            tier_->done(arrived_.data(), n);
+        }
     }
+    t0 = Clock::now();
     weighted_sum(n_tok, y);
-    c.down_seconds = seconds_since(t0);
+    c.down_seconds += seconds_since(t0);
     x_ = nullptr;
     return c;
 }

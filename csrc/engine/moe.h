@@ -7,6 +7,9 @@
 // attention's are: Model::pack_dense_matrices), and the weighted sum has one order. All the experts' rows of a
 // projection go through one matmul job, each expert against its own tokens. ReLU experts go gate first: a neuron's up
 // row and down row (Experts::down_t) are read only where its gate passes, the down rows by rows_product.
+// With an expert tier (model/expert_tier.h, a memory budget), the experts come from its cache as they arrive, a job
+// for each arrival's experts (each expert's rows through the same kernels, so the same bits), and a decode step's
+// lookahead guesses the next layer's experts by its router on this layer's input and has the tier read them ahead.
 #pragma once
 
 #include <cstdint>
@@ -15,6 +18,7 @@
 #include "backend/tier_backend.h"
 #include "engine/matmul.h"
 #include "kernels/kernels.h"
+#include "model/expert_tier.h"
 #include "model/model.h"
 #include "runtime/threadpool.h"
 
@@ -22,13 +26,17 @@ namespace pi {
 
 class MoeFfn {
 public:
-    MoeFfn(const HParams &hp, const KernelSet &ks, ThreadPool &pool, int64_t n_batch);
+    // tier: where the experts are read from disk, else nullptr (all in memory); lookahead: a decode step has the tier
+    // read the next layer's likely experts ahead
+    MoeFfn(const HParams &hp, const KernelSet &ks, ThreadPool &pool, int64_t n_batch, ExpertTier *tier, bool lookahead);
     // Bytes of the buffers an MoeFfn allocates.
     static double scratch_bytes(const HParams &hp, int64_t n_batch, int64_t threads);
     // y (n_tok rows of n_embd, overwritten) = the experts X on the n_tok tokens of x, the FFN's normed input (its q8_0
     // form made here where the router or the experts read one). every_up: ReLU experts compute every neuron's up
     // (dense mode), else only the ups of the neurons whose gate passes (the same values: ReLU drops only zeros).
-    TierCounts run(const Experts &X, Operand &x, int64_t n_tok, bool every_up, float *y);
+    // il: the layer (the tier's); next: the next layer's experts (the lookahead's router), or nullptr.
+    TierCounts run(const Experts &X, Operand &x, int64_t n_tok, bool every_up, float *y, int64_t il,
+                   const Experts *next);
     // The last run's routing: token t's n_expert_used experts at t * n_expert_used, the most probable first.
     const int32_t *choices() const { return tok_expert_.data(); }
 
@@ -36,14 +44,25 @@ private:
     // The tokens' experts and weights, then the (token, expert) pairs grouped by expert (first_, pair_*); in a
     // batch, each pair's copy of its token's operand (xg_, xq_: an expert's tokens one after the other).
     void route(const Experts &X, Operand &x, int64_t n_tok);
-    // Appends to targets_ matrix `which` (gate_of, up_of or down_of) of every expert with tokens against its pairs'
-    // operand (ops: one per expert, from pair first_[e]; one token: x itself), out = `out` (ldo a pair).
-    void add_targets(const Experts &X, int which, Operand *ops, float *out, int64_t ldo);
+    // The K most probable experts of softmaxed probabilities p (overwritten), the lower expert first among equal
+    // ones, into chosen and their probabilities into w.
+    void top_k(float *p, int32_t *chosen, float *w) const;
+    // The SiLU experts[0, n)'s gate, up, products and down projection for their pairs (all in memory, or handed out
+    // by the tier), timed into c.
+    void compute(const Experts &X, const int32_t *experts, int64_t n, TierCounts &c);
+    // A decode step's lookahead: the next layer's experts by its router on x, read ahead by the tier.
+    void lookahead(const Experts &next, Operand &x, int64_t il_next);
+    Matrix matrix(const Experts &X, int32_t e, int which) const;
+    // Appends to targets_ matrix `which` (gate_of, up_of or down_of) of experts[0, n) against their pairs' operand
+    // (ops: one per expert, from pair first_[e]; one token: x itself), out = `out` (ldo a pair).
+    void add_targets(const Experts &X, const int32_t *experts, int64_t n, int which, Operand *ops, float *out,
+                     int64_t ldo);
     // The operands of the experts' gate and up (x_ where one token runs), and of their down projections (h).
     void gate_up_operands(Operand &x, int64_t n_tok);
     void down_operands();
-    // SiLU: h = silu(g) * u in g_, and its q8_0 form where the down projection reads one.
-    void silu_products(const Experts &X, int64_t n_pairs);
+    // SiLU: h = silu(g) * u in g_, and its q8_0 form where the down projection reads one, for the pairs of
+    // experts[0, n).
+    void silu_products(const Experts &X, const int32_t *experts, int64_t n);
     // ReLU, gate first: the ups of the neurons whose gate passes (every_up: of every neuron), h = g * u in u_ (0 where
     // the gate does not pass). Then each pair's down_t rows with h != 0, listed; returns the neurons whose up was
     // computed.
@@ -59,6 +78,8 @@ private:
     const KernelSet &ks_;
     ThreadPool &pool_;
     const int64_t n_batch_, n_expert_, k_, E_, F_;
+    ExpertTier *tier_;
+    const bool lookahead_;
 
     Operand *x_ = nullptr;  // run's x, while it runs
     int64_t n_tok_ = 0;
@@ -80,6 +101,10 @@ private:
     std::vector<float> used_coef_;                     // ReLU: their coefficients h
     std::vector<int64_t> n_used_, n_computed_;         // ReLU: [batch * k] rows listed, ups computed
     std::vector<float> partials_;                      // ReLU: rows_product's, for kRowsTargets pairs
+    std::vector<int32_t> wanted_, arrived_;            // [n_expert]: the experts with tokens; those a wait handed out
+    std::vector<int64_t> sel_pairs_;                   // [batch * k]: the pairs of the experts computed now
+    std::vector<float> look_p_, look_w_;               // [n_expert], [k]: the lookahead's probabilities, weights
+    std::vector<int32_t> look_chosen_;                 // [k]: its experts
 };
 
 }  // namespace pi

@@ -167,17 +167,32 @@ std::string info_json(const Model &model, const RunSettings &run) {
 
 namespace {
 
+std::string count(double v) { return std::to_string(int64_t(v)); }  // exact: bytes pass 2^32 in minutes
+
+std::string counts_json(const DiskCounts &c) {
+    return "\"tokens\": " + count(c.tokens) + ", \"bytes\": " + count(c.bytes) + ", \"reads\": " + count(c.reads) +
+           ", \"cache_hits\": " + count(c.cache_hits) + ", \"cache_misses\": " + count(c.cache_misses) +
+           ", \"io_wait_seconds\": " + num(c.io_wait_seconds);
+}
+
+// The expert tier's counters in the same object as the disk tier's ("kind": "experts"; hits and misses count experts)
+// and the lookahead's: experts it read ahead, and those a step then used.
+std::string experts_json(const ExpertTier &t) {
+    const DiskCounts &c = t.counts();
+    return "{\"kind\": \"experts\", " + counts_json(c) + ", \"prefetched\": " + count(c.prefetched) +
+           ", \"prefetch_used\": " + count(c.prefetch_used) + ", \"resident_bytes\": " + count(t.resident_bytes()) +
+           ", \"budget_bytes\": " + count(t.budget_bytes()) + ", \"fixed_bytes\": " + count(t.fixed_bytes()) +
+           ", \"slots\": " + count(double(t.slots())) + ", \"slot_bytes\": " + count(t.slot_bytes()) + "}";
+}
+
 std::string disk_json(const DiskTier *disk, bool dense_mapped) {
     if (!disk) return "null";
     const DiskCounts &c = disk->counts();
-    const auto count = [](double v) { return std::to_string(int64_t(v)); };  // exact: bytes pass 2^32 in minutes
     std::string resident = "[";  // per layer
     for (size_t il = 0; il < disk->resident_per_layer().size(); ++il)
         resident += (il ? ", " : "") + std::to_string(disk->resident_per_layer()[il]);
     resident += "]";
-    return "{\"tokens\": " + count(c.tokens) + ", \"bytes\": " + count(c.bytes) + ", \"reads\": " + count(c.reads) +
-           ", \"cache_hits\": " + count(c.cache_hits) + ", \"cache_misses\": " + count(c.cache_misses) +
-           ", \"io_wait_seconds\": " + num(c.io_wait_seconds) + ", \"resident_bytes\": " + count(disk->resident_bytes()) +
+    return "{" + counts_json(c) + ", \"resident_bytes\": " + count(disk->resident_bytes()) +
            ", \"budget_bytes\": " + count(disk->budget_bytes()) +
            ", \"resident_room_bytes\": " + count(disk->resident_room_bytes()) + ", \"resident_neurons\": " + resident +
            ", \"tier_plan\": " + (disk->follows_plan() ? "true" : "false") +
@@ -204,7 +219,8 @@ std::string input_kernels_json(const InputKernelChoice &k) {
 }  // namespace
 
 std::string stats_json(const Model &model, const WeightCopies &wc, const EngineStats &stats, const FfnPolicy &policy,
-                       const DeviceUse *device, const DiskTier *disk, const InputKernelChoice &input_kernels) {
+                       const DeviceUse *device, const DiskTier *disk, const ExpertTier *experts,
+                       const InputKernelChoice &input_kernels) {
     const PhaseTimes &t = stats.times;
     std::string json = "{\"ffn_mode\": " + quoted(mode_name(policy.mode())) + ", \"batch_tokens\": " + num(stats.batch_tokens) +
                        ", \"batch_seconds\": " + num(stats.batch_seconds) + ", \"decode_tokens\": " + num(stats.decode_tokens) +
@@ -220,7 +236,7 @@ std::string stats_json(const Model &model, const WeightCopies &wc, const EngineS
             ", \"hot\": " + std::to_string(wc.hot) + ", \"cold_groups\": " + std::to_string(wc.cold_groups) +
             ", \"down_quads\": " + std::to_string(wc.down_quads) + ", \"decoded\": " + std::to_string(wc.decoded) +
             ", \"input_columns\": " + std::to_string(wc.input_columns) + "}, \"gpu\": " + device_json(device) +
-            ", \"disk\": " + disk_json(disk, model.dense_mapped()) + ", \"layers\": [";
+            ", \"disk\": " + (experts ? experts_json(*experts) : disk_json(disk, model.dense_mapped())) + ", \"layers\": [";
     const double F = double(model.hp().ffn_neurons());  // a token's neurons in a layer: its experts' in a mixture
     for (size_t i = 0; i < stats.layers.size(); ++i) {
         const LayerStats &s = stats.layers[i];

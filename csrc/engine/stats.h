@@ -12,6 +12,7 @@
 #include "engine/input_kernels.h"
 #include "engine/tier_mode.h"
 #include "model/disk_tier.h"
+#include "model/expert_tier.h"
 #include "model/model.h"
 
 namespace pi {
@@ -83,6 +84,7 @@ std::string info_json(const Model &model, const RunSettings &run);
 // disk: the cold tier's disk tier, or nullptr (its "disk" object is then null)
 // input_kernels: the layout of input sparsity's copies per site, and why
 std::string stats_json(const Model &model, const WeightCopies &copies, const EngineStats &stats, const FfnPolicy &policy,
-                       const DeviceUse *device, const DiskTier *disk, const InputKernelChoice &input_kernels);
+                       const DeviceUse *device, const DiskTier *disk, const ExpertTier *experts,
+                       const InputKernelChoice &input_kernels);
 
 }  // namespace pi

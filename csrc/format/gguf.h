@@ -75,6 +75,11 @@ public:
     // Drops the mapped pages wholly inside [p, p + n) from this process's memory (they are read from the
     // file again if touched): for tensors the engine has copied into another layout.
     void release(const uint8_t *p, size_t n) const;
+    // Where the mapped bytes [p, p + n) are in the file, or -1 where they are not all inside the mapping (a copy).
+    int64_t offset_of(const uint8_t *p, size_t n) const {
+        if (p < map_ || p > map_ + size_ || n > size_t(map_ + size_ - p)) return -1;
+        return int64_t(p - map_);
+    }
 
 private:
     void parse();

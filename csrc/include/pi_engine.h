@@ -21,7 +21,7 @@ extern "C" {
 #pragma GCC visibility push(default)
 #endif
 
-#define PI_ENGINE_API_VERSION 19
+#define PI_ENGINE_API_VERSION 20
 
 typedef enum {
     PI_OK = 0,
@@ -94,10 +94,15 @@ typedef struct {
     int64_t memory_budget;   /* bytes the engine may hold (docs/engine.md, "Models larger than memory"): > 0, the cold
                                 FFN neurons that do not fit are read on demand from the neuron bundles beside the model
                                 (path + ".neurons"); 0: the same, under the machine's memory or its cgroup's limit,
-                                where those bundles are there and the model's FFN would not fit it; < 0: off */
+                                where those bundles are there and the model's FFN would not fit it; < 0: off. A mixture
+                                of experts: its experts are read from the model file into a cache of whole experts
+                                (docs/engine.md, "The expert tier"), at 0 where they would not fit the limit */
     int32_t n_seq;           /* sequences the engine holds (the slots of a server's parallel requests), each with its
                                 own KV cache of ctx_size positions (counted by the memory check), sharing the weights
                                 and work buffers; <= 0: 1 */
+    int32_t expert_lookahead; /* the expert tier's lookahead (the next layer's router on this layer's input names
+                                 experts to read ahead): 1 on, 0 off (the default: on the synthetic Qwen3-30B-A3B
+                                 shape its guesses cost more reads than they save, docs/bench.md); the same logits */
 } pi_options;
 
 typedef struct {

@@ -32,6 +32,8 @@ std::string mib(double b) {
     return text;
 }
 
+}  // namespace
+
 // Reads `bytes` at `offset` of fd into dst, through short reads; false at an error (in errno) or the end of the
 // file (errno 0).
 bool pread_all(int fd, uint8_t *dst, size_t bytes, uint64_t offset) {
@@ -44,8 +46,6 @@ bool pread_all(int fd, uint8_t *dst, size_t bytes, uint64_t offset) {
     }
     return true;
 }
-
-}  // namespace
 
 uint64_t bundle_checksum(const uint8_t *p, size_t bytes, uint64_t seed) {
     uint64_t sum = seed * kGolden;

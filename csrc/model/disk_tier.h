@@ -52,10 +52,17 @@ constexpr uint64_t kStampOffset = 128;
 // golden ratio's 64-bit fraction (a bundle's seed is layer << 32 | neuron: a bundle in another's place is damaged).
 uint64_t bundle_checksum(const uint8_t *p, size_t bytes, uint64_t seed);
 
+// Reads `bytes` at `offset` of fd into dst, through short reads; false at an error (in errno) or the end of the
+// file (errno 0).
+bool pread_all(int fd, uint8_t *dst, size_t bytes, uint64_t offset);
+
 // What the disk tier counted over decode steps (pi_stats_json's "disk"): a hit is a neuron a step needed that was in
 // memory (resident or cached), a miss one it read; `reads` counts the reads issued (neighbours on disk merge).
+// The expert tier (model/expert_tier.h) counts the same in experts, and the experts its lookahead read ahead
+// (prefetched) and how many of those a step then used before they left the cache.
 struct DiskCounts {
     double tokens = 0, bytes = 0, reads = 0, cache_hits = 0, cache_misses = 0, io_wait_seconds = 0;
+    double prefetched = 0, prefetch_used = 0;
 };
 
 class DiskTier {

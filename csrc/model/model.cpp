@@ -41,8 +41,10 @@ Model::Model(const std::string &path, const std::string &gpuidx_path, int thread
 std::vector<Matrix *> Model::dense_matrices() {
     std::vector<Matrix *> dense;
     for (Layer &l : layers_) {
-        for (Matrix *m : {&l.wq, &l.wk, &l.wv, &l.wo, &l.fc1, &l.experts.router, &l.experts.gate, &l.experts.down})
-            dense.push_back(m);
+        for (Matrix *m : {&l.wq, &l.wk, &l.wv, &l.wo, &l.fc1, &l.experts.router}) dense.push_back(m);
+        if (experts_in_file_) continue;  // an expert tier packs each expert as it reads it
+        dense.push_back(&l.experts.gate);
+        dense.push_back(&l.experts.down);
         // a mixture's experts: read whole, as attention is (engine/moe.h), but ReLU experts' up rows only where
         // their gate passes
         if (hp_.activation != Activation::Relu) dense.push_back(&l.experts.up);

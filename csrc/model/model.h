@@ -333,7 +333,13 @@ public:
     void pack_dense_matrices(int threads);
     void map_dense_matrices() { dense_ = DenseLayout::Mapped; }
     bool dense_mapped() const { return dense_ == DenseLayout::Mapped; }
+    // The experts' gate, up and down are read from the file by an expert tier (model/expert_tier.h): left out of the
+    // packed matrices. Before pack_dense_matrices.
+    void leave_experts_in_file(bool on) { experts_in_file_ = on; }
+    const GgufFile &file() const { return *file_; }
     WeightCopies weight_copies() const;
+    // The bytes of m's 8-row groups where pack_dense_matrices packs it (0: its rows are read as they are).
+    static int64_t packed_bytes(const Matrix &m);
     const DecodedWeights &decoded() const { return decoded_; }
     // Largest predictor rank over layers (0 without predictors).
     int64_t max_rank() const;
@@ -381,7 +387,6 @@ private:
     // their groups (all rows grouped, not the embedding's rows), as pack() hands back a mapped matrix's pages.
     void free_grouped_decoded(const std::vector<Matrix *> &dense);
     // bytes of m's groups (0 where it does not pack); pack writes them to `out` and points m at them
-    static int64_t packed_bytes(const Matrix &m);
     void pack(Matrix &m, uint8_t *out);
 
     std::unique_ptr<GgufFile> file_;
@@ -396,6 +401,7 @@ private:
     DecodedWeights decoded_;  // the matrices decoded at load (their Matrix::data)
     std::vector<uint8_t> held_vectors_;  // hold_vectors' copies
     int threads_ = 1;         // the engine's threads, which decode at load
+    bool experts_in_file_ = false;
 };
 
 }  // namespace pi

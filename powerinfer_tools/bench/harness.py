@@ -504,15 +504,19 @@ def run_bench(opts: BenchOptions) -> dict:
 def _memory_limited(opts: BenchOptions, files, modes, prompt: list[int], tg: dict, n_ctx: int) -> dict:
     """Every engine alone under --memory-limit (limited.py); ours at its defaults, and with --memory-budget."""
     from powerinfer_tools.bench import cgroup, limited
-    from powerinfer_tools.formats import neuron_bundles
+    from powerinfer_tools.formats import names, neuron_bundles
+    from powerinfer_tools.formats.gguf_header import read_header
 
     budget = opts.memory_budget  # None: the engine's own rule alone (its rows at their defaults)
-    if not neuron_bundles.current(files.powerinfer):  # what the disk tier reads
+    header = read_header(files.powerinfer, tensors=False)
+    experts = bool(header.get(f"{header.get(names.KEY_ARCHITECTURE)}.expert_count"))  # read from the file itself
+    if not experts and not neuron_bundles.current(files.powerinfer):  # what the disk tier reads
         from powerinfer_tools.stages.placement.placement import profile_frequencies
 
         frequencies = profile_frequencies(opts.profile, files.powerinfer) if opts.profile is not None else None
         neuron_bundles.write(files.powerinfer, frequencies, progress=opts.progress)
-    rows = limited.contestants(modes, _ours_options(opts, files.powerinfer, n_ctx), budget, "llama.cpp" in opts.peers)
+    rows = limited.contestants(modes, _ours_options(opts, files.powerinfer, n_ctx), budget, "llama.cpp" in opts.peers,
+                               experts)
     return {"limit_gib": opts.memory_limit, "budget_gib": budget, "cgroup_version": cgroup.find_hierarchy().version,
             "file_gib": files.powerinfer.stat().st_size / 2**30, "peer_file_gib": files.llamacpp.stat().st_size / 2**30,
             "rows": limited.run(rows, int(opts.memory_limit * 2**30), limited.start_worker(opts, files, n_ctx),

@@ -5,8 +5,9 @@ Contestants, one process and one cgroup each, one after another (not interleaved
   llama.cpp, its weights repacked into anonymous memory (its default on this CPU), and mapped only (repack off: its
   weights are the file's pages, which the kernel can drop and read again);
   ours in each FFN mode at its defaults (the engine's disk tier turns itself on where the FFN does not fit the limit
-  less what the process holds, and its budget is that room: docs/engine.md, "Models larger than memory"), and with
-  --memory-budget's tier where one is given.
+  less what the process holds, and its budget is that room: docs/engine.md, "Models larger than memory"; a mixture
+  of experts' expert tier likewise, and a row with its lookahead on), and with --memory-budget's tier where one is
+  given.
 Per row: pp and tg speeds (medians over the rounds; the first round starts from an empty page cache), the cgroup's
 peak (page cache included) and OOM kills, the storage bytes and major faults of a generated token (the kernel's
 counts, /proc/PID/io: the same measure for every engine) and, where our engine's stats have a "disk" object, the
@@ -30,14 +31,19 @@ class Contestant:
     options: dict           # the worker's engine options
 
 
-def contestants(modes, ours_options: dict, budget_gib: float | None, llamacpp: bool) -> list[Contestant]:
-    """The rows, in the order they run; ours with a given disk-tier budget only where budget_gib is given."""
+def contestants(modes, ours_options: dict, budget_gib: float | None, llamacpp: bool,
+                experts: bool = False) -> list[Contestant]:
+    """The rows, in the order they run; ours with a given disk-tier budget only where budget_gib is given; for a
+    mixture of experts (experts), ours also with the expert tier's lookahead (off by default), to show its worth."""
     rows = []
     if llamacpp:
         rows += [Contestant("llama.cpp repacked", "llama.cpp", "dense", {"repack": True}),
                  Contestant("llama.cpp mmap only", "llama.cpp", "dense", {"repack": False})]
     for mode in modes:
         rows.append(Contestant(f"ours {mode}", "ours", mode, dict(ours_options)))
+        if experts:
+            rows.append(Contestant(f"ours {mode} + lookahead", "ours", mode,
+                                   dict(ours_options, expert_lookahead=True)))
         if budget_gib is not None:
             rows.append(Contestant(f"ours {mode} + disk tier", "ours", mode,
                                    dict(ours_options, memory_budget=budget_gib)))
@@ -47,7 +53,9 @@ def contestants(modes, ours_options: dict, budget_gib: float | None, llamacpp: b
 def disk_per_token(stats: dict | None) -> dict | None:
     """The disk tier's counters (stats()["disk"]: tokens, bytes, reads, cache_hits, cache_misses, io_wait_seconds,
     resident_bytes, budget_bytes) per generated token: bytes and reads from the file, the share of row lookups its
-    cache served, and seconds waited on reads; None where the stats have no disk object or it counted no token."""
+    cache served, and seconds waited on reads; for the expert tier (kind "experts": lookups are experts), the share of
+    the experts its lookahead read ahead that a step then used; None where the stats have no disk object or it
+    counted no token."""
     disk = (stats or {}).get("disk")
     if not disk or not disk.get("tokens"):
         return None
@@ -56,7 +64,8 @@ def disk_per_token(stats: dict | None) -> dict | None:
     return {"bytes": disk["bytes"] / n, "reads": disk["reads"] / n,
             "hit_rate": disk["cache_hits"] / lookups if lookups else None,
             "io_wait_seconds": disk["io_wait_seconds"] / n,
-            "resident_bytes": disk["resident_bytes"], "budget_bytes": disk["budget_bytes"]}
+            "resident_bytes": disk["resident_bytes"], "budget_bytes": disk["budget_bytes"],
+            "prefetch_hit_rate": disk["prefetch_used"] / disk["prefetched"] if disk.get("prefetched") else None}
 
 
 def _speeds(tokens: int, replies: list[dict]) -> dict:
@@ -151,8 +160,9 @@ def render(record: dict) -> list[str]:
             "storage MiB/token | major faults/token |")
     rule = "|---|---|---:|---:|---:|---:|---:|---:|"
     if disk:
-        head += " disk tier MiB/token | reads/token | cache hit rate | I/O wait ms/token | resident / budget MiB |"
-        rule += "---:|---:|---:|---:|---:|"
+        head += (" disk tier MiB/token | reads/token | cache hit rate | prefetch hit rate | I/O wait ms/token | "
+                 "resident / budget MiB |")
+        rule += "---:|---:|---:|---:|---:|---:|"
     lines = ["", f"Under a {lim['limit_gib']:g} GiB memory cgroup (cgroup v{lim['cgroup_version']}), one engine at a "
                  f"time, the page cache dropped before each; {st['repeats']} rounds, medians (the first from an "
                  f"empty cache); file {lim['file_gib']:.2f} GiB (ours), {lim['peer_file_gib']:.2f} GiB (llama.cpp):",
@@ -167,7 +177,7 @@ def render(record: dict) -> list[str]:
         if disk:
             d = r.get("disk") or {}
             cells += [_f(d["bytes"] / 2**20 if d else None, "{:.1f}"), _f(d.get("reads"), "{:.0f}"),
-                      _f(d.get("hit_rate"), "{:.0%}"),
+                      _f(d.get("hit_rate"), "{:.0%}"), _f(d.get("prefetch_hit_rate"), "{:.0%}"),
                       _f(d["io_wait_seconds"] * 1e3 if d else None, "{:.1f}"),
                       f"{d['resident_bytes'] / 2**20:.0f} / {d['budget_bytes'] / 2**20:.0f}" if d else "–"]
         lines.append("| " + " | ".join(cells) + " |")

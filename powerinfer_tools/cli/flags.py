@@ -73,7 +73,9 @@ def memory_budget_option():
                         "hold: the attention, head, predictors, KV cache and buffers, then the most often active FFN "
                         "neurons; the rest are read from MODEL.neurons when the predictor selects them (convert "
                         "--neuron-bundles writes it). Default: the machine's memory or the cgroup's limit, where "
-                        "MODEL.neurons is there and the FFN would not fit it. Best in --sparse-mode predictor.")
+                        "MODEL.neurons is there and the FFN would not fit it. Best in --sparse-mode predictor. A "
+                        "mixture of experts keeps a cache of whole experts in the budget and reads the others from "
+                        "MODEL itself (by default where its experts would not fit).")
 
 
 def ctx_size_option(what: str = ""):

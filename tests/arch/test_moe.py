@@ -261,8 +261,9 @@ test_unsupported_field_is_refused_by_convert_and_its_dry_run = convert_refusal_t
 
 
 def test_what_experts_do_not_have_is_refused_in_one_line(family, tmp_path, capsys):
-    """No predictors, profiles, neuron bundles, input sparsity, GPU index or plan, or disk tier for experts yet: each
-    refused in one line with a non-zero exit, never computed dense in their place."""
+    """No predictors, profiles, neuron bundles, input sparsity, GPU index or plan for experts yet (a memory budget's
+    expert tier: test_moe_expert_tier.py): each refused in one line with a non-zero exit, never computed dense in their
+    place."""
     src, path, _ = family("qwen3-moe")
     _, relu, _ = family("mixtral-relu")
     for flags in (["--predictors", tmp_path], ["--profile", tmp_path], ["--neuron-bundles"]):
@@ -283,7 +284,6 @@ def test_what_experts_do_not_have_is_refused_in_one_line(family, tmp_path, capsy
         (relu, ["--sparse-mode", "oracle"], "oracle mode selects neurons by a predictor"),
         (path, ["--sparse-mode", "gate"], "gate mode thresholds SiLU neurons"),
         (path, ["--sparse-mode", "input"], "input sparsity is not computed for mixture-of-experts layers"),
-        (path, ["--memory-budget", "1"], "the experts of a mixture of experts are held in memory"),
         (path, ["--gpuidx", write_gpuidx(tmp_path / "x.gpuidx", [np.ones(128, bool)] * 2)],
          "are not split into hot and cold neurons"),
     ]

@@ -26,7 +26,9 @@ DISK = {"tokens": 4, "bytes": 4 * 3 << 20, "reads": 40, "cache_hits": 30, "cache
 def test_disk_counters_per_token():
     d = limited.disk_per_token({"decode_tokens": 4, "disk": DISK})
     assert d == {"bytes": 3 << 20, "reads": 10, "hit_rate": 0.75, "io_wait_seconds": 0.005,
-                 "resident_bytes": 100 << 20, "budget_bytes": 128 << 20}
+                 "resident_bytes": 100 << 20, "budget_bytes": 128 << 20, "prefetch_hit_rate": None}
+    experts = limited.disk_per_token({"disk": dict(DISK, kind="experts", prefetched=8, prefetch_used=6)})
+    assert experts["prefetch_hit_rate"] == 0.75  # the lookahead's experts a step used
     assert limited.disk_per_token({"decode_tokens": 4}) is None           # an engine without the disk tier
     assert limited.disk_per_token({"disk": dict(DISK, tokens=0)}) is None  # nothing generated through it
     assert limited.disk_per_token({"disk": dict(DISK, cache_hits=0, cache_misses=0)})["hit_rate"] is None
@@ -57,9 +59,10 @@ def test_disk_tier_columns_only_where_a_row_has_them():
     tiered = plain + [killed, _row("ours dense + disk tier", limited.disk_per_token({"disk": DISK}))]
     lines = limited.render(_record(tiered))
     table = "\n".join(lines)
-    assert "| disk tier MiB/token | reads/token | cache hit rate | I/O wait ms/token | resident / budget MiB |" in table
-    assert "| ours dense + disk tier | ok | 2.00 | 2.00 | 400 | 0 | 5.0 | 12 | 3.0 | 10 | 75% | 5.0 | 100 / 128 |" in table
-    assert "| ours dense | ok | 2.00 | 2.00 | 400 | 0 | 5.0 | 12 | – | – | – | – | – |" in table
+    assert ("| disk tier MiB/token | reads/token | cache hit rate | prefetch hit rate | I/O wait ms/token | "
+            "resident / budget MiB |") in table
+    assert "| ours dense + disk tier | ok | 2.00 | 2.00 | 400 | 0 | 5.0 | 12 | 3.0 | 10 | 75% | – | 5.0 | 100 / 128 |" in table
+    assert "| ours dense | ok | 2.00 | 2.00 | 400 | 0 | 5.0 | 12 | – | – | – | – | – | – |" in table
     assert "| llama.cpp repacked | OOM-killed | – | – | 400 | 1 | – | – |" in table
     assert "llama.cpp repacked: the llama.cpp worker exited (killed by SIGKILL)" in table
     header = next(line for line in lines if line.startswith("| engine"))
@@ -75,6 +78,9 @@ def test_rows_with_and_without_the_disk_tier():
     assert rows[1].options == {"repack": False} and rows[3].options == {"gpu": "off", "memory_budget": 0.75}
     assert "memory_budget" not in rows[2].options
     assert [r.label for r in limited.contestants(["dense"], {}, None, llamacpp=False)] == ["ours dense"]
+    moe = limited.contestants(["dense"], {}, None, llamacpp=False, experts=True)  # a mixture: the lookahead's worth
+    assert [r.label for r in moe] == ["ours dense", "ours dense + lookahead"]
+    assert moe[0].options == {} and moe[1].options == {"expert_lookahead": True}
 
 
 def test_llamacpp_without_extra_buffers():

@@ -290,12 +290,11 @@ def finish_gguf(writer: gguf.GGUFWriter, tensors: dict | None = None) -> None:
 
 
 @pytest.fixture(scope="session")
-def smollm2_q8_0(tmp_path_factory) -> Path:
+def smollm2_q8_0(smollm2_file) -> Path:
     """The default model as convert writes it by default in q8_0 (the layout `pi-tools run` uses, without
-    predictors)."""
-    path = tmp_path_factory.mktemp("smollm2_default") / "smollm2.q8_0.powerinfer.gguf"
-    convert_model("smollm2", path, outtype="q8_0", progress=False)
-    return path
+    predictors): conftest's smollm2_file, since a SiLU model's file is the same whether or not it is asked to be
+    PowerInfer's (PowerInfer refuses SiLU models; conversion.convert_model)."""
+    return smollm2_file("q8_0")
 
 
 def replace_keeping_size_and_time(path: Path, other: Path, how: str) -> None:

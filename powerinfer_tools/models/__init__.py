@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from powerinfer_tools.models import default_model
+from powerinfer_tools.models.gguf_parse_once import parse_once
 from powerinfer_tools.core.errors import UserError
 
 _VOLATILE_CONFIG_KEYS = {"transformers_version", "quantization_config", "dtype", "torch_dtype",
@@ -73,7 +74,8 @@ def load_config(source: ModelSource):
 
     _quiet_transformers()
     try:
-        return AutoConfig.from_pretrained(source.directory, **source.hf_kwargs())
+        with parse_once():
+            return AutoConfig.from_pretrained(source.directory, **source.hf_kwargs())
     except (ValueError, KeyError, OSError) as exc:
         raise UserError(f"cannot read the config of {source.spec}: {str(exc).splitlines()[0]}") from None
 
@@ -114,7 +116,7 @@ def load_model(source: ModelSource, device: str = "cpu", dtype: str = "float32")
         kwargs["device_map"] = "auto"
     model_class = adapter.model_class() or AutoModelForCausalLM
     try:
-        with library_bars():  # a GGUF source's de-quantizing bar
+        with library_bars(), parse_once():  # a GGUF source's de-quantizing bar
             model = model_class.from_pretrained(source.directory, **kwargs)
     except (OSError, ValueError, RuntimeError) as exc:
         raise UserError(f"cannot load {source.spec}: {str(exc).splitlines()[0]}") from None
@@ -130,7 +132,8 @@ def load_tokenizer(source: ModelSource):
 
     _quiet_transformers()
     try:
-        return AutoTokenizer.from_pretrained(source.directory, **source.hf_kwargs())
+        with parse_once():
+            return AutoTokenizer.from_pretrained(source.directory, **source.hf_kwargs())
     except (OSError, ValueError, KeyError) as exc:
         raise UserError(f"cannot load the tokenizer of {source.spec}: {str(exc).splitlines()[0]}") from None
 

@@ -113,7 +113,7 @@ def test_killed_conversion_keeps_the_previous_file(wide_model, tmp_path, sig):
         assert m.eval([1, 5, 7]).shape[-1] == m.n_vocab
 
 
-PROFILE_ARGS = ["--calib", str(TEXT), "--tokens", "8192", "--seq-len", "64", "--batch", "1", "--max-samples", "64"]
+PROFILE_ARGS = ["--calib", str(TEXT), "--tokens", "4096", "--seq-len", "64", "--batch", "1", "--max-samples", "64"]
 
 
 def profile_cli(model: str, out: Path, *extra: str) -> subprocess.CompletedProcess:

@@ -102,6 +102,11 @@ def load_config_file(path: Path, spec: str):
 
 def load_model(source: ModelSource, device: str = "cpu", dtype: str = "float32"):
     """Load the causal LM for inference; device 'auto' spreads a large model with accelerate."""
+    with parse_once():  # the config and the weights from one parse of a GGUF source
+        return _load_model(source, device, dtype)
+
+
+def _load_model(source: ModelSource, device: str, dtype: str):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -116,7 +121,7 @@ def load_model(source: ModelSource, device: str = "cpu", dtype: str = "float32")
         kwargs["device_map"] = "auto"
     model_class = adapter.model_class() or AutoModelForCausalLM
     try:
-        with library_bars(), parse_once():  # a GGUF source's de-quantizing bar
+        with library_bars():  # a GGUF source's de-quantizing bar
             model = model_class.from_pretrained(source.directory, **kwargs)
     except (OSError, ValueError, RuntimeError) as exc:
         raise UserError(f"cannot load {source.spec}: {str(exc).splitlines()[0]}") from None

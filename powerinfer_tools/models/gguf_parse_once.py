@@ -1,4 +1,4 @@
-"""transformers reading a GGUF source: each file parsed once, gguf-py's tensor-name map built once.
+"""transformers reading a GGUF source: the file parsed once per load, gguf-py's tensor-name map built once.
 
 transformers' GGUF loader (`transformers.modeling_gguf_pytorch_utils.load_gguf_checkpoint`) parses the whole file
 with gguf-py for the config, again for the weights and again for the tokenizer (every vocabulary string each
@@ -14,11 +14,6 @@ import contextlib
 import functools
 import os
 import threading
-from collections import OrderedDict
-
-_KEEP = 4                       # readers kept: a source's config, weights and tokenizer read one file
-_lock = threading.RLock()       # the two names are the gguf module's: one patch at a time
-_readers: OrderedDict = OrderedDict()
 
 
 def _identity(path) -> tuple:
@@ -26,25 +21,44 @@ def _identity(path) -> tuple:
     return os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns
 
 
+class _Patch:
+    """The two names patched while any parse_once() is active (re-entrant: load_model reads the config inside
+    its own); the readers dropped when the outermost one ends (a reader of SmolLM2 holds 160 MiB of parsed fields)."""
+
+    def __init__(self):
+        self.lock = threading.RLock()  # the names are the gguf module's: one loading thread at a time
+        self.depth = 0
+        self.readers: dict = {}
+
+    def enter(self, gguf) -> None:
+        if self.depth == 0:
+            self.real = gguf.GGUFReader, gguf.get_tensor_name_map
+            gguf.GGUFReader, gguf.get_tensor_name_map = self.reader, functools.lru_cache(maxsize=None)(self.real[1])
+        self.depth += 1
+
+    def leave(self, gguf) -> None:
+        self.depth -= 1
+        if self.depth == 0:
+            gguf.GGUFReader, gguf.get_tensor_name_map = self.real
+            self.readers.clear()
+
+    def reader(self, path, mode="r"):
+        key = (_identity(path), mode)
+        if key not in self.readers:
+            self.readers[key] = self.real[0](path, mode)
+        return self.readers[key]
+
+
+_patch = _Patch()
+
+
 @contextlib.contextmanager
 def parse_once():
     import gguf
 
-    real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
-
-    def reader(path, mode="r"):
-        key = (_identity(path), mode)
-        if key in _readers:
-            _readers.move_to_end(key)
-        else:
-            _readers[key] = real_reader(path, mode)
-            while len(_readers) > _KEEP:
-                _readers.popitem(last=False)
-        return _readers[key]
-
-    with _lock:
-        gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(real_map)
+    with _patch.lock:
+        _patch.enter(gguf)
         try:
             yield
         finally:
-            gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map
+            _patch.leave(gguf)

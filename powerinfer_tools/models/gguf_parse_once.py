@@ -33,7 +33,18 @@ class _Patch:
     def enter(self, gguf) -> None:
         if self.depth == 0:
             self.real = gguf.GGUFReader, gguf.get_tensor_name_map
-            gguf.GGUFReader, gguf.get_tensor_name_map = self.reader, functools.lru_cache(maxsize=None)(self.real[1])
+            patch = self
+
+            class Reader(gguf.GGUFReader):
+                """A class still (another module may subclass gguf.GGUFReader meanwhile: gguf_io does); called by
+                itself it answers a cached gguf.GGUFReader, whose __init__ Python then does not run again."""
+
+                def __new__(cls, path, mode="r", *args, **kwargs):
+                    if cls is not Reader or args or kwargs:
+                        return super().__new__(cls)
+                    return patch.reader(path, mode)
+
+            gguf.GGUFReader, gguf.get_tensor_name_map = Reader, functools.lru_cache(maxsize=None)(self.real[1])
         self.depth += 1
 
     def leave(self, gguf) -> None:

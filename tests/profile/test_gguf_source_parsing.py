@@ -61,3 +61,15 @@ def test_a_file_rewritten_in_place_is_parsed_again(tmp_path, parses):
     with parse_once():  # a load's readers are not kept after it
         assert gguf.GGUFReader(path) is not second
     assert len(parses) == 3
+
+
+def test_a_subclass_of_the_reader_made_during_a_load_is_its_own(tmp_path):
+    """gguf_io's reader of PowerInfer files subclasses gguf.GGUFReader when it is called, inside a load too."""
+    from powerinfer_tools.formats import gguf_io
+
+    path = tmp_path / "m.gguf"
+    write(path, 7)
+    gguf_io.set_pwri_magic(path)
+    with parse_once():
+        reader = gguf_io.open_reader(path)
+        assert type(reader).__name__ == "PwriReader" and int(reader.fields["test.value"].contents()) == 7

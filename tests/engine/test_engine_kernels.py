@@ -155,6 +155,32 @@ def test_gemm8_on_packed_rows_is_eight_dots_per_token(isa, wtype, n):
                 assert abs(g - float((values(wtype, r) * xv).sum())) <= 1e-5 * scale + 1e-30
 
 
+@pytest.mark.parametrize("isa", SIMD)
+def test_gemm8_q4_0_at_the_largest_integer_sums(isa):
+    """q4_0 gemm8 where every product is as large as a block allows (nibbles 15 or 0, quants +-127): the sums
+    AVX2 keeps in int16 lanes (16 products of at most 15 x 127 each) come out exact, as float64's, for
+    4, 2 and 1 tokens a pass."""
+    n, n_groups = 256, 2
+    nb = n // 32
+    rows = []
+    for r in range(8 * n_groups):
+        blocks = np.zeros((nb, 18), dtype=np.uint8)
+        blocks[:, :2] = np.frombuffer(np.float16(0.5 + r / 16).tobytes(), np.uint8)
+        blocks[:, 2:] = 0xFF if r % 2 == 0 else 0x00  # every value +7 or every value -8
+        rows.append(blocks.reshape(-1))
+    packed = np.concatenate([kernels.pack8("q4_0", n, rows[8 * g:8 * g + 8]) for g in range(n_groups)])
+    n_tok = 7
+    x = np.zeros((n_tok, nb, 34), dtype=np.uint8)
+    x[:, :, :2] = np.frombuffer(np.float16(0.25).tobytes(), np.uint8)
+    for t in range(n_tok):
+        x[t, :, 2:] = np.full(32, 127 if t % 2 == 0 else -127, dtype=np.int8).view(np.uint8)
+    got = kernels.gemm8(isa, "q4_0", n, packed, x)
+    for t in range(n_tok):
+        for r in range(8 * n_groups):
+            want = nb * (0.5 + r / 16) * 0.25 * 32 * (7 if r % 2 == 0 else -8) * (127 if t % 2 == 0 else -127)
+            assert got[t, r] == np.float32(want)
+
+
 @pytest.mark.parametrize("isa", ["scalar"] + SIMD)
 @pytest.mark.parametrize("wtype,n", CASES)
 def test_dot_rows_is_gemm8_on_the_same_rows(isa, wtype, n):

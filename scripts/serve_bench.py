@@ -217,7 +217,8 @@ def prompt_cache(client: openai.OpenAI, prefix: int, rounds: int) -> dict:
             if stamp is None and chunk.choices and chunk.choices[0].delta.content:
                 stamp = time.perf_counter()
             usage = chunk.usage or usage
-        return 1000 * (stamp - sent), usage
+        # a reply with no text (the model's end at once): its first token is the end of its stream
+        return 1000 * ((stamp or time.perf_counter()) - sent), usage
 
     for k in (0, 1):
         ms, usage = ask(systems[k], "Hello?")

@@ -32,7 +32,7 @@ PEER = os.environ.get("PI_BENCH_PEER_PYTHON")
 SIZE = {"--shape": "tiny", "--layers": str(TINY.n_layer), "--repeats": "1", "--n-prompt": "8", "--n-gen": "4",
         "--tokens": "1024", "--seq-len": "64", "--epochs": "1", "--chunks": "1", "-c": "128", "--ctx": "128",
         "-n": "16", "--rounds": "1", "--clients": "2", "--soak": "4", "--rank": "16", "--depth": "8",
-        "--prefix": "30", "--parallel": "2"}
+        "--prefix": "12", "--parallel": "2"}
 # The section's placeholders, as the section's text says to fill them in (a peer's Python is PEER).
 PLACEHOLDERS = {"--memory-limit": {"L": "0.5", "$L": "0.5"}, "--sparse-mode": {"MODE": "dense"}}
 PEER_NAMES = ("PEER_PYTHON", "NOAMX_PYTHON", "~/bench-venv/bin/python")
@@ -209,11 +209,16 @@ def names(tmp_path_factory, tiny_chat_file) -> dict[str, str]:
 
 
 def link_inputs(block: Block, names: dict[str, str], cwd: Path) -> None:
-    """The names the block reads but none of its commands writes, linked into its folder."""
+    """The names the block reads but none of its commands writes, linked into its folder (a model's neuron bundles
+    beside it, where the engine looks for them)."""
+    from powerinfer_tools.formats import neuron_bundles
+
     written = {c.argv[i] for c in block.commands for i, flag in option_values(c.argv) if flag in OUTPUT_FLAGS}
     for name, path in names.items():
         if name not in written and name not in MODEL_NAMES + ("cache",) and not (cwd / name).exists():
             (cwd / name).symlink_to(path)
+            if neuron_bundles.path_for(path).is_file():
+                neuron_bundles.path_for(cwd / name).symlink_to(neuron_bundles.path_for(path))
 
 
 def run(cmd: Command, argv: list[str], capsys, monkeypatch) -> None:

@@ -171,6 +171,17 @@ double Engine::working_bytes(int64_t threads, pi_kv_type kv_type, bool cold_on_d
     return RunState::kv_cache_bytes(hp_, n_ctx_, kv_type, n_seq_) + work_buffer_bytes(threads) + weight_copy_bytes(cold_on_disk);
 }
 
+Engine::BudgetRoom Engine::budget_room(double held) {
+    const double limit = usable_memory_bytes();
+    return {limit, limit - std::max(0.0, process_anonymous_bytes() - held)};
+}
+
+void Engine::check_budget_fits(double budget, double would_hold, const BudgetRoom &r) {
+    if (r.limit > 0 && std::min(budget, would_hold) > r.room)
+        fail(PI_ERR_MEMORY, "memory_budget " + gib(budget) + " is more than this process may still take: " + gib(r.room) +
+                                " of the " + gib(r.limit) + " limit (the machine's memory or its cgroup's), less what it holds");
+}
+
 std::unique_ptr<DiskTier> Engine::open_disk_tier(const pi_options &opts, int64_t threads) {
     if (opts.memory_budget < 0 || hp_.n_expert > 0) return nullptr;  // a mixture's: open_expert_tier
     const std::string path = DiskTier::path_for(model_->path());
@@ -182,20 +193,18 @@ std::unique_ptr<DiskTier> Engine::open_disk_tier(const pi_options &opts, int64_t
     double fixed = copied + working_bytes(threads, pi_kv_type(opts.kv_type), true) + kProcessMargin;
     double budget = double(opts.memory_budget);
     std::string source = "memory_budget";
-    // the memory check's limit, less what the process held before the engine copied anything: the most any budget
-    // may be (the tier's budget holds the working memory too, so it replaces check_working_memory's check)
-    const double limit = usable_memory_bytes(), room = limit - std::max(0.0, process_anonymous_bytes() - held);
+    // the most any budget may be (the tier's budget holds the working memory too, so it replaces
+    // check_working_memory's check)
+    const BudgetRoom r = budget_room(held);
     if (budget == 0) {
         source = "the machine's memory or its cgroup's limit, less what the process held";
         const bool all_cold = model_->hot_neurons() == 0;
-        if (!all_cold || limit <= 0) return nullptr;
-        budget = room;
+        if (!all_cold || r.limit <= 0) return nullptr;
+        budget = r.room;
         if (fixed + DiskTier::bundle_bytes_of(*model_) <= budget) return nullptr;
         if (::access(path.c_str(), F_OK) != 0) return nullptr;  // no bundles: the memory check decides
-    } else if (limit > 0 && std::min(budget, fixed + DiskTier::bundle_bytes_of(*model_)) > room) {
-        // what the tier would hold at this budget (no more than every bundle) does not fit what the process may take
-        fail(PI_ERR_MEMORY, "memory_budget " + gib(budget) + " is more than this process may still take: " + gib(room) +
-                                " of the " + gib(limit) + " limit (the machine's memory or its cgroup's), less what it holds");
+    } else {
+        check_budget_fits(budget, fixed + DiskTier::bundle_bytes_of(*model_), r);
     }
     // Where the matrices every token reads whole, copied into groups, leave no room for a cache of one layer's
     // bundles, they stay mapped instead: the kernel pages them in from the file (a token reads them all, so under
@@ -226,18 +235,17 @@ std::unique_ptr<ExpertTier> Engine::open_expert_tier(const pi_options &opts, int
     const double all = ExpertTier::all_expert_bytes(*model_);
     double budget = double(opts.memory_budget);
     std::string source = "memory_budget";
-    const double limit = usable_memory_bytes(), room = limit - std::max(0.0, process_anonymous_bytes() - held);
+    const BudgetRoom r = budget_room(held);
     if (budget == 0) {
         // the engine's own rule: the tier only where the experts do not fit what the process may take
-        if (limit <= 0 || fixed + all <= room) {
+        if (r.limit <= 0 || fixed + all <= r.room) {
             model_->leave_experts_in_file(false);
             return nullptr;
         }
         source = "the machine's memory or its cgroup's limit, less what the process held";
-        budget = room;
-    } else if (limit > 0 && std::min(budget, fixed + all) > room) {
-        fail(PI_ERR_MEMORY, "memory_budget " + gib(budget) + " is more than this process may still take: " + gib(room) +
-                                " of the " + gib(limit) + " limit (the machine's memory or its cgroup's), less what it holds");
+        budget = r.room;
+    } else {
+        check_budget_fits(budget, fixed + all, r);
     }
     auto tier = std::make_unique<ExpertTier>(*model_, budget, source, fixed, kExpertReadThreads);
     model_->hold_vectors();  // a model that does not fit its memory: its page cache is under pressure

@@ -89,6 +89,15 @@ private:
     // What check_working_memory counts but the margin: the KV cache at the full context, the work buffers, the
     // weight copies.
     double working_bytes(int64_t threads, pi_kv_type kv_type, bool cold_on_disk = false) const;
+    // What a tier's budget may take: the memory check's limit (0: none found) and that limit less what the process
+    // held before the engine copied anything (`held`: the engine's own copies made so far, counted in its budget).
+    struct BudgetRoom {
+        double limit = 0, room = 0;
+    };
+    static BudgetRoom budget_room(double held);
+    // A given budget whose tier would hold `would_hold` (at most every bundle or expert) that does not fit the room
+    // fails in one line (PI_ERR_MEMORY); nothing to check where no limit was found.
+    static void check_budget_fits(double budget, double would_hold, const BudgetRoom &r);
     // The disk tier where opts.memory_budget asks for it (or, at 0, where the model's bundles are there and its FFN
     // would not fit the memory the process may use); nullptr otherwise.
     std::unique_ptr<DiskTier> open_disk_tier(const pi_options &opts, int64_t threads);

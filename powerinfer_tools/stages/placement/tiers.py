@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from powerinfer_tools.core.errors import UserError
+from powerinfer_tools.formats import neuron_bundles
 from powerinfer_tools.stages import options as limits
 from powerinfer_tools.stages.options import DEFAULT_KV_TYPE
 
@@ -26,7 +27,6 @@ DISK_BYTES_PER_S = 8192 / 4.8e-6
 # The device's memory rate: an H100 PCIe's HBM2e, 2.0 TB/s (NVIDIA H100 Tensor Core GPU datasheet); a decode step's
 # hot rows are read once from it.
 DEVICE_BYTES_PER_S = 2.0e12
-BUNDLE_ALIGN = 4096  # formats/neuron_bundles.py's ALIGN: a neuron's bundle is its rows padded to whole pages
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,9 @@ class MemoryTier:
 
 
 def bundle_bytes(neuron_bytes: np.ndarray) -> np.ndarray:
-    return (np.asarray(neuron_bytes, np.int64) + BUNDLE_ALIGN - 1) // BUNDLE_ALIGN * BUNDLE_ALIGN
+    """A neuron's bundle in the sidecar: its rows padded to whole pages (formats/neuron_bundles.py)."""
+    align = neuron_bundles.ALIGN
+    return (np.asarray(neuron_bytes, np.int64) + align - 1) // align * align
 
 
 def costs_per_activation(neuron_bytes: np.ndarray, memory_bytes_per_s: float):

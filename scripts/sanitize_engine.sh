@@ -4,12 +4,14 @@
 # (PI_ENGINE_LIB selects it; LD_PRELOAD puts the ASan runtime first in the uninstrumented Python).
 # Any sanitizer report aborts the test process, so the run fails.
 #
-#   scripts/sanitize_engine.sh [PYTEST ARGS...]     default: tests/engine/test_engine*.py but two long runs, and
+#   scripts/sanitize_engine.sh [PYTEST ARGS...]     default: tests/engine/test_engine*.py but five long runs, and
 #                                                   the families' tests (tests/arch)
 #
-# The two left out by default take half of the run under ASan (minutes each) and go through the code paths that
-# the others cover on the same files: a context filled to its limit (a memory-limit check) and SmolLM2's top-1
-# agreement over wikitext (the q8_0 kernels on many tokens).
+# The five left out by default take over half of the run under ASan (minutes each) and go through code paths that
+# other tests run on tiny files: a context filled to its limit (a memory-limit check), SmolLM2's top-1 agreement
+# over wikitext (the q8_0 kernels on many tokens), auto mode over the real model's thresholds (the auto tests'
+# kernels), the real model split with the emulated device (test_engine_device_split's tiny models) and a
+# K-quant file of the real model (test_engine_gguf_types' K-quant decoders).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CXX=${CXX:-g++}
@@ -29,6 +31,9 @@ export PI_ENGINE_LIB="$PWD/$LIB"
 if [ $# -eq 0 ]; then
     set -- tests/engine/test_engine*.py tests/arch \
         --deselect tests/engine/test_engine_resource_limits.py::test_a_context_the_check_accepts_fills_within_the_limit \
-        --deselect tests/engine/test_engine_smollm2.py::test_q8_0_top1_agreement_on_wikitext
+        --deselect tests/engine/test_engine_smollm2.py::test_q8_0_top1_agreement_on_wikitext \
+        --deselect tests/engine/test_engine_smollm2.py::test_auto_is_dense_with_the_default_pipelines_thresholds \
+        --deselect tests/engine/test_engine_device_smollm2.py::test_q8_0_split_differs_from_the_cpu_as_the_cpu_differs_from_itself \
+        --deselect tests/engine/test_engine_llama_cpp_files.py::test_k_quant_file_runs_as_its_q8_0_conversion
 fi
 LD_PRELOAD="$RUNTIME $CXXRT" python -m pytest -q -p no:cacheprovider "$@"

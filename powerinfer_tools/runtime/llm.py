@@ -648,15 +648,20 @@ class LLM:
         (its logits are sampled from), alone in its last batch exactly where a fresh call's is. The count of reused
         tokens."""
         m = self.model
-        n = 0
-        limit = min(len(cache.tokens), cache.batch_tokens, m.n_past, len(ids) - 1)
-        while n < limit and cache.tokens[n] == ids[n]:
-            n += 1
+        n = shared_prefix(cache.tokens, ids, min(cache.batch_tokens, m.n_past, len(ids) - 1))
         fresh_alone = self._batch_computed(len(ids)) < len(ids)
         while n > 0 and (self._batch_computed(len(ids) - n) < len(ids) - n) != fresh_alone:
             n -= 1
         m.reset(n)
         return n
+
+
+def shared_prefix(a: list[int], b: list[int], limit: int | None = None) -> int:
+    """How many leading tokens a and b share (at most limit)."""
+    n, end = 0, min(len(a), len(b), len(b) if limit is None else limit)
+    while n < end and a[n] == b[n]:
+        n += 1
+    return n
 
 
 MAX_PARALLEL = 32  # slots LLM(parallel=...) takes: each a KV cache of the whole context
@@ -822,14 +827,9 @@ class _Scheduler:
         """The free slot whose cache shares the longest prefix with ids, where that is more than half of them (as
         llama-server's slot_prompt_similarity); else the least recently used, so that a prompt sharing only a chat
         template's first tokens does not push out another conversation's prefix."""
-        def shared(k: int) -> int:
-            tokens, n = self.caches[k].tokens, 0
-            limit = min(len(tokens), len(ids))
-            while n < limit and tokens[n] == ids[n]:
-                n += 1
-            return n
-        best = max(free, key=lambda k: (shared(k), -self.last_used[k]))
-        return best if 2 * shared(best) > len(ids) else min(free, key=lambda k: self.last_used[k])
+        shared = {k: shared_prefix(self.caches[k].tokens, ids) for k in free}
+        best = max(free, key=lambda k: (shared[k], -self.last_used[k]))
+        return best if 2 * shared[best] > len(ids) else min(free, key=lambda k: self.last_used[k])
 
     def _loop(self) -> None:
         while True:

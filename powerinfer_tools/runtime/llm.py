@@ -36,7 +36,7 @@ from powerinfer_tools.core.errors import RequestError
 from powerinfer_tools.stages.options import DEFAULT_KV_TYPE
 
 if TYPE_CHECKING:
-    from llguidance import LLTokenizer
+    from llguidance import LLMatcher, LLTokenizer
 
     from powerinfer_tools.runtime.structured import Constraint
     from powerinfer_tools.runtime.tools import ToolCall
@@ -328,6 +328,10 @@ class LLM:
         self._generation = 0  # bumped by every call: an older stream (taken over in its own thread) sees it and ends
         self._vocab: "LLTokenizer | None" = None  # llguidance's view of the tokenizer (LLM.vocabulary)
         self._vocab_lock = threading.Lock()
+        # a constraint compiled once (checked at the call), each generation its own copy of the fresh matcher; the
+        # last few kept, as an app repeats its schema from request to request
+        self._compiled = functools.lru_cache(maxsize=COMPILED_CONSTRAINTS)(
+            lambda c: c.matcher(self.vocabulary()))
         self._side = parallel if parallel > 1 else 0  # the sequence embeddings evaluate in
         self._scheduler = _Scheduler(self, parallel) if parallel > 1 else None
 
@@ -383,8 +387,12 @@ class LLM:
 
         found = constraint(response_format, grammar)
         if found is not None:
-            found.matcher(self.vocabulary())
+            self._compiled(found)
         return found
+
+    def _matcher(self, request: "_Request") -> "LLMatcher | None":
+        """A fresh matcher for one generation of request (None: free text), from its constraint compiled once."""
+        return self._compiled(request.constraint).deep_copy() if request.constraint else None
 
     @functools.cached_property
     def supports_tools(self) -> bool:
@@ -549,7 +557,7 @@ class LLM:
         if self._scheduler is not None:
             ids = self.prompt_ids(prompt, add_special)
             limit = self.token_limit(len(ids), request.max_tokens, fit)
-            matcher = request.constraint.matcher(self.vocabulary()) if request.constraint else None
+            matcher = self._matcher(request)
             chunks = self._scheduler.submit(_Generation(self, ids, limit, request, matcher))
             if stream:
                 return chunks
@@ -578,7 +586,7 @@ class LLM:
         """Checks now (a bad request fails at the call, not at the first next()), then the generator."""
         limit = self.token_limit(len(ids), request.max_tokens, fit)
         self._generation += 1
-        matcher = request.constraint.matcher(self.vocabulary()) if request.constraint else None
+        matcher = self._matcher(request)
         return self._tokens(ids, limit, request, matcher, self._generation)
 
     def token_limit(self, n_prompt: int, max_tokens: int | None, fit: bool = True, param: str | None = None) -> int:
@@ -664,6 +672,7 @@ def shared_prefix(a: list[int], b: list[int], limit: int | None = None) -> int:
     return n
 
 
+COMPILED_CONSTRAINTS = 8  # constraints an LLM keeps compiled
 MAX_PARALLEL = 32  # slots LLM(parallel=...) takes: each a KV cache of the whole context
 # the FFN modes whose engine decodes several sequences in one step, each row the bits it gets alone (docs/engine.md,
 # "Sequences"): auto's kernels follow what its steps measured, input sparsity's read each row's own inputs

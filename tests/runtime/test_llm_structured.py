@@ -107,3 +107,21 @@ def test_tools_need_a_template_that_renders_them(llm):
     with pytest.raises(RequestError) as err:
         llm.chat([{"role": "user", "content": "Hi"}], max_tokens=2, tools=[tool])
     assert err.value.param == "tools"
+
+
+def test_a_grammar_compiles_once_for_its_requests_each_with_a_fresh_matcher(tiny_chat_file, monkeypatch):
+    """The check at the call compiles the constraint and every generation of it takes a copy of that fresh matcher:
+    a repeated schema is not compiled again, and no request starts where the one before stopped."""
+    from powerinfer_tools.runtime import structured
+
+    compiled = []
+    real = structured.Constraint.matcher
+    monkeypatch.setattr(structured.Constraint, "matcher", lambda c, vocab: compiled.append(c) or real(c, vocab))
+    grammar = 'root ::= "yes" | "no"'
+    with LLM(tiny_chat_file, threads=1, ctx_size=128) as llm:
+        said = [llm.complete("Q: yes or no?", max_tokens=4, temperature=1.0, seed=s, grammar=grammar).text
+                for s in range(4)]
+        assert set(said) <= {"yes", "no"}
+        assert len(compiled) == 1
+        llm.complete("Q:", max_tokens=4, grammar="root ::= [a-z]+")
+        assert len(compiled) == 2

@@ -90,22 +90,35 @@ ExpertTier::ExpertTier(Model &model, double budget, const std::string &budget_so
     const double all = all_expert_bytes(model), left = budget - fixed_;
     const int64_t fit = std::min<int64_t>(hp.n_layer * n_expert_, int64_t(std::max(0.0, left) / double(slot_bytes_)));
     n_slots_ = fit;
+    std::vector<int64_t> cached;  // [layer] with a plan: its cache slots
     if (planned_) {
         n_slots_ = 0;
+        std::vector<int64_t> least(size_t(hp.n_layer));
         for (int64_t il = 0; il < hp.n_layer; ++il) {
-            const int64_t pinned = int64_t(plan->pinned[size_t(il)].size()), cached = plan->expert_slots[size_t(il)];
-            if (cached < std::min(hp.n_expert_used, n_expert_ - pinned))
+            const int64_t pinned = int64_t(plan->pinned[size_t(il)].size());
+            least[size_t(il)] = std::min(hp.n_expert_used, n_expert_ - pinned);
+            cached.push_back(plan->expert_slots[size_t(il)]);
+            if (cached.back() < least[size_t(il)])
                 fail(PI_ERR_FORMAT, model.path() + names::kTierPlanSuffix + ": layer " + std::to_string(il) + " caches " +
-                                        std::to_string(cached) + " experts, fewer than a token's " + std::to_string(hp.n_expert_used) +
+                                        std::to_string(cached.back()) + " experts, fewer than a token's " + std::to_string(hp.n_expert_used) +
                                         " of those it does not pin (pi-tools plan --memory-budget writes it anew)");
             n_pinned_ += pinned;
-            n_slots_ += pinned + cached;
+            n_slots_ += pinned + cached.back();
         }
-        if (n_slots_ > fit)
-            fail(PI_ERR_MEMORY, "the tier plan beside the model holds " + std::to_string(n_slots_) + " experts in memory (" +
-                                    mib(double(n_slots_) * double(slot_bytes_)) + "), more than the memory budget of " + mib(budget) +
-                                    " (" + budget_source + ") leaves after the " + mib(fixed_) +
-                                    " the engine must hold; plan again at this budget (pi-tools plan --memory-budget)");
+        // A plan made where the engine held a little less (other threads, batch or context) is trimmed to fit: a slot
+        // at a time from the largest cache, none below a token's experts; refused only where the pinned experts and
+        // those least caches do not fit.
+        for (; n_slots_ > fit; --n_slots_) {
+            int64_t widest = -1;
+            for (int64_t il = 0; il < hp.n_layer; ++il)
+                if (cached[size_t(il)] > least[size_t(il)] && (widest < 0 || cached[size_t(il)] > cached[size_t(widest)])) widest = il;
+            if (widest < 0)
+                fail(PI_ERR_MEMORY, "the tier plan beside the model pins " + std::to_string(n_pinned_) + " experts and needs at least " +
+                                        std::to_string(n_slots_) + " in memory (" + mib(double(n_slots_) * double(slot_bytes_)) +
+                                        "), more than the memory budget of " + mib(budget) + " (" + budget_source + ") leaves after the " +
+                                        mib(fixed_) + " the engine must hold; plan again at this budget (pi-tools plan --memory-budget)");
+            cached[size_t(widest)] -= 1;
+        }
     }
     if (n_slots_ < hp.n_expert_used)
         fail(PI_ERR_MEMORY, "memory budget of " + mib(budget) + " (" + budget_source + ") is below what the engine must hold: " +
@@ -121,9 +134,9 @@ ExpertTier::ExpertTier(Model &model, double budget, const std::string &budget_so
     if (!planned_) pools_.push_back(Pool{0, n_slots_, 0});
     for (int64_t il = 0, at = 0; planned_ && il < hp.n_layer; ++il) {
         at += int64_t(plan->pinned[size_t(il)].size());
-        pools_.push_back(Pool{at, at + plan->expert_slots[size_t(il)], at});
+        pools_.push_back(Pool{at, at + cached[size_t(il)], at});
         pool_of_[size_t(il)] = int32_t(il);
-        at += plan->expert_slots[size_t(il)];
+        at += cached[size_t(il)];
     }
     mats_.resize(size_t(n_slots_) * 3);
     for (int64_t s = 0; s < n_slots_; ++s)
@@ -147,13 +160,12 @@ ExpertTier::ExpertTier(Model &model, double budget, const std::string &budget_so
 
 void ExpertTier::load_pinned(const TierPlan &plan) {
     std::unique_lock<std::mutex> lock(mu_);
-    int64_t s = 0;
     for (size_t il = 0; il < plan.pinned.size(); ++il) {
+        int64_t s = pools_[size_t(pool_of_[il])].lo - int64_t(plan.pinned[il].size());  // just before the layer's pool
         for (const int32_t e : plan.pinned[il]) {
             claim(s, int64_t(il), e, false);
             slots_[size_t(s++)].pinned = true;
         }
-        s += plan.expert_slots[il];
     }
     const auto loaded = [&] {
         for (const Slot &slot : slots_)

@@ -32,7 +32,9 @@ public:
     // line where that is fewer than one token's experts of a layer (n_expert_used), or where the experts cannot be
     // read from the file (ReLU experts' down is transposed at load; types decoded at load are copies). With a `plan`
     // (its expert section): each layer's pinned experts, read here, and plan->expert_slots[layer] slots for the rest,
-    // no more; fails in one line where those do not fit the budget or a layer's cache is below a token's experts.
+    // no more (fewer from the largest caches where the budget leaves a little less than the plan was made for); fails
+    // in one line where the pinned experts and a token's experts of each layer do not fit, or where a layer's planned
+    // cache is below a token's experts.
     ExpertTier(Model &model, double budget, const std::string &budget_source, double fixed_bytes, int io_threads,
                const TierPlan *plan = nullptr);
     ~ExpertTier();

@@ -246,3 +246,20 @@ def test_plan_places_a_mixtures_experts_and_the_engine_follows(family, tmp_path,
                          (["--vram-budget", 0, "--memory-budget", budget, "--granularity", 4], "--granularity applies")):
         code, _, err = run_cli(capsys, "plan", "--profile", tmp_path / "prof", "-m", model, *extra)
         assert_one_line_error(code, err, words)
+
+
+def test_a_plan_a_little_past_the_budget_is_trimmed_from_its_largest_caches(family, tmp_path):
+    """A plan made where the engine held a little less (another thread count, batch or context) loses cache slots one
+    at a time from its largest caches, none below a token's experts; its pinned experts stay; the in-memory bits."""
+    src, path, _ = family("qwen3-moe", "q8_0")
+    tokens = tokens_for(src, N_PROMPT + N_DECODE)
+    ref, _ = run_tier(path, tokens, None)
+    fixed, slot, n_layer = tier_shape(path)
+    cached = [6, 4] + [4] * (n_layer - 2)  # layer 0's cache is the largest
+    model, _ = planned_copy(path, tmp_path, [[5]] * n_layer, cached)
+    fits = n_layer + sum(cached) - 2
+    logits, stats, chosen = decode_with_trace(model, tokens, (fixed + fits * slot + slot // 2) / 2**30)
+    np.testing.assert_array_equal(logits, ref)
+    d = stats["disk"]
+    assert d["slots"] == fits and d["pinned"] == n_layer
+    assert d["pinned_hits"] == int((chosen == 5).sum())

@@ -129,12 +129,14 @@ def plan_experts(profile: Path, model: str, opts) -> None:
     if opts.memory_budget_gib is None:
         raise UserError("a mixture of experts is placed across memory and disk: give --memory-budget (and "
                         "--vram-budget 0)")
-    for name, given, default in (("--out", opts.out, None), ("--granularity", str(opts.granularity), "1"),
-                                 ("--dense", opts.dense, "all"), ("--min-layer-neurons", opts.min_layer_neurons, "auto"),
-                                 ("--reserve-mib", opts.reserve_bytes, DEFAULT_RESERVE_BYTES),
-                                 ("--no-offload-output", opts.offload_output, True)):
+    dense_only = (("--out", opts.out, None), ("--granularity", str(opts.granularity), "1"),
+                  ("--dense", opts.dense, "all"), ("--min-layer-neurons", opts.min_layer_neurons, "auto"),
+                  ("--reserve-mib", opts.reserve_bytes, DEFAULT_RESERVE_BYTES),
+                  ("--no-offload-output", opts.offload_output, True))
+    for name, given, default in dense_only:
         if given != default:
-            raise UserError(f"{name} applies to the neurons of dense FFNs; a mixture's plan places experts (leave it out)")
+            raise UserError(f"{name} applies to the neurons of dense FFNs; a mixture's plan places experts "
+                            "(leave it out)")
     result = expert_tiers.plan_experts(profile, model, opts.vram_budget_gib * 2**30, opts.memory_budget_gib,
                                        opts.ctx_size, opts.time_limit)
     typer.echo("\n".join(result.summary_lines()))

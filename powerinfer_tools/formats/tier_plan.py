@@ -58,7 +58,8 @@ class TierCounts:
 
 @dataclass(frozen=True)
 class ExpertCounts:
-    """Per layer of a mixture of n_expert experts: the expert ids pinned in memory and the cache slots the others share."""
+    """Per layer of a mixture of n_expert experts: the expert ids pinned in memory and the cache slots the others
+    share."""
 
     n_expert: int
     slots: np.ndarray  # int64 [L]

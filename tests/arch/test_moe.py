@@ -262,8 +262,8 @@ test_unsupported_field_is_refused_by_convert_and_its_dry_run = convert_refusal_t
 
 def test_what_experts_do_not_have_is_refused_in_one_line(family, tmp_path, capsys):
     """No predictors, profiles, neuron bundles, input sparsity, GPU index or VRAM-only plan for experts yet (a memory
-    budget's expert tier and plan: test_moe_expert_tier.py): each refused in one line with a non-zero exit, never computed dense in their
-    place."""
+    budget's expert tier and plan: test_moe_expert_tier.py): each refused in one line with a non-zero exit, never
+    computed dense in their place."""
     src, path, _ = family("qwen3-moe")
     _, relu, _ = family("mixtral-relu")
     for flags in (["--predictors", tmp_path], ["--profile", tmp_path], ["--neuron-bundles"]):

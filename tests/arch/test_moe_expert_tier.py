@@ -242,8 +242,10 @@ def test_plan_places_a_mixtures_experts_and_the_engine_follows(family, tmp_path,
     np.testing.assert_array_equal(logits, ref)
     assert stats["disk"]["tier_plan"] and stats["disk"]["slots"] == used
     assert stats["disk"]["pinned"] == sum(len(p) for p in x.pinned)
-    for extra, words in ((["--vram-budget", 1, "--memory-budget", budget], "no device tier for experts"), (["--vram-budget", 0], "give --memory-budget"),
-                         (["--vram-budget", 0, "--memory-budget", budget, "--granularity", 4], "--granularity applies")):
+    for extra, words in ((["--vram-budget", 1, "--memory-budget", budget], "no device tier for experts"),
+                         (["--vram-budget", 0], "give --memory-budget"),
+                         (["--vram-budget", 0, "--memory-budget", budget, "--granularity", 4],
+                          "--granularity applies")):
         code, _, err = run_cli(capsys, "plan", "--profile", tmp_path / "prof", "-m", model, *extra)
         assert_one_line_error(code, err, words)
 

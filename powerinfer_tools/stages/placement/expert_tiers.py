@@ -49,11 +49,12 @@ class ExpertPlan:
                 f"an expert from disk costs {self.read_s * 1e3:.3f} ms (3 reads of "
                 f"{tiers.DISK_READ_S * 1e6:.1f} us + its bytes at {tiers.DISK_BYTES_PER_S / 1e9:.2f} GB/s)",
                 f"  {'layer':>5} {'pinned':>7} {'cache':>6}",
-                *(f"  {i:>5} {len(p):>7} {int(s) - len(p):>6}" for i, (s, p) in enumerate(zip(self.slots, self.pinned))),
+                *(f"  {i:>5} {len(p):>7} {int(s) - len(p):>6}"
+                  for i, (s, p) in enumerate(zip(self.slots, self.pinned))),
                 f"expected expert reads a token: {per_token(self.misses):.2f} with this plan "
-                f"({per_token(self.misses) * self.read_s * 1e3:.2f} ms), {per_token(self.misses_even):.2f} with no pins "
-                f"and the room split evenly ({per_token(self.misses_even) * self.read_s * 1e3:.2f} ms); counted on the "
-                f"profile's last {self.tokens} tokens (solver {self.seconds:.2f} s)"]
+                f"({per_token(self.misses) * self.read_s * 1e3:.2f} ms), {per_token(self.misses_even):.2f} with no "
+                f"pins and the room split evenly ({per_token(self.misses_even) * self.read_s * 1e3:.2f} ms); counted "
+                f"on the profile's last {self.tokens} tokens (solver {self.seconds:.2f} s)"]
 
 
 def engine_room(model_path: Path, budget: int, ctx_size: int | None) -> tuple[int, int, dict]:
@@ -64,7 +65,8 @@ def engine_room(model_path: Path, budget: int, ctx_size: int | None) -> tuple[in
         link = Path(d) / model_path.name
         link.symlink_to(model_path.resolve())
         try:
-            with engine.Model(link, ctx_size=ctx_size or model_ctx_size(read_header(model_path)), kv_type=DEFAULT_KV_TYPE, memory_budget=budget / GIB) as m:
+            ctx = ctx_size or model_ctx_size(read_header(model_path))
+            with engine.Model(link, ctx_size=ctx, kv_type=DEFAULT_KV_TYPE, memory_budget=budget / GIB) as m:
                 disk, info = m.stats()["disk"], m.info
         except engine.EngineError as e:
             raise UserError(f"--memory-budget: {e}") from None
@@ -120,8 +122,9 @@ def plan_experts(profile_dir: str | Path, model_path: str | Path, vram_budget_by
                         f"in each of the {L} layers (a plan gives each layer a cache of its own)")
     even = room // L
     misses_even = float(sum(m[0, min(even, E)] for m in misses))
-    return ExpertPlan(model_path, E, info["n_ff"], budget, room, slot_bytes, expert_read_seconds(model_path), len(trace) - half,
-                      sol.slots, [order[i, :p].copy() for i, p in enumerate(sol.pinned)], sol.misses, misses_even,
+    return ExpertPlan(model_path, E, info["n_ff"], budget, room, slot_bytes, expert_read_seconds(model_path),
+                      len(trace) - half, sol.slots, [order[i, :p].copy() for i, p in enumerate(sol.pinned)],
+                      sol.misses, misses_even,
                       sol.seconds)
 
 

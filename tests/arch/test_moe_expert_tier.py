@@ -242,6 +242,19 @@ def test_plan_places_a_mixtures_experts_and_the_engine_follows(family, tmp_path,
     np.testing.assert_array_equal(logits, ref)
     assert stats["disk"]["tier_plan"] and stats["disk"]["slots"] == used
     assert stats["disk"]["pinned"] == sum(len(p) for p in x.pinned)
+    # planned again at a smaller budget, with a plan beside the model that pins every expert (which that budget cannot
+    # hold): the room is the engine's without the old plan, and the new plan fits
+    everything = tier_plan.ExpertCounts(N_EXPERT, [0] * n_layer, tuple([list(range(N_EXPERT))] * n_layer))
+    tier_plan.write(tier_plan.TierCounts(n_ff, np.zeros(n_layer), np.zeros(n_layer), experts=everything),
+                    tier_plan.path_for(model))
+    smaller = (fixed + 5 * n_layer * slot + slot // 2) / 2**30
+    code, out, err = run_cli(capsys, "plan", "--profile", tmp_path / "prof", "-m", model, "--vram-budget", 0,
+                             "--memory-budget", smaller, "-c", 256)
+    assert code == 0, err
+    assert f"room for {5 * n_layer} experts" in out
+    logits, stats, _ = decode_with_trace(model, tokens, smaller, **kv)
+    np.testing.assert_array_equal(logits, ref)
+    assert stats["disk"]["tier_plan"] and stats["disk"]["slots"] <= 5 * n_layer
     for extra, words in ((["--vram-budget", 1, "--memory-budget", budget], "no device tier for experts"),
                          (["--vram-budget", 0], "give --memory-budget"),
                          (["--vram-budget", 0, "--memory-budget", budget, "--granularity", 4],

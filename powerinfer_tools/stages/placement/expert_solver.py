@@ -38,9 +38,12 @@ def hottest_first(trace: np.ndarray, n_expert: int) -> np.ndarray:
     return np.argsort(-counts, axis=1, kind="stable")
 
 
-def lru_misses(trace: np.ndarray, order: np.ndarray, n_expert: int, warm: int = 0) -> np.ndarray:
+def lru_misses(trace: np.ndarray, order: np.ndarray, n_expert: int, warm: int = 0,
+               progress: bool = False) -> np.ndarray:
     """misses[L, P, C] (P, C from 0 to n_expert): the selections of trace[warm:] ([T, L, k], in order) that miss an
     LRU of C experts when each layer's P first experts of `order` ([L, E]) are pinned; trace[:warm] warms the cache."""
+    from powerinfer_tools.core.progress import progress_bar
+
     T, L, k = trace.shape
     E = n_expert
     rank = np.empty_like(order)
@@ -49,7 +52,7 @@ def lru_misses(trace: np.ndarray, order: np.ndarray, n_expert: int, warm: int = 
     last = np.full((L, E), -1, np.int64)
     layers, P = np.arange(L), np.arange(E + 1)
     use = 0
-    for t in range(T):
+    for t in progress_bar(range(T), desc="expert misses", unit="tok", disable=not progress):
         for i in range(k):
             e = trace[t, :, i].astype(np.int64)
             used = last[layers, e]

@@ -114,7 +114,7 @@ def plan_experts(profile_dir: str | Path, model_path: str | Path, vram_budget_by
     E, k, L = info["n_expert"], info["n_expert_used"], info["n_layer"]
     half = len(trace) // 2
     order = expert_solver.hottest_first(trace[:half], E)
-    misses = expert_solver.lru_misses(trace, order, E, warm=half)
+    misses = expert_solver.lru_misses(trace, order, E, warm=half, progress=True)
     options = [expert_solver.layer_options(m, k) for m in misses]
     sol = expert_solver.solve(options, room, time_limit)
     if sol is None:

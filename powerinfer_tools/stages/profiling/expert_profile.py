@@ -124,19 +124,27 @@ class ExpertRecorder:
     """An ExpertProfile accumulated from the engine's routing, batch after batch of tokens (one stream)."""
 
     def __init__(self, n_layer: int, n_expert: int, top_k: int):
-        self.profile = ExpertProfile.empty(n_layer, n_expert, top_k)
+        self._profile = ExpertProfile.empty(n_layer, n_expert, top_k)
+        self._chunks = []  # the trace's batches since it was last joined (joined once, not at every batch)
         self.tokens = 0
         self._last_token = np.full((n_layer, n_expert), -1, dtype=np.int64)  # the token that last chose it
         self._last_use = np.full((n_layer, n_expert), -1, dtype=np.int64)    # the selection that last chose it
         self._uses = 0
 
+    @property
+    def profile(self) -> ExpertProfile:
+        if self._chunks:
+            self._profile.trace = np.concatenate([self._profile.trace, *self._chunks])
+            self._chunks = []
+        return self._profile
+
     def add(self, choices: np.ndarray) -> None:
         """choices: [n_tok, n_layer, top_k] expert ids as Model.expert_choices gives them (-1: no experts)."""
-        p = self.profile
+        p = self._profile
         n_tok, n_layer, k = choices.shape
         if n_layer != p.n_layer or k != p.top_k:
             raise ValueError(f"choices of shape {choices.shape} for a profile of {p.n_layer} layers, top-{p.top_k}")
-        p.trace = np.concatenate([p.trace, choices.astype(np.int16)])
+        self._chunks.append(choices.astype(np.int16))
         layers = np.flatnonzero(choices[0, :, 0] >= 0)
         for t in range(n_tok):
             for i in range(k):

@@ -255,6 +255,10 @@ def test_plan_places_a_mixtures_experts_and_the_engine_follows(family, tmp_path,
     logits, stats, _ = decode_with_trace(model, tokens, smaller, **kv)
     np.testing.assert_array_equal(logits, ref)
     assert stats["disk"]["tier_plan"] and stats["disk"]["slots"] <= 5 * n_layer
+    code, out, err = run_cli(capsys, "run", "-m", model, "-p", "To be", "-n", "4", "--memory-budget", smaller,
+                             "-c", 256, "-v")
+    assert code == 0, err
+    assert "expert tier: " in out + err and "on the plan's pinned experts" in out + err
     for extra, words in ((["--vram-budget", 1, "--memory-budget", budget], "no device tier for experts"),
                          (["--vram-budget", 0], "give --memory-budget"),
                          (["--vram-budget", 0, "--memory-budget", budget, "--granularity", 4],

@@ -218,7 +218,7 @@ std::unique_ptr<DiskTier> Engine::open_disk_tier(const pi_options &opts, int64_t
     }
     // a three-tier plan beside the model chooses the resident share (docs/engine.md, "Models larger than memory")
     TierPlan plan;
-    const bool planned = read_tier_plan(model_->path() + names::kTierPlanSuffix, hp_.n_layer, hp_.n_ff, plan);
+    const bool planned = read_tier_plan(model_->path() + names::kTierPlanSuffix, hp_.n_layer, hp_.n_ff, 0, plan);
     auto tier = std::make_unique<DiskTier>(path, *model_, budget, source, fixed, kDiskReadThreads, planned ? &plan : nullptr);
     model_->hold_vectors();  // a model that does not fit its memory: its page cache is under pressure
     return tier;
@@ -247,7 +247,11 @@ std::unique_ptr<ExpertTier> Engine::open_expert_tier(const pi_options &opts, int
     } else {
         check_budget_fits(budget, fixed + all, r);
     }
-    auto tier = std::make_unique<ExpertTier>(*model_, budget, source, fixed, kExpertReadThreads);
+    // a plan beside the model pins each layer's hottest experts and sizes its cache (docs/placement.md, "Three tiers")
+    TierPlan plan;
+    const bool planned = read_tier_plan(model_->path() + names::kTierPlanSuffix, hp_.n_layer, hp_.n_ff, hp_.n_expert, plan) &&
+                         !plan.expert_slots.empty();
+    auto tier = std::make_unique<ExpertTier>(*model_, budget, source, fixed, kExpertReadThreads, planned ? &plan : nullptr);
     model_->hold_vectors();  // a model that does not fit its memory: its page cache is under pressure
     return tier;
 }

@@ -176,11 +176,14 @@ std::string counts_json(const DiskCounts &c) {
 }
 
 // The expert tier's counters in the same object as the disk tier's ("kind": "experts"; hits and misses count experts)
-// and the lookahead's: experts it read ahead, and those a step then used.
+// and the lookahead's: experts it read ahead, and those a step then used; the hits on experts a plan pinned (among
+// cache_hits), how many it pinned (among slots) and whether a plan was followed.
 std::string experts_json(const ExpertTier &t) {
     const DiskCounts &c = t.counts();
     return "{\"kind\": \"experts\", " + counts_json(c) + ", \"prefetched\": " + count(c.prefetched) +
-           ", \"prefetch_used\": " + count(c.prefetch_used) + ", \"resident_bytes\": " + count(t.resident_bytes()) +
+           ", \"prefetch_used\": " + count(c.prefetch_used) + ", \"pinned_hits\": " + count(c.pinned_hits) +
+           ", \"pinned\": " + count(double(t.pinned())) + ", \"tier_plan\": " + (t.planned() ? "true" : "false") +
+           ", \"resident_bytes\": " + count(t.resident_bytes()) +
            ", \"budget_bytes\": " + count(t.budget_bytes()) + ", \"fixed_bytes\": " + count(t.fixed_bytes()) +
            ", \"slots\": " + count(double(t.slots())) + ", \"slot_bytes\": " + count(t.slot_bytes()) + "}";
 }

@@ -59,10 +59,11 @@ bool pread_all(int fd, uint8_t *dst, size_t bytes, uint64_t offset);
 // What the disk tier counted over decode steps (pi_stats_json's "disk"): a hit is a neuron a step needed that was in
 // memory (resident or cached), a miss one it read; `reads` counts the reads issued (neighbours on disk merge).
 // The expert tier (model/expert_tier.h) counts the same in experts, and the experts its lookahead read ahead
-// (prefetched) and how many of those a step then used before they left the cache.
+// (prefetched) and how many of those a step then used before they left the cache, and the hits on experts a plan
+// pinned (among cache_hits).
 struct DiskCounts {
     double tokens = 0, bytes = 0, reads = 0, cache_hits = 0, cache_misses = 0, io_wait_seconds = 0;
-    double prefetched = 0, prefetch_used = 0;
+    double prefetched = 0, prefetch_used = 0, pinned_hits = 0;
 };
 
 class DiskTier {

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "kernels/packed.h"
+#include "pi_names.h"
 #include "runtime/common.h"
 
 namespace pi {
@@ -44,8 +45,8 @@ int64_t ExpertTier::slot_bytes_of(const Model &model) {
 }
 
 ExpertTier::ExpertTier(Model &model, double budget, const std::string &budget_source, double fixed_bytes,
-                       int io_threads)
-    : model_(model), budget_(budget), fixed_(fixed_bytes) {
+                       int io_threads, const TierPlan *plan)
+    : model_(model), budget_(budget), fixed_(fixed_bytes), planned_(plan != nullptr && !plan->expert_slots.empty()) {
     const HParams &hp = model.hp();
     const GgufFile &file = model.file();
     n_expert_ = hp.n_expert;
@@ -87,7 +88,38 @@ ExpertTier::ExpertTier(Model &model, double budget, const std::string &budget_so
     const int n_io = std::max(1, io_threads);
     fixed_ += double(n_io) * double(largest + 3 * kDirectAlign);
     const double all = all_expert_bytes(model), left = budget - fixed_;
-    n_slots_ = std::min<int64_t>(hp.n_layer * n_expert_, int64_t(std::max(0.0, left) / double(slot_bytes_)));
+    const int64_t fit = std::min<int64_t>(hp.n_layer * n_expert_, int64_t(std::max(0.0, left) / double(slot_bytes_)));
+    n_slots_ = fit;
+    std::vector<int64_t> cached;  // [layer] with a plan: its cache slots
+    if (planned_) {
+        n_slots_ = 0;
+        std::vector<int64_t> least(size_t(hp.n_layer));
+        for (int64_t il = 0; il < hp.n_layer; ++il) {
+            const int64_t pinned = int64_t(plan->pinned[size_t(il)].size());
+            least[size_t(il)] = std::min(hp.n_expert_used, n_expert_ - pinned);
+            cached.push_back(plan->expert_slots[size_t(il)]);
+            if (cached.back() < least[size_t(il)])
+                fail(PI_ERR_FORMAT, model.path() + names::kTierPlanSuffix + ": layer " + std::to_string(il) + " caches " +
+                                        std::to_string(cached.back()) + " experts, fewer than a token's " + std::to_string(hp.n_expert_used) +
+                                        " of those it does not pin (pi-tools plan --memory-budget writes it anew)");
+            n_pinned_ += pinned;
+            n_slots_ += pinned + cached.back();
+        }
+        // A plan made where the engine held a little less (other threads, batch or context) is trimmed to fit: a slot
+        // at a time from the largest cache, none below a token's experts; refused only where the pinned experts and
+        // those least caches do not fit.
+        for (; n_slots_ > fit; --n_slots_) {
+            int64_t widest = -1;
+            for (int64_t il = 0; il < hp.n_layer; ++il)
+                if (cached[size_t(il)] > least[size_t(il)] && (widest < 0 || cached[size_t(il)] > cached[size_t(widest)])) widest = il;
+            if (widest < 0)
+                fail(PI_ERR_MEMORY, "the tier plan beside the model pins " + std::to_string(n_pinned_) + " experts and needs at least " +
+                                        std::to_string(n_slots_) + " in memory (" + mib(double(n_slots_) * double(slot_bytes_)) +
+                                        "), more than the memory budget of " + mib(budget) + " (" + budget_source + ") leaves after the " +
+                                        mib(fixed_) + " the engine must hold; plan again at this budget (pi-tools plan --memory-budget)");
+            cached[size_t(widest)] -= 1;
+        }
+    }
     if (n_slots_ < hp.n_expert_used)
         fail(PI_ERR_MEMORY, "memory budget of " + mib(budget) + " (" + budget_source + ") is below what the engine must hold: " +
                                 mib(fixed_) + " (the weights copied at open, the KV cache, buffers) + " +
@@ -97,6 +129,15 @@ ExpertTier::ExpertTier(Model &model, double budget, const std::string &budget_so
     cache_ = PageMemory(size_t(n_slots_) * slot_bytes_, true, "the expert cache", false);
     slots_.assign(size_t(n_slots_), Slot{});
     slot_of_.assign(size_t(hp.n_layer), std::vector<int32_t>(size_t(n_expert_), -1));
+    // without a plan one pool of every slot; with one, per layer its pinned slots and then its own pool
+    pool_of_.assign(size_t(hp.n_layer), 0);
+    if (!planned_) pools_.push_back(Pool{0, n_slots_, 0});
+    for (int64_t il = 0, at = 0; planned_ && il < hp.n_layer; ++il) {
+        at += int64_t(plan->pinned[size_t(il)].size());
+        pools_.push_back(Pool{at, at + cached[size_t(il)], at});
+        pool_of_[size_t(il)] = int32_t(il);
+        at += cached[size_t(il)];
+    }
     mats_.resize(size_t(n_slots_) * 3);
     for (int64_t s = 0; s < n_slots_; ++s)
         for (int which = 0; which < 3; ++which) {
@@ -114,27 +155,56 @@ ExpertTier::ExpertTier(Model &model, double budget, const std::string &budget_so
     fd_direct_ = ::open(file.path().c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT | O_NONBLOCK);  // -1: buffered (tmpfs)
     staging_.assign(size_t(n_io), std::vector<uint8_t>(largest + 3 * kDirectAlign));
     for (int t = 0; t < n_io; ++t) io_threads_.emplace_back([this, t] { io_loop(t); });
+    if (planned_) load_pinned(*plan);
 }
 
-ExpertTier::~ExpertTier() {
+void ExpertTier::load_pinned(const TierPlan &plan) {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (size_t il = 0; il < plan.pinned.size(); ++il) {
+        int64_t s = pools_[size_t(pool_of_[il])].lo - int64_t(plan.pinned[il].size());  // just before the layer's pool
+        for (const int32_t e : plan.pinned[il]) {
+            claim(s, int64_t(il), e, false);
+            slots_[size_t(s++)].pinned = true;
+        }
+    }
+    const auto loaded = [&] {
+        for (const Slot &slot : slots_)
+            if (slot.pinned && slot.state != State::Ready) return false;
+        return true;
+    };
+    ready_cv_.wait(lock, [&] { return !io_error_.empty() || loaded(); });
+    if (!io_error_.empty()) {
+        const std::string error = io_error_;
+        lock.unlock();
+        stop();  // the constructor fails: no destructor runs to join the reading threads
+        fail(PI_ERR_IO, error);
+    }
+}
+
+ExpertTier::~ExpertTier() { stop(); }
+
+void ExpertTier::stop() {
     {
         std::lock_guard<std::mutex> lock(mu_);
         stop_ = true;
     }
     io_cv_.notify_all();
     for (std::thread &t : io_threads_) t.join();
+    io_threads_.clear();
     if (fd_direct_ >= 0) ::close(fd_direct_);
     if (fd_ >= 0) ::close(fd_);
+    fd_direct_ = fd_ = -1;
 }
 
-int64_t ExpertTier::take_victim(bool gentle) {
+int64_t ExpertTier::take_victim(int64_t il, bool gentle) {
     // a free slot, else CLOCK: a referenced slot gets a second chance; slots a step holds or a read fills are passed.
     // gentle (a prefetch): one sweep that takes only a slot no step has used since its last chance, clearing no bit,
     // so that a guess never pushes out an expert the clock would keep
-    const int64_t sweeps = gentle ? 1 : 2;
-    for (int64_t tries = 0; tries < sweeps * n_slots_ + 1; ++tries) {
-        const int64_t s = hand_;
-        hand_ = (hand_ + 1) % n_slots_;
+    Pool &pool = pools_[size_t(pool_of_[size_t(il)])];
+    const int64_t sweeps = gentle ? 1 : 2, n = pool.hi - pool.lo;
+    for (int64_t tries = 0; n > 0 && tries < sweeps * n + 1; ++tries) {
+        const int64_t s = pool.hand;
+        pool.hand = s + 1 < pool.hi ? s + 1 : pool.lo;
         Slot &slot = slots_[size_t(s)];
         if (slot.state == State::Free) return s;
         if (slot.pins > 0 || slot.state == State::Loading) continue;
@@ -161,7 +231,7 @@ void ExpertTier::claim(int64_t s, int64_t il, int32_t e, bool prefetched) {
 
 void ExpertTier::schedule() {
     while (!pending_.empty()) {
-        const int64_t s = take_victim(false);
+        const int64_t s = take_victim(il_, false);
         if (s < 0) return;
         const int32_t e = pending_.front();
         pending_.pop_front();
@@ -189,6 +259,7 @@ void ExpertTier::begin(int64_t il, const int32_t *experts, int64_t n, bool decod
         slot.wanted = true;
         slot.referenced = true;
         if (decode && slot.prefetched) counts_.prefetch_used += 1;
+        if (decode && slot.pinned) counts_.pinned_hits += 1;
         slot.prefetched = false;
         if (slot.state == State::Ready) arrived_.push_back(e);
     }
@@ -227,7 +298,7 @@ void ExpertTier::prefetch(int64_t il, const int32_t *experts, int64_t n, bool de
     for (int64_t i = 0; i < n && pending_.empty(); ++i) {
         const int32_t e = experts[i];
         if (slot_of_[size_t(il)][size_t(e)] >= 0) continue;
-        const int64_t s = take_victim(true);
+        const int64_t s = take_victim(il, true);
         if (s < 0) return;
         claim(s, il, e, decode);
         if (decode) counts_.prefetched += 1;
@@ -265,6 +336,7 @@ void ExpertTier::io_loop(int thread) {
             continue;
         }
         slot.state = State::Ready;
+        if (slot.pinned) ready_cv_.notify_all();  // load_pinned waits for them
         if (slot.wanted && slot.il == il_) {
             arrived_.push_back(slot.e);
             ready_cv_.notify_all();

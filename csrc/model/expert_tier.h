@@ -6,7 +6,8 @@
 // and each arrived run is packed into its cache slot in the 8-row groups the in-memory engine packs at load, so that
 // its rows go through the same kernels and the logits are the same bits. A step hands its experts to the compute side
 // as they arrive (begin, ready, done); prefetch reads a later layer's guessed experts into free or old slots without
-// waiting.
+// waiting. A three-tier plan beside the model (model/tier_plan.h) pins each layer's hottest experts, read at open and
+// never evicted, and gives each layer a cache of its own for the rest; without one every expert competes in one cache.
 #pragma once
 
 #include <condition_variable>
@@ -19,6 +20,7 @@
 
 #include "model/disk_tier.h"
 #include "model/model.h"
+#include "model/tier_plan.h"
 #include "runtime/page_memory.h"
 
 namespace pi {
@@ -28,8 +30,13 @@ public:
     // The cache takes what `budget` leaves after `fixed_bytes` (what the engine holds whatever the cache: the
     // matrices copied at open, the KV cache, buffers, margin), in whole experts, no more than all of them. Fails in one
     // line where that is fewer than one token's experts of a layer (n_expert_used), or where the experts cannot be
-    // read from the file (ReLU experts' down is transposed at load; types decoded at load are copies).
-    ExpertTier(Model &model, double budget, const std::string &budget_source, double fixed_bytes, int io_threads);
+    // read from the file (ReLU experts' down is transposed at load; types decoded at load are copies). With a `plan`
+    // (its expert section): each layer's pinned experts, read here, and plan->expert_slots[layer] slots for the rest,
+    // no more (fewer from the largest caches where the budget leaves a little less than the plan was made for); fails
+    // in one line where the pinned experts and a token's experts of each layer do not fit, or where a layer's planned
+    // cache is below a token's experts.
+    ExpertTier(Model &model, double budget, const std::string &budget_source, double fixed_bytes, int io_threads,
+               const TierPlan *plan = nullptr);
     ~ExpertTier();
     ExpertTier(const ExpertTier &) = delete;
     ExpertTier &operator=(const ExpertTier &) = delete;
@@ -55,7 +62,9 @@ public:
     void reset_counts() { counts_ = DiskCounts{}; }
     double budget_bytes() const { return budget_; }
     double resident_bytes() const { return fixed_ + double(cache_.size()); }
-    int64_t slots() const { return n_slots_; }
+    int64_t slots() const { return n_slots_; }  // pinned ones included
+    int64_t pinned() const { return n_pinned_; }
+    bool planned() const { return planned_; }
     double slot_bytes() const { return double(slot_bytes_); }
     double fixed_bytes() const { return fixed_; }
     // The bytes a slot takes for `model`'s experts (packed where the engine packs them), and all experts'.
@@ -77,6 +86,12 @@ private:
         int8_t parts_left = 0;    // of gate, up, down still being read
         bool failed = false;      // a part's read failed
         bool counted = false;     // read for (or ahead of) a decode step: its bytes in counts_
+        bool pinned = false;      // the plan's: read at open, never taken by the clock
+    };
+    // The slots [lo, hi) that a layer's experts share with the clock's hand: one pool for all layers without a plan,
+    // one per layer with one.
+    struct Pool {
+        int64_t lo = 0, hi = 0, hand = 0;
     };
     // Where a matrix of one expert is in the file and in a slot.
     struct Part {
@@ -87,8 +102,11 @@ private:
     };
 
     void schedule();             // reads the step's pending experts into slots while some come free (under mu_)
-    // A free slot, else the clock's next one no step holds, or -1 (under mu_); gentle: see the definition.
-    int64_t take_victim(bool gentle);
+    // A free slot of layer il's pool, else the clock's next one no step holds, or -1 (under mu_); gentle: see the
+    // definition.
+    int64_t take_victim(int64_t il, bool gentle);
+    void load_pinned(const TierPlan &plan);  // reads the plan's pinned experts into their slots and waits for them
+    void stop();  // joins the reading threads, closes the file
     void claim(int64_t s, int64_t il, int32_t e, bool prefetched);  // slot s now holds (il, e), on its way (under mu_)
     void io_loop(int thread);
     // Reads and packs part `part` (gate, up, down) of expert e of layer il into slot s (outside mu_).
@@ -97,7 +115,10 @@ private:
 
     Model &model_;
     double budget_ = 0, fixed_ = 0;
-    int64_t n_expert_ = 0, n_slots_ = 0, hand_ = 0;
+    int64_t n_expert_ = 0, n_slots_ = 0, n_pinned_ = 0;
+    bool planned_ = false;
+    std::vector<Pool> pools_;
+    std::vector<int32_t> pool_of_;                // [layer] its pool
     size_t slot_bytes_ = 0;
     std::vector<std::vector<Part>> parts_;        // [layer][gate, up, down]
     std::vector<std::vector<int32_t>> slot_of_;   // [layer][expert] its slot, or -1

@@ -15,7 +15,7 @@
 namespace pi {
 namespace {
 
-constexpr uint32_t kTierPlanVersion = 1;
+constexpr uint32_t kTierPlanVersion = 2;  // 1: no expert section (still read)
 constexpr size_t kHeaderBytes = 4 + 3 * 4 + 2 * 8;  // magic, version, n_layer, n_ff, the two budgets
 constexpr int64_t kMaxLayers = int64_t(1) << 16;    // tier_plan.py's MAX_LAYERS
 
@@ -27,7 +27,7 @@ uint32_t u32_at(const std::vector<uint8_t> &b, size_t at) {
 
 }  // namespace
 
-bool read_tier_plan(const std::string &path, int64_t n_layer, int64_t n_ff, TierPlan &plan) {
+bool read_tier_plan(const std::string &path, int64_t n_layer, int64_t n_ff, int64_t n_expert, TierPlan &plan) {
     const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);  // a FIFO must not make open wait
     if (fd < 0) {
         if (errno == ENOENT) return false;
@@ -36,7 +36,9 @@ bool read_tier_plan(const std::string &path, int64_t n_layer, int64_t n_ff, Tier
     std::vector<uint8_t> raw;
     struct stat st;
     const bool regular = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
-    const int64_t largest = int64_t(kHeaderBytes) + 8 * kMaxLayers + 8;
+    // the largest plan for this model: its dense counts, n_expert, each layer's two expert counts and all its experts
+    const int64_t layers = std::min(std::max<int64_t>(n_layer, 0), kMaxLayers), experts = std::max<int64_t>(n_expert, 0);
+    const int64_t largest = int64_t(kHeaderBytes) + 8 * layers + 4 + (8 + 4 * experts) * layers + 8;
     bool read_all = regular && st.st_size <= largest;
     if (read_all) {
         raw.resize(size_t(st.st_size));
@@ -50,14 +52,39 @@ bool read_tier_plan(const std::string &path, int64_t n_layer, int64_t n_ff, Tier
     ::close(fd);
     if (!regular) fail(PI_ERR_FORMAT, path + ": not a regular file");
     if (!read_all || raw.size() < kHeaderBytes + 8) fail(PI_ERR_FORMAT, path + ": too short or too long for a tier plan");
-    if (std::memcmp(raw.data(), names::kTierPlanMagic, 4) != 0 || u32_at(raw, 4) != kTierPlanVersion)
-        fail(PI_ERR_FORMAT, path + ": not a version " + std::to_string(kTierPlanVersion) + " tier plan");
+    const uint32_t version = u32_at(raw, 4);
+    if (std::memcmp(raw.data(), names::kTierPlanMagic, 4) != 0 || version < 1 || version > kTierPlanVersion)
+        fail(PI_ERR_FORMAT, path + ": not a version 1 to " + std::to_string(kTierPlanVersion) + " tier plan");
     if (int64_t(u32_at(raw, 8)) != n_layer || int64_t(u32_at(raw, 12)) != n_ff)
         fail(PI_ERR_FORMAT, path + ": made for " + std::to_string(u32_at(raw, 8)) + " layers of " +
                                 std::to_string(u32_at(raw, 12)) + " neurons, not this model's " + std::to_string(n_layer) +
                                 " of " + std::to_string(n_ff) + " (pi-tools plan --memory-budget writes it anew)");
-    if (raw.size() != kHeaderBytes + 8 * size_t(n_layer) + 8)
-        fail(PI_ERR_FORMAT, path + ": its size does not match its " + std::to_string(n_layer) + " layers");
+    const size_t dense_end = kHeaderBytes + 8 * size_t(n_layer);
+    size_t expected = dense_end + 8;
+    int64_t file_experts = 0, all_pinned = 0;
+    if (version >= 2) {
+        if (raw.size() < dense_end + 4 + 8) fail(PI_ERR_FORMAT, path + ": its size does not match its " + std::to_string(n_layer) + " layers");
+        file_experts = u32_at(raw, dense_end);
+        if (file_experts != n_expert)
+            fail(PI_ERR_FORMAT, path + ": made for " + std::to_string(file_experts) + " experts a layer, not this model's " +
+                                    std::to_string(n_expert) + " (pi-tools plan --memory-budget writes it anew)");
+        expected = dense_end + 4 + 8;
+        if (file_experts > 0) {
+            expected += 8 * size_t(n_layer);
+            if (raw.size() < expected) fail(PI_ERR_FORMAT, path + ": its size does not match its " + std::to_string(n_layer) + " layers");
+            for (int64_t il = 0; il < n_layer; ++il) {
+                const int64_t slots = u32_at(raw, dense_end + 4 + size_t(il) * 8), pinned = u32_at(raw, dense_end + 8 + size_t(il) * 8);
+                if (slots + pinned > n_expert)
+                    fail(PI_ERR_FORMAT, path + ": layer " + std::to_string(il) + " pins " + std::to_string(pinned) + " experts and caches " +
+                                            std::to_string(slots) + ", more than its " + std::to_string(n_expert));
+                all_pinned += pinned;
+            }
+            expected += 4 * size_t(all_pinned);
+        }
+    }
+    if (raw.size() != expected)
+        fail(PI_ERR_FORMAT, path + ": its size does not match its " + std::to_string(n_layer) + " layers" +
+                                (file_experts > 0 ? " and their pinned experts" : ""));
     const size_t body = raw.size() - 8;
     uint64_t sum;
     std::memcpy(&sum, raw.data() + body, 8);
@@ -71,6 +98,25 @@ bool read_tier_plan(const std::string &path, int64_t n_layer, int64_t n_ff, Tier
                                     " neurons on the GPU and in memory, more than its " + std::to_string(n_ff));
         plan.gpu[size_t(il)] = gpu;
         plan.memory[size_t(il)] = memory;
+    }
+    plan.expert_slots.clear();
+    plan.pinned.clear();
+    if (file_experts == 0) return true;
+    plan.expert_slots.resize(size_t(n_layer));
+    plan.pinned.resize(size_t(n_layer));
+    size_t at = dense_end + 4 + 8 * size_t(n_layer);
+    for (int64_t il = 0; il < n_layer; ++il) {
+        plan.expert_slots[size_t(il)] = u32_at(raw, dense_end + 4 + size_t(il) * 8);
+        const int64_t pinned = u32_at(raw, dense_end + 8 + size_t(il) * 8);
+        std::vector<bool> seen(size_t(n_expert), false);
+        for (int64_t j = 0; j < pinned; ++j, at += 4) {
+            const int64_t e = u32_at(raw, at);
+            if (e >= n_expert || seen[size_t(e)])
+                fail(PI_ERR_FORMAT, path + ": layer " + std::to_string(il) + " pins expert " + std::to_string(e) +
+                                        (e >= n_expert ? ", past its " + std::to_string(n_expert) : " twice"));
+            seen[size_t(e)] = true;
+            plan.pinned[size_t(il)].push_back(int32_t(e));
+        }
     }
     return true;
 }

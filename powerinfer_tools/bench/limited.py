@@ -54,8 +54,8 @@ def disk_per_token(stats: dict | None) -> dict | None:
     """The disk tier's counters (stats()["disk"]: tokens, bytes, reads, cache_hits, cache_misses, io_wait_seconds,
     resident_bytes, budget_bytes) per generated token: bytes and reads from the file, the share of row lookups its
     cache served, and seconds waited on reads; for the expert tier (kind "experts": lookups are experts), the share of
-    the experts its lookahead read ahead that a step then used; None where the stats have no disk object or it
-    counted no token."""
+    the experts its lookahead read ahead that a step then used, and with a tier plan the share of lookups its pinned
+    experts served (among the hits); None where the stats have no disk object or it counted no token."""
     disk = (stats or {}).get("disk")
     if not disk or not disk.get("tokens"):
         return None
@@ -65,7 +65,8 @@ def disk_per_token(stats: dict | None) -> dict | None:
             "hit_rate": disk["cache_hits"] / lookups if lookups else None,
             "io_wait_seconds": disk["io_wait_seconds"] / n,
             "resident_bytes": disk["resident_bytes"], "budget_bytes": disk["budget_bytes"],
-            "prefetch_hit_rate": disk["prefetch_used"] / disk["prefetched"] if disk.get("prefetched") else None}
+            "prefetch_hit_rate": disk["prefetch_used"] / disk["prefetched"] if disk.get("prefetched") else None,
+            "pinned_hit_rate": disk["pinned_hits"] / lookups if disk.get("tier_plan") and lookups else None}
 
 
 def _speeds(tokens: int, replies: list[dict]) -> dict:
@@ -177,7 +178,9 @@ def render(record: dict) -> list[str]:
         if disk:
             d = r.get("disk") or {}
             cells += [_f(d["bytes"] / 2**20 if d else None, "{:.1f}"), _f(d.get("reads"), "{:.0f}"),
-                      _f(d.get("hit_rate"), "{:.0%}"), _f(d.get("prefetch_hit_rate"), "{:.0%}"),
+                      _f(d.get("hit_rate"), "{:.0%}") + ("" if d.get("pinned_hit_rate") is None
+                                                         else f" ({d['pinned_hit_rate']:.0%} pinned)"),
+                      _f(d.get("prefetch_hit_rate"), "{:.0%}"),
                       _f(d["io_wait_seconds"] * 1e3 if d else None, "{:.1f}"),
                       f"{d['resident_bytes'] / 2**20:.0f} / {d['budget_bytes'] / 2**20:.0f}" if d else "–"]
         lines.append("| " + " | ".join(cells) + " |")

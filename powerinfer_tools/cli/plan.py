@@ -48,7 +48,8 @@ def plan(
         None, "--memory-budget", callback=flags.within(limits.MEMORY_BUDGET_GIB), help="GiB of memory the engine may hold (its --memory-budget): places each layer's "
         "neurons across GPU, memory and disk by one program and writes MODEL.tiers beside the model, whose counts "
         "the engine's disk tier then holds in memory. Needs the neuron bundles (convert --neuron-bundles) and "
-        "--granularity 1; the engine is opened at this budget to learn its room. Default: no memory tier."),
+        "--granularity 1; the engine is opened at this budget to learn its room. For a mixture of experts (with "
+        "its expert profile, --vram-budget 0): each layer's pinned experts and cache slots. Default: no memory tier."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Plan for a model not converted (or downloaded) yet: "
                                  "bytes from its config's shapes at --outtype; counts from --profile, else an "
                                  "assumed power law (labelled as such). Writes nothing unless --out."),
@@ -78,6 +79,8 @@ def plan(
 
       pi-tools plan --profile prof -m model.q4_0.gguf --vram-budget 0 --memory-budget 0.4 -c 256
 
+      pi-tools plan --profile moe-prof -m qwen3-moe.q4_0.gguf --vram-budget 0 --memory-budget 8
+
       pi-tools plan --dry-run -m ./ReluLLaMA-70B --profile ./ReluLLaMA-70B-PowerInfer-GGUF/activation --vram-budget 12
     """
     from powerinfer_tools import stages
@@ -104,6 +107,11 @@ def plan(
         raise UserError("--predictor-rank only applies with --dry-run (a converted file has its predictors)")
     if profile is None:
         raise UserError("--profile is required (its activation counts decide the hot neurons), except with --dry-run")
+    from powerinfer_tools.stages.profiling.expert_profile import mixture_file
+
+    if mixture_file(model) is not None:
+        plan_experts(profile, model, opts)
+        return
     written = stages.plan(profile, model, opts)
     report(written.plan)
     typer.echo(f"wrote {written.gpuidx} and {written.summary}" + (f" and {written.tiers}" if written.tiers else ""))
@@ -112,6 +120,27 @@ def plan(
                    f"{vram_budget:g} GiB of GPU memory to give (--vram-budget); here run, perplexity, chat and serve "
                    "ignore it and compute every neuron on the CPU by --sparse-mode (predictor: the predictor in every "
                    "layer)", err=True)
+
+
+def plan_experts(profile: Path, model: str, opts) -> None:
+    """A mixture of experts: its experts across memory and disk, written into MODEL.tiers."""
+    from powerinfer_tools.stages.placement import expert_tiers
+
+    if opts.memory_budget_gib is None:
+        raise UserError("a mixture of experts is placed across memory and disk: give --memory-budget (and "
+                        "--vram-budget 0)")
+    dense_only = (("--out", opts.out, None), ("--granularity", str(opts.granularity), "1"),
+                  ("--dense", opts.dense, "all"), ("--min-layer-neurons", opts.min_layer_neurons, "auto"),
+                  ("--reserve-mib", opts.reserve_bytes, DEFAULT_RESERVE_BYTES),
+                  ("--no-offload-output", opts.offload_output, True))
+    for name, given, default in dense_only:
+        if given != default:
+            raise UserError(f"{name} applies to the neurons of dense FFNs; a mixture's plan places experts "
+                            "(leave it out)")
+    result = expert_tiers.plan_experts(profile, model, opts.vram_budget_gib * 2**30, opts.memory_budget_gib,
+                                       opts.ctx_size, opts.time_limit)
+    typer.echo("\n".join(result.summary_lines()))
+    typer.echo(f"wrote {expert_tiers.write(result)}")
 
 
 def _nvidia_gpu_visible() -> bool:

@@ -1,14 +1,19 @@
 """The three-tier plan beside a model (model.gguf.tiers): per layer, how many of its hottest neurons the plan puts on
-the GPU and how many of the next in memory; the rest are read from disk (docs/placement.md, "Three tiers").
+the GPU and how many of the next in memory; the rest are read from disk (docs/placement.md, "Three tiers"). For a
+mixture of experts, per layer also the experts pinned in memory and the cache slots its other experts share.
 
 `pi-tools plan --memory-budget` writes it; the engine's disk tier reads it at open (csrc/model/tier_plan.h) and
 holds in memory each layer's hottest gpu + memory neurons that its hot tier does not hold, in the neuron bundles'
-order (hottest first by the profile: formats/neuron_bundles.py), instead of the most frequent neurons of all layers.
+order (hottest first by the profile: formats/neuron_bundles.py), instead of the most frequent neurons of all layers;
+its expert tier reads the pinned experts at open and never evicts them, and gives each layer a cache of its slots.
 This module is the format's one Python owner.
 
 Layout (little-endian): magic `PITP`, version u32, n_layer u32, n_ff u32, the VRAM and memory budgets the plan was
-made for (u64 bytes, for the record), then per layer gpu u32 and memory u32 (gpu + memory <= n_ff), then a u64
-checksum of everything before it (neuron_bundles.checksum, the engine's bundle_checksum).
+made for (u64 bytes, for the record), then per layer gpu u32 and memory u32 (gpu + memory <= n_ff); version 2 then
+has n_expert u32 (0: a dense model, nothing follows) and, where it is not 0, per layer cache slots u32 and pinned u32
+(slots + pinned <= n_expert), then each layer's pinned expert ids u32 in turn (each below n_expert, none twice).
+Last, a u64 checksum of everything before it (neuron_bundles.checksum, the engine's bundle_checksum). Version 1
+(no expert section) is still read.
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ from powerinfer_tools.core.errors import UserError
 from powerinfer_tools.formats import names
 from powerinfer_tools.formats.neuron_bundles import checksum
 
-VERSION = 1
+VERSION = 2
 HEADER = struct.Struct("<4s3I2Q")
 MAX_LAYERS = 1 << 16  # a bound before arrays are sized from the file
 
@@ -38,6 +43,7 @@ class TierCounts:
     memory: np.ndarray  # int64 [L]
     vram_budget: int = 0
     memory_budget: int = 0
+    experts: "ExpertCounts | None" = None  # a mixture's
 
     def __post_init__(self):
         gpu, memory = np.asarray(self.gpu, np.int64), np.asarray(self.memory, np.int64)
@@ -46,6 +52,34 @@ class TierCounts:
             raise ValueError("a tier plan's counts are per layer, non-negative, and at most n_ff together")
         object.__setattr__(self, "gpu", gpu)
         object.__setattr__(self, "memory", memory)
+        if self.experts is not None and len(self.experts.slots) != len(gpu):
+            raise ValueError("a tier plan's expert section has one entry per layer")
+
+
+@dataclass(frozen=True)
+class ExpertCounts:
+    """Per layer of a mixture of n_expert experts: the expert ids pinned in memory and the cache slots the others
+    share."""
+
+    n_expert: int
+    slots: np.ndarray  # int64 [L]
+    pinned: tuple  # [L] of int64 arrays
+
+    def __post_init__(self):
+        slots = np.asarray(self.slots, np.int64)
+        pinned = tuple(np.asarray(p, np.int64).reshape(-1) for p in self.pinned)
+        if slots.ndim != 1 or len(pinned) != len(slots) or np.any(slots < 0) or self.n_expert < 1:
+            raise ValueError("an expert section has per layer its cache slots (non-negative) and its pinned experts")
+        for il, (c, p) in enumerate(zip(slots, pinned)):
+            if len(p) + c > self.n_expert:
+                raise ValueError(f"layer {il} pins {len(p)} experts and caches {c}, more than its {self.n_expert}")
+            for e in p[(p < 0) | (p >= self.n_expert)][:1]:
+                raise ValueError(f"layer {il} pins expert {e}, past its {self.n_expert}")
+            ids, times = np.unique(p, return_counts=True)
+            for e in ids[times > 1][:1]:
+                raise ValueError(f"layer {il} pins expert {e} twice")
+        object.__setattr__(self, "slots", slots)
+        object.__setattr__(self, "pinned", pinned)
 
 
 def path_for(model: str | os.PathLike) -> Path:
@@ -57,6 +91,11 @@ def encode(plan: TierCounts) -> bytes:
     body = HEADER.pack(names.TIER_PLAN_MAGIC.encode(), VERSION, len(plan.gpu), plan.n_ff, int(plan.vram_budget),
                        int(plan.memory_budget))
     body += np.stack([plan.gpu, plan.memory], axis=1).astype("<u4").tobytes()
+    x = plan.experts
+    body += struct.pack("<I", x.n_expert if x else 0)
+    if x:
+        body += np.stack([x.slots, [len(p) for p in x.pinned]], axis=1).astype("<u4").tobytes()
+        body += b"".join(p.astype("<u4").tobytes() for p in x.pinned)
     return body + struct.pack("<Q", checksum(body))
 
 
@@ -65,25 +104,47 @@ def write(plan: TierCounts, path: str | os.PathLike) -> None:
         Path(tmp).write_bytes(encode(plan))
 
 
-def read(path: str | os.PathLike, n_layer: int | None = None, n_ff: int | None = None) -> TierCounts:
+def read(path: str | os.PathLike, n_layer: int | None = None, n_ff: int | None = None,
+         n_expert: int | None = None) -> TierCounts:
     """The plan at `path`, checked as the engine checks it (one line naming what is wrong), for a model of `n_layer`
-    layers of `n_ff` neurons where given."""
+    layers of `n_ff` neurons and `n_expert` experts (0: dense) where given."""
     n_layer_model, n_ff_model = n_layer, n_ff
     raw = Path(path).read_bytes()
     if len(raw) < HEADER.size + 8:
         raise UserError(f"{path}: too short for a tier plan")
     magic, version, n_layer, n_ff, vram, memory = HEADER.unpack_from(raw)
-    if magic != names.TIER_PLAN_MAGIC.encode() or version != VERSION:
-        raise UserError(f"{path}: not a version {VERSION} tier plan")
+    if magic != names.TIER_PLAN_MAGIC.encode() or not 1 <= version <= VERSION:
+        raise UserError(f"{path}: not a version 1 to {VERSION} tier plan")
     if (n_layer_model, n_ff_model) != (None, None) and (n_layer, n_ff) != (n_layer_model, n_ff_model):
         raise UserError(f"{path}: made for {n_layer} layers of {n_ff} neurons, not this model's {n_layer_model} of "
                         f"{n_ff_model} (pi-tools plan --memory-budget writes it anew)")
-    if n_layer > MAX_LAYERS or len(raw) != HEADER.size + 8 * n_layer + 8:
-        raise UserError(f"{path}: its size does not match its {n_layer} layers")
+    dense_end = HEADER.size + 8 * n_layer
+    size_error = UserError(f"{path}: its size does not match its {n_layer} layers")
+    if n_layer > MAX_LAYERS or len(raw) < dense_end + 8 + (4 if version >= 2 else 0):
+        raise size_error
+    experts, end = None, dense_end
+    if version >= 2:
+        (n_exp,), end = struct.unpack_from("<I", raw, dense_end), dense_end + 4
+        if n_expert is not None and n_exp != n_expert:
+            raise UserError(f"{path}: made for {n_exp} experts a layer, not this model's {n_expert} (pi-tools plan "
+                            "--memory-budget writes it anew)")
+        if n_exp:
+            if len(raw) < end + 8 * n_layer + 8:
+                raise size_error
+            table = np.frombuffer(raw, "<u4", 2 * n_layer, end).reshape(n_layer, 2).astype(np.int64)
+            end += 8 * n_layer
+            if np.any(table.sum(axis=1) > n_exp) or len(raw) != end + 4 * int(table[:, 1].sum()) + 8:
+                raise UserError(f"{path}: its size does not match its {n_layer} layers and their pinned experts")
+            ids = np.frombuffer(raw, "<u4", int(table[:, 1].sum()), end).astype(np.int64)
+            end += 4 * len(ids)
+            experts = (n_exp, table[:, 0], np.split(ids, np.cumsum(table[:, 1])[:-1]))
+    if len(raw) != end + 8:
+        raise size_error
     if struct.unpack_from("<Q", raw, len(raw) - 8)[0] != checksum(raw[:-8]):
         raise UserError(f"{path}: damaged (checksum mismatch)")
     counts = np.frombuffer(raw, "<u4", 2 * n_layer, HEADER.size).reshape(n_layer, 2).astype(np.int64)
     try:
-        return TierCounts(n_ff, counts[:, 0], counts[:, 1], vram, memory)
+        section = ExpertCounts(experts[0], experts[1], tuple(experts[2])) if experts else None
+        return TierCounts(n_ff, counts[:, 0], counts[:, 1], vram, memory, section)
     except ValueError as e:
         raise UserError(f"{path}: {e}") from None

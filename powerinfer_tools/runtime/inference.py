@@ -437,12 +437,15 @@ def timing_lines(stats: dict, load_seconds: float, info: dict | None = None) -> 
     if disk and disk["tokens"]:
         looked_up = disk["cache_hits"] + disk["cache_misses"]
         per_token = 1 / disk["tokens"]
-        lines.append(f"disk tier: {disk['reads'] * per_token:.0f} reads and {disk['bytes'] * per_token / 2**20:.2f} "
+        tier = "expert tier" if disk.get("kind") == "experts" else "disk tier"  # hits count experts or neurons
+        pinned = (f" ({disk['pinned_hits'] / max(looked_up, 1):.2f} on the plan's pinned experts)"
+                  if disk.get("tier_plan") and "pinned_hits" in disk else "")
+        lines.append(f"{tier}: {disk['reads'] * per_token:.0f} reads and {disk['bytes'] * per_token / 2**20:.2f} "
                      f"MiB a token, {disk['io_wait_seconds'] * per_token * 1000:.2f} ms a token waited for; cache "
-                     f"hits {disk['cache_hits'] / max(looked_up, 1):.2f}; {disk['resident_bytes'] / 2**20:.1f} MiB "
-                     f"held of a {disk['budget_bytes'] / 2**20:.1f} MiB budget"
+                     f"hits {disk['cache_hits'] / max(looked_up, 1):.2f}{pinned}; "
+                     f"{disk['resident_bytes'] / 2**20:.1f} MiB held of a {disk['budget_bytes'] / 2**20:.1f} MiB budget"
                      + ("; attention and head mapped from the file (the budget holds no copy)"
-                        if disk["dense_mapped"] else ""))
+                        if disk.get("dense_mapped") else ""))
     gpu = stats.get("gpu")
     if gpu and gpu["tokens"]:
         per_token = gpu["tokens"] / max(1, gpu["layers_on_device"])

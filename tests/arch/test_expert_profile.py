@@ -153,6 +153,17 @@ def test_a_damaged_file_is_refused(tmp_path):
     p.save(tmp_path / "e.npz")
     with pytest.raises(Exception, match="is not an expert profile of this version"):
         ExpertProfile.load(tmp_path / "e.npz")
+    rec = ExpertRecorder(2, 8, 2)
+    rec.add(np.array([[[0, 1], [2, 3]], [[0, 4], [2, 5]]], np.int32))
+    rec.profile.save(tmp_path / "e.npz")
+    assert ExpertProfile.load(tmp_path / "e.npz").trace.shape == (2, 2, 2)
+    rec.profile.trace[1, 0, 1] = 6  # the trace no longer gives the counts
+    rec.profile.save(tmp_path / "e.npz")
+    with pytest.raises(Exception, match="is not an expert profile of this version"):
+        ExpertProfile.load(tmp_path / "e.npz")
+    rec.profile.trace = None  # a profile made before the trace was recorded: read, without one
+    rec.profile.save(tmp_path / "e.npz")
+    assert ExpertProfile.load(tmp_path / "e.npz").trace is None
 
 
 @pytest.fixture(scope="module")
@@ -195,6 +206,8 @@ def test_profile_records_the_engines_routing(expert_profile_dir):
             rec.add(m.expert_choices(len(seq)))
     np.testing.assert_array_equal(p.counts, rec.profile.counts)
     np.testing.assert_array_equal(p.stack, rec.profile.stack)
+    np.testing.assert_array_equal(p.trace, rec.profile.trace)  # the choices in order, for plan
+    assert p.trace.shape == (256, p.n_layer, p.top_k)
 
 
 def test_report_renders_expert_locality(expert_profile_dir, tmp_path, capsys):

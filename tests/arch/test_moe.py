@@ -261,9 +261,9 @@ test_unsupported_field_is_refused_by_convert_and_its_dry_run = convert_refusal_t
 
 
 def test_what_experts_do_not_have_is_refused_in_one_line(family, tmp_path, capsys):
-    """No predictors, profiles, neuron bundles, input sparsity, GPU index or plan for experts yet (a memory budget's
-    expert tier: test_moe_expert_tier.py): each refused in one line with a non-zero exit, never computed dense in their
-    place."""
+    """No predictors, profiles, neuron bundles, input sparsity, GPU index or VRAM-only plan for experts yet (a memory
+    budget's expert tier and plan: test_moe_expert_tier.py): each refused in one line with a non-zero exit, never
+    computed dense in their place."""
     src, path, _ = family("qwen3-moe")
     _, relu, _ = family("mixtral-relu")
     for flags in (["--predictors", tmp_path], ["--profile", tmp_path], ["--neuron-bundles"]):
@@ -273,7 +273,7 @@ def test_what_experts_do_not_have_is_refused_in_one_line(family, tmp_path, capsy
     code, _, err = run_cli(capsys, "convert", "--dry-run", "-m", src)
     assert_one_line_error(code, err, "qwen3-moe is a mixture of experts")
     code, _, err = run_cli(capsys, "plan", "-m", path, "--profile", tmp_path, "--vram-budget", "0.5")
-    assert_one_line_error(code, err, "a mixture of experts: plan places the neurons of dense FFNs")
+    assert_one_line_error(code, err, "a mixture of experts is placed across memory and disk: give --memory-budget")
     calib = tmp_path / "calib.txt"
     calib.write_text("To be, or not to be, that is the question. " * 40)
     code, _, err = run_cli(capsys, "profile", "-m", src, "--calib", calib, "--tokens", "64", "--seq-len", "32", "-o",

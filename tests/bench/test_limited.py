@@ -26,9 +26,13 @@ DISK = {"tokens": 4, "bytes": 4 * 3 << 20, "reads": 40, "cache_hits": 30, "cache
 def test_disk_counters_per_token():
     d = limited.disk_per_token({"decode_tokens": 4, "disk": DISK})
     assert d == {"bytes": 3 << 20, "reads": 10, "hit_rate": 0.75, "io_wait_seconds": 0.005,
-                 "resident_bytes": 100 << 20, "budget_bytes": 128 << 20, "prefetch_hit_rate": None}
+                 "resident_bytes": 100 << 20, "budget_bytes": 128 << 20, "prefetch_hit_rate": None,
+                 "pinned_hit_rate": None}
     experts = limited.disk_per_token({"disk": dict(DISK, kind="experts", prefetched=8, prefetch_used=6)})
     assert experts["prefetch_hit_rate"] == 0.75  # the lookahead's experts a step used
+    planned = limited.disk_per_token({"disk": dict(DISK, kind="experts", tier_plan=True, pinned_hits=20)})
+    assert planned["pinned_hit_rate"] == 0.5  # of the 40 lookups, 20 served by pinned experts
+    assert "75% (50% pinned)" in "\n".join(limited.render(_record([_row("ours dense", planned)])))
     assert limited.disk_per_token({"decode_tokens": 4}) is None           # an engine without the disk tier
     assert limited.disk_per_token({"disk": dict(DISK, tokens=0)}) is None  # nothing generated through it
     assert limited.disk_per_token({"disk": dict(DISK, cache_hits=0, cache_misses=0)})["hit_rate"] is None

@@ -80,7 +80,7 @@ def test_a_plan_beyond_the_room_keeps_its_most_frequent_and_a_smaller_one_is_top
 
 
 def raw_plan(n_layer: int, n_ff: int, counts: list[tuple[int, int]]) -> bytes:
-    body = tier_plan.HEADER.pack(b"PITP", tier_plan.VERSION, n_layer, n_ff, 0, 0)
+    body = tier_plan.HEADER.pack(b"PITP", 1, n_layer, n_ff, 0, 0)  # version 1: still read
     body += b"".join(struct.pack("<2I", g, m) for g, m in counts)
     return body + struct.pack("<Q", neuron_bundles.checksum(body))
 
@@ -119,6 +119,12 @@ def test_the_format_round_trips(tmp_path):
     assert back.gpu.tolist() == [3, 0] and back.memory.tolist() == [5, N_FF]
     with pytest.raises(ValueError):
         tier_plan.TierCounts(N_FF, [1, 0], [N_FF, 0])
+    experts = tier_plan.ExpertCounts(8, [4, 0], ([6, 1], list(range(8))))
+    tier_plan.write(tier_plan.TierCounts(N_FF, [0, 0], [0, 0], experts=experts), tmp_path / "e.tiers")
+    back = tier_plan.read(tmp_path / "e.tiers", 2, N_FF, 8).experts
+    assert back.slots.tolist() == [4, 0] and [p.tolist() for p in back.pinned] == [[6, 1], list(range(8))]
+    with pytest.raises(ValueError, match="more than its 8"):
+        tier_plan.ExpertCounts(8, [5, 0], ([6, 1, 2, 3], []))
 
 
 def assert_hot_and_disk_combine(bundled, tmp_path, **hot_tier) -> None:

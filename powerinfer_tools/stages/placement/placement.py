@@ -129,8 +129,9 @@ def costs_from_tensors(label: str, hparam: Callable[..., Any],
         if i >= n_layer:
             raise UserError(f"{label}: tensor {name} beyond block_count {n_layer}")
         if part == names.weight(names.FFN_GATE_EXPS):
-            raise UserError(f"{label}: a mixture of experts: plan places the neurons of dense FFNs; experts are not "
-                            "placed in this version")
+            raise UserError(f"{label}: a mixture of experts: its experts are placed across memory and disk by plan "
+                            "--memory-budget on the converted file with its expert profile, not on the GPU or from a "
+                            "config")
         if part in FFN_SPLIT_TENSORS:
             rows = int(shape[0]) if len(shape) == 2 else 0
             if rows == 0 or (n_ff[i] and rows != n_ff[i]):

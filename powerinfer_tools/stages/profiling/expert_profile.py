@@ -9,8 +9,10 @@ set of experts (kept in memory or on a GPU) and a cache of recently used ones:
   a selection's stack distance being the number of distinct other experts the layer chose since it last chose this
   one; an LRU of C experts hits exactly the selections at a distance below C.
 
-Also recorded: the reuse distance in tokens (how many tokens since the layer last chose the expert). The tokens are one
-stream across the calibration's sequences, as a server's cache would see them one after another.
+Also recorded: the reuse distance in tokens (how many tokens since the layer last chose the expert), and the choices
+themselves in order (the trace), from which `plan` prices each layer's pinned experts and cache against the stream
+(stages/placement/expert_tiers.py). The tokens are one stream across the calibration's sequences, as a server's cache
+would see them one after another.
 
 This module owns the record and its file (experts.npz beside profile.json, whose `experts` field names it).
 """
@@ -40,11 +42,14 @@ class ExpertProfile:
     counts: np.ndarray  # [n_layer, n_expert] int64: selections of each expert
     reuse: np.ndarray   # [n_layer, REUSE_BINS + 1] int64: bin 0 first selections, bin d distance d (last: >= REUSE_BINS)
     stack: np.ndarray   # [n_layer, n_expert + 1] int64: bin s stack distance s, bin n_expert first selections
+    trace: np.ndarray | None = None  # [tokens, n_layer, top_k] int16: the choices in order (-1: no experts); None in
+    # profiles made before it was recorded
 
     @classmethod
     def empty(cls, n_layer: int, n_expert: int, top_k: int) -> "ExpertProfile":
         z = lambda n: np.zeros((n_layer, n), dtype=np.int64)  # noqa: E731
-        return cls(n_expert, top_k, z(n_expert), z(REUSE_BINS + 1), z(n_expert + 1))
+        return cls(n_expert, top_k, z(n_expert), z(REUSE_BINS + 1), z(n_expert + 1),
+                   np.zeros((0, n_layer, top_k), dtype=np.int16))
 
     @property
     def n_layer(self) -> int:
@@ -76,10 +81,25 @@ class ExpertProfile:
         half = (cum[:, -1] + 1) // 2
         return np.where(cum[:, -1] > 0, np.argmax(cum >= half[:, None], axis=1) + 1, 0)
 
+    def trace_fits(self) -> bool:
+        """Whether the trace has this profile's shape and ids and gives its counts."""
+        t = self.trace
+        if t.dtype != np.int16 or t.ndim != 3 or t.shape[1:] != (self.n_layer, self.top_k) \
+                or (t >= self.n_expert).any() or (t < -1).any():
+            return False
+        routed = self.routed_layers()
+        if (t[:, routed] < 0).any():
+            return False
+        counted = np.zeros_like(self.counts)
+        for il in routed:
+            counted[il] = np.bincount(t[:, il].ravel(), minlength=self.n_expert)
+        return bool((counted == self.counts).all())
+
     def save(self, path: Path) -> None:
         buf = io.BytesIO()
+        trace = {} if self.trace is None else {"trace": self.trace}
         np.savez(buf, n_expert=self.n_expert, top_k=self.top_k, counts=self.counts, reuse=self.reuse,
-                 stack=self.stack)
+                 stack=self.stack, **trace)
         with atomic_file(path) as tmp:
             tmp.write_bytes(buf.getvalue())
 
@@ -90,14 +110,12 @@ class ExpertProfile:
         try:
             with np.load(path, allow_pickle=False) as z:
                 f = {k: z[k] for k in ("n_expert", "top_k", "counts", "reuse", "stack")}
+                trace = z["trace"] if "trace" in z.files else None
         except (OSError, KeyError, ValueError):
             raise bad from None
         n, k = int(f["n_expert"]), int(f["top_k"])
-        p = cls(n, k, f["counts"], f["reuse"], f["stack"])
-        ints = all(a.dtype == np.int64 and a.ndim == 2 and (a >= 0).all() for a in (p.counts, p.reuse, p.stack))
-        if not (ints and 1 <= k <= n and p.counts.shape[1] == n and p.reuse.shape == (p.n_layer, REUSE_BINS + 1)
-                and p.stack.shape == (p.n_layer, n + 1)
-                and (p.reuse.sum(1) == p.selections()).all() and (p.stack.sum(1) == p.selections()).all()):
+        p = cls(n, k, f["counts"], f["reuse"], f["stack"], trace)
+        if trace is not None and not p.trace_fits():
             raise bad
         return p
 
@@ -106,18 +124,27 @@ class ExpertRecorder:
     """An ExpertProfile accumulated from the engine's routing, batch after batch of tokens (one stream)."""
 
     def __init__(self, n_layer: int, n_expert: int, top_k: int):
-        self.profile = ExpertProfile.empty(n_layer, n_expert, top_k)
+        self._profile = ExpertProfile.empty(n_layer, n_expert, top_k)
+        self._chunks = []  # the trace's batches since it was last joined (joined once, not at every batch)
         self.tokens = 0
         self._last_token = np.full((n_layer, n_expert), -1, dtype=np.int64)  # the token that last chose it
         self._last_use = np.full((n_layer, n_expert), -1, dtype=np.int64)    # the selection that last chose it
         self._uses = 0
 
+    @property
+    def profile(self) -> ExpertProfile:
+        if self._chunks:
+            self._profile.trace = np.concatenate([self._profile.trace, *self._chunks])
+            self._chunks = []
+        return self._profile
+
     def add(self, choices: np.ndarray) -> None:
         """choices: [n_tok, n_layer, top_k] expert ids as Model.expert_choices gives them (-1: no experts)."""
-        p = self.profile
+        p = self._profile
         n_tok, n_layer, k = choices.shape
         if n_layer != p.n_layer or k != p.top_k:
             raise ValueError(f"choices of shape {choices.shape} for a profile of {p.n_layer} layers, top-{p.top_k}")
+        self._chunks.append(choices.astype(np.int16))
         layers = np.flatnonzero(choices[0, :, 0] >= 0)
         for t in range(n_tok):
             for i in range(k):

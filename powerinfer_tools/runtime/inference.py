@@ -149,19 +149,21 @@ def open_engine(target: EngineTarget, threads: int | None = None, sparse_mode: s
     """engine.Model for the target (n_seq: its sequences, each a KV cache); engine failures become UserError with the engine's message. With a hot tier
     (target.gpuidx) and gpu not off, says on stderr where the hot tier runs, or that the index is ignored where no
     device takes it. sparse_mode may be 'input' (engine_mode)."""
-    return _open_prepared(target, _engine_arguments(target, threads, sparse_mode, ctx_size, recall_check, kv_type, gpu,
-                                                    vram_budget_gib, input_sparsity, memory_budget_gib, n_seq))
+    arguments = _engine_arguments(target, threads, sparse_mode, ctx_size, recall_check, kv_type, gpu, vram_budget_gib,
+                                  input_sparsity, memory_budget_gib, n_seq)
+    return _say_opened(target, arguments, _open(target, arguments))
 
 
 def open_with_tokenizer(target: EngineTarget, **options):
     """(tokenizer, engine.Model): open_engine(target, **options) with the tokenizer loaded meanwhile on a thread.
-    Each takes most of a fresh process's wait for its first token (docs/bench.md, "Time to the first token") and
+    Each takes much of a fresh process's wait for its first token (docs/bench.md, "Time to the first token") and
     they need different resources: the engine opens in C without the GIL, and tokenizers' from_file holds the GIL
-    while it parses. The thread starts once every check in Python is done, as the engine's C open begins, so
-    neither waits for the other's Python; the caller waits for the longer of the two, not their sum."""
+    while it parses. The thread starts once the checks in Python are done, as the engine's C open begins, so the
+    caller waits for the longer of the two, not their sum. What the caller sees is what it saw when the tokenizer
+    loaded first: the tokenizer's failure, else the engine's, else the engine's lines on stderr."""
     import threading
 
-    import powerinfer_engine  # noqa: F401  (imported here: an import on the thread would wait for the GIL)
+    import powerinfer_engine  # noqa: F401  (here: an import on the thread would wait for the GIL)
 
     arguments = _engine_arguments(target, **options)
     loaded: dict = {}
@@ -169,20 +171,25 @@ def open_with_tokenizer(target: EngineTarget, **options):
     def load() -> None:
         try:
             loaded["tokenizer"] = load_tokenizer(target.model)
-        except BaseException as exc:  # raised on the caller's thread, after the engine has opened
+        except BaseException as exc:  # raised on the caller's thread
             loaded["error"] = exc
 
     thread = threading.Thread(target=load, name="tokenizer", daemon=True)  # daemon: Ctrl-C need not wait for it
     thread.start()
-    model = _open_prepared(target, arguments)
+    model = failure = None
+    try:
+        model = _open(target, arguments)
+    except BaseException as exc:
+        failure = exc
     try:
         thread.join()
-        if "error" in loaded:
-            raise loaded["error"]
+        if "error" in loaded or failure is not None:
+            raise loaded.get("error") or failure
     except BaseException:
-        model.close()
+        if model is not None:
+            model.close()
         raise
-    return loaded["tokenizer"], model
+    return loaded["tokenizer"], _say_opened(target, arguments, model)
 
 
 @dataclass(frozen=True)
@@ -217,12 +224,17 @@ def _engine_arguments(target: EngineTarget, threads: int | None = None, sparse_m
     return _EngineArguments(keywords, cache, sparse_mode, gpu)
 
 
-def _open_prepared(target: EngineTarget, arguments: _EngineArguments):
+def _open(target: EngineTarget, arguments: _EngineArguments):
     import powerinfer_engine as engine
 
-    cache, sparse_mode, gpu = arguments.cache, arguments.sparse_mode, arguments.gpu
     with engine_errors():
-        model = engine.Model(target.model, **arguments.keywords)
+        return engine.Model(target.model, **arguments.keywords)
+
+
+def _say_opened(target: EngineTarget, arguments: _EngineArguments, model):
+    """The model, once its lines are on stderr: weights decoded at load, where its hot tier runs, useless
+    predictors."""
+    cache, sparse_mode, gpu = arguments.cache, arguments.sparse_mode, arguments.gpu
     if model.info["decoded"].get("cache") in ("read", "written"):
         trim_decode_cache(cache)
     line = decoded_line(model.info["decoded"], cache)

@@ -57,9 +57,15 @@ def test_a_tokenizer_failure_is_raised_and_the_engine_closed(converted, monkeypa
     assert len(opened) == 1 and opened[0]._handle is None  # closed
 
 
-def test_the_engines_failure_is_the_one_raised(tmp_path):
-    """A file neither can read: the engine's line, as when the engine was the only one to look at it."""
+def test_the_tokenizers_failure_comes_first_as_before(tmp_path):
+    """A file neither can read: the tokenizer's line, as when the tokenizer loaded before the engine opened."""
     path = tmp_path / "m.gguf"
     path.write_bytes(b"_BD!" + bytes(300))
-    with pytest.raises(UserError, match="not a GGUF/PowerInfer file"):
+    with pytest.raises(UserError, match=r"not a GGUF/PowerInfer file \(magic b'_BD!'\)"):
         inference.open_with_tokenizer(inference.EngineTarget(path), threads=1, ctx_size=64)
+
+
+def test_the_engines_failure_is_raised(converted):
+    with pytest.raises(UserError, match="has no predictors"):
+        inference.open_with_tokenizer(inference.EngineTarget(converted("llama-relu")), threads=1, ctx_size=64,
+                                      sparse_mode="predictor")

@@ -22,11 +22,15 @@ from powerinfer_tools.formats import neuron_bundles
 
 UNUSED = ("torch", "scipy", "sklearn", "safetensors", "matplotlib")
 
-# stops the process at engine.Model(), printing what it had imported by then
+# stops the process at engine.Model(), printing what it had imported by then and what the tokenizer loading meanwhile
+# (inference.open_with_tokenizer's thread) imports
 STOP_AT_MODEL = """
-import json, os, sys
+import json, os, sys, threading
 import powerinfer_engine as engine
 def stop(self, *args, **kwargs):
+    for t in threading.enumerate():
+        if t is not threading.current_thread():
+            t.join()
     print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})), flush=True)
     os._exit(0)
 engine.Model.__init__ = stop

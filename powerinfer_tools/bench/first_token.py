@@ -34,6 +34,7 @@ llm = llama_cpp.Llama(model_path=path, n_threads=threads, n_ctx=n_ctx, verbose=F
 for chunk in llm(prompt, max_tokens=1, temperature=0.0, stream=True):
     sys.stdout.write(chunk["choices"][0]["text"])
     sys.stdout.flush()
+sys.stdout.write("\\n")  # as run ends its text: a token whose text is empty is still seen
 """
 
 

@@ -183,8 +183,10 @@ def open_with_tokenizer(target: EngineTarget, **options):
         failure = exc
     try:
         thread.join()
-        if "error" in loaded or failure is not None:
-            raise loaded.get("error") or failure
+        interrupted = failure is not None and not isinstance(failure, Exception)  # Ctrl-C before any failure
+        error = failure if interrupted else loaded.get("error", failure)
+        if error is not None:
+            raise error
     except BaseException:
         if model is not None:
             model.close()

@@ -69,3 +69,18 @@ def test_the_engines_failure_is_raised(converted):
     with pytest.raises(UserError, match="has no predictors"):
         inference.open_with_tokenizer(inference.EngineTarget(converted("llama-relu")), threads=1, ctx_size=64,
                                       sparse_mode="predictor")
+
+
+def test_ctrl_c_during_the_open_comes_before_the_tokenizers_failure(converted, monkeypatch):
+    """Ctrl-C raised as the engine's open returns ends the start as an interruption, even where the tokenizer
+    failed meanwhile: the one line the CLI prints is "interrupted", not the tokenizer's."""
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    def broken(p):
+        raise UserError(f"{p} stores no vocabulary")
+
+    monkeypatch.setattr(engine, "Model", interrupted)
+    monkeypatch.setattr(inference, "load_tokenizer", broken)
+    with pytest.raises(KeyboardInterrupt):
+        inference.open_with_tokenizer(inference.EngineTarget(converted("llama-relu")), threads=1, ctx_size=64)

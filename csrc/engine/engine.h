@@ -238,6 +238,9 @@ private:
     };
     std::vector<SplitCold> split_cold_;
     bool stream_on_device_ = false;             // the last layer's output is on the device, not in rs_->x
+    // a forward pass has run since open: until then a batch leaves the cold tier's layout to the decode steps
+    // (Engine::cold_job), so a fresh process's first prompt does not wait for it
+    bool ran_ = false;
     EngineStats stats_;
     Sampler sampler_;
     std::vector<int32_t> steps_;  // during decode_step: the sequence of each batch row; empty otherwise

@@ -68,6 +68,7 @@ void Engine::forward(const int32_t *tokens, int64_t n_tok, float *logits, int64_
         rs_->seq().n_past += n_tok;
     }
 
+    ran_ = true;
     if (!want_logits) return;
     t0 = Clock::now();
     output(n_tok, logits, ld_logits);
@@ -409,7 +410,10 @@ TierJob Engine::cold_job(int64_t il, int64_t n_tok, TierMode cold_mode, float do
         model_->arrange_cold_tier(il, reads_gate_whole(cold_mode), reads_up_whole(cold_mode), down_quads_for(cold_mode),
                                   true);
         stats_.layers[size_t(il)].kernel_changes += double(policy_.decode_step(il, cold_mode));
-    } else {
+    } else if (ran_) {
+        // the first batch after open arranges nothing: it packs each pass's groups in its scratch (docs/engine.md,
+        // "Two layouts of a weight row"), and the first decode step arranges the layer; grouping every layer
+        // serially, with the down quads no batch reads, would come before a fresh process's first token
         model_->arrange_cold_tier(il, policy_.batch_reads_gates_whole(il), policy_.mode() == PI_FFN_DENSE,
                                   down_quads_for(cold_mode), false);
     }

@@ -110,6 +110,10 @@ def bench(
                                                   help="GiB our disk tier may hold under "
                                                   "--memory-limit, in rows of its own. Default: only the engine's "
                                                   "own rule (the limit less what the process holds)."),
+    first_token: bool = typer.Option(False, "--first-token", help="Instead of the tables: the time to the first "
+                                     "token from a fresh process, `pi-tools run -m FILE -p PROMPT -n 1 --temp 0` "
+                                     "against llama-cpp-python's Llama(FILE) streaming one token, --repeats "
+                                     "alternated rounds after one untimed each (--peers llama.cpp)."),
     json_out: Optional[Path] = typer.Option(None, "--json-out", help="Write the full record (samples, machine, "
                                             "byte model) as JSON."),
     png: Optional[Path] = typer.Option(None, "--png", help="Draw the sweep (tokens/s vs sparsity) as PNG."),
@@ -149,6 +153,8 @@ def bench(
 
       pi-tools bench -m relu7b --predictors pred --profile prof --modes predictor --peers '' --vram-budget 4 --gpu on
 
+      pi-tools bench -m smollm2 --outtype q8_0 --first-token --peers llama.cpp -t 2 --repeats 7
+
       sudo pi-tools bench -m relu7b --modes dense,predictor --peers llama.cpp --memory-limit 1.5 --repeats 2 -t 2
     """
     from powerinfer_tools.bench.harness import BenchOptions, run_bench
@@ -174,7 +180,7 @@ def bench(
                         predictors=predictors, profile=profile, text=text, ppl_file=ppl_file,
                         ppl_chunks=ppl_chunks, ppl_ctx=ppl_ctx, work_dir=work_dir,
                         peer_python=peer_python, llamacpp_wait=_wait_policy(llamacpp_wait), progress=not quiet,
-                        memory_limit=memory_limit, memory_budget=memory_budget,
+                        memory_limit=memory_limit, memory_budget=memory_budget, first_token=first_token,
                         command="pi-tools " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "")
     record = run_bench(opts)
     table = render_markdown(record)

@@ -86,6 +86,7 @@ class BenchOptions:
     llamacpp_wait: str | None = None       # OMP_WAIT_POLICY of the llama.cpp peer; None: the faster of both per run
     memory_limit: float | None = None      # GiB: each engine alone in a memory cgroup of this size (limited.py)
     memory_budget: float | None = None     # GiB: a row of ours with this disk-tier budget under memory_limit
+    first_token: bool = False              # only the time to the first token of fresh processes (first_token.py)
     progress: bool = True
     command: str = ""
     log: list[str] = field(default_factory=list)
@@ -347,6 +348,10 @@ def _check_options(opts: BenchOptions) -> None:
         raise UserError("--sweep-sparsity needs a sparse mode in --modes (gate, predictor or auto)")
     if opts.peer_python and "llama.cpp" in opts.peers and shutil.which(opts.peer_python) is None:
         raise UserError(f"--peer-python {opts.peer_python}: no such executable (a Python with llama-cpp-python)")
+    if opts.first_token and (opts.memory_limit is not None or opts.sweep or opts.ppl_file is not None
+                             or opts.peers != ("llama.cpp",)):
+        raise UserError("--first-token times our `run` against llama.cpp alone: give --peers llama.cpp and drop "
+                        "--memory-limit, --sweep-sparsity and --ppl-file")
     if opts.memory_limit is not None:
         if opts.memory_limit <= 0 or (opts.memory_budget is not None and opts.memory_budget <= 0):
             raise UserError("--memory-limit and --memory-budget are GiB, above 0")
@@ -395,7 +400,7 @@ def run_bench(opts: BenchOptions) -> dict:
     source = models.resolve(opts.model)
     need_calibration = opts.sparsity is not None or opts.sweep
     check_source_fits(source, need_calibration, "torch" in opts.peers)
-    record["machine"] = machine.machine_record(opts.threads)
+    record["machine"] = machine.machine_record(opts.threads, measure_bandwidth=not opts.first_token)
     bandwidth_probe = machine.BandwidthProbe(opts.threads, BANDWIDTH_PROBE_BYTES)
 
     files = files_mod.bench_files(opts.model, opts.outtype, work_dir, opts.predictors, opts.profile, opts.progress,
@@ -403,6 +408,15 @@ def run_bench(opts: BenchOptions) -> dict:
     record["files"] = {"powerinfer": str(files.powerinfer), "llamacpp": str(files.llamacpp),
                        "powerinfer_bytes": files.powerinfer.stat().st_size,
                        "llamacpp_bytes": files.llamacpp.stat().st_size, "built": files.manifest}
+    if opts.first_token:
+        from powerinfer_tools.bench import first_token
+
+        rows = first_token.contestants(files.powerinfer, files.llamacpp, opts.threads, opts.peer_python,
+                                       opts.llamacpp_wait)
+        record["first_token"] = first_token.measure(rows, opts.repeats, opts.progress)
+        record["notes"] = opts.log
+        record["seconds"] = round(time.time() - started, 1)
+        return record
     mb = byte_model.model_bytes(files.powerinfer, kv_type=opts.kv_type)
     record["machine"]["rows_by_index"] = machine.rows_by_index(mb.layers[0].gate_row, opts.threads)
     has_predictor = any(l.predictor for l in mb.layers)

@@ -47,6 +47,11 @@ def render_summary(record: dict) -> str:
     st, m = record["settings"], record["machine"]
     pp, tg = f"pp{st['n_prompt']}", tg_label(st)
     ppl = record.get("perplexity")
+    if "first_token" in record:
+        from powerinfer_tools.bench import first_token
+
+        return "\n".join([f"{st['model']} {st['outtype']}, {st['threads']} threads, {m['cpu']}"]
+                         + first_token.render(record)) + "\n"
     if "memory_limit" in record:
         from powerinfer_tools.bench import limited
 
@@ -86,6 +91,14 @@ LEGEND = (
 def render_markdown(record: dict) -> str:
     """Every table and measurement of a run (`pi-tools bench --verbose`, `--markdown`)."""
     st, m = record["settings"], record["machine"]
+    if "first_token" in record:  # no tokens, no bandwidth: fresh processes, each timed to its first token
+        from powerinfer_tools.bench import first_token
+
+        load = ", ".join(f"{x:.1f}" for x in m["load_average"]) if m.get("load_average") else "unknown"
+        return "\n".join([f"`{record['command']}`" if record.get("command") else "", "",
+                          f"Machine: {m['cpu']}, {m['cores']} cores ({', '.join(m['simd'])}); load average {load}",
+                          f"Model: {st['model']} {st['outtype']}, {st['threads']} threads", ""]
+                         + first_token.render(record)).strip() + "\n"
     bw = m.get("read_bandwidth", {})
     lines = [f"`{record['command']}`" if record.get("command") else "", "",
              f"Machine: {m['cpu']}, {m['cores']} cores ({', '.join(m['simd'])}); read bandwidth "

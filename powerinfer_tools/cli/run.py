@@ -73,10 +73,10 @@ def run(
     check_utf8(prompt)
     target = inference.resolve_model_file(model, engine.gpuidx, engine.vram_budget, engine.profile, ctx_size)
     started = time.perf_counter()
-    tokenizer = inference.load_tokenizer(target.model)
-    llm = inference.open_engine(target, threads=engine.threads, sparse_mode=engine.sparse_mode, ctx_size=ctx_size,
-                                kv_type=engine.kv_type, gpu=engine.gpu, vram_budget_gib=engine.vram_budget,
-                                input_sparsity=engine.input_sparsity, memory_budget_gib=engine.memory_budget)
+    tokenizer, llm = inference.open_with_tokenizer(
+        target, threads=engine.threads, sparse_mode=engine.sparse_mode, ctx_size=ctx_size, kv_type=engine.kv_type,
+        gpu=engine.gpu, vram_budget_gib=engine.vram_budget, input_sparsity=engine.input_sparsity,
+        memory_budget_gib=engine.memory_budget)
     load_seconds = time.perf_counter() - started
     with llm, inference.engine_errors():
         ids = prompt_ids(tokenizer, prompt, chat)

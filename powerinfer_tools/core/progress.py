@@ -10,8 +10,10 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, redirect_stderr
 from contextvars import ContextVar
+from typing import TYPE_CHECKING
 
-from tqdm import tqdm
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 _terminal_only: ContextVar[bool] = ContextVar("progress_terminal_only", default=False)
 
@@ -19,6 +21,8 @@ _terminal_only: ContextVar[bool] = ContextVar("progress_terminal_only", default=
 def progress_bar(*args, **kwargs) -> tqdm:
     """tqdm(*args, **kwargs), or, inside `terminal_only()`, a bar that is off when stderr is not a terminal
     (tqdm's disable=None) and leaves no line behind when it is."""
+    from tqdm import tqdm  # here: a module that only may draw a bar (read on every `run`) does not pay for tqdm
+
     if _terminal_only.get() and not kwargs.get("disable"):
         kwargs.update(disable=None, leave=False)
     return tqdm(*args, **kwargs)

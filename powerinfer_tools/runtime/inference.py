@@ -149,8 +149,65 @@ def open_engine(target: EngineTarget, threads: int | None = None, sparse_mode: s
     """engine.Model for the target (n_seq: its sequences, each a KV cache); engine failures become UserError with the engine's message. With a hot tier
     (target.gpuidx) and gpu not off, says on stderr where the hot tier runs, or that the index is ignored where no
     device takes it. sparse_mode may be 'input' (engine_mode)."""
-    import powerinfer_engine as engine
+    arguments = _engine_arguments(target, threads, sparse_mode, ctx_size, recall_check, kv_type, gpu, vram_budget_gib,
+                                  input_sparsity, memory_budget_gib, n_seq)
+    return _say_opened(target, arguments, _open(target, arguments))
 
+
+def open_with_tokenizer(target: EngineTarget, **options):
+    """(tokenizer, engine.Model): open_engine(target, **options) with the tokenizer loaded meanwhile on a thread.
+    Each takes much of a fresh process's wait for its first token (docs/bench.md, "Time to the first token") and
+    they need different resources: the engine opens in C without the GIL, and tokenizers' from_file holds the GIL
+    while it parses. The thread starts once the checks in Python are done, as the engine's C open begins, so the
+    caller waits for the longer of the two, not their sum. What the caller sees is what it saw when the tokenizer
+    loaded first: the tokenizer's failure, else the engine's, else the engine's lines on stderr."""
+    import threading
+
+    import powerinfer_engine  # noqa: F401  (here: an import on the thread would wait for the GIL)
+
+    arguments = _engine_arguments(target, **options)
+    loaded: dict = {}
+
+    def load() -> None:
+        try:
+            loaded["tokenizer"] = load_tokenizer(target.model)
+        except BaseException as exc:  # raised on the caller's thread
+            loaded["error"] = exc
+
+    thread = threading.Thread(target=load, name="tokenizer", daemon=True)  # daemon: Ctrl-C need not wait for it
+    thread.start()
+    model = failure = None
+    try:
+        model = _open(target, arguments)
+    except BaseException as exc:
+        failure = exc
+    try:
+        thread.join()
+        interrupted = failure is not None and not isinstance(failure, Exception)  # Ctrl-C before any failure
+        error = failure if interrupted else loaded.get("error", failure)
+        if error is not None:
+            raise error
+    except BaseException:
+        if model is not None:
+            model.close()
+        raise
+    return loaded["tokenizer"], _say_opened(target, arguments, model)
+
+
+@dataclass(frozen=True)
+class _EngineArguments:
+    """engine.Model's keywords for a target, checked, and the decode cache it keeps."""
+
+    keywords: dict
+    cache: Path
+    sparse_mode: str
+    gpu: str
+
+
+def _engine_arguments(target: EngineTarget, threads: int | None = None, sparse_mode: str = "dense",
+                      ctx_size: int | None = None, recall_check: bool = False, kv_type: str = DEFAULT_KV_TYPE,
+                      gpu: str = "auto", vram_budget_gib: float | None = None, input_sparsity: float | None = None,
+                      memory_budget_gib: float | None = None, n_seq: int = 1) -> _EngineArguments:
     if gpu not in GPU_MODES:
         raise UserError(f"unknown --gpu {gpu!r} (choose from {', '.join(GPU_MODES)})")
     DEVICE_BUDGET_GIB.check("--vram-budget", vram_budget_gib)
@@ -162,11 +219,24 @@ def open_engine(target: EngineTarget, threads: int | None = None, sparse_mode: s
         raise UserError("--threads must be at least 1")
     ctx_size = context_size(target.model, ctx_size)
     cache = decode_cache_path(target.model)
+    keywords = dict(threads=threads, sparse_mode=sparse_mode, ctx_size=ctx_size, gpuidx=target.gpuidx,
+                    recall_check=recall_check, kv_type=kv_type, gpu=gpu,
+                    vram_budget=vram_budget_gib if gpu != "off" else None, input_sparsity=input_share,
+                    decode_cache=cache, memory_budget=memory_budget_gib, n_seq=n_seq)
+    return _EngineArguments(keywords, cache, sparse_mode, gpu)
+
+
+def _open(target: EngineTarget, arguments: _EngineArguments):
+    import powerinfer_engine as engine
+
     with engine_errors():
-        model = engine.Model(target.model, threads=threads, sparse_mode=sparse_mode, ctx_size=ctx_size,
-                             gpuidx=target.gpuidx, recall_check=recall_check, kv_type=kv_type, gpu=gpu,
-                             vram_budget=vram_budget_gib if gpu != "off" else None, input_sparsity=input_share,
-                             decode_cache=cache, memory_budget=memory_budget_gib, n_seq=n_seq)
+        return engine.Model(target.model, **arguments.keywords)
+
+
+def _say_opened(target: EngineTarget, arguments: _EngineArguments, model):
+    """The model, once its lines are on stderr: weights decoded at load, where its hot tier runs, useless
+    predictors."""
+    cache, sparse_mode, gpu = arguments.cache, arguments.sparse_mode, arguments.gpu
     if model.info["decoded"].get("cache") in ("read", "written"):
         trim_decode_cache(cache)
     line = decoded_line(model.info["decoded"], cache)

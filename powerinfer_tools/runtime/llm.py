@@ -309,12 +309,11 @@ class LLM:
                                f"only (each token the bits it gets alone): sparse mode {sparse_mode!r}"
                                f"{' with input sparsity' if input_sparsity else ''} is refused", param="parallel")
         self.target = inference.resolve_model_file(str(model), gpuidx, vram_budget, profile, ctx_size)
-        self.tokenizer = inference.load_tokenizer(self.target.model)
         # parallel > 1: a sequence per slot, and one more for embeddings (they never wait for a slot)
-        self.model = inference.open_engine(self.target, threads=threads, sparse_mode=sparse_mode, ctx_size=ctx_size,
-                                           kv_type=kv_type, gpu=gpu, vram_budget_gib=vram_budget,
-                                           input_sparsity=input_sparsity, memory_budget_gib=memory_budget,
-                                           n_seq=parallel + 1 if parallel > 1 else 1)
+        self.tokenizer, self.model = inference.open_with_tokenizer(
+            self.target, threads=threads, sparse_mode=sparse_mode, ctx_size=ctx_size, kv_type=kv_type, gpu=gpu,
+            vram_budget_gib=vram_budget, input_sparsity=input_sparsity, memory_budget_gib=memory_budget,
+            n_seq=parallel + 1 if parallel > 1 else 1)
         self.parallel = parallel
         self.n_ctx: int = self.model.n_ctx
         self.name = Path(self.target.model).name if str(model) != "smollm2" else "smollm2"

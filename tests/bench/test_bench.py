@@ -397,6 +397,7 @@ def _cli(*args, cwd=ROOT):
     (["-m", "smollm2", "--peers", "vllm"], "unknown peer 'vllm'"),
     (["-m", "smollm2", "--sweep-sparsity", "--sweep-levels", "0.5,1.5"], "--sweep-levels must be a number in [0, 1), not 1.5"),
     (["-m", "smollm2", "--depth", "-1"], "--depth must be at least 0"),
+    (["-m", "smollm2", "--first-token"], "--first-token times our `run` against llama.cpp alone"),
     (["-m", "smollm2", "--kv-type", "q4_0"], "--kv-type must be one of f32, f16, q8_0, not 'q4_0'"),
     (["-m", "smollm2", "--gpu", "maybe"], "unknown --gpu 'maybe'"),
     (["-m", "/nonexistent/model", "--vram-budget", "4"], "--vram-budget solves the hot tier from --profile"),

@@ -256,6 +256,23 @@ def test_each_weight_held_once(outtype, tmp_path, converted):
     assert stats["weight_copies"]["cold_groups"] == 0
 
 
+def test_first_prompt_leaves_the_layout_to_the_first_decode_step(converted):
+    """Issue 65: a fresh engine's first prompt does not arrange the cold tier (every layer's gate/up groups and down
+    quads built one after another, before the first token is sampled); it packs each pass's groups in its scratch,
+    as a predictor batch does, and the first decode step arranges the layer. The values are the same either way:
+    the same prompt again, on the arranged tier, gives the same logits bit for bit."""
+    path = converted("llama-silu", "q8_0")
+    _, layer_groups = layer_group_bytes("q8_0")
+    with engine.Model(path, threads=2, sparse_mode="dense") as m:
+        first = m.eval(TOKENS[:N_PROMPT])
+        copies = m.stats()["weight_copies"]
+        assert (copies["cold_groups"], copies["down_quads"]) == (0, 0)
+        m.eval(TOKENS[N_PROMPT:N_PROMPT + 1])
+        assert m.stats()["weight_copies"]["cold_groups"] == 2 * N_LAYER * layer_groups
+        m.reset()
+        np.testing.assert_array_equal(m.eval(TOKENS[:N_PROMPT]), first)
+
+
 def test_switching_modes_holds_one_copy(converted):
     """A process that changes FFN mode frees the groups the new mode reads by index (dense -> predictor: all of
     them) and groups again what it reads whole, when it switches, with the values a fresh engine gives in each

@@ -159,8 +159,8 @@ def tiny(argv: list[str]) -> list[str]:
 
 
 def needs_peer(cmd: Command) -> bool:
-    """A script that only compares with llama.cpp (its --peer-python is required)."""
-    return cmd.kind == "script" and "--peer-python" in cmd.argv
+    """A command that only compares with llama.cpp: a script whose --peer-python is required, bench --first-token."""
+    return (cmd.kind == "script" and "--peer-python" in cmd.argv) or "--first-token" in cmd.argv
 
 
 def parse_pi_tools(argv: list[str]) -> None:

@@ -41,13 +41,15 @@ int thread_count(int requested) {
 }
 
 // Whether a llama.cpp file's ffn_down may stay as stored (Layer::down, a row per output, read whole by gemm8 in dense
-// steps): nothing asked at open reads a row per neuron (another FFN mode, a hot tier, neuron bundles, input
-// sparsity's FFN). A later switch to such a mode transposes it then (Model::transpose_down).
+// steps): nothing asked at open reads a row per neuron (a sparse FFN mode, a hot tier, neuron bundles, input
+// sparsity's FFN). Auto mode, whose SiLU layers are dense unless a sparse mode prices lower, and a later switch to
+// such a mode transpose it when one is taken (Model::transpose_down).
 bool down_as_stored(const pi_options &opts, bool hot_tier, const std::string &path) {
     const bool gpuidx = opts.gpuidx_path && *opts.gpuidx_path && hot_tier;
     const bool bundles = opts.memory_budget > 0 ||
                          (opts.memory_budget == 0 && ::access(DiskTier::path_for(path).c_str(), F_OK) == 0);
-    return opts.ffn_mode == PI_FFN_DENSE && opts.input_sparsity <= 0.0f && !gpuidx && !bundles;
+    const bool mode = opts.ffn_mode == PI_FFN_DENSE || opts.ffn_mode == PI_FFN_AUTO;
+    return mode && opts.input_sparsity <= 0.0f && !gpuidx && !bundles;
 }
 
 }  // namespace
@@ -283,7 +285,7 @@ void Engine::check_working_memory(int64_t threads, pi_kv_type kv_type) const {
 
 void Engine::set_ffn_mode(int32_t mode) {
     policy_.set_mode(mode);
-    if (mode != PI_FFN_DENSE) model_->transpose_down();  // the other modes read a down row per neuron
+    if (mode != PI_FFN_DENSE && mode != PI_FFN_AUTO) model_->transpose_down();  // they read a down row per neuron
     // A switch arranges every layer for the new mode's decode steps now: its regrouping is paid here, not by the
     // first token after it.
     arrange_decode_layers();

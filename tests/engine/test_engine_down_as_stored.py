@@ -83,7 +83,8 @@ def test_dense_steps_multiply_the_stored_down_by_h_in_q8_0(outtype, llamacpp_fil
 
 def test_a_llama_cpp_file_holds_its_down_once_and_transposes_it_for_a_mode_that_reads_rows(llamacpp_file, tiny_model_dir):
     """A q4_0 llama.cpp file in dense mode: its logits as close to float64 as a converted file's (the same bound as
-    test_engine_logits.py's quantized files), the down projection held once, in groups; a mode that reads a down
+    test_engine_logits.py's quantized files), the down projection held once, in groups (auto mode's dense steps
+    too); a mode that reads a down
     row per neuron (gate) asked at open or later transposes it then and frees the groups, one copy either way, and
     computes the same logits whichever way it came to the rows."""
     path = llamacpp_file("q4_0")
@@ -92,6 +93,9 @@ def test_a_llama_cpp_file_holds_its_down_once_and_transposes_it_for_a_mode_that_
     assert max_rel_err(dense, ref64) <= 2.5e-2 and (dense.argmax(1) == ref64.argmax(1)).mean() >= 0.9
     assert stats["weight_copies"]["down_rows"] == N_LAYER * HIDDEN * N_FF // 32 * 18
     assert info["decoded"]["kinds"] == [] and stats["weight_copies"]["decoded"] == 0
+    auto, stats, _ = run(path, "auto")  # a SiLU layer's auto steps without a predictor: dense, so the same path
+    assert stats["weight_copies"]["down_rows"] == N_LAYER * HIDDEN * N_FF // 32 * 18
+    np.testing.assert_array_equal(auto, dense)
     transposed = [{"from": "q4_0", "to": "q8_0", "transposed": True, "tensors": N_LAYER,
                    "bytes": N_LAYER * N_FF * HIDDEN // 32 * 34, "file_bytes": N_LAYER * HIDDEN * N_FF // 32 * 18}]
     gate, stats, info = run(path, "gate")

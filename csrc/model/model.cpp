@@ -88,12 +88,6 @@ void Model::pack_dense_matrices(int threads) {
     }
 }
 
-bool Model::down_as_stored() const {
-    for (const Layer &l : layers_)
-        if (l.down.data) return true;
-    return false;
-}
-
 void Model::transpose_down() {
     for (int64_t i = 0; i < hp_.n_layer; ++i) {
         Layer &l = layers_[size_t(i)];

@@ -262,10 +262,10 @@ struct Layer {
     Matrix q_norm, k_norm;          // RMSNorm weights (qk_norm): [d_head], or q's and k's whole width; else empty
     Matrix attn_post_norm, ffn_post_norm;  // RMSNorm of attention's and the FFN's outputs (post_norms), else empty
     Matrix gate, up, down_t;        // ungated FFN: gate is up (the rule reads the up projection)
-    // llama.cpp's ffn_down as stored (n_embd rows of n_ff, q4_0/q8_0 blocks along the neurons), where it is kept so
-    // (Model::down_as_stored): a dense step multiplies it as every other matrix, by gemm8 on its 8-row groups
-    // (down_groups, made with the packed matrices) against h in q8_0; down_t is then empty until a mode that reads a
-    // row per neuron asks for it (Model::transpose_down). Empty otherwise.
+    // llama.cpp's ffn_down as stored (n_embd rows of n_ff, q4_0/q8_0 blocks along the neurons), where the engine
+    // keeps it so (the constructor's down_as_stored, engine.cpp's rule): a dense step multiplies it as every other
+    // matrix, by gemm8 on its 8-row groups (down_groups, made with the packed matrices) against h in q8_0; down_t is
+    // then empty until a mode that reads a row per neuron asks for it (Model::transpose_down). Empty otherwise.
     Matrix down;
     PageMemory down_groups;
     Matrix gate_b, up_b, down_b;    // per neuron (gate_b, up_b) and per output (down_b)
@@ -317,8 +317,6 @@ public:
     const std::string &path() const { return file_->path(); }
     const SourceStamp &file_stamp() const { return file_->stamp(); }  // the mapped file's (runtime/derived_file.h)
     int64_t hot_neurons() const;
-    // Whether a layer holds llama.cpp's ffn_down as stored (Layer::down) rather than down_t.
-    bool down_as_stored() const;
     // Every layer holding ffn_down as stored gets its down_t (transposed from the file, model/decode.h) and frees the
     // stored matrix's groups: the modes, tiers and input sparsity's FFN read a row per neuron. Refused (PI_ERR_MEMORY)
     // where the transposed rows would pass the memory the process may use.

@@ -7,6 +7,10 @@ Two builds loaded into one process mislead: the one loaded second ran up to ~10 
 
     python scripts/ab_engine_builds.py A.so B.so model.powerinfer.gguf gate predictor [--rounds 6] [--threads 2]
     python scripts/ab_engine_builds.py A.so B.so model.powerinfer.gguf dense --phase prefill --prompt 128
+    python scripts/ab_engine_builds.py A.so B.so model.powerinfer.gguf dense --model-b model.llamacpp.gguf
+
+--model-b: B runs another file of the same weights and tokenizer (our file's ffn_down_t against llama.cpp's ffn_down,
+docs/engine.md "The down projection as stored").
 
 Build a library from another tree (a commit to compare with) with `python setup.py build_ext --inplace` there;
 each process loads its build through PI_ENGINE_LIB. Tokens: the start of --text (default: the README) through
@@ -64,10 +68,10 @@ print(best)
 """
 
 
-def tokens_per_second(lib: str, args: argparse.Namespace, mode: str, tokens: list[int]) -> float:
+def tokens_per_second(lib: str, model: str, args: argparse.Namespace, mode: str, tokens: list[int]) -> float:
     env = dict(os.environ, PI_ENGINE_LIB=lib)
     code = PREFILL if args.phase == "prefill" else DECODE
-    out = subprocess.run([sys.executable, "-c", code, args.model, mode, str(args.threads), str(args.prompt),
+    out = subprocess.run([sys.executable, "-c", code, model, mode, str(args.threads), str(args.prompt),
                           str(args.runs), ",".join(map(str, tokens))], env=env, capture_output=True, text=True)
     if out.returncode != 0:  # the child's own last line: the engine's message (a bad library, file or mode)
         sys.exit(f"{lib}: {(out.stderr.strip().splitlines() or ['exit status %d' % out.returncode])[-1]}")
@@ -80,6 +84,7 @@ def main() -> None:
     ap.add_argument("b", help="engine library B")
     ap.add_argument("model", help="PowerInfer GGUF file")
     ap.add_argument("modes", nargs="+", help="FFN modes: dense gate predictor auto")
+    ap.add_argument("--model-b", default=None, help="the file B runs (default: model, the file A runs)")
     ap.add_argument("--rounds", type=int, default=6, help="rounds per mode (default 6)")
     ap.add_argument("--runs", type=int, default=2, help="timed runs per process, the best kept (default 2)")
     ap.add_argument("--threads", type=int, default=2, help="engine threads (default 2)")
@@ -101,8 +106,9 @@ def main() -> None:
     for mode in args.modes:
         a, b = [], []
         for r in range(args.rounds):
-            for lib, out in ((args.a, a), (args.b, b)) if r % 2 == 0 else ((args.b, b), (args.a, a)):
-                out.append(tokens_per_second(lib, args, mode, tokens))
+            runs = ((args.a, args.model, a), (args.b, args.model_b or args.model, b))
+            for lib, model, out in runs if r % 2 == 0 else runs[::-1]:
+                out.append(tokens_per_second(lib, model, args, mode, tokens))
         q1, med, q3 = np.percentile([y / x for x, y in zip(a, b)], [25, 50, 75])
         print(f"{mode:10s} A {statistics.median(a):7.1f} t/s  B {statistics.median(b):7.1f} t/s  "
               f"B/A {med:.3f} ({q1:.3f}-{q3:.3f})", flush=True)

@@ -79,13 +79,15 @@ def q8_round_trip(x: torch.Tensor) -> torch.Tensor:
 
 
 def hf_logits(model_dir: Path, tokens: list[int], mask_fn=None, weights_from: Path | None = None,
-              q8_inputs: bool = False, kv_f16: bool = False, float64: bool = False) -> np.ndarray:
+              q8_inputs: bool = False, kv_f16: bool = False, float64: bool = False, q8_down: bool = False) -> np.ndarray:
     """transformers' logits [len(tokens), vocab]; mask_fn(layer, x_pred, a) -> a' sparsifies the FFN
     activation of each layer from its predictor input x_pred (the residual entering the FFN block);
     weights_from: run with the weights stored in that converted file instead; q8_inputs: round the
     inputs of the projections that the engine multiplies as q8_0 blocks (all but the down projection);
     kv_f16: attention reads keys (after RoPE) and values rounded to f16, as from a half-precision KV cache;
-    float64: computed in float64 (the reference every tier's own arithmetic is bounded against)."""
+    float64: computed in float64 (the reference every tier's own arithmetic is bounded against); q8_down: the down
+    projection's input rounded so (h in q8_0 per 32 neurons: a dense step over llama.cpp's
+    ffn_down as stored, docs/engine.md "The down projection as stored")."""
     model, adapter = hf_model(model_dir)
     if weights_from is not None:
         c = model.config
@@ -93,9 +95,10 @@ def hf_logits(model_dir: Path, tokens: list[int], mask_fn=None, weights_from: Pa
     if float64:
         model = model.double()
     handles = []
-    if q8_inputs:
+    rounded = (Q8_INPUT_LINEARS if q8_inputs else ()) + (("down_proj",) if q8_down else ())
+    if rounded:
         for name, module in model.named_modules():
-            if name.split(".")[-1] in Q8_INPUT_LINEARS:
+            if name.split(".")[-1] in rounded:
                 handles.append(module.register_forward_pre_hook(lambda mod, args: (q8_round_trip(args[0]), *args[1:])))
     if mask_fn is not None:
         inputs = {}
@@ -165,7 +168,7 @@ def auto_run(path: Path, tokens: list[int], n_prompt: int) -> tuple[np.ndarray, 
 def load_file_weights(model, path: Path, n_head: int, n_kv: int) -> None:
     """Overwrite a Llama-family transformers model's weights with the (dequantized) weights of a
     converted file (weights and biases), undoing the converter's q/k row permutation (llama's, not NeoX RoPE's
-    qwen3moe and olmoe) and the down transpose; a mixture's router and stacked experts into transformers' own
+    qwen3moe and olmoe) and the down transpose (a llama.cpp file's ffn_down is taken as it is); a mixture's router and stacked experts into transformers' own
     parameters."""
     from convert_helpers import read_tensors
     from powerinfer_tools.formats.gguf_io import open_reader
@@ -184,7 +187,7 @@ def load_file_weights(model, path: Path, n_head: int, n_kv: int) -> None:
     per_layer = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
                  "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
                  "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                 "ffn_down_t": "mlp.down_proj", "ffn_gate_inp": "mlp.gate"}
+                 "ffn_down_t": "mlp.down_proj", "ffn_down": "mlp.down_proj", "ffn_gate_inp": "mlp.gate"}
     state = model.state_dict()
     with torch.no_grad():
         for name, (_, w) in read_tensors(path).items():

@@ -7,6 +7,7 @@
 #include <numeric>
 
 #include "backend/down_runs.h"
+#include "engine/matmul.h"
 #include "engine/work.h"
 #include "runtime/common.h"
 
@@ -191,7 +192,8 @@ void CpuTierBackend::submit(const TierJob &job) {
 
     t0 = Clock::now();
     if (job.down_zero_at >= 0.0f) zero_small_h(p, job.down_zero_at);
-    if (p.n_tok == 1) down_decode(p, 0);
+    if (p.dense && p.L.down.data) down_stored(p);
+    else if (p.n_tok == 1) down_decode(p, 0);
     else if (job.steps)
         for (int64_t t = 0; t < p.n_tok; ++t) down_decode(p, t);  // each token's rows read back from cache
     else down_batch(p);
@@ -636,6 +638,17 @@ void CpuTierBackend::down_decode(const Pass &p, int64_t t) {
     };
     pool_.run(int(n_runs), run_rows);
     sum_down_runs(p.E, n_runs, down_partial_.data(), p.job.y + t * p.E);
+}
+
+// A dense step or batch of a layer holding llama.cpp's ffn_down as stored (Layer::down, a row per output): y = down . h
+// as every other matrix is multiplied, h quantized to q8_0 per 32 neurons and gemm8 over down's 8-row groups, the
+// outputs split over the threads (engine/matmul.h). Every neuron is the cold tier's, in order (no hot tier: Engine's
+// down_as_stored), so h_'s rows are the operand; a neuron a token leaves out has h = 0 (settle).
+void CpuTierBackend::down_stored(const Pass &p) {
+    if (p.n != p.L.down.cols || p.n != ld_ || p.T.packed)
+        fail(PI_ERR_INTERNAL, "the down projection as stored needs every neuron in the cold tier, in order");
+    Operand h{h_.data(), ld_, down_q_.data()};
+    matmul(ks_, pool_, p.L.down, h, p.n_tok, p.job.y, p.E);
 }
 
 // Input sparsity's down site: every used activation at or below t in magnitude zeroed (as a decode step's kept

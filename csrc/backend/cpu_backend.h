@@ -68,6 +68,7 @@ private:
     // Records neuron slot r of token t: mask 2 (down row used, coefficient h) or 1.
     void settle(const Pass &p, int64_t t, int64_t r, bool pass, float h, Tally &c);
     void down_decode(const Pass &p, int64_t t);  // token t's (a decode step has one)
+    void down_stored(const Pass &p);             // every token's, through Layer::down where a dense layer holds it
     // h_'s used values at or below t in magnitude zeroed (TierJob::down_zero_at), counted
     void zero_small_h(const Pass &p, float t);
     void down_batch(const Pass &p);

@@ -40,6 +40,18 @@ int thread_count(int requested) {
     return requested > 0 ? requested : int(std::max(1u, std::thread::hardware_concurrency()));
 }
 
+// Whether a llama.cpp file's ffn_down may stay as stored (Layer::down, a row per output, read whole by gemm8 in dense
+// steps): nothing asked at open reads a row per neuron (a sparse FFN mode, a hot tier, neuron bundles, input
+// sparsity's FFN). Auto mode, whose SiLU layers are dense unless a sparse mode prices lower, and a later switch to
+// such a mode transpose it when one is taken (Model::transpose_down).
+bool down_as_stored(const pi_options &opts, bool hot_tier, const std::string &path) {
+    const bool gpuidx = opts.gpuidx_path && *opts.gpuidx_path && hot_tier;
+    const bool bundles = opts.memory_budget > 0 ||
+                         (opts.memory_budget == 0 && ::access(DiskTier::path_for(path).c_str(), F_OK) == 0);
+    const bool mode = opts.ffn_mode == PI_FFN_DENSE || opts.ffn_mode == PI_FFN_AUTO;
+    return mode && opts.input_sparsity <= 0.0f && !gpuidx && !bundles;
+}
+
 }  // namespace
 
 Engine::Engine(const std::string &path, const pi_options &opts, const std::string &hot_backend)
@@ -48,7 +60,8 @@ Engine::Engine(const std::string &path, const pi_options &opts, const std::strin
       gpuidx_ignored_(opts.gpuidx_path && *opts.gpuidx_path && !device_api_ && opts.cpu_hot_tier == 0 &&
                       hot_backend != "reference"),
       model_(std::make_unique<Model>(path, opts.gpuidx_path ? opts.gpuidx_path : "", thread_count(opts.threads),
-                                     !gpuidx_ignored_, opts.decode_cache ? opts.decode_cache : "")),
+                                     !gpuidx_ignored_, opts.decode_cache ? opts.decode_cache : "",
+                                     down_as_stored(opts, !gpuidx_ignored_, path))),
       hp_(model_->hp()),
       policy_(*model_),
       stats_(model_->hp().n_layer),
@@ -161,6 +174,7 @@ double Engine::weight_copy_bytes(bool cold_on_disk) const {
         if (!L.cold.on_disk() && !cold_on_disk) {
             bytes += L.cold.group_bytes(hp_.gated);  // built as a mode that reads them whole runs
             if (down_quads_for(TierMode::Dense) && L.cold.quads_fit()) bytes += L.cold.quad_bytes();  // likewise
+            if (L.down_groups.empty()) bytes += double(Model::packed_bytes(L.down));  // made with the packed matrices
         }
         if (!device_) bytes += L.hot.copy_bytes(hp_.gated);
     }
@@ -275,6 +289,7 @@ void Engine::check_working_memory(int64_t threads, pi_kv_type kv_type) const {
 
 void Engine::set_ffn_mode(int32_t mode) {
     policy_.set_mode(mode);
+    if (mode != PI_FFN_DENSE && mode != PI_FFN_AUTO) model_->transpose_down();  // they read a down row per neuron
     // A switch arranges every layer for the new mode's decode steps now: its regrouping is paid here, not by the
     // first token after it.
     arrange_decode_layers();

@@ -398,6 +398,8 @@ void Engine::ffn(int64_t il, int64_t n_tok, TierMode cold_mode) {
 }
 
 TierJob Engine::cold_job(int64_t il, int64_t n_tok, TierMode cold_mode, float down_zero_at) {
+    // auto's choice of a mode that reads a down row per neuron, on a file whose ffn_down is kept as stored
+    if (cold_mode != TierMode::Dense && model_->layers()[size_t(il)].down.data) model_->transpose_down();
     const Layer &L = model_->layers()[size_t(il)];
     RunState &s = *rs_;
     // both tiers read the same operand: made once, here, before either starts

@@ -40,6 +40,7 @@ void Engine::set_input_sparsity(float share) {
     if (share > 0.0f && share > levels.back() + 1e-6f)
         fail(PI_ERR_ARGUMENT, "input_sparsity " + std::to_string(share) + " is above the largest share calibrated (" +
                                   std::to_string(levels.back()) + ")");
+    if (share > 0.0f) model_->transpose_down();  // its FFN and down site read a down row per neuron
     input_share_ = share;
     stats_.input.share = share;
     // input sparsity's own FFN reads down_t's rows: a tier arranged for dense steps before gives its quads back

@@ -238,7 +238,8 @@ std::string stats_json(const Model &model, const WeightCopies &wc, const EngineS
     json += ", \"weight_copies\": {\"packed\": " + std::to_string(wc.packed) + ", \"predictor\": " + std::to_string(wc.predictor) +
             ", \"hot\": " + std::to_string(wc.hot) + ", \"cold_groups\": " + std::to_string(wc.cold_groups) +
             ", \"down_quads\": " + std::to_string(wc.down_quads) + ", \"decoded\": " + std::to_string(wc.decoded) +
-            ", \"input_columns\": " + std::to_string(wc.input_columns) + "}, \"gpu\": " + device_json(device) +
+            ", \"input_columns\": " + std::to_string(wc.input_columns) + ", \"down_rows\": " +
+            std::to_string(wc.down_rows) + "}, \"gpu\": " + device_json(device) +
             ", \"disk\": " + (experts ? experts_json(*experts) : disk_json(disk, model.dense_mapped())) + ", \"layers\": [";
     const double F = double(model.hp().ffn_neurons());  // a token's neurons in a layer: its experts' in a mixture
     for (size_t i = 0; i < stats.layers.size(); ++i) {

@@ -186,7 +186,7 @@ bool DecodeCache::read_index() {
 
 bool DecodeCache::read(const std::string &name, bool transposed, uint32_t type, size_t row_bytes, uint8_t *out,
                        size_t bytes) {
-    if (mode_ != Mode::Read) return false;
+    if (mode_ != Mode::Read || finished_) return false;  // (a decode after load: Model::transpose_down)
     for (const CachedRows &r : index_)
         if (r.name == name && r.transposed == transposed) {
             if (r.type != type || r.row_bytes != row_bytes || r.bytes != bytes) break;
@@ -199,7 +199,7 @@ bool DecodeCache::read(const std::string &name, bool transposed, uint32_t type, 
 
 void DecodeCache::add(const GgufTensor &source, bool transposed, uint32_t type, size_t row_bytes, const uint8_t *data,
                       size_t bytes) {
-    if (mode_ != Mode::Write || write_failed_) return;
+    if (mode_ != Mode::Write || write_failed_ || finished_) return;
     if (fd_ < 0) {  // a new file, under a temporary name in the same directory
         temp_ = path_ + ".tmp." + std::to_string(::getpid());
         fd_ = ::open(temp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NONBLOCK, 0644);

@@ -28,8 +28,8 @@ std::string bias(int64_t i, const char *tensor) { return blk(i, tensor) + ".bias
 }  // namespace
 
 Model::Model(const std::string &path, const std::string &gpuidx_path, int threads, bool hot_tier,
-             const std::string &decode_cache)
-    : threads_(std::max(threads, 1)) {
+             const std::string &decode_cache, bool down_as_stored)
+    : threads_(std::max(threads, 1)), down_as_stored_(down_as_stored) {
     file_ = std::make_unique<GgufFile>(path);
     read_hparams();
     decoded_.open_cache(decode_cache, *file_);
@@ -80,6 +80,24 @@ void Model::pack_dense_matrices(int threads) {
     work();
     for (std::thread &h : helpers) h.join();
     free_grouped_decoded(dense);
+    // llama.cpp's ffn_down kept as stored: each layer's groups in memory of their own (transpose_down frees them)
+    for (Layer &l : layers_) {
+        if (!l.down.data || packed_bytes(l.down) == 0) continue;
+        l.down_groups = PageMemory(size_t(packed_bytes(l.down)), true, "8-row groups of ffn_down");
+        pack(l.down, l.down_groups.data());
+    }
+}
+
+void Model::transpose_down() {
+    for (int64_t i = 0; i < hp_.n_layer; ++i) {
+        Layer &l = layers_[size_t(i)];
+        if (!l.down.data) continue;
+        bool found = false;
+        l.down_t = bind_optional(weight(i, names::kFfnDown), hp_.n_ff, hp_.n_embd, false, &found, true);
+        l.cold.down_t = l.hot.down_t = l.down_t;
+        l.down = Matrix{};
+        l.down_groups = PageMemory();
+    }
 }
 
 void Model::free_grouped_decoded(const std::vector<Matrix *> &dense) {
@@ -822,13 +840,21 @@ void Model::bind_ffn(int64_t i, Layer &l) {
         l.gate = l.up;
         l.gate_b = l.up_b;
     }
-    // llama.cpp's files hold ffn_down (a row per output), transposed here into ffn_down_t (a row per neuron)
-    const bool llama_cpp_down = !f.tensor(weight(i, names::kFfnDownT)) && f.tensor(weight(i, names::kFfnDown));
+    // llama.cpp's files hold ffn_down (a row per output), transposed here into ffn_down_t (a row per neuron), or kept
+    // as stored where the engine asks and dense steps can read it whole by gemm8 (q4_0/q8_0, a SiLU/GeGLU FFN, whose
+    // dense steps use every neuron): docs/engine.md, "The down projection as stored"
+    const GgufTensor *stored = f.tensor(weight(i, names::kFfnDown));
+    const bool llama_cpp_down = !f.tensor(weight(i, names::kFfnDownT)) && stored;
     const char *down = llama_cpp_down ? names::kFfnDown : names::kFfnDownT;
+    l.down_b = bind_vector(bias(i, down), E, all_biases);
+    if (llama_cpp_down && down_as_stored_ && thresholded(hp_.activation) && packed_block_bytes(stored->type) != 0 &&
+        F <= kGemv8MaxCols) {
+        l.down = bind(weight(i, down), E, F, false);
+        return;
+    }
     bool found = false;
     l.down_t = bind_optional(weight(i, down), F, E, false, &found, llama_cpp_down);
     if (!found) fail(PI_ERR_FORMAT, f.path() + ": tensor " + weight(i, names::kFfnDownT) + " is missing");
-    l.down_b = bind_vector(bias(i, down), E, all_biases);
 }
 
 // A file converted with a profile stores each layer's neurons hottest first and records the order
@@ -975,6 +1001,7 @@ WeightCopies Model::weight_copies() const {
         c.predictor += l.cold.fc2_storage.size() + l.hot.fc2_storage.size();
         c.cold_groups += l.cold.gate_groups.size() + l.cold.up_groups.size();
         c.down_quads += l.cold.down_quads.size();
+        c.down_rows += dense_ == DenseLayout::Pending && l.down.data ? size_t(packed_bytes(l.down)) : l.down_groups.size();
     }
     return c;
 }

@@ -262,6 +262,12 @@ struct Layer {
     Matrix q_norm, k_norm;          // RMSNorm weights (qk_norm): [d_head], or q's and k's whole width; else empty
     Matrix attn_post_norm, ffn_post_norm;  // RMSNorm of attention's and the FFN's outputs (post_norms), else empty
     Matrix gate, up, down_t;        // ungated FFN: gate is up (the rule reads the up projection)
+    // llama.cpp's ffn_down as stored (n_embd rows of n_ff, q4_0/q8_0 blocks along the neurons), where the engine
+    // keeps it so (the constructor's down_as_stored, engine.cpp's rule): a dense step multiplies it as every other
+    // matrix, by gemm8 on its 8-row groups (down_groups, made with the packed matrices) against h in q8_0; down_t is
+    // then empty until a mode that reads a row per neuron asks for it (Model::transpose_down). Empty otherwise.
+    Matrix down;
+    PageMemory down_groups;
     Matrix gate_b, up_b, down_b;    // per neuron (gate_b, up_b) and per output (down_b)
     Matrix fc1, fc2;  // predictor (empty when absent)
     InputRows q_t, k_t, v_t, o_t, gate_t, up_t;  // input sparsity's (empty when the file has none; gate_t: gated)
@@ -275,9 +281,11 @@ struct Layer {
 // Bytes of weights a model holds on the heap, in another layout than the file's (the rest stays mapped):
 // matrices read whole in 8-row groups (attention, output head, predictor fc1), the predictor's fc2 for the
 // cold tier, the hot tier (rows and groups: its backend's copy, which the engine adds), the cold tier's gate/up
-// groups, the matrices decoded at load (model/decode.h), input sparsity's column copies (which the engine adds).
+// groups, the matrices decoded at load (model/decode.h), input sparsity's column copies (which the engine adds),
+// llama.cpp's ffn_down in 8-row groups (Layer::down_groups).
 struct WeightCopies {
-    size_t packed = 0, predictor = 0, hot = 0, cold_groups = 0, down_quads = 0, decoded = 0, input_columns = 0;
+    size_t packed = 0, predictor = 0, hot = 0, cold_groups = 0, down_quads = 0, decoded = 0, input_columns = 0,
+           down_rows = 0;
 };
 
 class Model {
@@ -285,9 +293,10 @@ public:
     // Throws EngineFailure with the file name and the first problem found.
     // threads: how many decode rows at load (the engine's thread count); hot_tier: false puts every neuron in
     // the cold tier (the gpuidx is still checked); decode_cache: the file the rows decoded at load are kept in
-    // and read from (model/decode_cache.h; "": none)
+    // and read from (model/decode_cache.h; "": none); down_as_stored: a llama.cpp file's q4_0/q8_0 ffn_down of a
+    // SiLU/GeGLU FFN is kept as stored (Layer::down) instead of transposed into down_t, for dense steps
     Model(const std::string &path, const std::string &gpuidx_path, int threads = 1, bool hot_tier = true,
-          const std::string &decode_cache = "");
+          const std::string &decode_cache = "", bool down_as_stored = false);
 
     const HParams &hp() const { return hp_; }
     const Matrix &tok_embd() const { return tok_embd_; }
@@ -308,6 +317,10 @@ public:
     const std::string &path() const { return file_->path(); }
     const SourceStamp &file_stamp() const { return file_->stamp(); }  // the mapped file's (runtime/derived_file.h)
     int64_t hot_neurons() const;
+    // Every layer holding ffn_down as stored gets its down_t (transposed from the file, model/decode.h) and frees the
+    // stored matrix's groups: the modes, tiers and input sparsity's FFN read a row per neuron. Refused (PI_ERR_MEMORY)
+    // where the transposed rows would pass the memory the process may use.
+    void transpose_down();
     // Holds the cold tier's gates (ups) of layer il in 8-row groups or as the mapped rows, as asked, where
     // the types allow: a mode reads a matrix whole with gemm8 on the groups, or rows of it by index; and its
     // down_t rows in quads (FfnTier::down_quads, q4_0 only) or as the mapped rows. Grouping hands the mapped
@@ -402,6 +415,7 @@ private:
     std::vector<uint8_t> held_vectors_;  // hold_vectors' copies
     int threads_ = 1;         // the engine's threads, which decode at load
     bool experts_in_file_ = false;
+    bool down_as_stored_ = false;  // the constructor's: Layer::down may be kept
 };
 
 }  // namespace pi

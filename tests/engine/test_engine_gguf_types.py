@@ -122,8 +122,9 @@ def test_decoded_parts_of_a_fused_tensor(converted, tmp_path):
 
 @pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.Q4_0, Q.Q8_0], ids=lambda t: t.name)
 def test_llama_cpp_down_projection_of_a_computed_type_is_transposed(qtype, tmp_path):
-    """ffn_down in a type the engine computes: transposed, f32 and f16 kept, q4_0 and q8_0 as q8_0 of the values
-    (requantized along the other axis); the other matrices stay mapped as they are."""
+    """ffn_down in a type the engine computes, in a mode that reads a down row per neuron (gate): transposed, f32 and
+    f16 kept, q4_0 and q8_0 as q8_0 of the values (requantized along the other axis); the other matrices stay mapped
+    as they are. In dense mode q4_0 and q8_0 are read as stored, nothing decoded (test_engine_down_as_stored.py)."""
     rng = np.random.default_rng(1)
     x = {n: rng.normal(0, 0.05, size=shape).astype(np.float32) for n, shape in SHAPES.items()}
     stored = {n: (v if qtype == Q.F32 else v.astype(np.float16) if qtype == Q.F16 else gguf.quants.quantize(v, qtype),
@@ -132,12 +133,14 @@ def test_llama_cpp_down_projection_of_a_computed_type_is_transposed(qtype, tmp_p
     ref = dict(stored)
     ref["ffn_down"] = as_decoded(values(*stored["ffn_down"]).T if qtype != Q.F16 else stored["ffn_down"][0].T, qtype)
     reference = write_llama(tmp_path / "reference.gguf", ref, down_name="ffn_down_t")
-    got, info = logits(theirs)
-    want, _ = logits(reference)
+    got, info = logits(theirs, sparse_mode="gate")
+    want, _ = logits(reference, sparse_mode="gate")
     np.testing.assert_array_equal(got, want)
     name = "q8_0" if qtype in (Q.Q4_0, Q.Q8_0) else qtype.name.lower()
     assert [(k["from"], k["to"], k["transposed"], k["tensors"]) for k in info["decoded"]["kinds"]] == [
         (qtype.name.lower(), name, True, 1)]
+    _, info = logits(theirs, sparse_mode="dense")
+    assert bool(info["decoded"]["kinds"]) == (qtype in (Q.F32, Q.F16))
 
 
 def test_bf16_beyond_the_range_of_f16_is_decoded_to_f32(tmp_path):

@@ -111,3 +111,16 @@ def test_a_llama_cpp_file_holds_its_down_once_and_transposes_it_for_a_mode_that_
         m.sparse_mode = "dense"  # the rows stay: one copy
         assert m.stats()["weight_copies"]["down_rows"] == 0
     np.testing.assert_array_equal(switched, gate)
+
+
+@pytest.mark.parametrize("outtype", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_each_row_of_a_decode_step_is_its_sequence_alone(outtype, threads, llamacpp_file):
+    """serve --parallel on a llama.cpp file: a step of several sequences multiplies the stored down for all its rows
+    at once, and each row is still the bits of its sequence decoded alone."""
+    from test_engine_sequences import check_rows_are_alone
+
+    path = llamacpp_file(outtype)
+    with engine.Model(path, threads=1) as m:
+        assert m.stats()["weight_copies"]["down_rows"] > 0  # the stored down is what the steps read
+    check_rows_are_alone(path, threads, "f32")

@@ -1,6 +1,6 @@
 """docs/bench.md's commands run as written: each fenced block's commands, in order, in a folder of their own, at a
 tiny size. Every flag stays as the section writes it, and pi-tools parses each command as written (placeholders
-filled in); only the values that set a size change (SIZE: --shape 7b -> tiny, --repeats 1, ...), and a name that an
+filled in, bench's KEY the entry an earlier command made); only the values that set a size change (SIZE: --shape 7b -> tiny, --repeats 1, ...), and a name that an
 earlier section made (relu7b, pred7b-s9, PROF) is the tiny one (NAMES). A peer runs where PI_BENCH_PEER_PYTHON names
 its Python; without it llama.cpp leaves --peers and the commands that need it are listed, not run. Steps by hand as
 root (a cgroup v1 folder, dropping the page cache), installs and the GPU check are listed, not run; a command of any
@@ -29,10 +29,11 @@ from powerinfer_tools.cli.app import app
 BENCH_MD = ROOT / "docs" / "bench.md"
 PEER = os.environ.get("PI_BENCH_PEER_PYTHON")
 # The values that set a size, at the tiny one (the flag's own name: the same in pi-tools and in the scripts).
-SIZE = {"--shape": "tiny", "--layers": str(TINY.n_layer), "--repeats": "1", "--n-prompt": "8", "--n-gen": "4",
+SIZE = {"--layers": str(TINY.n_layer), "--repeats": "1", "--n-prompt": "8", "--n-gen": "4",
         "--tokens": "1024", "--seq-len": "64", "--epochs": "1", "--chunks": "1", "-c": "128", "--ctx": "128",
         "-n": "16", "--rounds": "1", "--clients": "2", "--soak": "4", "--rank": "16", "--depth": "8",
         "--prefix": "12", "--parallel": "2"}
+TINY_SHAPES = {"qwen3-30b-a3b": "tiny-moe"}   # --shape's tiny stand-in of the same kind; "tiny" for the others
 # The section's placeholders, as the section's text says to fill them in (a peer's Python is PEER).
 PLACEHOLDERS = {"--memory-limit": {"L": "0.5", "$L": "0.5"}, "--sparse-mode": {"MODE": "dense"}}
 PEER_NAMES = ("PEER_PYTHON", "NOAMX_PYTHON", "~/bench-venv/bin/python")
@@ -127,7 +128,16 @@ def as_written(cmd: Command, names: dict[str, str]) -> list[str]:
         argv[i] = PLACEHOLDERS.get(flag, {}).get(argv[i], argv[i])
     argv = [a.split("|")[0] if re.fullmatch(r"[a-z]+(\|[a-z]+)+", a) else a for a in argv]
     argv = [PEER or "python3" if a in PEER_NAMES else str(DATA / a) if (DATA / a).is_file() else a for a in argv]
+    argv = [bench_entry(a) if "-KEY/" in a else a for a in argv]
     return [names[a] if i and argv[i - 1] == "-m" and a in MODEL_NAMES else a for i, a in enumerate(argv)]
+
+
+def bench_entry(path: str) -> str:
+    """DIR/NAME-TYPE-KEY/FILE: the file in the one entry an earlier bench of the block made in DIR (KEY is the hash
+    of its inputs, bench/files.py)."""
+    found = sorted(Path().glob(path.replace("-KEY/", "-*/")))
+    assert len(found) == 1, f"{path}: {len(found)} bench entries match (an earlier command of the block makes one)"
+    return str(found[0])
 
 
 def alternatives(cmd: Command) -> list[Command]:
@@ -142,7 +152,7 @@ def tiny(argv: list[str]) -> list[str]:
     """The size-setting values at the tiny size; without a peer, llama.cpp out of --peers and its own flags out."""
     argv = list(argv)
     for i, flag in option_values(tuple(argv)):
-        argv[i] = SIZE.get(flag, argv[i])
+        argv[i] = TINY_SHAPES.get(argv[i], "tiny") if flag == "--shape" else SIZE.get(flag, argv[i])
     if PEER:
         return argv
     out, skip = [], False

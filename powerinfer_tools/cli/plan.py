@@ -81,6 +81,8 @@ def plan(
 
       pi-tools plan --profile moe-prof -m qwen3-moe.q4_0.gguf --vram-budget 0 --memory-budget 8
 
+      pi-tools plan --profile moe-prof -m mixtral.q4_0.gguf --vram-budget 12 --memory-budget 16
+
       pi-tools plan --dry-run -m ./ReluLLaMA-70B --profile ./ReluLLaMA-70B-PowerInfer-GGUF/activation --vram-budget 12
     """
     from powerinfer_tools import stages
@@ -127,8 +129,8 @@ def plan_experts(profile: Path, model: str, opts) -> None:
     from powerinfer_tools.stages.placement import expert_tiers
 
     if opts.memory_budget_gib is None:
-        raise UserError("a mixture of experts is placed across memory and disk: give --memory-budget (and "
-                        "--vram-budget 0)")
+        raise UserError("a mixture of experts is placed across a device, memory and disk: give --memory-budget (and "
+                        "--vram-budget, 0 for no device)")
     dense_only = (("--out", opts.out, None), ("--granularity", str(opts.granularity), "1"),
                   ("--dense", opts.dense, "all"), ("--min-layer-neurons", opts.min_layer_neurons, "auto"),
                   ("--reserve-mib", opts.reserve_bytes, DEFAULT_RESERVE_BYTES),

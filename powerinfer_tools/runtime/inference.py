@@ -46,7 +46,8 @@ def resolve_model_file(spec: str, gpuidx: str | os.PathLike | None = None, vram_
 
     The GPU index: the one given ("none": no index); else, with a VRAM budget, the plan cached beside the model
     (MODEL.generated.gpuidx, where PowerInfer looks) when it was solved for that budget, otherwise one solved
-    from the profile and cached there; else MODEL.generated.gpuidx when it exists, as PowerInfer's main does.
+    from the profile and cached there (none for a mixture of experts: its device experts are MODEL.tiers'); else
+    MODEL.generated.gpuidx when it exists, as PowerInfer's main does.
     """
     from powerinfer_tools.models import default_model
     from powerinfer_tools.runtime import default_build as pipeline
@@ -69,7 +70,12 @@ def resolve_model_file(spec: str, gpuidx: str | os.PathLike | None = None, vram_
         if not gpuidx.is_file():
             raise UserError(f"GPU index not found: {gpuidx}")
     elif vram_budget_gib is not None:
-        gpuidx = cached_plan(path, vram_budget_gib, profile, ctx_size)
+        from powerinfer_tools.stages.profiling.expert_profile import mixture_file
+
+        # a mixture's device experts are its three-tier plan's (MODEL.tiers, pi-tools plan --vram-budget
+        # --memory-budget), which the engine reads itself: no GPU index
+        if mixture_file(str(path)) is None:
+            gpuidx = cached_plan(path, vram_budget_gib, profile, ctx_size)
     else:
         from powerinfer_tools.stages.placement import placement
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 import powerinfer_engine as engine
+from powerinfer_tools.stages.options import DEFAULT_KV_TYPE
 from powerinfer_tools.stages.placement import expert_tiers
 
 CTX, N_PROMPT, N_GEN = 512, 64, 32
@@ -27,7 +28,7 @@ SHARES = (0.25, 0.5, 1.0)  # of all experts' bytes, beside the device's fixed pa
 def timed(model: Path, threads: int, **kw) -> dict:
     """Prompt and decode tokens/s, and the device's counts, for one engine configuration."""
     tokens = np.random.default_rng(0).integers(100, 1000, N_PROMPT + N_GEN).tolist()
-    with engine.Model(model, threads=threads, ctx_size=CTX, **kw) as m:
+    with engine.Model(model, threads=threads, ctx_size=CTX, kv_type=DEFAULT_KV_TYPE, **kw) as m:  # as plan sized it
         m.eval(tokens[:8])  # warm: the mapped pages, the device's first launches
         m.reset()
         t0 = time.perf_counter()

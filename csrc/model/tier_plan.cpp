@@ -84,7 +84,7 @@ bool read_tier_plan(const std::string &path, int64_t n_layer, int64_t n_ff, int6
             expected += 4 * size_t(all_pinned);
             if (version >= 3) {  // then each layer's device count, then their ids
                 if (raw.size() < expected + 4 * size_t(n_layer)) fail(PI_ERR_FORMAT, path + ": its size does not match its " + std::to_string(n_layer) + " layers");
-                device_at = expected;
+                device_at = expected - 8;  // (expected counts the checksum)
                 for (int64_t il = 0; il < n_layer; ++il) {
                     const int64_t on_device = u32_at(raw, device_at + size_t(il) * 4);
                     const int64_t slots = u32_at(raw, dense_end + 4 + size_t(il) * 8), pinned = u32_at(raw, dense_end + 8 + size_t(il) * 8);

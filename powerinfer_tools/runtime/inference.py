@@ -533,6 +533,12 @@ def timing_lines(stats: dict, load_seconds: float, info: dict | None = None) -> 
                      + (f"; split layers (attention and hot rows there, the cold tier here, one crossing each way): "
                         f"{1000 * gpu['split_seconds'] / per_token:.3f} ms per token" if gpu.get("split_jobs") else "")
                      + f"; {(gpu['h2d_bytes'] + gpu['d2h_bytes']) / per_token / 1024:.1f} KiB per token to and from it")
+    if gpu and gpu.get("expert_jobs"):  # a mixture's experts on the device
+        n = max(1, stats["batch_tokens"] + stats["decode_tokens"])
+        lines.append(f"gpu: {gpu['name']}, {gpu['experts_on_device']} experts on the device: "
+                     f"{gpu['expert_pairs'] / n:.2f} (token, expert) pairs a token there, {1000 * gpu['expert_seconds'] / n:.3f} ms "
+                     f"per token on the device, {1000 * gpu['expert_wait_seconds'] / n:.3f} ms per token waited for "
+                     "after the CPU's experts")
     if info is not None:
         def mib(n):
             return f"{n / 2**20:.1f} MiB"

@@ -166,10 +166,13 @@ def test_what_the_device_cannot_take_is_refused_in_one_line(family, tmp_path, em
     assert "\n" not in str(exc.value) and "gpu on: no device experts" in str(exc.value)
     with engine.Model(path, threads=2, ctx_size=256, gpu="auto", gpu_library=emulated) as m:
         assert not m.info["gpu"]["used"] and "no device experts" in m.info["gpu"]["reason"]
-    # a plan whose device experts the budget cannot hold after the scratch and head: plan again
+    # a plan whose device experts the budget cannot hold after the scratch and head: plan again (auto or on)
     model = with_plan(path, tmp_path, [EVEN] * n_layer)
+    with engine.Model(model, threads=2, ctx_size=256, gpu="on", gpu_library=emulated, vram_budget=VRAM_GIB) as m:
+        placed = m.info["gpu"]["device"]["placed_bytes"]
+    short = (sum(placed.values()) - placed["experts"] / 2) / 2**30
     with pytest.raises(engine.EngineError, match="plan again at this budget") as exc:
-        engine.Model(model, threads=2, ctx_size=256, gpu="auto", gpu_library=emulated, vram_budget=0.002)
+        engine.Model(model, threads=2, ctx_size=256, gpu="auto", gpu_library=emulated, vram_budget=short)
     assert "\n" not in str(exc.value) and f"puts {len(EVEN) * n_layer} experts on the device" in str(exc.value)
     # ReLU experts: the device computes SiLU's
     _, relu, _ = family("mixtral-relu", "q8_0")
@@ -243,8 +246,9 @@ def test_plan_puts_the_most_selected_experts_on_the_device_and_the_engine_takes_
         d = m.stats()["disk"]
     memory = (d["fixed_bytes"] + 4 * n_layer * d["slot_bytes"] + d["slot_bytes"] // 2) / 2**30
     code, out, err = run_cli(capsys, "plan", "--profile", tmp_path / "prof", "-m", model, "--vram-budget",
-                             vram / 2**30, "--memory-budget", memory, "-c", 256)
+                             vram / 2**30, "--memory-budget", memory, "-c", 256, "-v")
     assert code == 0, err
+    assert "5 experts on the device: " in out + err
     assert "5 experts on the device" in out
     x = tier_plan.read(tier_plan.path_for(model), n_layer, n_ff, N_EXPERT).experts
     assert sum(map(len, x.device)) == 5
@@ -271,8 +275,9 @@ def test_plan_puts_the_most_selected_experts_on_the_device_and_the_engine_takes_
     # the CLI runs it (the device library as PI_GPU_LIBRARY names it; no GPU index for a mixture)
     monkeypatch.setenv("PI_GPU_LIBRARY", str(emulated))
     code, out, err = run_cli(capsys, "run", "-m", model, "-p", "To be", "-n", "4", "--gpu", "on", "--vram-budget",
-                             vram / 2**30, "--memory-budget", memory, "-c", 256)
+                             vram / 2**30, "--memory-budget", memory, "-c", 256, "-v")
     assert code == 0, err
+    assert "5 experts on the device: " in out + err
     code, _, err = run_cli(capsys, "plan", "--profile", tmp_path / "prof", "-m", model, "--vram-budget",
                            (fixed + dev.scratch) / 2**30, "--memory-budget", memory, "-c", 256)
     assert code != 0 and len(err.strip().splitlines()) == 1 and "too little for the experts' scratch" in err

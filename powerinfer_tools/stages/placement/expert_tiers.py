@@ -155,7 +155,7 @@ def plan_experts(profile_dir: str | Path, model_path: str | Path, vram_budget_by
     if vram > 0:
         dev = device_room(model_path, vram, ctx_size)
         capacity = dev.room - dev.scratch
-        if capacity < float(dev.expert_bytes.min(initial=0)):
+        if capacity < float(dev.expert_bytes.min()):
             raise UserError(f"--vram-budget {vram / GIB:g}: the device's scratch, output head and attention leave "
                             f"{max(dev.room, 0) / 2**20:.2f} MiB, too little for the experts' scratch "
                             f"({dev.scratch / 2**20:.2f} MiB) and one expert ({dev.expert_bytes.min() / 2**20:.2f} MiB); "

@@ -31,8 +31,9 @@ namespace pi {
 class MoeFfn {
 public:
     // tier: where the experts are read from disk, else nullptr (all in memory); lookahead: a decode step has the tier
-    // read the next layer's likely experts ahead
-    MoeFfn(const HParams &hp, const KernelSet &ks, ThreadPool &pool, int64_t n_batch, ExpertTier *tier, bool lookahead);
+    // read the next layer's likely experts ahead; device: where some layers' experts are on a device, else nullptr
+    MoeFfn(const HParams &hp, const KernelSet &ks, ThreadPool &pool, int64_t n_batch, ExpertTier *tier, bool lookahead,
+           DeviceTierBackend *device = nullptr);
     // Bytes of the buffers an MoeFfn allocates.
     static double scratch_bytes(const HParams &hp, int64_t n_batch, int64_t threads);
     // y (n_tok rows of n_embd, overwritten) = the experts X on the n_tok tokens of x, the FFN's normed input (its q8_0

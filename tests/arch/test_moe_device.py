@@ -246,9 +246,8 @@ def test_plan_puts_the_most_selected_experts_on_the_device_and_the_engine_takes_
         d = m.stats()["disk"]
     memory = (d["fixed_bytes"] + 4 * n_layer * d["slot_bytes"] + d["slot_bytes"] // 2) / 2**30
     code, out, err = run_cli(capsys, "plan", "--profile", tmp_path / "prof", "-m", model, "--vram-budget",
-                             vram / 2**30, "--memory-budget", memory, "-c", 256, "-v")
+                             vram / 2**30, "--memory-budget", memory, "-c", 256)
     assert code == 0, err
-    assert "5 experts on the device: " in out + err
     assert "5 experts on the device" in out
     x = tier_plan.read(tier_plan.path_for(model), n_layer, n_ff, N_EXPERT).experts
     assert sum(map(len, x.device)) == 5

@@ -49,7 +49,9 @@ def plan(
         "neurons across GPU, memory and disk by one program and writes MODEL.tiers beside the model, whose counts "
         "the engine's disk tier then holds in memory. Needs the neuron bundles (convert --neuron-bundles) and "
         "--granularity 1; the engine is opened at this budget to learn its room. For a mixture of experts (with "
-        "its expert profile, --vram-budget 0): each layer's pinned experts and cache slots. Default: no memory tier."),
+        "its expert profile): each layer's experts on the device (--vram-budget above 0: its most selected that the "
+        "room left after the device's head and attention holds), pinned experts and cache slots. Default: no memory "
+        "tier."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Plan for a model not converted (or downloaded) yet: "
                                  "bytes from its config's shapes at --outtype; counts from --profile, else an "
                                  "assumed power law (labelled as such). Writes nothing unless --out."),

@@ -104,8 +104,8 @@ def test_uniform_routing_pins_nothing_and_skewed_routing_pins_its_hot_experts():
 
 def test_the_device_choice_equals_exhaustive_search_on_small_random_instances():
     """Each layer's count of its most selected experts on the device: the program's counts serve as many selections
-    as the best of every count vector whose bytes fit, layers of different expert bytes included; nothing fits a
-    capacity below every expert, and everything where all fit."""
+    as the best of every count vector whose bytes fit, layers of different expert bytes included, and leave no room
+    for one more expert; nothing fits a capacity below every expert, and everything where all fit."""
     rng = np.random.default_rng(5)
     for _ in range(40):
         n_layer, n_expert = int(rng.integers(1, 4)), int(rng.integers(1, 5))
@@ -116,7 +116,8 @@ def test_the_device_choice_equals_exhaustive_search_on_small_random_instances():
                    for ds in itertools.product(range(n_expert + 1), repeat=n_layer)
                    if sum(d * c for d, c in zip(ds, cost)) <= capacity)
         sol = es.device_choice(sel, cost, capacity)
-        assert float(np.dot(sol.counts, cost)) <= capacity
+        left = capacity - float(np.dot(sol.counts, cost))
+        assert left >= 0 and all(d == n_expert or c > left for d, c in zip(sol.counts, cost))  # nothing more fits
         assert sol.served == best == sum(int(sel[il, :d].sum()) for il, d in enumerate(sol.counts))
     sel = np.array([[5, 3, 1], [4, 4, 0]])
     assert es.device_choice(sel, np.array([2.0, 2.0]), 1.9).counts.tolist() == [0, 0]

@@ -157,7 +157,8 @@ def device_choice(selections: np.ndarray, expert_bytes: np.ndarray, capacity: fl
                   time_limit: float = 20.0) -> DeviceSolution:
     """How many of each layer's most selected experts go to the device: the counts serving the most selections
     (selections: [L, E], each layer's sorted most first) whose bytes (expert_bytes: [L], one of the layer's experts)
-    fit `capacity`; a multiple-choice knapsack (one count per layer), solved exactly by HiGHS."""
+    fit `capacity`; a multiple-choice knapsack (one count per layer), solved exactly by HiGHS, then the room it
+    leaves filled with the next most selected experts while one fits."""
     import time
 
     from scipy.optimize import Bounds, milp
@@ -181,5 +182,15 @@ def device_choice(selections: np.ndarray, expert_bytes: np.ndarray, capacity: fl
     timed_out = stopped_in_time(res, "device expert")
     x = np.round(res.x).astype(np.int64)
     counts = np.array([int(np.argmax(x[at:end])) for at, end in zip(offsets[:-1], offsets[1:])], np.int64)
+    # what the optimum leaves (its experts of no selections are worth nothing to it): the next most selected of all
+    # layers while one fits, so that a room holding every expert gets every expert
+    left = float(max(capacity, 0.0)) - float(np.dot(counts, expert_bytes))
+    while True:
+        fits = [il for il in range(L) if counts[il] < E and expert_bytes[il] <= left]
+        if not fits:
+            break
+        il = max(fits, key=lambda i: (selections[i, counts[i]], -i))
+        left -= float(expert_bytes[il])
+        counts[il] += 1
     return DeviceSolution(counts, float(sum(served[il, d] for il, d in enumerate(counts))),
                           time.perf_counter() - start, timed_out)

@@ -82,9 +82,9 @@ bool read_tier_plan(const std::string &path, int64_t n_layer, int64_t n_ff, int6
                 all_pinned += pinned;
             }
             expected += 4 * size_t(all_pinned);
-            if (version >= 3) {  // then each layer's device count, then their ids
+            if (version >= 3) {  // each layer's device count after the table, then (after the pinned ids) their ids
                 if (raw.size() < expected + 4 * size_t(n_layer)) fail(PI_ERR_FORMAT, path + ": its size does not match its " + std::to_string(n_layer) + " layers");
-                device_at = expected - 8;  // (expected counts the checksum)
+                device_at = dense_end + 4 + 8 * size_t(n_layer);
                 for (int64_t il = 0; il < n_layer; ++il) {
                     const int64_t on_device = u32_at(raw, device_at + size_t(il) * 4);
                     const int64_t slots = u32_at(raw, dense_end + 4 + size_t(il) * 8), pinned = u32_at(raw, dense_end + 8 + size_t(il) * 8);
@@ -137,13 +137,12 @@ bool read_tier_plan(const std::string &path, int64_t n_layer, int64_t n_ff, int6
         }
         return at;
     };
-    size_t at = dense_end + 4 + 8 * size_t(n_layer);
+    size_t at = dense_end + 4 + 8 * size_t(n_layer) + (version >= 3 ? 4 * size_t(n_layer) : 0);
     for (int64_t il = 0; il < n_layer; ++il) {
         plan.expert_slots[size_t(il)] = u32_at(raw, dense_end + 4 + size_t(il) * 8);
         at = ids(il, at, u32_at(raw, dense_end + 8 + size_t(il) * 8), "pins", plan.pinned[size_t(il)]);
     }
     if (version >= 3) {
-        at = device_at + 4 * size_t(n_layer);
         for (int64_t il = 0; il < n_layer; ++il)
             at = ids(il, at, u32_at(raw, device_at + size_t(il) * 4), "puts on the device", plan.device[size_t(il)]);
     }

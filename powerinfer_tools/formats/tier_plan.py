@@ -11,9 +11,9 @@ This module is the format's one Python owner.
 Layout (little-endian): magic `PITP`, version u32, n_layer u32, n_ff u32, the VRAM and memory budgets the plan was
 made for (u64 bytes, for the record), then per layer gpu u32 and memory u32 (gpu + memory <= n_ff); version 2 then
 has n_expert u32 (0: a dense model, nothing follows) and, where it is not 0, per layer cache slots u32 and pinned u32
-(slots + pinned <= n_expert), then each layer's pinned expert ids u32 in turn (each below n_expert, none twice);
-version 3 then has per layer the experts it keeps on the device u32, then their ids u32 in turn (slots + pinned +
-device <= n_expert; no id both pinned and on the device). Last, a u64 checksum of everything before it
+(slots + pinned <= n_expert), then (version 3) per layer the count of experts it keeps on the device u32 (slots +
+pinned + device <= n_expert), then each layer's pinned expert ids u32 in turn (each below n_expert, none twice), then
+(version 3) each layer's device expert ids u32 in turn (likewise, none also pinned). Last, a u64 checksum of everything before it
 (neuron_bundles.checksum, the engine's bundle_checksum). Versions 1 (no expert section) and 2 (no device experts) are
 still read.
 """
@@ -107,8 +107,8 @@ def encode(plan: TierCounts) -> bytes:
     body += struct.pack("<I", x.n_expert if x else 0)
     if x:
         body += np.stack([x.slots, [len(p) for p in x.pinned]], axis=1).astype("<u4").tobytes()
-        body += b"".join(p.astype("<u4").tobytes() for p in x.pinned)
         body += np.array([len(d) for d in x.device], "<u4").tobytes()
+        body += b"".join(p.astype("<u4").tobytes() for p in x.pinned)
         body += b"".join(d.astype("<u4").tobytes() for d in x.device)
     return body + struct.pack("<Q", checksum(body))
 
@@ -149,23 +149,19 @@ def read(path: str | os.PathLike, n_layer: int | None = None, n_ff: int | None =
             end += 8 * n_layer
             mismatch = UserError(f"{path}: its size does not match its {n_layer} layers and their pinned and device "
                                  "experts")
-            pinned_end = end + 4 * int(table[:, 1].sum())
-            if np.any(table.sum(axis=1) > n_exp) or len(raw) < pinned_end + 8 \
-                    or (version < 3 and len(raw) != pinned_end + 8):
-                raise mismatch
-            ids = np.frombuffer(raw, "<u4", int(table[:, 1].sum()), end).astype(np.int64)
-            end = pinned_end
-            device = [np.zeros(0, np.int64)] * n_layer
+            counts_dev = np.zeros(n_layer, np.int64)
             if version >= 3:
                 if len(raw) < end + 4 * n_layer + 8:
                     raise mismatch
                 counts_dev = np.frombuffer(raw, "<u4", n_layer, end).astype(np.int64)
                 end += 4 * n_layer
-                if len(raw) != end + 4 * int(counts_dev.sum()) + 8:
-                    raise mismatch
-                dev_ids = np.frombuffer(raw, "<u4", int(counts_dev.sum()), end).astype(np.int64)
-                end += 4 * len(dev_ids)
-                device = np.split(dev_ids, np.cumsum(counts_dev)[:-1])
+            n_pinned, n_device = int(table[:, 1].sum()), int(counts_dev.sum())
+            if np.any(table.sum(axis=1) > n_exp) or len(raw) != end + 4 * (n_pinned + n_device) + 8:
+                raise mismatch
+            ids = np.frombuffer(raw, "<u4", n_pinned, end).astype(np.int64)
+            dev_ids = np.frombuffer(raw, "<u4", n_device, end + 4 * n_pinned).astype(np.int64)
+            end += 4 * (n_pinned + n_device)
+            device = np.split(dev_ids, np.cumsum(counts_dev)[:-1])
             experts = (n_exp, table[:, 0], np.split(ids, np.cumsum(table[:, 1])[:-1]), device)
     if len(raw) != end + 8:
         raise size_error

@@ -198,9 +198,9 @@ def test_a_device_section_the_engine_cannot_follow_is_refused_in_one_line(family
     def raw(device, pinned=(), slots=0, version=3):
         body = tier_plan.HEADER.pack(b"PITP", version, n_layer, n_ff, 0, 0) + bytes(8 * n_layer)
         body += struct.pack("<I", N_EXPERT) + struct.pack("<2I", slots, len(pinned)) * n_layer
+        body += struct.pack("<I", len(device)) * n_layer if version >= 3 else b""
         body += b"".join(struct.pack("<I", e) for e in pinned) * n_layer
-        if version >= 3:
-            body += struct.pack("<I", len(device)) * n_layer + b"".join(struct.pack("<I", e) for e in device) * n_layer
+        body += b"".join(struct.pack("<I", e) for e in device) * n_layer if version >= 3 else b""
         return body + struct.pack("<Q", neuron_bundles.checksum(body))
 
     cases = {f"puts on the device expert {N_EXPERT}, past its": raw([0, N_EXPERT]),

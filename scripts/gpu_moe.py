@@ -27,8 +27,8 @@ SHARES = (0.25, 0.5, 1.0)  # of all experts' bytes, beside the device's fixed pa
 
 def timed(model: Path, threads: int, **kw) -> dict:
     """Prompt and decode tokens/s, and the device's counts, for one engine configuration."""
-    tokens = np.random.default_rng(0).integers(100, 1000, N_PROMPT + N_GEN).tolist()
     with engine.Model(model, threads=threads, ctx_size=CTX, kv_type=DEFAULT_KV_TYPE, **kw) as m:  # as plan sized it
+        tokens = np.random.default_rng(0).integers(0, m.info["n_vocab"], N_PROMPT + N_GEN).tolist()
         m.eval(tokens[:8])  # warm: the mapped pages, the device's first launches
         m.reset()
         t0 = time.perf_counter()
@@ -79,7 +79,7 @@ def main() -> None:
             row = timed(args.model, args.threads, gpu="on", vram_budget=vram / 2**30)
         except engine.EngineError as e:
             row = {"error": str(e)}
-        rows.append((f"gpu {share:.0%} experts ({vram / 2**30:.2f} GiB)", row))
+        rows.append((f"gpu {share:.0%} experts ({vram / 2**30:.3f} GiB)", row))
     with open(args.out / "moe.jsonl", "a") as f:
         for name, row in rows:
             f.write(json.dumps({"row": name, "model": str(args.model), "threads": args.threads} | row) + "\n")

@@ -44,6 +44,15 @@
 #                                  and PowerInfer's CUDA build on the same file and index, its -ngl layer offload
 #                                  of the dense file, ours on the CPU alone (PEER_ROUNDS rounds, default 1), all
 #                                  into $OUT/speed.txt as each row finishes
+#   scripts/gpu_check.sh moe       (after build) a mixture's decode with experts on the device: the Qwen3-30B-A3B
+#                                  shape (synthetic_llama.py; MOE_LAYERS layers, default 4 of 48) converted to q4_0,
+#                                  profiled (256 tokens), then scripts/gpu_moe.py: `pi-tools plan --vram-budget
+#                                  --memory-budget` at budgets holding a quarter, half and all of its experts beside
+#                                  the device's head, and prompt and decode tokens/s on the CPU alone and with each
+#                                  plan's experts on the device, the device's pairs and time a token ($OUT/moe.txt,
+#                                  $OUT/moe.jsonl); WORK /tmp/gpu_moe, MOE_SHAPE (tests/scripts runs it here on
+#                                  the emulated device at tiny-moe). Not part of `all` (its 10 minutes are spent):
+#                                  run(command="scripts/gpu_check.sh build && scripts/gpu_check.sh moe", carry=[".gpu"])
 #   scripts/gpu_check.sh sparsify  on the device machine: `pi-tools sparsify --device cuda` on a random-weight SiLU
 #                                  Llama of 1.2B parameters (the 2b shape; its speed does not depend on the weights),
 #                                  both phases' tokens/s, peak GPU memory, hours for 1B end-to-end tokens
@@ -138,7 +147,8 @@ smoke)
            tests/engine/test_device_library_boundary.py tests/engine/test_engine_device_split.py
            "tests/engine/test_engine_device.py::test_the_device_tier_gives_the_cpu_logits[cuda-llama-relu-f32-attention]"
            "tests/engine/test_engine_device.py::test_greedy_tokens_agree_over_64_steps[cuda-llama-relu-q8_0]"
-           "tests/engine/test_engine_device.py::test_greedy_tokens_agree_over_64_steps[cuda-llama-relu-q4_0]")
+           "tests/engine/test_engine_device.py::test_greedy_tokens_agree_over_64_steps[cuda-llama-relu-q4_0]"
+           tests/engine/test_device_experts_boundary.py)
     rc=0
     "${smoke[@]}" > "$OUT/smoke.log" 2>&1 || rc=$?
     tail -5 "$OUT/smoke.log"
@@ -154,6 +164,7 @@ tests)
     python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/engine/test_engine_device.py \
         tests/engine/test_engine_device_attention.py tests/engine/test_device_library_boundary.py \
         tests/engine/test_engine_device_split.py \
+        tests/engine/test_device_experts_boundary.py tests/arch/test_moe_device.py \
         tests/profile/test_profile_layers.py::test_layer_by_layer_on_cuda_equals_the_whole_model_there \
         2>&1 | tee "$OUT/tests.log"
     # the gpu tests must have run, not been skipped for want of a device
@@ -249,6 +260,25 @@ speed)
     fi
     cat "$OUT/speed.txt"
     ;;
+moe)
+    setup_device_machine
+    W="${WORK:-/tmp/gpu_moe}"
+    layers="${MOE_LAYERS:-4}"
+    shape="${MOE_SHAPE:-qwen3-30b-a3b}"
+    mkdir -p "$W"
+    src="$W/$shape-$layers" m="$W/$shape-$layers.q4_0.gguf" prof="$W/prof-$shape-$layers"
+    t0=$(date +%s)
+    [ -f "$src/config.json" ] || python3 scripts/synthetic_llama.py model --shape "$shape" --layers "$layers" \
+        --act silu --out "$src"
+    [ -f "$m" ] || python3 -m powerinfer_tools convert -m "$src" -o "$m" --outtype q4_0 > "$OUT/moe-convert.log" 2>&1 \
+        || { tail -20 "$OUT/moe-convert.log"; exit 1; }
+    [ -d "$prof" ] || python3 -m powerinfer_tools profile -m "$m" --calib ../shared/data/wikitext-2-valid.txt \
+        --tokens 256 --seq-len 128 -t "${THREADS:-8}" -o "$prof" > "$OUT/moe-profile.log" 2>&1 \
+        || { tail -20 "$OUT/moe-profile.log"; exit 1; }
+    echo "model, file and profile: $(( $(date +%s) - t0 )) s" | tee "$OUT/moe.txt"
+    python3 scripts/gpu_moe.py --model "$m" --profile "$prof" --threads "${THREADS:-8}" --out "$OUT" \
+        | tee -a "$OUT/moe.txt"
+    ;;
 sparsify)
     setup_device_machine
     W=/tmp/gpu_sparsify
@@ -281,7 +311,7 @@ print(f"peak device memory: {peak / 2**30:.1f} GiB" if peak else "peak device me
 EOF
     ;;
 *)
-    sed -n 2,58p "$0"
+    sed -n 2,67p "$0"
     exit 2
     ;;
 esac

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstring>
 
+#include "device/expert_math.h"
 #include "runtime/common.h"
 
 namespace pi {
@@ -25,7 +26,8 @@ std::vector<float> gather_bias(const Matrix &b, const std::vector<int32_t> &ids)
 DeviceTierBackend::DeviceTierBackend(const pi_device_api &api, const std::string &library, int32_t device,
                                      int64_t budget_bytes, const Model &model, const KernelSet &ks, ThreadPool &pool,
                                      int64_t n_batch, int64_t n_ctx, bool kv_f16, bool with_attention,
-                                     int64_t max_rank, int64_t largest_tier)
+                                     int64_t max_rank, int64_t largest_tier,
+                                     const std::vector<std::vector<int32_t>> *experts)
     : api_(api), hp_(model.hp()), cpu_(model.hp(), ks, pool, n_batch, max_rank, true), n_batch_(n_batch), n_ctx_(n_ctx), kv_f16_(kv_f16) {
     use_.library = library;
     use_.device = device;
@@ -41,13 +43,37 @@ DeviceTierBackend::DeviceTierBackend(const pi_device_api &api, const std::string
                                 " free on device " + std::to_string(device) + " (" + device_name + ")");
     use_.budget_bytes = budget_bytes > 0 ? double(budget_bytes) : std::max(0.0, double(free) - default_reserve(double(total)));
     const pi_device_tier_desc desc = device_tier_desc(hp_, device, n_batch, n_ctx, kv_f16, nullptr, nullptr);
-    use_.placement = place_on_device(desc, model, use_.budget_bytes, with_attention, largest_tier);
+    const std::vector<Layer> &layers = model.layers();
+    if (experts && !layers.empty() && layers[0].experts.present()) {
+        if (const char *why = device::refuse_expert(device_expert(layers[0].experts, 0), desc))
+            fail(PI_ERR_UNSUPPORTED, std::string("the plan puts experts on the device, which cannot take them: ") + why);
+    }
+    use_.placement = place_on_device(desc, model, use_.budget_bytes, with_attention, largest_tier, experts);
+    const DevicePlacement &p = use_.placement;
+    int64_t planned = 0;
+    for (const auto &layer : experts ? *experts : std::vector<std::vector<int32_t>>()) planned += int64_t(layer.size());
+    if (planned > 0 && p.experts_placed() == 0)
+        fail(PI_ERR_MEMORY, "the tier plan beside the model puts " + std::to_string(planned) + " experts on the device, " +
+                                gib(device::experts_scratch_bytes(desc) + double(planned) *
+                                    device::expert_bytes(device_expert(layers[0].experts, 0))) +
+                                " with their scratch, more than the " + gib(std::max(0.0, p.expert_room)) + " the VRAM budget of " +
+                                gib(use_.budget_bytes) + " leaves after the scratch, output head and attention; plan again "
+                                "at this budget (pi-tools plan --vram-budget)");
+    if (p.experts_placed() > 0) {
+        expert_mask_.assign(size_t(hp_.n_layer * hp_.n_expert), 0);
+        layer_has_experts_.assign(size_t(hp_.n_layer), 0);
+        for (size_t il = 0; il < p.experts.size(); ++il)
+            for (int32_t e : p.experts[il]) {
+                expert_mask_[il * size_t(hp_.n_expert) + size_t(e)] = 1;
+                layer_has_experts_[il] = 1;
+            }
+    }
 }
 
 void DeviceTierBackend::begin(const Model &model, const float *rope_cos, const float *rope_sin) {
     const DevicePlacement &p = use_.placement;
     const std::vector<Layer> &layers = model.layers();
-    if (!p.head && p.attention_layers() == 0 && p.hot_layers() == 0) return;  // the budget holds nothing: no tier
+    if (!p.head && p.attention_layers() == 0 && p.hot_layers() == 0 && p.experts_placed() == 0) return;  // nothing: no tier
     const pi_device_tier_desc desc = device_tier_desc(hp_, use_.device, n_batch_, n_ctx_, kv_f16_, rope_cos, rope_sin);
     tier_ = api_.tier_create(&desc, err_, sizeof err_);
     if (!tier_) fail(PI_ERR_MEMORY, error("setting up the tier"));
@@ -59,6 +85,13 @@ void DeviceTierBackend::begin(const Model &model, const float *rope_cos, const f
         if (api_.attention_upload(tier_, &a, int32_t(il), err_, sizeof err_))
             fail(PI_ERR_MEMORY, error(("uploading layer " + std::to_string(il) + "'s attention").c_str()));
     }
+    for (size_t il = 0; il < p.experts.size(); ++il)
+        for (int32_t e : p.experts[il]) {
+            const pi_device_expert x = device_expert(layers[il].experts, e);
+            if (api_.expert_upload(tier_, &x, int32_t(il), e, err_, sizeof err_))
+                fail(PI_ERR_MEMORY, error(("uploading layer " + std::to_string(il) + "'s expert " + std::to_string(e)).c_str()));
+            use_.experts_on_device += 1;
+        }
     use_.device_bytes = double(api_.tier_bytes(tier_));
     layer_counts_.resize(layers.size());
     if (api_.copy_rate(use_.device, &use_.copy_rate, err_, sizeof err_)) fail(PI_ERR_INTERNAL, error("probing its copy rate"));
@@ -119,6 +152,24 @@ void DeviceTierBackend::attend(int64_t il, int64_t n_tok, int64_t n_past, const 
     pi_device_counts dc{};
     if (api_.attention_run(tier_, &job, &dc, err_, sizeof err_)) fail(PI_ERR_INTERNAL, error("running attention"));
     use_.take(dc, &use_.attention_jobs, &use_.attention_seconds);
+}
+
+void DeviceTierBackend::experts_submit(const pi_device_experts_job &job) {
+    if (api_.experts_submit(tier_, &job, err_, sizeof err_))
+        fail(PI_ERR_INTERNAL, error(("starting layer " + std::to_string(job.layer) + "'s device experts").c_str()));
+    use_.expert_pairs += double(job.n_pairs);
+}
+
+TierCounts DeviceTierBackend::experts_wait() {
+    pi_device_counts dc{};
+    const auto t0 = std::chrono::steady_clock::now();
+    if (api_.experts_wait(tier_, &dc, err_, sizeof err_)) fail(PI_ERR_INTERNAL, error("running the device experts"));
+    use_.expert_wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    use_.take(dc, &use_.expert_jobs, &use_.expert_seconds);
+    TierCounts c;
+    c.active = dc.active;
+    c.computed = dc.computed;
+    return c;
 }
 
 DeviceTierBackend::~DeviceTierBackend() {

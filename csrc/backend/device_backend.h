@@ -34,6 +34,10 @@ struct DeviceUse {
     double head_jobs = 0, head_seconds = 0;  // the output head's, likewise
     double layer_jobs = 0, layer_seconds = 0;  // whole layers run on the device (their tokens in `tokens`)
     double split_jobs = 0, split_seconds = 0;  // split layers (attention and hot rows there, the cold tier here)
+    // a mixture's experts on the device: how many, their jobs' count, pairs, time on the device, and the time the
+    // engine waited for them after computing its own experts
+    int64_t experts_on_device = 0;
+    double expert_jobs = 0, expert_pairs = 0, expert_seconds = 0, expert_wait_seconds = 0;
     // every job's kernels launched and bytes read from device memory, and the device's copy rate (bytes read and
     // written per second) they are measured against: device_read_bytes / copy_rate is the jobs' floor
     double launches = 0, device_read_bytes = 0, copy_rate = 0;
@@ -43,6 +47,7 @@ struct DeviceUse {
         jobs = tokens = h2d_bytes = d2h_bytes = device_seconds = wait_seconds = 0;
         attention_jobs = attention_seconds = head_jobs = head_seconds = layer_jobs = layer_seconds = 0;
         split_jobs = split_seconds = 0;
+        expert_jobs = expert_pairs = expert_seconds = expert_wait_seconds = 0;
         launches = device_read_bytes = 0;
     }
     // A job's traffic over the bus and on the device.
@@ -65,11 +70,12 @@ public:
     // budget_bytes <= 0: the device's free memory less a reserve for its runtime. A budget above the free
     // memory is refused (PI_ERR_MEMORY). The placement is decided here; begin() uploads the attention blocks and
     // upload() the hot rows. cpu_* configure the CPU backend of the layers past the budget. with_attention: false
-    // keeps every layer's attention on the CPU.
+    // keeps every layer's attention on the CPU. experts: a mixture's device experts per layer (its plan's), refused
+    // in one line where the budget left after the head and attention does not hold them all.
     DeviceTierBackend(const pi_device_api &api, const std::string &library, int32_t device, int64_t budget_bytes,
                       const Model &model, const KernelSet &ks, ThreadPool &pool,
                       int64_t n_batch, int64_t n_ctx, bool kv_f16, bool with_attention, int64_t max_rank,
-                      int64_t largest_tier);
+                      int64_t largest_tier, const std::vector<std::vector<int32_t>> *experts = nullptr);
     ~DeviceTierBackend() override;
     const char *name() const override { return api_.name; }
     void upload(int64_t il, const Layer &layer, const FfnTier &tier) override;
@@ -110,6 +116,15 @@ public:
     bool attends(int64_t il) const { return tier_ && use_.placement.attention[size_t(il)] != 0; }
     void attend(int64_t il, int64_t n_tok, int64_t n_past, const float *x, float *out);
 
+    // A mixture's layer il: which of its experts are on the device ([expert] 1 there), or null where none is. And a
+    // job of its pairs routed to them (pi_device_experts_job: the arrays untouched until experts_wait), started on
+    // the device while the caller computes its own experts, then waited for: y written, the counts.
+    const uint8_t *expert_mask(int64_t il) const {
+        return tier_ && !expert_mask_.empty() && layer_has_experts_[size_t(il)] ? expert_mask_.data() + il * hp_.n_expert : nullptr;
+    }
+    void experts_submit(const pi_device_experts_job &job);
+    TierCounts experts_wait();
+
     // Host bytes upload will take for `layers`, by the placement: the largest layer's rows gathered on their way
     // to the device, and the copies of the layers past the budget.
     double host_bytes(const std::vector<Layer> &layers) const;
@@ -127,6 +142,7 @@ private:
     std::vector<pi_device_counts> layer_counts_;  // [layer], written by the library by the stream's end
     std::vector<std::pair<int64_t, bool>> pending_layers_;  // layers run since the counts came down; split ones
     pi_device_split_job split_{};                             // the split layer begun
+    std::vector<uint8_t> expert_mask_, layer_has_experts_;    // [layer][expert], [layer]: the placed device experts
     mutable char err_[512] = {};
     DeviceUse use_;
 };

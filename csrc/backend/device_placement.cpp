@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "device/attention_math.h"
+#include "device/expert_math.h"
 
 namespace pi {
 namespace {
@@ -15,6 +16,11 @@ pi_device_matrix device_matrix(const Matrix &m, const Matrix &bias) {
 
 int64_t DevicePlacement::attention_layers() const { return std::count(attention.begin(), attention.end(), 1); }
 int64_t DevicePlacement::hot_layers() const { return std::count(hot.begin(), hot.end(), 1); }
+int64_t DevicePlacement::experts_placed() const {
+    int64_t n = 0;
+    for (const auto &layer : experts) n += int64_t(layer.size());
+    return n;
+}
 
 pi_device_tier_desc device_tier_desc(const HParams &hp, int32_t device, int64_t n_batch, int64_t n_ctx, bool kv_f16,
                                      const float *rope_cos, const float *rope_sin) {
@@ -39,6 +45,9 @@ pi_device_tier_desc device_tier_desc(const HParams &hp, int32_t device, int64_t 
     d.rope_cos = d.n_rot ? rope_cos : nullptr;
     d.rope_sin = d.n_rot ? rope_sin : nullptr;
     d.n_vocab = int32_t(hp.n_vocab);
+    d.n_expert = int32_t(hp.n_expert);
+    d.n_expert_used = int32_t(hp.n_expert_used);
+    d.n_ff_expert = hp.n_expert > 0 ? int32_t(hp.n_ff_exp) : 0;
     return d;
 }
 
@@ -56,6 +65,11 @@ pi_device_attention device_attention(const HParams &hp, const Layer &L) {
 pi_device_head device_head(const Model &model) {
     return pi_device_head{model.output_norm().floats(), model.output_norm_b().floats(),
                           device_matrix(model.output(), Matrix{})};
+}
+
+pi_device_expert device_expert(const Experts &X, int64_t e) {
+    return pi_device_expert{device_matrix(X.gate_of(e), Matrix{}), device_matrix(X.up_of(e), Matrix{}),
+                            device_matrix(X.down_of(e), Matrix{})};
 }
 
 pi_device_predictor device_predictor(const Layer &L) {
@@ -85,7 +99,8 @@ double hot_scratch_bytes(const HParams &hp, int64_t n_batch, int64_t rows) {
 }
 
 DevicePlacement place_on_device(const pi_device_tier_desc &desc, const Model &model, double budget,
-                                bool with_attention, int64_t largest_tier) {
+                                bool with_attention, int64_t largest_tier,
+                                const std::vector<std::vector<int32_t>> *experts) {
     const HParams &hp = model.hp();
     const std::vector<Layer> &layers = model.layers();
     DevicePlacement p;
@@ -145,6 +160,21 @@ DevicePlacement place_on_device(const pi_device_tier_desc &desc, const Model &mo
         room -= hot + pred;
         p.hot_bytes += hot;
         p.predictor_bytes += pred;
+    }
+    p.experts.assign(layers.size(), {});
+    double weights = 0;  // a layer's experts are one shape and type: its expert 0 prices them
+    for (size_t il = 0; experts && il < experts->size() && il < layers.size(); ++il)
+        if (!(*experts)[il].empty())
+            weights += double((*experts)[il].size()) * device::expert_bytes(device_expert(layers[il].experts, 0));
+    if (weights > 0) {
+        const double scratch = device::experts_scratch_bytes(desc);
+        const double need = scratch + weights;
+        p.expert_room = room;
+        if (need <= room) {
+            p.experts = *experts;
+            p.expert_bytes = need - scratch;
+            p.scratch += scratch;
+        }
     }
     return p;
 }

@@ -2,7 +2,10 @@
 // scratch first, then the output head (its norm and matrix, read whole by every token), then the attention blocks
 // and KV caches of as many layers as fit, in layer order, then the layers' hot rows, in layer order while they fit. Each is a
 // prefix of the layers: a layer past the budget, and every one after it, keeps that part on the CPU; a layer whose
-// attention is placed and whose hot rows sit beside a cold tier takes its predictor with its hot rows. The bytes
+// attention is placed and whose hot rows sit beside a cold tier takes its predictor with its hot rows. A mixture of
+// experts has no hot rows: after the head and attention come the experts its three-tier plan puts on the device
+// (model/tier_plan.h), all of them or, where the room left does not hold them, none (the plan was made for another
+// budget: refused). The bytes
 // charged are what the device libraries allocate (device/attention_math.h's and tier_math.h's layouts), so the
 // placement is decided before anything is uploaded, and powerinfer_tools' plan reproduces it
 // (stages/placement.py, device_placement).
@@ -28,6 +31,10 @@ struct DevicePlacement {
     double hot_bytes = 0;        // the placed layers' hot rows and biases
     double predictor_bytes = 0;  // the placed predictors (fc1, the hot rows' fc2, their scratch)
     std::string attention_off;   // why no layer's attention is on the device, where none is
+    std::vector<std::vector<int32_t>> experts;  // [layer] a mixture's experts on the device (the plan's), or empty
+    double expert_bytes = 0;     // their weights, and the experts' scratch (in `scratch` too)
+    double expert_room = 0;      // what the budget left them after the scratch, head and attention
+    int64_t experts_placed() const;
     int64_t attention_layers() const;
     int64_t hot_layers() const;
 };
@@ -57,8 +64,13 @@ double attention_layer_bytes(const pi_device_tier_desc &desc, const HParams &hp,
 double hot_layer_bytes(const HParams &hp, const Layer &L, const FfnTier &T);
 double hot_scratch_bytes(const HParams &hp, int64_t n_batch, int64_t rows);
 
-// with_attention: whether attention may go to the device at all (pi_options.gpu_ffn_only clears it).
+// The device's view of expert e of a mixture's layer (pointers into the model's rows).
+pi_device_expert device_expert(const Experts &X, int64_t e);
+
+// with_attention: whether attention may go to the device at all (pi_options.gpu_ffn_only clears it). experts: a
+// mixture's planned device experts per layer (null or empty: none); they are placed where all fit, else none.
 DevicePlacement place_on_device(const pi_device_tier_desc &desc, const Model &model, double budget,
-                                bool with_attention, int64_t largest_tier);
+                                bool with_attention, int64_t largest_tier,
+                                const std::vector<std::vector<int32_t>> *experts = nullptr);
 
 }  // namespace pi

@@ -17,6 +17,10 @@
 //   rope:     a block per head and token: RoPE's pairs on q and k, then k and v into the layer's cache.
 //   heads:    a block per head and token: a warp per position for the scores (lanes over d_head), the softmax,
 //             then a thread per element of d_head summing the values position by position (coalesced reads).
+//   experts:  a mixture's device experts (expert_math.h): the pairs' rows gathered (a block a pair) and quantized,
+//             each expert's gate and up by matvec over its pairs' rows (one launch an expert), SiLU's products (a
+//             thread an element) and their quantization, each expert's down by matvec, then a thread per output
+//             element summing its token's pairs' outputs, weighted, in pair order.
 // The operands go up and the outputs come back through pinned host buffers, asynchronously on the stream.
 // Built with static cudart (nvcc's default): the library loads where no driver is, and says there is no device.
 #include <cuda_fp16.h>
@@ -30,6 +34,7 @@
 #include <vector>
 
 #include "device/attention_math.h"
+#include "device/expert_math.h"
 #include "device/tier_math.h"
 #include "pi_device.h"
 
@@ -557,6 +562,30 @@ __global__ void heads_kernel(pi_device_tier_desc d, int n_past, const float *q, 
     }
 }
 
+// The pairs' rows: row p of xg = row token[p] of x (n floats a row), a block a pair.
+__global__ void gather_kernel(const float *x, const int32_t *token, int n, float *xg) {
+    const int64_t p = blockIdx.x;
+    const float *src = x + int64_t(token[p]) * n;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) xg[p * n + i] = src[i];
+}
+
+// SiLU's gated products h = silu(g) * u over n elements (exp_ref.h's silu, as the CPU's kernels).
+__global__ void silu_mul_kernel(const float *g, const float *u, int64_t n, float *h) {
+    const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i < n) h[i] = silu_ref(g[i]) * u[i];
+}
+
+// y[t][c] = the sum over token t's pairs (list[first[t]] .. list[first[t + 1] - 1], in pair order) of weight * o.
+__global__ void weighted_sum_kernel(const float *o, const int32_t *first, const int32_t *list, const float *weight,
+                                    int n_tok, int n_embd, float *y) {
+    const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i >= int64_t(n_tok) * n_embd) return;
+    const int64_t t = i / n_embd, c = i % n_embd;
+    float s = 0.0f;
+    for (int q = first[t]; q < first[t + 1]; ++q) s += weight[list[q]] * o[int64_t(list[q]) * n_embd + c];
+    y[i] = s;
+}
+
 // Where jobs' device time goes, step by step, when the environment's PI_CUDA_STEP_TIMES names a file: an event
 // after each step (a copy, a kernel) on the stream, the intervals added per step once the job is waited for, and
 // appended to that file as one line per step when the tier is destroyed. Unset, it records nothing.
@@ -639,6 +668,13 @@ struct PredictorLayer {
     OperandBuffers hid;
 };
 
+// A mixture's expert on the device: its gate, up and down in one allocation (expert_math.h's ExpertLayout).
+struct ExpertBlock {
+    bool uploaded = false;
+    uint8_t *block = nullptr;
+    pi_device_expert view{};
+};
+
 struct AttentionLayer {
     bool uploaded = false;
     uint8_t *block = nullptr;  // one allocation: the norm, the matrices and biases, the KV cache
@@ -715,6 +751,15 @@ struct pi_device_tier {
     std::vector<ChainLayer> chain;
     std::vector<cudaEvent_t> chain_events;
     cudaEvent_t chain_start = nullptr;
+    // a mixture's device experts ([layer * n_expert + expert]) and their scratch (expert_math.h's
+    // experts_scratch_bytes), allocated with the first: the tokens' rows then the pairs' arrays (one copy up), the
+    // gathered rows, gate's and up's outputs, h, the pairs' outputs, y; pinned staging for the copy up and y
+    std::vector<ExpertBlock> experts;
+    uint8_t *d_ex_in = nullptr, *p_ex_in = nullptr;
+    OperandBuffers ex_xg, ex_h;
+    float *d_ex_g = nullptr, *d_ex_u = nullptr, *d_ex_o = nullptr, *d_ex_y = nullptr, *p_ex_y = nullptr;
+    bool experts_pending = false;
+    pi_device_experts_job experts_job{};
     // the job in flight
     bool pending = false;
     pi_device_job job{};
@@ -728,9 +773,23 @@ struct pi_device_tier {
         bytes += n;
         return 0;
     }
+    // The experts' scratch (expert_math.h's experts_scratch_bytes) and its pinned staging.
+    int32_t experts_scratch(char *err, size_t len) {
+        const size_t B = size_t(desc.n_batch), P = B * size_t(desc.n_expert_used), E = size_t(desc.n_embd),
+                     F = size_t(desc.n_ff_expert), in = B * E * 4 + 4 * (3 * P + B + 1);
+        return allocate(reinterpret_cast<void **>(&d_ex_in), in, "allocating the experts' input", err, len) ||
+               allocate_operand(&ex_xg, int(E), "allocating the experts' rows", err, len, P) ||
+               allocate(reinterpret_cast<void **>(&d_ex_g), P * F * 4, "allocating the experts' gates", err, len) ||
+               allocate(reinterpret_cast<void **>(&d_ex_u), P * F * 4, "allocating the experts' ups", err, len) ||
+               allocate_operand(&ex_h, int(F), "allocating the experts' products", err, len, P) ||
+               allocate(reinterpret_cast<void **>(&d_ex_o), P * E * 4, "allocating the experts' outputs", err, len) ||
+               allocate(reinterpret_cast<void **>(&d_ex_y), B * E * 4, "allocating the experts' sums", err, len) ||
+               failed(cudaMallocHost(&p_ex_in, in), "allocating pinned memory", err, len) ||
+               failed(cudaMallocHost(&p_ex_y, B * E * 4), "allocating pinned memory", err, len);
+    }
     // An operand's buffers for n_batch rows of n elements: the rows, their quants and scales in one allocation.
-    int32_t allocate_operand(OperandBuffers *b, int n, const char *what, char *err, size_t len) {
-        const size_t B = size_t(desc.n_batch), rows = B * n * sizeof(float), quants = B * n, scales = B * (n / QK) * 2;
+    int32_t allocate_operand(OperandBuffers *b, int n, const char *what, char *err, size_t len, size_t n_rows = 0) {
+        const size_t B = n_rows ? n_rows : size_t(desc.n_batch), rows = B * n * sizeof(float), quants = B * n, scales = B * (n / QK) * 2;
         uint8_t *p = nullptr;
         if (allocate(reinterpret_cast<void **>(&p), rows + quants + scales, what, err, len)) return 1;
         *b = OperandBuffers{reinterpret_cast<float *>(p), reinterpret_cast<int8_t *>(p + rows),
@@ -887,7 +946,8 @@ struct pi_device_tier {
         for (void *p : device_allocations) cudaFree(p);
         for (void *p : {static_cast<void *>(p_ax), static_cast<void *>(p_aout), static_cast<void *>(p_hx),
                         static_cast<void *>(p_logits), static_cast<void *>(p_x), static_cast<void *>(p_out),
-                        static_cast<void *>(p_split), static_cast<void *>(p_cold)})
+                        static_cast<void *>(p_split), static_cast<void *>(p_cold), static_cast<void *>(p_ex_in),
+                        static_cast<void *>(p_ex_y)})
             if (p) cudaFreeHost(p);
         if (started) cudaEventDestroy(started);
         if (finished) cudaEventDestroy(finished);
@@ -1375,12 +1435,139 @@ int32_t split_end(pi_device_tier *t, const float *y_cold, float *x_out, char *er
                            x_out, err, len);
 }
 
+int32_t expert_upload(pi_device_tier *t, const pi_device_expert *x, int32_t layer, int32_t expert, char *err, size_t len) {
+    if (!t || !x || layer < 0 || layer >= t->desc.n_layer) return say(err, len, "bad expert upload");
+    if (const char *why = device::refuse_expert(*x, t->desc)) return say(err, len, std::string("cannot upload ") + why);
+    if (expert < 0 || expert >= t->desc.n_expert) return say(err, len, "no expert " + std::to_string(expert));
+    if (failed(cudaSetDevice(t->desc.device), "selecting the device", err, len)) return 1;
+    if (t->experts.empty()) {
+        if (t->experts_scratch(err, len)) return 1;
+        t->experts.resize(size_t(t->desc.n_layer) * size_t(t->desc.n_expert));
+    }
+    ExpertBlock &X = t->experts[size_t(int64_t(layer) * t->desc.n_expert + expert)];
+    const std::string name = "layer " + std::to_string(layer) + "'s expert " + std::to_string(expert);
+    if (X.uploaded) return say(err, len, name + " was uploaded already");
+    const device::ExpertLayout layout(*x);
+    if (t->allocate(reinterpret_cast<void **>(&X.block), layout.bytes, ("allocating " + name).c_str(), err, len)) return 1;
+    const bool copied = layout.fill(*x, [&](size_t at, const void *src, size_t n_bytes) {
+        return !failed(cudaMemcpy(X.block + at, src, n_bytes, cudaMemcpyHostToDevice), "copying an expert", err, len);
+    });
+    if (!copied) return 1;
+    X.view = layout.view(*x, X.block);
+    X.uploaded = true;
+    return 0;
+}
+
+int32_t experts_submit(pi_device_tier *t, const pi_device_experts_job *job, char *err, size_t len) {
+    if (!t) return say(err, len, "bad experts job");
+    if (const char *why = device::refuse_experts_job(job, t->desc)) return say(err, len, why);
+    for (int32_t p = 0; p < job->n_pairs; ++p)
+        if (t->experts.empty() || !t->experts[size_t(int64_t(job->layer) * t->desc.n_expert + job->pair_expert[p])].uploaded)
+            return say(err, len, "layer " + std::to_string(job->layer) + "'s expert " + std::to_string(job->pair_expert[p]) +
+                                     " was not uploaded");
+    if (t->split_pending) return say(err, len, "a split layer was begun and not ended");
+    if ((t->pending || t->experts_pending) && cudaStreamSynchronize(t->stream) != cudaSuccess) cudaGetLastError();
+    t->pending = t->experts_pending = false;
+    if (failed(cudaSetDevice(t->desc.device), "selecting the device", err, len)) return 1;
+    const int E = t->desc.n_embd, F = t->desc.n_ff_expert, B = job->n_tok, P = job->n_pairs;
+    // staged: the tokens' rows, then the pairs' tokens and weights, each token's first pair and its pairs in order
+    const size_t x_bytes = size_t(B) * E * sizeof(float), in_bytes = x_bytes + 4 * (3 * size_t(P) + B + 1);
+    std::memcpy(t->p_ex_in, job->x, x_bytes);
+    int32_t *tok = reinterpret_cast<int32_t *>(t->p_ex_in + x_bytes), *first = tok + 2 * P, *list = first + B + 1;
+    float *weight = reinterpret_cast<float *>(tok + P);
+    std::fill(first, first + B + 1, 0);
+    for (int p = 0; p < P; ++p) {
+        tok[p] = job->pair_token[p];
+        weight[p] = job->pair_weight[p];
+        first[tok[p] + 1] += 1;
+    }
+    for (int b = 0; b < B; ++b) first[b + 1] += first[b];
+    std::vector<int32_t> cursor(first, first + B);
+    for (int p = 0; p < P; ++p) list[cursor[size_t(tok[p])]++] = p;
+    const float *d_x = reinterpret_cast<const float *>(t->d_ex_in);
+    const int32_t *d_tok = reinterpret_cast<const int32_t *>(t->d_ex_in + x_bytes), *d_first = d_tok + 2 * P,
+                  *d_list = d_first + B + 1;
+    const float *d_weight = reinterpret_cast<const float *>(d_tok + P);
+    const pi_device_expert &first_expert = t->experts[size_t(int64_t(job->layer) * t->desc.n_expert + job->pair_expert[0])].view;
+    const bool q8_in = device::quantized(first_expert.gate) || device::quantized(first_expert.up),
+               q8_h = device::quantized(first_expert.down);
+    cudaStream_t s = t->stream;
+    t->steps.begin(s, B);
+    if (failed(cudaEventRecord(t->started, s), "recording an event", err, len) ||
+        failed(cudaMemcpyAsync(t->d_ex_in, t->p_ex_in, in_bytes, cudaMemcpyHostToDevice, s), "copying the experts' input",
+               err, len))
+        return 1;
+    t->steps.mark(s, "experts h2d");
+    gather_kernel<<<unsigned(P), 256, 0, s>>>(d_x, d_tok, E, t->ex_xg.x);
+    if (q8_in) launch_quantize(s, t->ex_xg, P, nullptr);
+    t->steps.mark(s, "experts gather");
+    // each expert over its pairs' rows: gate and up, then (after every expert's products) down
+    std::vector<std::pair<int, int>> groups;  // (first pair, pairs)
+    for (int p = 0; p < P; ++p)
+        if (p == 0 || job->pair_expert[p] != job->pair_expert[p - 1]) groups.push_back({p, 1});
+        else groups.back().second += 1;
+    const auto expert_of = [&](int p0) -> const pi_device_expert & {
+        return t->experts[size_t(int64_t(job->layer) * t->desc.n_expert + job->pair_expert[p0])].view;
+    };
+    for (const auto &[p0, n] : groups) {
+        const pi_device_expert &X = expert_of(p0);
+        const Operand in{t->ex_xg.x + size_t(p0) * E, t->ex_xg.q + size_t(p0) * E, t->ex_xg.d + size_t(p0) * (E / QK), E};
+        launch_matvec(s, {Projection{device::device_rows(X.gate), nullptr, t->d_ex_g + size_t(p0) * F},
+                          Projection{device::device_rows(X.up), nullptr, t->d_ex_u + size_t(p0) * F}},
+                      in, n);
+    }
+    t->steps.mark(s, "experts gate_up");
+    const int64_t n_h = int64_t(P) * F;
+    silu_mul_kernel<<<unsigned((n_h + 255) / 256), 256, 0, s>>>(t->d_ex_g, t->d_ex_u, n_h, t->ex_h.x);
+    if (q8_h) launch_quantize(s, t->ex_h, P, nullptr);
+    t->steps.mark(s, "experts silu");
+    for (const auto &[p0, n] : groups) {
+        const Operand h{t->ex_h.x + size_t(p0) * F, t->ex_h.q + size_t(p0) * F, t->ex_h.d + size_t(p0) * (F / QK), F};
+        launch_matvec(s, {Projection{device::device_rows(expert_of(p0).down), nullptr, t->d_ex_o + size_t(p0) * E}}, h, n);
+    }
+    t->steps.mark(s, "experts down");
+    const int64_t n_y = int64_t(B) * E;
+    weighted_sum_kernel<<<unsigned((n_y + 255) / 256), 256, 0, s>>>(t->d_ex_o, d_first, d_list, d_weight, B, E, t->d_ex_y);
+    t->steps.mark(s, "experts sum");
+    if (failed(cudaGetLastError(), "launching the experts' kernels", err, len) ||
+        failed(cudaMemcpyAsync(t->p_ex_y, t->d_ex_y, x_bytes, cudaMemcpyDeviceToHost, s), "copying the experts' sum", err,
+               len))
+        return 1;
+    t->steps.mark(s, "experts d2h");
+    if (failed(cudaEventRecord(t->finished, s), "recording an event", err, len)) return 1;
+    t->experts_job = *job;
+    t->experts_pending = true;
+    return 0;
+}
+
+int32_t experts_wait(pi_device_tier *t, pi_device_counts *counts, char *err, size_t len) {
+    if (!t || !t->experts_pending) return say(err, len, "no experts job to wait for");
+    t->experts_pending = false;
+    if (failed(cudaEventSynchronize(t->finished), "running the experts' job", err, len)) return 1;
+    float ms = 0;
+    cudaEventElapsedTime(&ms, t->started, t->finished);
+    t->steps.collect();
+    const pi_device_experts_job &j = t->experts_job;
+    std::memcpy(j.y, t->p_ex_y, size_t(j.n_tok) * t->desc.n_embd * sizeof(float));
+    if (counts) {
+        const pi_device_expert &x = t->experts[size_t(int64_t(j.layer) * t->desc.n_expert + j.pair_expert[0])].view;
+        *counts = pi_device_counts{};
+        counts->active = counts->computed = double(j.n_pairs) * double(t->desc.n_ff_expert);
+        counts->h2d_bytes = device::experts_h2d_bytes(j, t->desc.n_embd);
+        counts->d2h_bytes = device::experts_d2h_bytes(j, t->desc.n_embd);
+        counts->seconds = ms / 1e3;
+        counts->launches = device::experts_launches(x, device::expert_groups(j));
+        counts->device_bytes = device::experts_read_bytes(x, j);
+    }
+    return 0;
+}
+
 uint64_t tier_bytes(const pi_device_tier *t) { return t ? t->bytes : 0; }
 
 void tier_destroy(pi_device_tier *t) {
     if (!t) return;
     cudaSetDevice(t->desc.device);
-    if (t->pending) cudaStreamSynchronize(t->stream);
+    if (t->pending || t->experts_pending) cudaStreamSynchronize(t->stream);
     t->release();
     delete t;
 }
@@ -1389,7 +1576,8 @@ const pi_device_api kApi = {PI_DEVICE_API_VERSION, "cuda",           device_coun
                             tier_create,           tier_upload,      tier_submit,   tier_wait,
                             attention_upload,      attention_run,    head_upload,   head_run,
                             layer_run,             predictor_upload, split_begin,   split_end,
-                            copy_rate,             tier_bytes,       tier_destroy};
+                            copy_rate,             tier_bytes,       tier_destroy,  expert_upload,
+                            experts_submit,        experts_wait};
 
 }  // namespace
 

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "device/attention_math.h"
+#include "device/expert_math.h"
 #include "device/tier_math.h"
 #include "pi_device.h"
 
@@ -60,8 +61,17 @@ struct pi_device_tier {
         bool uploaded = false;
         std::vector<uint8_t> block;
     };
+    struct Expert {
+        pi_device_expert view{};  // its matrices pointing into `block`
+        bool uploaded = false;
+        std::vector<uint8_t> block;
+    };
     pi_device_tier_desc desc;
     std::vector<Rows> layers;
+    std::vector<Expert> experts;  // [layer * n_expert + expert], where the tier has experts
+    uint64_t bytes_expert_scratch = 0;
+    bool experts_pending = false;  // an experts job submitted and not waited for
+    pi_device_experts_job experts_job{};
     std::vector<Predictor> predictors;
     std::vector<Attention> attention;
     std::vector<float> rope_cos, rope_sin;
@@ -141,6 +151,26 @@ struct pi_device_tier {
         }
         counts.launches = device::hot_launches(desc.n_batch, job.n_tok);
         counts.device_bytes = device::hot_bytes(R.layout, rows_read, counts.computed);
+    }
+
+    // A layer's device experts over their pairs (pi_device_experts_job), pair by pair: each expert's output on its
+    // token's row, weighted, added into the token's y in pair order.
+    void compute_experts() {
+        const pi_device_experts_job &j = experts_job;
+        const int64_t E = desc.n_embd, F = desc.n_ff_expert;
+        std::fill(j.y, j.y + int64_t(j.n_tok) * E, 0.0f);
+        std::vector<float> g(static_cast<size_t>(F)), u(static_cast<size_t>(F)), o(static_cast<size_t>(E));
+        for (int32_t p = 0; p < j.n_pairs; ++p) {
+            const pi_device_expert &X = experts[size_t(int64_t(j.layer) * desc.n_expert + j.pair_expert[p])].view;
+            const float *x = j.x + int64_t(j.pair_token[p]) * E;
+            project(X.gate, x, g.data());
+            project(X.up, x, u.data());
+            for (int64_t i = 0; i < F; ++i) g[size_t(i)] = silu_ref(g[size_t(i)]) * u[size_t(i)];
+            project(X.down, g.data(), o.data());
+            float *y = j.y + int64_t(j.pair_token[p]) * E;
+            const float w = j.pair_weight[p];
+            for (int64_t i = 0; i < E; ++i) y[i] += w * o[size_t(i)];
+        }
     }
 
     // y[r] = m's row r . x (+ its bias) for one token, x's q8_0 blocks made where m's type reads them
@@ -542,6 +572,66 @@ int32_t copy_rate(int32_t device, double *bytes_per_second, char *err, size_t le
     return 0;
 }
 
+int32_t expert_upload(pi_device_tier *t, const pi_device_expert *x, int32_t layer, int32_t expert, char *err, size_t len) {
+    if (!t || !x || layer < 0 || layer >= t->desc.n_layer) return say(err, len, "bad expert upload");
+    if (const char *why = device::refuse_expert(*x, t->desc)) return say(err, len, std::string("cannot upload ") + why);
+    if (expert < 0 || expert >= t->desc.n_expert) return say(err, len, "no expert " + std::to_string(expert));
+    if (t->experts.empty()) t->experts.resize(size_t(t->desc.n_layer) * size_t(t->desc.n_expert));
+    pi_device_tier::Expert &X = t->experts[size_t(int64_t(layer) * t->desc.n_expert + expert)];
+    const std::string name = "layer " + std::to_string(layer) + "'s expert " + std::to_string(expert);
+    if (X.uploaded) return say(err, len, name + " was uploaded already");
+    const device::ExpertLayout layout(*x);
+    // the scratch with the first expert, as the CUDA library allocates it
+    const uint64_t scratch = t->bytes_expert_scratch ? 0 : uint64_t(device::experts_scratch_bytes(t->desc));
+    if (g_used + layout.bytes + scratch > capacity()) return say(err, len, "out of emulated device memory uploading " + name);
+    X.block.assign(layout.bytes, 0);
+    uint8_t *base = X.block.data();
+    layout.fill(*x, [&](size_t at, const void *src, size_t n_bytes) {
+        std::memcpy(base + at, src, n_bytes);
+        return true;
+    });
+    X.view = layout.view(*x, base);
+    X.uploaded = true;
+    t->bytes_expert_scratch += scratch;
+    t->bytes += layout.bytes + scratch;
+    g_used += layout.bytes + scratch;
+    return 0;
+}
+
+int32_t experts_submit(pi_device_tier *t, const pi_device_experts_job *job, char *err, size_t len) {
+    if (!t) return say(err, len, "bad experts job");
+    if (const char *why = device::refuse_experts_job(job, t->desc)) return say(err, len, why);
+    for (int32_t p = 0; p < job->n_pairs; ++p)
+        if (t->experts.empty() || !t->experts[size_t(int64_t(job->layer) * t->desc.n_expert + job->pair_expert[p])].uploaded)
+            return say(err, len, "layer " + std::to_string(job->layer) + "'s expert " + std::to_string(job->pair_expert[p]) +
+                                     " was not uploaded");
+    if (t->worker.joinable()) t->worker.join();  // a job left unwaited: finished first
+    if (t->split_pending) return say(err, len, "a split layer was begun and not ended");
+    t->experts_job = *job;
+    t->experts_pending = true;
+    t->submitted = std::chrono::steady_clock::now();
+    t->worker = std::thread([t] { t->compute_experts(); });  // while the host computes its own experts
+    return 0;
+}
+
+int32_t experts_wait(pi_device_tier *t, pi_device_counts *counts, char *err, size_t len) {
+    if (!t || !t->experts_pending) return say(err, len, "no experts job to wait for");
+    t->worker.join();
+    t->experts_pending = false;
+    const pi_device_experts_job &j = t->experts_job;
+    if (counts) {
+        const pi_device_expert &x = t->experts[size_t(int64_t(j.layer) * t->desc.n_expert + j.pair_expert[0])].view;
+        *counts = pi_device_counts{};
+        counts->active = counts->computed = double(j.n_pairs) * double(t->desc.n_ff_expert);
+        counts->h2d_bytes = device::experts_h2d_bytes(j, t->desc.n_embd);
+        counts->d2h_bytes = device::experts_d2h_bytes(j, t->desc.n_embd);
+        counts->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t->submitted).count();
+        counts->launches = device::experts_launches(x, device::expert_groups(j));
+        counts->device_bytes = device::experts_read_bytes(x, j);
+    }
+    return 0;
+}
+
 uint64_t tier_bytes(const pi_device_tier *t) { return t ? t->bytes : 0; }
 
 void tier_destroy(pi_device_tier *t) {
@@ -555,7 +645,8 @@ const pi_device_api kApi = {PI_DEVICE_API_VERSION, "emulated",       device_coun
                             tier_create,           tier_upload,      tier_submit,      tier_wait,
                             attention_upload,      attention_run,    head_upload,      head_run,
                             layer_run,             predictor_upload, split_begin,      split_end,
-                            copy_rate,             tier_bytes,       tier_destroy};
+                            copy_rate,             tier_bytes,       tier_destroy,
+                            expert_upload,         experts_submit,   experts_wait};
 
 }  // namespace
 

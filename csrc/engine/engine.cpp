@@ -93,6 +93,11 @@ Engine::Engine(const std::string &path, const pi_options &opts, const std::strin
     pool_ = std::make_unique<ThreadPool>(threads);
     const int64_t rank = model_->max_rank();
     gpu_mode_ = opts.gpu;
+    // a mixture's device experts come from its tier plan, not a gpuidx: its device library is found now
+    if (hp_.n_expert > 0 && hot_backend == "cpu" && opts.gpu != PI_GPU_OFF && (!opts.gpuidx_path || !*opts.gpuidx_path)) {
+        gpu_off_.clear();
+        device_api_ = device_library(opts);
+    }
     if (hot_backend == "reference") hot_ = std::make_unique<ReferenceTierBackend>(hp_, n_batch_);
     else if (opts.gpu != PI_GPU_OFF) hot_ = device_tier(opts, rank);
     disk_ = open_disk_tier(opts, threads);                     // where the hot tier goes is known
@@ -105,7 +110,8 @@ Engine::Engine(const std::string &path, const pi_options &opts, const std::strin
     split_cold_.assign(size_t(hp_.n_layer), SplitCold{});
     if (!hot_) hot_ = std::make_unique<CpuTierBackend>(hp_, *ks_, *pool_, n_batch_, rank, true);
     cold_ = std::make_unique<CpuTierBackend>(hp_, *ks_, *pool_, n_batch_, rank, false, disk_.get());
-    if (hp_.n_expert > 0) moe_ = std::make_unique<MoeFfn>(hp_, *ks_, *pool_, n_batch_, experts_.get(), opts.expert_lookahead != 0);
+    if (hp_.n_expert > 0)
+        moe_ = std::make_unique<MoeFfn>(hp_, *ks_, *pool_, n_batch_, experts_.get(), opts.expert_lookahead != 0, device_);
     for (int64_t il = 0; il < hp_.n_layer; ++il) {
         const Layer &L = model_->layers()[size_t(il)];
         if (L.hot.size() > 0) hot_->upload(il, L, L.hot);
@@ -124,6 +130,10 @@ const pi_device_api *Engine::find_device(const pi_options &opts, const std::stri
         gpu_off_ = "no hot tier: give a .gpuidx (pi-tools plan writes one for a VRAM budget)";
         return nullptr;
     }
+    return device_library(opts);
+}
+
+const pi_device_api *Engine::device_library(const pi_options &opts) {
     const pi_device_api *api = nullptr;
     try {
         device_library_ = device_library_path(opts.gpu_library ? opts.gpu_library : "");
@@ -143,7 +153,9 @@ const pi_device_api *Engine::find_device(const pi_options &opts, const std::stri
 std::unique_ptr<TierBackend> Engine::device_tier(const pi_options &opts, int64_t rank) {
     // What is missing for a device is a reason to run on the CPU (auto) or a failure (on); a device that is there
     // but cannot take the request (a budget above its free memory) fails either way.
-    if (gpu_off_.empty() && model_->hot_neurons() == 0)
+    std::vector<std::vector<int32_t>> experts;  // a mixture's, from its tier plan
+    if (gpu_off_.empty() && hp_.n_expert > 0) experts = planned_device_experts();
+    else if (gpu_off_.empty() && model_->hot_neurons() == 0)
         gpu_off_ = "no hot tier: the .gpuidx marks no neuron (pi-tools plan writes one for a VRAM budget)";
     if (!gpu_off_.empty()) {
         if (opts.gpu == PI_GPU_ON) fail(PI_ERR_UNSUPPORTED, "gpu on: " + gpu_off_);
@@ -153,9 +165,30 @@ std::unique_ptr<TierBackend> Engine::device_tier(const pi_options &opts, int64_t
                                                       *ks_, *pool_, n_batch_, n_ctx_,
                                                       opts.kv_type == PI_KV_F16,
                                                       opts.gpu_ffn_only == 0 && opts.kv_type != PI_KV_Q8_0, rank,
-                                                      largest_tier(*model_, true));
+                                                      largest_tier(*model_, true), experts.empty() ? nullptr : &experts);
     device_ = device.get();
     return device;
+}
+
+std::vector<std::vector<int32_t>> Engine::planned_device_experts() {
+    if (hp_.activation != Activation::Silu) {
+        gpu_off_ = "the device computes SiLU experts; this model's experts are ReLU";
+        return {};
+    }
+    TierPlan plan;
+    if (!read_tier_plan(model_->path() + names::kTierPlanSuffix, hp_.n_layer, hp_.n_ff, hp_.n_expert, plan) ||
+        plan.device.empty()) {
+        gpu_off_ = "no device experts: no tier plan beside the model puts experts on the device (pi-tools plan "
+                   "--vram-budget with --memory-budget writes one)";
+        return {};
+    }
+    size_t n = 0;
+    for (const auto &layer : plan.device) n += layer.size();
+    if (n == 0) {
+        gpu_off_ = "no device experts: the tier plan beside the model puts none on the device (planned with --vram-budget 0)";
+        return {};
+    }
+    return plan.device;
 }
 
 double Engine::work_buffer_bytes(int64_t threads) const {
@@ -265,6 +298,8 @@ std::unique_ptr<ExpertTier> Engine::open_expert_tier(const pi_options &opts, int
     TierPlan plan;
     const bool planned = read_tier_plan(model_->path() + names::kTierPlanSuffix, hp_.n_layer, hp_.n_ff, hp_.n_expert, plan) &&
                          !plan.expert_slots.empty();
+    // the plan's device experts never come from the tier, where a device holds them; else the tier reads them too
+    if (!device_ || device_->use().placement.experts_placed() == 0) plan.device.clear();
     auto tier = std::make_unique<ExpertTier>(*model_, budget, source, fixed, kExpertReadThreads, planned ? &plan : nullptr);
     model_->hold_vectors();  // a model that does not fit its memory: its page cache is under pressure
     return tier;

@@ -108,6 +108,12 @@ private:
     // opts.gpu, and returns the device library where opts ask for a device (gpu auto or on), give a gpuidx and
     // the library finds the device; else nullptr, with gpu_off_ saying why where a device was asked for.
     const pi_device_api *find_device(const pi_options &opts, const std::string &hot_backend);
+    // The device library and device for opts (gpu auto or on), or nullptr with gpu_off_ saying why. A mixture of
+    // experts, which takes no gpuidx, asks for it once the model is open (its device experts are its tier plan's).
+    const pi_device_api *device_library(const pi_options &opts);
+    // A mixture's device experts per layer, from the tier plan beside the model; empty with gpu_off_ saying why where
+    // the plan places none (or the device cannot compute its experts).
+    std::vector<std::vector<int32_t>> planned_device_experts();
     // The hot tier's backend where opts ask for a device: a DeviceTierBackend, or nullptr with gpu_off_ saying why
     // (auto: the hot tier, where the model kept one, stays on the CPU), or a failure (on).
     std::unique_ptr<TierBackend> device_tier(const pi_options &opts, int64_t rank);

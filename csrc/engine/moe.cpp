@@ -24,9 +24,9 @@ const float kTaken = -2.0f;  // an expert's probability once chosen: below every
 }  // namespace
 
 MoeFfn::MoeFfn(const HParams &hp, const KernelSet &ks, ThreadPool &pool, int64_t n_batch, ExpertTier *tier,
-               bool lookahead)
+               bool lookahead, DeviceTierBackend *device)
     : hp_(hp), ks_(ks), pool_(pool), n_batch_(n_batch), n_expert_(hp.n_expert), k_(hp.n_expert_used),
-      E_(hp.n_embd), F_(hp.n_ff_exp), tier_(tier), lookahead_(lookahead) {
+      E_(hp.n_embd), F_(hp.n_ff_exp), tier_(tier), lookahead_(lookahead), device_(device) {
     const int64_t B = n_batch, P = n_batch * k_;
     logits_.assign(size_t(B * n_expert_), 0.0f);
     tok_expert_.assign(size_t(P), 0);
@@ -52,6 +52,13 @@ MoeFfn::MoeFfn(const HParams &hp, const KernelSet &ks, ThreadPool &pool, int64_t
     look_p_.assign(size_t(n_expert_), 0.0f);
     look_w_.assign(size_t(k_), 0.0f);
     look_chosen_.assign(size_t(k_), 0);
+    if (device_) {
+        dev_experts_.assign(size_t(n_expert_), 0);
+        dev_token_.assign(size_t(P), 0);
+        dev_expert_.assign(size_t(P), 0);
+        dev_weight_.assign(size_t(P), 0.0f);
+        dev_y_.assign(size_t(B * E_), 0.0f);
+    }
     if (hp.activation == Activation::Relu) {
         used_rows_.assign(size_t(P * F_), nullptr);
         used_coef_.assign(size_t(P * F_), 0.0f);
@@ -64,7 +71,9 @@ MoeFfn::MoeFfn(const HParams &hp, const KernelSet &ks, ThreadPool &pool, int64_t
 double MoeFfn::scratch_bytes(const HParams &hp, int64_t n_batch, int64_t) {
     const double B = double(n_batch), P = B * double(hp.n_expert_used), E = double(hp.n_embd), F = double(hp.n_ff_exp);
     const double N = double(hp.n_expert);
+    // (with the device experts' pairs and sum, which a device adds)
     double bytes = 4 * (B * N + 2 * P + P * (2 * E + 2 * F)) + 16 * (N + 1) + 12 * P + 12 * N + 8 * P + 8 * double(hp.n_expert_used) +
+                   4 * N + 12 * P + 4 * B * E +
                    P * (E + F) / QK * double(sizeof(BlockQ8_0)) +
                    N * (2 * double(sizeof(Operand)) + 3 * double(sizeof(Matrix)) + 2 * double(sizeof(MatmulTarget)));
     if (hp.activation == Activation::Relu)
@@ -249,13 +258,14 @@ void MoeFfn::relu_down(const Experts &X, int64_t n_pairs) {
     }
 }
 
-void MoeFfn::weighted_sum(int64_t n_tok, float *y) {
+void MoeFfn::weighted_sum(int64_t n_tok, float *y, const uint8_t *on_device) {
     const int64_t P = n_tok * k_;
     auto job = [&](int chunk, int n_chunks, int) {
         int64_t c0, c1;
         split_range(E_, chunk, n_chunks, &c0, &c1, 16);
         for (int64_t t = 0; t < n_tok; ++t) std::fill(y + t * E_ + c0, y + t * E_ + c1, 0.0f);
         for (int64_t p = 0; p < P; ++p) {
+            if (on_device && on_device[pair_expert_[size_t(p)]]) continue;
             float *yt = y + int64_t(pair_token_[size_t(p)]) * E_;
             const float w = pair_weight_[size_t(p)], *o = o_.data() + p * E_;
             for (int64_t i = c0; i < c1; ++i) yt[i] += w * o[i];
@@ -285,7 +295,25 @@ void MoeFfn::lookahead(const Experts &next, Operand &x, int64_t il_next) {
     matmul(ks_, pool_, next.router, x, 1, look_p_.data(), n_expert_);
     ks_.softmax(int(n_expert_), 1.0f, look_p_.data());
     top_k(look_p_.data(), look_chosen_.data(), look_w_.data());
-    tier_->prefetch(il_next, look_chosen_.data(), k_, true);
+    // the device's experts are never read from the file
+    const uint8_t *on_device = device_ ? device_->expert_mask(il_next) : nullptr;
+    int64_t n = 0;
+    for (int64_t i = 0; i < k_; ++i)
+        if (!on_device || !on_device[look_chosen_[size_t(i)]]) look_chosen_[size_t(n++)] = look_chosen_[size_t(i)];
+    if (n > 0) tier_->prefetch(il_next, look_chosen_.data(), n, true);
+}
+
+void MoeFfn::submit_device(int64_t il, const Operand &x, int64_t n_tok, const int32_t *experts, int64_t n) {
+    int64_t n_pairs = 0;
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t p = first_[size_t(experts[i])]; p < first_[size_t(experts[i]) + 1]; ++p, ++n_pairs) {
+            dev_token_[size_t(n_pairs)] = pair_token_[size_t(p)];
+            dev_expert_[size_t(n_pairs)] = pair_expert_[size_t(p)];
+            dev_weight_[size_t(n_pairs)] = pair_weight_[size_t(p)];
+        }
+    const pi_device_experts_job job{int32_t(il), int32_t(n_tok), int32_t(n_pairs), x.f, dev_token_.data(),
+                                    dev_expert_.data(), dev_weight_.data(), dev_y_.data()};
+    device_->experts_submit(job);
 }
 
 TierCounts MoeFfn::run(const Experts &X, Operand &x, int64_t n_tok, bool every_up, float *y, int64_t il,
@@ -298,11 +326,17 @@ TierCounts MoeFfn::run(const Experts &X, Operand &x, int64_t n_tok, bool every_u
     const int64_t P = n_tok * k_;
     gate_up_operands(x, n_tok);
     down_operands();
-    int64_t n_wanted = 0;
-    for (int64_t e = 0; e < n_expert_; ++e)
-        if (first_[size_t(e) + 1] > first_[size_t(e)]) wanted_[size_t(n_wanted++)] = int32_t(e);
+    // the experts with tokens: the device's (its job started first, running while the CPU computes) and the CPU's
+    const uint8_t *on_device = device_ ? device_->expert_mask(il) : nullptr;
+    int64_t n_wanted = 0, n_device = 0;
+    for (int64_t e = 0; e < n_expert_; ++e) {
+        if (first_[size_t(e) + 1] == first_[size_t(e)]) continue;
+        if (on_device && on_device[e]) dev_experts_[size_t(n_device++)] = int32_t(e);
+        else wanted_[size_t(n_wanted++)] = int32_t(e);
+    }
+    if (n_device > 0) submit_device(il, x, n_tok, dev_experts_.data(), n_device);
     c.computed = c.active = double(P * F_);
-    if (hp_.activation == Activation::Relu) {  // gate first (never with a tier: its constructor refuses them)
+    if (hp_.activation == Activation::Relu) {  // gate first (never with a tier or a device: both refuse them)
         mats_.clear();
         targets_.clear();
         add_targets(X, wanted_.data(), n_wanted, kGate, in_ops_.data(), g_.data(), F_);
@@ -314,6 +348,8 @@ TierCounts MoeFfn::run(const Experts &X, Operand &x, int64_t n_tok, bool every_u
         c.active = 0;
         for (int64_t p = 0; p < P; ++p) c.active += double(n_used_[size_t(p)]);
         c.down_seconds = seconds_since(t0);
+    } else if (n_wanted == 0) {
+        if (tier_ && lookahead_ && next && n_tok == 1) lookahead(*next, x, il + 1);
     } else if (!tier_) {
         compute(X, wanted_.data(), n_wanted, c);
     } else {
@@ -326,7 +362,12 @@ TierCounts MoeFfn::run(const Experts &X, Operand &x, int64_t n_tok, bool every_u
         }
     }
     t0 = Clock::now();
-    weighted_sum(n_tok, y);
+    weighted_sum(n_tok, y, n_device > 0 ? on_device : nullptr);
+    if (n_device > 0) {  // the device's sum, added to the CPU's
+        device_->experts_wait();
+        const float *d = dev_y_.data();
+        for (int64_t i = 0; i < n_tok * E_; ++i) y[i] += d[i];
+    }
     c.down_seconds += seconds_since(t0);
     x_ = nullptr;
     return c;

@@ -10,11 +10,15 @@
 // With an expert tier (model/expert_tier.h, a memory budget), the experts come from its cache as they arrive, a job
 // for each arrival's experts (each expert's rows through the same kernels, so the same bits), and a decode step's
 // lookahead guesses the next layer's experts by its router on this layer's input and has the tier read them ahead.
+// With a device holding some of a layer's experts (backend/device_backend.h, the plan's), the pairs routed to them go
+// to the device as one job before the CPU computes the others (never asked of the tier), and the device's weighted
+// sum is added to the CPU experts' sum once both are done.
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
+#include "backend/device_backend.h"
 #include "backend/tier_backend.h"
 #include "engine/matmul.h"
 #include "kernels/kernels.h"
@@ -27,8 +31,9 @@ namespace pi {
 class MoeFfn {
 public:
     // tier: where the experts are read from disk, else nullptr (all in memory); lookahead: a decode step has the tier
-    // read the next layer's likely experts ahead
-    MoeFfn(const HParams &hp, const KernelSet &ks, ThreadPool &pool, int64_t n_batch, ExpertTier *tier, bool lookahead);
+    // read the next layer's likely experts ahead; device: where some layers' experts are on a device, else nullptr
+    MoeFfn(const HParams &hp, const KernelSet &ks, ThreadPool &pool, int64_t n_batch, ExpertTier *tier, bool lookahead,
+           DeviceTierBackend *device = nullptr);
     // Bytes of the buffers an MoeFfn allocates.
     static double scratch_bytes(const HParams &hp, int64_t n_batch, int64_t threads);
     // y (n_tok rows of n_embd, overwritten) = the experts X on the n_tok tokens of x, the FFN's normed input (its q8_0
@@ -69,8 +74,11 @@ private:
     int64_t relu_products(const Experts &X, int64_t n_pairs, bool every_up);
     // ReLU: each pair's listed down_t rows into o_, by rows_product (engine/matmul.h).
     void relu_down(const Experts &X, int64_t n_pairs);
-    // y = each token's experts' outputs, weighted, added in the experts' order; its columns split between threads.
-    void weighted_sum(int64_t n_tok, float *y);
+    // y = each token's experts' outputs, weighted, added in the experts' order (but those of the experts on_device
+    // marks, where given); its columns split between threads.
+    void weighted_sum(int64_t n_tok, float *y, const uint8_t *on_device);
+    // The pairs of the device's experts[0, n) of layer il as one job, started on the device (into dev_y_).
+    void submit_device(int64_t il, const Operand &x, int64_t n_tok, const int32_t *experts, int64_t n);
     // Pair p's operand for rows of `type` (its token's x in a decode step, its copy in a batch).
     const void *pair_x(int64_t p, uint32_t type) const;
 
@@ -80,6 +88,7 @@ private:
     const int64_t n_batch_, n_expert_, k_, E_, F_;
     ExpertTier *tier_;
     const bool lookahead_;
+    DeviceTierBackend *device_;
 
     Operand *x_ = nullptr;  // run's x, while it runs
     int64_t n_tok_ = 0;
@@ -105,6 +114,10 @@ private:
     std::vector<int64_t> sel_pairs_;                   // [batch * k]: the pairs of the experts computed now
     std::vector<float> look_p_, look_w_;               // [n_expert], [k]: the lookahead's probabilities, weights
     std::vector<int32_t> look_chosen_;                 // [k]: its experts
+    std::vector<int32_t> dev_experts_;                 // [n_expert]: the experts with tokens that the device holds
+    std::vector<int32_t> dev_token_, dev_expert_;      // [batch * k]: the device job's pairs
+    std::vector<float> dev_weight_;
+    std::vector<float> dev_y_;                         // [batch][n_embd]: its weighted sum
 };
 
 }  // namespace pi

@@ -88,7 +88,8 @@ std::string device_json(const DeviceUse *u) {
     for (size_t i = 0; i < p.attention.size(); ++i)
         layers += std::string(i ? ", " : "") + "{\"attention\": " + (p.attention[i] ? "\"device\"" : "\"cpu\"") +
                   ", \"hot_rows\": " + (p.hot[i] ? "\"device\"" : "\"cpu\"") +
-                  ", \"predictor\": " + (p.predictor[i] ? "\"device\"" : "\"cpu\"") + "}";
+                  ", \"predictor\": " + (p.predictor[i] ? "\"device\"" : "\"cpu\"") +
+                  ", \"device_experts\": " + num(i < p.experts.size() ? double(p.experts[i].size()) : 0.0) + "}";
     layers += "]";
     return "{\"library\": " + quoted(u->library) + ", \"device\": " + num(u->device) + ", \"name\": " +
            quoted(u->device_name) + ", \"free_bytes\": " + num(u->free_bytes) + ", \"total_bytes\": " +
@@ -100,7 +101,8 @@ std::string device_json(const DeviceUse *u) {
            ", \"placed_bytes\": {\"scratch\": " + num(p.scratch) + ", \"head\": " + num(p.head_bytes) +
            ", \"attention\": " + num(p.attention_bytes) +
            ", \"kv_cache\": " + num(p.kv_bytes) + ", \"hot\": " + num(p.hot_bytes) +
-           ", \"predictor\": " + num(p.predictor_bytes) + "}, \"layers\": " + layers +
+           ", \"predictor\": " + num(p.predictor_bytes) + ", \"experts\": " + num(p.expert_bytes) +
+           "}, \"layers\": " + layers + ", \"experts_on_device\": " + num(double(u->experts_on_device)) +
            ", \"device_bytes\": " + num(u->device_bytes) + ", \"jobs\": " + num(u->jobs) + ", \"tokens\": " +
            num(u->tokens) + ", \"h2d_bytes\": " + num(u->h2d_bytes) + ", \"d2h_bytes\": " + num(u->d2h_bytes) +
            ", \"device_seconds\": " + num(u->device_seconds) + ", \"wait_seconds\": " + num(u->wait_seconds) +
@@ -108,7 +110,9 @@ std::string device_json(const DeviceUse *u) {
            num(u->attention_seconds) + ", \"head_jobs\": " + num(u->head_jobs) + ", \"head_seconds\": " +
            num(u->head_seconds) + ", \"layer_jobs\": " + num(u->layer_jobs) + ", \"layer_seconds\": " +
            num(u->layer_seconds) + ", \"split_jobs\": " + num(u->split_jobs) + ", \"split_seconds\": " +
-           num(u->split_seconds) + ", \"launches\": " + num(u->launches) + ", \"device_read_bytes\": " +
+           num(u->split_seconds) + ", \"expert_jobs\": " + num(u->expert_jobs) + ", \"expert_pairs\": " +
+           num(u->expert_pairs) + ", \"expert_seconds\": " + num(u->expert_seconds) + ", \"expert_wait_seconds\": " +
+           num(u->expert_wait_seconds) + ", \"launches\": " + num(u->launches) + ", \"device_read_bytes\": " +
            num(u->device_read_bytes) + ", \"copy_rate\": " + num(u->copy_rate) + "}";
 }
 

@@ -10,8 +10,10 @@
  * for. A layer's attention weights are uploaded once too (attention_upload), with room for its KV cache; then
  * per layer and batch attention_run computes the block from the layer's input and returns its output. A layer
  * whose attention and hot rows are on the device but whose cold tier is on the host runs as a split layer
- * (split_begin, split_end): one crossing of the bus each way. Every call returns 0 on success, or non-zero with a
- * one-line message in `err`.
+ * (split_begin, split_end): one crossing of the bus each way. A mixture of experts' layer keeps some of its experts
+ * on the device (expert_upload, once each at load); per layer and batch the pairs (token, expert) routed to them are
+ * submitted (experts_submit, running while the caller computes its other experts) and their weighted sum waited for
+ * (experts_wait). Every call returns 0 on success, or non-zero with a one-line message in `err`.
  */
 #ifndef PI_DEVICE_H
 #define PI_DEVICE_H
@@ -23,7 +25,7 @@
 extern "C" {
 #endif
 
-#define PI_DEVICE_API_VERSION 4
+#define PI_DEVICE_API_VERSION 5
 
 typedef enum { PI_DEVICE_ACT_RELU = 0, PI_DEVICE_ACT_SILU = 1, PI_DEVICE_ACT_DRELU = 2 } pi_device_activation;
 typedef enum { PI_DEVICE_NORM_RMS = 0, PI_DEVICE_NORM_LAYER = 1 } pi_device_norm;
@@ -47,6 +49,9 @@ typedef struct {
     int32_t kv_f16;      /* 1: the cache's elements in f16 (rounded to nearest even), 0: in f32 */
     const float *rope_cos, *rope_sin; /* [n_ctx][n_rot / 2], copied by tier_create; NULL without RoPE */
     int32_t n_vocab;     /* the output head's rows, read by head_upload and head_run only */
+    /* a mixture of experts' shape, read by expert_upload and experts_submit only (0 where the model has none): its
+     * experts a layer, a token's experts, an expert's width (a multiple of 32) */
+    int32_t n_expert, n_expert_used, n_ff_expert;
 } pi_device_tier_desc;
 
 /* One layer's hot rows in host memory, slot after slot, in the file's types (GGML ids: 0 f32, 1 f16, 2 q4_0,
@@ -177,6 +182,28 @@ typedef struct {
     pi_device_counts *counts;
 } pi_device_split_job;
 
+/* One expert of a mixture's layer in host memory, in its file's types (GGML ids as above; no biases): gate and up
+ * (n_ff_expert rows of n_embd) and down (n_embd rows of n_ff_expert, a row per output, the file's layout). The
+ * expert computes SiLU's gated FFN: h = silu(gate x) * (up x), out = down h, h quantized to q8_0 (the CPU kernels'
+ * quantizer) where down is quantized. The caller may free it once expert_upload returns. */
+typedef struct {
+    pi_device_matrix gate, up, down;
+} pi_device_expert;
+
+/* A layer's device experts over a batch: n_pairs pairs (token, expert, weight), each expert's pairs one after the
+ * other, every expert uploaded for the layer. y[t] = the sum over token t's pairs, in pair order, of weight * the
+ * expert's output on x[t] (0 for a token without a pair): what the host adds to its own experts' sum. x, the pair
+ * arrays and y stay untouched by the caller until experts_wait returns. */
+typedef struct {
+    int32_t layer;
+    int32_t n_tok;         /* at most n_batch */
+    int32_t n_pairs;       /* at most n_batch * n_expert_used */
+    const float *x;        /* [n_tok][n_embd]: the FFN's normed input */
+    const int32_t *pair_token, *pair_expert; /* [n_pairs] */
+    const float *pair_weight;                /* [n_pairs] */
+    float *y;              /* [n_tok][n_embd], written whole */
+} pi_device_experts_job;
+
 typedef struct pi_device_tier pi_device_tier;
 
 typedef struct {
@@ -219,6 +246,14 @@ typedef struct {
     /* Bytes of device memory the tier holds (weights, KV caches and scratch). */
     uint64_t (*tier_bytes)(const pi_device_tier *tier);
     void (*tier_destroy)(pi_device_tier *tier);
+    /* One expert of a layer (pi_device_expert), with the experts' scratch at the first upload. */
+    int32_t (*expert_upload)(pi_device_tier *tier, const pi_device_expert *expert, int32_t layer, int32_t expert_id,
+                             char *err, size_t err_len);
+    /* A layer's device experts over a batch (pi_device_experts_job): started, then waited for; counts: active and
+     * computed are the pairs' neurons, traffic, time from submit until y was back, launches and bytes read. No other
+     * job runs between the two. */
+    int32_t (*experts_submit)(pi_device_tier *tier, const pi_device_experts_job *job, char *err, size_t err_len);
+    int32_t (*experts_wait)(pi_device_tier *tier, pi_device_counts *counts, char *err, size_t err_len);
 } pi_device_api;
 
 typedef const pi_device_api *(*pi_device_api_get_fn)(void);

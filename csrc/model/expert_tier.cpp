@@ -96,7 +96,8 @@ ExpertTier::ExpertTier(Model &model, double budget, const std::string &budget_so
         std::vector<int64_t> least(size_t(hp.n_layer));
         for (int64_t il = 0; il < hp.n_layer; ++il) {
             const int64_t pinned = int64_t(plan->pinned[size_t(il)].size());
-            least[size_t(il)] = std::min(hp.n_expert_used, n_expert_ - pinned);
+            const int64_t on_device = plan->device.empty() ? 0 : int64_t(plan->device[size_t(il)].size());
+            least[size_t(il)] = std::min(hp.n_expert_used, n_expert_ - pinned - on_device);
             cached.push_back(plan->expert_slots[size_t(il)]);
             if (cached.back() < least[size_t(il)])
                 fail(PI_ERR_FORMAT, model.path() + names::kTierPlanSuffix + ": layer " + std::to_string(il) + " caches " +

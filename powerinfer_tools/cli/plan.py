@@ -49,7 +49,9 @@ def plan(
         "neurons across GPU, memory and disk by one program and writes MODEL.tiers beside the model, whose counts "
         "the engine's disk tier then holds in memory. Needs the neuron bundles (convert --neuron-bundles) and "
         "--granularity 1; the engine is opened at this budget to learn its room. For a mixture of experts (with "
-        "its expert profile, --vram-budget 0): each layer's pinned experts and cache slots. Default: no memory tier."),
+        "its expert profile): each layer's experts on the device (--vram-budget above 0: its most selected that the "
+        "room left after the device's head and attention holds), pinned experts and cache slots. Default: no memory "
+        "tier."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Plan for a model not converted (or downloaded) yet: "
                                  "bytes from its config's shapes at --outtype; counts from --profile, else an "
                                  "assumed power law (labelled as such). Writes nothing unless --out."),
@@ -80,6 +82,8 @@ def plan(
       pi-tools plan --profile prof -m model.q4_0.gguf --vram-budget 0 --memory-budget 0.4 -c 256
 
       pi-tools plan --profile moe-prof -m qwen3-moe.q4_0.gguf --vram-budget 0 --memory-budget 8
+
+      pi-tools plan --profile moe-prof -m mixtral.q4_0.gguf --vram-budget 12 --memory-budget 16
 
       pi-tools plan --dry-run -m ./ReluLLaMA-70B --profile ./ReluLLaMA-70B-PowerInfer-GGUF/activation --vram-budget 12
     """
@@ -127,8 +131,8 @@ def plan_experts(profile: Path, model: str, opts) -> None:
     from powerinfer_tools.stages.placement import expert_tiers
 
     if opts.memory_budget_gib is None:
-        raise UserError("a mixture of experts is placed across memory and disk: give --memory-budget (and "
-                        "--vram-budget 0)")
+        raise UserError("a mixture of experts is placed across a device, memory and disk: give --memory-budget (and "
+                        "--vram-budget, 0 for no device)")
     dense_only = (("--out", opts.out, None), ("--granularity", str(opts.granularity), "1"),
                   ("--dense", opts.dense, "all"), ("--min-layer-neurons", opts.min_layer_neurons, "auto"),
                   ("--reserve-mib", opts.reserve_bytes, DEFAULT_RESERVE_BYTES),

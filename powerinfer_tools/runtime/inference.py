@@ -46,7 +46,8 @@ def resolve_model_file(spec: str, gpuidx: str | os.PathLike | None = None, vram_
 
     The GPU index: the one given ("none": no index); else, with a VRAM budget, the plan cached beside the model
     (MODEL.generated.gpuidx, where PowerInfer looks) when it was solved for that budget, otherwise one solved
-    from the profile and cached there; else MODEL.generated.gpuidx when it exists, as PowerInfer's main does.
+    from the profile and cached there (none for a mixture of experts: its device experts are MODEL.tiers'); else
+    MODEL.generated.gpuidx when it exists, as PowerInfer's main does.
     """
     from powerinfer_tools.models import default_model
     from powerinfer_tools.runtime import default_build as pipeline
@@ -69,7 +70,12 @@ def resolve_model_file(spec: str, gpuidx: str | os.PathLike | None = None, vram_
         if not gpuidx.is_file():
             raise UserError(f"GPU index not found: {gpuidx}")
     elif vram_budget_gib is not None:
-        gpuidx = cached_plan(path, vram_budget_gib, profile, ctx_size)
+        from powerinfer_tools.stages.profiling.expert_profile import mixture_file
+
+        # a mixture's device experts are its three-tier plan's (MODEL.tiers, pi-tools plan --vram-budget
+        # --memory-budget), which the engine reads itself: no GPU index
+        if mixture_file(str(path)) is None:
+            gpuidx = cached_plan(path, vram_budget_gib, profile, ctx_size)
     else:
         from powerinfer_tools.stages.placement import placement
 
@@ -527,6 +533,12 @@ def timing_lines(stats: dict, load_seconds: float, info: dict | None = None) -> 
                      + (f"; split layers (attention and hot rows there, the cold tier here, one crossing each way): "
                         f"{1000 * gpu['split_seconds'] / per_token:.3f} ms per token" if gpu.get("split_jobs") else "")
                      + f"; {(gpu['h2d_bytes'] + gpu['d2h_bytes']) / per_token / 1024:.1f} KiB per token to and from it")
+    if gpu and gpu.get("expert_jobs"):  # a mixture's experts on the device
+        n = max(1, stats["batch_tokens"] + stats["decode_tokens"])
+        lines.append(f"gpu: {gpu['name']}, {gpu['experts_on_device']} experts on the device: "
+                     f"{gpu['expert_pairs'] / n:.2f} (token, expert) pairs a token there, {1000 * gpu['expert_seconds'] / n:.3f} ms "
+                     f"per token on the device, {1000 * gpu['expert_wait_seconds'] / n:.3f} ms per token waited for "
+                     "after the CPU's experts")
     if info is not None:
         def mib(n):
             return f"{n / 2**20:.1f} MiB"

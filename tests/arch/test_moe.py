@@ -273,7 +273,7 @@ def test_what_experts_do_not_have_is_refused_in_one_line(family, tmp_path, capsy
     code, _, err = run_cli(capsys, "convert", "--dry-run", "-m", src)
     assert_one_line_error(code, err, "qwen3-moe is a mixture of experts")
     code, _, err = run_cli(capsys, "plan", "-m", path, "--profile", tmp_path, "--vram-budget", "0.5")
-    assert_one_line_error(code, err, "a mixture of experts is placed across memory and disk: give --memory-budget")
+    assert_one_line_error(code, err, "a mixture of experts is placed across a device, memory and disk: give --memory-budget")
     calib = tmp_path / "calib.txt"
     calib.write_text("To be, or not to be, that is the question. " * 40)
     code, _, err = run_cli(capsys, "profile", "-m", src, "--calib", calib, "--tokens", "64", "--seq-len", "32", "-o",

@@ -21,7 +21,8 @@ class TierDesc(C.Structure):
                 ("activation", C.c_int32), ("gated", C.c_int32), ("n_head", C.c_int32), ("n_head_kv", C.c_int32),
                 ("d_head", C.c_int32), ("n_rot", C.c_int32), ("rope", C.c_int32), ("norm", C.c_int32),
                 ("norm_eps", C.c_float), ("n_ctx", C.c_int32), ("kv_f16", C.c_int32),
-                ("rope_cos", C.POINTER(C.c_float)), ("rope_sin", C.POINTER(C.c_float)), ("n_vocab", C.c_int32)]
+                ("rope_cos", C.POINTER(C.c_float)), ("rope_sin", C.POINTER(C.c_float)), ("n_vocab", C.c_int32),
+                ("n_expert", C.c_int32), ("n_expert_used", C.c_int32), ("n_ff_expert", C.c_int32)]
 
 
 class Matrix(C.Structure):
@@ -80,7 +81,10 @@ CALLS = [("device_count", C.c_int32, [*ERR]),
          ("split_end", C.c_int32, [C.c_void_p, C.POINTER(C.c_float), C.POINTER(C.c_float), *ERR]),
          ("copy_rate", C.c_int32, [C.c_int32, C.POINTER(C.c_double), *ERR]),
          ("tier_bytes", C.c_uint64, [C.c_void_p]),
-         ("tier_destroy", None, [C.c_void_p])]
+         ("tier_destroy", None, [C.c_void_p]),
+         ("expert_upload", C.c_int32, [C.c_void_p, C.c_void_p, C.c_int32, C.c_int32, *ERR]),
+         ("experts_submit", C.c_int32, [C.c_void_p, C.c_void_p, *ERR]),
+         ("experts_wait", C.c_int32, [C.c_void_p, C.c_void_p, *ERR])]
 
 
 class Api(C.Structure):
@@ -102,7 +106,7 @@ def api(request, monkeypatch):
     lib = C.CDLL(str(path))
     lib.pi_device_api_get.restype = C.POINTER(Api)
     table = lib.pi_device_api_get().contents
-    assert table.api_version == 4 and table.name == request.param.encode()
+    assert table.api_version == 5 and table.name == request.param.encode()
     err = C.create_string_buffer(256)
     if table.device_count(err, 256) == 0:
         pytest.skip(err.value.decode())

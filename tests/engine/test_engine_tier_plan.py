@@ -125,6 +125,16 @@ def test_the_format_round_trips(tmp_path):
     assert back.slots.tolist() == [4, 0] and [p.tolist() for p in back.pinned] == [[6, 1], list(range(8))]
     with pytest.raises(ValueError, match="more than its 8"):
         tier_plan.ExpertCounts(8, [5, 0], ([6, 1, 2, 3], []))
+    # version 3: each layer's device experts beside its pinned ones
+    experts = tier_plan.ExpertCounts(8, [2, 0], ([6], []), ([0, 3], [7]))
+    tier_plan.write(tier_plan.TierCounts(N_FF, [0, 0], [0, 0], experts=experts), tmp_path / "d.tiers")
+    back = tier_plan.read(tmp_path / "d.tiers", 2, N_FF, 8).experts
+    assert [d.tolist() for d in back.device] == [[0, 3], [7]] and [p.tolist() for p in back.pinned] == [[6], []]
+    for device, words in ((([6], []), "puts on the device expert 6 twice, or pins it too"),
+                          (([8], []), "puts on the device expert 8, past its 8"),
+                          (([0, 1, 2, 3, 4, 5], []), "more than its 8")):
+        with pytest.raises(ValueError, match=words):
+            tier_plan.ExpertCounts(8, [2, 0], ([6], []), device)
 
 
 def assert_hot_and_disk_combine(bundled, tmp_path, **hot_tier) -> None:

@@ -100,3 +100,27 @@ def test_uniform_routing_pins_nothing_and_skewed_routing_pins_its_hot_experts():
     hot[:, [3, 17, 29]] = 6.0  # each layer's three hot experts
     _, pinned = plan_for(routed(rng, T, L, E, k, hot), E, k, L * 6)
     assert all(p >= {3, 17, 29} for p in pinned)
+
+
+def test_the_device_choice_equals_exhaustive_search_on_small_random_instances():
+    """Each layer's count of its most selected experts on the device: the program's counts serve as many selections
+    as the best of every count vector whose bytes fit, layers of different expert bytes included, and leave no room
+    for one more expert; nothing fits a capacity below every expert, and everything where all fit."""
+    rng = np.random.default_rng(5)
+    for _ in range(40):
+        n_layer, n_expert = int(rng.integers(1, 4)), int(rng.integers(1, 5))
+        sel = -np.sort(-rng.integers(0, 50, (n_layer, n_expert)), axis=1)  # each layer's, most selected first
+        cost = rng.integers(1, 6, n_layer).astype(float)
+        capacity = float(rng.integers(0, int(cost.sum() * n_expert) + 2))
+        best = max(sum(int(sel[il, :d].sum()) for il, d in enumerate(ds))
+                   for ds in itertools.product(range(n_expert + 1), repeat=n_layer)
+                   if sum(d * c for d, c in zip(ds, cost)) <= capacity)
+        sol = es.device_choice(sel, cost, capacity)
+        left = capacity - float(np.dot(sol.counts, cost))
+        assert left >= 0 and all(d == n_expert or c > left for d, c in zip(sol.counts, cost))  # nothing more fits
+        assert sol.served == best == sum(int(sel[il, :d].sum()) for il, d in enumerate(sol.counts))
+    sel = np.array([[5, 3, 1], [4, 4, 0]])
+    assert es.device_choice(sel, np.array([2.0, 2.0]), 1.9).counts.tolist() == [0, 0]
+    assert es.device_choice(sel, np.array([2.0, 2.0]), 12.0).counts.tolist() == [3, 3]
+    # two experts' room: the two most selected of all layers (5 and one 4), not a layer's top two (5 and 3)
+    assert sorted(es.device_choice(sel, np.array([2.0, 2.0]), 4.0).counts.tolist()) == [1, 1]

@@ -1,8 +1,9 @@
 """The maintained tools that are not measurements of a model: the fuzzer's corpus maker (its seeds load and run, its
 regression inputs are the committed ones byte for byte), the server's benchmark (a short soak against a tiny chat
 model) and the GPU check's device-free steps: `speed` (on the emulated device, the tiny shape, the CPU and the
-hybrid budget, the peers' rows against a stand-in for PowerInfer's main) and `prepare-peer` (the peer's source
-packed without its models)."""
+hybrid budget, the peers' rows against a stand-in for PowerInfer's main), `moe` (a tiny mixture's experts planned onto
+the emulated device at three budgets, timed beside the CPU) and `prepare-peer` (the peer's source packed without its
+models)."""
 from __future__ import annotations
 
 import json
@@ -41,6 +42,23 @@ def test_serve_bench_soaks_the_server_and_stops_it_cleanly(tiny_chat_file, tmp_p
     assert result["sigterm"]["exit_status"] == 0
     assert result["decode_ratio_median"] > 0 and result["client_over_engine_median"] > 0
     assert "| SIGTERM | exit 0 after" in out
+
+
+def test_gpu_check_moe_on_the_emulated_device(tmp_path):
+    emulated = sorted((ROOT / "engine").glob("_pi_device_emulated*.so"))
+    if not emulated:
+        pytest.skip("no emulated device library in engine/ (the build makes it beside the engine)")
+    out = tmp_path / "out"
+    run_script("gpu_check.sh", "moe", OUT=str(out), WORK=str(tmp_path / "work"), MOE_SHAPE="tiny-moe", MOE_LAYERS="2",
+               THREADS="1", PI_GPU_LIBRARY=str(emulated[0]), PI_EMULATED_DEVICE_MIB="512", timeout=600)
+    rows = [json.loads(line) for line in (out / "moe.jsonl").read_text().splitlines()]
+    assert [r["row"].split(" (")[0] for r in rows] == ["cpu", "gpu 25% experts", "gpu 50% experts", "gpu 100% experts"]
+    assert all("error" not in r and r["decode_tps"] > 0 for r in rows), rows
+    assert not rows[0]["gpu_used"] and all(r["gpu_used"] for r in rows[1:])
+    placed = [r["experts_on_device"] for r in rows[1:]]
+    assert 0 < placed[0] <= placed[1] <= placed[2] == 2 * 8, placed  # all 16 experts of the 2 layers at the last
+    assert all(r["expert_pairs"] > 0 for r in rows[1:])
+    assert "| gpu 100% experts" in (out / "moe.txt").read_text()
 
 
 def test_gpu_check_speed_on_the_emulated_device(tmp_path):

@@ -187,6 +187,48 @@ def device_costs(header: GGUFHeader, ctx_size: int, n_batch: int = ENGINE_DEFAUL
     return DeviceCosts(shape, attention, refused, neuron, head, gelu, predictor, predictor_row, n_ff)
 
 
+@dataclass(frozen=True)
+class ExpertDeviceCosts:
+    """A mixture's experts on the device (csrc/device/expert_math.h): [L] bytes of one of a layer's experts (its
+    gate, up and down, each part aligned), and the experts' scratch."""
+
+    expert: np.ndarray
+    scratch: float
+
+
+def expert_device_costs(header: GGUFHeader, shape: DeviceShape) -> ExpertDeviceCosts:
+    """The device bytes of a mixture's experts (refused in one line where the device cannot read their type)."""
+    arch = header.get("general.architecture")
+    n_expert, k = header.get(f"{arch}.expert_count"), header.get(f"{arch}.expert_used_count")
+    n_layer = int(header.get(f"{arch}.block_count"))
+    tensors = {t.name: t for t in header.tensors}
+    expert = np.zeros(n_layer, np.int64)
+    n_ff = 0
+    for i in range(n_layer):
+        for part in (names.FFN_GATE_EXPS, names.FFN_UP_EXPS, names.FFN_DOWN_EXPS):
+            t = tensors.get(names.layer_tensor(i, part))
+            if t is None:
+                raise UserError(f"{header.path}: no {names.layer_tensor(i, part)}: not a mixture of experts")
+            if t.type.name not in COMPUTED_TYPES:
+                raise UserError(f"--vram-budget: {t.name} is {t.type.name}, which the device does not read (convert "
+                                "to f32, f16, q8_0 or q4_0)")
+            expert[i] += _aligned(t.n_bytes // n_expert)
+            if part == names.FFN_GATE_EXPS:
+                n_ff = int(np.prod(t.shape)) // (n_expert * shape.n_embd)
+    b, p, e, f = shape.n_batch, shape.n_batch * k, shape.n_embd, n_ff
+    q8 = Q8_0_BLOCK_BYTES / QK
+    scratch = (b * e * 4 + p * e * (4 + q8) + 2 * p * f * 4 + p * f * (4 + q8) + p * e * 4 + b * e * 4
+               + 4 * (3 * p + b + 1))
+    return ExpertDeviceCosts(expert, float(scratch))
+
+
+def expert_room(costs: DeviceCosts, budget: float, with_attention: bool = True) -> float:
+    """What the engine's placement leaves a mixture's device experts at `budget`: the budget less the tier's scratch,
+    the output head and the attention blocks and KV caches placed before them (device_placement.cpp)."""
+    p = place_on_device(costs, budget, np.zeros(len(costs.attention), np.int64), with_attention)
+    return budget - p.scratch - p.head_bytes - p.attention_bytes - p.kv_cache_bytes
+
+
 def place_on_device(costs: DeviceCosts, budget: float, hot_neurons: Sequence[int],
                     with_attention: bool = True) -> DevicePlacement:
     """The engine's placement (device_placement.cpp's place_on_device) for `hot_neurons` per layer."""

@@ -20,6 +20,12 @@ The program. Every slot costs the same bytes, so a layer's options are its slot 
 at its best split; the plan picks one option per layer within the room's slots, minimising the misses: a
 multiple-choice knapsack, solved exactly by HiGHS (scipy.optimize.milp). A layer's cache holds at least one
 token's experts of those it does not pin (the engine reads a step's experts into its cache).
+
+A device (--vram-budget) is chosen first, by the same kind of program: each layer's option is how many of its most
+selected experts (by the trace's first half, as the pins) go to the device, worth the selections they serve and
+costing their device bytes, one option per layer within the bytes the engine's placement leaves for experts
+(device_choice). The device's experts then never reach the cache, as pinned ones: the memory program above runs on
+each layer's other experts (its misses[d + P, C], d the layer's device experts).
 """
 from __future__ import annotations
 
@@ -137,3 +143,54 @@ def solve(options: list[ExpertOptions], capacity: int, time_limit: float = 20.0)
                           np.array([o.pinned[c] for o, c in zip(options, choice)], np.int64),
                           float(sum(o.misses[c] for o, c in zip(options, choice))), time.perf_counter() - start,
                           timed_out)
+
+
+@dataclass
+class DeviceSolution:
+    counts: np.ndarray  # int64 [L]: each layer's experts on the device, its most selected first
+    served: float       # the selections they serve
+    seconds: float
+    timed_out: bool
+
+
+def device_choice(selections: np.ndarray, expert_bytes: np.ndarray, capacity: float,
+                  time_limit: float = 20.0) -> DeviceSolution:
+    """How many of each layer's most selected experts go to the device: the counts serving the most selections
+    (selections: [L, E], each layer's sorted most first) whose bytes (expert_bytes: [L], one of the layer's experts)
+    fit `capacity`; a multiple-choice knapsack (one count per layer), solved exactly by HiGHS, then the room it
+    leaves filled with the next most selected experts while one fits."""
+    import time
+
+    from scipy.optimize import Bounds, milp
+
+    start = time.perf_counter()
+    L, E = selections.shape
+    served = np.concatenate([np.zeros((L, 1)), np.cumsum(selections, axis=1, dtype=np.float64)], axis=1)
+    most = [int(min(E, max(capacity, 0.0) // max(float(b), 1.0))) for b in expert_bytes]  # per layer, alone
+    offsets = np.concatenate([[0], np.cumsum([m + 1 for m in most])]).astype(np.int64)
+    n = int(offsets[-1])
+    rows = Rows()
+    rows.add([(int(at) + d, float(d * expert_bytes[il])) for il, at in enumerate(offsets[:-1])
+              for d in range(most[il] + 1)], -np.inf, float(max(capacity, 0.0)))
+    for at, end in zip(offsets[:-1], offsets[1:]):
+        rows.add([(j, 1.0) for j in range(at, end)], 1.0, 1.0)  # one count per layer
+    value = np.concatenate([served[il, :most[il] + 1] for il in range(L)])
+    scale = max(float(value.max(initial=0.0)), 1.0)
+    res = milp(-value / scale, integrality=np.ones(n), bounds=Bounds(np.zeros(n), np.ones(n)),
+               constraints=rows.constraint(n),
+               options={"mip_rel_gap": 0.0, "time_limit": max(time_limit, 0.5), "disp": False})
+    timed_out = stopped_in_time(res, "device expert")
+    x = np.round(res.x).astype(np.int64)
+    counts = np.array([int(np.argmax(x[at:end])) for at, end in zip(offsets[:-1], offsets[1:])], np.int64)
+    # what the optimum leaves (its experts of no selections are worth nothing to it): the next most selected of all
+    # layers while one fits, so that a room holding every expert gets every expert
+    left = float(max(capacity, 0.0)) - float(np.dot(counts, expert_bytes))
+    while True:
+        fits = [il for il in range(L) if counts[il] < E and expert_bytes[il] <= left]
+        if not fits:
+            break
+        il = max(fits, key=lambda i: (selections[i, counts[i]], -i))
+        left -= float(expert_bytes[il])
+        counts[il] += 1
+    return DeviceSolution(counts, float(sum(served[il, d] for il, d in enumerate(counts))),
+                          time.perf_counter() - start, timed_out)

@@ -1460,11 +1460,8 @@ int32_t expert_upload(pi_device_tier *t, const pi_device_expert *x, int32_t laye
 
 int32_t experts_submit(pi_device_tier *t, const pi_device_experts_job *job, char *err, size_t len) {
     if (!t) return say(err, len, "bad experts job");
-    if (const char *why = device::refuse_experts_job(job, t->desc)) return say(err, len, why);
-    for (int32_t p = 0; p < job->n_pairs; ++p)
-        if (t->experts.empty() || !t->experts[size_t(int64_t(job->layer) * t->desc.n_expert + job->pair_expert[p])].uploaded)
-            return say(err, len, "layer " + std::to_string(job->layer) + "'s expert " + std::to_string(job->pair_expert[p]) +
-                                     " was not uploaded");
+    const std::string why = device::experts_job_refusal(job, t->desc, t->experts);
+    if (!why.empty()) return say(err, len, why);
     if (t->split_pending) return say(err, len, "a split layer was begun and not ended");
     if ((t->pending || t->experts_pending) && cudaStreamSynchronize(t->stream) != cudaSuccess) cudaGetLastError();
     t->pending = t->experts_pending = false;

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "device/attention_math.h"
@@ -62,7 +63,7 @@ inline const char *refuse_expert(const pi_device_expert &x, const pi_device_tier
 }
 
 // Why a job cannot run (its shape, its pairs: tokens and experts in range, each expert's pairs one after the other),
-// or nullptr; whether its experts were uploaded is the library's check.
+// or nullptr; whether its experts were uploaded: experts_job_refusal.
 inline const char *refuse_experts_job(const pi_device_experts_job *j, const pi_device_tier_desc &d) {
     if (!j || j->layer < 0 || j->layer >= d.n_layer || j->n_tok <= 0 || j->n_tok > d.n_batch || j->n_pairs <= 0 ||
         int64_t(j->n_pairs) > int64_t(d.n_batch) * d.n_expert_used || !j->x || !j->y || !j->pair_token ||
@@ -77,6 +78,19 @@ inline const char *refuse_experts_job(const pi_device_experts_job *j, const pi_d
         seen[size_t(e)] = 1;
     }
     return nullptr;
+}
+
+// Why a job cannot run on a library whose experts are `experts` (slot layer * n_expert + e, each with its
+// `uploaded` flag): refuse_experts_job's reason, or the first pair's expert that was not uploaded; "" if it can.
+template <class Experts>
+inline std::string experts_job_refusal(const pi_device_experts_job *j, const pi_device_tier_desc &d, const Experts &experts) {
+    if (const char *why = refuse_experts_job(j, d)) return why;
+    for (int32_t p = 0; p < j->n_pairs; ++p) {
+        const size_t i = size_t(int64_t(j->layer) * d.n_expert + j->pair_expert[p]);
+        if (i >= experts.size() || !experts[i].uploaded)
+            return "layer " + std::to_string(j->layer) + "'s expert " + std::to_string(j->pair_expert[p]) + " was not uploaded";
+    }
+    return "";
 }
 
 // The experts' scratch, allocated with the first expert: the tokens' rows, the pairs' gathered rows (with their

@@ -79,6 +79,22 @@ def tokens_for(src, n=N_TOKENS):
     return random_tokens(n, json.loads((src / "config.json").read_text())["vocab_size"], seed=7)
 
 
+def profiled_copy(family, kind, wtype, tmp_path, capsys):
+    """The family's file copied into tmp_path (a plan is written beside its model) and profiled there into
+    tmp_path / "prof" (its experts' trace): (source dir, the family's own file, the copy)."""
+    import shutil
+
+    src, path, _ = family(kind, wtype)
+    model = tmp_path / path.name
+    shutil.copy(path, model)
+    calib = tmp_path / "calib.txt"
+    calib.write_text("To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer. " * 60)
+    code, _, err = run_cli(capsys, "profile", "-m", model, "--calib", calib, "--tokens", "256", "--seq-len", "64",
+                           "--threads", "2", "-o", tmp_path / "prof")
+    assert code == 0, err
+    return src, path, model
+
+
 @pytest.mark.parametrize("kind", MOE_KINDS)
 def test_converted_file_computes_transformers_model(kind, family):
     src, path, _ = family(kind)

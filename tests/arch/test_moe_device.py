@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from cli_helpers import run_cli
 from engine_helpers import max_rel_err
-from test_moe import family, tokens_for  # noqa: F401 (family: the module's fixture)
+from test_moe import family, profiled_copy, tokens_for  # noqa: F401 (family: the module's fixture)
 from tiny_models import N_EXPERT
 
 import powerinfer_engine as engine
@@ -230,14 +230,7 @@ def test_plan_puts_the_most_selected_experts_on_the_device_and_the_engine_takes_
     from powerinfer_tools.stages.options import DEFAULT_KV_TYPE
     from powerinfer_tools.stages.placement import expert_solver, expert_tiers
 
-    src, path, _ = family("mixtral", "q8_0")
-    model = tmp_path / path.name
-    shutil.copy(path, model)
-    calib = tmp_path / "calib.txt"
-    calib.write_text("To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer. " * 60)
-    code, _, err = run_cli(capsys, "profile", "-m", model, "--calib", calib, "--tokens", "256", "--seq-len", "64",
-                           "--threads", "2", "-o", tmp_path / "prof")
-    assert code == 0, err
+    src, _, model = profiled_copy(family, "mixtral", "q8_0", tmp_path, capsys)
     n_layer, n_ff = shape_of(model)
     dev = expert_tiers.device_room(model, 2**30, 256)
     fixed = 2**30 - dev.room  # what the device holds before the experts: their room grows with the budget

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from cli_helpers import assert_one_line_error, run_cli
 from engine_helpers import engine_prompt_then_decode
-from test_moe import family, tokens_for  # noqa: F401 (family: the module's fixture)
+from test_moe import family, profiled_copy, tokens_for  # noqa: F401 (family: the module's fixture)
 from tiny_models import N_EXPERT
 
 import powerinfer_engine as engine
@@ -210,19 +210,10 @@ def test_plan_places_a_mixtures_experts_and_the_engine_follows(family, tmp_path,
     experts and cache slots the program chose within the engine's room at that budget (no more slots than it), the
     engine opened at the budget follows it with the in-memory bits; the dense plan's options are refused (a device's
     experts: tests/arch/test_moe_device.py)."""
-    import shutil
-
     from powerinfer_tools.formats import tier_plan
     from powerinfer_tools.stages.options import DEFAULT_KV_TYPE
 
-    src, path, _ = family("qwen3-moe", "q8_0")
-    model = tmp_path / path.name
-    shutil.copy(path, model)
-    calib = tmp_path / "calib.txt"
-    calib.write_text("To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer. " * 60)
-    code, _, err = run_cli(capsys, "profile", "-m", model, "--calib", calib, "--tokens", "256", "--seq-len", "64",
-                           "--threads", "2", "-o", tmp_path / "prof")
-    assert code == 0, err
+    src, path, model = profiled_copy(family, "qwen3-moe", "q8_0", tmp_path, capsys)
     kv = {"kv_type": DEFAULT_KV_TYPE}  # as plan opens the engine (and run)
     fixed, slot, n_layer = tier_shape(model, **kv)
     room = n_layer * N_EXPERT // 2

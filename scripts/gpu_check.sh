@@ -272,7 +272,7 @@ moe)
         --act silu --out "$src"
     [ -f "$m" ] || python3 -m powerinfer_tools convert -m "$src" -o "$m" --outtype q4_0 > "$OUT/moe-convert.log" 2>&1 \
         || { tail -20 "$OUT/moe-convert.log"; exit 1; }
-    [ -d "$prof" ] || python3 -m powerinfer_tools profile -m "$m" --calib ../shared/data/wikitext-2-valid.txt \
+    [ -d "$prof" ] || python3 -m powerinfer_tools profile -m "$m" --calib "${PI_DATA:-../shared/data}/wikitext-2-valid.txt" \
         --tokens 256 --seq-len 128 -t "${THREADS:-8}" -o "$prof" > "$OUT/moe-profile.log" 2>&1 \
         || { tail -20 "$OUT/moe-profile.log"; exit 1; }
     echo "model, file and profile: $(( $(date +%s) - t0 )) s" | tee "$OUT/moe.txt"
@@ -286,7 +286,7 @@ sparsify)
     [ -f "$W/silu-$shape/config.json" ] || python3 scripts/synthetic_llama.py model --shape "$shape" --act silu \
         --out "$W/silu-$shape"
     rm -rf "$W/relu"
-    python3 -m powerinfer_tools sparsify -m "$W/silu-$shape" --calib ../shared/data/wikitext-2-valid.txt \
+    python3 -m powerinfer_tools sparsify -m "$W/silu-$shape" --calib "${PI_DATA:-../shared/data}/wikitext-2-valid.txt" \
         -o "$W/relu" --device "${DEVICE:-cuda}" --seq-len 512 --batch 8 --local-tokens 16384 --local-epochs 1 \
         --tokens 65536 --eval-tokens 4096 --shift-budget 0 --checkpoint-minutes 600 > "$OUT/sparsify.log" 2>&1 \
         || { tail -c 3000 "$OUT/sparsify.log"; exit 1; }

@@ -38,10 +38,14 @@ from powerinfer_tools.stages.placement.placement_solver import Rows, stopped_in_
 CHANCE_SIGMAS = 2.0  # a pinned split must beat the all-cache one by this many standard deviations
 
 
+def selection_counts(trace: np.ndarray, n_expert: int) -> np.ndarray:
+    """[L, E] how often each layer's experts are selected in `trace` ([T, L, k])."""
+    return np.stack([np.bincount(trace[:, il].ravel(), minlength=n_expert) for il in range(trace.shape[1])])
+
+
 def hottest_first(trace: np.ndarray, n_expert: int) -> np.ndarray:
     """[L, E] each layer's experts by selections in `trace` ([T, L, k]), most selected first (ties: lower id)."""
-    counts = np.stack([np.bincount(trace[:, il].ravel(), minlength=n_expert) for il in range(trace.shape[1])])
-    return np.argsort(-counts, axis=1, kind="stable")
+    return np.argsort(-selection_counts(trace, n_expert), axis=1, kind="stable")
 
 
 def lru_misses(trace: np.ndarray, order: np.ndarray, n_expert: int, warm: int = 0,

@@ -136,8 +136,7 @@ def device_room(model_path: Path, vram_budget: int, ctx_size: int | None) -> Dev
 
 def selections(trace: np.ndarray, order: np.ndarray, n_expert: int) -> np.ndarray:
     """[L, E] each layer's selections in `trace` ([T, L, k]), in `order`'s order (most selected first)."""
-    counts = np.stack([np.bincount(trace[:, il].ravel(), minlength=n_expert) for il in range(trace.shape[1])])
-    return np.take_along_axis(counts, order, axis=1)
+    return np.take_along_axis(expert_solver.selection_counts(trace, n_expert), order, axis=1)
 
 
 def plan_experts(profile_dir: str | Path, model_path: str | Path, vram_budget_bytes: float, memory_budget_gib: float,
